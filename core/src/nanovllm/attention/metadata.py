@@ -1,0 +1,66 @@
+"""Per-step attention metadata, and the forward context that carries it to the attention layers.
+
+The forward context is module-level state with exactly one writer: the model runner sets it before
+each forward pass and clears it after. Attention layers only read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import attrs
+import torch
+
+
+@attrs.define(frozen=True, slots=True)
+class PhaseMetadata:
+    """The sequences of one phase (prefill chunks or decodes) in a step, as device tensors.
+
+    Sequence ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``; after this step its KV
+    covers positions ``[0, context_lens[s])``, the last ``q_len`` of them being the new tokens.
+    """
+
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
+    context_lens: torch.Tensor  # [num_seqs] int32, history + new tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with -1
+    max_query_len: int
+    max_context_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+    @property
+    def query_lens(self) -> torch.Tensor:
+        return self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]
+
+
+@attrs.define(frozen=True, slots=True)
+class StepMetadata:
+    """One forward pass: decode tokens come first (one per sequence), then the prefill chunks."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64 cache slot of each new token, -1 to skip
+    num_decode_tokens: int
+    decode: PhaseMetadata | None
+    prefill: PhaseMetadata | None
+
+
+_context: StepMetadata | None = None
+
+
+def get_forward_context() -> StepMetadata:
+    if _context is None:
+        raise RuntimeError("attention layers run only inside the model runner's forward pass")
+    return _context
+
+
+@contextmanager
+def forward_context(meta: StepMetadata) -> Iterator[None]:
+    """Set by the model runner (the only writer) around one forward pass."""
+    global _context
+    _context = meta
+    try:
+        yield
+    finally:
+        _context = None

@@ -1,0 +1,103 @@
+"""The ``torch`` attention backend: plain PyTorch on any device, the reference for every faster one.
+
+Every operation pads the batch to ``[num_seqs, max_len]``, gathers keys and values through the block
+table, and runs one masked softmax in float32. Clear rather than fast.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanovllm.attention.backend import AttentionBackend
+from nanovllm.attention.metadata import PhaseMetadata
+
+
+def _pad_index(meta: PhaseMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each query row: its sequence and its index inside that sequence's chunk."""
+    q_lens = meta.query_lens
+    seq = torch.repeat_interleave(torch.arange(meta.num_seqs, device=q_lens.device), q_lens)
+    row = torch.arange(seq.shape[0], device=q_lens.device) - meta.cu_seqlens_q[:-1].long()[seq]
+    return seq, row
+
+
+def _softmax_attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[S, Q, H, D]``, k/v ``[S, K, Hkv, D]``, mask ``[S, Q, K]`` -> out ``[S, Q, H, D]``, lse ``[S, Q, H]``."""
+    s, nq, h, d = q.shape
+    hkv = k.shape[2]
+    qg = q.float().view(s, nq, hkv, h // hkv, d)
+    scores = torch.einsum("sqkgd,stkd->sqkgt", qg, k.float()) * scale
+    scores = scores.masked_fill(~mask[:, :, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    out = torch.einsum("sqkgt,stkd->sqkgd", probs, v.float())
+    return out.reshape(s, nq, h, d), lse.reshape(s, nq, h)
+
+
+def _gather_blocks(cache: torch.Tensor, physical: torch.Tensor) -> torch.Tensor:
+    """``[S, nblocks]`` physical block ids -> ``[S, nblocks * block_size, Hkv, D]``."""
+    s, n = physical.shape
+    gathered = cache[physical.clamp(min=0).long()]
+    return gathered.reshape(s, n * cache.shape[1], *cache.shape[2:])
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        valid = slot_mapping >= 0
+        slots = slot_mapping[valid]
+        flat_k = k_cache.view(-1, *k_cache.shape[2:])
+        flat_v = v_cache.view(-1, *v_cache.shape[2:])
+        flat_k[slots] = key[valid].to(k_cache.dtype)
+        flat_v[slots] = value[valid].to(v_cache.dtype)
+
+    def _over_cache(self, q, k_cache, v_cache, meta, block_indices, kv_lens, scale, causal):
+        """Shared body: queries of each sequence over selected cached blocks, optionally causal."""
+        seq, row = _pad_index(meta)
+        q_pad = q.new_zeros(meta.num_seqs, meta.max_query_len, *q.shape[1:])
+        q_pad[seq, row] = q
+        bs = k_cache.shape[1]
+        physical = torch.gather(meta.block_tables.long(), 1, block_indices.clamp(min=0).long())
+        k = _gather_blocks(k_cache, physical)
+        v = _gather_blocks(v_cache, physical)
+        offsets = torch.arange(bs, device=q.device)
+        key_pos = (block_indices.long()[:, :, None] * bs + offsets).flatten(1)  # [S, K]
+        key_ok = (block_indices[:, :, None] >= 0).expand(-1, -1, bs).flatten(1)
+        key_ok = key_ok & (key_pos < kv_lens.long()[:, None])
+        mask = key_ok[:, None, :].expand(-1, meta.max_query_len, -1)
+        if causal:
+            q_pos = (meta.context_lens - meta.query_lens).long()[:, None] + torch.arange(
+                meta.max_query_len, device=q.device
+            )
+            mask = mask & (key_pos[:, None, :] <= q_pos[:, :, None])
+        out, lse = _softmax_attend(q_pad, k, v, mask, scale)
+        return out[seq, row].to(q.dtype), lse[seq, row]
+
+    def _all_blocks(self, meta: PhaseMetadata) -> torch.Tensor:
+        n = meta.block_tables.shape[1]
+        idx = torch.arange(n, device=meta.block_tables.device, dtype=torch.int32)
+        return torch.where(meta.block_tables >= 0, idx, -1)
+
+    def prefill(self, q, k_cache, v_cache, meta, scale):
+        blocks = self._all_blocks(meta)
+        return self._over_cache(q, k_cache, v_cache, meta, blocks, meta.context_lens, scale, causal=True)[0]
+
+    def decode(self, q, k_cache, v_cache, meta, scale):
+        return self.prefill(q, k_cache, v_cache, meta, scale)
+
+    def attend_blocks(self, q, k_cache, v_cache, meta, block_indices, kv_lens, scale):
+        return self._over_cache(q, k_cache, v_cache, meta, block_indices, kv_lens, scale, causal=False)
+
+    def attend_chunk(self, q, k, v, meta, scale):
+        seq, row = _pad_index(meta)
+        n = meta.max_query_len
+        pads = [t.new_zeros(meta.num_seqs, n, *t.shape[1:]) for t in (q, k, v)]
+        for pad, t in zip(pads, (q, k, v), strict=True):
+            pad[seq, row] = t
+        pos = torch.arange(n, device=q.device)
+        valid = pos[None, :] < meta.query_lens.long()[:, None]  # [S, n]
+        mask = valid[:, None, :] & (pos[None, None, :] <= pos[None, :, None])
+        out, lse = _softmax_attend(*pads, mask, scale)
+        return out[seq, row].to(q.dtype), lse[seq, row]

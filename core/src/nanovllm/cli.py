@@ -1,0 +1,80 @@
+"""The ``nanovllm`` command: ``generate`` and ``plugins``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from nanovllm import LLM, SamplingParams
+
+    options = {"device": args.device, "sparse_policy": args.sparse_policy, "attention_backend": args.attention_backend}
+    if args.max_model_len:
+        options["max_model_len"] = args.max_model_len
+    llm = LLM(args.model, **options)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    chat = args.chat if args.chat is not None else getattr(llm.tokenizer, "chat_template", None) is not None
+    if chat:
+        conversations = [[{"role": "user", "content": p}] for p in args.prompts]
+        outputs = llm.chat(conversations, params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    for prompt, out in zip(args.prompts, outputs, strict=True):
+        if len(args.prompts) > 1:
+            print(f"### {prompt}")
+        print(out.text.strip() if chat else prompt + out.text)
+    return 0
+
+
+def _plugins(args: argparse.Namespace) -> int:
+    from nanovllm.plugins import get_plugins
+
+    plugins = get_plugins().plugins
+    if args.json:
+        print(json.dumps([p.as_dict() for p in plugins], indent=2))
+        return 0
+    for p in plugins:
+        print(f"{p.name:<12} {p.dist} {p.version}  ({p.value})")
+        if p.error:
+            print(f"    FAILED TO LOAD: {p.error}")
+        for entry in p.registered:
+            print(f"    {entry}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanovllm", description="A small, fast LLM inference engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate completions for prompts")
+    gen.add_argument("prompts", nargs="+", help="one or more prompts")
+    gen.add_argument("--model", default=None, help="HF-format model directory (default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="apply the chat template (default: when the tokenizer has one)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--max-model-len", type=int, default=None)
+    gen.add_argument("--sparse-policy", default="full", help="e.g. 'full' or 'quest:topk=8'")
+    gen.add_argument("--attention-backend", default="auto", help="e.g. 'auto', 'torch'")
+    gen.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    gen.set_defaults(func=_generate)
+
+    plug = sub.add_parser("plugins", help="list installed plugins and what they register")
+    plug.add_argument("--json", action="store_true", help="machine-readable output")
+    plug.set_defaults(func=_plugins)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, RuntimeError, FileNotFoundError, ImportError, NotImplementedError) as exc:
+        print(f"nanovllm: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

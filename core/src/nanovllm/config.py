@@ -1,0 +1,68 @@
+"""Engine configuration, with vLLM's names. Values are checked here, at the API boundary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+
+def _positive_int(name: str):
+    def check(_inst, _attr, value) -> None:
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    return check
+
+
+def _one_of(name: str, choices: tuple[str, ...]):
+    def check(_inst, _attr, value) -> None:
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+    return check
+
+
+def _fraction(_inst, _attr, value) -> None:
+    if not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {value!r}")
+
+
+def _selection(_inst, attr, value) -> None:
+    if not isinstance(value, (str, dict)):
+        raise ValueError(f"{attr.name} must be a selection string like 'name:key=value' or a dict, got {value!r}")
+
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@attrs.define(kw_only=True)
+class EngineConfig:
+    """Everything ``LLM(model, **config)`` accepts. ``None`` means: derive it from the model or device."""
+
+    model: str | None = None
+    dtype: str = attrs.field(default="auto", validator=_one_of("dtype", DTYPES))
+    max_model_len: int | None = attrs.field(default=None, validator=_positive_int("max_model_len"))
+    max_num_seqs: int = attrs.field(default=256, validator=_positive_int("max_num_seqs"))
+    max_num_batched_tokens: int = attrs.field(default=8192, validator=_positive_int("max_num_batched_tokens"))
+    gpu_memory_utilization: float = attrs.field(default=0.9, validator=_fraction)
+    kv_cache_memory: int | None = attrs.field(default=None, validator=_positive_int("kv_cache_memory"))
+    block_size: int = attrs.field(default=16, validator=_positive_int("block_size"))
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    enforce_eager: bool = False
+    tensor_parallel_size: int = attrs.field(default=1, validator=_positive_int("tensor_parallel_size"))
+    device: str = attrs.field(default="auto", validator=_one_of("device", ("auto", "cpu", "cuda")))
+    seed: int = 0
+    sparse_policy: str | dict = attrs.field(default="full", validator=_selection)
+    attention_backend: str | dict = attrs.field(default="auto", validator=_selection)
+
+    @classmethod
+    def from_kwargs(cls, model: str | None, kwargs: dict[str, Any]) -> EngineConfig:
+        accepted = [f.name for f in attrs.fields(cls) if f.name != "model"]
+        unknown = sorted(set(kwargs) - set(accepted))
+        if unknown:
+            raise TypeError(
+                f"unknown engine option(s): {', '.join(unknown)}. Accepted: {', '.join(accepted)}"
+            )
+        return cls(model=model, **kwargs)

@@ -1,0 +1,136 @@
+"""Paged KV blocks: allocation, reference counts, and the prefix cache.
+
+A block holds ``block_size`` consecutive tokens of one or more sequences. A full block is named by a
+chained hash: ``xxh64(hash of the previous block, its token ids)``, so equal hashes mean equal
+prefixes. A hit is verified against the stored token ids before it is shared. A block whose last
+user is gone goes to the back of the free queue but keeps its content and hash, so a later request
+with the same prefix can take it back until it is handed out again and overwritten.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import xxhash
+
+from nanovllm.engine.sequence import Sequence
+
+
+def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
+    h = xxhash.xxh64()
+    if prev_hash is not None:
+        h.update(prev_hash.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
+        self.hash_to_block: dict[int, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks ``seq`` needs so that its first ``num_tokens`` tokens have slots."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def _block_hash(self, seq: Sequence, index: int) -> int:
+        """Chained hash of the ``index``-th full block of ``seq`` (cached on the sequence)."""
+        while len(seq.block_hashes) <= index:
+            i = len(seq.block_hashes)
+            prev = seq.block_hashes[i - 1] if i else None
+            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            seq.block_hashes.append(chain_hash(prev, tokens))
+        return seq.block_hashes[index]
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding a prefix of ``seq``; at least one token is always left to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        for i in range(max_blocks):
+            block_id = self.hash_to_block.get(self._block_hash(seq, i))
+            if block_id is None:
+                break
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            if self.blocks[block_id].token_ids != tokens:  # a hash collision, not a hit
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, seq: Sequence, hits: list[int], num_tokens: int) -> bool:
+        reused_free = sum(1 for b in hits if b in self.free_blocks)
+        new = max(0, -(-num_tokens // self.block_size) - len(hits))
+        return new + reused_free <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, hits: list[int], num_tokens: int) -> None:
+        """Admit ``seq``: share the cached prefix ``hits`` and give it slots up to ``num_tokens``."""
+        assert not seq.block_table
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_blocks[block_id]
+            block.ref_count += 1
+        seq.block_table = list(hits)
+        seq.num_committed_blocks = len(hits)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+        assert self.append_slots(seq, num_tokens)
+
+    def append_slots(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow ``seq`` to ``num_tokens`` slots; ``False`` (and no change) if blocks run out."""
+        needed = self.blocks_needed(seq, num_tokens)
+        if needed > self.num_free_blocks:
+            return False
+        for _ in range(needed):
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+            del self.hash_to_block[block.hash]  # its content is about to be overwritten
+        block.hash, block.token_ids, block.ref_count = None, None, 1
+        return block_id
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Publish the blocks that the last step filled, so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        for i in range(seq.num_committed_blocks, full):
+            block = self.blocks[seq.block_table[i]]
+            h = self._block_hash(seq, i)
+            if block.hash is not None or h in self.hash_to_block:  # shared, or cached in another block
+                continue
+            block.hash = h
+            block.token_ids = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            self.hash_to_block[h] = block.block_id
+        seq.num_committed_blocks = max(seq.num_committed_blocks, full)
+
+    def free(self, seq: Sequence) -> None:
+        """Release the blocks of ``seq``; the tail goes to the free queue first so the prefix lasts longer."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block_id] = None
+        seq.block_table = []

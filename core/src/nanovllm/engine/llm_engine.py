@@ -1,0 +1,274 @@
+"""LLMEngine: tokenizer, scheduler and model runner behind ``generate`` and ``chat``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence as SequenceABC
+from pathlib import Path
+from typing import Any
+
+from nanovllm.config import EngineConfig
+from nanovllm.default_model import default_model_dir, is_default_model
+from nanovllm.engine.loader import ModelDirectoryError, read_config_json
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.plugins import get_plugins, load_target
+from nanovllm.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict
+
+
+def resolve_model_path(model: str | None) -> Path:
+    if is_default_model(model):
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ModelDirectoryError(
+            f"model {model!r} is not a directory. nanovllm loads local Hugging Face-format directories "
+            "(no downloads); leave model unset for the built-in SmolLM2-135M-Instruct"
+        )
+    return path
+
+
+class LLMEngine:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.config = config = EngineConfig.from_kwargs(model, kwargs)
+        if config.tensor_parallel_size != 1:
+            raise NotImplementedError(
+                "tensor_parallel_size > 1 is not available yet: the layers are tensor-parallel aware, "
+                "but multi-GPU launch is not built; use tensor_parallel_size=1"
+            )
+        self.model_path = resolve_model_path(config.model)
+        raw = read_config_json(self.model_path)
+        plugins = get_plugins()
+        families = plugins.registry.model_families
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in families), None)
+        if arch is None:
+            raise ModelDirectoryError(
+                f"no installed plugin provides architecture {', '.join(archs) or '(none in config.json)'}. "
+                f"Installed: {', '.join(sorted(families)) or 'none'} (e.g. pip install nanovllm-qwen3)"
+            )
+        from transformers import AutoConfig
+
+        try:
+            self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        except Exception as exc:
+            raise ModelDirectoryError(f"config.json in {str(self.model_path)!r} cannot be read: {exc}") from exc
+        self.max_model_len = self._max_model_len()
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={config.max_num_batched_tokens} is below max_model_len="
+                f"{self.max_model_len}; with enable_chunked_prefill=False a whole prompt must fit one step"
+            )
+        self.tokenizer = self._load_tokenizer()
+        self.vocab_size = self.hf_config.vocab_size
+        self.eos_token_ids = self._eos_token_ids()
+        self.runner = ModelRunner(
+            config, self.hf_config, self.model_path, load_target(families[arch].target), self.max_model_len, plugins
+        )
+        self.scheduler = Scheduler(config, self.runner.num_blocks)
+        self._next_request = 0
+
+    def _max_model_len(self) -> int:
+        limit = getattr(self.hf_config, "max_position_embeddings", None)
+        wanted = self.config.max_model_len
+        if wanted is None:
+            return limit or 4096
+        if limit is not None and wanted > limit:
+            raise ValueError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={limit}")
+        return wanted
+
+    def _load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(self.model_path)
+        except Exception as exc:
+            raise ModelDirectoryError(
+                f"cannot load a tokenizer from {str(self.model_path)!r}: {exc}"
+            ) from exc
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        sources = [getattr(self.tokenizer, "eos_token_id", None), getattr(self.hf_config, "eos_token_id", None)]
+        gen_file = self.model_path / "generation_config.json"
+        if gen_file.is_file():
+            sources.append(json.loads(gen_file.read_text()).get("eos_token_id"))
+        for value in sources:
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, list):
+                ids.update(v for v in value if isinstance(v, int))
+        return ids
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def _tokenize(self, prompt: Prompt, index: int) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"prompt {index}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"prompt {index} is empty; give at least one character or token")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, SequenceABC) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt {index} has token id(s) outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+                )
+            return None, list(prompt)
+        raise TypeError(f"prompt {index} must be a string, a list of token ids or a dict, not {prompt!r:.80}")
+
+    def _check_length(self, token_ids: list[int], index: int) -> None:
+        if not token_ids:
+            raise ValueError(f"prompt {index} is empty; give at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt {index} has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, which "
+                "must leave room for at least one generated token. Shorten the prompt or raise max_model_len"
+            )
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Sequence:
+        params = sampling_params or SamplingParams()
+        text, token_ids = self._tokenize(prompt, 0)
+        self._check_length(token_ids, 0)
+        return self._enqueue(text, token_ids, params)
+
+    def _enqueue(self, text: str | None, token_ids: list[int], params: SamplingParams) -> Sequence:
+        seq = Sequence(token_ids, params, str(self._next_request), text)
+        self._next_request += 1
+        self.scheduler.add(seq)
+        return seq
+
+    # -- stepping -----------------------------------------------------------------------------------
+
+    def step(self) -> list[Sequence]:
+        """Schedule, run the model once, apply the sampled tokens; returns the sequences that finished."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        try:
+            sampled = self.runner.execute(scheduled)
+        except BaseException:
+            self.scheduler.abort_all()  # leave the engine empty and usable
+            raise
+        self.scheduler.advance(scheduled)
+        finished = []
+        for seq, token in sampled:
+            seq.token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.sampling_params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if token in params.stop_token_ids:
+            seq.stop_reason = token
+            return "stop"
+        if params.stop and self._find_stop_string(seq) is not None:
+            return "stop"
+        if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _find_stop_string(self, seq: Sequence) -> int | None:
+        """Index in the completion text where the first stop string begins (sets ``stop_reason``)."""
+        text = self._detokenize(seq.completion_token_ids)
+        hits = [(text.find(s), s) for s in seq.sampling_params.stop if s in text]
+        if not hits:
+            return None
+        index, seq.stop_reason = min(hits)
+        return index
+
+    def _detokenize(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        text = self._detokenize(seq.completion_token_ids)
+        if isinstance(seq.stop_reason, str):
+            text = text[: text.find(seq.stop_reason)]
+        completion = CompletionOutput(0, text, seq.completion_token_ids, seq.finish_reason, seq.stop_reason)
+        return RequestOutput(seq.request_id, seq.prompt_text, seq.token_ids[: seq.num_prompt_tokens],
+                             [completion], seq.num_cached_tokens)
+
+    # -- the offline API ----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate a completion for each prompt; outputs come back in prompt order."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        if not isinstance(prompts, list) or not prompts:
+            raise ValueError("prompts must be a non-empty list of strings, token-id lists or dicts")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        if not all(isinstance(p, SamplingParams) for p in sampling_params):
+            raise TypeError("sampling_params must be SamplingParams or a list of them")
+        # Check every prompt before queueing any, so a bad one leaves the engine untouched.
+        requests = []
+        for i, prompt in enumerate(prompts):
+            text, token_ids = self._tokenize(prompt, i)
+            self._check_length(token_ids, i)
+            requests.append((text, token_ids))
+        seqs = [self._enqueue(t, ids, p) for (t, ids), p in zip(requests, sampling_params, strict=True)]
+        return self._run(seqs, use_tqdm)
+
+    def _run(self, seqs: list[Sequence], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(seqs), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        wanted = {seq.seq_id for seq in seqs}
+        done = 0
+        with bar:
+            while done < len(seqs):
+                if not self.scheduler.has_unfinished():
+                    raise RuntimeError("the scheduler ran dry before every request finished")
+                finished = self.step()
+                n = sum(1 for s in finished if s.seq_id in wanted)
+                done += n
+                bar.update(n)
+        return [self._output(seq) for seq in seqs]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+        if not messages:
+            raise ValueError("messages must be a conversation (list of {'role', 'content'} dicts) or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(f"the tokenizer of {str(self.model_path)!r} has no chat template; use generate()")
+        prompts = []
+        for i, conv in enumerate(conversations):
+            if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
+                raise ValueError(f"conversation {i} must be a non-empty list of {{'role', 'content'}} dicts")
+            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        return outputs

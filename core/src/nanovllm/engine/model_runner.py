@@ -1,0 +1,253 @@
+"""ModelRunner: builds the model from its family plugin, loads weights, sizes and owns the paged KV
+cache, binds the attention backend and the sparse policy, and runs one step of the scheduler."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, forward_context
+from nanovllm.config import EngineConfig
+from nanovllm.engine.loader import load_weights
+from nanovllm.engine.sequence import Sequence
+from nanovllm.hookspecs import bind_policy_hooks, make_policy_manager
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.sampler import Sampler
+from nanovllm.plugins import PluginSet, load_target
+from nanovllm.policies.full import FullAttentionPolicy
+from nanovllm.selection import resolve_attention_backend, resolve_sparse_policy
+
+CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30
+AUTO_BACKENDS = ("triton", "torch")  # preference order for attention_backend="auto"
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but PyTorch sees no CUDA device; use device='cpu'")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cpu":
+        return torch.float32
+    model_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(model_dtype, str):
+        model_dtype = getattr(torch, model_dtype, None)
+    return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config: Any,
+        model_path: Path,
+        model_cls: type,
+        max_model_len: int,
+        plugins: PluginSet,
+    ) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        torch.manual_seed(config.seed)
+
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = model_cls(hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        load_weights(self.model, model_path)
+        self.model.eval()
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        first = self.attention_layers[0]
+        self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
+        self.sampler = Sampler()
+
+        self.backend = self._make_backend(plugins)
+        self.policy_manager = make_policy_manager()
+        self.prefill_policy, self.decode_policy = self._make_policies(plugins)
+        self.num_blocks = self._num_kv_blocks()
+        self.kv_cache = torch.empty(
+            len(self.attention_layers), 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        prefill_fn = bind_policy_hooks(self.policy_manager, self.prefill_policy)["compute_chunked_prefill"]
+        decode_fn = bind_policy_hooks(self.policy_manager, self.decode_policy)["compute_chunked_decode"]
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+            layer.bind(self.backend, prefill_fn, decode_fn)
+        for policy in {id(p): p for p in (self.prefill_policy, self.decode_policy)}.values():
+            policy.initialize(
+                len(self.attention_layers), self.num_kv_heads, self.head_dim, self.num_blocks,
+                self.block_size, self.dtype, self.device,
+            )
+
+    # -- set-up -----------------------------------------------------------------------------------
+
+    def _make_backend(self, plugins: PluginSet):
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        spec = self.config.attention_backend
+        if spec == "auto" or spec == {"name": "auto"}:
+            table = plugins.registry.attention_backends
+            for name in AUTO_BACKENDS:
+                if name in table and table[name].supports(self.device.type, dtype_name, self.head_dim) is None:
+                    spec = name
+                    break
+        info, backend_config = resolve_attention_backend(spec, plugins)
+        reason = info.supports(self.device.type, dtype_name, self.head_dim)
+        if reason is not None:
+            raise ValueError(f"attention backend {info.name!r} cannot run this model: {reason}")
+        return load_target(info.target)(backend_config)
+
+    def _make_policies(self, plugins: PluginSet):
+        policy_cls, policy_config = resolve_sparse_policy(self.config.sparse_policy, plugins)
+        policy = policy_cls(policy_config)
+        full = None
+        if not (policy.supports_prefill and policy.supports_decode):
+            full = FullAttentionPolicy()  # the phase the policy does not cover runs dense
+        self.policy_manager.register(policy)
+        if full is not None:
+            self.policy_manager.register(full)
+        return (policy if policy.supports_prefill else full), (policy if policy.supports_decode else full)
+
+    def _kv_bytes_per_block(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * len(self.attention_layers) * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def _num_kv_blocks(self) -> int:
+        per_block = self._kv_bytes_per_block()
+        if self.config.kv_cache_memory is not None:
+            budget = self.config.kv_cache_memory
+        elif self.device.type == "cpu":
+            budget = CPU_DEFAULT_KV_CACHE_MEMORY
+        else:
+            budget = self._profile_free_cuda_memory()
+        num_blocks = int(budget // per_block)
+        if num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache budget ({budget / 2**20:.0f} MiB) holds {num_blocks * self.block_size} tokens, "
+                f"fewer than max_model_len={self.max_model_len}; raise "
+                f"{'kv_cache_memory' if self.device.type == 'cpu' else 'gpu_memory_utilization'} "
+                "or lower max_model_len"
+            )
+        return num_blocks
+
+    @torch.inference_mode()
+    def _profile_free_cuda_memory(self) -> int:
+        """Run the largest step once without a cache; what remains under the utilisation cap is for KV."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        num_tokens = min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.max_model_len)
+        lens = [self.max_model_len] * (num_tokens // self.max_model_len)
+        if num_tokens % self.max_model_len:
+            lens.append(num_tokens % self.max_model_len)
+        cu = torch.tensor(np.cumsum([0] + lens), dtype=torch.int32, device=self.device)
+        lens_t = torch.tensor(lens, dtype=torch.int32, device=self.device)
+        meta = StepMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
+            num_decode_tokens=0,
+            decode=None,
+            prefill=PhaseMetadata(cu, lens_t, torch.empty(len(lens), 0, dtype=torch.int32, device=self.device),
+                                  max(lens), max(lens)),
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        with forward_context(meta):
+            hidden = self.model(ids, ids.clone())
+            self.model.compute_logits(hidden[cu[1:].long() - 1])
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        peak, current = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+        return int(total * self.config.gpu_memory_utilization - used - (peak - current))
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def _phase_metadata(self, seqs: list[Sequence]) -> PhaseMetadata | None:
+        if not seqs:
+            return None
+        q_lens = [s.num_scheduled_tokens for s in seqs]
+        ctx_lens = [s.num_computed_tokens + s.num_scheduled_tokens for s in seqs]
+        width = max(len(s.block_table) for s in seqs)
+        tables = np.full((len(seqs), width), -1, dtype=np.int32)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = s.block_table
+        dev = self.device
+        return PhaseMetadata(
+            cu_seqlens_q=torch.tensor(np.cumsum([0] + q_lens), dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            max_query_len=max(q_lens),
+            max_context_len=max(ctx_lens),
+        )
+
+    def prepare(self, seqs: list[Sequence]):
+        """Inputs of one step (decodes first, then prefill chunks), and the sequences that sample with
+        the hidden-state rows they sample from."""
+        decodes = [s for s in seqs if s.is_decode]
+        prefills = [s for s in seqs if not s.is_decode]
+        ids, positions, slots, sample_rows, sampling = [], [], [], [], []
+        row = 0
+        for s in decodes + prefills:
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens
+            pos = np.arange(start, end)
+            table = np.asarray(s.block_table, dtype=np.int64)
+            ids.extend(s.token_ids[start:end])
+            positions.append(pos)
+            slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            row += end - start
+            if s.samples_this_step:
+                sample_rows.append(row - 1)
+                sampling.append(s)
+        dev = self.device
+        meta = StepMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            num_decode_tokens=len(decodes),
+            decode=self._phase_metadata(decodes),
+            prefill=self._phase_metadata(prefills),
+        )
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.from_numpy(np.concatenate(positions)).to(dev),
+            meta,
+            torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            sampling,
+        )
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """Run one step; returns ``(sequence, sampled token)`` for each sequence that samples."""
+        input_ids, positions, meta, sample_rows, sampling = self.prepare(seqs)
+        with forward_context(meta):
+            hidden = self.model(input_ids, positions)
+        if not sampling:
+            return []
+        logits = self.model.compute_logits(hidden[sample_rows])
+        tokens = self.sampler(logits, *self._sampling_tensors(sampling)).tolist()
+        return list(zip(sampling, tokens, strict=True))
+
+    def _sampling_tensors(self, seqs: list[Sequence]):
+        dev = self.device
+        params = [s.sampling_params for s in seqs]
+        temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        top_ks = top_ps = None
+        if any(p.top_k > 0 for p in params):
+            top_ks = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
+        if any(p.top_p < 1 for p in params):
+            top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        generators = []
+        for s in seqs:
+            if s.sampling_params.seed is not None and s.generator is None:
+                s.generator = torch.Generator(device=dev).manual_seed(s.sampling_params.seed)
+            generators.append(s.generator)
+        return temperatures, top_ks, top_ps, generators

@@ -1,0 +1,105 @@
+"""Continuous batching under a per-step token budget (vLLM v1 style).
+
+Every step hands each scheduled sequence a number of tokens to compute: one for a decode, a chunk
+for a prompt. Running sequences go first, in arrival order, so decodes and prefill chunks share a
+step; then waiting sequences are admitted while budget, ``max_num_seqs`` and free blocks allow.
+When blocks run out, the most recently admitted running sequence is preempted: its blocks are
+freed and it goes back to the front of the queue to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from nanovllm.config import EngineConfig
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[Sequence]:
+        """Pick this step's sequences and set ``num_scheduled_tokens`` on each."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[Sequence] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.append_slots(seq, seq.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                seq.num_scheduled_tokens = num_new
+                scheduled.append(seq)
+                budget -= num_new
+                i += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            hits = self.block_manager.find_cached_prefix(seq)
+            remaining = seq.num_tokens - len(hits) * self.block_manager.block_size
+            num_new = min(remaining, budget)
+            if num_new < remaining and not self.enable_chunked_prefill:
+                break
+            if not self.block_manager.can_allocate(seq, hits, seq.num_tokens - remaining + num_new):
+                if not self.running:
+                    raise RuntimeError(
+                        f"the KV cache ({self.block_manager.num_free_blocks} free blocks of "
+                        f"{self.block_manager.block_size} tokens) cannot hold one sequence of "
+                        f"{seq.num_tokens} tokens; raise gpu_memory_utilization / kv_cache_memory "
+                        "or lower max_model_len"
+                    )
+                break
+            self.block_manager.allocate(seq, hits, seq.num_tokens - remaining + num_new)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.num_scheduled_tokens = num_new
+            self.running.append(seq)
+            scheduled.append(seq)
+            budget -= num_new
+        return scheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def advance(self, scheduled: list[Sequence]) -> None:
+        """Account for a finished step: the scheduled tokens are now in the cache."""
+        for seq in scheduled:
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.commit_full_blocks(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+        self.running.remove(seq)
+
+    def abort_all(self) -> None:
+        """Drop every request (after an error in a step), returning all blocks."""
+        for seq in list(self.running):
+            self.finish(seq, "abort")
+        self.waiting.clear()

@@ -1,0 +1,76 @@
+"""One request's tokens and progress."""
+
+from __future__ import annotations
+
+import enum
+from itertools import count
+
+from nanovllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Sequence:
+    _ids = count()
+
+    def __init__(
+        self, token_ids: list[int], sampling_params: SamplingParams, request_id: str = "", prompt_text: str | None = None
+    ) -> None:
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id
+        self.prompt_text = prompt_text
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.sampling_params = sampling_params
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks, in order
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # of those, how many came from the prefix cache at admission
+        self.num_scheduled_tokens = 0  # tokens to compute in the current step
+        self.num_committed_blocks = 0  # leading full blocks already offered to the prefix cache
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.generator = None  # torch.Generator of a seeded request, made by the runner
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def samples_this_step(self) -> bool:
+        """The scheduled tokens reach the end of the sequence, so a new token is sampled."""
+        return self.num_computed_tokens + self.num_scheduled_tokens == self.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """One new generated token to process (not a prompt chunk, nor a recompute after preemption)."""
+        return self.num_scheduled_tokens == 1 and self.num_completion_tokens > 0 and self.samples_this_step
+
+    def reset_for_recompute(self) -> None:
+        """After preemption: drop the KV, keep the tokens; the whole sequence is prefilled again."""
+        self.status = SequenceStatus.WAITING
+        self.block_table = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_scheduled_tokens = 0
+        self.num_committed_blocks = 0

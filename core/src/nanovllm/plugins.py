@@ -1,0 +1,265 @@
+"""Plugin discovery: entry points in group ``nanovllm``, loaded in a deterministic order, each in isolation.
+
+The process-wide :class:`PluginSet` (``get_plugins()``) is the one piece of global state the core
+keeps besides the per-step forward context; it is built once, idempotently, in every process that
+needs it. Nothing here imports torch: targets are ``"module:Name"`` strings resolved on selection.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import os
+import threading
+import traceback
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+import pluggy
+
+from nanovllm.hookspecs import ENTRY_POINT_GROUP, PROJECT_NAME, RegistrationSpec
+
+ALLOW_ENV = "NANOVLLM_PLUGINS"
+CORE_DIST = "nanovllm"
+
+
+class PluginError(RuntimeError):
+    """A plugin could not be loaded, is ambiguous, or is not installed."""
+
+
+def load_target(target: str) -> Any:
+    """Import ``"package.module:Name"`` and return the named object."""
+    module_name, _, attr = target.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in filter(None, attr.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+@attrs.define(frozen=True)
+class ModelFamily:
+    architecture: str
+    target: str
+    dist: str
+
+
+@attrs.define(frozen=True)
+class AttentionBackendInfo:
+    name: str
+    target: str
+    dist: str
+    devices: tuple[str, ...] | None = None
+    dtypes: tuple[str, ...] | None = None
+    head_sizes: tuple[int, ...] | None = None
+    config: str | None = None
+
+    def supports(self, device: str, dtype: str, head_size: int) -> str | None:
+        """``None`` when the backend supports the combination, else the reason it does not."""
+        for what, value, allowed in (
+            ("device", device, self.devices),
+            ("dtype", dtype, self.dtypes),
+            ("head size", head_size, self.head_sizes),
+        ):
+            if allowed is not None and value not in allowed:
+                return f"{what} {value} is not among {', '.join(map(str, allowed))}"
+        return None
+
+
+@attrs.define(frozen=True)
+class SparsePolicyInfo:
+    name: str
+    target: str
+    dist: str
+    config: str | None = None
+
+
+@attrs.define
+class PluginInfo:
+    """One entry point of group ``nanovllm``: what it registered, or why it failed to load."""
+
+    name: str
+    dist: str
+    version: str
+    value: str
+    registered: list[str] = attrs.Factory(list)
+    error: str | None = None
+    exception: BaseException | None = attrs.field(default=None, repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "distribution": self.dist,
+            "version": self.version,
+            "module": self.value,
+            "registers": list(self.registered),
+            "error": self.error,
+        }
+
+
+class Registry:
+    """What the registration hooks fill in. One per :class:`PluginSet`."""
+
+    def __init__(self) -> None:
+        self.model_families: dict[str, ModelFamily] = {}
+        self.attention_backends: dict[str, AttentionBackendInfo] = {}
+        self.sparse_policies: dict[str, SparsePolicyInfo] = {}
+        self._dist = CORE_DIST
+        self._added: list[tuple[dict, str]] = []
+
+    def add_model_family(self, architecture: str, target: str) -> None:
+        self._add(self.model_families, architecture, ModelFamily(architecture, target, self._dist), "model")
+
+    def add_attention_backend(
+        self,
+        name: str,
+        target: str,
+        *,
+        devices: Iterable[str] | None = None,
+        dtypes: Iterable[str] | None = None,
+        head_sizes: Iterable[int] | None = None,
+        config: str | None = None,
+    ) -> None:
+        info = AttentionBackendInfo(
+            name.lower(),
+            target,
+            self._dist,
+            tuple(devices) if devices is not None else None,
+            tuple(dtypes) if dtypes is not None else None,
+            tuple(head_sizes) if head_sizes is not None else None,
+            config,
+        )
+        self._add(self.attention_backends, name.lower(), info, "attention backend")
+
+    def add_sparse_policy(self, name: str, target: str, *, config: str | None = None) -> None:
+        info = SparsePolicyInfo(name.lower(), target, self._dist, config)
+        self._add(self.sparse_policies, name.lower(), info, "sparse policy")
+
+    def _add(self, table: dict, key: str, entry: Any, kind: str) -> None:
+        if key in table:
+            raise PluginError(
+                f"{kind} {key!r} is registered twice: by distribution {table[key].dist!r} and by "
+                f"{entry.dist!r}; uninstall one of them (pip uninstall ...)"
+            )
+        table[key] = entry
+        self._added.append((table, key))
+
+    def _begin(self, dist: str) -> None:
+        self._dist, self._added = dist, []
+
+    def _rollback(self) -> None:
+        for table, key in self._added:
+            table.pop(key, None)
+        self._added = []
+
+    def _added_names(self) -> list[str]:
+        kinds = {
+            id(self.model_families): "model",
+            id(self.attention_backends): "attention_backend",
+            id(self.sparse_policies): "sparse_policy",
+        }
+        return [f"{kinds[id(table)]}:{key}" for table, key in self._added]
+
+
+@attrs.define
+class PluginSet:
+    """The loaded plugins of this process and what they registered."""
+
+    registry: Registry
+    plugins: list[PluginInfo]
+    manager: pluggy.PluginManager
+
+    def failed(self) -> list[PluginInfo]:
+        return [p for p in self.plugins if p.error is not None]
+
+    def failure_for(self, name: str) -> PluginInfo | None:
+        """A plugin that failed to load and would have provided ``name`` (matched by entry point or dist)."""
+        name = name.lower()
+        for p in self.failed():
+            if name in (p.name.lower(), p.dist.lower(), p.dist.lower().removeprefix("nanovllm-")):
+                return p
+        return None
+
+
+def _entry_points() -> list[md.EntryPoint]:
+    eps = list(md.entry_points(group=ENTRY_POINT_GROUP))
+
+    def key(ep: md.EntryPoint) -> tuple:
+        dist = ep.dist.name if ep.dist is not None else ""
+        return (dist != CORE_DIST, dist.lower(), ep.name)
+
+    unique: dict[tuple, md.EntryPoint] = {}
+    for ep in sorted(eps, key=key):  # an editable install can list a distribution twice
+        unique.setdefault(key(ep) + (ep.value,), ep)
+    return list(unique.values())
+
+
+def _allowed(env_value: str | None) -> set[str] | None:
+    if env_value is None or not env_value.strip():
+        return None
+    return {part.strip().lower() for part in env_value.split(",") if part.strip()}
+
+
+def discover(allow: str | None = None) -> PluginSet:
+    """Load every ``nanovllm`` entry point (or the allow-listed ones) and run its registration hooks.
+
+    ``allow`` (default: the ``NANOVLLM_PLUGINS`` environment variable) is a comma-separated list of
+    entry-point or distribution names; the core's built-in defaults always load.
+    """
+    allowed = _allowed(os.environ.get(ALLOW_ENV) if allow is None else allow)
+    manager = pluggy.PluginManager(PROJECT_NAME)
+    manager.add_hookspecs(RegistrationSpec)
+    registry = Registry()
+    plugins: list[PluginInfo] = []
+    hook_names = [n for n in vars(RegistrationSpec) if n.startswith("register_")]
+
+    for ep in _entry_points():
+        dist = ep.dist.name if ep.dist is not None else "?"
+        version = ep.dist.version if ep.dist is not None else "?"
+        if allowed is not None and dist != CORE_DIST and not allowed & {ep.name.lower(), dist.lower()}:
+            continue
+        info = PluginInfo(ep.name, dist, version, ep.value)
+        plugins.append(info)
+        try:
+            module = ep.load()
+            manager.register(module, name=f"{dist}:{ep.name}")
+        except Exception as exc:  # a broken plugin must not take the others down
+            info.error = "".join(traceback.format_exception_only(exc)).strip()
+            info.exception = exc
+            continue
+        registry._begin(dist)
+        try:
+            for hook_name in hook_names:
+                for impl in getattr(manager.hook, hook_name).get_hookimpls():
+                    if impl.plugin is module:
+                        impl.function(registry=registry)
+        except PluginError:
+            raise
+        except Exception as exc:
+            registry._rollback()
+            info.error = "".join(traceback.format_exception_only(exc)).strip()
+            info.exception = exc
+            continue
+        info.registered = registry._added_names()
+    return PluginSet(registry, plugins, manager)
+
+
+_plugins: PluginSet | None = None
+_lock = threading.Lock()
+
+
+def get_plugins() -> PluginSet:
+    """The process-wide plugin set, discovered on first use."""
+    global _plugins
+    with _lock:
+        if _plugins is None:
+            _plugins = discover()
+        return _plugins
+
+
+def reload_plugins(allow: str | None = None) -> PluginSet:
+    """Discover again (after installing a plugin, or with another allow-list)."""
+    global _plugins
+    with _lock:
+        _plugins = discover(allow)
+        return _plugins

@@ -1,0 +1,1 @@
+"""Sparse policies that ship with the core."""

@@ -1,0 +1,26 @@
+"""The built-in ``full`` policy: every block, through the backend's dense kernels."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from nanovllm.policy import PolicyContext, SparsePolicy
+
+
+@attrs.define(frozen=True)
+class FullConfig:
+    """``full`` takes no options."""
+
+
+class FullAttentionPolicy(SparsePolicy):
+    requires_block_selection = False
+
+    def select_blocks(self, ctx: PolicyContext) -> torch.Tensor:
+        return ctx.all_history_blocks()
+
+    def compute_chunked_prefill(self, q, k, v, ctx: PolicyContext) -> torch.Tensor:
+        return ctx.backend.prefill(q, ctx.k_cache, ctx.v_cache, ctx.meta, ctx.scale)
+
+    def compute_chunked_decode(self, q, ctx: PolicyContext) -> torch.Tensor:
+        return ctx.backend.decode(q, ctx.k_cache, ctx.v_cache, ctx.meta, ctx.scale)

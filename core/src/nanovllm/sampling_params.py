@@ -1,0 +1,69 @@
+"""Sampling parameters of one request, with vLLM's names and defaults."""
+
+from __future__ import annotations
+
+import attrs
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _as_stop_list(value: str | list[str] | None) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not all(isinstance(s, str) and s for s in value):
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {value!r}")
+    return list(value)
+
+
+def _as_id_list(value: list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {value!r}")
+    return list(value)
+
+
+@attrs.define(kw_only=True)
+class SamplingParams:
+    """How to sample one completion. ``temperature=0`` is greedy. Invalid values raise ``ValueError``."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    stop: list[str] = attrs.field(default=None, converter=_as_stop_list)
+    stop_token_ids: list[int] = attrs.field(default=None, converter=_as_id_list)
+    seed: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        num = (int, float)
+        _check(
+            isinstance(self.temperature, num) and self.temperature >= 0,
+            f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}",
+        )
+        _check(
+            isinstance(self.top_p, num) and 0 < self.top_p <= 1,
+            f"top_p must be in (0, 1], got {self.top_p!r}",
+        )
+        _check(
+            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+            f"top_k must be -1 (disabled) or an int >= 1, got {self.top_k!r}",
+        )
+        _check(
+            isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 1,
+            f"max_tokens must be an int >= 1, got {self.max_tokens!r}",
+        )
+        _check(
+            self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
+            f"seed must be an int or None, got {self.seed!r}",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

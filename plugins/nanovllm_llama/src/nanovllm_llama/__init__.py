@@ -1,0 +1,1 @@
+"""nanovllm model-family plugin for Llama (LlamaForCausalLM, including llama3 RoPE scaling; SmolLM2)."""
