@@ -1,0 +1,33 @@
+"""Shared fixtures for every test directory (core, plugins, cross-package)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """``tiny_model("Qwen3ForCausalLM", **overrides)`` -> path of a tiny random HF model (cached per session)."""
+    from nanovllm.testing import tiny_model_dir
+
+    made: dict[tuple, str] = {}
+
+    def make(architecture: str = "LlamaForCausalLM", **overrides) -> str:
+        key = (architecture, tuple(sorted(overrides.items(), key=lambda kv: kv[0])).__repr__())
+        if key not in made:
+            path = tmp_path_factory.mktemp(architecture)
+            made[key] = str(tiny_model_dir(path, architecture, **overrides))
+        return made[key]
+
+    return make

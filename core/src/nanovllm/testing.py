@@ -1,0 +1,57 @@
+"""Helpers for tests of the engine and of plugins: tiny random Hugging Face models on disk.
+
+``tiny_model_dir(path, "Qwen3ForCausalLM")`` writes config.json, model.safetensors (random weights
+from transformers' own initialisation, seeded) and a word-level tokenizer whose vocabulary is
+``tok0 ... tokN``, so text and token-id prompts both work without any download.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    ),
+    "Qwen3ForCausalLM": dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    ),
+}
+
+
+def _tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"tok{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="tok0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="tok0", bos_token="tok1", eos_token="tok2", pad_token="tok0"
+    )
+
+
+def tiny_model_dir(path: str | Path, architecture: str = "LlamaForCausalLM", seed: int = 0, **overrides: Any) -> Path:
+    """Write a tiny random model of ``architecture`` to ``path`` and return the path."""
+    import torch
+    import transformers
+
+    path = Path(path)
+    settings = {**TINY_CONFIGS[architecture], **overrides}
+    model_type = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}[architecture]
+    config = transformers.AutoConfig.for_model(model_type, **settings)
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).float().eval()
+    with torch.no_grad():  # transformers initialises norms to ones; perturb them so parity checks see them
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    _tokenizer(config.vocab_size).save_pretrained(path)
+    return path
