@@ -32,9 +32,19 @@ class AttentionBackend:
         raise NotImplementedError
 
     def prefill(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PhaseMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: PhaseMetadata,
+        scale: float,
     ) -> torch.Tensor:
-        """Causal attention of each chunk over its whole cached context (prefix hits and earlier chunks)."""
+        """Causal attention of each chunk over its whole cached context (prefix hits and earlier chunks).
+
+        ``k``/``v`` are the chunk's new keys/values, already in the cache; a backend may read them
+        directly when no sequence has a cached prefix."""
         raise NotImplementedError
 
     def decode(

@@ -80,12 +80,13 @@ class TorchBackend(AttentionBackend):
         idx = torch.arange(n, device=meta.block_tables.device, dtype=torch.int32)
         return torch.where(meta.block_tables >= 0, idx, -1)
 
-    def prefill(self, q, k_cache, v_cache, meta, scale):
+    def prefill(self, q, k, v, k_cache, v_cache, meta, scale):
         blocks = self._all_blocks(meta)
         return self._over_cache(q, k_cache, v_cache, meta, blocks, meta.context_lens, scale, causal=True)[0]
 
     def decode(self, q, k_cache, v_cache, meta, scale):
-        return self.prefill(q, k_cache, v_cache, meta, scale)
+        blocks = self._all_blocks(meta)
+        return self._over_cache(q, k_cache, v_cache, meta, blocks, meta.context_lens, scale, causal=True)[0]
 
     def attend_blocks(self, q, k_cache, v_cache, meta, block_indices, kv_lens, scale):
         return self._over_cache(q, k_cache, v_cache, meta, block_indices, kv_lens, scale, causal=False)

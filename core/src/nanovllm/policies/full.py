@@ -20,7 +20,7 @@ class FullAttentionPolicy(SparsePolicy):
         return ctx.all_history_blocks()
 
     def compute_chunked_prefill(self, q, k, v, ctx: PolicyContext) -> torch.Tensor:
-        return ctx.backend.prefill(q, ctx.k_cache, ctx.v_cache, ctx.meta, ctx.scale)
+        return ctx.backend.prefill(q, k, v, ctx.k_cache, ctx.v_cache, ctx.meta, ctx.scale)
 
     def compute_chunked_decode(self, q, ctx: PolicyContext) -> torch.Tensor:
         return ctx.backend.decode(q, ctx.k_cache, ctx.v_cache, ctx.meta, ctx.scale)
