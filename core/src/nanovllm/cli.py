@@ -10,11 +10,11 @@ import sys
 def _generate(args: argparse.Namespace) -> int:
     from nanovllm import LLM, SamplingParams
 
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)  # checked before loading
     options = {"device": args.device, "sparse_policy": args.sparse_policy, "attention_backend": args.attention_backend}
-    if args.max_model_len:
+    if args.max_model_len is not None:
         options["max_model_len"] = args.max_model_len
     llm = LLM(args.model, **options)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     chat = args.chat if args.chat is not None else getattr(llm.tokenizer, "chat_template", None) is not None
     if chat:
         conversations = [[{"role": "user", "content": p}] for p in args.prompts]
@@ -64,7 +64,23 @@ def build_parser() -> argparse.ArgumentParser:
     plug = sub.add_parser("plugins", help="list installed plugins and what they register")
     plug.add_argument("--json", action="store_true", help="machine-readable output")
     plug.set_defaults(func=_plugins)
+    bench = sub.add_parser("bench", help="benchmarks on shape presets with random weights (GPU)")
+    bench.add_argument("benchmark", choices=("throughput", "latency", "all"))
+    bench.add_argument("--presets", nargs="+", default=["qwen3-0.6b"],
+                       help="qwen3-0.6b, qwen3-8b, llama-3.1-8b")
+    bench.add_argument("--hf-num-seqs", type=int, default=0,
+                       help="also run the first N throughput prompts through transformers (0: skip)")
+    bench.add_argument("--attention-backend", default=None)
+    bench.add_argument("--out", default="benchmarks/results")
+    bench.add_argument("--name", default="bench")
+    bench.set_defaults(func=_bench)
     return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from nanovllm.bench import main as bench_main
+
+    return bench_main(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, TypeError, RuntimeError, FileNotFoundError, ImportError, NotImplementedError) as exc:
-        print(f"nanovllm: error: {exc}", file=sys.stderr)
+        message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        print(f"nanovllm: error: {message or type(exc).__name__}", file=sys.stderr)
         return 2
 
 

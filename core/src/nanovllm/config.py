@@ -54,6 +54,8 @@ class EngineConfig:
     tensor_parallel_size: int = attrs.field(default=1, validator=_positive_int("tensor_parallel_size"))
     device: str = attrs.field(default="auto", validator=_one_of("device", ("auto", "cpu", "cuda")))
     seed: int = 0
+    load_format: str = attrs.field(default="auto", validator=_one_of("load_format", ("auto", "dummy")))
+    skip_tokenizer_init: bool = False
     sparse_policy: str | dict = attrs.field(default="full", validator=_selection)
     attention_backend: str | dict = attrs.field(default="auto", validator=_selection)
 

@@ -16,6 +16,8 @@ class AttentionBackend:
     """
 
     name = "base"
+    # Decode launches no host synchronisation and no data-dependent shapes, so it can be captured.
+    supports_cuda_graphs = False
 
     def __init__(self, config: object | None = None) -> None:
         self.config = config

@@ -15,7 +15,9 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.plugins import get_plugins, load_target
+from nanovllm.presets import is_preset, preset_dir
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.selection import SelectionError, parse_selection, resolve_attention_backend, resolve_sparse_policy
 
 Prompt = str | list[int] | dict
 
@@ -23,6 +25,8 @@ Prompt = str | list[int] | dict
 def resolve_model_path(model: str | None) -> Path:
     if is_default_model(model):
         return default_model_dir()
+    if is_preset(model):
+        return preset_dir(model)
     path = Path(model).expanduser()
     if not path.is_dir():
         raise ModelDirectoryError(
@@ -32,17 +36,31 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
+def _check_selections(config: EngineConfig, plugins) -> None:
+    """Resolve ``sparse_policy=`` and ``attention_backend=`` once, so a bad name or option fails fast."""
+    resolve_sparse_policy(config.sparse_policy, plugins)
+    backend = parse_selection(config.attention_backend, "attention_backend")
+    if backend.name == "auto":
+        if backend.options:
+            raise SelectionError(f"attention_backend='auto' takes no options, got: {', '.join(backend.options)}")
+    else:
+        resolve_attention_backend(backend, plugins)
+
+
 class LLMEngine:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        if is_preset(model):  # a published shape with random weights and no tokenizer
+            kwargs = {"load_format": "dummy", "skip_tokenizer_init": True, **kwargs}
         self.config = config = EngineConfig.from_kwargs(model, kwargs)
         if config.tensor_parallel_size != 1:
             raise NotImplementedError(
                 "tensor_parallel_size > 1 is not available yet: the layers are tensor-parallel aware, "
                 "but multi-GPU launch is not built; use tensor_parallel_size=1"
             )
+        plugins = get_plugins()
+        _check_selections(config, plugins)  # before any file is read or weight loaded
         self.model_path = resolve_model_path(config.model)
         raw = read_config_json(self.model_path)
-        plugins = get_plugins()
         families = plugins.registry.model_families
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in families), None)
@@ -84,11 +102,14 @@ class LLMEngine:
     def _load_tokenizer(self):
         from transformers import AutoTokenizer
 
+        if self.config.skip_tokenizer_init:
+            return None
         try:
             return AutoTokenizer.from_pretrained(self.model_path)
         except Exception as exc:
             raise ModelDirectoryError(
-                f"cannot load a tokenizer from {str(self.model_path)!r}: {exc}"
+                f"cannot load a tokenizer from {str(self.model_path)!r}: {exc}; "
+                "pass skip_tokenizer_init=True to run on token ids only"
             ) from exc
 
     def _eos_token_ids(self) -> set[int]:
@@ -115,6 +136,8 @@ class LLMEngine:
             else:
                 raise ValueError(f"prompt {index}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt {index} is text, but this engine has no tokenizer; pass token ids")
             if not prompt:
                 raise ValueError(f"prompt {index} is empty; give at least one character or token")
             return prompt, self.tokenizer.encode(prompt)
@@ -193,6 +216,8 @@ class LLMEngine:
         return index
 
     def _detokenize(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def _output(self, seq: Sequence) -> RequestOutput:

@@ -43,6 +43,14 @@ def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dty
     return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module) -> None:
+    """Random weights for shape presets: small uniform values, norms left at one."""
+    for name, param in model.named_parameters():
+        if "norm" not in name:
+            param.uniform_(-1e-3, 1e-3)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -67,7 +75,10 @@ class ModelRunner:
                 self.model = model_cls(hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
-        load_weights(self.model, model_path)
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model)
+        else:
+            load_weights(self.model, model_path)
         self.model.eval()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         first = self.attention_layers[0]
@@ -92,6 +103,9 @@ class ModelRunner:
                 len(self.attention_layers), self.num_kv_heads, self.head_dim, self.num_blocks,
                 self.block_size, self.dtype, self.device,
             )
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if self._use_cuda_graphs():
+            self._capture_decode_graphs()
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -171,6 +185,70 @@ class ModelRunner:
         peak, current = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
         return int(total * self.config.gpu_memory_utilization - used - (peak - current))
 
+    # -- CUDA graphs for decode steps -------------------------------------------------------------------
+
+    def _use_cuda_graphs(self) -> bool:
+        return (
+            self.device.type == "cuda"
+            and not self.config.enforce_eager
+            and self.backend.supports_cuda_graphs
+            and getattr(self.decode_policy, "cuda_graph_safe", False)
+        )
+
+    @torch.inference_mode()
+    def _capture_decode_graphs(self) -> None:
+        """One graph per batch-size bucket, sharing a memory pool and static input buffers."""
+        max_bs = min(self.config.max_num_seqs, 512)
+        self.graph_sizes = sorted({b for b in (1, 2, 4, 8, *range(16, max_bs + 1, 16)) if b <= max_bs} | {max_bs})
+        max_blocks = -(-self.max_model_len // self.block_size)
+        dev = self.device
+        self.graph_inputs = {
+            "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.long, device=dev),
+            "context_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev),
+            "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
+        }
+        self.graph_output: torch.Tensor | None = None
+        pool = None
+        for bs in reversed(self.graph_sizes):
+            graph = torch.cuda.CUDAGraph()
+            meta = self._graph_metadata(bs)
+            ids, pos = self.graph_inputs["input_ids"][:bs], self.graph_inputs["positions"][:bs]
+            with forward_context(meta):
+                warm = self.model(ids, pos)  # warm-up outside the graph (Triton compiles here)
+                if self.graph_output is None:
+                    self.graph_output = torch.empty(max_bs, *warm.shape[1:], dtype=warm.dtype, device=dev)
+                with torch.cuda.graph(graph, pool):
+                    self.graph_output[:bs] = self.model(ids, pos)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def _graph_metadata(self, bs: int) -> StepMetadata:
+        g = self.graph_inputs
+        decode = PhaseMetadata(
+            g["cu_seqlens_q"][: bs + 1], g["context_lens"][:bs], g["block_tables"][:bs], 1, self.max_model_len
+        )
+        return StepMetadata(g["slot_mapping"][:bs], bs, decode, None)
+
+    def _replay_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        bs = input_ids.shape[0]
+        graph_bs = next(b for b in self.graph_sizes if b >= bs)
+        g = self.graph_inputs
+        g["input_ids"][:bs] = input_ids
+        g["positions"][:bs] = positions
+        g["slot_mapping"][:graph_bs].fill_(-1)
+        g["slot_mapping"][:bs] = meta.slot_mapping
+        g["context_lens"][:graph_bs].fill_(1)  # padded rows attend to one (ignored) token
+        g["context_lens"][:bs] = meta.decode.context_lens
+        tables = meta.decode.block_tables
+        g["block_tables"][:graph_bs].fill_(0)
+        g["block_tables"][:bs, : tables.shape[1]] = tables
+        self.graphs[graph_bs].replay()
+        return self.graph_output[:bs]
+
     # -- one step ---------------------------------------------------------------------------------
 
     def _phase_metadata(self, seqs: list[Sequence]) -> PhaseMetadata | None:
@@ -228,8 +306,11 @@ class ModelRunner:
     def execute(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
         """Run one step; returns ``(sequence, sampled token)`` for each sequence that samples."""
         input_ids, positions, meta, sample_rows, sampling = self.prepare(seqs)
-        with forward_context(meta):
-            hidden = self.model(input_ids, positions)
+        if self.graphs and meta.prefill is None and input_ids.shape[0] <= self.graph_sizes[-1]:
+            hidden = self._replay_decode(input_ids, positions, meta)
+        else:
+            with forward_context(meta):
+                hidden = self.model(input_ids, positions)
         if not sampling:
             return []
         logits = self.model.compute_logits(hidden[sample_rows])

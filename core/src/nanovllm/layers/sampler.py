@@ -26,9 +26,10 @@ class Sampler(nn.Module):
         if top_ps is not None:
             scaled = _apply_top_p(scaled, top_ps)
         probs = torch.softmax(scaled, dim=-1)
-        noise = torch.empty_like(probs)
-        for i, gen in enumerate(generators or [None] * probs.shape[0]):
-            noise[i].exponential_(generator=gen)
+        noise = torch.empty_like(probs).exponential_()
+        for i, gen in enumerate(generators or ()):
+            if gen is not None:  # a seeded request draws from its own stream, whatever its batch
+                noise[i].exponential_(generator=gen)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(temperatures > 0, sampled, greedy)
 

@@ -15,6 +15,7 @@ class FullConfig:
 
 class FullAttentionPolicy(SparsePolicy):
     requires_block_selection = False
+    cuda_graph_safe = True  # decode is one backend call: capturable when the backend's decode is
 
     def select_blocks(self, ctx: PolicyContext) -> torch.Tensor:
         return ctx.all_history_blocks()
