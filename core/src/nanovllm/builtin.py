@@ -11,6 +11,14 @@ def register_attention_backends(registry) -> None:
         devices=("cpu", "cuda"),
         dtypes=("float32", "float16", "bfloat16"),
     )
+    # Triton kernels (imported only when selected); the head sizes and dtypes are those its tests cover.
+    registry.add_attention_backend(
+        "triton",
+        "nanovllm.attention.triton_backend:TritonBackend",
+        devices=("cuda",),
+        dtypes=("float16", "bfloat16", "float32"),
+        head_sizes=(32, 64, 128),
+    )
 
 
 @hookimpl

@@ -10,7 +10,8 @@ import sys
 def _generate(args: argparse.Namespace) -> int:
     from nanovllm import LLM, SamplingParams
 
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)  # checked before loading
+    # Check the sampling options before the model loads.
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     options = {"device": args.device, "sparse_policy": args.sparse_policy, "attention_backend": args.attention_backend}
     if args.max_model_len is not None:
         options["max_model_len"] = args.max_model_len

@@ -15,7 +15,7 @@ def _as_stop_list(value: str | list[str] | None) -> list[str]:
         return []
     if isinstance(value, str):
         value = [value]
-    if not all(isinstance(s, str) and s for s in value):
+    if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) and s for s in value):
         raise ValueError(f"stop must be a non-empty string or a list of them, got {value!r}")
     return list(value)
 
@@ -23,7 +23,10 @@ def _as_stop_list(value: str | list[str] | None) -> list[str]:
 def _as_id_list(value: list[int] | None) -> list[int]:
     if value is None:
         return []
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+    ok = isinstance(value, (list, tuple)) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    )
+    if not ok:
         raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {value!r}")
     return list(value)
 
@@ -52,7 +55,9 @@ class SamplingParams:
             f"top_p must be in (0, 1], got {self.top_p!r}",
         )
         _check(
-            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+            isinstance(self.top_k, int)
+            and not isinstance(self.top_k, bool)
+            and (self.top_k == -1 or self.top_k >= 1),
             f"top_k must be -1 (disabled) or an int >= 1, got {self.top_k!r}",
         )
         _check(

@@ -25,14 +25,19 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def _tokenizer(vocab_size: int):
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {f"tok{i}": i for i in range(vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="tok0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+
+    def special(word: str) -> AddedToken:  # whole words only, or "tok13" would split into "tok1" + "3"
+        return AddedToken(word, single_word=True, special=True)
+
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="tok0", bos_token="tok1", eos_token="tok2", pad_token="tok0"
+        tokenizer_object=tok, unk_token=special("tok0"), bos_token=special("tok1"), eos_token=special("tok2"),
+        pad_token=special("tok0"),
     )
 
 

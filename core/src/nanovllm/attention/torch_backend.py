@@ -31,7 +31,10 @@ def _softmax_attend(
     scores = scores.masked_fill(~mask[:, :, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
-    out = torch.einsum("sqkgt,stkd->sqkgd", probs, v.float())
+    # Cache slots no query may see (unwritten, or past a sequence's end) can hold anything, NaN included,
+    # and 0 * NaN is NaN: zero those values rather than trusting the zero weight.
+    v = v.float().masked_fill(~mask.any(dim=1)[:, :, None, None], 0.0)
+    out = torch.einsum("sqkgt,stkd->sqkgd", probs, v)
     return out.reshape(s, nq, h, d), lse.reshape(s, nq, h)
 
 

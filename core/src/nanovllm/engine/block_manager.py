@@ -2,7 +2,9 @@
 
 A block holds ``block_size`` consecutive tokens of one or more sequences. A full block is named by a
 chained hash: ``xxh64(hash of the previous block, its token ids)``, so equal hashes mean equal
-prefixes. A hit is verified against the stored token ids before it is shared. A block whose last
+prefixes. A hit is verified before it is shared, without trusting the hash: the block must hold the
+same token ids and follow the same parent block (block id and generation, bumped whenever a block is
+handed out again), so a hash collision can only cost a hit, never give a wrong one. A block whose last
 user is gone goes to the back of the free queue but keeps its content and hash, so a later request
 with the same prefix can take it back until it is handed out again and overwritten.
 """
@@ -26,13 +28,15 @@ def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "parent", "generation")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: int | None = None
         self.token_ids: tuple[int, ...] | None = None
+        self.parent: tuple[int, int] | None = None  # (block id, generation) of the block before it
+        self.generation = 0  # bumped each time the block is handed out (its content is overwritten)
 
 
 class BlockManager:
@@ -71,10 +75,21 @@ class BlockManager:
             if block_id is None:
                 break
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            if self.blocks[block_id].token_ids != tokens:  # a hash collision, not a hit
-                break
+            parent = self._parent_key(hits[-1] if hits else None)
+            if not self._same_content(self.blocks[block_id], tokens, parent):
+                break  # a hash collision, not a hit
             hits.append(block_id)
         return hits
+
+    def _parent_key(self, parent_id: int | None) -> tuple[int, int] | None:
+        """What a block after block ``parent_id`` records as its parent (``None``: it starts a sequence)."""
+        if parent_id is None:
+            return None
+        return parent_id, self.blocks[parent_id].generation
+
+    @staticmethod
+    def _same_content(block: Block, tokens: tuple[int, ...], parent: tuple[int, int] | None) -> bool:
+        return block.token_ids == tokens and block.parent == parent
 
     def can_allocate(self, seq: Sequence, hits: list[int], num_tokens: int) -> bool:
         reused_free = sum(1 for b in hits if b in self.free_blocks)
@@ -108,7 +123,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
             del self.hash_to_block[block.hash]  # its content is about to be overwritten
-        block.hash, block.token_ids, block.ref_count = None, None, 1
+        block.hash, block.token_ids, block.parent, block.ref_count = None, None, None, 1
+        block.generation += 1
         return block_id
 
     def commit_full_blocks(self, seq: Sequence) -> None:
@@ -119,11 +135,25 @@ class BlockManager:
         for i in range(seq.num_committed_blocks, full):
             block = self.blocks[seq.block_table[i]]
             h = self._block_hash(seq, i)
-            if block.hash is not None or h in self.hash_to_block:  # shared, or cached in another block
-                continue
-            block.hash = h
-            block.token_ids = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            self.hash_to_block[h] = block.block_id
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            parent = self._parent_key(seq.block_table[i - 1] if i else None)
+            cached_id = self.hash_to_block.get(h)
+            if cached_id is None:
+                block.hash, block.token_ids, block.parent = h, tokens, parent
+                self.hash_to_block[h] = block.block_id
+            elif cached_id != block.block_id and self._same_content(self.blocks[cached_id], tokens, parent):
+                # Requests admitted together computed the same prefix twice: share the published copy, so
+                # the blocks after it chain to it and stay findable, and return this one.
+                cached = self.blocks[cached_id]
+                if cached.ref_count == 0:
+                    del self.free_blocks[cached_id]
+                cached.ref_count += 1
+                seq.block_table[i] = cached_id
+                block.ref_count -= 1
+                if block.ref_count == 0:
+                    self.free_blocks[block.block_id] = None
+                    self.free_blocks.move_to_end(block.block_id, last=False)  # nothing worth keeping
+            # else: a different block under the same hash (a collision); this one stays unpublished
         seq.num_committed_blocks = max(seq.num_committed_blocks, full)
 
     def free(self, seq: Sequence) -> None:

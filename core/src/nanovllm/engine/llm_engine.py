@@ -17,7 +17,12 @@ from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.plugins import get_plugins, load_target
 from nanovllm.presets import is_preset, preset_dir
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.selection import SelectionError, parse_selection, resolve_attention_backend, resolve_sparse_policy
+from nanovllm.selection import (
+    SelectionError,
+    parse_selection,
+    resolve_attention_backend,
+    resolve_sparse_policy,
+)
 
 Prompt = str | list[int] | dict
 
@@ -42,7 +47,8 @@ def _check_selections(config: EngineConfig, plugins) -> None:
     backend = parse_selection(config.attention_backend, "attention_backend")
     if backend.name == "auto":
         if backend.options:
-            raise SelectionError(f"attention_backend='auto' takes no options, got: {', '.join(backend.options)}")
+            given = ", ".join(backend.options)
+            raise SelectionError(f"attention_backend='auto' takes no options, got: {given}")
     else:
         resolve_attention_backend(backend, plugins)
 
@@ -208,7 +214,7 @@ class LLMEngine:
 
     def _find_stop_string(self, seq: Sequence) -> int | None:
         """Index in the completion text where the first stop string begins (sets ``stop_reason``)."""
-        text = self._detokenize(seq.completion_token_ids)
+        text = self._completion_text(seq)
         hits = [(text.find(s), s) for s in seq.sampling_params.stop if s in text]
         if not hits:
             return None
@@ -220,8 +226,16 @@ class LLMEngine:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def _completion_text(self, seq: Sequence) -> str:
+        """The text that follows the prompt. Decoded after the last few prompt tokens, because
+        SentencePiece and word-level tokenizers drop the leading space of a piece decoded alone."""
+        context = seq.token_ids[max(0, seq.num_prompt_tokens - 4) : seq.num_prompt_tokens]
+        prefix = self._detokenize(context)
+        text = self._detokenize(context + seq.completion_token_ids)
+        return text[len(prefix) :] if text.startswith(prefix) else self._detokenize(seq.completion_token_ids)
+
     def _output(self, seq: Sequence) -> RequestOutput:
-        text = self._detokenize(seq.completion_token_ids)
+        text = self._completion_text(seq)
         if isinstance(seq.stop_reason, str):
             text = text[: text.find(seq.stop_reason)]
         completion = CompletionOutput(0, text, seq.completion_token_ids, seq.finish_reason, seq.stop_reason)
@@ -247,10 +261,12 @@ class LLMEngine:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)) or not all(
+            isinstance(p, SamplingParams) for p in sampling_params
+        ):
+            raise TypeError("sampling_params must be SamplingParams or a list of them, one per prompt")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
-        if not all(isinstance(p, SamplingParams) for p in sampling_params):
-            raise TypeError("sampling_params must be SamplingParams or a list of them")
         # Check every prompt before queueing any, so a bad one leaves the engine untouched.
         requests = []
         for i, prompt in enumerate(prompts):

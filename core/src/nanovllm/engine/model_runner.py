@@ -18,7 +18,12 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
 from nanovllm.plugins import PluginSet, load_target
 from nanovllm.policies.full import FullAttentionPolicy
-from nanovllm.selection import resolve_attention_backend, resolve_sparse_policy
+from nanovllm.selection import (
+    SelectionError,
+    parse_selection,
+    resolve_attention_backend,
+    resolve_sparse_policy,
+)
 
 CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30
 AUTO_BACKENDS = ("triton", "torch")  # preference order for attention_backend="auto"
@@ -111,13 +116,24 @@ class ModelRunner:
 
     def _make_backend(self, plugins: PluginSet):
         dtype_name = str(self.dtype).removeprefix("torch.")
-        spec = self.config.attention_backend
-        if spec == "auto" or spec == {"name": "auto"}:
+        spec = parse_selection(self.config.attention_backend, "attention_backend")
+        if spec.name == "auto":  # names are case-insensitive: "AUTO" and {"name": "Auto"} too
+            if spec.options:
+                raise SelectionError(
+                    f"attention_backend='auto' takes no options, got: {', '.join(spec.options)}; "
+                    "name the backend to pass it options, e.g. attention_backend='torch'"
+                )
             table = plugins.registry.attention_backends
-            for name in AUTO_BACKENDS:
-                if name in table and table[name].supports(self.device.type, dtype_name, self.head_dim) is None:
-                    spec = name
-                    break
+            usable = [
+                name for name in AUTO_BACKENDS
+                if name in table and table[name].supports(self.device.type, dtype_name, self.head_dim) is None
+            ]
+            if not usable:
+                raise ValueError(
+                    f"no installed attention backend among {', '.join(AUTO_BACKENDS)} supports device "
+                    f"{self.device.type}, dtype {dtype_name}, head size {self.head_dim}"
+                )
+            spec = usable[0]
         info, backend_config = resolve_attention_backend(spec, plugins)
         reason = info.supports(self.device.type, dtype_name, self.head_dim)
         if reason is not None:

@@ -1,0 +1,232 @@
+"""Quick attention-kernel timings on a GPU (benchmark B3 of shared/ANCHORS.md), one short table.
+
+- Prefill: causal, 16K tokens, d=128, 32 query / 8 KV heads, bf16. TFLOP/s (causal FLOPs =
+  2 * q_heads * head_dim * S^2) of the triton backend's kernel (dense new k/v, and through the paged
+  cache) next to torch SDPA's cuDNN and flash backends on the same inputs.
+- Decode: one query per sequence, batch x context >= 128K tokens, paged KV (block sizes 16 and 256).
+  GB/s of KV read next to a large device-to-device copy measured in the same run (bytes read +
+  written), and SDPA on contiguous KV for one shape.
+
+    python benchmarks/kernels_quick.py [--sweep] [--out DIR]
+
+``--sweep`` also times a few tile configurations of each kernel. Medians of triton.testing.do_bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+if "--dry" in sys.argv:  # before triton is first imported: its own helpers are built for the interpreter
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "src"))
+from nanovllm.attention import triton_backend as tb  # noqa: E402
+from nanovllm.attention import triton_kernels as tk  # noqa: E402
+
+DRY = "--dry" in sys.argv  # tiny sizes on the CPU under Triton's interpreter: checks the script only
+DEV = "cpu" if DRY else "cuda"
+SCALE = 64 if DRY else 1  # sizes are divided by this in a dry run
+rows: list[dict] = []
+
+
+def ms(fn) -> float:
+    if DRY:
+        fn()
+        return 1.0
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def randn(*shape, gen):
+    return torch.randn(*shape, generator=gen, device=DEV).to(torch.bfloat16)
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def record(kind, name, t_ms, value, unit, note=""):
+    rows.append(dict(kind=kind, name=name, ms=round(t_ms, 4), value=round(value, 1), unit=unit, note=note))
+    print(f"{kind:8s} {name:44s} {t_ms:9.3f} ms {value:9.1f} {unit:7s} {note}", flush=True)
+
+
+def copy_bandwidth() -> float:
+    n = (2 << 30) // SCALE**2
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    t = ms(lambda: dst.copy_(src))
+    gbs = 2 * n / t / 1e6
+    record("copy", "device-to-device 2 GiB (read+write)", t, gbs, "GB/s")
+    return gbs
+
+
+def _why(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def paged_cache(k, v, block_size, gen):
+    """The keys/values of one sequence scattered over shuffled cache blocks."""
+    s, hkv, d = k.shape
+    nblk = -(-s // block_size)
+    perm = torch.randperm(nblk, generator=gen, device=DEV)
+    kc = torch.empty(nblk, block_size, hkv, d, dtype=k.dtype, device=DEV)
+    vc = torch.empty_like(kc)
+    pad = nblk * block_size - s
+    kc[perm] = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)).view(nblk, block_size, hkv, d)
+    vc[perm] = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).view(nblk, block_size, hkv, d)
+    return kc, vc, perm.int()[None, :]
+
+
+def prefill(sweep: bool, gen, d: int = 128) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    s, h, hkv = 16384 // SCALE, 32 // (8 if DRY else 1), 8 // (8 if DRY else 1)
+    flops = 2 * h * d * s * s
+    q, k, v = randn(s, h, d, gen=gen), randn(s, hkv, d, gen=gen), randn(s, hkv, d, gen=gen)
+    scale = d**-0.5
+    cu = torch.tensor([0, s], dtype=torch.int32, device=DEV)
+    lens = torch.tensor([s], dtype=torch.int32, device=DEV)
+    out = torch.empty_like(q)
+
+    def tflops(t):
+        return flops / t / 1e9
+
+    ref = tb._sdpa_causal(q.float(), k.float(), v.float(), scale) if DRY else tb._sdpa_causal(q, k, v, scale)
+
+    def dense(config=None):
+        tk.attention_rows(q, k, v, out, None, cu, None, None, None, s, scale, paged=False, causal=True,
+                          config=config)
+
+    configs = [None]
+    if sweep:
+        configs += [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 4, 3), (128, 128, 8, 2),
+                    (64, 64, 4, 3)]
+    for cfg in configs:
+        try:
+            dense(cfg)
+            err = rel(out, ref)
+            t = ms(lambda cfg=cfg: dense(cfg))
+            record("prefill", f"d={d} triton dense {cfg or 'default'}", t, tflops(t), "TFLOP/s",
+                   f"err {err:.1e}")
+        except Exception as e:  # a configuration that does not fit (shared memory) is skipped
+            record("prefill", f"d={d} triton dense {cfg}", float("nan"), float("nan"), "", _why(e))
+    for bs in (16, 256):
+        kc, vc, table = paged_cache(k, v, bs, gen)
+        pconfigs = [None] + ([(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)]
+                             if sweep else [])
+        for cfg in pconfigs:
+            def paged(cfg=cfg, kc=kc, vc=vc, table=table):
+                tk.attention_rows(q, kc, vc, out, None, cu, lens, table, None, s, scale, paged=True,
+                                  causal=True, config=cfg)
+            try:
+                paged()
+                err = rel(out, ref)
+                t = ms(paged)
+                record("prefill", f"d={d} triton paged bs={bs} {cfg or 'default'}", t, tflops(t), "TFLOP/s",
+                       f"err {err:.1e}")
+            except Exception as e:
+                record("prefill", f"d={d} triton paged bs={bs} {cfg}", float("nan"), float("nan"), "",
+                       _why(e))
+        del kc, vc
+
+    qh = q.transpose(0, 1).unsqueeze(0)
+    kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (k, v))
+    kx, vx = (t.repeat_interleave(h // hkv, dim=1) for t in (kh, vh))
+    if DRY:
+        return
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        for label, kk, vv, gqa in (("enable_gqa", kh, vh, True), ("pre-expanded kv", kx, vx, False)):
+            def run(kk=kk, vv=vv, gqa=gqa, backend=backend):
+                with sdpa_kernel([backend]):
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        qh, kk, vv, is_causal=True, scale=scale, enable_gqa=gqa)
+            try:
+                o = run()
+                err = rel(o.squeeze(0).transpose(0, 1), ref)
+                t = ms(run)
+                record("prefill", f"d={d} sdpa {name} {label}", t, tflops(t), "TFLOP/s", f"err {err:.1e}")
+            except Exception as e:
+                record("prefill", f"d={d} sdpa {name} {label}", float("nan"), float("nan"), "",
+                       f"{type(e).__name__}: {str(e)[:60]}")
+    t = ms(lambda: tb._sdpa_causal(q, k, v, scale))
+    record("prefill", f"d={d} backend.prefill, one fresh sequence (SDPA)", t, tflops(t), "TFLOP/s")
+
+
+def decode(sweep: bool, gen, copy_gbs: float) -> None:
+    h, hkv, d = (4, 1, 128) if DRY else (32, 8, 128)
+    scale = d**-0.5
+    shapes = [(1, 131072), (8, 16384), (64, 2048), (256, 512)]
+    if DRY:
+        shapes = [(b, c // SCALE) for b, c in shapes[:2]]
+    for batch, ctx in shapes:
+        for bs in (16, 256):
+            nblk = -(-ctx // bs)
+            pool = batch * nblk
+            kc, vc = randn(pool, bs, hkv, d, gen=gen), randn(pool, bs, hkv, d, gen=gen)
+            tables = torch.randperm(pool, generator=gen, device=DEV).view(batch, nblk).int()
+            lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+            q = randn(batch, h, d, gen=gen)
+            out = torch.empty_like(q)
+            kv_bytes = 2 * batch * ctx * hkv * d * 2
+            configs = [(None, None)]
+            if sweep:
+                configs += [((64, 4, 4), None), (None, 1)]  # earlier sweep: (32|64|128, 4|8, 2|3|4) within 3%
+            for cfg, splits in configs:
+                def run(cfg=cfg, splits=splits, q=q, kc=kc, vc=vc, out=out, lens=lens, tables=tables,
+                        ctx=ctx):
+                    tk.attention_decode(q, kc, vc, out, None, lens, tables, None, ctx, scale,
+                                        num_splits=splits, config=cfg)
+                try:
+                    t = ms(run)
+                    n = splits or tk.num_decode_splits(batch, hkv, ctx, (cfg or (64,))[0], q.device)
+                    gbs = kv_bytes / t / 1e6
+                    record("decode", f"b={batch} ctx={ctx} bs={bs} {cfg or 'default'} splits={n}", t, gbs,
+                           "GB/s", f"{gbs / copy_gbs:.0%} of copy")
+                except Exception as e:
+                    record("decode", f"b={batch} ctx={ctx} bs={bs} {cfg}", float("nan"), float("nan"), "",
+                           _why(e))
+            del kc, vc, run
+    if DRY:
+        return
+    # SDPA on contiguous KV, one shape, as a peer
+    batch, ctx = 8, 16384
+    q = randn(batch, h, 1, d, gen=gen)
+    k, v = randn(batch, hkv, ctx, d, gen=gen), randn(batch, hkv, ctx, d, gen=gen)
+    t = ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True))
+    gbs = 2 * batch * ctx * hkv * d * 2 / t / 1e6
+    record("decode", f"sdpa contiguous b={batch} ctx={ctx} enable_gqa", t, gbs, "GB/s",
+           f"{gbs / copy_gbs:.0%} of copy")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--dry", action="store_true", help="tiny CPU run (interpreter)")
+    args = ap.parse_args()
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    name = "cpu (dry run)" if DRY else torch.cuda.get_device_name()
+    print(f"device {name}  torch {torch.__version__}  triton {triton.__version__}")
+    copy_gbs = copy_bandwidth()
+    prefill(args.sweep, gen, 128)
+    if args.sweep:
+        prefill(args.sweep, gen, 64)
+    decode(args.sweep, gen, copy_gbs)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "kernels_quick.json").write_text(json.dumps(
+        dict(device=name, torch=torch.__version__, triton=triton.__version__, rows=rows),
+        indent=1))
+    print("\nsummary")
+    for r in rows:
+        print(f"  {r['kind']:8s} {r['name']:52s} {r['value']:9.1f} {r['unit']:7s} {r['note']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,563 @@
+"""Triton kernels of the ``triton`` attention backend, and the wrappers that launch them.
+
+Four kernels:
+
+- ``_store_kv_kernel``: one program per new token writes its keys and values to their cache slot.
+- ``_prefill_kernel``: FlashAttention-style varlen attention, one program per (query tile, head,
+  sequence), online softmax in base 2. Keys come either from the paged cache through the block table
+  (optionally through a list of selected logical blocks) or from dense per-step ``k``/``v`` tensors.
+  Causal tiles are visited in two loops: the tiles wholly below the diagonal without masks, then the
+  rest with masks.
+- ``_decode_kernel``: one query token per sequence. A program owns one KV head of one sequence and
+  all the query heads of its GQA group (so each K/V tile is read once for the group), and one of
+  ``num_splits`` slices of the keys (split-KV, "flash decoding"); ``_reduce_kernel`` merges the
+  slices by log-sum-exp. With one split the decode kernel writes the output directly.
+
+Every wrapper takes its grid sizes from host integers (``max_query_len``, the batch, head counts,
+``max_context_len``) and never reads device values back, so decode can be captured in a CUDA graph.
+On CPU tensors the kernels run under Triton's interpreter (``TRITON_INTERPRET=1`` set before this
+module is imported), with small tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+# ---------------------------------------------------------------------------------------------
+# store_kv
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_kv_kernel(
+    K, V, KC, VC, slots,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slots + t).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    t64 = t.to(tl.int64)
+    k = tl.load(K + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
+    v = tl.load(V + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
+    dst = blk * stride_cb + off * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd
+    tl.store(KC + dst, k.to(KC.dtype.element_ty), mask=mask)
+    tl.store(VC + dst, v.to(VC.dtype.element_ty), mask=mask)
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    assert k_cache.stride() == v_cache.stride(), "k and v caches must share one layout"
+    _store_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        *key.stride(), *value.stride(), *k_cache.stride(),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=k_cache.shape[1],
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# shared pieces
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _key_offsets(
+    start_n, s, kvh, q_start, n_keys, kv_len,
+    block_tables, block_idx, stride_bt, stride_bi, num_sel,
+    stride_kb, stride_ks, stride_kh,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PAGED: tl.constexpr, HAS_INDICES: tl.constexpr, MASKED: tl.constexpr,
+):
+    """Offsets (into the K/V base) of the key rows of tile ``start_n``, their positions, and validity.
+
+    Keys are numbered ``0 .. n_keys``: positions in the sequence, or with ``HAS_INDICES`` slots of
+    the selected blocks (``n = j * BLOCK_SIZE + i`` is slot ``i`` of the ``j``-th selected block)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    if PAGED:
+        if HAS_INDICES:
+            j = offs_n // BLOCK_SIZE
+            within = offs_n % BLOCK_SIZE
+            logical = tl.load(block_idx + s * stride_bi + j, mask=j < num_sel, other=-1)
+            pos = logical * BLOCK_SIZE + within
+            valid = (logical >= 0) & (pos < kv_len)
+            phys = tl.load(block_tables + s * stride_bt + logical, mask=valid, other=0)
+            row = phys.to(tl.int64) * stride_kb + within * stride_ks
+        else:
+            pos = offs_n
+            valid = offs_n < n_keys
+            if BLOCK_N <= BLOCK_SIZE and BLOCK_SIZE % BLOCK_N == 0:
+                # the whole tile lies in one cache block: one block-table read
+                phys = tl.load(block_tables + s * stride_bt + start_n // BLOCK_SIZE)
+                row = phys.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks
+            else:
+                if MASKED:
+                    phys = tl.load(block_tables + s * stride_bt + offs_n // BLOCK_SIZE, mask=valid, other=0)
+                else:
+                    phys = tl.load(block_tables + s * stride_bt + offs_n // BLOCK_SIZE)
+                row = phys.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks
+    else:
+        pos = offs_n
+        valid = offs_n < n_keys
+        row = (q_start + offs_n).to(tl.int64) * stride_ks
+    return row + kvh * stride_kh, pos, valid
+
+
+@triton.jit
+def _online_step(
+    acc, l_i, m_i, q, k, v, score_mask,
+    scale_log2, MASKED: tl.constexpr, FP32: tl.constexpr,
+):
+    """One tile of the online softmax (base 2): returns the updated (acc, l_i, m_i)."""
+    if FP32:  # float32 inputs, or the interpreter (whose bfloat16 dot is wrong): float32 products
+        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = qk * scale_log2
+    if MASKED:
+        qk = tl.where(score_mask, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = m_new
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(qk - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if FP32:
+        acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _masked_tile(
+    acc, l_i, m_i, q, K, V, start_n, s, kvh, q_start, n_keys, kv_len, block_tables, block_idx,
+    stride_bt, stride_bi, num_sel, stride_kb, stride_ks, stride_kh, stride_kd, offs_d, d_ok, q_pos,
+    scale_log2, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
+    HAS_INDICES: tl.constexpr, CAUSAL: tl.constexpr, FP32: tl.constexpr,
+):
+    """A key tile with masks: validity (length, selection) and, if CAUSAL, position."""
+    koff, pos, valid = _key_offsets(
+        start_n, s, kvh, q_start, n_keys, kv_len, block_tables, block_idx, stride_bt, stride_bi,
+        num_sel, stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES, True,
+    )
+    kv_ptrs = koff[:, None] + offs_d[None, :] * stride_kd
+    ld_mask = valid[:, None] & d_ok[None, :]
+    k = tl.load(K + kv_ptrs, mask=ld_mask, other=0.0)
+    v = tl.load(V + kv_ptrs, mask=ld_mask, other=0.0)
+    score_mask = valid[None, :]
+    if CAUSAL:
+        score_mask = score_mask & (pos[None, :] <= q_pos[:, None])
+    return _online_step(acc, l_i, m_i, q, k, v, score_mask, scale_log2, True, FP32)
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill / chunk / selected blocks, many query rows per sequence
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, K, V, Out, Lse,
+    cu_q, lens, block_tables, block_idx,
+    scale_log2,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_ot, stride_oh, stride_od,
+    stride_lt, stride_lh,
+    stride_bt, stride_bi, num_sel,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr, HAS_INDICES: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
+    FP32: tl.constexpr, SKIP_DEAD: tl.constexpr,
+):
+    # heaviest (last) query tiles first: under a causal mask they have the most keys
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    q_start = tl.load(cu_q + s)
+    q_len = tl.load(cu_q + s + 1) - q_start
+    m_start = pid_m * BLOCK_M
+    if m_start >= q_len:
+        return
+    kvh = h // GROUP
+    if PAGED:
+        kv_len = tl.load(lens + s)  # context length, or the kv_lens of the selection
+        if HAS_INDICES:
+            n_keys = num_sel * BLOCK_SIZE
+        else:
+            n_keys = kv_len
+        q_off = kv_len - q_len
+    else:
+        kv_len = q_len
+        n_keys = q_len
+        q_off = 0
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < q_len
+    d_ok = offs_d < HEAD_DIM
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd,
+        mask=m_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    q_pos = q_off + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    if CAUSAL:
+        last_pos = q_off + tl.minimum(m_start + BLOCK_M, q_len) - 1
+        hi = tl.minimum(n_keys, last_pos + 1)
+        lo = (tl.minimum(q_off + m_start + 1, hi) // BLOCK_N) * BLOCK_N
+    else:
+        hi = n_keys
+        lo = 0
+    if HAS_INDICES:
+        lo = 0  # every tile needs the selection's masks
+
+    # tiles every row sees in full: no masks
+    for start_n in range(0, lo, BLOCK_N):
+        koff, pos, valid = _key_offsets(
+            start_n, s, kvh, q_start, n_keys, kv_len, block_tables, block_idx, stride_bt, stride_bi,
+            num_sel, stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES, False,
+        )
+        kv_ptrs = koff[:, None] + offs_d[None, :] * stride_kd
+        if BLOCK_D == HEAD_DIM:
+            k = tl.load(K + kv_ptrs)
+            v = tl.load(V + kv_ptrs)
+        else:
+            k = tl.load(K + kv_ptrs, mask=d_ok[None, :], other=0.0)
+            v = tl.load(V + kv_ptrs, mask=d_ok[None, :], other=0.0)
+        acc, l_i, m_i = _online_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
+
+    # the diagonal band, the ragged end and selected blocks: masked
+    for start_n in range(lo, hi, BLOCK_N):
+        if SKIP_DEAD:  # the tile lies in one selected block: skip it when nothing in it counts
+            logical = tl.load(block_idx + s * stride_bi + start_n // BLOCK_SIZE)
+            if (logical >= 0) & (logical * BLOCK_SIZE + start_n % BLOCK_SIZE < kv_len):
+                acc, l_i, m_i = _masked_tile(
+                    acc, l_i, m_i, q, K, V, start_n, s, kvh, q_start, n_keys, kv_len, block_tables,
+                    block_idx, stride_bt, stride_bi, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
+                    offs_d, d_ok, q_pos, scale_log2, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES, CAUSAL, FP32,
+                )
+        else:
+            acc, l_i, m_i = _masked_tile(
+                acc, l_i, m_i, q, K, V, start_n, s, kvh, q_start, n_keys, kv_len, block_tables,
+                block_idx, stride_bt, stride_bi, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
+                offs_d, d_ok, q_pos, scale_log2, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES, CAUSAL, FP32,
+            )
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    tl.store(
+        Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
+        out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :],
+    )
+    if WRITE_LSE:
+        lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+        tl.store(Lse + q_rows * stride_lt + h * stride_lh, lse, mask=m_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# decode: split-KV over the paged cache, a GQA group per program
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, PartO, PartL, Out, Lse,
+    lens, block_tables, block_idx,
+    scale_log2,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_ot, stride_oh, stride_od,
+    stride_lt, stride_lh,
+    stride_bt, stride_bi, num_sel,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HAS_INDICES: tl.constexpr, WRITE_LSE: tl.constexpr, FP32: tl.constexpr, SKIP_DEAD: tl.constexpr,
+):
+    s = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_len = tl.load(lens + s)
+    if HAS_INDICES:
+        n_keys = num_sel * BLOCK_SIZE
+    else:
+        n_keys = kv_len
+    per_split = tl.cdiv(tl.cdiv(n_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, n_keys)
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + offs_g
+    g_ok = offs_g < GROUP
+    d_ok = offs_d < HEAD_DIM
+    s64 = s.to(tl.int64)
+    q = tl.load(
+        Q + s64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=g_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
+    q_pos = tl.zeros([G_PAD], tl.int32)  # unused: decode is not masked by position
+    for start_n in range(start, end, BLOCK_N):
+        if SKIP_DEAD:
+            logical = tl.load(block_idx + s * stride_bi + start_n // BLOCK_SIZE)
+            if (logical >= 0) & (logical * BLOCK_SIZE + start_n % BLOCK_SIZE < kv_len):
+                acc, l_i, m_i = _masked_tile(
+                    acc, l_i, m_i, q, K, V, start_n, s, kvh, 0, end, kv_len, block_tables,
+                    block_idx, stride_bt, stride_bi, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
+                    offs_d, d_ok, q_pos, scale_log2, BLOCK_N, BLOCK_SIZE, True, HAS_INDICES, False, FP32,
+                )
+        else:
+            acc, l_i, m_i = _masked_tile(
+                acc, l_i, m_i, q, K, V, start_n, s, kvh, 0, end, kv_len, block_tables,
+                block_idx, stride_bt, stride_bi, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
+                offs_d, d_ok, q_pos, scale_log2, BLOCK_N, BLOCK_SIZE, True, HAS_INDICES, False, FP32,
+            )
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse2 = m_i + tl.math.log2(l_i)  # base 2; -inf for an empty slice
+    if NUM_SPLITS == 1:
+        tl.store(
+            Out + s64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            out.to(Out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :],
+        )
+        if WRITE_LSE:
+            tl.store(Lse + s64 * stride_lt + heads * stride_lh, lse2 * 0.6931471805599453, mask=g_ok)
+    else:
+        # partials: PartO [S, H, NUM_SPLITS, BLOCK_D] and PartL [S, H, NUM_SPLITS], contiguous
+        row = (s64 * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+        tl.store(PartO + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=g_ok[:, None])
+        tl.store(PartL + row, lse2, mask=g_ok)
+
+
+@triton.jit
+def _reduce_kernel(
+    PartO, PartL, Out, Lse,
+    stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row = s * tl.num_programs(1) + h
+    offs_p = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    p_ok = offs_p < NUM_SPLITS
+    lse = tl.load(PartL + row * NUM_SPLITS + offs_p, mask=p_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m_use)
+    denom = tl.sum(w, 0)
+    o = tl.load(PartO + (row * NUM_SPLITS + offs_p)[:, None] * BLOCK_D + offs_d[None, :], mask=p_ok[:, None],
+                other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(Out + s * stride_ot + h * stride_oh + offs_d * stride_od, out.to(Out.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+    if WRITE_LSE:
+        tl.store(Lse + s * stride_lt + h * stride_lh, (m + tl.math.log2(denom)) * 0.6931471805599453)
+
+
+# ---------------------------------------------------------------------------------------------
+# launch wrappers
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: a few programs are enough to exercise the split path
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, max_query_len: int):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+    if device.type != "cuda":
+        return 16, 16, 1, 1
+    if dtype == torch.float32:
+        return 32, 32, 4, 2
+    if head_dim <= 64:
+        bm, bn, warps, stages = 128, 64, 4, 3
+    elif head_dim <= 128:  # H100, 16K causal d=128: 484 TFLOP/s dense, 440 paged (BLOCK_N 64: 468 / 387)
+        bm, bn, warps, stages = 128, 128, 8, 3
+    else:
+        bm, bn, warps, stages = 64, 32, 4, 2
+    if max_query_len <= 64:  # short chunks: do not waste a large query tile
+        bm, bn, warps, stages = 64, 64, 4, 3
+    return bm, bn, warps, stages
+
+
+def _dot_fp32(q: torch.Tensor) -> bool:
+    return q.dtype == torch.float32 or q.device.type != "cuda"
+
+
+def _skip_dead(has_idx: bool, block_n: int, block_size: int) -> bool:
+    """Selected blocks are visited tile by tile and a tile inside one block can be skipped whole."""
+    return has_idx and block_n <= block_size and block_size % block_n == 0
+
+
+def _dummy(t: torch.Tensor) -> torch.Tensor:
+    return t.new_empty(1)
+
+
+def attention_rows(
+    q, k, v, out, lse, cu_seqlens_q, lens, block_tables, block_indices, max_query_len, scale,
+    *, paged: bool, causal: bool, config: tuple[int, int, int, int] | None = None,
+) -> None:
+    """Launch ``_prefill_kernel``: many query rows per sequence.
+
+    paged: ``k``/``v`` are the caches ``[num_blocks, block_size, Hkv, D]`` and ``lens`` the KV lengths
+    (context lengths, or the selection's ``kv_lens`` when ``block_indices`` is given); otherwise they
+    are dense ``[num_tokens, Hkv, D]`` rows laid out like ``q`` (``lens`` unused). ``config``
+    overrides the tile choice ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (benchmarks)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if num_tokens == 0 or num_seqs == 0:
+        return
+    num_kv_heads = k.shape[-2]
+    bm, bn, warps, stages = config or _prefill_config(head_dim, q.dtype, q.device, max_query_len)
+    if paged:
+        block_size = k.shape[1]
+        kstrides = k.stride()
+        bt, stride_bt = block_tables, block_tables.stride(0)
+    else:
+        block_size = 1
+        kstrides = (0, *k.stride())
+        bt, stride_bt = _dummy(cu_seqlens_q), 0
+    assert k.stride() == v.stride(), "k and v must share one layout"
+    has_idx = block_indices is not None
+    if has_idx:
+        bi, stride_bi, num_sel = block_indices, block_indices.stride(0), block_indices.shape[1]
+    else:
+        bi, stride_bi, num_sel = _dummy(cu_seqlens_q), 0, 0
+    write_lse = lse is not None
+    lse_t = lse if write_lse else _dummy(out).float()
+    lse_strides = lse.stride() if write_lse else (0, 0)
+    grid = (triton.cdiv(max_query_len, bm), num_heads, num_seqs)
+    _prefill_kernel[grid](
+        q, k, v, out, lse_t,
+        cu_seqlens_q, lens if lens is not None else cu_seqlens_q, bt, bi,
+        scale * LOG2E,
+        *q.stride(), *kstrides, *out.stride(), *lse_strides,
+        stride_bt, stride_bi, num_sel,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn,
+        PAGED=paged, HAS_INDICES=has_idx, CAUSAL=causal, WRITE_LSE=write_lse,
+        FP32=_dot_fp32(q), SKIP_DEAD=_skip_dead(has_idx, bn, block_size),
+        num_warps=warps, num_stages=stages,
+    )
+
+
+def _decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, block_size: int):
+    """(BLOCK_N, num_warps, num_stages)."""
+    if device.type != "cuda":
+        return 16, 1, 1
+    if dtype == torch.float32:
+        return 32, 4, 2
+    bn = 64 if head_dim <= 128 else 32
+    return bn, 4, 3
+
+
+def num_decode_splits(num_seqs: int, num_kv_heads: int, max_keys: int, block_n: int, device) -> int:
+    """Split the keys so that about two programs run per multiprocessor; at least 4 tiles a split."""
+    programs = max(1, num_seqs * num_kv_heads)
+    want = triton.cdiv(2 * _num_sms(device), programs)
+    by_len = max(1, triton.cdiv(max_keys, 4 * block_n))
+    return max(1, min(want, by_len, 64))
+
+
+def attention_decode(
+    q, k_cache, v_cache, out, lse, lens, block_tables, block_indices, max_keys, scale,
+    num_splits: int | None = None, config: tuple[int, int, int] | None = None,
+) -> None:
+    """Launch ``_decode_kernel`` (+ ``_reduce_kernel``): one query row per sequence, paged KV.
+
+    ``max_keys`` (a host int) bounds the keys of any sequence; it sets the number of splits only,
+    never the result. ``config`` overrides ``(BLOCK_N, num_warps, num_stages)`` (benchmarks)."""
+    num_seqs, num_heads, head_dim = q.shape
+    if num_seqs == 0:
+        return
+    num_kv_heads = k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    assert k_cache.stride() == v_cache.stride(), "k and v caches must share one layout"
+    group = num_heads // num_kv_heads
+    bn, warps, stages = config or _decode_config(head_dim, q.dtype, q.device, block_size)
+    if num_splits is None:
+        num_splits = num_decode_splits(num_seqs, num_kv_heads, max_keys, bn, q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    has_idx = block_indices is not None
+    if has_idx:
+        bi, stride_bi, num_sel = block_indices, block_indices.stride(0), block_indices.shape[1]
+    else:
+        bi, stride_bi, num_sel = _dummy(lens), 0, 0
+    write_lse = lse is not None
+    lse_t = lse if write_lse else _dummy(out).float()
+    lse_strides = lse.stride() if write_lse else (0, 0)
+    if num_splits > 1:
+        part_o = torch.empty(num_seqs, num_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
+        part_l = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_l = _dummy(out).float()
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, part_o, part_l, out, lse_t,
+        lens, block_tables, bi,
+        scale * LOG2E,
+        *q.stride(), *k_cache.stride(), *out.stride(), *lse_strides,
+        block_tables.stride(0), stride_bi, num_sel,
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_SIZE=block_size, BLOCK_N=bn, NUM_SPLITS=num_splits,
+        HAS_INDICES=has_idx, WRITE_LSE=write_lse, FP32=_dot_fp32(q),
+        SKIP_DEAD=_skip_dead(has_idx, bn, block_size),
+        num_warps=warps, num_stages=stages,
+    )
+    if num_splits > 1:
+        _reduce_kernel[(num_seqs, num_heads)](
+            part_o, part_l, out, lse_t, *out.stride(), *lse_strides,
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, WRITE_LSE=write_lse,
+            num_warps=4 if head_dim >= 128 else 2,
+        )
+
+
+def is_interpreted() -> bool:
+    """True when this module's kernels were built for Triton's interpreter (CPU tensors)."""
+    return type(_prefill_kernel).__name__ == "InterpretedFunction"
+
+
+__all__ = ["store_kv", "attention_rows", "attention_decode", "num_decode_splits", "is_interpreted"]

@@ -1,0 +1,288 @@
+"""BlockManager: allocation, reference counts, and the prefix cache (chained hashes, verified hits)."""
+
+from __future__ import annotations
+
+import pytest
+from nanovllm.engine import block_manager as bm_module
+from nanovllm.engine.block_manager import BlockManager, chain_hash
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+BS = 4  # block size used throughout
+
+
+def seq_of(tokens) -> Sequence:
+    return Sequence(list(tokens), SamplingParams())
+
+
+def admit(bm: BlockManager, seq: Sequence, num_tokens: int | None = None) -> list[int]:
+    """Admit ``seq`` as the scheduler does (prefix hits first); returns the hits."""
+    num_tokens = seq.num_tokens if num_tokens is None else num_tokens
+    hits = bm.find_cached_prefix(seq)
+    assert bm.can_allocate(seq, hits, num_tokens)
+    bm.allocate(seq, hits, num_tokens)
+    return hits
+
+
+def compute(bm: BlockManager, seq: Sequence, upto: int | None = None) -> None:
+    """Pretend the model wrote the KV of ``seq`` up to ``upto`` tokens, then publish full blocks."""
+    upto = seq.num_tokens if upto is None else upto
+    assert bm.append_slots(seq, upto)
+    seq.num_computed_tokens = upto
+    bm.commit_full_blocks(seq)
+
+
+def refs(bm: BlockManager, seq: Sequence) -> list[int]:
+    return [bm.blocks[b].ref_count for b in seq.block_table]
+
+
+def assert_all_free(bm: BlockManager) -> None:
+    assert bm.num_free_blocks == len(bm.blocks)
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+# -- allocation and reference counts ---------------------------------------------------------------
+
+
+def test_allocate_and_free_return_every_block():
+    bm = BlockManager(8, BS)
+    a = seq_of(range(10, 20))  # 10 tokens -> 3 blocks
+    assert admit(bm, a) == []
+    assert len(a.block_table) == 3 and len(set(a.block_table)) == 3
+    assert refs(bm, a) == [1, 1, 1]
+    assert bm.num_free_blocks == 5
+    bm.free(a)
+    assert a.block_table == []
+    assert_all_free(bm)
+
+
+def test_append_slots_grows_by_whole_blocks_and_fails_without_change():
+    bm = BlockManager(3, BS)
+    a = seq_of(range(5))
+    admit(bm, a, 4)
+    assert len(a.block_table) == 1
+    assert bm.append_slots(a, 4) and len(a.block_table) == 1  # still fits
+    assert bm.append_slots(a, 5) and len(a.block_table) == 2
+    assert bm.blocks_needed(a, 13) == 2
+    before = list(a.block_table)
+    assert not bm.append_slots(a, 13)  # needs 2 more, only 1 free
+    assert a.block_table == before and bm.num_free_blocks == 1
+    bm.free(a)
+    assert_all_free(bm)
+
+
+def test_shared_prefix_blocks_are_reference_counted():
+    bm = BlockManager(16, BS)
+    a = seq_of(range(100, 110))  # blocks [100..103] [104..107] [108, 109]
+    admit(bm, a)
+    compute(bm, a)
+    b = seq_of(list(range(100, 108)) + [7, 7, 7])
+    hits = admit(bm, b)
+    assert hits == a.block_table[:2]
+    assert b.num_cached_tokens == b.num_computed_tokens == 8
+    assert refs(bm, a) == [2, 2, 1]
+    assert refs(bm, b) == [2, 2, 1]
+    bm.free(a)
+    assert refs(bm, b) == [1, 1, 1]
+    assert not set(b.block_table) & set(bm.free_blocks)  # shared blocks stay in use
+    bm.free(b)
+    assert_all_free(bm)
+
+
+def test_can_allocate_counts_reused_free_blocks():
+    bm = BlockManager(3, BS)
+    a = seq_of(range(9))  # 3 blocks: the whole cache
+    admit(bm, a)
+    compute(bm, a)
+    bm.free(a)
+    b = seq_of(list(range(8)) + [50, 51, 52, 53])  # 2 cached blocks (free, ref 0) + 1 new block
+    hits = bm.find_cached_prefix(b)
+    assert hits == a.block_table[:2] or len(hits) == 2
+    assert bm.can_allocate(b, hits, 12)
+    assert not bm.can_allocate(b, hits, 13)  # would need a 4th block
+    bm.allocate(b, hits, 12)
+    assert bm.num_free_blocks == 0
+    bm.free(b)
+    assert_all_free(bm)
+
+
+# -- the prefix cache -------------------------------------------------------------------------------
+
+
+def test_hit_on_shared_prefix_and_none_after_a_differing_token():
+    bm = BlockManager(32, BS)
+    base = list(range(1, 14))  # 3 full blocks + 1 token
+    a = seq_of(base)
+    admit(bm, a)
+    compute(bm, a)
+
+    assert bm.find_cached_prefix(seq_of(base[:12] + [99])) == a.block_table[:3]
+    diverge_in_block_1 = base[:5] + [99] + base[6:]
+    assert bm.find_cached_prefix(seq_of(diverge_in_block_1)) == a.block_table[:1]
+    assert bm.find_cached_prefix(seq_of([99] + base[1:])) == []
+    # Same block contents at a different position is not a prefix hit (the hash is chained).
+    assert bm.find_cached_prefix(seq_of(base[4:8] + base[4:8] + [1])) == []
+
+
+def test_hash_is_chained():
+    first = chain_hash(None, [1, 2, 3, 4])
+    assert chain_hash(first, [5, 6, 7, 8]) != chain_hash(None, [5, 6, 7, 8])
+    assert chain_hash(first, [5, 6, 7, 8]) != chain_hash(chain_hash(None, [0, 2, 3, 4]), [5, 6, 7, 8])
+    assert chain_hash(first, [5, 6, 7, 8]) == chain_hash(chain_hash(None, [1, 2, 3, 4]), [5, 6, 7, 8])
+
+
+@pytest.mark.parametrize("length, expected_hits", [(8, 1), (9, 2), (12, 2), (13, 3)])
+def test_at_least_one_token_is_left_to_compute(length, expected_hits):
+    bm = BlockManager(16, BS)
+    a = seq_of(range(1, 17))
+    admit(bm, a)
+    compute(bm, a)
+    b = seq_of(range(1, 1 + length))
+    hits = bm.find_cached_prefix(b)
+    assert len(hits) == expected_hits
+    assert len(hits) * BS < b.num_tokens
+
+
+def test_partial_blocks_are_not_published():
+    bm = BlockManager(16, BS)
+    a = seq_of(range(1, 11))
+    admit(bm, a)
+    compute(bm, a, 7)  # one full block, one partial
+    assert len(bm.hash_to_block) == 1
+    compute(bm, a, 10)
+    assert len(bm.hash_to_block) == 2
+    assert bm.blocks[a.block_table[2]].hash is None
+
+
+def test_freed_blocks_stay_reusable_until_overwritten():
+    bm = BlockManager(4, BS)
+    a = seq_of(range(1, 10))  # blocks 0, 1, 2
+    admit(bm, a)
+    compute(bm, a)
+    prefix_blocks = a.block_table[:2]
+    bm.free(a)
+    assert_all_free(bm)
+
+    # Still cached while free: a later request with the same prefix takes the blocks back.
+    b = seq_of(list(range(1, 9)) + [40])
+    assert admit(bm, b) == prefix_blocks
+    bm.free(b)
+
+    # The free queue hands out never-used blocks, then the tail of a freed sequence, before its head.
+    c = seq_of(range(60, 68))  # 2 blocks
+    admit(bm, c)
+    assert not set(c.block_table) & set(prefix_blocks)
+    assert bm.find_cached_prefix(seq_of(list(range(1, 9)) + [40])) == prefix_blocks
+
+    d = seq_of(range(70, 74))  # one more block: the prefix's second block goes first (tail first)
+    admit(bm, d)
+    assert bm.find_cached_prefix(seq_of(list(range(1, 9)) + [40])) == prefix_blocks[:1]
+    e = seq_of(range(80, 84))  # and then its first block
+    admit(bm, e)
+    assert bm.find_cached_prefix(seq_of(list(range(1, 9)) + [40])) == []
+    for s in (c, d, e):
+        bm.free(s)
+    assert_all_free(bm)
+
+
+def test_prefix_caching_disabled_never_hits():
+    bm = BlockManager(16, BS, enable_prefix_caching=False)
+    a = seq_of(range(1, 14))
+    admit(bm, a)
+    compute(bm, a)
+    assert bm.hash_to_block == {}
+    assert bm.find_cached_prefix(seq_of(range(1, 14))) == []
+
+
+def test_duplicate_prefix_computed_together_is_shared_and_stays_findable():
+    """Two requests admitted in the same step compute the same prefix twice; the second copy is given
+    back and the blocks after it chain to the published copy, so its own suffix can be hit later."""
+    bm = BlockManager(16, BS)
+    shared = list(range(1, 9))
+    a = seq_of(shared + [20, 21, 22, 23, 24])
+    b = seq_of(shared + [30, 31, 32, 33, 34])
+    admit(bm, a)
+    admit(bm, b)  # nothing published yet: no hits, 4 + 4 blocks
+    assert bm.num_free_blocks == 16 - 8
+    compute(bm, a)
+    compute(bm, b)
+    assert b.block_table[:2] == a.block_table[:2]
+    assert refs(bm, a)[:2] == [2, 2]
+    assert bm.num_free_blocks == 16 - 6  # b's duplicate copies went back
+    c = seq_of(shared + [30, 31, 32, 33, 99])
+    assert bm.find_cached_prefix(c) == b.block_table[:3]
+    for s in (a, b):
+        bm.free(s)
+    assert_all_free(bm)
+
+
+# -- hash collisions: hits are verified, never trusted -------------------------------------------------
+
+
+def test_colliding_hash_with_different_tokens_is_no_hit(monkeypatch):
+    monkeypatch.setattr(bm_module, "chain_hash", lambda prev, tokens: 42)
+    bm = BlockManager(16, BS)
+    a = seq_of(range(1, 10))
+    admit(bm, a)
+    compute(bm, a)
+    assert bm.find_cached_prefix(seq_of([9, 9, 9, 9, 9])) == []
+    assert bm.find_cached_prefix(seq_of(range(1, 10))) == a.block_table[:1]  # a real hit still works
+
+
+def test_collision_cannot_hand_out_a_block_computed_after_another_prefix(monkeypatch):
+    """Under a constant hash, a block holding tokens [1, 2] after the prefix [5, 6] gets published; a
+    request *starting* with [1, 2] must not take it (its keys were computed at other positions)."""
+    monkeypatch.setattr(bm_module, "chain_hash", lambda prev, tokens: 42)
+    bm = BlockManager(3, 2)
+    r = seq_of([1, 2, 3])
+    admit(bm, r)
+    compute(bm, r)  # publishes [1, 2] under 42
+    bm.free(r)
+
+    s = seq_of([5, 6, 1, 2, 9])
+    assert admit(bm, s, 2) == []
+    compute(bm, s, 2)  # [5, 6] collides with the cached [1, 2]: stays unpublished
+    assert bm.append_slots(s, 5)  # takes the last free blocks, overwriting r's cached block
+    compute(bm, s, 5)  # now [1, 2] (after [5, 6]) is published under 42
+    assert 42 in bm.hash_to_block and bm.hash_to_block[42] == s.block_table[1]
+
+    assert bm.find_cached_prefix(seq_of([1, 2, 4])) == []
+
+
+def test_collision_cannot_chain_a_block_to_a_different_parent(monkeypatch):
+    """A hash that ignores the prefix: the block [3, 4] computed after [7, 8] must not follow [1, 2]."""
+    monkeypatch.setattr(bm_module, "chain_hash", lambda prev, tokens: hash(tuple(tokens)))
+    bm = BlockManager(16, 2)
+    first = seq_of([1, 2, 5, 5, 0])
+    admit(bm, first)
+    compute(bm, first)
+    other = seq_of([7, 8, 3, 4, 0])
+    admit(bm, other)
+    compute(bm, other)  # publishes [3, 4] with parent [7, 8]
+    hits = bm.find_cached_prefix(seq_of([1, 2, 3, 4, 0]))
+    assert hits == first.block_table[:1]
+
+
+def test_collision_cannot_reach_a_block_whose_parent_was_overwritten(monkeypatch):
+    """A cached block must not outlive the content of the block before it. The free queue normally
+    evicts a child before its parent; reorder it by hand so the parent is refilled first, with the
+    same tokens after another history, and check the stale child is no longer a hit."""
+    monkeypatch.setattr(bm_module, "chain_hash", lambda prev, tokens: hash(tuple(tokens)))
+    bm = BlockManager(6, 2)
+    a = seq_of([7, 8, 1, 2, 3, 4, 0])
+    admit(bm, a)
+    compute(bm, a)
+    _, parent, child, _ = a.block_table
+    bm.free(a)
+    spare = next(b for b in bm.free_blocks if b not in a.block_table)
+    bm.free_blocks.move_to_end(child)  # evicted last
+    bm.free_blocks.move_to_end(parent, last=False)
+    bm.free_blocks.move_to_end(spare, last=False)  # queue: spare, parent, ..., child
+
+    s = seq_of([5, 6, 1, 2, 9])
+    assert admit(bm, s) == []
+    assert s.block_table[:2] == [spare, parent]  # parent's block now holds [1, 2] after [5, 6]
+    compute(bm, s)
+    assert bm.blocks[child].hash is not None  # the old child is still cached
+
+    assert bm.find_cached_prefix(seq_of([5, 6, 1, 2, 3, 4, 0])) == [spare, parent]

@@ -1,0 +1,323 @@
+"""Bad input: every mistake gets a clear error naming the problem and the fix, raised at the API
+boundary before any work, and the engine stays usable afterwards with nothing left in the scheduler."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import attrs
+import pytest
+import torch
+from nanovllm import SamplingParams
+from nanovllm.plugins import PluginError, PluginInfo, get_plugins
+from nanovllm.selection import SelectionError
+
+needs_llama = pytest.mark.skipif(
+    "LlamaForCausalLM" not in get_plugins().registry.model_families, reason="needs the nanovllm-llama plugin"
+)
+pytestmark = needs_llama
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+GOOD_PROMPTS = [[5, 6, 7, 8, 9], "tok40 tok41 tok42"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run far faster on one thread; two OpenMP threads spin badly on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    from nanovllm import LLM
+
+    return LLM(model, kv_cache_memory=1 << 24, max_model_len=32, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    return [o.token_ids for o in llm.generate(GOOD_PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def assert_clean_and_usable(llm, reference) -> None:
+    """Nothing from a failed call lingers, every block is free, and a valid call still works."""
+    sched = llm.scheduler
+    assert not sched.waiting and not sched.running
+    assert sched.block_manager.num_free_blocks == len(sched.block_manager.blocks)
+    assert [o.token_ids for o in llm.generate(GOOD_PROMPTS, GREEDY, use_tqdm=False)] == reference
+
+
+def make_llm(model, **kw):
+    from nanovllm import LLM
+
+    kw.setdefault("kv_cache_memory", 1 << 24)
+    return LLM(model, **kw)
+
+
+# -- plugin selection: checked before the model directory is even read -----------------------------
+
+
+@pytest.mark.parametrize(
+    "option, value, error, words",
+    [
+        ("sparse_policy", "nope", PluginError, ["unknown sparse policy 'nope'", "Installed: ", "pip"]),
+        ("sparse_policy", "ful", PluginError, ["Did you mean 'full'?"]),
+        ("attention_backend", "nope", PluginError, ["unknown attention backend 'nope'", "torch", "pip"]),
+        ("sparse_policy", "full:", SelectionError, ["no options after it", "write e.g."]),
+        ("sparse_policy", "full:x", SelectionError, ["'x' is not 'key=value'", "write e.g."]),
+        ("sparse_policy", ":x=1", SelectionError, ["no name", "write e.g."]),
+        ("sparse_policy", "full:x=1,x=2", SelectionError, ["given twice"]),
+        ("sparse_policy", "full:x=1", SelectionError, ["unknown option 'x'", "Accepted"]),
+        ("attention_backend", "torch:x=1", SelectionError, ["takes no options", "x"]),
+        ("attention_backend", "auto:x=1", SelectionError, ["'auto' takes no options"]),
+        ("sparse_policy", {"topk": 8}, SelectionError, ["needs a 'name' key"]),
+        ("sparse_policy", 5, ValueError, ["sparse_policy must be a selection string"]),
+    ],
+)
+def test_bad_selection_fails_before_loading(tmp_path, option, value, error, words):
+    from nanovllm import LLM
+
+    missing = tmp_path / "not-a-model"  # the selection error comes first: nothing is read or loaded
+    with pytest.raises(error) as info:
+        LLM(str(missing), **{option: value})
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_a_plugin_that_failed_to_load_reports_its_error(monkeypatch, tmp_path):
+    from nanovllm import LLM
+    from nanovllm import plugins as plugins_module
+
+    real = get_plugins()
+    error = "ImportError: no module named 'x'"
+    broken = PluginInfo("quest", "nanovllm-quest", "0.1.0", "nanovllm_quest", error=error)
+    fake = attrs.evolve(real, plugins=[*real.plugins, broken])
+    monkeypatch.setattr(plugins_module, "_plugins", fake)
+    with pytest.raises(PluginError, match="failed to load: ImportError: no module named 'x'") as info:
+        LLM(str(tmp_path), sparse_policy="quest:topk=4")
+    assert "nanovllm-quest" in str(info.value)
+
+
+# -- engine options -------------------------------------------------------------------------------
+
+
+def test_unknown_keyword_is_an_error_not_dropped(model):
+    with pytest.raises(TypeError, match="unknown engine option") as info:
+        make_llm(model, max_num_seq=4)
+    assert "max_num_seq" in str(info.value) and "max_num_seqs" in str(info.value)  # lists the accepted ones
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(max_num_seqs=0), "max_num_seqs must be a positive int"),
+        (dict(block_size=True), "block_size must be a positive int"),
+        (dict(dtype="float8"), "dtype must be one of"),
+        (dict(device="tpu"), "device must be one of"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization must be in (0, 1]"),
+        (dict(max_model_len=100_000), "exceeds the model's max_position_embeddings"),
+        (dict(kv_cache_memory=1000), "raise kv_cache_memory or lower max_model_len"),
+        (dict(tensor_parallel_size=2), "use tensor_parallel_size=1"),
+    ],
+)
+def test_bad_engine_options(model, kw, words):
+    with pytest.raises((ValueError, NotImplementedError)) as info:
+        make_llm(model, **kw)
+    assert words in str(info.value)
+
+
+# -- SamplingParams ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature="hot"), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_p=1.01), "top_p"),
+        (dict(top_k=0), "top_k"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(top_k=True), "top_k"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=1.0), "max_tokens"),
+        (dict(stop=5), "stop"),
+        (dict(stop=[""]), "stop"),
+        (dict(stop=["ok", 3]), "stop"),
+        (dict(stop_token_ids=7), "stop_token_ids"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(stop_token_ids=["a"]), "stop_token_ids"),
+        (dict(seed="42"), "seed"),
+        (dict(seed=1.5), "seed"),
+        (dict(seed=False), "seed"),
+    ],
+)
+def test_invalid_sampling_params(kw, field):
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**kw)
+    message = str(info.value)
+    assert message.startswith(field) and "got" in message  # names the field, the rule and the value
+
+
+def test_valid_sampling_params_edges():
+    p = SamplingParams(temperature=0, top_p=1, top_k=-1, max_tokens=1, stop="x", stop_token_ids=(3,), seed=0)
+    assert p.greedy and p.stop == ["x"] and p.stop_token_ids == [3]
+    assert SamplingParams(top_k=1, top_p=1e-9, seed=-5).stop == []
+    with pytest.raises(TypeError):
+        SamplingParams(max_new_tokens=3)  # unknown field
+
+
+# -- prompts ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "prompts, error, words",
+    [
+        ("", ValueError, "prompt 0 is empty"),
+        ([[]], ValueError, "prompt 0 is empty"),
+        ("   ", ValueError, "prompt 0 is empty"),
+        ([{"prompt_token_ids": []}], ValueError, "prompt 0 is empty"),
+        ([{"text": "tok3"}], ValueError, "needs 'prompt' or 'prompt_token_ids'"),
+        ([], ValueError, "non-empty list"),
+        (None, ValueError, "non-empty list"),
+        ([[5] * 32], ValueError, "max_model_len is 32"),
+        ([[5] * 40], ValueError, "Shorten the prompt or raise max_model_len"),
+        ([[5, -1]], ValueError, "outside the vocabulary [0, 256): [-1]"),
+        ([[5, 256]], ValueError, "outside the vocabulary [0, 256): [256]"),
+        ([[5, 10**12]], ValueError, "outside the vocabulary"),
+        ([[5.0, 6.0]], TypeError, "must be a string, a list of token ids or a dict"),
+        ([[True, 5]], TypeError, "must be a string, a list of token ids or a dict"),
+        ([5, "tok3"], TypeError, "prompt 0 must be"),
+        (["tok3", torch.tensor([3, 4])], TypeError, "prompt 1 must be"),
+    ],
+)
+def test_bad_prompts(llm, reference, prompts, error, words):
+    with pytest.raises(error) as info:
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert words in str(info.value)
+    assert_clean_and_usable(llm, reference)
+
+
+def test_longest_prompt_that_fits(llm, reference):
+    out = llm.generate([[5] * 31], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
+    assert len(out.token_ids) == 1 and out.finish_reason == "length"  # max_model_len reached
+    assert_clean_and_usable(llm, reference)
+
+
+def test_one_bad_prompt_queues_nothing_from_the_batch(llm, reference):
+    before = llm._next_request
+    with pytest.raises(ValueError, match="prompt 2 has token id"):
+        llm.generate(["tok3 tok4", [5, 6], [7, 999], "tok9"], GREEDY, use_tqdm=False)
+    assert llm._next_request == before
+    assert_clean_and_usable(llm, reference)
+
+
+def test_sampling_params_must_match_the_prompts(llm, reference):
+    with pytest.raises(ValueError, match="got 3 sampling_params for 2 prompts"):
+        llm.generate(GOOD_PROMPTS, [GREEDY] * 3, use_tqdm=False)
+    with pytest.raises(TypeError, match="sampling_params must be SamplingParams"):
+        llm.generate(GOOD_PROMPTS, [GREEDY, {"temperature": 0}], use_tqdm=False)
+    with pytest.raises(TypeError, match="sampling_params must be SamplingParams"):
+        llm.generate(GOOD_PROMPTS, {"temperature": 0}, use_tqdm=False)
+    assert_clean_and_usable(llm, reference)
+
+
+def test_chat_needs_a_template_and_well_formed_messages(llm, reference):
+    with pytest.raises(ValueError, match="no chat template; use generate"):
+        llm.chat([{"role": "user", "content": "tok3"}], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="conversation"):
+        llm.chat([], GREEDY, use_tqdm=False)
+    assert_clean_and_usable(llm, reference)
+
+
+def test_a_failing_step_leaves_the_engine_usable(llm, reference, monkeypatch):
+    def boom(seqs):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(llm.runner, "execute", boom)
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate(GOOD_PROMPTS, GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert_clean_and_usable(llm, reference)
+
+
+# -- model directories ------------------------------------------------------------------------------
+
+
+def copy_model(model, tmp_path):
+    target = tmp_path / "model"
+    shutil.copytree(model, target)
+    return target
+
+
+def edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_missing_model_directory(tmp_path):
+    with pytest.raises(ValueError, match="is not a directory.*no downloads"):
+        make_llm(str(tmp_path / "nowhere"))
+
+
+def test_directory_without_config_json(tmp_path):
+    with pytest.raises(ValueError, match="has no config.json; nanovllm loads Hugging Face-format"):
+        make_llm(str(tmp_path))
+
+
+@pytest.mark.parametrize("text, words", [("{not json", "not valid JSON"), ("[1, 2]", "must hold a JSON")])
+def test_malformed_config_json(model, tmp_path, text, words):
+    path = copy_model(model, tmp_path)
+    (path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=words):
+        make_llm(str(path))
+
+
+def test_missing_weights(model, tmp_path):
+    path = copy_model(model, tmp_path)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"has no \*.safetensors weight files"):
+        make_llm(str(path))
+
+
+def test_incomplete_weights(model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = copy_model(model, tmp_path)
+    tensors = load_file(str(path / "model.safetensors"))
+    dropped = next(k for k in tensors if "layers.1.mlp" in k)
+    del tensors[dropped]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lacks weights for"):
+        make_llm(str(path))
+
+
+def test_missing_tokenizer(model, tmp_path):
+    path = copy_model(model, tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (path / name).unlink(missing_ok=True)
+    with pytest.raises(ValueError, match="cannot load a tokenizer"):
+        make_llm(str(path))
+
+
+@pytest.mark.parametrize("architectures, named", [(["MambaForCausalLM"], "MambaForCausalLM"), ([], "(none")])
+def test_architecture_no_plugin_provides(model, tmp_path, architectures, named):
+    path = copy_model(model, tmp_path)
+    edit_config(path, architectures=architectures)
+    with pytest.raises(ValueError, match="no installed plugin provides architecture") as info:
+        make_llm(str(path))
+    message = str(info.value)
+    assert named in message
+    assert "Installed: " in message and "LlamaForCausalLM" in message and "pip install" in message

@@ -1,0 +1,204 @@
+"""The per-layer hot path pays a bound method call, not a pluggy dispatch.
+
+The engine registers the selected policy on a per-engine pluggy manager and resolves each runtime
+hook once (``bind_policy_hooks``); the attention layers then call the policy's bound methods.
+"""
+
+from __future__ import annotations
+
+import timeit
+from collections import Counter
+from types import SimpleNamespace
+
+import pluggy
+import pytest
+from nanovllm import SamplingParams
+from nanovllm.hookspecs import RUNTIME_HOOKS, bind_policy_hooks, make_policy_manager
+from nanovllm.plugins import SparsePolicyInfo, get_plugins
+from nanovllm.policies.full import FullAttentionPolicy
+from nanovllm.policy import SparsePolicy
+
+CALLS: list[tuple[str, int, bool]] = []  # (method, layer, is_prefill), appended by the probe policies
+
+
+class ProbePolicy(SparsePolicy):
+    """Attends to every block through the base class's select-then-attend path, recording calls."""
+
+    def select_blocks(self, ctx):
+        CALLS.append(("select_blocks", ctx.layer_id, ctx.is_prefill))
+        return super().select_blocks(ctx)
+
+    def compute_chunked_prefill(self, q, k, v, ctx):
+        CALLS.append(("compute_chunked_prefill", ctx.layer_id, ctx.is_prefill))
+        return super().compute_chunked_prefill(q, k, v, ctx)
+
+    def compute_chunked_decode(self, q, ctx):
+        CALLS.append(("compute_chunked_decode", ctx.layer_id, ctx.is_prefill))
+        return super().compute_chunked_decode(q, ctx)
+
+
+class DecodeOnlyProbe(ProbePolicy):
+    supports_prefill = False
+
+
+@pytest.fixture
+def probe_llm(tiny_model, monkeypatch):
+    """``make(policy_name)`` -> an LLM whose sparse policy is one of the probes above."""
+    table = get_plugins().registry.sparse_policies
+    monkeypatch.setitem(table, "probe", SparsePolicyInfo("probe", f"{__name__}:ProbePolicy", "test"))
+    decode_only = SparsePolicyInfo("probe_decode", f"{__name__}:DecodeOnlyProbe", "test")
+    monkeypatch.setitem(table, "probe_decode", decode_only)
+
+    def make(name: str):
+        from nanovllm import LLM
+
+        return LLM(tiny_model(num_hidden_layers=3), kv_cache_memory=1 << 24, device="cpu", block_size=4,
+                   max_num_batched_tokens=16, sparse_policy=name)
+
+    return make
+
+
+def spy(llm, monkeypatch):
+    """Count pluggy dispatches of the runtime hooks, and record the phases of every step."""
+    dispatched = Counter()
+    real_call = pluggy.HookCaller.__call__
+
+    def counting_call(self, *args, **kwargs):
+        if self.name in RUNTIME_HOOKS:
+            dispatched[self.name] += 1
+        return real_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(pluggy.HookCaller, "__call__", counting_call)
+    pm = llm.runner.policy_manager
+    real_exec = pm._inner_hookexec
+
+    def counting_exec(hook_name, *args, **kwargs):  # every dispatch through this manager, however made
+        dispatched["exec:" + hook_name] += 1
+        return real_exec(hook_name, *args, **kwargs)
+
+    monkeypatch.setattr(pm, "_inner_hookexec", counting_exec)
+
+    steps: list[tuple[bool, bool]] = []  # (has decodes, has prefill chunks) of each step, in order
+    real_prepare = llm.runner.prepare
+
+    def recording_prepare(seqs):
+        out = real_prepare(seqs)
+        meta = out[2]
+        steps.append((meta.decode is not None, meta.prefill is not None))
+        CALLS.append(("step", len(steps), False))
+        return out
+
+    monkeypatch.setattr(llm.runner, "prepare", recording_prepare)
+    return dispatched, steps
+
+
+def calls_by_step() -> list[list[tuple[str, int, bool]]]:
+    per_step: list[list] = []
+    for call in CALLS:
+        if call[0] == "step":
+            per_step.append([])
+        else:
+            per_step[-1].append(call)
+    return per_step
+
+
+def generate(llm):
+    prompts = [[5, 6, 7], list(range(10, 40)), list(range(50, 61))]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_layers_call_bound_methods_not_pluggy(probe_llm, monkeypatch):
+    llm = probe_llm("probe")
+    runner = llm.runner
+    policy = runner.prefill_policy
+    assert type(policy) is ProbePolicy and runner.decode_policy is policy
+    layers = runner.attention_layers
+    assert len(layers) == 3
+    for layer in layers:  # bound once, at engine build
+        assert layer.prefill_fn.__self__ is policy and layer.decode_fn.__self__ is policy
+        assert layer.prefill_fn.__func__ is ProbePolicy.compute_chunked_prefill
+        assert layer.decode_fn.__func__ is ProbePolicy.compute_chunked_decode
+
+    dispatched, steps = spy(llm, monkeypatch)
+    CALLS.clear()
+    outs = generate(llm)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [5, 5, 5]
+
+    assert dispatched == Counter(), "the hot path went through pluggy"
+    per_step = calls_by_step()
+    assert len(per_step) == len(steps) > 5
+    assert (True, True) in steps, "no step mixed decodes with prefill chunks"
+    layer_ids = [layer.layer_id for layer in layers]
+    for (has_decode, has_prefill), calls in zip(steps, per_step, strict=True):
+        expected = Counter()
+        for layer in layer_ids:
+            if has_prefill:
+                expected[("compute_chunked_prefill", layer, True)] += 1
+                expected[("select_blocks", layer, True)] += 1
+            if has_decode:
+                expected[("compute_chunked_decode", layer, False)] += 1
+                expected[("select_blocks", layer, False)] += 1
+        assert Counter(calls) == expected
+
+    # The spies do see a pluggy dispatch when one happens.
+    fake_ctx = SimpleNamespace(layer_id=-1, is_prefill=False, all_history_blocks=lambda: "every block")
+    assert runner.policy_manager.hook.select_blocks(ctx=fake_ctx) == "every block"
+    assert dispatched == Counter({"select_blocks": 1, "exec:select_blocks": 1})
+
+
+def test_unsupported_phase_is_bound_to_full_attention(probe_llm, monkeypatch):
+    llm = probe_llm("probe_decode")
+    runner = llm.runner
+    assert type(runner.decode_policy) is DecodeOnlyProbe
+    assert type(runner.prefill_policy) is FullAttentionPolicy
+    for layer in runner.attention_layers:
+        assert layer.prefill_fn.__self__ is runner.prefill_policy
+        assert layer.decode_fn.__self__ is runner.decode_policy
+    dispatched, steps = spy(llm, monkeypatch)
+    CALLS.clear()
+    generate(llm)
+    assert dispatched == Counter()
+    assert {name for name, _, _ in CALLS} == {"step", "compute_chunked_decode", "select_blocks"}
+    assert all(not is_prefill for name, _, is_prefill in CALLS if name != "step")
+    decode_steps = sum(has_decode for has_decode, _ in steps)
+    assert sum(name == "compute_chunked_decode" for name, _, _ in CALLS) == 3 * decode_steps
+
+
+class ConstantPolicy(SparsePolicy):
+    """Does no work, so that only the cost of reaching it is measured."""
+
+    def select_blocks(self, ctx):
+        return ctx
+
+
+def test_bound_call_is_much_cheaper_than_a_pluggy_call(capsys):
+    pm = make_policy_manager()
+    policy = ConstantPolicy()
+    pm.register(policy)
+    bound = bind_policy_hooks(pm, policy)
+    select = bound["select_blocks"]
+    assert select.__self__ is policy and select.__func__ is ConstantPolicy.select_blocks
+    assert set(bound) == set(RUNTIME_HOOKS)
+    hook = pm.hook.select_blocks
+    assert hook(ctx=7) == 7 and select(7) == 7
+
+    n = 20_000
+    pluggy_s = min(timeit.repeat(lambda: hook(ctx=7), number=n, repeat=5)) / n
+    bound_s = min(timeit.repeat(lambda: select(7), number=n, repeat=5)) / n
+    with capsys.disabled():
+        print(f"\n  runtime hook: pluggy call {pluggy_s * 1e6:.2f} us, bound method {bound_s * 1e6:.3f} us "
+              f"({pluggy_s / bound_s:.1f}x)")
+    assert bound_s * 3 <= pluggy_s
+
+
+def test_binding_rejects_a_policy_missing_a_hook():
+    class NotAPolicy:
+        def select_blocks(self, ctx):
+            return ctx
+
+    pm = make_policy_manager()
+    thing = NotAPolicy()
+    pm.register(thing)
+    with pytest.raises(TypeError, match="NotAPolicy does not implement compute_chunked_prefill"):
+        bind_policy_hooks(pm, thing)

@@ -1,0 +1,300 @@
+"""Scheduler: token budget, chunked prefill, mixed steps, max_num_seqs, preemption by recompute.
+
+The first half drives the scheduler alone with a fake model (every sampled token is 7); the second
+half runs the engine on a tiny random model and compares greedy tokens against a roomy run.
+"""
+
+from __future__ import annotations
+
+import pytest
+from nanovllm.config import EngineConfig
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.plugins import get_plugins
+from nanovllm.sampling_params import SamplingParams
+
+# -- the scheduler alone --------------------------------------------------------------------------
+
+
+def make(num_blocks: int = 64, **config) -> Scheduler:
+    config.setdefault("block_size", 4)
+    return Scheduler(EngineConfig(**config), num_blocks)
+
+
+def add(sched: Scheduler, prompt_len: int, max_tokens: int = 4, first: int = 10) -> Sequence:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    seq = Sequence(list(range(first, first + prompt_len)), params)
+    sched.add(seq)
+    return seq
+
+
+def step(sched: Scheduler) -> list[tuple[Sequence, int, bool]]:
+    """One step with a fake model: returns (sequence, tokens scheduled, was a decode) per sequence."""
+    scheduled = sched.schedule()
+    record = [(s, s.num_scheduled_tokens, s.is_decode) for s in scheduled]
+    sampling = [s for s in scheduled if s.samples_this_step]
+    sched.advance(scheduled)
+    for seq in sampling:
+        seq.token_ids.append(7)
+        if seq.num_completion_tokens >= seq.sampling_params.max_tokens:
+            sched.finish(seq, "length")
+    return record
+
+
+def run(sched: Scheduler, max_steps: int = 1000) -> list[list[tuple[Sequence, int, bool]]]:
+    steps = []
+    while sched.has_unfinished():
+        steps.append(step(sched))
+        assert len(steps) < max_steps, "the scheduler made no progress"
+    return steps
+
+
+def assert_all_blocks_free(sched: Scheduler) -> None:
+    bm = sched.block_manager
+    assert bm.num_free_blocks == len(bm.blocks)
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_token_budget_is_respected_and_long_prompts_are_chunked():
+    sched = make(max_num_batched_tokens=16)
+    long = add(sched, 50)
+    steps = run(sched)
+    assert all(sum(n for _, n, _ in s) <= 16 for s in steps)
+    chunks = [n for s in steps for seq, n, _ in s if seq is long]
+    assert chunks[:4] == [16, 16, 16, 2]  # the prompt in budget-sized chunks, the last one samples
+    assert chunks[4:] == [1, 1, 1]  # then one token per decode step
+    assert long.is_finished and long.num_completion_tokens == 4
+    assert_all_blocks_free(sched)
+
+
+def test_prefill_chunks_and_decodes_share_a_step():
+    sched = make(max_num_batched_tokens=8)
+    short = add(sched, 3, max_tokens=10)
+    step(sched)  # short's whole prompt
+    long = add(sched, 30, first=100)
+    mixed = step(sched)
+    assert [(s, n, d) for s, n, d in mixed] == [(short, 1, True), (long, 7, False)]
+    steps = run(sched)
+    assert all(sum(n for _, n, _ in s) <= 8 for s in steps)
+    assert short.is_finished and long.is_finished
+    assert_all_blocks_free(sched)
+
+
+def test_max_num_seqs_bounds_the_running_set():
+    sched = make(max_num_seqs=2)
+    seqs = [add(sched, 5, max_tokens=3, first=10 * i) for i in range(5)]
+    peak = 0
+    while sched.has_unfinished():
+        step(sched)
+        peak = max(peak, len(sched.running))
+        assert len(sched.running) <= 2
+    assert peak == 2
+    assert all(s.is_finished and s.num_completion_tokens == 3 for s in seqs)
+    assert_all_blocks_free(sched)
+
+
+def test_preemption_by_recompute_when_blocks_run_out():
+    # 6 blocks of 4 tokens; each sequence grows to 5 + 10 = 15 tokens (4 blocks): both cannot fit.
+    sched = make(num_blocks=6, enable_prefix_caching=False)
+    a = add(sched, 5, max_tokens=10, first=10)
+    b = add(sched, 5, max_tokens=10, first=50)
+    victim_seen = False
+    while sched.has_unfinished():
+        before = sched.num_preemptions
+        step(sched)
+        if sched.num_preemptions > before and not victim_seen:
+            victim_seen = True
+            # The most recently admitted sequence goes back to the front of the queue, holding nothing.
+            assert sched.waiting[0] is b and b.status == SequenceStatus.WAITING
+            assert b.block_table == [] and b.num_computed_tokens == 0
+            assert b.num_completion_tokens > 0  # its generated tokens are kept and recomputed
+        used = sum(len(s.block_table) for s in sched.running)
+        assert used + sched.block_manager.num_free_blocks == 6
+    assert sched.num_preemptions >= 1
+    assert a.is_finished and b.is_finished
+    assert a.completion_token_ids == b.completion_token_ids == [7] * 10
+    assert_all_blocks_free(sched)
+
+
+def test_finished_sequences_release_their_blocks_at_once():
+    sched = make()
+    a = add(sched, 9, max_tokens=1)
+    b = add(sched, 9, max_tokens=5, first=40)
+    step(sched)
+    assert a.is_finished and a.block_table == [] and a not in sched.running
+    assert len(b.block_table) == 3
+    run(sched)
+    assert_all_blocks_free(sched)
+
+
+def test_without_chunked_prefill_prompts_are_never_split():
+    sched = make(max_num_batched_tokens=20, enable_chunked_prefill=False)
+    first = add(sched, 15, max_tokens=3)
+    second = add(sched, 15, max_tokens=3, first=100)
+    steps = run(sched)
+    assert [(s, n) for s, n, _ in steps[0]] == [(first, 15)]  # second does not fit the rest of the budget
+    assert (second, 15) in [(s, n) for s, n, _ in steps[1]]
+    for seq in (first, second):
+        prefills = [n for s in steps for q, n, d in s if q is seq and not d]
+        assert prefills == [15]
+    assert all(sum(n for _, n, _ in s) <= 20 for s in steps)
+
+
+def test_prefix_hits_shorten_the_prefill():
+    sched = make()
+    a = add(sched, 13, max_tokens=1)
+    run(sched)
+    b = add(sched, 13, max_tokens=1)  # same prompt: 3 full blocks cached, at most 12 tokens
+    record = step(sched)
+    assert record == [(b, 1, False)]
+    assert b.num_cached_tokens == 12
+    assert a.is_finished and b.is_finished
+
+
+def test_a_sequence_larger_than_the_whole_cache_is_a_clear_error():
+    sched = make(num_blocks=2)
+    add(sched, 20)
+    with pytest.raises(RuntimeError, match="cannot hold one sequence"):
+        sched.schedule()
+
+
+def test_abort_all_returns_every_block():
+    sched = make()
+    add(sched, 9)
+    add(sched, 9, first=50)
+    step(sched)
+    add(sched, 4, first=90)
+    sched.abort_all()
+    assert not sched.has_unfinished()
+    assert_all_blocks_free(sched)
+
+
+# -- the engine on a tiny model ---------------------------------------------------------------------
+
+needs_llama = pytest.mark.skipif(
+    "LlamaForCausalLM" not in get_plugins().registry.model_families, reason="needs the nanovllm-llama plugin"
+)
+
+PROMPT_LENS = (20, 33, 7, 26)
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def prompts() -> list[list[int]]:
+    return [[(13 * i + 7 * j) % 250 + 3 for j in range(n)] for i, n in enumerate(PROMPT_LENS)]
+
+
+def greedy(path: str, **config) -> tuple[list[list[int]], object]:
+    from nanovllm import LLM
+
+    llm = LLM(path, kv_cache_memory=config.pop("kv_cache_memory", 1 << 24), **config)
+    out = llm.generate(prompts(), GREEDY, use_tqdm=False)
+    return [o.token_ids for o in out], llm
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run far faster on one thread; two OpenMP threads spin badly on a busy 2-core machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    tokens, _ = greedy(model, enable_prefix_caching=False)
+    return tokens
+
+
+def spy_steps(llm) -> list[list[tuple[int, bool]]]:
+    """Record (tokens scheduled, is decode) per sequence for every step the runner executes."""
+    steps: list[list[tuple[int, bool]]] = []
+    execute = llm.runner.execute
+
+    def recording(seqs):
+        steps.append([(s.num_scheduled_tokens, s.is_decode) for s in seqs])
+        return execute(seqs)
+
+    llm.runner.execute = recording
+    return steps
+
+
+def engine_blocks_all_free(llm) -> bool:
+    bm = llm.scheduler.block_manager
+    return bm.num_free_blocks == len(bm.blocks) and not llm.scheduler.has_unfinished()
+
+
+@needs_llama
+def test_chunked_mixed_steps_give_the_same_tokens(model, reference):
+    from nanovllm import LLM
+
+    llm = LLM(model, kv_cache_memory=1 << 24, max_num_batched_tokens=16, max_num_seqs=3)
+    steps = spy_steps(llm)
+    out = llm.generate(prompts(), GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in out] == reference
+    assert all(sum(n for n, _ in s) <= 16 for s in steps)
+    assert all(len(s) <= 3 for s in steps)
+    assert any(any(d for _, d in s) and any(not d for _, d in s) for s in steps), "no mixed step"
+    assert engine_blocks_all_free(llm)
+
+
+@needs_llama
+def test_preemption_recomputes_and_keeps_greedy_tokens(model, reference):
+    # 16-token blocks of 8 KiB each; 6 blocks hold 96 tokens, the four requests need up to 57 each.
+    tokens, llm = greedy(model, kv_cache_memory=6 * 8192, max_model_len=96)
+    assert llm.runner.num_blocks == 6
+    assert llm.scheduler.num_preemptions > 0
+    assert tokens == reference
+    assert engine_blocks_all_free(llm)
+
+
+@needs_llama
+def test_without_chunked_prefill_tokens_match(model, reference):
+    tokens, llm = greedy(model, enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=64)
+    assert tokens == reference
+    assert engine_blocks_all_free(llm)
+
+
+@needs_llama
+def test_without_chunked_prefill_budget_must_hold_a_whole_prompt(model):
+    from nanovllm import LLM
+
+    with pytest.raises(ValueError, match="enable_chunked_prefill=False"):
+        LLM(model, kv_cache_memory=1 << 24, enable_chunked_prefill=False, max_num_batched_tokens=32)
+
+
+@needs_llama
+def test_prefix_cache_hits_keep_tokens(model, reference):
+    from nanovllm import LLM
+
+    llm = LLM(model, kv_cache_memory=1 << 24, max_num_batched_tokens=32)
+    first = llm.generate(prompts(), GREEDY, use_tqdm=False)
+    again = llm.generate(prompts(), GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again] == reference
+    assert [o.num_cached_tokens for o in again] == [(n - 1) // 16 * 16 for n in PROMPT_LENS]
+    assert engine_blocks_all_free(llm)
+
+
+@needs_llama
+def test_hash_collisions_never_change_tokens(model, reference, monkeypatch):
+    """With every block hashing alike, the prefix cache must fall back to verification, not trust."""
+    from nanovllm import LLM
+    from nanovllm.engine import block_manager
+
+    shifted = [[5, 6, 7, 8] + p for p in prompts()]  # same blocks, other positions
+    plain = LLM(model, kv_cache_memory=1 << 24, enable_prefix_caching=False)
+    shifted_reference = [o.token_ids for o in plain.generate(shifted, GREEDY, use_tqdm=False)]
+
+    monkeypatch.setattr(block_manager, "chain_hash", lambda prev, tokens: hash(tuple(tokens)) & 3)
+    llm = LLM(model, kv_cache_memory=1 << 24, block_size=4)
+    for batch, expected in ((prompts(), reference), (shifted, shifted_reference), (prompts(), reference)):
+        out = llm.generate(batch, GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in out] == expected
+    assert engine_blocks_all_free(llm)

@@ -1,0 +1,352 @@
+"""The ``triton`` attention backend against the ``torch`` reference, on fresh random inputs.
+
+Two modes: on CUDA (``gpu`` marker; head dims 64/128, GQA 1/2/4/8, block sizes 16/256, bf16/fp16,
+lengths that are not multiples of any tile), and, on a machine without CUDA, the same checks at
+small sizes under Triton's interpreter (``TRITON_INTERPRET=1``), in a subprocess that runs this
+file's ``interp`` cases (about 30 s on two cores). Every output buffer the backend allocates is
+poisoned with NaN first, so an element the kernels never write fails the check.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from nanovllm.attention.metadata import PhaseMetadata
+from nanovllm.attention.torch_backend import TorchBackend
+from nanovllm.policy import PolicyContext, SparsePolicy
+
+CUDA = torch.cuda.is_available()
+# Interpreter mode: this file re-run by ``test_kernels_under_interpreter`` in a subprocess whose
+# environment sets TRITON_INTERPRET=1 before anything imports triton (its own helpers are built at
+# import time, so setting it later in a process that already imported triton does not work).
+INTERP = (not CUDA) and os.environ.get("TRITON_INTERPRET") == "1"
+
+pytest.importorskip("triton")
+
+from nanovllm.attention import triton_backend as tb  # noqa: E402
+from nanovllm.attention import triton_kernels as tk  # noqa: E402
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+LSE_TOL = {torch.bfloat16: 2e-3, torch.float16: 2e-3, torch.float32: 1e-4}
+
+# (dtype, head_dim, group, block_size): every head dim meets every group and block size, and
+# each dtype meets every head dim and block size.
+GPU_CONFIGS = [
+    (dt, d, g, bs)
+    for d in (64, 128)
+    for g in (1, 2, 4, 8)
+    for bs in (16, 256)
+    for dt in [(torch.bfloat16 if (g + bs // 16 + d // 64) % 2 == 0 else torch.float16)]
+] + [(torch.float32, 128, 4, 16), (torch.bfloat16, 32, 2, 16), (torch.float16, 32, 1, 256)]
+INTERP_CONFIGS = [
+    (torch.bfloat16, 64, 1, 16),
+    (torch.float16, 128, 2, 256),
+    (torch.bfloat16, 128, 4, 16),
+    (torch.float16, 64, 8, 256),
+    (torch.float32, 32, 2, 16),
+]
+
+
+def _cfg_id(c) -> str:
+    dt, d, g, bs = c
+    return f"{str(dt).removeprefix('torch.')}-d{d}-g{g}-bs{bs}"
+
+
+PARAMS = [pytest.param("cuda", *c, id="gpu-" + _cfg_id(c), marks=pytest.mark.gpu) for c in GPU_CONFIGS] + [
+    pytest.param(
+        "cpu", *c, id="interp-" + _cfg_id(c),
+        marks=pytest.mark.skipif(not INTERP, reason="run by test_kernels_under_interpreter in a subprocess"),
+    )
+    for c in INTERP_CONFIGS
+]
+cases = pytest.mark.parametrize("device,dtype,head_dim,group,block_size", PARAMS)
+
+# (query length, context length) per sequence: a fresh prompt, a prefix-cache hit / later chunk, a
+# single token over a long prefix, a chunk crossing block and tile boundaries.
+GPU_PREFILL = [(300, 300), (77, 1000), (1, 513), (129, 385)]
+INTERP_PREFILL = [(20, 20), (7, 40), (1, 18), (17, 33)]
+GPU_SHORT = [(1, 513), (40, 1000), (7, 70), (64, 64)]
+GPU_DECODE = [1, 17, 1000, 4097, 300]
+INTERP_DECODE = [1, 17, 70, 33]
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    """Outputs start as NaN: an element a kernel does not write fails ``finite`` below."""
+    monkeypatch.setattr(tb, "_empty_out", lambda q: torch.full_like(q, float("nan")))
+    monkeypatch.setattr(
+        tb, "_empty_lse",
+        lambda q: torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device),
+    )
+
+
+@pytest.fixture
+def gen():
+    seed = int.from_bytes(os.urandom(4), "little")
+    return torch.Generator().manual_seed(seed)  # the seed is in every failure message
+
+
+class Case:
+    """Random paged KV for a batch: cache blocks scattered in a shuffled pool, tables padded with -1."""
+
+    def __init__(self, q_lens, ctx_lens, num_kv_heads, group, head_dim, block_size, dtype, device, gen):
+        self.scale = head_dim**-0.5
+        s = len(q_lens)
+        nblk = [-(-c // block_size) for c in ctx_lens]
+        total = sum(nblk) + 3  # a few blocks nobody owns
+        perm = torch.randperm(total, generator=gen)
+        tables = torch.full((s, max(nblk) + 1), -1, dtype=torch.int32)
+        i = 0
+        for j, n in enumerate(nblk):
+            tables[j, :n] = perm[i : i + n].int()
+            i += n
+
+        def rnd(*shape, mult=1.0):
+            return (torch.randn(*shape, generator=gen) * mult).to(dtype).to(device)
+
+        h = num_kv_heads * group
+        t = sum(q_lens)
+        self.k_cache = rnd(total, block_size, num_kv_heads, head_dim)
+        self.v_cache = rnd(total, block_size, num_kv_heads, head_dim)
+        self.q = rnd(t, h, head_dim, mult=2.0)
+        self.k = rnd(t, num_kv_heads, head_dim)
+        self.v = rnd(t, num_kv_heads, head_dim)
+        slots = [
+            int(tables[j, p // block_size]) * block_size + p % block_size
+            for j in range(s)
+            for p in range(ctx_lens[j] - q_lens[j], ctx_lens[j])
+        ]
+        self.slots = torch.tensor(slots, dtype=torch.long, device=device)
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        self.meta = PhaseMetadata(
+            cu, torch.tensor(ctx_lens, dtype=torch.int32, device=device), tables.to(device),
+            max(q_lens), max(ctx_lens),
+        )
+        self.nblk = nblk
+        TorchBackend().store_kv(self.k, self.v, self.k_cache, self.v_cache, self.slots)
+
+
+def _check(out, ref, dtype, what, gen):
+    assert out.shape == ref.shape and out.dtype == ref.dtype, what
+    assert torch.isfinite(out).all(), f"{what}: unwritten or non-finite output (seed {gen.initial_seed()})"
+    err = ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+    assert err < TOL[dtype], f"{what}: relative error {err:.2e} (seed {gen.initial_seed()})"
+
+
+def _check_lse(lse, ref, dtype, what, gen):
+    assert lse.dtype == torch.float32 and lse.shape == ref.shape, what
+    assert not torch.isnan(lse).any(), f"{what}: unwritten lse (seed {gen.initial_seed()})"
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref)), f"{what}: -inf pattern differs"
+    fin = torch.isfinite(ref)
+    err = (lse[fin] - ref[fin]).abs().max().item() if fin.any() else 0.0
+    assert err < LSE_TOL[dtype], f"{what}: lse error {err:.2e} (seed {gen.initial_seed()})"
+
+
+def _kv_heads(device) -> int:
+    return 2 if device == "cuda" else 1  # the interpreter's time grows with the number of programs
+
+
+def _prefill_lens(device, short: bool = False):
+    if short:  # every chunk short: the kernels' small-query-tile configuration
+        return GPU_SHORT if device == "cuda" else INTERP_PREFILL
+    return GPU_PREFILL if device == "cuda" else INTERP_PREFILL
+
+
+@cases
+def test_store_kv(device, dtype, head_dim, group, block_size, gen):
+    c = Case([5, 40, 3], [5, 50, 300 if device == "cuda" else 30], _kv_heads(device), group, head_dim,
+             block_size, dtype, device, gen)
+    slots = c.slots.clone()
+    slots[torch.randperm(slots.numel(), generator=gen)[:5].to(device)] = -1  # skipped tokens
+    k_ref, v_ref = c.k_cache.clone(), c.v_cache.clone()
+    k_tri, v_tri = c.k_cache.clone(), c.v_cache.clone()
+    new_k, new_v = torch.randn_like(c.k), torch.randn_like(c.v)
+    TorchBackend().store_kv(new_k, new_v, k_ref, v_ref, slots)
+    tb.TritonBackend().store_kv(new_k, new_v, k_tri, v_tri, slots)
+    assert torch.equal(k_tri, k_ref) and torch.equal(v_tri, v_ref)
+    # non-contiguous inputs (views out of a fused qkv projection)
+    qkv = torch.randn(c.k.shape[0], 3, *c.k.shape[1:], device=device).to(dtype)
+    TorchBackend().store_kv(qkv[:, 1], qkv[:, 2], k_ref, v_ref, slots)
+    tb.TritonBackend().store_kv(qkv[:, 1], qkv[:, 2], k_tri, v_tri, slots)
+    assert torch.equal(k_tri, k_ref) and torch.equal(v_tri, v_ref)
+
+
+@cases
+@pytest.mark.parametrize("short", [False, True], ids=["long", "short"])
+def test_prefill_paged(device, dtype, head_dim, group, block_size, short, gen):
+    if short and device != "cuda":
+        pytest.skip("the interpreter uses one tile configuration")
+    lens = _prefill_lens(device, short)
+    c = Case([q for q, _ in lens], [k for _, k in lens], _kv_heads(device), group, head_dim, block_size,
+             dtype, device, gen)
+    args = (c.q, c.k, c.v, c.k_cache, c.v_cache, c.meta, c.scale)
+    _check(tb.TritonBackend().prefill(*args), TorchBackend().prefill(*args), dtype, "prefill", gen)
+
+
+@cases
+def test_prefill_single_fresh(device, dtype, head_dim, group, block_size, gen):
+    n = 1000 if device == "cuda" else 37
+    c = Case([n], [n], _kv_heads(device), group, head_dim, block_size, dtype, device, gen)
+    args = (c.q, c.k, c.v, c.k_cache, c.v_cache, c.meta, c.scale)
+    ref = TorchBackend().prefill(*args)
+    backend = tb.TritonBackend()
+    for sdpa in (False, True):  # the Triton kernel on dense k/v, and torch SDPA
+        backend.sdpa_prefill = sdpa
+        _check(backend.prefill(*args), ref, dtype, f"fresh prefill (sdpa={sdpa})", gen)
+
+
+@cases
+def test_decode(device, dtype, head_dim, group, block_size, gen):
+    ctx = GPU_DECODE if device == "cuda" else INTERP_DECODE
+    c = Case([1] * len(ctx), ctx, _kv_heads(device), group, head_dim, block_size, dtype, device, gen)
+    args = (c.q, c.k_cache, c.v_cache, c.meta, c.scale)
+    ref = TorchBackend().decode(*args)
+    _check(tb.TritonBackend().decode(*args), ref, dtype, "decode", gen)
+    for splits in (1, 3):  # the direct path and an explicit split count
+        out = torch.full_like(c.q, float("nan"))
+        tk.attention_decode(c.q, c.k_cache, c.v_cache, out, None, c.meta.context_lens, c.meta.block_tables,
+                            None, c.meta.max_context_len, c.scale, num_splits=splits)
+        _check(out, ref, dtype, f"decode ({splits} splits)", gen)
+
+
+def _random_selection(c: Case, hist_blocks: list[int], gen, device):
+    """Logical block indices per sequence, shuffled, -1 padded; the first sequence selects nothing."""
+    width = max(max(hist_blocks), 1) + 1
+    sel = torch.full((len(hist_blocks), width), -1, dtype=torch.int32)
+    for j, n in enumerate(hist_blocks):
+        if j == 0 or n == 0:
+            continue
+        chosen = torch.randperm(n, generator=gen)[: max(1, (n * 2 + 2) // 3)]
+        cols = torch.randperm(width, generator=gen)[: chosen.numel()]
+        sel[j, cols] = chosen.int()
+    return sel.to(device)
+
+
+@cases
+def test_attend_blocks_decode(device, dtype, head_dim, group, block_size, gen):
+    ctx = GPU_DECODE if device == "cuda" else INTERP_DECODE
+    c = Case([1] * len(ctx), ctx, _kv_heads(device), group, head_dim, block_size, dtype, device, gen)
+    kv_lens = (c.meta.context_lens - torch.tensor([0, 5, 1, 9][: len(ctx)] + [0] * (len(ctx) - 4),
+                                                  device=device)).int().clamp(min=0)
+    sel = _random_selection(c, c.nblk, gen, device)
+    args = (c.q, c.k_cache, c.v_cache, c.meta, sel, kv_lens, c.scale)
+    out, lse = tb.TritonBackend().attend_blocks(*args)
+    ref_out, ref_lse = TorchBackend().attend_blocks(*args)
+    assert torch.all(out[0] == 0) and torch.all(torch.isneginf(lse[0])), "empty selection: out 0, lse -inf"
+    _check(out, ref_out, dtype, "attend_blocks (decode)", gen)
+    _check_lse(lse, ref_lse, dtype, "attend_blocks (decode)", gen)
+
+
+@cases
+def test_attend_blocks_prefill(device, dtype, head_dim, group, block_size, gen):
+    lens = _prefill_lens(device)
+    c = Case([q for q, _ in lens], [k for _, k in lens], _kv_heads(device), group, head_dim, block_size,
+             dtype, device, gen)
+    hist = c.meta.context_lens - c.meta.query_lens
+    hist_blocks = [-(-(k - q) // block_size) for q, k in lens]
+    sel = _random_selection(c, hist_blocks, gen, device)
+    args = (c.q, c.k_cache, c.v_cache, c.meta, sel, hist, c.scale)
+    out, lse = tb.TritonBackend().attend_blocks(*args)
+    ref_out, ref_lse = TorchBackend().attend_blocks(*args)
+    _check(out, ref_out, dtype, "attend_blocks (prefill)", gen)
+    _check_lse(lse, ref_lse, dtype, "attend_blocks (prefill)", gen)
+
+
+@cases
+@pytest.mark.parametrize("short", [False, True], ids=["long", "short"])
+def test_attend_chunk(device, dtype, head_dim, group, block_size, short, gen):
+    if short and device != "cuda":
+        pytest.skip("the interpreter uses one tile configuration")
+    lens = _prefill_lens(device, short)
+    c = Case([q for q, _ in lens], [k for _, k in lens], _kv_heads(device), group, head_dim, block_size,
+             dtype, device, gen)
+    args = (c.q, c.k, c.v, c.meta, c.scale)
+    out, lse = tb.TritonBackend().attend_chunk(*args)
+    ref_out, ref_lse = TorchBackend().attend_chunk(*args)
+    _check(out, ref_out, dtype, "attend_chunk", gen)
+    _check_lse(lse, ref_lse, dtype, "attend_chunk", gen)
+
+
+@cases
+def test_policy_merge_equals_prefill(device, dtype, head_dim, group, block_size, gen):
+    """History blocks + current chunk merged by log-sum-exp (the policies' default) == dense prefill."""
+    lens = _prefill_lens(device)
+    c = Case([q for q, _ in lens], [k for _, k in lens], _kv_heads(device), group, head_dim, block_size,
+             dtype, device, gen)
+    backend = tb.TritonBackend()
+    ctx = PolicyContext(0, True, c.q, c.meta, c.k_cache, c.v_cache, c.scale, backend)
+    out = SparsePolicy().compute_chunked_prefill(c.q, c.k, c.v, ctx)
+    ref = TorchBackend().prefill(c.q, c.k, c.v, c.k_cache, c.v_cache, c.meta, c.scale)
+    _check(out, ref, dtype, "policy prefill (attend_blocks + attend_chunk + merge)", gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_decode_cuda_graph(block_size, gen):
+    """Decode captured once, replayed with other lengths and tables written into the same buffers."""
+    dtype, device, group, head_dim, kv_heads = torch.bfloat16, "cuda", 4, 128, 2
+    max_len, bs = 5000, 6
+    pool = -(-max_len // block_size) * bs + 4
+    backend = tb.TritonBackend()
+    k_cache = torch.randn(pool, block_size, kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    v_cache = torch.randn(pool, block_size, kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    q = torch.empty(bs, kv_heads * group, head_dim, dtype=dtype, device=device)
+    lens = torch.ones(bs, dtype=torch.int32, device=device)
+    tables = torch.zeros(bs, -(-max_len // block_size), dtype=torch.int32, device=device)
+    meta = PhaseMetadata(torch.arange(bs + 1, dtype=torch.int32, device=device), lens, tables, 1, max_len)
+    scale = head_dim**-0.5
+    backend.decode(q, k_cache, v_cache, meta, scale)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.decode(q, k_cache, v_cache, meta, scale)
+    for _ in range(2):
+        new_lens = torch.randint(1, max_len + 1, (bs,), generator=gen)
+        new_lens[0] = max_len
+        lens.copy_(new_lens)
+        tables.copy_(torch.randperm(pool, generator=gen)[: tables.numel()].view_as(tables).int())
+        q.copy_(torch.randn(q.shape, generator=gen).to(dtype))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref = TorchBackend().decode(q, k_cache, v_cache, meta, scale)
+        _check(out, ref, dtype, "decode in a CUDA graph", gen)
+
+
+def test_registration_lists_triton_for_cuda_only():
+    from nanovllm.builtin import register_attention_backends
+    from nanovllm.plugins import Registry
+
+    registry = Registry()
+    register_attention_backends(registry)
+    info = registry.attention_backends["triton"]
+    assert info.target == "nanovllm.attention.triton_backend:TritonBackend"
+    assert info.supports("cuda", "bfloat16", 128) is None
+    assert info.supports("cuda", "float16", 64) is None
+    assert info.supports("cpu", "bfloat16", 128) is not None
+    assert info.supports("cuda", "bfloat16", 96) is not None
+
+
+@pytest.mark.skipif(CUDA or INTERP, reason="CUDA runs the gpu cases; the subprocess, the cases")
+def test_kernels_under_interpreter():
+    """Every ``interp`` case of this file under Triton's interpreter on the CPU, in a fresh process."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore",
+         str(Path(__file__).resolve()), "-k", "interp"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=900,
+    )
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, tail
+    case_tests = [
+        f for f in globals().values()
+        if any(m.name == "parametrize" and "device" in m.args[0] for m in getattr(f, "pytestmark", []))
+    ]
+    passed = re.search(r"(\d+) passed", tail)
+    assert passed and int(passed.group(1)) == len(case_tests) * len(INTERP_CONFIGS), tail

@@ -1,0 +1,309 @@
+"""Parity of the model plugins with Hugging Face transformers, on tiny random float32 models.
+
+For each model (Qwen3 with tied and untied embeddings; Llama with llama3 RoPE scaling, spelled the
+transformers-5 way and the legacy way, and with attention biases) and each engine setting (one-step
+prefill, chunked prefill mixed with decodes at block sizes 8 and 32, preemption under a tiny KV cache),
+the engine generates greedily for a batch of prompts of different lengths, then again for prompts that
+share prefixes with the first round (prefix-cache hits). We check:
+
+- every next-token logits row the sampler saw is within 1e-4 (relative norm) of the logits of one full
+  HF forward over prompt + completion at the same position;
+- the greedy tokens equal HF ``generate(do_sample=False)``;
+- the setting really did what it is for (prefix hits, split prompts sharing steps with decodes,
+  preemptions).
+
+The logits are captured by wrapping the runner's sampler (and ``execute``, to know which sequence each
+row belongs to) on the engine instance. Engines and HF references are built once per module.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+MAX_NEW = 6
+PROMPT_LENS = (5, 37, 80, 130)
+RTOL = 1e-4
+INIT = 0.3  # transformers' default 0.02 makes a tied tiny model repeat its input token forever
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+}
+LEGACY_ROPE_SCALING = {
+    "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+MODELS = {
+    "qwen3-tied": ("Qwen3ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3-untied": ("Qwen3ForCausalLM", dict(tie_word_embeddings=False)),
+    "llama-rope-llama3": ("LlamaForCausalLM", dict(rope_parameters=LLAMA3_ROPE)),
+    # written with the pre-transformers-5 keys rope_theta + rope_scaling, and random q/k/v/o biases
+    "llama-bias-legacy-rope": ("LlamaForCausalLM", dict(attention_bias=True)),
+}
+
+# kv_blocks sizes the cache (the CPU default, 2 GiB per engine, is far more than these tests need).
+SETTINGS = {
+    # every prompt prefilled in one step, then decodes
+    "onestep-bs16": dict(block_size=16, kv_blocks=64),
+    # prompts split into chunks of at most 32 tokens that share steps with decodes
+    "chunked-bs8": dict(block_size=8, max_num_batched_tokens=32, kv_blocks=128),
+    "chunked-bs32": dict(block_size=32, max_num_batched_tokens=48, kv_blocks=32),
+    # 12 blocks of 16 tokens for ~270 tokens of work: the scheduler must preempt
+    "preempt-bs16": dict(block_size=16, max_num_batched_tokens=64, kv_blocks=12),
+}
+MAX_MODEL_LEN = 192
+
+
+def _make_model(root: Path, name: str) -> str:
+    from safetensors.torch import load_file, save_file
+
+    from nanovllm.testing import tiny_model_dir
+
+    arch, overrides = MODELS[name]
+    path = tiny_model_dir(root / name, arch, initializer_range=INIT, **overrides)
+    if name == "llama-bias-legacy-rope":
+        config = json.loads((path / "config.json").read_text())
+        config.pop("rope_parameters", None)
+        config.update(rope_theta=500000.0, rope_scaling=LEGACY_ROPE_SCALING)
+        (path / "config.json").write_text(json.dumps(config, indent=2))
+        weights = load_file(path / "model.safetensors")
+        gen = torch.Generator().manual_seed(1)
+        for key, tensor in weights.items():  # transformers initialises biases to zero
+            if key.endswith(".bias"):
+                weights[key] = tensor + torch.randn(tensor.shape, generator=gen) * 0.5
+        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return str(path)
+
+
+def _prompts(vocab: int, lens, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lens]
+
+
+class HFReference:
+    """Greedy tokens from HF ``generate`` and logits from one full HF forward, cached per prompt."""
+
+    def __init__(self, path: str) -> None:
+        import transformers
+
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.cache: dict[tuple[int, ...], tuple[list[int], torch.Tensor]] = {}
+
+    @torch.no_grad()
+    def __call__(self, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+        """``(completion tokens, logits [MAX_NEW, vocab])``; row i predicts completion token i."""
+        key = tuple(prompt)
+        if key not in self.cache:
+            ids = torch.tensor([prompt])
+            out = self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW,
+                min_new_tokens=MAX_NEW, pad_token_id=0,
+            )
+            completion = out[0, len(prompt):].tolist()
+            logits = self.model(out).logits[0, len(prompt) - 1 : len(prompt) - 1 + MAX_NEW]
+            self.cache[key] = (completion, logits.float())
+        return self.cache[key]
+
+
+class CapturingEngine:
+    """An ``LLM`` whose runner records, per request, the logits row of every sampled token, and per
+    step what was scheduled."""
+
+    def __init__(self, path: str, **opts) -> None:
+        import nanovllm
+
+        self.llm = llm = nanovllm.LLM(path, device="cpu", **opts)
+        runner = llm.runner
+        runner.kv_cache.fill_(float("nan"))  # reading a slot no step has written must show in the logits
+        self.rows: dict[str, list[torch.Tensor]] = {}
+        self.steps: list[dict] = []
+        sampler, execute = runner.sampler, runner.execute
+        seen: list[torch.Tensor] = []
+
+        def capturing_sampler(logits, *args, **kwargs):
+            seen.append(logits.detach().float().clone())
+            return sampler(logits, *args, **kwargs)
+
+        def capturing_execute(seqs):
+            self.steps.append(dict(
+                decodes=sum(s.is_decode for s in seqs),
+                prefills=sum(not s.is_decode for s in seqs),
+                split=any(
+                    not s.is_decode and not s.samples_this_step for s in seqs
+                ),  # a prompt chunk that does not reach the end of its sequence
+                tokens=sum(s.num_scheduled_tokens for s in seqs),
+            ))
+            seen.clear()
+            sampled = execute(seqs)
+            if sampled:
+                (logits,) = seen
+                assert logits.shape[0] == len(sampled)
+                for (seq, token), row in zip(sampled, logits, strict=True):
+                    assert token == int(row.argmax()), "greedy sampler did not take the argmax"
+                    self.rows.setdefault(seq.request_id, []).append(row)
+            return sampled
+
+        runner.sampler = capturing_sampler
+        runner.execute = capturing_execute
+
+    def generate(self, prompts: list[list[int]]):
+        from nanovllm import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [
+            (o.num_cached_tokens, o.outputs[0].token_ids, torch.stack(self.rows.pop(o.request_id)))
+            for o in outs
+        ]
+
+
+def _second_round(first: list[list[int]], completions: list[list[int]], vocab: int) -> list[list[int]]:
+    """Prompts sharing prefixes with the first round: a repeat, a continuation of prompt + completion
+    (its last blocks were filled by decodes), and truncated prompts with new tails."""
+    fresh = _prompts(vocab, (7, 20, 9, 33), seed=99)
+    return [
+        list(first[3]),
+        first[2] + completions[2] + fresh[0],
+        first[3][:70] + fresh[1],
+        first[1][:33] + fresh[2],
+        first[0] + fresh[3],
+    ]
+
+
+# -- fixtures -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parity")
+    made: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in made:
+            made[name] = _make_model(root, name)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def hf_reference(model_paths):
+    refs: dict[str, HFReference] = {}
+
+    def get(name: str) -> HFReference:
+        if name not in refs:
+            refs[name] = HFReference(model_paths(name))
+        return refs[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def runs(model_paths, hf_reference):
+    """``runs(model, setting)`` -> the engine and both rounds' results (cached)."""
+    done: dict[tuple[str, str], dict] = {}
+
+    def get(model: str, setting: str) -> dict:
+        if (model, setting) in done:
+            return done[(model, setting)]
+        path = model_paths(model)
+        ref = hf_reference(model)
+        vocab = ref.model.config.vocab_size
+        opts = dict(SETTINGS[setting])
+        cfg = ref.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        per_block = 2 * cfg.num_hidden_layers * opts["block_size"] * cfg.num_key_value_heads * head_dim * 4
+        opts["kv_cache_memory"] = opts.pop("kv_blocks") * per_block
+        engine = CapturingEngine(path, max_model_len=MAX_MODEL_LEN, **opts)
+        assert engine.llm.scheduler.block_manager.blocks.__len__() == SETTINGS[setting]["kv_blocks"]
+        first = _prompts(vocab, PROMPT_LENS, seed=7)
+        out1 = engine.generate(first)
+        second = _second_round(first, [ref(p)[0] for p in first], vocab)
+        out2 = engine.generate(second)
+        done[(model, setting)] = result = dict(
+            engine=engine, prompts=first + second, outputs=out1 + out2, num_first=len(first)
+        )
+        return result
+
+    return get
+
+
+CASES = [pytest.param(m, s, id=f"{m}-{s}") for m in MODELS for s in SETTINGS]
+
+
+# -- tests --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("model", "setting"), CASES)
+def test_next_token_logits_match_hf(runs, hf_reference, model, setting):
+    run = runs(model, setting)
+    ref = hf_reference(model)
+    for i, (prompt, (_, tokens, logits)) in enumerate(zip(run["prompts"], run["outputs"], strict=True)):
+        want_tokens, want_logits = ref(prompt)
+        if tokens != want_tokens:  # past the first difference the rows describe other sequences
+            n = next(j for j, (a, b) in enumerate(zip(tokens, want_tokens, strict=True)) if a != b)
+            logits, want_logits = logits[: n + 1], want_logits[: n + 1]
+        rel = (logits - want_logits).norm(dim=-1) / want_logits.norm(dim=-1)
+        assert rel.max().item() < RTOL, (
+            f"prompt {i} ({len(prompt)} tokens): relative logits error per generated token {rel.tolist()}"
+        )
+
+
+@pytest.mark.parametrize(("model", "setting"), CASES)
+def test_greedy_tokens_match_hf_generate(runs, hf_reference, model, setting):
+    run = runs(model, setting)
+    ref = hf_reference(model)
+    got = [tokens for _, tokens, _ in run["outputs"]]
+    want = [ref(p)[0] for p in run["prompts"]]
+    assert got == want
+
+
+@pytest.mark.parametrize(("model", "setting"), CASES)
+def test_setting_exercised_what_it_is_for(runs, model, setting):
+    run = runs(model, setting)
+    engine, steps = run["engine"], run["engine"].steps
+    cached = [c for c, _, _ in run["outputs"]]
+    assert not any(cached[: run["num_first"]]), "a fresh engine cannot have prefix hits in the first round"
+    assert sum(cached[run["num_first"]:]) > 0, "the second round should reuse cached prefix blocks"
+    block_size = engine.llm.config.block_size
+    assert all(c % block_size == 0 for c in cached)
+    if setting == "onestep-bs16":
+        assert steps[0]["prefills"] == len(PROMPT_LENS) and steps[0]["decodes"] == 0
+        assert not any(s["split"] for s in steps)
+    if setting.startswith("chunked"):
+        budget = engine.llm.config.max_num_batched_tokens
+        assert max(s["tokens"] for s in steps) <= budget
+        assert any(s["split"] for s in steps), "no prompt was split into chunks"
+        assert any(s["decodes"] and s["prefills"] for s in steps), "no step mixed prefill chunks with decodes"
+    if setting.startswith("preempt"):
+        assert engine.llm.scheduler.num_preemptions > 0, "the tiny KV cache should force preemption"
+
+
+def test_references_are_sensitive(hf_reference):
+    """The models are not degenerate: RoPE scaling and attention biases change HF's own logits by far more
+    than the tolerance, and greedy completions are not one repeated token."""
+    import transformers
+
+    for name in ("llama-rope-llama3", "llama-bias-legacy-rope"):
+        ref = hf_reference(name)
+        config = ref.model.config
+        plain = copy.deepcopy(config)
+        plain.rope_parameters = {"rope_type": "default", "rope_theta": config.rope_parameters["rope_theta"]}
+        unscaled = transformers.LlamaForCausalLM(plain).eval()
+        unscaled.load_state_dict(ref.model.state_dict())
+        ids = torch.tensor([_prompts(config.vocab_size, (130,), seed=7)[0]])
+        with torch.no_grad():
+            a, b = ref.model(ids).logits[0, -1], unscaled(ids).logits[0, -1]
+        assert ((a - b).norm() / a.norm()).item() > 100 * RTOL, f"{name}: rope scaling has no effect"
+    bias = hf_reference("llama-bias-legacy-rope").model.model.layers[0].self_attn
+    assert all(p.bias.abs().max() > 0.1 for p in (bias.q_proj, bias.k_proj, bias.v_proj, bias.o_proj))
+    for name in MODELS:
+        ref = hf_reference(name)
+        completions = [ref(p)[0] for p in _prompts(ref.model.config.vocab_size, PROMPT_LENS, seed=7)]
+        assert sum(len(set(c)) for c in completions) > 3 * len(completions), f"{name}: {completions}"
