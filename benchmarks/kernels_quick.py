@@ -30,6 +30,7 @@ from triton.testing import do_bench  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "src"))
 from nanovllm.attention import triton_backend as tb  # noqa: E402
 from nanovllm.attention import triton_kernels as tk  # noqa: E402
+from nanovllm.attention.metadata import PhaseMetadata  # noqa: E402
 
 DRY = "--dry" in sys.argv  # tiny sizes on the CPU under Triton's interpreter: checks the script only
 DEV = "cpu" if DRY else "cuda"
@@ -106,8 +107,7 @@ def prefill(sweep: bool, gen, d: int = 128) -> None:
 
     configs = [None]
     if sweep:
-        configs += [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 4, 3), (128, 128, 8, 2),
-                    (64, 64, 4, 3)]
+        configs += [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3)]
     for cfg in configs:
         try:
             dense(cfg)
@@ -155,8 +155,27 @@ def prefill(sweep: bool, gen, d: int = 128) -> None:
             except Exception as e:
                 record("prefill", f"d={d} sdpa {name} {label}", float("nan"), float("nan"), "",
                        f"{type(e).__name__}: {str(e)[:60]}")
-    t = ms(lambda: tb._sdpa_causal(q, k, v, scale))
-    record("prefill", f"d={d} backend.prefill, one fresh sequence (SDPA)", t, tflops(t), "TFLOP/s")
+    for mode in ("cudnn", "priority", "plain"):
+        t = ms(lambda mode=mode: tb._sdpa_causal(q, k, v, scale, mode))
+        record("prefill", f"d={d} backend SDPA path, mode {mode}", t, tflops(t), "TFLOP/s")
+
+
+def prefill_lengths() -> None:
+    """backend.prefill of one fresh sequence: the Triton kernel against each SDPA mode, shorter prompts."""
+    h, hkv, d = 32, 8, 128
+    for s in (1024, 4096, 16384):
+        q = torch.randn(s, h, d, device=DEV, dtype=torch.bfloat16)
+        k = torch.randn(s, hkv, d, device=DEV, dtype=torch.bfloat16)
+        v = torch.randn(s, hkv, d, device=DEV, dtype=torch.bfloat16)
+        cu = torch.tensor([0, s], dtype=torch.int32, device=DEV)
+        meta = PhaseMetadata(cu, cu[1:], torch.zeros(1, 1, dtype=torch.int32, device=DEV), s, s)
+        backend = tb.TritonBackend()
+        flops = 2 * h * d * s * s
+        for sdpa, mode in ((False, "-"), (True, "cudnn"), (True, "priority"), (True, "plain")):
+            backend.sdpa_prefill, backend.sdpa_mode = sdpa, mode
+            t = ms(lambda b=backend, q=q, k=k, v=v, meta=meta: b.prefill(q, k, v, None, None, meta, d**-0.5))
+            name = f"S={s} backend.prefill " + (f"sdpa {mode}" if sdpa else "triton")
+            record("prefill", name, t, flops / t / 1e9, "TFLOP/s")
 
 
 def decode(sweep: bool, gen, copy_gbs: float) -> None:
@@ -218,6 +237,8 @@ def main() -> None:
     prefill(args.sweep, gen, 128)
     if args.sweep:
         prefill(args.sweep, gen, 64)
+    if not DRY:
+        prefill_lengths()
     decode(args.sweep, gen, copy_gbs)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "kernels_quick.json").write_text(json.dumps(

@@ -2,9 +2,10 @@
 
 For each model (Qwen3 with tied and untied embeddings; Llama with llama3 RoPE scaling, spelled the
 transformers-5 way and the legacy way, and with attention biases) and each engine setting (one-step
-prefill, chunked prefill mixed with decodes at block sizes 8 and 32, preemption under a tiny KV cache),
-the engine generates greedily for a batch of prompts of different lengths, then again for prompts that
-share prefixes with the first round (prefix-cache hits). We check:
+prefill; chunked prefill mixed with decodes at block sizes 8 and 32; preemption under a tiny KV cache,
+with block size 12, and with block size 16 and no prefix cache), the engine generates greedily for a
+batch of prompts of different lengths, then again for prompts that share prefixes with the first round
+(prefix-cache hits). We check:
 
 - every next-token logits row the sampler saw is within 1e-4 (relative norm) of the logits of one full
   HF forward over prompt + completion at the same position;
@@ -25,8 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-MAX_NEW = 6
-PROMPT_LENS = (5, 37, 80, 130)
+MAX_NEW = 16
+PROMPT_LENS = (5, 37, 75, 130)  # 75 + 5 computed tokens: decodes fill a block of 8 or 16
 RTOL = 1e-4
 INIT = 0.3  # transformers' default 0.02 makes a tied tiny model repeat its input token forever
 
@@ -54,8 +55,12 @@ SETTINGS = {
     # prompts split into chunks of at most 32 tokens that share steps with decodes
     "chunked-bs8": dict(block_size=8, max_num_batched_tokens=32, kv_blocks=128),
     "chunked-bs32": dict(block_size=32, max_num_batched_tokens=48, kv_blocks=32),
-    # 12 blocks of 16 tokens for ~270 tokens of work: the scheduler must preempt
-    "preempt-bs16": dict(block_size=16, max_num_batched_tokens=64, kv_blocks=12),
+    # 16 blocks of 12 tokens (a block size that is no power of two; just MAX_MODEL_LEN) for ~270 tokens
+    # of work: the scheduler must preempt, and a recomputed sequence finds its own blocks in the cache
+    "preempt-bs12": dict(block_size=12, max_num_batched_tokens=32, kv_blocks=16),
+    # the same without the prefix cache, so a preempted sequence recomputes prompt and completion
+    "preempt-nocache-bs16": dict(block_size=16, max_num_batched_tokens=32, kv_blocks=12,
+                                 enable_prefix_caching=False),
 }
 MAX_MODEL_LEN = 192
 
@@ -221,7 +226,7 @@ def runs(model_paths, hf_reference):
         per_block = 2 * cfg.num_hidden_layers * opts["block_size"] * cfg.num_key_value_heads * head_dim * 4
         opts["kv_cache_memory"] = opts.pop("kv_blocks") * per_block
         engine = CapturingEngine(path, max_model_len=MAX_MODEL_LEN, **opts)
-        assert engine.llm.scheduler.block_manager.blocks.__len__() == SETTINGS[setting]["kv_blocks"]
+        assert len(engine.llm.scheduler.block_manager.blocks) == SETTINGS[setting]["kv_blocks"]
         first = _prompts(vocab, PROMPT_LENS, seed=7)
         out1 = engine.generate(first)
         second = _second_round(first, [ref(p)[0] for p in first], vocab)
@@ -269,10 +274,18 @@ def test_setting_exercised_what_it_is_for(runs, model, setting):
     run = runs(model, setting)
     engine, steps = run["engine"], run["engine"].steps
     cached = [c for c, _, _ in run["outputs"]]
-    assert not any(cached[: run["num_first"]]), "a fresh engine cannot have prefix hits in the first round"
-    assert sum(cached[run["num_first"]:]) > 0, "the second round should reuse cached prefix blocks"
+    if not engine.llm.scheduler.num_preemptions:
+        assert not any(cached[: run["num_first"]]), "a fresh engine cannot have prefix hits in round one"
+    if engine.llm.config.enable_prefix_caching:
+        assert sum(cached[run["num_first"]:]) > 0, "the second round should reuse cached prefix blocks"
+    else:
+        assert not any(cached)
     block_size = engine.llm.config.block_size
     assert all(c % block_size == 0 for c in cached)
+    if not setting.startswith("preempt"):  # (under preemption, blocks may be evicted before the hit)
+        # the continuation of prompt 2 + its completion reuses the blocks that decodes completed
+        computed = PROMPT_LENS[2] + MAX_NEW - 1
+        assert cached[run["num_first"] + 1] == computed // block_size * block_size
     if setting == "onestep-bs16":
         assert steps[0]["prefills"] == len(PROMPT_LENS) and steps[0]["decodes"] == 0
         assert not any(s["split"] for s in steps)

@@ -81,11 +81,12 @@ def test_json_listing(site, capsys):
     assert listed[0]["name"] == "builtin"
     assert by_name["builtin"]["distribution"] == "nanovllm"
     assert {"sparse_policy:full", "attention_backend:torch"} <= set(by_name["builtin"]["registers"])
-    assert by_name["llama"] == {
-        "name": "llama", "distribution": "nanovllm-llama", "version": md.version("nanovllm-llama"),
-        "module": "nanovllm_llama.plugin", "registers": ["model:LlamaForCausalLM"], "error": None,
-    }
-    assert by_name["qwen3"]["registers"] == ["model:Qwen3ForCausalLM"]
+    llama = by_name["llama"]
+    assert (llama["distribution"], llama["version"], llama["module"], llama["error"]) == (
+        "nanovllm-llama", md.version("nanovllm-llama"), "nanovllm_llama.plugin", None
+    )
+    assert "model:LlamaForCausalLM" in llama["registers"]
+    assert "model:Qwen3ForCausalLM" in by_name["qwen3"]["registers"]
 
 
 def test_broken_plugin_is_shown_with_its_error(site, capsys):

@@ -13,11 +13,6 @@ from nanovllm import SamplingParams
 from nanovllm.plugins import PluginError, PluginInfo, get_plugins
 from nanovllm.selection import SelectionError
 
-needs_llama = pytest.mark.skipif(
-    "LlamaForCausalLM" not in get_plugins().registry.model_families, reason="needs the nanovllm-llama plugin"
-)
-pytestmark = needs_llama
-
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 GOOD_PROMPTS = [[5, 6, 7, 8, 9], "tok40 tok41 tok42"]
 
@@ -33,6 +28,8 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def model(tiny_model):
+    if "LlamaForCausalLM" not in get_plugins().registry.model_families:
+        pytest.skip("needs the nanovllm-llama plugin")
     return tiny_model()
 
 
@@ -40,7 +37,7 @@ def model(tiny_model):
 def llm(model):
     from nanovllm import LLM
 
-    return LLM(model, kv_cache_memory=1 << 24, max_model_len=32, block_size=4)
+    return LLM(model, kv_cache_memory=1 << 24, device="cpu", max_model_len=32, block_size=4)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +57,7 @@ def make_llm(model, **kw):
     from nanovllm import LLM
 
     kw.setdefault("kv_cache_memory", 1 << 24)
+    kw.setdefault("device", "cpu")
     return LLM(model, **kw)
 
 
@@ -80,6 +78,7 @@ def make_llm(model, **kw):
         ("attention_backend", "torch:x=1", SelectionError, ["takes no options", "x"]),
         ("attention_backend", "auto:x=1", SelectionError, ["'auto' takes no options"]),
         ("sparse_policy", {"topk": 8}, SelectionError, ["needs a 'name' key"]),
+        ("sparse_policy", {"name": "full", "topk": 8}, SelectionError, ["unknown option 'topk'"]),
         ("sparse_policy", 5, ValueError, ["sparse_policy must be a selection string"]),
     ],
 )
@@ -99,12 +98,14 @@ def test_a_plugin_that_failed_to_load_reports_its_error(monkeypatch, tmp_path):
 
     real = get_plugins()
     error = "ImportError: no module named 'x'"
-    broken = PluginInfo("quest", "nanovllm-quest", "0.1.0", "nanovllm_quest", error=error)
+    broken = PluginInfo(
+        "brokenpolicy", "nanovllm-brokenpolicy", "0.1.0", "nanovllm_brokenpolicy", error=error
+    )
     fake = attrs.evolve(real, plugins=[*real.plugins, broken])
     monkeypatch.setattr(plugins_module, "_plugins", fake)
     with pytest.raises(PluginError, match="failed to load: ImportError: no module named 'x'") as info:
-        LLM(str(tmp_path), sparse_policy="quest:topk=4")
-    assert "nanovllm-quest" in str(info.value)
+        LLM(str(tmp_path), sparse_policy="brokenpolicy:topk=4")
+    assert "nanovllm-brokenpolicy" in str(info.value)
 
 
 # -- engine options -------------------------------------------------------------------------------

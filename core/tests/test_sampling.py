@@ -82,7 +82,7 @@ def test_seeded_rows_do_not_depend_on_the_batch():
 
 # -- SamplingParams through the engine ------------------------------------------------------------
 
-pytestmark_llama = pytest.mark.skipif(
+needs_llama = pytest.mark.skipif(
     "LlamaForCausalLM" not in get_plugins().registry.model_families, reason="needs the nanovllm-llama plugin"
 )
 
@@ -102,7 +102,7 @@ def one_thread():
 def llm(tiny_model):
     from nanovllm import LLM
 
-    return LLM(tiny_model(), kv_cache_memory=1 << 24, max_num_batched_tokens=32)
+    return LLM(tiny_model(), kv_cache_memory=1 << 24, device="cpu", max_num_batched_tokens=32)
 
 
 def gen(llm, prompts, params):
@@ -122,7 +122,7 @@ def greedy_tokens(llm, prompt, max_tokens=12):
     return gen(llm, [prompt], params)[0].token_ids
 
 
-@pytestmark_llama
+@needs_llama
 def test_greedy_top_k_one_and_tiny_top_p_agree(llm):
     greedy = gen(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     for kw in (dict(top_k=1), dict(top_p=1e-6)):
@@ -130,7 +130,7 @@ def test_greedy_top_k_one_and_tiny_top_p_agree(llm):
         assert [o.token_ids for o in other] == [o.token_ids for o in greedy], kw
 
 
-@pytestmark_llama
+@needs_llama
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llm, tiny_model):
     from nanovllm import LLM
 
@@ -145,27 +145,27 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(llm, tiny_
     ]
     batched = gen(llm, PROMPTS, others)
     assert batched[1].token_ids == alone
-    fresh = LLM(tiny_model(), kv_cache_memory=1 << 24, max_num_seqs=1)  # another engine, one at a time
+    fresh = LLM(tiny_model(), kv_cache_memory=1 << 24, device="cpu", max_num_seqs=1)  # one at a time
     assert gen(fresh, [PROMPTS[1]], seeded)[0].token_ids == alone
     other_seed = SamplingParams(temperature=1.0, seed=4321, max_tokens=12, ignore_eos=True)
     assert gen(llm, [PROMPTS[1]], other_seed)[0].token_ids != alone
 
 
-@pytestmark_llama
+@needs_llama
 def test_unseeded_sampling_varies(llm):
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     runs = {tuple(gen(llm, [PROMPTS[0]], params)[0].token_ids) for _ in range(3)}
     assert len(runs) > 1
 
 
-@pytestmark_llama
+@needs_llama
 def test_max_tokens_gives_length(llm):
     out = gen(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
     assert all(len(o.token_ids) == 7 and o.finish_reason == "length" and o.outputs[0].stop_reason is None
                for o in out)
 
 
-@pytestmark_llama
+@needs_llama
 def test_stop_strings_truncate_the_text(llm):
     tokens = greedy_tokens(llm, PROMPTS[0], 12)
 
@@ -184,7 +184,7 @@ def test_stop_strings_truncate_the_text(llm):
         assert stop not in out.text
 
 
-@pytestmark_llama
+@needs_llama
 def test_stop_token_ids(llm):
     tokens = greedy_tokens(llm, PROMPTS[2], 12)
     target = tokens[4]
@@ -195,7 +195,7 @@ def test_stop_token_ids(llm):
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == target
 
 
-@pytestmark_llama
+@needs_llama
 def test_eos_stops_unless_ignore_eos(llm, monkeypatch):
     assert 2 in llm.eos_token_ids  # tok2 from the tokenizer and config.json
     tokens = greedy_tokens(llm, PROMPTS[3], 12)
@@ -208,7 +208,7 @@ def test_eos_stops_unless_ignore_eos(llm, monkeypatch):
     assert out.token_ids == tokens and out.finish_reason == "length"
 
 
-@pytestmark_llama
+@needs_llama
 def test_outputs_come_back_in_prompt_order(llm):
     singles = [greedy_tokens(llm, p, n) for p, n in zip(PROMPTS, (9, 2, 14, 5), strict=True)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 2, 14, 5)]
@@ -218,7 +218,7 @@ def test_outputs_come_back_in_prompt_order(llm):
     assert len({o.request_id for o in out}) == len(PROMPTS)
 
 
-@pytestmark_llama
+@needs_llama
 def test_generate_accepts_strings_token_ids_dicts_and_a_mix(llm):
     ids = [5, 9, 13, 200, 17]
     text = "tok5 tok9 tok13 tok200 tok17"

@@ -114,9 +114,11 @@ class Case:
         t = sum(q_lens)
         self.k_cache = rnd(total, block_size, num_kv_heads, head_dim)
         self.v_cache = rnd(total, block_size, num_kv_heads, head_dim)
-        self.q = rnd(t, h, head_dim, mult=2.0)
-        self.k = rnd(t, num_kv_heads, head_dim)
-        self.v = rnd(t, num_kv_heads, head_dim)
+        # q, k, v are views into one fused projection output, as the models pass them
+        qkv = rnd(t, h + 2 * num_kv_heads, head_dim)
+        self.q = qkv[:, :h].mul_(2.0)
+        self.k = qkv[:, h : h + num_kv_heads]
+        self.v = qkv[:, h + num_kv_heads :]
         slots = [
             int(tables[j, p // block_size]) * block_size + p % block_size
             for j in range(s)
@@ -196,9 +198,12 @@ def test_prefill_single_fresh(device, dtype, head_dim, group, block_size, gen):
     args = (c.q, c.k, c.v, c.k_cache, c.v_cache, c.meta, c.scale)
     ref = TorchBackend().prefill(*args)
     backend = tb.TritonBackend()
-    for sdpa in (False, True):  # the Triton kernel on dense k/v, and torch SDPA
-        backend.sdpa_prefill = sdpa
-        _check(backend.prefill(*args), ref, dtype, f"fresh prefill (sdpa={sdpa})", gen)
+    backend.sdpa_prefill = False  # the Triton kernel on the dense new k/v
+    _check(backend.prefill(*args), ref, dtype, "fresh prefill (triton)", gen)
+    backend.sdpa_prefill = True  # torch SDPA (CUDA only)
+    for mode in ("cudnn", "priority", "plain") if device == "cuda" else ():
+        backend.sdpa_mode = mode
+        _check(backend.prefill(*args), ref, dtype, f"fresh prefill (sdpa {mode})", gen)
 
 
 @cases
@@ -350,3 +355,24 @@ def test_kernels_under_interpreter():
     ]
     passed = re.search(r"(\d+) passed", tail)
     assert passed and int(passed.group(1)) == len(case_tests) * len(INTERP_CONFIGS), tail
+
+
+@pytest.mark.gpu
+def test_engine_greedy_tokens_match_torch_backend(tiny_model):
+    """The whole engine on CUDA (chunked prefill, prefix-cache hits, decode in CUDA graphs), float32."""
+    from nanovllm import LLM, SamplingParams
+
+    path = tiny_model("Qwen3ForCausalLM")  # head dim 32
+
+    def greedy(backend: str) -> list[list[int]]:
+        g = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 37, 80, 130)]
+        llm = LLM(path, device="cuda", dtype="float32", attention_backend=backend, kv_cache_memory=1 << 26,
+                  max_num_batched_tokens=64, block_size=16)
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        first = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        again = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]  # prefix-cache hits
+        assert first == again
+        return first
+
+    assert greedy("triton") == greedy("torch")

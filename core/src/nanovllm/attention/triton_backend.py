@@ -32,6 +32,7 @@ class TritonBackend(AttentionBackend):
     # Single-sequence prefill without a cached prefix through torch SDPA (cuDNN / flash) instead of
     # the Triton kernel: 1.2x faster on an H100 at 16K (benchmarks/kernels_quick.py).
     sdpa_prefill = True
+    sdpa_mode = "cudnn"  # see _sdpa_causal
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         tk.store_kv(key, value, k_cache, v_cache, slot_mapping)
@@ -39,7 +40,7 @@ class TritonBackend(AttentionBackend):
     def prefill(self, q, k, v, k_cache, v_cache, meta: PhaseMetadata, scale: float) -> torch.Tensor:
         fresh = meta.num_seqs == 1 and meta.max_context_len == meta.max_query_len
         if fresh and self.sdpa_prefill and q.is_cuda:
-            return _sdpa_causal(q, k, v, scale)
+            return _sdpa_causal(q, k, v, scale, self.sdpa_mode)
         out = _empty_out(q)
         if fresh:  # one sequence, nothing cached before it: the new keys are all there is
             tk.attention_rows(
@@ -99,18 +100,25 @@ def _empty_lse(q: torch.Tensor) -> torch.Tensor:
     return torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
 
 
-def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One sequence, causal: torch SDPA with its fastest fused backends (cuDNN first, then flash).
+def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mode: str = "cudnn"):
+    """One sequence, causal, through torch SDPA; grouped KV heads as they are (``enable_gqa``).
 
-    cuDNN takes grouped KV heads as they are (``enable_gqa``); on an H100 it ran 16K causal d=128 at
-    587 TFLOP/s against 484 for this backend's kernel (benchmarks/kernels_quick.py)."""
+    mode "cudnn": only cuDNN's fused kernel when it applies (16-bit, head dim <= 128), else SDPA's
+    own choice; "priority": cuDNN, flash, efficient, math in that order of priority; "plain": SDPA's
+    own choice (flash on Hopper)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, T, D] views
-    backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                SDPBackend.MATH]
-    with sdpa_kernel(backends, set_priority=True):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qh, kh, vh, is_causal=True, scale=scale, enable_gqa=kh.shape[1] != qh.shape[1]
-        )
+    gqa = kh.shape[1] != qh.shape[1]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if mode == "cudnn" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 128:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            out = sdpa(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    elif mode == "priority":
+        backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                    SDPBackend.MATH]
+        with sdpa_kernel(backends, set_priority=True):
+            out = sdpa(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        out = sdpa(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     return out.squeeze(0).transpose(0, 1)
