@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-MAX_NEW = 16
-PROMPT_LENS = (5, 37, 75, 130)  # 75 + 5 computed tokens: decodes fill a block of 8 or 16
+MAX_NEW = 10
+PROMPT_LENS = (5, 37, 75, 130)
 RTOL = 1e-4
 INIT = 0.3  # transformers' default 0.02 makes a tied tiny model repeat its input token forever
 
@@ -143,6 +143,8 @@ class CapturingEngine:
                     not s.is_decode and not s.samples_this_step for s in seqs
                 ),  # a prompt chunk that does not reach the end of its sequence
                 tokens=sum(s.num_scheduled_tokens for s in seqs),
+                # a preempted sequence prefilling its prompt and completion again
+                recompute=any(not s.is_decode and s.num_completion_tokens > 0 for s in seqs),
             ))
             seen.clear()
             sampled = execute(seqs)
@@ -296,6 +298,9 @@ def test_setting_exercised_what_it_is_for(runs, model, setting):
         assert any(s["decodes"] and s["prefills"] for s in steps), "no step mixed prefill chunks with decodes"
     if setting.startswith("preempt"):
         assert engine.llm.scheduler.num_preemptions > 0, "the tiny KV cache should force preemption"
+        assert any(s["recompute"] for s in steps), "no sequence was preempted after it had generated"
+    else:
+        assert not any(s["recompute"] for s in steps)
 
 
 def test_references_are_sensitive(hf_reference):

@@ -488,7 +488,9 @@ def attention_rows(
 
 
 def _decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, block_size: int):
-    """(BLOCK_N, num_warps, num_stages)."""
+    """(BLOCK_N, num_warps, num_stages). H100, d=128, 32q/8kv, bf16, batch x context = 128K tokens:
+    2.61-2.73 TB/s of KV read (87-90% of a device copy) at BLOCK_N 64, 4 warps, 3 stages; BLOCK_N
+    32/128, 8 warps and 2/4 stages measured within 3% or slower."""
     if device.type != "cuda":
         return 16, 1, 1
     if dtype == torch.float32:
