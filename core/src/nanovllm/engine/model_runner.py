@@ -93,16 +93,17 @@ class ModelRunner:
         self.backend = self._make_backend(plugins)
         self.policy_manager = make_policy_manager()
         self.prefill_policy, self.decode_policy = self._make_policies(plugins)
-        self.num_blocks = self._num_kv_blocks()
+        prefill_fn = bind_policy_hooks(self.policy_manager, self.prefill_policy)["compute_chunked_prefill"]
+        decode_fn = bind_policy_hooks(self.policy_manager, self.decode_policy)["compute_chunked_decode"]
+        for layer in self.attention_layers:
+            layer.bind(self.backend, prefill_fn, decode_fn)
+        self.num_blocks = self._num_kv_blocks()  # the CUDA memory profile runs the bound layers
         self.kv_cache = torch.empty(
             len(self.attention_layers), 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
             dtype=self.dtype, device=self.device,
         )
-        prefill_fn = bind_policy_hooks(self.policy_manager, self.prefill_policy)["compute_chunked_prefill"]
-        decode_fn = bind_policy_hooks(self.policy_manager, self.decode_policy)["compute_chunked_decode"]
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
-            layer.bind(self.backend, prefill_fn, decode_fn)
         for policy in {id(p): p for p in (self.prefill_policy, self.decode_policy)}.values():
             policy.initialize(
                 len(self.attention_layers), self.num_kv_heads, self.head_dim, self.num_blocks,
