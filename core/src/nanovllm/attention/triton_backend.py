@@ -83,6 +83,8 @@ class TritonBackend(AttentionBackend):
         return out, lse
 
     def attend_chunk(self, q, k, v, meta: PhaseMetadata, scale: float):
+        if k.stride() != v.stride():  # k comes out of RoPE contiguous, v is still a view of the qkv output
+            k, v = k.contiguous(), v.contiguous()
         out = _empty_out(q)
         lse = _empty_lse(q)
         tk.attention_rows(
