@@ -31,3 +31,14 @@ def tiny_model(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run far faster on one thread: two OpenMP threads spin badly on a busy 2-core machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -186,13 +186,7 @@ def _second_round(first: list[list[int]], completions: list[list[int]], vocab: i
 # -- fixtures -----------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tensors are tiny: extra intra-op threads only add overhead (2x on a busy 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

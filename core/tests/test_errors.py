@@ -17,13 +17,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 GOOD_PROMPTS = [[5, 6, 7, 8, 9], "tok40 tok41 tok42"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run far faster on one thread; two OpenMP threads spin badly on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

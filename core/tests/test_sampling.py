@@ -89,13 +89,7 @@ needs_llama = pytest.mark.skipif(
 PROMPTS = [[5, 9, 13, 200, 17], list(range(30, 61)), [250, 3, 3, 4], [7] * 12]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run far faster on one thread; two OpenMP threads spin badly on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

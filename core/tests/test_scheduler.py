@@ -278,15 +278,7 @@ def greedy(path: str, **config) -> tuple[list[list[int]], object]:
     return [o.token_ids for o in out], llm
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run far faster on one thread; two OpenMP threads spin badly on a busy 2-core machine."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
