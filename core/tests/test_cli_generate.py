@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from nanovllm import cli
 from nanovllm.plugins import get_plugins
 
