@@ -10,10 +10,6 @@ poisoned with NaN first, so an element the kernels never write fails the check.
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -337,21 +333,15 @@ def test_registration_lists_triton_for_cuda_only():
 @pytest.mark.skipif(CUDA or INTERP, reason="CUDA runs the gpu cases; the subprocess, the cases")
 def test_kernels_under_interpreter():
     """Every ``interp`` case of this file under Triton's interpreter on the CPU, in a fresh process."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore",
-         str(Path(__file__).resolve()), "-k", "interp"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=900,
-    )
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, tail
+    from nanovllm.testing import run_under_interpreter
+
+    returncode, tail, passed = run_under_interpreter(__file__)
+    assert returncode == 0, tail
     case_tests = [
         f for f in globals().values()
         if any(m.name == "parametrize" and "device" in m.args[0] for m in getattr(f, "pytestmark", []))
     ]
-    passed = re.search(r"(\d+) passed", tail)
-    assert passed and int(passed.group(1)) == len(case_tests) * len(INTERP_CONFIGS), tail
+    assert passed == len(case_tests) * len(INTERP_CONFIGS), tail
 
 
 @pytest.mark.gpu

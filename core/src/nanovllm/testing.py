@@ -60,3 +60,24 @@ def tiny_model_dir(path: str | Path, architecture: str = "LlamaForCausalLM", see
     model.save_pretrained(path, safe_serialization=True)
     _tokenizer(config.vocab_size).save_pretrained(path)
     return path
+
+
+def run_under_interpreter(test_file: str | Path, keyword: str = "interp", timeout: int = 900):
+    """Run the ``keyword`` cases of ``test_file`` in a fresh pytest process with Triton's interpreter
+    switched on (it must be set before anything imports triton). Returns ``(returncode, output tail,
+    number of tests passed)``."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    test_file = Path(test_file).resolve()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore",
+         str(test_file), "-k", keyword],
+        cwd=test_file.parent, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    passed = re.search(r"(\d+) passed", tail)
+    return proc.returncode, tail, int(passed.group(1)) if passed else 0

@@ -268,54 +268,67 @@ class ModelRunner:
 
     # -- one step ---------------------------------------------------------------------------------
 
-    def _phase_metadata(self, seqs: list[Sequence]) -> PhaseMetadata | None:
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """Host array -> device tensor; on CUDA through pinned memory and without waiting for the GPU."""
+        tensor = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _phase_metadata(self, seqs: list[Sequence], q_lens: list[int], ctx_lens: list[int]) -> PhaseMetadata | None:
         if not seqs:
             return None
-        q_lens = [s.num_scheduled_tokens for s in seqs]
-        ctx_lens = [s.num_computed_tokens + s.num_scheduled_tokens for s in seqs]
-        width = max(len(s.block_table) for s in seqs)
-        tables = np.full((len(seqs), width), -1, dtype=np.int32)
+        tables = np.full((len(seqs), max(len(s.block_table) for s in seqs)), -1, dtype=np.int32)
         for i, s in enumerate(seqs):
             tables[i, : len(s.block_table)] = s.block_table
-        dev = self.device
         return PhaseMetadata(
-            cu_seqlens_q=torch.tensor(np.cumsum([0] + q_lens), dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev),
+            cu_seqlens_q=self._to_device(np.cumsum([0, *q_lens], dtype=np.int32)),
+            context_lens=self._to_device(np.asarray(ctx_lens, dtype=np.int32)),
+            block_tables=self._to_device(tables),
             max_query_len=max(q_lens),
             max_context_len=max(ctx_lens),
         )
 
     def prepare(self, seqs: list[Sequence]):
-        """Inputs of one step (decodes first, then prefill chunks), and the sequences that sample with
-        the hidden-state rows they sample from."""
+        """Inputs of one step (decodes first, then prefill chunks), the hidden-state rows that sample
+        (``None``: every row, in order) and the sequences they belong to."""
+        bs = self.block_size
         decodes = [s for s in seqs if s.is_decode]
         prefills = [s for s in seqs if not s.is_decode]
-        ids, positions, slots, sample_rows, sampling = [], [], [], [], []
-        row = 0
-        for s in decodes + prefills:
+        # decodes: one token each, plain integers
+        positions = [s.num_computed_tokens for s in decodes]
+        ids = [s.token_ids[p] for s, p in zip(decodes, positions, strict=True)]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(decodes, positions, strict=True)]
+        pos_parts, slot_parts = [np.asarray(positions, dtype=np.int64)], [np.asarray(slots, dtype=np.int64)]
+        sample_rows, sampling = list(range(len(decodes))), list(decodes)
+        row = len(decodes)
+        for s in prefills:
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens
             pos = np.arange(start, end)
             table = np.asarray(s.block_table, dtype=np.int64)
             ids.extend(s.token_ids[start:end])
-            positions.append(pos)
-            slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            pos_parts.append(pos)
+            slot_parts.append(table[pos // bs] * bs + pos % bs)
             row += end - start
             if s.samples_this_step:
                 sample_rows.append(row - 1)
                 sampling.append(s)
-        dev = self.device
         meta = StepMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            slot_mapping=self._to_device(np.concatenate(slot_parts)),
             num_decode_tokens=len(decodes),
-            decode=self._phase_metadata(decodes),
-            prefill=self._phase_metadata(prefills),
+            decode=self._phase_metadata(decodes, [1] * len(decodes), [p + 1 for p in positions]),
+            prefill=self._phase_metadata(
+                prefills,
+                [s.num_scheduled_tokens for s in prefills],
+                [s.num_computed_tokens + s.num_scheduled_tokens for s in prefills],
+            ),
         )
+        rows = None if len(sample_rows) == row else self._to_device(np.asarray(sample_rows, dtype=np.int64))
         return (
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.from_numpy(np.concatenate(positions)).to(dev),
+            self._to_device(np.asarray(ids, dtype=np.int64)),
+            self._to_device(np.concatenate(pos_parts)),
             meta,
-            torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            rows,
             sampling,
         )
 
@@ -330,22 +343,21 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions)
         if not sampling:
             return []
-        logits = self.model.compute_logits(hidden[sample_rows])
-        tokens = self.sampler(logits, *self._sampling_tensors(sampling)).tolist()
+        logits = self.model.compute_logits(hidden if sample_rows is None else hidden[sample_rows])
+        tokens = self.sampler(logits, *self._sampling_tensors(sampling)).tolist()  # the step's one sync
         return list(zip(sampling, tokens, strict=True))
 
     def _sampling_tensors(self, seqs: list[Sequence]):
-        dev = self.device
         params = [s.sampling_params for s in seqs]
-        temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        temperatures = self._to_device(np.array([p.temperature for p in params], dtype=np.float32))
         top_ks = top_ps = None
         if any(p.top_k > 0 for p in params):
-            top_ks = torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev)
+            top_ks = self._to_device(np.array([p.top_k for p in params], dtype=np.int64))
         if any(p.top_p < 1 for p in params):
-            top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+            top_ps = self._to_device(np.array([p.top_p for p in params], dtype=np.float32))
         generators = []
         for s in seqs:
             if s.sampling_params.seed is not None and s.generator is None:
-                s.generator = torch.Generator(device=dev).manual_seed(s.sampling_params.seed)
+                s.generator = torch.Generator(device=self.device).manual_seed(s.sampling_params.seed)
             generators.append(s.generator)
         return temperatures, top_ks, top_ps, generators

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.fused import kernels, use_fused
 from nanovllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 
@@ -11,6 +12,8 @@ class SiluAndMul(nn.Module):
     """``silu(gate) * up`` for the gate/up halves of the last dimension."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_fused(x):
+            return kernels().silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

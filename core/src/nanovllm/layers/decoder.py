@@ -1,7 +1,7 @@
 """A generic pre-norm decoder-only transformer (Llama shape) that model plugins specialise.
 
-A family subclasses :class:`SelfAttention` where its attention differs (Qwen3 adds q/k norms) and
-sets ``attention_cls`` on a :class:`DecoderForCausalLM` subclass."""
+A family subclasses :class:`SelfAttention` where its attention differs (Qwen3 sets ``q_norm`` and
+``k_norm``) and sets ``attention_cls`` on a :class:`DecoderForCausalLM` subclass."""
 
 from __future__ import annotations
 
@@ -32,6 +32,9 @@ class SelfAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias)
         self.rotary_emb = rope_from_config(config, self.head_dim)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_id)
+        # per-head RMSNorms of queries and keys before RoPE (Qwen3 sets them); none here
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -39,12 +42,8 @@ class SelfAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, *self.normalize_qk(q, k))
+        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
         return self.o_proj(self.attn(q, k, v).flatten(1))
-
-    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head transform before RoPE; identity here."""
-        return q, k
 
 
 class DecoderLayer(nn.Module):

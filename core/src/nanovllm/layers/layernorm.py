@@ -3,6 +3,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanovllm.layers.fused import kernels, use_fused
+
 
 class RMSNorm(nn.Module):
     """RMSNorm in float32; with ``residual`` it adds first and returns ``(normed, new_residual)``."""
@@ -19,6 +21,9 @@ class RMSNorm(nn.Module):
         return x.to(dtype) * self.weight
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """On CUDA one fused kernel, which updates ``residual`` in place."""
+        if use_fused(x):
+            return kernels().rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

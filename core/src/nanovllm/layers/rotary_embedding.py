@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nanovllm.layers.fused import kernels, use_fused
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     factor = scaling["factor"]
@@ -37,8 +39,17 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1).float(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q ``[T, H, D]``, k ``[T, Hkv, D]`` rotated at ``positions`` ``[T]``."""
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+        q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[T, H, D]``, k ``[T, Hkv, D]`` rotated at ``positions`` ``[T]``, after the optional
+        per-head RMSNorms ``q_norm``/``k_norm`` (Qwen3). On CUDA one fused kernel, in place."""
+        if use_fused(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+            norms = ((q_norm.weight, q_norm.eps), (k_norm.weight, k_norm.eps)) if q_norm is not None else (None, None)
+            return kernels().rope_(q, k, positions, self.cos_sin, *norms)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from nanovllm.layers import RMSNorm
 from nanovllm.layers.decoder import DecoderForCausalLM, SelfAttention
 
@@ -13,9 +11,6 @@ class Qwen3Attention(SelfAttention):
         super().__init__(config, layer_id)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-
-    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_norm(q), self.k_norm(k)
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):

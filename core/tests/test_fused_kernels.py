@@ -1,0 +1,118 @@
+"""The fused Triton kernels of the small layer ops against the layers' torch code, on fresh random
+inputs: on CUDA (``gpu``), and at small sizes under Triton's interpreter in a subprocess on machines
+without CUDA. Outputs are NaN-poisoned where the kernels allocate them."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+INTERP = (not CUDA) and os.environ.get("TRITON_INTERPRET") == "1"
+
+pytest.importorskip("triton")
+
+from nanovllm.layers import RMSNorm, RotaryEmbedding, SiluAndMul  # noqa: E402
+from nanovllm.layers import fused_kernels as fk  # noqa: E402
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+PARAMS = [pytest.param("cuda", dt, id=f"gpu-{str(dt)[6:]}", marks=pytest.mark.gpu) for dt in DTYPES] + [
+    pytest.param("cpu", dt, id=f"interp-{str(dt)[6:]}") for dt in (DTYPES if INTERP else [])
+]
+cases = pytest.mark.parametrize("device,dtype", PARAMS)
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+
+
+def _rand(gen, *shape, dtype, device):
+    return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+
+def _close(out, ref, gen, what):
+    """Within two ulps of the activation dtype everywhere; 16-bit results on CUDA bit-identical in
+    nearly every element (exp and rsqrt may differ by an ulp). Triton's interpreter rounds float32 to
+    bfloat16 toward zero where CUDA rounds to nearest, so there it gets four ulps and no exactness."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype, what
+    dtype, seed = ref.dtype, gen.initial_seed()
+    ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-20}[dtype]
+    out, ref = out.float().cpu(), ref.float().cpu()
+    assert torch.isfinite(out).all(), f"{what}: non-finite output (seed {seed})"
+    diff = (out - ref).abs()
+    if INTERP and dtype == torch.bfloat16:
+        ulp *= 2
+    assert (diff <= 2 * ulp * ref.abs().clamp_min(1.0)).all(), f"{what}: max diff {diff.max():.3g} (seed {seed})"
+    if dtype != torch.float32 and not INTERP:
+        exact = (diff == 0).float().mean().item()
+        assert exact > 0.97, f"{what}: only {exact:.1%} bit-identical (seed {seed})"
+
+
+@cases
+@pytest.mark.parametrize("hidden", [64, 1000])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(device, dtype, hidden, with_residual, gen):
+    norm = RMSNorm(hidden, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=gen))
+    norm = norm.to(dtype)
+    x = _rand(gen, 37, hidden, dtype=dtype, device="cpu")
+    residual = _rand(gen, 37, hidden, dtype=dtype, device="cpu") if with_residual else None
+    ref = norm(x, residual)  # CPU tensors: the torch code
+    weight = norm.weight.detach().to(device)
+    got_res = residual.to(device) if with_residual else None
+    got = fk.rms_norm(x.to(device), weight, norm.eps, got_res)
+    if with_residual:
+        _close(got[0], ref[0], gen, "rms_norm output")
+        _close(got[1], ref[1], gen, "rms_norm residual")
+        assert got[1] is got_res, "the new residual is written in place"
+    else:
+        _close(got, ref, gen, "rms_norm")
+
+
+@cases
+def test_silu_and_mul(device, dtype, gen):
+    x = _rand(gen, 29, 2 * 1500, dtype=dtype, device="cpu") * 3
+    ref = SiluAndMul()(x)
+    _close(fk.silu_and_mul(x.to(device)), ref, gen, "silu_and_mul")
+
+
+@cases
+@pytest.mark.parametrize("head_dim,heads,kv_heads,qk_norm", [(128, 16, 8, True), (64, 6, 2, False), (32, 4, 1, True)])
+def test_rope_in_place(device, dtype, head_dim, heads, kv_heads, qk_norm, gen):
+    rope = RotaryEmbedding(head_dim, 4096, 1_000_000.0)
+    t = 23
+    qkv = _rand(gen, t, heads + 2 * kv_heads, head_dim, dtype=dtype, device="cpu")
+    positions = torch.randint(0, 4096, (t,), generator=gen)
+    norms = (None, None)
+    if qk_norm:
+        norms = tuple(RMSNorm(head_dim, eps=1e-6).to(dtype) for _ in range(2))
+        with torch.no_grad():
+            for n in norms:
+                n.weight.copy_(1 + 0.1 * torch.randn(head_dim, generator=gen))
+    q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads]
+    ref_q, ref_k = rope(positions, q.clone(), k.clone(), *norms)
+
+    dev_qkv = qkv.to(device)
+    dq, dk = dev_qkv[:, :heads], dev_qkv[:, heads : heads + kv_heads]
+    dev_norms = (None, None)
+    if qk_norm:
+        dev_norms = tuple((n.weight.detach().to(device), n.eps) for n in norms)
+    v_before = dev_qkv[:, heads + kv_heads :].clone()
+    out_q, out_k = fk.rope_(dq, dk, positions.to(device), rope.cos_sin.to(device), *dev_norms)
+    assert out_q.data_ptr() == dq.data_ptr() and out_k.data_ptr() == dk.data_ptr(), "rotated in place"
+    _close(out_q, ref_q, gen, "rope q")
+    _close(out_k, ref_k, gen, "rope k")
+    assert torch.equal(dev_qkv[:, heads + kv_heads :], v_before), "v is left alone"
+
+
+@pytest.mark.skipif(CUDA or INTERP, reason="CUDA runs the gpu cases; the subprocess, the interp cases")
+def test_fused_kernels_under_interpreter():
+    from nanovllm.testing import run_under_interpreter
+
+    returncode, tail, passed = run_under_interpreter(__file__)
+    assert returncode == 0, tail
+    assert passed == len(DTYPES) * (4 + 1 + 3), tail
