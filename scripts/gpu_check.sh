@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: install every distribution (no network there), run the GPU tests,
-# then the benchmarks when asked (BENCH=1). Results and logs go to $OUT (or ./gpu_out).
+# then the benchmarks. Results and logs go to $OUT (or ./gpu_out).
+#   TESTS=0            skip the GPU tests
+#   PYTEST_ARGS="..."  extra pytest arguments
+#   BENCH="all --presets qwen3-0.6b --hf-num-seqs 256"   arguments of `nanovllm bench` (unset: no benchmarks)
+#   BENCH_NAME=name    results file name under $OUT
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -9,6 +13,13 @@ for pkg in core plugins/nanovllm_qwen3 plugins/nanovllm_llama; do
   python3 -m pip install -q --no-deps --no-build-isolation -e "$pkg" >/dev/null 2>&1 || { echo "install of $pkg failed"; exit 1; }
 done
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-python3 -m pytest -q -m gpu ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log"
-status=${PIPESTATUS[0]}
+status=0
+if [ "${TESTS:-1}" != 0 ]; then
+  python3 -m pytest -q -m gpu ${PYTEST_ARGS:-} 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
+  status=${PIPESTATUS[0]}
+fi
+if [ -n "${BENCH:-}" ]; then
+  python3 -m nanovllm.cli bench $BENCH --out "$OUT" --name "${BENCH_NAME:-bench}" 2>"$OUT/bench_stderr.log" || status=1
+  tail -c 3000 "$OUT/bench_stderr.log" | tr '\r' '\n' | grep -v '^\s*$' | tail -15
+fi
 exit "$status"

@@ -1,41 +1,35 @@
-"""Quick attention-kernel timings on a GPU (benchmark B3 of shared/ANCHORS.md), one short table.
+"""B3: attention-kernel timings (definitions in ANCHORS.md).
 
 - Prefill: causal, 16K tokens, d=128, 32 query / 8 KV heads, bf16. TFLOP/s (causal FLOPs =
   2 * q_heads * head_dim * S^2) of the triton backend's kernel (dense new k/v, and through the paged
-  cache) next to torch SDPA's cuDNN and flash backends on the same inputs.
+  cache) next to torch SDPA's cuDNN and flash backends on the same inputs, and the backend's own
+  ``prefill`` of one fresh prompt at 1K/4K/16K.
 - Decode: one query per sequence, batch x context >= 128K tokens, paged KV (block sizes 16 and 256).
   GB/s of KV read next to a large device-to-device copy measured in the same run (bytes read +
   written), and SDPA on contiguous KV for one shape.
 
-    python benchmarks/kernels_quick.py [--sweep] [--out DIR]
-
-``--sweep`` also times a few tile configurations of each kernel. Medians of triton.testing.do_bench.
+``sweep`` also times a few tile configurations of each kernel. Medians of triton.testing.do_bench.
+``dry``: tiny sizes on the CPU under Triton's interpreter (``TRITON_INTERPRET=1`` must be set before
+triton is first imported), which checks this code, not the speed.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
-from pathlib import Path
 
-if "--dry" in sys.argv:  # before triton is first imported: its own helpers are built for the interpreter
-    os.environ["TRITON_INTERPRET"] = "1"
+import torch
 
-import torch  # noqa: E402
-import triton  # noqa: E402
+DRY = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
+
 from triton.testing import do_bench  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core" / "src"))
 from nanovllm.attention import triton_backend as tb  # noqa: E402
 from nanovllm.attention import triton_kernels as tk  # noqa: E402
 from nanovllm.attention.metadata import PhaseMetadata  # noqa: E402
 
-DRY = "--dry" in sys.argv  # tiny sizes on the CPU under Triton's interpreter: checks the script only
 DEV = "cpu" if DRY else "cuda"
 SCALE = 64 if DRY else 1  # sizes are divided by this in a dry run
-rows: list[dict] = []
+rows: list[dict] = []  # this process's results; the bench runs it once per process
 
 
 def ms(fn) -> float:
@@ -55,7 +49,6 @@ def rel(a, b) -> float:
 
 def record(kind, name, t_ms, value, unit, note=""):
     rows.append(dict(kind=kind, name=name, ms=round(t_ms, 4), value=round(value, 1), unit=unit, note=note))
-    print(f"{kind:8s} {name:44s} {t_ms:9.3f} ms {value:9.1f} {unit:7s} {note}", flush=True)
 
 
 def copy_bandwidth() -> float:
@@ -224,30 +217,20 @@ def decode(sweep: bool, gen, copy_gbs: float) -> None:
            f"{gbs / copy_gbs:.0%} of copy")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--dry", action="store_true", help="tiny CPU run (interpreter)")
-    args = ap.parse_args()
+def run(sweep: bool = False) -> list[dict]:
+    """Every B3 measurement, as rows ``{kind, name, ms, value, unit, note}``."""
+    from tqdm.auto import tqdm
+
     gen = torch.Generator(device=DEV).manual_seed(0)
-    name = "cpu (dry run)" if DRY else torch.cuda.get_device_name()
-    print(f"device {name}  torch {torch.__version__}  triton {triton.__version__}")
-    copy_gbs = copy_bandwidth()
-    prefill(args.sweep, gen, 128)
-    if args.sweep:
-        prefill(args.sweep, gen, 64)
-    if not DRY:
-        prefill_lengths()
-    decode(args.sweep, gen, copy_gbs)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "kernels_quick.json").write_text(json.dumps(
-        dict(device=name, torch=torch.__version__, triton=triton.__version__, rows=rows),
-        indent=1))
-    print("\nsummary")
-    for r in rows:
-        print(f"  {r['kind']:8s} {r['name']:52s} {r['value']:9.1f} {r['unit']:7s} {r['note']}")
-
-
-if __name__ == "__main__":
-    main()
+    with tqdm(total=4, desc="kernels", unit="part") as bar:
+        copy_gbs = copy_bandwidth()
+        bar.update()
+        for d in (128, 64) if sweep else (128,):
+            prefill(sweep, gen, d)
+        bar.update()
+        if not DRY:
+            prefill_lengths()
+        bar.update()
+        decode(sweep, gen, copy_gbs)
+        bar.update()
+    return list(rows)

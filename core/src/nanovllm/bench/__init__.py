@@ -1,0 +1,252 @@
+"""``nanovllm bench``: the project's benchmarks on shape presets (definitions in ANCHORS.md).
+
+``throughput`` (B1, plus the transformers peer), ``latency`` (B2, eager and with CUDA graphs) and
+``kernels`` (B3). Every measurement runs in its own Python process, so the GPU memory of one engine
+never shrinks the next one's KV cache. Results go to ``benchmarks/results/<name>.{json,md,png}`` with
+the device, date, commit and every setting, next to the targets and anchors below.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+# Targets on one H100 (issue 3) and anchors (ANCHORS.md): floors from bandwidth, peers' published numbers.
+TARGETS: dict[tuple[str, str], dict[str, Any]] = {
+    ("throughput", "qwen3-0.6b"): {"target": 18_000, "floor": 25_700, "peer": "vLLM-class 12-15K"},
+    ("throughput", "qwen3-8b"): {"target": 8_000, "floor": 11_700},
+    ("throughput", "llama-3.1-8b"): {"floor": 12_400},
+    ("latency", "qwen3-0.6b"): {"target": 1.5, "peer": "vLLM on A100 4.2"},
+    ("latency", "qwen3-8b"): {"target": 6.0, "floor": 5.2, "peer": "vLLM about 7.0"},
+}
+PREFILL_TARGET = 0.95  # of the cuDNN SDPA TFLOP/s in the same run
+DECODE_TARGET = 0.9  # of the copy bandwidth in the same run (2.6 TB/s on an H100)
+METRIC = {"throughput": "output_tok_per_s", "throughput-transformers": "output_tok_per_s",
+          "latency": "ms_per_token", "latency-eager": "ms_per_token"}
+LOWER_IS_BETTER = {"ms_per_token"}
+
+
+def jobs_for(benchmark: str, presets: list[str], hf_num_seqs: int, options: dict[str, Any]) -> list[dict]:
+    jobs: list[dict] = []
+    if benchmark in ("kernels", "all"):
+        jobs.append({"kind": "kernels", "options": {}})
+    for preset in presets if benchmark != "kernels" else []:
+        if benchmark in ("throughput", "all"):
+            jobs.append({"kind": "throughput", "preset": preset, "options": options})
+            jobs.append({"kind": "profile", "preset": preset, "options": options})
+            if hf_num_seqs:
+                jobs.append({"kind": "transformers", "preset": preset, "options": {"num_seqs": hf_num_seqs}})
+        if benchmark in ("latency", "all"):
+            for eager in (True, False):
+                jobs.append({"kind": "latency", "preset": preset, "options": {**options, "eager": eager}})
+    return jobs
+
+
+def run_job(job: dict) -> list[dict]:
+    """One job in this process; returns its result rows."""
+    from nanovllm.bench import engine
+
+    kind, opts = job["kind"], job["options"]
+    if kind == "kernels":
+        from nanovllm.bench import kernels
+
+        return [{"benchmark": "kernels", "preset": "-", "rows": kernels.run(**opts)}]
+    if kind == "throughput":
+        return [engine.bench_throughput(job["preset"], **opts)]
+    if kind == "profile":
+        return [engine.profile_decode_step(job["preset"], **opts)]
+    if kind == "transformers":
+        return [engine.bench_transformers(job["preset"], **opts)]
+    if kind == "latency":
+        return [engine.bench_latency(job["preset"], **opts)]
+    raise ValueError(f"unknown benchmark job {kind!r}")
+
+
+def run_job_in_subprocess(job: dict) -> list[dict]:
+    """``python -m nanovllm.bench JOB``: progress bars pass through on stderr, the result is the last
+    line of stdout."""
+    proc = subprocess.run([sys.executable, "-m", "nanovllm.bench", json.dumps(job)], stdout=subprocess.PIPE,
+                          text=True)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return [{"benchmark": job["kind"], "preset": job.get("preset", "-"), "error": f"exit {proc.returncode}"}]
+    return json.loads(lines[-1])
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": commit or "unknown",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def annotate(result: dict[str, Any]) -> dict[str, Any]:
+    """Add target, anchors and ratios to one engine result (kernels rows get theirs in :func:`kernel_rows`)."""
+    metric = METRIC.get(result["benchmark"])
+    if metric is None or metric not in result:
+        return result
+    value = result[metric]
+    ref = TARGETS.get((result["benchmark"], result["preset"]), {})
+    out = {**result, "metric": metric, **{k: v for k, v in ref.items()}}
+    if "target" in ref:
+        ratio = ref["target"] / value if metric in LOWER_IS_BETTER else value / ref["target"]
+        out["vs_target"] = ratio  # >= 1 meets it
+    if "floor" in ref:
+        out["vs_floor"] = ref["floor"] / value if metric in LOWER_IS_BETTER else value / ref["floor"]
+    return out
+
+
+def kernel_rows(rows: list[dict]) -> list[dict]:
+    """B3 rows with each Triton row's ratio to its reference in the same run: prefill to cuDNN SDPA,
+    decode to the copy bandwidth."""
+    cudnn = next((r["value"] for r in rows if r["name"] == "d=128 sdpa cudnn enable_gqa"), None)
+    copy = next((r["value"] for r in rows if r["kind"] == "copy"), None)
+    out = []
+    for r in rows:
+        r = dict(r)
+        if r["kind"] == "prefill" and "triton" in r["name"] and cudnn:
+            r["vs_cudnn"], r["target"] = r["value"] / cudnn, PREFILL_TARGET
+        if r["kind"] == "decode" and copy:
+            r["vs_copy"], r["target"] = r["value"] / copy, DECODE_TARGET
+        out.append(r)
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    if isinstance(v, float):
+        return f"{v:,.3f}" if abs(v) < 10 else f"{v:,.0f}"
+    return str(v)
+
+
+def markdown(payload: dict[str, Any], title: str) -> str:
+    env = payload["environment"]
+    lines = [f"# {title}", "", f"{env['device']}, {env['date']}, commit {env['commit']}, torch {env['torch']}.",
+             "Targets are issue 3's, set for one H100; floors and peers from ANCHORS.md. vs_target >= 1 meets it.",
+             "", "| benchmark | preset | metric | measured | target | vs_target | floor | vs_floor | peer |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in payload["results"]:
+        if "error" in r:
+            lines.append(f"| {r['benchmark']} | {r['preset']} | failed: {r['error']} | | | | | | |")
+        elif "metric" in r:
+            cells = [r["benchmark"], r["preset"], r["metric"], r[r["metric"]], r.get("target", ""),
+                     r.get("vs_target", ""), r.get("floor", ""), r.get("vs_floor", ""), r.get("peer", "")]
+            lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
+    for r in payload["results"]:
+        if r["benchmark"] == "kernels" and "rows" in r:
+            lines += ["", "| kernel | case | ms | value | unit | vs ref | target | note |", "|---|---|---|---|---|---|---|---|"]
+            for k in r["rows"]:
+                ref = k.get("vs_cudnn", k.get("vs_copy", ""))
+                cells = [k["kind"], k["name"], k["ms"], k["value"], k["unit"], ref, k.get("target", ""), k["note"]]
+                lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
+        if r["benchmark"] == "decode-profile" and "top_kernels" in r:
+            lines += ["", f"Full-batch decode step, {r['preset']}, batch {r['batch']}: {r['step_ms_plain']:.2f} ms "
+                      f"wall, {r['gpu_ms_per_step']:.2f} ms of GPU kernels ({r['kernel_launches_per_step']} launches), "
+                      f"{r['gpu_idle_ms_per_step']:.2f} ms GPU idle; host phases (ms) {r['host_ms_plain']}.", "",
+                      "| kernel | ms per step | calls |", "|---|---|---|"]
+            lines += [f"| {k['name']} | {k['ms']} | {k['calls']} |" for k in r["top_kernels"]]
+    return "\n".join(lines) + "\n"
+
+
+def chart(payload: dict[str, Any], path: Path) -> bool:
+    """A PNG of the headline numbers against their targets; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    results = [r for r in payload["results"] if "error" not in r]
+    panels = []
+    thr = [r for r in results if r["benchmark"].startswith("throughput")]
+    if thr:
+        panels.append(("output tok/s (B1)", [(f"{r['preset']}\n{'hf' if 'transformers' in r['benchmark'] else 'nanovllm'}",
+                                              r["output_tok_per_s"], r.get("target")) for r in thr]))
+    lat = [r for r in results if r["benchmark"].startswith("latency")]
+    if lat:
+        panels.append(("batch-1 ms/token (B2)", [(f"{r['preset']}\n{'eager' if 'eager' in r['benchmark'] else 'graphs'}",
+                                                  r["ms_per_token"], r.get("target")) for r in lat]))
+    for r in results:
+        if r["benchmark"] == "kernels":
+            ok = [k for k in r["rows"] if math.isfinite(k["value"])]
+            pre = [k for k in ok if k["kind"] == "prefill" and k["name"].startswith("d=128")]
+            dec = [k for k in ok if k["kind"] == "copy" or (k["kind"] == "decode" and "default" in k["name"])]
+            panels.append(("prefill 16K TFLOP/s (B3)", [(k["name"].removeprefix("d=128 "), k["value"], None) for k in pre]))
+            panels.append(("decode GB/s of KV (B3)", [(k["name"].split(" default")[0], k["value"], None) for k in dec]))
+    if not panels:
+        return False
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.2 * len(panels)), squeeze=False)
+    for ax, (title, bars) in zip(axes[:, 0], panels, strict=True):
+        labels = [b[0] for b in bars]
+        ax.barh(labels, [b[1] for b in bars], color="tab:blue")
+        for i, b in enumerate(bars):
+            if b[2]:
+                ax.plot([b[2], b[2]], [i - 0.4, i + 0.4], color="tab:red", lw=2)
+        ax.set_title(title + "  (red: target)", fontsize=10)
+        ax.tick_params(axis="y", labelsize=7)
+        ax.invert_yaxis()
+    env = payload["environment"]
+    fig.suptitle(f"nanovllm bench - {env['device']} - {env['date']} - {env['commit']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_results(results: list[dict[str, Any]], out_dir: Path, name: str, settings: dict[str, Any]) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    annotated = []
+    for r in results:
+        r = annotate(r)
+        if r["benchmark"] == "kernels" and "rows" in r:
+            r = {**r, "rows": kernel_rows(r["rows"])}
+        annotated.append(r)
+    payload = {"environment": environment(), "settings": settings, "results": annotated}
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=1))
+    (out_dir / f"{name}.md").write_text(markdown(payload, name))
+    if not chart(payload, out_dir / f"{name}.png"):
+        print("matplotlib is not installed: no chart; draw it later with `nanovllm bench chart FILE.json`")
+    return path
+
+
+def main(args) -> int:
+    if args.benchmark == "chart":
+        if not args.file:
+            raise ValueError("nanovllm bench chart needs a results file: nanovllm bench chart benchmarks/results/NAME.json")
+        path = Path(args.file)
+        payload = json.loads(path.read_text())
+        if not chart(payload, path.with_suffix(".png")):
+            raise ImportError("nanovllm bench chart needs matplotlib: pip install matplotlib")
+        print(path.with_suffix(".png"))
+        return 0
+    options: dict[str, Any] = {}
+    if args.attention_backend:
+        options["attention_backend"] = args.attention_backend
+    jobs = jobs_for(args.benchmark, args.presets, args.hf_num_seqs, options)
+    results: list[dict] = []
+    for job in jobs:
+        print(f"== {job['kind']} {job.get('preset', '')} {job['options'] or ''}", file=sys.stderr, flush=True)
+        results += run_job_in_subprocess(job)
+    settings = {"benchmark": args.benchmark, "presets": args.presets, "hf_num_seqs": args.hf_num_seqs, **options}
+    path = write_results(results, Path(args.out), args.name, settings)
+    print(path.with_suffix(".md").read_text())
+    return 1 if any("error" in r for r in results) else 0
