@@ -180,7 +180,8 @@ def _masked_tile(
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
+# the block-table width changes from step to step: one compiled kernel for every width
+@triton.jit(do_not_specialize=["stride_bt", "stride_bi", "num_sel"])
 def _prefill_kernel(
     Q, K, V, Out, Lse,
     cu_q, lens, block_tables, block_idx,
@@ -290,7 +291,7 @@ def _prefill_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "stride_bi", "num_sel"])
 def _decode_kernel(
     Q, K, V, PartO, PartL, Out, Lse,
     lens, block_tables, block_idx,
@@ -502,7 +503,9 @@ def _decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, bloc
 def num_decode_splits(num_seqs: int, num_kv_heads: int, max_keys: int, block_n: int, device) -> int:
     """Split the keys so that about two programs run per multiprocessor; at least 4 tiles a split."""
     programs = max(1, num_seqs * num_kv_heads)
-    want = triton.cdiv(2 * _num_sms(device), programs)
+    # at least two splits: with contexts of mixed lengths the finer slices balance the multiprocessors
+    # (B1 full-batch step on an H200: 4.62 against 4.85 ms of decode kernel at one split)
+    want = max(2, triton.cdiv(2 * _num_sms(device), programs))
     by_len = max(1, triton.cdiv(max_keys, 4 * block_n))
     return max(1, min(want, by_len, 64))
 

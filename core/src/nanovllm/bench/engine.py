@@ -37,7 +37,7 @@ class DecodeStepTimer:
     """Wraps ``LLMEngine.step`` to time the steps in which every scheduled sequence decodes."""
 
     def __init__(self, llm) -> None:
-        self.llm, self.times = llm, []
+        self.llm, self.times, self.other_times = llm, [], []
         self._step = llm.step
         llm.step = self
 
@@ -48,8 +48,7 @@ class DecodeStepTimer:
         )
         start = time.perf_counter()
         out = self._step()
-        if decode_only:
-            self.times.append(time.perf_counter() - start)
+        (self.times if decode_only else self.other_times).append(time.perf_counter() - start)
         return out
 
     def mean_ms(self) -> float:
@@ -86,6 +85,8 @@ def bench_throughput(preset: str, **engine_options: Any) -> dict[str, Any]:
         "output_tok_per_s": produced / elapsed,
         "mean_decode_step_ms": timer.mean_ms(),
         "decode_steps": len(timer.times),
+        "other_steps": len(timer.other_times),  # with a prefill chunk in them
+        "other_steps_seconds": sum(timer.other_times),
         "preemptions": llm.scheduler.num_preemptions,
     }
 

@@ -110,6 +110,8 @@ class ModelRunner:
                 self.block_size, self.dtype, self.device,
             )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if self.device.type == "cuda":
+            self._warm_up()
         if self._use_cuda_graphs():
             self._capture_decode_graphs()
 
@@ -201,6 +203,26 @@ class ModelRunner:
         used = total - free
         peak, current = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
         return int(total * self.config.gpu_memory_utilization - used - (peak - current))
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Two mixed steps (one decode, two prefill chunks of long or short queries) that write nothing,
+        so the kernels of prefill steps compile now and not inside the first requests."""
+        dev = self.device
+
+        def phase(lens: list[int]) -> PhaseMetadata:
+            tables = torch.zeros(len(lens), -(-max(lens) // self.block_size), dtype=torch.int32, device=dev)
+            cu = torch.tensor(np.cumsum([0, *lens]), dtype=torch.int32, device=dev)
+            return PhaseMetadata(cu, cu[1:] - cu[:-1], tables, max(lens), max(lens))
+
+        for chunks in ([min(self.max_model_len, 96), 8], [8, 8]):
+            num_tokens = 1 + sum(chunks)
+            meta = StepMetadata(torch.full((num_tokens,), -1, dtype=torch.long, device=dev), 1, phase([1]),
+                                phase(chunks))
+            ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
+            with forward_context(meta):
+                self.model.compute_logits(self.model(ids, ids.clone()))
+        torch.cuda.synchronize()
 
     # -- CUDA graphs for decode steps -------------------------------------------------------------------
 
