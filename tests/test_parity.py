@@ -128,14 +128,14 @@ class CapturingEngine:
         runner.kv_cache.fill_(float("nan"))  # reading a slot no step has written must show in the logits
         self.rows: dict[str, list[torch.Tensor]] = {}
         self.steps: list[dict] = []
-        sampler, execute = runner.sampler, runner.execute
+        sampler, launch = runner.sampler, runner.launch
         seen: list[torch.Tensor] = []
 
         def capturing_sampler(logits, *args, **kwargs):
             seen.append(logits.detach().float().clone())
             return sampler(logits, *args, **kwargs)
 
-        def capturing_execute(seqs):
+        def capturing_launch(seqs):
             self.steps.append(dict(
                 decodes=sum(s.is_decode for s in seqs),
                 prefills=sum(not s.is_decode for s in seqs),
@@ -147,17 +147,17 @@ class CapturingEngine:
                 recompute=any(not s.is_decode and s.num_completion_tokens > 0 for s in seqs),
             ))
             seen.clear()
-            sampled = execute(seqs)
-            if sampled:
+            launched = launch(seqs)
+            if launched is not None:
                 (logits,) = seen
-                assert logits.shape[0] == len(sampled)
-                for (seq, token), row in zip(sampled, logits, strict=True):
+                assert logits.shape[0] == len(launched.seqs)
+                for seq, token, row in zip(launched.seqs, launched.result(), logits, strict=True):
                     assert token == int(row.argmax()), "greedy sampler did not take the argmax"
                     self.rows.setdefault(seq.request_id, []).append(row)
-            return sampled
+            return launched
 
         runner.sampler = capturing_sampler
-        runner.execute = capturing_execute
+        runner.launch = capturing_launch
 
     def generate(self, prompts: list[list[int]]):
         from nanovllm import SamplingParams

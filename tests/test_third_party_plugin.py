@@ -103,7 +103,7 @@ GENERATE = textwrap.dedent("""
         assert type(runner.prefill_policy).__name__ == ("WindowPolicy" if policy != "full" else
                                                         "FullAttentionPolicy")
         step_logits, logits = [], defaultdict(list)
-        compute_logits, execute = model.compute_logits, runner.execute
+        compute_logits, launch = model.compute_logits, runner.launch
 
         def capture_logits(hidden):
             out = compute_logits(hidden)
@@ -111,13 +111,13 @@ GENERATE = textwrap.dedent("""
             return out
 
         def capture_step(seqs):
-            sampled = execute(seqs)
-            if sampled:
-                for (seq, _), row in zip(sampled, step_logits.pop(), strict=True):
+            launched = launch(seqs)
+            if launched is not None:
+                for seq, row in zip(launched.seqs, step_logits.pop(), strict=True):
                     logits[seq.request_id].append(row.tolist())
-            return sampled
+            return launched
 
-        model.compute_logits, runner.execute = capture_logits, capture_step
+        model.compute_logits, runner.launch = capture_logits, capture_step
         params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
         outs = llm.generate(prompts, params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs], [logits[o.request_id] for o in outs]

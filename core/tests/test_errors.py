@@ -236,11 +236,17 @@ def test_chat_needs_a_template_and_well_formed_messages(llm, reference):
     assert_clean_and_usable(llm, reference)
 
 
-def test_a_failing_step_leaves_the_engine_usable(llm, reference, monkeypatch):
-    def boom(seqs):
-        raise RuntimeError("device lost")
+@pytest.mark.parametrize("fail_at", [0, 3])  # the first step, or one with a step in flight
+def test_a_failing_step_leaves_the_engine_usable(llm, reference, monkeypatch, fail_at):
+    launch, calls = llm.runner.launch, []
 
-    monkeypatch.setattr(llm.runner, "execute", boom)
+    def boom(seqs):
+        calls.append(1)
+        if len(calls) > fail_at:
+            raise RuntimeError("device lost")
+        return launch(seqs)
+
+    monkeypatch.setattr(llm.runner, "launch", boom)
     with pytest.raises(RuntimeError, match="device lost"):
         llm.generate(GOOD_PROMPTS, GREEDY, use_tqdm=False)
     monkeypatch.undo()

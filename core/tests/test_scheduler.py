@@ -295,13 +295,13 @@ def reference(model):
 def spy_steps(llm) -> list[list[tuple[int, bool]]]:
     """Record (tokens scheduled, is decode) per sequence for every step the runner executes."""
     steps: list[list[tuple[int, bool]]] = []
-    execute = llm.runner.execute
+    launch = llm.runner.launch
 
     def recording(seqs):
         steps.append([(s.num_scheduled_tokens, s.is_decode) for s in seqs])
-        return execute(seqs)
+        return launch(seqs)
 
-    llm.runner.execute = recording
+    llm.runner.launch = recording
     return steps
 
 
@@ -379,3 +379,57 @@ def test_hash_collisions_never_change_tokens(model, reference, monkeypatch):
         out = llm.generate(batch, GREEDY, use_tqdm=False)
         assert [o.token_ids for o in out] == expected
     assert engine_blocks_all_free(llm)
+
+
+# -- async scheduling: step N+1 launched before step N's tokens are read ------------------------------
+
+
+def _outcomes(outs) -> list[tuple]:
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in outs]
+
+
+@needs_llama
+@pytest.mark.parametrize("config", [{}, {"kv_cache_memory": 6 * 8192, "max_model_len": 96},
+                                    {"max_num_batched_tokens": 16, "max_num_seqs": 3}],
+                         ids=["plain", "preempting", "chunked"])
+def test_async_scheduling_gives_the_sync_results(model, reference, config):
+    """Stops on a token, on max_tokens (1 and more) and on the context limit, under preemption and
+    chunked prefill: the same tokens, reasons and free blocks as when each step is read back at once.
+    A sequence that stops on a token still ran one more step, whose token must be discarded."""
+    from nanovllm import LLM
+
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[reference[0][5]]),
+        SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[reference[3][0]]),
+    ]
+    results = {}
+    for mode in (False, True):
+        opts = {"kv_cache_memory": 1 << 24, **config}
+        llm = LLM(model, device="cpu", async_scheduling=mode, **opts)
+        results[mode] = [_outcomes(llm.generate(prompts(), params, use_tqdm=False)) for _ in range(2)]
+        assert engine_blocks_all_free(llm)
+        assert llm._pending is None or all(s.is_finished for s in llm._pending.seqs)
+    assert results[True] == results[False]
+    first = results[True][0]
+    assert first[0][0] == reference[0][: reference[0].index(reference[0][5]) + 1] and first[0][1] == "stop"
+    assert first[1][0] == reference[1][:1] and first[1][1] == "length"
+    assert first[2][0] == reference[2]
+    assert first[3][0] == reference[3][:1] and first[3][2] == reference[3][0]
+    assert all(t >= 0 for run in results[True] for out in run for t in out[0])
+
+
+@needs_llama
+def test_async_scheduling_stops_at_the_context_limit(model):
+    from nanovllm import LLM
+
+    outs = {}
+    for mode in (False, True):
+        llm = LLM(model, device="cpu", kv_cache_memory=1 << 24, max_model_len=40, async_scheduling=mode)
+        outs[mode] = _outcomes(llm.generate(prompts(), GREEDY, use_tqdm=False))
+        assert engine_blocks_all_free(llm)
+    assert outs[True] == outs[False]
+    assert [len(p) + len(o[0]) for p, o in zip(prompts(), outs[True], strict=True)] == [
+        min(len(p) + 24, 40) for p in prompts()
+    ]

@@ -51,6 +51,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
+    # schedule and launch step N+1 before reading step N's tokens back, so host work overlaps the GPU
+    async_scheduling: bool = True
     tensor_parallel_size: int = attrs.field(default=1, validator=_positive_int("tensor_parallel_size"))
     device: str = attrs.field(default="auto", validator=_one_of("device", ("auto", "cpu", "cuda")))
     seed: int = 0

@@ -151,7 +151,8 @@ def bench_latency(preset: str, eager: bool, **engine_options: Any) -> dict[str, 
 def profile_decode_step(preset: str, steps: int = 30, **engine_options: Any) -> dict[str, Any]:
     """Where one full-batch decode step of the B1 workload goes: the B1 prompts are prefilled, then
     decode steps are timed (wall clock per step; the host phases without and with a synchronisation
-    after each, which separates host work from waiting) and five are profiled (GPU kernel time)."""
+    after each, which separates host work from waiting; ``wait_and_apply`` is where the host waits
+    for the GPU) and five are profiled (GPU kernel time)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -167,7 +168,8 @@ def profile_decode_step(preset: str, steps: int = 30, **engine_options: Any) -> 
     for _ in range(5):
         llm.step()
     _sync()
-    phases = {"schedule": (sched, "schedule"), "prepare": (runner, "prepare"), "sampler": (runner, "sampler")}
+    phases = {"schedule": (sched, "schedule"), "prepare": (runner, "prepare"), "sampler": (runner, "sampler"),
+              "wait_and_apply": (llm, "_apply_pending")}
     result: dict[str, Any] = {"benchmark": "decode-profile", "preset": preset, "batch": len(sched.running),
                               "cuda_graphs": bool(runner.graphs)}
     for synced in (False, True):

@@ -10,9 +10,9 @@ from typing import Any
 from nanovllm.config import EngineConfig
 from nanovllm.default_model import default_model_dir, is_default_model
 from nanovllm.engine.loader import ModelDirectoryError, read_config_json
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.plugins import get_plugins, load_target
 from nanovllm.presets import is_preset, preset_dir
@@ -93,7 +93,8 @@ class LLMEngine:
         self.runner = ModelRunner(
             config, self.hf_config, self.model_path, load_target(families[arch].target), self.max_model_len, plugins
         )
-        self.scheduler = Scheduler(config, self.runner.num_blocks)
+        self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)
+        self._pending: LaunchedStep | None = None  # the step in flight, its tokens not yet applied
         self._next_request = 0
 
     def _max_model_len(self) -> int:
@@ -180,24 +181,53 @@ class LLMEngine:
     # -- stepping -----------------------------------------------------------------------------------
 
     def step(self) -> list[Sequence]:
-        """Schedule, run the model once, apply the sampled tokens; returns the sequences that finished."""
+        """Schedule and launch a step, apply sampled tokens; returns the sequences that finished.
+
+        With ``async_scheduling`` the tokens applied are the previous step's, read back only after this
+        step is launched, so the host's work overlaps the GPU's. A sequence sampled but not yet read
+        back holds a placeholder as its last token, which the next step takes from the GPU; one that
+        turns out to have finished wastes that one step's compute, which is discarded."""
         scheduled = self.scheduler.schedule()
-        if not scheduled:
-            return []
         try:
-            sampled = self.runner.execute(scheduled)
+            launched = self.runner.launch(scheduled) if scheduled else None
+            finished = self._apply_pending() if self.config.async_scheduling else []
         except BaseException:
-            self.scheduler.abort_all()  # leave the engine empty and usable
+            self._abort()
             raise
-        self.scheduler.advance(scheduled)
+        self.scheduler.advance([s for s in scheduled if not s.is_finished])
+        if launched is not None:
+            for seq in launched.seqs:
+                if not seq.is_finished:
+                    seq.token_ids.append(PLACEHOLDER)
+            self._pending = launched
+        if not self.config.async_scheduling:
+            try:
+                finished = self._apply_pending()
+            except BaseException:
+                self._abort()
+                raise
+        return finished
+
+    def _apply_pending(self) -> list[Sequence]:
+        """Wait for the step in flight; put its tokens in place of the placeholders, check stops."""
+        launched, self._pending = self._pending, None
+        if launched is None:
+            return []
         finished = []
-        for seq, token in sampled:
-            seq.token_ids.append(token)
+        for seq, token in zip(launched.seqs, launched.result(), strict=True):
+            if seq.is_finished:  # stopped on the token before; this one is discarded
+                continue
+            seq.token_ids[-1] = token
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    def _abort(self) -> None:
+        """After an error in a step: drop everything in flight and leave the engine empty and usable."""
+        self._pending = None
+        self.scheduler.abort_all()
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.sampling_params

@@ -6,13 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import torch
 
 from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, forward_context
 from nanovllm.config import EngineConfig
 from nanovllm.engine.loader import load_weights
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.hookspecs import bind_policy_hooks, make_policy_manager
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
@@ -27,6 +28,21 @@ from nanovllm.selection import (
 
 CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30
 AUTO_BACKENDS = ("triton", "torch")  # preference order for attention_backend="auto"
+
+
+@attrs.define
+class LaunchedStep:
+    """A step in flight: the sequences that sample in it, in row order, and their tokens."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # on the host (pinned on CUDA) once ``ready`` has completed
+    ready: torch.cuda.Event | None
+
+    def result(self) -> list[int]:
+        """Wait for the step and return its tokens."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.tokens.tolist()
 
 
 def resolve_device(device: str) -> torch.device:
@@ -109,6 +125,7 @@ class ModelRunner:
                 len(self.attention_layers), self.num_kv_heads, self.head_dim, self.num_blocks,
                 self.block_size, self.dtype, self.device,
             )
+        self._last_sampled = torch.empty(0, dtype=torch.long, device=self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda":
             self._warm_up()
@@ -346,8 +363,13 @@ class ModelRunner:
             ),
         )
         rows = None if len(sample_rows) == row else self._to_device(np.asarray(sample_rows, dtype=np.int64))
+        input_ids = self._to_device(np.asarray(ids, dtype=np.int64))
+        on_gpu = [i for i, s in enumerate(decodes) if ids[i] == PLACEHOLDER]  # sampled last step, not read back
+        if on_gpu:
+            src = self._to_device(np.asarray([decodes[i].sample_row for i in on_gpu], dtype=np.int64))
+            input_ids[self._to_device(np.asarray(on_gpu, dtype=np.int64))] = self._last_sampled[src]
         return (
-            self._to_device(np.asarray(ids, dtype=np.int64)),
+            input_ids,
             self._to_device(np.concatenate(pos_parts)),
             meta,
             rows,
@@ -355,8 +377,8 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
-        """Run one step; returns ``(sequence, sampled token)`` for each sequence that samples."""
+    def launch(self, seqs: list[Sequence]) -> LaunchedStep | None:
+        """Launch one step without waiting for it; None when no sequence samples in it."""
         input_ids, positions, meta, sample_rows, sampling = self.prepare(seqs)
         if self.graphs and meta.prefill is None and input_ids.shape[0] <= self.graph_sizes[-1]:
             hidden = self._replay_decode(input_ids, positions, meta)
@@ -364,10 +386,19 @@ class ModelRunner:
             with forward_context(meta):
                 hidden = self.model(input_ids, positions)
         if not sampling:
-            return []
+            return None
         logits = self.model.compute_logits(hidden if sample_rows is None else hidden[sample_rows])
-        tokens = self.sampler(logits, *self._sampling_tensors(sampling)).tolist()  # the step's one sync
-        return list(zip(sampling, tokens, strict=True))
+        sampled = self.sampler(logits, *self._sampling_tensors(sampling))
+        self._last_sampled = sampled
+        for row, s in enumerate(sampling):
+            s.sample_row = row
+        if self.device.type != "cuda":
+            return LaunchedStep(sampling, sampled, None)
+        host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+        host.copy_(sampled, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return LaunchedStep(sampling, host, ready)
 
     def _sampling_tensors(self, seqs: list[Sequence]):
         params = [s.sampling_params for s in seqs]

@@ -17,7 +17,8 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int | None = None) -> None:
+        self.max_model_len = max_model_len
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.enable_chunked_prefill = config.enable_chunked_prefill
@@ -41,6 +42,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.reached_length(self.max_model_len):  # its last token is still on the GPU; it finishes then
+                i += 1
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.append_slots(seq, seq.num_computed_tokens + num_new):
                 victim = self.running.pop()
@@ -93,10 +97,11 @@ class Scheduler:
             self.block_manager.commit_full_blocks(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        """Running, or waiting after a preemption while its last token was still on the GPU."""
+        (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)
-        self.running.remove(seq)
 
     def abort_all(self) -> None:
         """Drop every request (after an error in a step), returning all blocks."""

@@ -8,6 +8,11 @@ from itertools import count
 from nanovllm.sampling_params import SamplingParams
 
 
+# A token that was sampled on the GPU but not yet read back (async scheduling); at most one per
+# sequence, always its last token. The next step takes its value straight from the GPU.
+PLACEHOLDER = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
@@ -36,6 +41,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.generator = None  # torch.Generator of a seeded request, made by the runner
+        self.sample_row = -1  # row of this sequence in the last launched step's sampled tokens
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -60,6 +66,11 @@ class Sequence:
     def samples_this_step(self) -> bool:
         """The scheduled tokens reach the end of the sequence, so a new token is sampled."""
         return self.num_computed_tokens + self.num_scheduled_tokens == self.num_tokens
+
+    def reached_length(self, max_model_len: int | None) -> bool:
+        """No further token may be sampled (``max_tokens`` or the context limit is reached)."""
+        full = max_model_len is not None and self.num_tokens >= max_model_len
+        return full or self.num_completion_tokens >= self.sampling_params.max_tokens
 
     @property
     def is_decode(self) -> bool:
