@@ -18,13 +18,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# Targets on one H100 (issue 3) and anchors (ANCHORS.md): floors from bandwidth, peers' published numbers.
+# Targets on one H100 (issue 3) and anchors (ANCHORS.md): bandwidth floors per device, peers' numbers.
 TARGETS: dict[tuple[str, str], dict[str, Any]] = {
-    ("throughput", "qwen3-0.6b"): {"target": 18_000, "floor": 25_700, "peer": "vLLM-class 12-15K"},
-    ("throughput", "qwen3-8b"): {"target": 8_000, "floor": 11_700},
-    ("throughput", "llama-3.1-8b"): {"floor": 12_400},
+    ("throughput", "qwen3-0.6b"): {"target": 18_000, "floor": {"H100": 25_700, "H200": 37_200},
+                                   "peer": "vLLM-class 12-15K (H100)"},
+    ("throughput", "qwen3-8b"): {"target": 8_000, "floor": {"H100": 11_700}},
+    ("throughput", "llama-3.1-8b"): {"floor": {"H100": 12_400}},
     ("latency", "qwen3-0.6b"): {"target": 1.5, "peer": "vLLM on A100 4.2"},
-    ("latency", "qwen3-8b"): {"target": 6.0, "floor": 5.2, "peer": "vLLM about 7.0"},
+    ("latency", "qwen3-8b"): {"target": 6.0, "floor": {"H100": 5.2}, "peer": "vLLM about 7.0 (H100)"},
 }
 PREFILL_TARGET = 0.95  # of the cuDNN SDPA TFLOP/s in the same run
 DECODE_TARGET = 0.9  # of the copy bandwidth in the same run (2.6 TB/s on an H100)
@@ -99,14 +100,17 @@ def environment() -> dict[str, Any]:
     }
 
 
-def annotate(result: dict[str, Any]) -> dict[str, Any]:
+def annotate(result: dict[str, Any], device: str) -> dict[str, Any]:
     """Add target, anchors and ratios to one engine result (kernels rows get theirs in :func:`kernel_rows`)."""
     metric = METRIC.get(result["benchmark"])
     if metric is None or metric not in result:
         return result
     value = result[metric]
-    ref = TARGETS.get((result["benchmark"], result["preset"]), {})
-    out = {**result, "metric": metric, **{k: v for k, v in ref.items()}}
+    ref = dict(TARGETS.get((result["benchmark"], result["preset"]), {}))
+    floor = next((f for chip, f in ref.pop("floor", {}).items() if chip in device), None)
+    if floor is not None:
+        ref["floor"] = floor
+    out = {**result, "metric": metric, **ref}
     if "target" in ref:
         ratio = ref["target"] / value if metric in LOWER_IS_BETTER else value / ref["target"]
         out["vs_target"] = ratio  # >= 1 meets it
@@ -142,7 +146,8 @@ def _fmt(v: Any) -> str:
 def markdown(payload: dict[str, Any], title: str) -> str:
     env = payload["environment"]
     lines = [f"# {title}", "", f"{env['device']}, {env['date']}, commit {env['commit']}, torch {env['torch']}.",
-             "Targets are issue 3's, set for one H100; floors and peers from ANCHORS.md. vs_target >= 1 meets it.",
+             "Targets are issue 3's, set for one H100; floors (this device's) and peers from ANCHORS.md. "
+             "vs_target >= 1 meets it.",
              "", "| benchmark | preset | metric | measured | target | vs_target | floor | vs_floor | peer |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in payload["results"]:
@@ -216,13 +221,14 @@ def chart(payload: dict[str, Any], path: Path) -> bool:
 
 def write_results(results: list[dict[str, Any]], out_dir: Path, name: str, settings: dict[str, Any]) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
+    env = environment()
     annotated = []
     for r in results:
-        r = annotate(r)
+        r = annotate(r, env["device"])
         if r["benchmark"] == "kernels" and "rows" in r:
             r = {**r, "rows": kernel_rows(r["rows"])}
         annotated.append(r)
-    payload = {"environment": environment(), "settings": settings, "results": annotated}
+    payload = {"environment": env, "settings": settings, "results": annotated}
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps(payload, indent=1))
     (out_dir / f"{name}.md").write_text(markdown(payload, name))
