@@ -63,7 +63,12 @@ def test_kernels_dry_run_and_results_files(tmp_path, monkeypatch):
     assert "| throughput | qwen3-0.6b | output_tok_per_s | 9,000 | 18,000 | 0.500 |" in md
     assert "failed: exit 1" in md
 
+    payload["results"].append({"benchmark": "throughput", "preset": "qwen3-8b", "output_tok_per_s": 4000.0})
+    path.write_text(json.dumps(payload))
+    bench.render(path)
+    assert "| throughput | qwen3-8b | output_tok_per_s | 4,000 | 8,000 | 0.500 |" in (tmp_path / "t.md").read_text()
 
-def test_chart_needs_a_file(capsys):
-    assert cli_main(["bench", "chart"]) == 2
+
+def test_render_needs_a_file(capsys):
+    assert cli_main(["bench", "render"]) == 2
     assert "needs a results file" in capsys.readouterr().err

@@ -66,10 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     plug.add_argument("--json", action="store_true", help="machine-readable output")
     plug.set_defaults(func=_plugins)
     bench = sub.add_parser("bench", help="benchmarks on shape presets with random weights (GPU)")
-    bench.add_argument("benchmark", choices=("throughput", "latency", "kernels", "all", "chart"),
+    bench.add_argument("benchmark", choices=("throughput", "latency", "kernels", "all", "render"),
                        help="B1 throughput (+ decode-step profile), B2 latency, B3 kernels; "
-                       "chart FILE.json redraws a results chart")
-    bench.add_argument("file", nargs="?", help="results JSON (for chart)")
+                       "render FILE.json redoes a results file's ratios, table and chart")
+    bench.add_argument("file", nargs="?", help="results JSON (for render)")
     bench.add_argument("--presets", nargs="+", default=["qwen3-0.6b"],
                        help="qwen3-0.6b, qwen3-8b, llama-3.1-8b")
     bench.add_argument("--hf-num-seqs", type=int, default=0,

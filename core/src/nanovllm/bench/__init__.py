@@ -233,19 +233,33 @@ def write_results(results: list[dict[str, Any]], out_dir: Path, name: str, setti
     path.write_text(json.dumps(payload, indent=1))
     (out_dir / f"{name}.md").write_text(markdown(payload, name))
     if not chart(payload, out_dir / f"{name}.png"):
-        print("matplotlib is not installed: no chart; draw it later with `nanovllm bench chart FILE.json`")
+        print("matplotlib is not installed: no chart; draw it later with `nanovllm bench render FILE.json`")
     return path
 
 
+def render(path: Path) -> None:
+    """Redo a results file's ratios (current targets and anchors), markdown table and chart from its JSON,
+    e.g. after adding a result measured separately."""
+    payload = json.loads(path.read_text())
+    device = payload["environment"]["device"]
+    payload["results"] = [annotate(_raw(r), device) for r in payload["results"]]
+    path.write_text(json.dumps(payload, indent=1))
+    path.with_suffix(".md").write_text(markdown(payload, path.stem))
+    if not chart(payload, path.with_suffix(".png")):
+        print("matplotlib is not installed: markdown redone, no chart")
+
+
+def _raw(result: dict[str, Any]) -> dict[str, Any]:
+    """A result without the fields :func:`annotate` adds."""
+    added = {"metric", "target", "floor", "peer", "vs_target", "vs_floor"}
+    return {k: v for k, v in result.items() if k not in added}
+
+
 def main(args) -> int:
-    if args.benchmark == "chart":
+    if args.benchmark == "render":
         if not args.file:
-            raise ValueError("nanovllm bench chart needs a results file: nanovllm bench chart benchmarks/results/NAME.json")
-        path = Path(args.file)
-        payload = json.loads(path.read_text())
-        if not chart(payload, path.with_suffix(".png")):
-            raise ImportError("nanovllm bench chart needs matplotlib: pip install matplotlib")
-        print(path.with_suffix(".png"))
+            raise ValueError("nanovllm bench render needs a results file: nanovllm bench render benchmarks/results/NAME.json")
+        render(Path(args.file))
         return 0
     options: dict[str, Any] = {}
     if args.attention_backend:
