@@ -13,7 +13,7 @@ batch of prompts of different lengths, then again for prompts that share prefixe
 - the setting really did what it is for (prefix hits, split prompts sharing steps with decodes,
   preemptions).
 
-The logits are captured by wrapping the runner's sampler (and ``execute``, to know which sequence each
+The logits are captured by wrapping the runner's sampler (and ``launch``, to know which sequence each
 row belongs to) on the engine instance. Engines and HF references are built once per module.
 """
 

@@ -1,5 +1,7 @@
 """Built-in defaults, registered through the same hooks and entry point group as any plugin."""
 
+from importlib.util import find_spec
+
 from nanovllm.hookspecs import hookimpl
 
 
@@ -12,6 +14,8 @@ def register_attention_backends(registry) -> None:
         dtypes=("float32", "float16", "bfloat16"),
     )
     # Triton kernels (imported only when selected); the head sizes and dtypes are those its tests cover.
+    if find_spec("triton") is None:  # e.g. a CPU-only PyTorch: "auto" then falls back to torch
+        return
     registry.add_attention_backend(
         "triton",
         "nanovllm.attention.triton_backend:TritonBackend",
