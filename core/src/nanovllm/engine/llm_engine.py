@@ -191,21 +191,17 @@ class LLMEngine:
         try:
             launched = self.runner.launch(scheduled) if scheduled else None
             finished = self._apply_pending() if self.config.async_scheduling else []
+            self.scheduler.advance([s for s in scheduled if not s.is_finished])
+            if launched is not None:
+                for seq in launched.seqs:
+                    if not seq.is_finished:
+                        seq.token_ids.append(PLACEHOLDER)
+                self._pending = launched
+            if not self.config.async_scheduling:
+                finished = self._apply_pending()
         except BaseException:
             self._abort()
             raise
-        self.scheduler.advance([s for s in scheduled if not s.is_finished])
-        if launched is not None:
-            for seq in launched.seqs:
-                if not seq.is_finished:
-                    seq.token_ids.append(PLACEHOLDER)
-            self._pending = launched
-        if not self.config.async_scheduling:
-            try:
-                finished = self._apply_pending()
-            except BaseException:
-                self._abort()
-                raise
         return finished
 
     def _apply_pending(self) -> list[Sequence]:
