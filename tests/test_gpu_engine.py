@@ -28,3 +28,9 @@ def _greedy(path: str, device: str, backend: str) -> list[list[int]]:
 def test_cuda_torch_backend_matches_cpu(tiny_model, arch):
     path = tiny_model(arch)
     assert _greedy(path, "cuda", "torch") == _greedy(path, "cpu", "torch")
+
+
+def test_triton_engine_matches_torch_backend(tiny_model):
+    """The whole engine on CUDA (chunked prefill, prefix-cache hits, decode in CUDA graphs), float32."""
+    path = tiny_model("Qwen3ForCausalLM")  # head dim 32
+    assert _greedy(path, "cuda", "triton") == _greedy(path, "cuda", "torch")
