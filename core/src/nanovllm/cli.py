@@ -40,6 +40,8 @@ def _plugins(args: argparse.Namespace) -> int:
         print(f"{p.name:<12} {p.dist} {p.version}  ({p.value})")
         if p.error:
             print(f"    FAILED TO LOAD: {p.error}")
+        elif p.warning:
+            print(f"    WARNING: {p.warning}")
         for entry in p.registered:
             print(f"    {entry}")
     return 0
