@@ -175,3 +175,20 @@ def test_selection_forms():
     for bad in (torch.zeros(2, 3, 3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)):
         with pytest.raises(ValueError, match=r"\[num_seqs, num_kv_heads=4, k\]"):
             selection_per_kv_head(bad, 4)
+
+
+def test_bench_selections_follow_the_contract(gen):
+    """B3's selected-decode inputs: per KV head, distinct ascending blocks in range, the last one
+    always in; and the bytes it counts are those of the selected slots below kv_lens, plus q and out."""
+    pytest.importorskip("triton")
+    from nanovllm.bench.kernels import decode_bytes, random_head_selection
+
+    sel = random_head_selection(3, 4, 50, 8, gen, "cpu")
+    assert sel.shape == (3, 4, 8) and sel.dtype == torch.int32
+    assert (sel[..., 1:] > sel[..., :-1]).all() and sel.min() >= 0 and (sel[..., -1] == 49).all()
+    assert not all(torch.equal(sel[0, 0], sel[s, h]) for s in range(3) for h in range(4)), "one list for all"
+    # two sequences, one KV head: blocks 0 and 2 of 16 tokens below kv_len 40 (16 + 8 tokens), none
+    sel = torch.tensor([[[0, 2, -1]], [[-1, -1, -1]]], dtype=torch.int32)
+    kv_lens = torch.tensor([40, 40])
+    kv_bytes, q_out_bytes = 24 * 2 * 8 * 2, 2 * (2 * 4 * 8 * 2)
+    assert decode_bytes(sel, kv_lens, 16, num_heads=4, head_dim=8, itemsize=2) == kv_bytes + q_out_bytes
