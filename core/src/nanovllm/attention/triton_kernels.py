@@ -420,7 +420,7 @@ def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, max
         return 16, 16, 1, 1
     if dtype == torch.float32:
         return 32, 32, 4, 2
-    # measured on an H100, 16K causal, 32q/8kv heads (benchmarks/kernels_quick.py --sweep), TFLOP/s of
+    # measured on an H100, 16K causal, 32q/8kv heads (`nanovllm bench kernels`, its sweep), TFLOP/s of
     # dense / paged bs=16 / paged bs=256: d=64 412 / 373 / 379 (4 warps: 376 / 353 / 360);
     # d=128 495 / 423 / 440 (BLOCK_N 64: 473 / 370 / 387)
     if head_dim <= 64:
