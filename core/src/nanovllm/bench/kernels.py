@@ -45,6 +45,29 @@ def ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def graph_ms(calls: list) -> float:
+    """Median ms per call of ``calls``, captured one after the other in one CUDA graph and replayed, so
+    that Python's launch overhead (tens of us per Triton launch, more than a small selection's kernel
+    time) stays out, as in the engine's decode graphs. The calls rotate over different inputs, so the
+    L2 cache (50 MB), which do_bench clears before each replay, does not serve one call from another's
+    reads."""
+    if DRY:
+        for call in calls:
+            call()
+        return 1.0
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return do_bench(graph.replay, warmup=25, rep=100, return_mode="median") / len(calls)
+
+
 def randn(*shape, gen):
     return torch.randn(*shape, generator=gen, device=DEV).to(torch.bfloat16)
 
@@ -267,22 +290,24 @@ def selected_decode(sweep: bool, gen) -> None:
         q = randn(batch, h, d, gen=gen)
         out = torch.empty_like(q)
         lse = torch.empty(batch, h, dtype=torch.float32, device=DEV)
-        sel = random_head_selection(batch, hkv, nblk, n_sel, gen, DEV)
+        rotation = 1 if DRY else 16  # selections over different blocks, replayed in turn
+        sels = [random_head_selection(batch, hkv, nblk, n_sel, gen, DEV) for _ in range(rotation)]
+        sel = sels[0]
         everything = torch.arange(nblk, dtype=torch.int32, device=DEV).expand(batch, hkv, -1)
         dense_bytes = decode_bytes(everything, lens, bs, h, d, q.element_size())
-        sel_bytes = decode_bytes(sel, lens, bs, h, d, q.element_size())
+        sel_bytes = sum(decode_bytes(x, lens, bs, h, d, q.element_size()) for x in sels) / rotation
 
         def dense(q=q, kc=kc, vc=vc, out=out, lens=lens, tables=tables, ctx=ctx):
             tk.attention_decode(q, kc, vc, out, None, lens, tables, None, ctx, scale)
 
-        def selected(splits=None, q=q, kc=kc, vc=vc, out=out, lse=lse, lens=lens, tables=tables, sel=sel):
+        def selected(splits=None, sel=sel, q=q, kc=kc, vc=vc, out=out, lse=lse, lens=lens, tables=tables):
             tk.attention_decode(q, kc, vc, out, lse, lens, tables, sel, n_sel * bs, scale, num_splits=splits)
 
         label = f"b={batch} ctx={ctx} bs={bs}"
         try:
-            t_dense = ms(dense)
+            t_dense = graph_ms([dense] * 4)  # the whole context is far larger than L2: no rotation needed
             dense_gbs = dense_bytes / t_dense / 1e6
-            record("decode", f"{label} dense (selected's peer)", t_dense, dense_gbs, "GB/s")
+            record("decode", f"{label} dense (selected's peer), CUDA graph", t_dense, dense_gbs, "GB/s")
             selected()
             meta = PhaseMetadata(torch.arange(batch + 1, dtype=torch.int32, device=DEV), lens, tables, 1, ctx)
             err = rel(out, TorchBackend().attend_blocks(q, kc, vc, meta, sel, lens, scale)[0])
@@ -290,14 +315,12 @@ def selected_decode(sweep: bool, gen) -> None:
             record("decode", f"{label} selected {n_sel} blocks per KV head", float("nan"), float("nan"), "",
                    _why(e))
             continue
-        # the default split count, and in a sweep others: a selection has few keys per KV head
-        for splits in [None] + ([4, 16, 32] if sweep else []):
+        # the default split count and others: a selection has few keys per KV head
+        for splits in [None, 16, 32] + ([4, 64] if sweep else []):
             n = splits or tk.num_decode_splits(batch, hkv, n_sel * bs, block_n, q.device)
-            name = f"{label} selected {n_sel} blocks per KV head splits={n}{'' if splits else ' (auto)'}"
+            name = f"{label} selected {n_sel} blocks per KV head splits={n}{'' if splits else ' (auto)'}, graph"
             try:
-                # do_bench clears the L2 cache before each run, so the 8 MB of a batch-1 selection come
-                # from HBM
-                t = ms(lambda splits=splits, fn=selected: fn(splits))
+                t = graph_ms([lambda x=x, splits=splits: selected(splits, x) for x in sels])
             except Exception as e:
                 record("decode", name, float("nan"), float("nan"), "", _why(e))
                 continue
