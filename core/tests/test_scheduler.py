@@ -146,7 +146,7 @@ def test_prefix_hits_shorten_the_prefill():
     run(sched)
     b = add(sched, 13, max_tokens=1)  # same prompt: 3 full blocks cached, at most 12 tokens
     record = step(sched)
-    assert record == [(b, 1, False)]
+    assert record == [(b, 1, True)]  # the one token left runs as a decode (vLLM V1's rule)
     assert b.num_cached_tokens == 12
     assert a.is_finished and b.is_finished
 
