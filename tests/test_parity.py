@@ -15,6 +15,10 @@ batch of prompts of different lengths, then again for prompts that share prefixe
 - the setting really did what it is for (prefix hits, split prompts sharing steps with decodes,
   preemptions).
 
+Then the logprobs API itself, on one model: prompt and generated logprobs, top-k ids and ranks and the
+cumulative logprob against HF, in a batch mixing requests with and without logprobs, under chunked
+prefill, preemption, one token per step, and with async scheduling on and off.
+
 Engines and HF references are built once per module.
 """
 
@@ -346,3 +350,177 @@ def test_references_are_sensitive(hf_reference):
         completions = [ref(p)[0] for p in _prompts(ref.model.config.vocab_size, PROMPT_LENS, seed=7)]
         assert sum(len(set(c)) for c in completions) > 3 * len(completions), f"{name}: {completions}"
 
+
+# -- the logprobs API ---------------------------------------------------------------------------------
+
+LOGPROB_MODEL = "qwen3-untied"
+LOGPROB_SETTINGS = {
+    "onestep": dict(block_size=16, kv_blocks=64),
+    "chunked": dict(block_size=8, max_num_batched_tokens=32, kv_blocks=128),
+    # 16 blocks of 12 tokens for ~290 tokens of work: requests with prompt logprobs are preempted and
+    # recompute their prompts
+    "preempt": dict(block_size=12, max_num_batched_tokens=32, kv_blocks=16),
+    # every step computes one token, so every prompt token runs as a decode (most of them sample nothing)
+    "one-token-steps": dict(block_size=16, max_num_batched_tokens=1, kv_blocks=64),
+}
+VOCAB = 256  # of the tiny models
+
+
+def logprob_params():
+    """A batch mixing top-k logprobs, none, only the chosen tokens (k=0), and the whole vocabulary."""
+    from nanovllm import SamplingParams
+
+    base = dict(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    return [
+        SamplingParams(**base, logprobs=3, prompt_logprobs=2),
+        SamplingParams(**base),
+        SamplingParams(**base, logprobs=0, prompt_logprobs=0),
+        SamplingParams(**base, logprobs=VOCAB, prompt_logprobs=VOCAB),
+    ]
+
+
+@pytest.fixture(scope="module")
+def logprob_runs(model_paths, hf_reference):
+    """``logprob_runs(setting, async_scheduling)`` -> (engine, outputs, preempted request ids) (cached)."""
+    done: dict[tuple[str, bool], tuple] = {}
+
+    def get(setting: str, async_scheduling: bool = True) -> tuple:
+        if (setting, async_scheduling) not in done:
+            import nanovllm
+
+            opts = engine_options(hf_reference(LOGPROB_MODEL), LOGPROB_SETTINGS[setting])
+            llm = nanovllm.LLM(model_paths(LOGPROB_MODEL), device="cpu", max_model_len=MAX_MODEL_LEN,
+                               max_logprobs=-1, async_scheduling=async_scheduling, **opts)
+            llm.runner.kv_cache.fill_(float("nan"))
+            preempted: list[str] = []
+            preempt = llm.scheduler._preempt
+
+            def recording_preempt(seq):
+                preempted.append(seq.request_id)
+                preempt(seq)
+
+            llm.scheduler._preempt = recording_preempt
+            outs = llm.generate(_prompts(VOCAB, PROMPT_LENS, seed=7), logprob_params(), use_tqdm=False)
+            done[(setting, async_scheduling)] = (llm, outs, preempted)
+        return done[(setting, async_scheduling)]
+
+    return get
+
+
+def check_entry(entry: dict, own: int, k: int, want: torch.Tensor) -> None:
+    """One position's dict: its own token plus exactly the ``k`` most likely, with HF's logprobs and
+    ranks (ranks allowing for near-ties within the tolerance), and each token's text."""
+    assert own in entry
+    assert len(entry) == k + (entry[own].rank > k)
+    tokens = torch.tensor(list(entry))
+    got = torch.tensor([logprob.logprob for logprob in entry.values()])
+    ranks = torch.tensor([logprob.rank for logprob in entry.values()])
+    assert (logprob_error(got, want[tokens]) < TOL).all()
+    slack = (2 * TOL * got.abs().clamp(min=1)).unsqueeze(-1)
+    assert (1 + (want > got.unsqueeze(-1) + slack).sum(-1) <= ranks).all()
+    assert (ranks <= 1 + (want > got.unsqueeze(-1) - slack).sum(-1)).all()
+    assert [logprob.decoded_token for logprob in entry.values()] == [f"tok{t}" for t in entry]
+    in_top = (tokens != own) | (ranks <= k)
+    assert in_top.sum() == k
+    top, top_ranks = got[in_top], ranks[in_top]  # their ranks among themselves: ties share a rank
+    assert torch.equal(top_ranks, 1 + (top.unsqueeze(0) > top.unsqueeze(-1)).sum(-1))
+
+
+@pytest.mark.parametrize("setting", LOGPROB_SETTINGS)
+def test_logprobs_match_hf(logprob_runs, hf_reference, setting):
+    llm, outs, preempted = logprob_runs(setting)
+    ref = hf_reference(LOGPROB_MODEL)
+    for prompt, params, out in zip(_prompts(VOCAB, PROMPT_LENS, seed=7), logprob_params(), outs, strict=True):
+        completion = out.outputs[0]
+        want_tokens, want = ref(prompt)
+        assert completion.token_ids == want_tokens
+        if params.logprobs is None:
+            assert completion.logprobs is None and completion.cumulative_logprob is None
+            assert out.prompt_logprobs is None
+            continue
+        assert len(completion.logprobs) == MAX_NEW
+        for i, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
+            assert entry[token].rank == 1  # greedy: the sampled token is the most likely
+            check_entry(entry, token, params.logprobs, want[len(prompt) - 1 + i])
+        sampled = zip(completion.token_ids, completion.logprobs, strict=True)
+        assert completion.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in sampled), abs=1e-9)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for i in range(1, len(prompt)):
+            check_entry(out.prompt_logprobs[i], prompt[i], params.prompt_logprobs, want[i - 1])
+        assert out.num_cached_tokens == 0
+    assert not llm.scheduler.has_unfinished()
+    bm = llm.scheduler.block_manager
+    assert bm.num_free_blocks == len(bm.blocks)
+    if setting == "preempt":
+        asked = {o.request_id for o, p in zip(outs, logprob_params(), strict=True) if p.prompt_logprobs}
+        assert asked & set(preempted), "no request with prompt logprobs was preempted"
+
+
+def test_whole_vocabulary_ranks_follow_the_definition(logprob_runs):
+    """With every token returned, each rank is exactly 1 + the number of strictly larger logprobs."""
+    _, outs, _ = logprob_runs("chunked")
+    out = outs[3]
+    for entry in [*out.outputs[0].logprobs, *out.prompt_logprobs[1:]]:
+        assert len(entry) == VOCAB
+        values = torch.tensor([lp.logprob for lp in entry.values()])
+        ranks = torch.tensor([lp.rank for lp in entry.values()])
+        assert torch.equal(ranks, 1 + (values.unsqueeze(0) > values.unsqueeze(-1)).sum(-1))
+        assert torch.logsumexp(values, 0).abs() < 1e-5  # a whole distribution
+
+
+def same_logprobs(a: list[dict | None], b: list[dict | None]) -> bool:
+    """Equal dicts but for float rounding: the same tokens, logprobs within the tolerance."""
+    return len(a) == len(b) and all(
+        x == y or (x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < TOL for t in x))
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+@pytest.mark.parametrize("setting", ["onestep", "chunked", "preempt"])
+def test_async_scheduling_gives_the_sync_logprobs(logprob_runs, setting):
+    """Identical where both run the same steps. Under preemption they do not: a request that reached
+    max_tokens frees its blocks one step later with async scheduling (when its last token is read), so
+    other requests are preempted at other points and their prompts chunked differently."""
+    _, on, _ = logprob_runs(setting, True)
+    _, off, _ = logprob_runs(setting, False)
+    for a, b in zip(on, off, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        if setting != "preempt":
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs
+            assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
+            assert a.prompt_logprobs == b.prompt_logprobs
+        elif b.prompt_logprobs is not None:
+            assert same_logprobs(a.outputs[0].logprobs, b.outputs[0].logprobs)
+            assert same_logprobs(a.prompt_logprobs, b.prompt_logprobs)
+
+
+def test_one_token_steps_give_the_tokens_and_prompt_logprobs_of_a_normal_run(logprob_runs):
+    """max_num_batched_tokens=1: every prompt token is a one-token step run as a decode."""
+    _, single, _ = logprob_runs("one-token-steps")
+    _, normal, _ = logprob_runs("onestep")
+    for a, b in zip(single, normal, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        if b.prompt_logprobs is None:
+            assert a.prompt_logprobs is None
+            continue
+        assert same_logprobs(a.prompt_logprobs, b.prompt_logprobs)
+
+
+def test_prompt_logprobs_take_no_prefix_hits_but_publish_their_blocks(model_paths, hf_reference):
+    import nanovllm
+    from nanovllm import SamplingParams
+
+    ref = hf_reference(LOGPROB_MODEL)
+    llm = nanovllm.LLM(model_paths(LOGPROB_MODEL), device="cpu", max_model_len=MAX_MODEL_LEN,
+                       **engine_options(ref, dict(block_size=16, kv_blocks=64)))
+    prompt = _prompts(VOCAB, (75,), seed=7)[0]
+    plain = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    scored = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
+    first = llm.generate([prompt], scored, use_tqdm=False)[0]
+    again = llm.generate([prompt, prompt], [scored, plain], use_tqdm=False)
+    assert first.num_cached_tokens == 0
+    assert again[0].num_cached_tokens == 0 and again[0].prompt_logprobs == first.prompt_logprobs
+    assert again[1].num_cached_tokens == 64  # the blocks the scored requests computed
+    want = ref(prompt)[1]
+    for i in range(1, len(prompt)):
+        check_entry(again[0].prompt_logprobs[i], prompt[i], 1, want[i - 1])
