@@ -41,8 +41,9 @@ class QuestStylePolicy(SparsePolicy):
     def on_kv_write(self, write: KVWrite) -> None:
         rows = torch.where(write.block_ids >= 0, write.block_ids, self.num_blocks)
         keys = write.key.float()
-        self.key_min[write.layer_id].index_reduce_(0, rows, keys, "amin")
-        self.key_max[write.layer_id].index_reduce_(0, rows, keys, "amax")
+        index = rows[:, None, None].expand_as(keys)
+        self.key_min[write.layer_id].scatter_reduce_(0, index, keys, "amin")
+        self.key_max[write.layer_id].scatter_reduce_(0, index, keys, "amax")
 
     def block_metadata(self, layer_id: int, block_ids: torch.Tensor) -> torch.Tensor:
         return torch.stack([self.key_min[layer_id, block_ids], self.key_max[layer_id, block_ids]], dim=1)
@@ -62,7 +63,7 @@ class QuestStylePolicy(SparsePolicy):
         bound = torch.maximum(qs * kmin[seq][:, :, :, None], qs * kmax[seq][:, :, :, None]).sum(-1)  # [T,W,Hkv,G]
         row_score = bound.amax(dim=-1)  # over the group's query heads
         score = torch.full((num_seqs, width, hkv), float("-inf"), device=q.device)
-        score = score.index_reduce(0, seq, row_score, "amax")  # over the chunk's queries
+        score = score.scatter_reduce(0, seq[:, None, None].expand_as(row_score), row_score, "amax")  # over queries
         score = score.transpose(1, 2)  # [S, Hkv, W]
         n = ctx.num_history_blocks.long()[:, None, None]
         idx = torch.arange(width, device=q.device)

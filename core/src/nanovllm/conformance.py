@@ -285,11 +285,11 @@ def _check_metadata(case: Case, model_dir: str, policy: Any) -> None:
     fills = FillRecorder()
     llm = _engine(case, model_dir, policy, [fills], **SCENARIOS["preemption"][0])
     runner = llm.runner
-    llm.generate(_prefix_prompts([40, 40, 60], 7), _params(20, False), use_tqdm=False)
     llm.generate(_prompts([30, 45, 60, 25], 5), _params(30, False), use_tqdm=False)
     assert llm.scheduler.num_preemptions > 0, "the metadata workload did not preempt"
-    assert any(o.num_cached_tokens for o in llm.generate(_prefix_prompts([40], 7), _params(2, False),
-                                                         use_tqdm=False)), "no prefix-cache hit"
+    llm.generate(_prefix_prompts([40], 7), _params(10, False), use_tqdm=False)
+    shared = llm.generate(_prefix_prompts([40, 40], 7)[1:] + _prompts([20], 9), _params(10, False), use_tqdm=False)
+    assert shared[0].num_cached_tokens > 0, "no prefix-cache hit"
     blocks = sorted(b for b, n in fills.fill.items() if n > 0)
     ids = torch.tensor(blocks, dtype=torch.long, device=runner.device)
     checked = 0

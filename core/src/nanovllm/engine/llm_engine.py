@@ -303,8 +303,8 @@ class LLMEngine:
     def _logprob_dicts(self, entries: list[RawLogprobs]) -> list[dict[int, Logprob]]:
         """Per position: the position's own token first, then the top tokens, each with its text."""
         texts: dict[int, str | None] = {}
-        if self.tokenizer is not None:
-            ids = sorted({t for token_ids, _, _ in entries for t in token_ids})
+        ids = sorted({t for token_ids, _, _ in entries for t in token_ids})
+        if self.tokenizer is not None and ids:  # batch_decode([]) is not [] for every tokenizer
             texts = dict(zip(ids, self.tokenizer.batch_decode([[t] for t in ids]), strict=True))
         return [
             {t: Logprob(lp, rank, texts.get(t)) for t, lp, rank in zip(*entry, strict=True)}
