@@ -60,6 +60,7 @@ def test_installed_plugin_is_listed(window_env):
         "module": "nanovllm_window.plugin",
         "registers": ["sparse_policy:window"],
         "error": None,
+        "warning": None,
     }
     assert {"builtin", "llama", "qwen3"} <= set(listed)  # the others still load beside it
     text = run([*nanovllm_command(), "plugins"], window_env)

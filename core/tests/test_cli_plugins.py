@@ -16,7 +16,7 @@ import pytest
 from nanovllm.cli import main
 from nanovllm.plugins import reload_plugins
 
-KEYS = {"name", "distribution", "version", "module", "registers", "error"}
+KEYS = {"name", "distribution", "version", "module", "registers", "error", "warning"}
 
 
 def write_dist(root: Path, dist: str, module: str, source: str, entry: str) -> None:
@@ -129,3 +129,28 @@ def test_duplicate_names_fail_the_listing_naming_both(site):
     assert proc.stderr.startswith("nanovllm: error: sparse policy 'twin' is registered twice")
     assert "'nanovllm-one'" in proc.stderr and "'nanovllm-two'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_plugin_that_registers_nothing_is_flagged(site, capsys):
+    write_dist(site, "nanovllm-empty", "fakecli_empty", "def register_sparse_policies(registry):\n    pass\n",
+               "empty")  # forgot @hookimpl: pluggy sees no implementation
+    reload_plugins()
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "empty        nanovllm-empty 2.5  (fakecli_empty)\n    WARNING: registers nothing" in out
+    assert main(["plugins", "--json"]) == 0
+    by_name = {p["name"]: p for p in json.loads(capsys.readouterr().out)}
+    assert by_name["empty"]["warning"].startswith("registers nothing") and by_name["empty"]["error"] is None
+    assert by_name["builtin"]["warning"] is None
+
+
+def test_a_typo_in_a_lazy_target_is_one_line_naming_plugin_and_target(site, tiny_model):
+    source = POLICY.replace("FullAttentionPolicy", "FulAttentionPolicy").format(name="typo")
+    write_dist(site, "nanovllm-typo", "fakecli_typo", source, "typo")
+    proc = nanovllm("generate", "--model", tiny_model(), "--no-chat", "--device", "cpu", "--sparse-policy", "typo",
+                    "tok5", PYTHONPATH=str(site))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "sparse policy 'typo' registered by distribution 'nanovllm-typo' points at " in lines[0]
+    assert "'nanovllm.policies.full:FulAttentionPolicy', which cannot be loaded" in lines[0]

@@ -1,7 +1,7 @@
 """The per-layer hot path pays a bound method call, not a pluggy dispatch.
 
-The engine registers the selected policy on a per-engine pluggy manager and resolves each runtime
-hook once (``bind_policy_hooks``); the attention layers then call the policy's bound methods.
+The engine registers the selected policies on a per-engine pluggy manager and resolves each runtime
+hook once (``nanovllm.policy.PolicyHooks``); the attention layers then call the policies' bound methods.
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ from types import SimpleNamespace
 import pluggy
 import pytest
 from nanovllm import SamplingParams
-from nanovllm.hookspecs import RUNTIME_HOOKS, bind_policy_hooks, make_policy_manager
 from nanovllm.plugins import SparsePolicyInfo, get_plugins
 from nanovllm.policies.full import FullAttentionPolicy
-from nanovllm.policy import SparsePolicy
+from nanovllm.policy import RUNTIME_HOOKS, PolicyHooks, SparsePolicy
 
 CALLS: list[tuple[str, int, bool]] = []  # (method, layer, is_prefill), appended by the probe policies
 
@@ -69,7 +68,7 @@ def spy(llm, monkeypatch):
         return real_call(self, *args, **kwargs)
 
     monkeypatch.setattr(pluggy.HookCaller, "__call__", counting_call)
-    pm = llm.runner.policy_manager
+    pm = llm.runner.hooks.manager
     real_exec = pm._inner_hookexec
 
     def counting_exec(hook_name, *args, **kwargs):  # every dispatch through this manager, however made
@@ -116,9 +115,12 @@ def test_layers_call_bound_methods_not_pluggy(probe_llm, monkeypatch):
     layers = runner.attention_layers
     assert len(layers) == 3
     for layer in layers:  # bound once, at engine build
-        assert layer.prefill_fn.__self__ is policy and layer.decode_fn.__self__ is policy
-        assert layer.prefill_fn.__func__ is ProbePolicy.compute_chunked_prefill
-        assert layer.decode_fn.__func__ is ProbePolicy.compute_chunked_decode
+        hooks = layer.hooks
+        assert hooks.prefill.compute.__self__ is policy and hooks.decode.compute.__self__ is policy
+        assert hooks.prefill.compute.__func__ is ProbePolicy.compute_chunked_prefill
+        assert hooks.decode.compute.__func__ is ProbePolicy.compute_chunked_decode
+        assert hooks.decode.select.__func__ is ProbePolicy.select_blocks
+        assert hooks.kv_write == hooks.blocks_allocated == hooks.blocks_selected == ()  # none implemented
 
     dispatched, steps = spy(llm, monkeypatch)
     CALLS.clear()
@@ -143,7 +145,7 @@ def test_layers_call_bound_methods_not_pluggy(probe_llm, monkeypatch):
 
     # The spies do see a pluggy dispatch when one happens.
     fake_ctx = SimpleNamespace(layer_id=-1, is_prefill=False, all_history_blocks=lambda: "every block")
-    assert runner.policy_manager.hook.select_blocks(ctx=fake_ctx) == "every block"
+    assert runner.hooks.manager.hook.select_blocks(ctx=fake_ctx) == "every block"
     assert dispatched == Counter({"select_blocks": 1, "exec:select_blocks": 1})
 
 
@@ -153,8 +155,8 @@ def test_unsupported_phase_is_bound_to_full_attention(probe_llm, monkeypatch):
     assert type(runner.decode_policy) is DecodeOnlyProbe
     assert type(runner.prefill_policy) is FullAttentionPolicy
     for layer in runner.attention_layers:
-        assert layer.prefill_fn.__self__ is runner.prefill_policy
-        assert layer.decode_fn.__self__ is runner.decode_policy
+        assert layer.hooks.prefill.compute.__self__ is runner.prefill_policy
+        assert layer.hooks.decode.compute.__self__ is runner.decode_policy
     dispatched, steps = spy(llm, monkeypatch)
     CALLS.clear()
     generate(llm)
@@ -173,14 +175,11 @@ class ConstantPolicy(SparsePolicy):
 
 
 def test_bound_call_is_much_cheaper_than_a_pluggy_call(capsys):
-    pm = make_policy_manager()
     policy = ConstantPolicy()
-    pm.register(policy)
-    bound = bind_policy_hooks(pm, policy)
-    select = bound["select_blocks"]
+    hooks = PolicyHooks(policy, policy)
+    select = hooks.decode.select
     assert select.__self__ is policy and select.__func__ is ConstantPolicy.select_blocks
-    assert set(bound) == set(RUNTIME_HOOKS)
-    hook = pm.hook.select_blocks
+    hook = hooks.manager.hook.select_blocks
     assert hook(ctx=7) == 7 and select(7) == 7
 
     n = 20_000
@@ -194,11 +193,17 @@ def test_bound_call_is_much_cheaper_than_a_pluggy_call(capsys):
 
 def test_binding_rejects_a_policy_missing_a_hook():
     class NotAPolicy:
+        requires_block_selection = True
+
         def select_blocks(self, ctx):
             return ctx
 
-    pm = make_policy_manager()
     thing = NotAPolicy()
-    pm.register(thing)
     with pytest.raises(TypeError, match="NotAPolicy does not implement compute_chunked_prefill"):
-        bind_policy_hooks(pm, thing)
+        PolicyHooks(thing, thing)
+
+
+def test_runtime_hooks_are_the_specs():
+    from nanovllm.hookspecs import PolicySpec
+
+    assert set(RUNTIME_HOOKS) == {n for n in vars(PolicySpec) if not n.startswith("_")}

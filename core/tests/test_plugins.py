@@ -243,8 +243,8 @@ def test_installing_a_plugin_then_reloading(site):
     assert "late" not in get_plugins().registry.sparse_policies
     policy_dist(site, "late")
     reload_plugins()
-    policy_cls, config = resolve_sparse_policy("late")
-    assert policy_cls.__name__ == "FullAttentionPolicy" and config is None
+    resolved = resolve_sparse_policy("late")
+    assert resolved.cls.__name__ == "FullAttentionPolicy" and resolved.config is None
 
 
 # -- no torch -----------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from nanovllm.selection import (
     make_config,
     parse_selection,
     resolve_attention_backend,
+    resolve_policies,
     resolve_sparse_policy,
 )
 
@@ -122,26 +123,25 @@ def test_errors_name_the_option_they_are_about():
 
 @pytest.mark.parametrize("spec", ["full", "FULL", " Full ", {"name": "Full"}])
 def test_names_are_case_insensitive(plugins, spec):
-    policy_cls, config = resolve_sparse_policy(spec, plugins)
-    assert policy_cls.__name__ == "FullAttentionPolicy"
-    assert type(config).__name__ == "FullConfig"
+    resolved = resolve_sparse_policy(spec, plugins)
+    assert resolved.cls.__name__ == "FullAttentionPolicy"
+    assert type(resolved.config).__name__ == "FullConfig"
 
 
 @pytest.mark.parametrize("spec", ["torch", "TORCH", {"name": "Torch"}])
 def test_backend_names_are_case_insensitive(plugins, spec):
-    info, config = resolve_attention_backend(spec, plugins)
-    assert info.name == "torch" and info.dist == "nanovllm" and config is None
+    choice = resolve_attention_backend(spec, plugins)
+    assert choice.info.name == "torch" and choice.info.dist == "nanovllm" and choice.config is None
 
 
-def test_unknown_policy_lists_suggests_and_says_what_to_install(plugins):
+def test_unknown_policy_lists_and_suggests_without_inventing_a_package(plugins):
     with pytest.raises(PluginError) as info:
         resolve_sparse_policy("prob:topk=3", plugins)
     msg = str(info.value)
-    assert msg.startswith("unknown sparse policy 'prob'. Installed: ")
-    installed = msg.split("Installed: ")[1].split(".")[0].split(", ")
+    assert msg.startswith("unknown sparse policy 'prob'. Did you mean 'probe'? Installed: ")
+    installed = msg.split("Installed: ")[1].split(" (")[0].split(", ")
     assert {"full", "probe"} <= set(installed) and installed == sorted(installed)
-    assert "Did you mean 'probe'?" in msg
-    assert msg.endswith("pip install nanovllm-prob")
+    assert "pip install" not in msg  # 'prob' is no first-party distribution: no package name is made up
 
 
 def test_unknown_name_without_a_close_match(plugins):
@@ -149,16 +149,26 @@ def test_unknown_name_without_a_close_match(plugins):
         resolve_sparse_policy("Zzzyx", plugins)
     assert "Did you mean" not in str(info.value)
     assert "unknown sparse policy 'zzzyx'" in str(info.value)
-    assert "pip install nanovllm-zzzyx" in str(info.value)
+    assert "pip install" not in str(info.value)
+
+
+def test_first_party_policies_name_their_distribution(plugins):
+    with pytest.raises(PluginError, match=r"'quest' is not installed; install it with: pip install nanovllm-quest"):
+        resolve_sparse_policy("quest", plugins)
+    with pytest.raises(PluginError, match=r"unknown sparse policy 'quets'. Did you mean 'quest' \(pip install "
+                       r"nanovllm-quest\)\?"):
+        resolve_sparse_policy("quets", plugins)
+    with pytest.raises(PluginError, match=r"Did you mean 'xattn' \(pip install nanovllm-xattn\)"):
+        resolve_sparse_policy("xatn", plugins)
 
 
 def test_unknown_backend(plugins):
     with pytest.raises(PluginError) as info:
         resolve_attention_backend("torhc", plugins)
     msg = str(info.value)
-    assert msg.startswith("unknown attention backend 'torhc'. Installed: ")
+    assert msg.startswith("unknown attention backend 'torhc'. Did you mean 'torch'? Installed: ")
     assert "torch" in msg.split("Installed: ")[1] and "fastattn" in msg
-    assert "Did you mean 'torch'?" in msg and "pip install nanovllm-torhc" in msg
+    assert "pip install" not in msg
     # The policy table and the backend table are separate.
     with pytest.raises(PluginError, match="unknown attention backend 'full'"):
         resolve_attention_backend("full", plugins)
@@ -170,14 +180,24 @@ def test_unknown_backend(plugins):
 
 
 def test_options_build_the_attrs_config(plugins):
-    _, config = resolve_sparse_policy('PROBE:topk=8,ratio=0.75,mode="sum",flag=true', plugins)
+    config = resolve_sparse_policy('PROBE:topk=8,ratio=0.75,mode="sum",flag=true', plugins).config
     assert config == ProbeConfig(topk=8, ratio=0.75, mode="sum", flag=True)
-    _, config = resolve_sparse_policy({"name": "probe", "topk": 2}, plugins)
-    assert config == ProbeConfig(topk=2)
-    _, config = resolve_sparse_policy("probe", plugins)
-    assert config == ProbeConfig()
-    info, config = resolve_attention_backend("FastAttn:topk=16", plugins)
-    assert info.name == "fastattn" and config == ProbeConfig(topk=16)
+    assert resolve_sparse_policy({"name": "probe", "topk": 2}, plugins).config == ProbeConfig(topk=2)
+    assert resolve_sparse_policy("probe", plugins).config == ProbeConfig()
+    choice = resolve_attention_backend("FastAttn:topk=16", plugins)
+    assert choice.info.name == "fastattn" and choice.config == ProbeConfig(topk=16)
+
+
+@pytest.mark.parametrize("spec", ["probe:TopK=8,Ratio=0.25", {"NAME": "probe", "TOPK": 8, "ratio": 0.25}])
+def test_option_keys_are_case_insensitive(plugins, spec):
+    assert resolve_sparse_policy(spec, plugins).config == ProbeConfig(topk=8, ratio=0.25)
+
+
+def test_option_keys_differing_only_in_case_are_given_twice(plugins):
+    with pytest.raises(SelectionError, match="option 'topk' is given twice"):
+        resolve_sparse_policy("probe:topk=1,TOPK=2", plugins)
+    with pytest.raises(SelectionError, match="option 'topk' is given twice"):
+        resolve_sparse_policy({"name": "probe", "topk": 1, "TopK": 2}, plugins)
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,8 @@ def _plugins(args: argparse.Namespace) -> int:
         print(f"{p.name:<12} {p.dist} {p.version}  ({p.value})")
         if p.error:
             print(f"    FAILED TO LOAD: {p.error}")
+        elif p.warning:
+            print(f"    WARNING: {p.warning}")
         for entry in p.registered:
             print(f"    {entry}")
     return 0
@@ -57,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--max-model-len", type=int, default=None)
-    gen.add_argument("--sparse-policy", default="full", help="e.g. 'full' or 'quest:topk=8'")
+    gen.add_argument("--sparse-policy", default="full", help="e.g. 'full', 'quest:token_budget=2048' or 'prefill=xattn;decode=quest' (one policy per phase)")
     gen.add_argument("--attention-backend", default="auto", help="e.g. 'auto', 'torch'")
     gen.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     gen.set_defaults(func=_generate)

@@ -1,30 +1,19 @@
 """The hook specifications of nanovllm: the whole contract between the core and its plugins.
 
-There are two kinds of hooks, both under the pluggy project name ``"nanovllm"``.
+Specs only. Two kinds of hooks, both under the pluggy project name ``"nanovllm"``:
 
-Registration hooks are called once per process, on the global plugin manager
-(:mod:`nanovllm.plugins`). A plugin is a module named by an entry point in the group ``nanovllm``;
-it implements any of them with ``@hookimpl`` and adds named entries to the :class:`Registry` it
-receives. Entries point at lazy ``"package.module:Name"`` targets, so listing plugins imports no
-torch::
-
-    from nanovllm.hookspecs import hookimpl
-
-    @hookimpl
-    def register_sparse_policies(registry):
-        registry.add_sparse_policy("local", "my_pkg.local:LocalPolicy", config="my_pkg.local:LocalConfig")
-
-Runtime hooks are the sparse-policy interface. The engine registers the selected policy instance on
-a per-engine plugin manager and binds the implementations once (:func:`bind_policy_hooks`), so the
-per-layer hot path pays a bound method call, not a pluggy dispatch. Each call covers the whole batch
-of one phase in one layer: tensors in, tensors out, no Python loop over sequences.
-Policies usually subclass :class:`nanovllm.policy.SparsePolicy`, whose methods already have the
-names below; their implementations need no decorator.
+- Registration hooks (:class:`RegistrationSpec`), called once per process for every plugin module named
+  by an entry point in the group ``nanovllm`` (discovery lives in :mod:`nanovllm.plugins`).
+- Runtime hooks (:class:`PolicySpec`), the sparse-policy contract, called by the engine for the selected
+  prefill and decode policies and for observers. The engine binds them once per engine
+  (:class:`nanovllm.policy.PolicyHooks`), so the per-layer hot path pays a bound call, never a pluggy
+  dispatch. Policies subclass :class:`nanovllm.policy.SparsePolicy`, whose methods already carry these
+  names; a method named like a runtime hook is an implementation without a decorator.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pluggy
 
@@ -32,7 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from nanovllm.plugins import Registry
-    from nanovllm.policy import PolicyContext
+    from nanovllm.policy import KVWrite, PolicyContext
 
 PROJECT_NAME = "nanovllm"
 ENTRY_POINT_GROUP = "nanovllm"
@@ -42,7 +31,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
 class RegistrationSpec:
-    """Called once per process for every loaded plugin."""
+    """Called once per process for every loaded plugin; entries name lazy ``"module:Name"`` targets."""
 
     @hookspec
     def register_model_families(self, registry: Registry) -> None:
@@ -65,64 +54,51 @@ class RegistrationSpec:
 
 
 class PolicySpec:
-    """The runtime sparse-policy interface, one call per layer per step for a whole phase batch.
-
-    ``ctx`` (:class:`nanovllm.policy.PolicyContext`) holds the layer, the phase, the paged cache of
-    the layer, the batch's block tables and lengths, and the attention backend.
+    """The sparse-policy contract. Each call covers a whole batch: tensors in, tensors out, no Python
+    loop over sequences. Hooks called inside the forward pass (all but ``on_blocks_allocated``) are
+    captured in the decode CUDA graphs when every implementer declares ``cuda_graph_safe``: then they
+    must not synchronise with the host nor make shapes depend on device values.
     """
 
     @hookspec(firstresult=True)
     def select_blocks(self, ctx: PolicyContext) -> torch.Tensor:
-        """Choose the history blocks each sequence attends to.
+        """The history blocks each sequence attends to, for one layer and one phase.
 
-        Returns logical block indices ``[num_seqs, k]`` (int32, ascending, padded with -1): index
-        ``j`` names the sequence's j-th block, holding tokens ``[j * block_size, (j + 1) * block_size)``.
-        ``ctx.num_history_blocks`` says how many blocks each sequence has before the current tokens.
+        Called by the engine when the policy's ``requires_block_selection`` is true; the result goes to
+        ``ctx.selected_blocks`` before ``compute_chunked_*``. Logical block indices (block ``j`` holds
+        tokens ``[j * block_size, (j + 1) * block_size)``), int32, ascending, padded with -1 at the end,
+        each below ``ctx.num_history_blocks``: ``[num_seqs, k]`` shared by all heads, or
+        ``[num_seqs, num_kv_heads, k]`` per KV head.
         """
 
     @hookspec(firstresult=True)
     def compute_chunked_prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PolicyContext
     ) -> torch.Tensor:
-        """Attention output ``[num_tokens, num_heads, head_dim]`` for the prefill chunks of the batch.
+        """Attention output ``[num_tokens, num_heads, head_dim]`` of the batch's prefill chunks.
 
-        ``q``, ``k``, ``v`` are the new tokens (already written to the cache); the history is in the cache.
+        ``q``, ``k``, ``v`` are the chunks' new tokens (already in the cache); the history is in the cache.
         """
 
     @hookspec(firstresult=True)
     def compute_chunked_decode(self, q: torch.Tensor, ctx: PolicyContext) -> torch.Tensor:
-        """Attention output ``[num_seqs, num_heads, head_dim]`` for one new token per sequence."""
+        """Attention output ``[num_seqs, num_heads, head_dim]``: one query per sequence over its whole
+        history, the query's own key included."""
 
+    @hookspec
+    def on_kv_write(self, write: KVWrite) -> None:
+        """New keys and values of one layer have landed in the paged GPU cache (every sequence of the
+        step, prefill and decode). Called for the prefill policy, the decode policy and observers alike,
+        whichever phase each runs, at a cost proportional to the new tokens. Per-block metadata (Quest's
+        key min/max) is kept up to date here."""
 
-RUNTIME_HOOKS = ("select_blocks", "compute_chunked_prefill", "compute_chunked_decode")
+    @hookspec
+    def on_blocks_allocated(self, block_ids: torch.Tensor) -> None:
+        """Physical blocks ``[n]`` (int64, on the device) were handed out to hold new tokens: reset their
+        per-block metadata, in every layer. Called once per step before the forward pass. A block shared
+        through the prefix cache is not reallocated, so its metadata stays."""
 
-
-class _PolicyPluginManager(pluggy.PluginManager):
-    """Per-engine manager: methods named like a runtime hook are implementations, decorated or not."""
-
-    def parse_hookimpl_opts(self, plugin: Any, name: str):  # type: ignore[override]
-        opts = super().parse_hookimpl_opts(plugin, name)
-        if opts is None and name in RUNTIME_HOOKS and callable(getattr(plugin, name, None)):
-            return {}
-        return opts
-
-
-def make_policy_manager() -> pluggy.PluginManager:
-    """A fresh per-engine plugin manager carrying the runtime policy hooks."""
-    pm = _PolicyPluginManager(PROJECT_NAME)
-    pm.add_hookspecs(PolicySpec)
-    return pm
-
-
-def bind_policy_hooks(pm: pluggy.PluginManager, policy: object) -> dict[str, Any]:
-    """Resolve each runtime hook once to the bound method of ``policy`` registered on ``pm``.
-
-    The attention layers call these bound methods directly: pluggy is consulted here, not per layer.
-    """
-    bound = {}
-    for name in RUNTIME_HOOKS:
-        impls = [i for i in getattr(pm.hook, name).get_hookimpls() if i.plugin is policy]
-        if not impls:
-            raise TypeError(f"policy {type(policy).__name__} does not implement {name}")
-        bound[name] = impls[0].function
-    return bound
+    @hookspec
+    def on_blocks_selected(self, ctx: PolicyContext, block_indices: torch.Tensor) -> None:
+        """Observers only: a policy's ``select_blocks`` returned ``block_indices`` for ``ctx`` (density
+        logging, statistics, contract checks)."""

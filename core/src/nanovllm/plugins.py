@@ -21,6 +21,7 @@ import pluggy
 from nanovllm.hookspecs import ENTRY_POINT_GROUP, PROJECT_NAME, RegistrationSpec
 
 ALLOW_ENV = "NANOVLLM_PLUGINS"
+REGISTRATION_HOOKS = tuple(n for n in vars(RegistrationSpec) if n.startswith("register_"))
 CORE_DIST = "nanovllm"
 
 
@@ -35,6 +36,19 @@ def load_target(target: str) -> Any:
     for part in filter(None, attr.split(".")):
         obj = getattr(obj, part)
     return obj
+
+
+def load_registered(target: str, dist: str, what: str) -> Any:
+    """:func:`load_target` for an entry a plugin registered; a bad target is a one-line error naming the
+    distribution, the entry and the target."""
+    try:
+        return load_target(target)
+    except (ImportError, AttributeError) as exc:
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+        raise PluginError(
+            f"{what} registered by distribution {dist!r} points at {target!r}, which cannot be loaded "
+            f"({reason}); fix the target in its registration hook, or reinstall {dist}"
+        ) from exc
 
 
 @attrs.define(frozen=True)
@@ -86,6 +100,14 @@ class PluginInfo:
     error: str | None = None
     exception: BaseException | None = attrs.field(default=None, repr=False)
 
+    @property
+    def warning(self) -> str | None:
+        """What looks wrong with a plugin that loaded: it registered nothing."""
+        if self.error is None and not self.registered:
+            return ("registers nothing: its module implements no register_* hook with @hookimpl "
+                    "(from nanovllm.hookspecs import hookimpl)")
+        return None
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
@@ -94,6 +116,7 @@ class PluginInfo:
             "module": self.value,
             "registers": list(self.registered),
             "error": self.error,
+            "warning": self.warning,
         }
 
 
@@ -172,6 +195,16 @@ class PluginSet:
     def failed(self) -> list[PluginInfo]:
         return [p for p in self.plugins if p.error is not None]
 
+    def register(self, plugin: object, name: str) -> PluginInfo:
+        """Register a plugin from inside this process (a module or object with ``@hookimpl`` registration
+        hooks), as if an entry point named it; for tests and notebooks. ``reload_plugins()`` forgets it."""
+        info = PluginInfo(name, name, "(in process)", repr(plugin))
+        self.plugins.append(info)
+        _register(self.manager, self.registry, plugin, info)
+        if info.error is not None:
+            raise PluginError(f"in-process plugin {name!r} failed to register: {info.error}") from info.exception
+        return info
+
     def failure_for(self, name: str) -> PluginInfo | None:
         """A plugin that failed to load and would have provided ``name`` (matched by entry point or dist)."""
         name = name.lower()
@@ -179,6 +212,30 @@ class PluginSet:
             if name in (p.name.lower(), p.dist.lower(), p.dist.lower().removeprefix("nanovllm-")):
                 return p
         return None
+
+
+def _register(manager: pluggy.PluginManager, registry: Registry, module: object, info: PluginInfo) -> None:
+    """Run the registration hooks of one plugin; a failure is recorded on ``info`` and rolled back."""
+    try:
+        manager.register(module, name=f"{info.dist}:{info.name}")
+    except Exception as exc:
+        info.error = "".join(traceback.format_exception_only(exc)).strip()
+        info.exception = exc
+        return
+    registry._begin(info.dist)
+    try:
+        for hook_name in REGISTRATION_HOOKS:
+            for impl in getattr(manager.hook, hook_name).get_hookimpls():
+                if impl.plugin is module:
+                    impl.function(registry=registry)
+    except PluginError:
+        raise
+    except Exception as exc:
+        registry._rollback()
+        info.error = "".join(traceback.format_exception_only(exc)).strip()
+        info.exception = exc
+        return
+    info.registered = registry._added_names()
 
 
 def _entry_points() -> list[md.EntryPoint]:
@@ -211,7 +268,6 @@ def discover(allow: str | None = None) -> PluginSet:
     manager.add_hookspecs(RegistrationSpec)
     registry = Registry()
     plugins: list[PluginInfo] = []
-    hook_names = [n for n in vars(RegistrationSpec) if n.startswith("register_")]
 
     for ep in _entry_points():
         dist = ep.dist.name if ep.dist is not None else "?"
@@ -222,25 +278,11 @@ def discover(allow: str | None = None) -> PluginSet:
         plugins.append(info)
         try:
             module = ep.load()
-            manager.register(module, name=f"{dist}:{ep.name}")
         except Exception as exc:  # a broken plugin must not take the others down
             info.error = "".join(traceback.format_exception_only(exc)).strip()
             info.exception = exc
             continue
-        registry._begin(dist)
-        try:
-            for hook_name in hook_names:
-                for impl in getattr(manager.hook, hook_name).get_hookimpls():
-                    if impl.plugin is module:
-                        impl.function(registry=registry)
-        except PluginError:
-            raise
-        except Exception as exc:
-            registry._rollback()
-            info.error = "".join(traceback.format_exception_only(exc)).strip()
-            info.exception = exc
-            continue
-        info.registered = registry._added_names()
+        _register(manager, registry, module, info)
     return PluginSet(registry, plugins, manager)
 
 

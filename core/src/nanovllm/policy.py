@@ -1,23 +1,33 @@
-"""Sparse-attention policies: the base class third-party policies subclass, and the context they see.
+"""Sparse-attention policies: the base class policies subclass, what they see, and how the engine binds them.
 
-A policy decides which history blocks each query attends to (``select_blocks``) and computes the
-attention of a phase (``compute_chunked_prefill`` / ``compute_chunked_decode``). The defaults here
-attend to the selected history blocks plus the current chunk and merge the two by log-sum-exp, so a
-policy that only selects blocks overrides ``select_blocks`` alone. See :mod:`nanovllm.hookspecs`.
+The contract (hook names and meaning) is :class:`nanovllm.hookspecs.PolicySpec`. Per layer and phase
+the engine builds a :class:`PolicyContext`, calls ``select_blocks`` when the policy
+``requires_block_selection`` (the result goes to ``ctx.selected_blocks``), then ``compute_chunked_prefill``
+or ``compute_chunked_decode``. The defaults here attend to the selected history blocks (prefill: plus
+the chunk itself, merged by log-sum-exp), so a policy that only chooses blocks overrides
+``select_blocks`` alone. Per-block metadata is kept from ``on_kv_write`` and reset in
+``on_blocks_allocated``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
+import pluggy
 import torch
 
 from nanovllm.attention.backend import AttentionBackend
-from nanovllm.attention.metadata import PhaseMetadata
+from nanovllm.attention.metadata import PhaseMetadata, StepMetadata
+from nanovllm.hookspecs import PROJECT_NAME, PolicySpec
+
+RUNTIME_HOOKS = tuple(name for name in vars(PolicySpec) if not name.startswith("_"))
+NOTIFICATION_HOOKS = ("on_kv_write", "on_blocks_allocated", "on_blocks_selected")
+POLICY_FLAGS = ("supports_prefill", "supports_decode", "requires_block_selection", "cuda_graph_safe")
 
 
-@attrs.define(frozen=True, slots=True)
+@attrs.define(slots=True)
 class PolicyContext:
     """What a policy sees for one layer and one phase of a step."""
 
@@ -29,10 +39,15 @@ class PolicyContext:
     v_cache: torch.Tensor
     scale: float
     backend: AttentionBackend
+    selected_blocks: torch.Tensor | None = None  # set by the engine from select_blocks
 
     @property
     def block_size(self) -> int:
         return self.k_cache.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_cache.shape[2]
 
     @property
     def total_kv_lens(self) -> torch.Tensor:
@@ -57,15 +72,73 @@ class PolicyContext:
         return torch.where(idx[None, :] < self.num_history_blocks[:, None], idx, -1)
 
 
+@attrs.define(frozen=True, slots=True)
+class KVWrite:
+    """The new keys and values of one layer in one step, already in the paged cache.
+
+    Rows are the step's new tokens: decodes first (one per sequence), then the prefill chunks. A row
+    whose slot is -1 was not written (padding, warm-up) and must be ignored.
+    """
+
+    layer_id: int
+    key: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor
+    step: StepMetadata
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim], this layer, after the write
+    v_cache: torch.Tensor
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """``[num_tokens]`` int64 cache slot of each row (``block * block_size + offset``), -1: skipped."""
+        return self.step.slot_mapping
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[num_tokens]`` position of each row's token in its sequence."""
+        return self.step.positions
+
+    @property
+    def block_size(self) -> int:
+        return self.k_cache.shape[1]
+
+    @property
+    def block_ids(self) -> torch.Tensor:
+        """``[num_tokens]`` physical block of each row, -1 where skipped."""
+        slots = self.slot_mapping
+        return torch.where(slots >= 0, slots // self.block_size, -1)
+
+    def block_fill(self) -> torch.Tensor:
+        """``[num_tokens]`` how many tokens the block of each row holds after this step."""
+        positions = self.positions
+        ends = positions + 1  # a decode row is its sequence's last token
+        prefill = self.step.prefill
+        if prefill is not None:
+            nd = self.step.num_decode_tokens
+            ends = ends.clone()
+            ends[nd:] = torch.repeat_interleave(
+                prefill.context_lens.long(), prefill.query_lens.long(), output_size=ends.shape[0] - nd
+            )
+        return (ends - (positions - positions % self.block_size)).clamp(max=self.block_size)
+
+
 class SparsePolicy:
     """Base class of sparse-attention policies; subclass it and override what differs.
 
-    ``config`` is the policy's attrs config instance built from the selection string.
+    ``config`` is the policy's attrs config instance built from the selection string. The flags are
+    read by the engine:
+
+    - ``supports_prefill`` / ``supports_decode``: the phases it can run; a phase that no selected
+      policy covers runs ``full``.
+    - ``requires_block_selection``: the engine calls ``select_blocks`` before each ``compute_chunked_*``
+      and puts the result in ``ctx.selected_blocks`` (with offload, only those blocks are loaded).
+    - ``cuda_graph_safe``: decode, and the policy's ``on_kv_write``, may be captured in CUDA graphs
+      (no host sync, no data-dependent shapes). Off by default: an unsure policy runs eagerly.
     """
 
     supports_prefill: bool = True
     supports_decode: bool = True
     requires_block_selection: bool = True
+    cuda_graph_safe: bool = False
 
     def __init__(self, config: Any = None) -> None:
         self.config = config
@@ -74,7 +147,7 @@ class SparsePolicy:
         self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
         dtype: torch.dtype, device: torch.device,
     ) -> None:
-        """Called once the KV cache exists; allocate per-block metadata here."""
+        """Called once the KV cache exists, before any step; allocate per-block metadata here."""
 
     def select_blocks(self, ctx: PolicyContext) -> torch.Tensor:
         return ctx.all_history_blocks()
@@ -83,16 +156,111 @@ class SparsePolicy:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PolicyContext
     ) -> torch.Tensor:
         backend = ctx.backend
-        blocks = self.select_blocks(ctx)
         hist_out, hist_lse = backend.attend_blocks(
-            q, ctx.k_cache, ctx.v_cache, ctx.meta, blocks, ctx.history_lens, ctx.scale
+            q, ctx.k_cache, ctx.v_cache, ctx.meta, self._selection(ctx), ctx.history_lens, ctx.scale
         )
         cur_out, cur_lse = backend.attend_chunk(q, k, v, ctx.meta, ctx.scale)
         return backend.merge(hist_out, hist_lse, cur_out, cur_lse)[0]
 
     def compute_chunked_decode(self, q: torch.Tensor, ctx: PolicyContext) -> torch.Tensor:
-        blocks = self.select_blocks(ctx)
         out, _ = ctx.backend.attend_blocks(
-            q, ctx.k_cache, ctx.v_cache, ctx.meta, blocks, ctx.history_lens, ctx.scale
+            q, ctx.k_cache, ctx.v_cache, ctx.meta, self._selection(ctx), ctx.history_lens, ctx.scale
         )
         return out
+
+    def _selection(self, ctx: PolicyContext) -> torch.Tensor:
+        """The engine's selection, or this policy's own when called outside the engine."""
+        return ctx.selected_blocks if ctx.selected_blocks is not None else self.select_blocks(ctx)
+
+    # Notification hooks: a policy that keeps no metadata leaves them as they are, and then the engine
+    # does not call them at all.
+    def on_kv_write(self, write: KVWrite) -> None:
+        """See :meth:`nanovllm.hookspecs.PolicySpec.on_kv_write`."""
+
+    def on_blocks_allocated(self, block_ids: torch.Tensor) -> None:
+        """See :meth:`nanovllm.hookspecs.PolicySpec.on_blocks_allocated`."""
+
+    def block_metadata(self, layer_id: int, block_ids: torch.Tensor) -> torch.Tensor | None:
+        """The per-block metadata of physical ``block_ids`` at ``layer_id`` (first dimension follows
+        ``block_ids``), or ``None`` when the policy keeps none. The conformance kit compares it with the
+        metadata a fresh instance derives from the cache in one ``on_kv_write``."""
+        return None
+
+
+# -- binding --------------------------------------------------------------------------------------------
+
+
+def _is_base_noop(plugin: object, name: str) -> bool:
+    return name in NOTIFICATION_HOOKS and getattr(getattr(plugin, name), "__func__", None) is getattr(
+        SparsePolicy, name, None
+    )
+
+
+class _RuntimeManager(pluggy.PluginManager):
+    """Methods named like a runtime hook are implementations, decorated or not, except the base
+    class's empty notification hooks, so a policy that keeps no metadata costs nothing per layer."""
+
+    def parse_hookimpl_opts(self, plugin: Any, name: str):  # type: ignore[override]
+        opts = super().parse_hookimpl_opts(plugin, name)
+        if opts is None and name in RUNTIME_HOOKS and callable(getattr(plugin, name, None)):
+            opts = {}
+        if opts is not None and _is_base_noop(plugin, name):
+            return None
+        return opts
+
+
+@attrs.define(frozen=True)
+class PhaseHooks:
+    """The bound calls of the policy that runs one phase."""
+
+    policy: SparsePolicy
+    select: Callable | None  # select_blocks, when the policy requires_block_selection
+    compute: Callable
+
+
+class PolicyHooks:
+    """The runtime hooks of one engine: the prefill policy, the decode policy and observers, registered
+    on a per-engine pluggy manager and resolved once to bound methods (one for each phase's
+    ``select_blocks`` and ``compute_chunked_*``, a tuple for each notification hook)."""
+
+    def __init__(self, prefill: SparsePolicy, decode: SparsePolicy, observers: Iterable[object] = ()) -> None:
+        self.manager = _RuntimeManager(PROJECT_NAME)
+        self.manager.add_hookspecs(PolicySpec)
+        self.members: list[object] = []
+        for member in (prefill, decode, *observers):
+            if not any(member is m for m in self.members):
+                self.manager.register(member)
+                self.members.append(member)
+        self.prefill = self._phase(prefill, "compute_chunked_prefill")
+        self.decode = self._phase(decode, "compute_chunked_decode")
+        self.kv_write = self._all("on_kv_write")
+        self.blocks_allocated = self._all("on_blocks_allocated")
+        self.blocks_selected = self._all("on_blocks_selected")
+
+    def _one(self, policy: SparsePolicy, name: str) -> Callable:
+        impls = [i for i in getattr(self.manager.hook, name).get_hookimpls() if i.plugin is policy]
+        if not impls:
+            raise TypeError(f"policy {type(policy).__name__} does not implement {name}")
+        return impls[0].function
+
+    def _phase(self, policy: SparsePolicy, compute: str) -> PhaseHooks:
+        select = self._one(policy, "select_blocks") if policy.requires_block_selection else None
+        return PhaseHooks(policy, select, self._one(policy, compute))
+
+    def _all(self, name: str) -> tuple[Callable, ...]:
+        return tuple(i.function for i in getattr(self.manager.hook, name).get_hookimpls())
+
+    def implementers(self, name: str) -> list[object]:
+        return [i.plugin for i in getattr(self.manager.hook, name).get_hookimpls()]
+
+    @property
+    def cuda_graph_safe(self) -> bool:
+        """The decode policy and everything called inside a decode forward pass can be captured."""
+        inside = self.implementers("on_kv_write") + self.implementers("on_blocks_selected")
+        return all(getattr(m, "cuda_graph_safe", False) for m in [self.decode.policy, *inside])
+
+    @property
+    def policies(self) -> list[SparsePolicy]:
+        """The distinct policy instances (one when a single policy runs both phases)."""
+        return [self.prefill.policy] if self.prefill.policy is self.decode.policy else [
+            self.prefill.policy, self.decode.policy]

@@ -2,7 +2,13 @@
 
 Grammar: ``name`` or ``name:key=value,key=value``; values are JSON scalars (``8``, ``0.9``, ``true``,
 ``null``, ``"a,b"``) or else plain strings. A dict ``{"name": "quest", "topk": 8}`` works in Python.
-Names are case-insensitive; keys are checked against the plugin's attrs config class.
+Names and keys are case-insensitive; keys are checked against the plugin's attrs config class.
+
+``sparse_policy=`` may select one prefill policy and one decode policy together:
+``"xattn:threshold=0.9;quest:token_budget=2048"`` (each runs the phases it supports),
+``"prefill=window;decode=quest"`` or ``{"prefill": "window", "decode": {"name": "quest"}}`` (explicit
+phases). A phase no selected policy covers runs ``full``. Everything is resolved once, at engine start,
+into a :class:`PolicyPlan` and a :class:`BackendChoice`.
 """
 
 from __future__ import annotations
@@ -13,7 +19,11 @@ from typing import Any
 
 import attrs
 
-from nanovllm.plugins import PluginError, PluginSet, get_plugins, load_target
+from nanovllm.plugins import AttentionBackendInfo, PluginError, PluginSet, get_plugins, load_registered
+
+PHASES = ("prefill", "decode")
+# The first-party policy distributions: the only package names an error message may send users to.
+FIRST_PARTY_POLICIES = {"quest": "nanovllm-quest", "minference": "nanovllm-minference", "xattn": "nanovllm-xattn"}
 
 
 class SelectionError(ValueError):
@@ -39,13 +49,13 @@ def _scalar(text: str) -> Any:
     return value if value is None or isinstance(value, (bool, int, float, str)) else text
 
 
-def _split_options(body: str) -> list[str]:
-    """Split on commas outside double quotes."""
+def _split_outside_quotes(body: str, sep: str = ",") -> list[str]:
+    """Split on ``sep`` outside double quotes."""
     parts, current, quoted = [], [], False
     for ch in body:
         if ch == '"':
             quoted = not quoted
-        if ch == "," and not quoted:
+        if ch == sep and not quoted:
             parts.append("".join(current))
             current = []
         else:
@@ -59,7 +69,12 @@ def parse_selection(spec: str | dict | Selection, what: str = "sparse_policy") -
     if isinstance(spec, Selection):
         return spec
     if isinstance(spec, dict):
-        options = dict(spec)
+        options = {}
+        for key, value in spec.items():
+            lowered = key.lower() if isinstance(key, str) else key
+            if lowered in options:
+                raise SelectionError(f"{what}={spec!r}: option {lowered!r} is given twice")
+            options[lowered] = value
         name = options.pop("name", None)
         if not isinstance(name, str) or not name.strip():
             raise SelectionError(f"{what}={spec!r}: a dict selection needs a 'name' key, e.g. {{'name': 'full'}}")
@@ -75,9 +90,9 @@ def parse_selection(spec: str | dict | Selection, what: str = "sparse_policy") -
     if sep:
         if not body.strip():
             raise SelectionError(f"{what}={spec!r} has ':' but no options after it; write e.g. {example}")
-        for item in _split_options(body):
+        for item in _split_outside_quotes(body):
             key, eq, value = item.partition("=")
-            key = key.strip()
+            key = key.strip().lower()
             if not eq or not key.isidentifier():
                 raise SelectionError(
                     f"{what}={spec!r}: option {item.strip()!r} is not 'key=value'; write e.g. {example}"
@@ -97,21 +112,30 @@ def _unknown_name(name: str, installed: list[str], kind: str, plugins: PluginSet
         )
         err.__cause__ = failed.exception
         return err
-    close = difflib.get_close_matches(name, installed, n=1, cutoff=0.6)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    return PluginError(
-        f"unknown {kind} {name!r}. Installed: {', '.join(sorted(installed)) or 'none'}.{hint} "
-        f"If it is a plugin, install the distribution that provides it: pip install nanovllm-{name}"
-    )
+    listing = f"Installed: {', '.join(sorted(installed)) or 'none'} (see `nanovllm plugins`)."
+    first_party = FIRST_PARTY_POLICIES if kind == "sparse policy" else {}
+    if name in first_party:
+        return PluginError(f"{kind} {name!r} is not installed; install it with: pip install {first_party[name]}. {listing}")
+    candidates = installed + [n for n in first_party if n not in installed]
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    hint = ""
+    if close and close[0] in installed:
+        hint = f" Did you mean {close[0]!r}?"
+    elif close:
+        hint = f" Did you mean {close[0]!r} (pip install {first_party[close[0]]})?"
+    return PluginError(f"unknown {kind} {name!r}.{hint} {listing}")
 
 
-def make_config(config_target: str | type | None, options: dict[str, Any], label: str) -> Any:
+def make_config(config_target: str | type | None, options: dict[str, Any], label: str, dist: str = "?") -> Any:
     """Build the attrs config of a plugin from selection options, checking every key."""
     if config_target is None:
         if options:
             raise SelectionError(f"{label} takes no options, got: {', '.join(options)}")
         return None
-    config_cls = load_target(config_target) if isinstance(config_target, str) else config_target
+    if isinstance(config_target, str):
+        config_cls = load_registered(config_target, dist, f"the config of {label}")
+    else:
+        config_cls = config_target
     accepted = attrs.fields_dict(config_cls)
     unknown = [k for k in options if k not in accepted]
     if unknown:
@@ -125,24 +149,133 @@ def make_config(config_target: str | type | None, options: dict[str, Any], label
         raise SelectionError(f"{label}: invalid option value: {exc}") from exc
 
 
-def resolve_sparse_policy(spec: str | dict | Selection, plugins: PluginSet | None = None):
-    """Return ``(policy_class, config)`` for a selection; errors name the problem and the fix."""
+# -- sparse policies ------------------------------------------------------------------------------------
+
+
+@attrs.define(frozen=True, eq=False)
+class ResolvedPolicy:
+    """A policy selection resolved to its class and checked config."""
+
+    selection: Selection
+    cls: type
+    config: Any
+
+    def supports(self, phase: str) -> bool:
+        return bool(getattr(self.cls, f"supports_{phase}", True))
+
+
+@attrs.define(frozen=True)
+class PolicyPlan:
+    """Which policy runs each phase. The same :class:`ResolvedPolicy` in both means one instance."""
+
+    prefill: ResolvedPolicy
+    decode: ResolvedPolicy
+
+    def __str__(self) -> str:
+        if self.prefill is self.decode:
+            return str(self.prefill.selection)
+        return f"prefill={self.prefill.selection};decode={self.decode.selection}"
+
+
+def resolve_sparse_policy(spec: str | dict | Selection, plugins: PluginSet | None = None) -> ResolvedPolicy:
+    """Resolve one policy selection; errors name the problem and the fix."""
     plugins = plugins or get_plugins()
     sel = parse_selection(spec, "sparse_policy")
     table = plugins.registry.sparse_policies
     if sel.name not in table:
         raise _unknown_name(sel.name, list(table), "sparse policy", plugins)
     info = table[sel.name]
-    config = make_config(info.config, sel.options, f"sparse policy {sel.name!r}")
-    return load_target(info.target), config
+    label = f"sparse policy {sel.name!r}"
+    config = make_config(info.config, sel.options, label, info.dist)
+    return ResolvedPolicy(sel, load_registered(info.target, info.dist, label), config)
 
 
-def resolve_attention_backend(spec: str | dict | Selection, plugins: PluginSet | None = None):
-    """Return ``(info, config)`` for an attention-backend selection (``auto`` is resolved by the runner)."""
+def _policy_parts(spec: str | dict | Selection) -> list[tuple[str | None, str | dict | Selection]]:
+    """``(phase or None, one policy's selection)`` for each policy a ``sparse_policy=`` value names."""
+    if isinstance(spec, dict) and "name" not in {str(k).lower() for k in spec}:
+        phases = {str(k).lower(): v for k, v in spec.items()}
+        unknown = [k for k in phases if k not in PHASES]
+        if unknown or not phases:
+            raise SelectionError(
+                f"sparse_policy={spec!r}: a dict selection has a 'name' key, or the keys 'prefill' and/or "
+                "'decode', e.g. {'prefill': 'xattn', 'decode': 'quest:token_budget=2048'}"
+            )
+        return list(phases.items())
+    if not isinstance(spec, str):
+        return [(None, spec)]
+    parts = []
+    for part in _split_outside_quotes(spec, ";"):
+        head, colon, rest = part.partition(":")
+        phase, eq, name = head.partition("=")
+        if eq:
+            phase = phase.strip().lower()
+            if phase not in PHASES:
+                raise SelectionError(
+                    f"sparse_policy={spec!r}: {phase!r} is not a phase; write e.g. 'prefill=xattn;decode=quest'"
+                )
+            parts.append((phase, name + colon + rest))
+        else:
+            parts.append((None, part))
+    return parts
+
+
+def resolve_policies(spec: str | dict | Selection, plugins: PluginSet | None = None) -> PolicyPlan:
+    """Resolve ``sparse_policy=`` into the policy of each phase (``full`` where none is selected)."""
+    plugins = plugins or get_plugins()
+    assigned: dict[str, ResolvedPolicy] = {}
+    for phase, part in _policy_parts(spec):
+        policy = resolve_sparse_policy(part, plugins)
+        name = policy.selection.name
+        if phase is not None and not policy.supports(phase):
+            raise SelectionError(
+                f"sparse_policy={spec!r}: {name!r} cannot run the {phase} phase (supports_{phase}=False); "
+                f"select it for the other phase or choose another policy"
+            )
+        phases = [phase] if phase is not None else [p for p in PHASES if policy.supports(p)]
+        if not phases:
+            raise SelectionError(f"sparse policy {name!r} supports neither prefill nor decode; it cannot run")
+        for p in phases:
+            if p in assigned:
+                other = assigned[p].selection.name
+                raise SelectionError(
+                    f"sparse_policy={spec!r}: both {other!r} and {name!r} would run the {p} phase; select one "
+                    f"policy per phase, e.g. 'prefill={other};decode={name}'"
+                )
+            assigned[p] = policy
+    if len(assigned) < len(PHASES):
+        full = resolve_sparse_policy("full", plugins)
+        for p in PHASES:
+            assigned.setdefault(p, full)
+    return PolicyPlan(assigned["prefill"], assigned["decode"])
+
+
+# -- attention backends ---------------------------------------------------------------------------------
+
+
+@attrs.define(frozen=True)
+class BackendChoice:
+    """An attention-backend selection: a registered backend and its config, or ``auto`` (``info`` None),
+    which the model runner settles once it knows the device, dtype and head size."""
+
+    info: AttentionBackendInfo | None
+    config: Any = None
+
+    def load(self) -> type:
+        return load_registered(self.info.target, self.info.dist, f"attention backend {self.info.name!r}")
+
+
+def resolve_attention_backend(spec: str | dict | Selection, plugins: PluginSet | None = None) -> BackendChoice:
     plugins = plugins or get_plugins()
     sel = parse_selection(spec, "attention_backend")
+    if sel.name == "auto":
+        if sel.options:
+            raise SelectionError(
+                f"attention_backend='auto' takes no options, got: {', '.join(sel.options)}; "
+                "name the backend to pass it options, e.g. attention_backend='torch'"
+            )
+        return BackendChoice(None)
     table = plugins.registry.attention_backends
     if sel.name not in table:
         raise _unknown_name(sel.name, list(table), "attention backend", plugins)
     info = table[sel.name]
-    return info, make_config(info.config, sel.options, f"attention backend {sel.name!r}")
+    return BackendChoice(info, make_config(info.config, sel.options, f"attention backend {sel.name!r}", info.dist))

@@ -85,8 +85,8 @@ def test_small_budget_attends_to_the_window_only():
 def test_selection_string_and_validation():
     if "window" not in get_plugins().registry.sparse_policies:
         pytest.skip("the entry point is registered only once the distribution is installed")
-    policy_cls, config = resolve_sparse_policy("Window:sink_blocks=2,recent_blocks=8")
-    assert policy_cls is WindowPolicy and config == WindowConfig(2, 8)
+    resolved = resolve_sparse_policy("Window:sink_blocks=2,recent_blocks=8")
+    assert resolved.cls is WindowPolicy and resolved.config == WindowConfig(2, 8)
     with pytest.raises(SelectionError, match="recent_blocks must be an int >= 1"):
         resolve_sparse_policy("window:recent_blocks=0")
     with pytest.raises(SelectionError, match="Accepted: sink_blocks, recent_blocks"):

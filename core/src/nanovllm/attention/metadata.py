@@ -41,6 +41,7 @@ class StepMetadata:
     """One forward pass: decode tokens come first (one per sequence), then the prefill chunks."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64 cache slot of each new token, -1 to skip
+    positions: torch.Tensor  # [num_tokens] int64 position of each new token in its sequence
     num_decode_tokens: int
     decode: PhaseMetadata | None
     prefill: PhaseMetadata | None

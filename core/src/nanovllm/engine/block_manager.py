@@ -46,6 +46,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
         self.hash_to_block: dict[int, int] = {}
+        self.newly_allocated: list[int] = []  # handed out since take_newly_allocated (policies reset them)
 
     @property
     def num_free_blocks(self) -> int:
@@ -125,7 +126,13 @@ class BlockManager:
             del self.hash_to_block[block.hash]  # its content is about to be overwritten
         block.hash, block.token_ids, block.parent, block.ref_count = None, None, None, 1
         block.generation += 1
+        self.newly_allocated.append(block_id)
         return block_id
+
+    def take_newly_allocated(self) -> list[int]:
+        """Blocks handed out (to be overwritten) since the last call."""
+        blocks, self.newly_allocated = self.newly_allocated, []
+        return blocks
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Publish the blocks that the last step filled, so later requests can share them."""

@@ -14,15 +14,10 @@ from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.outputs import CompletionOutput, RequestOutput
-from nanovllm.plugins import get_plugins, load_target
+from nanovllm.plugins import get_plugins, load_registered
 from nanovllm.presets import is_preset, preset_dir
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.selection import (
-    SelectionError,
-    parse_selection,
-    resolve_attention_backend,
-    resolve_sparse_policy,
-)
+from nanovllm.selection import resolve_attention_backend, resolve_policies
 
 Prompt = str | list[int] | dict
 
@@ -41,20 +36,10 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
-def _check_selections(config: EngineConfig, plugins) -> None:
-    """Resolve ``sparse_policy=`` and ``attention_backend=`` once, so a bad name or option fails fast."""
-    resolve_sparse_policy(config.sparse_policy, plugins)
-    backend = parse_selection(config.attention_backend, "attention_backend")
-    if backend.name == "auto":
-        if backend.options:
-            given = ", ".join(backend.options)
-            raise SelectionError(f"attention_backend='auto' takes no options, got: {given}")
-    else:
-        resolve_attention_backend(backend, plugins)
-
-
 class LLMEngine:
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, *, observers: SequenceABC[object] = (), **kwargs: Any) -> None:
+        """``observers``: objects implementing notification hooks of :class:`nanovllm.hookspecs.PolicySpec`
+        (``on_kv_write``, ``on_blocks_allocated``, ``on_blocks_selected``), e.g. statistics."""
         if is_preset(model):  # a published shape with random weights and no tokenizer
             kwargs = {"load_format": "dummy", "skip_tokenizer_init": True, **kwargs}
         self.config = config = EngineConfig.from_kwargs(model, kwargs)
@@ -64,7 +49,9 @@ class LLMEngine:
                 "but multi-GPU launch is not built; use tensor_parallel_size=1"
             )
         plugins = get_plugins()
-        _check_selections(config, plugins)  # before any file is read or weight loaded
+        # Resolved once, before any file is read or weight loaded, so a bad name or option fails fast.
+        self.policy_plan = resolve_policies(config.sparse_policy, plugins)
+        backend_choice = resolve_attention_backend(config.attention_backend, plugins)
         self.model_path = resolve_model_path(config.model)
         raw = read_config_json(self.model_path)
         families = plugins.registry.model_families
@@ -90,8 +77,10 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer()
         self.vocab_size = self.hf_config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
+        model_cls = load_registered(families[arch].target, families[arch].dist, f"model family {arch!r}")
         self.runner = ModelRunner(
-            config, self.hf_config, self.model_path, load_target(families[arch].target), self.max_model_len, plugins
+            config, self.hf_config, self.model_path, model_cls, self.max_model_len, plugins,
+            self.policy_plan, backend_choice, tuple(observers),
         )
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)
         self._pending: LaunchedStep | None = None  # the step in flight, its tokens not yet applied
@@ -189,6 +178,7 @@ class LLMEngine:
         turns out to have finished wastes that one step's compute, which is discarded."""
         scheduled = self.scheduler.schedule()
         try:
+            self.runner.notify_allocated(self.scheduler.block_manager.take_newly_allocated())
             launched = self.runner.launch(scheduled) if scheduled else None
             finished = self._apply_pending() if self.config.async_scheduling else []
             self.scheduler.advance([s for s in scheduled if not s.is_finished])

@@ -14,17 +14,11 @@ from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, forward_con
 from nanovllm.config import EngineConfig
 from nanovllm.engine.loader import load_weights
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
-from nanovllm.hookspecs import bind_policy_hooks, make_policy_manager
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
-from nanovllm.plugins import PluginSet, load_target
-from nanovllm.policies.full import FullAttentionPolicy
-from nanovllm.selection import (
-    SelectionError,
-    parse_selection,
-    resolve_attention_backend,
-    resolve_sparse_policy,
-)
+from nanovllm.plugins import PluginSet
+from nanovllm.policy import PolicyHooks
+from nanovllm.selection import BackendChoice, PolicyPlan
 
 CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30
 AUTO_BACKENDS = ("triton", "torch")  # preference order for attention_backend="auto"
@@ -81,6 +75,9 @@ class ModelRunner:
         model_cls: type,
         max_model_len: int,
         plugins: PluginSet,
+        policy_plan: PolicyPlan,
+        backend_choice: BackendChoice,
+        observers: tuple[object, ...] = (),
     ) -> None:
         self.config = config
         self.block_size = config.block_size
@@ -106,13 +103,10 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
         self.sampler = Sampler()
 
-        self.backend = self._make_backend(plugins)
-        self.policy_manager = make_policy_manager()
-        self.prefill_policy, self.decode_policy = self._make_policies(plugins)
-        prefill_fn = bind_policy_hooks(self.policy_manager, self.prefill_policy)["compute_chunked_prefill"]
-        decode_fn = bind_policy_hooks(self.policy_manager, self.decode_policy)["compute_chunked_decode"]
+        self.backend = self._make_backend(backend_choice, plugins)
+        self.hooks = self._make_policy_hooks(policy_plan, observers)
         for layer in self.attention_layers:
-            layer.bind(self.backend, prefill_fn, decode_fn)
+            layer.bind(self.backend, self.hooks)
         self.num_blocks = self._num_kv_blocks()  # the CUDA memory profile runs the bound layers
         self.kv_cache = torch.empty(
             len(self.attention_layers), 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
@@ -120,7 +114,7 @@ class ModelRunner:
         )
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
-        for policy in {id(p): p for p in (self.prefill_policy, self.decode_policy)}.values():
+        for policy in self.hooks.policies:
             policy.initialize(
                 len(self.attention_layers), self.num_kv_heads, self.head_dim, self.num_blocks,
                 self.block_size, self.dtype, self.device,
@@ -134,15 +128,9 @@ class ModelRunner:
 
     # -- set-up -----------------------------------------------------------------------------------
 
-    def _make_backend(self, plugins: PluginSet):
+    def _make_backend(self, choice: BackendChoice, plugins: PluginSet):
         dtype_name = str(self.dtype).removeprefix("torch.")
-        spec = parse_selection(self.config.attention_backend, "attention_backend")
-        if spec.name == "auto":  # names are case-insensitive: "AUTO" and {"name": "Auto"} too
-            if spec.options:
-                raise SelectionError(
-                    f"attention_backend='auto' takes no options, got: {', '.join(spec.options)}; "
-                    "name the backend to pass it options, e.g. attention_backend='torch'"
-                )
+        if choice.info is None:  # "auto": the first of AUTO_BACKENDS that supports this model here
             table = plugins.registry.attention_backends
             usable = [
                 name for name in AUTO_BACKENDS
@@ -153,23 +141,25 @@ class ModelRunner:
                     f"no installed attention backend among {', '.join(AUTO_BACKENDS)} supports device "
                     f"{self.device.type}, dtype {dtype_name}, head size {self.head_dim}"
                 )
-            spec = usable[0]
-        info, backend_config = resolve_attention_backend(spec, plugins)
-        reason = info.supports(self.device.type, dtype_name, self.head_dim)
+            choice = BackendChoice(table[usable[0]])
+        reason = choice.info.supports(self.device.type, dtype_name, self.head_dim)
         if reason is not None:
-            raise ValueError(f"attention backend {info.name!r} cannot run this model: {reason}")
-        return load_target(info.target)(backend_config)
+            raise ValueError(f"attention backend {choice.info.name!r} cannot run this model: {reason}")
+        return choice.load()(choice.config)
 
-    def _make_policies(self, plugins: PluginSet):
-        policy_cls, policy_config = resolve_sparse_policy(self.config.sparse_policy, plugins)
-        policy = policy_cls(policy_config)
-        full = None
-        if not (policy.supports_prefill and policy.supports_decode):
-            full = FullAttentionPolicy()  # the phase the policy does not cover runs dense
-        self.policy_manager.register(policy)
-        if full is not None:
-            self.policy_manager.register(full)
-        return (policy if policy.supports_prefill else full), (policy if policy.supports_decode else full)
+    @staticmethod
+    def _make_policy_hooks(plan: PolicyPlan, observers: tuple[object, ...]) -> PolicyHooks:
+        prefill = plan.prefill.cls(plan.prefill.config)
+        decode = prefill if plan.decode is plan.prefill else plan.decode.cls(plan.decode.config)
+        return PolicyHooks(prefill, decode, observers)
+
+    @property
+    def prefill_policy(self):
+        return self.hooks.prefill.policy
+
+    @property
+    def decode_policy(self):
+        return self.hooks.decode.policy
 
     def _kv_bytes_per_block(self) -> int:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
@@ -206,6 +196,7 @@ class ModelRunner:
         lens_t = torch.tensor(lens, dtype=torch.int32, device=self.device)
         meta = StepMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
+            positions=torch.zeros(num_tokens, dtype=torch.long, device=self.device),
             num_decode_tokens=0,
             decode=None,
             prefill=PhaseMetadata(cu, lens_t, torch.empty(len(lens), 0, dtype=torch.int32, device=self.device),
@@ -234,9 +225,9 @@ class ModelRunner:
 
         for chunks in ([min(self.max_model_len, 96), 8], [8, 8]):
             num_tokens = 1 + sum(chunks)
-            meta = StepMetadata(torch.full((num_tokens,), -1, dtype=torch.long, device=dev), 1, phase([1]),
-                                phase(chunks))
             ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
+            meta = StepMetadata(torch.full((num_tokens,), -1, dtype=torch.long, device=dev), ids, 1, phase([1]),
+                                phase(chunks))
             with forward_context(meta):
                 self.model.compute_logits(self.model(ids, ids.clone()))
         torch.cuda.synchronize()
@@ -248,7 +239,7 @@ class ModelRunner:
             self.device.type == "cuda"
             and not self.config.enforce_eager
             and self.backend.supports_cuda_graphs
-            and getattr(self.decode_policy, "cuda_graph_safe", False)
+            and self.hooks.cuda_graph_safe
         )
 
     @torch.inference_mode()
@@ -287,7 +278,7 @@ class ModelRunner:
         decode = PhaseMetadata(
             g["cu_seqlens_q"][: bs + 1], g["context_lens"][:bs], g["block_tables"][:bs], 1, self.max_model_len
         )
-        return StepMetadata(g["slot_mapping"][:bs], bs, decode, None)
+        return StepMetadata(g["slot_mapping"][:bs], g["positions"][:bs], bs, decode, None)
 
     def _replay_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         bs = input_ids.shape[0]
@@ -354,6 +345,7 @@ class ModelRunner:
                 sampling.append(s)
         meta = StepMetadata(
             slot_mapping=self._to_device(np.concatenate(slot_parts)),
+            positions=self._to_device(np.concatenate(pos_parts)),
             num_decode_tokens=len(decodes),
             decode=self._phase_metadata(decodes, [1] * len(decodes), [p + 1 for p in positions]),
             prefill=self._phase_metadata(
@@ -368,13 +360,14 @@ class ModelRunner:
         if on_gpu:
             src = self._to_device(np.asarray([decodes[i].sample_row for i in on_gpu], dtype=np.int64))
             input_ids[self._to_device(np.asarray(on_gpu, dtype=np.int64))] = self._last_sampled[src]
-        return (
-            input_ids,
-            self._to_device(np.concatenate(pos_parts)),
-            meta,
-            rows,
-            sampling,
-        )
+        return input_ids, meta.positions, meta, rows, sampling
+
+    def notify_allocated(self, block_ids: list[int]) -> None:
+        """Tell the policies which physical blocks were handed out since the last step (before it runs)."""
+        if block_ids and self.hooks.blocks_allocated:
+            ids = self._to_device(np.asarray(block_ids, dtype=np.int64))
+            for on_blocks_allocated in self.hooks.blocks_allocated:
+                on_blocks_allocated(ids)
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence]) -> LaunchedStep | None:

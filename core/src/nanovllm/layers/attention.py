@@ -1,16 +1,14 @@
-"""The attention layer every model uses: write new K/V to the paged cache, then hand the step to the
-engine's sparse policy (which calls the attention backend's kernels)."""
+"""The attention layer every model uses: write new K/V to the paged cache, tell the KV-write hooks, then
+hand each phase to its policy (which calls the attention backend's kernels)."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from nanovllm.attention.backend import AttentionBackend
-from nanovllm.attention.metadata import get_forward_context
-from nanovllm.policy import PolicyContext
+from nanovllm.attention.metadata import PhaseMetadata, get_forward_context
+from nanovllm.policy import KVWrite, PhaseHooks, PolicyContext, PolicyHooks
 
 
 class Attention(nn.Module):
@@ -21,12 +19,11 @@ class Attention(nn.Module):
         self.layer_id = layer_id
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend: AttentionBackend | None = None
-        self.prefill_fn: Callable | None = None
-        self.decode_fn: Callable | None = None
+        self.hooks: PolicyHooks | None = None
 
-    def bind(self, backend: AttentionBackend, prefill_fn: Callable, decode_fn: Callable) -> None:
-        """Set once per engine by the model runner: the backend and the policy's bound methods."""
-        self.backend, self.prefill_fn, self.decode_fn = backend, prefill_fn, decode_fn
+    def bind(self, backend: AttentionBackend, hooks: PolicyHooks) -> None:
+        """Set once per engine by the model runner."""
+        self.backend, self.hooks = backend, hooks
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[T, H, D]``, k/v ``[T, Hkv, D]`` for the step's new tokens -> ``[T, H, D]``."""
@@ -34,18 +31,34 @@ class Attention(nn.Module):
         if self.k_cache.numel() == 0:  # the memory-profiling run, before the cache exists
             return self.backend.attend_chunk(q, k, v, meta.prefill, self.scale)[0]
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if self.hooks.kv_write:
+            write = KVWrite(self.layer_id, k, v, meta, self.k_cache, self.v_cache)
+            for on_kv_write in self.hooks.kv_write:
+                on_kv_write(write)
         nd = meta.num_decode_tokens
         if meta.prefill is None:
-            return self.decode_fn(q, self._context(q, meta.decode, False))
+            return self._decode(q, meta.decode)
         if meta.decode is None:
-            return self.prefill_fn(q, k, v, self._context(q, meta.prefill, True))
+            return self._prefill(q, k, v, meta.prefill)
         out = torch.empty_like(q)
-        out[:nd] = self.decode_fn(q[:nd], self._context(q[:nd], meta.decode, False))
-        qp = q[nd:]
-        out[nd:] = self.prefill_fn(qp, k[nd:], v[nd:], self._context(qp, meta.prefill, True))
+        out[:nd] = self._decode(q[:nd], meta.decode)
+        out[nd:] = self._prefill(q[nd:], k[nd:], v[nd:], meta.prefill)
         return out
 
-    def _context(self, q: torch.Tensor, phase_meta, is_prefill: bool) -> PolicyContext:
-        return PolicyContext(
+    def _decode(self, q: torch.Tensor, phase_meta: PhaseMetadata) -> torch.Tensor:
+        phase = self.hooks.decode
+        return phase.compute(q, self._context(phase, q, phase_meta, False))
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phase_meta: PhaseMetadata) -> torch.Tensor:
+        phase = self.hooks.prefill
+        return phase.compute(q, k, v, self._context(phase, q, phase_meta, True))
+
+    def _context(self, phase: PhaseHooks, q: torch.Tensor, phase_meta: PhaseMetadata, is_prefill: bool):
+        ctx = PolicyContext(
             self.layer_id, is_prefill, q, phase_meta, self.k_cache, self.v_cache, self.scale, self.backend
         )
+        if phase.select is not None:
+            ctx.selected_blocks = phase.select(ctx)
+            for on_blocks_selected in self.hooks.blocks_selected:
+                on_blocks_selected(ctx, ctx.selected_blocks)
+        return ctx

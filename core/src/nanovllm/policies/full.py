@@ -14,11 +14,8 @@ class FullConfig:
 
 
 class FullAttentionPolicy(SparsePolicy):
-    requires_block_selection = False
+    requires_block_selection = False  # the dense kernels read the whole cache through the block table
     cuda_graph_safe = True  # decode is one backend call: capturable when the backend's decode is
-
-    def select_blocks(self, ctx: PolicyContext) -> torch.Tensor:
-        return ctx.all_history_blocks()
 
     def compute_chunked_prefill(self, q, k, v, ctx: PolicyContext) -> torch.Tensor:
         return ctx.backend.prefill(q, k, v, ctx.k_cache, ctx.v_cache, ctx.meta, ctx.scale)

@@ -1,0 +1,347 @@
+"""The sparse-policy conformance kit: checks that a policy keeps the contract of :mod:`nanovllm.hookspecs`.
+
+Give it a selection whose budget covers every block (e.g. ``"window:sink_blocks=64,recent_blocks=64"``);
+with such options a policy must give exactly the ``full`` policy's greedy tokens and log-probabilities in
+every scheduling situation. In a policy distribution's own tests::
+
+    import pytest
+    from nanovllm.conformance import cases, run_case
+
+    @pytest.mark.parametrize("case", cases(), ids=str)
+    def test_conformance(case):
+        run_case(case, "mypolicy:budget=100000")
+
+``cases()`` lists every check for the CPU with the ``torch`` backend, and with ``triton`` when CUDA is
+there. A check that does not apply (CUDA graphs on the CPU, metadata of a policy that keeps none) raises
+:class:`unittest.SkipTest`, which pytest reports as skipped. A broken rule raises ``AssertionError``
+naming the scenario, the request and what differs. The kit builds a tiny random Llama model once per
+process (no download) unless ``model_dir`` is given.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import tempfile
+import unittest
+from typing import Any
+
+import attrs
+import torch
+
+from nanovllm.attention.metadata import PhaseMetadata, StepMetadata
+from nanovllm.policy import KVWrite, PolicyContext
+
+CHECKS = (
+    "prefill",
+    "decode",
+    "chunked_prefill",
+    "prefix_cache",
+    "preemption",
+    "mixed_lengths",
+    "selection_contract",
+    "metadata",
+    "cuda_graphs",
+)
+BLOCK_SIZE = 4  # small blocks, so short prompts span many of them
+ATOL = 2e-4  # float32 everywhere: the policy's kernels and the dense ones differ only in rounding
+
+
+@attrs.define(frozen=True)
+class Case:
+    check: str
+    device: str
+    backend: str
+
+    def __str__(self) -> str:
+        return f"{self.check}-{self.device}-{self.backend}"
+
+
+def cases() -> list[Case]:
+    """Every check on the CPU with ``torch``, and on CUDA with ``triton`` when a GPU is there."""
+    envs = [("cpu", "torch")]
+    if torch.cuda.is_available():
+        envs.append(("cuda", "triton"))
+    return [Case(check, device, backend) for device, backend in envs for check in CHECKS]
+
+
+@functools.cache
+def tiny_model() -> str:
+    """A tiny random Llama (GQA, 3 layers) written once per process."""
+    from nanovllm.testing import tiny_model_dir
+
+    path = tempfile.mkdtemp(prefix="nanovllm-conformance-")
+    return str(tiny_model_dir(path, "LlamaForCausalLM", num_hidden_layers=3))
+
+
+def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 250) for _ in range(n)] for n in lengths]
+
+
+def _kv_bytes(model_dir: str, tokens: int) -> int:
+    """``kv_cache_memory`` that holds ``tokens`` tokens of the model's KV in float32."""
+    import json
+    from pathlib import Path
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    per_token = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * 4
+    return tokens * per_token
+
+
+def _engine(case: Case, model_dir: str, policy: Any, observers=(), **overrides):
+    from nanovllm import LLM
+
+    options = dict(
+        device=case.device, attention_backend=case.backend, dtype="float32", block_size=BLOCK_SIZE,
+        max_model_len=512, kv_cache_tokens=4096, max_num_batched_tokens=512, enforce_eager=True,
+    )
+    options.update(overrides)
+    options["kv_cache_memory"] = _kv_bytes(model_dir, options.pop("kv_cache_tokens"))
+    return LLM(model_dir, sparse_policy=policy, observers=observers, **options)
+
+
+def _params(max_tokens: int, prompt_logprobs: bool = True):
+    from nanovllm import SamplingParams
+
+    return SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=3,
+        prompt_logprobs=3 if prompt_logprobs else None,
+    )
+
+
+# Each scenario: engine overrides, then a list of generate() calls (prompt lengths, max_tokens, seed, prompt
+# logprobs). Requests with prompt logprobs take no prefix-cache hits, so the prefix scenario asks for none.
+SCENARIOS: dict[str, tuple[dict, list[tuple[list[int], int, int, bool]]]] = {
+    "prefill": ({}, [([5, 23, 61, 130], 1, 1, True)]),
+    "decode": ({}, [([3, 40, 97], 24, 2, True)]),
+    "chunked_prefill": ({"max_num_batched_tokens": 16}, [([70, 131, 9], 6, 3, True)]),
+    "prefix_cache": ({}, [([96], 3, 4, False), ([96, 96], 8, 4, False)]),
+    # 128 tokens of KV for four requests of up to 90: they preempt one another
+    "preemption": ({"kv_cache_tokens": 128, "max_model_len": 128, "max_num_batched_tokens": 64},
+                   [([30, 45, 60, 25], 30, 5, True)]),
+    "mixed_lengths": ({"max_num_batched_tokens": 48}, [([3, 17, 64, 130, 1, 33], 12, 6, True)]),
+}
+
+
+def _run_scenario(case: Case, model_dir: str, policy: Any, scenario: str, observers=()) -> tuple[list, Any]:
+    overrides, calls = SCENARIOS[scenario]
+    llm = _engine(case, model_dir, policy, observers, **overrides)
+    outputs = []
+    for lengths, max_tokens, seed, prompt_lp in calls:
+        prompts = _prompts(lengths, seed) if scenario != "prefix_cache" else _prefix_prompts(lengths, seed)
+        outputs.extend(llm.generate(prompts, _params(max_tokens, prompt_lp), use_tqdm=False))
+    return outputs, llm
+
+
+def _prefix_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    """Prompts that share one long prefix and differ in their tails."""
+    shared = _prompts([max(lengths)], seed)[0]
+    return [shared[:n] + _prompts([5], seed + i)[0] for i, n in enumerate(lengths)]
+
+
+def _reference(case: Case, model_dir: str, scenario: str) -> list:
+    return _full_outputs(case.device, case.backend, model_dir, scenario)
+
+
+@functools.cache
+def _full_outputs(device: str, backend: str, model_dir: str, scenario: str) -> list:
+    return _run_scenario(Case(scenario, device, backend), model_dir, "full", scenario)[0]
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= ATOL + 1e-4 * abs(b)
+
+
+def _compare_logprob_rows(where: str, got: list, want: list, tokens: list[int]) -> None:
+    assert (got is None) == (want is None), f"{where}: log-probabilities present in one run only"
+    if got is None:
+        return
+    assert len(got) == len(want), f"{where}: {len(got)} log-probability rows, full has {len(want)}"
+    for pos, (g, w) in enumerate(zip(got, want, strict=True)):
+        if w is None:
+            assert g is None, f"{where}: position {pos} has log-probabilities, full has none"
+            continue
+        token = tokens[pos]
+        assert _close(g[token].logprob, w[token].logprob), (
+            f"{where}: position {pos}, token {token}: logprob {g[token].logprob:.6f}, full {w[token].logprob:.6f}"
+        )
+        gv = sorted((lp.logprob for lp in g.values()), reverse=True)
+        wv = sorted((lp.logprob for lp in w.values()), reverse=True)
+        assert len(gv) == len(wv) and all(map(_close, gv, wv)), (
+            f"{where}: position {pos}: top log-probabilities {gv} differ from full {wv}"
+        )
+
+
+def compare_outputs(scenario: str, got: list, want: list) -> None:
+    """Greedy tokens equal and log-probabilities (prompt and generated) equal within float32 rounding."""
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        where = f"{scenario}: request {i} (prompt of {len(w.prompt_token_ids)} tokens)"
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids, (
+            f"{where}: tokens {g.outputs[0].token_ids} differ from full {w.outputs[0].token_ids}"
+        )
+        _compare_logprob_rows(where + " prompt", g.prompt_logprobs, w.prompt_logprobs, w.prompt_token_ids)
+        _compare_logprob_rows(where + " output", g.outputs[0].logprobs, w.outputs[0].logprobs,
+                              w.outputs[0].token_ids)
+
+
+# -- observers used by the checks -------------------------------------------------------------------------
+
+
+class SelectionChecker:
+    """Checks every selection the engine receives against the contract (host-side: runs eagerly)."""
+
+    def __init__(self) -> None:
+        self.calls = {"prefill": 0, "decode": 0}
+
+    def on_blocks_selected(self, ctx: PolicyContext, block_indices: torch.Tensor) -> None:
+        check_selection(ctx, block_indices)
+        self.calls["prefill" if ctx.is_prefill else "decode"] += 1
+
+
+def check_selection(ctx: PolicyContext, blocks: Any) -> None:
+    """Raise ``AssertionError`` unless ``blocks`` is a valid ``select_blocks`` result for ``ctx``."""
+    where = f"select_blocks (layer {ctx.layer_id}, {'prefill' if ctx.is_prefill else 'decode'})"
+    assert isinstance(blocks, torch.Tensor), f"{where} returned {type(blocks).__name__}, not a tensor"
+    assert blocks.dtype == torch.int32, f"{where} returned dtype {blocks.dtype}, not torch.int32"
+    assert blocks.device == ctx.query.device, f"{where} returned a tensor on {blocks.device}"
+    num_seqs = ctx.meta.num_seqs
+    shared = (num_seqs, blocks.shape[-1])
+    per_head = (num_seqs, ctx.num_kv_heads, blocks.shape[-1])
+    assert blocks.dim() in (2, 3) and tuple(blocks.shape) in (shared, per_head), (
+        f"{where} returned shape {tuple(blocks.shape)}; expected [num_seqs={num_seqs}, k] or "
+        f"[num_seqs, num_kv_heads={ctx.num_kv_heads}, k]"
+    )
+    rows = blocks.reshape(-1, blocks.shape[-1]).cpu()
+    limit = ctx.num_history_blocks.cpu()
+    limit = limit.repeat_interleave(rows.shape[0] // num_seqs)
+    for r, (row, n) in enumerate(zip(rows.tolist(), limit.tolist(), strict=True)):
+        valid = [b for b in row if b >= 0]
+        assert row[: len(valid)] == valid and all(b == -1 for b in row[len(valid):]), (
+            f"{where}, row {r}: {row}: -1 padding must come only at the end"
+        )
+        assert valid == sorted(set(valid)), f"{where}, row {r}: {valid} is not strictly ascending"
+        assert all(b < n for b in valid), f"{where}, row {r}: {valid} has blocks beyond the {n} history blocks"
+
+
+class FillRecorder:
+    """How many tokens each physical block holds, from the KV-write hook (reset on reallocation)."""
+
+    def __init__(self) -> None:
+        self.fill: dict[int, int] = {}
+
+    def on_blocks_allocated(self, block_ids: torch.Tensor) -> None:
+        for b in block_ids.tolist():
+            self.fill[b] = 0
+
+    def on_kv_write(self, write: KVWrite) -> None:
+        if write.layer_id != 0:
+            return
+        for b, n in zip(write.block_ids.tolist(), write.block_fill().tolist(), strict=True):
+            if b >= 0:
+                self.fill[b] = max(self.fill.get(b, 0), n)
+
+
+# -- the checks -----------------------------------------------------------------------------------------
+
+
+def run_case(case: Case, policy: str | dict, model_dir: str | None = None) -> None:
+    """Run one check of the kit for ``policy`` (a selection whose budget covers every block)."""
+    if case.device == "cuda" and not torch.cuda.is_available():
+        raise unittest.SkipTest("needs a CUDA device")
+    model_dir = model_dir or tiny_model()
+    if case.check in SCENARIOS:
+        got, _ = _run_scenario(case, model_dir, policy, case.check)
+        compare_outputs(case.check, got, _reference(case, model_dir, case.check))
+    elif case.check == "selection_contract":
+        _check_selection_contract(case, model_dir, policy)
+    elif case.check == "metadata":
+        _check_metadata(case, model_dir, policy)
+    elif case.check == "cuda_graphs":
+        _check_cuda_graphs(case, model_dir, policy)
+    else:
+        raise ValueError(f"unknown check {case.check!r}; the checks are {', '.join(CHECKS)}")
+
+
+def _check_selection_contract(case: Case, model_dir: str, policy: Any) -> None:
+    checker = SelectionChecker()
+    got, llm = _run_scenario(case, model_dir, policy, "mixed_lengths", observers=[checker])
+    compare_outputs("selection_contract", got, _reference(case, model_dir, "mixed_lengths"))
+    for phase in ("prefill", "decode"):
+        hooks = getattr(llm.runner.hooks, phase)
+        if hooks.select is not None:
+            assert checker.calls[phase] > 0, f"{phase}: select_blocks was never called"
+        else:
+            assert checker.calls[phase] == 0, f"{phase}: the policy selects no blocks, yet selections were seen"
+    if not any(checker.calls.values()):
+        raise unittest.SkipTest("the policy selects no blocks (requires_block_selection=False)")
+
+
+def _check_metadata(case: Case, model_dir: str, policy: Any) -> None:
+    """Metadata kept step by step (prefix hits, preemption, reallocation) equals one pass over the cache."""
+    fills = FillRecorder()
+    llm = _engine(case, model_dir, policy, [fills], **SCENARIOS["preemption"][0])
+    runner = llm.runner
+    llm.generate(_prefix_prompts([40, 40, 60], 7), _params(20, False), use_tqdm=False)
+    llm.generate(_prompts([30, 45, 60, 25], 5), _params(30, False), use_tqdm=False)
+    assert llm.scheduler.num_preemptions > 0, "the metadata workload did not preempt"
+    assert any(o.num_cached_tokens for o in llm.generate(_prefix_prompts([40], 7), _params(2, False),
+                                                         use_tqdm=False)), "no prefix-cache hit"
+    blocks = sorted(b for b, n in fills.fill.items() if n > 0)
+    ids = torch.tensor(blocks, dtype=torch.long, device=runner.device)
+    checked = 0
+    for policy_obj in runner.hooks.policies:
+        if policy_obj.block_metadata(0, ids) is None:
+            continue
+        twin = type(policy_obj)(policy_obj.config)
+        twin.initialize(len(runner.attention_layers), runner.num_kv_heads, runner.head_dim, runner.num_blocks,
+                        runner.block_size, runner.dtype, runner.device)
+        twin.on_blocks_allocated(ids)
+        counts = [fills.fill[b] for b in blocks]
+        for layer in runner.attention_layers:
+            twin.on_kv_write(_whole_blocks_write(layer, blocks, counts))
+        for layer in runner.attention_layers:
+            kept = policy_obj.block_metadata(layer.layer_id, ids)
+            fresh = twin.block_metadata(layer.layer_id, ids)
+            same = torch.allclose(kept, fresh, rtol=1e-5, atol=1e-6, equal_nan=True)
+            assert same, (
+                f"metadata: layer {layer.layer_id}: the metadata {type(policy_obj).__name__} kept through "
+                f"on_kv_write / on_blocks_allocated differs from a recomputation over the cache "
+                f"(max difference {(kept - fresh).abs().nan_to_num().max().item():.3g})"
+            )
+        checked += 1
+    if not checked:
+        raise unittest.SkipTest("the policy keeps no per-block metadata (block_metadata returns None)")
+
+
+def _whole_blocks_write(layer, blocks: list[int], counts: list[int]) -> KVWrite:
+    """One KV write holding every token of ``blocks``, each block as one sequence's prefill chunk."""
+    dev = layer.k_cache.device
+    bs = layer.k_cache.shape[1]
+    slots = torch.tensor([b * bs + i for b, n in zip(blocks, counts, strict=True) for i in range(n)], device=dev)
+    positions = torch.tensor([i for n in counts for i in range(n)], device=dev)
+    flat_k = layer.k_cache.reshape(-1, *layer.k_cache.shape[2:])
+    flat_v = layer.v_cache.reshape(-1, *layer.v_cache.shape[2:])
+    lens = torch.tensor(counts, dtype=torch.int32, device=dev)
+    cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32)
+    tables = torch.tensor(blocks, dtype=torch.int32, device=dev)[:, None]
+    prefill = PhaseMetadata(cu, lens, tables, max(counts), max(counts))
+    step = StepMetadata(slots, positions, 0, None, prefill)
+    return KVWrite(layer.layer_id, flat_k[slots], flat_v[slots], step, layer.k_cache, layer.v_cache)
+
+
+def _check_cuda_graphs(case: Case, model_dir: str, policy: Any) -> None:
+    if case.device != "cuda":
+        raise unittest.SkipTest("CUDA graphs need a CUDA device")
+    llm = _engine(case, model_dir, policy, enforce_eager=False)
+    if not llm.runner.graphs:
+        if llm.runner.hooks.cuda_graph_safe:
+            raise AssertionError("the policy declares cuda_graph_safe, yet no decode graph was captured")
+        raise unittest.SkipTest("the policy is not cuda_graph_safe: decode runs eagerly")
+    prompts = _prompts([3, 40, 97, 12], 8)
+    graphed = llm.generate(prompts, _params(24), use_tqdm=False)
+    eager = _engine(case, model_dir, policy).generate(prompts, _params(24), use_tqdm=False)
+    compare_outputs("cuda_graphs (graphs against eager)", graphed, eager)

@@ -1,0 +1,101 @@
+"""Perplexity of a text's last part under a sparse policy, next to dense, through the public engine.
+
+The text is one request with ``prompt_logprobs=0``. Its head is prefilled in chunks; its tail is fed in
+steps of ``tail_step`` tokens. With ``tail_step=1`` every tail token is a one-token step, which the engine
+runs in the decode phase (vLLM's rule), so a decode policy such as Quest decides what each tail token
+attends to, exactly as when generating. The density of what the policies selected is measured by an
+observer of ``on_blocks_selected``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import torch
+
+from nanovllm.policy import PolicyContext
+
+
+class DensityMeter:
+    """Observer: tokens the selections cover, against the history tokens they could cover, per phase."""
+
+    cuda_graph_safe = True  # device-side sums only
+
+    def __init__(self) -> None:
+        self.selected: dict[str, Any] = {"prefill": 0.0, "decode": 0.0}
+        self.visible: dict[str, Any] = {"prefill": 0.0, "decode": 0.0}
+
+    def on_blocks_selected(self, ctx: PolicyContext, block_indices: torch.Tensor) -> None:
+        bs = ctx.block_size
+        blocks = block_indices.long()
+        history = ctx.history_lens.long()
+        lens = history.view(-1, *([1] * (blocks.dim() - 1)))
+        covered = ((lens - blocks * bs).clamp(0, bs) * (blocks >= 0)).sum(-1).float()
+        if covered.dim() == 2:  # per KV head: the mean over heads
+            covered = covered.mean(-1)
+        phase = "prefill" if ctx.is_prefill else "decode"
+        self.selected[phase] = self.selected[phase] + covered.sum()
+        self.visible[phase] = self.visible[phase] + history.sum().float()
+
+    def density(self, phase: str) -> float | None:
+        """Share of the history the selections covered (``None``: no selection ran in that phase)."""
+        visible = float(self.visible[phase])
+        return float(self.selected[phase]) / visible if visible else None
+
+
+@attrs.define
+class PerplexityResult:
+    policy: str
+    perplexity: float
+    mean_nll: float
+    tail_tokens: int
+    tail_step: int
+    decode_density: float | None  # None: no block selection ran (dense)
+    prefill_density: float | None
+
+
+def tail_perplexity(
+    sparse_policy: str | dict,
+    token_ids: list[int],
+    tail_tokens: int,
+    *,
+    model: str | None = None,
+    device: str = "auto",
+    prefill_chunk: int = 512,
+    tail_step: int | None = None,
+    **engine_options: Any,
+) -> PerplexityResult:
+    """Perplexity of the last ``tail_tokens`` of ``token_ids`` (built-in model unless ``model``).
+
+    ``tail_step`` defaults to 1 when the decode phase runs a policy other than ``full`` (the tail goes
+    through the decode path), else to ``prefill_chunk``.
+    """
+    from nanovllm import LLM, SamplingParams
+
+    if not 0 < tail_tokens < len(token_ids):
+        raise ValueError(f"tail_tokens must be in [1, {len(token_ids) - 1}], got {tail_tokens}")
+    meter = DensityMeter()
+    llm = LLM(
+        model, device=device, sparse_policy=sparse_policy, max_model_len=len(token_ids) + 1,
+        max_num_batched_tokens=prefill_chunk, enable_prefix_caching=False, observers=[meter],
+        **engine_options,
+    )
+    if tail_step is None:
+        tail_step = 1 if llm.policy_plan.decode.selection.name != "full" else prefill_chunk
+    seq = llm.add_request({"prompt_token_ids": list(token_ids)},
+                          SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    head = len(token_ids) - tail_tokens
+    scheduler = llm.scheduler
+    while scheduler.has_unfinished():
+        done = seq.num_computed_tokens
+        # The head in chunks that end exactly where the tail begins, then the tail in tail_step steps.
+        scheduler.max_num_batched_tokens = min(prefill_chunk, head - done) if done < head else tail_step
+        llm.step()
+    prompt_logprobs = llm._output(seq).prompt_logprobs
+    nll = -sum(prompt_logprobs[p][token_ids[p]].logprob for p in range(head, len(token_ids))) / tail_tokens
+    return PerplexityResult(
+        str(llm.policy_plan), math.exp(nll), nll, tail_tokens, tail_step,
+        meter.density("decode"), meter.density("prefill"),
+    )

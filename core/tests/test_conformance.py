@@ -1,0 +1,102 @@
+"""The conformance kit on the built-in ``full`` policy and the Quest-style test policy, and the kit's own
+ability to fail: policies that break one rule each are caught by the check about that rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from nanovllm.conformance import cases, run_case
+from nanovllm.plugins import get_plugins, reload_plugins
+from nanovllm.policy import PolicyContext
+
+from quest_style import Plugin, QuestStylePolicy
+
+GPU_CASES = [pytest.param(c, marks=pytest.mark.gpu) if c.device == "cuda" else c for c in cases()]
+
+
+@pytest.fixture(scope="module")
+def registered():
+    """quest_style and the broken policies below, registered in-process like installed plugins."""
+    plugins = get_plugins()
+    plugins.register(Plugin(), "quest-style")
+    table = plugins.registry.sparse_policies
+    for name, cls in BROKEN.items():
+        table[name] = type(table["quest_style"])(name, f"{__name__}:{cls.__name__}", "test",
+                                                 table["quest_style"].config)
+    yield
+    reload_plugins()
+
+
+@pytest.fixture(autouse=True)
+def _threads(one_thread, registered):
+    yield
+
+
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_full_passes(case):
+    run_case(case, "full")
+
+
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_quest_style_with_a_covering_budget_passes(case):
+    run_case(case, "quest_style:budget_blocks=1000")
+
+
+def test_the_kit_covers_every_check():
+    assert {c.check for c in cases()} == {
+        "prefill", "decode", "chunked_prefill", "prefix_cache", "preemption", "mixed_lengths",
+        "selection_contract", "metadata", "cuda_graphs",
+    }
+
+
+# -- the kit catches broken policies --------------------------------------------------------------------
+
+
+class SmallBudget(QuestStylePolicy):
+    """Not broken: a budget that does not cover every block must change the result."""
+
+
+class Descending(QuestStylePolicy):
+    def select_blocks(self, ctx: PolicyContext) -> torch.Tensor:
+        blocks = super().select_blocks(ctx)
+        return blocks.flip(-1)  # -1 padding first, blocks descending
+
+
+class Int64Selection(QuestStylePolicy):
+    def select_blocks(self, ctx: PolicyContext) -> torch.Tensor:
+        return super().select_blocks(ctx).long()
+
+
+class ForgetsResets(QuestStylePolicy):
+    """Keeps min/max across reallocations: stale keys of a block's earlier owner stay in its bounds."""
+
+    def on_blocks_allocated(self, block_ids: torch.Tensor) -> None:
+        pass
+
+
+class DropsOldest(QuestStylePolicy):
+    """Skips the first history block: the answer changes even with a covering budget."""
+
+    def select_blocks(self, ctx: PolicyContext) -> torch.Tensor:
+        blocks = super().select_blocks(ctx)  # ascending: the first entry is block 0 wherever there is history
+        return torch.cat([blocks[..., 1:], torch.full_like(blocks[..., :1], -1)], dim=-1)
+
+
+BROKEN = {"small_budget": SmallBudget, "descending": Descending, "int64_selection": Int64Selection,
+          "forgets_resets": ForgetsResets, "drops_oldest": DropsOldest}
+CPU = {c.check: c for c in cases() if c.device == "cpu"}
+
+
+@pytest.mark.parametrize(
+    ("policy", "check", "message"),
+    [
+        ("small_budget:budget_blocks=2", "decode", "tokens .* differ from full|logprob"),
+        ("descending:budget_blocks=1000", "selection_contract", "-1 padding must come only at the end"),
+        ("int64_selection:budget_blocks=1000", "selection_contract", "dtype torch.int64, not torch.int32"),
+        ("forgets_resets:budget_blocks=1000", "metadata", "differs from a recomputation over the cache"),
+        ("drops_oldest:budget_blocks=1000", "chunked_prefill", "differ from full|logprob"),
+    ],
+)
+def test_the_kit_fails_a_broken_policy(policy, check, message):
+    with pytest.raises(AssertionError, match=message):
+        run_case(CPU[check], policy)

@@ -1,0 +1,165 @@
+"""Contract v2: every hook and policy flag is documented in the README and used by the engine."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from nanovllm import SamplingParams
+from nanovllm.hookspecs import PolicySpec, RegistrationSpec
+from nanovllm.plugins import SparsePolicyInfo, get_plugins
+from nanovllm.policies.full import FullAttentionPolicy
+from nanovllm.policy import NOTIFICATION_HOOKS, POLICY_FLAGS, RUNTIME_HOOKS, SparsePolicy
+
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+
+
+def hook_names(spec: type) -> list[str]:
+    return [n for n in vars(spec) if not n.startswith("_")]
+
+
+@pytest.mark.parametrize("name", hook_names(RegistrationSpec) + hook_names(PolicySpec) + list(POLICY_FLAGS))
+def test_readme_documents(name):
+    assert re.search(rf"`{name}\b", README), f"README.md does not document {name!r}"
+
+
+def test_flags_are_declared_on_the_base_class():
+    for flag in POLICY_FLAGS:
+        assert isinstance(getattr(SparsePolicy, flag), bool), flag
+    assert set(RUNTIME_HOOKS) == set(hook_names(PolicySpec)) and set(NOTIFICATION_HOOKS) <= set(RUNTIME_HOOKS)
+
+
+CALLS: Counter = Counter()
+
+
+class Recorder(SparsePolicy):
+    """Counts every runtime hook the engine calls on it."""
+
+    def select_blocks(self, ctx):
+        CALLS["select_blocks", ctx.is_prefill] += 1
+        return super().select_blocks(ctx)
+
+    def compute_chunked_prefill(self, q, k, v, ctx):
+        CALLS["compute_chunked_prefill"] += 1
+        assert ctx.selected_blocks is not None or not self.requires_block_selection
+        return super().compute_chunked_prefill(q, k, v, ctx)
+
+    def compute_chunked_decode(self, q, ctx):
+        CALLS["compute_chunked_decode"] += 1
+        CALLS["selected_by_engine"] += ctx.selected_blocks is not None
+        return super().compute_chunked_decode(q, ctx)
+
+    def on_kv_write(self, write):
+        CALLS["on_kv_write"] += 1
+
+    def on_blocks_allocated(self, block_ids):
+        CALLS["on_blocks_allocated"] += 1
+
+
+class DecodeOnly(Recorder):
+    supports_prefill = False
+
+
+class PrefillOnly(Recorder):
+    supports_decode = False
+
+
+class NoSelection(Recorder):
+    requires_block_selection = False
+
+
+class Observer:
+    def on_blocks_selected(self, ctx, block_indices):
+        CALLS["on_blocks_selected"] += 1
+
+
+@pytest.fixture
+def make_llm(tiny_model, monkeypatch, one_thread):
+    table = get_plugins().registry.sparse_policies
+    for cls in (Recorder, DecodeOnly, PrefillOnly, NoSelection):
+        name = cls.__name__.lower()
+        monkeypatch.setitem(table, name, SparsePolicyInfo(name, f"{__name__}:{cls.__name__}", "test"))
+
+    def make(policy, observers=()):
+        from nanovllm import LLM
+
+        return LLM(tiny_model(), device="cpu", kv_cache_memory=1 << 22, block_size=4, max_num_batched_tokens=16,
+                   sparse_policy=policy, observers=observers)
+
+    return make
+
+
+def run(llm) -> Counter:
+    CALLS.clear()
+    llm.generate([list(range(3, 30)), [5, 6, 7]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    return Counter(CALLS)
+
+
+def test_every_runtime_hook_is_called_by_the_engine(make_llm):
+    calls = run(make_llm("recorder", observers=[Observer()]))
+    for hook in RUNTIME_HOOKS:
+        assert any(key == hook or (isinstance(key, tuple) and key[0] == hook) for key in calls), hook
+    assert calls["select_blocks", True] and calls["select_blocks", False]
+
+
+def test_supports_flags_send_the_other_phase_to_full(make_llm):
+    llm = make_llm("decodeonly")
+    assert type(llm.runner.prefill_policy) is FullAttentionPolicy and type(llm.runner.decode_policy) is DecodeOnly
+    calls = run(llm)
+    assert calls["compute_chunked_prefill"] == 0 and calls["compute_chunked_decode"] > 0
+    # The decode-only policy still sees the prefill keys: on_kv_write runs in every step, once per layer.
+    assert calls["on_kv_write"] > calls["compute_chunked_decode"]
+    llm = make_llm("prefillonly")
+    assert type(llm.runner.decode_policy) is FullAttentionPolicy
+    calls = run(llm)
+    assert calls["compute_chunked_decode"] == 0 and calls["compute_chunked_prefill"] > 0
+
+
+def test_requires_block_selection_decides_whether_the_engine_selects(make_llm):
+    llm = make_llm("noselection")
+    assert llm.runner.hooks.decode.select is None
+    calls = run(llm)
+    assert calls["selected_by_engine"] == 0 and calls["compute_chunked_decode"] > 0
+    calls = run(make_llm("recorder"))
+    assert calls["selected_by_engine"] == calls["compute_chunked_decode"] > 0
+
+
+def test_cuda_graph_safety_is_read_from_the_policy_and_every_observer(make_llm):
+    assert make_llm("full").runner.hooks.cuda_graph_safe
+    assert not make_llm("recorder").runner.hooks.cuda_graph_safe  # the default is off
+    assert not make_llm("full", observers=[Observer()]).runner.hooks.cuda_graph_safe
+
+
+def test_base_noop_notification_hooks_cost_nothing(make_llm):
+    hooks = make_llm("full").runner.hooks
+    assert hooks.kv_write == hooks.blocks_allocated == hooks.blocks_selected == ()
+
+
+def test_one_prefill_policy_and_one_decode_policy(make_llm):
+    llm = make_llm("prefill=recorder;decode=decodeonly")
+    assert type(llm.runner.prefill_policy) is Recorder and type(llm.runner.decode_policy) is DecodeOnly
+    calls = run(llm)
+    assert calls["compute_chunked_prefill"] and calls["compute_chunked_decode"]
+    llm = make_llm({"decode": "recorder"})
+    assert type(llm.runner.prefill_policy) is FullAttentionPolicy and type(llm.runner.decode_policy) is Recorder
+    llm = make_llm("prefillonly;decodeonly")  # each takes the phase it supports
+    assert type(llm.runner.prefill_policy) is PrefillOnly and type(llm.runner.decode_policy) is DecodeOnly
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("recorder;decodeonly", "both 'recorder' and 'decodeonly' would run the decode phase.*'prefill=recorder;decode=decodeonly'"),
+        ("prefill=decodeonly", "'decodeonly' cannot run the prefill phase \\(supports_prefill=False\\)"),
+        ("middle=recorder", "'middle' is not a phase"),
+        ({"prefill": "recorder", "later": "full"}, "the keys 'prefill' and/or 'decode'"),
+        ("prefill=recorder;prefill=full", "both 'recorder' and 'full' would run the prefill phase"),
+    ],
+)
+def test_phase_selection_errors(make_llm, spec, message):
+    from nanovllm.selection import SelectionError, resolve_policies
+
+    with pytest.raises(SelectionError, match=message):
+        resolve_policies(spec)
