@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--queries", type=int, default=DEFAULT_QUERIES, help="decode query positions")
     quality.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="k of the top-k recall")
     quality.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    quality.add_argument("--model", default=None, help="HF-format model directory (default: SmolLM2-135M-Instruct)")
+    quality.add_argument("--model", default=None,
+                         help="HF-format model directory (default: SmolLM2-135M-Instruct)")
     quality.add_argument("--seed", type=int, default=0, help="seed of the random selection")
     bench.set_defaults(func=_bench)
     return parser

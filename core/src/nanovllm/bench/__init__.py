@@ -293,7 +293,12 @@ def main(args) -> int:
 
 def main_quality(args) -> int:
     """``nanovllm bench quality``: one job (capture once, every policy) in its own process."""
-    options = {"policies": args.policy or ["full"], "layers": args.layers, "tokens": args.tokens,
+    from nanovllm.quality.evaluate import make_policy
+
+    policies = args.policy or ["full"]
+    for selection in policies:  # a bad name or option fails here, before a process starts
+        make_policy(selection)
+    options = {"policies": policies, "layers": args.layers, "tokens": args.tokens,
                "queries": args.queries, "top_k": args.top_k, "device": args.device, "model": args.model,
                "seed": args.seed}
     print(f"== quality {options}", file=sys.stderr, flush=True)

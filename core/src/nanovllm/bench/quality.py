@@ -49,6 +49,8 @@ def run(
 
     for selection in policies:  # a bad name or option fails before the model loads
         make_policy(selection)
+    if not policies:
+        raise ValueError("name at least one sparse policy to evaluate, e.g. policies=['full']")
     llm = LLM(model, max_model_len=tokens + 1, sparse_policy="full", device=device, enforce_eager=True,
               async_scheduling=False, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
     token_ids, text = corpus_tokens(llm.tokenizer, tokens)
@@ -61,9 +63,10 @@ def run(
         torch.cuda.empty_cache()
     positions = decode_positions(tokens, queries, capture.block_size)
     run_info = {
-        "model": model_name, "text": text.describe(), "tokens": tokens, "positions": positions, "layers": layer_ids,
-        "top_k": top_k, "seed": seed, "device": str(capture.device), "dtype": str(capture.dtype).removeprefix("torch."),
-        "block_size": capture.block_size, "attention_backend": capture.backend.name,
+        "model": model_name, "text": text.describe(), "tokens": tokens, "positions": positions,
+        "layers": layer_ids, "top_k": top_k, "seed": seed, "device": str(capture.device),
+        "dtype": str(capture.dtype).removeprefix("torch."), "block_size": capture.block_size,
+        "attention_backend": capture.backend.name,
     }
     rows = []
     for selection in policies:
@@ -80,12 +83,14 @@ def _f(value: float) -> str:
 def markdown(payload: dict[str, Any], title: str) -> str:
     env = payload["environment"]
     rows = [r for r in payload["results"] if "error" not in r]
-    lines = [f"# {title}", "", f"{env['device']}, {env['date']}, commit {env['commit']}, torch {env['torch']}."]
+    lines = [f"# {title}", "", f"{env['device']}, {env['date']}, commit {env['commit']}, "
+             f"torch {env['torch']}."]
     if rows:
         r = rows[0]
         text = r["text"]
         lines += [
-            f"Model {r['model']} ({r['dtype']}, {r['attention_backend']} backend, block size {r['block_size']}) "
+            f"Model {r['model']} ({r['dtype']}, {r['attention_backend']} backend, "
+            f"block size {r['block_size']}) "
             f"on the first {r['tokens']:,} tokens of {text['name']} ({text['source']}, sha256 "
             f"{text['sha256'][:12]}). {len(r['positions'])} decode queries at positions {r['positions'][0]}.."
             f"{r['positions'][-1]}, layers {', '.join(map(str, r['layers']))}, top-{r['top_k']} recall.",
@@ -104,7 +109,8 @@ def markdown(payload: dict[str, Any], title: str) -> str:
             cells += [f"{_f(p[m])} ({_f(o[m])} / {_f(rnd[m])})" for m in METRIC_LABELS]
             cells.append(_f(p["policy_output_error"]))
             seq = r.get("sequence", {}) if label == "mean" else {}
-            cells += [_f(seq[k]) if isinstance(seq.get(k), float) else str(seq.get(k, "")) for k in sequence_keys]
+            cells += [_f(seq[k]) if isinstance(seq.get(k), float) else str(seq.get(k, ""))
+                      for k in sequence_keys]
             lines.append("| " + " | ".join(cells) + " |")
     for r in payload["results"]:
         if "error" in r:
@@ -139,7 +145,8 @@ def chart(payload: dict[str, Any], path: Path) -> bool:
         ax.set_xlabel("density (selected keys / visible keys)")
         ax.set_title(label, fontsize=10)
         if metric == "output_error":
-            top = max(x[w][metric] for r in rows for x in r["per_layer"] for w in ("policy", "oracle", "random"))
+            top = max(x[which][metric] for r in rows for x in r["per_layer"]
+                      for which in ("policy", "oracle", "random"))
             ax.set_ylim(0, min(max(top, 0.05) * 1.1, 2.0))
         else:
             ax.set_ylim(0, 1.05)

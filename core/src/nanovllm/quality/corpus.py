@@ -60,7 +60,8 @@ def gpl3_text(raw: str) -> str | None:
     """The GPL-3 inside ``raw``, title to last line with every line stripped, or None when ``raw`` does
     not hold the exact published text."""
     lines = [line.strip() for line in raw.splitlines()]
-    for start in (i for i, line in enumerate(lines[:-1]) if line == GPL3_TITLE and lines[i + 1] == GPL3_VERSION):
+    starts = [i for i, line in enumerate(lines[:-1]) if line == GPL3_TITLE and lines[i + 1] == GPL3_VERSION]
+    for start in starts:
         try:
             end = lines.index(GPL3_LAST_LINE, start)
         except ValueError:

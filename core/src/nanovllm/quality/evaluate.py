@@ -3,9 +3,11 @@ queries, against dense attention, the oracle selection and a random one (:mod:`n
 
 The captured keys and values of a layer go into a paged cache of one sequence whose block table is
 ``arange``. Each decode query at position ``t`` is one sequence of the batch whose history is keys
-``[0, t]``, its own key included, as in the engine's decode. The policy is called exactly as the engine
-calls it: ``initialize`` once, then per layer ``select_blocks`` and ``compute_chunked_decode``.
-Query positions sit at block ends, so no key after ``t`` shares a block with the history.
+``[0, t]``, its own key included, as in the engine's decode. The policy is called as the engine calls
+it: ``initialize`` and ``on_blocks_allocated`` (every block) once, then per layer one ``on_kv_write``
+with every key (a prefill of the whole text), ``select_blocks`` (its result goes to
+``ctx.selected_blocks`` when the policy ``requires_block_selection``) and ``compute_chunked_decode``.
+Query positions sit at block ends, so per-block metadata never includes a key after a query.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from typing import Any
 
 import torch
 
-from nanovllm.attention.metadata import PhaseMetadata
-from nanovllm.policy import PolicyContext, SparsePolicy
+from nanovllm.attention.metadata import PhaseMetadata, StepMetadata
+from nanovllm.policy import KVWrite, PolicyContext, SparsePolicy
 from nanovllm.quality.capture import Capture, LayerActivations
 from nanovllm.quality.metrics import compare_selection, dense_attention
 from nanovllm.selection import resolve_sparse_policy
@@ -35,8 +37,9 @@ def decode_positions(num_tokens: int, num_queries: int, block_size: int) -> list
 
 
 def make_policy(selection: str | dict) -> SparsePolicy:
-    policy_cls, config = resolve_sparse_policy(selection)
-    policy = policy_cls(config)
+    """A fresh instance of the policy one selection names (one policy, not a per-phase pair)."""
+    resolved = resolve_sparse_policy(selection)
+    policy = resolved.cls(resolved.config)
     if not policy.supports_decode:
         raise ValueError(
             f"sparse policy {selection!r} does not run decode, and the quality harness measures decode "
@@ -52,8 +55,21 @@ def _paged_cache(x: torch.Tensor, num_blocks: int, block_size: int, device, dtyp
     return cache.view(num_blocks, block_size, *x.shape[1:])
 
 
+def _prefill_write(layer_id: int, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor) -> KVWrite:
+    """The KV write of a prefill of the whole text, one sequence in blocks ``0, 1, ...``."""
+    t, device = k.shape[0], k_cache.device
+    rows = torch.arange(t, device=device)
+    lens = torch.tensor([t], dtype=torch.int32, device=device)
+    blocks = torch.arange(k_cache.shape[0], dtype=torch.int32, device=device)[None, :]
+    prefill = PhaseMetadata(torch.tensor([0, t], dtype=torch.int32, device=device), lens, blocks, t, t)
+    step = StepMetadata(rows, rows, 0, None, prefill)
+    key, value = (x.to(device=device, dtype=k_cache.dtype) for x in (k, v))
+    return KVWrite(layer_id, key, value, step, k_cache, v_cache)
+
+
 def _decode_metadata(positions: torch.Tensor, block_size: int) -> PhaseMetadata:
-    """One single-token sequence per query; sequence ``i`` holds blocks ``[0, positions[i] // block_size]``."""
+    """One single-token sequence per query, holding blocks ``[0, positions[i] // block_size]``."""
     lens = (positions + 1).to(torch.int32)
     width = int(positions.max()) // block_size + 1
     idx = torch.arange(width, dtype=torch.int32, device=positions.device)
@@ -63,17 +79,21 @@ def _decode_metadata(positions: torch.Tensor, block_size: int) -> PhaseMetadata:
 
 
 def evaluate_layer(
-    policy: SparsePolicy, capture: Capture, layer: LayerActivations, positions: list[int], top_k: int, seed: int
+    policy: SparsePolicy, capture: Capture, layer: LayerActivations, positions: list[int], top_k: int,
+    seed: int,
 ) -> dict[str, Any]:
     device, dtype, bs = capture.device, capture.dtype, capture.block_size
     num_blocks = -(-capture.num_tokens // bs)
     k_cache = _paged_cache(layer.k, num_blocks, bs, device, dtype)
     v_cache = _paged_cache(layer.v, num_blocks, bs, device, dtype)
+    policy.on_kv_write(_prefill_write(layer.layer_id, layer.k, layer.v, k_cache, v_cache))
     pos = torch.tensor(positions, dtype=torch.long, device=device)
     q = layer.q[positions].to(device=device, dtype=dtype)
     ctx = PolicyContext(layer.layer_id, False, q, _decode_metadata(pos, bs), k_cache, v_cache, layer.scale,
                         capture.backend)
     selection = policy.select_blocks(ctx)
+    if policy.requires_block_selection:
+        ctx.selected_blocks = selection
     output = policy.compute_chunked_decode(q, ctx)
     dense = dense_attention(layer.q[positions], layer.k, layer.v, positions, layer.scale)
     quality = compare_selection(dense, selection, bs, top_k, policy_output=output, seed=seed)
@@ -90,6 +110,7 @@ def evaluate_policy(
     first = capture.layers[0]
     policy.initialize(capture.num_layers, first.k.shape[1], first.k.shape[2], num_blocks, capture.block_size,
                       capture.dtype, capture.device)
+    policy.on_blocks_allocated(torch.arange(num_blocks, device=capture.device))
     with torch.inference_mode():
         return [evaluate_layer(policy, capture, layer, positions, top_k, seed) for layer in capture.layers]
 

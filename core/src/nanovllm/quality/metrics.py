@@ -189,12 +189,15 @@ def oracle_selection(dense: DenseAttention, counts: torch.Tensor, block_size: in
     nq, hkv, t = dense.probs.shape[0], dense.num_kv_heads, dense.num_keys
     num_blocks = -(-t // block_size)
     mass = dense.probs.view(nq, hkv, dense.group, t).sum(2)
-    mass = torch.nn.functional.pad(mass, (0, num_blocks * block_size - t)).view(nq, hkv, num_blocks, -1).sum(-1)
+    mass = torch.nn.functional.pad(mass, (0, num_blocks * block_size - t))
+    mass = mass.view(nq, hkv, num_blocks, block_size).sum(-1)
     mass = mass.masked_fill(~_visible_blocks(dense, block_size)[:, None, :], -1.0)
     return _rank_to_selection(mass, counts)
 
 
-def random_selection(dense: DenseAttention, counts: torch.Tensor, block_size: int, seed: int = 0) -> torch.Tensor:
+def random_selection(
+    dense: DenseAttention, counts: torch.Tensor, block_size: int, seed: int = 0
+) -> torch.Tensor:
     """Per query and KV head, ``counts[q, g]`` visible blocks drawn uniformly: ``[Q, Hkv, max(counts)]``."""
     nq, hkv = dense.probs.shape[0], dense.num_kv_heads
     num_blocks = -(-dense.num_keys // block_size)
@@ -213,9 +216,10 @@ def compare_selection(
 ) -> dict[str, SelectionQuality]:
     """``{"policy", "oracle", "random"}``: the selection and the two references at its block counts."""
     policy = selection_quality(dense, selection, block_size, top_k, policy_output)
+    oracle = oracle_selection(dense, policy.num_blocks, block_size)
+    rand = random_selection(dense, policy.num_blocks, block_size, seed)
     return {
         "policy": policy,
-        "oracle": selection_quality(dense, oracle_selection(dense, policy.num_blocks, block_size), block_size, top_k),
-        "random": selection_quality(dense, random_selection(dense, policy.num_blocks, block_size, seed),
-                                    block_size, top_k),
+        "oracle": selection_quality(dense, oracle, block_size, top_k),
+        "random": selection_quality(dense, rand, block_size, top_k),
     }

@@ -52,7 +52,7 @@ class PlantedAttention:
         return -(-self.num_tokens // self.block_size)
 
     def true_blocks(self) -> torch.Tensor:
-        """``[T, Hkv, num_blocks]`` bool: the logical blocks that hold a true key of each query and KV head."""
+        """``[T, Hkv, num_blocks]`` bool: the logical blocks holding a true key of each query and KV head."""
         pad = self.num_blocks * self.block_size - self.num_tokens
         truth = torch.nn.functional.pad(self.truth, (0, pad))
         return truth.view(self.num_tokens, self.num_kv_heads, self.num_blocks, self.block_size).any(-1)
@@ -66,12 +66,12 @@ class _Builder:
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         if head_dim < reserved + 1:
-            raise ValueError(f"head_dim={head_dim} is too small: this pattern needs more than {reserved} dims")
+            raise ValueError(f"head_dim={head_dim} is too small: this pattern needs over {reserved} dims")
         self.t, self.h, self.hkv, self.d, self.bs = num_tokens, num_heads, num_kv_heads, head_dim, block_size
         self.group = num_heads // num_kv_heads
         self.scale = head_dim**-0.5
         self.gen = torch.Generator().manual_seed(seed)
-        # Noise logit = scale * sum over (d - reserved) dims of q_i k_i: std scale * sigma^2 * sqrt(d - reserved).
+        # Noise logit: scale * sum of q_i k_i over the free dims, std scale * sigma^2 * sqrt(d - reserved).
         sigma = math.sqrt(noise / (self.scale * math.sqrt(head_dim - reserved)))
         self.q = torch.zeros(num_tokens, num_heads, head_dim)
         self.k = torch.zeros(num_tokens, num_kv_heads, head_dim)
@@ -185,7 +185,8 @@ def needles(num_tokens: int = 512, num_heads: int = 4, num_kv_heads: int = 2, he
         direction = b.randn(reserved)
         direction /= direction.norm()
         blocks = b.distinct_blocks(1 + num_distractors, low_block=1)
-        positions = [blk * block_size + int(torch.randint(block_size, (1,), generator=b.gen)) for blk in blocks]
+        offsets = torch.randint(block_size, (len(blocks),), generator=b.gen).tolist()
+        positions = [blk * block_size + off for blk, off in zip(blocks, offsets, strict=True)]
         positions = [min(p, num_tokens - 1) for p in positions]
         needle_at = positions.pop(int(torch.randint(len(positions), (1,), generator=b.gen)))
         b.k[needle_at, g, :reserved] = direction
