@@ -270,11 +270,17 @@ class Recorder(SparsePolicy):
         return super().compute_chunked_decode(q, ctx)
 
 
+class Broken(SparsePolicy):
+    def select_blocks(self, ctx: PolicyContext) -> torch.Tensor:
+        raise RuntimeError("this policy cannot select")
+
+
 class TestPlugin:
     @hookimpl
     def register_sparse_policies(self, registry) -> None:
         registry.add_sparse_policy("edge_blocks", f"{__name__}:EdgeBlocks")
         registry.add_sparse_policy("recorder", f"{__name__}:Recorder")
+        registry.add_sparse_policy("broken", f"{__name__}:Broken")
 
 
 @pytest.fixture
@@ -371,9 +377,9 @@ def test_bench_quality_job_writes_results(tiny_model, tmp_path):
     from nanovllm.cli import main as cli_main
 
     args = ["bench", "quality", "--model", tiny_model("LlamaForCausalLM"), "--tokens", "200",
-            "--queries", "4", "--device", "cpu", "--out", str(tmp_path), "--name", "q"]
+            "--queries", "4", "--device", "cpu", "--out", str(tmp_path), "--name", "t"]
     assert cli_main(args) == 0
-    payload = json.loads((tmp_path / "q.json").read_text())
+    payload = json.loads((tmp_path / "t.json").read_text())
     assert payload["settings"]["benchmark"] == "quality" and payload["settings"]["policies"] == ["full"]
     [row] = payload["results"]
     assert row["policy"] == "full" and row["tokens"] == 200 and row["layers"] == [0, 1]
@@ -381,13 +387,13 @@ def test_bench_quality_job_writes_results(tiny_model, tmp_path):
     assert row["text"]["sha256"] and row["text"]["source"]
     assert [x["layer"] for x in row["per_layer"]] == [0, 1]
     assert row["mean"]["policy"]["mass_recall"] == pytest.approx(1) and row["mean"]["policy"]["density"] == 1
-    md = (tmp_path / "q.md").read_text()
+    md = (tmp_path / "t.md").read_text()
     assert "| full | mean | 1.000 |" in md and "perplexity" not in md
 
     row["sequence"]["perplexity"] = 12.5  # whole-sequence metrics become columns of the table
-    (tmp_path / "q.json").write_text(json.dumps(payload))
-    bench.render(tmp_path / "q.json")
-    md = (tmp_path / "q.md").read_text()
+    (tmp_path / "t.json").write_text(json.dumps(payload))
+    bench.render(tmp_path / "t.json")
+    md = (tmp_path / "t.md").read_text()
     assert "| perplexity |" in md and md.count("12.500") == 1
 
 
@@ -396,3 +402,16 @@ def test_bench_quality_refuses_an_unknown_policy_before_running(capsys):
 
     assert cli_main(["bench", "quality", "--policy", "no_such_policy"]) == 2
     assert "unknown sparse policy 'no_such_policy'" in capsys.readouterr().err
+
+
+def test_a_failing_policy_leaves_the_others_rows(tiny_model, one_thread, test_policies):
+    from nanovllm.bench import quality
+
+    rows = quality.run(["broken", "edge_blocks"], model=tiny_model("LlamaForCausalLM"), tokens=160, queries=3,
+                       device="cpu")
+    assert rows[0]["policy"] == "broken" and rows[0]["error"] == "RuntimeError: this policy cannot select"
+    assert rows[1]["policy"] == "edge_blocks" and rows[1]["mean"]["policy"]["blocks"] == 2
+    payload = {"environment": {"device": "cpu", "date": "-", "commit": "-", "torch": "-"},
+               "settings": {"benchmark": "quality"}, "results": rows}
+    md = quality.markdown(payload, "t")
+    assert "| edge_blocks | mean |" in md and "failed: broken: RuntimeError: this policy cannot select" in md

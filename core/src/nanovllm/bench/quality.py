@@ -70,9 +70,13 @@ def run(
     }
     rows = []
     for selection in policies:
-        per_layer = evaluate_policy(selection, capture, positions, top_k, seed)
-        rows.append({"benchmark": "quality", "preset": model_name, "policy": selection, **run_info,
-                     "per_layer": per_layer, "mean": mean_over_layers(per_layer), "sequence": {}})
+        row = {"benchmark": "quality", "preset": model_name, "policy": selection, **run_info}
+        try:
+            per_layer = evaluate_policy(selection, capture, positions, top_k, seed)
+        except Exception as exc:  # a policy that fails (a contract bug, a backend gap) leaves the others' rows
+            rows.append({**row, "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        rows.append({**row, "per_layer": per_layer, "mean": mean_over_layers(per_layer), "sequence": {}})
     return rows
 
 
