@@ -47,10 +47,10 @@ def run(
     from nanovllm.quality.corpus import corpus_tokens
     from nanovllm.quality.evaluate import decode_positions, evaluate_policy, make_policy, mean_over_layers
 
-    for selection in policies:  # a bad name or option fails before the model loads
-        make_policy(selection)
     if not policies:
         raise ValueError("name at least one sparse policy to evaluate, e.g. policies=['full']")
+    for selection in policies:  # a bad name or option fails before the model loads
+        make_policy(selection)
     llm = LLM(model, max_model_len=tokens + 1, sparse_policy="full", device=device, enforce_eager=True,
               async_scheduling=False, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
     token_ids, text = corpus_tokens(llm.tokenizer, tokens)
@@ -76,6 +76,8 @@ def run(
         except Exception as exc:  # a policy that fails (a contract bug, a backend gap) leaves the others' rows
             rows.append({**row, "error": f"{type(exc).__name__}: {exc}"})
             continue
+        # "sequence": whole-sequence metrics of the policy running in the engine (perplexity), added by
+        # their own function; the markdown table gives each key a column.
         rows.append({**row, "per_layer": per_layer, "mean": mean_over_layers(per_layer), "sequence": {}})
     return rows
 

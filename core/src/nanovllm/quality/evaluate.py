@@ -22,9 +22,6 @@ from nanovllm.quality.capture import Capture, LayerActivations
 from nanovllm.quality.metrics import compare_selection, dense_attention
 from nanovllm.selection import resolve_sparse_policy
 
-METRICS = ("mass_recall", "topk_recall", "output_error", "density", "blocks")
-
-
 def decode_positions(num_tokens: int, num_queries: int, block_size: int) -> list[int]:
     """Up to ``num_queries`` positions at block ends (``t + 1`` a multiple of ``block_size``), spread
     evenly over the last three quarters of the text."""
@@ -97,7 +94,7 @@ def evaluate_layer(
     output = policy.compute_chunked_decode(q, ctx)
     dense = dense_attention(layer.q[positions], layer.k, layer.v, positions, layer.scale)
     quality = compare_selection(dense, selection, bs, top_k, policy_output=output, seed=seed)
-    return {"layer": layer.layer_id, **{name: q.summary() for name, q in quality.items()}}
+    return {"layer": layer.layer_id, **{which: result.summary() for which, result in quality.items()}}
 
 
 def evaluate_policy(
