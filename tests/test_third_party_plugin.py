@@ -35,7 +35,8 @@ def window_env(tmp_path_factory) -> dict[str, str]:
     )
     assert (target / "nanovllm_window-0.1.0.dist-info").is_dir()
     env = {k: v for k, v in os.environ.items() if k != "NANOVLLM_PLUGINS"}
-    env["PYTHONPATH"] = str(target)
+    # the plugin first, then whatever this process was given (a checkout under test ahead of an install)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))
     env["NANOVLLM_EXAMPLE_SOURCE"] = str(source)
     return env
 
@@ -90,7 +91,6 @@ def test_example_own_tests_pass(window_env):
 
 GENERATE = textwrap.dedent("""
     import json, sys
-    from collections import defaultdict
     from nanovllm import LLM, SamplingParams
 
     path = sys.argv[1]
@@ -99,29 +99,14 @@ GENERATE = textwrap.dedent("""
         # block_size 4 and 16-token steps: the long prompt is prefilled in chunks, so the window
         # applies to the history of prefill chunks as well as to decode.
         llm = LLM(path, device="cpu", kv_cache_memory=1 << 24, block_size=4, max_num_batched_tokens=16,
-                  sparse_policy=policy)
-        runner, model = llm.runner, llm.runner.model
-        assert type(runner.prefill_policy).__name__ == ("WindowPolicy" if policy != "full" else
-                                                        "FullAttentionPolicy")
-        step_logits, logits = [], defaultdict(list)
-        compute_logits, launch = model.compute_logits, runner.launch
-
-        def capture_logits(hidden):
-            out = compute_logits(hidden)
-            step_logits.append(out.float().clone())
-            return out
-
-        def capture_step(seqs):
-            launched = launch(seqs)
-            if launched is not None:
-                for seq, row in zip(launched.seqs, step_logits.pop(), strict=True):
-                    logits[seq.request_id].append(row.tolist())
-            return launched
-
-        model.compute_logits, runner.launch = capture_logits, capture_step
-        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+                  sparse_policy=policy, max_logprobs=-1)
+        assert type(llm.runner.prefill_policy).__name__ == ("WindowPolicy" if policy != "full" else
+                                                            "FullAttentionPolicy")
+        vocab = llm.vocab_size  # logprobs of the whole vocabulary: each generated token's distribution
+        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=vocab)
         outs = llm.generate(prompts, params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs], [logits[o.request_id] for o in outs]
+        rows = [[[entry[t].logprob for t in range(vocab)] for entry in o.outputs[0].logprobs] for o in outs]
+        return [o.outputs[0].token_ids for o in outs], rows
 
     short = [5, 6, 7, 8, 9, 10]                  # 6 + 5 tokens: 3 blocks, inside sink 1 + recent 2
     long = [(7 * i + 3) % 250 + 3 for i in range(40)]  # 10 blocks and more: the window drops most
@@ -141,15 +126,15 @@ def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
 def test_window_policy_generates(window_env, tiny_model):
     path = tiny_model("LlamaForCausalLM")
     result = json.loads(run([sys.executable, "-c", GENERATE, path], window_env))
-    dense_tokens, dense_logits = result["full"]
-    window_tokens, window_logits = result["window:sink_blocks=1,recent_blocks=2"]
+    dense_tokens, dense_logprobs = result["full"]
+    window_tokens, window_logprobs = result["window:sink_blocks=1,recent_blocks=2"]
 
     # The short prompt never outgrows sink 1 + recent 2 blocks, and it shares its batch with a long
     # one (so the window's general selection runs, not its all-blocks shortcut): exactly dense.
     assert window_tokens[0] == dense_tokens[0]
-    assert max_diff(window_logits[0], dense_logits[0]) < 1e-4
+    assert max_diff(window_logprobs[0], dense_logprobs[0]) < 1e-4
     # The long prompt attends to 3 of its 10+ blocks: the selection takes effect already in the last
     # prefill chunk (whose history is 8 blocks), and in every decode step.
-    per_step = [max_diff([a], [b]) for a, b in zip(window_logits[1], dense_logits[1], strict=True)]
+    per_step = [max_diff([a], [b]) for a, b in zip(window_logprobs[1], dense_logprobs[1], strict=True)]
     assert len(per_step) == 5
     assert min(per_step) > 1e-3, per_step

@@ -156,6 +156,13 @@ def test_bad_engine_options(model, kw, words):
         (dict(seed="42"), "seed"),
         (dict(seed=1.5), "seed"),
         (dict(seed=False), "seed"),
+        (dict(seed=2**64), "seed"),  # torch.Generator.manual_seed would fail inside a step
+        (dict(seed=-(2**63) - 1), "seed"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(logprobs=2.0), "logprobs"),
+        (dict(logprobs=True), "logprobs"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs"),
+        (dict(prompt_logprobs="5"), "prompt_logprobs"),
     ],
 )
 def test_invalid_sampling_params(kw, field):
@@ -169,8 +176,43 @@ def test_valid_sampling_params_edges():
     p = SamplingParams(temperature=0, top_p=1, top_k=-1, max_tokens=1, stop="x", stop_token_ids=(3,), seed=0)
     assert p.greedy and p.stop == ["x"] and p.stop_token_ids == [3]
     assert SamplingParams(top_k=1, top_p=1e-9, seed=-5).stop == []
+    assert SamplingParams(logprobs=0, prompt_logprobs=0).logprobs == 0
     with pytest.raises(TypeError):
         SamplingParams(max_new_tokens=3)  # unknown field
+
+
+@pytest.mark.parametrize("seed", [2**64 - 1, -(2**63)])
+def test_extreme_seeds_run(llm, reference, seed):
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=seed)
+    assert len(llm.generate(GOOD_PROMPTS, params, use_tqdm=False)[0].token_ids) == 3
+    assert_clean_and_usable(llm, reference)
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_more_logprobs_than_max_logprobs_is_refused_before_queueing(llm, reference, field):
+    before = llm._next_request
+    too_many = SamplingParams(temperature=0, max_tokens=2, **{field: 21})
+    with pytest.raises(ValueError) as info:
+        llm.generate(GOOD_PROMPTS, [GREEDY, too_many], use_tqdm=False)
+    message = str(info.value)
+    assert f"request 1 asks for {field}=21, more than max_logprobs=20" in message
+    assert "LLM(..., max_logprobs=21)" in message  # the fix
+    with pytest.raises(ValueError, match="max_logprobs=20"):
+        llm.add_request(GOOD_PROMPTS[0], too_many)
+    assert llm._next_request == before
+    assert_clean_and_usable(llm, reference)
+    ok = SamplingParams(temperature=0, max_tokens=2, **{field: 20})
+    assert len(llm.generate(GOOD_PROMPTS[0], ok, use_tqdm=False)[0].token_ids) == 2
+
+
+def test_max_logprobs_minus_one_allows_the_whole_vocabulary(model):
+    llm = make_llm(model, max_logprobs=-1)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, logprobs=256), use_tqdm=False)[0]
+    assert len(out.outputs[0].logprobs[0]) == 256
+    with pytest.raises(ValueError, match="more than the vocabulary's 256 tokens"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, prompt_logprobs=257), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_logprobs must be an int >= 0, or -1"):
+        make_llm(model, max_logprobs=-2)
 
 
 # -- prompts ------------------------------------------------------------------------------------------
@@ -251,6 +293,89 @@ def test_a_failing_step_leaves_the_engine_usable(llm, reference, monkeypatch, fa
         llm.generate(GOOD_PROMPTS, GREEDY, use_tqdm=False)
     monkeypatch.undo()
     assert_clean_and_usable(llm, reference)
+
+
+@pytest.mark.parametrize("fail_at", [0, 3])
+def test_a_failing_schedule_leaves_the_engine_usable(llm, reference, monkeypatch, fail_at):
+    schedule, calls = llm.scheduler.schedule, []
+
+    def boom():
+        calls.append(1)
+        if len(calls) > fail_at:
+            raise KeyboardInterrupt
+        return schedule()
+
+    monkeypatch.setattr(llm.scheduler, "schedule", boom)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(GOOD_PROMPTS, GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert_clean_and_usable(llm, reference)
+
+
+def test_an_interrupted_admission_frees_the_blocks_it_took(llm, reference, monkeypatch):
+    """Interrupted after a waiting sequence got its blocks but before it left the queue."""
+    bm = llm.scheduler.block_manager
+    allocate = bm.allocate
+
+    def interrupted(seq, hits, num_tokens):
+        allocate(seq, hits, num_tokens)
+        assert seq in llm.scheduler.waiting and seq.block_table
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bm, "allocate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(GOOD_PROMPTS, GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert_clean_and_usable(llm, reference)
+
+
+def test_generate_interrupted_between_steps_drops_only_its_own_requests(llm, reference, monkeypatch):
+    other = llm.add_request(GOOD_PROMPTS[1], GREEDY)  # queued through the step API, before generate
+    step, calls = llm.step, []
+
+    def interrupted_after_step():
+        finished = step()
+        calls.append(1)
+        if len(calls) == 3:  # a step is in flight, with tokens for the interrupted requests
+            raise KeyboardInterrupt
+        return finished
+
+    monkeypatch.setattr(llm, "step", interrupted_after_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([GOOD_PROMPTS[0], [9, 8, 7, 6]], GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert [s.request_id for s in llm.scheduler.running] == [other.request_id]
+    while llm.scheduler.has_unfinished():  # the other request keeps going
+        llm.step()
+    assert other.completion_token_ids == reference[1] and other.finish_reason == "length"
+    assert_clean_and_usable(llm, reference)
+
+
+def test_abort_request_frees_waiting_and_running_requests(model, reference):
+    from nanovllm.engine.sequence import PLACEHOLDER
+
+    llm = make_llm(model, max_model_len=32, block_size=4, max_num_seqs=2)
+    bm = llm.scheduler.block_manager
+    keep = llm.add_request(GOOD_PROMPTS[0], GREEDY)
+    running = llm.add_request(GOOD_PROMPTS[1], GREEDY)
+    waiting = llm.add_request([9, 8, 7, 6], GREEDY)
+    llm.step()
+    llm.step()
+    assert running.status.name == "RUNNING" and running.token_ids[-1] == PLACEHOLDER  # a step in flight
+    assert waiting.status.name == "WAITING"
+    llm.abort_request(running.request_id)
+    llm.abort_request([waiting.request_id, "no-such-request"])
+    for seq in (running, waiting):
+        assert seq.is_finished and seq.finish_reason == "abort" and not seq.block_table
+        assert PLACEHOLDER not in seq.token_ids
+    tokens = list(running.token_ids)
+    while llm.scheduler.has_unfinished():
+        llm.step()
+    assert running.token_ids == tokens  # the token its step in flight sampled was discarded
+    assert keep.completion_token_ids == reference[0]
+    assert bm.num_free_blocks == len(bm.blocks)
+    out = llm.generate(GOOD_PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in out] == reference
 
 
 # -- model directories ------------------------------------------------------------------------------

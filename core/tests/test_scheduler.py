@@ -146,9 +146,20 @@ def test_prefix_hits_shorten_the_prefill():
     run(sched)
     b = add(sched, 13, max_tokens=1)  # same prompt: 3 full blocks cached, at most 12 tokens
     record = step(sched)
-    assert record == [(b, 1, False)]
+    assert record == [(b, 1, True)]  # the one token left runs as a decode (vLLM V1's rule)
     assert b.num_cached_tokens == 12
     assert a.is_finished and b.is_finished
+
+
+def test_one_scheduled_token_is_a_decode_whatever_the_token():
+    """vLLM V1's rule: a one-token prompt chunk, a one-token prompt and a generated token all run as
+    decodes; only the last token of a sequence samples."""
+    sched = make(max_num_batched_tokens=1)
+    seq = add(sched, 3, max_tokens=2)
+    steps = run(sched)
+    assert [r for s in steps for r in s] == [(seq, 1, True)] * 4  # three prompt tokens, then one decode
+    one = add(sched, 1, max_tokens=1)
+    assert step(sched) == [(one, 1, True)] and one.is_finished
 
 
 def test_a_sequence_larger_than_the_whole_cache_is_a_clear_error():
@@ -321,6 +332,22 @@ def test_chunked_mixed_steps_give_the_same_tokens(model, reference):
     assert all(sum(n for n, _ in s) <= 16 for s in steps)
     assert all(len(s) <= 3 for s in steps)
     assert any(any(d for _, d in s) and any(not d for _, d in s) for s in steps), "no mixed step"
+    assert engine_blocks_all_free(llm)
+
+
+@needs_llama
+def test_one_token_steps_give_the_same_tokens(model, reference):
+    """max_num_batched_tokens=1: every prompt token is a one-token step that runs as a decode (the
+    prompt logprobs of such runs are checked against Hugging Face in tests/test_parity.py)."""
+    from nanovllm import LLM
+
+    llm = LLM(model, kv_cache_memory=1 << 24, device="cpu", max_num_batched_tokens=1)
+    steps = spy_steps(llm)
+    out = llm.generate([*prompts(), [42]], GREEDY, use_tqdm=False)  # and a one-token prompt
+    assert [o.token_ids for o in out[:-1]] == reference
+    assert all(s == [(1, True)] for s in steps)
+    alone = llm.generate([[42]], GREEDY, use_tqdm=False)[0]
+    assert out[-1].token_ids == alone.token_ids and len(alone.token_ids) == GREEDY.max_tokens
     assert engine_blocks_all_free(llm)
 
 

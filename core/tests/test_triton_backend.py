@@ -4,7 +4,8 @@ Two modes: on CUDA (``gpu`` marker; head dims 64/128, GQA 1/2/4/8, block sizes 1
 lengths that are not multiples of any tile), and, on a machine without CUDA, the same checks at
 small sizes under Triton's interpreter (``TRITON_INTERPRET=1``), in a subprocess that runs this
 file's ``interp`` cases (about 30 s on two cores). Every output buffer the backend allocates is
-poisoned with NaN first, so an element the kernels never write fails the check.
+poisoned with NaN first, so an element the kernels never write fails the check. ``attend_blocks`` is
+checked with both forms of selection, one list per sequence and one per KV head.
 """
 
 from __future__ import annotations
@@ -256,6 +257,85 @@ def test_attend_blocks_prefill(device, dtype, head_dim, group, block_size, gen):
     _check_lse(lse, ref_lse, dtype, "attend_blocks (prefill)", gen)
 
 
+# a per-KV-head selection means something only with several KV heads: two, in the interpreter too
+PER_HEAD_KV = 2
+
+
+def _per_head_selection(hist_blocks: list[int], gen, device) -> torch.Tensor:
+    """``[S, Hkv, width]`` random per KV head, ascending, -1 padded at the end. Sequence 0 selects
+    nothing; in sequence 1, KV head 0 selects nothing (its other heads do)."""
+    width = max(max(hist_blocks), 1) + 1
+    sel = torch.full((len(hist_blocks), PER_HEAD_KV, width), -1, dtype=torch.int32)
+    for j, n in enumerate(hist_blocks):
+        for h in range(PER_HEAD_KV):
+            if n == 0 or j == 0 or (j == 1 and h == 0):
+                continue
+            count = int(torch.randint(1, n + 1, (1,), generator=gen))
+            sel[j, h, :count] = torch.randperm(n, generator=gen)[:count].sort().values.int()
+    return sel.to(device)
+
+
+def _poison_unselected(c: Case, sel: torch.Tensor) -> None:
+    """NaN in every cache (block, KV head) that this KV head's selection rows do not name."""
+    sel_cpu, tables = sel.cpu(), c.meta.block_tables.cpu()
+    s, h, j = (sel_cpu >= 0).nonzero(as_tuple=True)
+    keep = torch.zeros(c.k_cache.shape[0], c.k_cache.shape[2], dtype=torch.bool)
+    keep[tables[s, sel_cpu[s, h, j]].long(), h] = True
+    poison = ~keep.to(c.k_cache.device)[:, None, :, None]
+    c.k_cache.masked_fill_(poison, float("nan"))
+    c.v_cache.masked_fill_(poison, float("nan"))
+
+
+def _check_shared_equals_per_head(c: Case, sel, kv_lens, what):
+    """The shared form and the per-head form with identical rows: the same result, bit for bit."""
+    backend = tb.TritonBackend()
+    args = (c.q, c.k_cache, c.v_cache, c.meta)
+    shared = sel[:, 1]  # KV head 1's lists (sequence 0: empty)
+    out, lse = backend.attend_blocks(*args, shared, kv_lens, c.scale)
+    same = shared[:, None, :].expand(-1, PER_HEAD_KV, -1).contiguous()
+    out_h, lse_h = backend.attend_blocks(*args, same, kv_lens, c.scale)
+    assert torch.equal(out, out_h) and torch.equal(lse, lse_h), f"{what}: shared and per-head forms differ"
+
+
+def _check_per_head(c: Case, sel, kv_lens, q_lens, dtype, what, gen):
+    """Per-head triton against torch with every unselected (block, KV head) poisoned, and the empty
+    selections: out 0, lse -inf."""
+    _poison_unselected(c, sel)
+    args = (c.q, c.k_cache, c.v_cache, c.meta, sel, kv_lens, c.scale)
+    out, lse = tb.TritonBackend().attend_blocks(*args)
+    ref_out, ref_lse = TorchBackend().attend_blocks(*args)
+    _check(out, ref_out, dtype, f"{what}, per KV head", gen)
+    _check_lse(lse, ref_lse, dtype, f"{what}, per KV head", gen)
+    group = c.q.shape[1] // PER_HEAD_KV
+    first, second = slice(0, q_lens[0]), slice(q_lens[0], q_lens[0] + q_lens[1])
+    assert torch.all(out[first] == 0) and torch.all(torch.isneginf(lse[first])), f"{what}: empty sequence"
+    assert torch.all(out[second, :group] == 0) and torch.all(torch.isneginf(lse[second, :group])), (
+        f"{what}: empty KV head"
+    )
+
+
+@cases
+def test_attend_blocks_per_head_decode(device, dtype, head_dim, group, block_size, gen):
+    ctx = GPU_DECODE if device == "cuda" else INTERP_DECODE
+    c = Case([1] * len(ctx), ctx, PER_HEAD_KV, group, head_dim, block_size, dtype, device, gen)
+    kv_lens = (c.meta.context_lens - torch.tensor([0, 0, 3, 1, 0][: len(ctx)], device=device)).int()
+    sel = _per_head_selection([-(-int(n) // block_size) for n in kv_lens], gen, device)
+    _check_shared_equals_per_head(c, sel, kv_lens, "attend_blocks (decode)")
+    _check_per_head(c, sel, kv_lens, [1] * len(ctx), dtype, "attend_blocks (decode)", gen)
+
+
+@cases
+def test_attend_blocks_per_head_prefill(device, dtype, head_dim, group, block_size, gen):
+    lens = _prefill_lens(device)
+    c = Case([q for q, _ in lens], [k for _, k in lens], PER_HEAD_KV, group, head_dim, block_size,
+             dtype, device, gen)
+    hist = c.meta.context_lens - c.meta.query_lens
+    sel = _per_head_selection([-(-(k - q) // block_size) for q, k in lens], gen, device)
+    if device == "cuda":  # the interpreter is slow here; the decode case checks the same stride logic
+        _check_shared_equals_per_head(c, sel, hist, "attend_blocks (prefill)")
+    _check_per_head(c, sel, hist, [q for q, _ in lens], dtype, "attend_blocks (prefill)", gen)
+
+
 @cases
 @pytest.mark.parametrize("short", [False, True], ids=["long", "short"])
 def test_attend_chunk(device, dtype, head_dim, group, block_size, short, gen):
@@ -314,6 +394,56 @@ def test_decode_cuda_graph(block_size, gen):
         graph.replay()
         ref = TorchBackend().decode(q, k_cache, v_cache, meta, scale)
         _check(out, ref, dtype, "decode in a CUDA graph", gen)
+
+
+@pytest.mark.gpu
+def test_attend_blocks_per_head_cuda_graph(gen):
+    """Per-KV-head selected decode captured once, replayed with other selections, lengths and tables
+    written into the same buffers."""
+    dtype, device, group, head_dim, block_size = torch.bfloat16, "cuda", 4, 128, 16
+    max_len, bs, width = 3000, 5, 48
+    nblk = -(-max_len // block_size)
+    pool = nblk * bs + 4
+    backend = tb.TritonBackend()
+    k_cache = torch.randn(pool, block_size, PER_HEAD_KV, head_dim, generator=gen).to(dtype).to(device)
+    v_cache = torch.randn(pool, block_size, PER_HEAD_KV, head_dim, generator=gen).to(dtype).to(device)
+    q = torch.zeros(bs, PER_HEAD_KV * group, head_dim, dtype=dtype, device=device)
+    lens = torch.ones(bs, dtype=torch.int32, device=device)
+    tables = torch.zeros(bs, nblk, dtype=torch.int32, device=device)
+    sel = torch.full((bs, PER_HEAD_KV, width), -1, dtype=torch.int32, device=device)
+    meta = PhaseMetadata(torch.arange(bs + 1, dtype=torch.int32, device=device), lens, tables, 1, max_len)
+    scale = head_dim**-0.5
+    backend.attend_blocks(q, k_cache, v_cache, meta, sel, lens, scale)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = backend.attend_blocks(q, k_cache, v_cache, meta, sel, lens, scale)
+    for _ in range(2):
+        new_lens = torch.randint(1, max_len + 1, (bs,), generator=gen)
+        lens.copy_(new_lens)
+        tables.copy_(torch.randperm(pool, generator=gen)[: tables.numel()].view_as(tables).int())
+        new_sel = torch.full(sel.shape, -1, dtype=torch.int32)
+        for s in range(bs):
+            n = -(-int(new_lens[s]) // block_size)
+            for h in range(PER_HEAD_KV):
+                count = int(torch.randint(1, min(n, width) + 1, (1,), generator=gen))
+                new_sel[s, h, :count] = torch.randperm(n, generator=gen)[:count].sort().values.int()
+        sel.copy_(new_sel)
+        q.copy_(torch.randn(q.shape, generator=gen).to(dtype))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        ref_out, ref_lse = TorchBackend().attend_blocks(q, k_cache, v_cache, meta, sel, lens, scale)
+        _check(out, ref_out, dtype, "per-head attend_blocks in a CUDA graph", gen)
+        _check_lse(lse, ref_lse, dtype, "per-head attend_blocks in a CUDA graph", gen)
+
+
+def test_selection_rows_must_be_contiguous():
+    sel = torch.zeros(3, 2, 4, dtype=torch.int32).transpose(0, 2)  # [4, 2, 3], lists strided
+    with pytest.raises(ValueError, match=r"block_indices.contiguous\(\)"):
+        tk.attention_decode(torch.zeros(4, 4, 8), torch.zeros(2, 16, 2, 8), torch.zeros(2, 16, 2, 8),
+                            torch.zeros(4, 4, 8), None, torch.ones(4, dtype=torch.int32),
+                            torch.zeros(4, 1, dtype=torch.int32), sel, 48, 1.0)
 
 
 def test_registration_lists_triton_for_cuda_only():

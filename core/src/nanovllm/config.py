@@ -15,6 +15,13 @@ def _positive_int(name: str):
     return check
 
 
+def _max_logprobs(_inst, _attr, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < -1:
+        raise ValueError(
+            f"max_logprobs must be an int >= 0, or -1 for no limit but the vocabulary, got {value!r}"
+        )
+
+
 def _one_of(name: str, choices: tuple[str, ...]):
     def check(_inst, _attr, value) -> None:
         if value not in choices:
@@ -60,6 +67,8 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     sparse_policy: str | dict = attrs.field(default="full", validator=_selection)
     attention_backend: str | dict = attrs.field(default="auto", validator=_selection)
+    # the most SamplingParams.logprobs / prompt_logprobs a request may ask for (-1: the whole vocabulary)
+    max_logprobs: int = attrs.field(default=20, validator=_max_logprobs)
 
     @classmethod
     def from_kwargs(cls, model: str | None, kwargs: dict[str, Any]) -> EngineConfig:

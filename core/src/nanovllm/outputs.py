@@ -6,12 +6,26 @@ import attrs
 
 
 @attrs.define
+class Logprob:
+    """The log-probability of one token under the model's raw distribution (before temperature, top-k and
+    top-p); ``rank`` is 1-based over the whole vocabulary (1 + the number of tokens more likely)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None  # the tokenizer's text of this one token; None without a tokenizer
+
+
+@attrs.define
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" (EOS, stop string or stop token), "length", or None
+    finish_reason: str | None  # "stop" (EOS, stop string or stop token), "length", "abort", or None
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # with SamplingParams(logprobs=k): sum of the generated tokens' logprobs, and per generated token
+    # the sampled token and the k most likely ones; None when logprobs were not asked for
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
 
 
 @attrs.define
@@ -21,6 +35,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    # with SamplingParams(prompt_logprobs=k): None for the first prompt token (nothing predicts it), then
+    # per prompt token that token and the k most likely ones; None when not asked for
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def text(self) -> str:

@@ -31,6 +31,14 @@ def _as_id_list(value: list[int] | None) -> list[int]:
     return list(value)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# what torch.Generator.manual_seed accepts: a signed or an unsigned 64-bit integer
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
 @attrs.define(kw_only=True)
 class SamplingParams:
     """How to sample one completion. ``temperature=0`` is greedy. Invalid values raise ``ValueError``."""
@@ -43,6 +51,8 @@ class SamplingParams:
     stop: list[str] = attrs.field(default=None, converter=_as_stop_list)
     stop_token_ids: list[int] = attrs.field(default=None, converter=_as_id_list)
     seed: int | None = None
+    logprobs: int | None = None  # top tokens to return per generated token, besides the sampled one
+    prompt_logprobs: int | None = None  # top tokens to return per prompt token, besides the actual one
 
     def __attrs_post_init__(self) -> None:
         num = (int, float)
@@ -55,19 +65,24 @@ class SamplingParams:
             f"top_p must be in (0, 1], got {self.top_p!r}",
         )
         _check(
-            isinstance(self.top_k, int)
-            and not isinstance(self.top_k, bool)
-            and (self.top_k == -1 or self.top_k >= 1),
+            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
             f"top_k must be -1 (disabled) or an int >= 1, got {self.top_k!r}",
         )
         _check(
-            isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 1,
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
             f"max_tokens must be an int >= 1, got {self.max_tokens!r}",
         )
         _check(
-            self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)),
-            f"seed must be an int or None, got {self.seed!r}",
+            self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
+            f"seed must be None or an int in [-2**63, 2**64 - 1] (the range torch.Generator accepts), "
+            f"got {self.seed!r}",
         )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(
+                value is None or (_is_int(value) and value >= 0),
+                f"{name} must be None or an int >= 0 (0: only the chosen token's logprob), got {value!r}",
+            )
 
     @property
     def greedy(self) -> bool:

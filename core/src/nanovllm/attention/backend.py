@@ -67,8 +67,14 @@ class AttentionBackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention, without causal mask, over a subset of each sequence's blocks; returns (out, lse).
 
-        ``block_indices`` ``[num_seqs, k]`` are logical block indices (-1 padded); only positions
-        below ``kv_lens[s]`` count. A sequence with nothing selected gets out 0 and lse -inf.
+        ``block_indices`` are logical block indices (int32, ascending, padded with -1 at the end,
+        each below ``ceil(kv_lens[s] / block_size)``) in one of two forms:
+
+        - ``[num_seqs, k]``: one list per sequence, shared by all its heads;
+        - ``[num_seqs, num_kv_heads, k]``: one list per KV head of each sequence; query head ``h``
+          reads the list of its KV head ``h // (num_heads // num_kv_heads)``.
+
+        Only positions below ``kv_lens[s]`` count. A head with nothing selected gets out 0 and lse -inf.
         """
         raise NotImplementedError
 
@@ -89,3 +95,16 @@ class AttentionBackend:
         w_b = torch.exp(lse_b - safe).unsqueeze(-1)
         out = out_a.float() * w_a + out_b.float() * w_b
         return out.to(out_a.dtype), lse
+
+
+def selection_per_kv_head(block_indices: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``attend_blocks``' selection in its per-KV-head form ``[num_seqs, num_kv_heads, k]``: the
+    shared form ``[num_seqs, k]`` becomes a view with KV-head stride 0 (no copy)."""
+    if block_indices.dim() == 2:
+        return block_indices[:, None, :].expand(-1, num_kv_heads, -1)
+    if block_indices.dim() == 3 and block_indices.shape[1] == num_kv_heads:
+        return block_indices
+    raise ValueError(
+        f"block_indices of shape {tuple(block_indices.shape)}: expected [num_seqs, k] (shared by the "
+        f"heads) or [num_seqs, num_kv_heads={num_kv_heads}, k] (one list per KV head)"
+    )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from nanovllm.attention.backend import AttentionBackend
+from nanovllm.attention.backend import AttentionBackend, selection_per_kv_head
 from nanovllm.attention.metadata import PhaseMetadata
 
 
@@ -23,26 +23,30 @@ def _pad_index(meta: PhaseMetadata) -> tuple[torch.Tensor, torch.Tensor]:
 def _softmax_attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q ``[S, Q, H, D]``, k/v ``[S, K, Hkv, D]``, mask ``[S, Q, K]`` -> out ``[S, Q, H, D]``, lse ``[S, Q, H]``."""
+    """q ``[S, Q, H, D]``, k/v ``[S, K, Hkv, D]``, mask ``[S, Q, Hkv, K]`` (each KV head its own keys)
+    -> out ``[S, Q, H, D]``, lse ``[S, Q, H]``."""
     s, nq, h, d = q.shape
     hkv = k.shape[2]
     qg = q.float().view(s, nq, hkv, h // hkv, d)
     scores = torch.einsum("sqkgd,stkd->sqkgt", qg, k.float()) * scale
-    scores = scores.masked_fill(~mask[:, :, None, None, :], float("-inf"))
+    scores = scores.masked_fill(~mask[:, :, :, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
     # Cache slots no query may see (unwritten, or past a sequence's end) can hold anything, NaN included,
     # and 0 * NaN is NaN: zero those values rather than trusting the zero weight.
-    v = v.float().masked_fill(~mask.any(dim=1)[:, :, None, None], 0.0)
+    seen = mask.any(dim=1).transpose(1, 2)  # [S, K, Hkv]
+    v = v.float().masked_fill(~seen[..., None], 0.0)
     out = torch.einsum("sqkgt,stkd->sqkgd", probs, v)
     return out.reshape(s, nq, h, d), lse.reshape(s, nq, h)
 
 
 def _gather_blocks(cache: torch.Tensor, physical: torch.Tensor) -> torch.Tensor:
-    """``[S, nblocks]`` physical block ids -> ``[S, nblocks * block_size, Hkv, D]``."""
-    s, n = physical.shape
-    gathered = cache[physical.clamp(min=0).long()]
-    return gathered.reshape(s, n * cache.shape[1], *cache.shape[2:])
+    """``[S, Hkv, n]`` physical block ids, one list per KV head -> ``[S, n * block_size, Hkv, D]``:
+    key ``t`` of head ``h`` is slot ``t % block_size`` of that head's ``t // block_size``-th block."""
+    s, hkv, n = physical.shape
+    heads = torch.arange(hkv, device=cache.device)[None, :, None]
+    gathered = cache[physical.clamp(min=0).long(), :, heads]  # [S, Hkv, n, block_size, D]
+    return gathered.permute(0, 2, 3, 1, 4).reshape(s, n * cache.shape[1], hkv, cache.shape[3])
 
 
 class TorchBackend(AttentionBackend):
@@ -57,24 +61,29 @@ class TorchBackend(AttentionBackend):
         flat_v[slots] = value[valid].to(v_cache.dtype)
 
     def _over_cache(self, q, k_cache, v_cache, meta, block_indices, kv_lens, scale, causal):
-        """Shared body: queries of each sequence over selected cached blocks, optionally causal."""
+        """Shared body: queries of each sequence over selected cached blocks, optionally causal.
+
+        ``block_indices`` in either form of ``attend_blocks``; each KV head gathers only its own
+        selected blocks and gets its own key mask."""
         seq, row = _pad_index(meta)
         q_pad = q.new_zeros(meta.num_seqs, meta.max_query_len, *q.shape[1:])
         q_pad[seq, row] = q
-        bs = k_cache.shape[1]
-        physical = torch.gather(meta.block_tables.long(), 1, block_indices.clamp(min=0).long())
+        bs, hkv = k_cache.shape[1], k_cache.shape[2]
+        selected = selection_per_kv_head(block_indices, hkv).long()  # [S, Hkv, n]
+        tables = meta.block_tables.long()[:, None, :].expand(-1, hkv, -1)
+        physical = torch.gather(tables, 2, selected.clamp(min=0))
         k = _gather_blocks(k_cache, physical)
         v = _gather_blocks(v_cache, physical)
         offsets = torch.arange(bs, device=q.device)
-        key_pos = (block_indices.long()[:, :, None] * bs + offsets).flatten(1)  # [S, K]
-        key_ok = (block_indices[:, :, None] >= 0).expand(-1, -1, bs).flatten(1)
-        key_ok = key_ok & (key_pos < kv_lens.long()[:, None])
-        mask = key_ok[:, None, :].expand(-1, meta.max_query_len, -1)
+        key_pos = (selected[..., None] * bs + offsets).flatten(2)  # [S, Hkv, n * bs]
+        key_ok = (selected[..., None] >= 0).expand(-1, -1, -1, bs).flatten(2)
+        key_ok = key_ok & (key_pos < kv_lens.long()[:, None, None])
+        mask = key_ok[:, None].expand(-1, meta.max_query_len, -1, -1)  # [S, Q, Hkv, n * bs]
         if causal:
             q_pos = (meta.context_lens - meta.query_lens).long()[:, None] + torch.arange(
                 meta.max_query_len, device=q.device
             )
-            mask = mask & (key_pos[:, None, :] <= q_pos[:, :, None])
+            mask = mask & (key_pos[:, None] <= q_pos[:, :, None, None])
         out, lse = _softmax_attend(q_pad, k, v, mask, scale)
         return out[seq, row].to(q.dtype), lse[seq, row]
 
@@ -102,6 +111,6 @@ class TorchBackend(AttentionBackend):
             pad[seq, row] = t
         pos = torch.arange(n, device=q.device)
         valid = pos[None, :] < meta.query_lens.long()[:, None]  # [S, n]
-        mask = valid[:, None, :] & (pos[None, None, :] <= pos[None, :, None])
-        out, lse = _softmax_attend(*pads, mask, scale)
+        mask = valid[:, None, :] & (pos[None, None, :] <= pos[None, :, None])  # [S, n, n], every KV head
+        out, lse = _softmax_attend(*pads, mask[:, :, None, :].expand(-1, -1, k.shape[1], -1), scale)
         return out[seq, row].to(q.dtype), lse[seq, row]

@@ -8,7 +8,7 @@
   then a log-sum-exp reduce. No host synchronisation and no data-dependent shapes: capturable in a
   CUDA graph (the number of splits depends only on the batch, the heads and ``max_context_len``).
 - ``attend_blocks``: the decode kernel (one query per sequence) or the prefill kernel (chunks) over
-  a list of selected logical blocks, with log-sum-exp.
+  lists of selected logical blocks (per sequence, or per KV head), with log-sum-exp.
 - ``attend_chunk``: the prefill kernel over the dense new keys/values only, with log-sum-exp.
 - ``merge``: the base class's.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from nanovllm.attention import triton_kernels as tk
-from nanovllm.attention.backend import AttentionBackend
+from nanovllm.attention.backend import AttentionBackend, selection_per_kv_head
 from nanovllm.attention.metadata import PhaseMetadata
 
 
@@ -31,7 +31,7 @@ class TritonBackend(AttentionBackend):
     supports_cuda_graphs = True
     # Single-sequence prefill without a cached prefix through torch SDPA's cuDNN kernel instead of the
     # Triton one: on an H200, 32q/8kv d=128 bf16, 576 against 480 TFLOP/s at 16K, 521 / 377 at 4K and
-    # 247 / 160 at 1K (benchmarks/kernels_quick.py). Several sequences, or a cached prefix: Triton.
+    # 247 / 160 at 1K (`nanovllm bench kernels`). Several sequences, or a cached prefix: Triton.
     sdpa_prefill = True
     sdpa_mode = "cudnn"  # see _sdpa_causal
 
@@ -64,14 +64,15 @@ class TritonBackend(AttentionBackend):
         return out
 
     def attend_blocks(self, q, k_cache, v_cache, meta, block_indices, kv_lens, scale):
+        block_indices = selection_per_kv_head(block_indices, k_cache.shape[2])  # shared form: stride-0 view
         out = _empty_out(q)
         lse = _empty_lse(q)
-        if block_indices.shape[1] == 0:
+        if block_indices.shape[-1] == 0:
             out.zero_()
             lse.fill_(float("-inf"))
             return out, lse
         if meta.max_query_len == 1:  # one query per sequence: split-KV decode kernel
-            max_keys = block_indices.shape[1] * k_cache.shape[1]
+            max_keys = block_indices.shape[-1] * k_cache.shape[1]
             tk.attention_decode(
                 q, k_cache, v_cache, out, lse, kv_lens, meta.block_tables, block_indices, max_keys, scale,
             )

@@ -5,7 +5,8 @@ Four kernels:
 - ``_store_kv_kernel``: one program per new token writes its keys and values to their cache slot.
 - ``_prefill_kernel``: FlashAttention-style varlen attention, one program per (query tile, head,
   sequence), online softmax in base 2. Keys come either from the paged cache through the block table
-  (optionally through a list of selected logical blocks) or from dense per-step ``k``/``v`` tensors.
+  (optionally through lists of selected logical blocks, one per sequence or one per KV head of each
+  sequence: a KV-head stride of 0 shares a list) or from dense per-step ``k``/``v`` tensors.
   Causal tiles are visited in two loops: the tiles wholly below the diagonal without masks, then the
   rest with masks.
 - ``_decode_kernel``: one query token per sequence. A program owns one KV head of one sequence and
@@ -26,6 +27,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from nanovllm.attention.backend import selection_per_kv_head
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -85,7 +88,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 @triton.jit
 def _key_offsets(
     start_n, s, kvh, q_start, n_keys, kv_len,
-    block_tables, block_idx, stride_bt, stride_bi, num_sel,
+    block_tables, sel, stride_bt, num_sel,
     stride_kb, stride_ks, stride_kh,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     PAGED: tl.constexpr, HAS_INDICES: tl.constexpr, MASKED: tl.constexpr,
@@ -93,13 +96,14 @@ def _key_offsets(
     """Offsets (into the K/V base) of the key rows of tile ``start_n``, their positions, and validity.
 
     Keys are numbered ``0 .. n_keys``: positions in the sequence, or with ``HAS_INDICES`` slots of
-    the selected blocks (``n = j * BLOCK_SIZE + i`` is slot ``i`` of the ``j``-th selected block)."""
+    the selected blocks (``n = j * BLOCK_SIZE + i`` is slot ``i`` of the ``j``-th selected block);
+    ``sel`` points at the selection row of this sequence and KV head."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if PAGED:
         if HAS_INDICES:
             j = offs_n // BLOCK_SIZE
             within = offs_n % BLOCK_SIZE
-            logical = tl.load(block_idx + s * stride_bi + j, mask=j < num_sel, other=-1)
+            logical = tl.load(sel + j, mask=j < num_sel, other=-1)
             pos = logical * BLOCK_SIZE + within
             valid = (logical >= 0) & (pos < kv_len)
             phys = tl.load(block_tables + s * stride_bt + logical, mask=valid, other=0)
@@ -155,15 +159,15 @@ def _online_step(
 
 @triton.jit
 def _masked_tile(
-    acc, l_i, m_i, q, K, V, start_n, s, kvh, q_start, n_keys, kv_len, block_tables, block_idx,
-    stride_bt, stride_bi, num_sel, stride_kb, stride_ks, stride_kh, stride_kd, offs_d, d_ok, q_pos,
+    acc, l_i, m_i, q, K, V, start_n, s, kvh, q_start, n_keys, kv_len, block_tables, sel,
+    stride_bt, num_sel, stride_kb, stride_ks, stride_kh, stride_kd, offs_d, d_ok, q_pos,
     scale_log2, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
     HAS_INDICES: tl.constexpr, CAUSAL: tl.constexpr, FP32: tl.constexpr,
 ):
     """A key tile with masks: validity (length, selection) and, if CAUSAL, position."""
     koff, pos, valid = _key_offsets(
-        start_n, s, kvh, q_start, n_keys, kv_len, block_tables, block_idx, stride_bt, stride_bi,
-        num_sel, stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES, True,
+        start_n, s, kvh, q_start, n_keys, kv_len, block_tables, sel, stride_bt, num_sel,
+        stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES, True,
     )
     kv_ptrs = koff[:, None] + offs_d[None, :] * stride_kd
     ld_mask = valid[:, None] & d_ok[None, :]
@@ -180,8 +184,9 @@ def _masked_tile(
 # ---------------------------------------------------------------------------------------------
 
 
-# the block-table width changes from step to step: one compiled kernel for every width
-@triton.jit(do_not_specialize=["stride_bt", "stride_bi", "num_sel"])
+# the block-table and selection widths change from step to step, and the selection's KV-head stride is
+# 0 for a selection shared by the heads: one compiled kernel for all of them
+@triton.jit(do_not_specialize=["stride_bt", "stride_bi", "stride_bh", "num_sel"])
 def _prefill_kernel(
     Q, K, V, Out, Lse,
     cu_q, lens, block_tables, block_idx,
@@ -190,7 +195,7 @@ def _prefill_kernel(
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_ot, stride_oh, stride_od,
     stride_lt, stride_lh,
-    stride_bt, stride_bi, num_sel,
+    stride_bt, stride_bi, stride_bh, num_sel,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, HAS_INDICES: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
@@ -206,6 +211,7 @@ def _prefill_kernel(
     if m_start >= q_len:
         return
     kvh = h // GROUP
+    sel = block_idx + s * stride_bi + kvh * stride_bh  # this KV head's selected blocks (HAS_INDICES)
     if PAGED:
         kv_len = tl.load(lens + s)  # context length, or the kv_lens of the selection
         if HAS_INDICES:
@@ -246,8 +252,8 @@ def _prefill_kernel(
     # tiles every row sees in full: no masks
     for start_n in range(0, lo, BLOCK_N):
         koff, pos, valid = _key_offsets(
-            start_n, s, kvh, q_start, n_keys, kv_len, block_tables, block_idx, stride_bt, stride_bi,
-            num_sel, stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES, False,
+            start_n, s, kvh, q_start, n_keys, kv_len, block_tables, sel, stride_bt, num_sel,
+            stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES, False,
         )
         kv_ptrs = koff[:, None] + offs_d[None, :] * stride_kd
         if BLOCK_D == HEAD_DIM:
@@ -261,17 +267,17 @@ def _prefill_kernel(
     # the diagonal band, the ragged end and selected blocks: masked
     for start_n in range(lo, hi, BLOCK_N):
         if SKIP_DEAD:  # the tile lies in one selected block: skip it when nothing in it counts
-            logical = tl.load(block_idx + s * stride_bi + start_n // BLOCK_SIZE)
+            logical = tl.load(sel + start_n // BLOCK_SIZE)
             if (logical >= 0) & (logical * BLOCK_SIZE + start_n % BLOCK_SIZE < kv_len):
                 acc, l_i, m_i = _masked_tile(
                     acc, l_i, m_i, q, K, V, start_n, s, kvh, q_start, n_keys, kv_len, block_tables,
-                    block_idx, stride_bt, stride_bi, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
+                    sel, stride_bt, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
                     offs_d, d_ok, q_pos, scale_log2, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES, CAUSAL, FP32,
                 )
         else:
             acc, l_i, m_i = _masked_tile(
                 acc, l_i, m_i, q, K, V, start_n, s, kvh, q_start, n_keys, kv_len, block_tables,
-                block_idx, stride_bt, stride_bi, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
+                sel, stride_bt, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
                 offs_d, d_ok, q_pos, scale_log2, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES, CAUSAL, FP32,
             )
 
@@ -291,7 +297,7 @@ def _prefill_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["stride_bt", "stride_bi", "num_sel"])
+@triton.jit(do_not_specialize=["stride_bt", "stride_bi", "stride_bh", "num_sel"])
 def _decode_kernel(
     Q, K, V, PartO, PartL, Out, Lse,
     lens, block_tables, block_idx,
@@ -300,7 +306,7 @@ def _decode_kernel(
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_ot, stride_oh, stride_od,
     stride_lt, stride_lh,
-    stride_bt, stride_bi, num_sel,
+    stride_bt, stride_bi, stride_bh, num_sel,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_INDICES: tl.constexpr, WRITE_LSE: tl.constexpr, FP32: tl.constexpr, SKIP_DEAD: tl.constexpr,
@@ -308,6 +314,7 @@ def _decode_kernel(
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    sel = block_idx + s * stride_bi + kvh * stride_bh  # this KV head's selected blocks (HAS_INDICES)
     kv_len = tl.load(lens + s)
     if HAS_INDICES:
         n_keys = num_sel * BLOCK_SIZE
@@ -333,17 +340,17 @@ def _decode_kernel(
     q_pos = tl.zeros([G_PAD], tl.int32)  # unused: decode is not masked by position
     for start_n in range(start, end, BLOCK_N):
         if SKIP_DEAD:
-            logical = tl.load(block_idx + s * stride_bi + start_n // BLOCK_SIZE)
+            logical = tl.load(sel + start_n // BLOCK_SIZE)
             if (logical >= 0) & (logical * BLOCK_SIZE + start_n % BLOCK_SIZE < kv_len):
                 acc, l_i, m_i = _masked_tile(
                     acc, l_i, m_i, q, K, V, start_n, s, kvh, 0, end, kv_len, block_tables,
-                    block_idx, stride_bt, stride_bi, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
+                    sel, stride_bt, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
                     offs_d, d_ok, q_pos, scale_log2, BLOCK_N, BLOCK_SIZE, True, HAS_INDICES, False, FP32,
                 )
         else:
             acc, l_i, m_i = _masked_tile(
                 acc, l_i, m_i, q, K, V, start_n, s, kvh, 0, end, kv_len, block_tables,
-                block_idx, stride_bt, stride_bi, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
+                sel, stride_bt, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
                 offs_d, d_ok, q_pos, scale_log2, BLOCK_N, BLOCK_SIZE, True, HAS_INDICES, False, FP32,
             )
 
@@ -413,7 +420,7 @@ def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, max
         return 16, 16, 1, 1
     if dtype == torch.float32:
         return 32, 32, 4, 2
-    # measured on an H100, 16K causal, 32q/8kv heads (benchmarks/kernels_quick.py --sweep), TFLOP/s of
+    # measured on an H100, 16K causal, 32q/8kv heads (`nanovllm bench kernels`, its sweep), TFLOP/s of
     # dense / paged bs=16 / paged bs=256: d=64 412 / 373 / 379 (4 warps: 376 / 353 / 360);
     # d=128 495 / 423 / 440 (BLOCK_N 64: 473 / 370 / 387)
     if head_dim <= 64:
@@ -440,6 +447,20 @@ def _dummy(t: torch.Tensor) -> torch.Tensor:
     return t.new_empty(1)
 
 
+def _selection_args(block_indices: torch.Tensor | None, num_kv_heads: int, like: torch.Tensor):
+    """(tensor, sequence stride, KV-head stride, width) of a selection in either form of
+    ``attend_blocks``; the shared form gets KV-head stride 0, no copy."""
+    if block_indices is None:
+        return _dummy(like), 0, 0, 0
+    sel = selection_per_kv_head(block_indices, num_kv_heads)
+    if sel.shape[2] > 1 and sel.stride(2) != 1:
+        raise ValueError(
+            f"block_indices with strides {tuple(block_indices.stride())}: the kernels read each list "
+            "as contiguous int32s; pass block_indices.contiguous()"
+        )
+    return sel, sel.stride(0), sel.stride(1), sel.shape[2]
+
+
 def attention_rows(
     q, k, v, out, lse, cu_seqlens_q, lens, block_tables, block_indices, max_query_len, scale,
     *, paged: bool, causal: bool, config: tuple[int, int, int, int] | None = None,
@@ -448,7 +469,8 @@ def attention_rows(
 
     paged: ``k``/``v`` are the caches ``[num_blocks, block_size, Hkv, D]`` and ``lens`` the KV lengths
     (context lengths, or the selection's ``kv_lens`` when ``block_indices`` is given); otherwise they
-    are dense ``[num_tokens, Hkv, D]`` rows laid out like ``q`` (``lens`` unused). ``config``
+    are dense ``[num_tokens, Hkv, D]`` rows laid out like ``q`` (``lens`` unused). ``block_indices``:
+    None, or a selection ``[num_seqs, k]`` or ``[num_seqs, Hkv, k]`` (see ``attend_blocks``). ``config``
     overrides the tile choice ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (benchmarks)."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
@@ -466,10 +488,7 @@ def attention_rows(
         bt, stride_bt = _dummy(cu_seqlens_q), 0
     assert k.stride() == v.stride(), "k and v must share one layout"
     has_idx = block_indices is not None
-    if has_idx:
-        bi, stride_bi, num_sel = block_indices, block_indices.stride(0), block_indices.shape[1]
-    else:
-        bi, stride_bi, num_sel = _dummy(cu_seqlens_q), 0, 0
+    bi, stride_bi, stride_bh, num_sel = _selection_args(block_indices, num_kv_heads, cu_seqlens_q)
     write_lse = lse is not None
     lse_t = lse if write_lse else _dummy(out).float()
     lse_strides = lse.stride() if write_lse else (0, 0)
@@ -479,7 +498,7 @@ def attention_rows(
         cu_seqlens_q, lens if lens is not None else cu_seqlens_q, bt, bi,
         scale * LOG2E,
         *q.stride(), *kstrides, *out.stride(), *lse_strides,
-        stride_bt, stride_bi, num_sel,
+        stride_bt, stride_bi, stride_bh, num_sel,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn,
         PAGED=paged, HAS_INDICES=has_idx, CAUSAL=causal, WRITE_LSE=write_lse,
@@ -516,8 +535,10 @@ def attention_decode(
 ) -> None:
     """Launch ``_decode_kernel`` (+ ``_reduce_kernel``): one query row per sequence, paged KV.
 
-    ``max_keys`` (a host int) bounds the keys of any sequence; it sets the number of splits only,
-    never the result. ``config`` overrides ``(BLOCK_N, num_warps, num_stages)`` (benchmarks)."""
+    ``block_indices``: None (whole contexts), or a selection ``[num_seqs, k]`` or ``[num_seqs, Hkv, k]``
+    (see ``attend_blocks``); each program reads only its KV head's list. ``max_keys`` (a host int)
+    bounds the keys of any sequence; it sets the number of splits only, never the result. ``config``
+    overrides ``(BLOCK_N, num_warps, num_stages)`` (benchmarks)."""
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
         return
@@ -530,10 +551,7 @@ def attention_decode(
         num_splits = num_decode_splits(num_seqs, num_kv_heads, max_keys, bn, q.device)
     block_d = triton.next_power_of_2(head_dim)
     has_idx = block_indices is not None
-    if has_idx:
-        bi, stride_bi, num_sel = block_indices, block_indices.stride(0), block_indices.shape[1]
-    else:
-        bi, stride_bi, num_sel = _dummy(lens), 0, 0
+    bi, stride_bi, stride_bh, num_sel = _selection_args(block_indices, num_kv_heads, lens)
     write_lse = lse is not None
     lse_t = lse if write_lse else _dummy(out).float()
     lse_strides = lse.stride() if write_lse else (0, 0)
@@ -547,7 +565,7 @@ def attention_decode(
         lens, block_tables, bi,
         scale * LOG2E,
         *q.stride(), *k_cache.stride(), *out.stride(), *lse_strides,
-        block_tables.stride(0), stride_bi, num_sel,
+        block_tables.stride(0), stride_bi, stride_bh, num_sel,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=bn, NUM_SPLITS=num_splits,
         HAS_INDICES=has_idx, WRITE_LSE=write_lse, FP32=_dot_fp32(q),

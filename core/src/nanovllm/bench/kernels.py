@@ -7,8 +7,13 @@
 - Decode: one query per sequence, batch x context >= 128K tokens, paged KV (block sizes 16 and 256).
   GB/s of KV read next to a large device-to-device copy measured in the same run (bytes read +
   written), and SDPA on contiguous KV for one shape.
+- Selected decode: the decode kernel over per-KV-head selections (``attend_blocks``' launch) of 128
+  blocks of 16 tokens per KV head, contexts 32K and 128K, batch 1 and 8. GB/s of the bytes it reads
+  (the selected K/V blocks, q and out) next to the dense decode kernel's GB/s over the whole context
+  in the same run (target: at least 0.8 of it), and the speedup in time over dense.
 
-``sweep`` also times a few tile configurations of each kernel. Medians of triton.testing.do_bench.
+``sweep`` also times a few tile configurations of each kernel, and split counts of selected decode.
+Medians of triton.testing.do_bench.
 ``dry``: tiny sizes on the CPU under Triton's interpreter (``TRITON_INTERPRET=1`` must be set before
 triton is first imported), which checks this code, not the speed.
 """
@@ -26,6 +31,7 @@ from triton.testing import do_bench  # noqa: E402
 from nanovllm.attention import triton_backend as tb  # noqa: E402
 from nanovllm.attention import triton_kernels as tk  # noqa: E402
 from nanovllm.attention.metadata import PhaseMetadata  # noqa: E402
+from nanovllm.attention.torch_backend import TorchBackend  # noqa: E402
 
 DEV = "cpu" if DRY else "cuda"
 SCALE = 64 if DRY else 1  # sizes are divided by this in a dry run
@@ -39,6 +45,29 @@ def ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def graph_ms(calls: list) -> float:
+    """Median ms per call of ``calls``, captured one after the other in one CUDA graph and replayed, so
+    that Python's launch overhead (tens of us per Triton launch, more than a small selection's kernel
+    time) stays out, as in the engine's decode graphs. The calls rotate over different inputs, so the
+    L2 cache (50 MB), which do_bench clears before each replay, does not serve one call from another's
+    reads."""
+    if DRY:
+        for call in calls:
+            call()
+        return 1.0
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return do_bench(graph.replay, warmup=25, rep=100, return_mode="median") / len(calls)
+
+
 def randn(*shape, gen):
     return torch.randn(*shape, generator=gen, device=DEV).to(torch.bfloat16)
 
@@ -47,8 +76,9 @@ def rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def record(kind, name, t_ms, value, unit, note=""):
-    rows.append(dict(kind=kind, name=name, ms=round(t_ms, 4), value=round(value, 1), unit=unit, note=note))
+def record(kind, name, t_ms, value, unit, note="", **extra):
+    rows.append(dict(kind=kind, name=name, ms=round(t_ms, 4), value=round(value, 1), unit=unit, note=note,
+                     **extra))
 
 
 def copy_bandwidth() -> float:
@@ -217,12 +247,98 @@ def decode(sweep: bool, gen, copy_gbs: float) -> None:
            f"{gbs / copy_gbs:.0%} of copy")
 
 
+SELECTED_TARGET = 0.8  # selected decode's GB/s over dense decode's, same run
+
+
+def random_head_selection(batch: int, num_kv_heads: int, num_blocks: int, num_selected: int, gen,
+                          device) -> torch.Tensor:
+    """``[batch, num_kv_heads, num_selected]`` int32 logical blocks out of ``num_blocks``, for each KV
+    head its own random ones, ascending, the last block always among them (a decode's newest keys)."""
+    scores = torch.rand(batch, num_kv_heads, num_blocks - 1, generator=gen, device=device)
+    earlier = scores.topk(num_selected - 1, dim=-1).indices.sort(dim=-1).values
+    last = torch.full((batch, num_kv_heads, 1), num_blocks - 1, dtype=earlier.dtype, device=device)
+    return torch.cat([earlier, last], dim=-1).int()
+
+
+def decode_bytes(block_indices: torch.Tensor, kv_lens: torch.Tensor, block_size: int, num_heads: int,
+                 head_dim: int, itemsize: int) -> int:
+    """Bytes a decode over a per-KV-head selection ``[S, Hkv, k]`` reads and writes: the K and V
+    slots of its selected blocks below ``kv_lens``, plus q and out."""
+    starts = block_indices.long() * block_size
+    tokens = (kv_lens.long()[:, None, None] - starts).clamp(0, block_size) * (block_indices >= 0)
+    s = block_indices.shape[0]
+    return int(tokens.sum()) * 2 * head_dim * itemsize + 2 * s * num_heads * head_dim * itemsize
+
+
+def selected_decode(sweep: bool, gen) -> None:
+    """Decode over per-KV-head selections (``attend_blocks``' launch, with lse) against dense decode over
+    the whole context of the same inputs; the selection's output checked against the torch backend."""
+    h, hkv, d = (4, 2, 128) if DRY else (32, 8, 128)  # two KV heads at least, for their own selections
+    bs = 16
+    n_sel = 128 // SCALE  # 2048 tokens per KV head
+    scale = d**-0.5
+    shapes = [(1, 32768), (1, 131072), (8, 32768), (8, 131072)]
+    if DRY:
+        shapes = [(b, c // SCALE) for b, c in shapes[:2]]
+    block_n = tk._decode_config(d, torch.bfloat16, torch.device(DEV), bs)[0]
+    for batch, ctx in shapes:
+        nblk = -(-ctx // bs)
+        pool = batch * nblk
+        kc, vc = randn(pool, bs, hkv, d, gen=gen), randn(pool, bs, hkv, d, gen=gen)
+        tables = torch.randperm(pool, generator=gen, device=DEV).view(batch, nblk).int()
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+        q = randn(batch, h, d, gen=gen)
+        out = torch.empty_like(q)
+        lse = torch.empty(batch, h, dtype=torch.float32, device=DEV)
+        rotation = 1 if DRY else 16  # selections over different blocks, replayed in turn
+        sels = [random_head_selection(batch, hkv, nblk, n_sel, gen, DEV) for _ in range(rotation)]
+        sel = sels[0]
+        everything = torch.arange(nblk, dtype=torch.int32, device=DEV).expand(batch, hkv, -1)
+        dense_bytes = decode_bytes(everything, lens, bs, h, d, q.element_size())
+        sel_bytes = sum(decode_bytes(x, lens, bs, h, d, q.element_size()) for x in sels) / rotation
+
+        def dense(q=q, kc=kc, vc=vc, out=out, lens=lens, tables=tables, ctx=ctx):
+            tk.attention_decode(q, kc, vc, out, None, lens, tables, None, ctx, scale)
+
+        def selected(splits=None, sel=sel, q=q, kc=kc, vc=vc, out=out, lse=lse, lens=lens, tables=tables):
+            tk.attention_decode(q, kc, vc, out, lse, lens, tables, sel, n_sel * bs, scale, num_splits=splits)
+
+        label = f"b={batch} ctx={ctx} bs={bs}"
+        try:
+            t_dense = graph_ms([dense] * 4)  # the whole context is far larger than L2: no rotation needed
+            dense_gbs = dense_bytes / t_dense / 1e6
+            record("decode", f"{label} dense (selected's peer), CUDA graph", t_dense, dense_gbs, "GB/s")
+            selected()
+            meta = PhaseMetadata(torch.arange(batch + 1, dtype=torch.int32, device=DEV), lens, tables, 1, ctx)
+            err = rel(out, TorchBackend().attend_blocks(q, kc, vc, meta, sel, lens, scale)[0])
+        except Exception as e:
+            record("decode", f"{label} selected {n_sel} blocks per KV head", float("nan"), float("nan"), "",
+                   _why(e))
+            continue
+        # the default split count and others: a selection has few keys per KV head
+        for splits in [None, 16, 32] + ([4, 64] if sweep else []):
+            n = splits or tk.num_decode_splits(batch, hkv, n_sel * bs, block_n, q.device)
+            name = f"{label} selected {n_sel} blocks per KV head splits={n}{'' if splits else ' (auto)'}, graph"
+            try:
+                t = graph_ms([lambda x=x, splits=splits: selected(splits, x) for x in sels])
+            except Exception as e:
+                record("decode", name, float("nan"), float("nan"), "", _why(e))
+                continue
+            gbs = sel_bytes / t / 1e6
+            record("decode", name, t, gbs, "GB/s",
+                   f"{gbs / dense_gbs:.2f} of dense GB/s (target {SELECTED_TARGET}), "
+                   f"{t_dense / t:.1f}x faster, err {err:.1e}",
+                   vs_dense=round(gbs / dense_gbs, 3), dense_target=SELECTED_TARGET,
+                   speedup=round(t_dense / t, 2))
+        del kc, vc, dense, selected
+
+
 def run(sweep: bool = False) -> list[dict]:
     """Every B3 measurement, as rows ``{kind, name, ms, value, unit, note}``."""
     from tqdm.auto import tqdm
 
     gen = torch.Generator(device=DEV).manual_seed(0)
-    with tqdm(total=4, desc="kernels", unit="part") as bar:
+    with tqdm(total=5, desc="kernels", unit="part") as bar:
         copy_gbs = copy_bandwidth()
         bar.update()
         for d in (128, 64) if sweep else (128,):
@@ -232,5 +348,7 @@ def run(sweep: bool = False) -> list[dict]:
             prefill_lengths()
         bar.update()
         decode(sweep, gen, copy_gbs)
+        bar.update()
+        selected_decode(sweep, gen)
         bar.update()
     return list(rows)

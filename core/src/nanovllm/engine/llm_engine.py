@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,8 @@ from nanovllm.default_model import default_model_dir, is_default_model
 from nanovllm.engine.loader import ModelDirectoryError, read_config_json
 from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import PLACEHOLDER, Sequence
-from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.plugins import get_plugins, load_registered
 from nanovllm.presets import is_preset, preset_dir
 from nanovllm.sampling_params import SamplingParams
@@ -155,11 +156,36 @@ class LLMEngine:
                 "must leave room for at least one generated token. Shorten the prompt or raise max_model_len"
             )
 
+    def _check_logprobs(self, params: SamplingParams, index: int) -> None:
+        limit = self.vocab_size if self.config.max_logprobs == -1 else self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            wanted = getattr(params, name)
+            if wanted is None:
+                continue
+            if wanted > self.vocab_size:
+                raise ValueError(
+                    f"request {index} asks for {name}={wanted}, more than the vocabulary's {self.vocab_size} "
+                    f"tokens; ask for at most {self.vocab_size}"
+                )
+            if wanted > limit:
+                raise ValueError(
+                    f"request {index} asks for {name}={wanted}, more than max_logprobs={limit}; ask for at "
+                    f"most {limit}, or raise the limit: LLM(..., max_logprobs={wanted})"
+                )
+
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Sequence:
         params = sampling_params or SamplingParams()
         text, token_ids = self._tokenize(prompt, 0)
         self._check_length(token_ids, 0)
+        self._check_logprobs(params, 0)
         return self._enqueue(text, token_ids, params)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Finish waiting or running requests with reason "abort" and free their blocks; a token a step in
+        flight sampled for them is discarded. Unknown or finished ids are ignored."""
+        ids = {request_id} if isinstance(request_id, str) else set(request_id)
+        for seq in [s for s in (*self.scheduler.running, *self.scheduler.waiting) if s.request_id in ids]:
+            self.scheduler.abort(seq)
 
     def _enqueue(self, text: str | None, token_ids: list[int], params: SamplingParams) -> Sequence:
         seq = Sequence(token_ids, params, str(self._next_request), text)
@@ -175,9 +201,12 @@ class LLMEngine:
         With ``async_scheduling`` the tokens applied are the previous step's, read back only after this
         step is launched, so the host's work overlaps the GPU's. A sequence sampled but not yet read
         back holds a placeholder as its last token, which the next step takes from the GPU; one that
-        turns out to have finished wastes that one step's compute, which is discarded."""
-        scheduled = self.scheduler.schedule()
+        turns out to have finished wastes that one step's compute, which is discarded.
+
+        Whatever goes wrong (an exception or KeyboardInterrupt anywhere in the step), every request is
+        aborted and every block freed, so the engine stays usable."""
         try:
+            scheduled = self.scheduler.schedule()
             self.runner.notify_allocated(self.scheduler.block_manager.take_newly_allocated())
             launched = self.runner.launch(scheduled) if scheduled else None
             finished = self._apply_pending() if self.config.async_scheduling else []
@@ -199,11 +228,17 @@ class LLMEngine:
         launched, self._pending = self._pending, None
         if launched is None:
             return []
+        result = launched.result()
+        for seq, position, entries in result.prompt_logprobs:
+            if not seq.is_finished:  # by position: a recompute after preemption overwrites, never appends
+                seq.prompt_logprobs[position : position + len(entries)] = entries
         finished = []
-        for seq, token in zip(launched.seqs, launched.result(), strict=True):
-            if seq.is_finished:  # stopped on the token before; this one is discarded
+        for seq, token, logprobs in zip(launched.seqs, result.tokens, result.logprobs, strict=True):
+            if seq.is_finished:  # stopped on the token before, or aborted; this one is discarded
                 continue
             seq.token_ids[-1] = token
+            if logprobs is not None:
+                seq.logprobs.append(logprobs)
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
@@ -254,9 +289,27 @@ class LLMEngine:
         text = self._completion_text(seq)
         if isinstance(seq.stop_reason, str):
             text = text[: text.find(seq.stop_reason)]
+        params = seq.sampling_params
         completion = CompletionOutput(0, text, seq.completion_token_ids, seq.finish_reason, seq.stop_reason)
+        if params.logprobs is not None:
+            completion.logprobs = self._logprob_dicts(seq.logprobs)
+            completion.cumulative_logprob = sum(logprobs[0] for _, logprobs, _ in seq.logprobs)
+        prompt_logprobs = None
+        if seq.prompt_logprobs is not None:
+            prompt_logprobs = [None, *self._logprob_dicts(seq.prompt_logprobs[1:])]
         return RequestOutput(seq.request_id, seq.prompt_text, seq.token_ids[: seq.num_prompt_tokens],
-                             [completion], seq.num_cached_tokens)
+                             [completion], seq.num_cached_tokens, prompt_logprobs)
+
+    def _logprob_dicts(self, entries: list[RawLogprobs]) -> list[dict[int, Logprob]]:
+        """Per position: the position's own token first, then the top tokens, each with its text."""
+        texts: dict[int, str | None] = {}
+        if self.tokenizer is not None:
+            ids = sorted({t for token_ids, _, _ in entries for t in token_ids})
+            texts = dict(zip(ids, self.tokenizer.batch_decode([[t] for t in ids]), strict=True))
+        return [
+            {t: Logprob(lp, rank, texts.get(t)) for t, lp, rank in zip(*entry, strict=True)}
+            for entry in entries
+        ]
 
     # -- the offline API ----------------------------------------------------------------------------
 
@@ -289,6 +342,7 @@ class LLMEngine:
             text, token_ids = self._tokenize(prompt, i)
             self._check_length(token_ids, i)
             requests.append((text, token_ids))
+            self._check_logprobs(sampling_params[i], i)
         seqs = [self._enqueue(t, ids, p) for (t, ids), p in zip(requests, sampling_params, strict=True)]
         return self._run(seqs, use_tqdm)
 
@@ -298,14 +352,20 @@ class LLMEngine:
         bar = tqdm(total=len(seqs), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         wanted = {seq.seq_id for seq in seqs}
         done = 0
-        with bar:
-            while done < len(seqs):
-                if not self.scheduler.has_unfinished():
-                    raise RuntimeError("the scheduler ran dry before every request finished")
-                finished = self.step()
-                n = sum(1 for s in finished if s.seq_id in wanted)
-                done += n
-                bar.update(n)
+        try:
+            with bar:
+                while done < len(seqs):
+                    if not self.scheduler.has_unfinished():
+                        raise RuntimeError("the scheduler ran dry before every request finished")
+                    finished = self.step()
+                    n = sum(1 for s in finished if s.seq_id in wanted)
+                    done += n
+                    bar.update(n)
+        except BaseException:  # e.g. KeyboardInterrupt between steps: drop this call's requests, keep others
+            for seq in seqs:
+                if not seq.is_finished:
+                    self.scheduler.abort(seq)
+            raise
         return [self._output(seq) for seq in seqs]
 
     def chat(

@@ -13,9 +13,9 @@ import torch
 from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, forward_context
 from nanovllm.config import EngineConfig
 from nanovllm.engine.loader import load_weights
-from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Sampler, TopLogprobs
 from nanovllm.plugins import PluginSet
 from nanovllm.policy import PolicyHooks
 from nanovllm.selection import BackendChoice, PolicyPlan
@@ -24,19 +24,71 @@ CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30
 AUTO_BACKENDS = ("triton", "torch")  # preference order for attention_backend="auto"
 
 
+# Prompt rows whose logits are computed at once for prompt logprobs: a whole 8K-token chunk of a
+# 49K-token vocabulary would take 1.6 GB of float32 logits.
+PROMPT_LOGPROB_ROWS = 1024
+
+
+@attrs.define
+class PromptLogprobRows:
+    """The hidden-state rows of a step followed by a prompt token, of the requests with prompt_logprobs."""
+
+    rows: torch.Tensor  # [n] int64, on the device
+    targets: torch.Tensor  # [n] int64, the prompt token that follows each row
+    spans: list[tuple[Sequence, int, int]]  # (sequence, position of its first target, count), in row order
+    k: int  # the most top tokens any of them asks for
+
+    def logprobs(self, hidden: torch.Tensor, compute_logits) -> TopLogprobs:
+        """Their logprobs, ``PROMPT_LOGPROB_ROWS`` rows of logits at a time."""
+        parts = []
+        for i in range(0, self.rows.shape[0], PROMPT_LOGPROB_ROWS):
+            logits = compute_logits(hidden[self.rows[i : i + PROMPT_LOGPROB_ROWS]])
+            parts.append(TopLogprobs.of(logits, self.targets[i : i + PROMPT_LOGPROB_ROWS], self.k))
+        return TopLogprobs.cat(parts)
+
+
+@attrs.define
+class StepResult:
+    """A finished step read back to the host."""
+
+    tokens: list[int]  # one per sampling sequence
+    logprobs: list[RawLogprobs | None]  # one per sampling sequence: its token's, if it asked
+    prompt_logprobs: list[tuple[Sequence, int, list[RawLogprobs]]]  # (sequence, first position, entries)
+
+
 @attrs.define
 class LaunchedStep:
-    """A step in flight: the sequences that sample in it, in row order, and their tokens."""
+    """A step in flight: the sequences that sample in it, in row order, and their tokens; the logprobs of
+    those that asked, and the prompt logprobs computed in it. On the host (pinned on CUDA) once ``ready``
+    has completed."""
 
     seqs: list[Sequence]
-    tokens: torch.Tensor  # on the host (pinned on CUDA) once ``ready`` has completed
+    tokens: torch.Tensor
     ready: torch.cuda.Event | None
+    logprobs: TopLogprobs | None = None  # a row for each of ``seqs`` with logprobs, in order
+    prompt_logprobs: TopLogprobs | None = None  # the rows of ``prompt_spans``, in order
+    prompt_spans: list[tuple[Sequence, int, int]] = attrs.Factory(list)
 
-    def result(self) -> list[int]:
-        """Wait for the step and return its tokens."""
+    def result(self) -> StepResult:
+        """Wait for the step and read it back (the only host sync of a step)."""
         if self.ready is not None:
             self.ready.synchronize()
-        return self.tokens.tolist()
+        logprobs: list[RawLogprobs | None] = [None] * len(self.seqs)
+        if self.logprobs is not None:
+            asked = [i for i, s in enumerate(self.seqs) if s.sampling_params.logprobs is not None]
+            rows = self.logprobs.rows([1 + self.seqs[i].sampling_params.logprobs for i in asked])
+            for i, row in zip(asked, rows, strict=True):
+                logprobs[i] = row
+        prompt_logprobs = []
+        if self.prompt_logprobs is not None:
+            widths = [1 + s.sampling_params.prompt_logprobs for s, _, n in self.prompt_spans
+                      for _ in range(n)]
+            rows = self.prompt_logprobs.rows(widths)
+            first_row = 0
+            for seq, position, n in self.prompt_spans:
+                prompt_logprobs.append((seq, position, rows[first_row : first_row + n]))
+                first_row += n
+        return StepResult(self.tokens.tolist(), logprobs, prompt_logprobs)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -320,17 +372,20 @@ class ModelRunner:
         )
 
     def prepare(self, seqs: list[Sequence]):
-        """Inputs of one step (decodes first, then prefill chunks), the hidden-state rows that sample
-        (``None``: every row, in order) and the sequences they belong to."""
+        """Inputs of one step (decodes, one token each, first; then prefill chunks), the hidden-state rows
+        that sample (``None``: every row, in order), the sequences they belong to, and the rows that need
+        prompt logprobs (``None``: none)."""
         bs = self.block_size
         decodes = [s for s in seqs if s.is_decode]
         prefills = [s for s in seqs if not s.is_decode]
-        # decodes: one token each, plain integers
+        # decodes: one token each, plain integers; one that is a prompt token samples only if it is the last
         positions = [s.num_computed_tokens for s in decodes]
         ids = [s.token_ids[p] for s, p in zip(decodes, positions, strict=True)]
         slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(decodes, positions, strict=True)]
         pos_parts, slot_parts = [np.asarray(positions, dtype=np.int64)], [np.asarray(slots, dtype=np.int64)]
-        sample_rows, sampling = list(range(len(decodes))), list(decodes)
+        sample_rows = [i for i, s in enumerate(decodes) if s.samples_this_step]
+        sampling = [decodes[i] for i in sample_rows]
+        scored = [(s, i) for i, s in enumerate(decodes) if s.prompt_logprobs is not None]  # (seq, first row)
         row = len(decodes)
         for s in prefills:
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens
@@ -339,6 +394,8 @@ class ModelRunner:
             ids.extend(s.token_ids[start:end])
             pos_parts.append(pos)
             slot_parts.append(table[pos // bs] * bs + pos % bs)
+            if s.prompt_logprobs is not None:
+                scored.append((s, row))
             row += end - start
             if s.samples_this_step:
                 sample_rows.append(row - 1)
@@ -360,7 +417,24 @@ class ModelRunner:
         if on_gpu:
             src = self._to_device(np.asarray([decodes[i].sample_row for i in on_gpu], dtype=np.int64))
             input_ids[self._to_device(np.asarray(on_gpu, dtype=np.int64))] = self._last_sampled[src]
-        return input_ids, meta.positions, meta, rows, sampling
+        prompt_rows = None
+        if scored:  # rows followed by a prompt token: each predicts that token
+            score_rows, targets, spans = [], [], []
+            for s, first_row in scored:
+                start = s.num_computed_tokens
+                n = min(s.num_scheduled_tokens, s.num_prompt_tokens - 1 - start)
+                if n > 0:
+                    score_rows.extend(range(first_row, first_row + n))
+                    targets.extend(s.token_ids[start + 1 : start + 1 + n])
+                    spans.append((s, start + 1, n))
+            if spans:
+                prompt_rows = PromptLogprobRows(
+                    self._to_device(np.asarray(score_rows, dtype=np.int64)),
+                    self._to_device(np.asarray(targets, dtype=np.int64)),
+                    spans,
+                    max(s.sampling_params.prompt_logprobs for s, _, _ in spans),
+                )
+        return input_ids, meta.positions, meta, rows, sampling, prompt_rows
 
     def notify_allocated(self, block_ids: list[int]) -> None:
         """Tell the policies which physical blocks were handed out since the last step (before it runs)."""
@@ -371,27 +445,49 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence]) -> LaunchedStep | None:
-        """Launch one step without waiting for it; None when no sequence samples in it."""
-        input_ids, positions, meta, sample_rows, sampling = self.prepare(seqs)
+        """Launch one step without waiting for it; None when it has nothing to read back (no sequence
+        samples in it and none asked for prompt logprobs)."""
+        input_ids, positions, meta, sample_rows, sampling, prompt_rows = self.prepare(seqs)
         if self.graphs and meta.prefill is None and input_ids.shape[0] <= self.graph_sizes[-1]:
             hidden = self._replay_decode(input_ids, positions, meta)
         else:
             with forward_context(meta):
                 hidden = self.model(input_ids, positions)
-        if not sampling:
+        if not sampling and prompt_rows is None:
             return None
-        logits = self.model.compute_logits(hidden if sample_rows is None else hidden[sample_rows])
-        sampled = self.sampler(logits, *self._sampling_tensors(sampling))
-        self._last_sampled = sampled
-        for row, s in enumerate(sampling):
-            s.sample_row = row
+        prompt_logprobs = None
+        if prompt_rows is not None:
+            prompt_logprobs = prompt_rows.logprobs(hidden, self.model.compute_logits)
+        sampled = torch.empty(0, dtype=torch.long, device=self.device)
+        logprobs = None
+        if sampling:
+            logits = self.model.compute_logits(hidden if sample_rows is None else hidden[sample_rows])
+            sampled = self.sampler(logits, *self._sampling_tensors(sampling))
+            self._last_sampled = sampled
+            for row, s in enumerate(sampling):
+                s.sample_row = row
+            asked = [i for i, s in enumerate(sampling) if s.sampling_params.logprobs is not None]
+            if asked:
+                k = max(sampling[i].sampling_params.logprobs for i in asked)
+                if len(asked) < len(sampling):
+                    rows = self._to_device(np.asarray(asked, dtype=np.int64))
+                    logprobs = TopLogprobs.of(logits[rows], sampled[rows], k)
+                else:
+                    logprobs = TopLogprobs.of(logits, sampled, k)
+        spans = [] if prompt_rows is None else prompt_rows.spans
         if self.device.type != "cuda":
-            return LaunchedStep(sampling, sampled, None)
-        host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-        host.copy_(sampled, non_blocking=True)
+            return LaunchedStep(sampling, sampled, None, logprobs, prompt_logprobs, spans)
+
+        def to_host(tensor: torch.Tensor) -> torch.Tensor:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            return host.copy_(tensor, non_blocking=True)
+
+        tokens = to_host(sampled)
+        logprobs = None if logprobs is None else logprobs.map(to_host)
+        prompt_logprobs = None if prompt_logprobs is None else prompt_logprobs.map(to_host)
         ready = torch.cuda.Event()
         ready.record()
-        return LaunchedStep(sampling, host, ready)
+        return LaunchedStep(sampling, tokens, ready, logprobs, prompt_logprobs, spans)
 
     def _sampling_tensors(self, seqs: list[Sequence]):
         params = [s.sampling_params for s in seqs]

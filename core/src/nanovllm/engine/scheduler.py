@@ -5,6 +5,9 @@ for a prompt. Running sequences go first, in arrival order, so decodes and prefi
 step; then waiting sequences are admitted while budget, ``max_num_seqs`` and free blocks allow.
 When blocks run out, the most recently admitted running sequence is preempted: its blocks are
 freed and it goes back to the front of the queue to be recomputed later.
+
+A sequence moves between the queues so that it is in one of them (for a moment in both) whenever it
+holds blocks: an interrupted step can then always find and free them (``abort_all``).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from collections import deque
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
 class Scheduler:
@@ -47,7 +50,7 @@ class Scheduler:
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.append_slots(seq, seq.num_computed_tokens + num_new):
-                victim = self.running.pop()
+                victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -60,7 +63,9 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            hits = self.block_manager.find_cached_prefix(seq)
+            # a cached prefix has no logits, so a request that wants prompt logprobs computes it again
+            wants_logits = seq.sampling_params.prompt_logprobs is not None
+            hits = [] if wants_logits else self.block_manager.find_cached_prefix(seq)
             remaining = seq.num_tokens - len(hits) * self.block_manager.block_size
             num_new = min(remaining, budget)
             if num_new < remaining and not self.enable_chunked_prefill:
@@ -75,18 +80,20 @@ class Scheduler:
                     )
                 break
             self.block_manager.allocate(seq, hits, seq.num_tokens - remaining + num_new)
-            self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             seq.num_scheduled_tokens = num_new
             self.running.append(seq)
+            self.waiting.popleft()
             scheduled.append(seq)
             budget -= num_new
         return scheduled
 
     def _preempt(self, seq: Sequence) -> None:
+        """Preempt the last running sequence."""
         self.block_manager.free(seq)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
+        self.running.pop()
         self.num_preemptions += 1
 
     def advance(self, scheduled: list[Sequence]) -> None:
@@ -97,14 +104,26 @@ class Scheduler:
             self.block_manager.commit_full_blocks(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Running, or waiting after a preemption while its last token was still on the GPU."""
+        """Running, or waiting (after a preemption while its last token was still on the GPU, or never
+        admitted when aborted)."""
         (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
+        self._release(seq, reason)
+
+    def abort(self, seq: Sequence) -> None:
+        """Finish a waiting or running sequence with reason "abort"."""
+        self.finish(seq, "abort")
+
+    def abort_all(self) -> None:
+        """Drop every request (after an error or interrupt in a step), returning all blocks, those of a
+        sequence interrupted in the middle of admission or preemption included."""
+        for seq in {id(s): s for s in (*self.running, *self.waiting)}.values():
+            self._release(seq, "abort")
+        self.running.clear()
+        self.waiting.clear()
+
+    def _release(self, seq: Sequence, reason: str) -> None:
+        if seq.token_ids[-1] == PLACEHOLDER:  # sampled by a step in flight, never read back: discarded
+            seq.token_ids.pop()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq)
-
-    def abort_all(self) -> None:
-        """Drop every request (after an error in a step), returning all blocks."""
-        for seq in list(self.running):
-            self.finish(seq, "abort")
-        self.waiting.clear()

@@ -12,6 +12,10 @@ from nanovllm.sampling_params import SamplingParams
 # sequence, always its last token. The next step takes its value straight from the GPU.
 PLACEHOLDER = -1
 
+# Logprobs of one position as read back from the device: token ids, logprobs and ranks, the position's
+# own token first, then the top tokens (see nanovllm.layers.sampler.TopLogprobs).
+RawLogprobs = tuple[list[int], list[float], list[int]]
+
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
@@ -42,6 +46,12 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.generator = None  # torch.Generator of a seeded request, made by the runner
         self.sample_row = -1  # row of this sequence in the last launched step's sampled tokens
+        self.logprobs: list[RawLogprobs] = []  # one per generated token, with SamplingParams(logprobs=k)
+        # with SamplingParams(prompt_logprobs=k): one per prompt position, stored by position so that a
+        # recompute after preemption overwrites; position 0 stays None (nothing predicts it)
+        self.prompt_logprobs: list[RawLogprobs | None] | None = (
+            None if sampling_params.prompt_logprobs is None else [None] * len(token_ids)
+        )
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -74,8 +84,9 @@ class Sequence:
 
     @property
     def is_decode(self) -> bool:
-        """One new generated token to process (not a prompt chunk, nor a recompute after preemption)."""
-        return self.num_scheduled_tokens == 1 and self.num_completion_tokens > 0 and self.samples_this_step
+        """Exactly one token to process this step (vLLM V1's rule): it runs as a decode, a query of
+        length one over its history, whether it is a generated token or a one-token prompt chunk."""
+        return self.num_scheduled_tokens == 1
 
     def reset_for_recompute(self) -> None:
         """After preemption: drop the KV, keep the tokens; the whole sequence is prefilled again."""
