@@ -99,6 +99,7 @@ def test_full_selection_is_exact(per_head):
     if per_head:
         sel = sel[:, None, :].expand(-1, 2, -1)
     q = selection_quality(dense, sel, 16, policy_output=dense.output)
+    assert q.mass_recall.dtype == q.topk_recall.dtype == q.density.dtype == torch.float64
     assert (q.mass_recall - 1).abs().max() < 1e-12
     assert torch.equal(q.topk_recall, torch.ones_like(q.topk_recall))
     assert q.output_error.max() < 1e-12 and q.policy_output_error.max() < 1e-12
@@ -415,3 +416,19 @@ def test_a_failing_policy_leaves_the_others_rows(tiny_model, one_thread, test_po
                "settings": {"benchmark": "quality"}, "results": rows}
     md = quality.markdown(payload, "t")
     assert "| edge_blocks | mean |" in md and "failed: broken: RuntimeError: this policy cannot select" in md
+
+
+def test_a_per_head_metadata_policy_on_planted_needles():
+    """The Quest-style test policy (per-KV-head selection from key min/max kept by on_kv_write)."""
+    from quest_style import Plugin
+
+    get_plugins().register(Plugin(), "quest-style")
+    try:
+        layers = evaluate_policy("quest_style:budget_blocks=2", planted_capture(), [191, 223, 255])
+    finally:
+        reload_plugins()
+    needles = layers[0]
+    p, oracle, rand = needles["policy"], needles["oracle"], needles["random"]
+    assert p["blocks"] == oracle["blocks"] == rand["blocks"] == 2
+    assert p["policy_output_error"] == pytest.approx(p["output_error"], abs=1e-4)
+    assert oracle["mass_recall"] >= p["mass_recall"] > rand["mass_recall"] + 0.3

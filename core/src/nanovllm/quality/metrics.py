@@ -154,9 +154,9 @@ def selection_quality(
     top = dense.probs.topk(k, dim=-1).indices  # [Q, H, k]
     counted = torch.arange(k)[None, :] < visible.sum(-1, keepdim=True).clamp(max=top_k)  # [Q, k]
     hits = head_mask.gather(2, top) & counted[:, None, :]
-    topk_recall = hits.sum(-1) / counted.sum(-1, keepdim=True)
+    topk_recall = hits.sum(-1).double() / counted.sum(-1, keepdim=True)
 
-    density = mask.sum(-1) / visible.sum(-1, keepdim=True)
+    density = mask.sum(-1).double() / visible.sum(-1, keepdim=True)
     num_key_blocks = -(-dense.num_keys // block_size)
     pad = num_key_blocks * block_size - dense.num_keys
     blocks = torch.nn.functional.pad(mask, (0, pad)).view(*mask.shape[:2], num_key_blocks, block_size).any(-1)
