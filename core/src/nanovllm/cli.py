@@ -67,10 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     plug = sub.add_parser("plugins", help="list installed plugins and what they register")
     plug.add_argument("--json", action="store_true", help="machine-readable output")
     plug.set_defaults(func=_plugins)
-    bench = sub.add_parser("bench", help="benchmarks on shape presets with random weights (GPU)")
-    bench.add_argument("benchmark", choices=("throughput", "latency", "kernels", "all", "render"),
-                       help="B1 throughput (+ decode-step profile), B2 latency, B3 kernels; "
-                       "render FILE.json redoes a results file's ratios, table and chart")
+    bench = sub.add_parser("bench", help="benchmarks on shape presets with random weights (GPU), and the "
+                           "attention quality of sparse policies on the built-in model (CPU or GPU)")
+    bench.add_argument("benchmark", choices=("throughput", "latency", "kernels", "all", "quality", "render"),
+                       help="B1 throughput (+ decode-step profile), B2 latency, B3 kernels; quality of "
+                       "sparse policies; render FILE.json redoes a results file's ratios, table and chart")
     bench.add_argument("file", nargs="?", help="results JSON (for render)")
     bench.add_argument("--presets", nargs="+", default=["qwen3-0.6b"],
                        help="qwen3-0.6b, qwen3-8b, llama-3.1-8b")
@@ -78,7 +79,23 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also run the first N throughput prompts through transformers (0: skip)")
     bench.add_argument("--attention-backend", default=None)
     bench.add_argument("--out", default="benchmarks/results")
-    bench.add_argument("--name", default="bench")
+    bench.add_argument("--name", default=None, help="results file name (default: bench, or quality)")
+    from nanovllm.bench.quality import DEFAULT_QUERIES, DEFAULT_TOKENS, DEFAULT_TOP_K
+
+    quality = bench.add_argument_group("quality")
+    quality.add_argument("--policy", action="append", default=None, metavar="SEL",
+                         help="sparse policy selection, repeatable, e.g. --policy full "
+                         "--policy window:sink_blocks=1,recent_blocks=8 (default: full)")
+    quality.add_argument("--layers", nargs="+", type=int, default=None,
+                         help="layers to capture (default: 5 spread from the first to the last)")
+    quality.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
+                         help="tokens of the text, below the model's context length")
+    quality.add_argument("--queries", type=int, default=DEFAULT_QUERIES, help="decode query positions")
+    quality.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="k of the top-k recall")
+    quality.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    quality.add_argument("--model", default=None,
+                         help="HF-format model directory (default: SmolLM2-135M-Instruct)")
+    quality.add_argument("--seed", type=int, default=0, help="seed of the random selection")
     bench.set_defaults(func=_bench)
     return parser
 

@@ -1,9 +1,11 @@
 """``nanovllm bench``: the project's benchmarks on shape presets (definitions in ANCHORS.md).
 
-``throughput`` (B1, plus the transformers peer), ``latency`` (B2, eager and with CUDA graphs) and
-``kernels`` (B3). Every measurement runs in its own Python process, so the GPU memory of one engine
-never shrinks the next one's KV cache. Results go to ``benchmarks/results/<name>.{json,md,png}`` with
-the device, date, commit and every setting, next to the targets and anchors below.
+``throughput`` (B1, plus the transformers peer), ``latency`` (B2, eager and with CUDA graphs),
+``kernels`` (B3) and ``quality`` (attention quality of sparse policies on the real built-in model,
+:mod:`nanovllm.bench.quality`). Every measurement runs in its own Python process, so the GPU memory
+of one engine never shrinks the next one's KV cache. Results go to
+``benchmarks/results/<name>.{json,md,png}`` with the device, date, commit and every setting, next to
+the targets and anchors below.
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ def run_job(job: dict) -> list[dict]:
         return [engine.bench_transformers(job["preset"], **opts)]
     if kind == "latency":
         return [engine.bench_latency(job["preset"], **opts)]
+    if kind == "quality":
+        from nanovllm.bench import quality
+
+        return quality.run(**opts)
     raise ValueError(f"unknown benchmark job {kind!r}")
 
 
@@ -144,6 +150,10 @@ def _fmt(v: Any) -> str:
 
 
 def markdown(payload: dict[str, Any], title: str) -> str:
+    from nanovllm.bench import quality
+
+    if quality.is_quality(payload):
+        return quality.markdown(payload, title)
     env = payload["environment"]
     lines = [f"# {title}", "", f"{env['device']}, {env['date']}, commit {env['commit']}, torch {env['torch']}.",
              "Targets are issue 3's, set for one H100; floors (this device's) and peers from ANCHORS.md. "
@@ -182,6 +192,10 @@ def chart(payload: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    from nanovllm.bench import quality
+
+    if quality.is_quality(payload):
+        return quality.chart(payload, path)
     results = [r for r in payload["results"] if "error" not in r]
     panels = []
     thr = [r for r in results if r["benchmark"].startswith("throughput")]
@@ -261,6 +275,8 @@ def main(args) -> int:
             raise ValueError("nanovllm bench render needs a results file: nanovllm bench render benchmarks/results/NAME.json")
         render(Path(args.file))
         return 0
+    if args.benchmark == "quality":
+        return main_quality(args)
     options: dict[str, Any] = {}
     if args.attention_backend:
         options["attention_backend"] = args.attention_backend
@@ -270,6 +286,23 @@ def main(args) -> int:
         print(f"== {job['kind']} {job.get('preset', '')} {job['options'] or ''}", file=sys.stderr, flush=True)
         results += run_job_in_subprocess(job)
     settings = {"benchmark": args.benchmark, "presets": args.presets, "hf_num_seqs": args.hf_num_seqs, **options}
-    path = write_results(results, Path(args.out), args.name, settings)
+    path = write_results(results, Path(args.out), args.name or "bench", settings)
+    print(path.with_suffix(".md").read_text())
+    return 1 if any("error" in r for r in results) else 0
+
+
+def main_quality(args) -> int:
+    """``nanovllm bench quality``: one job (capture once, every policy) in its own process."""
+    from nanovllm.quality.evaluate import make_policy
+
+    policies = args.policy or ["full"]
+    for selection in policies:  # a bad name or option fails here, before a process starts
+        make_policy(selection)
+    options = {"policies": policies, "layers": args.layers, "tokens": args.tokens,
+               "queries": args.queries, "top_k": args.top_k, "device": args.device, "model": args.model,
+               "seed": args.seed}
+    print(f"== quality {options}", file=sys.stderr, flush=True)
+    results = run_job_in_subprocess({"kind": "quality", "options": options})
+    path = write_results(results, Path(args.out), args.name or "quality", {"benchmark": "quality", **options})
     print(path.with_suffix(".md").read_text())
     return 1 if any("error" in r for r in results) else 0
