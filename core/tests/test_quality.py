@@ -378,7 +378,7 @@ def test_bench_quality_job_writes_results(tiny_model, tmp_path):
     from nanovllm.cli import main as cli_main
 
     args = ["bench", "quality", "--model", tiny_model("LlamaForCausalLM"), "--tokens", "200",
-            "--queries", "4", "--device", "cpu", "--out", str(tmp_path), "--name", "t"]
+            "--queries", "4", "--device", "cpu", "--out", str(tmp_path), "--name", "t", "--ppl-tail", "40"]
     assert cli_main(args) == 0
     payload = json.loads((tmp_path / "t.json").read_text())
     assert payload["settings"]["benchmark"] == "quality" and payload["settings"]["policies"] == ["full"]
@@ -388,14 +388,17 @@ def test_bench_quality_job_writes_results(tiny_model, tmp_path):
     assert row["text"]["sha256"] and row["text"]["source"]
     assert [x["layer"] for x in row["per_layer"]] == [0, 1]
     assert row["mean"]["policy"]["mass_recall"] == pytest.approx(1) and row["mean"]["policy"]["density"] == 1
+    seq = row["sequence"]
+    assert seq["ppl_tail_tokens"] == 40 and seq["ppl_vs_dense"] == 1 and seq["decode_density"] is None
+    assert 1 < seq["perplexity"] < 10_000  # a random tiny model: a real, finite perplexity
     md = (tmp_path / "t.md").read_text()
-    assert "| full | mean | 1.000 |" in md and "perplexity" not in md
+    assert "| full | mean | 1.000 |" in md and "| perplexity |" in md
 
     row["sequence"]["perplexity"] = 12.5  # whole-sequence metrics become columns of the table
     (tmp_path / "t.json").write_text(json.dumps(payload))
     bench.render(tmp_path / "t.json")
     md = (tmp_path / "t.md").read_text()
-    assert "| perplexity |" in md and md.count("12.500") == 1
+    assert md.count("12.500") == 1
 
 
 def test_bench_quality_refuses_an_unknown_policy_before_running(capsys):
@@ -409,9 +412,11 @@ def test_a_failing_policy_leaves_the_others_rows(tiny_model, one_thread, test_po
     from nanovllm.bench import quality
 
     rows = quality.run(["broken", "edge_blocks"], model=tiny_model("LlamaForCausalLM"), tokens=160, queries=3,
-                       device="cpu")
+                       device="cpu", ppl_tail=40)
     assert rows[0]["policy"] == "broken" and rows[0]["error"] == "RuntimeError: this policy cannot select"
     assert rows[1]["policy"] == "edge_blocks" and rows[1]["mean"]["policy"]["blocks"] == 2
+    seq = rows[1]["sequence"]  # the tail went one token per step through its decode selection
+    assert seq["ppl_tail_step"] == 1 and 0 < seq["decode_density"] < 1 and seq["ppl_vs_dense"] != 1
     payload = {"environment": {"device": "cpu", "date": "-", "commit": "-", "torch": "-"},
                "settings": {"benchmark": "quality"}, "results": rows}
     md = quality.markdown(payload, "t")

@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--attention-backend", default=None)
     bench.add_argument("--out", default="benchmarks/results")
     bench.add_argument("--name", default=None, help="results file name (default: bench, or quality)")
-    from nanovllm.bench.quality import DEFAULT_QUERIES, DEFAULT_TOKENS, DEFAULT_TOP_K
+    from nanovllm.bench.quality import DEFAULT_PPL_TAIL, DEFAULT_QUERIES, DEFAULT_TOKENS, DEFAULT_TOP_K
 
     quality = bench.add_argument_group("quality")
     quality.add_argument("--policy", action="append", default=None, metavar="SEL",
@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--model", default=None,
                          help="HF-format model directory (default: SmolLM2-135M-Instruct)")
     quality.add_argument("--seed", type=int, default=0, help="seed of the random selection")
+    quality.add_argument("--ppl-tail", type=int, default=DEFAULT_PPL_TAIL,
+                         help="perplexity of the text's last N tokens with each policy in the engine (0: skip)")
     bench.set_defaults(func=_bench)
     return parser
 

@@ -300,7 +300,7 @@ def main_quality(args) -> int:
         make_policy(selection)
     options = {"policies": policies, "layers": args.layers, "tokens": args.tokens,
                "queries": args.queries, "top_k": args.top_k, "device": args.device, "model": args.model,
-               "seed": args.seed}
+               "seed": args.seed, "ppl_tail": args.ppl_tail}
     print(f"== quality {options}", file=sys.stderr, flush=True)
     results = run_job_in_subprocess({"kind": "quality", "options": options})
     path = write_results(results, Path(args.out), args.name or "quality", {"benchmark": "quality", **options})

@@ -7,8 +7,9 @@ quarters of the text (:mod:`nanovllm.quality.evaluate`): mass recall, top-k reca
 density, next to the oracle and a random selection with the same number of blocks.
 
 One result row per policy, with the run's text, tokens, positions and layers, per-layer metrics and
-their mean. ``sequence`` holds whole-sequence metrics of the policy (perplexity of the text with the
-policy running in the engine), each key one more column of the markdown table.
+their mean. ``sequence`` holds whole-sequence metrics of the policy running in the engine
+(:mod:`nanovllm.quality.perplexity`): the perplexity of the text's last ``ppl_tail`` tokens, its ratio to
+dense, and the density the policy's selections achieved; each key is one more column of the markdown table.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 DEFAULT_TOKENS = 4096
 DEFAULT_QUERIES = 32
 DEFAULT_TOP_K = 10
+DEFAULT_PPL_TAIL = 512  # tokens scored one per step through a decode policy: about 20 s on 2 CPU cores
 MAX_NUM_BATCHED_TOKENS = 1024  # prefill chunks: the torch backend's padded scores stay small on the CPU
 METRIC_LABELS = {"mass_recall": "mass recall", "topk_recall": "top-k recall", "output_error": "output error"}
 
@@ -38,6 +40,7 @@ def run(
     device: str = "auto",
     model: str | None = None,
     seed: int = 0,
+    ppl_tail: int = DEFAULT_PPL_TAIL,
 ) -> list[dict[str, Any]]:
     """Capture once, evaluate each policy; one result row per policy."""
     import torch
@@ -76,10 +79,38 @@ def run(
         except Exception as exc:  # a policy that fails (a contract bug, a backend gap) leaves the others' rows
             rows.append({**row, "error": f"{type(exc).__name__}: {exc}"})
             continue
-        # "sequence": whole-sequence metrics of the policy running in the engine (perplexity), added by
-        # their own function; the markdown table gives each key a column.
         rows.append({**row, "per_layer": per_layer, "mean": mean_over_layers(per_layer), "sequence": {}})
+    if ppl_tail:
+        if not 0 < ppl_tail < tokens:
+            raise ValueError(f"ppl_tail={ppl_tail} must be below tokens={tokens}; lower it, or 0 to skip")
+        add_perplexity(rows, token_ids, ppl_tail, model, device)
     return rows
+
+
+def add_perplexity(rows: list[dict[str, Any]], token_ids: list[int], tail: int, model: str | None,
+                   device: str) -> None:
+    """Each row's ``sequence``: perplexity of the last ``tail`` tokens with the policy in the engine, next
+    to dense (``full``, run once), and the density its selections achieved."""
+    from nanovllm.quality.perplexity import tail_perplexity
+
+    def measure(selection: str) -> dict[str, Any]:
+        result = tail_perplexity(selection, token_ids, tail, model=model, device=device,
+                                 prefill_chunk=MAX_NUM_BATCHED_TOKENS)
+        gc.collect()
+        return {"perplexity": result.perplexity, "ppl_tail_tokens": tail, "ppl_tail_step": result.tail_step,
+                "decode_density": result.decode_density, "prefill_density": result.prefill_density}
+
+    dense = None
+    for row in sorted(rows, key=lambda r: r["policy"] != "full"):  # full first: it is the reference
+        if "error" in row:
+            continue
+        row["sequence"] = measure(row["policy"])
+        if row["policy"] == "full":
+            dense = row["sequence"]["perplexity"]
+    dense = dense if dense is not None else measure("full")["perplexity"]
+    for row in rows:
+        if row.get("sequence"):
+            row["sequence"]["ppl_vs_dense"] = row["sequence"]["perplexity"] / dense
 
 
 def _f(value: float) -> str:
@@ -115,8 +146,8 @@ def markdown(payload: dict[str, Any], title: str) -> str:
             cells += [f"{_f(p[m])} ({_f(o[m])} / {_f(rnd[m])})" for m in METRIC_LABELS]
             cells.append(_f(p["policy_output_error"]))
             seq = r.get("sequence", {}) if label == "mean" else {}
-            cells += [_f(seq[k]) if isinstance(seq.get(k), float) else str(seq.get(k, ""))
-                      for k in sequence_keys]
+            cells += [_f(seq[k]) if isinstance(seq.get(k), float) else
+                      ("-" if seq.get(k) is None else str(seq[k])) for k in sequence_keys]
             lines.append("| " + " | ".join(cells) + " |")
     for r in payload["results"]:
         if "error" in r:
