@@ -67,11 +67,13 @@ def cases() -> list[Case]:
 
 @functools.cache
 def tiny_model() -> str:
-    """A tiny random Llama (GQA, 3 layers) written once per process."""
+    """A tiny random Llama (GQA 4q/2kv, head size 32 as the triton backend needs, 3 layers), written once
+    per process."""
     from nanovllm.testing import tiny_model_dir
 
     path = tempfile.mkdtemp(prefix="nanovllm-conformance-")
-    return str(tiny_model_dir(path, "LlamaForCausalLM", num_hidden_layers=3))
+    return str(tiny_model_dir(path, "LlamaForCausalLM", num_hidden_layers=3, hidden_size=128,
+                              intermediate_size=256))
 
 
 def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
