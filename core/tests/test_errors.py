@@ -61,9 +61,9 @@ def make_llm(model, **kw):
 @pytest.mark.parametrize(
     "option, value, error, words",
     [
-        ("sparse_policy", "nope", PluginError, ["unknown sparse policy 'nope'", "Installed: ", "pip"]),
+        ("sparse_policy", "nope", PluginError, ["unknown sparse policy 'nope'", "Installed: ", "nanovllm plugins"]),
         ("sparse_policy", "ful", PluginError, ["Did you mean 'full'?"]),
-        ("attention_backend", "nope", PluginError, ["unknown attention backend 'nope'", "torch", "pip"]),
+        ("attention_backend", "nope", PluginError, ["unknown attention backend 'nope'", "torch", "nanovllm plugins"]),
         ("sparse_policy", "full:", SelectionError, ["no options after it", "write e.g."]),
         ("sparse_policy", "full:x", SelectionError, ["'x' is not 'key=value'", "write e.g."]),
         ("sparse_policy", ":x=1", SelectionError, ["no name", "write e.g."]),
@@ -71,7 +71,7 @@ def make_llm(model, **kw):
         ("sparse_policy", "full:x=1", SelectionError, ["unknown option 'x'", "Accepted"]),
         ("attention_backend", "torch:x=1", SelectionError, ["takes no options", "x"]),
         ("attention_backend", "auto:x=1", SelectionError, ["'auto' takes no options"]),
-        ("sparse_policy", {"topk": 8}, SelectionError, ["needs a 'name' key"]),
+        ("sparse_policy", {"topk": 8}, SelectionError, ["a dict selection has a 'name' key, or the keys 'prefill'"]),
         ("sparse_policy", {"name": "full", "topk": 8}, SelectionError, ["unknown option 'topk'"]),
         ("sparse_policy", 5, ValueError, ["sparse_policy must be a selection string"]),
     ],
