@@ -248,6 +248,7 @@ def decode(sweep: bool, gen, copy_gbs: float) -> None:
 
 
 SELECTED_TARGET = 0.8  # selected decode's GB/s over dense decode's, same run
+SELECTED_CONFIGS = [(16, 2, 2), (16, 4, 3), (32, 4, 3), (32, 4, 4), (64, 4, 4), (64, 8, 3), (128, 8, 3)]
 
 
 def random_head_selection(batch: int, num_kv_heads: int, num_blocks: int, num_selected: int, gen,
@@ -300,8 +301,10 @@ def selected_decode(sweep: bool, gen) -> None:
         def dense(q=q, kc=kc, vc=vc, out=out, lens=lens, tables=tables, ctx=ctx):
             tk.attention_decode(q, kc, vc, out, None, lens, tables, None, ctx, scale)
 
-        def selected(splits=None, sel=sel, q=q, kc=kc, vc=vc, out=out, lse=lse, lens=lens, tables=tables):
-            tk.attention_decode(q, kc, vc, out, lse, lens, tables, sel, n_sel * bs, scale, num_splits=splits)
+        def selected(splits=None, sel=sel, config=None, q=q, kc=kc, vc=vc, out=out, lse=lse, lens=lens,
+                     tables=tables):
+            tk.attention_decode(q, kc, vc, out, lse, lens, tables, sel, n_sel * bs, scale, num_splits=splits,
+                                config=config)
 
         label = f"b={batch} ctx={ctx} bs={bs}"
         try:
@@ -315,12 +318,17 @@ def selected_decode(sweep: bool, gen) -> None:
             record("decode", f"{label} selected {n_sel} blocks per KV head", float("nan"), float("nan"), "",
                    _why(e))
             continue
-        # the default split count and others: a selection has few keys per KV head
-        for splits in [None, 16, 32] + ([4, 64] if sweep else []):
-            n = splits or tk.num_decode_splits(batch, hkv, n_sel * bs, block_n, q.device)
-            name = f"{label} selected {n_sel} blocks per KV head splits={n}{'' if splits else ' (auto)'}, graph"
+        # the default split count and others (a selection has few keys per KV head); in a sweep, tiles
+        # (BLOCK_N, warps, stages) too
+        variants = [(None, None), (16, None), (32, None)]
+        if sweep:
+            variants += [(4, None), (64, None)] + [(None, c) for c in SELECTED_CONFIGS]
+        for splits, config in variants:
+            n = splits or tk.num_decode_splits(batch, hkv, n_sel * bs, (config or (block_n,))[0], q.device)
+            name = (f"{label} selected {n_sel} blocks per KV head splits={n}{'' if splits else ' (auto)'}"
+                    f"{f' tiles {config}' if config else ''}, graph")
             try:
-                t = graph_ms([lambda x=x, splits=splits: selected(splits, x) for x in sels])
+                t = graph_ms([lambda x=x, splits=splits, config=config: selected(splits, x, config) for x in sels])
             except Exception as e:
                 record("decode", name, float("nan"), float("nan"), "", _why(e))
                 continue
@@ -330,6 +338,14 @@ def selected_decode(sweep: bool, gen) -> None:
                    f"{t_dense / t:.1f}x faster, err {err:.1e}",
                    vs_dense=round(gbs / dense_gbs, 3), dense_target=SELECTED_TARGET,
                    speedup=round(t_dense / t, 2))
+        # The same blocks for every KV head (the [num_seqs, k] form): each block is read whole, 16 tokens x
+        # all heads contiguous, where one head's share of a block is 16 pieces of head_dim values apart.
+        shared = [x[:, 0].contiguous() for x in sels]
+        t = graph_ms([lambda x=x: selected(None, x) for x in shared])
+        gbs = sel_bytes / t / 1e6
+        record("decode", f"{label} selected {n_sel} blocks shared by all KV heads (auto), graph", t, gbs, "GB/s",
+               f"{gbs / dense_gbs:.2f} of dense GB/s, {t_dense / t:.1f}x faster",
+               vs_dense=round(gbs / dense_gbs, 3), dense_target=SELECTED_TARGET, speedup=round(t_dense / t, 2))
         del kc, vc, dense, selected
 
 
