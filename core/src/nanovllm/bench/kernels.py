@@ -81,6 +81,18 @@ def record(kind, name, t_ms, value, unit, note="", **extra):
                      **extra))
 
 
+def paged_decode_inputs(batch: int, ctx: int, bs: int, h: int, hkv: int, d: int, gen):
+    """A shuffled paged cache holding ``batch`` contexts of ``ctx`` tokens, its block tables and lengths,
+    one query per sequence and an output buffer."""
+    nblk = -(-ctx // bs)
+    pool = batch * nblk
+    kc, vc = randn(pool, bs, hkv, d, gen=gen), randn(pool, bs, hkv, d, gen=gen)
+    tables = torch.randperm(pool, generator=gen, device=DEV).view(batch, nblk).int()
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+    q = randn(batch, h, d, gen=gen)
+    return kc, vc, tables, lens, q, torch.empty_like(q)
+
+
 def copy_bandwidth() -> float:
     n = (2 << 30) // SCALE**2
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=DEV)
@@ -209,13 +221,7 @@ def decode(sweep: bool, gen, copy_gbs: float) -> None:
         shapes = [(b, c // SCALE) for b, c in shapes[:2]]
     for batch, ctx in shapes:
         for bs in (16, 256):
-            nblk = -(-ctx // bs)
-            pool = batch * nblk
-            kc, vc = randn(pool, bs, hkv, d, gen=gen), randn(pool, bs, hkv, d, gen=gen)
-            tables = torch.randperm(pool, generator=gen, device=DEV).view(batch, nblk).int()
-            lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
-            q = randn(batch, h, d, gen=gen)
-            out = torch.empty_like(q)
+            kc, vc, tables, lens, q, out = paged_decode_inputs(batch, ctx, bs, h, hkv, d, gen)
             kv_bytes = 2 * batch * ctx * hkv * d * 2
             configs = [(None, None)]
             if sweep:
@@ -284,12 +290,7 @@ def selected_decode(sweep: bool, gen) -> None:
     block_n = tk._decode_config(d, torch.bfloat16, torch.device(DEV), bs)[0]
     for batch, ctx in shapes:
         nblk = -(-ctx // bs)
-        pool = batch * nblk
-        kc, vc = randn(pool, bs, hkv, d, gen=gen), randn(pool, bs, hkv, d, gen=gen)
-        tables = torch.randperm(pool, generator=gen, device=DEV).view(batch, nblk).int()
-        lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
-        q = randn(batch, h, d, gen=gen)
-        out = torch.empty_like(q)
+        kc, vc, tables, lens, q, out = paged_decode_inputs(batch, ctx, bs, h, hkv, d, gen)
         lse = torch.empty(batch, h, dtype=torch.float32, device=DEV)
         rotation = 1 if DRY else 16  # selections over different blocks, replayed in turn
         sels = [random_head_selection(batch, hkv, nblk, n_sel, gen, DEV) for _ in range(rotation)]
