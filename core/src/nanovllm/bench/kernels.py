@@ -277,6 +277,19 @@ def decode_bytes(block_indices: torch.Tensor, kv_lens: torch.Tensor, block_size:
     return int(tokens.sum()) * 2 * head_dim * itemsize + 2 * s * num_heads * head_dim * itemsize
 
 
+def same_bytes_dense(batch: int, ctx: int, bs: int, h: int, hkv: int, d: int, scale: float, gen) -> None:
+    """Dense decode over contexts as long as a selection: a kernel this short pays its launch, ramp-up and
+    split reduce on few bytes, so this is the fair peer of a selection's GB/s."""
+    caches = [paged_decode_inputs(batch, ctx, bs, h, hkv, d, gen) for _ in range(1 if DRY else 16)]
+    calls = [lambda c=c: tk.attention_decode(c[4], c[0], c[1], c[5], None, c[3], c[2], None, ctx, scale)
+             for c in caches]
+    t = graph_ms(calls)
+    gbs = decode_bytes(torch.arange(-(-ctx // bs), dtype=torch.int32, device=DEV).expand(batch, hkv, -1),
+                       caches[0][3], bs, h, d, caches[0][4].element_size()) / t / 1e6
+    record("decode", f"b={batch} ctx={ctx} bs={bs} dense over as many bytes as the selection, graph", t, gbs,
+           "GB/s")
+
+
 def selected_decode(sweep: bool, gen) -> None:
     """Decode over per-KV-head selections (``attend_blocks``' launch, with lse) against dense decode over
     the whole context of the same inputs; the selection's output checked against the torch backend."""
@@ -312,6 +325,7 @@ def selected_decode(sweep: bool, gen) -> None:
             t_dense = graph_ms([dense] * 4)  # the whole context is far larger than L2: no rotation needed
             dense_gbs = dense_bytes / t_dense / 1e6
             record("decode", f"{label} dense (selected's peer), CUDA graph", t_dense, dense_gbs, "GB/s")
+            same_bytes_dense(batch, n_sel * bs, bs, h, hkv, d, scale, gen)
             selected()
             meta = PhaseMetadata(torch.arange(batch + 1, dtype=torch.int32, device=DEV), lens, tables, 1, ctx)
             err = rel(out, TorchBackend().attend_blocks(q, kc, vc, meta, sel, lens, scale)[0])
