@@ -286,3 +286,33 @@ def test_collision_cannot_reach_a_block_whose_parent_was_overwritten(monkeypatch
     assert bm.blocks[child].hash is not None  # the old child is still cached
 
     assert bm.find_cached_prefix(seq_of([5, 6, 1, 2, 3, 4, 0])) == [spare, parent]
+
+
+# -- the allocation notice the policies reset their metadata from ----------------------------------------
+
+
+def test_every_handed_out_block_is_reported_once_and_hits_are_not():
+    """``take_newly_allocated`` lists exactly the blocks handed out since the last call: fresh blocks,
+    reused free ones, and the duplicate given back by the dedupe path when it is taken again; never a
+    prefix-cache hit, whose content (and metadata) is kept."""
+    bm = BlockManager(8, BS)
+    shared = list(range(1, 9))
+    a, b = seq_of(shared + [20]), seq_of(shared + [30])
+    admit(bm, a)
+    admit(bm, b)
+    assert sorted(bm.take_newly_allocated()) == sorted(a.block_table + b.block_table)
+    assert bm.take_newly_allocated() == []
+    given_back = b.block_table[:2]  # b's own copies of the shared blocks
+    compute(bm, a)
+    compute(bm, b)  # ... go back to the free queue, b now shares a's
+    assert b.block_table[:2] == a.block_table[:2] and all(bm.blocks[x].ref_count == 0 for x in given_back)
+    assert bm.take_newly_allocated() == []  # the dedupe hands nothing out
+    c = seq_of(shared + [40])
+    hits = admit(bm, c)
+    assert hits == a.block_table[:2]
+    assert bm.take_newly_allocated() == c.block_table[2:]  # the hits are not reallocated
+    d = seq_of(range(50, 62))  # three blocks: the given-back copies come first in the free queue
+    admit(bm, d)
+    taken = bm.take_newly_allocated()
+    assert taken == d.block_table and set(given_back) <= set(taken)  # reported when handed out again
+    assert all(bm.blocks[x].generation == 2 for x in given_back)

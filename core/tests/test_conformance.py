@@ -100,3 +100,17 @@ CPU = {c.check: c for c in cases() if c.device == "cpu"}
 def test_the_kit_fails_a_broken_policy(policy, check, message):
     with pytest.raises(AssertionError, match=message):
         run_case(CPU[check], policy)
+
+
+def test_policy_metadata_counts_against_the_kv_budget():
+    from nanovllm import LLM
+    from nanovllm.conformance import tiny_model
+
+    options = dict(device="cpu", kv_cache_memory=1 << 20, block_size=4, max_model_len=128)
+    dense = LLM(tiny_model(), sparse_policy="full", **options).runner
+    quest = LLM(tiny_model(), sparse_policy="quest_style", **options).runner
+    layers, kv_heads, head_dim = len(quest.attention_layers), quest.num_kv_heads, quest.head_dim
+    kv = 2 * layers * 4 * kv_heads * head_dim * 4  # K and V of a block of 4 float32 tokens, every layer
+    metadata = 2 * layers * kv_heads * head_dim * 4  # the policy's float32 min and max per block
+    assert dense.num_blocks == (1 << 20) // kv
+    assert quest.num_blocks == (1 << 20) // (kv + metadata) < dense.num_blocks

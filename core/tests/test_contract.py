@@ -26,9 +26,9 @@ def test_readme_documents(name):
 
 
 def test_flags_are_declared_on_the_base_class():
-    for flag in POLICY_FLAGS:
-        assert isinstance(getattr(SparsePolicy, flag), bool), flag
-    assert set(RUNTIME_HOOKS) == set(hook_names(PolicySpec)) and set(NOTIFICATION_HOOKS) <= set(RUNTIME_HOOKS)
+    # every boolean class attribute of the base class is a documented, tested flag
+    assert set(POLICY_FLAGS) == {n for n, v in vars(SparsePolicy).items() if isinstance(v, bool)}
+    assert set(NOTIFICATION_HOOKS) == {"on_kv_write", "on_blocks_allocated", "on_blocks_selected"}
 
 
 CALLS: Counter = Counter()
@@ -53,6 +53,7 @@ class Recorder(SparsePolicy):
 
     def on_kv_write(self, write):
         CALLS["on_kv_write"] += 1
+        CALLS["prefill_rows_written"] += write.key.shape[0] - write.step.num_decode_tokens
 
     def on_blocks_allocated(self, block_ids):
         CALLS["on_blocks_allocated"] += 1
@@ -109,8 +110,10 @@ def test_supports_flags_send_the_other_phase_to_full(make_llm):
     assert type(llm.runner.prefill_policy) is FullAttentionPolicy and type(llm.runner.decode_policy) is DecodeOnly
     calls = run(llm)
     assert calls["compute_chunked_prefill"] == 0 and calls["compute_chunked_decode"] > 0
-    # The decode-only policy still sees the prefill keys: on_kv_write runs in every step, once per layer.
+    # The decode-only policy still sees the prefill keys: on_kv_write runs in every step, once per layer,
+    # with the prompts' rows (27 + 3 tokens, in each of the 2 layers).
     assert calls["on_kv_write"] > calls["compute_chunked_decode"]
+    assert calls["prefill_rows_written"] == 2 * (27 + 3)
     llm = make_llm("prefillonly")
     assert type(llm.runner.decode_policy) is FullAttentionPolicy
     calls = run(llm)

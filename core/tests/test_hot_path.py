@@ -206,4 +206,7 @@ def test_binding_rejects_a_policy_missing_a_hook():
 def test_runtime_hooks_are_the_specs():
     from nanovllm.hookspecs import PolicySpec
 
-    assert set(RUNTIME_HOOKS) == {n for n in vars(PolicySpec) if not n.startswith("_")}
+    assert set(RUNTIME_HOOKS) == {n for n in vars(PolicySpec) if not n.startswith("_")} == {
+        "select_blocks", "compute_chunked_prefill", "compute_chunked_decode", "on_kv_write", "on_blocks_allocated",
+        "on_blocks_selected",
+    }

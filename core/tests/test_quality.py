@@ -340,7 +340,7 @@ def test_metadata_policies_see_allocation_and_every_key_before_selecting(test_po
 
 def test_a_prefill_only_policy_is_refused(test_policies, monkeypatch):
     monkeypatch.setattr(EdgeBlocks, "supports_decode", False)
-    with pytest.raises(ValueError, match="does not run decode"):
+    with pytest.raises(ValueError, match="runs only prefill"):
         evaluate_policy("edge_blocks", planted_capture(), [255])
 
 
@@ -437,3 +437,10 @@ def test_a_per_head_metadata_policy_on_planted_needles():
     assert p["blocks"] == oracle["blocks"] == rand["blocks"] == 2
     assert p["policy_output_error"] == pytest.approx(p["output_error"], abs=1e-4)
     assert oracle["mass_recall"] >= p["mass_recall"] > rand["mass_recall"] + 0.3
+
+
+def test_a_phase_pair_is_measured_through_its_decode_policy(test_policies):
+    from nanovllm.quality.evaluate import make_policy
+
+    assert type(make_policy("prefill=full;decode=edge_blocks")).__name__ == "EdgeBlocks"
+    assert type(make_policy({"decode": "edge_blocks"})).__name__ == "EdgeBlocks"

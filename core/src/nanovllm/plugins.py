@@ -104,7 +104,7 @@ class PluginInfo:
     def warning(self) -> str | None:
         """What looks wrong with a plugin that loaded: it registered nothing."""
         if self.error is None and not self.registered:
-            return ("registers nothing: its module implements no register_* hook with @hookimpl "
+            return ("registers nothing: its register_* hooks added no names, or none is marked @hookimpl "
                     "(from nanovllm.hookspecs import hookimpl)")
         return None
 

@@ -11,6 +11,7 @@ the chunk itself, merged by log-sum-exp), so a policy that only chooses blocks o
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -143,6 +144,13 @@ class SparsePolicy:
     def __init__(self, config: Any = None) -> None:
         self.config = config
 
+    def metadata_bytes_per_block(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+    ) -> int:
+        """Device bytes of the per-block metadata ``initialize`` will allocate, per KV block. The engine
+        sizes the KV cache with them, so metadata stays inside the memory budget."""
+        return 0
+
     def initialize(
         self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
         dtype: torch.dtype, device: torch.device,
@@ -196,6 +204,14 @@ def _is_base_noop(plugin: object, name: str) -> bool:
     )
 
 
+def _signatures() -> str:
+    """``name(arg, ...)`` of every runtime hook, for error messages."""
+    return "; ".join(
+        f"{name}({', '.join(list(inspect.signature(getattr(PolicySpec, name)).parameters)[1:])})"
+        for name in RUNTIME_HOOKS
+    )
+
+
 class _RuntimeManager(pluggy.PluginManager):
     """Methods named like a runtime hook are implementations, decorated or not, except the base
     class's empty notification hooks, so a policy that keeps no metadata costs nothing per layer."""
@@ -229,7 +245,13 @@ class PolicyHooks:
         self.members: list[object] = []
         for member in (prefill, decode, *observers):
             if not any(member is m for m in self.members):
-                self.manager.register(member)
+                try:
+                    self.manager.register(member)
+                except pluggy.PluginValidationError as exc:  # a hook method with other argument names
+                    raise TypeError(
+                        f"{type(member).__name__}: {' '.join(str(exc).split())}. Runtime hooks take the argument names of "
+                        f"nanovllm.hookspecs.PolicySpec: {_signatures()}"
+                    ) from exc
                 self.members.append(member)
         self.prefill = self._phase(prefill, "compute_chunked_prefill")
         self.decode = self._phase(decode, "compute_chunked_decode")

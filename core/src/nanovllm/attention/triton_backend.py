@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from nanovllm.attention import triton_kernels as tk
-from nanovllm.attention.backend import AttentionBackend, selection_per_kv_head
+from nanovllm.attention.backend import AttentionBackend
 from nanovllm.attention.metadata import PhaseMetadata
 
 
@@ -64,7 +64,8 @@ class TritonBackend(AttentionBackend):
         return out
 
     def attend_blocks(self, q, k_cache, v_cache, meta, block_indices, kv_lens, scale):
-        block_indices = selection_per_kv_head(block_indices, k_cache.shape[2])  # shared form: stride-0 view
+        if block_indices.shape[-1] > 1 and block_indices.stride(-1) != 1:  # the kernels read rows as int32 runs
+            block_indices = block_indices.contiguous()
         out = _empty_out(q)
         lse = _empty_lse(q)
         if block_indices.shape[-1] == 0:

@@ -166,11 +166,12 @@ class ModelRunner:
         )
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
-        for policy in self.hooks.policies:
-            policy.initialize(
-                len(self.attention_layers), self.num_kv_heads, self.head_dim, self.num_blocks,
-                self.block_size, self.dtype, self.device,
-            )
+        for member in self.hooks.members:  # the policies, and observers that keep per-block state
+            if callable(getattr(member, "initialize", None)):
+                member.initialize(
+                    len(self.attention_layers), self.num_kv_heads, self.head_dim, self.num_blocks,
+                    self.block_size, self.dtype, self.device,
+                )
         self._last_sampled = torch.empty(0, dtype=torch.long, device=self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda":
@@ -214,8 +215,11 @@ class ModelRunner:
         return self.hooks.decode.policy
 
     def _kv_bytes_per_block(self) -> int:
+        """K and V of one block in every layer, plus the per-block metadata the policies will keep."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * len(self.attention_layers) * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        shape = (len(self.attention_layers), self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
+        metadata = sum(p.metadata_bytes_per_block(*shape) for p in self.hooks.policies)
+        return 2 * len(self.attention_layers) * self.block_size * self.num_kv_heads * self.head_dim * itemsize + metadata
 
     def _num_kv_blocks(self) -> int:
         per_block = self._kv_bytes_per_block()

@@ -20,7 +20,7 @@ from nanovllm.attention.metadata import PhaseMetadata, StepMetadata
 from nanovllm.policy import KVWrite, PolicyContext, SparsePolicy
 from nanovllm.quality.capture import Capture, LayerActivations
 from nanovllm.quality.metrics import compare_selection, dense_attention
-from nanovllm.selection import resolve_sparse_policy
+from nanovllm.selection import resolve_policies
 
 def decode_positions(num_tokens: int, num_queries: int, block_size: int) -> list[int]:
     """Up to ``num_queries`` positions at block ends (``t + 1`` a multiple of ``block_size``), spread
@@ -34,15 +34,16 @@ def decode_positions(num_tokens: int, num_queries: int, block_size: int) -> list
 
 
 def make_policy(selection: str | dict) -> SparsePolicy:
-    """A fresh instance of the policy one selection names (one policy, not a per-phase pair)."""
-    resolved = resolve_sparse_policy(selection)
-    policy = resolved.cls(resolved.config)
-    if not policy.supports_decode:
+    """A fresh instance of the policy that runs the decode phase under ``selection`` (one policy, or a
+    ``prefill=...;decode=...`` pair, whose perplexity the harness measures with both in the engine)."""
+    plan = resolve_policies(selection)
+    if plan.decode.selection.name == "full" and plan.prefill.selection.name != "full":
         raise ValueError(
-            f"sparse policy {selection!r} does not run decode, and the quality harness measures decode "
-            "queries; choose a policy that supports decode"
+            f"sparse_policy={selection!r} runs only prefill ({plan.prefill.selection.name!r}); the harness's "
+            f"attention metrics measure decode queries: pair it with a decode policy, "
+            f"'prefill={plan.prefill.selection};decode=NAME'"
         )
-    return policy
+    return plan.decode.cls(plan.decode.config)
 
 
 def _paged_cache(x: torch.Tensor, num_blocks: int, block_size: int, device, dtype) -> torch.Tensor:

@@ -21,7 +21,9 @@ from nanovllm.policy import PolicyContext
 class DensityMeter:
     """Observer: tokens the selections cover, against the history tokens they could cover, per phase."""
 
-    cuda_graph_safe = True  # device-side sums only
+    # Not graph-safe: each call rebinds Python references to new tensors, which a replayed graph would
+    # never update (and padded graph rows would count). The harness measures quality, not speed.
+    cuda_graph_safe = False
 
     def __init__(self) -> None:
         self.selected: dict[str, Any] = {"prefill": 0.0, "decode": 0.0}
@@ -74,8 +76,8 @@ def tail_perplexity(
     """
     from nanovllm import LLM, SamplingParams
 
-    if not 0 < tail_tokens < len(token_ids):
-        raise ValueError(f"tail_tokens must be in [1, {len(token_ids) - 1}], got {tail_tokens}")
+    if not 0 < tail_tokens < len(token_ids) - 1:
+        raise ValueError(f"tail_tokens must be in [1, {len(token_ids) - 2}], got {tail_tokens}")
     meter = DensityMeter()
     llm = LLM(
         model, device=device, sparse_policy=sparse_policy, max_model_len=len(token_ids) + 1,
@@ -90,8 +92,9 @@ def tail_perplexity(
     scheduler = llm.scheduler
     while scheduler.has_unfinished():
         done = seq.num_computed_tokens
-        # The head in chunks that end exactly where the tail begins, then the tail in tail_step steps.
-        scheduler.max_num_batched_tokens = min(prefill_chunk, head - done) if done < head else tail_step
+        # Row p predicts token p + 1: the head in chunks up to the row that predicts the tail's first token,
+        # then the tail's rows in tail_step steps.
+        scheduler.max_num_batched_tokens = min(prefill_chunk, head - 1 - done) if done < head - 1 else tail_step
         llm.step()
     prompt_logprobs = llm._output(seq).prompt_logprobs
     nll = -sum(prompt_logprobs[p][token_ids[p]].logprob for p in range(head, len(token_ids))) / tail_tokens
