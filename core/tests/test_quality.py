@@ -444,3 +444,18 @@ def test_a_phase_pair_is_measured_through_its_decode_policy(test_policies):
 
     assert type(make_policy("prefill=full;decode=edge_blocks")).__name__ == "EdgeBlocks"
     assert type(make_policy({"decode": "edge_blocks"})).__name__ == "EdgeBlocks"
+
+
+@pytest.mark.gpu
+def test_bench_quality_runs_on_cuda(tiny_model, test_policies):
+    """The harness on CUDA: capture, attention metrics and perplexity through the engine (triton backend,
+    the tail one token per step through a decode selection). Plumbing on a tiny random model."""
+    from nanovllm.bench import quality
+
+    model = tiny_model("LlamaForCausalLM", hidden_size=128, intermediate_size=256)  # head size 32
+    rows = quality.run(["full", "edge_blocks"], model=model, tokens=320, queries=4, device="cuda", ppl_tail=48)
+    assert [r["policy"] for r in rows] == ["full", "edge_blocks"] and all("error" not in r for r in rows)
+    assert rows[0]["device"].startswith("cuda") and rows[0]["attention_backend"] == "triton"
+    assert rows[0]["mean"]["policy"]["mass_recall"] == pytest.approx(1)
+    assert rows[1]["mean"]["policy"]["density"] < 1 and rows[1]["sequence"]["ppl_tail_step"] == 1
+    assert 0 < rows[1]["sequence"]["decode_density"] < 1 and rows[0]["sequence"]["ppl_vs_dense"] == 1
