@@ -56,17 +56,20 @@ class QuestStylePolicy(SparsePolicy):
         num_seqs, width = meta.block_tables.shape
         hkv = ctx.num_kv_heads
         physical = meta.block_tables.clamp(min=0).long()
-        kmin, kmax = self.key_min[ctx.layer_id, physical], self.key_max[ctx.layer_id, physical]  # [S, W, Hkv, D]
+        # [S, W, Hkv, D]
+        kmin, kmax = self.key_min[ctx.layer_id, physical], self.key_max[ctx.layer_id, physical]
         q = ctx.query.float()
         q = q.view(q.shape[0], hkv, q.shape[1] // hkv, q.shape[2])  # [T, Hkv, G, D]
         seq = torch.repeat_interleave(
             torch.arange(num_seqs, device=q.device), meta.query_lens.long(), output_size=q.shape[0]
         )
         qs = q[:, None]  # [T, 1, Hkv, G, D]
-        bound = torch.maximum(qs * kmin[seq][:, :, :, None], qs * kmax[seq][:, :, :, None]).sum(-1)  # [T,W,Hkv,G]
+        # [T, W, Hkv, G]
+        bound = torch.maximum(qs * kmin[seq][:, :, :, None], qs * kmax[seq][:, :, :, None]).sum(-1)
         row_score = bound.amax(dim=-1)  # over the group's query heads
         score = torch.full((num_seqs, width, hkv), float("-inf"), device=q.device)
-        score = score.scatter_reduce(0, seq[:, None, None].expand_as(row_score), row_score, "amax")  # over queries
+        # over the chunk's queries
+        score = score.scatter_reduce(0, seq[:, None, None].expand_as(row_score), row_score, "amax")
         score = score.transpose(1, 2)  # [S, Hkv, W]
         n = ctx.num_history_blocks.long()[:, None, None]
         idx = torch.arange(width, device=q.device)

@@ -8,7 +8,6 @@ import torch
 from nanovllm.conformance import cases, run_case
 from nanovllm.plugins import get_plugins, reload_plugins
 from nanovllm.policy import PolicyContext
-
 from quest_style import Plugin, QuestStylePolicy
 
 GPU_CASES = [pytest.param(c, marks=pytest.mark.gpu) if c.device == "cuda" else c for c in cases()]

@@ -86,8 +86,8 @@ def make_llm(tiny_model, monkeypatch, one_thread):
     def make(policy, observers=()):
         from nanovllm import LLM
 
-        return LLM(tiny_model(), device="cpu", kv_cache_memory=1 << 22, block_size=4, max_num_batched_tokens=16,
-                   sparse_policy=policy, observers=observers)
+        return LLM(tiny_model(), device="cpu", kv_cache_memory=1 << 22, block_size=4,
+                   max_num_batched_tokens=16, sparse_policy=policy, observers=observers)
 
     return make
 
@@ -107,7 +107,8 @@ def test_every_runtime_hook_is_called_by_the_engine(make_llm):
 
 def test_supports_flags_send_the_other_phase_to_full(make_llm):
     llm = make_llm("decodeonly")
-    assert type(llm.runner.prefill_policy) is FullAttentionPolicy and type(llm.runner.decode_policy) is DecodeOnly
+    assert type(llm.runner.prefill_policy) is FullAttentionPolicy
+    assert type(llm.runner.decode_policy) is DecodeOnly
     calls = run(llm)
     assert calls["compute_chunked_prefill"] == 0 and calls["compute_chunked_decode"] > 0
     # The decode-only policy still sees the prefill keys: on_kv_write runs in every step, once per layer,
@@ -146,7 +147,8 @@ def test_one_prefill_policy_and_one_decode_policy(make_llm):
     calls = run(llm)
     assert calls["compute_chunked_prefill"] and calls["compute_chunked_decode"]
     llm = make_llm({"decode": "recorder"})
-    assert type(llm.runner.prefill_policy) is FullAttentionPolicy and type(llm.runner.decode_policy) is Recorder
+    assert type(llm.runner.prefill_policy) is FullAttentionPolicy
+    assert type(llm.runner.decode_policy) is Recorder
     llm = make_llm("prefillonly;decodeonly")  # each takes the phase it supports
     assert type(llm.runner.prefill_policy) is PrefillOnly and type(llm.runner.decode_policy) is DecodeOnly
 
@@ -154,7 +156,8 @@ def test_one_prefill_policy_and_one_decode_policy(make_llm):
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("recorder;decodeonly", "both 'recorder' and 'decodeonly' would run the decode phase.*'prefill=recorder;decode=decodeonly'"),
+        ("recorder;decodeonly",
+         "both 'recorder' and 'decodeonly' would run the decode phase.*'prefill=recorder;decode=decodeonly'"),
         ("prefill=decodeonly", "'decodeonly' cannot run the prefill phase \\(supports_prefill=False\\)"),
         ("middle=recorder", "'middle' is not a phase"),
         ({"prefill": "recorder", "later": "full"}, "the keys 'prefill' and/or 'decode'"),

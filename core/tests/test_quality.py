@@ -453,7 +453,8 @@ def test_bench_quality_runs_on_cuda(tiny_model, test_policies):
     from nanovllm.bench import quality
 
     model = tiny_model("LlamaForCausalLM", hidden_size=128, intermediate_size=256)  # head size 32
-    rows = quality.run(["full", "edge_blocks"], model=model, tokens=320, queries=4, device="cuda", ppl_tail=48)
+    rows = quality.run(["full", "edge_blocks"], model=model, tokens=320, queries=4, device="cuda",
+                       ppl_tail=48)
     assert [r["policy"] for r in rows] == ["full", "edge_blocks"] and all("error" not in r for r in rows)
     assert rows[0]["device"].startswith("cuda") and rows[0]["attention_backend"] == "triton"
     assert rows[0]["mean"]["policy"]["mass_recall"] == pytest.approx(1)

@@ -171,7 +171,8 @@ def _compare_logprob_rows(where: str, got: list, want: list, tokens: list[int]) 
             continue
         token = tokens[pos]
         assert _close(g[token].logprob, w[token].logprob), (
-            f"{where}: position {pos}, token {token}: logprob {g[token].logprob:.6f}, full {w[token].logprob:.6f}"
+            f"{where}: position {pos}, token {token}: logprob {g[token].logprob:.6f}, "
+            f"full {w[token].logprob:.6f}"
         )
         gv = sorted((lp.logprob for lp in g.values()), reverse=True)
         wv = sorted((lp.logprob for lp in w.values()), reverse=True)
@@ -229,7 +230,7 @@ def check_selection(ctx: PolicyContext, blocks: Any) -> None:
             f"{where}, row {r}: {row}: -1 padding must come only at the end"
         )
         assert valid == sorted(set(valid)), f"{where}, row {r}: {valid} is not strictly ascending"
-        assert all(b < n for b in valid), f"{where}, row {r}: {valid} has blocks beyond the {n} history blocks"
+        assert all(b < n for b in valid), f"{where}, row {r}: {valid} goes beyond the {n} history blocks"
 
 
 class FillRecorder:
@@ -274,13 +275,14 @@ def run_case(case: Case, policy: str | dict, model_dir: str | None = None) -> No
 def _check_selection_contract(case: Case, model_dir: str, policy: Any) -> None:
     checker = SelectionChecker()
     got, llm = _run_scenario(case, model_dir, policy, "mixed_lengths", observers=[checker])
-    compare_outputs("selection_contract", got, _full_outputs(case.device, case.backend, model_dir, "mixed_lengths"))
+    want = _full_outputs(case.device, case.backend, model_dir, "mixed_lengths")
+    compare_outputs("selection_contract", got, want)
     for phase in ("prefill", "decode"):
         hooks = getattr(llm.runner.hooks, phase)
         if hooks.select is not None:
             assert checker.calls[phase] > 0, f"{phase}: select_blocks was never called"
         else:
-            assert checker.calls[phase] == 0, f"{phase}: the policy selects no blocks, yet selections were seen"
+            assert checker.calls[phase] == 0, f"{phase}: the policy selects nothing, yet selections were seen"
     if not any(checker.calls.values()):
         raise unittest.SkipTest("the policy selects no blocks (requires_block_selection=False)")
 
@@ -293,7 +295,8 @@ def _check_metadata(case: Case, model_dir: str, policy: Any) -> None:
     llm.generate(_prompts([30, 45, 60, 25], 5), _params(30, False), use_tqdm=False)
     assert llm.scheduler.num_preemptions > 0, "the metadata workload did not preempt"
     llm.generate(_prefix_prompts([40], 7), _params(10, False), use_tqdm=False)
-    shared = llm.generate(_prefix_prompts([40, 40], 7)[1:] + _prompts([20], 9), _params(10, False), use_tqdm=False)
+    prompts = _prefix_prompts([40, 40], 7)[1:] + _prompts([20], 9)
+    shared = llm.generate(prompts, _params(10, False), use_tqdm=False)
     assert shared[0].num_cached_tokens > 0, "no prefix-cache hit"
     blocks = sorted(b for b, n in fills.fill.items() if n > 0)
     ids = torch.tensor(blocks, dtype=torch.long, device=runner.device)
@@ -326,7 +329,8 @@ def _whole_blocks_write(layer, blocks: list[int], counts: list[int]) -> KVWrite:
     """One KV write holding every token of ``blocks``, each block as one sequence's prefill chunk."""
     dev = layer.k_cache.device
     bs = layer.k_cache.shape[1]
-    slots = torch.tensor([b * bs + i for b, n in zip(blocks, counts, strict=True) for i in range(n)], device=dev)
+    slots = [b * bs + i for b, n in zip(blocks, counts, strict=True) for i in range(n)]
+    slots = torch.tensor(slots, device=dev)
     positions = torch.tensor([i for n in counts for i in range(n)], device=dev)
     flat_k = layer.k_cache.reshape(-1, *layer.k_cache.shape[2:])
     flat_v = layer.v_cache.reshape(-1, *layer.v_cache.shape[2:])

@@ -248,8 +248,9 @@ class PolicyHooks:
                 try:
                     self.manager.register(member)
                 except pluggy.PluginValidationError as exc:  # a hook method with other argument names
+                    reason = " ".join(str(exc).split())
                     raise TypeError(
-                        f"{type(member).__name__}: {' '.join(str(exc).split())}. Runtime hooks take the argument names of "
+                        f"{type(member).__name__}: {reason}. Runtime hooks take the argument names of "
                         f"nanovllm.hookspecs.PolicySpec: {_signatures()}"
                     ) from exc
                 self.members.append(member)
@@ -284,5 +285,5 @@ class PolicyHooks:
     @property
     def policies(self) -> list[SparsePolicy]:
         """The distinct policy instances (one when a single policy runs both phases)."""
-        return [self.prefill.policy] if self.prefill.policy is self.decode.policy else [
-            self.prefill.policy, self.decode.policy]
+        prefill, decode = self.prefill.policy, self.decode.policy
+        return [prefill] if prefill is decode else [prefill, decode]

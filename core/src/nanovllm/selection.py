@@ -23,7 +23,9 @@ from nanovllm.plugins import AttentionBackendInfo, PluginError, PluginSet, get_p
 
 PHASES = ("prefill", "decode")
 # The first-party policy distributions: the only package names an error message may send users to.
-FIRST_PARTY_POLICIES = {"quest": "nanovllm-quest", "minference": "nanovllm-minference", "xattn": "nanovllm-xattn"}
+FIRST_PARTY_POLICIES = {
+    "quest": "nanovllm-quest", "minference": "nanovllm-minference", "xattn": "nanovllm-xattn",
+}
 
 
 class SelectionError(ValueError):
@@ -115,7 +117,9 @@ def _unknown_name(name: str, installed: list[str], kind: str, plugins: PluginSet
     listing = f"Installed: {', '.join(sorted(installed)) or 'none'} (see `nanovllm plugins`)."
     first_party = FIRST_PARTY_POLICIES if kind == "sparse policy" else {}
     if name in first_party:
-        return PluginError(f"{kind} {name!r} is not installed; install it with: pip install {first_party[name]}. {listing}")
+        return PluginError(
+            f"{kind} {name!r} is not installed; install it with: pip install {first_party[name]}. {listing}"
+        )
     candidates = installed + [n for n in first_party if n not in installed]
     close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
     hint = ""
@@ -126,7 +130,9 @@ def _unknown_name(name: str, installed: list[str], kind: str, plugins: PluginSet
     return PluginError(f"unknown {kind} {name!r}.{hint} {listing}")
 
 
-def make_config(config_target: str | type | None, options: dict[str, Any], label: str, dist: str = "?") -> Any:
+def make_config(
+    config_target: str | type | None, options: dict[str, Any], label: str, dist: str = "?"
+) -> Any:
     """Build the attrs config of a plugin from selection options, checking every key."""
     if config_target is None:
         if options:
@@ -211,7 +217,8 @@ def _policy_parts(spec: str | dict | Selection) -> list[tuple[str | None, str | 
             phase = phase.strip().lower()
             if phase not in PHASES:
                 raise SelectionError(
-                    f"sparse_policy={spec!r}: {phase!r} is not a phase; write e.g. 'prefill=xattn;decode=quest'"
+                    f"sparse_policy={spec!r}: {phase!r} is not a phase; "
+                    "write e.g. 'prefill=xattn;decode=quest'"
                 )
             parts.append((phase, name + colon + rest))
         else:
@@ -238,7 +245,8 @@ def resolve_policies(spec: str | dict | Selection, plugins: PluginSet | None = N
             if p in assigned:
                 other = assigned[p].selection.name
                 raise SelectionError(
-                    f"sparse_policy={spec!r}: both {other!r} and {name!r} would run the {p} phase; select one "
+                    f"sparse_policy={spec!r}: both {other!r} and {name!r} would run the {p} phase; "
+                    "select one "
                     f"policy per phase, e.g. 'prefill={other};decode={name}'"
                 )
             assigned[p] = policy
@@ -264,7 +272,9 @@ class BackendChoice:
         return load_registered(self.info.target, self.info.dist, f"attention backend {self.info.name!r}")
 
 
-def resolve_attention_backend(spec: str | dict | Selection, plugins: PluginSet | None = None) -> BackendChoice:
+def resolve_attention_backend(
+    spec: str | dict | Selection, plugins: PluginSet | None = None
+) -> BackendChoice:
     plugins = plugins or get_plugins()
     sel = parse_selection(spec, "attention_backend")
     if sel.name == "auto":
@@ -278,4 +288,5 @@ def resolve_attention_backend(spec: str | dict | Selection, plugins: PluginSet |
     if sel.name not in table:
         raise _unknown_name(sel.name, list(table), "attention backend", plugins)
     info = table[sel.name]
-    return BackendChoice(info, make_config(info.config, sel.options, f"attention backend {sel.name!r}", info.dist))
+    label = f"attention backend {sel.name!r}"
+    return BackendChoice(info, make_config(info.config, sel.options, label, info.dist))

@@ -76,7 +76,7 @@ def run(
         row = {"benchmark": "quality", "preset": model_name, "policy": selection, **run_info}
         try:
             per_layer = evaluate_policy(selection, capture, positions, top_k, seed)
-        except Exception as exc:  # a policy that fails (a contract bug, a backend gap) leaves the others' rows
+        except Exception as exc:  # a failing policy (a contract bug, a backend gap) leaves the others' rows
             rows.append({**row, "error": f"{type(exc).__name__}: {exc}"})
             continue
         rows.append({**row, "per_layer": per_layer, "mean": mean_over_layers(per_layer), "sequence": {}})

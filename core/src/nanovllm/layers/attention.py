@@ -49,7 +49,9 @@ class Attention(nn.Module):
         phase = self.hooks.decode
         return phase.compute(q, self._context(phase, q, phase_meta, False))
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phase_meta: PhaseMetadata) -> torch.Tensor:
+    def _prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phase_meta: PhaseMetadata
+    ) -> torch.Tensor:
         phase = self.hooks.prefill
         return phase.compute(q, k, v, self._context(phase, q, phase_meta, True))
 

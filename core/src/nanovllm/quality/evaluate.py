@@ -22,6 +22,7 @@ from nanovllm.quality.capture import Capture, LayerActivations
 from nanovllm.quality.metrics import compare_selection, dense_attention
 from nanovllm.selection import resolve_policies
 
+
 def decode_positions(num_tokens: int, num_queries: int, block_size: int) -> list[int]:
     """Up to ``num_queries`` positions at block ends (``t + 1`` a multiple of ``block_size``), spread
     evenly over the last three quarters of the text."""

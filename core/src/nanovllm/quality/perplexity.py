@@ -94,7 +94,10 @@ def tail_perplexity(
         done = seq.num_computed_tokens
         # Row p predicts token p + 1: the head in chunks up to the row that predicts the tail's first token,
         # then the tail's rows in tail_step steps.
-        scheduler.max_num_batched_tokens = min(prefill_chunk, head - 1 - done) if done < head - 1 else tail_step
+        last_head_row = head - 1
+        scheduler.max_num_batched_tokens = (
+            min(prefill_chunk, last_head_row - done) if done < last_head_row else tail_step
+        )
         llm.step()
     prompt_logprobs = llm._output(seq).prompt_logprobs
     nll = -sum(prompt_logprobs[p][token_ids[p]].logprob for p in range(head, len(token_ids))) / tail_tokens
