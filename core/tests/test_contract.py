@@ -169,3 +169,15 @@ def test_phase_selection_errors(make_llm, spec, message):
 
     with pytest.raises(SelectionError, match=message):
         resolve_policies(spec)
+
+
+def test_a_write_of_whole_blocks_describes_them():
+    import torch
+    from nanovllm.policy import KVWrite
+
+    cache = torch.randn(6, 4, 2, 8)  # 6 blocks of 4 tokens, 2 KV heads
+    write = KVWrite.of_blocks(3, cache, -cache, blocks=[5, 1], counts=[4, 2], starts=[8, 12])
+    assert write.block_ids.tolist() == [5, 5, 5, 5, 1, 1] and write.block_fill().tolist() == [4, 4, 4, 4, 2, 2]
+    assert write.positions.tolist() == [8, 9, 10, 11, 12, 13] and write.layer_id == 3
+    assert torch.equal(write.key, torch.cat([cache[5], cache[1, :2]])) and torch.equal(write.value, -write.key)
+    assert write.slot_mapping.tolist() == [20, 21, 22, 23, 4, 5]

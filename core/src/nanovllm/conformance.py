@@ -29,7 +29,6 @@ from typing import Any
 import attrs
 import torch
 
-from nanovllm.attention.metadata import PhaseMetadata, StepMetadata
 from nanovllm.policy import KVWrite, PolicyContext
 
 CHECKS = (
@@ -234,10 +233,12 @@ def check_selection(ctx: PolicyContext, blocks: Any) -> None:
 
 
 class FillRecorder:
-    """How many tokens each physical block holds, from the KV-write hook (reset on reallocation)."""
+    """How many tokens each physical block holds and the position of its first token, from the KV-write
+    hook (reset on reallocation)."""
 
     def __init__(self) -> None:
         self.fill: dict[int, int] = {}
+        self.start: dict[int, int] = {}
 
     def on_blocks_allocated(self, block_ids: torch.Tensor) -> None:
         for b in block_ids.tolist():
@@ -246,9 +247,11 @@ class FillRecorder:
     def on_kv_write(self, write: KVWrite) -> None:
         if write.layer_id != 0:
             return
-        for b, n in zip(write.block_ids.tolist(), write.block_fill().tolist(), strict=True):
+        rows = (write.block_ids.tolist(), write.block_fill().tolist(), write.positions.tolist())
+        for b, n, pos in zip(*rows, strict=True):
             if b >= 0:
                 self.fill[b] = max(self.fill.get(b, 0), n)
+                self.start[b] = pos - pos % write.block_size
 
 
 # -- the checks -----------------------------------------------------------------------------------------
@@ -308,9 +311,10 @@ def _check_metadata(case: Case, model_dir: str, policy: Any) -> None:
         twin.initialize(len(runner.attention_layers), runner.num_kv_heads, runner.head_dim, runner.num_blocks,
                         runner.block_size, runner.dtype, runner.device)
         twin.on_blocks_allocated(ids)
-        counts = [fills.fill[b] for b in blocks]
+        counts, starts = [fills.fill[b] for b in blocks], [fills.start[b] for b in blocks]
         for layer in runner.attention_layers:
-            twin.on_kv_write(_whole_blocks_write(layer, blocks, counts))
+            caches = (layer.k_cache, layer.v_cache)
+            twin.on_kv_write(KVWrite.of_blocks(layer.layer_id, *caches, blocks, counts, starts))
         for layer in runner.attention_layers:
             kept = policy_obj.block_metadata(layer.layer_id, ids)
             fresh = twin.block_metadata(layer.layer_id, ids)
@@ -323,23 +327,6 @@ def _check_metadata(case: Case, model_dir: str, policy: Any) -> None:
         checked += 1
     if not checked:
         raise unittest.SkipTest("the policy keeps no per-block metadata (block_metadata returns None)")
-
-
-def _whole_blocks_write(layer, blocks: list[int], counts: list[int]) -> KVWrite:
-    """One KV write holding every token of ``blocks``, each block as one sequence's prefill chunk."""
-    dev = layer.k_cache.device
-    bs = layer.k_cache.shape[1]
-    slots = [b * bs + i for b, n in zip(blocks, counts, strict=True) for i in range(n)]
-    slots = torch.tensor(slots, device=dev)
-    positions = torch.tensor([i for n in counts for i in range(n)], device=dev)
-    flat_k = layer.k_cache.reshape(-1, *layer.k_cache.shape[2:])
-    flat_v = layer.v_cache.reshape(-1, *layer.v_cache.shape[2:])
-    lens = torch.tensor(counts, dtype=torch.int32, device=dev)
-    cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32)
-    tables = torch.tensor(blocks, dtype=torch.int32, device=dev)[:, None]
-    prefill = PhaseMetadata(cu, lens, tables, max(counts), max(counts))
-    step = StepMetadata(slots, positions, 0, None, prefill)
-    return KVWrite(layer.layer_id, flat_k[slots], flat_v[slots], step, layer.k_cache, layer.v_cache)
 
 
 def _check_cuda_graphs(case: Case, model_dir: str, policy: Any) -> None:

@@ -108,6 +108,31 @@ class KVWrite:
         slots = self.slot_mapping
         return torch.where(slots >= 0, slots // self.block_size, -1)
 
+    @classmethod
+    def of_blocks(
+        cls, layer_id: int, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: list[int],
+        counts: list[int], starts: list[int],
+    ) -> KVWrite:
+        """A write of what the cache already holds: the first ``counts[i]`` tokens of physical block
+        ``blocks[i]``, whose first token sits at position ``starts[i]`` (a multiple of the block size),
+        each block as one sequence's prefill chunk. Recomputes per-block metadata from the cache in one
+        call (the conformance kit, the quality harness)."""
+        dev, bs = k_cache.device, k_cache.shape[1]
+        slots = torch.tensor([b * bs + i for b, n in zip(blocks, counts, strict=True) for i in range(n)],
+                             dtype=torch.long, device=dev)
+        positions = torch.tensor([s + i for s, n in zip(starts, counts, strict=True) for i in range(n)],
+                                 dtype=torch.long, device=dev)
+        lens = torch.tensor(counts, dtype=torch.int32, device=dev)
+        ends = [s + n for s, n in zip(starts, counts, strict=True)]
+        tables = torch.full((len(blocks), max(starts) // bs + 1), -1, dtype=torch.int32)
+        tables[range(len(blocks)), [s // bs for s in starts]] = torch.tensor(blocks, dtype=torch.int32)
+        cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32)
+        ends_t = torch.tensor(ends, dtype=torch.int32, device=dev)
+        prefill = PhaseMetadata(cu, ends_t, tables.to(dev), max(counts), max(ends))
+        step = StepMetadata(slots, positions, 0, None, prefill)
+        flat_k, flat_v = (c.reshape(-1, *c.shape[2:]) for c in (k_cache, v_cache))
+        return cls(layer_id, flat_k[slots], flat_v[slots], step, k_cache, v_cache)
+
     def block_fill(self) -> torch.Tensor:
         """``[num_tokens]`` how many tokens the block of each row holds after this step."""
         positions = self.positions

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from nanovllm.attention.metadata import PhaseMetadata, StepMetadata
+from nanovllm.attention.metadata import PhaseMetadata
 from nanovllm.policy import KVWrite, PolicyContext, SparsePolicy
 from nanovllm.quality.capture import Capture, LayerActivations
 from nanovllm.quality.metrics import compare_selection, dense_attention
@@ -54,19 +54,6 @@ def _paged_cache(x: torch.Tensor, num_blocks: int, block_size: int, device, dtyp
     return cache.view(num_blocks, block_size, *x.shape[1:])
 
 
-def _prefill_write(layer_id: int, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor) -> KVWrite:
-    """The KV write of a prefill of the whole text, one sequence in blocks ``0, 1, ...``."""
-    t, device = k.shape[0], k_cache.device
-    rows = torch.arange(t, device=device)
-    lens = torch.tensor([t], dtype=torch.int32, device=device)
-    blocks = torch.arange(k_cache.shape[0], dtype=torch.int32, device=device)[None, :]
-    prefill = PhaseMetadata(torch.tensor([0, t], dtype=torch.int32, device=device), lens, blocks, t, t)
-    step = StepMetadata(rows, rows, 0, None, prefill)
-    key, value = (x.to(device=device, dtype=k_cache.dtype) for x in (k, v))
-    return KVWrite(layer_id, key, value, step, k_cache, v_cache)
-
-
 def _decode_metadata(positions: torch.Tensor, block_size: int) -> PhaseMetadata:
     """One single-token sequence per query, holding blocks ``[0, positions[i] // block_size]``."""
     lens = (positions + 1).to(torch.int32)
@@ -85,7 +72,11 @@ def evaluate_layer(
     num_blocks = -(-capture.num_tokens // bs)
     k_cache = _paged_cache(layer.k, num_blocks, bs, device, dtype)
     v_cache = _paged_cache(layer.v, num_blocks, bs, device, dtype)
-    policy.on_kv_write(_prefill_write(layer.layer_id, layer.k, layer.v, k_cache, v_cache))
+    t = layer.k.shape[0]  # the whole text as one prefill, in blocks 0, 1, ...
+    blocks = list(range(-(-t // bs)))
+    counts = [min(bs, t - b * bs) for b in blocks]
+    starts = [b * bs for b in blocks]
+    policy.on_kv_write(KVWrite.of_blocks(layer.layer_id, k_cache, v_cache, blocks, counts, starts))
     pos = torch.tensor(positions, dtype=torch.long, device=device)
     q = layer.q[positions].to(device=device, dtype=dtype)
     ctx = PolicyContext(layer.layer_id, False, q, _decode_metadata(pos, bs), k_cache, v_cache, layer.scale,
