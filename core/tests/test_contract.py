@@ -6,10 +6,11 @@ import re
 from collections import Counter
 from pathlib import Path
 
+import attrs
 import pytest
 from nanovllm import SamplingParams
-from nanovllm.hookspecs import PolicySpec, RegistrationSpec
-from nanovllm.plugins import SparsePolicyInfo, get_plugins
+from nanovllm.hookspecs import PolicySpec, RegistrationSpec, hookimpl
+from nanovllm.plugins import SparsePolicyInfo, get_plugins, reload_plugins
 from nanovllm.policies.full import FullAttentionPolicy
 from nanovllm.policy import NOTIFICATION_HOOKS, POLICY_FLAGS, RUNTIME_HOOKS, SparsePolicy
 
@@ -181,3 +182,53 @@ def test_a_write_of_whole_blocks_describes_them():
     assert write.positions.tolist() == [8, 9, 10, 11, 12, 13] and write.layer_id == 3
     assert torch.equal(write.key, torch.cat([cache[5], cache[1, :2]])) and torch.equal(write.value, -write.key)
     assert write.slot_mapping.tolist() == [20, 21, 22, 23, 4, 5]
+
+
+# -- observer plugins --------------------------------------------------------------------------------------
+
+
+class BlockCounter:
+    """An observer plugin: counts the blocks handed out, and keeps a number from its options."""
+
+    def __init__(self, config=None) -> None:
+        self.config = config
+        self.allocated = 0
+
+    def on_blocks_allocated(self, block_ids):
+        self.allocated += block_ids.numel()
+
+
+class ObserverPlugin:
+    @hookimpl
+    def register_observers(self, registry):
+        registry.add_observer("block_counter", f"{__name__}:BlockCounter", config=f"{__name__}:CounterConfig")
+
+
+@attrs.define(frozen=True)
+class CounterConfig:
+    label: str = "blocks"
+
+
+@pytest.fixture
+def observer_plugin():
+    plugins = get_plugins()
+    plugins.register(ObserverPlugin(), "observer-test")
+    yield plugins
+    reload_plugins()
+
+
+def test_an_observer_plugin_is_registered_listed_and_selected_by_name(observer_plugin, make_llm):
+    info = next(p for p in observer_plugin.plugins if p.name == "observer-test")
+    assert info.registered == ["observer:block_counter"]
+    llm = make_llm("full", observers=["Block_Counter:label=kv"])
+    [counter] = [m for m in llm.runner.hooks.members if isinstance(m, BlockCounter)]
+    assert counter.config == CounterConfig("kv")
+    run(llm)
+    assert counter.allocated > 0  # it saw the blocks of the generate call
+
+
+def test_an_unknown_observer_is_a_clear_error(observer_plugin, make_llm):
+    from nanovllm.plugins import PluginError
+
+    with pytest.raises(PluginError, match="unknown observer 'block_countr'. Did you mean 'block_counter'"):
+        make_llm("full", observers="block_countr")

@@ -52,6 +52,11 @@ class RegistrationSpec:
     def register_sparse_policies(self, registry: Registry) -> None:
         """Add sparse-attention policies: ``registry.add_sparse_policy(name, policy, config=...)``."""
 
+    @hookspec
+    def register_observers(self, registry: Registry) -> None:
+        """Add observers of the runtime hooks (statistics, density logging), chosen per engine with
+        ``LLM(..., observers=["name:key=value"])``: ``registry.add_observer(name, target, config=...)``."""
+
 
 class PolicySpec:
     """The sparse-policy contract. Each call covers a whole batch: tensors in, tensors out, no Python

@@ -88,6 +88,11 @@ class SparsePolicyInfo:
     config: str | None = None
 
 
+@attrs.define(frozen=True)
+class ObserverInfo(SparsePolicyInfo):
+    """A registered observer of the runtime hooks: the same fields as a policy's."""
+
+
 @attrs.define
 class PluginInfo:
     """One entry point of group ``nanovllm``: what it registered, or why it failed to load."""
@@ -127,6 +132,7 @@ class Registry:
         self.model_families: dict[str, ModelFamily] = {}
         self.attention_backends: dict[str, AttentionBackendInfo] = {}
         self.sparse_policies: dict[str, SparsePolicyInfo] = {}
+        self.observers: dict[str, ObserverInfo] = {}
         self._dist = CORE_DIST
         self._added: list[tuple[dict, str]] = []
 
@@ -154,6 +160,10 @@ class Registry:
         )
         self._add(self.attention_backends, name.lower(), info, "attention backend")
 
+    def add_observer(self, name: str, target: str, *, config: str | None = None) -> None:
+        info = ObserverInfo(name.lower(), target, self._dist, config)
+        self._add(self.observers, name.lower(), info, "observer")
+
     def add_sparse_policy(self, name: str, target: str, *, config: str | None = None) -> None:
         info = SparsePolicyInfo(name.lower(), target, self._dist, config)
         self._add(self.sparse_policies, name.lower(), info, "sparse policy")
@@ -180,6 +190,7 @@ class Registry:
             id(self.model_families): "model",
             id(self.attention_backends): "attention_backend",
             id(self.sparse_policies): "sparse_policy",
+            id(self.observers): "observer",
         }
         return [f"{kinds[id(table)]}:{key}" for table, key in self._added]
 

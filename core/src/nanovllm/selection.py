@@ -257,6 +257,26 @@ def resolve_policies(spec: str | dict | Selection, plugins: PluginSet | None = N
     return PolicyPlan(assigned["prefill"], assigned["decode"])
 
 
+# -- observers --------------------------------------------------------------------------------------------
+
+
+def resolve_observer(spec: object, plugins: PluginSet | None = None) -> object:
+    """An observer instance: given as an object, or a registered observer's selection (``"name"``,
+    ``"name:key=value"``, a dict), built with its checked config."""
+    if not isinstance(spec, (str, dict, Selection)):
+        return spec
+    plugins = plugins or get_plugins()
+    sel = parse_selection(spec, "observers")
+    table = plugins.registry.observers
+    if sel.name not in table:
+        raise _unknown_name(sel.name, list(table), "observer", plugins)
+    info = table[sel.name]
+    label = f"observer {sel.name!r}"
+    config = make_config(info.config, sel.options, label, info.dist)
+    cls = load_registered(info.target, info.dist, label)
+    return cls(config) if info.config is not None else cls()
+
+
 # -- attention backends ---------------------------------------------------------------------------------
 
 

@@ -18,7 +18,7 @@ from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.plugins import get_plugins, load_registered
 from nanovllm.presets import is_preset, preset_dir
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.selection import resolve_attention_backend, resolve_policies
+from nanovllm.selection import resolve_attention_backend, resolve_observer, resolve_policies
 
 Prompt = str | list[int] | dict
 
@@ -40,7 +40,8 @@ def resolve_model_path(model: str | None) -> Path:
 class LLMEngine:
     def __init__(self, model: str | None = None, *, observers: SequenceABC[object] = (), **kwargs: Any) -> None:
         """``observers``: objects implementing notification hooks of :class:`nanovllm.hookspecs.PolicySpec`
-        (``on_kv_write``, ``on_blocks_allocated``, ``on_blocks_selected``), e.g. statistics."""
+        (``on_kv_write``, ``on_blocks_allocated``, ``on_blocks_selected``), e.g. statistics, or the
+        selection strings of observers that plugins registered (``"name:key=value"``)."""
         if is_preset(model):  # a published shape with random weights and no tokenizer
             kwargs = {"load_format": "dummy", "skip_tokenizer_init": True, **kwargs}
         self.config = config = EngineConfig.from_kwargs(model, kwargs)
@@ -52,6 +53,9 @@ class LLMEngine:
         plugins = get_plugins()
         # Resolved once, before any file is read or weight loaded, so a bad name or option fails fast.
         self.policy_plan = resolve_policies(config.sparse_policy, plugins)
+        if isinstance(observers, (str, dict)):
+            observers = [observers]
+        observers = tuple(resolve_observer(o, plugins) for o in observers)
         backend_choice = resolve_attention_backend(config.attention_backend, plugins)
         self.model_path = resolve_model_path(config.model)
         raw = read_config_json(self.model_path)
@@ -81,7 +85,7 @@ class LLMEngine:
         model_cls = load_registered(families[arch].target, families[arch].dist, f"model family {arch!r}")
         self.runner = ModelRunner(
             config, self.hf_config, self.model_path, model_cls, self.max_model_len, plugins,
-            self.policy_plan, backend_choice, tuple(observers),
+            self.policy_plan, backend_choice, observers,
         )
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)
         self._pending: LaunchedStep | None = None  # the step in flight, its tokens not yet applied
