@@ -38,7 +38,9 @@ def resolve_model_path(model: str | None) -> Path:
 
 
 class LLMEngine:
-    def __init__(self, model: str | None = None, *, observers: SequenceABC[object] = (), **kwargs: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, observers: SequenceABC[object] = (), **kwargs: Any
+    ) -> None:
         """``observers``: objects implementing notification hooks of :class:`nanovllm.hookspecs.PolicySpec`
         (``on_kv_write``, ``on_blocks_allocated``, ``on_blocks_selected``), e.g. statistics, or the
         selection strings of observers that plugins registered (``"name:key=value"``)."""
