@@ -183,17 +183,23 @@ class PolicyPlan:
         return f"prefill={self.prefill.selection};decode={self.decode.selection}"
 
 
+def _load_named(sel: Selection, table: dict, kind: str, plugins: PluginSet) -> tuple[type, Any]:
+    """The class a plugin registered under ``sel.name`` in ``table``, and its config built from the
+    options; errors name the problem and the fix."""
+    if sel.name not in table:
+        raise _unknown_name(sel.name, list(table), kind, plugins)
+    info = table[sel.name]
+    label = f"{kind} {sel.name!r}"
+    config = make_config(info.config, sel.options, label, info.dist)
+    return load_registered(info.target, info.dist, label), config
+
+
 def resolve_sparse_policy(spec: str | dict | Selection, plugins: PluginSet | None = None) -> ResolvedPolicy:
     """Resolve one policy selection; errors name the problem and the fix."""
     plugins = plugins or get_plugins()
     sel = parse_selection(spec, "sparse_policy")
-    table = plugins.registry.sparse_policies
-    if sel.name not in table:
-        raise _unknown_name(sel.name, list(table), "sparse policy", plugins)
-    info = table[sel.name]
-    label = f"sparse policy {sel.name!r}"
-    config = make_config(info.config, sel.options, label, info.dist)
-    return ResolvedPolicy(sel, load_registered(info.target, info.dist, label), config)
+    cls, config = _load_named(sel, plugins.registry.sparse_policies, "sparse policy", plugins)
+    return ResolvedPolicy(sel, cls, config)
 
 
 def _policy_parts(spec: str | dict | Selection) -> list[tuple[str | None, str | dict | Selection]]:
@@ -267,14 +273,8 @@ def resolve_observer(spec: object, plugins: PluginSet | None = None) -> object:
         return spec
     plugins = plugins or get_plugins()
     sel = parse_selection(spec, "observers")
-    table = plugins.registry.observers
-    if sel.name not in table:
-        raise _unknown_name(sel.name, list(table), "observer", plugins)
-    info = table[sel.name]
-    label = f"observer {sel.name!r}"
-    config = make_config(info.config, sel.options, label, info.dist)
-    cls = load_registered(info.target, info.dist, label)
-    return cls(config) if info.config is not None else cls()
+    cls, config = _load_named(sel, plugins.registry.observers, "observer", plugins)
+    return cls(config) if config is not None else cls()
 
 
 # -- attention backends ---------------------------------------------------------------------------------
