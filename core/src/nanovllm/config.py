@@ -35,6 +35,16 @@ def _fraction(_inst, _attr, value) -> None:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {value!r}")
 
 
+def _gib(name: str, minimum: float = 0.0):
+    def check(_inst, _attr, value) -> None:
+        if value is None:
+            return
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= minimum:
+            raise ValueError(f"{name} is a size in GiB, a number > {minimum}, got {value!r}")
+
+    return check
+
+
 def _selection(_inst, attr, value) -> None:
     if not isinstance(value, (str, dict)):
         raise ValueError(f"{attr.name} must be a selection string like 'name:key=value' or a dict, got {value!r}")
@@ -60,6 +70,11 @@ class EngineConfig:
     enforce_eager: bool = False
     # schedule and launch step N+1 before reading step N's tokens back, so host work overlaps the GPU
     async_scheduling: bool = True
+    # KV offload: every layer's KV cache lives in a pinned host pool of this many GiB, and attention streams
+    # what each layer reads through a ring of GPU load slots (``kv_offloading_buffer_size`` GiB in all).
+    # vLLM's option of this name sizes a host tier for prefix reuse; here it is where attention reads KV from.
+    kv_offloading_size: float | None = attrs.field(default=None, validator=_gib("kv_offloading_size"))
+    kv_offloading_buffer_size: float = attrs.field(default=1.5, validator=_gib("kv_offloading_buffer_size"))
     tensor_parallel_size: int = attrs.field(default=1, validator=_positive_int("tensor_parallel_size"))
     device: str = attrs.field(default="auto", validator=_one_of("device", ("auto", "cpu", "cuda")))
     seed: int = 0

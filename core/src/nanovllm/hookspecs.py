@@ -98,6 +98,18 @@ class PolicySpec:
         key min/max) is kept up to date here."""
 
     @hookspec
+    def on_prefill_offload(self, write: KVWrite) -> None:
+        """With KV offload, instead of ``on_kv_write``: the new keys and values of one layer's prefill
+        chunks are on their way to the host pool and still on the GPU (``write.key``, ``write.value``;
+        ``write.k_cache`` is the pool). A member that does not implement it gets ``on_kv_write`` with
+        the same write, so a policy written for the GPU cache runs unchanged with offload."""
+
+    @hookspec
+    def on_decode_offload(self, write: KVWrite) -> None:
+        """With KV offload, instead of ``on_kv_write``: the decode tokens of one layer (one per sequence),
+        as ``on_prefill_offload``."""
+
+    @hookspec
     def on_blocks_allocated(self, block_ids: torch.Tensor) -> None:
         """Physical blocks ``[n]`` (int64, on the device) were handed out to hold new tokens: reset their
         per-block metadata, in every layer. Called once per step before the forward pass. A block shared

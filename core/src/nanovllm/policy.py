@@ -24,13 +24,21 @@ from nanovllm.attention.metadata import PhaseMetadata, StepMetadata
 from nanovllm.hookspecs import PROJECT_NAME, PolicySpec
 
 RUNTIME_HOOKS = tuple(name for name in vars(PolicySpec) if not name.startswith("_"))
-NOTIFICATION_HOOKS = ("on_kv_write", "on_blocks_allocated", "on_blocks_selected")
+NOTIFICATION_HOOKS = (
+    "on_kv_write", "on_prefill_offload", "on_decode_offload", "on_blocks_allocated", "on_blocks_selected"
+)
 POLICY_FLAGS = ("supports_prefill", "supports_decode", "requires_block_selection", "cuda_graph_safe")
 
 
 @attrs.define(slots=True)
 class PolicyContext:
-    """What a policy sees for one layer and one phase of a step."""
+    """What a policy sees for one layer and one phase of a step.
+
+    The attention operations below read the history wherever it lives, the paged GPU cache or, with KV
+    offload, the host pool (the engine streams in what they read), so a policy that uses them runs
+    unchanged on both. ``k_cache`` / ``v_cache`` are the paged cache, or the pool in the same layout
+    (device-addressable, read across PCIe): correct on both paths, fast only on the first.
+    """
 
     layer_id: int
     is_prefill: bool
@@ -41,6 +49,10 @@ class PolicyContext:
     scale: float
     backend: AttentionBackend
     selected_blocks: torch.Tensor | None = None  # set by the engine from select_blocks
+    new_keys: torch.Tensor | None = None  # [num_tokens, num_kv_heads, head_dim]: this phase's new tokens
+    new_values: torch.Tensor | None = None
+    positions: torch.Tensor | None = None  # [num_tokens] their positions
+    offload: Any = None  # the offload engine when KV lives in the host pool
 
     @property
     def block_size(self) -> int:
@@ -71,6 +83,49 @@ class PolicyContext:
         n = self.meta.block_tables.shape[1]
         idx = torch.arange(n, device=self.meta.block_tables.device, dtype=torch.int32)
         return torch.where(idx[None, :] < self.num_history_blocks[:, None], idx, -1)
+
+    # -- attention, on either path -------------------------------------------------------------------
+
+    def attend_blocks(
+        self, q: torch.Tensor, block_indices: torch.Tensor, kv_lens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, lse) of ``q`` over the selected history blocks (see ``AttentionBackend.attend_blocks``;
+        ``kv_lens`` defaults to ``history_lens``). With offload only these blocks cross PCIe, one KV head
+        at a time where the selection is per head."""
+        kv_lens = self.history_lens if kv_lens is None else kv_lens
+        if self.offload is not None:
+            return self.offload.attend_selected(self, q, block_indices, kv_lens)
+        return self.backend.attend_blocks(q, self.k_cache, self.v_cache, self.meta, block_indices, kv_lens, self.scale)
+
+    def attend_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, lse) of each prefill chunk over its own new tokens, causal (always on the GPU)."""
+        return self.backend.attend_chunk(q, k, v, self.meta, self.scale)
+
+    def merge(self, out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
+        """Combine two partial attentions over disjoint keys by log-sum-exp."""
+        return self.backend.merge(out_a, lse_a, out_b, lse_b)
+
+    def attend_all(self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+        """Dense causal attention over the whole context: the backend's paged kernels on the GPU cache;
+        with offload, every history block streamed in (prefill: merged with the chunk, ``k``/``v``)."""
+        if self.offload is None:
+            if self.is_prefill:
+                return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, self.meta, self.scale)
+            return self.backend.decode(q, self.k_cache, self.v_cache, self.meta, self.scale)
+        out, lse = self.offload.attend_dense(self, q)
+        if self.is_prefill:
+            out, lse = self.merge(out, lse, *self.attend_chunk(q, k, v))
+        return out
+
+    def read_blocks(self, block_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[num_seqs, k, block_size, num_kv_heads, head_dim]`` of logical blocks
+        ``[num_seqs, k]`` (-1: zeros), this step's tokens included, on the query's device."""
+        if self.offload is not None:
+            return self.offload.read_blocks(self, block_indices)
+        valid = block_indices >= 0
+        physical = torch.gather(self.meta.block_tables, 1, block_indices.clamp(min=0).to(torch.int64)).long()
+        mask = ~valid[..., None, None, None]
+        return self.k_cache[physical].masked_fill(mask, 0), self.v_cache[physical].masked_fill(mask, 0)
 
 
 @attrs.define(frozen=True, slots=True)
@@ -188,18 +243,11 @@ class SparsePolicy:
     def compute_chunked_prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PolicyContext
     ) -> torch.Tensor:
-        backend = ctx.backend
-        hist_out, hist_lse = backend.attend_blocks(
-            q, ctx.k_cache, ctx.v_cache, ctx.meta, self._selection(ctx), ctx.history_lens, ctx.scale
-        )
-        cur_out, cur_lse = backend.attend_chunk(q, k, v, ctx.meta, ctx.scale)
-        return backend.merge(hist_out, hist_lse, cur_out, cur_lse)[0]
+        hist_out, hist_lse = ctx.attend_blocks(q, self._selection(ctx))
+        return ctx.merge(hist_out, hist_lse, *ctx.attend_chunk(q, k, v))[0]
 
     def compute_chunked_decode(self, q: torch.Tensor, ctx: PolicyContext) -> torch.Tensor:
-        out, _ = ctx.backend.attend_blocks(
-            q, ctx.k_cache, ctx.v_cache, ctx.meta, self._selection(ctx), ctx.history_lens, ctx.scale
-        )
-        return out
+        return ctx.attend_blocks(q, self._selection(ctx))[0]
 
     def _selection(self, ctx: PolicyContext) -> torch.Tensor:
         """The engine's selection, or this policy's own when called outside the engine."""
@@ -209,6 +257,12 @@ class SparsePolicy:
     # does not call them at all.
     def on_kv_write(self, write: KVWrite) -> None:
         """See :meth:`nanovllm.hookspecs.PolicySpec.on_kv_write`."""
+
+    def on_prefill_offload(self, write: KVWrite) -> None:
+        """See :meth:`nanovllm.hookspecs.PolicySpec.on_prefill_offload` (left as is: ``on_kv_write`` runs)."""
+
+    def on_decode_offload(self, write: KVWrite) -> None:
+        """See :meth:`nanovllm.hookspecs.PolicySpec.on_decode_offload` (left as is: ``on_kv_write`` runs)."""
 
     def on_blocks_allocated(self, block_ids: torch.Tensor) -> None:
         """See :meth:`nanovllm.hookspecs.PolicySpec.on_blocks_allocated`."""
@@ -282,6 +336,8 @@ class PolicyHooks:
         self.prefill = self._phase(prefill, "compute_chunked_prefill")
         self.decode = self._phase(decode, "compute_chunked_decode")
         self.kv_write = self._all("on_kv_write")
+        self.prefill_offload = self._offload("on_prefill_offload")
+        self.decode_offload = self._offload("on_decode_offload")
         self.blocks_allocated = self._all("on_blocks_allocated")
         self.blocks_selected = self._all("on_blocks_selected")
 
@@ -297,6 +353,12 @@ class PolicyHooks:
 
     def _all(self, name: str) -> tuple[Callable, ...]:
         return tuple(i.function for i in getattr(self.manager.hook, name).get_hookimpls())
+
+    def _offload(self, name: str) -> tuple[Callable, ...]:
+        """An offload hook's implementations, and ``on_kv_write`` of members that do not implement it."""
+        own = {id(i.plugin): i.function for i in getattr(self.manager.hook, name).get_hookimpls()}
+        writes = {id(i.plugin): i.function for i in self.manager.hook.on_kv_write.get_hookimpls()}
+        return tuple(own.get(id(m)) or writes[id(m)] for m in self.members if id(m) in own or id(m) in writes)
 
     def implementers(self, name: str) -> list[object]:
         return [i.plugin for i in getattr(self.manager.hook, name).get_hookimpls()]

@@ -13,6 +13,7 @@ import torch
 from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, forward_context
 from nanovllm.config import EngineConfig
 from nanovllm.engine.loader import load_weights
+from nanovllm.engine.offload import HostPhase, OffloadEngine
 from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, TopLogprobs
@@ -159,13 +160,21 @@ class ModelRunner:
         self.hooks = self._make_policy_hooks(policy_plan, observers)
         for layer in self.attention_layers:
             layer.bind(self.backend, self.hooks)
-        self.num_blocks = self._num_kv_blocks()  # the CUDA memory profile runs the bound layers
-        self.kv_cache = torch.empty(
-            len(self.attention_layers), 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
-            dtype=self.dtype, device=self.device,
-        )
-        for i, layer in enumerate(self.attention_layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self.offload: OffloadEngine | None = None
+        if config.kv_offloading_size is None:
+            self.num_blocks = self._num_kv_blocks()  # the CUDA memory profile runs the bound layers
+            self.kv_cache = torch.empty(
+                len(self.attention_layers), 2, self.num_blocks, self.block_size, self.num_kv_heads,
+                self.head_dim, dtype=self.dtype, device=self.device,
+            )
+            for i, layer in enumerate(self.attention_layers):
+                layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        else:
+            self.offload = self._make_offload_engine()
+            self.num_blocks = self.offload.num_blocks
+            for i, layer in enumerate(self.attention_layers):
+                layer.k_cache, layer.v_cache = self.offload.cache(i)
+                layer.offload = self.offload
         for member in self.hooks.members:  # the policies, and observers that keep per-block state
             if callable(getattr(member, "initialize", None)):
                 member.initialize(
@@ -220,6 +229,34 @@ class ModelRunner:
         shape = (len(self.attention_layers), self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
         metadata = sum(p.metadata_bytes_per_block(*shape) for p in self.hooks.policies)
         return 2 * len(self.attention_layers) * self.block_size * self.num_kv_heads * self.head_dim * itemsize + metadata
+
+    def _make_offload_engine(self) -> OffloadEngine:
+        """KV in a host pool of ``kv_offloading_size`` GiB; the GPU keeps the load slots and the policies'
+        per-block metadata, which must fit what the memory profile leaves under the utilisation cap."""
+        num_layers = len(self.attention_layers)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        pool_bytes = 2 * num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        num_blocks = int(self.config.kv_offloading_size * 2**30 // pool_bytes)
+        if num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"kv_offloading_size={self.config.kv_offloading_size} GiB holds {num_blocks * self.block_size} "
+                f"tokens of KV, fewer than max_model_len={self.max_model_len}; raise it or lower max_model_len"
+            )
+        engine = OffloadEngine(
+            num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device,
+            int(self.config.kv_offloading_buffer_size * 2**30), self.config.max_num_seqs,
+        )
+        shape = (num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
+        metadata = num_blocks * sum(p.metadata_bytes_per_block(*shape) for p in self.hooks.policies)
+        if self.device.type == "cuda":
+            budget = self._profile_free_cuda_memory() + engine.gpu_bytes  # the slots exist already
+            if engine.gpu_bytes + metadata > budget:
+                raise ValueError(
+                    f"with KV offload the GPU needs {engine.gpu_bytes / 2**20:.0f} MiB of load slots and "
+                    f"{metadata / 2**20:.0f} MiB of policy metadata, more than the {budget / 2**20:.0f} MiB "
+                    "left under gpu_memory_utilization; raise it, or lower kv_offloading_buffer_size"
+                )
+        return engine
 
     def _num_kv_blocks(self) -> int:
         per_block = self._kv_bytes_per_block()
@@ -282,11 +319,16 @@ class ModelRunner:
             cu = torch.tensor(np.cumsum([0, *lens]), dtype=torch.int32, device=dev)
             return PhaseMetadata(cu, cu[1:] - cu[:-1], tables, max(lens), max(lens))
 
+        def host(lens: list[int]) -> HostPhase:
+            return HostPhase([[0] * -(-max(lens) // self.block_size)] * len(lens), lens, lens)
+
         for chunks in ([min(self.max_model_len, 96), 8], [8, 8]):
             num_tokens = 1 + sum(chunks)
             ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
             meta = StepMetadata(torch.full((num_tokens,), -1, dtype=torch.long, device=dev), ids, 1, phase([1]),
                                 phase(chunks))
+            if self.offload is not None:
+                self.offload.begin_step(host([1]), host(chunks))
             with forward_context(meta):
                 self.model.compute_logits(self.model(ids, ids.clone()))
         torch.cuda.synchronize()
@@ -296,6 +338,7 @@ class ModelRunner:
     def _use_cuda_graphs(self) -> bool:
         return (
             self.device.type == "cuda"
+            and self.offload is None  # each step's loads are planned on the host
             and not self.config.enforce_eager
             and self.backend.supports_cuda_graphs
             and self.hooks.cuda_graph_safe
@@ -443,6 +486,17 @@ class ModelRunner:
                 )
         return input_ids, meta.positions, meta, rows, sampling, prompt_rows
 
+    @staticmethod
+    def _host_phases(seqs: list[Sequence]) -> tuple[HostPhase | None, HostPhase | None]:
+        """The step's decode and prefill phases as the offload engine plans them."""
+        phases = []
+        for is_decode in (True, False):
+            group = [s for s in seqs if s.is_decode == is_decode]
+            q_lens = [1 if is_decode else s.num_scheduled_tokens for s in group]
+            ctx_lens = [s.num_computed_tokens + q for s, q in zip(group, q_lens, strict=True)]
+            phases.append(HostPhase([s.block_table for s in group], q_lens, ctx_lens) if group else None)
+        return phases[0], phases[1]
+
     def notify_allocated(self, block_ids: list[int]) -> None:
         """Tell the policies which physical blocks were handed out since the last step (before it runs)."""
         if block_ids and self.hooks.blocks_allocated:
@@ -455,6 +509,8 @@ class ModelRunner:
         """Launch one step without waiting for it; None when it has nothing to read back (no sequence
         samples in it and none asked for prompt logprobs)."""
         input_ids, positions, meta, sample_rows, sampling, prompt_rows = self.prepare(seqs)
+        if self.offload is not None:
+            self.offload.begin_step(*self._host_phases(seqs))
         if self.graphs and meta.prefill is None and input_ids.shape[0] <= self.graph_sizes[-1]:
             hidden = self._replay_decode(input_ids, positions, meta)
         else:

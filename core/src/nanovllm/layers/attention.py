@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from nanovllm.attention.backend import AttentionBackend
-from nanovllm.attention.metadata import PhaseMetadata, get_forward_context
+from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, get_forward_context
 from nanovllm.policy import KVWrite, PhaseHooks, PolicyContext, PolicyHooks
 
 
@@ -20,6 +20,7 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend: AttentionBackend | None = None
         self.hooks: PolicyHooks | None = None
+        self.offload = None  # the offload engine, when the KV cache lives in the host pool
 
     def bind(self, backend: AttentionBackend, hooks: PolicyHooks) -> None:
         """Set once per engine by the model runner."""
@@ -30,34 +31,55 @@ class Attention(nn.Module):
         meta = get_forward_context()
         if self.k_cache.numel() == 0:  # the memory-profiling run, before the cache exists
             return self.backend.attend_chunk(q, k, v, meta.prefill, self.scale)[0]
-        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        if self.hooks.kv_write:
-            write = KVWrite(self.layer_id, k, v, meta, self.k_cache, self.v_cache)
-            for on_kv_write in self.hooks.kv_write:
-                on_kv_write(write)
         nd = meta.num_decode_tokens
+        if self.offload is None:
+            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            if self.hooks.kv_write:
+                write = KVWrite(self.layer_id, k, v, meta, self.k_cache, self.v_cache)
+                for on_kv_write in self.hooks.kv_write:
+                    on_kv_write(write)
+        else:
+            self.offload.store(self.layer_id, k, v, meta.slot_mapping)
+            self._offload_hooks(k, v, meta)
         if meta.prefill is None:
-            return self._decode(q, meta.decode)
+            return self._decode(q, k, v, meta)
         if meta.decode is None:
-            return self._prefill(q, k, v, meta.prefill)
+            return self._prefill(q, k, v, meta)
         out = torch.empty_like(q)
-        out[:nd] = self._decode(q[:nd], meta.decode)
-        out[nd:] = self._prefill(q[nd:], k[nd:], v[nd:], meta.prefill)
+        out[:nd] = self._decode(q[:nd], k[:nd], v[:nd], meta)
+        out[nd:] = self._prefill(q[nd:], k[nd:], v[nd:], meta)
         return out
 
-    def _decode(self, q: torch.Tensor, phase_meta: PhaseMetadata) -> torch.Tensor:
+    def _offload_hooks(self, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata) -> None:
+        """``on_decode_offload`` / ``on_prefill_offload``, each with the rows of its phase."""
+        nd = meta.num_decode_tokens
+        for hooks, rows, phase in (
+            (self.hooks.decode_offload, slice(0, nd), StepMetadata.only_decode),
+            (self.hooks.prefill_offload, slice(nd, None), StepMetadata.only_prefill),
+        ):
+            part = phase(meta)
+            if hooks and part is not None:
+                write = KVWrite(self.layer_id, k[rows], v[rows], part, self.k_cache, self.v_cache)
+                for hook in hooks:
+                    hook(write)
+
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         phase = self.hooks.decode
-        return phase.compute(q, self._context(phase, q, phase_meta, False))
+        rows = slice(0, meta.num_decode_tokens)
+        return phase.compute(q, self._context(phase, q, k, v, meta.decode, meta.positions[rows], False))
 
-    def _prefill(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phase_meta: PhaseMetadata
-    ) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         phase = self.hooks.prefill
-        return phase.compute(q, k, v, self._context(phase, q, phase_meta, True))
+        positions = meta.positions[meta.num_decode_tokens :]
+        return phase.compute(q, k, v, self._context(phase, q, k, v, meta.prefill, positions, True))
 
-    def _context(self, phase: PhaseHooks, q: torch.Tensor, phase_meta: PhaseMetadata, is_prefill: bool):
+    def _context(
+        self, phase: PhaseHooks, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phase_meta: PhaseMetadata,
+        positions: torch.Tensor, is_prefill: bool,
+    ) -> PolicyContext:
         ctx = PolicyContext(
-            self.layer_id, is_prefill, q, phase_meta, self.k_cache, self.v_cache, self.scale, self.backend
+            self.layer_id, is_prefill, q, phase_meta, self.k_cache, self.v_cache, self.scale, self.backend,
+            None, k, v, positions, self.offload,
         )
         if phase.select is not None:
             ctx.selected_blocks = phase.select(ctx)

@@ -1,4 +1,5 @@
-"""The built-in ``full`` policy: every block, through the backend's dense kernels."""
+"""The built-in ``full`` policy: every block, through the backend's dense kernels (or, with KV offload,
+every block streamed in)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ class FullAttentionPolicy(SparsePolicy):
     cuda_graph_safe = True  # decode is one backend call: capturable when the backend's decode is
 
     def compute_chunked_prefill(self, q, k, v, ctx: PolicyContext) -> torch.Tensor:
-        return ctx.backend.prefill(q, k, v, ctx.k_cache, ctx.v_cache, ctx.meta, ctx.scale)
+        return ctx.attend_all(q, k, v)
 
     def compute_chunked_decode(self, q, ctx: PolicyContext) -> torch.Tensor:
-        return ctx.backend.decode(q, ctx.k_cache, ctx.v_cache, ctx.meta, ctx.scale)
+        return ctx.attend_all(q)
