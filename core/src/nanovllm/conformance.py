@@ -12,7 +12,8 @@ every scheduling situation. In a policy distribution's own tests::
         run_case(case, "mypolicy:budget=100000")
 
 ``cases()`` lists every check for the CPU with the ``torch`` backend, and with ``triton`` when CUDA is
-there. A check that does not apply (CUDA graphs on the CPU, metadata of a policy that keeps none) raises
+there, each with the KV cache on the device and again offloaded to host memory (the same policy code must
+give the same results on both). A check that does not apply (CUDA graphs on the CPU, metadata of a policy that keeps none) raises
 :class:`unittest.SkipTest`, which pytest reports as skipped. A broken rule raises ``AssertionError``
 naming the scenario, the request and what differs. The kit builds a tiny random Llama model once per
 process (no download) unless ``model_dir`` is given.
@@ -46,22 +47,36 @@ BLOCK_SIZE = 4  # small blocks, so short prompts span many of them
 ATOL = 2e-4  # float32 everywhere: the policy's kernels and the dense ones differ only in rounding
 
 
+# With KV offload: load slots of this many head blocks (one KV head of one block), so that a layer's reads
+# are cut into several pieces; few sequences at once, so that every piece holds a block of each.
+OFFLOAD_SLOT_HEAD_BLOCKS = 24
+OFFLOAD_MAX_NUM_SEQS = 8
+
+
 @attrs.define(frozen=True)
 class Case:
     check: str
     device: str
     backend: str
+    offload: bool = False  # KV in the host pool, streamed through the offload engine's load slots
 
     def __str__(self) -> str:
-        return f"{self.check}-{self.device}-{self.backend}"
+        return f"{self.check}-{self.device}-{self.backend}" + ("-offload" if self.offload else "")
 
 
 def cases() -> list[Case]:
-    """Every check on the CPU with ``torch``, and on CUDA with ``triton`` when a GPU is there."""
+    """Every check on the CPU with ``torch``, and on CUDA with ``triton`` when a GPU is there; each again
+    with KV offload (but CUDA graphs, which offload does not capture)."""
     envs = [("cpu", "torch")]
     if torch.cuda.is_available():
         envs.append(("cuda", "triton"))
-    return [Case(check, device, backend) for device, backend in envs for check in CHECKS]
+    return [
+        Case(check, device, backend, offload)
+        for device, backend in envs
+        for offload in (False, True)
+        for check in CHECKS
+        if not (offload and check == "cuda_graphs")
+    ]
 
 
 @functools.cache
@@ -80,16 +95,21 @@ def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 250) for _ in range(n)] for n in lengths]
 
 
-def _kv_bytes(model_dir: str, tokens: int) -> int:
-    """``kv_cache_memory`` that holds ``tokens`` tokens of the model's KV in float32."""
+def _kv_shape(model_dir: str) -> tuple[int, int, int]:
+    """(layers, KV heads, head size) of the model."""
     import json
     from pathlib import Path
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    per_token = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * 4
-    return tokens * per_token
+    return cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads), head_dim
+
+
+def _kv_bytes(model_dir: str, tokens: int) -> int:
+    """``kv_cache_memory`` that holds ``tokens`` tokens of the model's KV in float32."""
+    layers, kv_heads, head_dim = _kv_shape(model_dir)
+    return tokens * 2 * layers * kv_heads * head_dim * 4
 
 
 def _engine(case: Case, model_dir: str, policy: Any, observers=(), **overrides):
@@ -100,7 +120,13 @@ def _engine(case: Case, model_dir: str, policy: Any, observers=(), **overrides):
         max_model_len=512, kv_cache_tokens=4096, max_num_batched_tokens=512, enforce_eager=True,
     )
     options.update(overrides)
-    options["kv_cache_memory"] = _kv_bytes(model_dir, options.pop("kv_cache_tokens"))
+    kv_bytes = _kv_bytes(model_dir, options.pop("kv_cache_tokens"))
+    if case.offload:  # the same KV budget, in the host pool
+        head_block_bytes = 2 * BLOCK_SIZE * _kv_shape(model_dir)[2] * 4
+        options.update(kv_offloading_size=kv_bytes / 2**30, max_num_seqs=OFFLOAD_MAX_NUM_SEQS,
+                       kv_offloading_buffer_size=2 * OFFLOAD_SLOT_HEAD_BLOCKS * head_block_bytes / 2**30)
+    else:
+        options["kv_cache_memory"] = kv_bytes
     return LLM(model_dir, sparse_policy=policy, observers=observers, **options)
 
 

@@ -1,0 +1,246 @@
+"""KV offload: the same tokens as the GPU-resident cache for dense and sparse policies, with one load slot
+or many pieces per layer; the offload hooks; the load plans; errors at the boundary; and, on the GPU,
+the pinned pool, the streams and the bounded GPU memory.
+
+The conformance kit runs every policy's scenarios with offload too (test_conformance.py); these tests
+cover what the kit does not: sparse budgets (selection-driven loads), the hooks, the plans themselves.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.offload import HostPhase, OffloadEngine
+from nanovllm.plugins import get_plugins, reload_plugins
+from nanovllm.policy import KVWrite, PolicyContext, SparsePolicy
+from quest_style import Plugin
+
+HEAD_BLOCK_BYTES = 2 * 16 * 32 * 4  # K and V of one KV head of one 16-token block, head size 32, float32
+# Two slots of 24 such head blocks (48 of the tiny Llama's, head size 16): several pieces per layer.
+SMALL_BUFFER = 2 * 24 * HEAD_BLOCK_BYTES / 2**30
+LLAMA_POOL_BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens, 2 KV heads, head size 16
+
+
+class KeyNormPolicy(SparsePolicy):
+    """Selects, per sequence, the 2 history blocks whose keys have the largest norm, read through
+    ``ctx.read_blocks``; the newest block always stays. Its tokens match across paths only if
+    ``read_blocks`` gives the same keys on both."""
+
+    def select_blocks(self, ctx: PolicyContext) -> torch.Tensor:
+        every = ctx.all_history_blocks()
+        keys, _ = ctx.read_blocks(every)  # [S, W, bs, Hkv, D]
+        score = keys.float().norm(dim=-1).sum(dim=(2, 3))
+        n = ctx.num_history_blocks.long()[:, None]
+        idx = torch.arange(every.shape[1], device=score.device)
+        score = torch.where(idx < n, score, float("-inf")).masked_fill(idx == n - 1, float("inf"))
+        top = score.topk(min(3, every.shape[1]), dim=1)
+        chosen = torch.where(top.values > float("-inf"), top.indices, every.shape[1]).sort(dim=1).values
+        return torch.where(chosen < every.shape[1], chosen, -1).to(torch.int32)
+
+
+class KeyNormPlugin:
+    from nanovllm.hookspecs import hookimpl
+
+    @hookimpl
+    def register_sparse_policies(self, registry) -> None:
+        registry.add_sparse_policy("key_norm", f"{__name__}:KeyNormPolicy")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered(one_thread):
+    plugins = get_plugins()
+    plugins.register(Plugin(), "quest-style")
+    plugins.register(KeyNormPlugin(), "key-norm")
+    yield
+    reload_plugins()
+
+
+def _prompts(lengths: list[int], seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 250) for _ in range(n)]} for n in lengths]
+
+
+def _engine(model: str, device: str = "cpu", offload_buffer: float | None = None, **options) -> LLM:
+    base = dict(device=device, dtype="float32", block_size=16, max_model_len=512, max_num_seqs=8,
+                enforce_eager=True)
+    base.update(options)
+    if offload_buffer is None:
+        return LLM(model, kv_cache_memory=64 << 20, **base)
+    return LLM(model, kv_offloading_size=0.01, kv_offloading_buffer_size=offload_buffer, **base)
+
+
+def _same_outputs(got, want) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert abs(g.outputs[0].cumulative_logprob - w.outputs[0].cumulative_logprob) < 1e-4
+
+
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+@pytest.mark.parametrize("policy", ["full", "quest_style:budget_blocks=2", "prefill=full;decode=quest_style:budget_blocks=3",
+                                    "key_norm"])
+@pytest.mark.parametrize("chunk", [512, 16])
+def test_offload_gives_the_gpu_cache_tokens(tiny_model, architecture, policy, chunk):
+    """Sparse budgets included: the selection-driven loads read exactly the selected blocks per head."""
+    model = tiny_model(architecture)
+    prompts = _prompts([5, 40, 97, 130])
+    want = _engine(model, sparse_policy=policy, max_num_batched_tokens=chunk).generate(prompts, PARAMS, use_tqdm=False)
+    for buffer in (1.0, SMALL_BUFFER):
+        llm = _engine(model, offload_buffer=buffer, sparse_policy=policy, max_num_batched_tokens=chunk)
+        _same_outputs(llm.generate(prompts, PARAMS, use_tqdm=False), want)
+
+
+def test_many_pieces_per_layer_are_really_used(tiny_model):
+    llm = _engine(tiny_model(), offload_buffer=SMALL_BUFFER)
+    engine = llm.runner.offload
+    assert engine.capacity == 48
+    calls = []
+    original = engine._load
+    engine._load = lambda layer_id, piece: calls.append(layer_id) or original(layer_id, piece)
+    llm.generate(_prompts([300, 200]), SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    per_layer = len(calls) / len(llm.runner.attention_layers)
+    assert per_layer == 2 * 2  # two decode steps, each over 32 blocks x 2 heads in slots of 48 head blocks
+
+
+class OffloadRecorder:
+    """An observer that sees the offload hooks' rows."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, int] = {"prefill": 0, "decode": 0, "kv_write": 0}
+
+    def on_prefill_offload(self, write: KVWrite) -> None:
+        assert write.step.decode is None and write.step.num_decode_tokens == 0
+        assert write.key.shape[0] == write.slot_mapping.shape[0] == write.positions.shape[0]
+        self.rows["prefill"] += write.key.shape[0] * (write.layer_id == 0)
+
+    def on_decode_offload(self, write: KVWrite) -> None:
+        assert write.step.prefill is None and write.key.shape[0] == write.step.num_decode_tokens
+        self.rows["decode"] += write.key.shape[0] * (write.layer_id == 0)
+
+    def on_kv_write(self, write: KVWrite) -> None:
+        self.rows["kv_write"] += write.key.shape[0] * (write.layer_id == 0)
+
+
+class KVWriteOnly:
+    def __init__(self) -> None:
+        self.rows = 0
+        self.fill_ok = True
+
+    def on_kv_write(self, write: KVWrite) -> None:
+        if write.layer_id == 0:
+            self.rows += write.key.shape[0]
+            self.fill_ok &= bool((write.block_fill() >= 1).all())
+
+
+def test_offload_hooks_get_each_phase_and_fall_back_to_on_kv_write(tiny_model):
+    recorder, fallback = OffloadRecorder(), KVWriteOnly()
+    llm = _engine(tiny_model(), offload_buffer=1.0, max_num_batched_tokens=32, observers=[recorder, fallback])
+    llm.generate(_prompts([40, 7]), SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+    # every prompt token once through on_prefill_offload, every later token through on_decode_offload
+    assert recorder.rows == {"prefill": 47, "decode": 2 * 4, "kv_write": 0}
+    assert fallback.rows == 47 + 8 and fallback.fill_ok  # on_kv_write, with both phases' rows
+
+    on_gpu = OffloadRecorder()
+    _engine(tiny_model(), observers=[on_gpu]).generate(_prompts([40, 7]), SamplingParams(max_tokens=5, ignore_eos=True),
+                                                       use_tqdm=False)
+    assert on_gpu.rows == {"prefill": 0, "decode": 0, "kv_write": 47 + 8}  # without offload: on_kv_write only
+
+
+def _plan(capacity_heads: int, tables: list[list[int]], q_lens: list[int], ctx_lens: list[int], prefill: bool):
+    engine = OffloadEngine(1, 64, 4, 2, 8, torch.float32, torch.device("cpu"), 2 * capacity_heads * 2 * 4 * 8 * 4, 2)
+    assert engine.capacity == capacity_heads
+    return engine, list(engine._dense_plan(HostPhase(tables, q_lens, ctx_lens), prefill))
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+def test_dense_plan_loads_every_history_block_once_within_capacity(prefill):
+    tables = [list(range(0, 9)), list(range(20, 23))]  # 9 and 3 blocks of 4 tokens
+    q_lens, ctx_lens = ([5, 2], [35, 10]) if prefill else ([1, 1], [35, 10])
+    engine, pieces = _plan(8, tables, q_lens, ctx_lens, prefill)
+    history = [c - q if prefill else c for c, q in zip(ctx_lens, q_lens)]
+    loaded = [int(i) for p in pieces for i in p.ids]
+    assert all(p.ids.shape[0] <= engine.capacity for p in pieces)
+    want = [b * 2 + h for s, t in enumerate(tables) for b in t[: -(-history[s] // 4)] for h in (0, 1)]
+    assert sorted(loaded) == sorted(want)  # each head block of the history once
+    tokens = torch.stack([p.kv_lens.view(2, 2) for p in pieces]).sum(0)
+    assert tokens.tolist() == [history, history]  # both heads see every history token exactly once
+    if prefill:
+        assert all(p.rows is None for p in pieces)
+    else:  # the new token is patched into exactly one piece per sequence and head
+        patched = sum((p.rows != engine.scratch_row).long() for p in pieces)
+        assert patched.tolist() == [[1, 1], [1, 1]]
+
+
+def test_offload_errors_name_the_option_and_the_fix(tiny_model):
+    with pytest.raises(ValueError, match="kv_offloading_buffer_size is too small.*at least .* GiB or lower max_num_seqs"):
+        _engine(tiny_model(), offload_buffer=1e-6)
+    with pytest.raises(ValueError, match="kv_offloading_size=1e-05 GiB holds .* fewer than max_model_len=512"):
+        LLM(tiny_model(), device="cpu", kv_offloading_size=1e-5)
+    for bad in (0, -1, "2", True):
+        with pytest.raises(ValueError, match="kv_offloading_size is a size in GiB"):
+            LLM(tiny_model(), device="cpu", kv_offloading_size=bad)
+
+
+def test_offload_keeps_no_kv_cache_on_the_device_and_serves_preemption(tiny_model):
+    # a pool of 12 blocks for three prompts that need 4-5 each plus their tokens: they preempt each other
+    llm = LLM(tiny_model(), device="cpu", dtype="float32", block_size=16, max_model_len=96, max_num_seqs=8,
+              enforce_eager=True, kv_offloading_size=12 * LLAMA_POOL_BLOCK_BYTES / 2**30,
+              kv_offloading_buffer_size=SMALL_BUFFER)
+    runner = llm.runner
+    assert runner.num_blocks == 12 and not hasattr(runner, "kv_cache")
+    assert runner.offload.pool.shape[2] == 13  # the pool's blocks and its scratch block
+    prompts = _prompts([60, 55, 50], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.scheduler.num_preemptions > 0
+    want = _engine(tiny_model(), max_model_len=96).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+# -- on the GPU: pinned pool, streams, events, memory -------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["full", "quest_style:budget_blocks=2"])
+def test_gpu_offload_gives_the_gpu_cache_tokens(tiny_model, policy):
+    model = tiny_model()
+    prompts = _prompts([5, 40, 97, 130, 300])
+    want = _engine(model, device="cuda", sparse_policy=policy, max_num_batched_tokens=64).generate(
+        prompts, PARAMS, use_tqdm=False)
+    for buffer in (1.0, SMALL_BUFFER):
+        llm = _engine(model, device="cuda", offload_buffer=buffer, sparse_policy=policy, max_num_batched_tokens=64)
+        engine = llm.runner.offload
+        assert engine.pool.is_pinned() and engine.pool.device.type == "cpu"
+        assert engine.load_stream != torch.cuda.current_stream() != engine.store_stream
+        _same_outputs(llm.generate(prompts, PARAMS, use_tqdm=False), want)
+
+
+@pytest.mark.gpu
+def test_gpu_device_view_reads_and_writes_pinned_memory():
+    from nanovllm.engine.offload import device_view
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        host = torch.randn(64, 33, pin_memory=True).to(dtype).pin_memory()
+        view = device_view(host)
+        assert view.device.type == "cuda" and view.dtype == dtype and view.shape == host.shape
+        ids = torch.tensor([5, 0, 63], device="cuda")
+        assert torch.equal(view[ids].cpu(), host[ids.cpu()])
+        view[7] = 3.0
+        torch.cuda.synchronize()
+        assert (host[7] == 3.0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_memory_for_kv_is_the_load_slots(tiny_model):
+    """The GPU holds the load slots, whatever the pool's size."""
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    llm = _engine(tiny_model(), device="cuda", offload_buffer=SMALL_BUFFER)
+    weights = sum(p.numel() * p.element_size() for p in llm.runner.model.parameters())
+    assert torch.cuda.memory_allocated() - before - weights <= llm.runner.offload.gpu_bytes + (1 << 20)
+    assert llm.runner.offload.gpu_bytes <= SMALL_BUFFER * 2**30 + 2 * HEAD_BLOCK_BYTES
