@@ -112,10 +112,11 @@ class PolicyContext:
             if self.is_prefill:
                 return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, self.meta, self.scale)
             return self.backend.decode(q, self.k_cache, self.v_cache, self.meta, self.scale)
-        out, lse = self.offload.attend_dense(self, q)
-        if self.is_prefill:
-            out, lse = self.merge(out, lse, *self.attend_chunk(q, k, v))
-        return out
+        history = self.offload.attend_dense(self, q)
+        if not self.is_prefill:
+            return history[0]
+        chunk = self.attend_chunk(q, k, v)
+        return chunk[0] if history is None else self.merge(*history, *chunk)[0]
 
     def read_blocks(self, block_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[num_seqs, k, block_size, num_kv_heads, head_dim]`` of logical blocks

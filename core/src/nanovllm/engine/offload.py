@@ -1,11 +1,14 @@
 """The KV offload engine: the only code that moves KV between the host pool and the GPU.
 
-**Pool.** Every layer's KV lives in one pinned host tensor ``[layers, 2, blocks + 1, kv_heads, block_size,
-head_dim]``: head-major inside a block, so one KV head of one block (a "head block") is one contiguous
-piece. The last block is scratch: writes and loads that must go nowhere go there, which keeps every
-index computation on the device without a host sync. On CUDA the kernels read and write the pinned
-memory directly through a device view of it: one gather kernel moves 50 GB/s of scattered 4 KiB pieces
-on an H100, 0.92 of what a single large copy reaches, where separate small copies would reach 4 GB/s.
+**Pool.** Every layer's KV lives in one pinned host tensor ``[layers, blocks + 1, kv_heads, 2, block_size,
+head_dim]``: the K and V of one KV head of one block (a "head block") are one contiguous piece, and a
+run of consecutive blocks is one contiguous range. The last block is scratch: writes and loads that must
+go nowhere go there, which keeps every index computation on the device without a host sync.
+
+**Copies.** A contiguous run of at least ``MIN_COPY_BYTES`` is one DMA copy (the copy engines, 54-55 GB/s
+on an H100, no multiprocessor time). Anything scattered (per-head selections, fragmented blocks) is one
+gather kernel that reads the pinned memory directly through a device view of it: 50 GB/s of scattered
+pieces, where separate small copies would reach 4 GB/s, but it occupies multiprocessors while it waits.
 
 **Slots.** A ring of GPU load slots, each holding up to ``capacity`` head blocks of K and of V. A layer's
 reads are cut into pieces that fit a slot. Loads run on their own stream and wait only for the slot to be
@@ -36,6 +39,7 @@ from nanovllm.attention.backend import selection_per_kv_head
 from nanovllm.attention.metadata import PhaseMetadata
 
 NUM_SLOTS = 2  # double buffering: one slot loads while the other is attended to
+MIN_COPY_BYTES = 2 << 20  # runs at least this long go to the copy engines; shorter ones to the gather kernel
 
 
 def device_view(host: torch.Tensor) -> torch.Tensor:
@@ -66,13 +70,14 @@ class HostPhase:
 class Piece:
     """One slot's worth of a layer's reads, in the virtual batch (row ``h * num_seqs + s``)."""
 
-    ids: torch.Tensor  # [n] head blocks to load: block * kv_heads + head (scratch for padding)
+    ids: torch.Tensor  # [n] head blocks to load into slot rows 0..n-1: block * kv_heads + head (scratch: padding)
     tables: torch.Tensor  # [kv_heads * seqs, w] slot head block of each local block
     selection: torch.Tensor  # [kv_heads * seqs, w] local block indices, -1 padded
     kv_lens: torch.Tensor  # [kv_heads * seqs] tokens of each virtual sequence in the piece
     rows: torch.Tensor | None  # [kv_heads, new tokens] slot row of each new token (scratch row if absent)
     max_keys: int
     on_device: bool  # computed on the compute stream (a selection), not planned on the host
+    runs: list[tuple[int, int, int]] | None = None  # (first id, first slot row, length): DMA copies instead
 
 
 class OffloadEngine:
@@ -84,7 +89,7 @@ class OffloadEngine:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.device = device
         self.cuda = device.type == "cuda"
-        shape = (num_layers, 2, num_blocks + 1, num_kv_heads, block_size, head_dim)
+        shape = (num_layers, num_blocks + 1, num_kv_heads, 2, block_size, head_dim)
         self.pool = torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
         self._pool = device_view(self.pool) if self.cuda else self.pool  # what kernels address
         head_block_bytes = 2 * block_size * head_dim * self.pool.element_size()
@@ -100,7 +105,7 @@ class OffloadEngine:
             )
         self.scratch_id = num_blocks * num_kv_heads  # the pool's scratch block, head 0
         self.scratch_row = self.capacity * block_size  # the slots' scratch head block, first row
-        self.slots = torch.empty(NUM_SLOTS, 2, self.capacity + 1, block_size, head_dim, dtype=dtype, device=device)
+        self.slots = torch.empty(NUM_SLOTS, self.capacity + 1, 2, block_size, head_dim, dtype=dtype, device=device)
         self.gpu_bytes = self.slots.numel() * self.slots.element_size()
         self._next_slot = 0
         if self.cuda:
@@ -116,8 +121,8 @@ class OffloadEngine:
     def cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The pool's K and V of a layer in the paged cache's layout ``[blocks + 1, block_size, kv_heads,
         head_dim]`` (a strided view, device-addressable): for code that reads the cache itself."""
-        k, v = self._pool[layer_id].transpose(2, 3)
-        return k, v
+        pool = self._pool[layer_id]
+        return pool[:, :, 0].transpose(1, 2), pool[:, :, 1].transpose(1, 2)
 
     # -- one step ---------------------------------------------------------------------------------------
 
@@ -132,24 +137,26 @@ class OffloadEngine:
         """Send the step's new K/V ``[tokens, kv_heads, head_dim]`` of one layer to their pool slots
         (-1: to the scratch block), on the store stream."""
         bs = self.block_size
-        slots = torch.where(slot_mapping >= 0, slot_mapping, self.num_blocks * bs)
-        blocks, offsets = slots // bs, slots % bs
         pool = self._pool[layer_id]
-        with self._on(self.store_stream if self.cuda else None, key, value, slots):
-            pool[0][blocks, :, offsets] = key.to(pool.dtype)
-            pool[1][blocks, :, offsets] = value.to(pool.dtype)
+        # everything the store stream reads is made on it, or kept alive for it (no allocator reuse)
+        with self._on(self.store_stream if self.cuda else None, key, value, slot_mapping):
+            slots = torch.where(slot_mapping >= 0, slot_mapping, self.num_blocks * bs)
+            blocks, offsets = slots // bs, slots % bs
+            pool[:, :, 0][blocks, :, offsets] = key.to(pool.dtype)
+            pool[:, :, 1][blocks, :, offsets] = value.to(pool.dtype)
             if self.cuda:
                 self._storing[layer_id] = torch.cuda.Event()
                 self._storing[layer_id].record(self.store_stream)
 
     # -- attention ----------------------------------------------------------------------------------------
 
-    def attend_dense(self, ctx, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention over every history block (decode: the whole context, the new token included;
-        prefill: the tokens before the chunk); (out, lse)."""
+    def attend_dense(self, ctx, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(out, lse) over every history block (decode: the whole context, the new token included;
+        prefill: the tokens before the chunk); None when no sequence of the phase has any."""
         if ctx.is_prefill not in self._plans:
             self._plans[ctx.is_prefill] = list(self._dense_plan(self._host[ctx.is_prefill], ctx.is_prefill))
-        return self._run(ctx, q, iter(self._plans[ctx.is_prefill]))
+        plan = self._plans[ctx.is_prefill]
+        return self._run(ctx, q, iter(plan)) if plan else None
 
     def attend_selected(
         self, ctx, q: torch.Tensor, block_indices: torch.Tensor, kv_lens: torch.Tensor
@@ -165,7 +172,8 @@ class OffloadEngine:
         valid = block_indices >= 0
         physical = torch.gather(ctx.meta.block_tables, 1, block_indices.clamp(min=0).to(torch.int64))
         physical = torch.where(valid, physical, self.num_blocks).long()
-        k, v = (part[physical].transpose(-2, -3) for part in self._pool[ctx.layer_id])
+        pool = self._pool[ctx.layer_id]
+        k, v = (pool[:, :, i][physical].transpose(-2, -3) for i in (0, 1))
         mask = valid[..., None, None, None]
         return k.masked_fill(~mask, 0).to(ctx.query.device), v.masked_fill(~mask, 0).to(ctx.query.device)
 
@@ -182,11 +190,11 @@ class OffloadEngine:
         out = lse = None
         for piece in pieces:
             index, slot = self._load(ctx.layer_id, piece)
-            k_slot, v_slot = slot[0], slot[1]
+            k_slot, v_slot = slot[:, 0], slot[:, 1]
             if piece.rows is not None:
-                rows = piece.rows.flatten()
-                k_slot.view(-1, self.head_dim)[rows] = new_k.to(k_slot.dtype)
-                v_slot.view(-1, self.head_dim)[rows] = new_v.to(v_slot.dtype)
+                head_block, offset = piece.rows.flatten().div(self.block_size, rounding_mode="floor"), piece.rows.flatten() % self.block_size
+                k_slot[head_block, offset] = new_k.to(k_slot.dtype)
+                v_slot[head_block, offset] = new_v.to(v_slot.dtype)
             meta = PhaseMetadata(cu_v, piece.kv_lens, piece.tables, ctx.meta.max_query_len, piece.max_keys)
             part_out, part_lse = ctx.backend.attend_blocks(
                 qv, k_slot[:, :, None], v_slot[:, :, None], meta, piece.selection, piece.kv_lens, ctx.scale
@@ -211,15 +219,16 @@ class OffloadEngine:
         return torch.cuda.stream(stream)
 
     def _load(self, layer_id: int, piece: Piece) -> tuple[int, torch.Tensor]:
-        """Gather the piece's head blocks of a layer into the next slot; returns (slot index, slot
-        ``[2, capacity + 1, block_size, head_dim]``) once the compute stream may read it."""
+        """Bring the piece's head blocks of a layer into the next slot; returns (slot index, slot
+        ``[capacity + 1, 2, block_size, head_dim]``) once the compute stream may read it."""
         index = self._next_slot
         self._next_slot = (index + 1) % NUM_SLOTS
         slot = self.slots[index]
-        pool = self._pool[layer_id].view(2, -1, self.block_size, self.head_dim)
+        rows = (-1, 2, self.block_size, self.head_dim)
+        pool, host = self._pool[layer_id].view(rows), self.pool[layer_id].view(rows)
         ids = piece.ids
         if not self.cuda:
-            torch.index_select(pool, 1, ids, out=slot[:, : ids.shape[0]])
+            torch.index_select(pool, 0, ids, out=slot[: ids.shape[0]])
             return index, slot
         stream = self.load_stream
         if piece.on_device:  # a selection: its indices come from this layer's query
@@ -229,7 +238,11 @@ class OffloadEngine:
             if event is not None:
                 stream.wait_event(event)
         with torch.cuda.stream(stream):
-            torch.index_select(pool, 1, ids, out=slot[:, : ids.shape[0]])
+            if piece.runs is not None:
+                for first, at, length in piece.runs:
+                    slot[at : at + length].copy_(host[first : first + length], non_blocking=True)
+            else:
+                torch.index_select(pool, 0, ids, out=slot[: ids.shape[0]])
         torch.cuda.current_stream().wait_stream(stream)
         return index, slot
 
@@ -259,33 +272,47 @@ class OffloadEngine:
             done = [d + t for d, t in zip(done, take, strict=True)]
 
     def _host_piece(self, host: HostPhase, hist, first, take, is_prefill) -> Piece:
+        """Slot rows in the pool's order (sequence, block, head), so consecutive pool blocks are one copy;
+        virtual sequence (head h, sequence s) reads rows ``(start_s + j) * kv_heads + h``."""
         bs, hkv = self.block_size, self.num_kv_heads
         num_seqs = len(take)
         blocks = np.concatenate(
             [np.asarray(host.block_tables[s][first[s] : first[s] + take[s]], dtype=np.int64) for s in range(num_seqs)]
         )
-        n = blocks.shape[0]
-        ids = (blocks[None, :] * hkv + np.arange(hkv)[:, None]).ravel()
+        ids = (blocks[:, None] * hkv + np.arange(hkv)[None, :]).ravel()
         starts = np.concatenate([[0], np.cumsum(take)[:-1]]).astype(np.int64)
-        width = max(max(take), 1)
+        width = max(take)
         local = np.arange(width)
-        offsets = (np.arange(hkv)[:, None] * n + starts[None, :]).reshape(-1)  # [hkv * seqs]
-        takes = np.tile(np.asarray(take), hkv)
-        tables = np.where(local[None, :] < takes[:, None], offsets[:, None] + local[None, :], 0)
+        heads = np.repeat(np.arange(hkv), num_seqs)  # virtual sequence h * num_seqs + s
+        seq_starts, takes = np.tile(starts, hkv), np.tile(np.asarray(take), hkv)
+        tables = np.where(local[None, :] < takes[:, None], (seq_starts[:, None] + local[None, :]) * hkv + heads[:, None], 0)
         selection = np.where(local[None, :] < takes[:, None], local[None, :], -1)
         kv = np.clip(np.asarray(hist) - np.asarray(first) * bs, 0, np.asarray(take) * bs)
         rows = None
         if not is_prefill:  # the new token: position hist - 1, in the piece if its block is
             last = (np.asarray(hist) - 1) // bs - np.asarray(first)
             inside = (last >= 0) & (last < np.asarray(take))
-            vblock = offsets.reshape(hkv, num_seqs) + last[None, :]
+            head_block = (starts[None, :] + last[None, :]) * hkv + np.arange(hkv)[:, None]
             offset = (np.asarray(hist) - 1) % bs
-            rows = np.where(inside[None, :], vblock * bs + offset[None, :], self.scratch_row)
+            rows = np.where(inside[None, :], head_block * bs + offset[None, :], self.scratch_row)
         to = self._to_device
         return Piece(
             to(ids), to(tables.astype(np.int32)), to(selection.astype(np.int32)), to(np.tile(kv, hkv).astype(np.int32)),
-            None if rows is None else to(rows), width * bs, False,
+            None if rows is None else to(rows), width * bs, False, self._runs(ids),
         )
+
+    def _runs(self, ids: np.ndarray) -> list[tuple[int, int, int]] | None:
+        """Contiguous runs of ``ids`` as (first id, first slot row, length) if they are long enough for
+        the copy engines, else None (the gather kernel)."""
+        if not self.cuda:
+            return None
+        breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+        starts = np.concatenate([[0], breaks])
+        lengths = np.diff(np.concatenate([starts, [ids.shape[0]]]))
+        head_block_bytes = self.slots[0, 0].numel() * self.slots.element_size()
+        if lengths.mean() * head_block_bytes < MIN_COPY_BYTES:
+            return None
+        return [(int(ids[a]), int(a), int(n)) for a, n in zip(starts, lengths, strict=True)]
 
     def _selected_pieces(self, ctx, block_indices: torch.Tensor, kv_lens: torch.Tensor) -> Iterator[Piece]:
         """Pieces of a selection made on the device: computed there, without a host sync."""
