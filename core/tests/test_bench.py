@@ -72,3 +72,70 @@ def test_kernels_dry_run_and_results_files(tmp_path, monkeypatch):
 def test_render_needs_a_file(capsys):
     assert cli_main(["bench", "render"]) == 2
     assert "needs a results file" in capsys.readouterr().err
+
+
+def test_offload_bench_on_a_tiny_model(tiny_model, one_thread, tmp_path):
+    """B5's whole path on the CPU (in this process; the CLI runs each job in its own): jobs, rows, the
+    ratios that join rows of different jobs, the results files. Checks the arithmetic, not the speed."""
+    from nanovllm.bench import offload
+
+    model, steps = tiny_model("LlamaForCausalLM"), 3
+    shape = offload.model_shape(model, {"device": "cpu"})
+    assert shape.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # K and V x layers x KV heads x head_dim x float32
+    budget = 64  # prefill chunks of 64 tokens: the prompts prefill over several steps
+    engine = {"device": "cpu", "max_num_batched_tokens": budget}
+
+    def pool_bytes(context, batch):  # the largest pool is made too big for "this host's RAM"
+        _, max_len = offload.lengths(context, batch, steps, shape.max_positions, budget)
+        return offload.pool_gib(batch, max_len, 16, shape.kv_bytes_per_token) * 2**30
+
+    fraction = 0.99 * pool_bytes(200, 3) / offload.host_memory_bytes()
+    assert pool_bytes(200, 1) < fraction * offload.host_memory_bytes()
+    jobs = offload.jobs([model], [96, 200], [1, 3], steps, copy_mib=4, small_kv_gib=1e-4, engine_options=engine,
+                        host_memory_fraction=fraction)
+    assert [j["kind"] for j in jobs] == ["offload-copy"] + ["offload-resident", "offload-decode", "offload-decode"] * 2 \
+        + ["offload-small"] * 2
+    results = [row for job in jobs for row in bench.run_job(job)]
+    path = bench.write_results(results, tmp_path, "b5", {"benchmark": "offload"})
+    rows = json.loads(path.read_text())["results"]
+
+    [copy] = [r for r in rows if r["benchmark"] == "offload-copy"]
+    assert min(copy["h2d_gbs"], copy["d2h_gbs"], copy["both_h2d_gbs"], copy["both_d2h_gbs"]) > 0
+    assert copy["both_total_gbs"] == pytest.approx(2 * min(copy["both_h2d_gbs"], copy["both_d2h_gbs"]))
+    resident = {r["context"]: r for r in rows if r["benchmark"] == "offload-resident"}
+    decode = {(r["context"], r["batch"]): r for r in rows if r["benchmark"] == "offload-decode"}
+    assert "of this host's" in decode[200, 3]["skipped"] and "ttft_s" not in decode[200, 3]
+    for (context, batch), r in decode.items():
+        if "skipped" in r:
+            continue
+        assert r["prompt_len"] == context and r["settings"]["kv_offloading_size"] > 0
+        if batch == 1:  # the timed steps read the prompt, the first token and each decoded one
+            assert r["kv_tokens_per_step"] == context + (steps + 1) / 2
+            assert r["ttft_vs_resident"] == pytest.approx(r["ttft_s"] / resident[context]["ttft_s"])
+            assert r["vs_target"] == pytest.approx(bench.OFFLOAD_TTFT_TARGET / r["ttft_vs_resident"])
+        else:  # early sequences decode while later ones prefill
+            assert batch * (context + 1) < r["kv_tokens_per_step"] < batch * r["settings"]["max_model_len"]
+            assert "ttft_vs_resident" not in r
+        assert r["h2d_bytes_per_step"] == r["kv_tokens_per_step"] * shape.kv_bytes_per_token
+        assert r["d2h_bytes_per_step"] == batch * shape.kv_bytes_per_token
+        assert r["h2d_gbs"] == pytest.approx(r["h2d_bytes_per_step"] / r["decode_ms_per_step"] / 1e6)
+        assert r["floor_ms"] == pytest.approx(r["h2d_bytes_per_step"] / copy["h2d_gbs"] / 1e6)
+        assert r["vs_floor"] == pytest.approx(r["floor_ms"] / r["decode_ms_per_step"])
+        assert r["gpu_bytes"] > 0
+    assert all("kv_offloading_size" not in r["settings"] and "h2d_bytes_per_step" not in r for r in resident.values())
+    small = {r["offload"]: r for r in rows if r["benchmark"] == "offload-small"}
+    assert "fewer than max_model_len" in small[False]["refused"] and "ttft_s" not in small[False]
+    assert small[True]["refused"] is None and small[True]["ttft_s"] > 0
+    assert small[True]["settings"]["kv_cache_memory"] == small[False]["settings"]["kv_cache_memory"]
+    assert small[True]["vs_target"] == pytest.approx(bench.OFFLOAD_GPU_KV_TARGET_GIB / small[True]["gpu_kv_gib"])
+
+    md = (tmp_path / "b5.md").read_text()
+    assert "## B5 offload" in md and "| resident |" in md and "refused: the KV cache budget" in md
+    assert "| decode | " + model + " | 200 | 3 |" in md
+    bench.render(path)  # the ratios are redone from the raw rows, to the same values
+    assert json.loads(path.read_text())["results"] == rows
+
+
+def test_offload_bench_refuses_bad_sizes(capsys):
+    assert cli_main(["bench", "offload", "--decode-steps", "0"]) == 2
+    assert "--decode-steps takes positive numbers" in capsys.readouterr().err

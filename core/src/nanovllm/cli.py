@@ -69,17 +69,18 @@ def build_parser() -> argparse.ArgumentParser:
     plug.set_defaults(func=_plugins)
     bench = sub.add_parser("bench", help="benchmarks on shape presets with random weights (GPU), and the "
                            "attention quality of sparse policies on the built-in model (CPU or GPU)")
-    bench.add_argument("benchmark", choices=("throughput", "latency", "kernels", "all", "quality", "render"),
-                       help="B1 throughput (+ decode-step profile), B2 latency, B3 kernels; quality of "
-                       "sparse policies; render FILE.json redoes a results file's ratios, table and chart")
+    bench.add_argument("benchmark", choices=("throughput", "latency", "kernels", "all", "offload", "quality", "render"),
+                       help="B1 throughput (+ decode-step profile), B2 latency, B3 kernels (all: these three); "
+                       "B5 offload (KV in pinned host memory); quality of sparse policies; render FILE.json "
+                       "redoes a results file's ratios, table and chart")
     bench.add_argument("file", nargs="?", help="results JSON (for render)")
-    bench.add_argument("--presets", nargs="+", default=["qwen3-0.6b"],
-                       help="qwen3-0.6b, qwen3-8b, llama-3.1-8b")
+    bench.add_argument("--presets", nargs="+", default=None,
+                       help="qwen3-0.6b, qwen3-8b, llama-3.1-8b (default: qwen3-0.6b; llama-3.1-8b for offload)")
     bench.add_argument("--hf-num-seqs", type=int, default=0,
                        help="also run the first N throughput prompts through transformers (0: skip)")
     bench.add_argument("--attention-backend", default=None)
     bench.add_argument("--out", default="benchmarks/results")
-    bench.add_argument("--name", default=None, help="results file name (default: bench, or quality)")
+    bench.add_argument("--name", default=None, help="results file name (default: bench, offload or quality)")
     from nanovllm.bench.quality import DEFAULT_PPL_TAIL, DEFAULT_QUERIES, DEFAULT_TOKENS, DEFAULT_TOP_K
 
     quality = bench.add_argument_group("quality")
@@ -98,6 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--seed", type=int, default=0, help="seed of the random selection")
     quality.add_argument("--ppl-tail", type=int, default=DEFAULT_PPL_TAIL,
                          help="perplexity of the text's last N tokens with each policy in the engine (0: skip)")
+    offload = bench.add_argument_group("offload (B5)")
+    offload.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072],
+                         help="prompt tokens; shortened where the decoded tokens would pass the model's "
+                         "position limit (131072 on llama-3.1-8b)")
+    offload.add_argument("--batches", nargs="+", type=int, default=[1, 8], help="sequences decoded together")
+    offload.add_argument("--decode-steps", type=int, default=8, help="decode steps timed after the prefill")
+    offload.add_argument("--copy-mib", type=int, default=1024,
+                         help="size of each pinned copy of the copy rate (256 or more to reach the PCIe rate)")
+    offload.add_argument("--small-kv-gib", type=float, default=4.0,
+                         help="GiB left for KV after the weights on the GPU made small")
     bench.set_defaults(func=_bench)
     return parser
 

@@ -1,8 +1,8 @@
 """``nanovllm bench``: the project's benchmarks on shape presets (definitions in ANCHORS.md).
 
 ``throughput`` (B1, plus the transformers peer), ``latency`` (B2, eager and with CUDA graphs),
-``kernels`` (B3) and ``quality`` (attention quality of sparse policies on the real built-in model,
-:mod:`nanovllm.bench.quality`). Every measurement runs in its own Python process, so the GPU memory
+``kernels`` (B3), ``offload`` (B5, the KV offload engine, :mod:`nanovllm.bench.offload`) and ``quality``
+(attention quality of sparse policies on the real built-in model, :mod:`nanovllm.bench.quality`). Every measurement runs in its own Python process, so the GPU memory
 of one engine never shrinks the next one's KV cache. Results go to
 ``benchmarks/results/<name>.{json,md,png}`` with the device, date, commit and every setting, next to
 the targets and anchors below.
@@ -31,6 +31,8 @@ TARGETS: dict[tuple[str, str], dict[str, Any]] = {
 }
 PREFILL_TARGET = 0.95  # of the cuDNN SDPA TFLOP/s in the same run
 DECODE_TARGET = 0.9  # of the copy bandwidth in the same run (2.6 TB/s on an H100)
+OFFLOAD_TTFT_TARGET = 1.15  # B5: offload TTFT at most this times the GPU-resident TTFT of the same run
+OFFLOAD_GPU_KV_TARGET_GIB = 2.0  # B5: the offload engine's GPU memory for KV (its load slots), GiB
 METRIC = {"throughput": "output_tok_per_s", "throughput-transformers": "output_tok_per_s",
           "latency": "ms_per_token", "latency-eager": "ms_per_token"}
 LOWER_IS_BETTER = {"ms_per_token"}
@@ -73,6 +75,14 @@ def run_job(job: dict) -> list[dict]:
         from nanovllm.bench import quality
 
         return quality.run(**opts)
+    if kind.startswith("offload-"):
+        from nanovllm.bench import offload
+
+        if kind == "offload-copy":
+            return [offload.bench_copy(**opts)]
+        if kind == "offload-small":
+            return [offload.bench_small_gpu(job["preset"], **opts)]
+        return [offload.bench_decode(job["preset"], offload=kind == "offload-decode", **opts)]
     raise ValueError(f"unknown benchmark job {kind!r}")
 
 
@@ -150,23 +160,25 @@ def _fmt(v: Any) -> str:
 
 
 def markdown(payload: dict[str, Any], title: str) -> str:
-    from nanovllm.bench import quality
+    from nanovllm.bench import offload, quality
 
     if quality.is_quality(payload):
         return quality.markdown(payload, title)
     env = payload["environment"]
     lines = [f"# {title}", "", f"{env['device']}, {env['date']}, commit {env['commit']}, torch {env['torch']}.",
              "Targets are issue 3's, set for one H100; floors (this device's) and peers from ANCHORS.md. "
-             "vs_target >= 1 meets it.",
-             "", "| benchmark | preset | metric | measured | target | vs_target | floor | vs_floor | peer |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "vs_target >= 1 meets it."]
+    table = []
     for r in payload["results"]:
         if "error" in r:
-            lines.append(f"| {r['benchmark']} | {r['preset']} | failed: {r['error']} | | | | | | |")
+            table.append(f"| {r['benchmark']} | {r['preset']} | failed: {r['error']} | | | | | | |")
         elif "metric" in r:
             cells = [r["benchmark"], r["preset"], r["metric"], r[r["metric"]], r.get("target", ""),
                      r.get("vs_target", ""), r.get("floor", ""), r.get("vs_floor", ""), r.get("peer", "")]
-            lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
+            table.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
+    if table:
+        lines += ["", "| benchmark | preset | metric | measured | target | vs_target | floor | vs_floor | peer |",
+                  "|---|---|---|---|---|---|---|---|---|", *table]
     for r in payload["results"]:
         if r["benchmark"] == "kernels" and "rows" in r:
             lines += ["", "| kernel | case | ms | value | unit | vs ref | target | note |", "|---|---|---|---|---|---|---|---|"]
@@ -180,6 +192,7 @@ def markdown(payload: dict[str, Any], title: str) -> str:
                       f"{r['gpu_idle_ms_per_step']:.2f} ms GPU idle; host phases (ms) {r['host_ms_plain']}.", "",
                       "| kernel | ms per step | calls |", "|---|---|---|"]
             lines += [f"| {k['name']} | {k['ms']} | {k['calls']} |" for k in r["top_kernels"]]
+    lines += offload.markdown_lines(payload["results"])
     return "\n".join(lines) + "\n"
 
 
@@ -192,7 +205,7 @@ def chart(payload: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    from nanovllm.bench import quality
+    from nanovllm.bench import offload, quality
 
     if quality.is_quality(payload):
         return quality.chart(payload, path)
@@ -200,11 +213,11 @@ def chart(payload: dict[str, Any], path: Path) -> bool:
     panels = []
     thr = [r for r in results if r["benchmark"].startswith("throughput")]
     if thr:
-        panels.append(("output tok/s (B1)", [(f"{r['preset']}\n{'hf' if 'transformers' in r['benchmark'] else 'nanovllm'}",
+        panels.append(("output tok/s (B1)  (red: target)", [(f"{r['preset']}\n{'hf' if 'transformers' in r['benchmark'] else 'nanovllm'}",
                                               r["output_tok_per_s"], r.get("target")) for r in thr]))
     lat = [r for r in results if r["benchmark"].startswith("latency")]
     if lat:
-        panels.append(("batch-1 ms/token (B2)", [(f"{r['preset']}\n{'eager' if 'eager' in r['benchmark'] else 'graphs'}",
+        panels.append(("batch-1 ms/token (B2)  (red: target)", [(f"{r['preset']}\n{'eager' if 'eager' in r['benchmark'] else 'graphs'}",
                                                   r["ms_per_token"], r.get("target")) for r in lat]))
     for r in results:
         if r["benchmark"] == "kernels":
@@ -213,6 +226,7 @@ def chart(payload: dict[str, Any], path: Path) -> bool:
             dec = [k for k in ok if k["kind"] == "copy" or (k["kind"] == "decode" and "default" in k["name"])]
             panels.append(("prefill 16K TFLOP/s (B3)", [(k["name"].removeprefix("d=128 "), k["value"], None) for k in pre]))
             panels.append(("decode GB/s of KV (B3)", [(k["name"].split(" default")[0], k["value"], None) for k in dec]))
+    panels += offload.chart_panels(results)
     if not panels:
         return False
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.2 * len(panels)), squeeze=False)
@@ -222,7 +236,7 @@ def chart(payload: dict[str, Any], path: Path) -> bool:
         for i, b in enumerate(bars):
             if b[2]:
                 ax.plot([b[2], b[2]], [i - 0.4, i + 0.4], color="tab:red", lw=2)
-        ax.set_title(title + "  (red: target)", fontsize=10)
+        ax.set_title(title, fontsize=10)
         ax.tick_params(axis="y", labelsize=7)
         ax.invert_yaxis()
     env = payload["environment"]
@@ -234,6 +248,8 @@ def chart(payload: dict[str, Any], path: Path) -> bool:
 
 
 def write_results(results: list[dict[str, Any]], out_dir: Path, name: str, settings: dict[str, Any]) -> Path:
+    from nanovllm.bench import offload
+
     out_dir.mkdir(parents=True, exist_ok=True)
     env = environment()
     annotated = []
@@ -242,7 +258,7 @@ def write_results(results: list[dict[str, Any]], out_dir: Path, name: str, setti
         if r["benchmark"] == "kernels" and "rows" in r:
             r = {**r, "rows": kernel_rows(r["rows"])}
         annotated.append(r)
-    payload = {"environment": env, "settings": settings, "results": annotated}
+    payload = {"environment": env, "settings": settings, "results": offload.with_ratios(annotated)}
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps(payload, indent=1))
     (out_dir / f"{name}.md").write_text(markdown(payload, name))
@@ -254,9 +270,11 @@ def write_results(results: list[dict[str, Any]], out_dir: Path, name: str, setti
 def render(path: Path) -> None:
     """Redo a results file's ratios (current targets and anchors), markdown table and chart from its JSON,
     e.g. after adding a result measured separately."""
+    from nanovllm.bench import offload
+
     payload = json.loads(path.read_text())
     device = payload["environment"]["device"]
-    payload["results"] = [annotate(_raw(r), device) for r in payload["results"]]
+    payload["results"] = offload.with_ratios([annotate(_raw(r), device) for r in payload["results"]])
     path.write_text(json.dumps(payload, indent=1))
     path.with_suffix(".md").write_text(markdown(payload, path.stem))
     if not chart(payload, path.with_suffix(".png")):
@@ -264,8 +282,10 @@ def render(path: Path) -> None:
 
 
 def _raw(result: dict[str, Any]) -> dict[str, Any]:
-    """A result without the fields :func:`annotate` adds."""
-    added = {"metric", "target", "floor", "peer", "vs_target", "vs_floor"}
+    """A result without the fields :func:`annotate` and B5's ratios add."""
+    from nanovllm.bench import offload
+
+    added = {"metric", "target", "floor", "peer", "vs_target", "vs_floor", *offload.ADDED}
     return {k: v for k, v in result.items() if k not in added}
 
 
@@ -280,13 +300,22 @@ def main(args) -> int:
     options: dict[str, Any] = {}
     if args.attention_backend:
         options["attention_backend"] = args.attention_backend
-    jobs = jobs_for(args.benchmark, args.presets, args.hf_num_seqs, options)
+    if args.benchmark == "offload":
+        from nanovllm.bench import offload
+
+        presets = args.presets or ["llama-3.1-8b"]
+        sizes = {"contexts": args.contexts, "batches": args.batches, "steps": args.decode_steps,
+                 "copy_mib": args.copy_mib, "small_kv_gib": args.small_kv_gib}
+        jobs = offload.jobs(presets, **sizes, engine_options=options)
+    else:
+        presets, sizes = args.presets or ["qwen3-0.6b"], {}
+        jobs = jobs_for(args.benchmark, presets, args.hf_num_seqs, options)
     results: list[dict] = []
     for job in jobs:
         print(f"== {job['kind']} {job.get('preset', '')} {job['options'] or ''}", file=sys.stderr, flush=True)
         results += run_job_in_subprocess(job)
-    settings = {"benchmark": args.benchmark, "presets": args.presets, "hf_num_seqs": args.hf_num_seqs, **options}
-    path = write_results(results, Path(args.out), args.name or "bench", settings)
+    settings = {"benchmark": args.benchmark, "presets": presets, "hf_num_seqs": args.hf_num_seqs, **sizes, **options}
+    path = write_results(results, Path(args.out), args.name or ("offload" if args.benchmark == "offload" else "bench"), settings)
     print(path.with_suffix(".md").read_text())
     return 1 if any("error" in r for r in results) else 0
 
