@@ -95,6 +95,15 @@ def test_offload_gives_the_gpu_cache_tokens(tiny_model, architecture, policy, ch
         _same_outputs(llm.generate(prompts, PARAMS, use_tqdm=False), want)
 
 
+def test_run_copies_give_the_gather_tokens(tiny_model, monkeypatch):
+    from nanovllm.engine import offload
+
+    prompts = _prompts([300, 200, 40])
+    want = _engine(tiny_model(), offload_buffer=SMALL_BUFFER).generate(prompts, PARAMS, use_tqdm=False)
+    monkeypatch.setattr(offload, "MIN_COPY_BYTES", 0)
+    _same_outputs(_engine(tiny_model(), offload_buffer=SMALL_BUFFER).generate(prompts, PARAMS, use_tqdm=False), want)
+
+
 def test_many_pieces_per_layer_are_really_used(tiny_model):
     llm = _engine(tiny_model(), offload_buffer=SMALL_BUFFER)
     engine = llm.runner.offload
@@ -176,6 +185,24 @@ def test_dense_plan_loads_every_history_block_once_within_capacity(prefill):
         assert patched.tolist() == [[1, 1], [1, 1]]
 
 
+def test_dense_plan_copies_blocks_in_any_allocation_order_as_few_runs(monkeypatch):
+    from nanovllm.engine import offload
+
+    monkeypatch.setattr(offload, "MIN_COPY_BYTES", 0)
+    # the block manager hands a freed sequence's tail out first: descending ids, and a prefix shared by two
+    tables = [list(range(30, 20, -1)), [30, 29, 5, 6]]
+    engine, pieces = _plan(64, tables, [1, 1], [40, 16], False)
+    (piece,) = pieces
+    assert piece.runs == [(10, 0, 4), (42, 4, 20)]  # blocks 5-6 and 21-30, every head, shared blocks once
+    tables_t = piece.tables.view(2, 2, -1)  # [head, sequence, block]
+    for s, table in enumerate(tables):  # each sequence's j-th block of head h sits where its pool row went
+        for j, block in enumerate(table):
+            for h in (0, 1):
+                slot_row = int(tables_t[h, s, j])
+                first, at, _ = next(r for r in piece.runs if r[1] <= slot_row < r[1] + r[2])
+                assert first + slot_row - at == block * 2 + h
+
+
 def test_offload_errors_name_the_option_and_the_fix(tiny_model):
     with pytest.raises(ValueError, match="kv_offloading_buffer_size is too small.*at least .* GiB or lower max_num_seqs"):
         _engine(tiny_model(), offload_buffer=1e-6)
@@ -207,7 +234,12 @@ def test_offload_keeps_no_kv_cache_on_the_device_and_serves_preemption(tiny_mode
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["full", "quest_style:budget_blocks=2"])
-def test_gpu_offload_gives_the_gpu_cache_tokens(tiny_model, policy):
+@pytest.mark.parametrize("copies", ["gather", "runs"])
+def test_gpu_offload_gives_the_gpu_cache_tokens(tiny_model, policy, copies, monkeypatch):
+    from nanovllm.engine import offload
+
+    if copies == "runs":  # every dense piece through the copy engines, however short its runs
+        monkeypatch.setattr(offload, "MIN_COPY_BYTES", 0)
     model = tiny_model()
     prompts = _prompts([5, 40, 97, 130, 300])
     want = _engine(model, device="cuda", sparse_policy=policy, max_num_batched_tokens=64).generate(

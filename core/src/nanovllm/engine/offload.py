@@ -224,27 +224,30 @@ class OffloadEngine:
         index = self._next_slot
         self._next_slot = (index + 1) % NUM_SLOTS
         slot = self.slots[index]
-        rows = (-1, 2, self.block_size, self.head_dim)
-        pool, host = self._pool[layer_id].view(rows), self.pool[layer_id].view(rows)
-        ids = piece.ids
         if not self.cuda:
-            torch.index_select(pool, 0, ids, out=slot[: ids.shape[0]])
+            self._copy(layer_id, piece, slot)
             return index, slot
         stream = self.load_stream
         if piece.on_device:  # a selection: its indices come from this layer's query
             stream.wait_stream(torch.cuda.current_stream())
-            ids.record_stream(stream)
+            piece.ids.record_stream(stream)
         for event in (self._slot_free[index], self._stored[layer_id]):
             if event is not None:
                 stream.wait_event(event)
         with torch.cuda.stream(stream):
-            if piece.runs is not None:
-                for first, at, length in piece.runs:
-                    slot[at : at + length].copy_(host[first : first + length], non_blocking=True)
-            else:
-                torch.index_select(pool, 0, ids, out=slot[: ids.shape[0]])
+            self._copy(layer_id, piece, slot)
         torch.cuda.current_stream().wait_stream(stream)
         return index, slot
+
+    def _copy(self, layer_id: int, piece: Piece, slot: torch.Tensor) -> None:
+        """Runs through the copy engines from the pinned pool; otherwise one gather kernel."""
+        rows = (-1, 2, self.block_size, self.head_dim)
+        if piece.runs is not None:
+            host = self.pool[layer_id].view(rows)
+            for first, at, length in piece.runs:
+                slot[at : at + length].copy_(host[first : first + length], non_blocking=True)
+        else:
+            torch.index_select(self._pool[layer_id].view(rows), 0, piece.ids, out=slot[: piece.ids.shape[0]])
 
     def _release(self, index: int) -> None:
         """The compute stream is done with slot ``index`` once its work so far has run."""
@@ -272,29 +275,33 @@ class OffloadEngine:
             done = [d + t for d, t in zip(done, take, strict=True)]
 
     def _host_piece(self, host: HostPhase, hist, first, take, is_prefill) -> Piece:
-        """Slot rows in the pool's order (sequence, block, head), so consecutive pool blocks are one copy;
-        virtual sequence (head h, sequence s) reads rows ``(start_s + j) * kv_heads + h``."""
+        """The piece's blocks go to the slot sorted by pool id, each once (a prefix shared by several
+        sequences loads once), so that whatever order the block manager handed them out in, they form
+        few long runs for the copy engines. Virtual sequence (head h, sequence s) reads its j-th block at
+        slot row ``where[s, j] * kv_heads + h``."""
         bs, hkv = self.block_size, self.num_kv_heads
         num_seqs = len(take)
         blocks = np.concatenate(
             [np.asarray(host.block_tables[s][first[s] : first[s] + take[s]], dtype=np.int64) for s in range(num_seqs)]
         )
-        ids = (blocks[:, None] * hkv + np.arange(hkv)[None, :]).ravel()
+        unique, where = np.unique(blocks, return_inverse=True)
+        ids = (unique[:, None] * hkv + np.arange(hkv)[None, :]).ravel()
         starts = np.concatenate([[0], np.cumsum(take)[:-1]]).astype(np.int64)
         width = max(take)
         local = np.arange(width)
-        heads = np.repeat(np.arange(hkv), num_seqs)  # virtual sequence h * num_seqs + s
-        seq_starts, takes = np.tile(starts, hkv), np.tile(np.asarray(take), hkv)
-        tables = np.where(local[None, :] < takes[:, None], (seq_starts[:, None] + local[None, :]) * hkv + heads[:, None], 0)
-        selection = np.where(local[None, :] < takes[:, None], local[None, :], -1)
+        inside = local[None, :] < np.asarray(take)[:, None]  # [seqs, width]
+        slot_block = where[np.where(inside, starts[:, None] + local[None, :], 0)]  # [seqs, width]
+        heads = np.arange(hkv)[:, None, None]
+        tables = np.where(inside[None], slot_block[None] * hkv + heads, 0).reshape(hkv * num_seqs, width)
+        selection = np.where(inside, local[None, :], -1)[None].repeat(hkv, 0).reshape(hkv * num_seqs, width)
         kv = np.clip(np.asarray(hist) - np.asarray(first) * bs, 0, np.asarray(take) * bs)
         rows = None
         if not is_prefill:  # the new token: position hist - 1, in the piece if its block is
             last = (np.asarray(hist) - 1) // bs - np.asarray(first)
-            inside = (last >= 0) & (last < np.asarray(take))
-            head_block = (starts[None, :] + last[None, :]) * hkv + np.arange(hkv)[:, None]
+            has_last = (last >= 0) & (last < np.asarray(take))
+            head_block = slot_block[np.arange(num_seqs), np.clip(last, 0, width - 1)][None, :] * hkv + heads[:, :, 0]
             offset = (np.asarray(hist) - 1) % bs
-            rows = np.where(inside[None, :], head_block * bs + offset[None, :], self.scratch_row)
+            rows = np.where(has_last[None, :], head_block * bs + offset[None, :], self.scratch_row)
         to = self._to_device
         return Piece(
             to(ids), to(tables.astype(np.int32)), to(selection.astype(np.int32)), to(np.tile(kv, hkv).astype(np.int32)),
@@ -304,8 +311,6 @@ class OffloadEngine:
     def _runs(self, ids: np.ndarray) -> list[tuple[int, int, int]] | None:
         """Contiguous runs of ``ids`` as (first id, first slot row, length) if they are long enough for
         the copy engines, else None (the gather kernel)."""
-        if not self.cuda:
-            return None
         breaks = np.flatnonzero(np.diff(ids) != 1) + 1
         starts = np.concatenate([[0], breaks])
         lengths = np.diff(np.concatenate([starts, [ids.shape[0]]]))
