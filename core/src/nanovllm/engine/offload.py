@@ -113,8 +113,10 @@ class OffloadEngine:
             self._slot_free: list[torch.cuda.Event | None] = [None] * NUM_SLOTS
         self._stored: list[torch.cuda.Event | None] = [None] * num_layers  # earlier steps' writes, per layer
         self._storing: list[torch.cuda.Event | None] = [None] * num_layers  # this step's
+        self.num_layers = num_layers
         self._host: dict[bool, HostPhase | None] = {}
         self._plans: dict[bool, list[Piece]] = {}
+        self._prefetched: dict[tuple[int, bool], tuple] = {}  # (layer, is_prefill) -> a loaded first piece
 
     # -- the pool as a paged cache -------------------------------------------------------------------
 
@@ -130,6 +132,7 @@ class OffloadEngine:
         """Called by the model runner before each forward pass."""
         self._host = {False: decode, True: prefill}
         self._plans = {}
+        self._prefetched = {}
         self._stored = self._storing
         self._storing = [None] * len(self._storing)
 
@@ -156,7 +159,12 @@ class OffloadEngine:
         if ctx.is_prefill not in self._plans:
             self._plans[ctx.is_prefill] = list(self._dense_plan(self._host[ctx.is_prefill], ctx.is_prefill))
         plan = self._plans[ctx.is_prefill]
-        return self._run(ctx, q, iter(plan)) if plan else None
+        if not plan:
+            return None
+        # the next layer's first piece loads behind this layer's last, unless the step's other phase comes
+        # next and needs the slots
+        ahead = ctx.layer_id + 1 < self.num_layers and self._host[not ctx.is_prefill] is None
+        return self._run(ctx, q, iter(plan), plan[0] if ahead else None)
 
     def attend_selected(
         self, ctx, q: torch.Tensor, block_indices: torch.Tensor, kv_lens: torch.Tensor
@@ -177,8 +185,10 @@ class OffloadEngine:
         mask = valid[..., None, None, None]
         return k.masked_fill(~mask, 0).to(ctx.query.device), v.masked_fill(~mask, 0).to(ctx.query.device)
 
-    def _run(self, ctx, q: torch.Tensor, pieces: Iterator[Piece]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Load each piece into the next slot, patch in the new K/V, attend, merge by log-sum-exp."""
+    def _run(self, ctx, q: torch.Tensor, pieces: Iterator[Piece], next_layer: Piece | None = None):
+        """Load each piece into the next slot, patch in the new K/V, attend, merge by log-sum-exp. Loads run
+        one piece ahead of attention; ``next_layer`` (the next layer's first piece) is loaded after the
+        last, so the copy engines never wait for the host to reach the next layer."""
         hkv, t = self.num_kv_heads, q.shape[0]
         group = q.shape[1] // hkv
         qv = q.view(t, hkv, group, -1).transpose(0, 1).reshape(hkv * t, group, q.shape[2])
@@ -188,11 +198,22 @@ class OffloadEngine:
         new_k = ctx.new_keys.transpose(0, 1).reshape(hkv * t, -1)
         new_v = ctx.new_values.transpose(0, 1).reshape(hkv * t, -1)
         out = lse = None
-        for piece in pieces:
-            index, slot = self._load(ctx.layer_id, piece)
+        piece = next(pieces, None)
+        loaded = self._prefetched.pop((ctx.layer_id, ctx.is_prefill), None) if piece is not None else None
+        loaded = loaded or (self._load(ctx.layer_id, piece) if piece is not None else None)
+        while piece is not None:
+            index, slot, ready = loaded
+            following = next(pieces, None)
+            if following is not None:
+                loaded = self._load(ctx.layer_id, following)
+            elif next_layer is not None:
+                self._prefetched[(ctx.layer_id + 1, ctx.is_prefill)] = self._load(ctx.layer_id + 1, next_layer)
+            if ready is not None:
+                torch.cuda.current_stream().wait_event(ready)
             k_slot, v_slot = slot[:, 0], slot[:, 1]
             if piece.rows is not None:
-                head_block, offset = piece.rows.flatten().div(self.block_size, rounding_mode="floor"), piece.rows.flatten() % self.block_size
+                rows = piece.rows.flatten()
+                head_block, offset = rows.div(self.block_size, rounding_mode="floor"), rows % self.block_size
                 k_slot[head_block, offset] = new_k.to(k_slot.dtype)
                 v_slot[head_block, offset] = new_v.to(v_slot.dtype)
             meta = PhaseMetadata(cu_v, piece.kv_lens, piece.tables, ctx.meta.max_query_len, piece.max_keys)
@@ -201,6 +222,7 @@ class OffloadEngine:
             )
             self._release(index)
             out, lse = (part_out, part_lse) if out is None else ctx.backend.merge(out, lse, part_out, part_lse)
+            piece = following
         if out is None:  # nothing to read: the phase's sequences have no history
             out, lse = torch.zeros_like(qv), qv.new_full(qv.shape[:2], float("-inf"), dtype=torch.float32)
         out = out.view(hkv, t, group, -1).transpose(0, 1).reshape(q.shape)
@@ -218,15 +240,17 @@ class OffloadEngine:
             tensor.record_stream(stream)
         return torch.cuda.stream(stream)
 
-    def _load(self, layer_id: int, piece: Piece) -> tuple[int, torch.Tensor]:
-        """Bring the piece's head blocks of a layer into the next slot; returns (slot index, slot
-        ``[capacity + 1, 2, block_size, head_dim]``) once the compute stream may read it."""
+    def _load(self, layer_id: int, piece: Piece) -> tuple[int, torch.Tensor, torch.cuda.Event | None]:
+        """Enqueue the piece's head blocks of a layer into the next slot: (slot index, slot
+        ``[capacity + 1, 2, block_size, head_dim]``, the "slot ready" event the compute stream waits for)."""
         index = self._next_slot
         self._next_slot = (index + 1) % NUM_SLOTS
         slot = self.slots[index]
+        # a prefetch that was never used (its layer read something else) is overwritten now: forget it
+        self._prefetched = {key: held for key, held in self._prefetched.items() if held[0] != index}
         if not self.cuda:
             self._copy(layer_id, piece, slot)
-            return index, slot
+            return index, slot, None
         stream = self.load_stream
         if piece.on_device:  # a selection: its indices come from this layer's query
             stream.wait_stream(torch.cuda.current_stream())
@@ -236,8 +260,9 @@ class OffloadEngine:
                 stream.wait_event(event)
         with torch.cuda.stream(stream):
             self._copy(layer_id, piece, slot)
-        torch.cuda.current_stream().wait_stream(stream)
-        return index, slot
+        ready = torch.cuda.Event()
+        ready.record(stream)
+        return index, slot, ready
 
     def _copy(self, layer_id: int, piece: Piece, slot: torch.Tensor) -> None:
         """Runs through the copy engines from the pinned pool; otherwise one gather kernel."""
