@@ -29,7 +29,9 @@ def test_readme_documents(name):
 def test_flags_are_declared_on_the_base_class():
     # every boolean class attribute of the base class is a documented, tested flag
     assert set(POLICY_FLAGS) == {n for n, v in vars(SparsePolicy).items() if isinstance(v, bool)}
-    assert set(NOTIFICATION_HOOKS) == {"on_kv_write", "on_blocks_allocated", "on_blocks_selected"}
+    assert set(NOTIFICATION_HOOKS) == {
+        "on_kv_write", "on_prefill_offload", "on_decode_offload", "on_blocks_allocated", "on_blocks_selected"
+    }
 
 
 CALLS: Counter = Counter()
@@ -59,6 +61,14 @@ class Recorder(SparsePolicy):
     def on_blocks_allocated(self, block_ids):
         CALLS["on_blocks_allocated"] += 1
 
+    def on_prefill_offload(self, write):
+        CALLS["on_prefill_offload"] += 1
+        assert write.step.decode is None
+
+    def on_decode_offload(self, write):
+        CALLS["on_decode_offload"] += 1
+        assert write.step.prefill is None
+
 
 class DecodeOnly(Recorder):
     supports_prefill = False
@@ -84,11 +94,12 @@ def make_llm(tiny_model, monkeypatch, one_thread):
         name = cls.__name__.lower()
         monkeypatch.setitem(table, name, SparsePolicyInfo(name, f"{__name__}:{cls.__name__}", "test"))
 
-    def make(policy, observers=()):
+    def make(policy, observers=(), offload=False):
         from nanovllm import LLM
 
-        return LLM(tiny_model(), device="cpu", kv_cache_memory=1 << 22, block_size=4,
-                   max_num_batched_tokens=16, sparse_policy=policy, observers=observers)
+        kv = {"kv_offloading_size": 2**-8, "max_num_seqs": 8} if offload else {"kv_cache_memory": 1 << 22}
+        return LLM(tiny_model(), device="cpu", block_size=4, max_num_batched_tokens=16, sparse_policy=policy,
+                   observers=observers, **kv)
 
     return make
 
@@ -101,6 +112,10 @@ def run(llm) -> Counter:
 
 def test_every_runtime_hook_is_called_by_the_engine(make_llm):
     calls = run(make_llm("recorder", observers=[Observer()]))
+    offloaded = run(make_llm("recorder", observers=[Observer()], offload=True))
+    assert not calls["on_prefill_offload"] and not calls["on_decode_offload"]  # only with offload
+    assert not offloaded["on_kv_write"]  # with offload, the offload hooks replace it
+    calls.update(offloaded)
     for hook in RUNTIME_HOOKS:
         assert any(key == hook or (isinstance(key, tuple) and key[0] == hook) for key in calls), hook
     assert calls["select_blocks", True] and calls["select_blocks", False]
