@@ -208,5 +208,5 @@ def test_runtime_hooks_are_the_specs():
 
     assert set(RUNTIME_HOOKS) == {n for n in vars(PolicySpec) if not n.startswith("_")} == {
         "select_blocks", "compute_chunked_prefill", "compute_chunked_decode", "on_kv_write", "on_blocks_allocated",
-        "on_blocks_selected",
+        "on_blocks_selected", "on_prefill_offload", "on_decode_offload",
     }
