@@ -120,9 +120,10 @@ class PolicyContext:
 
     def read_blocks(self, block_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[num_seqs, k, block_size, num_kv_heads, head_dim]`` of logical blocks
-        ``[num_seqs, k]`` (-1: zeros), this step's tokens included, on the query's device."""
+        ``[num_seqs, k]`` (-1: zeros), this step's tokens included, on the query's device. With offload
+        they are read from the pool across PCIe."""
         if self.offload is not None:
-            return self.offload.read_blocks(self, block_indices)
+            self.offload.wait_stored(self.layer_id)
         valid = block_indices >= 0
         physical = torch.gather(self.meta.block_tables, 1, block_indices.clamp(min=0).to(torch.int64)).long()
         mask = ~valid[..., None, None, None]

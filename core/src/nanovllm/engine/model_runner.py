@@ -223,19 +223,18 @@ class ModelRunner:
     def decode_policy(self):
         return self.hooks.decode.policy
 
-    def _kv_bytes_per_block(self) -> int:
-        """K and V of one block in every layer, plus the per-block metadata the policies will keep."""
+    def _block_bytes(self) -> tuple[int, int]:
+        """(K and V of one block in every layer, the per-block metadata the policies will keep)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         shape = (len(self.attention_layers), self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
         metadata = sum(p.metadata_bytes_per_block(*shape) for p in self.hooks.policies)
-        return 2 * len(self.attention_layers) * self.block_size * self.num_kv_heads * self.head_dim * itemsize + metadata
+        return 2 * len(self.attention_layers) * self.block_size * self.num_kv_heads * self.head_dim * itemsize, metadata
 
     def _make_offload_engine(self) -> OffloadEngine:
         """KV in a host pool of ``kv_offloading_size`` GiB; the GPU keeps the load slots and the policies'
         per-block metadata, which must fit what the memory profile leaves under the utilisation cap."""
         num_layers = len(self.attention_layers)
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        pool_bytes = 2 * num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        pool_bytes, metadata_bytes = self._block_bytes()
         num_blocks = int(self.config.kv_offloading_size * 2**30 // pool_bytes)
         if num_blocks * self.block_size < self.max_model_len:
             raise ValueError(
@@ -246,8 +245,7 @@ class ModelRunner:
             num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device,
             int(self.config.kv_offloading_buffer_size * 2**30), self.config.max_num_seqs,
         )
-        shape = (num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
-        metadata = num_blocks * sum(p.metadata_bytes_per_block(*shape) for p in self.hooks.policies)
+        metadata = num_blocks * metadata_bytes
         if self.device.type == "cuda":
             budget = self._profile_free_cuda_memory() + engine.gpu_bytes  # the slots exist already
             if engine.gpu_bytes + metadata > budget:
@@ -259,7 +257,7 @@ class ModelRunner:
         return engine
 
     def _num_kv_blocks(self) -> int:
-        per_block = self._kv_bytes_per_block()
+        per_block = sum(self._block_bytes())  # the metadata lives in the same budget
         if self.config.kv_cache_memory is not None:
             budget = self.config.kv_cache_memory
         elif self.device.type == "cpu":

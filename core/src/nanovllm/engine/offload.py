@@ -172,18 +172,11 @@ class OffloadEngine:
         """``attend_blocks`` over the pool: only the selected head blocks cross PCIe."""
         return self._run(ctx, q, self._selected_pieces(ctx, block_indices, kv_lens))
 
-    def read_blocks(self, ctx, block_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V ``[seqs, k, block_size, kv_heads, head_dim]`` of the selected logical blocks (shared
-        form), this step's tokens included; zeros where the selection is -1."""
-        if self.cuda and self._storing[ctx.layer_id] is not None:
-            torch.cuda.current_stream().wait_event(self._storing[ctx.layer_id])
-        valid = block_indices >= 0
-        physical = torch.gather(ctx.meta.block_tables, 1, block_indices.clamp(min=0).to(torch.int64))
-        physical = torch.where(valid, physical, self.num_blocks).long()
-        pool = self._pool[ctx.layer_id]
-        k, v = (pool[:, :, i][physical].transpose(-2, -3) for i in (0, 1))
-        mask = valid[..., None, None, None]
-        return k.masked_fill(~mask, 0).to(ctx.query.device), v.masked_fill(~mask, 0).to(ctx.query.device)
+    def wait_stored(self, layer_id: int) -> None:
+        """Make the compute stream wait until this step's new K/V of a layer are in the pool, for code
+        that reads the pool itself (``PolicyContext.read_blocks``)."""
+        if self.cuda and self._storing[layer_id] is not None:
+            torch.cuda.current_stream().wait_event(self._storing[layer_id])
 
     def _run(self, ctx, q: torch.Tensor, pieces: Iterator[Piece], next_layer: Piece | None = None):
         """Load each piece into the next slot, patch in the new K/V, attend, merge by log-sum-exp. Loads run
