@@ -19,6 +19,7 @@ from nanovllm.policy import KVWrite, PolicyContext, SparsePolicy
 @attrs.define(frozen=True)
 class QuestStyleConfig:
     budget_blocks: int = attrs.field(default=4, validator=attrs.validators.ge(1))
+    dense_layers: int = attrs.field(default=0, validator=attrs.validators.ge(0))  # as Quest's skip_layers
 
 
 class QuestStylePolicy(SparsePolicy):
@@ -51,7 +52,14 @@ class QuestStylePolicy(SparsePolicy):
     def block_metadata(self, layer_id: int, block_ids: torch.Tensor) -> torch.Tensor:
         return torch.stack([self.key_min[layer_id, block_ids], self.key_max[layer_id, block_ids]], dim=1)
 
+    def compute_chunked_decode(self, q: torch.Tensor, ctx: PolicyContext) -> torch.Tensor:
+        if ctx.layer_id < self.config.dense_layers:
+            return ctx.attend_all(q)
+        return super().compute_chunked_decode(q, ctx)
+
     def select_blocks(self, ctx: PolicyContext) -> torch.Tensor:
+        if ctx.layer_id < self.config.dense_layers:
+            return ctx.all_history_blocks()
         meta = ctx.meta
         num_seqs, width = meta.block_tables.shape
         hkv = ctx.num_kv_heads

@@ -82,8 +82,9 @@ PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=
 
 
 @pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+# dense_layers=1: a dense layer prefetches the next layer's first dense piece, which a selection must not use
 @pytest.mark.parametrize("policy", ["full", "quest_style:budget_blocks=2", "prefill=full;decode=quest_style:budget_blocks=3",
-                                    "key_norm"])
+                                    "quest_style:budget_blocks=2,dense_layers=1", "key_norm"])
 @pytest.mark.parametrize("chunk", [512, 16])
 def test_offload_gives_the_gpu_cache_tokens(tiny_model, architecture, policy, chunk):
     """Sparse budgets included: the selection-driven loads read exactly the selected blocks per head."""
@@ -233,7 +234,7 @@ def test_offload_keeps_no_kv_cache_on_the_device_and_serves_preemption(tiny_mode
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy", ["full", "quest_style:budget_blocks=2"])
+@pytest.mark.parametrize("policy", ["full", "quest_style:budget_blocks=2", "quest_style:budget_blocks=2,dense_layers=1"])
 @pytest.mark.parametrize("copies", ["gather", "runs"])
 def test_gpu_offload_gives_the_gpu_cache_tokens(tiny_model, policy, copies, monkeypatch):
     from nanovllm.engine import offload

@@ -116,7 +116,8 @@ class OffloadEngine:
         self.num_layers = num_layers
         self._host: dict[bool, HostPhase | None] = {}
         self._plans: dict[bool, list[Piece]] = {}
-        self._prefetched: dict[tuple[int, bool], tuple] = {}  # (layer, is_prefill) -> a loaded first piece
+        # (layer, is_prefill) -> (the dense plan's first piece, what _load returned for it)
+        self._prefetched: dict[tuple[int, bool], tuple[Piece, tuple]] = {}
 
     # -- the pool as a paged cache -------------------------------------------------------------------
 
@@ -192,15 +193,19 @@ class OffloadEngine:
         new_v = ctx.new_values.transpose(0, 1).reshape(hkv * t, -1)
         out = lse = None
         piece = next(pieces, None)
-        loaded = self._prefetched.pop((ctx.layer_id, ctx.is_prefill), None) if piece is not None else None
-        loaded = loaded or (self._load(ctx.layer_id, piece) if piece is not None else None)
+        # the prefetched first piece of the dense plan, unless this layer reads something else (a selection)
+        held = self._prefetched.pop((ctx.layer_id, ctx.is_prefill), None)
+        if piece is not None:
+            loaded = held[1] if held is not None and held[0] is piece else self._load(ctx.layer_id, piece)
         while piece is not None:
             index, slot, ready = loaded
             following = next(pieces, None)
             if following is not None:
                 loaded = self._load(ctx.layer_id, following)
             elif next_layer is not None:
-                self._prefetched[(ctx.layer_id + 1, ctx.is_prefill)] = self._load(ctx.layer_id + 1, next_layer)
+                self._prefetched[(ctx.layer_id + 1, ctx.is_prefill)] = (
+                    next_layer, self._load(ctx.layer_id + 1, next_layer)
+                )
             if ready is not None:
                 torch.cuda.current_stream().wait_event(ready)
             k_slot, v_slot = slot[:, 0], slot[:, 1]
@@ -240,7 +245,7 @@ class OffloadEngine:
         self._next_slot = (index + 1) % NUM_SLOTS
         slot = self.slots[index]
         # a prefetch that was never used (its layer read something else) is overwritten now: forget it
-        self._prefetched = {key: held for key, held in self._prefetched.items() if held[0] != index}
+        self._prefetched = {key: held for key, held in self._prefetched.items() if held[1][0] != index}
         if not self.cuda:
             self._copy(layer_id, piece, slot)
             return index, slot, None
