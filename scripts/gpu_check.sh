@@ -5,6 +5,7 @@
 #   PYTEST_ARGS="..."  extra pytest arguments
 #   BENCH="all --presets qwen3-0.6b --hf-num-seqs 256"   arguments of `nanovllm bench` (unset: no benchmarks)
 #   BENCH_NAME=name    results file name under $OUT
+#   QUEST_BENCH="..."  arguments of `python -m nanovllm_quest.bench` (unset: not run), results under $OUT
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -21,5 +22,9 @@ fi
 if [ -n "${BENCH:-}" ]; then
   python3 -m nanovllm.cli bench $BENCH --out "$OUT" --name "${BENCH_NAME:-bench}" 2>"$OUT/bench_stderr.log" || status=1
   tail -c 3000 "$OUT/bench_stderr.log" | tr '\r' '\n' | grep -v '^\s*$' | tail -15
+fi
+if [ -n "${QUEST_BENCH:-}" ]; then
+  python3 -m nanovllm_quest.bench $QUEST_BENCH --out "$OUT" 2>"$OUT/quest_bench_stderr.log" || status=1
+  tail -c 3000 "$OUT/quest_bench_stderr.log" | tr '\r' '\n' | grep -v '^\s*$' | tail -15
 fi
 exit "$status"

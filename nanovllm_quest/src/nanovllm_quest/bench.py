@@ -1,0 +1,285 @@
+"""``python -m nanovllm_quest.bench``: Quest's speed on the llama-3.1-8b preset, next to dense in the same run.
+
+Jobs, each in its own process (one engine's GPU memory never shrinks the next one's KV cache):
+
+- ``attention``: one layer's decode attention on llama-3.1-8b shapes (32 query heads, 8 KV heads, head
+  size 128, bfloat16, blocks of 16): the dense Triton decode kernel against Quest's three launches
+  (scoring, top-K, attention over the selected blocks per KV head), each timed as a CUDA graph replay with
+  a cold L2, at each context, batch and budget. The ceiling is ``1 / (1 / block_size + budget / context)``,
+  the ratio of the bytes read.
+- ``decode``: the engine end to end, KV on the GPU, CUDA graphs: ``steps`` decode steps after prefilling
+  ``batch`` prompts of ``context`` tokens, with ``full`` and with Quest.
+- ``offload``: the same with the KV cache in pinned host memory; with the host-to-device copy rate of the
+  same run, the floor of the bytes each Quest step moves (the dense layers' whole history, the sparse
+  layers' selected head blocks).
+
+Random weights give near-uniform attention: that changes what Quest selects, never what it costs. Quality
+is measured on the real SmolLM2 with ``nanovllm bench quality``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+# issue 9's targets on one H100
+TARGETS = {
+    ("attention", 32768): 5.0,  # Quest decode attention against dense, budget 2048
+    ("attention", 131072): 9.0,
+    ("decode", 131072, 1): 1.8,  # end-to-end batch-1 decode against dense
+    ("decode", 32768, 8): 2.0,  # decode throughput of 8 x 32K against dense
+    ("offload", 131072, 1): 20.0,  # offload decode against dense offload
+}
+OFFLOAD_FLOOR_TARGET = 2.0  # Quest offload decode within this factor of the PCIe floor of its bytes
+PRESET = "llama-3.1-8b"
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+
+
+# -- attention kernels ----------------------------------------------------------------------------------
+
+
+def bench_attention(contexts: list[int], batches: list[int], budgets: list[int]) -> list[dict[str, Any]]:
+    import torch
+    from nanovllm.attention.metadata import PhaseMetadata
+    from nanovllm.attention.triton_backend import TritonBackend
+    from nanovllm.bench.kernels import graph_ms
+
+    from nanovllm_quest import kernels
+
+    backend, scale, rows = TritonBackend(), HEAD_DIM**-0.5, []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for context in contexts:
+        for batch in batches:
+            width = context // BLOCK_SIZE
+            num_blocks = batch * width
+            shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+            k_cache = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+            v_cache = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+            metadata = torch.stack([k_cache.amin(1), k_cache.amax(1)], dim=2)  # [blocks, KV heads, 2, D]
+            tables = torch.randperm(num_blocks, generator=gen, device="cuda").view(batch, width).int()
+            lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+            meta = PhaseMetadata(torch.arange(batch + 1, dtype=torch.int32, device="cuda"), lens, tables, 1, context)
+            q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
+            num_hist = (lens + BLOCK_SIZE - 1) // BLOCK_SIZE
+
+            def dense():
+                return backend.decode(q, k_cache, v_cache, meta, scale)
+
+            dense_ms = graph_ms([dense])
+            for budget in budgets:
+                k = budget // BLOCK_SIZE
+                scores = kernels.block_scores(q, metadata, tables, num_hist)
+                sel = kernels.top_blocks(scores, k)
+
+                def score():
+                    return kernels.block_scores(q, metadata, tables, num_hist)
+
+                def topk():
+                    return kernels.top_blocks(scores, k)
+
+                def attend():
+                    return backend.attend_blocks(q, k_cache, v_cache, meta, sel, lens, scale)
+
+                def quest():
+                    return backend.attend_blocks(q, k_cache, v_cache, meta,
+                                                 kernels.top_blocks(score(), k), lens, scale)
+
+                quest_ms = graph_ms([quest])
+                rows.append({
+                    "benchmark": "attention", "context": context, "batch": batch, "budget": budget,
+                    "dense_us": 1000 * dense_ms, "quest_us": 1000 * quest_ms, "score_us": 1000 * graph_ms([score]),
+                    "topk_us": 1000 * graph_ms([topk]), "attend_us": 1000 * graph_ms([attend]),
+                    "speedup": dense_ms / quest_ms, "ceiling": 1 / (1 / BLOCK_SIZE + budget / context),
+                })
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            del k_cache, v_cache, metadata
+            torch.cuda.empty_cache()
+    return rows
+
+
+# -- the engine ---------------------------------------------------------------------------------------------
+
+
+def bench_engine(kind: str, context: int, batch: int, policy: str, steps: int) -> list[dict[str, Any]]:
+    from nanovllm.bench import offload as b5
+
+    row = b5.bench_decode(PRESET, context, batch, steps, kind == "offload", sparse_policy=policy)
+    return [{**row, "benchmark": kind, "policy": policy}]
+
+
+def jobs(contexts: list[int], batches: list[int], budgets: list[int], budget: int, steps: int) -> list[dict]:
+    quest = f"quest:token_budget={budget}"
+    out: list[dict] = [{"kind": "attention", "contexts": contexts, "batches": batches, "budgets": budgets}]
+    for context, batch in [(32768, 1), (131072, 1), (32768, 8)]:
+        out += [{"kind": "decode", "context": context, "batch": batch, "policy": p, "steps": steps}
+                for p in ("full", quest)]
+    out.append({"kind": "offload-copy"})
+    out += [{"kind": "offload", "context": 131072, "batch": 1, "policy": p, "steps": s}
+            for p, s in (("full", 3), (quest, steps), (quest + ",skip_layers=0", steps))]
+    return out
+
+
+def run_job(job: dict) -> list[dict[str, Any]]:
+    if job["kind"] == "attention":
+        return bench_attention(job["contexts"], job["batches"], job["budgets"])
+    if job["kind"] == "offload-copy":
+        from nanovllm.bench import offload as b5
+
+        return [b5.bench_copy()]
+    return bench_engine(job["kind"], job["context"], job["batch"], job["policy"], job["steps"])
+
+
+def run_in_subprocess(job: dict) -> list[dict[str, Any]]:
+    proc = subprocess.run([sys.executable, "-m", "nanovllm_quest.bench", "--job", json.dumps(job)],
+                          stdout=subprocess.PIPE, text=True)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return [{**job, "benchmark": job["kind"], "error": f"exit {proc.returncode}"}]
+    return json.loads(lines[-1])
+
+
+# -- results ---------------------------------------------------------------------------------------------------
+
+
+def with_ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Quest's rows against the dense row of the same kind, context and batch, and against their targets;
+    offload rows against the floor of the bytes they move."""
+    copy = next((r for r in results if r.get("benchmark") == "offload-copy" and "h2d_gbs" in r), None)
+    out = []
+    for r in results:
+        r = dict(r)
+        if r["benchmark"] == "attention":
+            if r["budget"] == 2048 and r["batch"] == 1:
+                r["target"] = TARGETS.get(("attention", r["context"]))
+        elif "decode_ms_per_step" in r and r["policy"] != "full":
+            dense = next((d for d in results if d.get("policy") == "full" and "decode_ms_per_step" in d
+                          and (d["benchmark"], d["context"], d["batch"]) == (r["benchmark"], r["context"], r["batch"])),
+                         None)
+            if dense is not None:
+                r["speedup"] = dense["decode_ms_per_step"] / r["decode_ms_per_step"]
+            r["target"] = TARGETS.get((r["benchmark"], r["context"], r["batch"]))
+            if r["benchmark"] == "offload" and copy is not None:
+                r["h2d_bytes_per_step"] = quest_offload_bytes(r)
+                r["floor_ms"] = r["h2d_bytes_per_step"] / copy["h2d_gbs"] / 1e6
+                r["vs_floor"] = r["decode_ms_per_step"] / r["floor_ms"]
+        elif r["benchmark"] == "offload" and copy is not None and "kv_tokens_per_step" in r:
+            r["floor_ms"] = r["kv_tokens_per_step"] * r["kv_bytes_per_token"] / copy["h2d_gbs"] / 1e6
+            r["vs_floor"] = r["decode_ms_per_step"] / r["floor_ms"]
+        out.append(r)
+    return out
+
+
+def quest_offload_bytes(row: dict[str, Any]) -> float:
+    """Host-to-device bytes of one Quest step: the dense layers read every history token, the others
+    ``token_budget`` tokens per KV head."""
+    options = dict(kv.split("=") for kv in row["policy"].partition(":")[2].split(",") if kv)
+    skip, budget = int(options.get("skip_layers", 2)), int(options["token_budget"])
+    layers = 32  # llama-3.1-8b
+    per_layer_token = row["kv_bytes_per_token"] / layers
+    tokens = row["kv_tokens_per_step"]
+    return per_layer_token * (skip * tokens + (layers - skip) * min(budget, tokens) * row["batch"])
+
+
+def markdown(payload: dict[str, Any], title: str) -> str:
+    env = payload["environment"]
+    lines = [f"# {title}", "", f"{env['device']}, {env['date']}, commit {env['commit']}, torch {env['torch']}.",
+             f"Preset {PRESET} (random weights), blocks of {BLOCK_SIZE}, bfloat16; targets from issue 9.", "",
+             "## Decode attention, one layer (us, CUDA graph replay, cold L2)", "",
+             "| context | batch | budget | dense | Quest | score | top-K | attend | speedup | ceiling | target |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in payload["results"]:
+        if r["benchmark"] == "attention":
+            cells = [r["context"], r["batch"], r["budget"], f"{r['dense_us']:.1f}", f"{r['quest_us']:.1f}",
+                     f"{r['score_us']:.1f}", f"{r['topk_us']:.1f}", f"{r['attend_us']:.1f}", f"{r['speedup']:.2f}x",
+                     f"{r['ceiling']:.1f}x", f">= {r['target']}x" if r.get("target") else ""]
+            lines.append("| " + " | ".join(map(str, cells)) + " |")
+    lines += ["", "## Decode in the engine (ms per step)", "",
+              "| KV | context | batch | policy | ms/step | speedup vs full | target | floor ms | vs floor |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in payload["results"]:
+        if r["benchmark"] in ("decode", "offload"):
+            if "error" in r or "skipped" in r:
+                lines.append(f"| {r['benchmark']} | {r['context']} | {r['batch']} | {r['policy']} | "
+                             f"{r.get('error') or r.get('skipped')} | | | | |")
+                continue
+            cells = ["GPU" if r["benchmark"] == "decode" else "host pool", r["context"], r["batch"], r["policy"],
+                     f"{r['decode_ms_per_step']:.2f}", f"{r['speedup']:.2f}x" if "speedup" in r else "-",
+                     f">= {r['target']}x" if r.get("target") else "", f"{r['floor_ms']:.2f}" if "floor_ms" in r else "",
+                     f"{r['vs_floor']:.2f}" if "vs_floor" in r else ""]
+            lines.append("| " + " | ".join(map(str, cells)) + " |")
+    copy = next((r for r in payload["results"] if r["benchmark"] == "offload-copy"), None)
+    if copy and "h2d_gbs" in copy:
+        lines += ["", f"Pinned host-to-device copy rate of this run: {copy['h2d_gbs']:.1f} GB/s (the floors' rate). "
+                  f"Quest offload target: within {OFFLOAD_FLOOR_TARGET}x of its floor."]
+    return "\n".join(lines) + "\n"
+
+
+def chart(payload: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    att = [r for r in payload["results"] if r["benchmark"] == "attention"]
+    eng = [r for r in payload["results"] if "speedup" in r and r["benchmark"] != "attention"]
+    fig, axes = plt.subplots(2, 1, figsize=(10, 7))
+    labels = [f"{r['context'] // 1024}K x{r['batch']} b{r['budget']}" for r in att]
+    axes[0].barh(labels, [r["speedup"] for r in att], color="tab:blue", label="Quest / dense")
+    axes[0].scatter([r["ceiling"] for r in att], labels, color="black", marker="|", s=200, label="ceiling")
+    axes[0].set_title("decode attention speedup over dense (one layer)", fontsize=10)
+    axes[0].legend(fontsize=8)
+    labels = [f"{r['benchmark']} {r['context'] // 1024}K x{r['batch']}\n{r['policy']}" for r in eng]
+    axes[1].barh(labels, [r["speedup"] for r in eng], color="tab:green")
+    for i, r in enumerate(eng):
+        if r.get("target"):
+            axes[1].plot([r["target"]] * 2, [i - 0.4, i + 0.4], color="tab:red", lw=2)
+    axes[1].set_title("end-to-end decode speedup over full (red: target)", fontsize=10)
+    for ax in axes:
+        ax.tick_params(axis="y", labelsize=7)
+        ax.invert_yaxis()
+    env = payload["environment"]
+    fig.suptitle(f"nanovllm-quest - {env['device']} - {env['date']} - {env['commit']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nanovllm_quest.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    parser.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--budgets", nargs="+", type=int, default=[1024, 2048, 4096])
+    parser.add_argument("--budget", type=int, default=2048, help="token budget of the engine runs")
+    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--only", nargs="+", default=None, help="job kinds to run (attention, decode, offload)")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--name", default="quest")
+    args = parser.parse_args(argv)
+    if args.job:
+        print(json.dumps(run_job(json.loads(args.job))))
+        return 0
+    from nanovllm.bench import environment
+
+    out, env, results = Path(args.out), environment(), []
+    out.mkdir(parents=True, exist_ok=True)
+    for job in jobs(args.contexts, args.batches, args.budgets, args.budget, args.decode_steps):
+        if args.only and job["kind"] not in args.only and not (job["kind"] == "offload-copy" and "offload" in args.only):
+            continue
+        print(f"== {job}", file=sys.stderr, flush=True)
+        results += run_in_subprocess(job)
+        # written after every job, so that a run cut short keeps what it measured
+        payload = {"environment": env, "settings": vars(args) | {"job": None}, "results": with_ratios(results)}
+        (out / f"{args.name}.json").write_text(json.dumps(payload, indent=1))
+        (out / f"{args.name}.md").write_text(markdown(payload, args.name))
+    chart(payload, out / f"{args.name}.png")
+    print((out / f"{args.name}.md").read_text())
+    return 1 if any("error" in r for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
