@@ -160,6 +160,12 @@ def _order_keys(scores):
 
 
 @triton.jit
+def _tile_keys(row, i, offs, width, TILE: tl.constexpr):
+    """Order keys of tile ``i`` of a score row (past ``width``: never chosen)."""
+    return _order_keys(tl.load(row + i * TILE + offs, mask=i * TILE + offs < width, other=float("-inf")))
+
+
+@triton.jit
 def _topk_kernel(
     Scores, Out, width, stride_sr, stride_or,
     K: tl.constexpr, K_PAD: tl.constexpr, TILE: tl.constexpr, NUM_TILES: tl.constexpr,
@@ -169,7 +175,7 @@ def _topk_kernel(
     out = Out + r * stride_or
     offs = tl.arange(0, TILE)
     if NUM_TILES == 1:
-        keys = _order_keys(tl.load(row + offs, mask=offs < width, other=float("-inf")))
+        keys = _tile_keys(row, 0, offs, width, TILE)
     # the K-th largest key, bit by bit from the top: the largest t with at least K keys >= t
     t = tl.zeros([], tl.int64)
     for bit in range(31, -1, -1):
@@ -179,8 +185,7 @@ def _topk_kernel(
         else:
             count = tl.zeros([], tl.int32)
             for i in range(NUM_TILES):
-                tile = _order_keys(tl.load(row + i * TILE + offs, mask=i * TILE + offs < width,
-                                           other=float("-inf")))
+                tile = _tile_keys(row, i, offs, width, TILE)
                 count += tl.sum((tile >= cand).to(tl.int32), 0)
         t = tl.where(count >= K, cand, t)
     # everything above t, then ties at t in index order until K are taken (t == 0: fewer than K valid)
@@ -189,7 +194,7 @@ def _topk_kernel(
     else:
         above = tl.zeros([], tl.int32)
         for i in range(NUM_TILES):
-            tile = _order_keys(tl.load(row + i * TILE + offs, mask=i * TILE + offs < width, other=float("-inf")))
+            tile = _tile_keys(row, i, offs, width, TILE)
             above += tl.sum((tile > t).to(tl.int32), 0)
     ties_left = K - above
     written = tl.zeros([], tl.int32)
@@ -197,7 +202,7 @@ def _topk_kernel(
         if NUM_TILES == 1:
             tile = keys
         else:
-            tile = _order_keys(tl.load(row + i * TILE + offs, mask=i * TILE + offs < width, other=float("-inf")))
+            tile = _tile_keys(row, i, offs, width, TILE)
         tie = ((tile == t) & (t > 0)).to(tl.int32)
         tie_rank = tl.cumsum(tie, 0) - tie
         take = ((tile > t) | ((tie == 1) & (tie_rank < ties_left))).to(tl.int32)

@@ -1,0 +1,28 @@
+"""The benchmark's bookkeeping on synthetic rows (the measurements themselves need the GPU)."""
+
+import pytest
+from nanovllm_quest import bench
+
+
+def test_quest_rows_get_their_speedup_target_and_floor():
+    kv_per_token = 32 * 2 * 8 * 128 * 2  # llama-3.1-8b, bfloat16
+    rows = [
+        {"benchmark": "offload-copy", "h2d_gbs": 50.0},
+        {"benchmark": "offload", "context": 131072, "batch": 1, "policy": "full", "decode_ms_per_step": 400.0,
+         "kv_tokens_per_step": 131072, "kv_bytes_per_token": kv_per_token},
+        {"benchmark": "offload", "context": 131072, "batch": 1, "policy": "quest:token_budget=2048,skip_layers=0",
+         "decode_ms_per_step": 20.0, "kv_tokens_per_step": 131072, "kv_bytes_per_token": kv_per_token},
+        {"benchmark": "attention", "context": 32768, "batch": 1, "budget": 2048, "dense_us": 60.0, "quest_us": 20.0,
+         "score_us": 1.0, "topk_us": 1.0, "attend_us": 1.0, "speedup": 3.0, "ceiling": 8.0},
+    ]
+    full, quest, attention = bench.with_ratios(rows)[1:]
+    assert full["floor_ms"] == pytest.approx(131072 * kv_per_token / 50e9 * 1e3)
+    assert quest["speedup"] == pytest.approx(20.0) and quest["target"] == 20.0
+    # every layer sparse: 2,048 tokens of each of the 32 layers
+    assert quest["h2d_bytes_per_step"] == pytest.approx(2048 * kv_per_token)
+    assert quest["vs_floor"] == pytest.approx(20.0 / (2048 * kv_per_token / 50e9 * 1e3))
+    assert attention["target"] == 5.0
+    text = bench.markdown({"environment": {"device": "d", "date": "-", "commit": "c", "torch": "t"},
+                           "results": [full, quest, attention]}, "t")
+    assert "| host pool | 131072 | 1 | quest:token_budget=2048,skip_layers=0 | 20.00 | 20.00x | >= 20.0x |" in text
+    assert "| 32768 | 1 | 2048 | 60.0 | 20.0 |" in text
