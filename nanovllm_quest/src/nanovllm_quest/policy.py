@@ -68,14 +68,12 @@ class QuestPolicy(SparsePolicy):
     # -- metadata ------------------------------------------------------------------------------------
 
     def on_kv_write(self, write: KVWrite) -> None:
+        """Also the offload path's update: the engine calls it in place of ``on_prefill_offload`` and
+        ``on_decode_offload``, while the new keys are still on the GPU, so the metadata stays there."""
         layer = write.layer_id - self.config.skip_layers
         if layer >= 0:
             self.ops.update_metadata(self.metadata[layer], write.key, write.slot_mapping, write.positions,
                                      self.block_size)
-
-    # With offload the new keys are still on the GPU when these run: the same update, metadata on the GPU.
-    on_prefill_offload = on_kv_write
-    on_decode_offload = on_kv_write
 
     def block_metadata(self, layer_id: int, block_ids: torch.Tensor) -> torch.Tensor | None:
         layer = layer_id - self.config.skip_layers
