@@ -27,11 +27,12 @@ LLAMA_POOL_BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens
 class KeyNormPolicy(SparsePolicy):
     """Selects, per sequence, the 2 history blocks whose keys have the largest norm, read through
     ``ctx.read_blocks``; the newest block always stays. Its tokens match across paths only if
-    ``read_blocks`` gives the same keys on both."""
+    ``read_blocks`` gives the same keys on both (and ``read_keys`` the same keys as ``read_blocks``)."""
 
     def select_blocks(self, ctx: PolicyContext) -> torch.Tensor:
         every = ctx.all_history_blocks()
         keys, _ = ctx.read_blocks(every)  # [S, W, bs, Hkv, D]
+        assert torch.equal(ctx.read_keys(every), keys)
         score = keys.float().norm(dim=-1).sum(dim=(2, 3))
         n = ctx.num_history_blocks.long()[:, None]
         idx = torch.arange(every.shape[1], device=score.device)

@@ -16,8 +16,10 @@ from nanovllm.quality import corpus, planted
 from nanovllm.quality.capture import Capture, LayerActivations
 from nanovllm.quality.evaluate import decode_positions, evaluate_policy, mean_over_layers
 from nanovllm.quality.metrics import (
+    compare_key_masks,
     compare_selection,
     dense_attention,
+    key_mask_quality,
     oracle_selection,
     random_selection,
     selection_quality,
@@ -164,6 +166,26 @@ def test_oracle_finds_each_heads_needle_with_one_block():
     result = compare_selection(dense, torch.tensor([[0]], dtype=torch.int32), 16)
     assert result["oracle"].mass_recall.mean() > 0.6 > result["policy"].mass_recall.mean()
     assert result["oracle"].density.tolist() == result["policy"].density.tolist()
+
+
+def test_key_masks_full_is_exact_and_the_oracle_bounds_any_mask_of_its_size():
+    case = planted.vertical_columns(num_tokens=256)
+    dense = dense_of(case, range(63, 256, 16))
+    everything = torch.ones_like(dense.probs, dtype=torch.bool)
+    full = key_mask_quality(dense, everything)
+    assert torch.allclose(full.mass_recall, torch.ones_like(full.mass_recall))
+    assert float(full.output_error.max()) < 1e-12 and float(full.density.min()) == 1.0
+    # a pattern of the 8 oldest keys: the oracle at the same count holds at least its mass, random less
+    keys = torch.arange(256)
+    oldest = (keys < 8).expand_as(dense.probs).clone()
+    result = compare_key_masks(dense, oldest, seed=1)
+    for which in ("policy", "oracle", "random"):
+        assert result[which].num_blocks.tolist() == [[8] * 4] * len(dense.positions)
+        assert result[which].summary()["keys"] == 8
+    assert (result["oracle"].mass_recall >= result["policy"].mass_recall - 1e-12).all()
+    assert result["oracle"].mass_recall.mean() > result["random"].mass_recall.mean()
+    with pytest.raises(ValueError, match=r"\[Q, H, T\]"):
+        key_mask_quality(dense, oldest[:, :2])
 
 
 def test_selections_are_ascending_and_padded():

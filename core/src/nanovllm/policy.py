@@ -122,12 +122,18 @@ class PolicyContext:
         """Keys and values ``[num_seqs, k, block_size, num_kv_heads, head_dim]`` of logical blocks
         ``[num_seqs, k]`` (-1: zeros), this step's tokens included, on the query's device. With offload
         they are read from the pool across PCIe."""
+        return self._read(self.k_cache, block_indices), self._read(self.v_cache, block_indices)
+
+    def read_keys(self, block_indices: torch.Tensor) -> torch.Tensor:
+        """The keys alone of :meth:`read_blocks`: half the bytes, for estimates that score keys."""
+        return self._read(self.k_cache, block_indices)
+
+    def _read(self, cache: torch.Tensor, block_indices: torch.Tensor) -> torch.Tensor:
         if self.offload is not None:
             self.offload.wait_stored(self.layer_id)
         valid = block_indices >= 0
         physical = torch.gather(self.meta.block_tables, 1, block_indices.clamp(min=0).to(torch.int64)).long()
-        mask = ~valid[..., None, None, None]
-        return self.k_cache[physical].masked_fill(mask, 0), self.v_cache[physical].masked_fill(mask, 0)
+        return cache[physical].masked_fill(~valid[..., None, None, None], 0)
 
 
 @attrs.define(frozen=True, slots=True)

@@ -16,6 +16,9 @@ Metrics, per query and query head unless said otherwise:
 - ``policy_output_error``: the same for the output the policy itself computed, when given.
 - ``density`` (per query and KV head): selected visible keys over visible keys.
 
+Sparse prefill patterns read keys per query head rather than blocks per KV head: ``compare_key_masks``
+measures a key mask ``[Q, H, T]`` the same way, its oracle the keys with the most mass per query head.
+
 The oracle selection takes, per query and KV head, the blocks holding the most true mass summed over
 the group's query heads, as many as the policy chose there; the random one takes as many visible
 blocks uniformly (seeded).
@@ -113,9 +116,10 @@ class SelectionQuality:
     mass_recall: torch.Tensor  # [Q, H]
     topk_recall: torch.Tensor  # [Q, H]
     output_error: torch.Tensor  # [Q, H]
-    density: torch.Tensor  # [Q, Hkv]
-    num_blocks: torch.Tensor  # [Q, Hkv] int64: visible blocks selected
+    density: torch.Tensor  # [Q, Hkv] (key masks: [Q, H])
+    num_blocks: torch.Tensor  # [Q, Hkv] int64: visible blocks selected (key masks: [Q, H] keys)
     policy_output_error: torch.Tensor | None = None  # [Q, H]
+    unit: str = "blocks"  # what num_blocks counts
 
     def summary(self) -> dict[str, float]:
         out = {
@@ -123,7 +127,7 @@ class SelectionQuality:
             "topk_recall": self.topk_recall.mean().item(),
             "output_error": self.output_error.mean().item(),
             "density": self.density.mean().item(),
-            "blocks": self.num_blocks.double().mean().item(),
+            self.unit: self.num_blocks.double().mean().item(),
         }
         if self.policy_output_error is not None:
             out["policy_output_error"] = self.policy_output_error.mean().item()
@@ -143,27 +147,71 @@ def selection_quality(
 ) -> SelectionQuality:
     """Every metric of ``selection`` against ``dense`` (see the module docstring)."""
     mask = selection_mask(selection, dense, block_size)  # [Q, Hkv, T]
-    head_mask = mask.repeat_interleave(dense.group, dim=1)  # [Q, H, T]
+    mass, topk_recall, output_error, policy_error = _mask_metrics(
+        dense, mask.repeat_interleave(dense.group, dim=1), top_k, policy_output
+    )
+    density = mask.sum(-1).double() / dense.visible().sum(-1, keepdim=True)
+    num_key_blocks = -(-dense.num_keys // block_size)
+    pad = num_key_blocks * block_size - dense.num_keys
+    blocks = torch.nn.functional.pad(mask, (0, pad)).view(*mask.shape[:2], num_key_blocks, block_size).any(-1)
+    return SelectionQuality(mass, topk_recall, output_error, density, blocks.sum(-1), policy_error)
+
+
+def _mask_metrics(dense: DenseAttention, head_mask: torch.Tensor, top_k: int, policy_output: torch.Tensor | None):
+    """Mass recall, top-k recall, output error and the policy's output error of keys ``[Q, H, T]``."""
     selected = dense.probs * head_mask
     mass = selected.sum(-1)
     renormalised = selected / mass.clamp(min=1e-300)[..., None]
     output_error = _relative_error(_attend(renormalised, dense.values), dense.output)
-
     visible = dense.visible()
     k = min(top_k, dense.num_keys)
     top = dense.probs.topk(k, dim=-1).indices  # [Q, H, k]
     counted = torch.arange(k)[None, :] < visible.sum(-1, keepdim=True).clamp(max=top_k)  # [Q, k]
     hits = head_mask.gather(2, top) & counted[:, None, :]
     topk_recall = hits.sum(-1).double() / counted.sum(-1, keepdim=True)
-
-    density = mask.sum(-1).double() / visible.sum(-1, keepdim=True)
-    num_key_blocks = -(-dense.num_keys // block_size)
-    pad = num_key_blocks * block_size - dense.num_keys
-    blocks = torch.nn.functional.pad(mask, (0, pad)).view(*mask.shape[:2], num_key_blocks, block_size).any(-1)
     policy_error = None
     if policy_output is not None:
         policy_error = _relative_error(policy_output.to(**CPU64), dense.output)
-    return SelectionQuality(mass, topk_recall, output_error, density, blocks.sum(-1), policy_error)
+    return mass, topk_recall, output_error, policy_error
+
+
+def key_mask_quality(
+    dense: DenseAttention, mask: torch.Tensor, top_k: int = 10, policy_output: torch.Tensor | None = None
+) -> SelectionQuality:
+    """Every metric of a key-level pattern ``[Q, H, T]`` bool, one per query head (sparse prefill reads
+    keys, not blocks); density and the key count are per query head."""
+    if mask.shape != dense.probs.shape or mask.dtype != torch.bool:
+        raise ValueError(f"a key mask is bool {tuple(dense.probs.shape)} [Q, H, T], got {mask.dtype} "
+                         f"{tuple(mask.shape)}")
+    mask = mask.cpu() & dense.visible()[:, None, :]
+    mass, topk_recall, output_error, policy_error = _mask_metrics(dense, mask, top_k, policy_output)
+    keys = mask.sum(-1)
+    density = keys.double() / dense.visible().sum(-1, keepdim=True)
+    return SelectionQuality(mass, topk_recall, output_error, density, keys, policy_error, unit="keys")
+
+
+def _top_keys(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``[Q, H, T]`` bool: the ``counts[q, h]`` best-scoring keys of each row."""
+    order = scores.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(scores.shape[-1]).expand_as(order))
+    return rank < counts[..., None]
+
+
+def compare_key_masks(
+    dense: DenseAttention, mask: torch.Tensor, top_k: int = 10, policy_output: torch.Tensor | None = None,
+    seed: int = 0,
+) -> dict[str, SelectionQuality]:
+    """``{"policy", "oracle", "random"}`` for a key-level pattern: the oracle reads, per query and query
+    head, the keys with the most dense mass, the random one visible keys drawn uniformly, as many as the
+    pattern reads there."""
+    policy = key_mask_quality(dense, mask, top_k, policy_output)
+    visible = dense.visible()[:, None, :].expand_as(dense.probs)
+    draw = torch.rand(dense.probs.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return {
+        "policy": policy,
+        "oracle": key_mask_quality(dense, _top_keys(dense.probs.masked_fill(~visible, -1.0), policy.num_blocks), top_k),
+        "random": key_mask_quality(dense, _top_keys(draw.masked_fill(~visible, -1.0), policy.num_blocks), top_k),
+    }
 
 
 def _rank_to_selection(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
