@@ -37,3 +37,153 @@ class SparseIndex:
     def cover_offset(self) -> int:
         """``R``: the slash-cover index of tile offset 0."""
         return self.slash_cover.shape[-1] - 2
+
+
+PAD = 2**30  # list padding: sorts after every real entry
+FORCED = 2.0**24  # the score of always-kept lines, above any sum of softmax rows
+
+
+def _sorted_padded(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``values`` with invalid entries replaced by ``PAD``, sorted ascending along the last dimension."""
+    return torch.where(valid, values, PAD).sort(dim=-1).values.to(torch.int32)
+
+
+def lines_to_index(
+    columns: torch.Tensor, column_counts: torch.Tensor, offsets: torch.Tensor, offset_counts: torch.Tensor,
+    query_starts: torch.Tensor, max_context_len: int,
+) -> SparseIndex:
+    """The index of vertical lines and diagonals. ``columns`` ``[S, H, V]`` key positions and ``offsets``
+    ``[S, H, K]`` diagonal offsets (query position minus key position, 0 the main diagonal), the first
+    ``*_counts[s, h]`` of each row real, in any order. A diagonal crosses the rows of a query tile in at most
+    two key tiles, at the same offsets from the tile's base for every query tile of the sequence; those
+    offsets are the slash tiles."""
+    device = columns.device
+    rank_v = torch.arange(columns.shape[-1], device=device)
+    cols = _sorted_padded(columns.long(), rank_v < column_counts[..., None])
+    reach = -(-max_context_len // TILE) + 1  # R: offsets run from -R to 1
+    phase = (query_starts.long() % TILE)[:, None, None]
+    o = offsets.long()
+    valid = torch.arange(o.shape[-1], device=device) < offset_counts[..., None]
+    cover = torch.zeros(*o.shape[:2], reach + 3, dtype=torch.int8, device=device)  # the last slot: a dump
+    for edge in (0, TILE - 1):
+        tile = torch.div(phase + edge - o, TILE, rounding_mode="floor")
+        cover.scatter_(-1, torch.where(valid, tile + reach, reach + 2), 1)
+    cover = cover[..., : reach + 2].contiguous()
+    present = cover.bool()
+    tiles = _sorted_padded(torch.arange(reach + 2, device=device) - reach, present)
+    return SparseIndex(
+        cols, column_counts.to(torch.int32), tiles, present.sum(-1, dtype=torch.int32), cover,
+    )
+
+
+def top_lines(
+    vertical: torch.Tensor, slash: torch.Tensor, context_lens: torch.Tensor, vertical_sizes: torch.Tensor,
+    slash_sizes: torch.Tensor, num_sink_tokens: int, num_recent_diags: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MInference's choice from the estimated scores ``[S, H, L]``: the ``vertical_sizes[s, h]`` best
+    columns, the first ``num_sink_tokens`` always among them (first when the budget is smaller), and the ``slash_sizes[s, h]`` best
+    diagonals, the ``num_recent_diags`` nearest always among them. Returns (columns, column_counts,
+    offsets, offset_counts) for :func:`lines_to_index`."""
+    length = vertical.shape[-1]
+    lens = context_lens.long()[:, None, None]
+    pos = torch.arange(length, device=vertical.device)
+
+    def best(scores: torch.Tensor, forced: int, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ranked = torch.where(pos < forced, FORCED - pos, scores.float())  # forced: nearest first
+        ranked = torch.where(pos < lens, ranked, float("-inf"))
+        k = min(int(sizes.max()), length)
+        counts = torch.minimum(sizes.long(), lens[..., 0]).clamp(max=k)
+        return ranked.topk(k, dim=-1).indices, counts  # best first: a head's first counts[s, h] are its own
+
+    columns, column_counts = best(vertical, num_sink_tokens, vertical_sizes)
+    offsets, offset_counts = best(slash, num_recent_diags, slash_sizes)
+    return columns, column_counts, offsets, offset_counts
+
+
+def block_sparse_index(
+    q: torch.Tensor, keys: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+    top_k: torch.Tensor, max_query_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MInference's block-sparse pattern: per query tile, the ``top_k[h]`` key tiles whose mean key scores
+    highest against the tile's mean query, block-causal; the key tiles holding the query tile's own
+    positions are always kept. ``q`` ``[T, H, D]``, ``keys`` ``[S, L, Hkv, D]`` (position order, L at
+    least the longest context). Returns (blocks ``[S, H, M, K]``, counts ``[S, H, M]``)."""
+    device = q.device
+    num_seqs, length, num_kv_heads, head_dim = keys.shape
+    num_heads = q.shape[1]
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    lens = context_lens.long()
+    tiles_q, tiles_k = -(-max_query_len // TILE), -(-length // TILE)
+    # mean query of each query tile: rows scattered into [S * M, H, D] by (sequence, row // TILE)
+    seq_of_row = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens, output_size=q.shape[0])
+    row = torch.arange(q.shape[0], device=device) - cu_seqlens_q.long()[seq_of_row]
+    slot = seq_of_row * tiles_q + row // TILE
+    q_sum = torch.zeros(num_seqs * tiles_q, num_heads, head_dim, device=device, dtype=torch.float32)
+    q_sum.index_add_(0, slot, q.float())
+    q_count = torch.zeros(num_seqs * tiles_q, device=device).index_add_(0, slot, torch.ones_like(slot, dtype=torch.float))
+    q_mean = (q_sum / q_count.clamp(min=1)[:, None, None]).view(num_seqs, tiles_q, num_heads, head_dim)
+    # mean key of each key tile, over the positions below the context length
+    pad = tiles_k * TILE - length
+    real = (torch.arange(tiles_k * TILE, device=device)[None, :] < lens[:, None]).float()
+    k_padded = torch.nn.functional.pad(keys.float(), (0, 0, 0, 0, 0, pad)) * real[..., None, None]
+    k_sum = k_padded.view(num_seqs, tiles_k, TILE, num_kv_heads, head_dim).sum(2)
+    k_mean = k_sum / real.view(num_seqs, tiles_k, TILE).sum(-1).clamp(min=1)[..., None, None]
+    k_mean = k_mean.repeat_interleave(num_heads // num_kv_heads, dim=2)  # [S, NT, H, D]
+    scores = torch.einsum("smhd,snhd->shmn", q_mean, k_mean)
+    # the query tile's first and last positions: keep their tiles, drop the tiles after the last
+    q_start = (lens - q_lens)[:, None]
+    first = q_start + torch.arange(tiles_q, device=device)[None, :] * TILE
+    last = torch.minimum(first + TILE - 1, lens[:, None] - 1)
+    key_tile = torch.arange(tiles_k, device=device)
+    own = (key_tile[None, None, :] == (first // TILE)[..., None]) | (key_tile[None, None, :] == (last // TILE)[..., None])
+    scores = torch.where(own[:, None], float("inf"), scores)
+    scores = torch.where((key_tile[None, None, :] <= (last // TILE)[..., None])[:, None], scores, float("-inf"))
+    k = min(int(top_k.max()), tiles_k)
+    best = scores.topk(k, dim=-1)
+    rank = torch.arange(k, device=device)
+    top_k = top_k.to(device)[None, :, None, None]
+    valid = (best.values > float("-inf")) & ((rank < top_k) | (best.values == float("inf"))) & (top_k > 0)
+    blocks = _sorted_padded(best.indices, valid)
+    return blocks, valid.sum(-1, dtype=torch.int32)
+
+
+def index_mask(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The keys each query row reads, ``[R, H, L]`` bool (L the longest context), for the packed query
+    rows ``rows`` (default: all of them): the definition in this module's docstring, spelled out densely.
+    The oracle of the kernels' tests and of the quality measurements."""
+    device = context_lens.device
+    cu = cu_seqlens_q.long()
+    lens = context_lens.long()
+    if rows is None:
+        rows = torch.arange(int(cu[-1]), device=device)
+    length = int(lens.max())
+    num_seqs, num_heads = index.columns.shape[:2]
+    seq = torch.searchsorted(cu, rows, right=True) - 1
+    r = rows - cu[seq]
+    position = lens[seq] - (cu[seq + 1] - cu[seq]) + r
+    tile_q = r // TILE
+    base = (position - r % TILE) // TILE
+    key = torch.arange(length, device=device)
+    key_tile = key // TILE
+    # slash tiles: the cover at the key tile's offset from the row's base tile
+    reach = index.cover_offset
+    offset = key_tile[None, :] - base[:, None]  # [R, L]
+    inside = (offset >= -reach) & (offset <= 1)
+    cover = index.slash_cover[seq].bool()  # [R, H, reach + 2]
+    mask = torch.gather(cover, 2, (offset.clamp(-reach, 1) + reach)[:, None, :].expand(-1, num_heads, -1))
+    mask &= inside[:, None, :]
+    # columns
+    real = torch.arange(index.columns.shape[-1], device=device) < index.column_counts[..., None]
+    cols = torch.zeros(num_seqs, num_heads, length + 1, dtype=torch.bool, device=device)
+    cols.scatter_(2, torch.where(real, index.columns.long(), length).clamp(max=length), True)
+    mask |= cols[seq, :, :length]
+    # block-sparse tiles of the row's query tile
+    if index.blocks is not None:
+        tiles_k = -(-length // TILE)
+        real = torch.arange(index.blocks.shape[-1], device=device) < index.block_counts[..., None]
+        listed = torch.zeros(*index.blocks.shape[:3], tiles_k + 1, dtype=torch.bool, device=device)
+        listed.scatter_(3, torch.where(real, index.blocks.long(), tiles_k).clamp(max=tiles_k), True)
+        mask |= listed[seq, :, tile_q][:, :, key_tile]
+    visible = (key[None, :] <= position[:, None]) & (key[None, :] < lens[seq][:, None])
+    return mask & visible[:, None, :]

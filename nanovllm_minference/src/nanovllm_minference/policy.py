@@ -1,0 +1,248 @@
+"""The ``minference`` policy: sparse prefill over per-head patterns estimated from each chunk's last queries.
+
+Per layer and prefill chunk:
+
+1. **Patterns.** Every query head has one: ``vertical_slash`` (the default), ``a_shape`` or
+   ``block_sparse``, from the config or a per-head JSON file.
+2. **Estimation** (vertical-slash heads): the softmax of the chunk's last ``last_q`` queries over every
+   key so far; column sums rank the vertical lines, diagonal sums the slash lines. One kernel for all
+   heads of all sequences.
+3. **Index** (:mod:`nanovllm_minference.index`): the best lines become slash tiles and gathered columns.
+4. **Attention**: one kernel over the index, causal, grouped KV heads, on the paged cache, the chunk's
+   own keys included (they are already in the cache).
+
+With KV offload the history lives in the host pool: the estimate reads every key (no values) across
+PCIe, and the attention reads only the KV blocks the index touches, into a compact buffer it then
+addresses through a block table of its own. Chunks whose sequences are all shorter than ``dense_below``
+and the first ``skip_layers`` layers run dense.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from nanovllm.policy import PolicyContext, SparsePolicy
+
+from nanovllm_minference.config import MInferenceConfig
+from nanovllm_minference.head_config import HeadPattern, layer_heads, load_head_patterns
+from nanovllm_minference.index import TILE, SparseIndex, block_sparse_index, lines_to_index, top_lines
+
+
+@attrs.frozen
+class LayerPlan:
+    """The patterns of one layer's query heads, as the index builder uses them."""
+
+    kinds: tuple[str, ...]  # per query head
+    vertical: torch.Tensor  # int64 [H]: columns (a_shape: n_init; block_sparse: key tiles per query tile)
+    slash: torch.Tensor  # int64 [H]: diagonals (a_shape: n_local)
+
+    def heads(self, kind: str) -> torch.Tensor:
+        return torch.tensor([k == kind for k in self.kinds], device=self.vertical.device)
+
+    def uses(self, kind: str) -> bool:
+        return kind in self.kinds
+
+
+class MInferencePolicy(SparsePolicy):
+    supports_prefill = True
+    supports_decode = False
+    requires_block_selection = False
+
+    def __init__(self, config: MInferenceConfig | None = None) -> None:
+        super().__init__(config or MInferenceConfig())
+        path = self.config.config_path
+        self.head_patterns = load_head_patterns(path) if path is not None else None
+        self._plans: dict[tuple[int, int, torch.device], LayerPlan] = {}
+
+    def initialize(self, num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device) -> None:
+        if self.head_patterns is not None and len(self.head_patterns) != num_layers:
+            raise ValueError(
+                f"config_path {self.config.config_path!r} describes {len(self.head_patterns)} layers, but the "
+                f"model has {num_layers}: use the pattern file made for this model"
+            )
+
+    # -- the prefill phase ----------------------------------------------------------------------------
+
+    def compute_chunked_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PolicyContext):
+        cfg = self.config
+        if ctx.layer_id < cfg.skip_layers or ctx.meta.max_context_len < cfg.dense_below:
+            return ctx.attend_all(q, k, v)
+        estimate, attend = _ops(q.device)
+        meta = ctx.meta
+        if ctx.offload is None:
+            k_cache, v_cache, tables = ctx.k_cache, ctx.v_cache, meta.block_tables
+            index = self.build_index(q, ctx, k_cache, tables, estimate)
+        else:
+            key_cache, key_tables = self._all_keys(ctx)
+            index = self.build_index(q, ctx, key_cache, key_tables, estimate)
+            del key_cache
+            k_cache, v_cache, tables = self._touched_kv(ctx, index)
+        out, _ = attend(q, k_cache, v_cache, tables, meta.cu_seqlens_q, meta.context_lens, index, ctx.scale,
+                        meta.max_query_len)
+        return out
+
+    def build_index(self, q: torch.Tensor, ctx: PolicyContext, k_cache: torch.Tensor, tables: torch.Tensor,
+                    estimate) -> SparseIndex:
+        """The index of every head of every sequence of the chunk, keys read from ``k_cache`` through
+        ``tables``."""
+        cfg, meta = self.config, ctx.meta
+        plan = self._plan(ctx.layer_id, q.shape[1], q.device)
+        lens = meta.context_lens.long()
+        num_seqs, num_heads = lens.shape[0], q.shape[1]
+        q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).long()
+        vertical = plan.vertical[None, :].expand(num_seqs, -1)
+        slash = plan.slash[None, :].expand(num_seqs, -1)
+        if cfg.adaptive_budget is not None and cfg.config_path is None:
+            budget = (lens.double() * cfg.adaptive_budget)[:, None].expand(-1, num_heads)
+            vertical, slash = (budget * 0.2).long().clamp(min=1), (budget * 0.8).long().clamp(min=1)
+        empty = torch.zeros(num_seqs, num_heads, 1, dtype=torch.long, device=q.device)
+        zero = torch.zeros(num_seqs, num_heads, dtype=torch.long, device=q.device)
+        columns, column_counts, offsets, offset_counts = empty, zero, empty, zero
+        if plan.uses("vertical_slash"):
+            scores = estimate(q, k_cache, tables, meta.cu_seqlens_q, meta.context_lens, ctx.scale, cfg.last_q,
+                              meta.max_context_len)
+            lines = top_lines(*scores, meta.context_lens, vertical, slash, cfg.num_sink_tokens,
+                              cfg.num_recent_diags)
+            columns, column_counts, offsets, offset_counts = _only(plan.heads("vertical_slash"), *lines)
+        if plan.uses("a_shape"):
+            fixed = _a_shape_lines(plan, lens, num_heads)
+            columns, column_counts, offsets, offset_counts = _either(
+                plan.heads("a_shape"), fixed, (columns, column_counts, offsets, offset_counts)
+            )
+        index = lines_to_index(columns, column_counts, offsets, offset_counts, lens - q_lens, meta.max_context_len)
+        if plan.uses("block_sparse"):
+            top_k = torch.where(plan.heads("block_sparse"), plan.vertical, 0)
+            keys = _keys_in_order(k_cache, tables, meta.max_context_len)
+            blocks, counts = block_sparse_index(q, keys, meta.cu_seqlens_q, meta.context_lens, top_k,
+                                                meta.max_query_len)
+            index = attrs.evolve(index, blocks=blocks, block_counts=counts)
+        return index
+
+    def _plan(self, layer_id: int, num_heads: int, device: torch.device) -> LayerPlan:
+        key = (layer_id, num_heads, device)
+        if key not in self._plans:
+            cfg = self.config
+            if self.head_patterns is not None:
+                heads = layer_heads(self.head_patterns, layer_id, num_heads)
+            elif cfg.pattern == "a_shape":
+                heads = [HeadPattern("a_shape", cfg.n_init, cfg.n_local)] * num_heads
+            elif cfg.pattern == "block_sparse":
+                heads = [HeadPattern("block_sparse", cfg.top_k_blocks, 1)] * num_heads
+            else:
+                heads = [HeadPattern("vertical_slash", cfg.vertical_size, cfg.slash_size)] * num_heads
+            sizes = torch.tensor([[h.vertical_size, h.slash_size] for h in heads], device=device)
+            self._plans[key] = LayerPlan(tuple(h.pattern for h in heads), sizes[:, 0], sizes[:, 1])
+        return self._plans[key]
+
+    # -- offload: what crosses PCIe -------------------------------------------------------------------
+
+    def _all_keys(self, ctx: PolicyContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every key of the chunk's sequences, read from the pool, as a paged cache and its block table."""
+        num_blocks = -(-ctx.meta.context_lens.long() // ctx.block_size)
+        width = int(num_blocks.max())
+        idx = torch.arange(width, device=num_blocks.device, dtype=torch.int32)
+        blocks = torch.where(idx[None, :] < num_blocks[:, None], idx, -1)
+        keys = ctx.read_keys(blocks)  # [S, width, bs, Hkv, D]
+        return keys.flatten(0, 1), _compact_tables(blocks >= 0, width)
+
+    def _touched_kv(self, ctx: PolicyContext, index: SparseIndex) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The KV blocks the index reads, from the pool into a compact buffer, and a block table into it."""
+        meta, bs = ctx.meta, ctx.block_size
+        touched = touched_blocks(index, meta.cu_seqlens_q, meta.context_lens, bs, meta.block_tables.shape[1])
+        counts = touched.sum(-1)
+        width = max(int(counts.max()), 1)
+        logical = torch.arange(touched.shape[1], device=touched.device, dtype=torch.int32)
+        order = torch.where(touched, logical, torch.iinfo(torch.int32).max).sort(-1).values[:, :width]
+        blocks = torch.where(torch.arange(width, device=touched.device)[None, :] < counts[:, None], order, -1)
+        k, v = ctx.read_blocks(blocks)  # [S, width, bs, Hkv, D]
+        return k.flatten(0, 1), v.flatten(0, 1), _compact_tables(touched, width)
+
+
+def touched_blocks(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                   num_blocks: int) -> torch.Tensor:
+    """``[S, num_blocks]`` bool: the logical KV blocks holding a key that some head of the sequence reads."""
+    device = context_lens.device
+    lens = context_lens.long()
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    num_tiles = -(-num_blocks * block_size // TILE)
+    last_tile = ((lens - 1) // TILE)[:, None, None]
+    dump = num_tiles + 1  # where invalid entries go
+
+    def marks_of(tiles: torch.Tensor, valid: torch.Tensor, value: int = 1) -> torch.Tensor:
+        where = torch.where(valid, tiles, dump).flatten(1)
+        marks = torch.zeros(lens.shape[0], num_tiles + 2, dtype=torch.long, device=device)
+        return marks.scatter_add_(1, where, torch.full_like(where, value))
+
+    # slash tile d covers key tiles base(0) + d .. base(last query tile) + d: a range, marked by its ends
+    first_base = ((lens - q_lens) // TILE)[:, None, None]
+    last_base = ((lens - 1) // TILE)[:, None, None]
+    d = index.slash_tiles.long()
+    real = torch.arange(d.shape[-1], device=device) < index.slash_counts[..., None]
+    start, end = (first_base + d).clamp(min=0), torch.minimum(last_base + d, last_tile)
+    ok = real & (start <= end)
+    marks = (marks_of(start, ok) - marks_of(end + 1, ok)).cumsum(-1)
+    columns = index.columns.long()
+    marks += marks_of(columns // TILE, torch.arange(columns.shape[-1], device=device) < index.column_counts[..., None])
+    if index.blocks is not None:
+        real = torch.arange(index.blocks.shape[-1], device=device) < index.block_counts[..., None]
+        marks += marks_of(index.blocks.long(), real)
+    per_key = (marks[:, :num_tiles] > 0).repeat_interleave(TILE, dim=1)[:, : num_blocks * block_size]
+    per_key &= torch.arange(per_key.shape[1], device=device)[None, :] < lens[:, None]
+    return per_key.view(-1, num_blocks, block_size).any(-1)
+
+
+def _compact_tables(present: torch.Tensor, width: int) -> torch.Tensor:
+    """Block tables into a compact buffer of ``width`` blocks per sequence: the ``r``-th present logical
+    block of sequence ``s`` is block ``s * width + r``; absent ones map to block 0 and are never read."""
+    rank = present.long().cumsum(-1) - 1
+    seq = torch.arange(present.shape[0], device=present.device)[:, None]
+    return torch.where(present, seq * width + rank, 0).to(torch.int32)
+
+
+def _keys_in_order(k_cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
+    """``[S, L, Hkv, D]``: each sequence's keys in position order, from the paged cache."""
+    bs = k_cache.shape[1]
+    width = -(-length // bs)
+    physical = tables[:, :width].long().clamp(min=0)
+    return k_cache[physical].flatten(1, 2)
+
+
+def _a_shape_lines(plan: LayerPlan, lens: torch.Tensor, num_heads: int):
+    """A-shape as lines: the first ``n_init`` columns and the ``n_local`` nearest diagonals."""
+    device = lens.device
+    widths = int(plan.vertical.max()), int(plan.slash.max())
+    columns, offsets = (torch.arange(w, device=device)[None, None, :].expand(lens.shape[0], num_heads, -1)
+                        for w in widths)
+    return (columns, torch.minimum(plan.vertical[None, :], lens[:, None]),
+            offsets, torch.minimum(plan.slash[None, :], lens[:, None]))
+
+
+def _only(heads: torch.Tensor, columns, column_counts, offsets, offset_counts):
+    """Lines of the given heads only: the others get none."""
+    return columns, torch.where(heads, column_counts, 0), offsets, torch.where(heads, offset_counts, 0)
+
+
+def _either(heads: torch.Tensor, chosen, other):
+    """Per head: ``chosen`` lines where ``heads``, else ``other`` (lists padded to a common width)."""
+    out = []
+    for a, b in zip(chosen, other, strict=True):
+        if a.dim() == 3:
+            width = max(a.shape[-1], b.shape[-1])
+            a, b = (torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in (a, b))
+            out.append(torch.where(heads[None, :, None], a, b))
+        else:
+            out.append(torch.where(heads[None, :], a, b))
+    return tuple(out)
+
+
+def _ops(device: torch.device):
+    """(estimate, attention): the Triton kernels on the GPU, their torch references elsewhere."""
+    if device.type == "cuda":
+        from nanovllm_minference.attention import sparse_attention
+        from nanovllm_minference.estimate import estimate
+
+        return estimate, sparse_attention
+    from nanovllm_minference.attention import sparse_attention_reference
+    from nanovllm_minference.estimate import estimate_reference
+
+    return estimate_reference, sparse_attention_reference

@@ -1,0 +1,166 @@
+"""The sparse index (torch, CPU): lines become slash tiles and columns that cover them, budgets that cover
+everything read every visible key, forced lines stay, block-sparse tiles are causal and keep their own
+tile, and the offload path's touched blocks hold every key the index reads."""
+
+import json
+
+import pytest
+import torch
+from nanovllm_minference.head_config import load_head_patterns, layer_heads
+from nanovllm_minference.index import TILE, block_sparse_index, index_mask, lines_to_index, top_lines
+from nanovllm_minference.policy import touched_blocks
+
+# (query_len, context_len) per sequence: a fresh prompt, chunks of a longer one at unaligned starts
+SHAPES = [(130, 130), (77, 300), (200, 457), (1, 65)]
+
+
+def batch(shapes=SHAPES):
+    q_lens = torch.tensor([q for q, _ in shapes])
+    lens = torch.tensor([c for _, c in shapes])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)])
+    return q_lens, lens, cu
+
+
+def positions_of(cu, lens):
+    return torch.cat([torch.arange(int(c) - int(cu[s + 1] - cu[s]), int(c)) for s, c in enumerate(lens)])
+
+
+def random_lines(lens, num_heads, width, seed):
+    g = torch.Generator().manual_seed(seed)
+    s = lens.shape[0]
+    columns = (torch.rand(s, num_heads, width, generator=g) * lens[:, None, None]).long()
+    offsets = (torch.rand(s, num_heads, width, generator=g) * lens[:, None, None]).long()
+    counts = torch.randint(0, width + 1, (2, s, num_heads), generator=g)
+    return columns, counts[0], offsets, counts[1]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_every_line_is_read_and_nothing_beyond_its_tiles(seed):
+    q_lens, lens, cu = batch()
+    columns, cc, offsets, oc = random_lines(lens, 3, 6, seed)
+    index = lines_to_index(columns, cc, offsets, oc, lens - q_lens, int(lens.max()))
+    mask = index_mask(index, cu, lens)
+    pos = positions_of(cu, lens)
+    seq = torch.repeat_interleave(torch.arange(len(lens)), q_lens)
+    for row in range(seed, mask.shape[0], 5):  # a fifth of the rows, a different fifth per seed
+        s, p = int(seq[row]), int(pos[row])
+        for h in range(3):
+            read = set(mask[row, h].nonzero().flatten().tolist())
+            lines = {int(c) for c in columns[s, h, : cc[s, h]] if c <= p}
+            lines |= {p - int(o) for o in offsets[s, h, : oc[s, h]] if p - o >= 0}
+            assert lines <= read
+            # what is read beyond the lines lies in the tiles a diagonal crosses in this query tile
+            base = (p - (row - int(cu[s])) % TILE) // TILE
+            for c in read - lines:
+                assert any(abs(p - o - c) < 2 * TILE for o in offsets[s, h, : oc[s, h]].tolist())
+                assert c // TILE - base in index.slash_tiles[s, h, : index.slash_counts[s, h]].tolist()
+
+
+def test_budgets_covering_everything_read_every_visible_key():
+    q_lens, lens, cu = batch()
+    n = int(lens.max())
+    every = torch.arange(n).expand(len(lens), 2, n)
+    for columns, offsets in (((lens * 0)[:, None].expand(-1, 2), lens[:, None].expand(-1, 2)),
+                             (lens[:, None].expand(-1, 2), (lens * 0)[:, None].expand(-1, 2))):
+        index = lines_to_index(every, columns, every, offsets, lens - q_lens, n)
+        mask = index_mask(index, cu, lens)
+        pos = positions_of(cu, lens)
+        seq = torch.repeat_interleave(torch.arange(len(lens)), q_lens)
+        visible = (torch.arange(n)[None, :] <= pos[:, None]) & (torch.arange(n)[None, :] < lens[seq][:, None])
+        assert torch.equal(mask, visible[:, None, :].expand_as(mask))
+
+
+def test_top_lines_keep_forced_lines_best_first_within_budget():
+    lens = torch.tensor([500, 40])
+    g = torch.Generator().manual_seed(0)
+    vertical, slash = torch.rand(2, 2, 3, 500, generator=g)
+    sizes_v = torch.tensor([[50, 8, 1]] * 2)
+    sizes_s = torch.tensor([[60, 12, 2]] * 2)
+    columns, cc, offsets, oc = top_lines(vertical, slash, lens, sizes_v, sizes_s, num_sink_tokens=4,
+                                         num_recent_diags=10)
+    assert cc.tolist() == [[50, 8, 1], [40, 8, 1]] and oc.tolist() == [[60, 12, 2], [40, 12, 2]]
+    for s in range(2):
+        for h in range(3):
+            chosen_c = columns[s, h, : cc[s, h]].tolist()
+            chosen_o = offsets[s, h, : oc[s, h]].tolist()
+            assert max(chosen_c) < lens[s] and max(chosen_o) < lens[s]
+            assert set(range(min(4, cc[s, h]))) <= set(chosen_c)
+            assert set(range(min(10, oc[s, h]))) <= set(chosen_o)
+            # beyond the forced ones, the best scores
+            rest = [c for c in chosen_c if c >= 4]
+            others = vertical[s, h, 4 : lens[s]]
+            if rest:
+                assert min(vertical[s, h, rest]) >= others.sort(descending=True).values[len(rest) - 1]
+
+
+def test_block_sparse_is_causal_keeps_its_own_tile_and_finds_a_planted_cluster():
+    q_lens, lens, cu = batch([(256, 256), (100, 400)])
+    num_heads, num_kv, d = 4, 2, 16
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(int(cu[-1]), num_heads, d, generator=g) * 0.1
+    keys = torch.randn(2, 400, num_kv, d, generator=g) * 0.1
+    keys[:, 64:128, 0] += 3.0  # key tile 1 of KV head 0 aligned with every query of its heads
+    q[:, :2] += 3.0
+    top_k = torch.tensor([2, 2, 3, 1])
+    blocks, counts = block_sparse_index(q, keys, cu, lens, top_k, int(q_lens.max()))
+    tiles_q = blocks.shape[2]
+    for s in range(2):
+        start = int(lens[s] - q_lens[s])
+        for m in range(-(-int(q_lens[s]) // TILE)):
+            first = start + m * TILE
+            last = min(first + TILE, int(lens[s])) - 1
+            for h in range(num_heads):
+                listed = blocks[s, h, m, : counts[s, h, m]].tolist()
+                assert listed == sorted(listed) and max(listed) <= last // TILE
+                assert {first // TILE, last // TILE} <= set(listed)
+                assert len(listed) <= max(int(top_k[h]), 2)
+                if h < 2 and last // TILE > 1 and int(top_k[h]) > len({first // TILE, last // TILE}):
+                    assert 1 in listed
+    assert tiles_q == 4
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_touched_blocks_hold_every_key_the_index_reads(block_size):
+    q_lens, lens, cu = batch()
+    columns, cc, offsets, oc = random_lines(lens, 3, 5, seed=7)
+    index = lines_to_index(columns, cc, offsets, oc, lens - q_lens, int(lens.max()))
+    num_blocks = -(-int(lens.max()) // block_size) + 1
+    touched = touched_blocks(index, cu, lens, block_size, num_blocks)
+    mask = index_mask(index, cu, lens)
+    seq = torch.repeat_interleave(torch.arange(len(lens)), q_lens)
+    read = torch.zeros(len(lens), int(lens.max()), dtype=torch.bool).index_put_((seq,), mask.any(1), accumulate=True)
+    for s in range(len(lens)):
+        keys = read[s].nonzero().flatten()
+        assert touched[s, keys // block_size].all()
+        assert not touched[s, -(-int(lens[s]) // block_size):].any()  # nothing past the context
+    assert touched.float().mean() < 1  # and it is not everything
+
+
+def test_head_patterns_load_minferences_format(tmp_path):
+    path = tmp_path / "heads.json"
+    layers = [{"0": ["vertical_and_slash", 1000, 6096, 0.9], "2": ["stream_llm", 100, 800, 0.8]},
+              {"1": ["block_sparse", 8, 1, 0.5]}]
+    path.write_text(json.dumps(layers))
+    loaded = load_head_patterns(path)
+    heads = layer_heads(loaded, 0, 4)
+    assert [h.pattern for h in heads] == ["vertical_slash", "vertical_slash", "a_shape", "vertical_slash"]
+    assert (heads[2].vertical_size, heads[2].slash_size) == (100, 800)
+    assert layer_heads(loaded, 1, 2)[1].pattern == "block_sparse"
+    with pytest.raises(ValueError, match="another model"):
+        layer_heads(loaded, 0, 2)
+
+
+@pytest.mark.parametrize("content, match", [
+    ("[{\"0\": [\"dilated\", 1, 2, 0]}]", "unknown pattern 'dilated'"),
+    ("[{\"0\": [\"vertical_and_slash\", 0, 2, 0]}]", "vertical_size must be a positive int"),
+    ("{\"0\": 1}", "one .* per layer"),
+    ("[{\"x\": [\"stream_llm\", 1, 2, 0]}]", "head indices"),
+    ("not json", "not valid JSON"),
+])
+def test_head_pattern_errors_name_the_problem(tmp_path, content, match):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=match):
+        load_head_patterns(path)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_head_patterns(tmp_path / "missing.json")
