@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-
 from nanovllm_minference.estimate import estimate_reference
 
 CUDA = torch.cuda.is_available()
@@ -127,10 +126,13 @@ def test_bad_arguments():
 # Triton
 # ---------------------------------------------------------------------------------------------
 
+GPU_CONFIGS = [  # (dtype, group, block_size, last_q)
+    (torch.bfloat16, 4, 16, 64), (torch.float16, 1, 128, 64), (torch.bfloat16, 8, 16, 64),
+    (torch.float32, 4, 16, 64), (torch.bfloat16, 7, 256, 100), (torch.bfloat16, 4, 32, 16),
+]
 GPU_PARAMS = [
     pytest.param("cuda", dt, g, bs, lq, id=f"gpu-{str(dt)[6:]}-g{g}-bs{bs}-q{lq}", marks=pytest.mark.gpu)
-    for dt, g, bs, lq in [(torch.bfloat16, 4, 16, 64), (torch.float16, 1, 128, 64), (torch.bfloat16, 8, 16, 64),
-                          (torch.float32, 4, 16, 64), (torch.bfloat16, 7, 256, 100), (torch.bfloat16, 4, 32, 16)]
+    for dt, g, bs, lq in GPU_CONFIGS
 ]
 # the interpreter cases exist only inside the subprocess that test_estimate_under_interpreter starts
 INTERP_PARAMS = [

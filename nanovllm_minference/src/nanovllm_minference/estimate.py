@@ -36,8 +36,8 @@ MAX_LAST_Q = 128  # rows per head held in one tile; MInference uses 64
 def _check_args(q, k_cache, block_tables, cu_seqlens_q, context_lens, last_q) -> None:
     if q.dim() != 3 or k_cache.dim() != 4:
         raise ValueError(
-            f"q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)}: expected q [tokens, heads, head_dim] and "
-            "k_cache [num_blocks, block_size, kv_heads, head_dim]"
+            f"q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)}: expected q [tokens, heads, head_dim] "
+            "and k_cache [num_blocks, block_size, kv_heads, head_dim]"
         )
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     if num_heads % num_kv_heads or q.shape[2] != k_cache.shape[3]:
@@ -129,7 +129,8 @@ def _key_tile(
     else:
         phys = tl.load(block_tables + s * stride_bt + c // BLOCK_SIZE, mask=c_ok, other=0).to(tl.int64)
     rows = phys * stride_kb + (c % BLOCK_SIZE) * stride_ks + kvh * stride_kh
-    k = tl.load(K + rows[:, None] + offs_d[None, :] * stride_kd, mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+    k = tl.load(K + rows[:, None] + offs_d[None, :] * stride_kd, mask=c_ok[:, None] & d_ok[None, :],
+                other=0.0)
     return k, c
 
 
