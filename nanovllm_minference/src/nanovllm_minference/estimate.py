@@ -92,14 +92,16 @@ def estimate_reference(
     q_last = torch.where(row_ok[..., None, None], q[q_rows].float(), 0.0)
     pos = ctx[:, None] - n[:, None] + j  # [S, R] positions of the rows
 
-    # every key of every sequence, padded to `width`, one copy per query head: [S, L, H, D]
+    # every key of every sequence, padded to `width`: [S, L, Hkv, D]
     c = torch.arange(width, device=device)
     key_ok = c < ctx[:, None]  # [S, L]
     logical = (c // block_size).clamp(max=block_tables.shape[1] - 1).expand(num_seqs, width)
     physical = torch.where(key_ok, block_tables.long().gather(1, logical), 0)
-    keys = k_cache[physical, c % block_size].float().repeat_interleave(num_heads // num_kv_heads, dim=2)
+    keys = k_cache[physical, c % block_size].float()
 
-    scores = torch.einsum("srhd,slhd->shrl", q_last, keys) * scale  # [S, H, R, L]
+    # query head h = kvh * group + g reads KV head kvh
+    q_groups = q_last.unflatten(2, (num_kv_heads, num_heads // num_kv_heads))  # [S, R, Hkv, G, D]
+    scores = torch.einsum("srkgd,slkd->skgrl", q_groups, keys).flatten(1, 2) * scale  # [S, H, R, L]
     allowed = (row_ok[..., None] & (c <= pos[..., None]))[:, None]  # causal; c <= p_j < context
     probs = torch.where(allowed, scores.masked_fill(~allowed, float("-inf")).softmax(-1), 0.0)
 
