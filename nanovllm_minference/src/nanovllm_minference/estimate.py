@@ -1,0 +1,337 @@
+"""Online pattern estimation: how much attention the last query rows of a chunk pay to each key column
+(``vertical``) and to each diagonal offset (``slash``), from which the policy picks its index.
+
+For each sequence ``s`` and query head ``h`` take the last ``n = min(last_q, query_len)`` rows of the chunk;
+row ``j`` sits at position ``p_j = context_len - n + j`` and its attention is ``A[j, c] = softmax over
+c <= p_j of scale * q_j . k_c`` (float32). Then::
+
+    vertical[s, h, c] = sum_j A[j, c]          slash[s, h, o] = sum_j A[j, p_j - o]   (p_j - o >= 0)
+
+both ``[S, H, L]`` float32 with ``L`` the longest context; entries at or past a sequence's context are 0.
+
+``estimate`` is two Triton passes over the paged keys, each program owning one KV head's slice of keys
+(each key is read once per pass for its whole GQA group):
+
+1. row statistics: the running max and sum of ``exp2`` of every row's scores, one partial per slice;
+   torch folds the partials into each row's max and ``1 / sum``.
+2. sums: the scores again, normalised; column sums are stored (each column has one owner). Diagonal
+   sums are skewed in registers (``tl.gather`` shifts row ``j`` by ``j``) so a column of the skewed tile
+   is one diagonal, then added to ``slash`` with atomics. A key tile is at least as wide as the rows, so
+   each diagonal gets parts from at most two tiles: two additions onto zero give the same float in either
+   order, and the result is deterministic.
+
+``estimate_reference`` is the same in plain torch, batched over sequences and heads (the CPU path).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MAX_LAST_Q = 128  # rows per head held in one tile; MInference uses 64
+
+
+def _check_args(q, k_cache, block_tables, cu_seqlens_q, context_lens, last_q) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)}: expected q [tokens, heads, head_dim] "
+            "and k_cache [num_blocks, block_size, kv_heads, head_dim]"
+        )
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    if num_heads % num_kv_heads or q.shape[2] != k_cache.shape[3]:
+        raise ValueError(
+            f"{num_heads} query heads of size {q.shape[2]} against {num_kv_heads} KV heads of size "
+            f"{k_cache.shape[3]}: the head sizes must match and the KV heads divide the query heads"
+        )
+    block_size = k_cache.shape[1]
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size {block_size}: the kernels need a power of two")
+    if not 1 <= last_q <= MAX_LAST_Q:
+        raise ValueError(f"last_q={last_q}: estimate from 1 to {MAX_LAST_Q} query rows (MInference uses 64)")
+    num_seqs = context_lens.shape[0]
+    if cu_seqlens_q.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}, block_tables {tuple(block_tables.shape)} and "
+            f"context_lens {tuple(context_lens.shape)} must describe the same {num_seqs} sequences"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# torch reference
+# ---------------------------------------------------------------------------------------------
+
+
+def estimate_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, last_q: int = 64, max_context_len: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(vertical, slash)``, both ``[S, H, L]`` float32 (see the module docstring)."""
+    _check_args(q, k_cache, block_tables, cu_seqlens_q, context_lens, last_q)
+    device = q.device
+    num_seqs, num_heads = context_lens.shape[0], q.shape[1]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    ctx = context_lens.long()
+    longest = int(ctx.max()) if num_seqs else 0
+    width = longest if max_context_len is None else max_context_len
+    if width < longest:
+        raise ValueError(f"max_context_len={max_context_len} is shorter than a context of {longest} keys")
+    vertical = torch.zeros(num_seqs, num_heads, width, dtype=torch.float32, device=device)
+    slash = torch.zeros_like(vertical)
+    cu = cu_seqlens_q.long()
+    n = (cu[1:] - cu[:-1]).clamp(max=last_q)  # rows per sequence
+    rows = int(n.max()) if num_seqs else 0
+    if rows == 0 or width == 0:
+        return vertical, slash
+
+    # the last n query rows of each sequence, padded to `rows`: [S, R, H, D]
+    j = torch.arange(rows, device=device)
+    row_ok = j < n[:, None]  # [S, R]
+    q_rows = torch.where(row_ok, cu[1:, None] - n[:, None] + j, 0)
+    q_last = torch.where(row_ok[..., None, None], q[q_rows].float(), 0.0)
+    pos = ctx[:, None] - n[:, None] + j  # [S, R] positions of the rows
+
+    # every key of every sequence, padded to `width`: [S, L, Hkv, D]
+    c = torch.arange(width, device=device)
+    key_ok = c < ctx[:, None]  # [S, L]
+    logical = (c // block_size).clamp(max=block_tables.shape[1] - 1).expand(num_seqs, width)
+    physical = torch.where(key_ok, block_tables.long().gather(1, logical), 0)
+    keys = k_cache[physical, c % block_size].float()
+
+    # query head h = kvh * group + g reads KV head kvh
+    q_groups = q_last.unflatten(2, (num_kv_heads, num_heads // num_kv_heads))  # [S, R, Hkv, G, D]
+    scores = torch.einsum("srkgd,slkd->skgrl", q_groups, keys).flatten(1, 2) * scale  # [S, H, R, L]
+    allowed = (row_ok[..., None] & (c <= pos[..., None]))[:, None]  # causal; c <= p_j < context
+    probs = torch.where(allowed, scores.masked_fill(~allowed, float("-inf")).softmax(-1), 0.0)
+
+    vertical += probs.sum(2)
+    offsets = (pos[..., None] - c).clamp(min=0)  # [S, R, L]; where clamped, probs is 0
+    offsets = offsets[:, None].expand(num_seqs, num_heads, rows, width).reshape(num_seqs, num_heads, -1)
+    slash.scatter_add_(2, offsets, probs.reshape(num_seqs, num_heads, -1))
+    return vertical, slash
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _key_tile(
+    K, block_tables, s, kvh, c0, ctx, stride_bt, stride_kb, stride_ks, stride_kh, stride_kd, offs_d, d_ok,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    """Keys ``c0 .. c0 + BLOCK_N - 1`` of KV head ``kvh`` of sequence ``s`` (0 past the context), and their
+    positions."""
+    c = c0 + tl.arange(0, BLOCK_N)
+    c_ok = c < ctx
+    if BLOCK_N <= BLOCK_SIZE:  # powers of two and c0 a multiple of BLOCK_N: one cache block, one table read
+        phys = tl.load(block_tables + s * stride_bt + c0 // BLOCK_SIZE).to(tl.int64)
+    else:
+        phys = tl.load(block_tables + s * stride_bt + c // BLOCK_SIZE, mask=c_ok, other=0).to(tl.int64)
+    rows = phys * stride_kb + (c % BLOCK_SIZE) * stride_ks + kvh * stride_kh
+    k = tl.load(K + rows[:, None] + offs_d[None, :] * stride_kd, mask=c_ok[:, None] & d_ok[None, :],
+                other=0.0)
+    return k, c
+
+
+@triton.jit
+def _scores(q, k, scale_log2, FP32: tl.constexpr):
+    """``scale * q . k`` in base 2, float32."""
+    if FP32:  # float32 inputs, or the interpreter (whose bfloat16 dot is wrong)
+        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)))
+    return qk * scale_log2
+
+
+@triton.jit(do_not_specialize=["stride_bt", "tiles_per_split", "last_q"])
+def _row_stats_kernel(
+    Q, K, cu_q, context_lens, block_tables, PartM, PartL,
+    scale_log2, last_q, tiles_per_split,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd, stride_bt,
+    GROUP: tl.constexpr, NUM_SUB: tl.constexpr, HEADS: tl.constexpr, ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    FP32: tl.constexpr,
+):
+    """Pass 1: per (key slice, KV head and sub-group of HEADS of its query heads, sequence), every row's
+    max and sum of exp2 over the slice's keys (max -inf, sum 0 where the slice has none for it)."""
+    split = tl.program_id(0)
+    kvh = tl.program_id(1) // NUM_SUB
+    sub = tl.program_id(1) % NUM_SUB
+    s = tl.program_id(2)
+    ctx = tl.load(context_lens + s)
+    q_end = tl.load(cu_q + s + 1)
+    n = tl.minimum(q_end - tl.load(cu_q + s), last_q)
+
+    # the rows of HEADS query heads stacked: row r is row j = r % ROWS of head r // ROWS of the sub-group
+    offs_r = tl.arange(0, HEADS * ROWS)
+    head = sub * HEADS + offs_r // ROWS
+    j = offs_r % ROWS
+    head_ok = head < GROUP
+    h = kvh * GROUP + head
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q_rows = (q_end - n + j).to(tl.int64)
+    q = tl.load(
+        Q + q_rows[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=(head_ok & (j < n))[:, None] & d_ok[None, :], other=0.0,
+    )
+    pos = ctx - n + j
+
+    m_i = tl.full([HEADS * ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([HEADS * ROWS], tl.float32)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
+    end = tl.where(n > 0, end, start)
+    for c0 in range(start, end, BLOCK_N):
+        k, c = _key_tile(K, block_tables, s, kvh, c0, ctx, stride_bt, stride_kb, stride_ks, stride_kh,
+                         stride_kd, offs_d, d_ok, BLOCK_N, BLOCK_SIZE)
+        qk = _scores(q, k, scale_log2, FP32)
+        qk = tl.where((c[None, :] <= pos[:, None]) & (c[None, :] < ctx), qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: keep exp2 finite
+        l_i = l_i * tl.math.exp2(m_i - m_use) + tl.sum(tl.math.exp2(qk - m_use[:, None]), 1)
+        m_i = m_new
+
+    # PartM, PartL: [S, H, num_splits, ROWS] contiguous
+    out = ((s * (tl.num_programs(1) // NUM_SUB) * GROUP + h) * tl.num_programs(0) + split) * ROWS + j
+    tl.store(PartM + out, m_i, mask=head_ok)
+    tl.store(PartL + out, l_i, mask=head_ok)
+
+
+@triton.jit(do_not_specialize=["stride_bt", "tiles_per_split", "last_q", "width"])
+def _sums_kernel(
+    Q, K, cu_q, context_lens, block_tables, RowM, RowInvL, Vertical, Slash,
+    scale_log2, last_q, tiles_per_split, width,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd, stride_bt,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPAN: tl.constexpr, FP32: tl.constexpr,
+):
+    """Pass 2: per (key slice, KV head, sequence), the normalised probabilities of each query head of the
+    group on each key tile: column sums stored, diagonal sums atomically added."""
+    split = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+    ctx = tl.load(context_lens + s)
+    q_end = tl.load(cu_q + s + 1)
+    n = tl.minimum(q_end - tl.load(cu_q + s), last_q)
+    if n <= 0:
+        return
+    j = tl.arange(0, ROWS)
+    row_ok = j < n
+    pos = ctx - n + j
+    q_rows = (q_end - n + j).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    # skew: column u of the skewed tile holds row j's key c0 + j - u + BLOCK_N - 1, i.e. the diagonal of
+    # offset p_j - c = (ctx - n) - c0 - BLOCK_N + 1 + u for every row
+    u = tl.arange(0, SPAN)
+    skew = j[:, None] - u[None, :] + BLOCK_N - 1
+    skew_ok = (skew >= 0) & (skew < BLOCK_N)
+    skew = tl.minimum(tl.maximum(skew, 0), BLOCK_N - 1)
+    limit = tl.minimum(ctx, width)  # writes stay inside the outputs
+
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
+    for c0 in range(start, end, BLOCK_N):
+        k, c = _key_tile(K, block_tables, s, kvh, c0, ctx, stride_bt, stride_kb, stride_ks, stride_kh,
+                         stride_kd, offs_d, d_ok, BLOCK_N, BLOCK_SIZE)
+        keep = row_ok[:, None] & (c[None, :] <= pos[:, None])
+        o = ctx - n - c0 - BLOCK_N + 1 + u
+        o_ok = (u < ROWS + BLOCK_N - 1) & (o >= 0) & (o < limit)
+        for g in tl.static_range(GROUP):  # the group's query heads share the key tile
+            h = kvh * GROUP + g
+            q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd,
+                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            stats = (s * num_heads + h) * ROWS + j
+            m = tl.load(RowM + stats)
+            inv_l = tl.load(RowInvL + stats)
+            qk = _scores(q, k, scale_log2, FP32)
+            p = tl.where(keep, tl.math.exp2(qk - m[:, None]), 0.0) * inv_l[:, None]
+            out = (s * num_heads + h).to(tl.int64) * width
+            tl.store(Vertical + out + c, tl.sum(p, 0), mask=c < limit)
+            diag = tl.sum(tl.where(skew_ok, tl.gather(p, skew, axis=1), 0.0), 0)
+            tl.atomic_add(Slash + out + o, diag, mask=o_ok, sem="relaxed")
+
+
+# ---------------------------------------------------------------------------------------------
+# launch
+# ---------------------------------------------------------------------------------------------
+
+
+def _num_splits(programs: int, tiles: int, device: torch.device) -> int:
+    """Key slices per (sequence, head group): enough programs for about four per multiprocessor."""
+    if device.type != "cuda":
+        return min(tiles, 4)  # the interpreter: a few slices, so that merging them is exercised
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(tiles, triton.cdiv(4 * sms, programs)))
+
+
+def _slices(width: int, block_n: int, programs: int, device: torch.device) -> tuple[int, int]:
+    """(number of slices, tiles per slice) covering ``width`` keys in tiles of ``block_n``."""
+    tiles = triton.cdiv(width, block_n)
+    per_slice = triton.cdiv(tiles, _num_splits(programs, tiles, device))
+    return triton.cdiv(tiles, per_slice), per_slice
+
+
+def estimate(
+    q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, last_q: int = 64, max_context_len: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(vertical, slash)`` as :func:`estimate_reference`, by two Triton passes. Pass ``max_context_len``
+    (a host int, at least every context length) to avoid reading the lengths back to the host."""
+    _check_args(q, k_cache, block_tables, cu_seqlens_q, context_lens, last_q)
+    num_seqs = context_lens.shape[0]
+    _, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    if max_context_len is None:
+        max_context_len = int(context_lens.max()) if num_seqs else 0
+    width = max_context_len
+    vertical = torch.zeros(num_seqs, num_heads, width, dtype=torch.float32, device=q.device)
+    slash = torch.zeros_like(vertical)
+    if num_seqs == 0 or width == 0 or q.shape[0] == 0:
+        return vertical, slash
+
+    gpu = q.device.type == "cuda"
+    rows = max(16, triton.next_power_of_2(last_q))
+    block_d = triton.next_power_of_2(head_dim)
+    fp32 = q.dtype == torch.float32 or not gpu
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, FP32=fp32)
+    strides = (*q.stride(), *k_cache.stride(), block_tables.stride(0))
+    scale_log2 = scale * LOG2E
+
+    # pass 1: up to 256 stacked rows a program (a whole GQA group at last_q 64 and group 4), the key tile
+    # as wide as keeps the score tile at 16K floats
+    heads = min(triton.next_power_of_2(group), max(1, 256 // rows))
+    num_sub = triton.cdiv(group, heads)
+    block_n1 = max(16, min(128, 16384 // (heads * rows))) if gpu else 16
+    slices1, per_slice1 = _slices(width, block_n1, num_seqs * num_kv_heads * num_sub, q.device)
+    part_m = torch.empty(num_seqs, num_heads, slices1, rows, dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    _row_stats_kernel[(slices1, num_kv_heads * num_sub, num_seqs)](
+        q, k_cache, cu_seqlens_q, context_lens, block_tables, part_m, part_l,
+        scale_log2, last_q, per_slice1, *strides,
+        GROUP=group, NUM_SUB=num_sub, HEADS=heads, ROWS=rows, BLOCK_N=block_n1, **common,
+        num_warps=8 if gpu and heads * rows >= 256 else 4,
+    )
+    row_max = part_m.amax(2)
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    row_sum = (part_l * torch.exp2(part_m - row_max[:, :, None])).sum(2)
+    inv_sum = torch.where(row_sum > 0, 1.0 / row_sum, 0.0)
+
+    # pass 2: a key tile at least as wide as the rows (each diagonal then spans at most two tiles)
+    block_n2 = max(64 if gpu else 16, rows)
+    slices2, per_slice2 = _slices(width, block_n2, num_seqs * num_kv_heads, q.device)
+    _sums_kernel[(slices2, num_kv_heads, num_seqs)](
+        q, k_cache, cu_seqlens_q, context_lens, block_tables, row_max.contiguous(), inv_sum.contiguous(),
+        vertical, slash, scale_log2, last_q, per_slice2, width, *strides,
+        GROUP=group, ROWS=rows, BLOCK_N=block_n2, SPAN=triton.next_power_of_2(rows + block_n2 - 1), **common,
+        num_warps=8 if rows >= 128 else 4,
+    )
+    return vertical, slash
