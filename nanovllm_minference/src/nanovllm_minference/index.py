@@ -187,3 +187,29 @@ def index_mask(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: tor
         mask |= listed[seq, :, tile_q][:, :, key_tile]
     visible = (key[None, :] <= position[:, None]) & (key[None, :] < lens[seq][:, None])
     return mask & visible[:, None, :]
+
+
+def computed_density(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor) -> float:
+    """The attention work the kernel does over the work of dense causal attention: every listed tile a
+    query tile reaches counts in full (TILE x TILE, as the kernel computes it), every column up to the
+    tile's last row once per row. Duplicated columns count twice (an upper bound); what drives the time."""
+    device = context_lens.device
+    lens = context_lens.long()
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    q_start = (lens - q_lens)[:, None]
+    m = torch.arange(-(-int(q_lens.max()) // TILE), device=device)[None, :]
+    first = q_start + m * TILE
+    rows = (torch.minimum(first + TILE, lens[:, None]) - first).clamp(min=0)  # [S, M], 0 past the chunk
+    base, last = first // TILE, (first + rows - 1) // TILE
+    d = index.slash_tiles.long()[:, :, None, :]
+    real = torch.arange(d.shape[-1], device=device) < index.slash_counts[..., None, None]
+    tile = base[:, None, :, None] + d
+    tiles = (real & (tile >= 0) & (tile <= last[:, None, :, None])).sum(-1)  # [S, H, M]
+    seen = torch.searchsorted(index.columns.long(), (first + rows - 1)[:, None, :].expand(-1, d.shape[1], -1).contiguous(),
+                              right=True)
+    columns = torch.minimum(seen, index.column_counts.long()[..., None])
+    work = tiles * TILE * rows[:, None, :] + columns * rows[:, None, :]
+    if index.blocks is not None:
+        work = work + index.block_counts.long() * TILE * rows[:, None, :]
+    dense = ((q_start + 1) * q_lens[:, None] + q_lens[:, None] * (q_lens[:, None] - 1) // 2).sum()
+    return float(work.sum()) / float(dense * index.columns.shape[1])

@@ -1,0 +1,173 @@
+"""The ``minference`` policy on the CPU (torch references): budgets covering everything are dense, planted
+columns and diagonals are found, each pattern and a per-head file run, small chunks run dense, the
+offload path reads the same keys, and bad options are refused with the fix."""
+
+import json
+
+import pytest
+import torch
+from nanovllm.attention.metadata import PhaseMetadata
+from nanovllm.attention.torch_backend import TorchBackend
+from nanovllm.policy import PolicyContext
+from nanovllm.quality import planted
+from nanovllm_minference.config import MInferenceConfig
+from nanovllm_minference.index import index_mask
+from nanovllm_minference.policy import MInferencePolicy
+
+BLOCK = 16
+
+
+def paged(case_q, case_k, case_v, q_len, scale, block_size=BLOCK, seed=0):
+    """One sequence whose last ``q_len`` tokens are the chunk: a shuffled paged cache holding every key."""
+    n = case_k.shape[0]
+    width = -(-n // block_size)
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randperm(width, generator=g).int()
+    k_cache = torch.zeros(width, block_size, *case_k.shape[1:])
+    v_cache = torch.zeros_like(k_cache)
+    pad = width * block_size - n
+    k_cache[table.long()] = torch.nn.functional.pad(case_k, (0, 0, 0, 0, 0, pad)).view(width, block_size, *case_k.shape[1:])
+    v_cache[table.long()] = torch.nn.functional.pad(case_v, (0, 0, 0, 0, 0, pad)).view(width, block_size, *case_v.shape[1:])
+    cu = torch.tensor([0, q_len], dtype=torch.int32)
+    lens = torch.tensor([n], dtype=torch.int32)
+    meta = PhaseMetadata(cu, lens, table[None, :], q_len, n)
+    q = case_q[n - q_len:]
+    ctx = PolicyContext(3, True, q, meta, k_cache, v_cache, scale, TorchBackend(), None, case_k[n - q_len:],
+                        case_v[n - q_len:], torch.arange(n - q_len, n))
+    return q, ctx
+
+
+def run(policy, q, ctx):
+    return policy.compute_chunked_prefill(q, ctx.new_keys, ctx.new_values, ctx)
+
+
+@pytest.mark.parametrize("pattern", ["vertical_slash", "a_shape", "block_sparse"])
+@pytest.mark.parametrize("q_len", [300, 77])
+def test_budgets_covering_everything_are_dense(pattern, q_len):
+    case = planted.needles(num_tokens=300)
+    q, ctx = paged(case.q, case.k, case.v, q_len, case.scale)
+    big = dict(vertical_size=300, slash_size=300, n_init=300, n_local=300, top_k_blocks=5)
+    policy = MInferencePolicy(MInferenceConfig(pattern=pattern, dense_below=0, **big))
+    got = run(policy, q, ctx)
+    want = ctx.attend_all(q, ctx.new_keys, ctx.new_values)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_planted_columns_and_diagonals_are_found():
+    columns = planted.vertical_columns(num_tokens=512, columns_per_head=3)
+    diagonals = planted.slash_diagonals(num_tokens=512, offsets=(0, 48, 160))
+    for case, kind in ((columns, "columns"), (diagonals, "offsets")):
+        q, ctx = paged(case.q, case.k, case.v, 512, case.scale)
+        policy = MInferencePolicy(MInferenceConfig(vertical_size=8, slash_size=8, num_sink_tokens=1,
+                                                   num_recent_diags=1, dense_below=0))
+        from nanovllm_minference.policy import _ops
+
+        index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device)[0])
+        group = q.shape[1] // case.num_kv_heads
+        for h in range(q.shape[1]):
+            if kind == "columns":
+                truth = case.truth[-1, h // group].nonzero().flatten().tolist()
+                chosen = index.columns[0, h, : index.column_counts[0, h]].tolist()
+                assert set(truth) <= set(chosen)
+            else:
+                # every planted diagonal lies in the head's slash tiles: each row reads its targets
+                mask = index_mask(index, ctx.meta.cu_seqlens_q, ctx.meta.context_lens)
+                assert (mask[:, h] | ~case.truth[:, h // group]).all()
+
+
+def test_sparse_output_matches_its_mask():
+    """The output is attention over exactly the index's keys (the mask the quality harness measures)."""
+    case = planted.local_band(num_tokens=400, window=40)
+    q, ctx = paged(case.q, case.k, case.v, 400, case.scale)
+    policy = MInferencePolicy(MInferenceConfig(vertical_size=20, slash_size=70, dense_below=0))
+    from nanovllm_minference.policy import _ops
+
+    index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device)[0])
+    mask = index_mask(index, ctx.meta.cu_seqlens_q, ctx.meta.context_lens)
+    assert 0.1 < mask.float().mean() < 0.6  # sparse, and not empty
+    group = q.shape[1] // case.num_kv_heads
+    scores = torch.einsum("thd,shd->hts", q, case.k.repeat_interleave(group, 1)) * case.scale
+    scores = scores.masked_fill(~mask.permute(1, 0, 2), float("-inf"))
+    want = torch.einsum("hts,shd->thd", scores.softmax(-1), case.v.repeat_interleave(group, 1))
+    torch.testing.assert_close(run(policy, q, ctx), want, atol=1e-5, rtol=1e-5)
+
+
+def test_short_chunks_and_skipped_layers_run_dense(monkeypatch):
+    case = planted.needles(num_tokens=200)
+    q, ctx = paged(case.q, case.k, case.v, 200, case.scale)
+    import nanovllm_minference.policy as module
+
+    monkeypatch.setattr(module, "_ops", lambda device: pytest.fail("a dense chunk must not estimate"))
+    want = ctx.attend_all(q, ctx.new_keys, ctx.new_values)
+    for config in (MInferenceConfig(dense_below=201), MInferenceConfig(dense_below=0, skip_layers=4)):
+        torch.testing.assert_close(run(MInferencePolicy(config), q, ctx), want)
+
+
+def test_a_per_head_file_mixes_patterns(tmp_path):
+    case = planted.vertical_columns(num_tokens=256)
+    q, ctx = paged(case.q, case.k, case.v, 256, case.scale)
+    heads = {"0": ["stream_llm", 4, 64, 0], "1": ["vertical_and_slash", 4, 20, 0], "2": ["block_sparse", 2, 1, 0]}
+    path = tmp_path / "heads.json"
+    path.write_text(json.dumps([heads] * 4))
+    policy = MInferencePolicy(MInferenceConfig(config_path=str(path), dense_below=0))
+    policy.initialize(4, 2, 64, 16, BLOCK, torch.float32, torch.device("cpu"))
+    from nanovllm_minference.policy import _ops
+
+    index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device)[0])
+    mask = index_mask(index, ctx.meta.cu_seqlens_q, ctx.meta.context_lens)
+    pos = torch.arange(256)
+    a_shape = (pos[None, :] < 4) | ((pos[:, None] - pos[None, :] >= 0) & (pos[:, None] - pos[None, :] < 64))
+    assert (mask[:, 0] >= (a_shape & (pos[None, :] <= pos[:, None]))).all()  # A-shape head: sink + band
+    assert index.block_counts[0, 0].sum() == 0 and index.block_counts[0, 2].sum() > 0
+    assert index.column_counts[0, 2] == 0 and index.slash_counts[0, 2] == 0
+    assert index.column_counts[0, 1] == 4 and index.column_counts[0, 3] == 256  # head 3: the default, capped
+    out = run(policy, q, ctx)
+    assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="describes 4 layers, but the model has 6"):
+        policy.initialize(6, 2, 64, 16, BLOCK, torch.float32, torch.device("cpu"))
+
+
+def test_offload_reads_the_keys_the_resident_path_reads(monkeypatch):
+    """The offload path (every key for the estimate, then only the touched blocks) gives the resident
+    path's output; here the 'pool' is the same cache read through ``read_keys`` / ``read_blocks``."""
+    case = planted.slash_diagonals(num_tokens=480, offsets=(0, 100, 300))
+    q, ctx = paged(case.q, case.k, case.v, 150, case.scale)
+    policy = MInferencePolicy(MInferenceConfig(vertical_size=10, slash_size=40, dense_below=0))
+    resident = run(policy, q, ctx)
+
+    class PoolStandIn:
+        def wait_stored(self, layer_id):
+            pass
+
+    reads, original = [], PolicyContext.read_blocks
+
+    def counting(self, blocks):
+        reads.append(int((blocks >= 0).sum()))
+        return original(self, blocks)
+
+    ctx.offload = PoolStandIn()
+    monkeypatch.setattr(PolicyContext, "read_blocks", counting)
+    offloaded = run(policy, q, ctx)
+    torch.testing.assert_close(offloaded, resident)
+    assert reads and reads[0] < 480 // BLOCK  # only the touched blocks crossed
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"pattern": "dilated"}, "pattern must be one of"),
+    ({"vertical_size": 0}, "vertical_size must be an int >= 1"),
+    ({"adaptive_budget": 1.5}, r"fraction in \(0, 1\]"),
+    ({"config_path": ""}, "path of a JSON file"),
+])
+def test_bad_options_name_the_fix(options, match):
+    with pytest.raises(ValueError, match=match):
+        MInferenceConfig(**options)
+
+
+def test_adaptive_budget_scales_with_the_context():
+    case = planted.needles(num_tokens=400)
+    q, ctx = paged(case.q, case.k, case.v, 400, case.scale)
+    policy = MInferencePolicy(MInferenceConfig(adaptive_budget=0.1, dense_below=0))
+    from nanovllm_minference.policy import _ops
+
+    index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device)[0])
+    assert index.column_counts.unique().tolist() == [8]  # 20% of 10% of 400
