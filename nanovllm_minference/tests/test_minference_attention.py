@@ -101,7 +101,7 @@ def make_index(slash, columns, blocks, cover_r: int, gen: torch.Generator) -> Sp
 
 def _subset(items: list[int], fraction: float, gen: torch.Generator) -> list[int]:
     keep = torch.rand(len(items), generator=gen) < fraction
-    return [x for x, k in zip(items, keep.tolist()) if k]
+    return [x for x, k in zip(items, keep.tolist(), strict=True) if k]
 
 
 def random_index(lens, num_heads: int, with_blocks: bool, gen: torch.Generator) -> SparseIndex:
@@ -112,8 +112,9 @@ def random_index(lens, num_heads: int, with_blocks: bool, gen: torch.Generator) 
     cover_r = max(_tiles(c) for _, c in lens)
     num_qtiles = max(_tiles(q) for q, _ in lens)
     slash, columns, blocks = [], [], []
-    for s, (q_len, ctx) in enumerate(lens):
-        slash.append([]), columns.append([]), blocks.append([])
+    for s, (_, ctx) in enumerate(lens):
+        for lists in (slash, columns, blocks):
+            lists.append([])
         key_tiles = _tiles(ctx)
         for h in range(num_heads):
             kind = ("vs", "blocks" if with_blocks else "vs", "late", "empty")[(h + s) % 4]
@@ -160,7 +161,7 @@ class Case:
         qkv = torch.randn(sum(q for q, _ in lens), num_heads + 2, head_dim, generator=gen) * 2.0
         self.q = qkv.to(dtype).to(device)[:, :num_heads]
         q_lens = [q for q, _ in lens]
-        self.cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        self.cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32).to(device)
         self.ctx = torch.tensor([c for _, c in lens], dtype=torch.int32, device=device)
         self.tables = tables.to(device)
         self.max_query_len = max(q_lens)
@@ -298,3 +299,20 @@ def test_kernel_under_interpreter():
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
     assert passed == len(INTERP_CONFIGS), tail
+
+
+def test_bad_inputs_are_refused_up_front():
+    gen = torch.Generator().manual_seed(2)
+    lens = [(130, 130)]  # three query tiles
+    c = Case(lens, 1, 2, 16, 16, torch.float32, "cpu", gen)
+    two_tiles = make_index([[[], []]], [[[], []]], [[[[], []], [[], []]]], 3, gen)
+    with pytest.raises(ValueError, match="one list per query tile"):
+        sparse_attention(*c.args(two_tiles))
+    with pytest.raises(ValueError, match="one list per query tile"):
+        sparse_attention_reference(*c.args(two_tiles))
+    index = make_index([[[0], [0]]], [[[], []]], None, 3, gen)
+    with pytest.raises(ValueError, match=r"expected \[1, 4, width\]"):
+        sparse_attention_reference(*Case(lens, 2, 2, 16, 16, torch.float32, "cpu", gen).args(index))
+    if not INTERP:
+        with pytest.raises(ValueError, match="sparse_attention_reference on the CPU"):
+            sparse_attention(*c.args(index))

@@ -22,6 +22,7 @@ imported) with float32 dots: the interpreter's bfloat16 dot is wrong.
 
 from __future__ import annotations
 
+import attrs
 import torch
 import triton
 import triton.language as tl
@@ -243,6 +244,16 @@ def sparse_attention(
     ``max_query_len`` (a host int) sizes the grid. ``config`` overrides ``(num_warps, num_stages)``
     (benchmarks)."""
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, index)
+    if index.blocks is not None and index.blocks.shape[2] < triton.cdiv(max_query_len, TILE):
+        raise ValueError(
+            f"index.blocks lists {index.blocks.shape[2]} query tiles but max_query_len {max_query_len} makes "
+            f"{triton.cdiv(max_query_len, TILE)}: give one list per query tile of the longest chunk"
+        )
+    index_tensors = [t for t in attrs.astuple(index, recurse=False) if t is not None]
+    if any(t.device != q.device for t in index_tensors + [block_tables, cu_seqlens_q, context_lens]):
+        raise ValueError(
+            f"the index, block tables and lengths must be on q's device ({q.device}): move them there"
+        )
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -296,16 +307,16 @@ def _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
     block_size, num_kv_heads = k_cache.shape[1:3]
     if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
         raise ValueError(
-            f"{num_heads} query heads of dim {head_dim} over {num_kv_heads} KV heads of dim {k_cache.shape[3]}: "
-            "the head dims must match and the KV heads must divide the query heads"
+            f"{num_heads} query heads of dim {head_dim} over {num_kv_heads} KV heads of dim "
+            f"{k_cache.shape[3]}: the head dims must match and the KV heads must divide the query heads"
         )
     if block_size & (block_size - 1):
         raise ValueError(f"block_size {block_size}: the kernel needs a power of two")
     num_seqs = cu_seqlens_q.shape[0] - 1
     if context_lens.shape[0] != num_seqs or block_tables.shape[0] != num_seqs:
         raise ValueError(
-            f"{num_seqs} sequences in cu_seqlens_q but context_lens {tuple(context_lens.shape)} and block_tables "
-            f"{tuple(block_tables.shape)}: one entry / row per sequence"
+            f"{num_seqs} sequences in cu_seqlens_q but context_lens {tuple(context_lens.shape)} and "
+            f"block_tables {tuple(block_tables.shape)}: one entry / row per sequence"
         )
     heads = (num_seqs, num_heads)
     for name in ("columns", "slash_tiles", "slash_cover"):
@@ -313,8 +324,9 @@ def _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
         if tensor.dim() != 3 or tuple(tensor.shape[:2]) != heads:
             raise ValueError(f"index.{name} {tuple(tensor.shape)}: expected [{num_seqs}, {num_heads}, width]")
     for name in ("column_counts", "slash_counts"):
-        if tuple(getattr(index, name).shape) != heads:
-            raise ValueError(f"index.{name} {tuple(getattr(index, name).shape)}: expected [{num_seqs}, {num_heads}]")
+        shape = tuple(getattr(index, name).shape)
+        if shape != heads:
+            raise ValueError(f"index.{name} {shape}: expected [{num_seqs}, {num_heads}]")
     if index.slash_cover.shape[2] < 2:
         raise ValueError("index.slash_cover is narrower than 2: it covers tile offsets -R..1, R >= 0")
     if (index.blocks is None) != (index.block_counts is None):
@@ -324,8 +336,8 @@ def _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
         or tuple(index.block_counts.shape) != tuple(index.blocks.shape[:3])
     ):
         raise ValueError(
-            f"index.blocks {tuple(index.blocks.shape)}, block_counts {tuple(index.block_counts.shape)}: expected "
-            f"[{num_seqs}, {num_heads}, M, NB] and [{num_seqs}, {num_heads}, M]"
+            f"index.blocks {tuple(index.blocks.shape)}, block_counts {tuple(index.block_counts.shape)}: "
+            f"expected [{num_seqs}, {num_heads}, M, NB] and [{num_seqs}, {num_heads}, M]"
         )
 
 
@@ -344,7 +356,8 @@ def _dense_mask(index: SparseIndex, s: int, q_start: int, query_len: int, ctx_le
 
     def listed(entries: torch.Tensor, counts: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """[..., hi - lo] bool: which of lo..hi-1 the first ``counts`` entries of each list name."""
-        real = (torch.arange(entries.shape[-1], device=device) < counts[..., None]) & (entries >= lo) & (entries < hi)
+        real = torch.arange(entries.shape[-1], device=device) < counts[..., None]
+        real &= (entries >= lo) & (entries < hi)
         hits = torch.zeros(*entries.shape[:-1], hi - lo + 1, dtype=torch.bool, device=device)
         # entries that are padding or out of range land in the extra last slot, dropped below
         hits.scatter_(-1, torch.where(real, entries - lo, hi - lo).long(), True)
@@ -360,8 +373,8 @@ def _dense_mask(index: SparseIndex, s: int, q_start: int, query_len: int, ctx_le
         num_query_tiles = -(-query_len // TILE)
         if index.blocks.shape[2] < num_query_tiles:
             raise ValueError(
-                f"index.blocks lists {index.blocks.shape[2]} query tiles but sequence {s} has {num_query_tiles}: "
-                "give one list per query tile of the longest chunk"
+                f"index.blocks lists {index.blocks.shape[2]} query tiles but sequence {s} has "
+                f"{num_query_tiles}: give one list per query tile of the longest chunk"
             )
         blocks = listed(index.blocks[s, :, :num_query_tiles], index.block_counts[s, :, :num_query_tiles], 0,
                         num_key_tiles)  # [H, query tiles, key tiles]
