@@ -313,6 +313,8 @@ def test_bad_inputs_are_refused_up_front():
     index = make_index([[[0], [0]]], [[[], []]], None, 3, gen)
     with pytest.raises(ValueError, match=r"expected \[1, 4, width\]"):
         sparse_attention_reference(*Case(lens, 2, 2, 16, 16, torch.float32, "cpu", gen).args(index))
+    with pytest.raises(ValueError, match="one dtype"):
+        sparse_attention_reference(c.q.half(), *c.args(index)[1:])
     if not INTERP:
         with pytest.raises(ValueError, match="sparse_attention_reference on the CPU"):
             sparse_attention(*c.args(index))

@@ -303,6 +303,11 @@ def _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
             f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}: expected q "
             "[T, H, D] and both caches [num_blocks, block_size, Hkv, D]"
         )
+    if not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(
+            f"q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}: the kernel's dots need one "
+            "dtype; cast q to the cache dtype"
+        )
     num_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads = k_cache.shape[1:3]
     if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
