@@ -1,0 +1,320 @@
+"""Sparse prefill attention: the torch reference against independent oracles, and the Triton kernel against
+the reference.
+
+The reference (:func:`sparse_attention_reference`) is checked against a plain causal softmax when the
+index covers every key (in each of its three forms), and against masks written out by hand for a tiny
+case. The kernel is checked against the reference on random paged inputs: on CUDA (``gpu``), and at
+small sizes under Triton's interpreter in a subprocess (``test_kernel_under_interpreter``). The random
+inputs have several sequences with chunked prefill (context > query, chunk starts off the tile grid),
+GQA, per-head list lengths including empty ones, columns inside slash tiles, block-sparse heads, rows
+that read nothing, garbage past every list's count and in the block tables, and NaN in every cache slot
+no sequence owns: a read of padding or of a foreign slot fails the check.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from nanovllm_minference.attention import sparse_attention, sparse_attention_reference  # noqa: E402
+from nanovllm_minference.index import TILE, SparseIndex  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+# the interpreter cases exist only inside the subprocess that test_kernel_under_interpreter starts
+INTERP = (not CUDA) and os.environ.get("TRITON_INTERPRET") == "1"
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+LSE_TOL = {torch.bfloat16: 2e-3, torch.float16: 2e-3, torch.float32: 1e-4}
+GARBAGE = [-(10**6), -1, 0, 10**6]  # what padding past a list's count may hold
+
+# (dtype, head_dim, num_kv_heads, group, block_size, with_blocks)
+GPU_CONFIGS = [
+    (torch.bfloat16, 128, 2, 4, 16, True),
+    (torch.bfloat16, 128, 2, 4, 128, False),
+    (torch.float16, 64, 4, 1, 256, True),
+    (torch.bfloat16, 64, 1, 8, 32, True),
+    (torch.float32, 128, 2, 2, 16, True),
+    (torch.float16, 96, 2, 2, 64, True),
+]
+INTERP_CONFIGS = [
+    (torch.bfloat16, 64, 1, 4, 16, True),
+    (torch.float16, 32, 2, 1, 128, False),
+    (torch.float32, 48, 1, 2, 32, True),
+]
+# (query length, context length) per sequence: a fresh prompt, a chunk starting off the tile grid, one
+# row over a long prefix, a chunk on the tile grid
+GPU_LENS = [(1000, 1000), (700, 3000), (1, 1300), (640, 2560), (333, 4100)]
+INTERP_LENS = [(100, 100), (70, 250), (1, 130), (64, 192)]
+
+
+def _cfg_id(c) -> str:
+    dt, d, hkv, g, bs, blocks = c
+    return f"{str(dt).removeprefix('torch.')}-d{d}-kv{hkv}-g{g}-bs{bs}" + ("-blocks" if blocks else "")
+
+
+PARAMS = [pytest.param("cuda", *c, id="gpu-" + _cfg_id(c), marks=pytest.mark.gpu) for c in GPU_CONFIGS] + [
+    pytest.param("cpu", *c, id="interp-" + _cfg_id(c)) for c in (INTERP_CONFIGS if INTERP else [])
+]
+
+
+def _tiles(n: int) -> int:
+    return -(-n // TILE)
+
+
+def make_index(slash, columns, blocks, cover_r: int, gen: torch.Generator) -> SparseIndex:
+    """A :class:`SparseIndex` from nested lists ``[s][h] -> list`` (``blocks[s][h][m] -> list``, or None),
+    each list padded with garbage to the common width."""
+
+    def pack(lists, *lead):
+        width = max([len(x) for x in lists] + [1]) + 2  # at least two padding entries everywhere
+        data = torch.tensor(GARBAGE)[torch.randint(len(GARBAGE), (*lead, width), generator=gen)].int()
+        counts = torch.zeros(*lead, dtype=torch.int32)
+        for flat, entries in enumerate(lists):
+            data.view(-1, width)[flat, : len(entries)] = torch.tensor(sorted(entries), dtype=torch.int32)
+            counts.view(-1)[flat] = len(entries)
+        return data, counts
+
+    num_seqs, num_heads = len(slash), len(slash[0])
+    flat_slash = [slash[s][h] for s in range(num_seqs) for h in range(num_heads)]
+    flat_cols = [columns[s][h] for s in range(num_seqs) for h in range(num_heads)]
+    slash_tiles, slash_counts = pack(flat_slash, num_seqs, num_heads)
+    cols, col_counts = pack(flat_cols, num_seqs, num_heads)
+    cover = torch.zeros(num_seqs, num_heads, cover_r + 2, dtype=torch.int8)
+    for s in range(num_seqs):
+        for h in range(num_heads):
+            for d in slash[s][h]:
+                cover[s, h, d + cover_r] = 1
+    if blocks is None:
+        return SparseIndex(cols, col_counts, slash_tiles, slash_counts, cover)
+    num_qtiles = max(len(blocks[s][h]) for s in range(num_seqs) for h in range(num_heads))
+    flat_blocks = [
+        blocks[s][h][m] if m < len(blocks[s][h]) else []
+        for s in range(num_seqs) for h in range(num_heads) for m in range(num_qtiles)
+    ]
+    blk, blk_counts = pack(flat_blocks, num_seqs, num_heads, num_qtiles)
+    return SparseIndex(cols, col_counts, slash_tiles, slash_counts, cover, blk, blk_counts)
+
+
+def _subset(items: list[int], fraction: float, gen: torch.Generator) -> list[int]:
+    keep = torch.rand(len(items), generator=gen) < fraction
+    return [x for x, k in zip(items, keep.tolist(), strict=True) if k]
+
+
+def random_index(lens, num_heads: int, with_blocks: bool, gen: torch.Generator) -> SparseIndex:
+    """Every sequence has each kind of head: vertical-slash (columns overlap the slash tiles), block-sparse
+    (or a second vertical-slash head), one whose only slash tile is offset 1 plus a couple of columns
+    (rows before them read nothing), and an empty one. The kinds rotate over heads from sequence to
+    sequence, so each KV group meets several."""
+    cover_r = max(_tiles(c) for _, c in lens)
+    num_qtiles = max(_tiles(q) for q, _ in lens)
+    slash, columns, blocks = [], [], []
+    for s, (_, ctx) in enumerate(lens):
+        for lists in (slash, columns, blocks):
+            lists.append([])
+        key_tiles = _tiles(ctx)
+        for h in range(num_heads):
+            kind = ("vs", "blocks" if with_blocks else "vs", "late", "empty")[(h + s) % 4]
+            head_slash, head_cols, head_blocks = [], [], [[] for _ in range(num_qtiles)]
+            if kind == "vs":
+                head_slash = _subset(list(range(-cover_r, 2)), 0.4, gen)
+                head_cols = _subset(list(range(ctx)), 0.3, gen)
+            elif kind == "blocks":  # listed key tiles include ones past the diagonal
+                head_blocks = [_subset(list(range(key_tiles)), 0.5, gen) for _ in range(num_qtiles)]
+            elif kind == "late":
+                head_slash = [1]
+                head_cols = sorted({ctx - 1, max(0, ctx - 3)})
+            slash[s].append(head_slash)
+            columns[s].append(head_cols)
+            blocks[s].append(head_blocks)
+    return make_index(slash, columns, blocks if with_blocks else None, cover_r, gen)
+
+
+class Case:
+    """Random paged KV for a batch: each sequence's blocks scattered in a shuffled pool, tables padded with
+    -1 and huge garbage; NaN in every slot that no sequence's context owns. ``q``/``k_cache``/``v_cache``
+    are strided views, as the engine passes them."""
+
+    def __init__(self, lens, num_kv_heads, group, head_dim, block_size, dtype, device, gen):
+        self.lens = lens
+        self.scale = head_dim**-0.5
+        num_heads = num_kv_heads * group
+        nblk = [_tiles(c) * TILE // block_size + 1 for _, c in lens]  # more than needed: tails poisoned
+        total = sum(nblk) + 3  # a few blocks nobody owns
+        perm = torch.randperm(total, generator=gen)
+        tables = torch.full((len(lens), max(nblk) + 2), 10**8, dtype=torch.int32)
+        tables[:, ::2] = -1
+        owned = torch.zeros(total, block_size, dtype=torch.bool)
+        used = 0
+        for s, (_, ctx) in enumerate(lens):
+            tables[s, : nblk[s]] = perm[used : used + nblk[s]].int()
+            used += nblk[s]
+            pos = torch.arange(ctx)
+            owned[tables[s, pos // block_size].long(), pos % block_size] = True
+        kv = torch.randn(total, 2, block_size, num_kv_heads, head_dim, generator=gen)
+        kv.masked_fill_(~owned[:, None, :, None, None], float("nan"))
+        kv = kv.to(dtype).to(device)
+        self.k_cache, self.v_cache = kv[:, 0], kv[:, 1]
+        qkv = torch.randn(sum(q for q, _ in lens), num_heads + 2, head_dim, generator=gen) * 2.0
+        self.q = qkv.to(dtype).to(device)[:, :num_heads]
+        q_lens = [q for q, _ in lens]
+        self.cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32).to(device)
+        self.ctx = torch.tensor([c for _, c in lens], dtype=torch.int32, device=device)
+        self.tables = tables.to(device)
+        self.max_query_len = max(q_lens)
+
+    def args(self, index: SparseIndex):
+        return (self.q, self.k_cache, self.v_cache, self.tables, self.cu, self.ctx, index, self.scale,
+                self.max_query_len)
+
+
+def _index_to(index: SparseIndex, device) -> SparseIndex:
+    return SparseIndex(*[None if t is None else t.to(device) for t in (
+        index.columns, index.column_counts, index.slash_tiles, index.slash_counts, index.slash_cover,
+        index.blocks, index.block_counts)])
+
+
+def _dense_causal(c: Case):
+    """Plain causal softmax attention per sequence and head, float64: (out, lse)."""
+    q_all = c.q.double().cpu()
+    out = torch.zeros_like(q_all)
+    lse = torch.zeros(q_all.shape[:2], dtype=torch.float64)
+    group = c.q.shape[1] // c.k_cache.shape[2]
+    block_size = c.k_cache.shape[1]
+    cu = c.cu.tolist()
+    for s, (q_len, ctx) in enumerate(c.lens):
+        tables = c.tables[s].cpu().long()
+        keys = torch.stack([c.k_cache[tables[p // block_size], p % block_size].cpu() for p in range(ctx)])
+        vals = torch.stack([c.v_cache[tables[p // block_size], p % block_size].cpu() for p in range(ctx)])
+        for h in range(c.q.shape[1]):
+            k, v = keys[:, h // group].double(), vals[:, h // group].double()
+            for r in range(q_len):
+                p = ctx - q_len + r
+                scores = q_all[cu[s] + r, h] @ k[: p + 1].T * c.scale
+                out[cu[s] + r, h] = torch.softmax(scores, 0) @ v[: p + 1]
+                lse[cu[s] + r, h] = torch.logsumexp(scores, 0)
+    return out, lse
+
+
+def test_reference_equals_dense_when_everything_is_read():
+    """All slash tiles, all columns, or all key tiles as blocks: each is plain causal attention."""
+    gen = torch.Generator().manual_seed(0)
+    lens = [(70, 70), (30, 200), (1, 65)]
+    num_heads = 4
+    c = Case(lens, 2, 2, 16, 16, torch.float32, "cpu", gen)
+    want_out, want_lse = _dense_causal(c)
+    cover_r = max(_tiles(ctx) for _, ctx in lens)
+    num_qtiles = max(_tiles(q) for q, _ in lens)
+    every = [[[] for _ in range(num_heads)] for _ in lens]
+    forms = {
+        "slash": (
+            [[list(range(-cover_r, 2)) for _ in range(num_heads)] for _ in lens], every, None),
+        "columns": (every, [[list(range(ctx)) for _ in range(num_heads)] for _, ctx in lens], None),
+        "blocks": (every, every, [[[list(range(_tiles(ctx)))] * num_qtiles for _ in range(num_heads)]
+                                  for _, ctx in lens]),
+    }
+    for name, (slash, columns, blocks) in forms.items():
+        out, lse = sparse_attention_reference(*c.args(make_index(slash, columns, blocks, cover_r, gen)))
+        torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5, msg=f"{name}: out")
+        torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5, msg=f"{name}: lse")
+
+
+def test_reference_hand_written_masks():
+    """Two sequences, masks spelled out key by key from the index docstring's rules."""
+    gen = torch.Generator().manual_seed(1)
+    # sequence 0: rows at positions 130..139 (q_start 130, base tile 2); sequence 1: a fresh 70-row prompt
+    lens = [(10, 140), (70, 70)]
+    c = Case(lens, 1, 4, 8, 16, torch.float32, "cpu", gen)
+    slash = [[[-2], [], [0], [1]], [[-1], [], [], [0]]]
+    columns = [[[5, 70, 135], [], [], [139]], [[], [], [3, 66], [10]]]
+    blocks = [[[[], []], [[1], []], [[], []], [[], []]], [[[], []], [[1], [0, 1]], [[], []], [[], []]]]
+    index = make_index(slash, columns, blocks, 3, gen)
+
+    def keys_of(s: int, h: int, row: int) -> set[int]:
+        p = [130, 0][s] + row
+        if s == 0:
+            return [
+                set(range(64)) | {70} | ({135} if p >= 135 else set()),  # slash tile 0 covers column 5
+                set(range(64, 128)),
+                set(range(128, p + 1)),
+                {139} if p >= 139 else set(),  # tile 3 (offset 1) starts past every row
+            ][h]
+        tile = row // 64
+        return [
+            set(range(64)) if tile == 1 else set(),  # offset -1: no tile for query tile 0
+            set(range(p + 1)) if tile == 1 else set(),  # tile 1 listed for query tile 0: past every row
+            ({3} if p >= 3 else set()) | ({66} if p >= 66 else set()),
+            set(range(64 * tile, p + 1)) | ({10} if p >= 10 else set()),
+        ][h]
+
+    out, lse = sparse_attention_reference(*c.args(index))
+    for s, (q_len, ctx) in enumerate(lens):
+        table = c.tables[s].long()
+        keys = torch.stack([c.k_cache[table[p // 16], p % 16, 0] for p in range(ctx)]).double()
+        vals = torch.stack([c.v_cache[table[p // 16], p % 16, 0] for p in range(ctx)]).double()
+        for h in range(4):  # one KV head
+            for r in range(q_len):
+                t = int(c.cu[s]) + r
+                read = sorted(keys_of(s, h, r))
+                if not read:
+                    assert torch.all(out[t, h] == 0) and lse[t, h] == float("-inf"), (s, h, r)
+                    continue
+                scores = keys[read] @ c.q[t, h].double() * c.scale
+                torch.testing.assert_close(out[t, h].double(), torch.softmax(scores, 0) @ vals[read],
+                                           rtol=1e-5, atol=1e-5, msg=f"out {(s, h, r)}")
+                assert abs(lse[t, h].item() - torch.logsumexp(scores, 0).item()) < 1e-5, (s, h, r)
+
+
+@pytest.mark.parametrize("device,dtype,head_dim,num_kv_heads,group,block_size,with_blocks", PARAMS)
+def test_kernel_matches_reference(device, dtype, head_dim, num_kv_heads, group, block_size, with_blocks):
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator().manual_seed(seed)
+    lens = GPU_LENS if device == "cuda" else INTERP_LENS
+    c = Case(lens, num_kv_heads, group, head_dim, block_size, dtype, device, gen)
+    index = _index_to(random_index(lens, num_kv_heads * group, with_blocks, gen), device)
+    out, lse = sparse_attention(*c.args(index))
+    ref_out, ref_lse = sparse_attention_reference(*c.args(index))
+    what = f"seed {seed}"
+    assert out.shape == ref_out.shape and out.dtype == ref_out.dtype and lse.dtype == torch.float32, what
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any(), f"{what}: NaN or unwritten output"
+    err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
+    assert err < TOL[dtype], f"{what}: relative error {err:.2e}"
+    empty = torch.isneginf(ref_lse)
+    assert empty.any() and (~empty).any(), f"{what}: the case must have rows with and without keys"
+    assert torch.equal(torch.isneginf(lse), empty), f"{what}: rows that read nothing differ"
+    assert torch.all(out[empty] == 0), f"{what}: a row that reads nothing must get 0"
+    lse_err = (lse[~empty] - ref_lse[~empty]).abs().max().item()
+    assert lse_err < LSE_TOL[dtype], f"{what}: lse error {lse_err:.2e}"
+
+
+def test_kernel_under_interpreter():
+    """Every ``interp`` case of this file under Triton's interpreter on the CPU, in a fresh process."""
+    if CUDA or INTERP:
+        pytest.skip("runs the interpreter cases in a subprocess on machines without CUDA")
+    from nanovllm.testing import run_under_interpreter
+
+    returncode, tail, passed = run_under_interpreter(__file__)
+    assert returncode == 0, tail
+    assert passed == len(INTERP_CONFIGS), tail
+
+
+def test_bad_inputs_are_refused_up_front():
+    gen = torch.Generator().manual_seed(2)
+    lens = [(130, 130)]  # three query tiles
+    c = Case(lens, 1, 2, 16, 16, torch.float32, "cpu", gen)
+    two_tiles = make_index([[[], []]], [[[], []]], [[[[], []], [[], []]]], 3, gen)
+    with pytest.raises(ValueError, match="one list per query tile"):
+        sparse_attention(*c.args(two_tiles))
+    with pytest.raises(ValueError, match="one list per query tile"):
+        sparse_attention_reference(*c.args(two_tiles))
+    index = make_index([[[0], [0]]], [[[], []]], None, 3, gen)
+    with pytest.raises(ValueError, match=r"expected \[1, 4, width\]"):
+        sparse_attention_reference(*Case(lens, 2, 2, 16, 16, torch.float32, "cpu", gen).args(index))
+    with pytest.raises(ValueError, match="one dtype"):
+        sparse_attention_reference(c.q.half(), *c.args(index)[1:])
+    if not INTERP:
+        with pytest.raises(ValueError, match="sparse_attention_reference on the CPU"):
+            sparse_attention(*c.args(index))
