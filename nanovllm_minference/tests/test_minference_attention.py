@@ -223,18 +223,30 @@ def test_reference_equals_dense_when_everything_is_read():
 
 
 def test_reference_hand_written_masks():
-    """Two sequences, masks spelled out key by key from the index docstring's rules."""
+    """Three sequences, masks spelled out key by key from the index docstring's rules."""
     gen = torch.Generator().manual_seed(1)
-    # sequence 0: rows at positions 130..139 (q_start 130, base tile 2); sequence 1: a fresh 70-row prompt
-    lens = [(10, 140), (70, 70)]
+    # sequence 0: rows at positions 130..139 (q_start 130, base tile 2); sequence 1: a fresh 70-row prompt;
+    # sequence 2: rows at 100..139, one query tile across key tiles 1 and 2 (base tile 1 for every row)
+    lens = [(10, 140), (70, 70), (40, 140)]
     c = Case(lens, 1, 4, 8, 16, torch.float32, "cpu", gen)
-    slash = [[[-2], [], [0], [1]], [[-1], [], [], [0]]]
-    columns = [[[5, 70, 135], [], [], [139]], [[], [], [3, 66], [10]]]
-    blocks = [[[[], []], [[1], []], [[], []], [[], []]], [[[], []], [[1], [0, 1]], [[], []], [[], []]]]
+    slash = [[[-2], [], [0], [1]], [[-1], [], [], [0]], [[0], [], [1], [-1]]]
+    columns = [[[5, 70, 135], [], [], [139]], [[], [], [3, 66], [10]], [[], [], [20, 130], []]]
+    blocks = [
+        [[[], []], [[1], []], [[], []], [[], []]],
+        [[[], []], [[1], [0, 1]], [[], []], [[], []]],
+        [[[], []], [[2], []], [[], []], [[], []]],
+    ]
     index = make_index(slash, columns, blocks, 3, gen)
 
     def keys_of(s: int, h: int, row: int) -> set[int]:
-        p = [130, 0][s] + row
+        p = [130, 0, 100][s] + row
+        if s == 2:
+            return [
+                set(range(64, min(p, 127) + 1)),  # offset 0 is key tile 1 for all rows, also those past 127
+                set(range(128, p + 1)),
+                set(range(128, p + 1)) | {20},  # offset 1 (key tile 2) covers column 130
+                set(range(64)),
+            ][h]
         if s == 0:
             return [
                 set(range(64)) | {70} | ({135} if p >= 135 else set()),  # slash tile 0 covers column 5
