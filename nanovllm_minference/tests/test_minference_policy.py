@@ -89,7 +89,7 @@ def test_sparse_output_matches_its_mask():
     scores = torch.einsum("thd,shd->hts", q, case.k.repeat_interleave(group, 1)) * case.scale
     scores = scores.masked_fill(~mask.permute(1, 0, 2), float("-inf"))
     want = torch.einsum("hts,shd->thd", scores.softmax(-1), case.v.repeat_interleave(group, 1))
-    torch.testing.assert_close(run(policy, q, ctx), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(run(policy, q, ctx), want, atol=2e-4, rtol=1e-4)  # logits reach ~100
 
 
 def test_short_chunks_and_skipped_layers_run_dense(monkeypatch):

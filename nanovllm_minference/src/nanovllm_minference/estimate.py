@@ -106,7 +106,7 @@ def estimate_reference(
     probs = torch.where(allowed, scores.masked_fill(~allowed, float("-inf")).softmax(-1), 0.0)
 
     vertical += probs.sum(2)
-    offsets = (pos[..., None] - c).clamp(min=0)  # [S, R, L]; where clamped, probs is 0
+    offsets = (pos[..., None] - c).clamp(0, width - 1)  # [S, R, L]; where clamped (padded rows too), probs is 0
     offsets = offsets[:, None].expand(num_seqs, num_heads, rows, width).reshape(num_seqs, num_heads, -1)
     slash.scatter_add_(2, offsets, probs.reshape(num_seqs, num_heads, -1))
     return vertical, slash
