@@ -8,9 +8,7 @@ small sizes under Triton's interpreter in a subprocess (``test_kernel_under_inte
 inputs have several sequences with chunked prefill (context > query, chunk starts off the tile grid),
 GQA, per-head list lengths including empty ones, columns inside slash tiles, block-sparse heads, rows
 that read nothing, garbage past every list's count and in the block tables, and NaN in every cache slot
-no sequence owns: a read of padding or of a foreign slot fails the check. The kernel pairs query tiles
-(128 rows a program): ``test_kernel_pair_halves`` gives the two tiles of a pair different slash and block
-tiles and pairs of one tile, and the host-side list merge is checked against sets.
+no sequence owns: a read of padding or of a foreign slot fails the check.
 """
 
 from __future__ import annotations
@@ -22,12 +20,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from nanovllm_minference.attention import (  # noqa: E402
-    _pair_lists,
-    sparse_attention,
-    sparse_attention_reference,
-)
-from nanovllm_minference.index import PAD, TILE, SparseIndex  # noqa: E402
+from nanovllm_minference.attention import sparse_attention, sparse_attention_reference  # noqa: E402
+from nanovllm_minference.index import TILE, SparseIndex  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 # the interpreter cases exist only inside the subprocess that test_kernel_under_interpreter starts
@@ -52,10 +46,9 @@ INTERP_CONFIGS = [
     (torch.float32, 48, 1, 2, 32, True),
 ]
 # (query length, context length) per sequence: a fresh prompt, a chunk starting off the tile grid, one
-# row over a long prefix, a chunk on the tile grid, three query tiles (the kernel pairs tiles 2i and 2i + 1:
-# the last pair has one half)
-GPU_LENS = [(1000, 1000), (700, 3000), (1, 1300), (640, 2560), (333, 4100), (130, 1000)]
-INTERP_LENS = [(100, 100), (70, 250), (1, 130), (64, 192), (150, 215)]
+# row over a long prefix, a chunk on the tile grid
+GPU_LENS = [(1000, 1000), (700, 3000), (1, 1300), (640, 2560), (333, 4100)]
+INTERP_LENS = [(100, 100), (70, 250), (1, 130), (64, 192)]
 
 
 def _cfg_id(c) -> str:
@@ -309,59 +302,6 @@ def test_kernel_matches_reference(device, dtype, head_dim, num_kv_heads, group, 
     assert lse_err < LSE_TOL[dtype], f"{what}: lse error {lse_err:.2e}"
 
 
-def _check_against_reference(c: Case, index: SparseIndex, dtype, what: str) -> None:
-    out, lse = sparse_attention(*c.args(index))
-    ref_out, ref_lse = sparse_attention_reference(*c.args(index))
-    err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
-    assert err < TOL[dtype], f"{what}: relative error {err:.2e}"
-    empty = torch.isneginf(ref_lse)
-    assert torch.equal(torch.isneginf(lse), empty), f"{what}: rows that read nothing differ"
-    assert torch.all(out[empty] == 0), f"{what}: a row that reads nothing must get 0"
-    lse_err = (lse[~empty] - ref_lse[~empty]).abs().max().item()
-    assert lse_err < LSE_TOL[dtype], f"{what}: lse error {lse_err:.2e}"
-
-
-@pytest.mark.parametrize("device", [pytest.param("cuda", id="gpu", marks=pytest.mark.gpu)]
-                         + ([pytest.param("cpu", id="interp")] if INTERP else []))
-def test_kernel_pair_halves(device):
-    """Slash sets whose tiles differ between the two query tiles of a pair (D and D + 1 overlap in part,
-    not at all, fully for no tile), block lists that differ per query tile, and pairs of one tile (an odd
-    number of query tiles), on and off the tile grid."""
-    gen = torch.Generator().manual_seed(3)
-    lens = [(150, 150), (200, 330), (64, 100)]  # 3, 4 and 1 query tiles; q_start 0, 130, 36
-    c = Case(lens, 1, 6, 32, 16, torch.bfloat16, device, gen)
-    # per head: D = {-2, -1, 1} (both halves: -1; first only: -2, 1; second only: 0, 2); D = {1} (first only
-    # +1, second only +2); D = {-3, 0}; D = {0, 1} with columns; blocks; D = {-1}
-    slash = [[[-2, -1, 1], [1], [-3, 0], [0, 1], [], [-1]] for _ in lens]
-    columns = [[[], [], [], sorted({x for x in (0, 3, 64, 65, 129, 140, ctx - 1) if x < ctx}), [], []]
-               for _, ctx in lens]
-    blocks = [[[[]] * 4] * 3 + [[[]] * 4, [[0], [0, 1], [2], [1, 4]], [[]] * 4] for _ in lens]
-    index = _index_to(make_index(slash, columns, blocks, 6, gen), device)
-    _check_against_reference(c, index, torch.bfloat16, "pair halves")
-
-
-def test_pair_lists_split_two_lists_into_shared_and_own_entries():
-    gen = torch.Generator().manual_seed(4)
-    width = 12
-    first, second = (torch.randint(-10**6, 10**6, (5, width), generator=gen).int() for _ in range(2))
-    first_counts, second_counts = torch.randint(0, width + 1, (2, 5), generator=gen).int()
-    sets = []
-    for r in range(5):
-        a = sorted(_subset(list(range(-8, 8)), 0.5, gen))[: int(first_counts[r])]
-        b = sorted(_subset(list(range(-8, 8)), 0.5, gen))[: int(second_counts[r])]
-        first_counts[r], second_counts[r] = len(a), len(b)
-        first[r, : len(a)] = torch.tensor(a, dtype=torch.int32)
-        second[r, : len(b)] = torch.tensor(b, dtype=torch.int32)
-        sets.append((set(a), set(b)))
-    lists, counts = _pair_lists(first, first_counts, second, second_counts)
-    assert lists.shape == (3, 5, 2 * width) and counts.shape == (3, 5)
-    for r, (a, b) in enumerate(sets):
-        for kind, want in enumerate((a & b, a - b, b - a)):
-            n = int(counts[kind, r])
-            assert lists[kind, r, :n].tolist() == sorted(want), (r, kind)
-            assert torch.all(lists[kind, r, n:] == PAD), (r, kind)
-
-
 def test_kernel_under_interpreter():
     """Every ``interp`` case of this file under Triton's interpreter on the CPU, in a fresh process."""
     if CUDA or INTERP:
@@ -370,7 +310,7 @@ def test_kernel_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == len(INTERP_CONFIGS) + 1, tail  # and test_kernel_pair_halves
+    assert passed == len(INTERP_CONFIGS), tail
 
 
 def test_bad_inputs_are_refused_up_front():

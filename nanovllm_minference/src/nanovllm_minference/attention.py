@@ -5,23 +5,16 @@ row reads under a :class:`~nanovllm_minference.index.SparseIndex` (see :mod:`nan
 and return ``(out [T, H, D] in q's dtype, lse [T, H] float32)``; ``lse`` is the natural log of the sum of
 ``exp(scale * q.k)`` over the keys read. A row that reads no key gets out 0 and lse -inf.
 
-The kernel runs one program per (pair of query tiles, head, sequence): query tiles ``2i`` and ``2i + 1``,
-128 rows, so each key tile feeds as much tensor-core work as in the dense prefill kernel. The second
-tile's base key tile is always the first's plus one (their first rows are TILE positions apart), so
-with ``b`` the pair's base tile, the first half reads slash tiles ``b + D`` and the second ``b + 1 + D``
-(``D`` the head's slash offsets). The wrapper merges each pair's two lists (slash: ``D`` and ``D + 1``;
-blocks: the two query tiles' lists) into three ascending lists (:func:`_pair_lists`): tiles both
-halves read, tiles only the first half reads, tiles only the second reads. One online softmax (base 2)
-is fed from
+The kernel runs one program per (query tile, head, sequence) and feeds one online softmax (base 2)
+from three loops:
 
-1. the three slash lists, key tile ``b + entry``: in the "both" list, tiles wholly below every row of
-   the pair (and so inside the context) run without masks, the tiles on the diagonal with the causal
-   mask; in the one-half lists every tile masks the other half's rows;
-2. the head's columns, 64 gathered keys at a time for all 128 rows, minus those whose tile is a slash
-   tile of the row's half (slash_cover), with the causal mask;
-3. (only for an index with blocks) the pair's three block lists, split like loop 1.
+1. the head's slash tiles, key tile ``base + offset``: tiles wholly below every row of the query tile
+   (and so inside the context) without masks, the tiles on the diagonal with the causal mask;
+2. the head's columns, 64 gathered keys at a time, minus those whose tile is a slash tile (slash_cover),
+   with the causal mask;
+3. (only for an index with blocks) the key tiles listed for the query tile, split like loop 1.
 
-The ascending lists are first counted against the pair's bounds (tiles below 0, tiles wholly below the
+The ascending lists are first counted against the tile's bounds (tiles below 0, tiles wholly below the
 rows, tiles past the last row), so every loop runs over exactly the entries it needs, without branches.
 On CPU tensors the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is
 imported) with float32 dots: the interpreter's bfloat16 dot is wrong.
@@ -34,11 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm_minference.index import PAD, TILE, SparseIndex
+from nanovllm_minference.index import TILE, SparseIndex
 
 LOG2E = 1.4426950408889634
 LIST_CHUNK = 1024  # list entries counted per step of the pre-scans: most lists take one step
-BOTH, FIRST, SECOND = 0, 1, 2  # the rows of a pair a merged list is for: all, the first tile's, the second's
 
 
 # ---------------------------------------------------------------------------------------------
@@ -63,8 +55,7 @@ def _count_at_most(entries, n, bound_a, bound_b, bound_c, CHUNK: tl.constexpr):
 
 @triton.jit
 def _online_step(acc, l_i, m_i, q, k, v, keep, scale_log2, MASKED: tl.constexpr, FP32: tl.constexpr):
-    """One key tile of the online softmax (base 2); ``keep`` (broadcast to [rows, keys]) is used only
-    when MASKED."""
+    """One key tile of the online softmax (base 2); ``keep`` [rows, keys] is used only when MASKED."""
     if FP32:
         qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
@@ -103,23 +94,18 @@ def _tile_slots(bt_row, t, last_pos, BLOCK_SIZE: tl.constexpr, TILE: tl.constexp
 
 @triton.jit
 def _listed_tiles(
-    acc, l_i, m_i, q, q_pos, second, first_pos, last_pos, K, V, bt_row, entries, n_entries, shift,
+    acc, l_i, m_i, q, q_pos, first_pos, last_pos, K, V, bt_row, entries, n_entries, shift,
     stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_ok, scale_log2,
-    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    TILE: tl.constexpr, CHUNK: tl.constexpr, FP32: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+    CHUNK: tl.constexpr, FP32: tl.constexpr,
 ):
-    """Attend the rows ``ROWS`` (BOTH, FIRST or SECOND; ``second`` [rows] marks the second tile's rows)
-    to the key tiles ``shift + e`` for the entries ``e`` of an ascending list (slash offsets with
-    shift = the pair's base tile, or listed key tiles with shift = 0). ``K``/``V`` point at the KV head."""
-    full_tile = (first_pos + 1) // TILE - 1  # the last tile every row of the pair reads whole
+    """Attend to the key tiles ``shift + e`` for the entries ``e`` of an ascending list (slash offsets
+    with shift = base tile, or listed key tiles with shift = 0). ``K``/``V`` point at the KV head."""
+    full_tile = (first_pos + 1) // TILE - 1  # the last tile every row of the query tile reads whole
     last_tile = last_pos // TILE  # tiles past it hold no key any row reads
     j_lo, j_full, j_hi = _count_at_most(entries, n_entries, -1 - shift, full_tile - shift, last_tile - shift,
                                         CHUNK)
-    if ROWS == 1:
-        rows_keep = second == 0
-    else:
-        rows_keep = second == 1  # (unused for BOTH)
-    for j in range(j_lo, j_full):  # below every row and inside the context: no causal mask
+    for j in range(j_lo, j_full):  # below every row and inside the context: no masks
         t = shift + tl.load(entries + j)
         phys, slot, pos = _tile_slots(bt_row, t, last_pos, BLOCK_SIZE, TILE, False)
         k_rows = phys * stride_kb + slot * stride_ks
@@ -130,10 +116,7 @@ def _listed_tiles(
         else:
             k = tl.load(K + k_rows[:, None] + offs_d[None, :] * stride_kd, mask=d_ok[None, :], other=0.0)
             v = tl.load(V + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=d_ok[None, :], other=0.0)
-        if ROWS == 0:
-            acc, l_i, m_i = _online_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
-        else:
-            acc, l_i, m_i = _online_step(acc, l_i, m_i, q, k, v, rows_keep[:, None], scale_log2, True, FP32)
+        acc, l_i, m_i = _online_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
     for j in range(tl.maximum(j_lo, j_full), j_hi):  # the diagonal: causal mask, nothing past last_pos read
         t = shift + tl.load(entries + j)
         phys, slot, pos = _tile_slots(bt_row, t, last_pos, BLOCK_SIZE, TILE, True)
@@ -143,47 +126,43 @@ def _listed_tiles(
         k = tl.load(K + k_rows[:, None] + offs_d[None, :] * stride_kd, mask=ld, other=0.0)
         v = tl.load(V + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=ld, other=0.0)
         keep = pos[None, :] <= q_pos[:, None]
-        if ROWS != 0:
-            keep = keep & rows_keep[:, None]
         acc, l_i, m_i = _online_step(acc, l_i, m_i, q, k, v, keep, scale_log2, True, FP32)
     return acc, l_i, m_i
 
 
 # list widths and strides change from step to step: one compiled kernel for all of them
-@triton.jit(do_not_specialize=["stride_bt", "num_cols", "slash_rows", "num_slash", "cover_r", "block_rows",
-                               "num_pairs", "num_blocks"])
+@triton.jit(do_not_specialize=["stride_bt", "num_cols", "num_slash", "cover_r", "num_qtiles", "num_blocks"])
 def _sparse_prefill_kernel(
     Q, K, V, Out, Lse,
     cu_q, ctx_lens, block_tables,
-    columns, column_counts, slash_lists, slash_counts, slash_cover, block_lists, block_counts,
+    columns, column_counts, slash_tiles, slash_counts, slash_cover, blocks, block_counts,
     scale_log2,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     stride_lt, stride_lh,
-    stride_bt, num_cols, slash_rows, num_slash, cover_r, block_rows, num_pairs, num_blocks,
+    stride_bt, num_cols, num_slash, cover_r, num_qtiles, num_blocks,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr, CHUNK: tl.constexpr, HAS_BLOCKS: tl.constexpr, FP32: tl.constexpr,
 ):
-    # last pairs first: under a causal mask they have the most keys
-    pair = tl.num_programs(0) - 1 - tl.program_id(0)
+    # last query tiles first: under a causal mask they have the most keys
+    m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2).to(tl.int64)
     row0 = tl.load(cu_q + s)
     q_len = tl.load(cu_q + s + 1) - row0
-    if pair * 2 * TILE >= q_len:
+    if m * TILE >= q_len:
         return
     ctx_len = tl.load(ctx_lens + s)
     q_start = ctx_len - q_len  # position of the chunk's first row
-    first_pos = q_start + pair * 2 * TILE
-    last_pos = q_start + tl.minimum(pair * 2 * TILE + 2 * TILE, q_len) - 1
-    base = first_pos // TILE  # the first tile's base tile; the second tile's is base + 1
+    first_pos = q_start + m * TILE
+    last_pos = q_start + tl.minimum(m * TILE + TILE, q_len) - 1
+    base = first_pos // TILE
     kvh = h // GROUP
     head = s * tl.num_programs(1) + h  # (sequence, head) row of the index
 
-    offs_m = pair * 2 * TILE + tl.arange(0, 2 * TILE)
-    second = (tl.arange(0, 2 * TILE) >= TILE).to(tl.int32)  # 1 on the second tile's rows
+    offs_m = m * TILE + tl.arange(0, TILE)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < q_len
     d_ok = offs_d < HEAD_DIM
@@ -195,21 +174,19 @@ def _sparse_prefill_kernel(
     V += kvh * stride_vh
     bt_row = block_tables + s * stride_bt
 
-    m_i = tl.full([2 * TILE], float("-inf"), tl.float32)
-    l_i = tl.zeros([2 * TILE], tl.float32)
-    acc = tl.zeros([2 * TILE, BLOCK_D], tl.float32)
+    m_i = tl.full([TILE], float("-inf"), tl.float32)
+    l_i = tl.zeros([TILE], tl.float32)
+    acc = tl.zeros([TILE, BLOCK_D], tl.float32)
 
-    # 1. slash tiles: key tile base + entry, for both halves, the first only, the second only
-    for rows in tl.static_range(3):
-        acc, l_i, m_i = _listed_tiles(
-            acc, l_i, m_i, q, q_pos, second, first_pos, last_pos, K, V, bt_row,
-            slash_lists + (rows * slash_rows + head) * num_slash,
-            tl.load(slash_counts + rows * slash_rows + head), base,
-            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_ok, scale_log2,
-            rows, HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, CHUNK, FP32,
-        )
+    # 1. slash tiles: key tile base + offset
+    acc, l_i, m_i = _listed_tiles(
+        acc, l_i, m_i, q, q_pos, first_pos, last_pos, K, V, bt_row,
+        slash_tiles + head * num_slash, tl.load(slash_counts + head), base,
+        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_ok, scale_log2,
+        HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, CHUNK, FP32,
+    )
 
-    # 2. columns up to the last row's position, TILE at a time, minus those in a slash tile of the row's half
+    # 2. columns up to the last row's position, TILE at a time, minus those in slash tiles
     cols = columns + head * num_cols
     _, _, live_cols = _count_at_most(cols, tl.load(column_counts + head), last_pos, last_pos, last_pos, CHUNK)
     cover = slash_cover + head * (cover_r + 2) + cover_r  # cover[d]: 1 when tile offset d is a slash tile
@@ -217,12 +194,9 @@ def _sparse_prefill_kernel(
         offs_j = j0 + tl.arange(0, TILE)
         live = offs_j < live_cols
         c = tl.load(cols + offs_j, mask=live, other=0)
-        d = c // TILE - base  # the offset from the first tile's base; d - 1 from the second's
-        cover_first = tl.load(cover + d, mask=live & (d >= -cover_r) & (d <= 1), other=0)
-        cover_second = tl.load(cover + d - 1, mask=live & (d - 1 >= -cover_r) & (d <= 2), other=0)
-        use_first = live & (cover_first == 0)
-        use_second = live & (cover_second == 0)
-        use = use_first | use_second
+        d = c // TILE - base
+        covered = tl.load(cover + d, mask=live & (d >= -cover_r) & (d <= 1), other=0)
+        use = live & (covered == 0)
         phys = tl.load(bt_row + c // BLOCK_SIZE, mask=use, other=0).to(tl.int64)
         slot = c % BLOCK_SIZE
         ld = use[:, None] & d_ok[None, :]
@@ -230,21 +204,18 @@ def _sparse_prefill_kernel(
         v_rows = phys * stride_vb + slot * stride_vs
         k = tl.load(K + k_rows[:, None] + offs_d[None, :] * stride_kd, mask=ld, other=0.0)
         v = tl.load(V + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=ld, other=0.0)
-        keep = tl.where(second[:, None] == 1, use_second[None, :], use_first[None, :])
-        keep = keep & (c[None, :] <= q_pos[:, None])
+        keep = use[None, :] & (c[None, :] <= q_pos[:, None])
         acc, l_i, m_i = _online_step(acc, l_i, m_i, q, k, v, keep, scale_log2, True, FP32)
 
-    # 3. block-sparse heads: the key tiles listed for the pair's query tiles
+    # 3. block-sparse heads: the key tiles listed for this query tile
     if HAS_BLOCKS:
-        pair_row = head * num_pairs + pair
-        for rows in tl.static_range(3):
-            acc, l_i, m_i = _listed_tiles(
-                acc, l_i, m_i, q, q_pos, second, first_pos, last_pos, K, V, bt_row,
-                block_lists + (rows * block_rows + pair_row) * num_blocks,
-                tl.load(block_counts + rows * block_rows + pair_row), 0,
-                stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_ok, scale_log2,
-                rows, HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, CHUNK, FP32,
-            )
+        tile_row = head * num_qtiles + m
+        acc, l_i, m_i = _listed_tiles(
+            acc, l_i, m_i, q, q_pos, first_pos, last_pos, K, V, bt_row,
+            blocks + tile_row * num_blocks, tl.load(block_counts + tile_row), 0,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_ok, scale_log2,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, CHUNK, FP32,
+        )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     tl.store(Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
@@ -254,34 +225,13 @@ def _sparse_prefill_kernel(
              mask=m_ok)
 
 
-def _pair_lists(first: torch.Tensor, first_counts: torch.Tensor, second: torch.Tensor,
-                second_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pair of query tiles' two ascending lists ``[..., W]`` (the first ``*_counts`` entries real) merged
-    into three: the entries in both, those only in the first, those only in the second. Returns (lists
-    ``[3, ..., 2W]`` int32, ascending and padded with PAD, counts ``[3, ...]`` int32), in the order BOTH,
-    FIRST, SECOND."""
-    rank = torch.arange(first.shape[-1], device=first.device)
-    # one ascending list of entry * 2 + half: an entry of both halves appears twice, side by side
-    tagged = torch.cat([torch.where(rank < first_counts[..., None], first.long() * 2, 2 * PAD),
-                        torch.where(rank < second_counts[..., None], second.long() * 2 + 1, 2 * PAD)], -1)
-    tagged = tagged.sort(-1).values
-    entry, half, real = tagged >> 1, tagged & 1, tagged < 2 * PAD
-    pad = torch.zeros_like(real[..., :1])
-    twin = real[..., 1:] & (entry[..., 1:] == entry[..., :-1])
-    twin_next, twin_prev = torch.cat([twin, pad], -1), torch.cat([pad, twin], -1)
-    alone = real & ~twin_next & ~twin_prev
-    kinds = (twin_next, alone & (half == 0), alone & (half == 1))
-    lists = torch.stack([torch.where(k, entry, PAD).sort(-1).values.to(torch.int32) for k in kinds])
-    return lists, torch.stack([k.sum(-1, dtype=torch.int32) for k in kinds])
-
-
 def _launch_config(q: torch.Tensor, head_dim: int) -> tuple[int, int]:
-    """(num_warps, num_stages) for 128-row programs."""
+    """(num_warps, num_stages)."""
     if q.device.type != "cuda":
         return 1, 1
     if q.dtype == torch.float32 or head_dim > 128:  # keep the K/V stages within shared memory
-        return 8, 2
-    return 8, 3
+        return 4, 2
+    return 4, 3
 
 
 def sparse_attention(
@@ -317,35 +267,30 @@ def sparse_attention(
             "sparse_attention_reference on the CPU, or set TRITON_INTERPRET=1 before importing triton"
         )
     has_blocks = index.blocks is not None
-    columns, column_counts = index.columns.contiguous(), index.column_counts.contiguous()
+    columns, slash = index.columns.contiguous(), index.slash_tiles.contiguous()
+    column_counts, slash_counts = index.column_counts.contiguous(), index.slash_counts.contiguous()
     cover = index.slash_cover.contiguous()
-    # the second tile of a pair reads the slash offsets D from a base one tile later: D + 1 from the first's
-    slash, slash_counts = _pair_lists(index.slash_tiles, index.slash_counts, index.slash_tiles + 1,
-                                      index.slash_counts)
     if has_blocks:
-        odd = index.blocks.shape[2] % 2  # an odd number of query tiles: the last pair's second list is empty
-        blocks = torch.nn.functional.pad(index.blocks, (0, 0, 0, odd))
-        block_counts = torch.nn.functional.pad(index.block_counts, (0, odd))
-        blocks, block_counts = _pair_lists(blocks[:, :, 0::2], block_counts[:, :, 0::2], blocks[:, :, 1::2],
-                                           block_counts[:, :, 1::2])
+        blocks, block_counts = index.blocks.contiguous(), index.block_counts.contiguous()
     else:
-        blocks, block_counts = slash, slash_counts  # never read
+        blocks, block_counts = column_counts, column_counts  # never read
     warps, stages = config or _launch_config(q, head_dim)
-    grid = (triton.cdiv(max_query_len, 2 * TILE), num_heads, num_seqs)
+    grid = (triton.cdiv(max_query_len, TILE), num_heads, num_seqs)
     _sparse_prefill_kernel[grid](
         q, k_cache, v_cache, out, lse,
         cu_seqlens_q, context_lens, block_tables,
         columns, column_counts, slash, slash_counts, cover, blocks, block_counts,
         scale * LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *lse.stride(),
-        block_tables.stride(0), columns.shape[2], num_seqs * num_heads, slash.shape[3], index.cover_offset,
-        block_counts[0].numel(), blocks.shape[3] if has_blocks else 0, blocks.shape[4] if has_blocks else 0,
+        block_tables.stride(0), columns.shape[2], slash.shape[2], index.cover_offset,
+        blocks.shape[2] if has_blocks else 0, blocks.shape[3] if has_blocks else 0,
         GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1], TILE=TILE, CHUNK=LIST_CHUNK, HAS_BLOCKS=has_blocks,
         FP32=q.dtype == torch.float32 or interpreted,
         num_warps=warps, num_stages=stages,
     )
     return out, lse
+
 
 # ---------------------------------------------------------------------------------------------
 # torch reference
