@@ -10,7 +10,8 @@ c <= p_j of scale * q_j . k_c`` (float32). Then::
 both ``[S, H, L]`` float32 with ``L`` the longest context; entries at or past a sequence's context are 0.
 
 ``estimate`` is two Triton passes over the paged keys, each program owning one KV head's slice of keys
-(each key is read once per pass for its whole GQA group):
+(pass 1 reads a key once for up to 256 stacked rows of its GQA group; pass 2 once for as many of the
+group's heads as fit in shared memory):
 
 1. row statistics: the running max and sum of ``exp2`` of every row's scores, one partial per slice;
    torch folds the partials into each row's max and ``1 / sum``.
@@ -208,15 +209,17 @@ def _sums_kernel(
     scale_log2, last_q, tiles_per_split, width,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd, stride_bt,
-    GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPAN: tl.constexpr, FP32: tl.constexpr,
+    GROUP: tl.constexpr, HEADS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPAN: tl.constexpr,
+    FP32: tl.constexpr,
 ):
-    """Pass 2: per (key slice, KV head, sequence), the normalised probabilities of each query head of the
-    group on each key tile: column sums stored, diagonal sums atomically added."""
+    """Pass 2: per (key slice, block of HEADS query heads of one GQA group, sequence), the normalised
+    probabilities of each head on each key tile: column sums stored, diagonal sums atomically added."""
     split = tl.program_id(0)
-    kvh = tl.program_id(1)
+    first_head = tl.program_id(1) * HEADS  # HEADS divides GROUP: the block reads one KV head
+    kvh = first_head // GROUP
     s = tl.program_id(2)
-    num_heads = tl.num_programs(1) * GROUP
+    num_heads = tl.num_programs(1) * HEADS
     ctx = tl.load(context_lens + s)
     q_end = tl.load(cu_q + s + 1)
     n = tl.minimum(q_end - tl.load(cu_q + s), last_q)
@@ -244,8 +247,8 @@ def _sums_kernel(
         keep = row_ok[:, None] & (c[None, :] <= pos[:, None])
         o = ctx - n - c0 - BLOCK_N + 1 + u
         o_ok = (u < ROWS + BLOCK_N - 1) & (o >= 0) & (o < limit)
-        for g in tl.static_range(GROUP):  # the group's query heads share the key tile
-            h = kvh * GROUP + g
+        for g in tl.static_range(HEADS):  # the block's query heads share the key tile
+            h = first_head + g
             q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd,
                         mask=row_ok[:, None] & d_ok[None, :], other=0.0)
             stats = (s * num_heads + h) * ROWS + j
@@ -277,6 +280,24 @@ def _slices(width: int, block_n: int, programs: int, device: torch.device) -> tu
     tiles = triton.cdiv(width, block_n)
     per_slice = triton.cdiv(tiles, _num_splits(programs, tiles, device))
     return triton.cdiv(tiles, per_slice), per_slice
+
+
+def _sums_heads(group: int, rows: int, block_n: int, block_d: int, itemsize: int, budget: int) -> int:
+    """Query heads per pass-2 program: the most that divide the group, stack at most 256 rows, and fit
+    ``budget`` bytes of shared memory. Triton pipelines every head's query load in the key loop (two
+    buffers each, measured on sm_90 with Triton 3.6) besides three stages of the key tile, and
+    ``tl.gather`` stages the float32 probability tile."""
+    tile_q, tile_k, gather = rows * block_d * itemsize, block_n * block_d * itemsize, rows * block_n * 4
+    fits = [
+        heads for heads in range(1, group + 1)
+        if group % heads == 0 and heads * rows <= 256 and 2 * heads * tile_q + 3 * tile_k + gather <= budget
+    ]
+    if not fits:
+        raise ValueError(
+            f"a pass-2 program of {rows} rows, {block_n} keys and head size {block_d} needs more than the "
+            f"{budget} bytes of shared memory: pass a smaller last_q"
+        )
+    return fits[-1]
 
 
 def estimate(
@@ -325,13 +346,17 @@ def estimate(
     row_sum = (part_l * torch.exp2(part_m - row_max[:, :, None])).sum(2)
     inv_sum = torch.where(row_sum > 0, 1.0 / row_sum, 0.0)
 
-    # pass 2: a key tile at least as wide as the rows (each diagonal then spans at most two tiles)
+    # pass 2: a key tile at least as wide as the rows (each diagonal then spans at most two tiles), and as
+    # many query heads of a group per program as shared memory holds (the CPU interpreter has no limit)
     block_n2 = max(64 if gpu else 16, rows)
-    slices2, per_slice2 = _slices(width, block_n2, num_seqs * num_kv_heads, q.device)
-    _sums_kernel[(slices2, num_kv_heads, num_seqs)](
+    budget = triton.runtime.driver.active.utils.get_device_properties(q.device.index)["max_shared_mem"] \
+        if gpu else 1 << 30
+    heads2 = _sums_heads(group, rows, block_n2, block_d, q.element_size(), budget)
+    slices2, per_slice2 = _slices(width, block_n2, num_seqs * num_heads // heads2, q.device)
+    _sums_kernel[(slices2, num_heads // heads2, num_seqs)](
         q, k_cache, cu_seqlens_q, context_lens, block_tables, row_max.contiguous(), inv_sum.contiguous(),
         vertical, slash, scale_log2, last_q, per_slice2, width, *strides,
-        GROUP=group, ROWS=rows, BLOCK_N=block_n2, SPAN=triton.next_power_of_2(rows + block_n2 - 1), **common,
+        GROUP=group, HEADS=heads2, ROWS=rows, BLOCK_N=block_n2, SPAN=triton.next_power_of_2(rows + block_n2 - 1), **common,
         num_warps=8 if rows >= 128 else 4,
     )
     return vertical, slash
