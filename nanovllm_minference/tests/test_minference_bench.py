@@ -1,0 +1,32 @@
+"""The benchmark's bookkeeping (CPU): kernel rows get their target bound, TTFT rows their speedup over
+``full`` at the same context, and the table shows both; a fixed index lands near its density."""
+
+import torch
+from nanovllm_minference import bench
+from nanovllm_minference.index import computed_density
+
+ENV = {"device": "test", "date": "today", "commit": "abc", "torch": "2.11"}
+
+
+def test_ratios_and_table():
+    results = [
+        {"benchmark": "kernel", "context": 1024, "index": "fixed", "density": 0.2, "dense_ms": 10.0,
+         "dense_paged_ms": 12.0, "cudnn_ms": 8.0, "sparse_ms": 3.0, "ratio": 0.3},
+        {"benchmark": "ttft", "context": 1024, "policy": "full", "ttft_s": 4.0},
+        {"benchmark": "ttft", "context": 1024, "policy": "minference", "ttft_s": 2.0},
+        {"benchmark": "ttft", "context": 2048, "policy": "minference", "error": "exit 1"},
+    ]
+    rows = bench.with_ratios(results)
+    assert abs(rows[0]["bound"] - 0.25) < 1e-12 and rows[0]["ratio_paged"] == 0.25
+    assert rows[2]["speedup"] == 2.0 and "speedup" not in rows[1] and "speedup" not in rows[3]
+    table = bench.markdown({"environment": ENV, "results": rows}, "t")
+    assert "| 1024 | minference | 2.000 | 2.00x |" in table and "exit 1" in table and "| 0.250 |" in table
+
+
+def test_fixed_index_lands_near_its_density():
+    """Near: whole tiles on the band's edges add about two tiles per query tile."""
+    n = 16384
+    for target in (0.1, 0.3):
+        index = bench.fixed_index(n, target, 64, "cpu")
+        density = computed_density(index, torch.tensor([0, n]), torch.tensor([n]))
+        assert abs(density - target) < 0.02
