@@ -69,7 +69,8 @@ def chunk_metrics(policy, layer, chunk: int, rows_per_chunk: int, block_size: in
 
 
 def run(budgets: list[str], tokens: int, chunk: int, layers: list[int] | None, rows_per_chunk: int, ppl_tail: int,
-        seed: int = 0) -> dict[str, Any]:
+        seed: int = 0, done=lambda payload: None) -> dict[str, Any]:
+    """``done(payload)`` after each budget, so that a run cut short keeps what it measured."""
     from nanovllm import LLM
     from nanovllm.bench.quality import default_layers
     from nanovllm.quality.capture import capture_activations
@@ -86,8 +87,13 @@ def run(budgets: list[str], tokens: int, chunk: int, layers: list[int] | None, r
     capture = capture_activations(llm, token_ids, layer_ids)
     del llm
     gc.collect()
+    print(f"captured layers {layer_ids}", file=sys.stderr, flush=True)
     dense_ppl = tail_perplexity("full", token_ids, ppl_tail, device="cpu", prefill_chunk=chunk).perplexity
+    print(f"dense perplexity {dense_ppl:.4f}", file=sys.stderr, flush=True)
     rows = []
+    payload = {"model": "SmolLM2-135M-Instruct", "text": text.describe(), "tokens": tokens, "chunk": chunk,
+               "layers": layer_ids, "rows_per_chunk": rows_per_chunk, "ppl_tail": ppl_tail,
+               "dense_perplexity": dense_ppl, "results": rows}
     for budget in budgets:
         selection = f"minference:{budget},dense_below=0"
         options = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in budget.split(","))}
@@ -103,9 +109,8 @@ def run(budgets: list[str], tokens: int, chunk: int, layers: list[int] | None, r
                      "perplexity": ppl, "ppl_vs_dense": ppl / dense_ppl})
         print(json.dumps({k: rows[-1][k] for k in ("policy", "mean", "computed_density", "ppl_vs_dense")}),
               file=sys.stderr, flush=True)
-    return {"model": "SmolLM2-135M-Instruct", "text": text.describe(), "tokens": tokens, "chunk": chunk,
-            "layers": layer_ids, "rows_per_chunk": rows_per_chunk, "ppl_tail": ppl_tail, "dense_perplexity": dense_ppl,
-            "results": rows}
+        done(payload)
+    return payload
 
 
 def markdown(payload: dict[str, Any]) -> str:
@@ -144,13 +149,16 @@ def main(argv: list[str] | None = None) -> int:
     from nanovllm.bench import environment
 
     torch.set_grad_enabled(False)
-    payload = {"environment": environment(), **run(args.budgets, args.tokens, args.chunk, args.layers,
-                                                  args.rows_per_chunk, args.ppl_tail)}
-    out = Path(args.out)
+    env, out = environment(), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(payload, indent=1))
-    (out / f"{args.name}.md").write_text(markdown(payload))
-    print(markdown(payload))
+
+    def write(payload: dict[str, Any]) -> None:
+        payload = {"environment": env, **payload}
+        (out / f"{args.name}.json").write_text(json.dumps(payload, indent=1))
+        (out / f"{args.name}.md").write_text(markdown(payload))
+
+    run(args.budgets, args.tokens, args.chunk, args.layers, args.rows_per_chunk, args.ppl_tail, done=write)
+    print((out / f"{args.name}.md").read_text())
     return 0
 
 
