@@ -63,6 +63,7 @@ def test_planted_columns_and_diagonals_are_found():
         from nanovllm_minference.policy import _ops
 
         index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device)[0])
+        mask = index_mask(index, ctx.meta.cu_seqlens_q, ctx.meta.context_lens)
         group = q.shape[1] // case.num_kv_heads
         for h in range(q.shape[1]):
             if kind == "columns":
@@ -71,7 +72,6 @@ def test_planted_columns_and_diagonals_are_found():
                 assert set(truth) <= set(chosen)
             else:
                 # every planted diagonal lies in the head's slash tiles: each row reads its targets
-                mask = index_mask(index, ctx.meta.cu_seqlens_q, ctx.meta.context_lens)
                 assert (mask[:, h] | ~case.truth[:, h // group]).all()
 
 
@@ -127,12 +127,14 @@ def test_a_per_head_file_mixes_patterns(tmp_path):
         policy.initialize(6, 2, 64, 16, BLOCK, torch.float32, torch.device("cpu"))
 
 
-def test_offload_reads_the_keys_the_resident_path_reads(monkeypatch):
+@pytest.mark.parametrize("options", [dict(vertical_size=10, slash_size=40),
+                                     dict(pattern="a_shape", n_init=10, n_local=40)])
+def test_offload_reads_the_keys_the_resident_path_reads(monkeypatch, options):
     """The offload path (every key for the estimate, then only the touched blocks) gives the resident
     path's output; here the 'pool' is the same cache read through ``read_keys`` / ``read_blocks``."""
     case = planted.slash_diagonals(num_tokens=480, offsets=(0, 100, 300))
     q, ctx = paged(case.q, case.k, case.v, 150, case.scale)
-    policy = MInferencePolicy(MInferenceConfig(vertical_size=10, slash_size=40, dense_below=0))
+    policy = MInferencePolicy(MInferenceConfig(**options, dense_below=0))
     resident = run(policy, q, ctx)
 
     class PoolStandIn:

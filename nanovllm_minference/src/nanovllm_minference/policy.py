@@ -35,12 +35,18 @@ class LayerPlan:
     kinds: tuple[str, ...]  # per query head
     vertical: torch.Tensor  # int64 [H]: columns (a_shape: n_init; block_sparse: key tiles per query tile)
     slash: torch.Tensor  # int64 [H]: diagonals (a_shape: n_local)
+    masks: dict[str, torch.Tensor]  # bool [H] per pattern the layer uses, made once
 
     def heads(self, kind: str) -> torch.Tensor:
-        return torch.tensor([k == kind for k in self.kinds], device=self.vertical.device)
+        return self.masks[kind]
 
     def uses(self, kind: str) -> bool:
-        return kind in self.kinds
+        return kind in self.masks
+
+    @property
+    def reads_keys(self) -> bool:
+        """Whether the index needs the keys (the estimate, block scores); A-shape is fixed."""
+        return self.uses("vertical_slash") or self.uses("block_sparse")
 
 
 class MInferencePolicy(SparsePolicy):
@@ -73,7 +79,9 @@ class MInferencePolicy(SparsePolicy):
             k_cache, v_cache, tables = ctx.k_cache, ctx.v_cache, meta.block_tables
             index = self.build_index(q, ctx, k_cache, tables, estimate)
         else:
-            key_cache, key_tables = self._all_keys(ctx)
+            # keys cross PCIe only for what the index scores with; A-shape needs none
+            plan = self._plan(ctx.layer_id, q.shape[1], q.device)
+            key_cache, key_tables = self._all_keys(ctx) if plan.reads_keys else (ctx.k_cache, meta.block_tables)
             index = self.build_index(q, ctx, key_cache, key_tables, estimate)
             del key_cache
             k_cache, v_cache, tables = self._touched_kv(ctx, index)
@@ -131,7 +139,9 @@ class MInferencePolicy(SparsePolicy):
             else:
                 heads = [HeadPattern("vertical_slash", cfg.vertical_size, cfg.slash_size)] * num_heads
             sizes = torch.tensor([[h.vertical_size, h.slash_size] for h in heads], device=device)
-            self._plans[key] = LayerPlan(tuple(h.pattern for h in heads), sizes[:, 0], sizes[:, 1])
+            kinds = tuple(h.pattern for h in heads)
+            masks = {kind: torch.tensor([k == kind for k in kinds], device=device) for kind in set(kinds)}
+            self._plans[key] = LayerPlan(kinds, sizes[:, 0], sizes[:, 1], masks)
         return self._plans[key]
 
     # -- offload: what crosses PCIe -------------------------------------------------------------------

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -131,15 +130,6 @@ def run_job(job: dict) -> list[dict[str, Any]]:
 
         return [b5.bench_copy()]
     return bench_engine(job["kind"], job["context"], job["batch"], job["policy"], job["steps"])
-
-
-def run_in_subprocess(job: dict) -> list[dict[str, Any]]:
-    proc = subprocess.run([sys.executable, "-m", "nanovllm_quest.bench", "--job", json.dumps(job)],
-                          stdout=subprocess.PIPE, text=True)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        return [{**job, "benchmark": job["kind"], "error": f"exit {proc.returncode}"}]
-    return json.loads(lines[-1])
 
 
 # -- results ---------------------------------------------------------------------------------------------------
@@ -263,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.job:
         print(json.dumps(run_job(json.loads(args.job))))
         return 0
-    from nanovllm.bench import environment
+    from nanovllm.bench import environment, run_job_in_subprocess
 
     out, env, results = Path(args.out), environment(), []
     out.mkdir(parents=True, exist_ok=True)
@@ -271,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and job["kind"] not in args.only and not (job["kind"] == "offload-copy" and "offload" in args.only):
             continue
         print(f"== {job}", file=sys.stderr, flush=True)
-        results += run_in_subprocess(job)
+        results += run_job_in_subprocess(job, ("-m", "nanovllm_quest.bench", "--job"))
         # written after every job, so that a run cut short keeps what it measured
         payload = {"environment": env, "settings": vars(args) | {"job": None}, "results": with_ratios(results)}
         (out / f"{args.name}.json").write_text(json.dumps(payload, indent=1))

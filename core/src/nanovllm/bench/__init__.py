@@ -86,14 +86,14 @@ def run_job(job: dict) -> list[dict]:
     raise ValueError(f"unknown benchmark job {kind!r}")
 
 
-def run_job_in_subprocess(job: dict) -> list[dict]:
-    """``python -m nanovllm.bench JOB``: progress bars pass through on stderr, the result is the last
-    line of stdout."""
-    proc = subprocess.run([sys.executable, "-m", "nanovllm.bench", json.dumps(job)], stdout=subprocess.PIPE,
-                          text=True)
+def run_job_in_subprocess(job: dict, command: tuple[str, ...] = ("-m", "nanovllm.bench")) -> list[dict]:
+    """``python COMMAND JOB`` (a plugin's benchmark passes its own module and flag): progress bars pass
+    through on stderr, the result is the last line of stdout. A failed job is one row with its ``error``
+    and the job's fields."""
+    proc = subprocess.run([sys.executable, *command, json.dumps(job)], stdout=subprocess.PIPE, text=True)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        return [{"benchmark": job["kind"], "preset": job.get("preset", "-"), "error": f"exit {proc.returncode}"}]
+        return [{**job, "benchmark": job["kind"], "preset": job.get("preset", "-"), "error": f"exit {proc.returncode}"}]
     return json.loads(lines[-1])
 
 
