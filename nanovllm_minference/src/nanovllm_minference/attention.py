@@ -26,6 +26,7 @@ import attrs
 import torch
 import triton
 import triton.language as tl
+from nanovllm.attention.triton_kernels import online_softmax_step
 
 from nanovllm_minference.index import TILE, SparseIndex
 
@@ -51,32 +52,6 @@ def _count_at_most(entries, n, bound_a, bound_b, bound_c, CHUNK: tl.constexpr):
         count_b += tl.sum((e <= bound_b).to(tl.int32), 0)
         count_c += tl.sum((e <= bound_c).to(tl.int32), 0)
     return count_a, count_b, count_c
-
-
-@triton.jit
-def _online_step(acc, l_i, m_i, q, k, v, keep, scale_log2, MASKED: tl.constexpr, FP32: tl.constexpr):
-    """One key tile of the online softmax (base 2); ``keep`` [rows, keys] is used only when MASKED."""
-    if FP32:
-        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        qk = tl.dot(q, tl.trans(k))
-    qk = qk * scale_log2
-    if MASKED:
-        qk = tl.where(keep, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet: no inf - inf
-    else:
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_use = m_new
-    alpha = tl.math.exp2(m_i - m_use)
-    p = tl.math.exp2(qk - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if FP32:
-        acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc)
-    return acc, l_i, m_new
 
 
 @triton.jit
@@ -116,7 +91,7 @@ def _listed_tiles(
         else:
             k = tl.load(K + k_rows[:, None] + offs_d[None, :] * stride_kd, mask=d_ok[None, :], other=0.0)
             v = tl.load(V + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=d_ok[None, :], other=0.0)
-        acc, l_i, m_i = _online_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
     for j in range(tl.maximum(j_lo, j_full), j_hi):  # the diagonal: causal mask, nothing past last_pos read
         t = shift + tl.load(entries + j)
         phys, slot, pos = _tile_slots(bt_row, t, last_pos, BLOCK_SIZE, TILE, True)
@@ -126,7 +101,7 @@ def _listed_tiles(
         k = tl.load(K + k_rows[:, None] + offs_d[None, :] * stride_kd, mask=ld, other=0.0)
         v = tl.load(V + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=ld, other=0.0)
         keep = pos[None, :] <= q_pos[:, None]
-        acc, l_i, m_i = _online_step(acc, l_i, m_i, q, k, v, keep, scale_log2, True, FP32)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, keep, scale_log2, True, FP32)
     return acc, l_i, m_i
 
 
@@ -205,7 +180,7 @@ def _sparse_prefill_kernel(
         k = tl.load(K + k_rows[:, None] + offs_d[None, :] * stride_kd, mask=ld, other=0.0)
         v = tl.load(V + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=ld, other=0.0)
         keep = use[None, :] & (c[None, :] <= q_pos[:, None])
-        acc, l_i, m_i = _online_step(acc, l_i, m_i, q, k, v, keep, scale_log2, True, FP32)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, keep, scale_log2, True, FP32)
 
     # 3. block-sparse heads: the key tiles listed for this query tile
     if HAS_BLOCKS:

@@ -129,11 +129,16 @@ def _key_offsets(
 
 
 @triton.jit
-def _online_step(
+def online_softmax_step(
     acc, l_i, m_i, q, k, v, score_mask,
     scale_log2, MASKED: tl.constexpr, FP32: tl.constexpr,
 ):
-    """One tile of the online softmax (base 2): returns the updated (acc, l_i, m_i)."""
+    """One key tile of the online softmax (base 2): returns the updated (acc, l_i, m_i).
+
+    Public: plugin kernels build on it. ``scale_log2`` is the softmax scale times log2(e); ``m_i`` is
+    kept in that base-2 unit. ``score_mask`` [rows, keys] is read only when ``MASKED``; a row with
+    nothing unmasked so far keeps ``m_i = -inf`` and adds nothing. ``FP32``: float32 products (float32
+    inputs, or the interpreter, whose bfloat16 dot is wrong)."""
     if FP32:  # float32 inputs, or the interpreter (whose bfloat16 dot is wrong): float32 products
         qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
@@ -176,7 +181,7 @@ def _masked_tile(
     score_mask = valid[None, :]
     if CAUSAL:
         score_mask = score_mask & (pos[None, :] <= q_pos[:, None])
-    return _online_step(acc, l_i, m_i, q, k, v, score_mask, scale_log2, True, FP32)
+    return online_softmax_step(acc, l_i, m_i, q, k, v, score_mask, scale_log2, True, FP32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,7 +267,7 @@ def _prefill_kernel(
         else:
             k = tl.load(K + kv_ptrs, mask=d_ok[None, :], other=0.0)
             v = tl.load(V + kv_ptrs, mask=d_ok[None, :], other=0.0)
-        acc, l_i, m_i = _online_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
 
     # the diagonal band, the ragged end and selected blocks: masked
     for start_n in range(lo, hi, BLOCK_N):
