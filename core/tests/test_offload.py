@@ -27,13 +27,20 @@ LLAMA_POOL_BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens
 class KeyNormPolicy(SparsePolicy):
     """Selects, per sequence, the 2 history blocks whose keys have the largest norm, read through
     ``ctx.read_blocks``; the newest block always stays. Its tokens match across paths only if
-    ``read_blocks`` gives the same keys on both (and ``read_keys`` the same keys as ``read_blocks``)."""
+    ``read_blocks`` gives the same keys on both (and ``read_keys`` and ``read_paged`` the same as ``read_blocks``)."""
 
     def select_blocks(self, ctx: PolicyContext) -> torch.Tensor:
         every = ctx.all_history_blocks()
         keys, _ = ctx.read_blocks(every)  # [S, W, bs, Hkv, D]
         # the same bytes; past a sequence's end a block may hold uninitialised memory, NaN included
         torch.testing.assert_close(ctx.read_keys(every), keys, rtol=0, atol=0, equal_nan=True)
+        # read_paged: the same blocks again, through a compact cache and its block tables
+        present = every >= 0
+        paged_k, paged_v, tables = ctx.read_paged(present)
+        shown = present[..., None, None, None]
+        for paged, full in ((paged_k, keys), (paged_v, ctx.read_blocks(every)[1])):
+            torch.testing.assert_close(torch.where(shown, paged[tables.long()], 0), torch.where(shown, full, 0),
+                                       rtol=0, atol=0, equal_nan=True)
         score = keys.float().norm(dim=-1).sum(dim=(2, 3))
         n = ctx.num_history_blocks.long()[:, None]
         idx = torch.arange(every.shape[1], device=score.device)

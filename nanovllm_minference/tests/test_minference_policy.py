@@ -141,17 +141,18 @@ def test_offload_reads_the_keys_the_resident_path_reads(monkeypatch, options):
         def wait_stored(self, layer_id):
             pass
 
-    reads, original = [], PolicyContext.read_blocks
+    reads, original = [], PolicyContext.read_paged
 
-    def counting(self, blocks):
-        reads.append(int((blocks >= 0).sum()))
-        return original(self, blocks)
+    def counting(self, present, values=True):
+        if values:
+            reads.append(int(present.sum()))
+        return original(self, present, values)
 
     ctx.offload = PoolStandIn()
-    monkeypatch.setattr(PolicyContext, "read_blocks", counting)
+    monkeypatch.setattr(PolicyContext, "read_paged", counting)
     offloaded = run(policy, q, ctx)
     torch.testing.assert_close(offloaded, resident)
-    assert reads and reads[0] < 480 // BLOCK  # only the touched blocks crossed
+    assert reads and reads[0] < 480 // BLOCK  # only the touched blocks' values crossed
 
 
 @pytest.mark.parametrize("options, match", [

@@ -128,6 +128,26 @@ class PolicyContext:
         """The keys alone of :meth:`read_blocks`: half the bytes, for estimates that score keys."""
         return self._read(self.k_cache, block_indices)
 
+    def read_paged(
+        self, present: torch.Tensor, values: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """``(k_cache, v_cache, block_tables)``: the logical blocks marked in ``present`` ([num_seqs, n]
+        bool) read into a compact paged cache of their own, and block tables ``[num_seqs, n]`` that
+        address it by logical block (unmarked blocks map to block 0: never read them). A kernel written
+        for the paged cache then runs unchanged on what it reads; with offload only these blocks cross
+        PCIe. ``values=False`` reads the keys alone (``v_cache`` is None)."""
+        counts = present.sum(-1)
+        width = max(int(counts.max()), 1) if present.numel() else 1
+        logical = torch.arange(present.shape[1], device=present.device, dtype=torch.int32)
+        order = torch.where(present, logical, torch.iinfo(torch.int32).max).sort(-1).values[:, :width]
+        blocks = torch.where(torch.arange(width, device=present.device)[None, :] < counts[:, None], order, -1)
+        rank = present.long().cumsum(-1) - 1
+        seq = torch.arange(present.shape[0], device=present.device)[:, None]
+        tables = torch.where(present, seq * width + rank, 0).to(torch.int32)
+        keys = self.read_keys(blocks).flatten(0, 1)  # [num_seqs * width, block_size, kv_heads, head_dim]
+        vals = self._read(self.v_cache, blocks).flatten(0, 1) if values else None
+        return keys, vals, tables
+
     def _read(self, cache: torch.Tensor, block_indices: torch.Tensor) -> torch.Tensor:
         if self.offload is not None:
             self.offload.wait_stored(self.layer_id)

@@ -149,23 +149,16 @@ class MInferencePolicy(SparsePolicy):
     def _all_keys(self, ctx: PolicyContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Every key of the chunk's sequences, read from the pool, as a paged cache and its block table."""
         num_blocks = -(-ctx.meta.context_lens.long() // ctx.block_size)
-        width = int(num_blocks.max())
-        idx = torch.arange(width, device=num_blocks.device, dtype=torch.int32)
-        blocks = torch.where(idx[None, :] < num_blocks[:, None], idx, -1)
-        keys = ctx.read_keys(blocks)  # [S, width, bs, Hkv, D]
-        return keys.flatten(0, 1), _compact_tables(blocks >= 0, width)
+        present = torch.arange(int(num_blocks.max()), device=num_blocks.device)[None, :] < num_blocks[:, None]
+        keys, _, tables = ctx.read_paged(present, values=False)
+        return keys, tables
 
     def _touched_kv(self, ctx: PolicyContext, index: SparseIndex) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The KV blocks the index reads, from the pool into a compact buffer, and a block table into it."""
-        meta, bs = ctx.meta, ctx.block_size
-        touched = touched_blocks(index, meta.cu_seqlens_q, meta.context_lens, bs, meta.block_tables.shape[1])
-        counts = touched.sum(-1)
-        width = max(int(counts.max()), 1)
-        logical = torch.arange(touched.shape[1], device=touched.device, dtype=torch.int32)
-        order = torch.where(touched, logical, torch.iinfo(torch.int32).max).sort(-1).values[:, :width]
-        blocks = torch.where(torch.arange(width, device=touched.device)[None, :] < counts[:, None], order, -1)
-        k, v = ctx.read_blocks(blocks)  # [S, width, bs, Hkv, D]
-        return k.flatten(0, 1), v.flatten(0, 1), _compact_tables(touched, width)
+        meta = ctx.meta
+        touched = touched_blocks(index, meta.cu_seqlens_q, meta.context_lens, ctx.block_size,
+                                 meta.block_tables.shape[1])
+        return ctx.read_paged(touched)
 
 
 def touched_blocks(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_size: int,
@@ -199,14 +192,6 @@ def touched_blocks(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens:
     per_key = (marks[:, :num_tiles] > 0).repeat_interleave(TILE, dim=1)[:, : num_blocks * block_size]
     per_key &= torch.arange(per_key.shape[1], device=device)[None, :] < lens[:, None]
     return per_key.view(-1, num_blocks, block_size).any(-1)
-
-
-def _compact_tables(present: torch.Tensor, width: int) -> torch.Tensor:
-    """Block tables into a compact buffer of ``width`` blocks per sequence: the ``r``-th present logical
-    block of sequence ``s`` is block ``s * width + r``; absent ones map to block 0 and are never read."""
-    rank = present.long().cumsum(-1) - 1
-    seq = torch.arange(present.shape[0], device=present.device)[:, None]
-    return torch.where(present, seq * width + rank, 0).to(torch.int32)
 
 
 def _keys_in_order(k_cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:

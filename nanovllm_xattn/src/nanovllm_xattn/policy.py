@@ -1,0 +1,195 @@
+"""The ``xattn`` policy: block-sparse prefill whose blocks are chosen by strided antidiagonal scores.
+
+Per layer and prefill chunk:
+
+1. **Estimate** (:mod:`nanovllm_xattn.estimate`): every query head scores every (query block, key
+   block) pair of the chunk against all keys so far, from the sums of strided antidiagonals.
+2. **Selection** (:mod:`nanovllm_xattn.selection`): per query-block row, the fewest key blocks that
+   reach ``threshold`` of the row's estimated mass, one selection per KV head (``head_reduce``).
+3. **Attention** (:mod:`nanovllm_xattn.attention`): one kernel over the selected blocks, causal,
+   grouped KV heads, on the paged cache, the chunk's own keys included (they are already there).
+
+A chunk longer than ``estimate_chunk`` queries runs the three steps slice by slice, so the scores never
+grow past ``estimate_chunk / block_size`` rows. With KV offload the estimate reads every key (no values)
+from the host pool, and the attention only the KV blocks some selection keeps. Chunks whose sequences are
+all shorter than ``dense_below``, and the first ``skip_layers`` layers, run dense.
+"""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+import torch
+from nanovllm.policy import PolicyContext, SparsePolicy
+
+from nanovllm_xattn.config import XAttentionConfig
+from nanovllm_xattn.selection import block_lists, causal_density, select_blocks
+
+
+@attrs.frozen
+class Slice:
+    """Some query rows of a chunk, as a prefill phase of their own: the rows (indices into the chunk),
+    their per-sequence boundaries, and the keys they see (up to their last row, which is causal)."""
+
+    rows: torch.Tensor | None  # None: the whole chunk
+    cu_seqlens_q: torch.Tensor
+    context_lens: torch.Tensor
+    max_query_len: int
+
+
+class XAttentionPolicy(SparsePolicy):
+    supports_prefill = True
+    supports_decode = False
+    requires_block_selection = False
+
+    def __init__(self, config: XAttentionConfig | None = None) -> None:
+        super().__init__(config or XAttentionConfig())
+        path = self.config.threshold_path
+        self.threshold_table = load_thresholds(path) if path is not None else None
+        self.last_density: float | None = None  # of the last sparse layer call, for the benchmarks
+
+    def initialize(self, num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device) -> None:
+        cfg = self.config
+        if cfg.block_size % block_size:
+            raise ValueError(
+                f"xattn block_size={cfg.block_size} is not a multiple of the KV cache's block_size={block_size}: "
+                f"choose an xattn block_size that is (e.g. {max(block_size, 128)})"
+            )
+        if self.threshold_table is not None and len(self.threshold_table) != num_layers:
+            raise ValueError(
+                f"threshold_path {cfg.threshold_path!r} has {len(self.threshold_table)} layers, the model "
+                f"{num_layers}: use a threshold table made for this model"
+            )
+
+    def thresholds(self, layer_id: int, num_heads: int, device: torch.device) -> torch.Tensor:
+        """``[H]`` float32: each query head's threshold in this layer."""
+        if self.threshold_table is None:
+            return torch.full((num_heads,), float(self.config.threshold), device=device)
+        row = self.threshold_table[layer_id]
+        if len(row) != num_heads:
+            raise ValueError(
+                f"threshold_path {self.config.threshold_path!r} gives layer {layer_id} {len(row)} heads, the "
+                f"model {num_heads}: use a threshold table made for this model"
+            )
+        return torch.tensor(row, dtype=torch.float32, device=device)
+
+    # -- the prefill phase ----------------------------------------------------------------------------
+
+    def compute_chunked_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PolicyContext):
+        cfg, meta = self.config, ctx.meta
+        if ctx.layer_id < cfg.skip_layers or meta.max_context_len < cfg.dense_below:
+            return ctx.attend_all(q, k, v)
+        block_scores, attend = _ops(q.device)
+        key_cache, key_tables = ctx.k_cache, meta.block_tables
+        if ctx.offload is not None:
+            key_cache, _, key_tables = ctx.read_paged(_blocks_up_to(meta.context_lens, ctx.block_size), values=False)
+        slices = chunk_slices(meta.cu_seqlens_q, meta.context_lens, meta.max_query_len, cfg.block_size,
+                              cfg.estimate_chunk)
+        masks = [self.select(q, ctx, part, key_cache, key_tables, block_scores) for part in slices]
+        del key_cache
+        k_cache, v_cache, tables = ctx.k_cache, ctx.v_cache, meta.block_tables
+        if ctx.offload is not None:
+            touched = torch.stack([_touched(m, ctx.block_size, cfg.block_size, tables.shape[1]) for m in masks])
+            k_cache, v_cache, tables = ctx.read_paged(touched.any(0))
+        outs = []
+        for part, mask in zip(slices, masks, strict=True):
+            blocks, counts = block_lists(mask)
+            part_q = q if part.rows is None else q[part.rows]
+            out, _ = attend(part_q, k_cache, v_cache, tables, part.cu_seqlens_q, part.context_lens, blocks, counts,
+                            cfg.block_size, ctx.scale, part.max_query_len)
+            outs.append(out)
+        if len(slices) == 1:
+            return outs[0]
+        out = torch.empty_like(q)
+        for part, part_out in zip(slices, outs, strict=True):
+            out[part.rows] = part_out
+        return out
+
+    def select(self, q: torch.Tensor, ctx: PolicyContext, part: Slice, key_cache: torch.Tensor,
+               key_tables: torch.Tensor, block_scores) -> torch.Tensor:
+        """``[S, Hs, R, N]`` bool: the key blocks each query-block row of ``part`` reads."""
+        cfg = self.config
+        part_q = q if part.rows is None else q[part.rows]
+        scores = block_scores(part_q, key_cache, key_tables, part.cu_seqlens_q, part.context_lens, ctx.scale,
+                              cfg.stride, cfg.block_size, part.max_query_len, ctx.meta.max_context_len)
+        mask = select_blocks(scores, part.cu_seqlens_q, part.context_lens, cfg.block_size, ctx.num_kv_heads,
+                             cfg.head_reduce, self.thresholds(ctx.layer_id, q.shape[1], q.device), cfg.ratio,
+                             cfg.keep_sink, cfg.keep_recent)
+        self.last_density = causal_density(mask, part.cu_seqlens_q, part.context_lens, cfg.block_size)
+        return mask
+
+
+def chunk_slices(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, max_query_len: int, block: int,
+                 estimate_chunk: int) -> list[Slice]:
+    """The chunk as one slice, or cut into slices of ``estimate_chunk`` positions (whole blocks) counted
+    from the block of each sequence's first query, so a query block never spans two slices. A sequence
+    with no rows in a slice appears there with no queries and no keys."""
+    if max_query_len <= estimate_chunk:
+        return [Slice(None, cu_seqlens_q, context_lens, max_query_len)]
+    span = max(estimate_chunk // block, 1) * block
+    starts = cu_seqlens_q[:-1].tolist()
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+    lens = context_lens.tolist()
+    device = cu_seqlens_q.device
+    slices = []
+    for k in range(-(-(max_query_len + block - 1) // span)):
+        rows, cu, kv = [], [0], []
+        for start, q_len, ctx_len in zip(starts, q_lens, lens, strict=True):
+            q0 = ctx_len - q_len
+            base = (q0 // block) * block
+            lo, hi = max(q0, base + k * span), min(ctx_len, base + (k + 1) * span)
+            hi = max(hi, lo)
+            rows.append(torch.arange(start + lo - q0, start + hi - q0))
+            cu.append(cu[-1] + hi - lo)
+            kv.append(hi if hi > lo else 0)
+        if cu[-1]:
+            slices.append(Slice(torch.cat(rows).to(device), torch.tensor(cu, dtype=torch.int32, device=device),
+                                torch.tensor(kv, dtype=torch.int32, device=device), span))
+    return slices
+
+
+def load_thresholds(path: str) -> list[list[float]]:
+    """A per-layer, per-head threshold table from JSON: a list of lists of fractions in (0, 1]."""
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"threshold_path {path!r} cannot be read as JSON ({e}): give a JSON list of per-layer "
+                         "lists of per-head thresholds") from None
+    ok = isinstance(table, list) and table and all(
+        isinstance(row, list) and row and all(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t <= 1
+                                              for t in row)
+        for row in table
+    )
+    if not ok:
+        raise ValueError(f"threshold_path {path!r}: expected a non-empty list of per-layer lists of per-head "
+                         "thresholds in (0, 1]")
+    return [[float(t) for t in row] for row in table]
+
+
+def _blocks_up_to(context_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[S, n]`` bool: every KV block of each sequence's context."""
+    num_blocks = -(-context_lens.long() // block_size)
+    return torch.arange(int(num_blocks.max()), device=num_blocks.device)[None, :] < num_blocks[:, None]
+
+
+def _touched(mask: torch.Tensor, kv_block_size: int, block: int, width: int) -> torch.Tensor:
+    """``[S, width]`` bool: the KV blocks holding a key block some head of some row keeps."""
+    per_block = mask.any(dim=(1, 2))  # [S, N]
+    kv = per_block.repeat_interleave(block // kv_block_size, dim=1)[:, :width]
+    return torch.nn.functional.pad(kv, (0, width - kv.shape[1]))
+
+
+def _ops(device: torch.device):
+    """(block_scores, block_sparse_attention): the Triton kernels on the GPU, their torch references
+    elsewhere."""
+    if device.type == "cuda":
+        from nanovllm_xattn.attention import block_sparse_attention
+        from nanovllm_xattn.estimate import block_scores
+
+        return block_scores, block_sparse_attention
+    from nanovllm_xattn.attention import block_sparse_attention_reference
+    from nanovllm_xattn.estimate import block_scores_reference
+
+    return block_scores_reference, block_sparse_attention_reference

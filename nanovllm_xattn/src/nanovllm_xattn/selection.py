@@ -1,0 +1,101 @@
+"""From block scores to block lists: XAttention's threshold rule, GQA reductions, and the lists the
+attention kernel reads.
+
+Per query-block row (see :mod:`nanovllm_xattn.layout`) the forced blocks (key block 0 with
+``keep_sink``, the diagonal with ``keep_recent``) come first, then the others by score, best first; the
+row keeps every block up to and including the one whose cumulative score reaches ``threshold`` times the
+row's total. Blocks right of the diagonal are never kept, and a threshold of 1 keeps every causal block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanovllm_xattn.layout import first_query_blocks
+
+
+def causal_blocks(scores: torch.Tensor, first_block: torch.Tensor, context_lens: torch.Tensor,
+                  block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(causal [S, 1, R, N], diagonal [S, 1, R, N])`` bool: the key blocks each row may read (none for
+    padding rows) and each row's diagonal block."""
+    rows, cols = scores.shape[-2:]
+    device = scores.device
+    query_block = first_block[:, None] + torch.arange(rows, device=device)[None, :]  # [S, R]
+    real = (query_block * block < context_lens.long()[:, None])[:, None, :, None]
+    kb = torch.arange(cols, device=device)
+    causal = (kb[None, None, :] <= query_block[:, :, None])[:, None] & real
+    diagonal = (kb[None, None, :] == query_block[:, :, None])[:, None] & real
+    return causal, diagonal
+
+
+def threshold_mask(scores: torch.Tensor, causal: torch.Tensor, forced: torch.Tensor,
+                   threshold: torch.Tensor, ratio: float | None = None) -> torch.Tensor:
+    """``[S, Hx, R, N]`` bool: the blocks each row keeps. ``threshold`` is ``[Hx]`` (per head of
+    ``scores``); with ``ratio`` each row keeps that fraction of its causal blocks instead (at least the
+    forced ones)."""
+    forced = forced & causal
+    scores = scores.float().masked_fill(~causal, 0.0)
+    # forced blocks first, then the others by score, blocks past the diagonal last
+    priority = torch.where(forced, float("inf"), scores).masked_fill(~causal, -1.0)
+    order = priority.argsort(-1, descending=True)
+    ranked = scores.gather(-1, order)
+    if ratio is None:
+        total = ranked.sum(-1, keepdim=True)
+        before = ranked.cumsum(-1) - ranked
+        keep_ranked = before < threshold.view(1, -1, 1, 1) * total
+        keep_ranked |= (threshold >= 1).view(1, -1, 1, 1)
+    else:
+        n_causal = causal.sum(-1, keepdim=True)
+        n_keep = torch.maximum((n_causal * ratio).ceil().long(), forced.sum(-1, keepdim=True))
+        keep_ranked = (torch.arange(scores.shape[-1], device=scores.device) < n_keep).expand_as(scores)
+    keep = torch.zeros_like(keep_ranked).scatter(-1, order, keep_ranked)
+    return (keep | forced) & causal
+
+
+def select_blocks(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block: int,
+                  num_kv_heads: int, head_reduce: str, threshold: torch.Tensor, ratio: float | None = None,
+                  keep_sink: bool = True, keep_recent: bool = True) -> torch.Tensor:
+    """``[S, Hs, R, N]`` bool, the kept blocks: per KV head (``Hs = num_kv_heads``) or, with ``head_reduce
+    = "none"``, per query head. ``scores`` is ``[S, H, R, N]`` and ``threshold`` ``[H]`` per query head; a
+    reduction over a group uses the largest threshold of its heads."""
+    num_seqs, num_heads, rows, cols = scores.shape
+    group = num_heads // num_kv_heads
+    first = first_query_blocks(cu_seqlens_q, context_lens, block)
+    causal, diagonal = causal_blocks(scores, first, context_lens, block)
+    forced = torch.zeros_like(causal)
+    if keep_sink:
+        forced[..., 0] = True
+    if keep_recent:
+        forced |= diagonal
+    if head_reduce == "none":
+        return threshold_mask(scores, causal, forced, threshold, ratio)
+    grouped = scores.view(num_seqs, num_kv_heads, group, rows, cols)
+    group_threshold = threshold.view(num_kv_heads, group).amax(-1)
+    if head_reduce == "mean":
+        return threshold_mask(grouped.mean(2), causal, forced, group_threshold, ratio)
+    if head_reduce == "max":
+        return threshold_mask(grouped.amax(2), causal, forced, group_threshold, ratio)
+    own = threshold_mask(scores, causal, forced, threshold, ratio).view(num_seqs, num_kv_heads, group, rows, cols)
+    if head_reduce == "union":
+        return own.any(2)
+    if head_reduce == "majority":
+        return own.sum(2) * 2 > group  # forced blocks: every head keeps them
+    raise ValueError(f"head_reduce={head_reduce!r}: use mean, max, union, majority or none")
+
+
+def block_lists(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(blocks [S, Hs, R, W] int32, counts [S, Hs, R] int32)``: each row's kept key blocks in ascending
+    order, ``W`` the longest list (padding past a row's count is never read)."""
+    counts = mask.sum(-1)
+    width = max(int(counts.max()), 1) if mask.numel() else 1
+    cols = torch.arange(mask.shape[-1], device=mask.device, dtype=torch.int32)
+    blocks = torch.where(mask, cols, torch.iinfo(torch.int32).max).sort(-1).values[..., :width]
+    return blocks.contiguous(), counts.to(torch.int32)
+
+
+def causal_density(mask: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                   block: int) -> float:
+    """Kept blocks over causal blocks, over every row and head: the share of dense block work."""
+    first = first_query_blocks(cu_seqlens_q, context_lens, block)
+    causal, _ = causal_blocks(mask, first, context_lens, block)
+    return float(mask.sum()) / max(float(causal.expand_as(mask).sum()), 1.0)
