@@ -7,11 +7,12 @@
 #   BENCH_NAME=name    results file name under $OUT
 #   QUEST_BENCH="..."  arguments of `python -m nanovllm_quest.bench` (unset: not run), results under $OUT
 #   MINFERENCE_BENCH="..."  arguments of `python -m nanovllm_minference.bench` (unset: not run)
+#   XATTN_BENCH="..."  arguments of `python -m nanovllm_xattn.bench` (unset: not run)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-for pkg in core plugins/nanovllm_qwen3 plugins/nanovllm_llama nanovllm_quest nanovllm_minference; do
+for pkg in core plugins/nanovllm_qwen3 plugins/nanovllm_llama nanovllm_quest nanovllm_minference nanovllm_xattn; do
   python3 -m pip install -q --no-deps --no-build-isolation -e "$pkg" >/dev/null 2>&1 || { echo "install of $pkg failed"; exit 1; }
 done
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
@@ -31,5 +32,9 @@ fi
 if [ -n "${MINFERENCE_BENCH:-}" ]; then
   python3 -m nanovllm_minference.bench $MINFERENCE_BENCH --out "$OUT" 2>"$OUT/minference_bench_stderr.log" || status=1
   tail -c 3000 "$OUT/minference_bench_stderr.log" | tr '\r' '\n' | grep -v '^\s*$' | tail -15
+fi
+if [ -n "${XATTN_BENCH:-}" ]; then
+  python3 -m nanovllm_xattn.bench $XATTN_BENCH --out "$OUT" 2>"$OUT/xattn_bench_stderr.log" || status=1
+  tail -c 3000 "$OUT/xattn_bench_stderr.log" | tr '\r' '\n' | grep -v '^\s*$' | tail -15
 fi
 exit "$status"

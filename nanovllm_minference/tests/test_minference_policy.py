@@ -6,35 +6,14 @@ import json
 
 import pytest
 import torch
-from nanovllm.attention.metadata import PhaseMetadata
-from nanovllm.attention.torch_backend import TorchBackend
 from nanovllm.policy import PolicyContext
 from nanovllm.quality import planted
+from nanovllm.testing import prefill_context
 from nanovllm_minference.config import MInferenceConfig
 from nanovllm_minference.index import index_mask
 from nanovllm_minference.policy import MInferencePolicy
 
 BLOCK = 16
-
-
-def paged(case_q, case_k, case_v, q_len, scale, block_size=BLOCK, seed=0):
-    """One sequence whose last ``q_len`` tokens are the chunk: a shuffled paged cache holding every key."""
-    n = case_k.shape[0]
-    width = -(-n // block_size)
-    g = torch.Generator().manual_seed(seed)
-    table = torch.randperm(width, generator=g).int()
-    k_cache = torch.zeros(width, block_size, *case_k.shape[1:])
-    v_cache = torch.zeros_like(k_cache)
-    pad = width * block_size - n
-    k_cache[table.long()] = torch.nn.functional.pad(case_k, (0, 0, 0, 0, 0, pad)).view(width, block_size, *case_k.shape[1:])
-    v_cache[table.long()] = torch.nn.functional.pad(case_v, (0, 0, 0, 0, 0, pad)).view(width, block_size, *case_v.shape[1:])
-    cu = torch.tensor([0, q_len], dtype=torch.int32)
-    lens = torch.tensor([n], dtype=torch.int32)
-    meta = PhaseMetadata(cu, lens, table[None, :], q_len, n)
-    q = case_q[n - q_len:]
-    ctx = PolicyContext(3, True, q, meta, k_cache, v_cache, scale, TorchBackend(), None, case_k[n - q_len:],
-                        case_v[n - q_len:], torch.arange(n - q_len, n))
-    return q, ctx
 
 
 def run(policy, q, ctx):
@@ -45,7 +24,7 @@ def run(policy, q, ctx):
 @pytest.mark.parametrize("q_len", [300, 77])
 def test_budgets_covering_everything_are_dense(pattern, q_len):
     case = planted.needles(num_tokens=300)
-    q, ctx = paged(case.q, case.k, case.v, q_len, case.scale)
+    q, ctx = prefill_context(case.q, case.k, case.v, q_len, case.scale)
     big = dict(vertical_size=300, slash_size=300, n_init=300, n_local=300, top_k_blocks=5)
     policy = MInferencePolicy(MInferenceConfig(pattern=pattern, dense_below=0, **big))
     got = run(policy, q, ctx)
@@ -57,7 +36,7 @@ def test_planted_columns_and_diagonals_are_found():
     columns = planted.vertical_columns(num_tokens=512, columns_per_head=3)
     diagonals = planted.slash_diagonals(num_tokens=512, offsets=(0, 48, 160))
     for case, kind in ((columns, "columns"), (diagonals, "offsets")):
-        q, ctx = paged(case.q, case.k, case.v, 512, case.scale)
+        q, ctx = prefill_context(case.q, case.k, case.v, 512, case.scale)
         policy = MInferencePolicy(MInferenceConfig(vertical_size=8, slash_size=8, num_sink_tokens=1,
                                                    num_recent_diags=1, dense_below=0))
         from nanovllm_minference.policy import _ops
@@ -78,7 +57,7 @@ def test_planted_columns_and_diagonals_are_found():
 def test_sparse_output_matches_its_mask():
     """The output is attention over exactly the index's keys (the mask the quality harness measures)."""
     case = planted.local_band(num_tokens=400, window=40)
-    q, ctx = paged(case.q, case.k, case.v, 400, case.scale)
+    q, ctx = prefill_context(case.q, case.k, case.v, 400, case.scale)
     policy = MInferencePolicy(MInferenceConfig(vertical_size=20, slash_size=70, dense_below=0))
     from nanovllm_minference.policy import _ops
 
@@ -94,7 +73,7 @@ def test_sparse_output_matches_its_mask():
 
 def test_short_chunks_and_skipped_layers_run_dense(monkeypatch):
     case = planted.needles(num_tokens=200)
-    q, ctx = paged(case.q, case.k, case.v, 200, case.scale)
+    q, ctx = prefill_context(case.q, case.k, case.v, 200, case.scale)
     import nanovllm_minference.policy as module
 
     monkeypatch.setattr(module, "_ops", lambda device: pytest.fail("a dense chunk must not estimate"))
@@ -105,7 +84,7 @@ def test_short_chunks_and_skipped_layers_run_dense(monkeypatch):
 
 def test_a_per_head_file_mixes_patterns(tmp_path):
     case = planted.vertical_columns(num_tokens=256)
-    q, ctx = paged(case.q, case.k, case.v, 256, case.scale)
+    q, ctx = prefill_context(case.q, case.k, case.v, 256, case.scale)
     heads = {"0": ["stream_llm", 4, 64, 0], "1": ["vertical_and_slash", 4, 20, 0], "2": ["block_sparse", 2, 1, 0]}
     path = tmp_path / "heads.json"
     path.write_text(json.dumps([heads] * 4))
@@ -133,7 +112,7 @@ def test_offload_reads_the_keys_the_resident_path_reads(monkeypatch, options):
     """The offload path (every key for the estimate, then only the touched blocks) gives the resident
     path's output; here the 'pool' is the same cache read through ``read_keys`` / ``read_blocks``."""
     case = planted.slash_diagonals(num_tokens=480, offsets=(0, 100, 300))
-    q, ctx = paged(case.q, case.k, case.v, 150, case.scale)
+    q, ctx = prefill_context(case.q, case.k, case.v, 150, case.scale)
     policy = MInferencePolicy(MInferenceConfig(**options, dense_below=0))
     resident = run(policy, q, ctx)
 
@@ -168,7 +147,7 @@ def test_bad_options_name_the_fix(options, match):
 
 def test_adaptive_budget_scales_with_the_context():
     case = planted.needles(num_tokens=400)
-    q, ctx = paged(case.q, case.k, case.v, 400, case.scale)
+    q, ctx = prefill_context(case.q, case.k, case.v, 400, case.scale)
     policy = MInferencePolicy(MInferenceConfig(adaptive_budget=0.1, dense_below=0))
     from nanovllm_minference.policy import _ops
 

@@ -93,7 +93,7 @@ def test_ratio_keeps_a_fixed_share_of_each_row(phase):
     assert (worst_kept >= best_dropped).all()
 
 
-@pytest.mark.parametrize("reduce", ["mean", "max", "union", "majority", "none"])
+@pytest.mark.parametrize("reduce", ["mean", "max", "union", "majority", "global_majority", "none"])
 def test_gqa_reductions(phase, reduce):
     cu, lens = phase
     heads, kv_heads = 8, 2
@@ -107,6 +107,8 @@ def test_gqa_reductions(phase, reduce):
         assert torch.equal(mask, own.any(2))
     elif reduce == "majority":
         assert torch.equal(mask, own.sum(2) >= 3)
+    elif reduce == "global_majority":
+        assert torch.equal(mask, (own.sum((1, 2)) >= 5)[:, None].expand_as(mask))
     elif reduce == "none":
         assert torch.equal(mask, own.flatten(1, 2))
     else:

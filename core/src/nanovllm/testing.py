@@ -81,3 +81,31 @@ def run_under_interpreter(test_file: str | Path, keyword: str = "interp", timeou
     tail = (proc.stdout + proc.stderr)[-6000:]
     passed = re.search(r"(\d+) passed", tail)
     return proc.returncode, tail, int(passed.group(1)) if passed else 0
+
+
+def prefill_context(q, k, v, query_len: int, scale: float, block_size: int = 16, layer_id: int = 3, seed: int = 0):
+    """``(q_chunk, ctx)``: one sequence of ``T`` tokens (``q [T, H, D]``, ``k``/``v`` ``[T, Hkv, D]``) whose
+    last ``query_len`` tokens are a prefill chunk, as a policy sees it: a :class:`~nanovllm.policy.PolicyContext`
+    over a paged cache that already holds every key, its blocks in a shuffled order, on the torch backend."""
+    import torch
+
+    from nanovllm.attention.metadata import PhaseMetadata
+    from nanovllm.attention.torch_backend import TorchBackend
+    from nanovllm.policy import PolicyContext
+
+    n = k.shape[0]
+    width = -(-n // block_size)
+    table = torch.randperm(width, generator=torch.Generator().manual_seed(seed)).int()
+    pad = width * block_size - n
+
+    def paged(x):
+        cache = torch.zeros(width, block_size, *x.shape[1:], dtype=x.dtype)
+        cache[table.long()] = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)).view(width, block_size, *x.shape[1:])
+        return cache
+
+    meta = PhaseMetadata(torch.tensor([0, query_len], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
+                         table[None, :], query_len, n)
+    chunk = slice(n - query_len, n)
+    ctx = PolicyContext(layer_id, True, q[chunk], meta, paged(k), paged(v), scale, TorchBackend(), None, k[chunk],
+                        v[chunk], torch.arange(n - query_len, n))
+    return q[chunk], ctx

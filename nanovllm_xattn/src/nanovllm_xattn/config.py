@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-HEAD_REDUCTIONS = ("mean", "max", "union", "majority", "none")
+HEAD_REDUCTIONS = ("mean", "max", "union", "majority", "global_majority", "none")
 
 
 def _int_at_least(minimum: int):
@@ -63,7 +63,9 @@ class XAttentionConfig:
       the threshold).
     - ``head_reduce``: how the query heads of a GQA group share one selection per KV head: ``mean`` of
       their block scores (the default, measured in the README), ``max``, the ``union`` or the
-      ``majority`` of their own selections; ``none`` selects per query head.
+      ``majority`` of their own selections; ``global_majority`` keeps what most of all the layer's
+      heads select, for every head (the seed fork's vote, for comparison); ``none`` selects per query
+      head.
     - ``estimate_chunk``: query tokens scored per estimate launch, which bounds the scores' memory.
     - ``threshold_path``: a JSON list (layers) of lists (query heads) of thresholds; a reduction over a
       group uses the largest threshold of its heads.

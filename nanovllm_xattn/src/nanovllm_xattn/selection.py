@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from nanovllm_xattn.config import HEAD_REDUCTIONS
 from nanovllm_xattn.layout import first_query_blocks
 
 
@@ -80,7 +81,9 @@ def select_blocks(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens
         return own.any(2)
     if head_reduce == "majority":
         return own.sum(2) * 2 > group  # forced blocks: every head keeps them
-    raise ValueError(f"head_reduce={head_reduce!r}: use mean, max, union, majority or none")
+    if head_reduce == "global_majority":  # the seed fork's vote, one selection for every head
+        return (own.sum((1, 2)) * 2 > num_heads)[:, None].expand(-1, num_kv_heads, -1, -1)
+    raise ValueError(f"head_reduce={head_reduce!r}: use one of {', '.join(HEAD_REDUCTIONS)}")
 
 
 def block_lists(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,132 @@
+"""The ``xattn`` policy on the CPU (torch references): threshold 1 is dense, planted block clusters are
+found, long chunks estimated in slices give the same output, small chunks run dense, the offload path
+reads the same keys, and bad options are refused with the fix."""
+
+import json
+
+import pytest
+import torch
+from nanovllm.policy import PolicyContext
+from nanovllm.quality import planted
+from nanovllm.testing import prefill_context
+
+from nanovllm_xattn import policy as policy_module
+from nanovllm_xattn.config import XAttentionConfig
+from nanovllm_xattn.layout import first_query_blocks
+from nanovllm_xattn.policy import XAttentionPolicy
+from nanovllm_xattn.selection import causal_density
+
+BLOCK = 64  # xattn blocks: 4 KV blocks of 16
+
+
+def xattn(**options) -> XAttentionPolicy:
+    return XAttentionPolicy(XAttentionConfig(**{"block_size": BLOCK, "dense_below": 0, **options}))
+
+
+def run(policy, q, ctx):
+    return policy.compute_chunked_prefill(q, ctx.new_keys, ctx.new_values, ctx)
+
+
+def dense(q, ctx):
+    return ctx.attend_all(q, ctx.new_keys, ctx.new_values)
+
+
+@pytest.mark.parametrize("q_len", [500, 437, 50])
+@pytest.mark.parametrize("reduce", ["mean", "none"])
+def test_threshold_one_is_dense(q_len, reduce):
+    case = planted.needles(num_tokens=500)
+    q, ctx = prefill_context(case.q, case.k, case.v, q_len, case.scale)
+    torch.testing.assert_close(run(xattn(threshold=1.0, head_reduce=reduce), q, ctx), dense(q, ctx),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_planted_block_clusters_are_found():
+    """Every query attends to a few planted 64-token blocks per KV head: the selection keeps them for
+    every row at or past them, stays sparse, and the output is dense's."""
+    case = planted.block_clusters(num_tokens=1024, block_size=BLOCK, clusters_per_head=2, strength=8.0)
+    q, ctx = prefill_context(case.q, case.k, case.v, 1024, case.scale)
+    policy = xattn(threshold=0.9, stride=8)
+    masks = []
+    original = policy.select
+    policy.select = lambda *a: masks.append(original(*a)) or masks[-1]
+    out = run(policy, q, ctx)
+    mask = masks[0][0]  # [Hkv, R, N]
+    truth = case.truth[-1].view(case.truth.shape[1], -1, BLOCK).any(-1)  # [Hkv, N]: planted key blocks
+    rows = torch.arange(mask.shape[1])[:, None]
+    needed = truth[:, None, :] & (torch.arange(truth.shape[1])[None, :] <= rows)[None]  # causal part
+    assert (mask | ~needed).all(), "a planted block was dropped"
+    assert causal_density(masks[0], ctx.meta.cu_seqlens_q, ctx.meta.context_lens, BLOCK) < 0.5
+    torch.testing.assert_close(out, dense(q, ctx), atol=2e-2, rtol=0)
+
+
+def test_slices_give_the_output_of_one_estimate():
+    """Slices are cut on block boundaries and a query block's scores see only keys up to it, so the
+    estimate of a slice is the same as that of the whole chunk: identical selections and output."""
+    case = planted.vertical_columns(num_tokens=700)
+    q, ctx = prefill_context(case.q, case.k, case.v, 620, case.scale)
+    whole = run(xattn(threshold=0.8), q, ctx)
+    sliced = run(xattn(threshold=0.8, estimate_chunk=150), q, ctx)
+    torch.testing.assert_close(sliced, whole, atol=1e-6, rtol=1e-6)
+    assert first_query_blocks(ctx.meta.cu_seqlens_q, ctx.meta.context_lens, BLOCK).item() == 80 // BLOCK
+
+
+def test_short_chunks_and_skipped_layers_run_dense(monkeypatch):
+    case = planted.needles(num_tokens=300)
+    q, ctx = prefill_context(case.q, case.k, case.v, 300, case.scale)
+
+    def forbidden(device):
+        raise AssertionError("the sparse path ran")
+
+    monkeypatch.setattr(policy_module, "_ops", forbidden)
+    for policy in (XAttentionPolicy(XAttentionConfig(dense_below=301)), xattn(skip_layers=4)):
+        torch.testing.assert_close(run(policy, q, ctx), dense(q, ctx))
+
+
+@pytest.mark.parametrize("options", [dict(threshold=0.9), dict(ratio=0.3, estimate_chunk=128)])
+def test_offload_reads_the_keys_the_resident_path_reads(monkeypatch, options):
+    """The offload path (every key for the estimate, then only the kept blocks' values) gives the
+    resident path's output; here the 'pool' is the same cache read through ``read_paged``."""
+    case = planted.block_clusters(num_tokens=900, block_size=BLOCK, clusters_per_head=2)
+    q, ctx = prefill_context(case.q, case.k, case.v, 400, case.scale)
+    policy = xattn(**options)
+    resident = run(policy, q, ctx)
+
+    class PoolStandIn:
+        def wait_stored(self, layer_id):
+            pass
+
+    reads, original = [], PolicyContext.read_paged
+
+    def counting(self, present, values=True):
+        reads.append((values, int(present.sum())))
+        return original(self, present, values)
+
+    ctx.offload = PoolStandIn()
+    monkeypatch.setattr(PolicyContext, "read_paged", counting)
+    torch.testing.assert_close(run(policy, q, ctx), resident)
+    all_blocks = -(-900 // ctx.block_size)
+    assert reads[0] == (False, all_blocks), "the estimate reads every key once"
+    assert len(reads) == 2 and reads[1][0] and reads[1][1] < all_blocks, "values only of the kept blocks"
+
+
+def test_a_threshold_table_sets_each_head(tmp_path):
+    case = planted.needles(num_tokens=400)
+    q, ctx = prefill_context(case.q, case.k, case.v, 400, case.scale)
+    path = tmp_path / "thresholds.json"
+    path.write_text(json.dumps([[1.0] * 4] * 4))  # 4 layers of 4 query heads, all dense
+    policy = xattn(threshold_path=str(path), threshold=0.1)
+    policy.initialize(4, 2, 64, 32, 16, torch.float32, torch.device("cpu"))
+    torch.testing.assert_close(run(policy, q, ctx), dense(q, ctx), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="has 4 layers, the model 6"):
+        policy.initialize(6, 2, 64, 32, 16, torch.float32, torch.device("cpu"))
+    path.write_text(json.dumps([[1.0] * 3] * 4))
+    with pytest.raises(ValueError, match="gives layer 3 3 heads, the model 4"):
+        run(xattn(threshold_path=str(path)), q, ctx)
+    path.write_text("[[2.0]]")
+    with pytest.raises(ValueError, match=r"thresholds in \(0, 1\]"):
+        xattn(threshold_path=str(path))
+
+
+def test_block_size_must_be_a_multiple_of_the_cache_blocks():
+    with pytest.raises(ValueError, match="not a multiple of the KV cache's block_size=256"):
+        xattn().initialize(2, 2, 64, 32, 256, torch.float32, torch.device("cpu"))
