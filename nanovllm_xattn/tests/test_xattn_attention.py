@@ -110,7 +110,8 @@ def pack_lists(lists, block: int, max_query_len: int, gen: torch.Generator):
     num_seqs, num_sel = len(lists), len(lists[0])
     rows = num_query_blocks(max_query_len, block)
     width = max([len(lst) for seq in lists for head in seq for lst in head] + [0]) + 2
-    blocks = torch.tensor(GARBAGE)[torch.randint(len(GARBAGE), (num_seqs, num_sel, rows, width), generator=gen)]
+    pick = torch.randint(len(GARBAGE), (num_seqs, num_sel, rows, width), generator=gen)
+    blocks = torch.tensor(GARBAGE)[pick]
     counts = torch.tensor([10**6, -7])[torch.randint(2, (num_seqs, num_sel, rows), generator=gen)]
     for s in range(num_seqs):
         for g in range(num_sel):
@@ -152,8 +153,8 @@ def _dense_causal(c: Case):
     cu = c.cu.tolist()
     for s, (q_len, ctx) in enumerate(c.lens):
         table = c.tables[s].cpu().long()
-        keys = torch.stack([c.k_cache[table[p // kv_block_size], p % kv_block_size].cpu() for p in range(ctx)])
-        vals = torch.stack([c.v_cache[table[p // kv_block_size], p % kv_block_size].cpu() for p in range(ctx)])
+        phys, slot = table[torch.arange(ctx) // kv_block_size], torch.arange(ctx) % kv_block_size
+        keys, vals = c.k_cache.cpu()[phys, slot], c.v_cache.cpu()[phys, slot]
         for h in range(c.q.shape[1]):
             k, v = keys[:, h // group].double(), vals[:, h // group].double()
             for r in range(q_len):
@@ -171,8 +172,10 @@ def test_reference_equals_dense_when_every_causal_block_is_listed(per_query_head
     block, num_kv_heads, group = 64, 2, 2
     c = Case(lens, num_kv_heads, group, 16, 16, torch.float32, "cpu", gen)
     num_sel = num_kv_heads * group if per_query_head else num_kv_heads
-    lists = [[[list(range(qb + 1)) for qb in rows] for _ in range(num_sel)] for rows in _row_blocks(lens, block)]
-    out, lse = block_sparse_attention_reference(*c.args(*pack_lists(lists, block, c.max_query_len, gen), block))
+    every_causal_block = [[list(range(qb + 1)) for qb in rows] for rows in _row_blocks(lens, block)]
+    lists = [[seq] * num_sel for seq in every_causal_block]
+    blocks, counts = pack_lists(lists, block, c.max_query_len, gen)
+    out, lse = block_sparse_attention_reference(*c.args(blocks, counts, block))
     want_out, want_lse = _dense_causal(c)
     torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
@@ -204,7 +207,8 @@ def test_reference_hand_written_key_sets():
             return [set(range(64, p + 1)), set(range(64))][h]
         return [set(range(128)), set()][h]
 
-    out, lse = block_sparse_attention_reference(*c.args(*pack_lists(lists, block, c.max_query_len, gen), block))
+    blocks, counts = pack_lists(lists, block, c.max_query_len, gen)
+    out, lse = block_sparse_attention_reference(*c.args(blocks, counts, block))
     empty_rows = 0
     for s, (q_len, ctx) in enumerate(lens):
         table = c.tables[s].long()

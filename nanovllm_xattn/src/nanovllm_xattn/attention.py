@@ -44,7 +44,8 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _key_slots(bt_row, start_n, last_pos, BLOCK_N: tl.constexpr, KV_BLOCK: tl.constexpr, MASKED: tl.constexpr):
+def _key_slots(bt_row, start_n, last_pos, BLOCK_N: tl.constexpr, KV_BLOCK: tl.constexpr,
+               MASKED: tl.constexpr):
     """Physical cache blocks, slots in them and positions of the keys ``start_n .. start_n + BLOCK_N - 1``.
     ``start_n`` is a multiple of ``BLOCK_N`` and at most ``last_pos``; with ``MASKED`` keys past
     ``last_pos`` do not read the block table."""
@@ -176,7 +177,9 @@ def block_sparse_attention(
                   max_query_len)
     tensors = (k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, blocks, block_counts)
     if any(t.device != q.device for t in tensors):
-        raise ValueError(f"the caches, block tables, lengths and block lists must be on q's device ({q.device})")
+        raise ValueError(
+            f"the caches, block tables, lengths and block lists must be on q's device ({q.device}): move them"
+        )
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -190,7 +193,7 @@ def block_sparse_attention(
             "block_sparse_attention_reference on the CPU, or set TRITON_INTERPRET=1 before importing triton"
         )
     block_m, block_n, warps, stages = config or attention_config(head_dim, q.dtype, q.device, block)
-    if not (_is_power_of_two(block_m) and _is_power_of_two(block_n) and block_m <= block and block_n <= block):
+    if not all(_is_power_of_two(tile) and tile <= block for tile in (block_m, block_n)):
         raise ValueError(
             f"config tiles BLOCK_M {block_m}, BLOCK_N {block_n}: both must be powers of two no larger than "
             f"block {block}"
@@ -253,12 +256,14 @@ def _check_inputs(
             f"[{num_seqs}, Hs, R, width] and [{num_seqs}, Hs, R]"
         )
     if blocks.is_floating_point() or block_counts.is_floating_point():
-        raise ValueError(f"blocks {blocks.dtype}, block_counts {block_counts.dtype}: give integer (int32) lists")
+        raise ValueError(
+            f"blocks {blocks.dtype}, block_counts {block_counts.dtype}: give integer (int32) lists"
+        )
     num_sel_heads, rows = blocks.shape[1:3]
     if num_sel_heads == 0 or num_heads % num_sel_heads:
         raise ValueError(
-            f"{num_sel_heads} selection heads for {num_heads} query heads: the selection heads must divide the "
-            f"query heads (one per KV head, {num_kv_heads}, or one per query head, {num_heads})"
+            f"{num_sel_heads} selection heads for {num_heads} query heads: the selection heads must divide "
+            f"the query heads (one per KV head, {num_kv_heads}, or one per query head, {num_heads})"
         )
     if rows < num_query_blocks(max_query_len, block):
         raise ValueError(
