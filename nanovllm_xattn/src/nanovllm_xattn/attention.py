@@ -1,0 +1,347 @@
+"""XAttention block-sparse prefill attention over the paged KV cache: a Triton kernel and its torch reference.
+
+Both take, per sequence, selection head and row of the block grid (see :mod:`nanovllm_xattn.layout`), a list
+of key blocks: ``blocks [S, Hs, R, Wb]`` whose first ``block_counts [S, Hs, R]`` entries are absolute key
+blocks, strictly ascending, each at most the row's query block. Query head ``h`` uses the lists of selection
+head ``h // (H // Hs)``. The query at position ``p`` attends with softmax to the keys ``c <= p`` whose block
+``c // block`` is in its row's list. Both return ``(out [T, H, D] in q's dtype, lse [T, H] float32)``;
+``lse`` is the natural log of the sum of ``exp(scale * q.k)`` over the keys read. A row that reads no key
+gets out 0 and lse -inf.
+
+The kernel runs one program per (query tile, head, sequence). Query tiles are aligned to absolute
+positions (tile ``m`` of a sequence starts at ``(q0 // BLOCK_M + m) * BLOCK_M``, rows outside the chunk
+masked), so a tile lies in one query block and reads one list. It feeds one online softmax (base 2, the
+core's ``online_softmax_step``) from two loops:
+
+1. without masks: every key tile of the blocks below the diagonal (every row of the tile sees every key of
+   them), then the key tiles of the diagonal block that end before the tile's first row. The loop is
+   flattened over ``(entry, key tile in the block)``, so it is one long loop the compiler can pipeline and
+   the diagonal prefix costs no extra loop: its iterations read the diagonal entry, the list's last.
+2. with the causal mask: the diagonal block's key tiles from the query tile's first row to its last row
+   (nothing past the last row is read). Only when the list ends with the diagonal block.
+
+Keys are read through the block table with per-key addresses, so the cache block size may be smaller or
+larger than a key tile. Entries past a list's count, and block-table entries past a sequence's context,
+are never read. On CPU tensors the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1`` set
+before triton is imported) with float32 dots: the interpreter's bfloat16 dot is wrong.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from nanovllm.attention.triton_kernels import online_softmax_step
+
+from nanovllm_xattn.layout import num_query_blocks
+
+LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _key_slots(bt_row, start_n, last_pos, BLOCK_N: tl.constexpr, KV_BLOCK: tl.constexpr,
+               MASKED: tl.constexpr):
+    """Physical cache blocks, slots in them and positions of the keys ``start_n .. start_n + BLOCK_N - 1``.
+    ``start_n`` is a multiple of ``BLOCK_N`` and at most ``last_pos``; with ``MASKED`` keys past
+    ``last_pos`` do not read the block table."""
+    pos = start_n + tl.arange(0, BLOCK_N)
+    if BLOCK_N <= KV_BLOCK:  # the key tile lies in one cache block: one block-table read
+        phys = tl.load(bt_row + start_n // KV_BLOCK).to(tl.int64)
+    elif MASKED:
+        phys = tl.load(bt_row + pos // KV_BLOCK, mask=pos <= last_pos, other=0).to(tl.int64)
+    else:
+        phys = tl.load(bt_row + pos // KV_BLOCK).to(tl.int64)
+    return phys, pos % KV_BLOCK, pos
+
+
+# list strides change with the selection's width and the block tables' width: one compiled kernel for all
+@triton.jit(do_not_specialize=["stride_bt", "stride_ls", "stride_lg", "stride_lr", "stride_cs", "stride_cg"])
+def _block_sparse_kernel(
+    Q, K, V, Out, Lse,
+    cu_q, ctx_lens, block_tables, blocks, block_counts,
+    scale_log2,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_lt, stride_lh,
+    stride_bt,
+    stride_ls, stride_lg, stride_lr, stride_le,
+    stride_cs, stride_cg, stride_cr,
+    GROUP: tl.constexpr, SEL_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    KV_BLOCK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP32: tl.constexpr,
+):
+    # last query tiles first: under a causal mask they tend to have the most keys
+    m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2).to(tl.int64)
+    row0 = tl.load(cu_q + s)
+    q_len = tl.load(cu_q + s + 1) - row0
+    ctx = tl.load(ctx_lens + s)
+    q0 = ctx - q_len  # position of the chunk's first query
+    tile_start = (q0 // BLOCK_M + m) * BLOCK_M
+    if (q_len == 0) | (tile_start >= ctx):
+        return
+    last_pos = tl.minimum(tile_start + BLOCK_M, ctx) - 1  # the tile's last query: no key past it is read
+    query_block = tile_start // BLOCK
+    g = h // SEL_GROUP
+    entries = blocks + s * stride_ls + g * stride_lg + (query_block - q0 // BLOCK) * stride_lr
+    count = tl.load(block_counts + s * stride_cs + g * stride_cg + (query_block - q0 // BLOCK) * stride_cr)
+    last_entry = tl.load(entries + (count - 1) * stride_le, mask=count > 0, other=-1)
+    has_diag = last_entry == query_block
+    # the diagonal block: its key tiles before diag_lo are below every row of the tile, the rest masked
+    diag_lo = (tile_start // BLOCK_N) * BLOCK_N
+    diag_hi = tl.where(has_diag, last_pos + 1, diag_lo)
+    num_unmasked = (count - has_diag.to(tl.int32)) * (BLOCK // BLOCK_N)
+    num_unmasked += tl.where(has_diag, (diag_lo - query_block * BLOCK) // BLOCK_N, 0)
+
+    offs_m = tile_start + tl.arange(0, BLOCK_M)  # positions of the tile's rows
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = (offs_m >= q0) & (offs_m < ctx)
+    d_ok = offs_d < HEAD_DIM
+    q_rows = (row0 + offs_m - q0).to(tl.int64)
+    q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd,
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    K += (h // GROUP) * stride_kh
+    V += (h // GROUP) * stride_vh
+    bt_row = block_tables + s * stride_bt
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # 1. key tiles every row sees in full, (entry, tile in block) flattened; the diagonal's prefix at the end
+    for it in range(0, num_unmasked):
+        key_block = tl.load(entries + (it // (BLOCK // BLOCK_N)) * stride_le)
+        start_n = key_block * BLOCK + (it % (BLOCK // BLOCK_N)) * BLOCK_N
+        phys, slot, pos = _key_slots(bt_row, start_n, last_pos, BLOCK_N, KV_BLOCK, False)
+        k_ptrs = K + (phys * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :] * stride_kd
+        v_ptrs = V + (phys * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :] * stride_vd
+        if BLOCK_D == HEAD_DIM:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
+
+    # 2. the diagonal block from the tile's first row to its last: causal mask
+    for start_n in range(diag_lo, diag_hi, BLOCK_N):
+        phys, slot, pos = _key_slots(bt_row, start_n, last_pos, BLOCK_N, KV_BLOCK, True)
+        ld = (pos <= last_pos)[:, None] & d_ok[None, :]
+        k = tl.load(K + (phys * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :] * stride_kd,
+                    mask=ld, other=0.0)
+        v = tl.load(V + (phys * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :] * stride_vd,
+                    mask=ld, other=0.0)
+        keep = pos[None, :] <= offs_m[:, None]
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, keep, scale_log2, True, FP32)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    tl.store(Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
+             (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    # natural log; -inf for a row that read nothing (m_i = -inf, l_i = 0)
+    tl.store(Lse + q_rows * stride_lt + h * stride_lh, (m_i + tl.math.log2(l_i)) * 0.6931471805599453,
+             mask=m_ok)
+
+
+def attention_config(head_dim: int, dtype: torch.dtype, device: torch.device, block: int):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Both tiles are powers of two no larger than ``block``,
+    so a query tile lies in one query block and a key tile in one key block."""
+    if device.type != "cuda":
+        return min(16, block), min(16, block), 1, 1  # the interpreter: small tiles
+    if dtype == torch.float32 or head_dim > 128:  # keep the K/V stages within shared memory
+        return min(64, block), min(32, block), 4, 2
+    return min(128, block), min(64, block), 8, 3
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def block_sparse_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, blocks: torch.Tensor, block_counts: torch.Tensor,
+    block: int, scale: float, max_query_len: int, *, config: tuple[int, int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse prefill attention (Triton): ``(out [T, H, D] in q's dtype, lse [T, H] float32)``.
+
+    ``max_query_len`` (a host int) sizes the grid; nothing is read back from the device. ``config``
+    overrides :func:`attention_config`'s ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (tuning, tests)."""
+    _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, blocks, block_counts, block,
+                  max_query_len)
+    tensors = (k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, blocks, block_counts)
+    if any(t.device != q.device for t in tensors):
+        raise ValueError(
+            f"the caches, block tables, lengths and block lists must be on q's device ({q.device}): move them"
+        )
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out, lse
+    interpreted = type(_block_sparse_kernel).__name__ == "InterpretedFunction"
+    if q.device.type != "cuda" and not interpreted:
+        raise ValueError(
+            "block_sparse_attention got CPU tensors but Triton's interpreter is off: use "
+            "block_sparse_attention_reference on the CPU, or set TRITON_INTERPRET=1 before importing triton"
+        )
+    block_m, block_n, warps, stages = config or attention_config(head_dim, q.dtype, q.device, block)
+    if not all(_is_power_of_two(tile) and tile <= block for tile in (block_m, block_n)):
+        raise ValueError(
+            f"config tiles BLOCK_M {block_m}, BLOCK_N {block_n}: both must be powers of two no larger than "
+            f"block {block}"
+        )
+    # a chunk's tiles start at the tile holding its first query: one more than its length needs, at most
+    grid = (triton.cdiv(max_query_len + block_m - 1, block_m), num_heads, num_seqs)
+    _block_sparse_kernel[grid](
+        q, k_cache, v_cache, out, lse,
+        cu_seqlens_q, context_lens, block_tables, blocks, block_counts,
+        scale * LOG2E,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *lse.stride(),
+        block_tables.stride(0), *blocks.stride(), *block_counts.stride(),
+        GROUP=num_heads // k_cache.shape[2], SEL_GROUP=num_heads // blocks.shape[1], HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), KV_BLOCK=k_cache.shape[1], BLOCK=block,
+        BLOCK_M=block_m, BLOCK_N=block_n, FP32=q.dtype == torch.float32 or interpreted,
+        num_warps=warps, num_stages=stages,
+    )
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# torch reference
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_inputs(
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, blocks, block_counts, block: int,
+    max_query_len: int,
+) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}: expected q "
+            "[T, H, D] and both caches [num_blocks, kv_block_size, Hkv, D]"
+        )
+    if not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(
+            f"q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}: the kernel's dots need one "
+            "dtype; cast q to the cache dtype"
+        )
+    num_heads, head_dim = q.shape[1:]
+    kv_block_size, num_kv_heads = k_cache.shape[1:3]
+    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"{num_heads} query heads of dim {head_dim} over {num_kv_heads} KV heads of dim "
+            f"{k_cache.shape[3]}: the head dims must match and the KV heads must divide the query heads"
+        )
+    if not _is_power_of_two(kv_block_size):
+        raise ValueError(f"kv_block_size {kv_block_size}: the kernel needs a power of two")
+    if not (_is_power_of_two(block) and block >= 64):
+        raise ValueError(f"block {block}: use a power of two >= 64 (128 by default)")
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if context_lens.shape != (num_seqs,) or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"{num_seqs} sequences in cu_seqlens_q but context_lens {tuple(context_lens.shape)} and "
+            f"block_tables {tuple(block_tables.shape)}: one entry / row per sequence"
+        )
+    if blocks.dim() != 4 or blocks.shape[0] != num_seqs or block_counts.shape != blocks.shape[:3]:
+        raise ValueError(
+            f"blocks {tuple(blocks.shape)}, block_counts {tuple(block_counts.shape)}: expected "
+            f"[{num_seqs}, Hs, R, width] and [{num_seqs}, Hs, R]"
+        )
+    if blocks.is_floating_point() or block_counts.is_floating_point():
+        raise ValueError(
+            f"blocks {blocks.dtype}, block_counts {block_counts.dtype}: give integer (int32) lists"
+        )
+    num_sel_heads, rows = blocks.shape[1:3]
+    if num_sel_heads == 0 or num_heads % num_sel_heads:
+        raise ValueError(
+            f"{num_sel_heads} selection heads for {num_heads} query heads: the selection heads must divide "
+            f"the query heads (one per KV head, {num_kv_heads}, or one per query head, {num_heads})"
+        )
+    if rows < num_query_blocks(max_query_len, block):
+        raise ValueError(
+            f"blocks has {rows} rows but max_query_len {max_query_len} needs "
+            f"{num_query_blocks(max_query_len, block)} (layout.num_query_blocks): give a list per row"
+        )
+
+
+def _listed_blocks(blocks: torch.Tensor, counts: torch.Tensor, first_block: int, num_key_blocks: int,
+                   s: int) -> torch.Tensor:
+    """[Hs, rows, num_key_blocks] bool: which key blocks each row's list names, after checking the lists
+    (strictly ascending, each in 0 .. the row's query block)."""
+    width = blocks.shape[-1]
+    counts = counts.long()
+    entries = blocks.long()
+    real = torch.arange(width, device=blocks.device) < counts[..., None]
+    query_block = first_block + torch.arange(blocks.shape[1], device=blocks.device)
+    bad_count = (counts < 0) | (counts > width)
+    out_of_range = real & ((entries < 0) | (entries > query_block[None, :, None]))
+    not_ascending = real[..., 1:] & (entries[..., 1:] <= entries[..., :-1])
+    if bad_count.any() or out_of_range.any() or not_ascending.any():
+        raise ValueError(
+            f"sequence {s}: a block list breaks the contract (0 <= count <= {width}; the first count entries "
+            "strictly ascending key blocks, each at most the row's query block)"
+        )
+    listed = torch.zeros(*blocks.shape[:2], num_key_blocks + 1, dtype=torch.bool, device=blocks.device)
+    # padding past the counts lands in the extra last slot, dropped below
+    listed.scatter_(-1, torch.where(real, entries, num_key_blocks), True)
+    return listed[..., :-1]
+
+
+def block_sparse_attention_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, blocks: torch.Tensor, block_counts: torch.Tensor,
+    block: int, scale: float, max_query_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-sparse prefill attention (torch, any device; the oracle and the CPU path): a dense mask per
+    sequence, float32 softmax. Same arguments and results as :func:`block_sparse_attention`; it also checks
+    the lists it reads and raises ValueError on an entry that breaks the contract."""
+    _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, blocks, block_counts, block,
+                  max_query_len)
+    num_heads = q.shape[1]
+    kv_block_size, num_kv_heads = k_cache.shape[1:3]
+    device = q.device
+    kv_head = torch.arange(num_heads, device=device) // (num_heads // num_kv_heads)
+    sel_head = torch.arange(num_heads, device=device) // (num_heads // blocks.shape[1])
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=device)
+    cu, ctx_lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    for s, ctx in enumerate(ctx_lens):
+        q_len = cu[s + 1] - cu[s]
+        if q_len == 0:
+            continue
+        q0 = ctx - q_len
+        first_block = q0 // block
+        rows = (ctx - 1) // block - first_block + 1  # the rows this chunk uses
+        num_key_blocks = -(-ctx // block)
+        listed = _listed_blocks(blocks[s, :, :rows].to(device), block_counts[s, :, :rows].to(device),
+                                first_block, num_key_blocks, s)  # [Hs, rows, key blocks]
+        key_pos = torch.arange(ctx, device=device)
+        phys = block_tables[s].to(device).long()[key_pos // kv_block_size]
+        k = k_cache[phys, key_pos % kv_block_size].float()[:, kv_head]  # [ctx, H, D]
+        v = v_cache[phys, key_pos % kv_block_size].float()[:, kv_head]
+        # query rows in slices, so the [H, rows, ctx] scores stay within about 256 MB
+        step = max(1, 2**26 // (num_heads * ctx))
+        for start in range(0, q_len, step):
+            q_pos = torch.arange(q0 + start, min(q0 + start + step, ctx), device=device)
+            t = slice(cu[s] + start, cu[s] + start + len(q_pos))
+            row = q_pos // block - first_block
+            mask = listed[sel_head[:, None, None], row[None, :, None], (key_pos // block)[None, None, :]]
+            mask &= key_pos[None, None, :] <= q_pos[None, :, None]  # [H, rows, ctx]
+            scores = torch.einsum("qhd,khd->hqk", q[t].float(), k) * scale
+            scores = scores.masked_fill(~mask, float("-inf"))
+            row_lse = torch.logsumexp(scores, dim=-1)  # -inf for a row that reads nothing
+            probs = torch.where(mask, torch.exp(scores - row_lse[..., None]), 0.0)
+            out[t] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+            lse[t] = row_lse.T
+    return out, lse
+
+
+__all__ = ["block_sparse_attention", "block_sparse_attention_reference", "attention_config"]

@@ -1,0 +1,294 @@
+"""Block-sparse prefill attention: the torch reference against independent oracles, and the Triton kernel
+against the reference.
+
+The reference is checked against a plain causal softmax when every causal block is listed, and against key
+sets written out by hand for a tiny case. The kernel is checked against the reference on random paged
+inputs: on CUDA (``gpu``; one case at a realistic shape), and at small sizes under Triton's interpreter in
+a subprocess (``test_kernel_under_interpreter``). The random inputs have several sequences with chunked
+prefill (chunks starting off the block and tile grids, an empty chunk), GQA, one selection per KV head and
+one per query head, rows with no block, rows with and without their diagonal block, garbage past every
+list's count, in the rows past each chunk and in the block tables, and NaN in every cache slot no sequence
+owns: a read of padding or of a foreign slot fails the check.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from nanovllm_xattn.attention import block_sparse_attention, block_sparse_attention_reference  # noqa: E402
+from nanovllm_xattn.layout import num_query_blocks  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+# the interpreter cases exist only inside the subprocess that test_kernel_under_interpreter starts
+INTERP = (not CUDA) and os.environ.get("TRITON_INTERPRET") == "1"
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+LSE_TOL = {torch.bfloat16: 2e-3, torch.float16: 2e-3, torch.float32: 1e-4}
+GARBAGE = [-(10**6), -1, 0, 10**6]  # what padding past a list's count may hold
+
+# (dtype, head_dim, num_kv_heads, group, kv_block_size, per_query_head, block, config)
+GPU_CONFIGS = [
+    (torch.bfloat16, 128, 8, 4, 16, False, 128, None),  # the realistic shape (GPU_LONG_LENS)
+    (torch.bfloat16, 128, 2, 4, 16, True, 128, None),
+    (torch.float16, 64, 2, 4, 256, True, 128, None),
+    (torch.bfloat16, 128, 2, 2, 16, False, 64, None),
+    (torch.float32, 128, 2, 1, 32, False, 128, None),
+    (torch.bfloat16, 96, 2, 2, 64, True, 256, None),
+    (torch.bfloat16, 128, 2, 4, 16, False, 128, (64, 128, 4, 3)),  # key tiles larger than query tiles
+]
+INTERP_CONFIGS = [
+    (torch.bfloat16, 64, 1, 4, 16, False, 64, None),
+    (torch.float16, 32, 2, 2, 256, True, 64, (32, 64, 1, 1)),  # key tiles larger than query tiles
+    (torch.float32, 48, 2, 1, 4, False, 128, (16, 32, 1, 1)),  # key tiles span several cache blocks
+]
+# (query length, context length) per sequence: a fresh prompt, a chunk starting off the block grid, one row
+# over a long prefix, a chunk on the block grid, a sequence with no query in this phase
+GPU_LENS = [(1000, 1000), (700, 3000), (1, 1300), (640, 2560), (333, 4100), (0, 77)]
+GPU_LONG_LENS = [(3000, 3000), (1500, 4100)]
+INTERP_LENS = [(100, 100), (70, 250), (1, 130), (64, 192), (0, 40)]
+
+
+def _cfg_id(c) -> str:
+    dt, d, hkv, g, kvbs, per_q, block, config = c
+    name = f"{str(dt).removeprefix('torch.')}-d{d}-kv{hkv}-g{g}-kvbs{kvbs}-B{block}"
+    return name + ("-perq" if per_q else "") + (f"-tiles{config[0]}x{config[1]}" if config else "")
+
+
+PARAMS = [pytest.param("cuda", *c, id="gpu-" + _cfg_id(c), marks=pytest.mark.gpu) for c in GPU_CONFIGS] + [
+    pytest.param("cpu", *c, id="interp-" + _cfg_id(c)) for c in (INTERP_CONFIGS if INTERP else [])
+]
+
+
+class Case:
+    """Random paged KV for a batch: each sequence's cache blocks scattered in a shuffled pool, tables padded
+    with -1 and huge garbage; NaN in every slot that no sequence's context owns. ``q``/``k_cache``/``v_cache``
+    are strided views, as the engine passes them."""
+
+    def __init__(self, lens, num_kv_heads, group, head_dim, kv_block_size, dtype, device, gen):
+        self.lens = lens
+        self.scale = head_dim**-0.5
+        num_heads = num_kv_heads * group
+        nblk = [-(-c // kv_block_size) + 1 for _, c in lens]  # one more than needed: its slots are NaN
+        total = sum(nblk) + 3  # a few blocks nobody owns
+        perm = torch.randperm(total, generator=gen)
+        tables = torch.full((len(lens), max(nblk) + 2), 10**8, dtype=torch.int32)
+        tables[:, ::2] = -1
+        owned = torch.zeros(total, kv_block_size, dtype=torch.bool)
+        used = 0
+        for s, (_, ctx) in enumerate(lens):
+            tables[s, : nblk[s]] = perm[used : used + nblk[s]].int()
+            used += nblk[s]
+            pos = torch.arange(ctx)
+            owned[tables[s, pos // kv_block_size].long(), pos % kv_block_size] = True
+        kv = torch.randn(total, 2, kv_block_size, num_kv_heads, head_dim, generator=gen)
+        kv.masked_fill_(~owned[:, None, :, None, None], float("nan"))
+        kv = kv.to(dtype).to(device)
+        self.k_cache, self.v_cache = kv[:, 0], kv[:, 1]
+        qkv = torch.randn(sum(q for q, _ in lens), num_heads + 2, head_dim, generator=gen) * 2.0
+        self.q = qkv.to(dtype).to(device)[:, :num_heads]
+        q_lens = [q for q, _ in lens]
+        self.cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32).to(device)
+        self.ctx = torch.tensor([c for _, c in lens], dtype=torch.int32, device=device)
+        self.tables = tables.to(device)
+        self.max_query_len = max(q_lens)
+
+    def args(self, blocks: torch.Tensor, block_counts: torch.Tensor, block: int):
+        dev = self.q.device
+        return (self.q, self.k_cache, self.v_cache, self.tables, self.cu, self.ctx, blocks.to(dev),
+                block_counts.to(dev), block, self.scale, self.max_query_len)
+
+
+def pack_lists(lists, block: int, max_query_len: int, gen: torch.Generator):
+    """``(blocks, block_counts)`` from nested lists ``[s][g][r] -> ascending key blocks``: every list padded
+    with garbage to a common width (two padding entries at least), and the rows past each sequence's lists
+    filled with garbage entries and garbage counts."""
+    num_seqs, num_sel = len(lists), len(lists[0])
+    rows = num_query_blocks(max_query_len, block)
+    width = max([len(lst) for seq in lists for head in seq for lst in head] + [0]) + 2
+    pick = torch.randint(len(GARBAGE), (num_seqs, num_sel, rows, width), generator=gen)
+    blocks = torch.tensor(GARBAGE)[pick]
+    counts = torch.tensor([10**6, -7])[torch.randint(2, (num_seqs, num_sel, rows), generator=gen)]
+    for s in range(num_seqs):
+        for g in range(num_sel):
+            for r, entries in enumerate(lists[s][g]):
+                blocks[s, g, r, : len(entries)] = torch.tensor(entries, dtype=torch.long)
+                counts[s, g, r] = len(entries)
+    return blocks.int(), counts.int()
+
+
+def _row_blocks(lens, block: int) -> list[range]:
+    """The query blocks of each sequence's chunk (empty for a sequence with no query)."""
+    return [range((c - q) // block, (c - 1) // block + 1) if q else range(0) for q, c in lens]
+
+
+def random_lists(lens, num_sel: int, block: int, gen: torch.Generator):
+    """Lists of every kind, rotating over rows and heads: empty, the diagonal alone, random earlier blocks
+    with the diagonal, random earlier blocks without it."""
+    lists = []
+    for query_blocks in _row_blocks(lens, block):
+        seq = []
+        for g in range(num_sel):
+            head = []
+            for r, qb in enumerate(query_blocks):
+                kind = (g + r) % 4
+                earlier = [b for b in range(qb) if torch.rand(1, generator=gen).item() < 0.5]
+                head.append([[], [qb], earlier + [qb], earlier][kind])
+            seq.append(head)
+        lists.append(seq)
+    return lists
+
+
+def _dense_causal(c: Case):
+    """Plain causal softmax attention per sequence and head, float64: (out, lse)."""
+    q_all = c.q.double().cpu()
+    out = torch.zeros_like(q_all)
+    lse = torch.zeros(q_all.shape[:2], dtype=torch.float64)
+    group = c.q.shape[1] // c.k_cache.shape[2]
+    kv_block_size = c.k_cache.shape[1]
+    cu = c.cu.tolist()
+    for s, (q_len, ctx) in enumerate(c.lens):
+        table = c.tables[s].cpu().long()
+        phys, slot = table[torch.arange(ctx) // kv_block_size], torch.arange(ctx) % kv_block_size
+        keys, vals = c.k_cache.cpu()[phys, slot], c.v_cache.cpu()[phys, slot]
+        for h in range(c.q.shape[1]):
+            k, v = keys[:, h // group].double(), vals[:, h // group].double()
+            for r in range(q_len):
+                p = ctx - q_len + r
+                scores = q_all[cu[s] + r, h] @ k[: p + 1].T * c.scale
+                out[cu[s] + r, h] = torch.softmax(scores, 0) @ v[: p + 1]
+                lse[cu[s] + r, h] = torch.logsumexp(scores, 0)
+    return out, lse
+
+
+@pytest.mark.parametrize("per_query_head", [False, True])
+def test_reference_equals_dense_when_every_causal_block_is_listed(per_query_head):
+    gen = torch.Generator().manual_seed(0)
+    lens = [(70, 70), (30, 200), (1, 65), (90, 150)]
+    block, num_kv_heads, group = 64, 2, 2
+    c = Case(lens, num_kv_heads, group, 16, 16, torch.float32, "cpu", gen)
+    num_sel = num_kv_heads * group if per_query_head else num_kv_heads
+    every_causal_block = [[list(range(qb + 1)) for qb in rows] for rows in _row_blocks(lens, block)]
+    lists = [[seq] * num_sel for seq in every_causal_block]
+    blocks, counts = pack_lists(lists, block, c.max_query_len, gen)
+    out, lse = block_sparse_attention_reference(*c.args(blocks, counts, block))
+    want_out, want_lse = _dense_causal(c)
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_hand_written_key_sets():
+    """Three sequences, two query heads with a list each, one KV head; key sets spelled out by hand."""
+    gen = torch.Generator().manual_seed(1)
+    block = 64
+    # seq 0: positions 130..139, one row (block 2); seq 1: a fresh 70-token prompt, rows of blocks 0 and 1;
+    # seq 2: positions 100..139, rows of blocks 1 and 2
+    lens = [(10, 140), (70, 70), (40, 140)]
+    c = Case(lens, 1, 2, 8, 16, torch.float32, "cpu", gen)
+    lists = [
+        [[[0, 2]], [[1]]],
+        [[[0], [0]], [[], [1]]],
+        [[[1], [0, 1]], [[0], []]],
+    ]
+
+    def keys_of(s: int, h: int, p: int) -> set[int]:
+        """The keys the query at position p reads, from the semantics: listed blocks, c <= p."""
+        if s == 0:
+            return [set(range(64)) | set(range(128, p + 1)), set(range(64, 128))][h]
+        if s == 1:
+            if p < 64:
+                return [set(range(p + 1)), set()][h]
+            return [set(range(64)), set(range(64, p + 1))][h]
+        if p < 128:
+            return [set(range(64, p + 1)), set(range(64))][h]
+        return [set(range(128)), set()][h]
+
+    blocks, counts = pack_lists(lists, block, c.max_query_len, gen)
+    out, lse = block_sparse_attention_reference(*c.args(blocks, counts, block))
+    empty_rows = 0
+    for s, (q_len, ctx) in enumerate(lens):
+        table = c.tables[s].long()
+        keys = torch.stack([c.k_cache[table[p // 16], p % 16, 0] for p in range(ctx)]).double()
+        vals = torch.stack([c.v_cache[table[p // 16], p % 16, 0] for p in range(ctx)]).double()
+        for h in range(2):
+            for r in range(q_len):
+                t, p = int(c.cu[s]) + r, ctx - q_len + r
+                read = sorted(keys_of(s, h, p))
+                if not read:
+                    assert torch.all(out[t, h] == 0) and lse[t, h] == float("-inf"), (s, h, r)
+                    empty_rows += 1
+                    continue
+                scores = keys[read] @ c.q[t, h].double() * c.scale
+                torch.testing.assert_close(out[t, h].double(), torch.softmax(scores, 0) @ vals[read],
+                                           rtol=1e-5, atol=1e-5, msg=f"out {(s, h, r)}")
+                assert abs(lse[t, h].item() - torch.logsumexp(scores, 0).item()) < 1e-5, (s, h, r)
+    assert empty_rows == 64 + 12
+
+
+@pytest.mark.parametrize(
+    "device,dtype,head_dim,num_kv_heads,group,kv_block_size,per_query_head,block,config", PARAMS)
+def test_kernel_matches_reference(device, dtype, head_dim, num_kv_heads, group, kv_block_size, per_query_head,
+                                  block, config):
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator().manual_seed(seed)
+    if device == "cuda":
+        lens = GPU_LONG_LENS if num_kv_heads * group == 32 else GPU_LENS
+    else:
+        lens = INTERP_LENS
+    c = Case(lens, num_kv_heads, group, head_dim, kv_block_size, dtype, device, gen)
+    num_sel = num_kv_heads * group if per_query_head else num_kv_heads
+    args = c.args(*pack_lists(random_lists(lens, num_sel, block, gen), block, c.max_query_len, gen), block)
+    out, lse = block_sparse_attention(*args, config=config)
+    ref_out, ref_lse = block_sparse_attention_reference(*args)
+    what = f"seed {seed}"
+    assert out.shape == ref_out.shape and out.dtype == ref_out.dtype and lse.dtype == torch.float32, what
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any(), f"{what}: NaN or unwritten output"
+    err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
+    assert err < TOL[dtype], f"{what}: relative error {err:.2e}"
+    empty = torch.isneginf(ref_lse)
+    assert empty.any() and (~empty).any(), f"{what}: the case must have rows with and without keys"
+    assert torch.equal(torch.isneginf(lse), empty), f"{what}: rows that read nothing differ"
+    assert torch.all(out[empty] == 0), f"{what}: a row that reads nothing must get 0"
+    lse_err = (lse[~empty] - ref_lse[~empty]).abs().max().item()
+    assert lse_err < LSE_TOL[dtype], f"{what}: lse error {lse_err:.2e}"
+
+
+def test_kernel_under_interpreter():
+    """Every ``interp`` case of this file under Triton's interpreter on the CPU, in a fresh process."""
+    if CUDA or INTERP:
+        pytest.skip("runs the interpreter cases in a subprocess on machines without CUDA")
+    from nanovllm.testing import run_under_interpreter
+
+    returncode, tail, passed = run_under_interpreter(__file__)
+    assert returncode == 0, tail
+    assert passed == len(INTERP_CONFIGS), tail
+
+
+def test_bad_inputs_are_refused_up_front():
+    gen = torch.Generator().manual_seed(2)
+    lens = [(130, 130)]  # three rows at block 64
+    c = Case(lens, 1, 4, 16, 16, torch.float32, "cpu", gen)
+    lists = [[[[0], [0, 1], [2]]]]
+    blocks, counts = pack_lists(lists, 64, c.max_query_len, gen)
+    for fn in (block_sparse_attention, block_sparse_attention_reference):
+        for bad_block in (32, 96):
+            with pytest.raises(ValueError, match="power of two >= 64"):
+                fn(*c.args(blocks, counts, bad_block))
+        with pytest.raises(ValueError, match="must divide the query heads"):
+            fn(*c.args(blocks.expand(1, 3, -1, -1), counts.expand(1, 3, -1), 64))
+        with pytest.raises(ValueError, match="needs 4"):
+            fn(*c.args(blocks[:, :, :2], counts[:, :, :2], 64))
+        with pytest.raises(ValueError, match=r"expected \[1, Hs, R, width\]"):
+            fn(*c.args(blocks[0], counts[0], 64))
+        with pytest.raises(ValueError, match="one dtype"):
+            fn(c.q.half(), *c.args(blocks, counts, 64)[1:])
+    for broken in ([[[[0], [1, 0], [2]]]], [[[[0], [0, 2], [2]]]], [[[[-1], [0], [2]]]]):
+        with pytest.raises(ValueError, match="breaks the contract"):
+            block_sparse_attention_reference(*c.args(*pack_lists(broken, 64, c.max_query_len, gen), 64))
+    if not INTERP:
+        with pytest.raises(ValueError, match="block_sparse_attention_reference on the CPU"):
+            block_sparse_attention(*c.args(blocks, counts, 64))
