@@ -16,13 +16,18 @@ row sums to its number of taking-part rows (``block / S'`` for a full block).
 
 ``block_scores_reference`` is this in plain torch (the CPU path; also runs on CUDA tensors).
 
-``block_scores`` is two Triton passes, one program per (head, tile of reshaped rows, sequence); row tiles
-start at the first query block and hold whole blocks, key tiles start at key 0 and hold whole blocks:
+``block_scores`` is two Triton passes; the first reads the keys, once:
 
-1. row statistics: the running max and sum of ``exp2`` of each row's logits over the causal key tiles;
-   the max and ``1 / sum`` are stored.
-2. sums: the logits again, normalised, each tile reduced in registers to its ``[query blocks, key
-   blocks]`` sums and stored. Every output element has one writer: deterministic, no atomics.
+1. per (head, tile of reshaped rows, sequence): the logits of each key tile (row tiles start at the
+   first query block and hold whole blocks, key tiles start at key 0 and hold whole blocks), reduced on
+   their own to each row's log2-sum-exp2 over each key block, ``lse[i, kb]``, stored: float32
+   ``[S, H, rows, key blocks]``, ``block / S'`` times the size of the scores (2 GiB for one 128K-token
+   chunk at H=32, S'=8, block 128; chunked prefill keeps it small).
+2. per (head, query block row, sequence): each row's total ``log2 sum_kb exp2(lse[i, kb])``, then
+   ``scores = sum over the block's taking-part rows of exp2(lse[i, kb] - total[i])``.
+
+Every stored element has one writer: deterministic, no atomics. Against the usual two GEMM passes (row
+statistics, then the logits again, normalised) this does the GEMM once; pass 2 only streams ``lse``.
 
 The logits of a tile are a GEMM of depth ``S' * D``, computed as ``S'`` dots ``[rows, D] x [D, keys]``:
 step ``t`` pairs the queries at positions ``i*S' + S'-1-t`` with the keys at ``j*S' + t``, both loaded
@@ -210,75 +215,75 @@ def _row_tile(cu_q, context_lens, s, tile, STRIDE: tl.constexpr, PER_BLOCK: tl.c
     return q_start, q0, ctx, i, row_ok, num_keys, live
 
 
-@triton.jit(do_not_specialize=["stride_bt", "stats_width"])
-def _row_stats_kernel(
-    Q, K, cu_q, context_lens, block_tables, RowMax, RowInvSum,
-    scale_log2, stats_width,
+@triton.jit(do_not_specialize=["stride_bt", "lse_rows", "num_k_blocks"])
+def _block_lse_kernel(
+    Q, K, cu_q, context_lens, block_tables, Lse,
+    scale_log2, lse_rows, num_k_blocks,
     stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd, stride_bt,
     GROUP: tl.constexpr, STRIDE: tl.constexpr, PER_BLOCK: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     FP32: tl.constexpr,
 ):
-    """Pass 1: per (head, row tile, sequence), each row's max (base-2 logits) and 1 / sum of exp2 (0 for
-    rows that do not take part)."""
+    """Pass 1: per (head, row tile, sequence), each row's log2-sum-exp2 of its base-2 logits over each key
+    block up to the tile's diagonal (-inf where a block has no visible key). Each key tile is reduced on
+    its own, against its own row max: no running max, no rescaling."""
+    KB: tl.constexpr = BLOCK_N // PER_BLOCK  # key blocks of a key tile
     h = tl.program_id(0)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest row tiles start first
     s = tl.program_id(2)
     q_start, q0, ctx, i, row_ok, num_keys, live = _row_tile(cu_q, context_lens, s, tile, STRIDE, PER_BLOCK,
                                                             ROWS)
     if live:
-        m_i = tl.full([ROWS], float("-inf"), tl.float32)
-        l_i = tl.zeros([ROWS], tl.float32)
+        out_rows = ((s * tl.num_programs(0) + h).to(tl.int64) * lse_rows + tile * ROWS
+                    + tl.arange(0, ROWS)) * num_k_blocks
         for j0 in range(0, num_keys, BLOCK_N):
             j = j0 + tl.arange(0, BLOCK_N)
             x = _tile_logits(Q, K, block_tables, s, h, h // GROUP, q_start, q0, ctx, i, j,
                              stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
                              stride_bt, ROWS, BLOCK_N, STRIDE, HEAD_DIM, BLOCK_D, BLOCK_SIZE, FP32)
             x = tl.where(j[None, :] <= i[:, None], x * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(x, 1))  # finite: key 0 is visible to every row
-            l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(x - m_new[:, None]), 1)
-            m_i = m_new
-        out = (s * tl.num_programs(0) + h).to(tl.int64) * stats_width + tile * ROWS + tl.arange(0, ROWS)
-        tl.store(RowMax + out, m_i)
-        tl.store(RowInvSum + out, tl.where(row_ok, 1.0 / l_i, 0.0))
-
-
-@triton.jit(do_not_specialize=["stride_bt", "stats_width", "num_q_blocks", "num_k_blocks"])
-def _block_sums_kernel(
-    Q, K, cu_q, context_lens, block_tables, RowMax, RowInvSum, Scores,
-    scale_log2, stats_width, num_q_blocks, num_k_blocks,
-    stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd, stride_bt,
-    GROUP: tl.constexpr, STRIDE: tl.constexpr, PER_BLOCK: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    FP32: tl.constexpr,
-):
-    """Pass 2: per (head, row tile, sequence), the normalised probabilities of each key tile summed to
-    ``[ROWS / PER_BLOCK, BLOCK_N / PER_BLOCK]`` block scores and stored (one writer per element)."""
-    QB: tl.constexpr = ROWS // PER_BLOCK  # query blocks of a row tile
-    KB: tl.constexpr = BLOCK_N // PER_BLOCK  # key blocks of a key tile
-    h = tl.program_id(0)
-    tile = tl.num_programs(1) - 1 - tl.program_id(1)
-    s = tl.program_id(2)
-    q_start, q0, ctx, i, row_ok, num_keys, live = _row_tile(cu_q, context_lens, s, tile, STRIDE, PER_BLOCK,
-                                                            ROWS)
-    if live:
-        stats = (s * tl.num_programs(0) + h).to(tl.int64) * stats_width + tile * ROWS + tl.arange(0, ROWS)
-        m = tl.load(RowMax + stats)
-        inv_sum = tl.load(RowInvSum + stats)  # 0 on rows that do not take part
-        r = tile * QB + tl.arange(0, QB)
-        out_rows = ((s * tl.num_programs(0) + h).to(tl.int64) * num_q_blocks + r) * num_k_blocks
-        for j0 in range(0, num_keys, BLOCK_N):
-            j = j0 + tl.arange(0, BLOCK_N)
-            x = _tile_logits(Q, K, block_tables, s, h, h // GROUP, q_start, q0, ctx, i, j,
-                             stride_qt, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
-                             stride_bt, ROWS, BLOCK_N, STRIDE, HEAD_DIM, BLOCK_D, BLOCK_SIZE, FP32)
-            p = tl.math.exp2(x * scale_log2 - m[:, None]) * inv_sum[:, None]
-            p = tl.where((j[None, :] <= i[:, None]) & row_ok[:, None], p, 0.0)  # also drops exp2 overflows
-            by_key_block = tl.sum(tl.reshape(p, [ROWS, KB, PER_BLOCK]), 2)
-            sums = tl.sum(tl.reshape(by_key_block, [QB, PER_BLOCK, KB]), 1)
+            m = tl.max(x, 1)
+            m = tl.where(m == float("-inf"), 0.0, m)  # a row that sees no key of the tile
+            sums = tl.sum(tl.reshape(tl.math.exp2(x - m[:, None]), [ROWS, KB, PER_BLOCK]), 2)
             kb = j0 // PER_BLOCK + tl.arange(0, KB)
-            tl.store(Scores + out_rows[:, None] + kb[None, :], sums,
-                     mask=(r < num_q_blocks)[:, None] & (kb < num_k_blocks)[None, :])
+            tl.store(Lse + out_rows[:, None] + kb[None, :], m[:, None] + tl.math.log2(sums),
+                     mask=(kb < num_k_blocks)[None, :])
+
+
+@triton.jit(do_not_specialize=["lse_rows", "num_q_blocks", "num_k_blocks"])
+def _block_sums_kernel(
+    Lse, cu_q, context_lens, Scores,
+    lse_rows, num_q_blocks, num_k_blocks,
+    STRIDE: tl.constexpr, PER_BLOCK: tl.constexpr, BLOCK_KB: tl.constexpr,
+):
+    """Pass 2: per (head, query block row, sequence), each row's total log2-sum-exp2 over its key blocks,
+    then ``P`` summed per key block over the row's taking-part reshaped rows: ``exp2(lse - total)``."""
+    h = tl.program_id(0)
+    r = tl.program_id(1)
+    s = tl.program_id(2)
+    ctx = tl.load(context_lens + s)
+    q0 = ctx - (tl.load(cu_q + s + 1) - tl.load(cu_q + s))
+    b = q0 // (STRIDE * PER_BLOCK) + r  # the row's query block, its diagonal key block
+    if (q0 < ctx) & (b * STRIDE * PER_BLOCK < ctx):
+        i = b * PER_BLOCK + tl.arange(0, PER_BLOCK)
+        row_ok = (i >= q0 // STRIDE) & (i <= (ctx - 1) // STRIDE)
+        rows = ((s * tl.num_programs(0) + h).to(tl.int64) * lse_rows + r * PER_BLOCK
+                + tl.arange(0, PER_BLOCK)) * num_k_blocks
+        m_i = tl.full([PER_BLOCK], float("-inf"), tl.float32)
+        l_i = tl.zeros([PER_BLOCK], tl.float32)
+        for kb0 in range(0, b + 1, BLOCK_KB):
+            kb = kb0 + tl.arange(0, BLOCK_KB)
+            lse = tl.load(Lse + rows[:, None] + kb[None, :], mask=(kb <= b)[None, :], other=float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(lse, 1))  # finite from the first chunk: key block 0 is visible
+            l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(lse - m_new[:, None]), 1)
+            m_i = m_new
+        total = m_i + tl.math.log2(l_i)
+        out = ((s * tl.num_programs(0) + h).to(tl.int64) * num_q_blocks + r) * num_k_blocks
+        for kb0 in range(0, b + 1, BLOCK_KB):
+            kb = kb0 + tl.arange(0, BLOCK_KB)
+            lse = tl.load(Lse + rows[:, None] + kb[None, :], mask=(kb <= b)[None, :], other=float("-inf"))
+            p = tl.where(row_ok[:, None], tl.math.exp2(lse - total[:, None]), 0.0)
+            tl.store(Scores + out + kb, tl.sum(p, 0), mask=kb <= b)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,8 +302,8 @@ def _config(dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, in
 
 
 def _fit_stages(stages: int, rows: int, block_n: int, block_d: int, q: torch.Tensor) -> int:
-    """Pipeline stages that fit in shared memory: each holds one step's query and key tiles; pass 2's
-    block reduction stages the float32 probability tile besides (wide blocks make wide tiles)."""
+    """Pipeline stages that fit in shared memory: each holds one step's query and key tiles; pass 1's
+    reduction by key block may stage the float32 logit tile besides (wide blocks make wide tiles)."""
     if q.device.type != "cuda":
         return stages
     budget = triton.runtime.driver.active.utils.get_device_properties(q.device.index)["max_shared_mem"]
@@ -343,24 +348,21 @@ def block_scores(
     block_n = max(per_block, 16, block_n)
     stages = _fit_stages(stages, rows, block_n, triton.next_power_of_2(head_dim), q)
     num_tiles = triton.cdiv(num_q_blocks * per_block, rows)
-    stats_width = num_tiles * rows
-    row_max = torch.empty(num_seqs, num_heads, stats_width, dtype=torch.float32, device=q.device)
-    row_inv_sum = torch.empty_like(row_max)
+    lse_rows = num_tiles * rows
+    lse = torch.empty(num_seqs, num_heads, lse_rows, num_k_blocks, dtype=torch.float32, device=q.device)
 
-    grid = (num_heads, num_tiles, num_seqs)
     strides = (*q.stride(), *k_cache.stride(), block_tables.stride(0))
-    common = dict(
+    _block_lse_kernel[(num_heads, num_tiles, num_seqs)](
+        q, k_cache, cu_seqlens_q, context_lens, block_tables, lse,
+        scale / stride * LOG2E, lse_rows, num_k_blocks, *strides,
         GROUP=num_heads // k_cache.shape[2], STRIDE=stride, PER_BLOCK=per_block, ROWS=rows, BLOCK_N=block_n,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1],
         FP32=q.dtype == torch.float32 or q.device.type != "cuda", num_warps=warps, num_stages=stages,
     )
-    scale_log2 = scale / stride * LOG2E
-    _row_stats_kernel[grid](
-        q, k_cache, cu_seqlens_q, context_lens, block_tables, row_max, row_inv_sum,
-        scale_log2, stats_width, *strides, **common,
-    )
-    _block_sums_kernel[grid](
-        q, k_cache, cu_seqlens_q, context_lens, block_tables, row_max, row_inv_sum, scores,
-        scale_log2, stats_width, num_q_blocks, num_k_blocks, *strides, **common,
+    gpu = q.device.type == "cuda"
+    _block_sums_kernel[(num_heads, num_q_blocks, num_seqs)](
+        lse, cu_seqlens_q, context_lens, scores, lse_rows, num_q_blocks, num_k_blocks,
+        STRIDE=stride, PER_BLOCK=per_block, BLOCK_KB=max(16, 2048 // per_block) if gpu else 16,
+        num_warps=4 if gpu else 1,
     )
     return scores
