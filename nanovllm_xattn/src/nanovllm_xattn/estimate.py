@@ -199,22 +199,6 @@ def _tile_logits(
     return acc
 
 
-@triton.jit
-def _row_tile(cu_q, context_lens, s, tile, STRIDE: tl.constexpr, PER_BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    """Where row tile ``tile`` of sequence ``s`` lies: (q_start, q0, ctx, first reshaped row of the tile,
-    its rows ``i``, which take part, reshaped keys the tile reads, whether the tile holds any row)."""
-    ctx = tl.load(context_lens + s)
-    q_start = tl.load(cu_q + s)
-    q0 = ctx - (tl.load(cu_q + s + 1) - q_start)
-    last_row = (ctx - 1) // STRIDE
-    i0 = q0 // (STRIDE * PER_BLOCK) * PER_BLOCK + tile * ROWS  # row tiles start at the first query block
-    i = i0 + tl.arange(0, ROWS)
-    row_ok = (i >= q0 // STRIDE) & (i <= last_row)
-    num_keys = tl.minimum(i0 + ROWS, last_row + 1)  # causal: keys j <= i
-    live = (q0 < ctx) & (i0 <= last_row)
-    return q_start, q0, ctx, i, row_ok, num_keys, live
-
-
 @triton.jit(do_not_specialize=["stride_bt", "lse_rows", "num_k_blocks"])
 def _block_lse_kernel(
     Q, K, cu_q, context_lens, block_tables, Lse,
@@ -231,9 +215,14 @@ def _block_lse_kernel(
     h = tl.program_id(0)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest row tiles start first
     s = tl.program_id(2)
-    q_start, q0, ctx, i, row_ok, num_keys, live = _row_tile(cu_q, context_lens, s, tile, STRIDE, PER_BLOCK,
-                                                            ROWS)
-    if live:
+    ctx = tl.load(context_lens + s)
+    q_start = tl.load(cu_q + s)
+    q0 = ctx - (tl.load(cu_q + s + 1) - q_start)
+    last_row = (ctx - 1) // STRIDE
+    i0 = q0 // (STRIDE * PER_BLOCK) * PER_BLOCK + tile * ROWS  # row tiles start at the first query block
+    i = i0 + tl.arange(0, ROWS)
+    num_keys = tl.minimum(i0 + ROWS, last_row + 1)  # causal: keys j <= i
+    if (q0 < ctx) & (i0 <= last_row):  # rows that do not take part are written too; pass 2 skips them
         out_rows = ((s * tl.num_programs(0) + h).to(tl.int64) * lse_rows + tile * ROWS
                     + tl.arange(0, ROWS)) * num_k_blocks
         for j0 in range(0, num_keys, BLOCK_N):
