@@ -108,7 +108,7 @@ def run(settings: list[str], tokens: int, chunk: int, layers: list[int] | None, 
                "ppl_tail": ppl_tail, "dense_perplexity": dense_ppl, "results": rows}
     for setting in settings:
         options = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in setting.split(","))}
-        options.update(block_size=block_size, dense_below=0)
+        options = {"block_size": block_size, **options, "dense_below": 0}
         selection = "xattn:" + ",".join(f"{k}={json.dumps(v)}" for k, v in options.items())
         policy = XAttentionPolicy(XAttentionConfig(**options))
         per_layer = {layer.layer_id: chunk_metrics(policy, layer, chunk, rows_per_chunk, capture.block_size, seed)
@@ -131,7 +131,8 @@ def markdown(payload: dict[str, Any]) -> str:
     lines = [
         "# nanovllm-xattn quality on SmolLM2-135M-Instruct", "",
         f"{env['date']}, commit {env['commit']}, CPU (torch references). Text: {payload['text']['name']} "
-        f"({payload['tokens']} tokens), prefill chunks of {payload['chunk']}, blocks of {payload['block_size']}, "
+        f"({payload['tokens']} tokens), prefill chunks of {payload['chunk']}, blocks of {payload['block_size']} "
+        "unless the setting says otherwise, "
         f"layers {payload['layers']}, {payload['rows_per_chunk']} query rows sampled per chunk after the first. "
         f"Perplexity of the last {payload['ppl_tail']} tokens, dense {payload['dense_perplexity']:.3f}.", "",
         "Density: the share of visible keys the selection reads (mean over rows and heads); block density: kept "
