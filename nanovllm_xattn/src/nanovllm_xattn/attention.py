@@ -75,7 +75,7 @@ def _block_sparse_kernel(
     stride_cs, stride_cg, stride_cr,
     GROUP: tl.constexpr, SEL_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     KV_BLOCK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP32: tl.constexpr,
+    FP32: tl.constexpr, SAME_LAYOUT: tl.constexpr,
 ):
     # last query tiles first: under a causal mask they tend to have the most keys
     m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -121,8 +121,12 @@ def _block_sparse_kernel(
         key_block = tl.load(entries + (it // (BLOCK // BLOCK_N)) * stride_le)
         start_n = key_block * BLOCK + (it % (BLOCK // BLOCK_N)) * BLOCK_N
         phys, slot, pos = _key_slots(bt_row, start_n, last_pos, BLOCK_N, KV_BLOCK, False)
-        k_ptrs = K + (phys * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :] * stride_kd
-        v_ptrs = V + (phys * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :] * stride_vd
+        k_off = (phys * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :] * stride_kd
+        k_ptrs = K + k_off
+        if SAME_LAYOUT:  # the engine's K and V caches: one address computation for both
+            v_ptrs = V + k_off
+        else:
+            v_ptrs = V + (phys * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :] * stride_vd
         if BLOCK_D == HEAD_DIM:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
@@ -213,6 +217,7 @@ def block_sparse_attention(
         GROUP=num_heads // k_cache.shape[2], SEL_GROUP=num_heads // blocks.shape[1], HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), KV_BLOCK=k_cache.shape[1], BLOCK=block,
         BLOCK_M=block_m, BLOCK_N=block_n, FP32=q.dtype == torch.float32 or interpreted,
+        SAME_LAYOUT=k_cache.stride() == v_cache.stride(),
         num_warps=warps, num_stages=stages,
     )
     return out, lse
