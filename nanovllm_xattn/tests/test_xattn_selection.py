@@ -80,6 +80,17 @@ def test_forced_blocks_are_kept_at_any_threshold(phase):
     assert torch.equal(keep.sum(-1), causal.any(-1).expand(keep.shape[:-1]).long()), "one best block per real row"
 
 
+def test_recent_blocks_end_at_the_diagonal(phase):
+    cu, lens = phase
+    scores = _scores(cu, lens, 2)
+    keep = select_blocks(scores, cu, lens, BLOCK, 1, "mean", torch.full((2,), 1e-6), keep_sink=False,
+                         recent_blocks=3)
+    first = first_query_blocks(cu, lens, BLOCK)
+    for s, r in zip(*torch.nonzero(keep[:, 0].any(-1)).T.tolist(), strict=True):
+        diagonal = int(first[s]) + r
+        assert torch.nonzero(keep[s, 0, r]).flatten().tolist() == list(range(max(diagonal - 2, 0), diagonal + 1))
+
+
 def test_ratio_keeps_a_fixed_share_of_each_row(phase):
     cu, lens = phase
     scores = _scores(cu, lens, 2)

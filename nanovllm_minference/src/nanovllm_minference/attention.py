@@ -72,7 +72,7 @@ def _listed_tiles(
     acc, l_i, m_i, q, q_pos, first_pos, last_pos, K, V, bt_row, entries, n_entries, shift,
     stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_ok, scale_log2,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-    CHUNK: tl.constexpr, FP32: tl.constexpr,
+    CHUNK: tl.constexpr, FP32: tl.constexpr, SAME_LAYOUT: tl.constexpr,
 ):
     """Attend to the key tiles ``shift + e`` for the entries ``e`` of an ascending list (slash offsets
     with shift = base tile, or listed key tiles with shift = 0). ``K``/``V`` point at the KV head."""
@@ -84,7 +84,7 @@ def _listed_tiles(
         t = shift + tl.load(entries + j)
         phys, slot, pos = _tile_slots(bt_row, t, last_pos, BLOCK_SIZE, TILE, False)
         k_rows = phys * stride_kb + slot * stride_ks
-        v_rows = phys * stride_vb + slot * stride_vs
+        v_rows = k_rows if SAME_LAYOUT else phys * stride_vb + slot * stride_vs
         if BLOCK_D == HEAD_DIM:
             k = tl.load(K + k_rows[:, None] + offs_d[None, :] * stride_kd)
             v = tl.load(V + v_rows[:, None] + offs_d[None, :] * stride_vd)
@@ -96,7 +96,7 @@ def _listed_tiles(
         t = shift + tl.load(entries + j)
         phys, slot, pos = _tile_slots(bt_row, t, last_pos, BLOCK_SIZE, TILE, True)
         k_rows = phys * stride_kb + slot * stride_ks
-        v_rows = phys * stride_vb + slot * stride_vs
+        v_rows = k_rows if SAME_LAYOUT else phys * stride_vb + slot * stride_vs
         ld = (pos <= last_pos)[:, None] & d_ok[None, :]
         k = tl.load(K + k_rows[:, None] + offs_d[None, :] * stride_kd, mask=ld, other=0.0)
         v = tl.load(V + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=ld, other=0.0)
@@ -120,6 +120,7 @@ def _sparse_prefill_kernel(
     stride_bt, num_cols, num_slash, cover_r, num_qtiles, num_blocks,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr, CHUNK: tl.constexpr, HAS_BLOCKS: tl.constexpr, FP32: tl.constexpr,
+    SAME_LAYOUT: tl.constexpr,
 ):
     # last query tiles first: under a causal mask they have the most keys
     m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -158,7 +159,7 @@ def _sparse_prefill_kernel(
         acc, l_i, m_i, q, q_pos, first_pos, last_pos, K, V, bt_row,
         slash_tiles + head * num_slash, tl.load(slash_counts + head), base,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_ok, scale_log2,
-        HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, CHUNK, FP32,
+        HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, CHUNK, FP32, SAME_LAYOUT,
     )
 
     # 2. columns up to the last row's position, TILE at a time, minus those in slash tiles
@@ -176,7 +177,7 @@ def _sparse_prefill_kernel(
         slot = c % BLOCK_SIZE
         ld = use[:, None] & d_ok[None, :]
         k_rows = phys * stride_kb + slot * stride_ks
-        v_rows = phys * stride_vb + slot * stride_vs
+        v_rows = k_rows if SAME_LAYOUT else phys * stride_vb + slot * stride_vs
         k = tl.load(K + k_rows[:, None] + offs_d[None, :] * stride_kd, mask=ld, other=0.0)
         v = tl.load(V + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=ld, other=0.0)
         keep = use[None, :] & (c[None, :] <= q_pos[:, None])
@@ -189,7 +190,7 @@ def _sparse_prefill_kernel(
             acc, l_i, m_i, q, q_pos, first_pos, last_pos, K, V, bt_row,
             blocks + tile_row * num_blocks, tl.load(block_counts + tile_row), 0,
             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_ok, scale_log2,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, CHUNK, FP32,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, CHUNK, FP32, SAME_LAYOUT,
         )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -262,6 +263,7 @@ def sparse_attention(
         GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1], TILE=TILE, CHUNK=LIST_CHUNK, HAS_BLOCKS=has_blocks,
         FP32=q.dtype == torch.float32 or interpreted,
+        SAME_LAYOUT=k_cache.stride() == v_cache.stride(),  # the engine's caches: one address computation
         num_warps=warps, num_stages=stages,
     )
     return out, lse

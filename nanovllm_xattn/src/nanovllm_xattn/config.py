@@ -60,7 +60,9 @@ class XAttentionConfig:
       estimate costs about 1/S of q.k^T per pass.
     - ``block_size``: the tokens of a block (query and key); a multiple of the KV cache block size.
     - ``keep_sink`` / ``keep_recent``: always keep key block 0 / the diagonal block (they count within
-      the threshold).
+      the threshold). ``recent_blocks``: with ``keep_recent``, the blocks ending at the diagonal kept
+      (1: the diagonal alone, the paper's; 2 adds the block before, the local context of a block's first
+      rows).
     - ``head_reduce``: how the query heads of a GQA group share one selection per KV head: ``mean`` of
       their block scores (the default, measured in the README), ``max``, the ``union`` or the
       ``majority`` of their own selections; ``global_majority`` keeps what most of all the layer's
@@ -79,6 +81,7 @@ class XAttentionConfig:
     block_size: int = attrs.field(default=128, validator=_power_of_two(64, 512))
     keep_sink: bool = attrs.field(default=True, validator=_bool)
     keep_recent: bool = attrs.field(default=True, validator=_bool)
+    recent_blocks: int = attrs.field(default=1, validator=_int_at_least(1))
     head_reduce: str = attrs.field(default="mean", validator=_head_reduce)
     estimate_chunk: int = attrs.field(default=16384, validator=_int_at_least(1))
     threshold_path: str | None = attrs.field(default=None, validator=_path_or_none)

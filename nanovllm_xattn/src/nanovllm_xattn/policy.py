@@ -115,7 +115,7 @@ class XAttentionPolicy(SparsePolicy):
                               cfg.stride, cfg.block_size, part.max_query_len, ctx.meta.max_context_len)
         mask = select_blocks(scores, part.cu_seqlens_q, part.context_lens, cfg.block_size, ctx.num_kv_heads,
                              cfg.head_reduce, self.thresholds(ctx.layer_id, q.shape[1], q.device), cfg.ratio,
-                             cfg.keep_sink, cfg.keep_recent)
+                             cfg.keep_sink, cfg.keep_recent, cfg.recent_blocks)
         self.last_density = causal_density(mask, part.cu_seqlens_q, part.context_lens, cfg.block_size)
         return mask
 

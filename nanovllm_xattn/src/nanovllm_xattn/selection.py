@@ -2,7 +2,7 @@
 attention kernel reads.
 
 Per query-block row (see :mod:`nanovllm_xattn.layout`) the forced blocks (key block 0 with
-``keep_sink``, the diagonal with ``keep_recent``) come first, then the others by score, best first; the
+``keep_sink``, the diagonal, or the ``recent_blocks`` ending at it, with ``keep_recent``) come first, then the others by score, best first; the
 row keeps every block up to and including the one whose cumulative score reaches ``threshold`` times the
 row's total. Blocks right of the diagonal are never kept, and a threshold of 1 keeps every causal block.
 """
@@ -16,17 +16,17 @@ from nanovllm_xattn.layout import first_query_blocks
 
 
 def causal_blocks(scores: torch.Tensor, first_block: torch.Tensor, context_lens: torch.Tensor,
-                  block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(causal [S, 1, R, N], diagonal [S, 1, R, N])`` bool: the key blocks each row may read (none for
-    padding rows) and each row's diagonal block."""
+                  block: int, recent: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(causal [S, 1, R, N], recent [S, 1, R, N])`` bool: the key blocks each row may read (none for
+    padding rows) and each row's ``recent`` blocks ending at its diagonal (by default the diagonal)."""
     rows, cols = scores.shape[-2:]
     device = scores.device
     query_block = first_block[:, None] + torch.arange(rows, device=device)[None, :]  # [S, R]
     real = (query_block * block < context_lens.long()[:, None])[:, None, :, None]
     kb = torch.arange(cols, device=device)
     causal = (kb[None, None, :] <= query_block[:, :, None])[:, None] & real
-    diagonal = (kb[None, None, :] == query_block[:, :, None])[:, None] & real
-    return causal, diagonal
+    behind = query_block[:, :, None] - kb[None, None, :]
+    return causal, ((behind >= 0) & (behind < recent))[:, None] & real
 
 
 def threshold_mask(scores: torch.Tensor, causal: torch.Tensor, forced: torch.Tensor,
@@ -55,19 +55,19 @@ def threshold_mask(scores: torch.Tensor, causal: torch.Tensor, forced: torch.Ten
 
 def select_blocks(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block: int,
                   num_kv_heads: int, head_reduce: str, threshold: torch.Tensor, ratio: float | None = None,
-                  keep_sink: bool = True, keep_recent: bool = True) -> torch.Tensor:
+                  keep_sink: bool = True, keep_recent: bool = True, recent_blocks: int = 1) -> torch.Tensor:
     """``[S, Hs, R, N]`` bool, the kept blocks: per KV head (``Hs = num_kv_heads``) or, with ``head_reduce
     = "none"``, per query head. ``scores`` is ``[S, H, R, N]`` and ``threshold`` ``[H]`` per query head; a
     reduction over a group uses the largest threshold of its heads."""
     num_seqs, num_heads, rows, cols = scores.shape
     group = num_heads // num_kv_heads
     first = first_query_blocks(cu_seqlens_q, context_lens, block)
-    causal, diagonal = causal_blocks(scores, first, context_lens, block)
+    causal, recent = causal_blocks(scores, first, context_lens, block, recent_blocks)
     forced = torch.zeros_like(causal)
     if keep_sink:
         forced[..., 0] = True
     if keep_recent:
-        forced |= diagonal
+        forced |= recent
     if head_reduce == "none":
         return threshold_mask(scores, causal, forced, threshold, ratio)
     grouped = scores.view(num_seqs, num_kv_heads, group, rows, cols)
