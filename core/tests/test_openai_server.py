@@ -225,3 +225,16 @@ def test_api_key(llm):
     assert asyncio.run(models("sesame")) == [MODEL]
     with pytest.raises(openai.AuthenticationError):
         asyncio.run(models("wrong"))
+
+
+def test_bench_serve_measures_every_request(server):
+    from nanovllm.bench.serve import markdown, run_rate
+
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9], [10]]
+    for rate in (float("inf"), 50.0):
+        r = asyncio.run(asyncio.wait_for(run_rate(server, MODEL, prompts, [3, 3, 3, 3], rate, 0, TIMEOUT), 3 * TIMEOUT))
+        assert r["completed"] == 4 and r["failed"] == 0 and r["output_tokens"] == 12
+        assert 0 < r["p50_ttft_ms"] <= r["p99_ttft_ms"] <= r["p99_e2e_ms"] and r["mean_tpot_ms"] > 0
+    env = {"device": "cpu", "date": "today", "commit": "x", "torch": "t"}
+    settings = {"base_url": server, "model": MODEL, "num_prompts": 4}
+    assert "| 50.0 | 4/4 |" in markdown({"environment": env, "settings": settings, "results": [r]}, "serve")

@@ -142,10 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     plug.set_defaults(func=_plugins)
     bench = sub.add_parser("bench", help="benchmarks on shape presets with random weights (GPU), and the "
                            "attention quality of sparse policies on the built-in model (CPU or GPU)")
-    bench.add_argument("benchmark", choices=("throughput", "latency", "kernels", "all", "offload", "quality", "render"),
+    bench.add_argument("benchmark", choices=("throughput", "latency", "kernels", "all", "offload", "quality", "render",
+                                             "serve"),
                        help="B1 throughput (+ decode-step profile), B2 latency, B3 kernels (all: these three); "
                        "B5 offload (KV in pinned host memory); quality of sparse policies; render FILE.json "
-                       "redoes a results file's ratios, table and chart")
+                       "redoes a results file's ratios, table and chart; serve: B1's prompts against a live server")
     bench.add_argument("file", nargs="?", help="results JSON (for render)")
     bench.add_argument("--presets", nargs="+", default=None,
                        help="qwen3-0.6b, qwen3-8b, llama-3.1-8b (default: qwen3-0.6b; llama-3.1-8b for offload)")
@@ -182,11 +183,21 @@ def build_parser() -> argparse.ArgumentParser:
                          help="size of each pinned copy of the copy rate (256 or more to reach the PCIe rate)")
     offload.add_argument("--small-kv-gib", type=float, default=4.0,
                          help="GiB left for KV after the weights on the GPU made small")
+    load = bench.add_argument_group("serve (a live server: nanovllm serve MODEL)")
+    load.add_argument("--base-url", default="http://127.0.0.1:8000")
+    load.add_argument("--request-rates", nargs="+", default=["inf"],
+                      help="requests per second, Poisson arrivals; inf sends them all at once")
+    load.add_argument("--num-prompts", type=int, default=256, help="B1 prompts sent at each rate")
+    load.add_argument("--timeout", type=float, default=3600, help="seconds a request may take")
     bench.set_defaults(func=_bench)
     return parser
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.benchmark == "serve":
+        from nanovllm.bench.serve import main_serve
+
+        return main_serve(args)
     from nanovllm.bench import main as bench_main
 
     return bench_main(args)
