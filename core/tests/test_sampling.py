@@ -232,8 +232,7 @@ def test_generate_accepts_strings_token_ids_dicts_and_a_mix(llm):
     assert mixed[0].text == after_prompt(llm, ids, expected)
     assert mixed[0].text.startswith(" ")  # the word-level tokenizer's separator is kept
     assert text + mixed[0].text == llm.tokenizer.decode(ids + expected, skip_special_tokens=True)
-    assert llm.add_request(text, params) is not None  # the step-by-step API takes the same prompts
-    finished = []
+    seq = llm.add_request(text, params)  # the older step-by-step form takes the same prompts
     while llm.scheduler.has_unfinished():
-        finished += llm.step()
-    assert [s.completion_token_ids for s in finished] == [expected]
+        assert llm.step() == []  # its outputs are read from the sequence
+    assert seq.completion_token_ids == expected

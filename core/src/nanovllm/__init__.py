@@ -1,12 +1,12 @@
 """nanovllm: a small, fast LLM inference engine built as a plugin framework.
 
-``LLM`` is imported lazily so that ``import nanovllm`` (and listing plugins) does not import torch.
+``LLM`` and ``AsyncLLM`` are imported lazily so that ``import nanovllm`` (and listing plugins) does not import torch.
 """
 
 from nanovllm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -14,4 +14,8 @@ def __getattr__(name: str):
         from nanovllm.llm import LLM
 
         return LLM
+    if name == "AsyncLLM":
+        from nanovllm.engine.async_llm import AsyncLLM
+
+        return AsyncLLM
     raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")

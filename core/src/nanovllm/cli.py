@@ -1,21 +1,36 @@
-"""The ``nanovllm`` command: ``generate``, ``plugins`` and ``bench``."""
+"""The ``nanovllm`` command: ``generate``, ``chat``, ``serve``, ``plugins`` and ``bench``."""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
+from nanovllm import __version__
+from nanovllm.engine_args import add_engine_args, engine_kwargs
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=max_tokens)
+    group.add_argument("--temperature", type=float, default=temperature)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=-1, help="-1: off")
+
+
+def _sampling_params(args: argparse.Namespace, **extra):
+    from nanovllm import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_tokens=args.max_tokens, **extra)
+
 
 def _generate(args: argparse.Namespace) -> int:
-    from nanovllm import LLM, SamplingParams
+    from nanovllm import LLM
 
-    # Check the sampling options before the model loads.
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-    options = {"device": args.device, "sparse_policy": args.sparse_policy, "attention_backend": args.attention_backend}
-    if args.max_model_len is not None:
-        options["max_model_len"] = args.max_model_len
-    llm = LLM(args.model, **options)
+    params = _sampling_params(args)  # checked before the model loads
+    llm = LLM(args.model, **engine_kwargs(args))
     chat = args.chat if args.chat is not None else getattr(llm.tokenizer, "chat_template", None) is not None
     if chat:
         conversations = [[{"role": "user", "content": p}] for p in args.prompts]
@@ -26,6 +41,49 @@ def _generate(args: argparse.Namespace) -> int:
         if len(args.prompts) > 1:
             print(f"### {prompt}")
         print(out.text.strip() if chat else prompt + out.text)
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    """An interactive conversation on the terminal; the reply streams as it is generated."""
+    from nanovllm import LLM
+    from nanovllm.sampling_params import RequestOutputKind
+
+    params = _sampling_params(args, output_kind=RequestOutputKind.DELTA)
+    llm = LLM(args.model, **engine_kwargs(args))
+    tokenizer = llm.tokenizer
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"the tokenizer of {str(llm.model_path)!r} has no chat template; use nanovllm generate")
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    print("Chatting; an empty line or end of input (Ctrl-D) quits.", file=sys.stderr)
+    for turn in itertools.count():
+        print("> ", end="", flush=True)
+        line = sys.stdin.readline().strip()
+        if not line:
+            return 0
+        history.append({"role": "user", "content": line})
+        text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        llm.add_request(f"chat-{turn}", {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}, params)
+        reply = ""
+        while llm.has_unfinished_requests():
+            for out in llm.step():
+                print(out.outputs[0].text, end="", flush=True)
+                reply += out.outputs[0].text
+        print()
+        history.append({"role": "assistant", "content": reply})
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from nanovllm.entrypoints.openai_server import serve
+    except ImportError as exc:
+        raise ImportError(f"nanovllm serve needs the serve extra: pip install 'nanovllm[serve]' ({exc})") from None
+    from nanovllm import AsyncLLM
+    from nanovllm.default_model import DEFAULT_MODEL
+
+    llm = AsyncLLM(args.model, **engine_kwargs(args))
+    name = args.served_model_name or args.model or DEFAULT_MODEL
+    serve(llm, name, args.host, args.port, args.api_key, args.uvicorn_log_level)
     return 0
 
 
@@ -49,6 +107,7 @@ def _plugins(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanovllm", description="A small, fast LLM inference engine.")
+    parser.add_argument("--version", action="version", version=f"nanovllm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate completions for prompts")
@@ -56,23 +115,38 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None, help="HF-format model directory (default: SmolLM2-135M-Instruct)")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="apply the chat template (default: when the tokenizer has one)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--max-model-len", type=int, default=None)
-    gen.add_argument("--sparse-policy", default="full", help="e.g. 'full', 'quest:token_budget=2048' or 'prefill=xattn;decode=quest' (one policy per phase)")
-    gen.add_argument("--attention-backend", default="auto", help="e.g. 'auto', 'torch'")
-    gen.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    _add_sampling_args(gen, max_tokens=64, temperature=0.0)
+    add_engine_args(gen)
     gen.set_defaults(func=_generate)
+
+    chat = sub.add_parser("chat", help="an interactive chat on the terminal, streaming the replies")
+    chat.add_argument("model", nargs="?", default=None, help="HF-format model directory (default: the built-in model)")
+    chat.add_argument("--system", default=None, help="a system message to start the conversation")
+    _add_sampling_args(chat, max_tokens=512, temperature=0.7)
+    add_engine_args(chat)
+    chat.set_defaults(func=_chat)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)")
+    serve.add_argument("model", nargs="?", default=None, help="HF-format model directory (default: the built-in model)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY'")
+    serve.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: MODEL)")
+    serve.add_argument("--uvicorn-log-level", default="info",
+                       choices=("critical", "error", "warning", "info", "debug", "trace"))
+    add_engine_args(serve)
+    serve.set_defaults(func=_serve)
 
     plug = sub.add_parser("plugins", help="list installed plugins and what they register")
     plug.add_argument("--json", action="store_true", help="machine-readable output")
     plug.set_defaults(func=_plugins)
     bench = sub.add_parser("bench", help="benchmarks on shape presets with random weights (GPU), and the "
                            "attention quality of sparse policies on the built-in model (CPU or GPU)")
-    bench.add_argument("benchmark", choices=("throughput", "latency", "kernels", "all", "offload", "quality", "render"),
+    bench.add_argument("benchmark", choices=("throughput", "latency", "kernels", "all", "offload", "quality", "render",
+                                             "serve"),
                        help="B1 throughput (+ decode-step profile), B2 latency, B3 kernels (all: these three); "
                        "B5 offload (KV in pinned host memory); quality of sparse policies; render FILE.json "
-                       "redoes a results file's ratios, table and chart")
+                       "redoes a results file's ratios, table and chart; serve: B1's prompts against a live server")
     bench.add_argument("file", nargs="?", help="results JSON (for render)")
     bench.add_argument("--presets", nargs="+", default=None,
                        help="qwen3-0.6b, qwen3-8b, llama-3.1-8b (default: qwen3-0.6b; llama-3.1-8b for offload)")
@@ -109,11 +183,21 @@ def build_parser() -> argparse.ArgumentParser:
                          help="size of each pinned copy of the copy rate (256 or more to reach the PCIe rate)")
     offload.add_argument("--small-kv-gib", type=float, default=4.0,
                          help="GiB left for KV after the weights on the GPU made small")
+    load = bench.add_argument_group("serve (a live server: nanovllm serve MODEL)")
+    load.add_argument("--base-url", default="http://127.0.0.1:8000")
+    load.add_argument("--request-rates", nargs="+", default=["inf"],
+                      help="requests per second, Poisson arrivals; inf sends them all at once")
+    load.add_argument("--num-prompts", type=int, default=256, help="B1 prompts sent at each rate")
+    load.add_argument("--timeout", type=float, default=3600, help="seconds a request may take")
     bench.set_defaults(func=_bench)
     return parser
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.benchmark == "serve":
+        from nanovllm.bench.serve import main_serve
+
+        return main_serve(args)
     from nanovllm.bench import main as bench_main
 
     return bench_main(args)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import enum
+
 import attrs
 
 
@@ -39,6 +41,15 @@ def _is_int(value) -> bool:
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
+class RequestOutputKind(enum.Enum):
+    """What ``LLMEngine.step()`` returns for a request: everything so far (CUMULATIVE), only what is new
+    since the last output (DELTA), or one output when it finishes (FINAL_ONLY)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @attrs.define(kw_only=True)
 class SamplingParams:
     """How to sample one completion. ``temperature=0`` is greedy. Invalid values raise ``ValueError``."""
@@ -53,6 +64,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None  # top tokens to return per generated token, besides the sampled one
     prompt_logprobs: int | None = None  # top tokens to return per prompt token, besides the actual one
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __attrs_post_init__(self) -> None:
         num = (int, float)
@@ -83,6 +95,10 @@ class SamplingParams:
                 value is None or (_is_int(value) and value >= 0),
                 f"{name} must be None or an int >= 0 (0: only the chosen token's logprob), got {value!r}",
             )
+        _check(
+            isinstance(self.output_kind, RequestOutputKind),
+            f"output_kind must be a nanovllm.sampling_params.RequestOutputKind, got {self.output_kind!r}",
+        )
 
     @property
     def greedy(self) -> bool:

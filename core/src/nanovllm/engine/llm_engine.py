@@ -12,6 +12,7 @@ from nanovllm.config import EngineConfig
 from nanovllm.default_model import default_model_dir, is_default_model
 from nanovllm.engine.loader import ModelDirectoryError, read_config_json
 from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
+from nanovllm.engine.output_stream import OutputStream
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -92,6 +93,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)
         self._pending: LaunchedStep | None = None  # the step in flight, its tokens not yet applied
         self._next_request = 0
+        self._streams: dict[str, OutputStream] = {}  # requests of add_request(request_id, ...), unfinished
 
     def _max_model_len(self) -> int:
         limit = getattr(self.hf_config, "max_position_embeddings", None)
@@ -179,30 +181,58 @@ class LLMEngine:
                     f"most {limit}, or raise the limit: LLM(..., max_logprobs={wanted})"
                 )
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Sequence:
-        params = sampling_params or SamplingParams()
+    def add_request(
+        self, request_id: str | Prompt, prompt: Prompt | SamplingParams | None = None,
+        params: SamplingParams | None = None,
+    ) -> Sequence | None:
+        """vLLM's form, ``add_request(request_id, prompt, params)``: queue a request whose outputs ``step()``
+        returns, as ``params.output_kind`` asks. The older form ``add_request(prompt, params)`` returns the
+        queued :class:`Sequence` and gets no outputs from ``step()`` (the caller reads the sequence)."""
+        if prompt is None or isinstance(prompt, SamplingParams):  # the older form
+            return self._add(request_id, prompt or SamplingParams(), None)
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request; "
+                             "give each request a unique id")
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        self._streams[request_id] = OutputStream(self._add(prompt, params, request_id))
+        return None
+
+    def _add(self, prompt: Prompt, params: SamplingParams, request_id: str | None) -> Sequence:
         text, token_ids = self._tokenize(prompt, 0)
         self._check_length(token_ids, 0)
         self._check_logprobs(params, 0)
-        return self._enqueue(text, token_ids, params)
+        return self._enqueue(text, token_ids, params, request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
-        """Finish waiting or running requests with reason "abort" and free their blocks; a token a step in
-        flight sampled for them is discarded. Unknown or finished ids are ignored."""
+        """Finish waiting or running requests with reason "abort" and free their blocks at once; a token a
+        step in flight sampled for them is discarded. Unknown or finished ids are ignored."""
         ids = {request_id} if isinstance(request_id, str) else set(request_id)
         for seq in [s for s in (*self.scheduler.running, *self.scheduler.waiting) if s.request_id in ids]:
             self.scheduler.abort(seq)
+        for request_id in ids:
+            self._streams.pop(request_id, None)
 
-    def _enqueue(self, text: str | None, token_ids: list[int], params: SamplingParams) -> Sequence:
-        seq = Sequence(token_ids, params, str(self._next_request), text)
+    def _enqueue(
+        self, text: str | None, token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Sequence:
+        seq = Sequence(token_ids, params, request_id or str(self._next_request), text)
         self._next_request += 1
         self.scheduler.add(seq)
         return seq
 
     # -- stepping -----------------------------------------------------------------------------------
 
-    def step(self) -> list[Sequence]:
-        """Schedule and launch a step, apply sampled tokens; returns the sequences that finished.
+    def step(self) -> list[RequestOutput]:
+        """Schedule and launch a step, apply sampled tokens; returns the outputs owed to the requests of
+        ``add_request(request_id, ...)``, as their ``output_kind`` asks.
 
         With ``async_scheduling`` the tokens applied are the previous step's, read back only after this
         step is launched, so the host's work overlaps the GPU's. A sequence sampled but not yet read
@@ -215,7 +245,8 @@ class LLMEngine:
             scheduled = self.scheduler.schedule()
             self.runner.notify_allocated(self.scheduler.block_manager.take_newly_allocated())
             launched = self.runner.launch(scheduled) if scheduled else None
-            finished = self._apply_pending() if self.config.async_scheduling else []
+            if self.config.async_scheduling:
+                self._apply_pending()
             self.scheduler.advance([s for s in scheduled if not s.is_finished])
             if launched is not None:
                 for seq in launched.seqs:
@@ -223,11 +254,21 @@ class LLMEngine:
                         seq.token_ids.append(PLACEHOLDER)
                 self._pending = launched
             if not self.config.async_scheduling:
-                finished = self._apply_pending()
+                self._apply_pending()
         except BaseException:
             self._abort()
             raise
-        return finished
+        return self._stream_outputs() if self._streams else []
+
+    def _stream_outputs(self) -> list[RequestOutput]:
+        outputs = []
+        for request_id, stream in list(self._streams.items()):
+            out = stream.poll(self)
+            if out is not None:
+                outputs.append(out)
+            if stream.seq.is_finished:
+                del self._streams[request_id]
+        return outputs
 
     def _apply_pending(self) -> list[Sequence]:
         """Wait for the step in flight; put its tokens in place of the placeholders, check stops."""
@@ -254,6 +295,7 @@ class LLMEngine:
     def _abort(self) -> None:
         """After an error in a step: drop everything in flight and leave the engine empty and usable."""
         self._pending = None
+        self._streams.clear()
         self.scheduler.abort_all()
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
@@ -356,15 +398,14 @@ class LLMEngine:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(seqs), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
-        wanted = {seq.seq_id for seq in seqs}
         done = 0
         try:
             with bar:
                 while done < len(seqs):
                     if not self.scheduler.has_unfinished():
                         raise RuntimeError("the scheduler ran dry before every request finished")
-                    finished = self.step()
-                    n = sum(1 for s in finished if s.seq_id in wanted)
+                    self.step()  # outputs are only for add_request(request_id, ...) requests
+                    n = sum(1 for s in seqs if s.is_finished) - done
                     done += n
                     bar.update(n)
         except BaseException:  # e.g. KeyboardInterrupt between steps: drop this call's requests, keep others

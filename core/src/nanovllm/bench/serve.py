@@ -1,0 +1,135 @@
+"""``nanovllm bench serve``: a load generator against a live OpenAI-compatible server (like ``vllm bench serve``).
+
+Requests are B1's workload (see :func:`nanovllm.bench.engine.throughput_workload`: token-id prompts,
+temperature 0.6, ``ignore_eos``) sent to ``/v1/completions`` with streaming, their arrivals a Poisson process
+at each request rate (``inf``: all at once). Per rate: output tok/s over the run, request rate, and the mean
+and percentiles of the time to first token (TTFT), the time per output token after the first (TPOT) and the
+end-to-end latency. Results go to ``NAME.json`` and ``NAME.md`` like the other benchmarks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentile(values: list[float], p: float) -> float:
+    """Nearest-rank percentile; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(p / 100 * len(ordered)) - 1))]
+
+
+def summary(name: str, values: list[float]) -> dict[str, float]:
+    out = {f"mean_{name}_ms": 1000 * sum(values) / len(values) if values else float("nan")}
+    out.update({f"p{p}_{name}_ms": 1000 * percentile(values, p) for p in PERCENTILES})
+    return out
+
+
+async def one_request(client, model: str, prompt: list[int], max_tokens: int, start_at: float) -> dict[str, Any]:
+    """Send one streaming completion at ``start_at`` (perf_counter seconds); its timings and token count."""
+    await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.6, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    first = None
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            return {"error": f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"}
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif first is None and chunk["choices"] and chunk["choices"][0]["text"]:
+                first = time.perf_counter()
+    done = time.perf_counter()
+    return {"ttft": (first or done) - sent, "latency": done - sent, "tokens": tokens,
+            "tpot": (done - (first or done)) / (tokens - 1) if tokens > 1 else None}
+
+
+async def run_rate(base_url: str, model: str, prompts: list[list[int]], max_tokens: list[int], rate: float,
+                   seed: int, timeout: float) -> dict[str, Any]:
+    import httpx
+
+    rng = random.Random(seed)
+    now, offsets = 0.0, []
+    for _ in prompts:  # Poisson arrivals: exponential gaps at the rate; all at once for inf
+        offsets.append(now)
+        now += 0.0 if math.isinf(rate) else rng.expovariate(rate)
+    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one_request(client, model, p, m, start + o)
+                                         for p, m, o in zip(prompts, max_tokens, offsets, strict=True)))
+        elapsed = time.perf_counter() - start
+    ok = [r for r in results if "error" not in r]
+    produced = sum(r["tokens"] for r in ok)
+    out = {"benchmark": "serve", "request_rate": "inf" if math.isinf(rate) else rate, "num_requests": len(prompts),
+           "completed": len(ok), "failed": len(results) - len(ok), "duration_s": elapsed,
+           "output_tok_per_s": produced / elapsed, "requests_per_s": len(ok) / elapsed, "output_tokens": produced}
+    out.update(summary("ttft", [r["ttft"] for r in ok]))
+    out.update(summary("tpot", [r["tpot"] for r in ok if r["tpot"] is not None]))
+    out.update(summary("e2e", [r["latency"] for r in ok]))
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        out["first_error"] = errors[0]
+    return out
+
+
+def markdown(payload: dict[str, Any], title: str) -> str:
+    env, s = payload["environment"], payload["settings"]
+    lines = [f"# {title}", "", f"{env['device']}, {env['date']}, commit {env['commit']}, torch {env['torch']}.",
+             f"Server {s['base_url']} ({s['model']}), {s['num_prompts']} B1 prompts per rate.", "",
+             "| rate (req/s) | done | output tok/s | req/s | TTFT mean / p50 / p99 ms | TPOT mean / p50 / p99 ms "
+             "| e2e p50 / p99 ms |", "|---|---|---|---|---|---|---|"]
+    for r in payload["results"]:
+        lines.append(
+            f"| {r['request_rate']} | {r['completed']}/{r['num_requests']} | {r['output_tok_per_s']:,.0f} | "
+            f"{r['requests_per_s']:.2f} | {r['mean_ttft_ms']:.1f} / {r['p50_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f} | "
+            f"{r['mean_tpot_ms']:.2f} / {r['p50_tpot_ms']:.2f} / {r['p99_tpot_ms']:.2f} | "
+            f"{r['p50_e2e_ms']:.0f} / {r['p99_e2e_ms']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main_serve(args) -> int:
+    import httpx
+
+    from nanovllm.bench import environment
+    from nanovllm.bench.engine import throughput_workload
+
+    rates = [float(r) for r in args.request_rates]
+    if any(not r > 0 for r in rates):
+        raise ValueError(f"request rates must be > 0 requests per second, or inf; got {args.request_rates}")
+    base_url = args.base_url.rstrip("/")
+    try:
+        models = httpx.get(f"{base_url}/v1/models", timeout=args.timeout).json()["data"]
+    except httpx.HTTPError as exc:
+        raise RuntimeError(f"no server answers at {base_url} ({exc}); start one with: nanovllm serve MODEL") from None
+    model = models[0]["id"]
+    prompts, max_tokens = throughput_workload(num_seqs=args.num_prompts)
+    results = []
+    for rate in rates:
+        print(f"== serve at {rate} requests/s", flush=True)
+        results.append(asyncio.run(run_rate(base_url, model, prompts, max_tokens, rate, args.seed, args.timeout)))
+    settings = {"benchmark": "serve", "base_url": base_url, "model": model, "num_prompts": args.num_prompts,
+                "request_rates": args.request_rates, "seed": args.seed}
+    payload = {"environment": environment(), "settings": settings, "results": results}
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = args.name or "serve"
+    (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=1))
+    text = markdown(payload, name)
+    (out_dir / f"{name}.md").write_text(text)
+    print(text)
+    return 1 if any(r["failed"] for r in results) else 0

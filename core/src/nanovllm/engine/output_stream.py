@@ -1,0 +1,94 @@
+"""Per-request outputs of the step-by-step API (``LLMEngine.add_request`` / ``step``), as vLLM's
+``output_kind`` asks: cumulative, delta, or final only.
+
+Text is detokenized incrementally: each step decodes only the new tokens together with the few decoded
+just before them (so a tokenizer that drops the leading space of a piece decoded alone keeps it), and
+waits while the text ends in an incomplete UTF-8 character. A request with stop strings holds back its
+last ``len(longest stop) - 1`` characters until it finishes, so a stop string is never streamed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
+from nanovllm.sampling_params import RequestOutputKind
+
+if TYPE_CHECKING:
+    from nanovllm.engine.llm_engine import LLMEngine
+
+# prompt tokens decoded ahead of the first generated token, for the separator between them
+_PROMPT_CONTEXT = 4
+
+
+class OutputStream:
+    """What one request has produced and what of it was already returned."""
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+        self.kind = seq.sampling_params.output_kind
+        self.prefix_offset = max(0, seq.num_prompt_tokens - _PROMPT_CONTEXT)  # window decoded for context
+        self.read_offset = seq.num_prompt_tokens  # tokens before this are in ``text``
+        self.text = ""  # the completion text decoded so far
+        self.logprobs: list[dict[int, Logprob]] = []  # converted once per token, with logprobs=k
+        self.num_tokens_seen = 0
+        self.num_tokens_sent = 0  # what DELTA outputs already returned
+        self.num_chars_sent = 0
+        stops = seq.sampling_params.stop
+        self.holdback = max(map(len, stops)) - 1 if stops else 0
+
+    def poll(self, engine: LLMEngine) -> RequestOutput | None:
+        """The output this step owes the caller, or None (nothing new, or FINAL_ONLY still running)."""
+        seq = self.seq
+        if seq.is_finished:
+            return self._final(engine._output(seq))
+        ids = seq.token_ids[:-1] if seq.token_ids[-1] == PLACEHOLDER else seq.token_ids
+        num_tokens = len(ids) - seq.num_prompt_tokens
+        if num_tokens == self.num_tokens_seen:
+            return None
+        self.num_tokens_seen = num_tokens
+        self._decode(engine, ids)
+        if seq.sampling_params.logprobs is not None:
+            self.logprobs += engine._logprob_dicts(seq.logprobs[len(self.logprobs) :])
+        if self.kind == RequestOutputKind.FINAL_ONLY:
+            return None
+        text = self.text[: len(self.text) - self.holdback] if self.holdback else self.text
+        token_ids = ids[seq.num_prompt_tokens :]
+        logprobs = cumulative = None
+        if seq.sampling_params.logprobs is not None:
+            logprobs = list(self.logprobs)
+            cumulative = sum(lps[0] for _, lps, _ in seq.logprobs)
+        completion = CompletionOutput(0, text, token_ids, None, None, cumulative, logprobs)
+        return self._send(self._request_output(completion))
+
+    def _decode(self, engine: LLMEngine, ids: list[int]) -> None:
+        if engine.tokenizer is None:
+            return
+        prefix = engine._detokenize(ids[self.prefix_offset : self.read_offset])
+        full = engine._detokenize(ids[self.prefix_offset :])
+        if full.endswith("\ufffd"):  # a character split across tokens: wait for the rest of it
+            return
+        self.text += full[len(prefix) :] if full.startswith(prefix) else full
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+
+    def _request_output(self, completion: CompletionOutput) -> RequestOutput:
+        seq = self.seq
+        return RequestOutput(seq.request_id, seq.prompt_text, seq.token_ids[: seq.num_prompt_tokens], [completion],
+                             seq.num_cached_tokens)
+
+    def _final(self, out: RequestOutput) -> RequestOutput:
+        return self._send(out) if self.kind == RequestOutputKind.DELTA else out
+
+    def _send(self, out: RequestOutput) -> RequestOutput:
+        """CUMULATIVE: as it is. DELTA: cut to what was not returned before, and remember what was."""
+        if self.kind != RequestOutputKind.DELTA:
+            return out
+        completion = out.outputs[0]
+        tokens, chars = len(completion.token_ids), len(completion.text)
+        completion.text = completion.text[self.num_chars_sent :]
+        completion.token_ids = completion.token_ids[self.num_tokens_sent :]
+        if completion.logprobs is not None:
+            completion.logprobs = completion.logprobs[self.num_tokens_sent :]
+        self.num_tokens_sent, self.num_chars_sent = tokens, chars
+        return out

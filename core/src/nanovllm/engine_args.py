@@ -1,0 +1,57 @@
+"""The engine options as command-line flags, in one place (like vLLM's ``EngineArgs``): every field of
+:class:`~nanovllm.config.EngineConfig` becomes ``--field-name``, and the flags given turn back into ``LLM``
+keyword arguments. ``generate``, ``serve`` and ``chat`` all take them, so a new engine option is a flag
+everywhere at once. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import attrs
+
+from nanovllm.config import EngineConfig
+
+# flags whose values argparse itself can check, so a typo is a usage error before anything loads
+CHOICES = {"device": ("auto", "cpu", "cuda"), "load_format": ("auto", "dummy")}
+EXAMPLES = {
+    "sparse_policy": "e.g. 'full', 'quest:token_budget=2048' or 'prefill=xattn;decode=quest' (one policy per phase)",
+    "attention_backend": "e.g. 'auto', 'torch'",
+}
+
+
+def engine_fields() -> list[attrs.Attribute]:
+    return [f for f in attrs.fields(EngineConfig) if f.name != "model"]
+
+
+def _flag_type(field: attrs.Attribute):
+    kind = str(field.type)
+    if kind.startswith("bool"):
+        return bool
+    if kind.startswith("int"):
+        return int
+    if kind.startswith("float"):
+        return float
+    return str
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add one flag per engine option. Flags left out keep ``EngineConfig``'s defaults (they are not set
+    on the namespace at all)."""
+    group = parser.add_argument_group("engine options (as LLM(...) takes them)")
+    for field in engine_fields():
+        flag = "--" + field.name.replace("_", "-")
+        kind = _flag_type(field)
+        help_text = "; ".join(filter(None, [EXAMPLES.get(field.name), f"default: {field.default!r}"]))
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+        else:
+            group.add_argument(flag, type=kind, default=argparse.SUPPRESS, choices=CHOICES.get(field.name),
+                               metavar=None if field.name in CHOICES else kind.__name__.upper(), help=help_text)
+    return parser
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options given on the command line, as ``LLM(model, **kwargs)`` takes them."""
+    return {f.name: getattr(args, f.name) for f in engine_fields() if hasattr(args, f.name)}

@@ -1,0 +1,540 @@
+"""``nanovllm serve MODEL``: an OpenAI-compatible HTTP server on FastAPI and uvicorn.
+
+Endpoints: ``/v1/completions`` and ``/v1/chat/completions`` (server-sent events when ``stream``), ``/v1/models``,
+``/health``, ``/tokenize``, ``/detokenize`` and Prometheus ``/metrics``. Requests are checked before they reach
+the engine: a field the server does not know, or a sampling option the engine does not support, is a 400
+error naming it, never ignored. A client that goes away aborts its requests, which frees their blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nanovllm.engine.async_llm import AsyncLLM, is_finished
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+class APIError(Exception):
+    """An error the client caused (400) or asked for something missing (404), in OpenAI's JSON shape."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+def error_response(message: str, status: int, param: str | None = None) -> JSONResponse:
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(status, "InternalServerError")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+
+
+# -- requests ---------------------------------------------------------------------------------------
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class SamplingFields(Strict):
+    """Fields both endpoints share. ``None`` means: not given, the engine's default."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # the end user's id, for the operator's logs; it changes nothing
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        names = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+        kwargs = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        if self.n != 1:
+            kwargs["n"] = self.n
+        if self.logit_bias is not None:
+            try:
+                kwargs["logit_bias"] = {int(token): bias for token, bias in self.logit_bias.items()}
+            except ValueError:
+                raise APIError("logit_bias keys must be token ids", param="logit_bias") from None
+        return kwargs
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int] = Field(default_factory=list)
+
+
+def make_params(fields: dict[str, Any], max_tokens: int | None, kind: RequestOutputKind, **extra: Any) -> SamplingParams:
+    """SamplingParams from the request, its errors (a bad value, an option the engine lacks) as 400."""
+    try:
+        return SamplingParams(**fields, max_tokens=max_tokens, output_kind=kind, **extra)
+    except TypeError as exc:  # an option this engine's SamplingParams does not have
+        raise APIError(f"unsupported sampling option: {exc}") from None
+    except ValueError as exc:
+        raise APIError(str(exc)) from None
+
+
+def chat_text(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """A message with OpenAI-style content parts (``[{"type": "text", "text": ...}]``) joined to text."""
+    if not isinstance(message, dict) or "role" not in message:
+        raise APIError(f"messages[{index}] must be an object with a 'role'", param="messages")
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise APIError(f"messages[{index}] has a content part of type {kind!r}; this server takes "
+                               "only text parts", param="messages")
+            parts.append(part.get("text", ""))
+        message = {**message, "content": "\n".join(parts)}
+    return message
+
+
+def render_chat(engine, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Runs on the engine thread (which owns the tokenizer): the chat template, then its token ids."""
+    tokenizer = engine.tokenizer
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise APIError("this model's tokenizer has no chat template; use /v1/completions")
+    if not messages:
+        raise APIError("messages must hold at least one message", param="messages")
+    if continue_final_message and add_generation_prompt:
+        raise APIError("continue_final_message needs add_generation_prompt=false", param="continue_final_message")
+    messages = [chat_text(m, i) for i, m in enumerate(messages)]
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **(template_kwargs or {}),
+        )
+    except Exception as exc:  # the template rejected the conversation (e.g. roles out of order)
+        raise APIError(f"the chat template cannot render these messages: {exc}", param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+# -- metrics ----------------------------------------------------------------------------------------
+
+
+class Metrics:
+    """Prometheus metrics with vLLM-like names, in a registry of their own (one per server)."""
+
+    def __init__(self, llm: AsyncLLM) -> None:
+        self.registry = registry = CollectorRegistry()
+        scheduler = llm.engine.scheduler
+        blocks = scheduler.block_manager
+        Gauge("nanovllm:num_requests_running", "Requests in the running batch", registry=registry
+              ).set_function(lambda: len(scheduler.running))
+        Gauge("nanovllm:num_requests_waiting", "Requests waiting to be scheduled", registry=registry
+              ).set_function(lambda: len(scheduler.waiting))
+        Gauge("nanovllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)", registry=registry
+              ).set_function(lambda: 1 - blocks.num_free_blocks / len(blocks.blocks))
+        self.prompt_tokens = Counter("nanovllm:prompt_tokens", "Prompt tokens processed", registry=registry)
+        self.generation_tokens = Counter("nanovllm:generation_tokens", "Tokens generated", registry=registry)
+        latency = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        self.ttft = Histogram("nanovllm:time_to_first_token_seconds", "Time to the first token",
+                              buckets=latency, registry=registry)
+        self.tpot = Histogram("nanovllm:time_per_output_token_seconds", "Mean time per output token after "
+                              "the first, per request", buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1),
+                              registry=registry)
+        self.e2e = Histogram("nanovllm:e2e_request_latency_seconds", "Request latency", buckets=latency,
+                             registry=registry)
+        self.throughput = Histogram("nanovllm:request_output_tokens_per_second", "Output tokens per second of "
+                                    "a request, from its arrival", buckets=(1, 5, 10, 25, 50, 100, 250, 500, 1000),
+                                    registry=registry)
+
+
+class RequestTimer:
+    """The times and token count of one engine request (fed its delta or final-only outputs), reported
+    to the metrics when it finishes."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics, self.arrival, self.first, self.count = metrics, time.perf_counter(), None, 0
+
+    def observe(self, out: RequestOutput) -> None:
+        now = time.perf_counter()
+        new = sum(len(c.token_ids) for c in out.outputs)
+        self.count += new
+        m = self.metrics
+        if self.first is None and new:
+            self.first = now
+            m.ttft.observe(now - self.arrival)
+        if not is_finished(out):
+            return
+        m.e2e.observe(now - self.arrival)
+        m.prompt_tokens.inc(len(out.prompt_token_ids))
+        m.generation_tokens.inc(self.count)
+        m.throughput.observe(self.count / max(now - self.arrival, 1e-9))
+        if self.count > 1:
+            m.tpot.observe((now - self.first) / (self.count - 1))
+
+
+# -- the app ----------------------------------------------------------------------------------------
+
+
+def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app over ``llm``; ``served_model_name`` is the name clients pass as ``model``."""
+    app = FastAPI(title="nanovllm", docs_url=None, redoc_url=None)
+    app.state.llm = llm
+    metrics = Metrics(llm)
+    engine = llm.engine
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def api_error(_request: Request, exc: APIError) -> JSONResponse:
+        return error_response(str(exc), exc.status, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"] if p != "body")
+            if err["type"] == "extra_forbidden":
+                problems.append(f"unknown or unsupported field {where!r}")
+            else:
+                problems.append(f"{where}: {err['msg']}")
+        return error_response("; ".join(problems), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(str(exc.detail), exc.status_code)
+
+    if api_key is not None:
+        @app.middleware("http")
+        async def check_api_key(request: Request, call_next):
+            if request.url.path.startswith("/v1") and request.headers.get("authorization") != f"Bearer {api_key}":
+                return error_response("missing or wrong API key: send 'Authorization: Bearer <key>'", 401)
+            return await call_next(request)
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != served_model_name:
+            raise APIError(f"the model {model!r} does not exist; this server serves {served_model_name!r}", 404,
+                           "model")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "nanovllm",
+                "max_model_len": engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("give exactly one of 'prompt' and 'messages'")
+        if body.messages is not None:
+            tokens = await llm.call(lambda e: render_chat(e, body.messages, body.add_generation_prompt))
+        else:
+            tokens = await llm.call(lambda e: e.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise APIError(f"token id(s) outside the vocabulary [0, {engine.vocab_size}): {bad[:5]}", param="tokens")
+        return {"prompt": await llm.call(lambda e: e.tokenizer.decode(body.tokens))}
+
+    async def start(prompt, params: SamplingParams, request_id: str) -> tuple[RequestOutput, AsyncIterator]:
+        """Queue one engine request and wait for its first output, so a bad request fails as a 400 before
+        any response is sent."""
+        stream = llm.generate(prompt, params, request_id)
+        try:
+            first = await anext(stream)
+        except (ValueError, TypeError) as exc:
+            raise APIError(str(exc)) from None
+        return first, stream
+
+    async def run_requests(
+        prompts: list, params: SamplingParams, prefix: str,
+    ) -> tuple[list[RequestOutput], list[AsyncIterator]]:
+        starts = [start(p, params, f"{prefix}-{i}") for i, p in enumerate(prompts)]
+        results = await asyncio.gather(*starts, return_exceptions=True)
+        streams = [r[1] for r in results if not isinstance(r, BaseException)]
+        for r in results:
+            if isinstance(r, BaseException):
+                for s in streams:
+                    await s.aclose()
+                raise r
+        return [r[0] for r in results], streams
+
+    async def final_outputs(request: Request, prompts: list, params: SamplingParams, prefix: str) -> list[RequestOutput]:
+        """Non-streaming: each prompt's final output; a client that disconnects first aborts them all."""
+
+        async def one(first: RequestOutput, stream: AsyncIterator, timer: RequestTimer) -> RequestOutput:
+            timer.observe(first)
+            last = first
+            async for last in stream:
+                timer.observe(last)
+            return last
+
+        timers = [RequestTimer(metrics) for _ in prompts]
+        firsts, streams = await run_requests(prompts, params, prefix)
+        work = asyncio.gather(*(one(f, s, t) for f, s, t in zip(firsts, streams, timers, strict=True)))
+        return await until_disconnected(request, work, streams)
+
+    async def until_disconnected(request: Request, work: Awaitable, streams: list[AsyncIterator]):
+        work = asyncio.ensure_future(work)
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        watcher = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if not work.done():  # the client left: stop generating for it
+            work.cancel()
+            await asyncio.wait({work})  # its cancellation closes the streams it was reading
+            for s in streams:
+                await s.aclose()
+            raise asyncio.CancelledError
+        return work.result()
+
+    def usage(outputs: list[RequestOutput], completion_tokens: int) -> dict:
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def sse(payload: dict | str) -> str:
+        return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+    async def stream_events(
+        firsts: list[RequestOutput], streams: list[AsyncIterator], n: int,
+        chunks: Callable[[int, CompletionOutput, RequestOutput], list[dict]], head: dict, include_usage: bool,
+    ) -> AsyncIterator[str]:
+        """Merge the requests' delta outputs into one event stream; closing it aborts what is unfinished."""
+        merged: asyncio.Queue = asyncio.Queue()
+        timers = [RequestTimer(metrics) for _ in streams]
+
+        async def pump(i: int, first: RequestOutput, stream: AsyncIterator) -> None:
+            try:
+                await merged.put((i, first))
+                async for out in stream:
+                    await merged.put((i, out))
+            except Exception as exc:
+                await merged.put((i, exc))
+
+        tasks = [asyncio.ensure_future(pump(i, f, s)) for i, (f, s) in enumerate(zip(firsts, streams, strict=True))]
+        try:
+            remaining = len(streams)
+            while remaining:
+                i, out = await merged.get()
+                if isinstance(out, Exception):
+                    yield sse({"error": {"message": str(out), "type": "InternalServerError", "code": 500}})
+                    return
+                timers[i].observe(out)
+                for c in out.outputs:
+                    for chunk in chunks(i * n + c.index, c, out):
+                        yield sse({**head, "choices": [chunk]})
+                if is_finished(out):
+                    remaining -= 1
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage(firsts, sum(t.count for t in timers))})
+            yield sse("[DONE]")
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # their cancellation closes the streams
+            for s in streams:
+                await s.aclose()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        if body.echo:
+            raise APIError("echo is not supported", param="echo")
+        if body.suffix is not None:
+            raise APIError("suffix is not supported", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError("best_of is not supported (vLLM's V1 engine dropped it too); use n", param="best_of")
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise APIError("prompt must not be empty", param="prompt")
+        kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
+        params = make_params(body.sampling_kwargs(), body.max_tokens, kind, logprobs=body.logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": served_model_name}
+
+        def choice(index: int, c: CompletionOutput, offset: int = 0) -> dict:
+            return {"index": index, "text": c.text, "finish_reason": finish(c), "stop_reason": c.stop_reason,
+                    "logprobs": completion_logprobs(c, body.logprobs, offset)}
+
+        if body.stream:
+            firsts, streams = await run_requests(prompts, params, request_id)
+            offsets: dict[int, int] = {}
+
+            def chunks(index: int, c: CompletionOutput, _out: RequestOutput) -> list[dict]:
+                offset = offsets.get(index, 0)
+                offsets[index] = offset + len(c.text)
+                return [choice(index, c, offset)] if c.text or c.token_ids or c.finish_reason else []
+
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(stream_events(firsts, streams, body.n, chunks, head, include_usage),
+                                     media_type="text/event-stream")
+        outputs = await final_outputs(request, prompts, params, request_id)
+        choices = [choice(i * body.n + c.index, c) for i, out in enumerate(outputs) for c in out.outputs]
+        completion_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+        return {**head, "choices": choices, "usage": usage(outputs, completion_tokens)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        prompt_ids = await llm.call(lambda e: render_chat(
+            e, body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs))
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if max_tokens is None:  # OpenAI's default: up to the context limit
+            max_tokens = max(1, engine.max_model_len - len(prompt_ids))
+        kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = make_params(body.sampling_kwargs(), max_tokens, kind, logprobs=logprobs)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": served_model_name}
+        top = body.top_logprobs or 0
+
+        if body.stream:
+            firsts, streams = await run_requests([{"prompt_token_ids": prompt_ids}], params, request_id)
+            started: set[int] = set()
+
+            def chunks(index: int, c: CompletionOutput, _out: RequestOutput) -> list[dict]:
+                out = []
+                if index not in started:
+                    started.add(index)
+                    out.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None})
+                if c.text or c.token_ids or c.finish_reason:
+                    delta = {"content": c.text} if c.text else {}
+                    out.append({"index": index, "delta": delta, "finish_reason": finish(c),
+                                "logprobs": chat_logprobs(c, top) if body.logprobs else None})
+                return out
+
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            head = {**head, "object": "chat.completion.chunk"}
+            return StreamingResponse(stream_events(firsts, streams, body.n, chunks, head, include_usage),
+                                     media_type="text/event-stream")
+        (out,) = await final_outputs(request, [{"prompt_token_ids": prompt_ids}], params, request_id)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": chat_logprobs(c, top) if body.logprobs else None,
+                    "finish_reason": finish(c), "stop_reason": c.stop_reason} for c in out.outputs]
+        return {**head, "choices": choices, "usage": usage([out], sum(len(c.token_ids) for c in out.outputs))}
+
+    return app
+
+
+def finish(c: CompletionOutput) -> Literal["stop", "length"] | None:
+    return c.finish_reason if c.finish_reason in ("stop", "length") else None
+
+
+def ranked(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    return sorted(entry.items(), key=lambda item: item[1].rank or 0)[:k]
+
+
+def completion_logprobs(c: CompletionOutput, k: int | None, offset: int) -> dict | None:
+    """The legacy completions shape: tokens, their logprobs, the top ``k`` per position, text offsets."""
+    if k is None or c.logprobs is None:
+        return None
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for token_id, entry in zip(c.token_ids, c.logprobs, strict=True):
+        chosen = entry[token_id]
+        text = chosen.decoded_token or ""
+        tokens.append(text)
+        token_logprobs.append(chosen.logprob)
+        top.append({(lp.decoded_token or ""): lp.logprob for _, lp in ranked(entry, k)} if k else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(c: CompletionOutput, k: int) -> dict:
+    """The chat shape: per token its text, logprob and UTF-8 bytes, and the top ``k``."""
+
+    def item(lp: Logprob) -> dict:
+        text = lp.decoded_token or ""
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+
+    content = []
+    for token_id, entry in zip(c.token_ids, c.logprobs or [], strict=True):
+        content.append({**item(entry[token_id]), "top_logprobs": [item(lp) for _, lp in ranked(entry, k)]})
+    return {"content": content}
+
+
+def serve(llm: AsyncLLM, served_model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          api_key: str | None = None, log_level: str = "info") -> None:
+    """Run the server until interrupted, then stop the engine."""
+    import uvicorn
+
+    app = build_app(llm, served_model_name, api_key)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+    finally:
+        llm.shutdown()

@@ -1,0 +1,240 @@
+"""The OpenAI-compatible server, through the real ``openai`` client, against one live server on 127.0.0.1
+(a free port) with the built-in model on the CPU. Every wait is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import attrs
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+import httpx  # noqa: E402
+import uvicorn  # noqa: E402
+from nanovllm import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPT = "The capital of France is"
+TIMEOUT = 60
+
+
+@pytest.fixture(scope="module")
+def llm(one_thread):
+    from nanovllm import LLM
+
+    return LLM(max_model_len=256, device="cpu", kv_cache_memory=1 << 26)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    """Offline greedy completions of the same engine, taken before the server owns it."""
+    return llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+
+
+@pytest.fixture(scope="module")
+def server(llm, reference):
+    from nanovllm import AsyncLLM
+    from nanovllm.entrypoints.openai_server import build_app
+
+    engine = AsyncLLM.from_engine(llm)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(build_app(engine, MODEL), log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + TIMEOUT
+    while not srv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(TIMEOUT)
+    engine.shutdown()
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
+
+
+def wait_idle(llm) -> None:
+    """Every request gone and every block back, within the timeout."""
+    bm = llm.scheduler.block_manager
+    deadline = time.monotonic() + TIMEOUT
+    while llm.has_unfinished_requests() or bm.num_free_blocks != len(bm.blocks):
+        assert time.monotonic() < deadline, "requests or blocks were left behind"
+        time.sleep(0.05)
+
+
+def greedy(**kw):
+    return {"model": MODEL, "temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}, **kw}
+
+
+def test_models_health_tokenize(client, server, llm):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server}/health", timeout=TIMEOUT).status_code == 200
+    tokens = httpx.post(f"{server}/tokenize", json={"prompt": PROMPT}, timeout=TIMEOUT).json()
+    assert tokens["tokens"] == llm.tokenizer.encode(PROMPT) and tokens["count"] == len(tokens["tokens"])
+    text = httpx.post(f"{server}/detokenize", json={"tokens": tokens["tokens"]}, timeout=TIMEOUT).json()
+    assert text["prompt"] == PROMPT
+    chat = httpx.post(f"{server}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]},
+                      timeout=TIMEOUT).json()
+    rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                                 add_generation_prompt=True)
+    assert chat["tokens"] == llm.tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def test_completion_matches_offline_and_streams_the_same(client, reference, llm):
+    done = client.completions.create(prompt=PROMPT, **greedy())
+    assert done.choices[0].text == reference.text and done.choices[0].finish_reason == "length"
+    assert done.usage.completion_tokens == 12 and done.usage.prompt_tokens == len(reference.prompt_token_ids)
+    chunks = list(client.completions.create(prompt=PROMPT, stream=True, stream_options={"include_usage": True},
+                                            **greedy()))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == reference.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+    two = client.completions.create(prompt=[reference.prompt_token_ids, reference.prompt_token_ids], **greedy())
+    assert [c.index for c in two.choices] == [0, 1] and {c.text for c in two.choices} == {reference.text}
+    wait_idle(llm)
+
+
+def test_chat_streaming_and_not_agree(client, llm):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]
+    done = client.chat.completions.create(messages=messages, **greedy())
+    message = done.choices[0].message
+    assert message.role == "assistant" and message.content and done.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(messages=messages, stream=True, **greedy()))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+    wait_idle(llm)
+
+
+def test_n_gives_n_choices_or_a_clear_error(client):
+    if "n" in {f.name for f in attrs.fields(SamplingParams)}:
+        out = client.completions.create(prompt=PROMPT, n=3, seed=1, **greedy(temperature=1.0))
+        assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    else:
+        with pytest.raises(openai.BadRequestError, match="'n'"):
+            client.completions.create(prompt=PROMPT, n=3, **greedy())
+
+
+def test_stop_string_ends_the_text(client, reference):
+    stop = reference.text[4:8]
+    for stream in (False, True):
+        out = client.completions.create(prompt=PROMPT, stop=[stop], stream=stream, **greedy())
+        choices = [c.choices[0] for c in out if c.choices] if stream else out.choices
+        text = "".join(c.text for c in choices)
+        assert text == reference.text[: reference.text.find(stop)] and choices[-1].finish_reason == "stop"
+
+
+def test_logprobs(client, reference):
+    out = client.completions.create(prompt=PROMPT, logprobs=2, **greedy())
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
+    assert "".join(lp.tokens) == reference.text and lp.text_offset[0] == 0
+    assert all(len(top) <= 2 and max(top.values()) >= chosen - 1e-5
+               for top, chosen in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], logprobs=True,
+                                          top_logprobs=3, **greedy())
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 12 and all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
+    assert chat.choices[0].message.content.startswith(content[0].token + content[1].token)
+
+
+def test_32_concurrent_streams_all_answered(server, llm):
+    async def one(client, i):
+        text, finish = "", None
+        stream = await client.completions.create(prompt=f"Count to {i}:", stream=True, **greedy(max_tokens=4))
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="none", timeout=TIMEOUT,
+                                      max_retries=0) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(32))), 3 * TIMEOUT)
+
+    results = asyncio.run(main())
+    assert len(results) == 32 and all(text and finish == "length" for text, finish in results)
+    wait_idle(llm)
+
+
+def test_disconnect_mid_stream_aborts_and_leaks_no_block(server, llm):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=TIMEOUT) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        assert json.loads(first[5:])["choices"][0]["finish_reason"] is None
+        assert llm.has_unfinished_requests()
+    wait_idle(llm)  # long before 200 tokens could have been generated
+
+
+def test_bad_requests_get_openai_shaped_errors(client, server, llm):
+    with pytest.raises(openai.NotFoundError, match="no-such-model"):
+        client.completions.create(model="no-such-model", prompt=PROMPT)
+    with pytest.raises(openai.BadRequestError, match="'frobnicate'"):
+        client.completions.create(prompt=PROMPT, **greedy(extra_body={"frobnicate": 1}))
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(prompt=PROMPT, **greedy(temperature=-1))
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(prompt="word " * 400, **greedy())
+    with pytest.raises(openai.BadRequestError, match="image_url"):
+        client.chat.completions.create(
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], **greedy())
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(prompt=PROMPT, echo=True, **greedy())
+    response = httpx.get(f"{server}/v1/nothing-here", timeout=TIMEOUT)
+    assert response.status_code == 404 and response.json()["error"]["code"] == 404
+    wait_idle(llm)
+    assert client.completions.create(prompt=PROMPT, **greedy(max_tokens=2)).usage.completion_tokens == 2
+
+
+def test_metrics(server, client):
+    client.completions.create(prompt=PROMPT, **greedy(max_tokens=3))
+    text = httpx.get(f"{server}/metrics", timeout=TIMEOUT).text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+    assert values["nanovllm:num_requests_running"] == 0 and values["nanovllm:num_requests_waiting"] == 0
+    assert values["nanovllm:kv_cache_usage_perc"] == 0
+    assert values["nanovllm:time_to_first_token_seconds_count"] >= 1
+    assert values["nanovllm:generation_tokens_total"] >= 3
+    assert values["nanovllm:request_output_tokens_per_second_count"] >= 1
+
+
+def test_api_key(llm):
+    from nanovllm import AsyncLLM
+    from nanovllm.entrypoints.openai_server import build_app
+
+    app = build_app(AsyncLLM.from_engine(llm), MODEL, api_key="sesame")  # /v1/models never starts its engine
+
+    async def models(key):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as http:
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key=key, http_client=http, max_retries=0)
+            return [m.id async for m in client.models.list()]
+
+    assert asyncio.run(models("sesame")) == [MODEL]
+    with pytest.raises(openai.AuthenticationError):
+        asyncio.run(models("wrong"))
+
+
+def test_bench_serve_measures_every_request(server):
+    from nanovllm.bench.serve import markdown, run_rate
+
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9], [10]]
+    for rate in (float("inf"), 50.0):
+        r = asyncio.run(asyncio.wait_for(run_rate(server, MODEL, prompts, [3, 3, 3, 3], rate, 0, TIMEOUT), 3 * TIMEOUT))
+        assert r["completed"] == 4 and r["failed"] == 0 and r["output_tokens"] == 12
+        assert 0 < r["p50_ttft_ms"] <= r["p99_ttft_ms"] <= r["p99_e2e_ms"] and r["mean_tpot_ms"] > 0
+    env = {"device": "cpu", "date": "today", "commit": "x", "torch": "t"}
+    settings = {"base_url": server, "model": MODEL, "num_prompts": 4}
+    assert "| 50.0 | 4/4 |" in markdown({"environment": env, "settings": settings, "results": [r]}, "serve")
