@@ -8,12 +8,16 @@ from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 from typing import Any
 
+from nanovllm.chat_utils import ChatOptions
+from nanovllm.chat_utils import render as render_chat
 from nanovllm.config import EngineConfig
 from nanovllm.default_model import default_model_dir, is_default_model
 from nanovllm.engine.loader import ModelDirectoryError, read_config_json
 from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
+from nanovllm.hub import is_hub_id, resolve_hub_id
+from nanovllm.inputs import UNSUPPORTED_PROMPT_KEYS, TokensPrompt
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.plugins import get_plugins, load_registered
 from nanovllm.presets import is_preset, preset_dir
@@ -23,16 +27,24 @@ from nanovllm.selection import resolve_attention_backend, resolve_observer, reso
 Prompt = str | list[int] | dict
 
 
-def resolve_model_path(model: str | None) -> Path:
+def resolve_model_path(model: str | None, revision: str | None = None, download_dir: str | None = None) -> Path:
+    """A local directory, the built-in model, a preset, or a hub ID looked up in (or downloaded to) the
+    Hugging Face cache. ``revision`` and ``download_dir`` apply to hub IDs only."""
+    path = None if model is None else Path(model).expanduser()
+    hub = not is_default_model(model) and not is_preset(model) and not path.is_dir() and is_hub_id(model)
+    if not hub and (revision is not None or download_dir is not None):
+        given = ", ".join(f"{k}={v!r}" for k, v in (("revision", revision), ("download_dir", download_dir)) if v)
+        raise ValueError(f"{given} applies to hub model IDs only; model {model!r} is not one, so leave it unset")
     if is_default_model(model):
         return default_model_dir()
     if is_preset(model):
         return preset_dir(model)
-    path = Path(model).expanduser()
+    if hub:
+        return resolve_hub_id(model, revision, download_dir)
     if not path.is_dir():
         raise ModelDirectoryError(
-            f"model {model!r} is not a directory. nanovllm loads local Hugging Face-format directories "
-            "(no downloads); leave model unset for the built-in SmolLM2-135M-Instruct"
+            f"model {model!r} is not a directory, nor a hub ID like 'Qwen/Qwen3-0.6B'. nanovllm loads Hugging "
+            "Face-format directories and hub models; leave model unset for the built-in SmolLM2-135M-Instruct"
         )
     return path
 
@@ -59,11 +71,19 @@ class LLMEngine:
             observers = [observers]
         observers = tuple(resolve_observer(o, plugins) for o in observers)
         backend_choice = resolve_attention_backend(config.attention_backend, plugins)
-        self.model_path = resolve_model_path(config.model)
+        self.model_path = resolve_model_path(config.model, config.revision, config.download_dir)
+        self.tokenizer_path = self._tokenizer_path()
         raw = read_config_json(self.model_path)
         families = plugins.registry.model_families
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in families), None)
+        if arch is None and raw.get("auto_map"):
+            raise ModelDirectoryError(
+                f"{str(self.model_path)!r} needs the model code shipped with its checkpoint (auto_map in "
+                f"config.json, architecture {', '.join(archs) or '(none)'}); nanovllm never runs checkpoint code, "
+                "with or without trust_remote_code. It runs the architectures its plugins provide: "
+                f"{', '.join(sorted(families)) or 'none'}"
+            )
         if arch is None:
             raise ModelDirectoryError(
                 f"no installed plugin provides architecture {', '.join(archs) or '(none in config.json)'}. "
@@ -72,7 +92,7 @@ class LLMEngine:
         from transformers import AutoConfig
 
         try:
-            self.hf_config = AutoConfig.from_pretrained(self.model_path)
+            self.hf_config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=False)
         except Exception as exc:
             raise ModelDirectoryError(f"config.json in {str(self.model_path)!r} cannot be read: {exc}") from exc
         self.max_model_len = self._max_model_len()
@@ -102,18 +122,40 @@ class LLMEngine:
             raise ValueError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={limit}")
         return wanted
 
+    def _tokenizer_path(self) -> Path:
+        """``tokenizer=`` (a directory or hub ID, at ``tokenizer_revision``), else the model's directory."""
+        config = self.config
+        if config.tokenizer is None:
+            if config.tokenizer_revision is not None:
+                raise ValueError("tokenizer_revision applies to tokenizer=; without it use revision=")
+            return self.model_path
+        path = Path(config.tokenizer).expanduser()
+        if path.is_dir():
+            if config.tokenizer_revision is not None:
+                raise ValueError(f"tokenizer_revision applies to hub IDs; tokenizer {config.tokenizer!r} is a directory")
+            return path
+        if not is_hub_id(config.tokenizer):
+            raise ModelDirectoryError(f"tokenizer {config.tokenizer!r} is neither a directory nor a hub ID")
+        return resolve_hub_id(config.tokenizer, config.tokenizer_revision, config.download_dir)
+
     def _load_tokenizer(self):
         from transformers import AutoTokenizer
 
         if self.config.skip_tokenizer_init:
             return None
-        try:
-            return AutoTokenizer.from_pretrained(self.model_path)
+        try:  # a tokenizer class shipped as code with the checkpoint fails here: it is never run
+            return AutoTokenizer.from_pretrained(self.tokenizer_path, trust_remote_code=False)
         except Exception as exc:
             raise ModelDirectoryError(
-                f"cannot load a tokenizer from {str(self.model_path)!r}: {exc}; "
-                "pass skip_tokenizer_init=True to run on token ids only"
+                f"cannot load a tokenizer from {str(self.tokenizer_path)!r}: {exc}; pass tokenizer= (a directory "
+                "or hub ID of one transformers can load), or skip_tokenizer_init=True to run on token ids only"
             ) from exc
+
+    def get_tokenizer(self):
+        """The Hugging Face tokenizer the engine encodes and decodes with."""
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer (skip_tokenizer_init=True); load it without that option")
+        return self.tokenizer
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -132,12 +174,7 @@ class LLMEngine:
 
     def _tokenize(self, prompt: Prompt, index: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError(f"prompt {index}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+            prompt = self._unpack_prompt_dict(prompt, index)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"prompt {index} is text, but this engine has no tokenizer; pass token ids")
@@ -152,6 +189,23 @@ class LLMEngine:
                 )
             return None, list(prompt)
         raise TypeError(f"prompt {index} must be a string, a list of token ids or a dict, not {prompt!r:.80}")
+
+    @staticmethod
+    def _unpack_prompt_dict(prompt: dict, index: int) -> str | list[int]:
+        """A :class:`~nanovllm.inputs.TextPrompt` or :class:`~nanovllm.inputs.TokensPrompt` to its text or ids."""
+        for key in prompt:
+            if key in UNSUPPORTED_PROMPT_KEYS:
+                raise ValueError(f"prompt {index} has {key!r}, which is not supported: {UNSUPPORTED_PROMPT_KEYS[key]}")
+            if key not in ("prompt", "prompt_token_ids"):
+                raise ValueError(f"prompt {index} has an unknown key {key!r}; a dict prompt needs 'prompt' or "
+                                 "'prompt_token_ids' (a TextPrompt or a TokensPrompt)")
+        if len(prompt) != 1:
+            raise ValueError(f"prompt {index}: a dict prompt needs 'prompt' or 'prompt_token_ids' (a TextPrompt or "
+                             "a TokensPrompt), exactly one of them")
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            return list(ids) if isinstance(ids, (list, tuple)) else ids
+        return prompt["prompt"]
 
     def _check_length(self, token_ids: list[int], index: int) -> None:
         if not token_ids:
@@ -379,19 +433,30 @@ class LLMEngine:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
-        if not messages:
+        """Apply a chat template (the tokenizer's, or ``chat_template``) to one conversation or a list of
+        them, then generate; each output's ``prompt`` is the rendered text. The options are vLLM's:
+        ``chat_template_kwargs`` are extra template variables (e.g. Qwen3's ``enable_thinking``),
+        ``continue_final_message`` extends the last (assistant) message instead of starting a new one."""
+        if not messages or not isinstance(messages, list):
             raise ValueError("messages must be a conversation (list of {'role', 'content'} dicts) or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError(f"the tokenizer of {str(self.model_path)!r} has no chat template; use generate()")
-        prompts = []
-        for i, conv in enumerate(conversations):
-            if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
-                raise ValueError(f"conversation {i} must be a non-empty list of {{'role', 'content'}} dicts")
-            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
-            prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        options = ChatOptions(
+            chat_template=chat_template, chat_template_kwargs=chat_template_kwargs or {},
+            chat_template_content_format=chat_template_content_format, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tools=tools,
+        )
+        texts = render_chat(self.tokenizer, conversations, options)
+        # the template writes any special tokens (BOS) itself, so the tokenizer adds none
+        prompts = [TokensPrompt(prompt_token_ids=self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
         outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for output, text in zip(outputs, texts, strict=True):
+            output.prompt = text
         return outputs
