@@ -27,20 +27,27 @@ from nanovllm.selection import resolve_attention_backend, resolve_observer, reso
 Prompt = str | list[int] | dict
 
 
+def names_hub_model(model: str | None) -> bool:
+    """``model`` is looked up on the hub: not the built-in model, a preset or an existing directory."""
+    if is_default_model(model) or is_preset(model) or Path(model).expanduser().is_dir():
+        return False
+    return is_hub_id(model)
+
+
 def resolve_model_path(model: str | None, revision: str | None = None, download_dir: str | None = None) -> Path:
     """A local directory, the built-in model, a preset, or a hub ID looked up in (or downloaded to) the
-    Hugging Face cache. ``revision`` and ``download_dir`` apply to hub IDs only."""
-    path = None if model is None else Path(model).expanduser()
-    hub = not is_default_model(model) and not is_preset(model) and not path.is_dir() and is_hub_id(model)
-    if not hub and (revision is not None or download_dir is not None):
-        given = ", ".join(f"{k}={v!r}" for k, v in (("revision", revision), ("download_dir", download_dir)) if v)
-        raise ValueError(f"{given} applies to hub model IDs only; model {model!r} is not one, so leave it unset")
+    Hugging Face cache (``download_dir``, default ``HF_HUB_CACHE``) at ``revision``."""
+    hub = names_hub_model(model)
+    if revision is not None and not hub:
+        raise ValueError(f"revision={revision!r} applies to hub model IDs only; model {model!r} is not one, "
+                         "so leave revision unset")
     if is_default_model(model):
         return default_model_dir()
     if is_preset(model):
         return preset_dir(model)
     if hub:
         return resolve_hub_id(model, revision, download_dir)
+    path = Path(model).expanduser()
     if not path.is_dir():
         raise ModelDirectoryError(
             f"model {model!r} is not a directory, nor a hub ID like 'Qwen/Qwen3-0.6B'. nanovllm loads Hugging "
@@ -73,6 +80,11 @@ class LLMEngine:
         backend_choice = resolve_attention_backend(config.attention_backend, plugins)
         self.model_path = resolve_model_path(config.model, config.revision, config.download_dir)
         self.tokenizer_path = self._tokenizer_path()
+        if config.download_dir is not None and not (
+            names_hub_model(config.model) or (config.tokenizer is not None and names_hub_model(config.tokenizer))
+        ):
+            raise ValueError(f"download_dir={config.download_dir!r} is where hub models are cached; neither the model "
+                             "nor the tokenizer is a hub ID, so leave it unset")
         raw = read_config_json(self.model_path)
         families = plugins.registry.model_families
         archs = raw.get("architectures") or []
