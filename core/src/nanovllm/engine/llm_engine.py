@@ -215,8 +215,7 @@ class LLMEngine:
             raise ValueError(f"prompt {index}: a dict prompt needs 'prompt' or 'prompt_token_ids' (a TextPrompt or "
                              "a TokensPrompt), exactly one of them")
         if "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            return list(ids) if isinstance(ids, (list, tuple)) else ids
+            return list(prompt["prompt_token_ids"])
         return prompt["prompt"]
 
     def _check_length(self, token_ids: list[int], index: int) -> None:
