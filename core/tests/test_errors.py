@@ -394,7 +394,7 @@ def edit_config(path, **changes):
 
 
 def test_missing_model_directory(tmp_path):
-    with pytest.raises(ValueError, match="is not a directory.*no downloads"):
+    with pytest.raises(ValueError, match="is not a directory, nor a hub ID"):
         make_llm(str(tmp_path / "nowhere"))
 
 

@@ -51,6 +51,25 @@ def _selection(_inst, attr, value) -> None:
 
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# vLLM's other spellings of the same dtypes
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def _canonical_dtype(value: Any) -> Any:
+    """``"half"`` -> ``"float16"``, ``torch.bfloat16`` -> ``"bfloat16"`` (checked by name, so torch is not imported)."""
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+        value = str(value).removeprefix("torch.")
+    return DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+
+
+def _optional_str(_inst, attr, value) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ValueError(f"{attr.name} must be a non-empty string or None, got {value!r}")
+
+
+def _bool(_inst, attr, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{attr.name} must be True or False, got {value!r}")
 
 
 @attrs.define(kw_only=True)
@@ -58,7 +77,18 @@ class EngineConfig:
     """Everything ``LLM(model, **config)`` accepts. ``None`` means: derive it from the model or device."""
 
     model: str | None = None
-    dtype: str = attrs.field(default="auto", validator=_one_of("dtype", DTYPES))
+    # a different tokenizer (directory or hub ID; default: the model's), and hub revisions of both
+    tokenizer: str | None = attrs.field(default=None, validator=_optional_str)
+    revision: str | None = attrs.field(default=None, validator=_optional_str)
+    tokenizer_revision: str | None = attrs.field(default=None, validator=_optional_str)
+    # the Hugging Face cache folder hub IDs are looked up in and downloaded to (default: HF_HUB_CACHE)
+    download_dir: str | None = attrs.field(default=None, validator=_optional_str)
+    # accepted for vLLM scripts; code shipped with a checkpoint never runs either way
+    trust_remote_code: bool = attrs.field(default=False, validator=_bool)
+    dtype: str = attrs.field(
+        default="auto", converter=_canonical_dtype,
+        validator=_one_of("dtype", (*DTYPES, *DTYPE_ALIASES)),
+    )
     max_model_len: int | None = attrs.field(default=None, validator=_positive_int("max_model_len"))
     max_num_seqs: int = attrs.field(default=256, validator=_positive_int("max_num_seqs"))
     max_num_batched_tokens: int = attrs.field(default=8192, validator=_positive_int("max_num_batched_tokens"))

@@ -62,6 +62,24 @@ def tiny_model_dir(path: str | Path, architecture: str = "LlamaForCausalLM", see
     return path
 
 
+def hub_cache_entry(cache_dir: str | Path, repo_id: str, model_dir: str | Path, revision: str = "main",
+                    commit: str | None = None) -> Path:
+    """Put a copy of ``model_dir`` into a Hugging Face hub cache folder (``HF_HUB_CACHE`` layout) as
+    ``repo_id`` at ``revision``, the way ``huggingface_hub`` leaves a download; returns the snapshot folder.
+    ``commit`` is the snapshot's hash (default: derived from the repo and revision)."""
+    import hashlib
+    import shutil
+
+    commit = commit or hashlib.sha1(f"{repo_id}@{revision}".encode()).hexdigest()
+    repo = Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(model_dir, snapshot, dirs_exist_ok=True)
+    if revision != commit:  # a branch or tag: refs/<revision> names the commit
+        (repo / "refs" / revision).parent.mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / revision).write_text(commit)
+    return snapshot
+
+
 def run_under_interpreter(test_file: str | Path, keyword: str = "interp", timeout: int = 900):
     """Run the ``keyword`` cases of ``test_file`` in a fresh pytest process with Triton's interpreter
     switched on (it must be set before anything imports triton). Returns ``(returncode, output tail,

@@ -8,6 +8,8 @@ from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 from typing import Any
 
+from nanovllm.chat_utils import ChatOptions
+from nanovllm.chat_utils import render as render_chat
 from nanovllm.config import EngineConfig
 from nanovllm.default_model import default_model_dir, is_default_model
 from nanovllm.engine.loader import ModelDirectoryError, read_config_json
@@ -15,6 +17,8 @@ from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.output_stream import OutputStream
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
+from nanovllm.hub import is_hub_id, resolve_hub_id
+from nanovllm.inputs import UNSUPPORTED_PROMPT_KEYS, TokensPrompt
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.plugins import get_plugins, load_registered
 from nanovllm.presets import is_preset, preset_dir
@@ -24,16 +28,31 @@ from nanovllm.selection import resolve_attention_backend, resolve_observer, reso
 Prompt = str | list[int] | dict
 
 
-def resolve_model_path(model: str | None) -> Path:
+def names_hub_model(model: str | None) -> bool:
+    """``model`` is looked up on the hub: not the built-in model, a preset or an existing directory."""
+    if is_default_model(model) or is_preset(model) or Path(model).expanduser().is_dir():
+        return False
+    return is_hub_id(model)
+
+
+def resolve_model_path(model: str | None, revision: str | None = None, download_dir: str | None = None) -> Path:
+    """A local directory, the built-in model, a preset, or a hub ID looked up in (or downloaded to) the
+    Hugging Face cache (``download_dir``, default ``HF_HUB_CACHE``) at ``revision``."""
+    hub = names_hub_model(model)
+    if revision is not None and not hub:
+        raise ValueError(f"revision={revision!r} applies to hub model IDs only; model {model!r} is not one, "
+                         "so leave revision unset")
     if is_default_model(model):
         return default_model_dir()
     if is_preset(model):
         return preset_dir(model)
+    if hub:
+        return resolve_hub_id(model, revision, download_dir)
     path = Path(model).expanduser()
     if not path.is_dir():
         raise ModelDirectoryError(
-            f"model {model!r} is not a directory. nanovllm loads local Hugging Face-format directories "
-            "(no downloads); leave model unset for the built-in SmolLM2-135M-Instruct"
+            f"model {model!r} is not a directory, nor a hub ID like 'Qwen/Qwen3-0.6B'. nanovllm loads Hugging "
+            "Face-format directories and hub models; leave model unset for the built-in SmolLM2-135M-Instruct"
         )
     return path
 
@@ -60,11 +79,24 @@ class LLMEngine:
             observers = [observers]
         observers = tuple(resolve_observer(o, plugins) for o in observers)
         backend_choice = resolve_attention_backend(config.attention_backend, plugins)
-        self.model_path = resolve_model_path(config.model)
+        self.model_path = resolve_model_path(config.model, config.revision, config.download_dir)
+        self.tokenizer_path = self._tokenizer_path()
+        if config.download_dir is not None and not (
+            names_hub_model(config.model) or (config.tokenizer is not None and names_hub_model(config.tokenizer))
+        ):
+            raise ValueError(f"download_dir={config.download_dir!r} is where hub models are cached; neither the model "
+                             "nor the tokenizer is a hub ID, so leave it unset")
         raw = read_config_json(self.model_path)
         families = plugins.registry.model_families
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in families), None)
+        if arch is None and raw.get("auto_map"):
+            raise ModelDirectoryError(
+                f"{str(self.model_path)!r} needs the model code shipped with its checkpoint (auto_map in "
+                f"config.json, architecture {', '.join(archs) or '(none)'}); nanovllm never runs checkpoint code, "
+                "with or without trust_remote_code. It runs the architectures its plugins provide: "
+                f"{', '.join(sorted(families)) or 'none'}"
+            )
         if arch is None:
             raise ModelDirectoryError(
                 f"no installed plugin provides architecture {', '.join(archs) or '(none in config.json)'}. "
@@ -73,7 +105,7 @@ class LLMEngine:
         from transformers import AutoConfig
 
         try:
-            self.hf_config = AutoConfig.from_pretrained(self.model_path)
+            self.hf_config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=False)
         except Exception as exc:
             raise ModelDirectoryError(f"config.json in {str(self.model_path)!r} cannot be read: {exc}") from exc
         self.max_model_len = self._max_model_len()
@@ -104,18 +136,40 @@ class LLMEngine:
             raise ValueError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={limit}")
         return wanted
 
+    def _tokenizer_path(self) -> Path:
+        """``tokenizer=`` (a directory or hub ID, at ``tokenizer_revision``), else the model's directory."""
+        config = self.config
+        if config.tokenizer is None:
+            if config.tokenizer_revision is not None:
+                raise ValueError("tokenizer_revision applies to tokenizer=; without it use revision=")
+            return self.model_path
+        path = Path(config.tokenizer).expanduser()
+        if path.is_dir():
+            if config.tokenizer_revision is not None:
+                raise ValueError(f"tokenizer_revision applies to hub IDs; tokenizer {config.tokenizer!r} is a directory")
+            return path
+        if not is_hub_id(config.tokenizer):
+            raise ModelDirectoryError(f"tokenizer {config.tokenizer!r} is neither a directory nor a hub ID")
+        return resolve_hub_id(config.tokenizer, config.tokenizer_revision, config.download_dir)
+
     def _load_tokenizer(self):
         from transformers import AutoTokenizer
 
         if self.config.skip_tokenizer_init:
             return None
-        try:
-            return AutoTokenizer.from_pretrained(self.model_path)
+        try:  # a tokenizer class shipped as code with the checkpoint fails here: it is never run
+            return AutoTokenizer.from_pretrained(self.tokenizer_path, trust_remote_code=False)
         except Exception as exc:
             raise ModelDirectoryError(
-                f"cannot load a tokenizer from {str(self.model_path)!r}: {exc}; "
-                "pass skip_tokenizer_init=True to run on token ids only"
+                f"cannot load a tokenizer from {str(self.tokenizer_path)!r}: {exc}; pass tokenizer= (a directory "
+                "or hub ID of one transformers can load), or skip_tokenizer_init=True to run on token ids only"
             ) from exc
+
+    def get_tokenizer(self):
+        """The Hugging Face tokenizer the engine encodes and decodes with."""
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer (skip_tokenizer_init=True); load it without that option")
+        return self.tokenizer
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -134,12 +188,7 @@ class LLMEngine:
 
     def _tokenize(self, prompt: Prompt, index: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError(f"prompt {index}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+            prompt = self._unpack_prompt_dict(prompt, index)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"prompt {index} is text, but this engine has no tokenizer; pass token ids")
@@ -154,6 +203,22 @@ class LLMEngine:
                 )
             return None, list(prompt)
         raise TypeError(f"prompt {index} must be a string, a list of token ids or a dict, not {prompt!r:.80}")
+
+    @staticmethod
+    def _unpack_prompt_dict(prompt: dict, index: int) -> str | list[int]:
+        """A :class:`~nanovllm.inputs.TextPrompt` or :class:`~nanovllm.inputs.TokensPrompt` to its text or ids."""
+        for key in prompt:
+            if key in UNSUPPORTED_PROMPT_KEYS:
+                raise ValueError(f"prompt {index} has {key!r}, which is not supported: {UNSUPPORTED_PROMPT_KEYS[key]}")
+            if key not in ("prompt", "prompt_token_ids"):
+                raise ValueError(f"prompt {index} has an unknown key {key!r}; a dict prompt needs 'prompt' or "
+                                 "'prompt_token_ids' (a TextPrompt or a TokensPrompt)")
+        if len(prompt) != 1:
+            raise ValueError(f"prompt {index}: a dict prompt needs 'prompt' or 'prompt_token_ids' (a TextPrompt or "
+                             "a TokensPrompt), exactly one of them")
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        return prompt["prompt"]
 
     def _check_length(self, token_ids: list[int], index: int) -> None:
         if not token_ids:
@@ -420,19 +485,30 @@ class LLMEngine:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
-        if not messages:
+        """Apply a chat template (the tokenizer's, or ``chat_template``) to one conversation or a list of
+        them, then generate; each output's ``prompt`` is the rendered text. The options are vLLM's:
+        ``chat_template_kwargs`` are extra template variables (e.g. Qwen3's ``enable_thinking``),
+        ``continue_final_message`` extends the last (assistant) message instead of starting a new one."""
+        if not messages or not isinstance(messages, list):
             raise ValueError("messages must be a conversation (list of {'role', 'content'} dicts) or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError(f"the tokenizer of {str(self.model_path)!r} has no chat template; use generate()")
-        prompts = []
-        for i, conv in enumerate(conversations):
-            if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
-                raise ValueError(f"conversation {i} must be a non-empty list of {{'role', 'content'}} dicts")
-            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
-            prompts.append({"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        options = ChatOptions(
+            chat_template=chat_template, chat_template_kwargs=chat_template_kwargs or {},
+            chat_template_content_format=chat_template_content_format, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tools=tools,
+        )
+        texts = render_chat(self.tokenizer, conversations, options)
+        # the template writes any special tokens (BOS) itself, so the tokenizer adds none
+        prompts = [TokensPrompt(prompt_token_ids=self.tokenizer.encode(t, add_special_tokens=False)) for t in texts]
         outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for output, text in zip(outputs, texts, strict=True):
+            output.prompt = text
         return outputs
