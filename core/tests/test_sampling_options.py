@@ -102,6 +102,32 @@ def test_min_p_drops_the_unlikely_tokens():
     assert torch.allclose(freq[:2], torch.tensor([0.5, 0.3]) / 0.8, atol=0.04)
 
 
+@pytest.mark.gpu
+def test_every_option_runs_on_the_device_without_a_host_sync():
+    dev = torch.device("cuda")
+    vocab, rows = 1000, 8
+    logits = torch.randn(rows, vocab, device=dev)
+    counts = PenaltyCounts(vocab, dev)
+    ints = lambda values: torch.tensor(values, dtype=torch.long).pin_memory().to(dev, non_blocking=True)  # noqa: E731
+    floats = lambda values: torch.tensor(values).pin_memory().to(dev, non_blocking=True)  # noqa: E731
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        slots = [counts.slot(Owner(), ints([1, 2, 3]), ints([4, 4])) for _ in range(3)]
+        processing = LogitsProcessing(
+            add=(ints([0, 1]), ints([5, 6]), floats([3.0, float("-inf")])),
+            conditional_ban=(ints([2]), ints([7]), ints([9]), ints([9])),
+            allowed=(ints([3]), ints([3, 3]), ints([10, 11])),
+            penalties=(ints([4, 5, 6]), ints(slots), floats([1.2] * 3), floats([0.5] * 3), floats([0.1] * 3)),
+            counts=counts,
+        )
+        sampled = Sampler()(logits, floats([0.0, 1.0] * 4), ints([0, 5] * 4), floats([1.0, 0.9] * 4), None,
+                            floats([0.0, 0.1] * 4), processing)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sampled[3].item() in (10, 11) and sampled[1].item() != 6
+
+
 # -- SamplingParams ------------------------------------------------------------------------------
 
 

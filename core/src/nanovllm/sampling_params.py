@@ -158,7 +158,7 @@ class SamplingParams:
         )
         _check(
             self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-            f"max_tokens must be None (up to the context limit) or an int >= 1, got {self.max_tokens!r}",
+            f"max_tokens must be an int >= 1, or None (up to the context limit), got {self.max_tokens!r}",
         )
         _check(
             _is_int(self.min_tokens) and self.min_tokens >= 0,
