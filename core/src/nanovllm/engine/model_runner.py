@@ -633,6 +633,6 @@ class ModelRunner:
         if restricted:
             processing.allowed = (ints(restricted), ints(allowed_rows), ints(allowed_ids))
         if penalty_rows:
-            repetition, frequency, presence = (floats(list(column)) for column in zip(*penalties))
+            repetition, frequency, presence = (floats(list(column)) for column in zip(*penalties, strict=True))
             processing.penalties = (ints(penalty_rows), ints(slots), repetition, frequency, presence)
         return processing

@@ -8,7 +8,6 @@ from itertools import count
 
 from nanovllm.sampling_params import SamplingParams
 
-
 # A token that was sampled on the GPU but not yet read back (async scheduling); at most one per
 # sequence, always its last token. The next step takes its value straight from the GPU.
 PLACEHOLDER = -1
