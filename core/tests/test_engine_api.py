@@ -103,7 +103,7 @@ def test_abort_frees_blocks_at_once_and_others_go_on(llm, reference):
     llm.add_request("drop", PROMPTS[1], greedy(max_tokens=40))
     llm.step()
     llm.step()
-    held = len(llm._streams["drop"].seq.block_table)
+    held = len(llm._streams["drop"].first.block_table)
     assert held > 0
     free_before = bm.num_free_blocks
     llm.abort_request("drop")

@@ -16,6 +16,17 @@ class Logprob:
 
 
 @attrs.define
+class RequestMetrics:
+    """Wall-clock times (``time.time()``) of a request: arrival, first and last generated token read back,
+    and finish (None until then)."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@attrs.define
 class CompletionOutput:
     index: int
     text: str
@@ -26,6 +37,9 @@ class CompletionOutput:
     # the sampled token and the k most likely ones; None when logprobs were not asked for
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @attrs.define
@@ -38,6 +52,8 @@ class RequestOutput:
     # with SamplingParams(prompt_logprobs=k): None for the first prompt token (nothing predicts it), then
     # per prompt token that token and the k most likely ones; None when not asked for
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    finished: bool = False  # every completion has finished
+    metrics: RequestMetrics | None = None
 
     @property
     def text(self) -> str:

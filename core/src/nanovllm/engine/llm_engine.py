@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 from pathlib import Path
@@ -19,7 +20,7 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
 from nanovllm.hub import is_hub_id, resolve_hub_id
 from nanovllm.inputs import UNSUPPORTED_PROMPT_KEYS, TokensPrompt
-from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
+from nanovllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanovllm.plugins import get_plugins, load_registered
 from nanovllm.presets import is_preset, preset_dir
 from nanovllm.sampling_params import SamplingParams
@@ -269,8 +270,10 @@ class LLMEngine:
 
     def _add(self, prompt: Prompt, params: SamplingParams, request_id: str | None) -> Sequence:
         text, token_ids = self._tokenize(prompt, 0)
+        token_ids = self._truncate_prompt(token_ids, params, 0)
         self._check_length(token_ids, 0)
         self._check_logprobs(params, 0)
+        self._check_sampling(params, 0)
         return self._enqueue(text, token_ids, params, request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -288,10 +291,83 @@ class LLMEngine:
     def _enqueue(
         self, text: str | None, token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> Sequence:
+        """Queue a request; returns its first completion's sequence (``seq.group``: all ``n`` of them)."""
         seq = Sequence(token_ids, params, request_id or str(self._next_request), text)
         self._next_request += 1
+        self._prepare_sampling(seq)
         self.scheduler.add(seq)
+        for sibling in seq.group[1:]:
+            self.scheduler.add(sibling)
         return seq
+
+    # -- sampling options beyond temperature, top-k/p --------------------------------------------------
+
+    def _truncate_prompt(self, token_ids: list[int], params: SamplingParams, index: int) -> list[int]:
+        """``truncate_prompt_tokens``: keep the last k tokens (-1: as many as leave room for one more)."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        if keep == -1:
+            keep = self.max_model_len - 1
+        if keep >= self.max_model_len:
+            raise ValueError(
+                f"request {index}: truncate_prompt_tokens={keep} is not below max_model_len={self.max_model_len}; "
+                f"use at most {self.max_model_len - 1}, or -1 for that"
+            )
+        return token_ids[-keep:]
+
+    def _check_sampling(self, params: SamplingParams, index: int) -> None:
+        """The options that depend on this model: token ids within the vocabulary, a tokenizer for words."""
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"request {index}: {name} has token id(s) outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+                )
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError(
+                f"request {index}: bad_words needs a tokenizer, and this engine has none (skip_tokenizer_init); "
+                "ban token ids with logit_bias={id: -100} instead"
+            )
+
+    def _prepare_sampling(self, seq: Sequence) -> None:
+        """The token ids that the sampler masks for ``seq``; for ``n > 1`` its siblings (seeds ``seed + i``),
+        which wait for its prompt blocks and then share them through the prefix cache."""
+        params = seq.sampling_params
+        if params.min_tokens:
+            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+            seq.min_tokens_banned = sorted(banned)
+        if params.bad_words:
+            seq.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        if params.n == 1:
+            return
+        children = []
+        for i in range(params.n):
+            child = params.clone()
+            child.n = 1
+            if params.seed is not None:
+                child.seed = params.seed + i
+            if i > 0:
+                child.prompt_logprobs = None  # the first completion reports them
+            children.append(child)
+        seq.sampling_params = children[0]
+        for i, child in enumerate(children[1:], start=1):
+            sibling = Sequence(seq.token_ids, child, seq.request_id, seq.prompt_text)
+            sibling.index, sibling.group, sibling.arrival_time = i, seq.group, seq.arrival_time
+            sibling.min_tokens_banned, sibling.bad_words_token_ids = seq.min_tokens_banned, seq.bad_words_token_ids
+            if self.config.enable_prefix_caching:
+                sibling.prefix_source = seq
+            seq.group.append(sibling)
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's token ids as it would appear at the start of a text and after a space."""
+        found: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in found:
+                    found.append(ids)
+        return found
 
     # -- stepping -----------------------------------------------------------------------------------
 
@@ -331,7 +407,7 @@ class LLMEngine:
             out = stream.poll(self)
             if out is not None:
                 outputs.append(out)
-            if stream.seq.is_finished:
+            if stream.finished:
                 del self._streams[request_id]
         return outputs
 
@@ -345,10 +421,14 @@ class LLMEngine:
             if not seq.is_finished:  # by position: a recompute after preemption overwrites, never appends
                 seq.prompt_logprobs[position : position + len(entries)] = entries
         finished = []
+        now = time.time()
         for seq, token, logprobs in zip(launched.seqs, result.tokens, result.logprobs, strict=True):
             if seq.is_finished:  # stopped on the token before, or aborted; this one is discarded
                 continue
             seq.token_ids[-1] = token
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
             if logprobs is not None:
                 seq.logprobs.append(logprobs)
             reason = self._stop_reason(seq, token)
@@ -365,6 +445,8 @@ class LLMEngine:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.sampling_params
+        if seq.num_completion_tokens < params.min_tokens:  # EOS and stop tokens were masked; no stop string
+            return "length" if seq.num_tokens >= self.max_model_len else None
         if not params.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if token in params.stop_token_ids:
@@ -372,7 +454,7 @@ class LLMEngine:
             return "stop"
         if params.stop and self._find_stop_string(seq) is not None:
             return "stop"
-        if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.reached_length(self.max_model_len):
             return "length"
         return None
 
@@ -385,33 +467,53 @@ class LLMEngine:
         index, seq.stop_reason = min(hits)
         return index
 
-    def _detokenize(self, token_ids: list[int]) -> str:
+    def _detokenize(self, token_ids: list[int], params: SamplingParams | None = None) -> str:
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        if params is None or params.spaces_between_special_tokens:  # the tokenizers' default
+            return self.tokenizer.decode(token_ids, skip_special_tokens=params is None or params.skip_special_tokens)
+        return self.tokenizer.decode(
+            token_ids, skip_special_tokens=params.skip_special_tokens, spaces_between_special_tokens=False
+        )
 
     def _completion_text(self, seq: Sequence) -> str:
         """The text that follows the prompt. Decoded after the last few prompt tokens, because
         SentencePiece and word-level tokenizers drop the leading space of a piece decoded alone."""
+        params = seq.sampling_params
         context = seq.token_ids[max(0, seq.num_prompt_tokens - 4) : seq.num_prompt_tokens]
-        prefix = self._detokenize(context)
-        text = self._detokenize(context + seq.completion_token_ids)
-        return text[len(prefix) :] if text.startswith(prefix) else self._detokenize(seq.completion_token_ids)
+        prefix = self._detokenize(context, params)
+        text = self._detokenize(context + seq.completion_token_ids, params)
+        return text[len(prefix) :] if text.startswith(prefix) else self._detokenize(seq.completion_token_ids, params)
 
     def _output(self, seq: Sequence) -> RequestOutput:
+        """The output of the request of ``seq``: one completion per sequence of its group."""
+        first = seq.group[0]
+        prompt_logprobs = None
+        if first.prompt_logprobs is not None:
+            prompt_logprobs = [None, *self._logprob_dicts(first.prompt_logprobs[1:])]
+        finished = all(s.is_finished for s in seq.group)
+        first_tokens = [s.first_token_time for s in seq.group if s.first_token_time is not None]
+        metrics = RequestMetrics(
+            first.arrival_time,
+            min(first_tokens, default=None),
+            max((s.last_token_time for s in seq.group if s.last_token_time is not None), default=None),
+            max(s.finished_time for s in seq.group) if finished else None,
+        )
+        return RequestOutput(first.request_id, first.prompt_text, first.token_ids[: first.num_prompt_tokens],
+                             [self._completion(s) for s in seq.group], first.num_cached_tokens, prompt_logprobs,
+                             finished, metrics)
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
         text = self._completion_text(seq)
-        if isinstance(seq.stop_reason, str):
-            text = text[: text.find(seq.stop_reason)]
         params = seq.sampling_params
-        completion = CompletionOutput(0, text, seq.completion_token_ids, seq.finish_reason, seq.stop_reason)
+        if isinstance(seq.stop_reason, str):
+            end = text.find(seq.stop_reason)
+            text = text[: end + len(seq.stop_reason) if params.include_stop_str_in_output else end]
+        completion = CompletionOutput(seq.index, text, seq.completion_token_ids, seq.finish_reason, seq.stop_reason)
         if params.logprobs is not None:
             completion.logprobs = self._logprob_dicts(seq.logprobs)
             completion.cumulative_logprob = sum(logprobs[0] for _, logprobs, _ in seq.logprobs)
-        prompt_logprobs = None
-        if seq.prompt_logprobs is not None:
-            prompt_logprobs = [None, *self._logprob_dicts(seq.prompt_logprobs[1:])]
-        return RequestOutput(seq.request_id, seq.prompt_text, seq.token_ids[: seq.num_prompt_tokens],
-                             [completion], seq.num_cached_tokens, prompt_logprobs)
+        return completion
 
     def _logprob_dicts(self, entries: list[RawLogprobs]) -> list[dict[int, Logprob]]:
         """Per position: the position's own token first, then the top tokens, each with its text."""
@@ -453,9 +555,11 @@ class LLMEngine:
         requests = []
         for i, prompt in enumerate(prompts):
             text, token_ids = self._tokenize(prompt, i)
+            token_ids = self._truncate_prompt(token_ids, sampling_params[i], i)
             self._check_length(token_ids, i)
             requests.append((text, token_ids))
             self._check_logprobs(sampling_params[i], i)
+            self._check_sampling(sampling_params[i], i)
         seqs = [self._enqueue(t, ids, p) for (t, ids), p in zip(requests, sampling_params, strict=True)]
         return self._run(seqs, use_tqdm)
 
@@ -463,18 +567,19 @@ class LLMEngine:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(seqs), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        members = [s for seq in seqs for s in seq.group]  # every completion of every request
         done = 0
         try:
             with bar:
-                while done < len(seqs):
+                while done < len(members):
                     if not self.scheduler.has_unfinished():
                         raise RuntimeError("the scheduler ran dry before every request finished")
                     self.step()  # outputs are only for add_request(request_id, ...) requests
-                    n = sum(1 for s in seqs if s.is_finished) - done
-                    done += n
-                    bar.update(n)
+                    done = sum(1 for s in members if s.is_finished)
+                    # a request is done when its last completion is
+                    bar.update(sum(1 for seq in seqs if all(s.is_finished for s in seq.group)) - bar.n)
         except BaseException:  # e.g. KeyboardInterrupt between steps: drop this call's requests, keep others
-            for seq in seqs:
+            for seq in members:
                 if not seq.is_finished:
                     self.scheduler.abort(seq)
             raise

@@ -16,7 +16,7 @@ from nanovllm.engine.loader import load_weights
 from nanovllm.engine.offload import HostPhase, OffloadEngine
 from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.sampler import Sampler, TopLogprobs
+from nanovllm.layers.sampler import LogitsProcessing, PenaltyCounts, Sampler, TopLogprobs
 from nanovllm.plugins import PluginSet
 from nanovllm.policy import PolicyHooks
 from nanovllm.selection import BackendChoice, PolicyPlan
@@ -155,6 +155,7 @@ class ModelRunner:
         first = self.attention_layers[0]
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
         self.sampler = Sampler()
+        self.penalty_counts: PenaltyCounts | None = None  # made when a request first uses penalties
 
         self.backend = self._make_backend(backend_choice, plugins)
         self.hooks = self._make_policy_hooks(policy_plan, observers)
@@ -523,7 +524,8 @@ class ModelRunner:
         logprobs = None
         if sampling:
             logits = self.model.compute_logits(hidden if sample_rows is None else hidden[sample_rows])
-            sampled = self.sampler(logits, *self._sampling_tensors(sampling))
+            step_inputs = (input_ids, sample_rows)
+            sampled = self.sampler(logits, *self._sampling_tensors(sampling, logits.shape[-1], step_inputs))
             self._last_sampled = sampled
             for row, s in enumerate(sampling):
                 s.sample_row = row
@@ -550,17 +552,87 @@ class ModelRunner:
         ready.record()
         return LaunchedStep(sampling, tokens, ready, logprobs, prompt_logprobs, spans)
 
-    def _sampling_tensors(self, seqs: list[Sequence]):
+    def _sampling_tensors(self, seqs: list[Sequence], vocab_size: int, step_inputs: tuple):
+        """The sampler's per-row inputs; a feature no row uses is ``None`` (no work in the sampler).
+        ``step_inputs``: the step's input ids and the rows that sample (for multi-token bad words)."""
         params = [s.sampling_params for s in seqs]
         temperatures = self._to_device(np.array([p.temperature for p in params], dtype=np.float32))
-        top_ks = top_ps = None
+        top_ks = top_ps = min_ps = None
         if any(p.top_k > 0 for p in params):
             top_ks = self._to_device(np.array([p.top_k for p in params], dtype=np.int64))
         if any(p.top_p < 1 for p in params):
             top_ps = self._to_device(np.array([p.top_p for p in params], dtype=np.float32))
+        if any(p.min_p > 0 for p in params):
+            min_ps = self._to_device(np.array([p.min_p for p in params], dtype=np.float32))
         generators = []
         for s in seqs:
             if s.sampling_params.seed is not None and s.generator is None:
                 s.generator = torch.Generator(device=self.device).manual_seed(s.sampling_params.seed)
             generators.append(s.generator)
-        return temperatures, top_ks, top_ps, generators
+        processing = None
+        if any(s.processes_logits for s in seqs):
+            processing = self._logits_processing(seqs, vocab_size, *step_inputs)
+        return temperatures, top_ks, top_ps, generators, min_ps, processing
+
+    def _logits_processing(
+        self, seqs: list[Sequence], vocab_size: int, input_ids: torch.Tensor, sample_rows: torch.Tensor | None
+    ) -> LogitsProcessing:
+        """Gather this step's penalties, biases and masks into a few index tensors (built on the host from
+        what the host knows; the previous token of a multi-token bad word is compared on the device)."""
+        add: tuple[list, list, list] = ([], [], [])  # rows, token ids, values
+        banned: tuple[list, list, list] = ([], [], [])  # rows, token ids, required previous token
+        restricted, allowed_rows, allowed_ids = [], [], []
+        penalty_rows, slots, penalties = [], [], []
+        for row, s in enumerate(seqs):
+            if not s.processes_logits:
+                continue
+            p = s.sampling_params
+            if p.logit_bias:
+                add[0].extend([row] * len(p.logit_bias))
+                add[1].extend(p.logit_bias)
+                add[2].extend(p.logit_bias.values())
+            bans = list(s.min_tokens_banned) if s.num_completion_tokens < p.min_tokens else []
+            output = s.completion_token_ids
+            for word in s.bad_words_token_ids:
+                k = len(word) - 1  # tokens that must precede the banned last one
+                if k == 0:
+                    bans.append(word[0])
+                elif len(output) >= k and output[len(output) - k : -1] == word[:-2]:
+                    banned[0].append(row)
+                    banned[1].append(word[-1])
+                    banned[2].append(word[-2])
+            add[0].extend([row] * len(bans))
+            add[1].extend(bans)
+            add[2].extend([float("-inf")] * len(bans))
+            if p.allowed_token_ids:
+                restricted.append(row)
+                allowed_rows.extend([row] * len(p.allowed_token_ids))
+                allowed_ids.extend(p.allowed_token_ids)
+            if p.has_penalties:
+                if self.penalty_counts is None:
+                    self.penalty_counts = PenaltyCounts(vocab_size, self.device)
+                prompt = self._to_device(np.asarray(s.token_ids[: s.num_prompt_tokens], dtype=np.int64))
+                generated = self._to_device(np.asarray([t for t in output if t != PLACEHOLDER], dtype=np.int64))
+                penalty_rows.append(row)
+                slots.append(self.penalty_counts.slot(s, prompt, generated))
+                penalties.append((p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return self._to_device(np.asarray(values, dtype=np.int64))
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return self._to_device(np.asarray(values, dtype=np.float32))
+
+        processing = LogitsProcessing(counts=self.penalty_counts)
+        if add[0]:
+            processing.add = (ints(add[0]), ints(add[1]), floats(add[2]))
+        if banned[0]:
+            rows = ints(banned[0])
+            last_tokens = input_ids if sample_rows is None else input_ids[sample_rows]  # what each row read
+            processing.conditional_ban = (rows, ints(banned[1]), ints(banned[2]), last_tokens[rows])
+        if restricted:
+            processing.allowed = (ints(restricted), ints(allowed_rows), ints(allowed_ids))
+        if penalty_rows:
+            repetition, frequency, presence = (floats(list(column)) for column in zip(*penalties, strict=True))
+            processing.penalties = (ints(penalty_rows), ints(slots), repetition, frequency, presence)
+        return processing

@@ -23,7 +23,37 @@ _PROMPT_CONTEXT = 4
 
 
 class OutputStream:
-    """What one request has produced and what of it was already returned."""
+    """What one request (its ``n`` completions) has produced and what of it was already returned."""
+
+    def __init__(self, seq: Sequence) -> None:
+        self.first = seq.group[0]
+        self.kind = seq.sampling_params.output_kind
+        self.completions = [CompletionStream(s) for s in seq.group]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.first.group)
+
+    def poll(self, engine: LLMEngine) -> RequestOutput | None:
+        """The output this step owes the caller, or None (nothing new, or FINAL_ONLY still running). DELTA
+        outputs hold the completions with something new; the others every completion so far."""
+        if self.kind == RequestOutputKind.FINAL_ONLY:
+            return engine._output(self.first) if self.finished else None
+        changed = [c for c in (stream.poll(engine) for stream in self.completions) if c is not None]
+        if not changed:
+            return None
+        if self.finished:
+            out = engine._output(self.first)
+        else:
+            first = self.first
+            out = RequestOutput(first.request_id, first.prompt_text, first.token_ids[: first.num_prompt_tokens], [],
+                                first.num_cached_tokens)
+        out.outputs = changed if self.kind == RequestOutputKind.DELTA else [s.last for s in self.completions if s.last]
+        return out
+
+
+class CompletionStream:
+    """One completion of a request: its text decoded so far and what of it was already returned."""
 
     def __init__(self, seq: Sequence) -> None:
         self.seq = seq
@@ -35,14 +65,19 @@ class OutputStream:
         self.num_tokens_seen = 0
         self.num_tokens_sent = 0  # what DELTA outputs already returned
         self.num_chars_sent = 0
+        self.done = False  # its final completion was returned
+        self.last: CompletionOutput | None = None  # the latest, whole (for CUMULATIVE outputs)
         stops = seq.sampling_params.stop
         self.holdback = max(map(len, stops)) - 1 if stops else 0
 
-    def poll(self, engine: LLMEngine) -> RequestOutput | None:
-        """The output this step owes the caller, or None (nothing new, or FINAL_ONLY still running)."""
+    def poll(self, engine: LLMEngine) -> CompletionOutput | None:
+        """This completion's news since the last poll (cut to the new part for DELTA), or None."""
         seq = self.seq
         if seq.is_finished:
-            return self._final(engine._output(seq))
+            if self.done:
+                return None
+            self.done = True
+            return self._send(engine._completion(seq))
         ids = seq.token_ids[:-1] if seq.token_ids[-1] == PLACEHOLDER else seq.token_ids
         num_tokens = len(ids) - seq.num_prompt_tokens
         if num_tokens == self.num_tokens_seen:
@@ -51,16 +86,13 @@ class OutputStream:
         self._decode(engine, ids)
         if seq.sampling_params.logprobs is not None:
             self.logprobs += engine._logprob_dicts(seq.logprobs[len(self.logprobs) :])
-        if self.kind == RequestOutputKind.FINAL_ONLY:
-            return None
         text = self.text[: len(self.text) - self.holdback] if self.holdback else self.text
-        token_ids = ids[seq.num_prompt_tokens :]
         logprobs = cumulative = None
         if seq.sampling_params.logprobs is not None:
             logprobs = list(self.logprobs)
             cumulative = sum(lps[0] for _, lps, _ in seq.logprobs)
-        completion = CompletionOutput(0, text, token_ids, None, None, cumulative, logprobs)
-        return self._send(self._request_output(completion))
+        return self._send(CompletionOutput(seq.index, text, ids[seq.num_prompt_tokens :], None, None, cumulative,
+                                           logprobs))
 
     def _decode(self, engine: LLMEngine, ids: list[int]) -> None:
         if engine.tokenizer is None:
@@ -72,23 +104,15 @@ class OutputStream:
         self.text += full[len(prefix) :] if full.startswith(prefix) else full
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)
 
-    def _request_output(self, completion: CompletionOutput) -> RequestOutput:
-        seq = self.seq
-        return RequestOutput(seq.request_id, seq.prompt_text, seq.token_ids[: seq.num_prompt_tokens], [completion],
-                             seq.num_cached_tokens)
-
-    def _final(self, out: RequestOutput) -> RequestOutput:
-        return self._send(out) if self.kind == RequestOutputKind.DELTA else out
-
-    def _send(self, out: RequestOutput) -> RequestOutput:
+    def _send(self, completion: CompletionOutput) -> CompletionOutput:
         """CUMULATIVE: as it is. DELTA: cut to what was not returned before, and remember what was."""
+        self.last = completion
         if self.kind != RequestOutputKind.DELTA:
-            return out
-        completion = out.outputs[0]
+            return completion
         tokens, chars = len(completion.token_ids), len(completion.text)
-        completion.text = completion.text[self.num_chars_sent :]
-        completion.token_ids = completion.token_ids[self.num_tokens_sent :]
-        if completion.logprobs is not None:
-            completion.logprobs = completion.logprobs[self.num_tokens_sent :]
+        delta = CompletionOutput(completion.index, completion.text[self.num_chars_sent :],
+                                 completion.token_ids[self.num_tokens_sent :], completion.finish_reason,
+                                 completion.stop_reason, completion.cumulative_logprob,
+                                 None if completion.logprobs is None else completion.logprobs[self.num_tokens_sent :])
         self.num_tokens_sent, self.num_chars_sent = tokens, chars
-        return out
+        return delta

@@ -12,6 +12,7 @@ holds blocks: an interrupted step can then always find and free them (``abort_al
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from nanovllm.config import EngineConfig
@@ -63,6 +64,11 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
+            source = seq.prefix_source  # a sibling (n > 1) computing the shared prompt: wait to share it
+            if source is not None and source.status == SequenceStatus.RUNNING and (
+                source.num_computed_tokens < source.num_prompt_tokens
+            ):
+                break
             # a cached prefix has no logits, so a request that wants prompt logprobs computes it again
             wants_logits = seq.sampling_params.prompt_logprobs is not None
             hits = [] if wants_logits else self.block_manager.find_cached_prefix(seq)
@@ -126,4 +132,5 @@ class Scheduler:
             seq.token_ids.pop()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.finished_time = time.time()
         self.block_manager.free(seq)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import enum
+import time
 from itertools import count
 
 from nanovllm.sampling_params import SamplingParams
-
 
 # A token that was sampled on the GPU but not yet read back (async scheduling); at most one per
 # sequence, always its last token. The next step takes its value straight from the GPU.
@@ -45,6 +45,20 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.generator = None  # torch.Generator of a seeded request, made by the runner
+        # logits processing (see nanovllm.layers.sampler.LogitsProcessing); the engine fills the token ids
+        self.processes_logits = sampling_params.processes_logits
+        self.min_tokens_banned: list[int] = []  # EOS and stop token ids, masked before min_tokens
+        self.bad_words_token_ids: list[list[int]] = []
+        self.penalty_slot = -1  # row of this sequence in the runner's PenaltyCounts
+        # the request's completions (n > 1: siblings sampling from the same prompt), this one's index, and
+        # the sibling whose prompt blocks it waits for, to take them from the prefix cache
+        self.group: list[Sequence] = [self]
+        self.index = 0
+        self.prefix_source: Sequence | None = None
+        self.arrival_time = time.time()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finished_time: float | None = None
         self.sample_row = -1  # row of this sequence in the last launched step's sampled tokens
         self.logprobs: list[RawLogprobs] = []  # one per generated token, with SamplingParams(logprobs=k)
         # with SamplingParams(prompt_logprobs=k): one per prompt position, stored by position so that a
@@ -80,7 +94,8 @@ class Sequence:
     def reached_length(self, max_model_len: int | None) -> bool:
         """No further token may be sampled (``max_tokens`` or the context limit is reached)."""
         full = max_model_len is not None and self.num_tokens >= max_model_len
-        return full or self.num_completion_tokens >= self.sampling_params.max_tokens
+        max_tokens = self.sampling_params.max_tokens
+        return full or (max_tokens is not None and self.num_completion_tokens >= max_tokens)
 
     @property
     def is_decode(self) -> bool:
