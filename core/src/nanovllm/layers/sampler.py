@@ -83,7 +83,7 @@ class PenaltyCounts:
         self.counts[slot] = 0  # index_put_, not bincount, whose output size would need a host sync
         self.counts[slot].index_put_((output_ids,), torch.ones_like(output_ids, dtype=torch.int32), accumulate=True)
         self.in_prompt[slot] = False
-        self.in_prompt[slot, prompt_ids] = True
+        self.in_prompt[slot].index_fill_(0, prompt_ids, True)  # a scalar fill: no value tensor to copy over
         return slot
 
     def _grow(self, capacity: int) -> None:
