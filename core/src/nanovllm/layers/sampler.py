@@ -118,8 +118,9 @@ class LogitsProcessing:
         if self.allowed is not None:
             restricted, rows, tokens = self.allowed
             banned = torch.zeros_like(logits, dtype=torch.bool)
-            banned[restricted] = True
-            banned[rows, tokens] = False
+            # scalar fills: an indexed assignment of a Python value copies it over from the host, a sync
+            banned.index_fill_(0, restricted, True)
+            banned.view(-1).index_fill_(0, rows * logits.shape[1] + tokens, False)
             logits.masked_fill_(banned, float("-inf"))
         if self.add is not None:
             rows, tokens, values = self.add
