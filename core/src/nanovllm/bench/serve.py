@@ -51,8 +51,8 @@ async def one_request(client, model: str, prompt: list[int], max_tokens: int, st
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            elif first is None and chunk["choices"] and chunk["choices"][0]["text"]:
-                first = time.perf_counter()
+            elif first is None and chunk["choices"]:  # any chunk, as vLLM's benchmark: a model without a
+                first = time.perf_counter()  # tokenizer streams tokens with empty text
     done = time.perf_counter()
     return {"ttft": (first or done) - sent, "latency": done - sent, "tokens": tokens,
             "tpot": (done - (first or done)) / (tokens - 1) if tokens > 1 else None}
