@@ -139,3 +139,17 @@ def test_offload_bench_on_a_tiny_model(tiny_model, one_thread, tmp_path):
 def test_offload_bench_refuses_bad_sizes(capsys):
     assert cli_main(["bench", "offload", "--decode-steps", "0"]) == 2
     assert "--decode-steps takes positive numbers" in capsys.readouterr().err
+
+
+def test_plugin_jobs_write_after_each_job_and_report_failures(tmp_path):
+    """A job whose process fails is a row with its error, the files are written, and the run returns 1."""
+    charted = []
+    status = bench.run_plugin_jobs(
+        [{"kind": "a"}, {"kind": "b"}], "nanovllm_no_such_module", tmp_path, "t", {"x": 1},
+        lambda rows: [{**r, "seen": True} for r in rows], lambda payload, name: f"{name}: {len(payload['results'])}\n",
+        lambda payload, path: charted.append(path),
+    )
+    assert status == 1 and charted == [tmp_path / "t.png"]
+    payload = json.loads((tmp_path / "t.json").read_text())
+    assert [(r["kind"], r["seen"], r["error"]) for r in payload["results"]] == [("a", True, "exit 1"), ("b", True, "exit 1")]
+    assert payload["settings"] == {"x": 1} and (tmp_path / "t.md").read_text() == "t: 2\n"

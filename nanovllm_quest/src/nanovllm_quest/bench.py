@@ -253,22 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.job:
         print(json.dumps(run_job(json.loads(args.job))))
         return 0
-    from nanovllm.bench import environment, run_job_in_subprocess
+    from nanovllm.bench import run_plugin_jobs
 
-    out, env, results = Path(args.out), environment(), []
-    out.mkdir(parents=True, exist_ok=True)
-    for job in jobs(args.contexts, args.batches, args.budgets, args.budget, args.decode_steps):
-        if args.only and job["kind"] not in args.only and not (job["kind"] == "offload-copy" and "offload" in args.only):
-            continue
-        print(f"== {job}", file=sys.stderr, flush=True)
-        results += run_job_in_subprocess(job, ("-m", "nanovllm_quest.bench", "--job"))
-        # written after every job, so that a run cut short keeps what it measured
-        payload = {"environment": env, "settings": vars(args) | {"job": None}, "results": with_ratios(results)}
-        (out / f"{args.name}.json").write_text(json.dumps(payload, indent=1))
-        (out / f"{args.name}.md").write_text(markdown(payload, args.name))
-    chart(payload, out / f"{args.name}.png")
-    print((out / f"{args.name}.md").read_text())
-    return 1 if any("error" in r for r in results) else 0
+    selected = [job for job in jobs(args.contexts, args.batches, args.budgets, args.budget, args.decode_steps)
+                if not (args.only and job["kind"] not in args.only and not (job["kind"] == "offload-copy" and "offload" in args.only))]
+    return run_plugin_jobs(selected, "nanovllm_quest.bench", Path(args.out), args.name, vars(args) | {"job": None},
+                           with_ratios, markdown, chart)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import platform
 import subprocess
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 # Targets on one H100 (issue 3) and anchors (ANCHORS.md): bandwidth floors per device, peers' numbers.
@@ -95,6 +96,26 @@ def run_job_in_subprocess(job: dict, command: tuple[str, ...] = ("-m", "nanovllm
     if proc.returncode != 0 or not lines:
         return [{**job, "benchmark": job["kind"], "preset": job.get("preset", "-"), "error": f"exit {proc.returncode}"}]
     return json.loads(lines[-1])
+
+
+def run_plugin_jobs(jobs: list[dict], module: str, out: Path, name: str, settings: dict[str, Any],
+                    finish: Callable[[list[dict]], list[dict]], markdown: Callable[[dict, str], str],
+                    chart: Callable[[dict, Path], None]) -> int:
+    """A plugin benchmark's run: each job in its own process (``python -m MODULE --job JOB``), ``NAME.json``
+    and ``NAME.md`` written after every job (so that a run cut short keeps what it measured, ``finish``
+    adding the ratios), then the chart. Returns 1 if a job failed."""
+    env, results, payload = environment(), [], {}
+    out.mkdir(parents=True, exist_ok=True)
+    for job in jobs:
+        print(f"== {job}", file=sys.stderr, flush=True)
+        results += run_job_in_subprocess(job, ("-m", module, "--job"))
+        payload = {"environment": env, "settings": settings, "results": finish(results)}
+        (out / f"{name}.json").write_text(json.dumps(payload, indent=1))
+        (out / f"{name}.md").write_text(markdown(payload, name))
+    if payload:
+        chart(payload, out / f"{name}.png")
+        print((out / f"{name}.md").read_text())
+    return 1 if any("error" in r for r in results) else 0
 
 
 def environment() -> dict[str, Any]:
