@@ -1,7 +1,7 @@
 """``python -m nanovllm_minference.quality``: MInference's quality on the real SmolLM2-135M-Instruct over long
 natural English text found on this machine, next to dense, the oracle and a random pattern.
 
-For each budget and captured layer, the text is cut into prefill chunks as the engine cuts it; each
+The harness is the core's (:mod:`nanovllm.quality.prefill`): each
 chunk's index is built from its own last queries over every key so far, and the keys it reads for a
 sample of query rows are compared with dense attention (:func:`nanovllm.quality.metrics.compare_key_masks`):
 attention-mass recall, top-k recall, output error and density, per query head, with the oracle (the
@@ -11,106 +11,30 @@ last part with MInference prefill in the engine, against dense. Runs on the CPU 
 
 from __future__ import annotations
 
-import argparse
-import gc
-import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
-DEFAULT_BUDGETS = ["vertical_size=64,slash_size=256", "vertical_size=128,slash_size=512",
+DEFAULT_SETTINGS = ["vertical_size=64,slash_size=256", "vertical_size=128,slash_size=512",
                    "vertical_size=256,slash_size=1024", "vertical_size=500,slash_size=2000",
                    "vertical_size=1000,slash_size=6096", "adaptive_budget=0.1", "adaptive_budget=0.3",
                    'pattern="a_shape",n_init=128,n_local=1024']
 
 
-def chunk_metrics(policy, layer, chunk: int, rows_per_chunk: int, block_size: int, seed: int) -> dict[str, Any]:
-    """Mean metrics over the sampled rows of every chunk after the first of one captured layer."""
-    from nanovllm.attention.metadata import PhaseMetadata
-    from nanovllm.attention.torch_backend import TorchBackend
-    from nanovllm.policy import PolicyContext
-    from nanovllm.quality.metrics import compare_key_masks, dense_attention
+def measure(policy, q: torch.Tensor, ctx, positions: torch.Tensor, dense) -> tuple[dict[str, Any], float]:
+    """The keys the policy's index reads for the query rows at ``positions`` against dense attention, and
+    the chunk's computed density (the kernel's work over dense causal work)."""
+    from nanovllm.quality.metrics import compare_key_masks
 
     from nanovllm_minference.index import computed_density, index_mask
     from nanovllm_minference.policy import _ops
 
-    estimate = _ops(torch.device("cpu"))[0]
-    num_tokens = layer.k.shape[0]
-    width = -(-num_tokens // block_size)
-    pad = width * block_size - num_tokens
-    k_cache, v_cache = (torch.nn.functional.pad(x.float(), (0, 0, 0, 0, 0, pad)).view(width, block_size, *x.shape[1:])
-                        for x in (layer.k, layer.v))
-    table = torch.arange(width, dtype=torch.int32)[None, :]
-    sums: dict[str, dict[str, float]] = {}
-    count, densities = 0, []
-    for start in range(chunk, num_tokens, chunk):
-        end = min(start + chunk, num_tokens)
-        q = layer.q[start:end].float()
-        meta = PhaseMetadata(torch.tensor([0, end - start], dtype=torch.int32), torch.tensor([end], dtype=torch.int32),
-                             table, end - start, end)
-        ctx = PolicyContext(layer.layer_id, True, q, meta, k_cache, v_cache, layer.scale, TorchBackend())
-        index = policy.build_index(q, ctx, k_cache, table, estimate)
-        densities.append(computed_density(index, meta.cu_seqlens_q, meta.context_lens))
-        rows = torch.linspace(0, end - start - 1, rows_per_chunk).round().long().unique()
-        mask = index_mask(index, meta.cu_seqlens_q, meta.context_lens, rows)
-        positions = start + rows
-        dense = dense_attention(layer.q[positions], layer.k[:end], layer.v[:end], positions, layer.scale)
-        result = compare_key_masks(dense, mask, seed=seed)
-        for which, quality in result.items():
-            for key, value in quality.summary().items():
-                sums.setdefault(which, {}).setdefault(key, 0.0)
-                sums[which][key] += value * len(rows)
-        count += len(rows)
-    out = {which: {key: value / count for key, value in metrics.items()} for which, metrics in sums.items()}
-    out["computed_density"] = sum(densities) / len(densities)
-    return out
-
-
-def run(budgets: list[str], tokens: int, chunk: int, layers: list[int] | None, rows_per_chunk: int, ppl_tail: int,
-        seed: int = 0, done=lambda payload: None) -> dict[str, Any]:
-    """``done(payload)`` after each budget, so that a run cut short keeps what it measured."""
-    from nanovllm import LLM
-    from nanovllm.bench.quality import default_layers
-    from nanovllm.quality.capture import capture_activations
-    from nanovllm.quality.corpus import corpus_tokens
-    from nanovllm.quality.perplexity import tail_perplexity
-
-    from nanovllm_minference.config import MInferenceConfig
-    from nanovllm_minference.policy import MInferencePolicy
-
-    llm = LLM(None, max_model_len=tokens + 1, sparse_policy="full", device="cpu", enforce_eager=True,
-              max_num_batched_tokens=chunk)
-    token_ids, text = corpus_tokens(llm.tokenizer, tokens)
-    layer_ids = layers if layers is not None else default_layers(len(llm.runner.attention_layers))
-    capture = capture_activations(llm, token_ids, layer_ids)
-    del llm
-    gc.collect()
-    print(f"captured layers {layer_ids}", file=sys.stderr, flush=True)
-    dense_ppl = tail_perplexity("full", token_ids, ppl_tail, device="cpu", prefill_chunk=chunk).perplexity
-    print(f"dense perplexity {dense_ppl:.4f}", file=sys.stderr, flush=True)
-    rows = []
-    payload = {"model": "SmolLM2-135M-Instruct", "text": text.describe(), "tokens": tokens, "chunk": chunk,
-               "layers": layer_ids, "rows_per_chunk": rows_per_chunk, "ppl_tail": ppl_tail,
-               "dense_perplexity": dense_ppl, "results": rows}
-    for budget in budgets:
-        selection = f"minference:{budget},dense_below=0"
-        options = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in budget.split(","))}
-        policy = MInferencePolicy(MInferenceConfig(**options, dense_below=0))
-        per_layer = {layer.layer_id: chunk_metrics(policy, layer, chunk, rows_per_chunk, capture.block_size, seed)
-                     for layer in capture.layers}
-        ppl = tail_perplexity(selection, token_ids, ppl_tail, device="cpu", prefill_chunk=chunk).perplexity
-        mean = {which: {key: sum(m[which][key] for m in per_layer.values()) / len(per_layer)
-                        for key in next(iter(per_layer.values()))[which]}
-                for which in ("policy", "oracle", "random")}
-        rows.append({"policy": selection, "per_layer": per_layer, "mean": mean,
-                     "computed_density": sum(m["computed_density"] for m in per_layer.values()) / len(per_layer),
-                     "perplexity": ppl, "ppl_vs_dense": ppl / dense_ppl})
-        print(json.dumps({k: rows[-1][k] for k in ("policy", "mean", "computed_density", "ppl_vs_dense")}),
-              file=sys.stderr, flush=True)
-        done(payload)
-    return payload
+    meta = ctx.meta
+    index = policy.build_index(q, ctx, ctx.k_cache, meta.block_tables, _ops(q.device)[0])
+    start = int(meta.context_lens[0]) - q.shape[0]
+    mask = index_mask(index, meta.cu_seqlens_q, meta.context_lens, positions - start)
+    return compare_key_masks(dense, mask), computed_density(index, meta.cu_seqlens_q, meta.context_lens)
 
 
 def markdown(payload: dict[str, Any]) -> str:
@@ -129,37 +53,27 @@ def markdown(payload: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|"]
     for r in payload["results"]:
         p, o, rnd = r["mean"]["policy"], r["mean"]["oracle"], r["mean"]["random"]
-        lines.append(f"| `{r['policy']}` | {p['density']:.3f} | {r['computed_density']:.3f} | {p['mass_recall']:.3f} | "
+        lines.append(f"| `{r['policy']}` | {p['density']:.3f} | {r['policy_density']:.3f} | {p['mass_recall']:.3f} | "
                      f"{o['mass_recall']:.3f} | {rnd['mass_recall']:.3f} | {p['topk_recall']:.3f} | "
                      f"{p['output_error']:.3f} | {r['ppl_vs_dense']:.4f} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nanovllm_minference.quality", description=__doc__.split("\n")[0])
-    parser.add_argument("--budgets", nargs="+", default=DEFAULT_BUDGETS, help="option strings of the policy")
-    parser.add_argument("--tokens", type=int, default=8000)
-    parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (max_num_batched_tokens)")
-    parser.add_argument("--layers", nargs="+", type=int, default=None)
-    parser.add_argument("--rows-per-chunk", type=int, default=64)
-    parser.add_argument("--ppl-tail", type=int, default=4000)
-    parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--name", default="minference_quality")
-    args = parser.parse_args(argv)
-    from nanovllm.bench import environment
+    from nanovllm.quality import prefill
 
-    torch.set_grad_enabled(False)
-    env, out = environment(), Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    from nanovllm_minference.config import MInferenceConfig
+    from nanovllm_minference.policy import MInferencePolicy
 
-    def write(payload: dict[str, Any]) -> None:
-        payload = {"environment": env, **payload}
-        (out / f"{args.name}.json").write_text(json.dumps(payload, indent=1))
-        (out / f"{args.name}.md").write_text(markdown(payload))
+    def run(args, done):
+        def make_policy(options):
+            return MInferencePolicy(MInferenceConfig(**options))
 
-    run(args.budgets, args.tokens, args.chunk, args.layers, args.rows_per_chunk, args.ppl_tail, done=write)
-    print((out / f"{args.name}.md").read_text())
-    return 0
+        return prefill.run("minference", args.settings, make_policy, measure, args.tokens, args.chunk, args.layers,
+                           args.rows_per_chunk, args.ppl_tail, fixed={"dense_below": 0}, done=done)
+
+    return prefill.main(argv, "python -m nanovllm_minference.quality", __doc__.split("\n")[0], DEFAULT_SETTINGS,
+                        "minference_quality", run, markdown)
 
 
 if __name__ == "__main__":
