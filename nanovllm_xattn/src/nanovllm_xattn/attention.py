@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from nanovllm.attention.backend import check_paged_inputs
 from nanovllm.attention.triton_kernels import online_softmax_step
 
 from nanovllm_xattn.layout import num_query_blocks
@@ -232,33 +233,11 @@ def _check_inputs(
     q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, blocks, block_counts, block: int,
     max_query_len: int,
 ) -> None:
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}: expected q "
-            "[T, H, D] and both caches [num_blocks, kv_block_size, Hkv, D]"
-        )
-    if not q.dtype == k_cache.dtype == v_cache.dtype:
-        raise ValueError(
-            f"q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}: the kernel's dots need one "
-            "dtype; cast q to the cache dtype"
-        )
-    num_heads, head_dim = q.shape[1:]
-    kv_block_size, num_kv_heads = k_cache.shape[1:3]
-    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
-        raise ValueError(
-            f"{num_heads} query heads of dim {head_dim} over {num_kv_heads} KV heads of dim "
-            f"{k_cache.shape[3]}: the head dims must match and the KV heads must divide the query heads"
-        )
-    if not _is_power_of_two(kv_block_size):
-        raise ValueError(f"kv_block_size {kv_block_size}: the kernel needs a power of two")
+    check_paged_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     if not (_is_power_of_two(block) and block >= 64):
         raise ValueError(f"block {block}: use a power of two >= 64 (128 by default)")
     num_seqs = cu_seqlens_q.shape[0] - 1
-    if context_lens.shape != (num_seqs,) or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(
-            f"{num_seqs} sequences in cu_seqlens_q but context_lens {tuple(context_lens.shape)} and "
-            f"block_tables {tuple(block_tables.shape)}: one entry / row per sequence"
-        )
     if blocks.dim() != 4 or blocks.shape[0] != num_seqs or block_counts.shape != blocks.shape[:3]:
         raise ValueError(
             f"blocks {tuple(blocks.shape)}, block_counts {tuple(block_counts.shape)}: expected "

@@ -108,3 +108,35 @@ def selection_per_kv_head(block_indices: torch.Tensor, num_kv_heads: int) -> tor
         f"block_indices of shape {tuple(block_indices.shape)}: expected [num_seqs, k] (shared by the "
         f"heads) or [num_seqs, num_kv_heads={num_kv_heads}, k] (one list per KV head)"
     )
+
+
+def check_paged_inputs(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+) -> None:
+    """The checks every kernel over a prefill phase of the paged cache makes at its boundary (plugins'
+    kernels too): shapes, one dtype, head sizes, grouped heads, a power-of-two block size, one entry per
+    sequence. ``v_cache`` None: a kernel that reads keys only."""
+    caches = (k_cache,) if v_cache is None else (k_cache, v_cache)
+    if q.dim() != 3 or k_cache.dim() != 4 or any(c.shape != k_cache.shape for c in caches):
+        shapes = ", ".join(f"{name} {tuple(c.shape)}" for name, c in zip(("k_cache", "v_cache"), caches, strict=False))
+        raise ValueError(f"q {tuple(q.shape)}, {shapes}: expected q [T, H, D] and caches "
+                         "[num_blocks, block_size, Hkv, D]")
+    if any(c.dtype != q.dtype for c in caches):
+        raise ValueError(f"q {q.dtype}, caches {', '.join(str(c.dtype) for c in caches)}: the kernels' dots need "
+                         "one dtype; cast q to the cache dtype")
+    num_heads, head_dim = q.shape[1:]
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"{num_heads} query heads of dim {head_dim} over {num_kv_heads} KV heads of dim "
+            f"{k_cache.shape[3]}: the head dims must match and the KV heads must divide the query heads"
+        )
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size {block_size}: the kernels need a power of two")
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if context_lens.shape != (num_seqs,) or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"{num_seqs} sequences in cu_seqlens_q but context_lens {tuple(context_lens.shape)} and "
+            f"block_tables {tuple(block_tables.shape)}: one entry / row per sequence"
+        )
