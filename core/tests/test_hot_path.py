@@ -82,7 +82,7 @@ def spy(llm, monkeypatch):
 
     def recording_prepare(seqs):
         out = real_prepare(seqs)
-        meta = out[2]
+        meta = out[0]  # the StepPlan
         steps.append((meta.decode is not None, meta.prefill is not None))
         CALLS.append(("step", len(steps), False))
         return out

@@ -1,9 +1,25 @@
-"""Tensor-parallel rank and size: from torch.distributed when it is initialised, else a single rank."""
+"""Tensor-parallel rank and size: from torch.distributed when it is initialised, else a single rank.
+
+A tensor-parallel world has two process groups: the default one (NCCL on CUDA, gloo on the CPU) for the
+model's all-reduces and gathers, and a gloo control group on which rank 0 broadcasts each step's inputs to
+the other ranks. The control group is on the host, so it works between hosts (``torchrun``) as well as on
+one, and its long timeout lets the other ranks wait for the next step for as long as the engine is idle.
+"""
 
 from __future__ import annotations
 
+import datetime
+from typing import Any
+
 import torch
 import torch.distributed as dist
+
+# Idle workers wait on the control group for the next step: as long as the engine lives.
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
+# The model's collectives run inside a step; a rank that does not join within this is gone.
+DATA_TIMEOUT = datetime.timedelta(minutes=10)
+
+_control_group: dist.ProcessGroup | None = None
 
 
 def tp_rank() -> int:
@@ -18,3 +34,43 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if tp_size() > 1:
         dist.all_reduce(x)
     return x
+
+
+def init_tensor_parallel(rank: int, world_size: int, device_type: str, store: dist.Store | None = None) -> None:
+    """Join the tensor-parallel world (``store`` given: the engine's own workers; else ``torchrun``'s
+    environment) and make the control group."""
+    global _control_group
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=DATA_TIMEOUT)
+    _control_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+
+def destroy_tensor_parallel() -> None:
+    global _control_group
+    _control_group = None
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def broadcast_control(message: Any = None) -> Any:
+    """Rank 0 sends ``message`` (any picklable object) to every rank; every rank returns it."""
+    box = [message]
+    dist.broadcast_object_list(box, src=0, group=_control_group)
+    return box[0]
+
+
+def agree_min(value: int) -> int:
+    """The smallest ``value`` of all ranks (e.g. the KV blocks every rank can hold)."""
+    if tp_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=_control_group)
+    return int(tensor.item())
+
+
+def barrier() -> None:
+    """Wait for every rank on the control group; a rank that died raises here, on the host."""
+    if tp_size() > 1:
+        dist.barrier(group=_control_group)

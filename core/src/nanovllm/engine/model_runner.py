@@ -9,9 +9,11 @@ from typing import Any
 import attrs
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, forward_context
 from nanovllm.config import EngineConfig
+from nanovllm.distributed import agree_min, barrier, broadcast_control, tp_rank, tp_size
 from nanovllm.engine.loader import load_weights
 from nanovllm.engine.offload import HostPhase, OffloadEngine
 from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
@@ -42,10 +44,50 @@ class PromptLogprobRows:
     def logprobs(self, hidden: torch.Tensor, compute_logits) -> TopLogprobs:
         """Their logprobs, ``PROMPT_LOGPROB_ROWS`` rows of logits at a time."""
         parts = []
-        for i in range(0, self.rows.shape[0], PROMPT_LOGPROB_ROWS):
-            logits = compute_logits(hidden[self.rows[i : i + PROMPT_LOGPROB_ROWS]])
-            parts.append(TopLogprobs.of(logits, self.targets[i : i + PROMPT_LOGPROB_ROWS], self.k))
+        for rows, targets in zip(self.rows.split(PROMPT_LOGPROB_ROWS), self.targets.split(PROMPT_LOGPROB_ROWS),
+                                 strict=True):
+            parts.append(TopLogprobs.of(compute_logits(hidden[rows]), targets, self.k))
         return TopLogprobs.cat(parts)
+
+
+@attrs.define
+class PhaseArrays:
+    """A :class:`PhaseMetadata` on the host."""
+
+    cu_seqlens_q: np.ndarray
+    context_lens: np.ndarray
+    block_tables: np.ndarray
+    max_query_len: int
+    max_context_len: int
+
+
+@attrs.define
+class StepPlan:
+    """One step's inputs on the host: what every tensor-parallel rank needs to run the same forward pass
+    and the same logits collectives. Rank 0 makes it from the scheduled sequences and broadcasts it."""
+
+    input_ids: np.ndarray  # [num_tokens] int64; PLACEHOLDER where the token is still on the device
+    positions: np.ndarray  # [num_tokens] int64
+    slot_mapping: np.ndarray  # [num_tokens] int64
+    num_decode_tokens: int
+    decode: PhaseArrays | None
+    prefill: PhaseArrays | None
+    placeholder_rows: np.ndarray | None  # rows whose token is one sampled last step, not read back...
+    placeholder_sources: np.ndarray | None  # ...and its row among last step's sampled tokens
+    sample_rows: np.ndarray | None  # hidden-state rows that sample; None: every row, in order
+    num_sampling: int
+    prompt_logprob_rows: np.ndarray | None  # hidden-state rows followed by a prompt token, if any asked
+    host_phases: tuple[HostPhase | None, HostPhase | None] | None  # the offload engine's plan of the step
+
+
+@attrs.define
+class PromptTargets:
+    """Rank 0's part of the prompt logprobs of a step: the prompt token each row of
+    ``StepPlan.prompt_logprob_rows`` predicts, the spans they belong to, the most top tokens asked."""
+
+    targets: np.ndarray
+    spans: list[tuple[Sequence, int, int]]
+    k: int
 
 
 @attrs.define
@@ -136,6 +178,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.device = resolve_device(config.device)
+        # with tensor parallelism rank 0 schedules and broadcasts each step; the others ``follow()``
+        self.sends_steps = tp_size() > 1 and tp_rank() == 0
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         torch.manual_seed(config.seed)
 
@@ -151,6 +195,7 @@ class ModelRunner:
         else:
             load_weights(self.model, model_path)
         self.model.eval()
+        barrier()  # a rank that failed to build or load its shard is reported here, not in a collective
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         first = self.attention_layers[0]
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
@@ -163,7 +208,8 @@ class ModelRunner:
             layer.bind(self.backend, self.hooks)
         self.offload: OffloadEngine | None = None
         if config.kv_offloading_size is None:
-            self.num_blocks = self._num_kv_blocks()  # the CUDA memory profile runs the bound layers
+            # the CUDA memory profile runs the bound layers; every rank holds the blocks the scheduler plans
+            self.num_blocks = agree_min(self._num_kv_blocks())
             self.kv_cache = torch.empty(
                 len(self.attention_layers), 2, self.num_blocks, self.block_size, self.num_kv_heads,
                 self.head_dim, dtype=self.dtype, device=self.device,
@@ -406,24 +452,25 @@ class ModelRunner:
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    def _phase_metadata(self, seqs: list[Sequence], q_lens: list[int], ctx_lens: list[int]) -> PhaseMetadata | None:
+    @staticmethod
+    def _phase_arrays(seqs: list[Sequence], q_lens: list[int], ctx_lens: list[int]) -> PhaseArrays | None:
         if not seqs:
             return None
         tables = np.full((len(seqs), max(len(s.block_table) for s in seqs)), -1, dtype=np.int32)
         for i, s in enumerate(seqs):
             tables[i, : len(s.block_table)] = s.block_table
-        return PhaseMetadata(
-            cu_seqlens_q=self._to_device(np.cumsum([0, *q_lens], dtype=np.int32)),
-            context_lens=self._to_device(np.asarray(ctx_lens, dtype=np.int32)),
-            block_tables=self._to_device(tables),
-            max_query_len=max(q_lens),
-            max_context_len=max(ctx_lens),
-        )
+        return PhaseArrays(np.cumsum([0, *q_lens], dtype=np.int32), np.asarray(ctx_lens, dtype=np.int32), tables,
+                           max(q_lens), max(ctx_lens))
 
-    def prepare(self, seqs: list[Sequence]):
-        """Inputs of one step (decodes, one token each, first; then prefill chunks), the hidden-state rows
-        that sample (``None``: every row, in order), the sequences they belong to, and the rows that need
-        prompt logprobs (``None``: none)."""
+    def _phase_metadata(self, phase: PhaseArrays | None) -> PhaseMetadata | None:
+        if phase is None:
+            return None
+        return PhaseMetadata(self._to_device(phase.cu_seqlens_q), self._to_device(phase.context_lens),
+                             self._to_device(phase.block_tables), phase.max_query_len, phase.max_context_len)
+
+    def prepare(self, seqs: list[Sequence]) -> tuple[StepPlan, list[Sequence], PromptTargets | None]:
+        """The host side of one step (decodes, one token each, first; then prefill chunks): its plan, the
+        sequences that sample in it in row order, and the targets of its prompt logprobs (``None``: none)."""
         bs = self.block_size
         decodes = [s for s in seqs if s.is_decode]
         prefills = [s for s in seqs if not s.is_decode]
@@ -449,24 +496,8 @@ class ModelRunner:
             if s.samples_this_step:
                 sample_rows.append(row - 1)
                 sampling.append(s)
-        meta = StepMetadata(
-            slot_mapping=self._to_device(np.concatenate(slot_parts)),
-            positions=self._to_device(np.concatenate(pos_parts)),
-            num_decode_tokens=len(decodes),
-            decode=self._phase_metadata(decodes, [1] * len(decodes), [p + 1 for p in positions]),
-            prefill=self._phase_metadata(
-                prefills,
-                [s.num_scheduled_tokens for s in prefills],
-                [s.num_computed_tokens + s.num_scheduled_tokens for s in prefills],
-            ),
-        )
-        rows = None if len(sample_rows) == row else self._to_device(np.asarray(sample_rows, dtype=np.int64))
-        input_ids = self._to_device(np.asarray(ids, dtype=np.int64))
-        on_gpu = [i for i, s in enumerate(decodes) if ids[i] == PLACEHOLDER]  # sampled last step, not read back
-        if on_gpu:
-            src = self._to_device(np.asarray([decodes[i].sample_row for i in on_gpu], dtype=np.int64))
-            input_ids[self._to_device(np.asarray(on_gpu, dtype=np.int64))] = self._last_sampled[src]
-        prompt_rows = None
+        on_device = [i for i, s in enumerate(decodes) if ids[i] == PLACEHOLDER]  # sampled last step, not read back
+        prompt_rows = prompt_targets = None
         if scored:  # rows followed by a prompt token: each predicts that token
             score_rows, targets, spans = [], [], []
             for s, first_row in scored:
@@ -477,13 +508,30 @@ class ModelRunner:
                     targets.extend(s.token_ids[start + 1 : start + 1 + n])
                     spans.append((s, start + 1, n))
             if spans:
-                prompt_rows = PromptLogprobRows(
-                    self._to_device(np.asarray(score_rows, dtype=np.int64)),
-                    self._to_device(np.asarray(targets, dtype=np.int64)),
-                    spans,
-                    max(s.sampling_params.prompt_logprobs for s, _, _ in spans),
+                prompt_rows = np.asarray(score_rows, dtype=np.int64)
+                prompt_targets = PromptTargets(
+                    np.asarray(targets, dtype=np.int64), spans, max(s.sampling_params.prompt_logprobs for s, _, _ in spans)
                 )
-        return input_ids, meta.positions, meta, rows, sampling, prompt_rows
+        plan = StepPlan(
+            input_ids=np.asarray(ids, dtype=np.int64),
+            positions=np.concatenate(pos_parts),
+            slot_mapping=np.concatenate(slot_parts),
+            num_decode_tokens=len(decodes),
+            decode=self._phase_arrays(decodes, [1] * len(decodes), [p + 1 for p in positions]),
+            prefill=self._phase_arrays(
+                prefills,
+                [s.num_scheduled_tokens for s in prefills],
+                [s.num_computed_tokens + s.num_scheduled_tokens for s in prefills],
+            ),
+            placeholder_rows=np.asarray(on_device, dtype=np.int64) if on_device else None,
+            placeholder_sources=(np.asarray([decodes[i].sample_row for i in on_device], dtype=np.int64)
+                                 if on_device else None),
+            sample_rows=None if len(sample_rows) == row else np.asarray(sample_rows, dtype=np.int64),
+            num_sampling=len(sampling),
+            prompt_logprob_rows=prompt_rows,
+            host_phases=None if self.offload is None else self._host_phases(seqs),
+        )
+        return plan, sampling, prompt_targets
 
     @staticmethod
     def _host_phases(seqs: list[Sequence]) -> tuple[HostPhase | None, HostPhase | None]:
@@ -499,26 +547,53 @@ class ModelRunner:
     def notify_allocated(self, block_ids: list[int]) -> None:
         """Tell the policies which physical blocks were handed out since the last step (before it runs)."""
         if block_ids and self.hooks.blocks_allocated:
+            if self.sends_steps:
+                broadcast_control(("notify_allocated", block_ids))
             ids = self._to_device(np.asarray(block_ids, dtype=np.int64))
             for on_blocks_allocated in self.hooks.blocks_allocated:
                 on_blocks_allocated(ids)
 
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The step's inputs on the device and its forward pass (every rank): hidden states, input ids and
+        the rows that sample (``None``: every row)."""
+        input_ids = self._to_device(plan.input_ids)
+        if plan.placeholder_rows is not None:
+            sources = self._to_device(plan.placeholder_sources)
+            input_ids[self._to_device(plan.placeholder_rows)] = self._last_sampled[sources]
+        meta = StepMetadata(
+            slot_mapping=self._to_device(plan.slot_mapping),
+            positions=self._to_device(plan.positions),
+            num_decode_tokens=plan.num_decode_tokens,
+            decode=self._phase_metadata(plan.decode),
+            prefill=self._phase_metadata(plan.prefill),
+        )
+        if self.offload is not None:
+            self.offload.begin_step(*plan.host_phases)
+        if self.graphs and meta.prefill is None and input_ids.shape[0] <= self.graph_sizes[-1]:
+            hidden = self._replay_decode(input_ids, meta.positions, meta)
+        else:
+            with forward_context(meta):
+                hidden = self.model(input_ids, meta.positions)
+        sample_rows = None if plan.sample_rows is None else self._to_device(plan.sample_rows)
+        return hidden, input_ids, sample_rows
+
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence]) -> LaunchedStep | None:
         """Launch one step without waiting for it; None when it has nothing to read back (no sequence
-        samples in it and none asked for prompt logprobs)."""
-        input_ids, positions, meta, sample_rows, sampling, prompt_rows = self.prepare(seqs)
-        if self.offload is not None:
-            self.offload.begin_step(*self._host_phases(seqs))
-        if self.graphs and meta.prefill is None and input_ids.shape[0] <= self.graph_sizes[-1]:
-            hidden = self._replay_decode(input_ids, positions, meta)
-        else:
-            with forward_context(meta):
-                hidden = self.model(input_ids, positions)
-        if not sampling and prompt_rows is None:
+        samples in it and none asked for prompt logprobs). With tensor parallelism, rank 0 broadcasts
+        the step's plan first; every rank runs the forward pass and the logits, rank 0 samples."""
+        plan, sampling, prompt_targets = self.prepare(seqs)
+        if self.sends_steps:
+            broadcast_control(("step", plan))
+        hidden, input_ids, sample_rows = self._forward(plan)
+        if not sampling and prompt_targets is None:
             return None
         prompt_logprobs = None
-        if prompt_rows is not None:
+        if prompt_targets is not None:
+            prompt_rows = PromptLogprobRows(
+                self._to_device(plan.prompt_logprob_rows), self._to_device(prompt_targets.targets),
+                prompt_targets.spans, prompt_targets.k,
+            )
             prompt_logprobs = prompt_rows.logprobs(hidden, self.model.compute_logits)
         sampled = torch.empty(0, dtype=torch.long, device=self.device)
         logprobs = None
@@ -526,6 +601,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden if sample_rows is None else hidden[sample_rows])
             step_inputs = (input_ids, sample_rows)
             sampled = self.sampler(logits, *self._sampling_tensors(sampling, logits.shape[-1], step_inputs))
+            if self.sends_steps:  # the other ranks read tokens still on the device from it next step
+                dist.broadcast(sampled, src=0)
             self._last_sampled = sampled
             for row, s in enumerate(sampling):
                 s.sample_row = row
@@ -537,7 +614,7 @@ class ModelRunner:
                     logprobs = TopLogprobs.of(logits[rows], sampled[rows], k)
                 else:
                     logprobs = TopLogprobs.of(logits, sampled, k)
-        spans = [] if prompt_rows is None else prompt_rows.spans
+        spans = [] if prompt_targets is None else prompt_targets.spans
         if self.device.type != "cuda":
             return LaunchedStep(sampling, sampled, None, logprobs, prompt_logprobs, spans)
 
@@ -551,6 +628,36 @@ class ModelRunner:
         ready = torch.cuda.Event()
         ready.record()
         return LaunchedStep(sampling, tokens, ready, logprobs, prompt_logprobs, spans)
+
+    # -- the other tensor-parallel ranks ----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _follow_step(self, plan: StepPlan) -> None:
+        """A rank other than 0 runs rank 0's step: the same forward pass and logits collectives, then
+        takes the sampled tokens from rank 0."""
+        hidden, _, sample_rows = self._forward(plan)
+        if plan.prompt_logprob_rows is not None:
+            for rows in self._to_device(plan.prompt_logprob_rows).split(PROMPT_LOGPROB_ROWS):
+                self.model.compute_logits(hidden[rows])
+        if plan.num_sampling:
+            self.model.compute_logits(hidden if sample_rows is None else hidden[sample_rows])
+            sampled = torch.empty(plan.num_sampling, dtype=torch.long, device=self.device)
+            dist.broadcast(sampled, src=0)
+            self._last_sampled = sampled
+
+    def follow(self) -> None:
+        """The loop of a rank other than 0: run what rank 0 broadcasts until it says stop."""
+        handlers = {"step": self._follow_step, "notify_allocated": self.notify_allocated}
+        while True:
+            method, *args = broadcast_control()
+            if method == "stop":
+                return
+            handlers[method](*args)
+
+    def stop_followers(self) -> None:
+        """Rank 0: end the other ranks' loops."""
+        if self.sends_steps:
+            broadcast_control(("stop",))
 
     def _sampling_tensors(self, seqs: list[Sequence], vocab_size: int, step_inputs: tuple):
         """The sampler's per-row inputs; a feature no row uses is ``None`` (no work in the sampler).
