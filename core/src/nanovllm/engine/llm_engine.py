@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import weakref
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 from pathlib import Path
@@ -13,11 +14,13 @@ from nanovllm.chat_utils import ChatOptions
 from nanovllm.chat_utils import render as render_chat
 from nanovllm.config import EngineConfig
 from nanovllm.default_model import default_model_dir, is_default_model
+from nanovllm.distributed import tp_size
 from nanovllm.engine.loader import ModelDirectoryError, read_config_json
-from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
+from nanovllm.engine.model_runner import LaunchedStep, ModelRunner, resolve_device
 from nanovllm.engine.output_stream import OutputStream
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
+from nanovllm.engine.tp_workers import RunnerSpec, TPWorkers
 from nanovllm.hub import is_hub_id, resolve_hub_id
 from nanovllm.inputs import UNSUPPORTED_PROMPT_KEYS, TokensPrompt
 from nanovllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -68,16 +71,17 @@ class LLMEngine:
         if is_preset(model):  # a published shape with random weights and no tokenizer
             kwargs = {"load_format": "dummy", "skip_tokenizer_init": True, **kwargs}
         self.config = config = EngineConfig.from_kwargs(model, kwargs)
-        if config.tensor_parallel_size != 1:
-            raise NotImplementedError(
-                "tensor_parallel_size > 1 is not available yet: the layers are tensor-parallel aware, "
-                "but multi-GPU launch is not built; use tensor_parallel_size=1"
+        if tp_size() > 1:  # the layers would shard themselves for that world
+            raise RuntimeError(
+                f"this process already runs a tensor-parallel world of {tp_size()} ranks (an engine with "
+                "tensor_parallel_size > 1 that is still open); close() it before creating another engine"
             )
         plugins = get_plugins()
         # Resolved once, before any file is read or weight loaded, so a bad name or option fails fast.
         self.policy_plan = resolve_policies(config.sparse_policy, plugins)
         if isinstance(observers, (str, dict)):
             observers = [observers]
+        observer_choices = tuple(observers)  # tensor-parallel workers resolve them again
         observers = tuple(resolve_observer(o, plugins) for o in observers)
         backend_choice = resolve_attention_backend(config.attention_backend, plugins)
         self.model_path = resolve_model_path(config.model, config.revision, config.download_dir)
@@ -119,14 +123,50 @@ class LLMEngine:
         self.vocab_size = self.hf_config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
         model_cls = load_registered(families[arch].target, families[arch].dist, f"model family {arch!r}")
-        self.runner = ModelRunner(
-            config, self.hf_config, self.model_path, model_cls, self.max_model_len, plugins,
-            self.policy_plan, backend_choice, observers,
-        )
+        self._check_tensor_parallel()
+        self._workers: TPWorkers | None = None
+        self._stopped_reason: str | None = None  # set when a tensor-parallel engine is closed or broken
+        if config.tensor_parallel_size > 1:
+            spec = RunnerSpec(config, self.hf_config, self.model_path, arch, self.max_model_len, observer_choices)
+            self._workers = TPWorkers(spec, config.tensor_parallel_size, resolve_device(config.device).type)
+            # the workers stop when the engine is closed or garbage-collected (the finalizer holds no engine)
+            self._finalizer = weakref.finalize(self, self._workers.stop)
+        try:
+            self.runner = ModelRunner(
+                config, self.hf_config, self.model_path, model_cls, self.max_model_len, plugins,
+                self.policy_plan, backend_choice, observers,
+            )
+        except BaseException as exc:
+            if self._workers is None:
+                raise
+            error = self._workers.worker_failure()
+            self._workers.stop(graceful=False)
+            if error is None:
+                raise
+            raise error from exc
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)
         self._pending: LaunchedStep | None = None  # the step in flight, its tokens not yet applied
         self._next_request = 0
         self._streams: dict[str, OutputStream] = {}  # requests of add_request(request_id, ...), unfinished
+
+    def _check_tensor_parallel(self) -> None:
+        """Each rank takes an equal share of the heads and MLP features, and a GPU of its own."""
+        size = self.config.tensor_parallel_size
+        if size == 1:
+            return
+        hf = self.hf_config
+        heads = getattr(hf, "num_attention_heads", None)
+        for name, value in (("num_attention_heads", heads),
+                            ("num_key_value_heads", getattr(hf, "num_key_value_heads", None) or heads),
+                            ("intermediate_size", getattr(hf, "intermediate_size", None))):
+            if value is not None and value % size:
+                raise ValueError(f"tensor_parallel_size={size} must divide the model's {name}={value}: each rank "
+                                 "takes an equal share; choose a divisor of it")
+        import torch
+
+        if resolve_device(self.config.device).type == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size={size} needs one GPU per rank, but PyTorch sees "
+                             f"{torch.cuda.device_count()}; lower it, or use device='cpu'")
 
     def _max_model_len(self) -> int:
         limit = getattr(self.hf_config, "max_position_embeddings", None)
@@ -381,7 +421,10 @@ class LLMEngine:
         turns out to have finished wastes that one step's compute, which is discarded.
 
         Whatever goes wrong (an exception or KeyboardInterrupt anywhere in the step), every request is
-        aborted and every block freed, so the engine stays usable."""
+        aborted and every block freed, so the engine stays usable. With tensor parallelism the ranks are then
+        out of step: the engine stops its workers and raises an error that says why."""
+        if self._stopped_reason is not None:
+            raise RuntimeError(self._stopped_reason)
         try:
             scheduled = self.scheduler.schedule()
             self.runner.notify_allocated(self.scheduler.block_manager.take_newly_allocated())
@@ -396,10 +439,29 @@ class LLMEngine:
                 self._pending = launched
             if not self.config.async_scheduling:
                 self._apply_pending()
-        except BaseException:
+        except BaseException as exc:
             self._abort()
-            raise
+            if self._workers is None:
+                raise
+            error = self._workers.failure(exc)
+            self._workers.stop(graceful=False)
+            self._stopped_reason = str(error)
+            raise error from exc
         return self._stream_outputs() if self._streams else []
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (a no-op with one rank); the engine cannot step afterwards.
+        Garbage collection of the engine does the same."""
+        if self._workers is not None:
+            self._finalizer()
+            if self._stopped_reason is None:
+                self._stopped_reason = "this engine was closed; create a new one"
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def _stream_outputs(self) -> list[RequestOutput]:
         outputs = []

@@ -234,6 +234,7 @@ class ModelRunner:
             self._warm_up()
         if self._use_cuda_graphs():
             self._capture_decode_graphs()
+        barrier()  # every rank built its runner: a failure is reported at start, not at the first step
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -509,9 +510,8 @@ class ModelRunner:
                     spans.append((s, start + 1, n))
             if spans:
                 prompt_rows = np.asarray(score_rows, dtype=np.int64)
-                prompt_targets = PromptTargets(
-                    np.asarray(targets, dtype=np.int64), spans, max(s.sampling_params.prompt_logprobs for s, _, _ in spans)
-                )
+                k = max(s.sampling_params.prompt_logprobs for s, _, _ in spans)
+                prompt_targets = PromptTargets(np.asarray(targets, dtype=np.int64), spans, k)
         plan = StepPlan(
             input_ids=np.asarray(ids, dtype=np.int64),
             positions=np.concatenate(pos_parts),

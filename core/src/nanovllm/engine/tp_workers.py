@@ -1,0 +1,189 @@
+"""Tensor-parallel workers: one process per rank other than 0, started by the engine with ``spawn``.
+
+Rank 0 is the engine's own process: it schedules, broadcasts each step's plan on the control group
+(:mod:`nanovllm.distributed`) and samples. A worker builds the same model runner on its shard and follows
+rank 0's steps until told to stop. The world is wired through a TCP store that rank 0 opens on a free port of
+127.0.0.1; a worker writes its traceback there before it exits on an error, so that the engine can say
+what went wrong. Workers leave when the engine's process does (they watch their parent), and ignore
+Ctrl-C, which the engine handles.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import signal
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from nanovllm.config import EngineConfig
+from nanovllm.distributed import broadcast_control, destroy_tensor_parallel, init_tensor_parallel
+
+# How long a worker may take to start (import torch and the plugins) and join the world.
+START_TIMEOUT = datetime.timedelta(minutes=5)
+STOP_TIMEOUT = 10.0  # seconds a worker may take to leave after the engine says stop
+FAILURE_WAIT = 2.0  # seconds to wait for a worker's exit to show after it broke a collective
+PARENT_POLL = 0.5  # seconds between a worker's checks that the engine's process is still there
+
+
+@attrs.define
+class RunnerSpec:
+    """What a rank needs to build its model runner; every process resolves the plugins itself."""
+
+    config: EngineConfig
+    hf_config: Any
+    model_path: Path
+    architecture: str
+    max_model_len: int
+    observers: tuple[object, ...]  # as the engine was given them: selection strings or objects
+
+    def build(self):
+        from nanovllm.engine.model_runner import ModelRunner
+        from nanovllm.plugins import get_plugins, load_registered
+        from nanovllm.selection import resolve_attention_backend, resolve_observer, resolve_policies
+
+        plugins = get_plugins()
+        family = plugins.registry.model_families[self.architecture]
+        model_cls = load_registered(family.target, family.dist, f"model family {self.architecture!r}")
+        return ModelRunner(
+            self.config, self.hf_config, self.model_path, model_cls, self.max_model_len, plugins,
+            resolve_policies(self.config.sparse_policy, plugins),
+            resolve_attention_backend(self.config.attention_backend, plugins),
+            tuple(resolve_observer(o, plugins) for o in self.observers),
+        )
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL)
+        os._exit(1)  # the engine's process is gone: nobody will send a step or stop
+
+    threading.Thread(target=watch, name="nanovllm-parent-watch", daemon=True).start()
+
+
+def _worker_main(rank: int, world_size: int, port: int, spec: RunnerSpec, device_type: str, parent_pid: int,
+                 num_threads: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent(parent_pid)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=START_TIMEOUT)
+    try:
+        torch.set_num_threads(num_threads)
+        store.set(f"joining/{rank}", "1")
+        init_tensor_parallel(rank, world_size, device_type, store)
+        spec.build().follow()
+    except BaseException:
+        store.set(f"error/{rank}", traceback.format_exc())
+        raise SystemExit(1) from None
+    finally:
+        destroy_tensor_parallel()
+
+
+class TPWorkers:
+    """The engine's worker processes, ranks 1..world_size-1; rank 0 joins the world when they have."""
+
+    def __init__(self, spec: RunnerSpec, world_size: int, device_type: str) -> None:
+        self.world_size = world_size
+        self.stopped = False
+        self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                                   timeout=START_TIMEOUT)
+        context = multiprocessing.get_context("spawn")
+        self.processes = [
+            context.Process(
+                target=_worker_main, name=f"nanovllm-tp-rank{rank}", daemon=True,
+                args=(rank, world_size, self.store.port, spec, device_type, os.getpid(),
+                      torch.get_num_threads()),
+            )
+            for rank in range(1, world_size)
+        ]
+        try:
+            for process in self.processes:
+                process.start()
+            self._wait_until_joining()
+            init_tensor_parallel(0, world_size, device_type, self.store)
+        except BaseException:
+            self.stop(graceful=False)
+            raise
+
+    def _wait_until_joining(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT.total_seconds()
+        waiting = set(range(1, self.world_size))
+        while waiting:
+            waiting = {rank for rank in waiting if not self.store.check([f"joining/{rank}"])}
+            if self._failed():
+                raise self.worker_failure()
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"tensor-parallel worker rank(s) {sorted(waiting)} did not start within "
+                    f"{START_TIMEOUT.total_seconds():.0f} s; check that they can import nanovllm and torch"
+                )
+            time.sleep(0.02)
+
+    def dead(self) -> list[multiprocessing.Process]:
+        return [p for p in self.processes if p.exitcode is not None]
+
+    def _failed(self) -> bool:
+        return bool(self.dead()) or any(self.store.check([f"error/{r}"]) for r in range(1, self.world_size))
+
+    def worker_failure(self, wait: float = FAILURE_WAIT) -> RuntimeError | None:
+        """A clear error naming the workers that failed or exited, with their tracebacks; None if none
+        did within ``wait`` seconds (a dead peer breaks rank 0's collective just before its exit shows)."""
+        deadline = time.monotonic() + wait
+        while not self._failed() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        lines = []
+        for rank, process in enumerate(self.processes, start=1):
+            failed = self.store.check([f"error/{rank}"])
+            if process.exitcode is None and not failed:
+                continue
+            code = process.exitcode
+            if code is None:
+                how = "raised an error"
+            elif code < 0:
+                how = f"was killed by signal {signal.Signals(-code).name}"
+            else:
+                how = f"exited with code {code}"
+            lines.append(f"tensor-parallel worker rank {rank} (pid {process.pid}) {how}")
+            if failed:
+                lines.append(self.store.get(f"error/{rank}").decode().rstrip())
+        if not lines:
+            return None
+        lines.append("the engine's tensor-parallel world is stopped: create a new engine")
+        return RuntimeError("\n".join(lines))
+
+    def failure(self, cause: BaseException) -> RuntimeError:
+        """The error of a failed start or step: a worker's, else rank 0's ``cause``."""
+        return self.worker_failure() or RuntimeError(
+            f"a tensor-parallel step failed on rank 0 ({type(cause).__name__}: {cause}); the ranks are out "
+            "of step, so the engine's tensor-parallel world is stopped: create a new engine"
+        )
+
+    def stop(self, graceful: bool = True) -> None:
+        """Tell the workers to stop and wait for them (``graceful``; after a failed step they are out of
+        step and are killed at once, as are those that do not leave in time); then leave the world."""
+        if self.stopped:
+            return
+        self.stopped = True
+        told = False
+        if graceful and dist.is_initialized() and all(p.is_alive() for p in self.processes):
+            try:
+                broadcast_control(("stop",))
+                told = True
+            except RuntimeError:  # a worker died under the broadcast; the others are killed below
+                pass
+        for process in self.processes:
+            if process.pid is None:  # never started
+                continue
+            process.join(STOP_TIMEOUT if told else 0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        destroy_tensor_parallel()

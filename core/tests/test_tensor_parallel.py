@@ -1,0 +1,175 @@
+"""Tensor parallelism on the CPU: two ranks over gloo, rank 0 in the test's process, one spawned worker.
+
+We check that two ranks generate the greedy tokens of one rank (and the same logprobs, to float32
+rounding) for Llama and Qwen3, in steps that mix prefill chunks with decodes and ask for prompt logprobs;
+that each rank's KV cache holds its own KV heads and its policies hear of the same block allocations as
+rank 0; that the engine leaves no child process behind when closed or garbage-collected; that a killed
+worker, a worker that fails while building its runner, and the death of the engine's process are each
+noticed (a clear error in the engine; workers that exit by themselves).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from nanovllm import LLM, SamplingParams
+from nanovllm.distributed import tp_rank
+
+PROMPTS = [[5, 6, 7], list(range(10, 40)), list(range(50, 61)), list(range(100, 170))]
+ENGINE = dict(device="cpu", kv_cache_memory=1 << 24, block_size=8, max_num_batched_tokens=48)
+INIT = 0.3  # transformers' default 0.02 makes a tied tiny model repeat its input token forever
+
+
+class AllocationRecorder:
+    """An observer that writes, per rank, its KV heads and the blocks it was told were allocated."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.record: dict = {"allocated": []}
+
+    def initialize(self, num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device) -> None:
+        self.record.update(num_kv_heads=num_kv_heads, num_blocks=num_blocks)
+        self._write()
+
+    def on_blocks_allocated(self, block_ids) -> None:
+        self.record["allocated"].append(block_ids.tolist())
+        self._write()
+
+    def _write(self) -> None:
+        Path(self.folder, f"rank{tp_rank()}.json").write_text(json.dumps(self.record))
+
+
+class FailsOnWorkers:
+    """An observer that fails to initialise on every rank but 0, as a worker that runs out of memory would."""
+
+    def initialize(self, *args) -> None:
+        if tp_rank() != 0:
+            raise MemoryError("rank-local failure for the test")
+
+
+def children() -> list[psutil.Process]:
+    """This process's children, but multiprocessing's resource tracker (one per process, started with the
+    first spawned process; it holds no model and leaves with this process)."""
+    return [p for p in psutil.Process().children(recursive=True)
+            if not any("resource_tracker" in part for part in p.cmdline())]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_until(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def params() -> list[SamplingParams]:
+    greedy = dict(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    return [SamplingParams(**greedy), SamplingParams(**greedy, prompt_logprobs=2), SamplingParams(**greedy),
+            SamplingParams(**greedy)]
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_two_ranks_generate_the_tokens_of_one(arch, tiny_model, one_thread, tmp_path):
+    path = tiny_model(arch, initializer_range=INIT)
+    with LLM(path, **ENGINE) as one:
+        expected = one.generate(PROMPTS, params(), use_tqdm=False)
+    before = children()
+    with LLM(path, tensor_parallel_size=2, observers=[AllocationRecorder(str(tmp_path))], **ENGINE) as two:
+        assert len(children()) == len(before) + 1  # one worker, rank 1
+        assert two.runner.kv_cache.shape[4] == 1  # of the model's 2 KV heads, rank 0 holds one
+        got = two.generate(PROMPTS, params(), use_tqdm=False)
+    assert children() == before
+    for want, out in zip(expected, got, strict=True):
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+        assert len(set(want.outputs[0].token_ids)) > 1  # a model that repeats one token would prove little
+        for lp_want, lp_got in zip(want.outputs[0].logprobs, out.outputs[0].logprobs, strict=True):
+            assert lp_got.keys() == lp_want.keys()
+            for token, entry in lp_want.items():
+                assert lp_got[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
+    for want, out in zip(expected[1].prompt_logprobs[1:], got[1].prompt_logprobs[1:], strict=True):
+        assert out.keys() == want.keys()
+        for token, entry in want.items():
+            assert out[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["num_kv_heads"] == ranks[1]["num_kv_heads"] == 1
+    assert ranks[0]["num_blocks"] == ranks[1]["num_blocks"]
+    assert ranks[0]["allocated"] and ranks[1]["allocated"] == ranks[0]["allocated"]
+
+
+def test_a_killed_worker_is_reported_and_the_engine_stops(tiny_model, one_thread):
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    before = children()
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+    (worker,) = [p for p in children() if p not in before]
+    worker.send_signal(signal.SIGKILL)
+    assert wait_until(lambda: gone(worker.pid), 10)  # not reaped here: the engine reads its exit status
+    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) was killed by signal SIGKILL"):
+        llm.generate(PROMPTS, params(), use_tqdm=False)
+    with pytest.raises(RuntimeError, match="create a new engine"):  # every later step says so at once
+        llm.generate(PROMPTS, params(), use_tqdm=False)
+    del llm
+    gc.collect()
+    assert children() == before
+
+
+def test_a_worker_that_fails_to_build_is_reported(tiny_model, one_thread):
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    before = children()
+    start = time.monotonic()
+    reported = r"(?s)worker rank 1 \(pid \d+\) (raised an error|exited with code 1).*MemoryError: rank-local"
+    with pytest.raises(RuntimeError, match=reported):
+        LLM(path, tensor_parallel_size=2, observers=[FailsOnWorkers()], **ENGINE)
+    assert time.monotonic() - start < 60  # reported, not waited out
+    assert children() == before
+    with LLM(path, **ENGINE) as one:  # the failed world is gone: one rank works in the same process
+        assert one.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_garbage_collection_stops_the_workers(tiny_model, one_thread):
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    before = children()
+    llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+    worker = next(p for p in children() if p not in before)
+    del llm
+    gc.collect()
+    assert gone(worker.pid)
+    assert children() == before
+
+
+@pytest.mark.slow
+def test_workers_exit_when_the_engine_process_dies(tiny_model, tmp_path):
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    script = textwrap.dedent(f"""
+        import os, sys
+        import psutil
+        from nanovllm import LLM
+        if __name__ == "__main__":
+            llm = LLM({path!r}, tensor_parallel_size=2, **{ENGINE!r})
+            print(*[p.pid for p in psutil.Process().children(recursive=True)], flush=True)
+            os.kill(os.getpid(), 9)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    pids = [int(p) for p in done.stdout.split()]
+    assert pids
+    assert wait_until(lambda: all(gone(p) for p in pids), 15)
