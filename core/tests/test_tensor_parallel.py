@@ -143,6 +143,27 @@ def test_a_worker_that_fails_to_build_is_reported(tiny_model, one_thread):
         assert one.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_async_engine_shutdown_stops_the_workers(tiny_model, one_thread):
+    import asyncio
+
+    from nanovllm import AsyncLLM
+
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    with LLM(path, **ENGINE) as one:
+        want = one.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
+    before = children()
+    engine = AsyncLLM(path, tensor_parallel_size=2, **ENGINE)
+
+    async def last_output():
+        outputs = [out async for out in engine.generate([5, 6, 7], SamplingParams(max_tokens=3), request_id="r")]
+        return outputs[-1]
+
+    assert asyncio.run(last_output()).outputs[0].token_ids == want
+    assert len(children()) == len(before) + 1
+    engine.shutdown()
+    assert wait_until(lambda: children() == before, 30)
+
+
 def test_garbage_collection_stops_the_workers(tiny_model, one_thread):
     path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
     before = children()

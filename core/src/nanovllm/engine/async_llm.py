@@ -114,13 +114,14 @@ class AsyncLLM:
         return await asyncio.wrap_future(future)
 
     def shutdown(self, timeout: float = 60.0) -> None:
-        """Abort what is left and stop the engine thread."""
+        """Abort what is left, stop the engine thread, and close the engine (its tensor-parallel workers)."""
         self._stopped = True
         if self._thread is not None:
             self._commands.put(_STOP)
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise RuntimeError(f"the engine thread did not stop within {timeout} s")
+        self.engine.close()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
