@@ -119,6 +119,28 @@ def test_chat_streaming_and_not_agree(client, llm):
     wait_idle(llm)
 
 
+def test_chat_renders_as_llm_chat_does_tools_included(client, llm):
+    """The server's chat prompt is LLM.chat's rendering (nanovllm.chat_utils), with tools and template kwargs."""
+    from nanovllm.chat_utils import ChatOptions, render
+
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is the weather in Paris?"}]}]
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    done = client.chat.completions.create(messages=messages, tools=tools, **greedy(max_tokens=2))
+    (text,) = render(llm.get_tokenizer(), [messages], ChatOptions(tools=tools))
+    assert done.usage.prompt_tokens == len(llm.get_tokenizer().encode(text, add_special_tokens=False))
+    wait_idle(llm)
+    # SmolLM2's template ignores tools: a template that shows them proves they reach it
+    import copy
+    from types import SimpleNamespace
+
+    from nanovllm.entrypoints.openai_server import render_chat
+
+    tokenizer = copy.deepcopy(llm.get_tokenizer())
+    tokenizer.chat_template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ messages[0].content }}"
+    ids = render_chat(SimpleNamespace(tokenizer=tokenizer), messages, False, tools=tools)
+    assert tokenizer.decode(ids) == "[weather]What is the weather in Paris?"
+
+
 def test_n_gives_n_choices_or_a_clear_error(client):
     if "n" in {f.name for f in attrs.fields(SamplingParams)}:
         out = client.completions.create(prompt=PROMPT, n=3, seed=1, **greedy(temperature=1.0))

@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nanovllm.chat_utils import ChatOptions, render
 from nanovllm.engine.async_llm import AsyncLLM, is_finished
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
@@ -105,6 +106,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered by the template; calls come back as text
 
 
 class TokenizeRequest(Strict):
@@ -130,42 +132,19 @@ def make_params(fields: dict[str, Any], max_tokens: int | None, kind: RequestOut
         raise APIError(str(exc)) from None
 
 
-def chat_text(message: dict[str, Any], index: int) -> dict[str, Any]:
-    """A message with OpenAI-style content parts (``[{"type": "text", "text": ...}]``) joined to text."""
-    if not isinstance(message, dict) or "role" not in message:
-        raise APIError(f"messages[{index}] must be an object with a 'role'", param="messages")
-    content = message.get("content")
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise APIError(f"messages[{index}] has a content part of type {kind!r}; this server takes "
-                               "only text parts", param="messages")
-            parts.append(part.get("text", ""))
-        message = {**message, "content": "\n".join(parts)}
-    return message
-
-
 def render_chat(engine, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Runs on the engine thread (which owns the tokenizer): the chat template, then its token ids."""
-    tokenizer = engine.tokenizer
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise APIError("this model's tokenizer has no chat template; use /v1/completions")
-    if not messages:
-        raise APIError("messages must hold at least one message", param="messages")
-    if continue_final_message and add_generation_prompt:
-        raise APIError("continue_final_message needs add_generation_prompt=false", param="continue_final_message")
-    messages = [chat_text(m, i) for i, m in enumerate(messages)]
+                continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Runs on the engine thread (which owns the tokenizer): the chat template, rendered as ``LLM.chat``
+    renders it (:mod:`nanovllm.chat_utils`), then its token ids."""
     try:
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **(template_kwargs or {}),
-        )
-    except Exception as exc:  # the template rejected the conversation (e.g. roles out of order)
-        raise APIError(f"the chat template cannot render these messages: {exc}", param="messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+        options = ChatOptions(chat_template_kwargs=template_kwargs or {},
+                              add_generation_prompt=add_generation_prompt,
+                              continue_final_message=continue_final_message, tools=tools)
+        (text,) = render(engine.tokenizer, [messages], options)
+    except ValueError as exc:
+        raise APIError(str(exc).replace("conversation 0", "messages"), param="messages") from None
+    return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
 # -- metrics ----------------------------------------------------------------------------------------
@@ -451,7 +430,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         prompt_ids = await llm.call(lambda e: render_chat(
-            e, body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs))
+            e, body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
+            body.tools))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # OpenAI's default: up to the context limit
             max_tokens = max(1, engine.max_model_len - len(prompt_ids))
