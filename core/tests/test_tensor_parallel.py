@@ -194,3 +194,62 @@ def test_workers_exit_when_the_engine_process_dies(tiny_model, tmp_path):
     pids = [int(p) for p in done.stdout.split()]
     assert pids
     assert wait_until(lambda: all(gone(p) for p in pids), 15)
+
+
+# -- ranks started by torchrun (distributed_executor_backend="external_launcher") ---------------------
+
+TORCHRUN_SCRIPT = """
+import json, os, sys
+import torch
+from nanovllm import LLM, SamplingParams
+torch.set_num_threads(1)
+path, engine, prompts, bad_prompt, out = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4], sys.argv[5]
+with LLM(path, tensor_parallel_size=2, distributed_executor_backend="external_launcher", **engine) as llm:
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate(prompts, greedy, use_tqdm=False)
+    try:  # rank 0 refuses the prompt; every rank must raise, then run the next call together
+        llm.generate([[int(bad_prompt)]], greedy, use_tqdm=False)
+        error = None
+    except (ValueError, RuntimeError) as exc:
+        error = str(exc)
+    again = llm.generate(prompts[:1], greedy, use_tqdm=False)
+result = {"tokens": [o.outputs[0].token_ids for o in outputs], "error": error, "again": again[0].outputs[0].token_ids}
+with open(os.path.join(out, "rank" + os.environ["RANK"] + ".json"), "w") as f:  # the ranks share stdout
+    json.dump(result, f)
+"""
+
+
+def test_torchrun_ranks_return_the_tokens_of_one_rank_on_every_rank(tiny_model, one_thread, tmp_path):
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    with LLM(path, **ENGINE) as one:
+        greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, greedy, use_tqdm=False)]
+    script = tmp_path / "script.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+         path, json.dumps(ENGINE), json.dumps(PROMPTS), "999999", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for result in results:
+        assert result["tokens"] == expected
+        assert result["again"] == expected[0]
+    assert "outside the vocabulary" in results[0]["error"]
+    assert "rank 0 raised" in results[1]["error"] and "outside the vocabulary" in results[1]["error"]
+
+
+def test_external_launcher_needs_torchrun_and_a_matching_world(tiny_model, monkeypatch):
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match=r"RANK, WORLD_SIZE.*torchrun --nproc-per-node 2 script\.py"):
+        LLM(path, tensor_parallel_size=2, distributed_executor_backend="external_launcher", **ENGINE)
+    env = dict(RANK="0", WORLD_SIZE="4", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="WORLD_SIZE=4 ranks but tensor_parallel_size=2"):
+        LLM(path, tensor_parallel_size=2, distributed_executor_backend="external_launcher", **ENGINE)
+    assert tp_rank() == 0 and not __import__("torch").distributed.is_initialized()

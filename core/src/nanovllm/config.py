@@ -106,6 +106,10 @@ class EngineConfig:
     kv_offloading_size: float | None = attrs.field(default=None, validator=_gib("kv_offloading_size"))
     kv_offloading_buffer_size: float = attrs.field(default=1.5, validator=_gib("kv_offloading_buffer_size"))
     tensor_parallel_size: int = attrs.field(default=1, validator=_positive_int("tensor_parallel_size"))
+    # "mp": the engine spawns its ranks; "external_launcher": every rank is a process torchrun started
+    distributed_executor_backend: str = attrs.field(
+        default="mp", validator=_one_of("distributed_executor_backend", ("mp", "external_launcher")),
+    )
     device: str = attrs.field(default="auto", validator=_one_of("device", ("auto", "cpu", "cuda")))
     seed: int = 0
     load_format: str = attrs.field(default="auto", validator=_one_of("load_format", ("auto", "dummy")))

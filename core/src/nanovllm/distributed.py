@@ -9,6 +9,7 @@ one, and its long timeout lets the other ranks wait for the next step for as lon
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Any
 
 import torch
@@ -36,15 +37,39 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def init_tensor_parallel(rank: int, world_size: int, device_type: str, store: dist.Store | None = None) -> None:
+def init_tensor_parallel(rank: int, world_size: int, device_type: str, store: dist.Store | None = None,
+                         local_rank: int | None = None) -> None:
     """Join the tensor-parallel world (``store`` given: the engine's own workers; else ``torchrun``'s
-    environment) and make the control group."""
+    environment, MASTER_ADDR and MASTER_PORT) and make the control group. On CUDA the rank takes GPU
+    ``local_rank`` of its host (default: ``rank``, all ranks on one host)."""
     global _control_group
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device(rank % torch.cuda.device_count() if local_rank is None else local_rank)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=DATA_TIMEOUT)
     _control_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_ranks(tensor_parallel_size: int) -> tuple[int, int]:
+    """This process's rank and local rank from the environment ``torchrun`` sets, checked against
+    ``tensor_parallel_size``; an error that says what to run when the environment is missing."""
+    missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"distributed_executor_backend='external_launcher' needs the environment torchrun sets ({', '.join(missing)} "
+            f"missing): start the script with `torchrun --nproc-per-node {tensor_parallel_size} script.py`, or leave "
+            "the option unset for the engine to start its own ranks"
+        )
+    world_size = int(os.environ["WORLD_SIZE"])
+    if world_size != tensor_parallel_size:
+        raise ValueError(
+            f"torchrun started WORLD_SIZE={world_size} ranks but tensor_parallel_size={tensor_parallel_size}; with "
+            "distributed_executor_backend='external_launcher' every rank is one tensor-parallel rank, so make them equal"
+        )
+    return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
 
 
 def destroy_tensor_parallel() -> None:

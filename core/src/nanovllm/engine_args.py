@@ -14,7 +14,8 @@ import attrs
 from nanovllm.config import EngineConfig
 
 # flags whose values argparse itself can check, so a typo is a usage error before anything loads
-CHOICES = {"device": ("auto", "cpu", "cuda"), "load_format": ("auto", "dummy")}
+CHOICES = {"device": ("auto", "cpu", "cuda"), "load_format": ("auto", "dummy"),
+           "distributed_executor_backend": ("mp", "external_launcher")}
 EXAMPLES = {
     "sparse_policy": "e.g. 'full', 'quest:token_budget=2048' or 'prefill=xattn;decode=quest' (one policy per phase)",
     "attention_backend": "e.g. 'auto', 'torch'",

@@ -14,7 +14,9 @@ from nanovllm.chat_utils import ChatOptions
 from nanovllm.chat_utils import render as render_chat
 from nanovllm.config import EngineConfig
 from nanovllm.default_model import default_model_dir, is_default_model
-from nanovllm.distributed import tp_size
+from nanovllm.distributed import (
+    broadcast_control, destroy_tensor_parallel, init_tensor_parallel, torchrun_ranks, tp_rank, tp_size,
+)
 from nanovllm.engine.loader import ModelDirectoryError, read_config_json
 from nanovllm.engine.model_runner import LaunchedStep, ModelRunner, resolve_device
 from nanovllm.engine.output_stream import OutputStream
@@ -76,6 +78,9 @@ class LLMEngine:
                 f"this process already runs a tensor-parallel world of {tp_size()} ranks (an engine with "
                 "tensor_parallel_size > 1 that is still open); close() it before creating another engine"
             )
+        self._external = config.distributed_executor_backend == "external_launcher"
+        if self._external:  # checked before anything is loaded: a script started without torchrun fails at once
+            self._torchrun_ranks = torchrun_ranks(config.tensor_parallel_size)
         plugins = get_plugins()
         # Resolved once, before any file is read or weight loaded, so a bad name or option fails fast.
         self.policy_plan = resolve_policies(config.sparse_policy, plugins)
@@ -125,8 +130,14 @@ class LLMEngine:
         model_cls = load_registered(families[arch].target, families[arch].dist, f"model family {arch!r}")
         self._check_tensor_parallel()
         self._workers: TPWorkers | None = None
+        self._finalizer: weakref.finalize | None = None  # leaves the tensor-parallel world
         self._stopped_reason: str | None = None  # set when a tensor-parallel engine is closed or broken
-        if config.tensor_parallel_size > 1:
+        if self._external:
+            rank, local_rank = self._torchrun_ranks
+            init_tensor_parallel(rank, config.tensor_parallel_size, resolve_device(config.device).type,
+                                 local_rank=local_rank)
+            self._finalizer = weakref.finalize(self, destroy_tensor_parallel)
+        elif config.tensor_parallel_size > 1:
             spec = RunnerSpec(config, self.hf_config, self.model_path, arch, self.max_model_len, observer_choices)
             self._workers = TPWorkers(spec, config.tensor_parallel_size, resolve_device(config.device).type)
             # the workers stop when the engine is closed or garbage-collected (the finalizer holds no engine)
@@ -164,7 +175,15 @@ class LLMEngine:
                                  "takes an equal share; choose a divisor of it")
         import torch
 
-        if resolve_device(self.config.device).type == "cuda" and torch.cuda.device_count() < size:
+        if resolve_device(self.config.device).type != "cuda":
+            return
+        if self._external:  # the ranks may be on several hosts: this one needs the GPU of its LOCAL_RANK
+            local_rank = self._torchrun_ranks[1]
+            if torch.cuda.device_count() <= local_rank:
+                raise ValueError(f"torchrun gave this process LOCAL_RANK={local_rank}, but PyTorch sees "
+                                 f"{torch.cuda.device_count()} GPU(s) on this host; start at most that many "
+                                 "processes per host (--nproc-per-node)")
+        elif torch.cuda.device_count() < size:
             raise ValueError(f"tensor_parallel_size={size} needs one GPU per rank, but PyTorch sees "
                              f"{torch.cuda.device_count()}; lower it, or use device='cpu'")
 
@@ -294,6 +313,10 @@ class LLMEngine:
         """vLLM's form, ``add_request(request_id, prompt, params)``: queue a request whose outputs ``step()``
         returns, as ``params.output_kind`` asks. The older form ``add_request(prompt, params)`` returns the
         queued :class:`Sequence` and gets no outputs from ``step()`` (the caller reads the sequence)."""
+        if self._external and tp_size() > 1:  # the other ranks follow rank 0 only inside generate
+            raise RuntimeError("with distributed_executor_backend='external_launcher' the ranks run requests "
+                               "together in generate() or chat(), called on every rank; add_request/step are "
+                               "for one rank or tensor_parallel_size with the engine's own ranks")
         if prompt is None or isinstance(prompt, SamplingParams):  # the older form
             return self._add(request_id, prompt or SamplingParams(), None)
         if not isinstance(request_id, str) or not request_id:
@@ -441,6 +464,9 @@ class LLMEngine:
                 self._apply_pending()
         except BaseException as exc:
             self._abort()
+            if self._external and tp_size() > 1:  # torchrun's ranks may be out of step: none steps again
+                self._stopped_reason = (f"a tensor-parallel step failed on rank 0 ({type(exc).__name__}: {exc}); "
+                                        "the ranks may be out of step: restart every rank")
             if self._workers is None:
                 raise
             error = self._workers.failure(exc)
@@ -452,7 +478,7 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the tensor-parallel workers (a no-op with one rank); the engine cannot step afterwards.
         Garbage collection of the engine does the same."""
-        if self._workers is not None:
+        if self._finalizer is not None:
             self._finalizer()
             if self._stopped_reason is None:
                 self._stopped_reason = "this engine was closed; create a new one"
@@ -596,7 +622,34 @@ class LLMEngine:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate a completion for each prompt; outputs come back in prompt order."""
+        """Generate a completion for each prompt; outputs come back in prompt order.
+
+        Under ``torchrun`` (``distributed_executor_backend="external_launcher"``) every rank calls this with
+        the same arguments: rank 0 runs the call, the others follow its steps, and every rank returns
+        rank 0's outputs (or raises when rank 0 did)."""
+        if not self._external or tp_size() == 1:
+            return self._generate(prompts, sampling_params, use_tqdm)
+        if self._stopped_reason is not None:
+            raise RuntimeError(self._stopped_reason)
+        if tp_rank() != 0:
+            kind, value, self._stopped_reason = self.runner.follow()
+            if kind == "error":
+                raise RuntimeError(f"rank 0 raised in generate(), so this rank does too: {value}")
+            return value
+        try:
+            outputs = self._generate(prompts, sampling_params, use_tqdm)
+        except BaseException as exc:  # a bad prompt before any step, or a failed step (then stopped)
+            broadcast_control(("stop", ("error", f"{type(exc).__name__}: {exc}", self._stopped_reason)))
+            raise
+        broadcast_control(("stop", ("outputs", outputs, None)))
+        return outputs
+
+    def _generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
         ):

@@ -645,13 +645,14 @@ class ModelRunner:
             dist.broadcast(sampled, src=0)
             self._last_sampled = sampled
 
-    def follow(self) -> None:
-        """The loop of a rank other than 0: run what rank 0 broadcasts until it says stop."""
+    def follow(self) -> Any:
+        """The loop of a rank other than 0: run what rank 0 broadcasts until it says stop; returns what
+        rank 0 sent with the stop (``("stop", result)``; None for a plain stop)."""
         handlers = {"step": self._follow_step, "notify_allocated": self.notify_allocated}
         while True:
             method, *args = broadcast_control()
             if method == "stop":
-                return
+                return args[0] if args else None
             handlers[method](*args)
 
     def stop_followers(self) -> None:
