@@ -24,7 +24,7 @@ import torch
 from nanovllm.policy import PolicyContext, SparsePolicy
 
 from nanovllm_xattn.config import XAttentionConfig
-from nanovllm_xattn.selection import block_lists, causal_density, select_blocks
+from nanovllm_xattn.selection import block_lists, select_blocks
 
 
 @attrs.frozen
@@ -47,7 +47,7 @@ class XAttentionPolicy(SparsePolicy):
         super().__init__(config or XAttentionConfig())
         path = self.config.threshold_path
         self.threshold_table = load_thresholds(path) if path is not None else None
-        self.last_density: float | None = None  # of the last sparse layer call, for the benchmarks
+        self._thresholds: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
     def initialize(self, num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device) -> None:
         cfg = self.config
@@ -63,16 +63,20 @@ class XAttentionPolicy(SparsePolicy):
             )
 
     def thresholds(self, layer_id: int, num_heads: int, device: torch.device) -> torch.Tensor:
-        """``[H]`` float32: each query head's threshold in this layer."""
-        if self.threshold_table is None:
-            return torch.full((num_heads,), float(self.config.threshold), device=device)
-        row = self.threshold_table[layer_id]
-        if len(row) != num_heads:
-            raise ValueError(
-                f"threshold_path {self.config.threshold_path!r} gives layer {layer_id} {len(row)} heads, the "
-                f"model {num_heads}: use a threshold table made for this model"
-            )
-        return torch.tensor(row, dtype=torch.float32, device=device)
+        """``[H]`` float32: each query head's threshold in this layer (made once per layer and device)."""
+        key = (layer_id, num_heads, device)
+        if key not in self._thresholds:
+            if self.threshold_table is None:
+                row = [float(self.config.threshold)] * num_heads
+            else:
+                row = self.threshold_table[layer_id]
+                if len(row) != num_heads:
+                    raise ValueError(
+                        f"threshold_path {self.config.threshold_path!r} gives layer {layer_id} {len(row)} heads, "
+                        f"the model {num_heads}: use a threshold table made for this model"
+                    )
+            self._thresholds[key] = torch.tensor(row, dtype=torch.float32, device=device)
+        return self._thresholds[key]
 
     # -- the prefill phase ----------------------------------------------------------------------------
 
@@ -116,7 +120,6 @@ class XAttentionPolicy(SparsePolicy):
         mask = select_blocks(scores, part.cu_seqlens_q, part.context_lens, cfg.block_size, ctx.num_kv_heads,
                              cfg.head_reduce, self.thresholds(ctx.layer_id, q.shape[1], q.device), cfg.ratio,
                              cfg.keep_sink, cfg.keep_recent, cfg.recent_blocks)
-        self.last_density = causal_density(mask, part.cu_seqlens_q, part.context_lens, cfg.block_size)
         return mask
 
 
