@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from nanovllm.bench.prefill import density_chart, ttft_speedup, ttft_table
+
 # issue 11's targets on one H100
 KERNEL_SLACK = 0.05  # block-sparse kernel time <= (density + 0.05) x dense at 128K
 ESTIMATE_SHARE = 0.12  # estimate <= 0.12 x dense attention at 128K
@@ -127,11 +129,8 @@ def with_ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         r = dict(r)
         if r["benchmark"] == "kernel" and "ratio" in r:
             r["bound"] = r["density"] + KERNEL_SLACK
-        elif r["benchmark"] == "ttft" and "ttft_s" in r and r["policy"] != "full":
-            dense = next((d for d in results if d.get("benchmark") == "ttft" and d.get("policy") == "full"
-                          and d.get("context") == r["context"] and "ttft_s" in d), None)
-            if dense is not None:
-                r["speedup"] = dense["ttft_s"] / r["ttft_s"]
+        elif (speedup := ttft_speedup(r, results)) is not None:
+            r["speedup"] = speedup
         out.append(r)
     return out
 
@@ -154,37 +153,12 @@ def markdown(payload: dict[str, Any], title: str) -> str:
                      f"{r['ratio_paged']:.3f}", f"{r['bound']:.3f}", f"{r['estimate_ms']:.2f}",
                      f"{r['estimate_share']:.3f}", f"{r['select_share']:.3f}"]
             lines.append("| " + " | ".join(map(str, cells)) + " |")
-    lines += ["", f"## Time to first token, one prompt, KV on the GPU (target at 128K, 20% density: >= {TTFT_TARGET}x)",
-              "", "| context | policy | TTFT s | speedup vs full |", "|---|---|---|---|"]
-    for r in payload["results"]:
-        if r["benchmark"] == "ttft":
-            result = r.get("error") or f"{r['ttft_s']:.3f}"
-            speed = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
-            lines.append(f"| {r['context']} | {r['policy']} | {result} | {speed} |")
+    lines += ttft_table(payload["results"], f"Time to first token, one prompt, KV on the GPU (target at 128K, 20% density: >= {TTFT_TARGET}x)")
     return "\n".join(lines) + "\n"
 
 
 def chart(payload: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    kernel = [r for r in payload["results"] if r["benchmark"] == "kernel" and "ratio" in r]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for n in sorted({r["context"] for r in kernel}):
-        pts = sorted((r["density"], r["ratio"]) for r in kernel if r["context"] == n)
-        ax.plot(*zip(*pts, strict=True), marker="o", label=f"{n // 1024}K")
-    xs = [0, max((r["density"] for r in kernel), default=1)]
-    ax.plot(xs, [x + KERNEL_SLACK for x in xs], "r--", label=f"target: density + {KERNEL_SLACK}")
-    ax.set_xlabel("block density")
-    ax.set_ylabel("block-sparse / dense Triton kernel time")
-    ax.legend(fontsize=8)
-    env = payload["environment"]
-    ax.set_title(f"nanovllm-xattn - {env['device']} - {env['date']} - {env['commit']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    density_chart(payload, path, "nanovllm-xattn", "block density", "block-sparse / dense Triton kernel time", KERNEL_SLACK)
 
 
 def main(argv: list[str] | None = None) -> int:
