@@ -67,11 +67,14 @@ def test_block_scores(device, dtype, reduction, keep_sink):
     metadata = torch.randn(num_blocks, hkv, 2, d, generator=gen)
     metadata = torch.stack([metadata.amin(2), metadata.amax(2)], dim=2).to(dtype)
     tables = torch.randperm(num_blocks, generator=gen)[: seqs * width].view(seqs, width).int()
-    n = torch.tensor([width, 1, width // 2 + 3], dtype=torch.int32)
+    lens = torch.tensor([width * 16 - 5, 1, (width // 2 + 3) * 16], dtype=torch.int32)  # blocks of 16
+    n = (lens + 15) // 16
     tables[1:, :] = torch.where(torch.arange(width) < n[1:, None], tables[1:], -1)
     q = torch.randn(seqs, heads, d, generator=gen).to(dtype)
-    want = reference.block_scores(q, metadata, tables, n, reduction, keep_sink)
-    got = kernels.block_scores(q.to(device), metadata.to(device), tables.to(device), n.to(device),
+    want = reference.block_scores(q, metadata, tables, lens, 16, reduction, keep_sink)
+    finite_blocks = n - 1 - (keep_sink & (n > 1)).int()  # the newest block (and the sink) forced to +inf
+    assert torch.equal(torch.isfinite(want).sum(-1), finite_blocks[:, None].expand(-1, hkv))
+    got = kernels.block_scores(q.to(device), metadata.to(device), tables.to(device), lens.to(device), 16,
                                reduction, keep_sink).cpu()
     assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got.sign(), want.sign())
     finite = torch.isfinite(want)

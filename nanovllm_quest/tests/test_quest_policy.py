@@ -86,10 +86,10 @@ def test_the_bound_holds_for_every_key():
     policy, ctx = decode_batch(lens, seed=3)
     q = ctx.query
     for reduction in ("max", "sum"):
-        scores = reference.block_scores(q, policy.metadata[0], ctx.meta.block_tables,
-                                        ctx.num_history_blocks, reduction)
+        scores = reference.block_scores(q, policy.metadata[0], ctx.meta.block_tables, ctx.history_lens,
+                                        BLOCK, reduction)
         per_head = reference.block_scores(q, policy.metadata[0].repeat_interleave(4, dim=1),
-                                          ctx.meta.block_tables, ctx.num_history_blocks)  # MHA view: G = 1
+                                          ctx.meta.block_tables, ctx.history_lens, BLOCK)  # MHA view: G = 1
         for s, n in enumerate(lens):
             keys = ctx.k_cache[ctx.meta.block_tables[s, : -(-n // BLOCK)].long()].flatten(0, 1)[:n]  # [n, Hkv, D]
             qk = torch.einsum("hd,nhd->hn", q[s], keys.repeat_interleave(4, dim=1))  # [H, n]
@@ -137,7 +137,7 @@ def test_a_budget_covering_every_block_is_dense_attention():
 def test_the_selected_blocks_are_the_top_bounds():
     policy, ctx = decode_batch([64], token_budget=5 * BLOCK)
     sel = policy.select_blocks(ctx)
-    scores = reference.block_scores(ctx.query, policy.metadata[0], ctx.meta.block_tables, ctx.num_history_blocks)
+    scores = reference.block_scores(ctx.query, policy.metadata[0], ctx.meta.block_tables, ctx.history_lens, BLOCK)
     for h in range(2):
         chosen = set(sel[0, h].tolist())
         others = [b for b in range(16) if b not in chosen]

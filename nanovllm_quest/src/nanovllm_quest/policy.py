@@ -90,7 +90,7 @@ class QuestPolicy(SparsePolicy):
             return ctx.all_history_blocks()
         scores = self.ops.block_scores(
             ctx.query, self.metadata[ctx.layer_id - self.config.skip_layers], ctx.meta.block_tables,
-            ctx.num_history_blocks.to(torch.int32), self.config.group_reduction, self.config.keep_sink,
+            ctx.history_lens, self.block_size, self.config.group_reduction, self.config.keep_sink,
         )
         return self.ops.top_blocks(scores, self.budget_blocks)
 

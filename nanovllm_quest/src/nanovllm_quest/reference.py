@@ -31,16 +31,17 @@ def update_metadata(
 
 
 def block_scores(
-    q: torch.Tensor, metadata: torch.Tensor, block_tables: torch.Tensor, num_blocks: torch.Tensor,
+    q: torch.Tensor, metadata: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
     group_reduction: str = "max", keep_sink: bool = False,
 ) -> torch.Tensor:
     """``[S, Hkv, W]`` float32 priority of each logical block (``W`` = block-table width) for the
-    decode queries ``q [S, H, D]``.
+    decode queries ``q [S, H, D]`` over histories of ``kv_lens`` tokens (``n = ceil(kv_lens / block_size)``
+    blocks each).
 
     A block's bound for query head ``h`` is ``sum_i max(q_i * min_i, q_i * max_i)``, at least ``q . k``
     for every key of the block; the query heads of a GQA group combine by ``group_reduction``. The
-    newest block (``num_blocks[s] - 1``) and, with ``keep_sink``, block 0 get ``+inf``; blocks at or past
-    ``num_blocks[s]`` get ``-inf``."""
+    newest block (``n[s] - 1``) and, with ``keep_sink``, block 0 get ``+inf``; blocks at or past ``n[s]``
+    get ``-inf``."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = metadata.shape[1]
     width = block_tables.shape[1]
@@ -51,7 +52,7 @@ def block_scores(
     )
     score = bound.amax(dim=2) if group_reduction == "max" else bound.sum(dim=2)
     idx = torch.arange(width, device=q.device)
-    n = num_blocks.long()[:, None, None]
+    n = ((kv_lens.long() + block_size - 1) // block_size)[:, None, None]
     forced = idx == n - 1
     if keep_sink:
         forced = forced | (idx == 0)
