@@ -69,6 +69,16 @@ def test_kernels_dry_run_and_results_files(tmp_path, monkeypatch):
     assert "| throughput | qwen3-8b | output_tok_per_s | 4,000 | 8,000 | 0.500 |" in (tmp_path / "t.md").read_text()
 
 
+def test_engine_options_from_the_command_line():
+    from nanovllm.bench import engine_options
+    from nanovllm.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "latency", "--tensor-parallel-size", "2"])
+    assert engine_options(args) == {"tensor_parallel_size": 2}
+    args = build_parser().parse_args(["bench", "throughput", "--attention-backend", "torch"])
+    assert engine_options(args) == {"attention_backend": "torch"}
+
+
 def test_render_needs_a_file(capsys):
     assert cli_main(["bench", "render"]) == 2
     assert "needs a results file" in capsys.readouterr().err

@@ -153,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--hf-num-seqs", type=int, default=0,
                        help="also run the first N throughput prompts through transformers (0: skip)")
     bench.add_argument("--attention-backend", default=None)
+    bench.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="GPUs per engine for throughput and latency (B6: compare with 1)")
     bench.add_argument("--out", default="benchmarks/results")
     bench.add_argument("--name", default=None, help="results file name (default: bench, offload or quality)")
     from nanovllm.bench.quality import DEFAULT_PPL_TAIL, DEFAULT_QUERIES, DEFAULT_TOKENS, DEFAULT_TOP_K

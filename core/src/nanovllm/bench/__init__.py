@@ -310,6 +310,16 @@ def _raw(result: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in result.items() if k not in added}
 
 
+def engine_options(args) -> dict[str, Any]:
+    """The engine settings the command line sets for every job (recorded in the results' settings)."""
+    options: dict[str, Any] = {}
+    if args.attention_backend:
+        options["attention_backend"] = args.attention_backend
+    if args.tensor_parallel_size > 1:
+        options["tensor_parallel_size"] = args.tensor_parallel_size
+    return options
+
+
 def main(args) -> int:
     if args.benchmark == "render":
         if not args.file:
@@ -318,9 +328,7 @@ def main(args) -> int:
         return 0
     if args.benchmark == "quality":
         return main_quality(args)
-    options: dict[str, Any] = {}
-    if args.attention_backend:
-        options["attention_backend"] = args.attention_backend
+    options = engine_options(args)
     if args.benchmark == "offload":
         from nanovllm.bench import offload
 

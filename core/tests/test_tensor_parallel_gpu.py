@@ -1,0 +1,63 @@
+"""Tensor parallelism on two GPUs (NCCL): two ranks give one rank's greedy tokens, with CUDA graphs and
+eagerly, and bfloat16 logprobs close to one rank's; Quest keeps per-rank metadata and selects from the
+KV heads each rank owns. Skipped without two CUDA devices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from nanovllm import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+]
+
+PROMPTS = [[5, 6, 7], list(range(10, 40)), list(range(50, 61)), list(range(100, 170))]
+INIT = 0.3  # transformers' default 0.02 makes a tied tiny model repeat its input token forever
+GREEDY = dict(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+
+
+def generate(path: str, tp: int, **engine) -> list:
+    with LLM(path, tensor_parallel_size=tp, kv_cache_memory=1 << 26, **engine) as llm:
+        return llm.generate(PROMPTS, SamplingParams(**GREEDY), use_tqdm=False)
+
+
+def assert_same_tokens(want: list, got: list, logprob_tol: float) -> None:
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lp_w, lp_g in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
+            for token, entry in lp_w.items():
+                assert token in lp_g
+                assert lp_g[token].logprob == pytest.approx(entry.logprob, abs=logprob_tol)
+    assert len({t for w in want for t in w.outputs[0].token_ids}) > 4  # not one repeated token
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+@pytest.mark.parametrize("eager", [True, False])
+def test_two_gpus_give_the_tokens_of_one(arch, eager, tiny_model):
+    path = tiny_model(arch, initializer_range=INIT)
+    engine = dict(dtype="float32", enforce_eager=eager)
+    assert_same_tokens(generate(path, 1, **engine), generate(path, 2, **engine), 1e-3)
+
+
+def test_bfloat16_logprobs_stay_close(tiny_model):
+    """bfloat16 all-reduces add in another order than one GPU's matmuls: the prompt logprobs stay close."""
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    runs = []
+    for tp in (1, 2):
+        with LLM(path, tensor_parallel_size=tp, dtype="bfloat16", kv_cache_memory=1 << 26) as llm:
+            runs.append(llm.generate(PROMPTS, params, use_tqdm=False))
+    for want, got in zip(*runs, strict=True):
+        for w, g in zip(want.prompt_logprobs[1:], got.prompt_logprobs[1:], strict=True):
+            for token, entry in w.items():
+                if token in g:
+                    assert g[token].logprob == pytest.approx(entry.logprob, abs=0.1)
+
+
+def test_quest_under_two_gpus(tiny_model):
+    pytest.importorskip("nanovllm_quest")
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    engine = dict(dtype="float32", block_size=16, sparse_policy="quest:token_budget=32,skip_layers=0")
+    assert_same_tokens(generate(path, 1, **engine), generate(path, 2, **engine), 1e-3)
