@@ -1,6 +1,7 @@
 """The KV offload engine: the only code that moves KV between the host pool and the GPU.
 
-**Pool.** Every layer's KV lives in one pinned host tensor ``[layers, blocks + 1, kv_heads, 2, block_size,
+**Pool.** The KV of every offloaded layer (all but the policies' dense layers, which the model runner keeps
+resident on the GPU) lives in one pinned host tensor ``[layers, blocks + 1, kv_heads, 2, block_size,
 head_dim]``: the K and V of one KV head of one block (a "head block") are one contiguous piece, and a
 run of consecutive blocks is one contiguous range. The last block is scratch: writes and loads that must
 go nowhere go there, which keeps every index computation on the device without a host sync.
@@ -28,7 +29,7 @@ tests cover its logic.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 
 import attrs
@@ -82,14 +83,19 @@ class Piece:
 
 class OffloadEngine:
     def __init__(
-        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+        self, layers: Sequence[int], num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
         dtype: torch.dtype, device: torch.device, buffer_bytes: int, max_num_seqs: int,
     ) -> None:
+        """``layers``: the ids of the layers whose KV lives in the pool, ascending."""
+        self.layers = list(layers)
+        self._row = {layer_id: i for i, layer_id in enumerate(self.layers)}  # layer id -> pool row
+        # the offloaded layer after each, whose first piece a dense layer prefetches
+        self._following = dict(zip(self.layers, self.layers[1:], strict=False))
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.device = device
         self.cuda = device.type == "cuda"
-        shape = (num_layers, num_blocks + 1, num_kv_heads, 2, block_size, head_dim)
+        shape = (len(self.layers), num_blocks + 1, num_kv_heads, 2, block_size, head_dim)
         self.pool = torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
         self._pool = device_view(self.pool) if self.cuda else self.pool  # what kernels address
         head_block_bytes = 2 * block_size * head_dim * self.pool.element_size()
@@ -111,9 +117,9 @@ class OffloadEngine:
         if self.cuda:
             self.load_stream, self.store_stream = torch.cuda.Stream(), torch.cuda.Stream()
             self._slot_free: list[torch.cuda.Event | None] = [None] * NUM_SLOTS
-        self._stored: list[torch.cuda.Event | None] = [None] * num_layers  # earlier steps' writes, per layer
-        self._storing: list[torch.cuda.Event | None] = [None] * num_layers  # this step's
-        self.num_layers = num_layers
+        # per pool row: earlier steps' writes, this step's
+        self._stored: list[torch.cuda.Event | None] = [None] * len(self.layers)
+        self._storing: list[torch.cuda.Event | None] = [None] * len(self.layers)
         self._host: dict[bool, HostPhase | None] = {}
         self._plans: dict[bool, list[Piece]] = {}
         # (layer, is_prefill) -> (the dense plan's first piece, what _load returned for it)
@@ -124,7 +130,7 @@ class OffloadEngine:
     def cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The pool's K and V of a layer in the paged cache's layout ``[blocks + 1, block_size, kv_heads,
         head_dim]`` (a strided view, device-addressable): for code that reads the cache itself."""
-        pool = self._pool[layer_id]
+        pool = self._pool[self._row[layer_id]]
         return pool[:, :, 0].transpose(1, 2), pool[:, :, 1].transpose(1, 2)
 
     # -- one step ---------------------------------------------------------------------------------------
@@ -140,8 +146,8 @@ class OffloadEngine:
     def store(self, layer_id: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Send the step's new K/V ``[tokens, kv_heads, head_dim]`` of one layer to their pool slots
         (-1: to the scratch block), on the store stream."""
-        bs = self.block_size
-        pool = self._pool[layer_id]
+        bs, row = self.block_size, self._row[layer_id]
+        pool = self._pool[row]
         # everything the store stream reads is made on it, or kept alive for it (no allocator reuse)
         with self._on(self.store_stream if self.cuda else None, key, value, slot_mapping):
             slots = torch.where(slot_mapping >= 0, slot_mapping, self.num_blocks * bs)
@@ -149,8 +155,8 @@ class OffloadEngine:
             pool[:, :, 0][blocks, :, offsets] = key.to(pool.dtype)
             pool[:, :, 1][blocks, :, offsets] = value.to(pool.dtype)
             if self.cuda:
-                self._storing[layer_id] = torch.cuda.Event()
-                self._storing[layer_id].record(self.store_stream)
+                self._storing[row] = torch.cuda.Event()
+                self._storing[row].record(self.store_stream)
 
     # -- attention ----------------------------------------------------------------------------------------
 
@@ -164,7 +170,7 @@ class OffloadEngine:
             return None
         # the next layer's first piece loads behind this layer's last, unless the step's other phase comes
         # next and needs the slots
-        ahead = ctx.layer_id + 1 < self.num_layers and self._host[not ctx.is_prefill] is None
+        ahead = ctx.layer_id in self._following and self._host[not ctx.is_prefill] is None
         return self._run(ctx, q, iter(plan), plan[0] if ahead else None)
 
     def attend_selected(
@@ -176,8 +182,9 @@ class OffloadEngine:
     def wait_stored(self, layer_id: int) -> None:
         """Make the compute stream wait until this step's new K/V of a layer are in the pool, for code
         that reads the pool itself (``PolicyContext.read_blocks``)."""
-        if self.cuda and self._storing[layer_id] is not None:
-            torch.cuda.current_stream().wait_event(self._storing[layer_id])
+        storing = self._storing[self._row[layer_id]]
+        if self.cuda and storing is not None:
+            torch.cuda.current_stream().wait_event(storing)
 
     def _run(self, ctx, q: torch.Tensor, pieces: Iterator[Piece], next_layer: Piece | None = None):
         """Load each piece into the next slot, patch in the new K/V, attend, merge by log-sum-exp. Loads run
@@ -203,8 +210,9 @@ class OffloadEngine:
             if following is not None:
                 loaded = self._load(ctx.layer_id, following)
             elif next_layer is not None:
-                self._prefetched[(ctx.layer_id + 1, ctx.is_prefill)] = (
-                    next_layer, self._load(ctx.layer_id + 1, next_layer)
+                following_layer = self._following[ctx.layer_id]
+                self._prefetched[(following_layer, ctx.is_prefill)] = (
+                    next_layer, self._load(following_layer, next_layer)
                 )
             if ready is not None:
                 torch.cuda.current_stream().wait_event(ready)
@@ -253,7 +261,7 @@ class OffloadEngine:
         if piece.on_device:  # a selection: its indices come from this layer's query
             stream.wait_stream(torch.cuda.current_stream())
             piece.ids.record_stream(stream)
-        for event in (self._slot_free[index], self._stored[layer_id]):
+        for event in (self._slot_free[index], self._stored[self._row[layer_id]]):
             if event is not None:
                 stream.wait_event(event)
         with torch.cuda.stream(stream):
@@ -266,11 +274,11 @@ class OffloadEngine:
         """Runs through the copy engines from the pinned pool; otherwise one gather kernel."""
         rows = (-1, 2, self.block_size, self.head_dim)
         if piece.runs is not None:
-            host = self.pool[layer_id].view(rows)
+            host = self.pool[self._row[layer_id]].view(rows)
             for first, at, length in piece.runs:
                 slot[at : at + length].copy_(host[first : first + length], non_blocking=True)
         else:
-            torch.index_select(self._pool[layer_id].view(rows), 0, piece.ids, out=slot[: piece.ids.shape[0]])
+            torch.index_select(self._pool[self._row[layer_id]].view(rows), 0, piece.ids, out=slot[: piece.ids.shape[0]])
 
     def _release(self, index: int) -> None:
         """The compute stream is done with slot ``index`` once its work so far has run."""
