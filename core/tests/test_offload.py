@@ -204,6 +204,40 @@ def test_dense_layers_that_leave_nothing_to_offload_are_refused(tiny_model):
     _engine(tiny_model(), sparse_policy="quest_style:dense_layers=2")
 
 
+def test_a_sparse_layer_costs_few_host_operations(tiny_model, monkeypatch):
+    """Torch ops the host issues per sparse layer on the selected-blocks path (``attend_selected``), with
+    each call that is one launch on the GPU (the per-piece kernels, the backend's ``attend_blocks``)
+    counted once. 103 before the piece kernels; the bound keeps it from creeping back."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from nanovllm.engine import offload
+
+    llm = _engine(tiny_model(), offload_buffer=1.0, sparse_policy="quest_style:budget_blocks=2")
+
+    def one_range(owner, name):
+        call = getattr(owner, name)
+
+        def ranged(*args, **kwargs):
+            with record_function(name):
+                return call(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, ranged)
+
+    for owner, name in ((llm.runner.offload, "attend_selected"), (llm.runner.backend, "attend_blocks"),
+                        (offload, "selected_piece"), (offload, "patch_slot")):
+        one_range(owner, name)
+    prompts = _prompts([100, 130])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    per_layer = [[c.name for c in e.cpu_children] for e in prof.events() if e.name == "attend_selected"]
+    assert len(per_layer) % 2 == 0 and len(per_layer) >= 4  # decode steps, two layers each
+    assert all(names.count(name) == 1 for names in per_layer for name in ("selected_piece", "attend_blocks"))
+    # the step's first layer also builds the virtual batch's cu_seqlens (9 ops), which the second reuses,
+    # and the first piece of a new shape its block tables (2)
+    counts = [len(names) for names in per_layer]
+    assert max(counts[1::2]) <= 16 and max(counts[0::2]) <= 27, per_layer
+
+
 class OffloadRecorder:
     """An observer that sees the offload hooks' rows."""
 
