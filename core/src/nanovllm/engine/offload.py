@@ -19,6 +19,12 @@ next layer, run while piece i is attended to. New K/V go to the pool on a third 
 directions run at once. A loaded slot is patched with the step's new K/V of its blocks, so it holds exactly
 what the paged GPU cache would.
 
+**Selections** made on the device (``attend_selected``) become pieces on the device, without a host sync:
+one ``selected_piece`` kernel per piece (the head blocks to load, the piece's selection and lengths, the
+new tokens' slot rows) and one ``patch_slot`` kernel to write the new K/V in; a selection that fits a slot
+is one piece. Both are Triton kernels on CUDA (:mod:`nanovllm.engine.offload_kernels`) with their torch
+references here, which the CPU runs.
+
 **Attention over a slot** runs on a virtual batch: each (KV head, sequence) pair is one sequence with a
 single KV head and its group of query heads, with its own block table into the slot. Per-KV-head
 selections and shared ones take the same path through the backend's ordinary kernels.
