@@ -31,6 +31,9 @@ class QuestStylePolicy(SparsePolicy):
     def metadata_bytes_per_block(self, num_layers, num_kv_heads, head_dim, block_size, dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * 4  # float32 min and max
 
+    def dense_layers(self, num_layers: int) -> frozenset[int]:
+        return frozenset(range(min(self.config.dense_layers, num_layers)))
+
     def initialize(self, num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device) -> None:
         # One extra row takes the writes of skipped slots, so no boolean indexing (and no sync) is needed.
         shape = (num_layers, num_blocks + 1, num_kv_heads, head_dim)

@@ -126,6 +126,118 @@ def test_many_pieces_per_layer_are_really_used(tiny_model):
     assert per_layer == 2 * 2  # two decode steps, each over 32 blocks x 2 heads in slots of 48 head blocks
 
 
+def _all_offloaded(monkeypatch) -> None:
+    """The quest-style policy without its dense layers resident: every layer in the host pool."""
+    import quest_style
+
+    monkeypatch.setattr(quest_style.QuestStylePolicy, "dense_layers", lambda self, num_layers: frozenset())
+
+
+@pytest.mark.parametrize("chunk", [512, 16])
+def test_dense_layers_stay_resident_with_the_same_tokens(tiny_model, monkeypatch, chunk):
+    """A policy's dense layers keep their KV in a paged GPU cache under offload; the pool holds the rest.
+    Tokens match the all-offloaded run and the run without offload."""
+    model = tiny_model(num_hidden_layers=3)
+    policy = "quest_style:budget_blocks=2,dense_layers=2"
+    prompts = _prompts([5, 40, 97, 130])
+    options = dict(sparse_policy=policy, max_num_batched_tokens=chunk)
+    want = _engine(model, **options).generate(prompts, PARAMS, use_tqdm=False)
+    llm = _engine(model, offload_buffer=SMALL_BUFFER, **options)
+    runner = llm.runner
+    assert runner.resident_layers == [0, 1] and runner.offload.layers == [2]
+    assert runner.offload.pool.shape[0] == 1
+    assert runner.resident_kv_cache.shape == (2, 2, runner.num_blocks, 16, 2, 16)
+    for layer in runner.attention_layers:  # resident layers read and write the GPU cache, without the engine
+        assert (layer.offload is None) == (layer.layer_id < 2)
+        if layer.layer_id < 2:
+            assert layer.k_cache.data_ptr() == runner.resident_kv_cache[layer.layer_id, 0].data_ptr()
+    stored, store = [], runner.offload.store
+    runner.offload.store = lambda layer_id, *args: stored.append(layer_id) or store(layer_id, *args)
+    got = llm.generate(prompts, PARAMS, use_tqdm=False)
+    _same_outputs(got, want)
+    assert set(stored) == {2}  # the resident layers' new K/V never go to the pool
+    # the pool is sized by the offloaded layer alone
+    assert runner.num_blocks == int(0.01 * 2**30 // (LLAMA_POOL_BLOCK_BYTES // 2))
+    with monkeypatch.context() as patched:
+        _all_offloaded(patched)
+        everything = _engine(model, offload_buffer=SMALL_BUFFER, **options)
+        assert everything.runner.resident_layers == [] and everything.runner.offload.layers == [0, 1, 2]
+        _same_outputs(everything.generate(prompts, PARAMS, use_tqdm=False), got)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_resident_layer_between_offloaded_ones_is_skipped_by_the_prefetch(tiny_model, monkeypatch, device):
+    """Layer 1 resident: the dense prefill of layer 0 prefetches layer 2's first piece, which layer 2 uses."""
+    import quest_style
+
+    monkeypatch.setattr(quest_style.QuestStylePolicy, "dense_layers", lambda self, num_layers: frozenset({1}))
+    model = tiny_model(num_hidden_layers=3)
+    options = dict(device=device, sparse_policy="prefill=full;decode=quest_style:budget_blocks=2",
+                   max_num_batched_tokens=32)
+    prompts = _prompts([97, 130])  # the first prompt's later chunks run alone: prefill-only steps prefetch
+    want = _engine(model, **options).generate(prompts, PARAMS, use_tqdm=False)
+    llm = _engine(model, offload_buffer=1.0, **options)
+    assert llm.runner.offload.layers == [0, 2]
+    engine, used = llm.runner.offload, []
+    run = engine._run
+    def recording_run(ctx, *args):
+        used.append((ctx.layer_id, (ctx.layer_id, ctx.is_prefill) in engine._prefetched))
+        return run(ctx, *args)
+
+    engine._run = recording_run
+    _same_outputs(llm.generate(prompts, PARAMS, use_tqdm=False), want)
+    assert (2, True) in used  # a prefetched piece was waiting for layer 2
+
+
+@pytest.mark.gpu
+def test_gpu_resident_layers_that_do_not_fit_are_refused_naming_the_fix(tiny_model):
+    with pytest.raises(ValueError, match="dense layers it keeps resident.*lower kv_offloading_size"):
+        LLM(tiny_model(), device="cuda", dtype="float32", block_size=16, max_model_len=512,
+            enforce_eager=True, sparse_policy="quest_style:dense_layers=1", kv_offloading_size=2,
+            kv_offloading_buffer_size=0.01, gpu_memory_utilization=0.02)  # 2 GiB resident: over 2% of a GPU
+
+
+def test_dense_layers_that_leave_nothing_to_offload_are_refused(tiny_model):
+    with pytest.raises(ValueError, match="all 2 layers dense.*drop kv_offloading_size.*skip_layers"):
+        _engine(tiny_model(), offload_buffer=1.0, sparse_policy="quest_style:dense_layers=2")
+    # without offload the same policy runs, every layer dense
+    _engine(tiny_model(), sparse_policy="quest_style:dense_layers=2")
+
+
+def test_a_sparse_layer_costs_few_host_operations(tiny_model, monkeypatch):
+    """Torch ops the host issues per sparse layer on the selected-blocks path (``attend_selected``), with
+    each call that is one launch on the GPU (the per-piece kernels, the backend's ``attend_blocks``)
+    counted once. 103 before the piece kernels; the bound keeps it from creeping back."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from nanovllm.engine import offload
+
+    llm = _engine(tiny_model(), offload_buffer=1.0, sparse_policy="quest_style:budget_blocks=2")
+
+    def one_range(owner, name):
+        call = getattr(owner, name)
+
+        def ranged(*args, **kwargs):
+            with record_function(name):
+                return call(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, ranged)
+
+    for owner, name in ((llm.runner.offload, "attend_selected"), (llm.runner.backend, "attend_blocks"),
+                        (offload, "selected_piece"), (offload, "patch_slot")):
+        one_range(owner, name)
+    prompts = _prompts([100, 130])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    per_layer = [[c.name for c in e.cpu_children] for e in prof.events() if e.name == "attend_selected"]
+    assert len(per_layer) % 2 == 0 and len(per_layer) >= 4  # decode steps, two layers each
+    assert all(names.count(name) == 1 for names in per_layer for name in ("selected_piece", "attend_blocks"))
+    # the step's first layer also builds the virtual batch's cu_seqlens (9 ops), which the second reuses,
+    # and the first piece of a new shape its block tables (2)
+    counts = [len(names) for names in per_layer]
+    assert max(counts[1::2]) <= 16 and max(counts[0::2]) <= 27, per_layer
+
+
 class OffloadRecorder:
     """An observer that sees the offload hooks' rows."""
 
@@ -171,7 +283,7 @@ def test_offload_hooks_get_each_phase_and_fall_back_to_on_kv_write(tiny_model):
 
 
 def _plan(capacity_heads: int, tables: list[list[int]], q_lens: list[int], ctx_lens: list[int], prefill: bool):
-    engine = OffloadEngine(1, 64, 4, 2, 8, torch.float32, torch.device("cpu"), 2 * capacity_heads * 2 * 4 * 8 * 4, 2)
+    engine = OffloadEngine([0], 64, 4, 2, 8, torch.float32, torch.device("cpu"), 2 * capacity_heads * 2 * 4 * 8 * 4, 2)
     assert engine.capacity == capacity_heads
     return engine, list(engine._dense_plan(HostPhase(tables, q_lens, ctx_lens), prefill))
 

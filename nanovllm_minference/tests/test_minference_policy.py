@@ -153,3 +153,8 @@ def test_adaptive_budget_scales_with_the_context():
 
     index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device)[0])
     assert index.column_counts.unique().tolist() == [8]  # 20% of 10% of 400
+
+
+def test_skip_layers_are_the_dense_layers_kept_resident_under_offload():
+    assert MInferencePolicy(MInferenceConfig(skip_layers=2)).dense_layers(32) == {0, 1}
+    assert MInferencePolicy(MInferenceConfig()).dense_layers(32) == frozenset()

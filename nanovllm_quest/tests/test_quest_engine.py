@@ -39,8 +39,29 @@ def test_decode_reads_a_fraction_of_the_history():
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_offload_gives_the_tokens_of_the_device_cache(device):
-    assert generate(engine(device, offload=True)) == generate(engine(device))
+def test_offload_gives_the_tokens_of_the_device_cache(device, monkeypatch):
+    """The skip layer stays resident on the device under offload; the tokens are those of the device cache,
+    and of the run that offloads every layer."""
+    from nanovllm_quest.policy import QuestPolicy
+
+    want = generate(engine(device))
+    llm = engine(device, offload=True)
+    assert llm.runner.resident_layers == [0] and llm.runner.offload.layers == [1, 2]
+    assert llm.runner.attention_layers[0].offload is None
+    assert generate(llm) == want
+    monkeypatch.setattr(QuestPolicy, "dense_layers", lambda self, num_layers: frozenset())
+    llm = engine(device, offload=True)
+    assert llm.runner.offload.layers == [0, 1, 2]
+    assert generate(llm) == want
+
+
+def test_skip_layers_are_the_dense_layers():
+    from nanovllm_quest.config import QuestConfig
+    from nanovllm_quest.policy import QuestPolicy
+
+    assert QuestPolicy(QuestConfig(skip_layers=2)).dense_layers(32) == {0, 1}
+    assert QuestPolicy(QuestConfig(skip_layers=0)).dense_layers(32) == frozenset()
+    assert QuestPolicy(QuestConfig(skip_layers=40)).dense_layers(32) == set(range(32))
 
 
 @pytest.mark.gpu

@@ -132,3 +132,8 @@ def test_a_threshold_table_sets_each_head(tmp_path):
 def test_block_size_must_be_a_multiple_of_the_cache_blocks():
     with pytest.raises(ValueError, match="not a multiple of the KV cache's block_size=256"):
         xattn().initialize(2, 2, 64, 32, 256, torch.float32, torch.device("cpu"))
+
+
+def test_skip_layers_are_the_dense_layers_kept_resident_under_offload():
+    assert XAttentionPolicy(XAttentionConfig(skip_layers=3)).dense_layers(2) == {0, 1}
+    assert XAttentionPolicy(XAttentionConfig()).dense_layers(32) == frozenset()

@@ -259,6 +259,13 @@ class SparsePolicy:
         sizes the KV cache with them, so metadata stays inside the memory budget."""
         return 0
 
+    def dense_layers(self, num_layers: int) -> frozenset[int]:
+        """The layers this policy always attends to densely over the whole history (Quest's
+        ``skip_layers``). With KV offload the engine keeps their KV resident in a paged GPU cache, read and
+        written as without offload, so their whole history does not cross PCIe every step; the GPU memory
+        for it comes out of the same budget as the load slots."""
+        return frozenset()
+
     def initialize(
         self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
         dtype: torch.dtype, device: torch.device,
@@ -396,6 +403,10 @@ class PolicyHooks:
         """The decode policy and everything called inside a decode forward pass can be captured."""
         inside = self.implementers("on_kv_write") + self.implementers("on_blocks_selected")
         return all(getattr(m, "cuda_graph_safe", False) for m in [self.decode.policy, *inside])
+
+    def dense_layers(self, num_layers: int) -> frozenset[int]:
+        """The layers a selected policy runs dense (``SparsePolicy.dense_layers``): resident under offload."""
+        return frozenset().union(*(p.dense_layers(num_layers) for p in self.policies))
 
     @property
     def policies(self) -> list[SparsePolicy]:

@@ -60,6 +60,10 @@ class MInferencePolicy(SparsePolicy):
         self.head_patterns = load_head_patterns(path) if path is not None else None
         self._plans: dict[tuple[int, int, torch.device], LayerPlan] = {}
 
+    def dense_layers(self, num_layers: int) -> frozenset[int]:
+        """The first ``skip_layers`` run dense: under offload their KV stays on the GPU."""
+        return frozenset(range(min(self.config.skip_layers, num_layers)))
+
     def initialize(self, num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device) -> None:
         if self.head_patterns is not None and len(self.head_patterns) != num_layers:
             raise ValueError(

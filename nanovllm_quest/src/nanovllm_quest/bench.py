@@ -188,14 +188,14 @@ def with_ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def quest_offload_bytes(row: dict[str, Any]) -> float:
-    """Host-to-device bytes of one Quest step: the dense layers read every history token, the others
-    ``token_budget`` tokens per KV head."""
+    """Host-to-device bytes of one Quest step: the sparse layers read ``token_budget`` tokens per KV head;
+    the dense (``skip_layers``) layers' KV is resident on the GPU and does not cross PCIe."""
     options = dict(kv.split("=") for kv in row["policy"].partition(":")[2].split(",") if kv)
     skip, budget = int(options.get("skip_layers", 2)), int(options["token_budget"])
     layers = 32  # llama-3.1-8b
     per_layer_token = row["kv_bytes_per_token"] / layers
     tokens = row["kv_tokens_per_step"]
-    return per_layer_token * (skip * tokens + (layers - skip) * min(budget, tokens) * row["batch"])
+    return per_layer_token * (layers - skip) * min(budget, tokens) * row["batch"]
 
 
 def markdown(payload: dict[str, Any], title: str) -> str:

@@ -17,7 +17,8 @@ exactly over them.
 - On CUDA the three steps are Triton kernels (:mod:`nanovllm_quest.kernels`), captured in the decode
   graphs; on the CPU their torch references (:mod:`nanovllm_quest.reference`).
 - With offload, the metadata stays on the GPU and only the selected head blocks cross PCIe
-  (``ctx.attend_blocks``).
+  (``ctx.attend_blocks``); the ``skip_layers`` are the policy's ``dense_layers``, whose KV the engine
+  keeps resident on the GPU, so their whole history does not cross PCIe every step.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ class QuestPolicy(SparsePolicy):
     def metadata_bytes_per_block(self, num_layers, num_kv_heads, head_dim, block_size, dtype) -> int:
         sparse_layers = max(0, num_layers - self.config.skip_layers)
         return sparse_layers * num_kv_heads * 2 * head_dim * dtype.itemsize
+
+    def dense_layers(self, num_layers: int) -> frozenset[int]:
+        """The first ``skip_layers`` run dense: under offload their KV stays on the GPU."""
+        return frozenset(range(min(self.config.skip_layers, num_layers)))
 
     def initialize(self, num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device) -> None:
         if self.config.token_budget < block_size:

@@ -49,6 +49,10 @@ class XAttentionPolicy(SparsePolicy):
         self.threshold_table = load_thresholds(path) if path is not None else None
         self._thresholds: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
+    def dense_layers(self, num_layers: int) -> frozenset[int]:
+        """The first ``skip_layers`` run dense: under offload their KV stays on the GPU."""
+        return frozenset(range(min(self.config.skip_layers, num_layers)))
+
     def initialize(self, num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device) -> None:
         cfg = self.config
         if cfg.block_size % block_size:

@@ -272,7 +272,9 @@ def _measure(llm, shape: ModelShape, batch: int, prompt_len: int, steps: int) ->
         out["h2d_bytes_per_step"] = out["kv_tokens_per_step"] * shape.kv_bytes_per_token
         out["h2d_gbs"] = out["h2d_bytes_per_step"] / out["decode_ms_per_step"] / 1e6
         out["d2h_bytes_per_step"] = batch * shape.kv_bytes_per_token  # the new tokens' K/V to the pool
-        out["gpu_bytes"] = llm.runner.offload.gpu_bytes  # its load slots
+        resident = llm.runner.resident_kv_cache
+        # its load slots, and the KV of the layers the policy keeps resident
+        out["gpu_bytes"] = llm.runner.offload.gpu_bytes + resident.numel() * resident.element_size()
     return out
 
 

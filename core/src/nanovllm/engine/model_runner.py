@@ -207,6 +207,9 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.bind(self.backend, self.hooks)
         self.offload: OffloadEngine | None = None
+        # under offload, the layers the policies run dense keep their KV here (on the GPU) instead of the pool
+        self.resident_layers: list[int] = []
+        self.resident_kv_cache: torch.Tensor | None = None
         if config.kv_offloading_size is None:
             # the CUDA memory profile runs the bound layers; every rank holds the blocks the scheduler plans
             self.num_blocks = agree_min(self._num_kv_blocks())
@@ -220,8 +223,12 @@ class ModelRunner:
             self.offload = self._make_offload_engine()
             self.num_blocks = self.offload.num_blocks
             for i, layer in enumerate(self.attention_layers):
-                layer.k_cache, layer.v_cache = self.offload.cache(i)
-                layer.offload = self.offload
+                if i in self.resident_layers:  # the paged GPU cache, exactly as without offload
+                    cache = self.resident_kv_cache[self.resident_layers.index(i)]
+                    layer.k_cache, layer.v_cache = cache[0], cache[1]
+                else:
+                    layer.k_cache, layer.v_cache = self.offload.cache(i)
+                    layer.offload = self.offload
         for member in self.hooks.members:  # the policies, and observers that keep per-block state
             if callable(getattr(member, "initialize", None)):
                 member.initialize(
@@ -271,18 +278,39 @@ class ModelRunner:
     def decode_policy(self):
         return self.hooks.decode.policy
 
-    def _block_bytes(self) -> tuple[int, int]:
-        """(K and V of one block in every layer, the per-block metadata the policies will keep)."""
+    def _block_bytes(self, num_layers: int | None = None) -> tuple[int, int]:
+        """(K and V of one block in ``num_layers`` layers (default: all), the per-block metadata the
+        policies will keep)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         shape = (len(self.attention_layers), self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
         metadata = sum(p.metadata_bytes_per_block(*shape) for p in self.hooks.policies)
-        return 2 * len(self.attention_layers) * self.block_size * self.num_kv_heads * self.head_dim * itemsize, metadata
+        num_layers = len(self.attention_layers) if num_layers is None else num_layers
+        return 2 * num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize, metadata
+
+    def _resident_layers(self) -> list[int]:
+        """The layers the policies run dense, whose KV stays on the GPU under offload."""
+        num_layers = len(self.attention_layers)
+        resident = sorted(self.hooks.dense_layers(num_layers))
+        if any(not 0 <= i < num_layers for i in resident):
+            raise ValueError(
+                f"the policies' dense_layers {resident} are not all layers of this {num_layers}-layer model"
+            )
+        if len(resident) == num_layers:
+            raise ValueError(
+                f"the policies run all {num_layers} layers dense (dense_layers), so their KV stays on the GPU "
+                "and nothing is left to offload: drop kv_offloading_size, or make fewer layers dense (e.g. a "
+                "smaller skip_layers)"
+            )
+        return resident
 
     def _make_offload_engine(self) -> OffloadEngine:
-        """KV in a host pool of ``kv_offloading_size`` GiB; the GPU keeps the load slots and the policies'
-        per-block metadata, which must fit what the memory profile leaves under the utilisation cap."""
-        num_layers = len(self.attention_layers)
-        pool_bytes, metadata_bytes = self._block_bytes()
+        """KV of the offloaded layers in a host pool of ``kv_offloading_size`` GiB; the GPU keeps the load
+        slots, the policies' per-block metadata and the resident (dense) layers' paged cache for every pool
+        block, which must all fit what the memory profile leaves under the utilisation cap."""
+        self.resident_layers = self._resident_layers()
+        offloaded = [i for i in range(len(self.attention_layers)) if i not in self.resident_layers]
+        pool_bytes, metadata_bytes = self._block_bytes(len(offloaded))
+        resident_bytes, _ = self._block_bytes(len(self.resident_layers))
         num_blocks = int(self.config.kv_offloading_size * 2**30 // pool_bytes)
         if num_blocks * self.block_size < self.max_model_len:
             raise ValueError(
@@ -290,18 +318,26 @@ class ModelRunner:
                 f"tokens of KV, fewer than max_model_len={self.max_model_len}; raise it or lower max_model_len"
             )
         engine = OffloadEngine(
-            num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device,
+            offloaded, num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device,
             int(self.config.kv_offloading_buffer_size * 2**30), self.config.max_num_seqs,
         )
-        metadata = num_blocks * metadata_bytes
+        metadata, resident = num_blocks * metadata_bytes, num_blocks * resident_bytes
         if self.device.type == "cuda":
             budget = self._profile_free_cuda_memory() + engine.gpu_bytes  # the slots exist already
-            if engine.gpu_bytes + metadata > budget:
+            if engine.gpu_bytes + metadata + resident > budget:
                 raise ValueError(
-                    f"with KV offload the GPU needs {engine.gpu_bytes / 2**20:.0f} MiB of load slots and "
-                    f"{metadata / 2**20:.0f} MiB of policy metadata, more than the {budget / 2**20:.0f} MiB "
-                    "left under gpu_memory_utilization; raise it, or lower kv_offloading_buffer_size"
+                    f"with KV offload the GPU needs {engine.gpu_bytes / 2**20:.0f} MiB of load slots, "
+                    f"{metadata / 2**20:.0f} MiB of policy metadata and {resident / 2**20:.0f} MiB for the KV "
+                    f"of the {len(self.resident_layers)} dense layers it keeps resident, more than the "
+                    f"{budget / 2**20:.0f} MiB left under gpu_memory_utilization; raise it, lower "
+                    "kv_offloading_buffer_size, or lower kv_offloading_size (each pool block has its dense "
+                    "layers' KV on the GPU)"
                 )
+        # the dense layers' paged cache, allocated after the memory profile, which runs without a cache
+        self.resident_kv_cache = torch.empty(
+            len(self.resident_layers), 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
         return engine
 
     def _num_kv_blocks(self) -> int:

@@ -1,6 +1,7 @@
 """The KV offload engine: the only code that moves KV between the host pool and the GPU.
 
-**Pool.** Every layer's KV lives in one pinned host tensor ``[layers, blocks + 1, kv_heads, 2, block_size,
+**Pool.** The KV of every offloaded layer (all but the policies' dense layers, which the model runner keeps
+resident on the GPU) lives in one pinned host tensor ``[layers, blocks + 1, kv_heads, 2, block_size,
 head_dim]``: the K and V of one KV head of one block (a "head block") are one contiguous piece, and a
 run of consecutive blocks is one contiguous range. The last block is scratch: writes and loads that must
 go nowhere go there, which keeps every index computation on the device without a host sync.
@@ -18,6 +19,12 @@ next layer, run while piece i is attended to. New K/V go to the pool on a third 
 directions run at once. A loaded slot is patched with the step's new K/V of its blocks, so it holds exactly
 what the paged GPU cache would.
 
+**Selections** made on the device (``attend_selected``) become pieces on the device, without a host sync:
+one ``selected_piece`` kernel per piece (the head blocks to load, the piece's selection and lengths, the
+new tokens' slot rows) and one ``patch_slot`` kernel to write the new K/V in; a selection that fits a slot
+is one piece. Both are Triton kernels on CUDA (:mod:`nanovllm.engine.offload_kernels`) with their torch
+references here, which the CPU runs.
+
 **Attention over a slot** runs on a virtual batch: each (KV head, sequence) pair is one sequence with a
 single KV head and its group of query heads, with its own block table into the slot. Per-KV-head
 selections and shared ones take the same path through the backend's ordinary kernels.
@@ -28,8 +35,11 @@ tests cover its logic.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
+from importlib.util import find_spec
+from types import ModuleType
 
 import attrs
 import numpy as np
@@ -82,14 +92,19 @@ class Piece:
 
 class OffloadEngine:
     def __init__(
-        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+        self, layers: Sequence[int], num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
         dtype: torch.dtype, device: torch.device, buffer_bytes: int, max_num_seqs: int,
     ) -> None:
+        """``layers``: the ids of the layers whose KV lives in the pool, ascending."""
+        self.layers = list(layers)
+        self._row = {layer_id: i for i, layer_id in enumerate(self.layers)}  # layer id -> pool row
+        # the offloaded layer after each, whose first piece a dense layer prefetches
+        self._following = dict(zip(self.layers, self.layers[1:], strict=False))
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.device = device
         self.cuda = device.type == "cuda"
-        shape = (num_layers, num_blocks + 1, num_kv_heads, 2, block_size, head_dim)
+        shape = (len(self.layers), num_blocks + 1, num_kv_heads, 2, block_size, head_dim)
         self.pool = torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
         self._pool = device_view(self.pool) if self.cuda else self.pool  # what kernels address
         head_block_bytes = 2 * block_size * head_dim * self.pool.element_size()
@@ -111,11 +126,17 @@ class OffloadEngine:
         if self.cuda:
             self.load_stream, self.store_stream = torch.cuda.Stream(), torch.cuda.Stream()
             self._slot_free: list[torch.cuda.Event | None] = [None] * NUM_SLOTS
-        self._stored: list[torch.cuda.Event | None] = [None] * num_layers  # earlier steps' writes, per layer
-        self._storing: list[torch.cuda.Event | None] = [None] * num_layers  # this step's
-        self.num_layers = num_layers
+        # per pool row: earlier steps' writes, this step's
+        self._stored: list[torch.cuda.Event | None] = [None] * len(self.layers)
+        self._storing: list[torch.cuda.Event | None] = [None] * len(self.layers)
         self._host: dict[bool, HostPhase | None] = {}
         self._plans: dict[bool, list[Piece]] = {}
+        # each layer's pool as head blocks [(blocks + 1) * kv_heads, 2, block_size, head_dim], for the gather
+        self._pool_head_blocks = [layer.view(-1, 2, block_size, head_dim) for layer in self._pool]
+        self._virtual_cu: dict[bool, torch.Tensor] = {}  # per phase: cu_seqlens_q of the virtual batch
+        self._virtual_tables: dict[tuple[int, int], torch.Tensor] = {}  # (rows, width) -> the identity tables
+        # each slot's K and V as a paged cache with one KV head, [capacity + 1, block_size, 1, head_dim]
+        self._slot_caches = [(slot[:, 0, :, None], slot[:, 1, :, None]) for slot in self.slots]
         # (layer, is_prefill) -> (the dense plan's first piece, what _load returned for it)
         self._prefetched: dict[tuple[int, bool], tuple[Piece, tuple]] = {}
 
@@ -124,7 +145,7 @@ class OffloadEngine:
     def cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The pool's K and V of a layer in the paged cache's layout ``[blocks + 1, block_size, kv_heads,
         head_dim]`` (a strided view, device-addressable): for code that reads the cache itself."""
-        pool = self._pool[layer_id]
+        pool = self._pool[self._row[layer_id]]
         return pool[:, :, 0].transpose(1, 2), pool[:, :, 1].transpose(1, 2)
 
     # -- one step ---------------------------------------------------------------------------------------
@@ -133,6 +154,7 @@ class OffloadEngine:
         """Called by the model runner before each forward pass."""
         self._host = {False: decode, True: prefill}
         self._plans = {}
+        self._virtual_cu = {}
         self._prefetched = {}
         self._stored = self._storing
         self._storing = [None] * len(self._storing)
@@ -140,8 +162,8 @@ class OffloadEngine:
     def store(self, layer_id: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Send the step's new K/V ``[tokens, kv_heads, head_dim]`` of one layer to their pool slots
         (-1: to the scratch block), on the store stream."""
-        bs = self.block_size
-        pool = self._pool[layer_id]
+        bs, row = self.block_size, self._row[layer_id]
+        pool = self._pool[row]
         # everything the store stream reads is made on it, or kept alive for it (no allocator reuse)
         with self._on(self.store_stream if self.cuda else None, key, value, slot_mapping):
             slots = torch.where(slot_mapping >= 0, slot_mapping, self.num_blocks * bs)
@@ -149,8 +171,8 @@ class OffloadEngine:
             pool[:, :, 0][blocks, :, offsets] = key.to(pool.dtype)
             pool[:, :, 1][blocks, :, offsets] = value.to(pool.dtype)
             if self.cuda:
-                self._storing[layer_id] = torch.cuda.Event()
-                self._storing[layer_id].record(self.store_stream)
+                self._storing[row] = torch.cuda.Event()
+                self._storing[row].record(self.store_stream)
 
     # -- attention ----------------------------------------------------------------------------------------
 
@@ -164,7 +186,7 @@ class OffloadEngine:
             return None
         # the next layer's first piece loads behind this layer's last, unless the step's other phase comes
         # next and needs the slots
-        ahead = ctx.layer_id + 1 < self.num_layers and self._host[not ctx.is_prefill] is None
+        ahead = ctx.layer_id in self._following and self._host[not ctx.is_prefill] is None
         return self._run(ctx, q, iter(plan), plan[0] if ahead else None)
 
     def attend_selected(
@@ -176,8 +198,9 @@ class OffloadEngine:
     def wait_stored(self, layer_id: int) -> None:
         """Make the compute stream wait until this step's new K/V of a layer are in the pool, for code
         that reads the pool itself (``PolicyContext.read_blocks``)."""
-        if self.cuda and self._storing[layer_id] is not None:
-            torch.cuda.current_stream().wait_event(self._storing[layer_id])
+        storing = self._storing[self._row[layer_id]]
+        if self.cuda and storing is not None:
+            torch.cuda.current_stream().wait_event(storing)
 
     def _run(self, ctx, q: torch.Tensor, pieces: Iterator[Piece], next_layer: Piece | None = None):
         """Load each piece into the next slot, patch in the new K/V, attend, merge by log-sum-exp. Loads run
@@ -186,11 +209,12 @@ class OffloadEngine:
         hkv, t = self.num_kv_heads, q.shape[0]
         group = q.shape[1] // hkv
         qv = q.view(t, hkv, group, -1).transpose(0, 1).reshape(hkv * t, group, q.shape[2])
-        cu = ctx.meta.cu_seqlens_q
-        heads = torch.arange(hkv, device=cu.device, dtype=cu.dtype)[:, None]
-        cu_v = torch.cat([(cu[:-1][None, :] + heads * t).flatten(), cu.new_full((1,), hkv * t)])
-        new_k = ctx.new_keys.transpose(0, 1).reshape(hkv * t, -1)
-        new_v = ctx.new_values.transpose(0, 1).reshape(hkv * t, -1)
+        cu_v = self._virtual_cu.get(ctx.is_prefill)
+        if cu_v is None:  # the same for every layer of the step's phase
+            cu = ctx.meta.cu_seqlens_q
+            heads = torch.arange(hkv, device=cu.device, dtype=cu.dtype)[:, None]
+            cu_v = torch.cat([(cu[:-1][None, :] + heads * t).flatten(), cu.new_full((1,), hkv * t)])
+            self._virtual_cu[ctx.is_prefill] = cu_v
         out = lse = None
         piece = next(pieces, None)
         # the prefetched first piece of the dense plan, unless this layer reads something else (a selection)
@@ -198,25 +222,23 @@ class OffloadEngine:
         if piece is not None:
             loaded = held[1] if held is not None and held[0] is piece else self._load(ctx.layer_id, piece)
         while piece is not None:
-            index, slot, ready = loaded
+            index, ready = loaded
             following = next(pieces, None)
             if following is not None:
                 loaded = self._load(ctx.layer_id, following)
             elif next_layer is not None:
-                self._prefetched[(ctx.layer_id + 1, ctx.is_prefill)] = (
-                    next_layer, self._load(ctx.layer_id + 1, next_layer)
+                following_layer = self._following[ctx.layer_id]
+                self._prefetched[(following_layer, ctx.is_prefill)] = (
+                    next_layer, self._load(following_layer, next_layer)
                 )
             if ready is not None:
                 torch.cuda.current_stream().wait_event(ready)
-            k_slot, v_slot = slot[:, 0], slot[:, 1]
             if piece.rows is not None:
-                rows = piece.rows.flatten()
-                head_block, offset = rows.div(self.block_size, rounding_mode="floor"), rows % self.block_size
-                k_slot[head_block, offset] = new_k.to(k_slot.dtype)
-                v_slot[head_block, offset] = new_v.to(v_slot.dtype)
+                patch_slot(self.slots[index], piece.rows, ctx.new_keys, ctx.new_values)
+            k_slot, v_slot = self._slot_caches[index]
             meta = PhaseMetadata(cu_v, piece.kv_lens, piece.tables, ctx.meta.max_query_len, piece.max_keys)
             part_out, part_lse = ctx.backend.attend_blocks(
-                qv, k_slot[:, :, None], v_slot[:, :, None], meta, piece.selection, piece.kv_lens, ctx.scale
+                qv, k_slot, v_slot, meta, piece.selection, piece.kv_lens, ctx.scale
             )
             self._release(index)
             out, lse = (part_out, part_lse) if out is None else ctx.backend.merge(out, lse, part_out, part_lse)
@@ -238,9 +260,9 @@ class OffloadEngine:
             tensor.record_stream(stream)
         return torch.cuda.stream(stream)
 
-    def _load(self, layer_id: int, piece: Piece) -> tuple[int, torch.Tensor, torch.cuda.Event | None]:
-        """Enqueue the piece's head blocks of a layer into the next slot: (slot index, slot
-        ``[capacity + 1, 2, block_size, head_dim]``, the "slot ready" event the compute stream waits for)."""
+    def _load(self, layer_id: int, piece: Piece) -> tuple[int, torch.cuda.Event | None]:
+        """Enqueue the piece's head blocks of a layer into the next slot: (slot index, the "slot ready"
+        event the compute stream waits for)."""
         index = self._next_slot
         self._next_slot = (index + 1) % NUM_SLOTS
         slot = self.slots[index]
@@ -248,29 +270,30 @@ class OffloadEngine:
         self._prefetched = {key: held for key, held in self._prefetched.items() if held[1][0] != index}
         if not self.cuda:
             self._copy(layer_id, piece, slot)
-            return index, slot, None
+            return index, None
         stream = self.load_stream
         if piece.on_device:  # a selection: its indices come from this layer's query
             stream.wait_stream(torch.cuda.current_stream())
             piece.ids.record_stream(stream)
-        for event in (self._slot_free[index], self._stored[layer_id]):
+        for event in (self._slot_free[index], self._stored[self._row[layer_id]]):
             if event is not None:
                 stream.wait_event(event)
         with torch.cuda.stream(stream):
             self._copy(layer_id, piece, slot)
         ready = torch.cuda.Event()
         ready.record(stream)
-        return index, slot, ready
+        return index, ready
 
     def _copy(self, layer_id: int, piece: Piece, slot: torch.Tensor) -> None:
         """Runs through the copy engines from the pinned pool; otherwise one gather kernel."""
         rows = (-1, 2, self.block_size, self.head_dim)
         if piece.runs is not None:
-            host = self.pool[layer_id].view(rows)
+            host = self.pool[self._row[layer_id]].view(rows)
             for first, at, length in piece.runs:
                 slot[at : at + length].copy_(host[first : first + length], non_blocking=True)
         else:
-            torch.index_select(self._pool[layer_id].view(rows), 0, piece.ids, out=slot[: piece.ids.shape[0]])
+            source = self._pool_head_blocks[self._row[layer_id]]
+            torch.index_select(source, 0, piece.ids, out=slot[: piece.ids.shape[0]])
 
     def _release(self, index: int) -> None:
         """The compute stream is done with slot ``index`` once its work so far has run."""
@@ -343,40 +366,24 @@ class OffloadEngine:
         return [(int(ids[a]), int(a), int(n)) for a, n in zip(starts, lengths, strict=True)]
 
     def _selected_pieces(self, ctx, block_indices: torch.Tensor, kv_lens: torch.Tensor) -> Iterator[Piece]:
-        """Pieces of a selection made on the device: computed there, without a host sync."""
-        bs, hkv = self.block_size, self.num_kv_heads
-        meta = ctx.meta
-        num_seqs, width = meta.block_tables.shape
-        dev = meta.block_tables.device
-        sel = selection_per_kv_head(block_indices, hkv).transpose(0, 1).reshape(hkv * num_seqs, -1)
-        sel = sel.to(torch.int64)
-        lens = kv_lens.to(torch.int64)[None, :].expand(hkv, num_seqs).reshape(-1)
-        tables = meta.block_tables.to(torch.int64)[None].expand(hkv, num_seqs, width).reshape(hkv * num_seqs, width)
-        head = torch.arange(hkv * num_seqs, device=dev) // num_seqs
-        partial = torch.where(lens > 0, (lens - 1) // bs, -2)  # the block holding the last token
-        remainder = lens - partial * bs
-        new_seq = torch.repeat_interleave(
-            torch.arange(num_seqs, device=dev), meta.query_lens.long(), output_size=ctx.positions.shape[0]
-        )
+        """Pieces of a selection made on the device: computed there, one ``selected_piece`` each, without a
+        host sync. Shapes are known on the host: ``capacity // (kv_heads * seqs)`` selected blocks of every
+        virtual sequence per piece, so a selection that fits the slot is one piece."""
+        hkv, meta = self.num_kv_heads, ctx.meta
+        sel = selection_per_kv_head(block_indices, hkv)
+        num_seqs, _, k = sel.shape
         per_piece = self.capacity // (hkv * num_seqs)
-        for j in range(0, sel.shape[1], per_piece):
-            part = sel[:, j : j + per_piece]
-            w = part.shape[1]
-            valid = part >= 0
-            physical = torch.gather(tables, 1, part.clamp(min=0))
-            ids = torch.where(valid, physical * hkv + head[:, None], self.scratch_id).flatten()
-            count = valid.sum(1)
-            has_partial = (part == partial[:, None]).any(1)
-            local_lens = count * bs - torch.where(has_partial, bs - remainder, 0)
-            local = torch.arange(w, device=dev)
-            vblocks = torch.arange(hkv * num_seqs, device=dev)[:, None] * w + local
-            # where each new token's block sits in the slot, for each head: an inverse map
-            where = torch.full((hkv * num_seqs, width + 1), -1, dtype=torch.int64, device=dev)
-            where.scatter_(1, torch.where(valid, part, width), vblocks)
-            at = where.view(hkv, num_seqs, width + 1)[:, new_seq, ctx.positions // bs]  # [hkv, tokens]
-            rows = torch.where(at >= 0, at * bs + ctx.positions % bs, self.scratch_row)
-            selection = torch.where(local < count[:, None], local, -1).to(torch.int32)
-            yield Piece(ids, vblocks.to(torch.int32), selection, local_lens.to(torch.int32), rows, w * bs, True)
+        for first in range(0, k, per_piece):
+            width = min(per_piece, k - first)
+            ids, selection, lens, rows = selected_piece(
+                sel, meta.block_tables, kv_lens, meta.cu_seqlens_q, ctx.positions, first, width, self.block_size,
+                self.scratch_id, self.scratch_row,
+            )
+            tables = self._virtual_tables.get((hkv * num_seqs, width))
+            if tables is None:  # virtual sequence r reads its i-th selected block at slot head block r * width + i
+                tables = torch.arange(hkv * num_seqs * width, device=sel.device, dtype=torch.int32)
+                tables = self._virtual_tables.setdefault((hkv * num_seqs, width), tables.view(-1, width))
+            yield Piece(ids, tables, selection, lens, rows, width * self.block_size, True)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A planned piece's tensor: copied on the load stream, which reads it first, and kept alive
@@ -388,3 +395,89 @@ class OffloadEngine:
             tensor = tensor.pin_memory().to(self.device, non_blocking=True)
         tensor.record_stream(torch.cuda.current_stream())
         return tensor
+
+
+# -- the per-piece bookkeeping: a Triton kernel on CUDA, its torch reference elsewhere ---------------------
+
+
+@functools.cache
+def _kernels() -> ModuleType:
+    """:mod:`nanovllm.engine.offload_kernels`, imported on first use (it imports Triton)."""
+    from nanovllm.engine import offload_kernels
+
+    return offload_kernels
+
+
+HAS_TRITON = find_spec("triton") is not None
+
+
+def selected_piece(
+    sel: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, cu: torch.Tensor, positions: torch.Tensor,
+    first: int, width: int, block_size: int, scratch_id: int, scratch_row: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One piece of a selection: see :func:`selected_piece_reference`."""
+    if sel.is_cuda and HAS_TRITON:
+        return _kernels().selected_piece(sel, tables, lens, cu, positions, first, width, block_size, scratch_id,
+                                         scratch_row)
+    return selected_piece_reference(sel, tables, lens, cu, positions, first, width, block_size, scratch_id,
+                                    scratch_row)
+
+
+def patch_slot(slot: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Write the new K/V into a slot: see :func:`patch_slot_reference`."""
+    if slot.is_cuda and HAS_TRITON:
+        _kernels().patch_slot(slot, rows, keys, values)
+    else:
+        patch_slot_reference(slot, rows, keys, values)
+
+
+def selected_piece_reference(
+    sel: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, cu: torch.Tensor, positions: torch.Tensor,
+    first: int, width: int, block_size: int, scratch_id: int, scratch_row: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The piece of selected blocks ``first .. first + width`` of each virtual sequence ``r = h * seqs + s``
+    (KV head ``h`` of sequence ``s``), given the selection ``sel`` ``[seqs, kv_heads, k]`` (ascending, -1
+    padded), the block tables ``[seqs, W]``, the KV lengths ``[seqs]`` and the phase's new tokens (their
+    ``cu_seqlens`` ``[seqs + 1]`` and positions ``[tokens]``). Returns:
+
+    - ids ``[rows * width]`` int64: head block ``physical * kv_heads + h`` to load into slot head block
+      ``r * width + i`` (``scratch_id`` for padding);
+    - selection ``[rows, width]`` int32: ``0 .. count - 1`` then -1;
+    - kv_lens ``[rows]`` int32: tokens of the piece's blocks (the block of the last token counts its fill);
+    - rows ``[kv_heads, tokens]`` int64: the slot row of each new token, ``scratch_row`` where its block is
+      not in the piece."""
+    num_seqs, hkv = sel.shape[:2]
+    dev = sel.device
+    part = sel[:, :, first : first + width].transpose(0, 1).reshape(hkv * num_seqs, width).long()
+    head = torch.arange(hkv, device=dev).repeat_interleave(num_seqs)
+    seq = torch.arange(num_seqs, device=dev).repeat(hkv)
+    valid = part >= 0
+    physical = tables.long()[seq[:, None], part.clamp(min=0)]
+    ids = torch.where(valid, physical * hkv + head[:, None], scratch_id).flatten()
+    count = valid.sum(1)
+    n = lens.long()[seq]
+    partial = torch.where(n > 0, (n - 1) // block_size, -2)  # the block of the last token, if any
+    has_partial = (valid & (part == partial[:, None])).any(1)
+    piece_lens = count * block_size - torch.where(has_partial, block_size - (n - partial * block_size), 0)
+    local = torch.arange(width, device=dev)
+    selection = torch.where(local < count[:, None], local, -1)
+    token_seq = torch.repeat_interleave(
+        torch.arange(num_seqs, device=dev), (cu[1:] - cu[:-1]).long(), output_size=positions.shape[0]
+    )
+    token_part = part.view(hkv, num_seqs, width)[:, token_seq]  # [kv_heads, tokens, width]
+    match = (token_part == (positions // block_size)[None, :, None]) & (token_part >= 0)
+    j = torch.where(match, local, -1).amax(-1)  # the piece's index of each token's block, -1: not in it
+    virtual = torch.arange(hkv, device=dev)[:, None] * num_seqs + token_seq[None, :]
+    rows = torch.where(j >= 0, (virtual * width + j) * block_size + positions % block_size, scratch_row)
+    return ids, selection.to(torch.int32), piece_lens.to(torch.int32), rows
+
+
+def patch_slot_reference(slot: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Write the new keys and values ``[tokens, kv_heads, head_dim]`` into ``slot`` ``[capacity + 1, 2,
+    block_size, head_dim]`` at the slot rows ``[kv_heads, tokens]`` (head block ``row // block_size``,
+    offset ``row % block_size``), so the slot holds what the paged GPU cache would."""
+    block_size = slot.shape[2]
+    rows = rows.flatten()
+    head_block, offset = rows // block_size, rows % block_size
+    slot[:, 0][head_block, offset] = keys.transpose(0, 1).reshape(rows.shape[0], -1).to(slot.dtype)
+    slot[:, 1][head_block, offset] = values.transpose(0, 1).reshape(rows.shape[0], -1).to(slot.dtype)
