@@ -24,13 +24,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from nanovllm.bench import prefill
 from nanovllm.bench.prefill import (
     bench_ttft,
     dense_prefill_ms,
     density_chart,
     kernel_ms,
     paged_prompt,
-    ttft_speedup,
     ttft_table,
 )
 
@@ -107,16 +107,7 @@ def run_job(job: dict) -> list[dict[str, Any]]:
 
 
 def with_ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Kernel rows with their target bound; TTFT rows against ``full`` at the same context."""
-    out = []
-    for r in results:
-        r = dict(r)
-        if r["benchmark"] == "kernel" and "ratio" in r:
-            r["bound"] = r["density"] + KERNEL_SLACK
-        elif (speedup := ttft_speedup(r, results)) is not None:
-            r["speedup"] = speedup
-        out.append(r)
-    return out
+    return prefill.with_ratios(results, KERNEL_SLACK)
 
 
 def markdown(payload: dict[str, Any], title: str) -> str:

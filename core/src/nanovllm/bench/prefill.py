@@ -89,6 +89,23 @@ def bench_ttft(preset: str, context: int, policy: str) -> list[dict[str, Any]]:
     return [{**row, "benchmark": "ttft", "policy": policy}]
 
 
+def with_ratios(results: list[dict[str, Any]], slack: float) -> list[dict[str, Any]]:
+    """Kernel rows with their target bound (``density + slack``) and, where the run timed the dense paged
+    kernel, their time over its (``ratio_paged``); TTFT rows with their speedup over ``full`` at the same
+    context."""
+    out = []
+    for r in results:
+        r = dict(r)
+        if r["benchmark"] == "kernel" and "ratio" in r:
+            r["bound"] = r["density"] + slack
+            if "dense_paged_ms" in r:
+                r["ratio_paged"] = r["sparse_ms"] / r["dense_paged_ms"]
+        elif (speedup := ttft_speedup(r, results)) is not None:
+            r["speedup"] = speedup
+        out.append(r)
+    return out
+
+
 def ttft_speedup(row: dict[str, Any], results: list[dict[str, Any]]) -> float | None:
     """``full``'s TTFT over this row's, at the same context; None without both."""
     if row.get("benchmark") != "ttft" or "ttft_s" not in row or row.get("policy") == "full":
