@@ -296,3 +296,36 @@ def prompt_logprobs(llm, prompt: list[int]) -> list[float]:
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     return [next(iter(row.values())).logprob for row in out.prompt_logprobs[1:]]
+
+
+def assert_model_family_registered(dist: str, architecture: str, model_class: type) -> None:
+    """A model-family plugin's registration, as its tests check it: its distribution's entry point in group
+    ``nanovllm`` names its ``plugin`` module; discovery loads it without error and it registers exactly
+    ``model:ARCHITECTURE``, whose target loads as ``model_class``."""
+    from importlib import metadata
+
+    from nanovllm.plugins import discover, load_target
+
+    module = dist.replace("-", "_") + ".plugin"
+    eps = [ep for ep in metadata.entry_points(group="nanovllm") if ep.value == module]
+    assert eps and {ep.dist.name for ep in eps} == {dist}
+    plugins = discover()
+    info = next(p for p in plugins.plugins if p.dist == dist)
+    assert info.error is None and info.registered == [f"model:{architecture}"]
+    family = plugins.registry.model_families[architecture]
+    assert family.dist == dist
+    assert load_target(family.target) is model_class
+
+
+def assert_registration_imports_no_torch(architecture: str) -> None:
+    """A fresh process registers ``architecture`` (a plugin's model family) without importing torch: the
+    registration stays lazy."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from nanovllm.plugins import discover; "
+        f"assert {architecture!r} in discover().registry.model_families; "
+        "assert 'torch' not in sys.modules, 'registration imported torch'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
