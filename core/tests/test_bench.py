@@ -163,3 +163,27 @@ def test_plugin_jobs_write_after_each_job_and_report_failures(tmp_path):
     payload = json.loads((tmp_path / "t.json").read_text())
     assert [(r["kind"], r["seen"], r["error"]) for r in payload["results"]] == [("a", True, "exit 1"), ("b", True, "exit 1")]
     assert payload["settings"] == {"x": 1} and (tmp_path / "t.md").read_text() == "t: 2\n"
+
+
+def test_paged_prompt_caches_hold_the_prompt_through_its_table():
+    """The sparse-prefill benchmarks' inputs: reading the caches through the shuffled table gives k and v, and
+    the metadata describes one fresh prompt (the torch backend's paged prefill of its last rows, behind the
+    rest as history, equals the same rows of its dense prefill)."""
+    import torch
+    from nanovllm.attention.metadata import PhaseMetadata
+    from nanovllm.attention.torch_backend import TorchBackend
+    from nanovllm.bench.prefill import paged_prompt
+
+    gen = torch.Generator().manual_seed(0)
+    p = paged_prompt(64, 4, 2, 8, 16, gen, "cpu", torch.float32)
+    assert sorted(p.tables[0].tolist()) == list(range(4)) and p.tables[0].tolist() != list(range(4))
+    assert torch.equal(p.k_cache[p.tables[0].long()].flatten(0, 1), p.k)
+    assert torch.equal(p.v_cache[p.tables[0].long()].flatten(0, 1), p.v)
+    assert (p.meta.num_seqs, p.meta.max_query_len, p.meta.max_context_len) == (1, 64, 64)
+    backend, scale = TorchBackend(), 8**-0.5
+    full = backend.prefill(p.q, p.k, p.v, p.k_cache, p.v_cache, p.meta, scale)
+    chunk = PhaseMetadata(torch.tensor([0, 24], dtype=torch.int32), p.context_lens, p.tables, 24, 64)
+    tail = backend.prefill(p.q[40:], p.k[40:], p.v[40:], p.k_cache, p.v_cache, chunk, scale)
+    torch.testing.assert_close(tail, full[40:])
+    with pytest.raises(ValueError, match="give a multiple of block_size"):
+        paged_prompt(60, 4, 2, 8, 16, gen, "cpu")

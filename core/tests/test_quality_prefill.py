@@ -4,7 +4,7 @@ engine shows it, with every key so far, and a policy that reads every visible ke
 import attrs
 import torch
 from nanovllm.quality.metrics import compare_key_masks
-from nanovllm.quality.prefill import layer_metrics, prefill_chunks
+from nanovllm.quality.prefill import layer_metrics, prefill_chunks, results_table
 
 
 @attrs.define
@@ -42,3 +42,13 @@ def test_a_policy_reading_every_visible_key_scores_as_dense():
     assert metrics["policy"]["mass_recall"] > 1 - 1e-9 and metrics["policy"]["output_error"] < 1e-9
     assert metrics["policy"]["density"] > 1 - 1e-9 and metrics["policy_density"] == 1.0
     assert metrics["random"]["mass_recall"] > 1 - 1e-9  # as many keys as the policy: all of them
+
+
+def test_results_table_has_a_row_per_setting_under_the_named_density():
+    mean = {"density": 0.25, "mass_recall": 0.9, "topk_recall": 0.8, "output_error": 0.05}
+    row = {"policy": "p:x=1", "policy_density": 0.3, "ppl_vs_dense": 1.01234,
+           "mean": {"policy": mean, "oracle": {"mass_recall": 0.95}, "random": {"mass_recall": 0.2}}}
+    lines = results_table([row, {**row, "policy": "p:x=2"}], "block density")
+    assert lines[0].startswith("| policy | density | block density | mass recall | oracle | random |")
+    assert len(lines) == 4 and lines[1].count("|---") == 9
+    assert lines[2] == "| `p:x=1` | 0.250 | 0.300 | 0.900 | 0.950 | 0.200 | 0.800 | 0.050 | 1.0123 |"

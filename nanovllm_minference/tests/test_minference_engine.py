@@ -6,42 +6,26 @@ from __future__ import annotations
 
 import pytest
 from nanovllm import LLM, SamplingParams
-from nanovllm.conformance import tiny_model
-from nanovllm.plugins import get_plugins
+from nanovllm.testing import policy_engine, prompt_logprobs
 
+PROMPT = [(11 * j) % 240 + 3 for j in range(300)]
 SPARSE = "minference:vertical_size=8,slash_size=24,num_sink_tokens=4,num_recent_diags=8,dense_below=0"
 
 
 def engine(device: str, policy: str = SPARSE, offload: bool = False, chunk: int = 64) -> LLM:
-    if "minference" not in get_plugins().registry.sparse_policies:
-        pytest.skip("the entry point is registered only once the distribution is installed")
-    options = dict(device=device, dtype="float32", block_size=4, max_model_len=512, enforce_eager=True,
-                   max_num_seqs=4, max_num_batched_tokens=chunk,
-                   attention_backend="torch" if device == "cpu" else "triton")
-    if offload:
-        options.update(kv_offloading_size=0.01, kv_offloading_buffer_size=0.004)
-    else:
-        options["kv_cache_memory"] = 2**23
-    return LLM(tiny_model(), sparse_policy=policy, **options)
+    return policy_engine(policy, device, 4, offload, max_num_batched_tokens=chunk)
 
 
-def generate(llm: LLM, prompt_logprobs: bool = False):
+def generate(llm: LLM):
     prompts = [[(7 * i + 3 * j) % 240 + 3 for j in range(n)] for i, n in enumerate([300, 97, 180])]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0 if prompt_logprobs else None)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def prompt_logprobs(llm: LLM) -> list[float]:
-    prompt = [(11 * j) % 240 + 3 for j in range(300)]
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    out = llm.generate([prompt], params, use_tqdm=False)[0]
-    return [next(iter(row.values())).logprob for row in out.prompt_logprobs[1:]]
 
 
 def test_sparse_prefill_changes_the_prompt_but_not_its_first_tiles():
     """Sparse budgets change what late rows attend to (so it is not silently dense), while rows whose whole
     history the budgets cover (the first tiles) stay exactly dense."""
-    sparse, dense = prompt_logprobs(engine("cpu")), prompt_logprobs(engine("cpu", "full"))
+    sparse, dense = prompt_logprobs(engine("cpu"), PROMPT), prompt_logprobs(engine("cpu", "full"), PROMPT)
     assert sparse[:7] == pytest.approx(dense[:7], abs=1e-4)
     assert max(abs(a - b) for a, b in zip(sparse[100:], dense[100:], strict=True)) > 1e-3
 
@@ -53,8 +37,6 @@ def test_offload_gives_the_tokens_of_the_device_cache(device):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_with_quest_for_decode(device):
-    if "quest" not in get_plugins().registry.sparse_policies:
-        pytest.skip("nanovllm-quest is not installed")
     llm = engine(device, SPARSE + ";quest:token_budget=16,skip_layers=1")
     assert [type(p).__name__ for p in llm.runner.hooks.policies] == ["MInferencePolicy", "QuestPolicy"]
     outputs = generate(llm)

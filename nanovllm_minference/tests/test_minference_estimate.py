@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from nanovllm.testing import assert_interpreter_cases_pass, paged_query_keys
 from nanovllm_minference.estimate import estimate_reference
 
 CUDA = torch.cuda.is_available()
@@ -20,30 +21,8 @@ GPU_LENS = [(300, 300), (77, 1000), (1, 513), (129, 4100), (64, 64)]
 
 
 def make_case(lens, num_kv_heads, group, head_dim, block_size, dtype, device, gen):
-    """Random q rows and a paged key cache whose blocks are shuffled in a pool with spare blocks; block
-    tables are padded with -1. q and k_cache are strided views, as the engine passes them."""
-    num_seqs = len(lens)
-    blocks = [-(-ctx // block_size) for _, ctx in lens]
-    pool = sum(blocks) + 3
-    perm = torch.randperm(pool, generator=gen)
-    tables = torch.full((num_seqs, max(blocks) + 2), -1, dtype=torch.int32)
-    used = 0
-    for s, nb in enumerate(blocks):
-        tables[s, :nb] = perm[used: used + nb].int()
-        used += nb
-    heads = num_kv_heads * group
-    num_tokens = sum(q for q, _ in lens)
-    qkv = torch.randn(num_tokens, heads + 2 * num_kv_heads, head_dim, generator=gen) * 2  # peaked softmax
-    kv = torch.randn(pool, block_size, 2, num_kv_heads, head_dim, generator=gen)
-    cu = torch.tensor([0] + [q for q, _ in lens], dtype=torch.int32).cumsum(0).int()
-    return dict(
-        q=qkv.to(dtype).to(device)[:, :heads],
-        k_cache=kv.to(dtype).to(device)[:, :, 0],
-        block_tables=tables.to(device),
-        cu_seqlens_q=cu.to(device),
-        context_lens=torch.tensor([c for _, c in lens], dtype=torch.int32, device=device),
-        scale=head_dim**-0.5,
-    )
+    """:func:`~nanovllm.testing.paged_query_keys` with q twice a standard normal (a peaked softmax)."""
+    return paged_query_keys(lens, num_kv_heads, group, head_dim, block_size, dtype, device, gen, q_scale=2.0)
 
 
 def row_loop_oracle(case, last_q):
@@ -165,11 +144,4 @@ def test_estimate_against_reference(device, dtype, group, block_size, last_q):
 
 def test_estimate_under_interpreter():
     """Every ``interp`` case of this file under Triton's interpreter on the CPU, in a fresh process."""
-    if CUDA or INTERP:
-        pytest.skip("runs the interpreter cases in a subprocess on machines without CUDA")
-    pytest.importorskip("triton")
-    from nanovllm.testing import run_under_interpreter
-
-    returncode, tail, passed = run_under_interpreter(__file__)
-    assert returncode == 0, tail
-    assert passed == 3, tail
+    assert_interpreter_cases_pass(__file__, 3)

@@ -20,6 +20,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from nanovllm.testing import PagedBatch, assert_interpreter_cases_pass, assert_kernel_matches_reference  # noqa: E402
 from nanovllm_xattn.attention import block_sparse_attention, block_sparse_attention_reference  # noqa: E402
 from nanovllm_xattn.layout import num_query_blocks  # noqa: E402
 
@@ -27,8 +28,6 @@ CUDA = torch.cuda.is_available()
 # the interpreter cases exist only inside the subprocess that test_kernel_under_interpreter starts
 INTERP = (not CUDA) and os.environ.get("TRITON_INTERPRET") == "1"
 
-TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
-LSE_TOL = {torch.bfloat16: 2e-3, torch.float16: 2e-3, torch.float32: 1e-4}
 GARBAGE = [-(10**6), -1, 0, 10**6]  # what padding past a list's count may hold
 
 # (dtype, head_dim, num_kv_heads, group, kv_block_size, per_query_head, block, config)
@@ -64,38 +63,9 @@ PARAMS = [pytest.param("cuda", *c, id="gpu-" + _cfg_id(c), marks=pytest.mark.gpu
 ]
 
 
-class Case:
-    """Random paged KV for a batch: each sequence's cache blocks scattered in a shuffled pool, tables padded
-    with -1 and huge garbage; NaN in every slot that no sequence's context owns. ``q``/``k_cache``/``v_cache``
-    are strided views, as the engine passes them."""
-
-    def __init__(self, lens, num_kv_heads, group, head_dim, kv_block_size, dtype, device, gen):
-        self.lens = lens
-        self.scale = head_dim**-0.5
-        num_heads = num_kv_heads * group
-        nblk = [-(-c // kv_block_size) + 1 for _, c in lens]  # one more than needed: its slots are NaN
-        total = sum(nblk) + 3  # a few blocks nobody owns
-        perm = torch.randperm(total, generator=gen)
-        tables = torch.full((len(lens), max(nblk) + 2), 10**8, dtype=torch.int32)
-        tables[:, ::2] = -1
-        owned = torch.zeros(total, kv_block_size, dtype=torch.bool)
-        used = 0
-        for s, (_, ctx) in enumerate(lens):
-            tables[s, : nblk[s]] = perm[used : used + nblk[s]].int()
-            used += nblk[s]
-            pos = torch.arange(ctx)
-            owned[tables[s, pos // kv_block_size].long(), pos % kv_block_size] = True
-        kv = torch.randn(total, 2, kv_block_size, num_kv_heads, head_dim, generator=gen)
-        kv.masked_fill_(~owned[:, None, :, None, None], float("nan"))
-        kv = kv.to(dtype).to(device)
-        self.k_cache, self.v_cache = kv[:, 0], kv[:, 1]
-        qkv = torch.randn(sum(q for q, _ in lens), num_heads + 2, head_dim, generator=gen) * 2.0
-        self.q = qkv.to(dtype).to(device)[:, :num_heads]
-        q_lens = [q for q, _ in lens]
-        self.cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32).to(device)
-        self.ctx = torch.tensor([c for _, c in lens], dtype=torch.int32, device=device)
-        self.tables = tables.to(device)
-        self.max_query_len = max(q_lens)
+class Case(PagedBatch):
+    """:class:`~nanovllm.testing.PagedBatch` (one cache block more than each context needs, its slots NaN)
+    and the kernels' arguments."""
 
     def args(self, blocks: torch.Tensor, block_counts: torch.Tensor, block: int):
         dev = self.q.device
@@ -143,28 +113,6 @@ def random_lists(lens, num_sel: int, block: int, gen: torch.Generator):
     return lists
 
 
-def _dense_causal(c: Case):
-    """Plain causal softmax attention per sequence and head, float64: (out, lse)."""
-    q_all = c.q.double().cpu()
-    out = torch.zeros_like(q_all)
-    lse = torch.zeros(q_all.shape[:2], dtype=torch.float64)
-    group = c.q.shape[1] // c.k_cache.shape[2]
-    kv_block_size = c.k_cache.shape[1]
-    cu = c.cu.tolist()
-    for s, (q_len, ctx) in enumerate(c.lens):
-        table = c.tables[s].cpu().long()
-        phys, slot = table[torch.arange(ctx) // kv_block_size], torch.arange(ctx) % kv_block_size
-        keys, vals = c.k_cache.cpu()[phys, slot], c.v_cache.cpu()[phys, slot]
-        for h in range(c.q.shape[1]):
-            k, v = keys[:, h // group].double(), vals[:, h // group].double()
-            for r in range(q_len):
-                p = ctx - q_len + r
-                scores = q_all[cu[s] + r, h] @ k[: p + 1].T * c.scale
-                out[cu[s] + r, h] = torch.softmax(scores, 0) @ v[: p + 1]
-                lse[cu[s] + r, h] = torch.logsumexp(scores, 0)
-    return out, lse
-
-
 @pytest.mark.parametrize("per_query_head", [False, True])
 def test_reference_equals_dense_when_every_causal_block_is_listed(per_query_head):
     gen = torch.Generator().manual_seed(0)
@@ -176,7 +124,7 @@ def test_reference_equals_dense_when_every_causal_block_is_listed(per_query_head
     lists = [[seq] * num_sel for seq in every_causal_block]
     blocks, counts = pack_lists(lists, block, c.max_query_len, gen)
     out, lse = block_sparse_attention_reference(*c.args(blocks, counts, block))
-    want_out, want_lse = _dense_causal(c)
+    want_out, want_lse = c.dense_causal()
     torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
 
@@ -244,28 +192,12 @@ def test_kernel_matches_reference(device, dtype, head_dim, num_kv_heads, group, 
     args = c.args(*pack_lists(random_lists(lens, num_sel, block, gen), block, c.max_query_len, gen), block)
     out, lse = block_sparse_attention(*args, config=config)
     ref_out, ref_lse = block_sparse_attention_reference(*args)
-    what = f"seed {seed}"
-    assert out.shape == ref_out.shape and out.dtype == ref_out.dtype and lse.dtype == torch.float32, what
-    assert torch.isfinite(out).all() and not torch.isnan(lse).any(), f"{what}: NaN or unwritten output"
-    err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
-    assert err < TOL[dtype], f"{what}: relative error {err:.2e}"
-    empty = torch.isneginf(ref_lse)
-    assert empty.any() and (~empty).any(), f"{what}: the case must have rows with and without keys"
-    assert torch.equal(torch.isneginf(lse), empty), f"{what}: rows that read nothing differ"
-    assert torch.all(out[empty] == 0), f"{what}: a row that reads nothing must get 0"
-    lse_err = (lse[~empty] - ref_lse[~empty]).abs().max().item()
-    assert lse_err < LSE_TOL[dtype], f"{what}: lse error {lse_err:.2e}"
+    assert_kernel_matches_reference(out, lse, ref_out, ref_lse, f"seed {seed}")
 
 
 def test_kernel_under_interpreter():
     """Every ``interp`` case of this file under Triton's interpreter on the CPU, in a fresh process."""
-    if CUDA or INTERP:
-        pytest.skip("runs the interpreter cases in a subprocess on machines without CUDA")
-    from nanovllm.testing import run_under_interpreter
-
-    returncode, tail, passed = run_under_interpreter(__file__)
-    assert returncode == 0, tail
-    assert passed == len(INTERP_CONFIGS), tail
+    assert_interpreter_cases_pass(__file__, len(INTERP_CONFIGS))
 
 
 def test_bad_inputs_are_refused_up_front():

@@ -7,22 +7,14 @@ from __future__ import annotations
 import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.conformance import tiny_model
-from nanovllm.plugins import get_plugins
+from nanovllm.testing import policy_engine, prompt_logprobs
 
+PROMPT = [(11 * j) % 240 + 3 for j in range(400)]
 SPARSE = "xattn:threshold=0.5,block_size=64,stride=4,dense_below=0"
 
 
 def engine(device: str, policy: str = SPARSE, offload: bool = False, chunk: int = 128) -> LLM:
-    if "xattn" not in get_plugins().registry.sparse_policies:
-        pytest.skip("the entry point is registered only once the distribution is installed")
-    options = dict(device=device, dtype="float32", block_size=16, max_model_len=512, enforce_eager=True,
-                   max_num_seqs=4, max_num_batched_tokens=chunk,
-                   attention_backend="torch" if device == "cpu" else "triton")
-    if offload:
-        options.update(kv_offloading_size=0.01, kv_offloading_buffer_size=0.004)
-    else:
-        options["kv_cache_memory"] = 2**23
-    return LLM(tiny_model(), sparse_policy=policy, **options)
+    return policy_engine(policy, device, 16, offload, max_num_batched_tokens=chunk)
 
 
 def generate(llm: LLM):
@@ -31,17 +23,10 @@ def generate(llm: LLM):
     return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def prompt_logprobs(llm: LLM) -> list[float]:
-    prompt = [(11 * j) % 240 + 3 for j in range(400)]
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    out = llm.generate([prompt], params, use_tqdm=False)[0]
-    return [next(iter(row.values())).logprob for row in out.prompt_logprobs[1:]]
-
-
 def test_sparse_prefill_changes_the_prompt_but_not_its_first_block():
     """A low threshold changes what late rows attend to (so it is not silently dense), while the first
     block's rows, which see only their own (diagonal) block, stay exactly dense."""
-    sparse, dense = prompt_logprobs(engine("cpu")), prompt_logprobs(engine("cpu", "full"))
+    sparse, dense = prompt_logprobs(engine("cpu"), PROMPT), prompt_logprobs(engine("cpu", "full"), PROMPT)
     assert sparse[:63] == pytest.approx(dense[:63], abs=1e-4)
     assert max(abs(a - b) for a, b in zip(sparse[128:], dense[128:], strict=True)) > 1e-3
 
@@ -53,8 +38,6 @@ def test_offload_gives_the_tokens_of_the_device_cache(device):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_with_quest_for_decode(device):
-    if "quest" not in get_plugins().registry.sparse_policies:
-        pytest.skip("nanovllm-quest is not installed")
     policy = SPARSE + ";quest:token_budget=32,skip_layers=1"
     llm = engine(device, policy)
     assert [type(p).__name__ for p in llm.runner.hooks.policies] == ["XAttentionPolicy", "QuestPolicy"]

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from nanovllm.testing import assert_interpreter_cases_pass, paged_query_keys
 from nanovllm_xattn.estimate import block_scores_reference
 from nanovllm_xattn.layout import first_query_blocks, num_key_blocks, num_query_blocks
 
@@ -22,32 +23,9 @@ GPU_LENS = [(3000, 3000), (1000, 4100), (1, 2049), (513, 513), (77, 300)]
 
 
 def make_case(lens, num_kv_heads, group, head_dim, kv_block_size, dtype, device, gen):
-    """Random q rows and a paged key cache whose blocks are shuffled in a pool with spare blocks; block
-    tables are padded with -1. q and k_cache are strided views, as the engine passes them."""
-    num_seqs = len(lens)
-    blocks = [-(-ctx // kv_block_size) for _, ctx in lens]
-    pool = sum(blocks) + 3
-    perm = torch.randperm(pool, generator=gen)
-    tables = torch.full((num_seqs, max(blocks) + 2), -1, dtype=torch.int32)
-    used = 0
-    for s, nb in enumerate(blocks):
-        tables[s, :nb] = perm[used: used + nb].int()
-        used += nb
-    heads = num_kv_heads * group
-    num_tokens = sum(q for q, _ in lens)
-    qkv = torch.randn(num_tokens, heads + 2 * num_kv_heads, head_dim, generator=gen)
-    kv = torch.randn(pool, kv_block_size, 2, num_kv_heads, head_dim, generator=gen)
-    cu = torch.tensor([0] + [q for q, _ in lens], dtype=torch.int32).cumsum(0).int()
-    return dict(
-        q=qkv.to(dtype).to(device)[:, :heads],
-        k_cache=kv.to(dtype).to(device)[:, :, 0],
-        block_tables=tables.to(device),
-        cu_seqlens_q=cu.to(device),
-        context_lens=torch.tensor([c for _, c in lens], dtype=torch.int32, device=device),
-        scale=head_dim**-0.5,
-        max_query_len=max(q for q, _ in lens),
-        max_context_len=max(c for _, c in lens),
-    )
+    """:func:`~nanovllm.testing.paged_query_keys` with the longest query and context."""
+    case = paged_query_keys(lens, num_kv_heads, group, head_dim, kv_block_size, dtype, device, gen)
+    return case | dict(max_query_len=max(q for q, _ in lens), max_context_len=max(c for _, c in lens))
 
 
 def taking_part_rows(case, stride, block):
@@ -264,11 +242,4 @@ def test_block_scores_chunked_prefill_on_gpu():
 
 def test_block_scores_under_interpreter():
     """Every ``interp`` case of this file under Triton's interpreter on the CPU, in a fresh process."""
-    if CUDA or INTERP:
-        pytest.skip("runs the interpreter cases in a subprocess on machines without CUDA")
-    pytest.importorskip("triton")
-    from nanovllm.testing import run_under_interpreter
-
-    returncode, tail, passed = run_under_interpreter(__file__)
-    assert returncode == 0, tail
-    assert passed == 4, tail
+    assert_interpreter_cases_pass(__file__, 4)

@@ -30,6 +30,18 @@ def cache_root() -> Path:
     return Path(base) / "nanovllm"
 
 
+def is_available() -> bool:
+    """True when the default model loads without a download: converted in the cache already, or its
+    weights' package installed (tests skip on False)."""
+    if (cache_root() / DEFAULT_MODEL / "config.json").is_file():
+        return True
+    try:
+        md.distribution(GGUF_DISTRIBUTION)
+    except md.PackageNotFoundError:
+        return False
+    return True
+
+
 def find_gguf_file() -> Path:
     try:
         dist = md.distribution(GGUF_DISTRIBUTION)

@@ -1,4 +1,5 @@
-"""Helpers for tests of the engine and of plugins: tiny random Hugging Face models on disk.
+"""Helpers for tests of the engine and of plugins: tiny random Hugging Face models on disk, and random paged
+inputs of attention kernels with the checks their tests share.
 
 ``tiny_model_dir(path, "Qwen3ForCausalLM")`` writes config.json, model.safetensors (random weights
 from transformers' own initialisation, seeded) and a word-level tokenizer whose vocabulary is
@@ -127,3 +128,204 @@ def prefill_context(q, k, v, query_len: int, scale: float, block_size: int = 16,
     ctx = PolicyContext(layer_id, True, q[chunk], meta, paged(k), paged(v), scale, TorchBackend(), None, k[chunk],
                         v[chunk], torch.arange(n - query_len, n))
     return q[chunk], ctx
+
+
+class PagedBatch:
+    """Random paged KV for a batch of prefill chunks, as kernel tests over the paged cache need it (plugins'
+    too): ``lens`` is ``[(query_len, context_len)]`` per sequence. Each sequence's cache blocks
+    (``num_blocks[s]``, by default one more than its context needs) are scattered in a shuffled pool with a
+    few blocks nobody owns; block tables are padded with -1 and huge garbage; every cache slot that no
+    sequence's context owns holds NaN, so a kernel that reads padding or a foreign slot fails its check.
+    ``q``, ``k_cache`` and ``v_cache`` are strided views, as the engine passes them."""
+
+    def __init__(self, lens: list[tuple[int, int]], num_kv_heads: int, group: int, head_dim: int,
+                 block_size: int, dtype, device, gen, num_blocks: list[int] | None = None) -> None:
+        import torch
+
+        self.lens = lens
+        self.scale = head_dim**-0.5
+        num_heads = num_kv_heads * group
+        nblk = num_blocks or [-(-c // block_size) + 1 for _, c in lens]
+        total = sum(nblk) + 3  # a few blocks nobody owns
+        perm = torch.randperm(total, generator=gen)
+        tables = torch.full((len(lens), max(nblk) + 2), 10**8, dtype=torch.int32)
+        tables[:, ::2] = -1
+        owned = torch.zeros(total, block_size, dtype=torch.bool)
+        used = 0
+        for s, (_, ctx) in enumerate(lens):
+            tables[s, : nblk[s]] = perm[used : used + nblk[s]].int()
+            used += nblk[s]
+            pos = torch.arange(ctx)
+            owned[tables[s, pos // block_size].long(), pos % block_size] = True
+        kv = torch.randn(total, 2, block_size, num_kv_heads, head_dim, generator=gen)
+        kv.masked_fill_(~owned[:, None, :, None, None], float("nan"))
+        kv = kv.to(dtype).to(device)
+        self.k_cache, self.v_cache = kv[:, 0], kv[:, 1]
+        qkv = torch.randn(sum(q for q, _ in lens), num_heads + 2, head_dim, generator=gen) * 2.0
+        self.q = qkv.to(dtype).to(device)[:, :num_heads]
+        q_lens = [q for q, _ in lens]
+        self.cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32).to(device)
+        self.ctx = torch.tensor([c for _, c in lens], dtype=torch.int32, device=device)
+        self.tables = tables.to(device)
+        self.max_query_len = max(q_lens)
+
+    def dense_causal(self):
+        """Plain causal softmax attention per sequence and head, float64 on the CPU: ``(out, lse)``."""
+        import torch
+
+        q_all = self.q.double().cpu()
+        out = torch.zeros_like(q_all)
+        lse = torch.zeros(q_all.shape[:2], dtype=torch.float64)
+        group = self.q.shape[1] // self.k_cache.shape[2]
+        block_size = self.k_cache.shape[1]
+        cu = self.cu.tolist()
+        for s, (q_len, ctx) in enumerate(self.lens):
+            table = self.tables[s].cpu().long()
+            phys, slot = table[torch.arange(ctx) // block_size], torch.arange(ctx) % block_size
+            keys, vals = self.k_cache.cpu()[phys, slot], self.v_cache.cpu()[phys, slot]
+            for h in range(self.q.shape[1]):
+                k, v = keys[:, h // group].double(), vals[:, h // group].double()
+                for r in range(q_len):
+                    p = ctx - q_len + r
+                    scores = q_all[cu[s] + r, h] @ k[: p + 1].T * self.scale
+                    out[cu[s] + r, h] = torch.softmax(scores, 0) @ v[: p + 1]
+                    lse[cu[s] + r, h] = torch.logsumexp(scores, 0)
+        return out, lse
+
+
+def assert_kernel_matches_reference(out, lse, ref_out, ref_lse, what: str) -> None:
+    """A sparse attention kernel's ``(out, lse)`` against its torch reference's on the same inputs, at the
+    tolerance of the dtype: no unwritten or NaN output, rows that read nothing (lse -inf; the case must have
+    some, and rows that read keys) identical and 0. ``what`` (the seed) starts every failure message."""
+    import torch
+
+    tol = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}[ref_out.dtype]
+    lse_tol = {torch.bfloat16: 2e-3, torch.float16: 2e-3, torch.float32: 1e-4}[ref_out.dtype]
+    assert out.shape == ref_out.shape and out.dtype == ref_out.dtype and lse.dtype == torch.float32, what
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any(), f"{what}: NaN or unwritten output"
+    err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm()).item()
+    assert err < tol, f"{what}: relative error {err:.2e}"
+    empty = torch.isneginf(ref_lse)
+    assert empty.any() and (~empty).any(), f"{what}: the case must have rows with and without keys"
+    assert torch.equal(torch.isneginf(lse), empty), f"{what}: rows that read nothing differ"
+    assert torch.all(out[empty] == 0), f"{what}: a row that reads nothing must get 0"
+    lse_err = (lse[~empty] - ref_lse[~empty]).abs().max().item()
+    assert lse_err < lse_tol, f"{what}: lse error {lse_err:.2e}"
+
+
+def paged_query_keys(lens: list[tuple[int, int]], num_kv_heads: int, group: int, head_dim: int,
+                     block_size: int, dtype, device, gen, q_scale: float = 1.0) -> dict[str, Any]:
+    """Random q rows of a batch of prefill chunks (``lens``: ``[(query_len, context_len)]``, ``q_scale`` times
+    a standard normal) and a paged key cache whose blocks are shuffled in a pool with spare blocks; block
+    tables padded with -1. q and k_cache are strided views, as the engine passes them. The arguments of a
+    pattern estimate's kernel, by name: ``q``, ``k_cache``, ``block_tables``, ``cu_seqlens_q``,
+    ``context_lens``, ``scale``."""
+    import torch
+
+    num_seqs = len(lens)
+    blocks = [-(-ctx // block_size) for _, ctx in lens]
+    pool = sum(blocks) + 3
+    perm = torch.randperm(pool, generator=gen)
+    tables = torch.full((num_seqs, max(blocks) + 2), -1, dtype=torch.int32)
+    used = 0
+    for s, nb in enumerate(blocks):
+        tables[s, :nb] = perm[used: used + nb].int()
+        used += nb
+    heads = num_kv_heads * group
+    num_tokens = sum(q for q, _ in lens)
+    qkv = torch.randn(num_tokens, heads + 2 * num_kv_heads, head_dim, generator=gen) * q_scale
+    kv = torch.randn(pool, block_size, 2, num_kv_heads, head_dim, generator=gen)
+    cu = torch.tensor([0] + [q for q, _ in lens], dtype=torch.int32).cumsum(0).int()
+    return dict(
+        q=qkv.to(dtype).to(device)[:, :heads],
+        k_cache=kv.to(dtype).to(device)[:, :, 0],
+        block_tables=tables.to(device),
+        cu_seqlens_q=cu.to(device),
+        context_lens=torch.tensor([c for _, c in lens], dtype=torch.int32, device=device),
+        scale=head_dim**-0.5,
+    )
+
+
+def assert_interpreter_cases_pass(test_file: str | Path, expected: int, keyword: str = "interp") -> None:
+    """The body of a test that runs ``test_file``'s ``keyword`` cases under Triton's interpreter on the CPU,
+    in a fresh process (:func:`run_under_interpreter`): skipped on a machine with CUDA (its GPU runs the
+    ``gpu`` cases) and inside that process itself; fails unless exactly ``expected`` cases pass."""
+    import os
+
+    import pytest
+    import torch
+
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("runs the interpreter cases in a subprocess on machines without CUDA")
+    pytest.importorskip("triton")
+    returncode, tail, passed = run_under_interpreter(test_file, keyword)
+    assert returncode == 0, tail
+    assert passed == expected, tail
+
+
+def policy_engine(policy: str, device: str, block_size: int, offload: bool = False, **options: Any):
+    """A small float32 engine on the conformance kit's tiny model under ``policy`` (a sparse-policy selection,
+    ``name:key=value,...;name2:...``), as policies' engine tests use it: eager, 4 sequences, ``max_model_len``
+    512, the torch backend on the CPU and triton elsewhere, the KV cache on the device (8 MiB) or with
+    ``offload`` in host memory; ``options`` override any of these. Skips the test when a policy it names is
+    not registered (its distribution is not installed)."""
+    import pytest
+
+    from nanovllm import LLM
+    from nanovllm.conformance import tiny_model
+    from nanovllm.plugins import get_plugins
+
+    registered = get_plugins().registry.sparse_policies
+    for name in (selection.split(":")[0].strip() for selection in policy.split(";")):
+        if name not in registered:
+            pytest.skip(f"sparse policy {name!r} is not registered: its distribution is not installed")
+    settings: dict[str, Any] = dict(device=device, dtype="float32", block_size=block_size, max_model_len=512,
+                                    enforce_eager=True, max_num_seqs=4,
+                                    attention_backend="torch" if device == "cpu" else "triton")
+    if offload:
+        settings.update(kv_offloading_size=0.01, kv_offloading_buffer_size=0.004)
+    else:
+        settings["kv_cache_memory"] = 2**23
+    return LLM(tiny_model(), sparse_policy=policy, **(settings | options))
+
+
+def prompt_logprobs(llm, prompt: list[int]) -> list[float]:
+    """The logprob of each prompt token after the first, given the tokens before it."""
+    from nanovllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    return [next(iter(row.values())).logprob for row in out.prompt_logprobs[1:]]
+
+
+def assert_model_family_registered(dist: str, architecture: str, model_class: type) -> None:
+    """A model-family plugin's registration, as its tests check it: its distribution's entry point in group
+    ``nanovllm`` names its ``plugin`` module; discovery loads it without error and it registers exactly
+    ``model:ARCHITECTURE``, whose target loads as ``model_class``."""
+    from importlib import metadata
+
+    from nanovllm.plugins import discover, load_target
+
+    module = dist.replace("-", "_") + ".plugin"
+    eps = [ep for ep in metadata.entry_points(group="nanovllm") if ep.value == module]
+    assert eps and {ep.dist.name for ep in eps} == {dist}
+    plugins = discover()
+    info = next(p for p in plugins.plugins if p.dist == dist)
+    assert info.error is None and info.registered == [f"model:{architecture}"]
+    family = plugins.registry.model_families[architecture]
+    assert family.dist == dist
+    assert load_target(family.target) is model_class
+
+
+def assert_registration_imports_no_torch(architecture: str) -> None:
+    """A fresh process registers ``architecture`` (a plugin's model family) without importing torch: the
+    registration stays lazy."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from nanovllm.plugins import discover; "
+        f"assert {architecture!r} in discover().registry.model_families; "
+        "assert 'torch' not in sys.modules, 'registration imported torch'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

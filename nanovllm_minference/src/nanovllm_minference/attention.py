@@ -26,7 +26,7 @@ import attrs
 import torch
 import triton
 import triton.language as tl
-from nanovllm.attention.backend import check_paged_inputs
+from nanovllm.attention.backend import check_paged_inputs, prefill_kernel_outputs
 from nanovllm.attention.triton_kernels import online_softmax_step
 
 from nanovllm_minference.index import TILE, SparseIndex
@@ -227,22 +227,13 @@ def sparse_attention(
             f"{triton.cdiv(max_query_len, TILE)}: give one list per query tile of the longest chunk"
         )
     index_tensors = [t for t in attrs.astuple(index, recurse=False) if t is not None]
-    if any(t.device != q.device for t in index_tensors + [block_tables, cu_seqlens_q, context_lens]):
-        raise ValueError(
-            f"the index, block tables and lengths must be on q's device ({q.device}): move them there"
-        )
-    num_tokens, num_heads, head_dim = q.shape
-    num_seqs = cu_seqlens_q.shape[0] - 1
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
-    if num_tokens == 0 or num_seqs == 0:
+    out, lse, launch = prefill_kernel_outputs(
+        _sparse_prefill_kernel, "sparse_attention", q, cu_seqlens_q,
+        [*index_tensors, block_tables, cu_seqlens_q, context_lens], "the index, block tables and lengths",
+    )
+    if not launch:
         return out, lse
-    interpreted = type(_sparse_prefill_kernel).__name__ == "InterpretedFunction"
-    if q.device.type != "cuda" and not interpreted:
-        raise ValueError(
-            "sparse_attention got CPU tensors but Triton's interpreter is off: use "
-            "sparse_attention_reference on the CPU, or set TRITON_INTERPRET=1 before importing triton"
-        )
+    num_heads, head_dim = q.shape[1:]
     has_blocks = index.blocks is not None
     columns, slash = index.columns.contiguous(), index.slash_tiles.contiguous()
     column_counts, slash_counts = index.column_counts.contiguous(), index.slash_counts.contiguous()
@@ -252,7 +243,7 @@ def sparse_attention(
     else:
         blocks, block_counts = column_counts, column_counts  # never read
     warps, stages = config or _launch_config(q, head_dim)
-    grid = (triton.cdiv(max_query_len, TILE), num_heads, num_seqs)
+    grid = (triton.cdiv(max_query_len, TILE), num_heads, cu_seqlens_q.shape[0] - 1)
     _sparse_prefill_kernel[grid](
         q, k_cache, v_cache, out, lse,
         cu_seqlens_q, context_lens, block_tables,
@@ -263,7 +254,7 @@ def sparse_attention(
         blocks.shape[2] if has_blocks else 0, blocks.shape[3] if has_blocks else 0,
         GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1], TILE=TILE, CHUNK=LIST_CHUNK, HAS_BLOCKS=has_blocks,
-        FP32=q.dtype == torch.float32 or interpreted,
+        FP32=q.dtype == torch.float32 or q.device.type != "cuda",  # the interpreter's bfloat16 dot is wrong
         SAME_LAYOUT=k_cache.stride() == v_cache.stride(),  # the engine's caches: one address computation
         num_warps=warps, num_stages=stages,
     )

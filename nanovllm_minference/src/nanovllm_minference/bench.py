@@ -25,7 +25,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nanovllm.bench.prefill import density_chart, ttft_speedup, ttft_table
+from nanovllm.bench import prefill
+from nanovllm.bench.prefill import (
+    bench_ttft,
+    dense_prefill_ms,
+    density_chart,
+    kernel_ms,
+    paged_prompt,
+    ttft_table,
+)
 
 # issue 10's targets on one H100
 KERNEL_SLACK = 0.05  # sparse kernel time <= (density + 0.05) x dense at 128K
@@ -37,43 +45,25 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 
 def bench_kernel(contexts: list[int], densities: list[float]) -> list[dict[str, Any]]:
     import torch
-    from nanovllm.attention.metadata import PhaseMetadata
     from nanovllm.attention.triton_backend import TritonBackend
-    from triton.testing import do_bench
 
     from nanovllm_minference.attention import sparse_attention
     from nanovllm_minference.config import MInferenceConfig
     from nanovllm_minference.estimate import estimate
     from nanovllm_minference.index import computed_density, lines_to_index, top_lines
 
-    def ms(fn) -> float:
-        return do_bench(fn, warmup=3, rep=20, return_mode="median")
-
     cfg, scale, rows = MInferenceConfig(), HEAD_DIM**-0.5, []
     gen = torch.Generator(device="cuda").manual_seed(0)
     dev = "cuda"
     for n in contexts:
-        q, k, v = (torch.randn(n, h, HEAD_DIM, generator=gen, device=dev, dtype=torch.bfloat16)
-                   for h in (HEADS, KV_HEADS, KV_HEADS))
-        width = n // BLOCK_SIZE
-        tables = torch.randperm(width, generator=gen, device=dev).int()[None, :]
-        k_cache = torch.empty(width, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
-        v_cache = torch.empty_like(k_cache)
-        k_cache[tables[0].long()] = k.view(width, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-        v_cache[tables[0].long()] = v.view(width, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-        cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
-        lens = torch.tensor([n], dtype=torch.int32, device=dev)
-        meta = PhaseMetadata(cu, lens, tables, n, n)
-        triton, cudnn = TritonBackend(), TritonBackend()
-        triton.sdpa_prefill = False
-        dense_ms = ms(lambda: triton.prefill(q, k, v, k_cache, v_cache, meta, scale))
-        cudnn_ms = ms(lambda: cudnn.prefill(q, k, v, k_cache, v_cache, meta, scale))
-        # the same prompt behind a 64-token history: the paged kernel, which every chunk after the first
-        # runs (the same cache reads as the sparse kernel; 64 fewer query rows)
-        chunk = PhaseMetadata(torch.tensor([0, n - 64], dtype=torch.int32, device=dev), lens, tables, n - 64, n)
-        paged_ms = ms(lambda: triton.prefill(q[64:], k[64:], v[64:], k_cache, v_cache, chunk, scale))
-        base = {"benchmark": "kernel", "context": n, "dense_ms": dense_ms, "cudnn_ms": cudnn_ms,
-                "dense_paged_ms": paged_ms}
+        p = paged_prompt(n, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, gen, dev)
+        q, k_cache, v_cache, tables = p.q, p.k_cache, p.v_cache, p.tables
+        cu, lens = p.cu_seqlens_q, p.context_lens
+        dense = dense_prefill_ms(p, scale)
+        cudnn = TritonBackend()  # the engine's dense path for a fresh prompt
+        cudnn_ms = kernel_ms(lambda: cudnn.prefill(q, p.k, p.v, k_cache, v_cache, p.meta, scale))
+        base = {"benchmark": "kernel", "context": n, **dense, "cudnn_ms": cudnn_ms}
+        dense_ms = dense["dense_ms"]
 
         def sparse(index):
             return sparse_attention(q, k_cache, v_cache, tables, cu, lens, index, scale, n)
@@ -85,11 +75,11 @@ def bench_kernel(contexts: list[int], densities: list[float]) -> list[dict[str, 
             lines = top_lines(*scores, lens, *sizes, cfg.num_sink_tokens, cfg.num_recent_diags)
             return lines_to_index(*lines, lens - n, n)
 
-        estimate_ms = ms(lambda: estimate(q, k_cache, tables, cu, lens, scale, cfg.last_q, n))
-        build_ms = ms(build)
+        estimate_ms = kernel_ms(lambda: estimate(q, k_cache, tables, cu, lens, scale, cfg.last_q, n))
+        build_ms = kernel_ms(build)
         index = build()
         density = computed_density(index, cu, lens)
-        sparse_ms = ms(lambda: sparse(index))
+        sparse_ms = kernel_ms(lambda: sparse(index))
         rows.append({**base, "index": "estimated, default budgets", "density": density, "sparse_ms": sparse_ms,
                      "estimate_ms": estimate_ms, "index_ms": build_ms - estimate_ms, "build_ms": build_ms,
                      "estimate_share": build_ms / dense_ms, "ratio": sparse_ms / dense_ms})
@@ -97,11 +87,11 @@ def bench_kernel(contexts: list[int], densities: list[float]) -> list[dict[str, 
         for target in densities:
             index = fixed_index(n, target, cfg.vertical_size, dev)
             density = computed_density(index, cu, lens)
-            sparse_ms = ms(lambda index=index: sparse(index))
+            sparse_ms = kernel_ms(lambda index=index: sparse(index))
             rows.append({**base, "index": f"fixed, {cfg.vertical_size} columns + band", "density": density,
                          "sparse_ms": sparse_ms, "ratio": sparse_ms / dense_ms})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-        del q, k, v, k_cache, v_cache
+        del p, q, k_cache, v_cache
         torch.cuda.empty_cache()
     return rows
 
@@ -120,13 +110,6 @@ def fixed_index(n: int, density: float, columns: int, device):
                           torch.zeros(1, dtype=torch.long, device=device), n)
 
 
-def bench_ttft(context: int, policy: str) -> list[dict[str, Any]]:
-    from nanovllm.bench import offload as b5
-
-    row = b5.bench_decode(PRESET, context, 1, 1, False, sparse_policy=policy)
-    return [{**row, "benchmark": "ttft", "policy": policy}]
-
-
 def jobs(contexts: list[int], ttft_contexts: list[int], densities: list[float]) -> list[dict]:
     out: list[dict] = [{"kind": "kernel", "contexts": contexts, "densities": densities}]
     for context in ttft_contexts:
@@ -138,25 +121,14 @@ def jobs(contexts: list[int], ttft_contexts: list[int], densities: list[float]) 
 def run_job(job: dict) -> list[dict[str, Any]]:
     if job["kind"] == "kernel":
         return bench_kernel(job["contexts"], job["densities"])
-    return bench_ttft(job["context"], job["policy"])
+    return bench_ttft(PRESET, job["context"], job["policy"])
 
 
 # -- results ---------------------------------------------------------------------------------------------------
 
 
 def with_ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Kernel rows against their target bound; TTFT rows against ``full`` at the same context."""
-    out = []
-    for r in results:
-        r = dict(r)
-        if r["benchmark"] == "kernel" and "ratio" in r:
-            r["bound"] = r["density"] + KERNEL_SLACK
-            if "dense_paged_ms" in r:
-                r["ratio_paged"] = r["sparse_ms"] / r["dense_paged_ms"]
-        elif (speedup := ttft_speedup(r, results)) is not None:
-            r["speedup"] = speedup
-        out.append(r)
-    return out
+    return prefill.with_ratios(results, KERNEL_SLACK)
 
 
 def markdown(payload: dict[str, Any], title: str) -> str:

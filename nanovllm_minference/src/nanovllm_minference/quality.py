@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 import torch
+from nanovllm.quality.prefill import results_table
 
 DEFAULT_SETTINGS = ["vertical_size=64,slash_size=256", "vertical_size=128,slash_size=512",
                    "vertical_size=256,slash_size=1024", "vertical_size=500,slash_size=2000",
@@ -48,14 +49,7 @@ def markdown(payload: dict[str, Any]) -> str:
         "Density: the share of visible keys the pattern reads (mean over rows and query heads). Oracle and "
         "random read as many keys per row and head. Targets (issue 10): mass recall >= 0.9 at the achieved "
         "density, perplexity within 2% of dense.", "",
-        "| policy | density | computed density | mass recall | oracle | random | top-10 recall | output error | "
-        "perplexity vs dense |",
-        "|---|---|---|---|---|---|---|---|---|"]
-    for r in payload["results"]:
-        p, o, rnd = r["mean"]["policy"], r["mean"]["oracle"], r["mean"]["random"]
-        lines.append(f"| `{r['policy']}` | {p['density']:.3f} | {r['policy_density']:.3f} | {p['mass_recall']:.3f} | "
-                     f"{o['mass_recall']:.3f} | {rnd['mass_recall']:.3f} | {p['topk_recall']:.3f} | "
-                     f"{p['output_error']:.3f} | {r['ppl_vs_dense']:.4f} |")
+        *results_table(payload["results"], "computed density")]
     return "\n".join(lines) + "\n"
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from nanovllm.attention.backend import check_paged_inputs
+from nanovllm.attention.backend import check_paged_inputs, prefill_kernel_outputs
 from nanovllm.attention.triton_kernels import online_softmax_step
 
 from nanovllm_xattn.layout import num_query_blocks
@@ -184,23 +184,14 @@ def block_sparse_attention(
     overrides :func:`attention_config`'s ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (tuning, tests)."""
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, blocks, block_counts, block,
                   max_query_len)
-    tensors = (k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, blocks, block_counts)
-    if any(t.device != q.device for t in tensors):
-        raise ValueError(
-            f"the caches, block tables, lengths and block lists must be on q's device ({q.device}): move them"
-        )
-    num_tokens, num_heads, head_dim = q.shape
-    num_seqs = cu_seqlens_q.shape[0] - 1
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
-    if num_tokens == 0 or num_seqs == 0:
+    out, lse, launch = prefill_kernel_outputs(
+        _block_sparse_kernel, "block_sparse_attention", q, cu_seqlens_q,
+        (k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, blocks, block_counts),
+        "the caches, block tables, lengths and block lists",
+    )
+    if not launch:
         return out, lse
-    interpreted = type(_block_sparse_kernel).__name__ == "InterpretedFunction"
-    if q.device.type != "cuda" and not interpreted:
-        raise ValueError(
-            "block_sparse_attention got CPU tensors but Triton's interpreter is off: use "
-            "block_sparse_attention_reference on the CPU, or set TRITON_INTERPRET=1 before importing triton"
-        )
+    num_heads, head_dim = q.shape[1:]
     block_m, block_n, warps, stages = config or attention_config(head_dim, q.dtype, q.device, block)
     if not all(_is_power_of_two(tile) and tile <= block for tile in (block_m, block_n)):
         raise ValueError(
@@ -208,7 +199,7 @@ def block_sparse_attention(
             f"block {block}"
         )
     # a chunk's tiles start at the tile holding its first query: one more than its length needs, at most
-    grid = (triton.cdiv(max_query_len + block_m - 1, block_m), num_heads, num_seqs)
+    grid = (triton.cdiv(max_query_len + block_m - 1, block_m), num_heads, cu_seqlens_q.shape[0] - 1)
     _block_sparse_kernel[grid](
         q, k_cache, v_cache, out, lse,
         cu_seqlens_q, context_lens, block_tables, blocks, block_counts,
@@ -217,7 +208,8 @@ def block_sparse_attention(
         block_tables.stride(0), *blocks.stride(), *block_counts.stride(),
         GROUP=num_heads // k_cache.shape[2], SEL_GROUP=num_heads // blocks.shape[1], HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), KV_BLOCK=k_cache.shape[1], BLOCK=block,
-        BLOCK_M=block_m, BLOCK_N=block_n, FP32=q.dtype == torch.float32 or interpreted,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        FP32=q.dtype == torch.float32 or q.device.type != "cuda",  # the interpreter's bfloat16 dot is wrong
         SAME_LAYOUT=k_cache.stride() == v_cache.stride(),
         num_warps=warps, num_stages=stages,
     )

@@ -24,7 +24,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nanovllm.bench.prefill import density_chart, ttft_speedup, ttft_table
+from nanovllm.bench import prefill
+from nanovllm.bench.prefill import (
+    bench_ttft,
+    dense_prefill_ms,
+    density_chart,
+    kernel_ms,
+    paged_prompt,
+    ttft_table,
+)
 
 # issue 11's targets on one H100
 KERNEL_SLACK = 0.05  # block-sparse kernel time <= (density + 0.05) x dense at 128K
@@ -36,38 +44,21 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 
 def bench_kernel(contexts: list[int], densities: list[float], stride: int) -> list[dict[str, Any]]:
     import torch
-    from nanovllm.attention.metadata import PhaseMetadata
-    from nanovllm.attention.triton_backend import TritonBackend
-    from triton.testing import do_bench
 
     from nanovllm_xattn.attention import block_sparse_attention
     from nanovllm_xattn.config import XAttentionConfig
     from nanovllm_xattn.estimate import block_scores
     from nanovllm_xattn.selection import block_lists, causal_density, select_blocks
 
-    def ms(fn) -> float:
-        return do_bench(fn, warmup=3, rep=20, return_mode="median")
-
     cfg, scale, rows, dev = XAttentionConfig(stride=stride), HEAD_DIM**-0.5, [], "cuda"
     block = cfg.block_size
     gen = torch.Generator(device=dev).manual_seed(0)
     for n in contexts:
-        q, k, v = (torch.randn(n, h, HEAD_DIM, generator=gen, device=dev, dtype=torch.bfloat16)
-                   for h in (HEADS, KV_HEADS, KV_HEADS))
-        width = n // BLOCK_SIZE
-        tables = torch.randperm(width, generator=gen, device=dev).int()[None, :]
-        k_cache = torch.empty(width, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
-        v_cache = torch.empty_like(k_cache)
-        k_cache[tables[0].long()] = k.view(width, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-        v_cache[tables[0].long()] = v.view(width, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-        cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
-        lens = torch.tensor([n], dtype=torch.int32, device=dev)
-        meta = PhaseMetadata(cu, lens, tables, n, n)
-        dense = TritonBackend()
-        dense.sdpa_prefill = False
-        dense_ms = ms(lambda: dense.prefill(q, k, v, k_cache, v_cache, meta, scale))
-        chunk = PhaseMetadata(torch.tensor([0, n - 64], dtype=torch.int32, device=dev), lens, tables, n - 64, n)
-        paged_ms = ms(lambda: dense.prefill(q[64:], k[64:], v[64:], k_cache, v_cache, chunk, scale))
+        p = paged_prompt(n, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, gen, dev)
+        q, k_cache, v_cache, tables = p.q, p.k_cache, p.v_cache, p.tables
+        cu, lens = p.cu_seqlens_q, p.context_lens
+        dense = dense_prefill_ms(p, scale)
+        dense_ms, paged_ms = dense["dense_ms"], dense["dense_paged_ms"]
         thresholds = torch.full((HEADS,), cfg.threshold, device=dev)
 
         def scores():
@@ -76,31 +67,24 @@ def bench_kernel(contexts: list[int], densities: list[float], stride: int) -> li
         def select(s, ratio=None):
             return select_blocks(s, cu, lens, block, KV_HEADS, cfg.head_reduce, thresholds, ratio)
 
-        estimate_ms = ms(scores)
+        estimate_ms = kernel_ms(scores)
         s = scores()
-        select_ms = ms(lambda: block_lists(select(s)))
-        base = {"benchmark": "kernel", "context": n, "stride": cfg.stride, "block_size": block, "dense_ms": dense_ms,
-                "dense_paged_ms": paged_ms, "estimate_ms": estimate_ms, "select_ms": select_ms,
+        select_ms = kernel_ms(lambda: block_lists(select(s)))
+        base = {"benchmark": "kernel", "context": n, "stride": cfg.stride, "block_size": block, **dense,
+                "estimate_ms": estimate_ms, "select_ms": select_ms,
                 "estimate_share": estimate_ms / dense_ms, "select_share": select_ms / dense_ms}
         for ratio in [*densities, None]:
             mask = select(s, ratio)
             blocks, counts = block_lists(mask)
-            sparse_ms = ms(lambda blocks=blocks, counts=counts: block_sparse_attention(
+            sparse_ms = kernel_ms(lambda blocks=blocks, counts=counts: block_sparse_attention(
                 q, k_cache, v_cache, tables, cu, lens, blocks, counts, block, scale, n))
             rows.append({**base, "selection": f"ratio={ratio}" if ratio else f"threshold={cfg.threshold}",
                          "density": causal_density(mask, cu, lens, block), "sparse_ms": sparse_ms,
                          "ratio": sparse_ms / dense_ms, "ratio_paged": sparse_ms / paged_ms})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-        del q, k, v, k_cache, v_cache, s
+        del p, q, k_cache, v_cache, s
         torch.cuda.empty_cache()
     return rows
-
-
-def bench_ttft(context: int, policy: str) -> list[dict[str, Any]]:
-    from nanovllm.bench import offload
-
-    row = offload.bench_decode(PRESET, context, 1, 1, False, sparse_policy=policy)
-    return [{**row, "benchmark": "ttft", "policy": policy}]
 
 
 TTFT_POLICIES = ("full", "xattn:ratio=0.2,dense_below=0", "xattn:threshold=0.9,dense_below=0")
@@ -116,23 +100,14 @@ def jobs(contexts: list[int], ttft_contexts: list[int], densities: list[float], 
 def run_job(job: dict) -> list[dict[str, Any]]:
     if job["kind"] == "kernel":
         return bench_kernel(job["contexts"], job["densities"], job["stride"])
-    return bench_ttft(job["context"], job["policy"])
+    return bench_ttft(PRESET, job["context"], job["policy"])
 
 
 # -- results ---------------------------------------------------------------------------------------------------
 
 
 def with_ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Kernel rows with their target bound; TTFT rows against ``full`` at the same context."""
-    out = []
-    for r in results:
-        r = dict(r)
-        if r["benchmark"] == "kernel" and "ratio" in r:
-            r["bound"] = r["density"] + KERNEL_SLACK
-        elif (speedup := ttft_speedup(r, results)) is not None:
-            r["speedup"] = speedup
-        out.append(r)
-    return out
+    return prefill.with_ratios(results, KERNEL_SLACK)
 
 
 def markdown(payload: dict[str, Any], title: str) -> str:

@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 import torch
+from nanovllm.quality.prefill import results_table
 
 DEFAULT_SETTINGS = ["threshold=0.9", "threshold=0.9,head_reduce=\"union\"", "threshold=0.9,head_reduce=\"majority\"",
                     "threshold=0.9,head_reduce=\"none\"", "threshold=0.9,head_reduce=\"global_majority\"",
@@ -57,14 +58,7 @@ def markdown(payload: dict[str, Any]) -> str:
         "blocks over causal blocks of the whole chunk. Oracle and random read as many blocks per row and KV head "
         "(per query head and key for `head_reduce=\"none\"`). Targets (issue 11): threshold 0.9 covers >= 0.9 of "
         "the true mass; perplexity within 2% of dense.", "",
-        "| policy | density | block density | mass recall | oracle | random | top-10 recall | output error | "
-        "perplexity vs dense |",
-        "|---|---|---|---|---|---|---|---|---|"]
-    for r in payload["results"]:
-        p, o, rnd = r["mean"]["policy"], r["mean"]["oracle"], r["mean"]["random"]
-        lines.append(f"| `{r['policy']}` | {p['density']:.3f} | {r['policy_density']:.3f} | {p['mass_recall']:.3f} | "
-                     f"{o['mass_recall']:.3f} | {rnd['mass_recall']:.3f} | {p['topk_recall']:.3f} | "
-                     f"{p['output_error']:.3f} | {r['ppl_vs_dense']:.4f} |")
+        *results_table(payload["results"], "block density")]
     return "\n".join(lines) + "\n"
 
 

@@ -3,13 +3,11 @@ every parameter (packed projections, attention biases), and llama3 RoPE scaling 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from importlib import metadata
 from pathlib import Path
 
 import pytest
 import torch
+from nanovllm.testing import assert_model_family_registered, assert_registration_imports_no_torch
 
 ARCH = "LlamaForCausalLM"
 LLAMA3_ROPE = {
@@ -19,26 +17,13 @@ LLAMA3_ROPE = {
 
 
 def test_entry_point_registers_the_architecture():
-    from nanovllm.plugins import discover, load_target
     from nanovllm_llama.model import LlamaForCausalLM
 
-    eps = [ep for ep in metadata.entry_points(group="nanovllm") if ep.value == "nanovllm_llama.plugin"]
-    assert eps and {ep.dist.name for ep in eps} == {"nanovllm-llama"}
-    plugins = discover()
-    info = next(p for p in plugins.plugins if p.dist == "nanovllm-llama")
-    assert info.error is None and info.registered == [f"model:{ARCH}"]
-    family = plugins.registry.model_families[ARCH]
-    assert family.dist == "nanovllm-llama"
-    assert load_target(family.target) is LlamaForCausalLM
+    assert_model_family_registered("nanovllm-llama", ARCH, LlamaForCausalLM)
 
 
 def test_registering_imports_no_torch():
-    code = (
-        "import sys; from nanovllm.plugins import discover; "
-        f"assert {ARCH!r} in discover().registry.model_families; "
-        "assert 'torch' not in sys.modules, 'registration imported torch'"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    assert_registration_imports_no_torch(ARCH)
 
 
 def _expected(checkpoint: dict[str, torch.Tensor], name: str) -> torch.Tensor:

@@ -3,38 +3,23 @@ fills every parameter of the model (packed projections, q/k norms, tied and unti
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from importlib import metadata
 from pathlib import Path
 
 import pytest
 import torch
+from nanovllm.testing import assert_model_family_registered, assert_registration_imports_no_torch
 
 ARCH = "Qwen3ForCausalLM"
 
 
 def test_entry_point_registers_the_architecture():
-    from nanovllm.plugins import discover, load_target
     from nanovllm_qwen3.model import Qwen3ForCausalLM
 
-    eps = [ep for ep in metadata.entry_points(group="nanovllm") if ep.value == "nanovllm_qwen3.plugin"]
-    assert eps and {ep.dist.name for ep in eps} == {"nanovllm-qwen3"}
-    plugins = discover()
-    info = next(p for p in plugins.plugins if p.dist == "nanovllm-qwen3")
-    assert info.error is None and info.registered == [f"model:{ARCH}"]
-    family = plugins.registry.model_families[ARCH]
-    assert family.dist == "nanovllm-qwen3"
-    assert load_target(family.target) is Qwen3ForCausalLM
+    assert_model_family_registered("nanovllm-qwen3", ARCH, Qwen3ForCausalLM)
 
 
 def test_registering_imports_no_torch():
-    code = (
-        "import sys; from nanovllm.plugins import discover; "
-        f"assert {ARCH!r} in discover().registry.model_families; "
-        "assert 'torch' not in sys.modules, 'registration imported torch'"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    assert_registration_imports_no_torch(ARCH)
 
 
 def _expected(checkpoint: dict[str, torch.Tensor], name: str, tied: bool) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from nanovllm.attention.metadata import PhaseMetadata
@@ -140,3 +142,27 @@ def check_paged_inputs(
             f"{num_seqs} sequences in cu_seqlens_q but context_lens {tuple(context_lens.shape)} and "
             f"block_tables {tuple(block_tables.shape)}: one entry / row per sequence"
         )
+
+
+def prefill_kernel_outputs(
+    kernel: object, name: str, q: torch.Tensor, cu_seqlens_q: torch.Tensor, inputs: Sequence[torch.Tensor],
+    inputs_name: str,
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The Python side of a Triton kernel over a prefill phase (plugins' kernels too), after the checks of
+    :func:`check_paged_inputs` and its own: ``(out [T, H, D] in q's dtype, lse [T, H] float32, launch)``, both
+    outputs unwritten for the kernel to fill; ``launch`` False when there is nothing to compute (no query row
+    or no sequence). Refuses ``inputs`` (``inputs_name`` in the error) off q's device and, when there is work,
+    CPU tensors unless ``kernel`` was built for Triton's interpreter (``name`` is the kernel's Python function;
+    its torch path is ``{name}_reference``)."""
+    if any(t.device != q.device for t in inputs):
+        raise ValueError(f"{inputs_name} must be on q's device ({q.device}): move them there")
+    num_tokens, num_heads = q.shape[:2]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    launch = num_tokens > 0 and cu_seqlens_q.shape[0] > 1
+    if launch and q.device.type != "cuda" and type(kernel).__name__ != "InterpretedFunction":
+        raise ValueError(
+            f"{name} got CPU tensors but Triton's interpreter is off: use {name}_reference on the CPU, or set "
+            "TRITON_INTERPRET=1 before importing triton"
+        )
+    return out, lse, launch

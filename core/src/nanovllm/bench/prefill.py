@@ -1,10 +1,109 @@
-"""Pieces the sparse-prefill plugins' benchmarks share: time-to-first-token rows against ``full`` at the same
-context, their table, and the kernel chart of time over density with the target line."""
+"""Pieces the sparse-prefill plugins' benchmarks share: one prompt's paged inputs and the dense prefill
+kernel's times on them (the reference of every kernel row), the end-to-end time-to-first-token job, its rows
+against ``full`` at the same context and their table, and the kernel chart of time over density with the
+target line."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import attrs
+
+
+@attrs.define(frozen=True)
+class PagedPrompt:
+    """One fresh prompt of ``n`` tokens: its new ``q``/``k``/``v`` and the paged caches that hold every key
+    and value, its blocks in a shuffled order (``tables [1, n // block_size]``), with the phase's lengths
+    and metadata."""
+
+    q: Any
+    k: Any
+    v: Any
+    k_cache: Any
+    v_cache: Any
+    tables: Any
+    cu_seqlens_q: Any
+    context_lens: Any
+    meta: Any
+
+
+def paged_prompt(n: int, heads: int, kv_heads: int, head_dim: int, block_size: int, gen, device: str = "cuda",
+                 dtype=None) -> PagedPrompt:
+    """Random bfloat16 (by default) inputs of one prompt; ``n`` a multiple of ``block_size``. ``gen`` draws
+    q, k and v, then the block order."""
+    import torch
+
+    from nanovllm.attention.metadata import PhaseMetadata
+
+    if n % block_size:
+        raise ValueError(f"a prompt of {n} tokens in blocks of {block_size}: give a multiple of block_size")
+    dtype = dtype or torch.bfloat16
+    q, k, v = (torch.randn(n, h, head_dim, generator=gen, device=device, dtype=dtype)
+               for h in (heads, kv_heads, kv_heads))
+    width = n // block_size
+    tables = torch.randperm(width, generator=gen, device=device).int()[None, :]
+    k_cache = torch.empty(width, block_size, kv_heads, head_dim, device=device, dtype=dtype)
+    v_cache = torch.empty_like(k_cache)
+    k_cache[tables[0].long()] = k.view(width, block_size, kv_heads, head_dim)
+    v_cache[tables[0].long()] = v.view(width, block_size, kv_heads, head_dim)
+    cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+    lens = torch.tensor([n], dtype=torch.int32, device=device)
+    return PagedPrompt(q, k, v, k_cache, v_cache, tables, cu, lens, PhaseMetadata(cu, lens, tables, n, n))
+
+
+def kernel_ms(fn: Callable[[], Any]) -> float:
+    """Median ms of ``fn`` on the GPU (the plugins' kernel rows all time this way)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=3, rep=20, return_mode="median")
+
+
+def dense_prefill_ms(prompt: PagedPrompt, scale: float, history: int = 64) -> dict[str, float]:
+    """The dense Triton prefill kernel on ``prompt``: ``dense_ms`` reads the fresh prompt's contiguous keys;
+    ``dense_paged_ms`` is the same prompt behind a ``history``-token prefix, the paged kernel that every chunk
+    after the first runs (the cache reads of a sparse kernel; ``history`` fewer query rows)."""
+    import torch
+
+    from nanovllm.attention.metadata import PhaseMetadata
+    from nanovllm.attention.triton_backend import TritonBackend
+
+    p, n = prompt, prompt.q.shape[0]
+    dense = TritonBackend()
+    dense.sdpa_prefill = False
+    dense_ms = kernel_ms(lambda: dense.prefill(p.q, p.k, p.v, p.k_cache, p.v_cache, p.meta, scale))
+    chunk_cu = torch.tensor([0, n - history], dtype=torch.int32, device=p.q.device)
+    chunk = PhaseMetadata(chunk_cu, p.context_lens, p.tables, n - history, n)
+    new = slice(history, None)
+    paged_ms = kernel_ms(lambda: dense.prefill(p.q[new], p.k[new], p.v[new], p.k_cache, p.v_cache, chunk, scale))
+    return {"dense_ms": dense_ms, "dense_paged_ms": paged_ms}
+
+
+def bench_ttft(preset: str, context: int, policy: str) -> list[dict[str, Any]]:
+    """The ``ttft`` job: the engine end to end, the time to the first token of one prompt under ``policy``,
+    KV on the GPU."""
+    from nanovllm.bench import offload
+
+    row = offload.bench_decode(preset, context, 1, 1, False, sparse_policy=policy)
+    return [{**row, "benchmark": "ttft", "policy": policy}]
+
+
+def with_ratios(results: list[dict[str, Any]], slack: float) -> list[dict[str, Any]]:
+    """Kernel rows with their target bound (``density + slack``) and, where the run timed the dense paged
+    kernel, their time over its (``ratio_paged``); TTFT rows with their speedup over ``full`` at the same
+    context."""
+    out = []
+    for r in results:
+        r = dict(r)
+        if r["benchmark"] == "kernel" and "ratio" in r:
+            r["bound"] = r["density"] + slack
+            if "dense_paged_ms" in r:
+                r["ratio_paged"] = r["sparse_ms"] / r["dense_paged_ms"]
+        elif (speedup := ttft_speedup(r, results)) is not None:
+            r["speedup"] = speedup
+        out.append(r)
+    return out
 
 
 def ttft_speedup(row: dict[str, Any], results: list[dict[str, Any]]) -> float | None:

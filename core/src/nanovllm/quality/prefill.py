@@ -114,6 +114,21 @@ def run(name: str, settings: list[str], make_policy: Callable[[dict[str, Any]], 
     return payload
 
 
+def results_table(results: list[dict[str, Any]], density_column: str) -> list[str]:
+    """The markdown table of a quality run, a row per setting: the policy's mean density, its own density
+    measure (``policy_density``, headed ``density_column``), mass recall next to the oracle's and random's,
+    top-10 recall, output error and perplexity against dense."""
+    lines = [f"| policy | density | {density_column} | mass recall | oracle | random | top-10 recall | "
+             "output error | perplexity vs dense |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        p, o, rnd = r["mean"]["policy"], r["mean"]["oracle"], r["mean"]["random"]
+        lines.append(f"| `{r['policy']}` | {p['density']:.3f} | {r['policy_density']:.3f} | {p['mass_recall']:.3f} | "
+                     f"{o['mass_recall']:.3f} | {rnd['mass_recall']:.3f} | {p['topk_recall']:.3f} | "
+                     f"{p['output_error']:.3f} | {r['ppl_vs_dense']:.4f} |")
+    return lines
+
+
 def main(argv: list[str] | None, prog: str, description: str, default_settings: list[str], default_name: str,
          run_settings: Callable[..., dict[str, Any]], markdown: Callable[[dict[str, Any]], str],
          extra_args: Callable[[Any], None] = lambda parser: None) -> int:
