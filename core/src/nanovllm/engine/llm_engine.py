@@ -62,6 +62,19 @@ def resolve_model_path(model: str | None, revision: str | None = None, download_
     return path
 
 
+def load_tokenizer(path: Path):
+    """The Hugging Face tokenizer in ``path``; one shipped as code with the checkpoint fails: it is never run."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except Exception as exc:
+        raise ModelDirectoryError(
+            f"cannot load a tokenizer from {str(path)!r}: {exc}; pass tokenizer= (a directory or hub ID of one "
+            "transformers can load), or skip_tokenizer_init=True to run on token ids only"
+        ) from exc
+
+
 class LLMEngine:
     def __init__(
         self, model: str | None = None, *, observers: SequenceABC[object] = (), **kwargs: Any
@@ -123,7 +136,7 @@ class LLMEngine:
                 f"max_num_batched_tokens={config.max_num_batched_tokens} is below max_model_len="
                 f"{self.max_model_len}; with enable_chunked_prefill=False a whole prompt must fit one step"
             )
-        self.tokenizer = self._load_tokenizer()
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(self.tokenizer_path)
         self.vocab_size = self.hf_config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, config.max_logprobs)
@@ -212,19 +225,6 @@ class LLMEngine:
         if not is_hub_id(config.tokenizer):
             raise ModelDirectoryError(f"tokenizer {config.tokenizer!r} is neither a directory nor a hub ID")
         return resolve_hub_id(config.tokenizer, config.tokenizer_revision, config.download_dir)
-
-    def _load_tokenizer(self):
-        from transformers import AutoTokenizer
-
-        if self.config.skip_tokenizer_init:
-            return None
-        try:  # a tokenizer class shipped as code with the checkpoint fails here: it is never run
-            return AutoTokenizer.from_pretrained(self.tokenizer_path, trust_remote_code=False)
-        except Exception as exc:
-            raise ModelDirectoryError(
-                f"cannot load a tokenizer from {str(self.tokenizer_path)!r}: {exc}; pass tokenizer= (a directory "
-                "or hub ID of one transformers can load), or skip_tokenizer_init=True to run on token ids only"
-            ) from exc
 
     def get_tokenizer(self):
         """The Hugging Face tokenizer the engine encodes and decodes with."""
