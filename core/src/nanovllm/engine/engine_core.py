@@ -38,6 +38,7 @@ from typing import Any
 
 import attrs
 
+from nanovllm.config import EngineConfig
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 
@@ -84,46 +85,50 @@ class EngineCore:
 
     def run(self, receive: Callable[[bool], list[tuple]], send: Callable[[tuple], None]) -> None:
         """Until told to shut down: take the commands that arrived (``receive(True)`` waits for one, when
-        there is nothing to step), step once, report."""
+        there is nothing to step), step once, report: the step, then the answers to the commands, so that an
+        answer finds the front-end's stats as recent as itself."""
         engine = self.engine
         while True:
+            answers = []
             for command in receive(not engine.has_unfinished_requests()):
                 if command[0] == "shutdown":
                     self.abort(list(self.requests))
                     return
-                self.handle(command, send)
+                answers += self.handle(command)
             if engine.has_unfinished_requests():
                 try:
                     engine.step()
                 except Exception as exc:  # the engine aborted everything and is usable again
                     failed, self.requests = list(self.requests), {}
-                    send(("error", failed, f"the engine step failed: {exc!r}"))
+                    answers.append(("error", failed, f"the engine step failed: {exc!r}"))
             send(("step", self.updates(), self.stats()))
+            for answer in answers:
+                try:
+                    send(answer)
+                except (pickle.PicklingError, TypeError, AttributeError) as exc:  # raised before anything is sent
+                    send(("result", answer[1], None, TypeError(f"call() returned what cannot be sent back: {exc}")))
 
-    def handle(self, command: tuple, send: Callable[[tuple], None]) -> None:
+    def handle(self, command: tuple) -> list[tuple]:
+        """Run one command; its answers (an error, a call's result)."""
         kind = command[0]
         if kind == "add":
             _, request_id, token_ids, params = command
             try:
                 seq = self.engine._enqueue(None, token_ids, params, request_id)
             except Exception as exc:
-                send(("error", [request_id], f"the engine could not queue request {request_id!r}: {exc!r}"))
-                return
+                return [("error", [request_id], f"the engine could not queue request {request_id!r}: {exc!r}")]
             self.requests[request_id] = [_Progress(s) for s in seq.group]
         elif kind == "abort":
             self.abort(command[1])
         elif kind == "call":
             _, call_id, fn = command
             try:
-                result = ("result", call_id, fn(self.engine), None)
+                return [("result", call_id, fn(self.engine), None)]
             except Exception as exc:
-                result = ("result", call_id, None, _picklable(exc))
-            try:
-                send(result)
-            except (pickle.PicklingError, TypeError, AttributeError) as exc:  # raised before anything is sent
-                send(("result", call_id, None, TypeError(f"call() returned what cannot be sent back: {exc}")))
+                return [("result", call_id, None, _picklable(exc))]
         else:
             raise ValueError(f"unknown engine command {kind!r}")
+        return []
 
     def abort(self, request_ids: list[str]) -> None:
         self.engine.abort_request(request_ids)
@@ -269,6 +274,8 @@ class EngineProcess:
 
         import torch
 
+        # the options' own checks at once, not after the child has started and imported everything
+        EngineConfig.from_kwargs(model, {k: v for k, v in kwargs.items() if k != "observers"})
         context = multiprocessing.get_context("spawn")
         commands_in, self._commands = context.Pipe(duplex=False)
         self._messages, messages_out = context.Pipe(duplex=False)
