@@ -264,3 +264,43 @@ def test_bench_serve_measures_every_request(server):
     env = {"device": "cpu", "date": "today", "commit": "x", "torch": "t"}
     settings = {"base_url": server, "model": MODEL, "num_prompts": 4}
     assert "| 50.0 | 4/4 |" in markdown({"environment": env, "settings": settings, "results": [r]}, "serve")
+
+
+@pytest.mark.slow
+def test_the_nanovllm_serve_command_answers_and_exits_cleanly(tmp_path):
+    """The real command in a process of its own: up, one completion, then SIGTERM stops it and its engine's process."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "nanovllm.cli", "serve", "--port", str(port), "--device", "cpu",
+               "--max-model-len", "256", "--kv-cache-memory", str(1 << 26), "--uvicorn-log-level", "warning"]
+    log = (tmp_path / "serve.log").open("w+")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 4 * TIMEOUT
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
+        out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+        assert out.choices[0].text and out.usage.completion_tokens <= 4
+        engine_processes = psutil.Process(server.pid).children(recursive=True)
+        assert any("spawn_main" in " ".join(p.cmdline()) for p in engine_processes)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        code = server.wait(TIMEOUT)
+    log.seek(0)
+    output = log.read()
+    assert code == 0 and "Traceback" not in output, output
+    assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in engine_processes)

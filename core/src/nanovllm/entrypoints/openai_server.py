@@ -508,11 +508,25 @@ def chat_logprobs(c: CompletionOutput, k: int) -> dict:
 
 def serve(llm: AsyncLLM, served_model_name: str, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, log_level: str = "info") -> None:
-    """Run the server until interrupted, then stop the engine."""
+    """Run the server until Ctrl-C or SIGTERM, then stop the engine and return."""
+    import signal
+    import threading
+
     import uvicorn
 
+    def interrupt(_signum, _frame) -> None:
+        raise KeyboardInterrupt
+
     app = build_app(llm, served_model_name, api_key)
+    # uvicorn stops gracefully on either signal, then raises it again once its own handlers are gone: SIGTERM
+    # then ends the server as Ctrl-C does, so that the engine is shut down before the process exits
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, interrupt) if main else None
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level)
+    except KeyboardInterrupt:
+        pass
     finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
         llm.shutdown()
