@@ -75,6 +75,20 @@ def load_tokenizer(path: Path):
         ) from exc
 
 
+# vLLM arguments for features nanovllm does not have: accepted as None, a clear error otherwise
+_UNSUPPORTED_ARGUMENTS = {
+    "lora_request": "nanovllm has no LoRA support; merge the adapter into the model's weights and load that",
+    "mm_processor_kwargs": "nanovllm has no multimodal support: it runs text-only models",
+}
+
+
+def _check_unsupported(**arguments: object) -> None:
+    for name, value in arguments.items():
+        if value is not None:
+            raise ValueError(f"{name}={value!r:.80} is not supported: {_UNSUPPORTED_ARGUMENTS[name]}; leave {name} "
+                             "unset (None)")
+
+
 class LLMEngine:
     def __init__(
         self, model: str | None = None, *, observers: SequenceABC[object] = (), **kwargs: Any
@@ -471,12 +485,15 @@ class LLMEngine:
         prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: object = None,
     ) -> list[RequestOutput]:
-        """Generate a completion for each prompt; outputs come back in prompt order.
+        """Generate a completion for each prompt; outputs come back in prompt order. ``lora_request`` is
+        vLLM's and must stay None: nanovllm runs no LoRA adapters.
 
         Under ``torchrun`` (``distributed_executor_backend="external_launcher"``) every rank calls this with
         the same arguments: rank 0 runs the call, the others follow its steps, and every rank returns
         rank 0's outputs (or raises when rank 0 did)."""
+        _check_unsupported(lora_request=lora_request)
         if not self._external or tp_size() == 1:
             return self._generate(prompts, sampling_params, use_tqdm)
         if self._stopped_reason is not None:
@@ -549,6 +566,7 @@ class LLMEngine:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: object = None,
         *,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
@@ -556,11 +574,15 @@ class LLMEngine:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply a chat template (the tokenizer's, or ``chat_template``) to one conversation or a list of
         them, then generate; each output's ``prompt`` is the rendered text. The options are vLLM's:
         ``chat_template_kwargs`` are extra template variables (e.g. Qwen3's ``enable_thinking``),
-        ``continue_final_message`` extends the last (assistant) message instead of starting a new one."""
+        ``continue_final_message`` extends the last (assistant) message instead of starting a new one.
+        ``lora_request`` and ``mm_processor_kwargs`` must stay None: nanovllm runs no LoRA adapters and no
+        multimodal models."""
+        _check_unsupported(lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
         if not messages or not isinstance(messages, list):
             raise ValueError("messages must be a conversation (list of {'role', 'content'} dicts) or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else messages
