@@ -91,6 +91,8 @@ class OutputStream:
         self.first = seq.group[0]
         self.kind = seq.sampling_params.output_kind
         self.completions = [CompletionStream(s) for s in seq.group]
+        # one list for every output before the last: copying the prompt per token would cost O(prompt) each
+        self.prompt_token_ids = self.first.token_ids[: self.first.num_prompt_tokens]
 
     @property
     def finished(self) -> bool:
@@ -108,8 +110,7 @@ class OutputStream:
             out = builder.output(self.first)
         else:
             first = self.first
-            out = RequestOutput(first.request_id, first.prompt_text, first.token_ids[: first.num_prompt_tokens], [],
-                                first.num_cached_tokens)
+            out = RequestOutput(first.request_id, first.prompt_text, self.prompt_token_ids, [], first.num_cached_tokens)
         out.outputs = changed if self.kind == RequestOutputKind.DELTA else [s.last for s in self.completions if s.last]
         return out
 
@@ -124,6 +125,7 @@ class CompletionStream:
         self.read_offset = seq.num_prompt_tokens  # tokens before this are in ``text``
         self.text = ""  # the completion text decoded so far
         self.logprobs: list[dict[int, Logprob]] = []  # converted once per token, with logprobs=k
+        self.cumulative_logprob = 0.0  # their sum, added in order as sum() would
         self.num_tokens_seen = 0
         self.num_tokens_sent = 0  # what DELTA outputs already returned
         self.num_chars_sent = 0
@@ -133,7 +135,8 @@ class CompletionStream:
         self.holdback = max(map(len, stops)) - 1 if stops else 0
 
     def poll(self, builder: OutputBuilder) -> CompletionOutput | None:
-        """This completion's news since the last poll (cut to the new part for DELTA), or None."""
+        """This completion's news since the last poll (cut to the new part for DELTA), or None. Before the
+        last, only what is returned is copied: a DELTA output costs what is new, not all so far."""
         seq = self.seq
         if seq.is_finished:
             if self.done:
@@ -146,15 +149,22 @@ class CompletionStream:
             return None
         self.num_tokens_seen = num_tokens
         self._decode(builder, ids)
-        if seq.sampling_params.logprobs is not None:
-            self.logprobs += builder.logprob_dicts(seq.logprobs[len(self.logprobs) :])
-        text = self.text[: len(self.text) - self.holdback] if self.holdback else self.text
-        logprobs = cumulative = None
-        if seq.sampling_params.logprobs is not None:
-            logprobs = list(self.logprobs)
-            cumulative = sum(lps[0] for _, lps, _ in seq.logprobs)
-        return self._send(CompletionOutput(seq.index, text, ids[seq.num_prompt_tokens :], None, None, cumulative,
-                                           logprobs))
+        with_logprobs = seq.sampling_params.logprobs is not None
+        if with_logprobs:
+            new = seq.logprobs[len(self.logprobs) :]
+            self.logprobs += builder.logprob_dicts(new)
+            for _, lps, _ in new:
+                self.cumulative_logprob += lps[0]
+        shown = max(0, len(self.text) - self.holdback)  # a stop string may still begin in the rest
+        tokens, chars = (self.num_tokens_sent, self.num_chars_sent) if self.kind == RequestOutputKind.DELTA else (0, 0)
+        completion = CompletionOutput(seq.index, self.text[chars:shown], ids[seq.num_prompt_tokens + tokens :], None,
+                                      None, self.cumulative_logprob if with_logprobs else None,
+                                      self.logprobs[tokens:] if with_logprobs else None)
+        if self.kind == RequestOutputKind.DELTA:
+            self.num_tokens_sent, self.num_chars_sent = num_tokens, shown
+        else:
+            self.last = completion
+        return completion
 
     def _decode(self, builder: OutputBuilder, ids: list[int]) -> None:
         if builder.tokenizer is None:
