@@ -163,3 +163,13 @@ def test_async_llm_streams_aborts_and_stays_usable(llm, reference):
     assert first.outputs[0].token_ids == reference[1].token_ids[:1]
     assert again[-1].outputs[0].text == reference[0].text
     assert_clean(llm)
+
+
+def test_delta_never_streams_the_start_of_a_stop_string(llm, reference):
+    """A stop string longer than the text so far holds all of it back (none of it may be streamed)."""
+    text = reference[0].outputs[0].text
+    stop = text[: len(text.split()[0]) + 5]  # the first word and the start of the next: longer than one token's text
+    llm.add_request("held", PROMPTS[0], greedy(stop=[stop], output_kind=RequestOutputKind.DELTA))
+    outputs = run_all(llm)
+    assert "".join(o.outputs[0].text for o in outputs) == "" and outputs[-1].outputs[0].stop_reason == stop
+    assert_clean(llm)

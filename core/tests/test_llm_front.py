@@ -370,3 +370,14 @@ def test_chat_errors(llm, messages, kw, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
         llm.chat(messages, GREEDY, use_tqdm=False, **kw)
     assert_idle(llm)
+
+
+def test_lora_and_multimodal_arguments_are_accepted_as_none_and_refused_otherwise(llm):
+    assert llm.chat(USER, GREEDY, False, None, mm_processor_kwargs=None)[0].outputs[0].token_ids
+    assert llm.generate("tok3", GREEDY, False, None)[0].outputs[0].token_ids
+    for call, kw, words in ((llm.chat, dict(lora_request=object()), "lora_request=.* nanovllm has no LoRA support"),
+                            (llm.generate, dict(lora_request="adapter"), "lora_request='adapter' is not supported"),
+                            (llm.chat, dict(mm_processor_kwargs={"fps": 1}), "nanovllm has no multimodal support")):
+        with pytest.raises(ValueError, match=words):
+            call(USER if call == llm.chat else "tok3", GREEDY, use_tqdm=False, **kw)
+    assert_idle(llm)

@@ -1,5 +1,6 @@
 """The OpenAI-compatible server, through the real ``openai`` client, against one live server on 127.0.0.1
-(a free port) with the built-in model on the CPU. Every wait is bounded."""
+(a free port) with the built-in model on the CPU, its engine in a process of its own (AsyncLLM's default).
+Every wait is bounded."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def server(llm, reference):
     from nanovllm import AsyncLLM
     from nanovllm.entrypoints.openai_server import build_app
 
-    engine = AsyncLLM.from_engine(llm)
+    engine = AsyncLLM(max_model_len=256, device="cpu", kv_cache_memory=1 << 26)  # the same engine as llm's
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -66,11 +67,16 @@ def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
 
 
-def wait_idle(llm) -> None:
-    """Every request gone and every block back, within the timeout."""
-    bm = llm.scheduler.block_manager
+def metrics(server) -> dict[str, float]:
+    text = httpx.get(f"{server}/metrics", timeout=TIMEOUT).text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+
+
+def wait_idle(server) -> None:
+    """Every request gone and every block back (as the engine's latest step reports), within the timeout."""
     deadline = time.monotonic() + TIMEOUT
-    while llm.has_unfinished_requests() or bm.num_free_blocks != len(bm.blocks):
+    while any(metrics(server)[f"nanovllm:{name}"] for name in
+              ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")):
         assert time.monotonic() < deadline, "requests or blocks were left behind"
         time.sleep(0.05)
 
@@ -93,7 +99,7 @@ def test_models_health_tokenize(client, server, llm):
     assert chat["tokens"] == llm.tokenizer.encode(rendered, add_special_tokens=False)
 
 
-def test_completion_matches_offline_and_streams_the_same(client, reference, llm):
+def test_completion_matches_offline_and_streams_the_same(client, reference, server):
     done = client.completions.create(prompt=PROMPT, **greedy())
     assert done.choices[0].text == reference.text and done.choices[0].finish_reason == "length"
     assert done.usage.completion_tokens == 12 and done.usage.prompt_tokens == len(reference.prompt_token_ids)
@@ -104,10 +110,10 @@ def test_completion_matches_offline_and_streams_the_same(client, reference, llm)
     assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
     two = client.completions.create(prompt=[reference.prompt_token_ids, reference.prompt_token_ids], **greedy())
     assert [c.index for c in two.choices] == [0, 1] and {c.text for c in two.choices} == {reference.text}
-    wait_idle(llm)
+    wait_idle(server)
 
 
-def test_chat_streaming_and_not_agree(client, llm):
+def test_chat_streaming_and_not_agree(client, server):
     messages = [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]
     done = client.chat.completions.create(messages=messages, **greedy())
     message = done.choices[0].message
@@ -116,10 +122,10 @@ def test_chat_streaming_and_not_agree(client, llm):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
     assert chunks[-1].choices[0].finish_reason == "length"
-    wait_idle(llm)
+    wait_idle(server)
 
 
-def test_chat_renders_as_llm_chat_does_tools_included(client, llm):
+def test_chat_renders_as_llm_chat_does_tools_included(client, server, llm):
     """The server's chat prompt is LLM.chat's rendering (nanovllm.chat_utils), with tools and template kwargs."""
     from nanovllm.chat_utils import ChatOptions, render
 
@@ -128,16 +134,15 @@ def test_chat_renders_as_llm_chat_does_tools_included(client, llm):
     done = client.chat.completions.create(messages=messages, tools=tools, **greedy(max_tokens=2))
     (text,) = render(llm.get_tokenizer(), [messages], ChatOptions(tools=tools))
     assert done.usage.prompt_tokens == len(llm.get_tokenizer().encode(text, add_special_tokens=False))
-    wait_idle(llm)
+    wait_idle(server)
     # SmolLM2's template ignores tools: a template that shows them proves they reach it
     import copy
-    from types import SimpleNamespace
 
     from nanovllm.entrypoints.openai_server import render_chat
 
     tokenizer = copy.deepcopy(llm.get_tokenizer())
     tokenizer.chat_template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ messages[0].content }}"
-    ids = render_chat(SimpleNamespace(tokenizer=tokenizer), messages, False, tools=tools)
+    ids = render_chat(tokenizer, messages, False, tools=tools)
     assert tokenizer.decode(ids) == "[weather]What is the weather in Paris?"
 
 
@@ -173,7 +178,7 @@ def test_logprobs(client, reference):
     assert chat.choices[0].message.content.startswith(content[0].token + content[1].token)
 
 
-def test_32_concurrent_streams_all_answered(server, llm):
+def test_32_concurrent_streams_all_answered(server):
     async def one(client, i):
         text, finish = "", None
         stream = await client.completions.create(prompt=f"Count to {i}:", stream=True, **greedy(max_tokens=4))
@@ -189,20 +194,20 @@ def test_32_concurrent_streams_all_answered(server, llm):
 
     results = asyncio.run(main())
     assert len(results) == 32 and all(text and finish == "length" for text, finish in results)
-    wait_idle(llm)
+    wait_idle(server)
 
 
-def test_disconnect_mid_stream_aborts_and_leaks_no_block(server, llm):
+def test_disconnect_mid_stream_aborts_and_leaks_no_block(server):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=TIMEOUT) as response:
         lines = response.iter_lines()
         first = next(line for line in lines if line.startswith("data:"))
         assert json.loads(first[5:])["choices"][0]["finish_reason"] is None
-        assert llm.has_unfinished_requests()
-    wait_idle(llm)  # long before 200 tokens could have been generated
+        assert metrics(server)["nanovllm:num_requests_running"] == 1
+    wait_idle(server)  # long before 200 tokens could have been generated
 
 
-def test_bad_requests_get_openai_shaped_errors(client, server, llm):
+def test_bad_requests_get_openai_shaped_errors(client, server):
     with pytest.raises(openai.NotFoundError, match="no-such-model"):
         client.completions.create(model="no-such-model", prompt=PROMPT)
     with pytest.raises(openai.BadRequestError, match="'frobnicate'"):
@@ -218,14 +223,13 @@ def test_bad_requests_get_openai_shaped_errors(client, server, llm):
         client.completions.create(prompt=PROMPT, echo=True, **greedy())
     response = httpx.get(f"{server}/v1/nothing-here", timeout=TIMEOUT)
     assert response.status_code == 404 and response.json()["error"]["code"] == 404
-    wait_idle(llm)
+    wait_idle(server)
     assert client.completions.create(prompt=PROMPT, **greedy(max_tokens=2)).usage.completion_tokens == 2
 
 
 def test_metrics(server, client):
     client.completions.create(prompt=PROMPT, **greedy(max_tokens=3))
-    text = httpx.get(f"{server}/metrics", timeout=TIMEOUT).text
-    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+    values = metrics(server)
     assert values["nanovllm:num_requests_running"] == 0 and values["nanovllm:num_requests_waiting"] == 0
     assert values["nanovllm:kv_cache_usage_perc"] == 0
     assert values["nanovllm:time_to_first_token_seconds_count"] >= 1
@@ -260,3 +264,43 @@ def test_bench_serve_measures_every_request(server):
     env = {"device": "cpu", "date": "today", "commit": "x", "torch": "t"}
     settings = {"base_url": server, "model": MODEL, "num_prompts": 4}
     assert "| 50.0 | 4/4 |" in markdown({"environment": env, "settings": settings, "results": [r]}, "serve")
+
+
+@pytest.mark.slow
+def test_the_nanovllm_serve_command_answers_and_exits_cleanly(tmp_path):
+    """The real command in a process of its own: up, one completion, then SIGTERM stops it and its engine's process."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "nanovllm.cli", "serve", "--port", str(port), "--device", "cpu",
+               "--max-model-len", "256", "--kv-cache-memory", str(1 << 26), "--uvicorn-log-level", "warning"]
+    log = (tmp_path / "serve.log").open("w+")
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 4 * TIMEOUT
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
+        out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+        assert out.choices[0].text and out.usage.completion_tokens <= 4
+        engine_processes = psutil.Process(server.pid).children(recursive=True)
+        assert any("spawn_main" in " ".join(p.cmdline()) for p in engine_processes)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        code = server.wait(TIMEOUT)
+    log.seek(0)
+    output = log.read()
+    assert code == 0 and "Traceback" not in output, output
+    assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in engine_processes)

@@ -357,7 +357,7 @@ def test_bad_requests_leave_the_engine_usable(llm, monkeypatch):
                      (dict(truncate_prompt_tokens=600), "truncate_prompt_tokens")):
         with pytest.raises(ValueError, match=hint):
             run(llm, **kw)
-    monkeypatch.setattr(llm, "tokenizer", None)
+    monkeypatch.setattr(llm.input_processor, "tokenizer", None)  # the engine's checks, as without a tokenizer
     with pytest.raises(ValueError, match="bad_words needs a tokenizer"):
         run(llm, bad_words=["tok5"])
     monkeypatch.undo()

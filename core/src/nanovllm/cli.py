@@ -81,7 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
     from nanovllm import AsyncLLM
     from nanovllm.default_model import DEFAULT_MODEL
 
-    llm = AsyncLLM(args.model, **engine_kwargs(args))
+    llm = AsyncLLM(args.model, engine_process=args.engine_process, **engine_kwargs(args))
     name = args.served_model_name or args.model or DEFAULT_MODEL
     serve(llm, name, args.host, args.port, args.api_key, args.uvicorn_log_level)
     return 0
@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: MODEL)")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug", "trace"))
+    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                       help="run the engine in a process of its own, apart from HTTP and detokenization "
+                       "(default: yes, unless the environment has NANOVLLM_ENGINE_PROCESS=0)")
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
 

@@ -1,67 +1,186 @@
 """``AsyncLLM``: the engine behind an asyncio API, with vLLM's name.
 
-The engine runs on its own thread, which owns it: requests, aborts and any other engine work reach it as
-commands through a queue and run between steps, so the event loop never waits on the model and the engine
-is never touched by two threads at once. Outputs go back to the loop once per step.
+The engine runs in a child process of its own (the default), or on a thread of this process
+(``engine_process=False`` or ``NANOVLLM_ENGINE_PROCESS=0``; always for ``from_engine``); see
+:mod:`nanovllm.engine.engine_core` for the commands and messages between the two. Either way this side, the
+front-end, checks and tokenizes a request before sending it (a bad request raises here, with the errors of
+``LLM.generate``), mirrors each live request's sequences from the engine's per-step messages, and builds the
+outputs from the mirror with the step API's :class:`OutputStream` (incremental text, stop-string hold-back,
+``output_kind``), so they are the step API's outputs. They reach the event loop once per engine step.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import queue
-import threading
+import os
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
-from nanovllm.engine.llm_engine import LLMEngine, Prompt
+from nanovllm.engine.engine_core import EngineProcess, EngineThread, SchedulerStats
+from nanovllm.engine.input_processor import InputProcessor, Prompt
+from nanovllm.engine.llm_engine import LLMEngine, load_tokenizer
+from nanovllm.engine.output_stream import OutputBuilder, OutputStream
+from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 T = TypeVar("T")
-_STOP = object()
+ENGINE_PROCESS_ENV = "NANOVLLM_ENGINE_PROCESS"  # "0": AsyncLLM runs the engine on a thread of this process
+_ABORTED = object()  # put in a request's queue by abort(): its generator ends
 
 
 def is_finished(output: RequestOutput) -> bool:
     return all(c.finish_reason is not None for c in output.outputs)
 
 
-class AsyncLLM:
-    """``AsyncLLM(model=None, **config)`` takes what ``LLM`` takes; ``AsyncLLM.from_engine(engine)`` wraps an
-    engine already built. Use it from one event loop; ``shutdown()`` stops the engine thread."""
+def engine_process_default() -> bool:
+    """Whether ``AsyncLLM`` runs its engine in a process of its own when not told: yes, unless
+    ``NANOVLLM_ENGINE_PROCESS=0``."""
+    value = os.environ.get(ENGINE_PROCESS_ENV, "1").strip().lower()
+    if value not in ("0", "1", "false", "true"):
+        raise ValueError(f"{ENGINE_PROCESS_ENV}={value!r}: use 1 (the engine in its own process) or 0 (on a thread)")
+    return value in ("1", "true")
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self._setup(LLMEngine(model, **kwargs))
+
+class _Request:
+    """A live request on the front-end: its mirrored sequences, their output stream, the outputs' queue."""
+
+    __slots__ = ("seqs", "stream", "queue")
+
+    def __init__(self, request_id: str, prompt_text: str | None, token_ids: list[int], params: SamplingParams):
+        first = Sequence(token_ids, params, request_id, prompt_text)
+        for index in range(1, params.n):
+            sibling = Sequence(token_ids, params, request_id, prompt_text)
+            sibling.index, sibling.group, sibling.prompt_logprobs = index, first.group, None
+            first.group.append(sibling)
+        self.seqs = first.group
+        self.stream = OutputStream(first)
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+
+class OutputProcessor:
+    """The front-end's state, used on the event loop only: live requests, calls waiting for their result, the
+    engine's latest scheduler stats, and why the engine stopped (None while it runs)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.builder = OutputBuilder(tokenizer)
+        self.requests: dict[str, _Request] = {}
+        self.calls: dict[int, asyncio.Future] = {}
+        self.stats = SchedulerStats()
+        self.closed: str | None = None
+
+    def handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "step":
+            self._apply(message[1])
+            self.stats = message[2]
+        elif kind == "error":
+            _, request_ids, text = message
+            for request_id in request_ids:
+                if (request := self.requests.get(request_id)) is not None:
+                    request.queue.put_nowait(RuntimeError(text))
+        elif kind == "result":
+            _, call_id, value, error = message
+            future = self.calls.pop(call_id, None)
+            if future is not None and not future.done():
+                future.set_result(value) if error is None else future.set_exception(error)
+        elif kind == "closed":
+            self.closed = message[1]
+            for request in self.requests.values():
+                request.queue.put_nowait(RuntimeError(self.closed))
+            for future in self.calls.values():
+                if not future.done():
+                    future.set_exception(RuntimeError(self.closed))
+            self.calls.clear()
+
+    def _apply(self, updates: list[tuple]) -> None:
+        """Bring the mirrors up to date, then poll each request that changed once, as the step API does."""
+        changed = {}
+        for request_id, index, token_ids, logprobs, first_time, last_time, num_cached, finish in updates:
+            request = self.requests.get(request_id)
+            if request is None:  # its consumer left; the abort is on its way
+                continue
+            seq = request.seqs[index]
+            seq.token_ids += token_ids
+            if logprobs:
+                seq.logprobs += logprobs
+            seq.first_token_time, seq.last_token_time, seq.num_cached_tokens = first_time, last_time, num_cached
+            if finish is not None:
+                seq.finish_reason, seq.stop_reason, seq.finished_time, prompt_logprobs = finish
+                seq.status = SequenceStatus.FINISHED
+                if index == 0:
+                    seq.prompt_logprobs = prompt_logprobs
+            changed[request_id] = request
+        for request in changed.values():
+            out = request.stream.poll(self.builder)
+            if out is not None:
+                request.queue.put_nowait(out)
+
+
+class AsyncLLM:
+    """``AsyncLLM(model=None, engine_process=None, **config)`` takes what ``LLM`` takes; the engine runs in a
+    process of its own unless ``engine_process=False`` (default: ``NANOVLLM_ENGINE_PROCESS``, else True).
+    ``AsyncLLM.from_engine(engine)`` wraps an engine already built, on a thread. Use it from one event loop;
+    ``shutdown()`` (or garbage collection) stops the engine."""
+
+    def __init__(self, model: str | None = None, *, engine_process: bool | None = None, **kwargs: Any) -> None:
+        if engine_process is None:
+            engine_process = engine_process_default()
+        self._setup(EngineProcess(model, kwargs) if engine_process else EngineThread(LLMEngine(model, **kwargs)))
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> AsyncLLM:
         self = cls.__new__(cls)
-        self._setup(engine)
+        self._setup(EngineThread(engine))
         return self
 
-    def _setup(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._queues: dict[str, asyncio.Queue] = {}  # per live request: its outputs, or the error that ended it
+    def _setup(self, core: EngineProcess | EngineThread) -> None:
+        self._core = core
+        self._finalizer = weakref.finalize(self, core.shutdown)  # holds the core, never self
+        info = core.info
+        # the front-end's own tokenizer: on a thread, the engine's is in use by the engine thread
+        self.tokenizer = None if info.tokenizer_path is None else load_tokenizer(Path(info.tokenizer_path))
+        self.max_model_len, self.vocab_size = info.max_model_len, info.vocab_size
+        self._inputs = InputProcessor(self.tokenizer, info.vocab_size, info.max_model_len, info.max_logprobs)
+        self._outputs = OutputProcessor(self.tokenizer)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stopped = False
+        self._next_call = 0
 
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    def engine(self) -> LLMEngine:
+        """The engine, when it runs on a thread of this process."""
+        if not isinstance(self._core, EngineThread):
+            raise AttributeError("the engine runs in a process of its own (engine_process=True); reach it with "
+                                 "call(fn), or make the AsyncLLM with engine_process=False")
+        return self._core.engine
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """Running and waiting requests and KV cache usage, as of the engine's latest step."""
+        return self._outputs.stats
 
     # -- the asyncio side ---------------------------------------------------------------------------
 
     def _start(self) -> None:
         loop = asyncio.get_running_loop()
-        if self._stopped:
+        if self._outputs.closed is not None:
+            raise RuntimeError(self._outputs.closed)
+        if not self._finalizer.alive:
             raise RuntimeError("this AsyncLLM was shut down; make a new one")
-        if self._thread is None:
+        if self._loop is None:
             self._loop = loop
-            self._thread = threading.Thread(target=self._run, name="nanovllm-engine", daemon=True)
-            self._thread.start()
+            handle = self._outputs.handle  # the engine's threads hold these, never self (garbage collection)
+
+            def post(message: tuple) -> None:
+                try:
+                    loop.call_soon_threadsafe(handle, message)
+                except RuntimeError:  # the loop is closed: nobody is left to receive it
+                    pass
+
+            self._core.start(post)
         elif loop is not self._loop:
             raise RuntimeError("an AsyncLLM serves the event loop it was first used from; make one per loop")
 
@@ -69,105 +188,64 @@ class AsyncLLM:
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs as ``sampling_params.output_kind`` asks, the last one
-        finished. A bad request raises here, from the engine's checks. Closing the generator early (or
+        finished. A bad request raises here, before it reaches the engine. Closing the generator early (or
         cancelling its consumer) aborts the request and frees its blocks."""
         self._start()
-        request_id = request_id if request_id is not None else uuid.uuid4().hex
-        if request_id in self._queues:
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        elif not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id must be a non-empty string, got {request_id!r}")
+        requests = self._outputs.requests
+        if request_id in requests:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request; "
                              "give each request a unique id")
-        params = sampling_params or SamplingParams()
-        outputs: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = outputs
-        self._commands.put(lambda: self._add(request_id, prompt, params))
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._inputs.process(prompt, params)
+        self._core.send(("add", request_id, token_ids, params))
+        request = requests[request_id] = _Request(request_id, text, token_ids, params)
         finished = False
         try:
             while not finished:
-                item = await outputs.get()
+                item = await request.queue.get()
+                if item is _ABORTED:
+                    return
                 if isinstance(item, BaseException):
                     finished = True  # the engine dropped it already
                     raise item
                 finished = is_finished(item)
                 yield item
         finally:
-            del self._queues[request_id]
-            if not finished:
-                self._commands.put(lambda: self.engine.abort_request(request_id))
+            if requests.get(request_id) is request:
+                del requests[request_id]
+                if not finished and self._outputs.closed is None:
+                    self._core.send(("abort", [request_id]))
 
     async def abort(self, request_id: str | list[str]) -> None:
-        """Abort requests (their generators end with no further output); unknown ids are ignored."""
+        """Abort requests: their generators end with no further output. Unknown ids are ignored."""
+        self._start()
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        await self.call(lambda engine: engine.abort_request(ids))
+        for rid in ids:
+            if (request := self._outputs.requests.pop(rid, None)) is not None:
+                request.queue.put_nowait(_ABORTED)
+        self._core.send(("abort", ids))
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run ``fn(engine)`` on the engine thread between steps (e.g. to use its tokenizer)."""
+        """Run ``fn(engine)`` where the engine runs, between steps, and return its result. With the engine in
+        its own process, ``fn`` and its result are pickled: use a module-level function, not a lambda."""
         self._start()
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def command() -> None:
-            try:
-                future.set_result(fn(self.engine))
-            except Exception as exc:
-                future.set_exception(exc)
-
-        self._commands.put(command)
-        return await asyncio.wrap_future(future)
+        call_id, self._next_call = self._next_call, self._next_call + 1
+        try:
+            self._core.send(("call", call_id, fn))
+        except Exception as exc:  # pickling: what fails depends on the object
+            raise TypeError(f"call() sends fn to the engine's process, so it must be picklable (a module-level "
+                            f"function, not a lambda or closure): {exc}; or use engine_process=False") from None
+        future = self._outputs.calls[call_id] = asyncio.get_running_loop().create_future()
+        return await future
 
     def shutdown(self, timeout: float = 60.0) -> None:
-        """Abort what is left, stop the engine thread, and close the engine (its tensor-parallel workers)."""
-        self._stopped = True
-        if self._thread is not None:
-            self._commands.put(_STOP)
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                raise RuntimeError(f"the engine thread did not stop within {timeout} s")
-        self.engine.close()
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            target = self._queues.get(out.request_id)
-            if target is not None:  # else its consumer left; the abort is on its way
-                target.put_nowait(out)
-
-    def _fail(self, request_ids: list[str], exc: BaseException) -> None:
-        for request_id in request_ids:
-            target = self._queues.get(request_id)
-            if target is not None:
-                target.put_nowait(exc)
-
-    # -- the engine thread --------------------------------------------------------------------------
-
-    def _post(self, fn: Callable, *args: Any) -> None:
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed: nobody is left to receive it
-            pass
-
-    def _add(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
-        try:
-            self.engine.add_request(request_id, prompt, params)
-        except Exception as exc:
-            self._post(self._fail, [request_id], exc)
-
-    def _run(self) -> None:
-        engine = self.engine
-        while True:
-            # Wait for work when idle; between steps, take whatever arrived without waiting.
-            commands = [self._commands.get()] if not engine.has_unfinished_requests() else []
-            while not self._commands.empty():
-                commands.append(self._commands.get())
-            for command in commands:
-                if command is _STOP:
-                    engine.abort_request([s.request_id for s in (*engine.scheduler.running, *engine.scheduler.waiting)])
-                    return
-                command()
-            if not engine.has_unfinished_requests():
-                continue
-            request_ids = list(engine._streams)
-            try:
-                outputs = engine.step()
-            except Exception as exc:  # the engine aborted everything and is usable again
-                self._post(self._fail, request_ids, RuntimeError(f"the engine step failed: {exc!r}"))
-                continue
-            if outputs:
-                self._post(self._deliver, outputs)
+        """Abort what is left and stop the engine (its process, or its thread, then close it); requests still
+        waiting for outputs end with an error."""
+        self._finalizer.detach()
+        self._core.shutdown(timeout)

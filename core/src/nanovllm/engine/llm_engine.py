@@ -17,21 +17,20 @@ from nanovllm.default_model import default_model_dir, is_default_model
 from nanovllm.distributed import (
     broadcast_control, destroy_tensor_parallel, init_tensor_parallel, torchrun_ranks, tp_rank, tp_size,
 )
+from nanovllm.engine.input_processor import InputProcessor, Prompt
 from nanovllm.engine.loader import ModelDirectoryError, read_config_json
 from nanovllm.engine.model_runner import LaunchedStep, ModelRunner, resolve_device
-from nanovllm.engine.output_stream import OutputStream
+from nanovllm.engine.output_stream import OutputBuilder, OutputStream
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
+from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.engine.tp_workers import RunnerSpec, TPWorkers
 from nanovllm.hub import is_hub_id, resolve_hub_id
-from nanovllm.inputs import UNSUPPORTED_PROMPT_KEYS, TokensPrompt
-from nanovllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanovllm.inputs import TokensPrompt
+from nanovllm.outputs import RequestOutput
 from nanovllm.plugins import get_plugins, load_registered
 from nanovllm.presets import is_preset, preset_dir
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.selection import resolve_attention_backend, resolve_observer, resolve_policies
-
-Prompt = str | list[int] | dict
 
 
 def names_hub_model(model: str | None) -> bool:
@@ -61,6 +60,33 @@ def resolve_model_path(model: str | None, revision: str | None = None, download_
             "Face-format directories and hub models; leave model unset for the built-in SmolLM2-135M-Instruct"
         )
     return path
+
+
+def load_tokenizer(path: Path):
+    """The Hugging Face tokenizer in ``path``; one shipped as code with the checkpoint fails: it is never run."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except Exception as exc:
+        raise ModelDirectoryError(
+            f"cannot load a tokenizer from {str(path)!r}: {exc}; pass tokenizer= (a directory or hub ID of one "
+            "transformers can load), or skip_tokenizer_init=True to run on token ids only"
+        ) from exc
+
+
+# vLLM arguments for features nanovllm does not have: accepted as None, a clear error otherwise
+_UNSUPPORTED_ARGUMENTS = {
+    "lora_request": "nanovllm has no LoRA support; merge the adapter into the model's weights and load that",
+    "mm_processor_kwargs": "nanovllm has no multimodal support: it runs text-only models",
+}
+
+
+def _check_unsupported(**arguments: object) -> None:
+    for name, value in arguments.items():
+        if value is not None:
+            raise ValueError(f"{name}={value!r:.80} is not supported: {_UNSUPPORTED_ARGUMENTS[name]}; leave {name} "
+                             "unset (None)")
 
 
 class LLMEngine:
@@ -124,9 +150,11 @@ class LLMEngine:
                 f"max_num_batched_tokens={config.max_num_batched_tokens} is below max_model_len="
                 f"{self.max_model_len}; with enable_chunked_prefill=False a whole prompt must fit one step"
             )
-        self.tokenizer = self._load_tokenizer()
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(self.tokenizer_path)
         self.vocab_size = self.hf_config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
+        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, config.max_logprobs)
+        self.output_builder = OutputBuilder(self.tokenizer)
         model_cls = load_registered(families[arch].target, families[arch].dist, f"model family {arch!r}")
         self._check_tensor_parallel()
         self._workers: TPWorkers | None = None
@@ -212,19 +240,6 @@ class LLMEngine:
             raise ModelDirectoryError(f"tokenizer {config.tokenizer!r} is neither a directory nor a hub ID")
         return resolve_hub_id(config.tokenizer, config.tokenizer_revision, config.download_dir)
 
-    def _load_tokenizer(self):
-        from transformers import AutoTokenizer
-
-        if self.config.skip_tokenizer_init:
-            return None
-        try:  # a tokenizer class shipped as code with the checkpoint fails here: it is never run
-            return AutoTokenizer.from_pretrained(self.tokenizer_path, trust_remote_code=False)
-        except Exception as exc:
-            raise ModelDirectoryError(
-                f"cannot load a tokenizer from {str(self.tokenizer_path)!r}: {exc}; pass tokenizer= (a directory "
-                "or hub ID of one transformers can load), or skip_tokenizer_init=True to run on token ids only"
-            ) from exc
-
     def get_tokenizer(self):
         """The Hugging Face tokenizer the engine encodes and decodes with."""
         if self.tokenizer is None:
@@ -245,66 +260,6 @@ class LLMEngine:
         return ids
 
     # -- requests -----------------------------------------------------------------------------------
-
-    def _tokenize(self, prompt: Prompt, index: int) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            prompt = self._unpack_prompt_dict(prompt, index)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"prompt {index} is text, but this engine has no tokenizer; pass token ids")
-            if not prompt:
-                raise ValueError(f"prompt {index} is empty; give at least one character or token")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, SequenceABC) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt {index} has token id(s) outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
-                )
-            return None, list(prompt)
-        raise TypeError(f"prompt {index} must be a string, a list of token ids or a dict, not {prompt!r:.80}")
-
-    @staticmethod
-    def _unpack_prompt_dict(prompt: dict, index: int) -> str | list[int]:
-        """A :class:`~nanovllm.inputs.TextPrompt` or :class:`~nanovllm.inputs.TokensPrompt` to its text or ids."""
-        for key in prompt:
-            if key in UNSUPPORTED_PROMPT_KEYS:
-                raise ValueError(f"prompt {index} has {key!r}, which is not supported: {UNSUPPORTED_PROMPT_KEYS[key]}")
-            if key not in ("prompt", "prompt_token_ids"):
-                raise ValueError(f"prompt {index} has an unknown key {key!r}; a dict prompt needs 'prompt' or "
-                                 "'prompt_token_ids' (a TextPrompt or a TokensPrompt)")
-        if len(prompt) != 1:
-            raise ValueError(f"prompt {index}: a dict prompt needs 'prompt' or 'prompt_token_ids' (a TextPrompt or "
-                             "a TokensPrompt), exactly one of them")
-        if "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
-        return prompt["prompt"]
-
-    def _check_length(self, token_ids: list[int], index: int) -> None:
-        if not token_ids:
-            raise ValueError(f"prompt {index} is empty; give at least one token")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt {index} has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, which "
-                "must leave room for at least one generated token. Shorten the prompt or raise max_model_len"
-            )
-
-    def _check_logprobs(self, params: SamplingParams, index: int) -> None:
-        limit = self.vocab_size if self.config.max_logprobs == -1 else self.config.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            wanted = getattr(params, name)
-            if wanted is None:
-                continue
-            if wanted > self.vocab_size:
-                raise ValueError(
-                    f"request {index} asks for {name}={wanted}, more than the vocabulary's {self.vocab_size} "
-                    f"tokens; ask for at most {self.vocab_size}"
-                )
-            if wanted > limit:
-                raise ValueError(
-                    f"request {index} asks for {name}={wanted}, more than max_logprobs={limit}; ask for at "
-                    f"most {limit}, or raise the limit: LLM(..., max_logprobs={wanted})"
-                )
 
     def add_request(
         self, request_id: str | Prompt, prompt: Prompt | SamplingParams | None = None,
@@ -332,11 +287,7 @@ class LLMEngine:
         return None
 
     def _add(self, prompt: Prompt, params: SamplingParams, request_id: str | None) -> Sequence:
-        text, token_ids = self._tokenize(prompt, 0)
-        token_ids = self._truncate_prompt(token_ids, params, 0)
-        self._check_length(token_ids, 0)
-        self._check_logprobs(params, 0)
-        self._check_sampling(params, 0)
+        text, token_ids = self.input_processor.process(prompt, params)
         return self._enqueue(text, token_ids, params, request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -364,34 +315,6 @@ class LLMEngine:
         return seq
 
     # -- sampling options beyond temperature, top-k/p --------------------------------------------------
-
-    def _truncate_prompt(self, token_ids: list[int], params: SamplingParams, index: int) -> list[int]:
-        """``truncate_prompt_tokens``: keep the last k tokens (-1: as many as leave room for one more)."""
-        keep = params.truncate_prompt_tokens
-        if keep is None:
-            return token_ids
-        if keep == -1:
-            keep = self.max_model_len - 1
-        if keep >= self.max_model_len:
-            raise ValueError(
-                f"request {index}: truncate_prompt_tokens={keep} is not below max_model_len={self.max_model_len}; "
-                f"use at most {self.max_model_len - 1}, or -1 for that"
-            )
-        return token_ids[-keep:]
-
-    def _check_sampling(self, params: SamplingParams, index: int) -> None:
-        """The options that depend on this model: token ids within the vocabulary, a tokenizer for words."""
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
-            bad = [t for t in ids if t >= self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"request {index}: {name} has token id(s) outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
-                )
-        if params.bad_words and self.tokenizer is None:
-            raise ValueError(
-                f"request {index}: bad_words needs a tokenizer, and this engine has none (skip_tokenizer_init); "
-                "ban token ids with logit_bias={id: -100} instead"
-            )
 
     def _prepare_sampling(self, seq: Sequence) -> None:
         """The token ids that the sampler masks for ``seq``; for ``n > 1`` its siblings (seeds ``seed + i``),
@@ -492,7 +415,7 @@ class LLMEngine:
     def _stream_outputs(self) -> list[RequestOutput]:
         outputs = []
         for request_id, stream in list(self._streams.items()):
-            out = stream.poll(self)
+            out = stream.poll(self.output_builder)
             if out is not None:
                 outputs.append(out)
             if stream.finished:
@@ -548,71 +471,12 @@ class LLMEngine:
 
     def _find_stop_string(self, seq: Sequence) -> int | None:
         """Index in the completion text where the first stop string begins (sets ``stop_reason``)."""
-        text = self._completion_text(seq)
+        text = self.output_builder.completion_text(seq)
         hits = [(text.find(s), s) for s in seq.sampling_params.stop if s in text]
         if not hits:
             return None
         index, seq.stop_reason = min(hits)
         return index
-
-    def _detokenize(self, token_ids: list[int], params: SamplingParams | None = None) -> str:
-        if self.tokenizer is None:
-            return ""
-        if params is None or params.spaces_between_special_tokens:  # the tokenizers' default
-            return self.tokenizer.decode(token_ids, skip_special_tokens=params is None or params.skip_special_tokens)
-        return self.tokenizer.decode(
-            token_ids, skip_special_tokens=params.skip_special_tokens, spaces_between_special_tokens=False
-        )
-
-    def _completion_text(self, seq: Sequence) -> str:
-        """The text that follows the prompt. Decoded after the last few prompt tokens, because
-        SentencePiece and word-level tokenizers drop the leading space of a piece decoded alone."""
-        params = seq.sampling_params
-        context = seq.token_ids[max(0, seq.num_prompt_tokens - 4) : seq.num_prompt_tokens]
-        prefix = self._detokenize(context, params)
-        text = self._detokenize(context + seq.completion_token_ids, params)
-        return text[len(prefix) :] if text.startswith(prefix) else self._detokenize(seq.completion_token_ids, params)
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        """The output of the request of ``seq``: one completion per sequence of its group."""
-        first = seq.group[0]
-        prompt_logprobs = None
-        if first.prompt_logprobs is not None:
-            prompt_logprobs = [None, *self._logprob_dicts(first.prompt_logprobs[1:])]
-        finished = all(s.is_finished for s in seq.group)
-        first_tokens = [s.first_token_time for s in seq.group if s.first_token_time is not None]
-        metrics = RequestMetrics(
-            first.arrival_time,
-            min(first_tokens, default=None),
-            max((s.last_token_time for s in seq.group if s.last_token_time is not None), default=None),
-            max(s.finished_time for s in seq.group) if finished else None,
-        )
-        return RequestOutput(first.request_id, first.prompt_text, first.token_ids[: first.num_prompt_tokens],
-                             [self._completion(s) for s in seq.group], first.num_cached_tokens, prompt_logprobs,
-                             finished, metrics)
-
-    def _completion(self, seq: Sequence) -> CompletionOutput:
-        text = self._completion_text(seq)
-        params = seq.sampling_params
-        if isinstance(seq.stop_reason, str):
-            end = text.find(seq.stop_reason)
-            text = text[: end + len(seq.stop_reason) if params.include_stop_str_in_output else end]
-        completion = CompletionOutput(seq.index, text, seq.completion_token_ids, seq.finish_reason, seq.stop_reason)
-        if params.logprobs is not None:
-            completion.logprobs = self._logprob_dicts(seq.logprobs)
-            completion.cumulative_logprob = sum(logprobs[0] for _, logprobs, _ in seq.logprobs)
-        return completion
-
-    def _logprob_dicts(self, entries: list[RawLogprobs]) -> list[dict[int, Logprob]]:
-        """Per position: the position's own token first, then the top tokens, each with its text."""
-        texts: dict[int, str | None] = {}
-        ids = sorted({t for token_ids, _, _ in entries for t in token_ids})
-        if self.tokenizer is not None and ids:  # batch_decode([]) is not [] for every tokenizer
-            texts = dict(zip(ids, self.tokenizer.batch_decode([[t] for t in ids]), strict=True))
-        return [
-            {t: Logprob(lp, rank, texts.get(t)) for t, lp, rank in zip(*entry, strict=True)}
-            for entry in entries
-        ]
 
     # -- the offline API ----------------------------------------------------------------------------
 
@@ -621,12 +485,15 @@ class LLMEngine:
         prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: object = None,
     ) -> list[RequestOutput]:
-        """Generate a completion for each prompt; outputs come back in prompt order.
+        """Generate a completion for each prompt; outputs come back in prompt order. ``lora_request`` is
+        vLLM's and must stay None: nanovllm runs no LoRA adapters.
 
         Under ``torchrun`` (``distributed_executor_backend="external_launcher"``) every rank calls this with
         the same arguments: rank 0 runs the call, the others follow its steps, and every rank returns
         rank 0's outputs (or raises when rank 0 did)."""
+        _check_unsupported(lora_request=lora_request)
         if not self._external or tp_size() == 1:
             return self._generate(prompts, sampling_params, use_tqdm)
         if self._stopped_reason is not None:
@@ -667,14 +534,8 @@ class LLMEngine:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
         # Check every prompt before queueing any, so a bad one leaves the engine untouched.
-        requests = []
-        for i, prompt in enumerate(prompts):
-            text, token_ids = self._tokenize(prompt, i)
-            token_ids = self._truncate_prompt(token_ids, sampling_params[i], i)
-            self._check_length(token_ids, i)
-            requests.append((text, token_ids))
-            self._check_logprobs(sampling_params[i], i)
-            self._check_sampling(sampling_params[i], i)
+        requests = [self.input_processor.process(prompt, params, i)
+                    for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True))]
         seqs = [self._enqueue(t, ids, p) for (t, ids), p in zip(requests, sampling_params, strict=True)]
         return self._run(seqs, use_tqdm)
 
@@ -698,13 +559,14 @@ class LLMEngine:
                 if not seq.is_finished:
                     self.scheduler.abort(seq)
             raise
-        return [self._output(seq) for seq in seqs]
+        return [self.output_builder.output(seq) for seq in seqs]
 
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: object = None,
         *,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
@@ -712,11 +574,15 @@ class LLMEngine:
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply a chat template (the tokenizer's, or ``chat_template``) to one conversation or a list of
         them, then generate; each output's ``prompt`` is the rendered text. The options are vLLM's:
         ``chat_template_kwargs`` are extra template variables (e.g. Qwen3's ``enable_thinking``),
-        ``continue_final_message`` extends the last (assistant) message instead of starting a new one."""
+        ``continue_final_message`` extends the last (assistant) message instead of starting a new one.
+        ``lora_request`` and ``mm_processor_kwargs`` must stay None: nanovllm runs no LoRA adapters and no
+        multimodal models."""
+        _check_unsupported(lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
         if not messages or not isinstance(messages, list):
             raise ValueError("messages must be a conversation (list of {'role', 'content'} dicts) or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else messages

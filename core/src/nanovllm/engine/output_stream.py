@@ -9,17 +9,79 @@ last ``len(longest stop) - 1`` characters until it finishes, so a stop string is
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from nanovllm.engine.sequence import PLACEHOLDER, Sequence
-from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
-from nanovllm.sampling_params import RequestOutputKind
-
-if TYPE_CHECKING:
-    from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
+from nanovllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 # prompt tokens decoded ahead of the first generated token, for the separator between them
 _PROMPT_CONTEXT = 4
+
+
+class OutputBuilder:
+    """Sequences to vLLM's outputs, with the tokenizer (None: outputs without text). The engine has one;
+    ``AsyncLLM``'s front-end has its own when the engine runs in another process."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def detokenize(self, token_ids: list[int], params: SamplingParams | None = None) -> str:
+        if self.tokenizer is None:
+            return ""
+        if params is None or params.spaces_between_special_tokens:  # the tokenizers' default
+            return self.tokenizer.decode(token_ids, skip_special_tokens=params is None or params.skip_special_tokens)
+        return self.tokenizer.decode(
+            token_ids, skip_special_tokens=params.skip_special_tokens, spaces_between_special_tokens=False
+        )
+
+    def completion_text(self, seq: Sequence) -> str:
+        """The text that follows the prompt. Decoded after the last few prompt tokens, because
+        SentencePiece and word-level tokenizers drop the leading space of a piece decoded alone."""
+        params = seq.sampling_params
+        context = seq.token_ids[max(0, seq.num_prompt_tokens - _PROMPT_CONTEXT) : seq.num_prompt_tokens]
+        prefix = self.detokenize(context, params)
+        text = self.detokenize(context + seq.completion_token_ids, params)
+        return text[len(prefix) :] if text.startswith(prefix) else self.detokenize(seq.completion_token_ids, params)
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        """The output of the request of ``seq``: one completion per sequence of its group."""
+        first = seq.group[0]
+        prompt_logprobs = None
+        if first.prompt_logprobs is not None:
+            prompt_logprobs = [None, *self.logprob_dicts(first.prompt_logprobs[1:])]
+        finished = all(s.is_finished for s in seq.group)
+        first_tokens = [s.first_token_time for s in seq.group if s.first_token_time is not None]
+        metrics = RequestMetrics(
+            first.arrival_time,
+            min(first_tokens, default=None),
+            max((s.last_token_time for s in seq.group if s.last_token_time is not None), default=None),
+            max(s.finished_time for s in seq.group) if finished else None,
+        )
+        return RequestOutput(first.request_id, first.prompt_text, first.token_ids[: first.num_prompt_tokens],
+                             [self.completion(s) for s in seq.group], first.num_cached_tokens, prompt_logprobs,
+                             finished, metrics)
+
+    def completion(self, seq: Sequence) -> CompletionOutput:
+        text = self.completion_text(seq)
+        params = seq.sampling_params
+        if isinstance(seq.stop_reason, str):
+            end = text.find(seq.stop_reason)
+            text = text[: end + len(seq.stop_reason) if params.include_stop_str_in_output else end]
+        completion = CompletionOutput(seq.index, text, seq.completion_token_ids, seq.finish_reason, seq.stop_reason)
+        if params.logprobs is not None:
+            completion.logprobs = self.logprob_dicts(seq.logprobs)
+            completion.cumulative_logprob = sum(logprobs[0] for _, logprobs, _ in seq.logprobs)
+        return completion
+
+    def logprob_dicts(self, entries: list[RawLogprobs]) -> list[dict[int, Logprob]]:
+        """Per position: the position's own token first, then the top tokens, each with its text."""
+        texts: dict[int, str | None] = {}
+        ids = sorted({t for token_ids, _, _ in entries for t in token_ids})
+        if self.tokenizer is not None and ids:  # batch_decode([]) is not [] for every tokenizer
+            texts = dict(zip(ids, self.tokenizer.batch_decode([[t] for t in ids]), strict=True))
+        return [
+            {t: Logprob(lp, rank, texts.get(t)) for t, lp, rank in zip(*entry, strict=True)}
+            for entry in entries
+        ]
 
 
 class OutputStream:
@@ -29,25 +91,26 @@ class OutputStream:
         self.first = seq.group[0]
         self.kind = seq.sampling_params.output_kind
         self.completions = [CompletionStream(s) for s in seq.group]
+        # one list for every output before the last: copying the prompt per token would cost O(prompt) each
+        self.prompt_token_ids = self.first.token_ids[: self.first.num_prompt_tokens]
 
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.first.group)
 
-    def poll(self, engine: LLMEngine) -> RequestOutput | None:
+    def poll(self, builder: OutputBuilder) -> RequestOutput | None:
         """The output this step owes the caller, or None (nothing new, or FINAL_ONLY still running). DELTA
         outputs hold the completions with something new; the others every completion so far."""
         if self.kind == RequestOutputKind.FINAL_ONLY:
-            return engine._output(self.first) if self.finished else None
-        changed = [c for c in (stream.poll(engine) for stream in self.completions) if c is not None]
+            return builder.output(self.first) if self.finished else None
+        changed = [c for c in (stream.poll(builder) for stream in self.completions) if c is not None]
         if not changed:
             return None
         if self.finished:
-            out = engine._output(self.first)
+            out = builder.output(self.first)
         else:
             first = self.first
-            out = RequestOutput(first.request_id, first.prompt_text, first.token_ids[: first.num_prompt_tokens], [],
-                                first.num_cached_tokens)
+            out = RequestOutput(first.request_id, first.prompt_text, self.prompt_token_ids, [], first.num_cached_tokens)
         out.outputs = changed if self.kind == RequestOutputKind.DELTA else [s.last for s in self.completions if s.last]
         return out
 
@@ -62,6 +125,7 @@ class CompletionStream:
         self.read_offset = seq.num_prompt_tokens  # tokens before this are in ``text``
         self.text = ""  # the completion text decoded so far
         self.logprobs: list[dict[int, Logprob]] = []  # converted once per token, with logprobs=k
+        self.cumulative_logprob = 0.0  # their sum, added in order as sum() would
         self.num_tokens_seen = 0
         self.num_tokens_sent = 0  # what DELTA outputs already returned
         self.num_chars_sent = 0
@@ -70,35 +134,43 @@ class CompletionStream:
         stops = seq.sampling_params.stop
         self.holdback = max(map(len, stops)) - 1 if stops else 0
 
-    def poll(self, engine: LLMEngine) -> CompletionOutput | None:
-        """This completion's news since the last poll (cut to the new part for DELTA), or None."""
+    def poll(self, builder: OutputBuilder) -> CompletionOutput | None:
+        """This completion's news since the last poll (cut to the new part for DELTA), or None. Before the
+        last, only what is returned is copied: a DELTA output costs what is new, not all so far."""
         seq = self.seq
         if seq.is_finished:
             if self.done:
                 return None
             self.done = True
-            return self._send(engine._completion(seq))
+            return self._send(builder.completion(seq))
         ids = seq.token_ids[:-1] if seq.token_ids[-1] == PLACEHOLDER else seq.token_ids
         num_tokens = len(ids) - seq.num_prompt_tokens
         if num_tokens == self.num_tokens_seen:
             return None
         self.num_tokens_seen = num_tokens
-        self._decode(engine, ids)
-        if seq.sampling_params.logprobs is not None:
-            self.logprobs += engine._logprob_dicts(seq.logprobs[len(self.logprobs) :])
-        text = self.text[: len(self.text) - self.holdback] if self.holdback else self.text
-        logprobs = cumulative = None
-        if seq.sampling_params.logprobs is not None:
-            logprobs = list(self.logprobs)
-            cumulative = sum(lps[0] for _, lps, _ in seq.logprobs)
-        return self._send(CompletionOutput(seq.index, text, ids[seq.num_prompt_tokens :], None, None, cumulative,
-                                           logprobs))
+        self._decode(builder, ids)
+        with_logprobs = seq.sampling_params.logprobs is not None
+        if with_logprobs:
+            new = seq.logprobs[len(self.logprobs) :]
+            self.logprobs += builder.logprob_dicts(new)
+            for _, lps, _ in new:
+                self.cumulative_logprob += lps[0]
+        shown = max(0, len(self.text) - self.holdback)  # a stop string may still begin in the rest
+        tokens, chars = (self.num_tokens_sent, self.num_chars_sent) if self.kind == RequestOutputKind.DELTA else (0, 0)
+        completion = CompletionOutput(seq.index, self.text[chars:shown], ids[seq.num_prompt_tokens + tokens :], None,
+                                      None, self.cumulative_logprob if with_logprobs else None,
+                                      self.logprobs[tokens:] if with_logprobs else None)
+        if self.kind == RequestOutputKind.DELTA:
+            self.num_tokens_sent, self.num_chars_sent = num_tokens, shown
+        else:
+            self.last = completion
+        return completion
 
-    def _decode(self, engine: LLMEngine, ids: list[int]) -> None:
-        if engine.tokenizer is None:
+    def _decode(self, builder: OutputBuilder, ids: list[int]) -> None:
+        if builder.tokenizer is None:
             return
-        prefix = engine._detokenize(ids[self.prefix_offset : self.read_offset])
-        full = engine._detokenize(ids[self.prefix_offset :])
+        prefix = builder.detokenize(ids[self.prefix_offset : self.read_offset])
+        full = builder.detokenize(ids[self.prefix_offset :])
         if full.endswith("\ufffd"):  # a character split across tokens: wait for the rest of it
             return
         self.text += full[len(prefix) :] if full.startswith(prefix) else full

@@ -132,19 +132,19 @@ def make_params(fields: dict[str, Any], max_tokens: int | None, kind: RequestOut
         raise APIError(str(exc)) from None
 
 
-def render_chat(engine, messages: list[dict[str, Any]], add_generation_prompt: bool,
+def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
                 continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
                 tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """Runs on the engine thread (which owns the tokenizer): the chat template, rendered as ``LLM.chat``
-    renders it (:mod:`nanovllm.chat_utils`), then its token ids."""
+    """The chat template, rendered as ``LLM.chat`` renders it (:mod:`nanovllm.chat_utils`), then its token ids,
+    with the front-end's tokenizer."""
     try:
         options = ChatOptions(chat_template_kwargs=template_kwargs or {},
                               add_generation_prompt=add_generation_prompt,
                               continue_final_message=continue_final_message, tools=tools)
-        (text,) = render(engine.tokenizer, [messages], options)
+        (text,) = render(tokenizer, [messages], options)
     except ValueError as exc:
         raise APIError(str(exc).replace("conversation 0", "messages"), param="messages") from None
-    return engine.tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 # -- metrics ----------------------------------------------------------------------------------------
@@ -155,14 +155,13 @@ class Metrics:
 
     def __init__(self, llm: AsyncLLM) -> None:
         self.registry = registry = CollectorRegistry()
-        scheduler = llm.engine.scheduler
-        blocks = scheduler.block_manager
+        # the scheduler as of the engine's latest step
         Gauge("nanovllm:num_requests_running", "Requests in the running batch", registry=registry
-              ).set_function(lambda: len(scheduler.running))
+              ).set_function(lambda: llm.stats.num_running)
         Gauge("nanovllm:num_requests_waiting", "Requests waiting to be scheduled", registry=registry
-              ).set_function(lambda: len(scheduler.waiting))
+              ).set_function(lambda: llm.stats.num_waiting)
         Gauge("nanovllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)", registry=registry
-              ).set_function(lambda: 1 - blocks.num_free_blocks / len(blocks.blocks))
+              ).set_function(lambda: llm.stats.kv_cache_usage)
         self.prompt_tokens = Counter("nanovllm:prompt_tokens", "Prompt tokens processed", registry=registry)
         self.generation_tokens = Counter("nanovllm:generation_tokens", "Tokens generated", registry=registry)
         latency = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -211,7 +210,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
     app = FastAPI(title="nanovllm", docs_url=None, redoc_url=None)
     app.state.llm = llm
     metrics = Metrics(llm)
-    engine = llm.engine
+    tokenizer = llm.tokenizer
     created = int(time.time())
 
     @app.exception_handler(APIError)
@@ -252,7 +251,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
     @app.get("/v1/models")
     async def models() -> dict:
         card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "nanovllm",
-                "max_model_len": engine.max_model_len}
+                "max_model_len": llm.max_model_len}
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
@@ -265,18 +264,18 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of 'prompt' and 'messages'")
         if body.messages is not None:
-            tokens = await llm.call(lambda e: render_chat(e, body.messages, body.add_generation_prompt))
+            tokens = render_chat(tokenizer, body.messages, body.add_generation_prompt)
         else:
-            tokens = await llm.call(lambda e: e.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
-        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": llm.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         check_model(body.model)
-        bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
+        bad = [t for t in body.tokens if not 0 <= t < llm.vocab_size]
         if bad:
-            raise APIError(f"token id(s) outside the vocabulary [0, {engine.vocab_size}): {bad[:5]}", param="tokens")
-        return {"prompt": await llm.call(lambda e: e.tokenizer.decode(body.tokens))}
+            raise APIError(f"token id(s) outside the vocabulary [0, {llm.vocab_size}): {bad[:5]}", param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
 
     async def start(prompt, params: SamplingParams, request_id: str) -> tuple[RequestOutput, AsyncIterator]:
         """Queue one engine request and wait for its first output, so a bad request fails as a 400 before
@@ -429,12 +428,11 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
         check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
-        prompt_ids = await llm.call(lambda e: render_chat(
-            e, body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
-            body.tools))
+        prompt_ids = render_chat(tokenizer, body.messages, body.add_generation_prompt, body.continue_final_message,
+                                 body.chat_template_kwargs, body.tools)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if max_tokens is None:  # OpenAI's default: up to the context limit
-            max_tokens = max(1, engine.max_model_len - len(prompt_ids))
+            max_tokens = max(1, llm.max_model_len - len(prompt_ids))
         kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = make_params(body.sampling_kwargs(), max_tokens, kind, logprobs=logprobs)
@@ -510,11 +508,25 @@ def chat_logprobs(c: CompletionOutput, k: int) -> dict:
 
 def serve(llm: AsyncLLM, served_model_name: str, host: str = "127.0.0.1", port: int = 8000,
           api_key: str | None = None, log_level: str = "info") -> None:
-    """Run the server until interrupted, then stop the engine."""
+    """Run the server until Ctrl-C or SIGTERM, then stop the engine and return."""
+    import signal
+    import threading
+
     import uvicorn
 
+    def interrupt(_signum, _frame) -> None:
+        raise KeyboardInterrupt
+
     app = build_app(llm, served_model_name, api_key)
+    # uvicorn stops gracefully on either signal, then raises it again once its own handlers are gone: SIGTERM
+    # then ends the server as Ctrl-C does, so that the engine is shut down before the process exits
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, interrupt) if main else None
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level)
+    except KeyboardInterrupt:
+        pass
     finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
         llm.shutdown()

@@ -99,7 +99,7 @@ def tail_perplexity(
             min(prefill_chunk, last_head_row - done) if done < last_head_row else tail_step
         )
         llm.step()
-    prompt_logprobs = llm._output(seq).prompt_logprobs
+    prompt_logprobs = llm.output_builder.output(seq).prompt_logprobs
     nll = -sum(prompt_logprobs[p][token_ids[p]].logprob for p in range(head, len(token_ids))) / tail_tokens
     return PerplexityResult(
         str(llm.policy_plan), math.exp(nll), nll, tail_tokens, tail_step,

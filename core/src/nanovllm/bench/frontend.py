@@ -1,0 +1,127 @@
+"""The front-end's cost per engine step (CPU, no model): ``python -m nanovllm.bench.frontend [--streams 256]``.
+
+``AsyncLLM`` with ``--streams`` live DELTA requests, its engine replaced by a stand-in that only records
+commands, is fed fake step messages (one new token per stream, as a decode step of the engine in its own
+process sends) and timed per step: the message's pickling and unpickling (the pipe between the processes),
+applying it (mirrors, incremental detokenization, building the RequestOutputs), the consumers waking up
+for their outputs, and one ``json.dumps`` per output as the server's streaming chunk. With the built-in
+model's tokenizer (``--tokenizer builtin``, the default) or none (``--tokenizer none``, as B1's presets).
+The served throughput itself is ``nanovllm bench serve`` against ``nanovllm serve`` on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import pickle
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+from nanovllm.engine.async_llm import AsyncLLM
+from nanovllm.engine.engine_core import EngineInfo, SchedulerStats
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+class RecordingCore:
+    """Stands in for the engine core: takes commands, runs nothing; the measurement posts the messages."""
+
+    def __init__(self, info: EngineInfo) -> None:
+        self.info = info
+        self.commands: list[tuple] = []
+        self.post: Callable[[tuple], None] | None = None
+
+    def start(self, post: Callable[[tuple], None]) -> None:
+        self.post = post
+
+    def send(self, command: tuple) -> None:
+        self.commands.append(command)
+
+    def shutdown(self, timeout: float = 0.0) -> None:
+        pass
+
+
+def front_end(tokenizer_path: str | None, vocab_size: int) -> tuple[AsyncLLM, RecordingCore]:
+    core = RecordingCore(EngineInfo(tokenizer_path, vocab_size, max_model_len=1 << 20, max_logprobs=20))
+    llm = AsyncLLM.__new__(AsyncLLM)
+    llm._setup(core)
+    return llm, core
+
+
+async def _measure(llm: AsyncLLM, core: RecordingCore, num_streams: int, num_steps: int, prompt_len: int,
+                   vocab_size: int, seed: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0.6, max_tokens=num_steps, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    received = asyncio.Event()
+    pending = [0]  # outputs of the current step not yet taken by their consumers
+
+    async def consume(i: int) -> None:
+        async for out in llm.generate([rng.randrange(vocab_size) for _ in range(prompt_len)], params, f"r{i}"):
+            chunk = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m",
+                     "choices": [{"index": 0, "text": out.outputs[0].text, "finish_reason": out.outputs[0].finish_reason,
+                                  "stop_reason": None, "logprobs": None}]}
+            json.dumps(chunk)  # what the server does with each output when streaming
+            pending[0] -= 1
+            if not pending[0]:
+                received.set()
+
+    consumers = [asyncio.ensure_future(consume(i)) for i in range(num_streams)]
+    await asyncio.sleep(0)  # every request sent
+    times: dict[str, list[float]] = {"transport": [], "apply": [], "deliver": []}
+    for step in range(num_steps):
+        now = time.time()
+        updates = [(f"r{i}", 0, [rng.randrange(vocab_size)], None, now, now, 0,
+                    ("length", None, now, None) if step == num_steps - 1 else None) for i in range(num_streams)]
+        message = ("step", updates, SchedulerStats(num_streams, 0, 0.5))
+        start = time.perf_counter()
+        message = pickle.loads(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        applied = time.perf_counter()
+        pending[0] = num_streams
+        received.clear()
+        llm._outputs.handle(message)
+        handled = time.perf_counter()
+        await received.wait()
+        done = time.perf_counter()
+        times["transport"].append(applied - start)
+        times["apply"].append(handled - applied)
+        times["deliver"].append(done - handled)
+    await asyncio.gather(*consumers)
+    result = {f"{name}_ms": 1000 * statistics.median(values) for name, values in times.items()}
+    result["total_ms"] = sum(result.values())
+    result["per_stream_us"] = 1000 * result["total_ms"] / num_streams
+    return result
+
+
+def measure(num_streams: int = 256, num_steps: int = 50, prompt_len: int = 128, tokenizer: str = "builtin",
+            seed: int = 0) -> dict[str, float]:
+    """Median milliseconds per step of each part (and their total), and microseconds per stream."""
+    if tokenizer == "builtin":
+        from nanovllm.default_model import default_model_dir
+
+        path = str(default_model_dir())
+        vocab_size = json.loads((default_model_dir() / "config.json").read_text())["vocab_size"]
+    else:
+        path, vocab_size = None, 151936  # Qwen3's, as B1
+    llm, core = front_end(path, vocab_size)
+    return asyncio.run(_measure(llm, core, num_streams, num_steps, prompt_len, vocab_size, seed))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m nanovllm.bench.frontend", description=__doc__.split("\n")[0])
+    parser.add_argument("--streams", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--tokenizer", choices=("builtin", "none"), default="builtin")
+    args = parser.parse_args(argv)
+    r = measure(args.streams, args.steps, args.prompt_len, args.tokenizer)
+    print(f"front-end per step, {args.streams} streams, tokenizer {args.tokenizer} (median of {args.steps} steps):")
+    print(f"  transport (pickle + unpickle of the step message) {r['transport_ms']:.2f} ms")
+    print(f"  apply (mirrors, detokenization, RequestOutputs)   {r['apply_ms']:.2f} ms")
+    print(f"  deliver (consumers wake, one json.dumps each)     {r['deliver_ms']:.2f} ms")
+    print(f"  total {r['total_ms']:.2f} ms per step = {r['per_stream_us']:.1f} us per stream")
+
+
+if __name__ == "__main__":
+    main()
