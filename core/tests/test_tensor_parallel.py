@@ -196,6 +196,34 @@ def test_workers_exit_when_the_engine_process_dies(tiny_model, tmp_path):
     assert wait_until(lambda: all(gone(p) for p in pids), 15)
 
 
+# -- sharded loading ---------------------------------------------------------------------------------
+
+def test_each_rank_reads_only_its_shard_of_each_weight(tiny_model, tmp_path):
+    """Two gloo ranks (torchrun) load Llama with biases on every projection and a vocabulary that does not
+    split evenly (the last rank pads), and Qwen3 with tied embeddings: every parameter is the checkpoint's
+    narrowed by hand, and each rank read from the file exactly the elements it holds, one read per tensor."""
+    models = {
+        "LlamaForCausalLM": tiny_model("LlamaForCausalLM", vocab_size=251, attention_bias=True, mlp_bias=True),
+        "Qwen3ForCausalLM": tiny_model("Qwen3ForCausalLM"),
+    }
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(Path(__file__).with_name("tp_shard_check.py")), str(tmp_path),
+         *[f"{arch}={path}" for arch, path in models.items()]],
+        capture_output=True, text=True, env=env, timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert results.keys() == models.keys()
+        for arch, result in results.items():
+            assert result["differ"] == [], (rank, arch)
+            assert result["read"] == result["held"], (rank, arch)  # not a whole tensor then narrowed
+            assert result["read"] < 0.7 * result["checkpoint"], (rank, arch)  # the model is mostly sharded
+            assert result["reads_per_tensor"] == [1], (rank, arch)
+
+
 # -- ranks started by torchrun (distributed_executor_backend="external_launcher") ---------------------
 
 TORCHRUN_SCRIPT = """
