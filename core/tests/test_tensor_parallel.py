@@ -5,7 +5,9 @@ rounding) for Llama and Qwen3, in steps that mix prefill chunks with decodes and
 that each rank's KV cache holds its own KV heads and its policies hear of the same block allocations as
 rank 0; that the engine leaves no child process behind when closed or garbage-collected; that a killed
 worker, a worker that fails while building its runner, and the death of the engine's process are each
-noticed (a clear error in the engine; workers that exit by themselves).
+noticed (a clear error in the engine; workers that exit by themselves). The engine's ranks take their steps
+from a shared-memory channel whose name is gone from /dev/shm once the workers have started, whatever
+happens next; ranks started by torchrun keep the gloo control group.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+import nanovllm.distributed
 from nanovllm import LLM, SamplingParams
 from nanovllm.distributed import tp_rank
+from nanovllm.shm_broadcast import NAME_PREFIX
 
 PROMPTS = [[5, 6, 7], list(range(10, 40)), list(range(50, 61)), list(range(100, 170))]
 ENGINE = dict(device="cpu", kv_cache_memory=1 << 24, block_size=8, max_num_batched_tokens=48)
@@ -64,6 +68,11 @@ def children() -> list[psutil.Process]:
             if not any("resource_tracker" in part for part in p.cmdline())]
 
 
+def shm_segments() -> set[str]:
+    """The step channels' shared-memory segments in /dev/shm (none should outlive an engine's start)."""
+    return {p.name for p in Path("/dev/shm").glob(NAME_PREFIX + "*")}
+
+
 def gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -91,12 +100,15 @@ def test_two_ranks_generate_the_tokens_of_one(arch, tiny_model, one_thread, tmp_
     path = tiny_model(arch, initializer_range=INIT)
     with LLM(path, **ENGINE) as one:
         expected = one.generate(PROMPTS, params(), use_tqdm=False)
-    before = children()
+    before, segments = children(), shm_segments()
     with LLM(path, tensor_parallel_size=2, observers=[AllocationRecorder(str(tmp_path))], **ENGINE) as two:
         assert len(children()) == len(before) + 1  # one worker, rank 1
         assert two.runner.kv_cache.shape[4] == 1  # of the model's 2 KV heads, rank 0 holds one
+        assert nanovllm.distributed._control_channel is two._workers.channel  # steps go through it
+        assert shm_segments() == segments  # mapped by both ranks, already unlinked
         got = two.generate(PROMPTS, params(), use_tqdm=False)
     assert children() == before
+    assert nanovllm.distributed._control_channel is None
     for want, out in zip(expected, got, strict=True):
         assert out.outputs[0].token_ids == want.outputs[0].token_ids
         assert len(set(want.outputs[0].token_ids)) > 1  # a model that repeats one token would prove little
@@ -116,7 +128,7 @@ def test_two_ranks_generate_the_tokens_of_one(arch, tiny_model, one_thread, tmp_
 
 def test_a_killed_worker_is_reported_and_the_engine_stops(tiny_model, one_thread):
     path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
-    before = children()
+    before, segments = children(), shm_segments()
     llm = LLM(path, tensor_parallel_size=2, **ENGINE)
     (worker,) = [p for p in children() if p not in before]
     worker.send_signal(signal.SIGKILL)
@@ -128,17 +140,19 @@ def test_a_killed_worker_is_reported_and_the_engine_stops(tiny_model, one_thread
     del llm
     gc.collect()
     assert children() == before
+    assert shm_segments() == segments
 
 
 def test_a_worker_that_fails_to_build_is_reported(tiny_model, one_thread):
     path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
-    before = children()
+    before, segments = children(), shm_segments()
     start = time.monotonic()
     reported = r"(?s)worker rank 1 \(pid \d+\) (raised an error|exited with code 1).*MemoryError: rank-local"
     with pytest.raises(RuntimeError, match=reported):
         LLM(path, tensor_parallel_size=2, observers=[FailsOnWorkers()], **ENGINE)
     assert time.monotonic() - start < 60  # reported, not waited out
     assert children() == before
+    assert shm_segments() == segments
     with LLM(path, **ENGINE) as one:  # the failed world is gone: one rank works in the same process
         assert one.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
 
@@ -178,12 +192,14 @@ def test_garbage_collection_stops_the_workers(tiny_model, one_thread):
 @pytest.mark.slow
 def test_workers_exit_when_the_engine_process_dies(tiny_model, tmp_path):
     path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    segments = shm_segments()
     script = textwrap.dedent(f"""
         import os, sys
         import psutil
         from nanovllm import LLM
         if __name__ == "__main__":
             llm = LLM({path!r}, tensor_parallel_size=2, **{ENGINE!r})
+            llm.generate([[5, 6, 7]], use_tqdm=False)
             print(*[p.pid for p in psutil.Process().children(recursive=True)], flush=True)
             os.kill(os.getpid(), 9)
     """)
@@ -194,6 +210,7 @@ def test_workers_exit_when_the_engine_process_dies(tiny_model, tmp_path):
     pids = [int(p) for p in done.stdout.split()]
     assert pids
     assert wait_until(lambda: all(gone(p) for p in pids), 15)
+    assert shm_segments() == segments
 
 
 # -- sharded loading ---------------------------------------------------------------------------------
@@ -229,6 +246,7 @@ def test_each_rank_reads_only_its_shard_of_each_weight(tiny_model, tmp_path):
 TORCHRUN_SCRIPT = """
 import json, os, sys
 import torch
+import nanovllm.distributed
 from nanovllm import LLM, SamplingParams
 torch.set_num_threads(1)
 path, engine, prompts, bad_prompt, out = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4], sys.argv[5]
@@ -241,7 +259,9 @@ with LLM(path, tensor_parallel_size=2, distributed_executor_backend="external_la
     except (ValueError, RuntimeError) as exc:
         error = str(exc)
     again = llm.generate(prompts[:1], greedy, use_tqdm=False)
-result = {"tokens": [o.outputs[0].token_ids for o in outputs], "error": error, "again": again[0].outputs[0].token_ids}
+    gloo = nanovllm.distributed._control_channel is None  # perhaps on several hosts: no shared memory
+result = {"tokens": [o.outputs[0].token_ids for o in outputs], "error": error, "again": again[0].outputs[0].token_ids,
+          "gloo": gloo}
 with open(os.path.join(out, "rank" + os.environ["RANK"] + ".json"), "w") as f:  # the ranks share stdout
     json.dump(result, f)
 """
@@ -265,6 +285,7 @@ def test_torchrun_ranks_return_the_tokens_of_one_rank_on_every_rank(tiny_model, 
     for result in results:
         assert result["tokens"] == expected
         assert result["again"] == expected[0]
+        assert result["gloo"]
     assert "outside the vocabulary" in results[0]["error"]
     assert "rank 0 raised" in results[1]["error"] and "outside the vocabulary" in results[1]["error"]
 

@@ -1,8 +1,9 @@
 """Tensor-parallel workers: one process per rank other than 0, started by the engine with ``spawn``.
 
-Rank 0 is the engine's own process: it schedules, broadcasts each step's plan on the control group
-(:mod:`nanovllm.distributed`) and samples. A worker builds the same model runner on its shard and follows
-rank 0's steps until told to stop. The world is wired through a TCP store that rank 0 opens on a free port of
+Rank 0 is the engine's own process: it schedules, broadcasts each step's plan on a shared-memory channel
+that it creates and owns (:mod:`nanovllm.shm_broadcast`; it unlinks the name once every worker has
+attached, so nothing is left in /dev/shm whoever crashes) and samples. A worker builds the same model
+runner on its shard and follows rank 0's steps until told to stop. The world is wired through a TCP store that rank 0 opens on a free port of
 127.0.0.1; a worker writes its traceback there before it exits on an error, so that the engine can say
 what went wrong. Workers leave when the engine's process does (they watch their parent), and ignore
 Ctrl-C, which the engine handles.
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import broadcast_control, destroy_tensor_parallel, init_tensor_parallel
+from nanovllm.shm_broadcast import ShmBroadcast
 
 # How long a worker may take to start (import torch and the plugins) and join the world.
 START_TIMEOUT = datetime.timedelta(minutes=5)
@@ -70,21 +72,25 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="nanovllm-parent-watch", daemon=True).start()
 
 
-def _worker_main(rank: int, world_size: int, port: int, spec: RunnerSpec, device_type: str, parent_pid: int,
-                 num_threads: int) -> None:
+def _worker_main(rank: int, world_size: int, port: int, channel_name: str, spec: RunnerSpec, device_type: str,
+                 parent_pid: int, num_threads: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent(parent_pid)
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=START_TIMEOUT)
+    channel = None
     try:
         torch.set_num_threads(num_threads)
-        store.set(f"joining/{rank}", "1")
-        init_tensor_parallel(rank, world_size, device_type, store)
+        channel = ShmBroadcast.attach(channel_name, world_size - 1, rank - 1)
+        store.set(f"joining/{rank}", "1")  # attached: rank 0 may unlink the channel's name
+        init_tensor_parallel(rank, world_size, device_type, store, channel=channel)
         spec.build().follow()
     except BaseException:
         store.set(f"error/{rank}", traceback.format_exc())
         raise SystemExit(1) from None
     finally:
         destroy_tensor_parallel()
+        if channel is not None:
+            channel.close()
 
 
 class TPWorkers:
@@ -95,20 +101,26 @@ class TPWorkers:
         self.stopped = False
         self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                                    timeout=START_TIMEOUT)
+        processes: list[multiprocessing.Process] = []
+        # a write that waits for a slot gives up if a worker is gone (it would never read it)
+        self.channel = ShmBroadcast.create(world_size - 1,
+                                           readers_alive=lambda: all(p.exitcode is None for p in processes))
         context = multiprocessing.get_context("spawn")
-        self.processes = [
+        processes.extend(
             context.Process(
                 target=_worker_main, name=f"nanovllm-tp-rank{rank}", daemon=True,
-                args=(rank, world_size, self.store.port, spec, device_type, os.getpid(),
+                args=(rank, world_size, self.store.port, self.channel.name, spec, device_type, os.getpid(),
                       torch.get_num_threads()),
             )
             for rank in range(1, world_size)
-        ]
+        )
+        self.processes = processes
         try:
             for process in self.processes:
                 process.start()
             self._wait_until_joining()
-            init_tensor_parallel(0, world_size, device_type, self.store)
+            self.channel.unlink()  # every worker has it mapped: no name is left to leak from here on
+            init_tensor_parallel(0, world_size, device_type, self.store, channel=self.channel)
         except BaseException:
             self.stop(graceful=False)
             raise
@@ -187,3 +199,4 @@ class TPWorkers:
                 process.kill()
                 process.join()
         destroy_tensor_parallel()
+        self.channel.close()
