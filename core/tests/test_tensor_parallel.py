@@ -61,6 +61,16 @@ class FailsOnWorkers:
             raise MemoryError("rank-local failure for the test")
 
 
+class HoldsALambda:
+    """An observer that cannot be pickled to the workers."""
+
+    def __init__(self) -> None:
+        self.transform = lambda x: x
+
+    def on_blocks_allocated(self, block_ids) -> None:
+        pass
+
+
 def children() -> list[psutil.Process]:
     """This process's children, but multiprocessing's resource tracker (one per process, started with the
     first spawned process; it holds no model and leaves with this process)."""
@@ -126,6 +136,28 @@ def test_two_ranks_generate_the_tokens_of_one(arch, tiny_model, one_thread, tmp_
     assert ranks[0]["allocated"] and ranks[1]["allocated"] == ranks[0]["allocated"]
 
 
+def test_two_ranks_with_kv_offload_generate_the_tokens_of_one(tiny_model, one_thread):
+    """Each rank keeps its KV heads in its own host pool and loads them in several pieces per layer."""
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    head_block = 2 * 8 * 16 * 4  # K and V of one KV head of one block: 8 tokens, head size 16, float32
+    options = {**ENGINE, "kv_cache_memory": None, "max_num_seqs": 4, "kv_offloading_size": 0.01,
+               "kv_offloading_buffer_size": 2 * 24 * head_block / 2**30}  # 2 slots of 24 head blocks
+    prompts = [[(7 * i + 3 * j) % 240 + 3 for j in range(n)] for i, n in enumerate([90, 33, 140])]  # 35 blocks
+    with LLM(path, **options) as one:
+        expected = one.generate(prompts, params()[:3], use_tqdm=False)
+    with LLM(path, tensor_parallel_size=2, **options) as two:
+        offload = two.runner.offload
+        loads = []
+        load = offload._load
+        offload._load = lambda layer_id, piece: loads.append(layer_id) or load(layer_id, piece)
+        got = two.generate(prompts, params()[:3], use_tqdm=False)
+    # rank 0's pool slots hold 24 of its 35 head blocks: two pieces per layer in each of the 11 decode steps
+    assert offload.capacity == 24 and len(loads) >= 2 * 11 * len(two.runner.attention_layers)
+    for want, out in zip(expected, got, strict=True):
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+        assert out.outputs[0].cumulative_logprob == pytest.approx(want.outputs[0].cumulative_logprob, abs=1e-4)
+
+
 def test_a_killed_worker_is_reported_and_the_engine_stops(tiny_model, one_thread):
     path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
     before, segments = children(), shm_segments()
@@ -155,6 +187,28 @@ def test_a_worker_that_fails_to_build_is_reported(tiny_model, one_thread):
     assert shm_segments() == segments
     with LLM(path, **ENGINE) as one:  # the failed world is gone: one rank works in the same process
         assert one.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_an_observer_the_workers_cannot_get_is_refused_before_they_start(tiny_model):
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    before = children()
+    with pytest.raises(ValueError, match=r"observer 'HoldsALambda' cannot be pickled \(.*lambda.*register it"):
+        LLM(path, tensor_parallel_size=2, observers=[HoldsALambda()], **ENGINE)
+    assert children() == before
+    script = textwrap.dedent(f"""
+        from nanovllm import LLM
+        class Interactive:
+            def on_blocks_allocated(self, block_ids):
+                pass
+        try:
+            LLM({path!r}, tensor_parallel_size=2, observers=[Interactive()], **{ENGINE!r})
+        except ValueError as exc:
+            print(exc)
+    """)  # run with -c: as in a notebook or a REPL, __main__ has no file a worker could import
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert "cannot import observer class 'Interactive': it is defined in an interactive session" in done.stdout, (
+        done.stdout + done.stderr[-2000:])
 
 
 def test_async_engine_shutdown_stops_the_workers(tiny_model, one_thread):

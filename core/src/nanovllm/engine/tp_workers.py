@@ -14,7 +14,9 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
+import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -61,6 +63,30 @@ class RunnerSpec:
             resolve_attention_backend(self.config.attention_backend, plugins),
             tuple(resolve_observer(o, plugins) for o in self.observers),
         )
+
+
+def check_observers_travel(observers: tuple[object, ...], world_size: int) -> None:
+    """Each worker gets the engine's observers pickled and imports their classes again: a clear error now
+    for an observer object that cannot make the trip (selection strings always can)."""
+    interactive = not getattr(sys.modules.get("__main__"), "__file__", None)
+    for observer in observers:
+        if isinstance(observer, (str, dict)):
+            continue
+        name = type(observer).__qualname__
+        if type(observer).__module__ == "__main__" and interactive:
+            raise ValueError(
+                f"tensor_parallel_size={world_size} sends each observer to its worker processes, which cannot "
+                f"import observer class {name!r}: it is defined in an interactive session. Define it in a "
+                "module (a .py file) or the script you run, or register it and pass its selection string"
+            )
+        try:
+            pickle.dumps(observer)
+        except Exception as exc:
+            raise ValueError(
+                f"tensor_parallel_size={world_size} sends each observer to its worker processes by pickling it, "
+                f"but observer {name!r} cannot be pickled ({exc}). Keep lambdas, locks and open files out of "
+                "its attributes, or register it and pass its selection string"
+            ) from exc
 
 
 def _exit_with_parent(parent_pid: int) -> None:
