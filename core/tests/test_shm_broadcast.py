@@ -1,9 +1,10 @@
 """The shared-memory step broadcast of tensor-parallel ranks on one host.
 
 Two reader processes get every message in order, with numpy arrays of any dtype and layout intact and
-writable, through a ring small enough that messages span several slots and wrap around it many times; a
-writer whose reader died raises instead of waiting forever; the creator unlinks the segment's name, a
-reader never does, and nothing is left in /dev/shm once both ends are closed.
+writable and attrs records (plain, frozen, nested) rebuilt, through a ring small enough that messages span
+several slots and wrap around it many times; a writer whose reader died raises instead of waiting forever;
+the creator unlinks the segment's name, a reader never does, and nothing is left in /dev/shm once both ends
+are closed.
 """
 
 from __future__ import annotations
@@ -12,11 +13,24 @@ import multiprocessing
 import time
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 from nanovllm.shm_broadcast import ShmBroadcast
 
 SLOTS, SLOT_BYTES = 3, 256  # a tiny ring: most messages below take several slots
+
+
+@attrs.define
+class Record:
+    ids: np.ndarray
+    inner: object = None
+
+
+@attrs.frozen
+class Frozen:
+    count: int
+    names: tuple[str, ...]
 
 
 def messages() -> list:
@@ -31,22 +45,28 @@ def messages() -> list:
         big,
         np.array(["x", None, 3], dtype=object),  # pickled the ordinary way
         [np.arange(5, dtype=np.uint8), np.ones(3, dtype=np.bool_), big.T],
+        ("step", Record(np.arange(6, dtype=np.int64), Record(np.zeros(2), Frozen(3, ("a", "b")))), None),
     ] * 4
 
 
 def same(a, b) -> bool:
     if isinstance(a, np.ndarray):
-        return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+        return type(b) is np.ndarray and a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
     if isinstance(a, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if attrs.has(type(a)):
+        names = [f.name for f in attrs.fields(type(a))]
+        return type(a) is type(b) and all(same(getattr(a, n), getattr(b, n)) for n in names)
     return a == b
 
 
 def arrays(message) -> list[np.ndarray]:
     if isinstance(message, np.ndarray):
         return [message]
+    if attrs.has(type(message)):
+        return arrays(attrs.astuple(message, recurse=False))
     if isinstance(message, (list, tuple)):
         return [a for m in message for a in arrays(m)]
     return []
@@ -102,7 +122,7 @@ def test_a_writer_whose_reader_died_raises():
         reader.start()
         reader.join(60)
         start = time.monotonic()
-        with pytest.raises(RuntimeError, match="stopped reading the control channel"):
+        with pytest.raises(RuntimeError, match="stopped reading the step channel"):
             for _ in range(SLOTS + 1):  # the ring fills, and nobody reads it
                 channel.write("step")
         assert time.monotonic() - start < 5

@@ -22,9 +22,9 @@ import textwrap
 import time
 from pathlib import Path
 
+import nanovllm.distributed
 import psutil
 import pytest
-import nanovllm.distributed
 from nanovllm import LLM, SamplingParams
 from nanovllm.distributed import tp_rank
 from nanovllm.shm_broadcast import NAME_PREFIX

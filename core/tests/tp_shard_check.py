@@ -13,14 +13,13 @@ import os
 import sys
 from pathlib import Path
 
+import nanovllm.engine.loader as loader
 import torch
+from nanovllm.distributed import destroy_tensor_parallel, init_tensor_parallel, tp_rank, tp_size
+from nanovllm.plugins import get_plugins, load_registered
 from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig
-
-import nanovllm.engine.loader as loader
-from nanovllm.distributed import destroy_tensor_parallel, init_tensor_parallel, tp_rank, tp_size
-from nanovllm.plugins import get_plugins, load_registered
 
 
 class RecordingSlice:
@@ -66,7 +65,8 @@ def expected(checkpoint: dict[str, torch.Tensor], name: str, vocab_size: int) ->
     def part(tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
         return tensor.chunk(world, dim)[rank]
 
-    for packed, sources in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):
+    packing = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    for packed, sources in packing.items():
         if f".{packed}." in name:
             return torch.cat([part(checkpoint[name.replace(packed, source)]) for source in sources])
     if name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -98,7 +98,7 @@ def check(architecture: str, path: Path) -> dict:
     if tp_rank() == tp_size() - 1:
         held -= padding * hf_config.hidden_size * (1 if hf_config.tie_word_embeddings else 2)
     return {
-        "differ": [name for name, p in params.items() if not torch.equal(p, expected(checkpoint, name, vocab))],
+        "differ": [n for n, p in params.items() if not torch.equal(p, expected(checkpoint, n, vocab))],
         "read": sum(sum(r) for r in reads.values()),
         "held": held,
         "checkpoint": sum(t.numel() for name, t in checkpoint.items() if name in reads),

@@ -26,8 +26,8 @@ def engine(model: str, policy: str, offload: bool, tensor_parallel_size: int = 1
         options.update(kv_offloading_size=0.01, kv_offloading_buffer_size=SMALL_BUFFER)
     else:
         options["kv_cache_memory"] = 2**23
-    return LLM(model, sparse_policy=policy, observers=list(observers), tensor_parallel_size=tensor_parallel_size,
-               **options)
+    return LLM(model, sparse_policy=policy, observers=list(observers),
+               tensor_parallel_size=tensor_parallel_size, **options)
 
 
 def generate(llm: LLM) -> list[list[int]]:

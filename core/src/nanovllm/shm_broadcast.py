@@ -4,10 +4,11 @@ Rank 0 sends each step's plan to the other ranks of its host through this instea
 group when the engine started the ranks itself: a pickled message costs a copy into shared memory and a
 flag, not a round of socket messages. ``torchrun`` and multi-host worlds keep the gloo control group.
 
-A message is pickled with its numpy arrays (a step plan's bulk) taken out as raw bytes: numpy's own
-pickling costs tens of microseconds an array on a busy host, a copy of the bytes a few. On the wire it is
-its length and the pickle's (8 bytes each), the arrays (each padded to ``ALIGN`` bytes), then the pickle.
-The segment is a ring of ``num_slots`` slots of ``slot_bytes``; a message is cut into chunks of one slot each: chunk ``k`` (counted from 1 over the channel's life) goes to slot
+A message is pickled with its numpy arrays (a step plan's bulk) taken out as raw bytes and its attrs
+records as plain field values (:class:`_Pickler`: numpy's and attrs' own pickling cost more than the copy).
+On the wire it is its length and the pickle's (8 bytes each), the arrays (each padded to ``ALIGN`` bytes),
+then the pickle. The segment is a ring of ``num_slots`` slots of ``slot_bytes``; a message is cut into
+chunks of one slot each: chunk ``k`` (counted from 1 over the channel's life) goes to slot
 ``(k - 1) % num_slots``. Each slot has a header of int64 words: the number of the chunk written there last,
 then one word per reader, the number of the chunk it read there last. The writer fills a slot once every
 reader has read the chunk before (``k - num_slots``), copies the chunk, then stores ``k``; a reader waits for
@@ -22,6 +23,7 @@ after that; before it, multiprocessing's resource tracker removes the segment wh
 
 from __future__ import annotations
 
+import importlib
 import io
 import math
 import os
@@ -32,6 +34,7 @@ from collections.abc import Callable
 from multiprocessing import shared_memory
 from typing import Any
 
+import attrs
 import numpy as np
 
 SPIN_SECONDS = 0.002
@@ -44,44 +47,81 @@ LENGTHS = 16  # the message's length and its pickle's, at its start
 ALIGN = 16  # every array's bytes start at a multiple of this in the message
 
 
-class _ArrayPickler(pickle.Pickler):
-    """Pickles each numpy array as a reference (dtype, shape, offset) to its bytes, kept in ``arrays``."""
+def _rebuild(*args: Any) -> Any:
+    """Names, in a pickle, the rebuilding of an array or record; a reader resolves the name to a
+    :class:`_Rebuilder` of its message (see :class:`_Unpickler`), so this is never called."""
+    raise RuntimeError("messages of nanovllm.shm_broadcast are read with ShmBroadcast.read")
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles numpy arrays as (dtype, shape, offset) of their bytes, kept in ``arrays`` to follow the
+    pickle, and attrs records as their class's name and field values. Numpy's and attrs' own pickling
+    look up a few globals per object, which costs more than copying a step plan's bytes."""
 
     def __init__(self, file: io.BytesIO) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.arrays: list[np.ndarray] = []
         self.offset = LENGTHS
 
-    def persistent_id(self, obj: Any) -> tuple | None:
-        if type(obj) is not np.ndarray or obj.dtype.hasobject:
-            return None
-        array = obj if obj.flags.c_contiguous else obj.copy()  # (ascontiguousarray makes 0-d arrays 1-d)
-        self.arrays.append(array)
-        reference = (array.dtype.str, array.shape, self.offset)
-        self.offset += -(-array.nbytes // ALIGN) * ALIGN
-        return reference
+    def reducer_override(self, obj: Any) -> Any:  # called only for objects of non-builtin types
+        cls = type(obj)
+        if cls is np.ndarray and not obj.dtype.hasobject:
+            array = obj if obj.flags.c_contiguous else obj.copy()  # (ascontiguousarray makes 0-d arrays 1-d)
+            self.arrays.append(array)
+            reference = (array.dtype.str, array.shape, self.offset)
+            self.offset += -(-array.nbytes // ALIGN) * ALIGN
+            return _rebuild, reference
+        if attrs.has(cls):
+            fields = [getattr(obj, a.name) for a in cls.__attrs_attrs__]
+            return _rebuild, (cls.__module__, cls.__qualname__, *fields)
+        return NotImplemented
 
 
-class _ArrayUnpickler(pickle.Unpickler):
-    """Rebuilds the arrays of :class:`_ArrayPickler` as views of the message's (writable) bytes."""
+_record_classes: dict[tuple[str, str], type] = {}  # (module, qualified name) -> class, as a reader found it
 
+
+class _Rebuilder:
+    """Rebuilds the objects of one message: arrays as views of its (writable) bytes, records field by field
+    (without running ``__init__``: the values are the writer's)."""
+
+    def __init__(self, message: bytearray) -> None:
+        self.message = message
+
+    def __call__(self, first: Any, second: Any, third: Any, *fields: Any) -> Any:
+        if type(second) is tuple:  # an array: dtype, shape, offset
+            return np.frombuffer(self.message, first, math.prod(second), third).reshape(second)
+        cls = _record_classes.get((first, second))
+        if cls is None:
+            cls = importlib.import_module(first)
+            for part in second.split("."):
+                cls = getattr(cls, part)
+            _record_classes[first, second] = cls
+        record = cls.__new__(cls)
+        for attribute, value in zip(cls.__attrs_attrs__, (third, *fields), strict=True):
+            object.__setattr__(record, attribute.name, value)
+        return record
+
+
+class _Unpickler(pickle.Unpickler):
     def __init__(self, file: io.BytesIO, message: bytearray) -> None:
         super().__init__(file)
         self.message = message
 
-    def persistent_load(self, reference: tuple) -> np.ndarray:
-        dtype, shape, offset = reference
-        return np.frombuffer(self.message, dtype, math.prod(shape), offset).reshape(shape)
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__ and name == "_rebuild":
+            return _Rebuilder(self.message)  # not a method of self: the memo would hold a cycle to self
+        return super().find_class(module, name)
 
 
 def encode(message: Any) -> bytes:
     """``message`` on the wire: its length and its pickle's, the arrays' bytes, then the pickle."""
     file = io.BytesIO()
-    pickler = _ArrayPickler(file)
+    pickler = _Pickler(file)
     pickler.dump(message)
     parts = []
     for array in pickler.arrays:
-        parts.append(array.reshape(-1).view(np.uint8))
+        if array.nbytes:
+            parts.append(memoryview(array).cast("B"))
         parts.append(bytes(-array.nbytes % ALIGN))
     pickled = file.getbuffer()
     total = pickler.offset + len(pickled)
@@ -91,7 +131,7 @@ def encode(message: Any) -> bytes:
 def decode(data: bytearray) -> Any:
     """The message of :func:`encode`'s bytes; its arrays are views of ``data``."""
     pickled = int.from_bytes(data[8:16], "little")
-    return _ArrayUnpickler(io.BytesIO(memoryview(data)[len(data) - pickled :]), data).load()
+    return _Unpickler(io.BytesIO(memoryview(data)[len(data) - pickled :]), data).load()
 
 
 class ShmBroadcast:
@@ -153,7 +193,7 @@ class ShmBroadcast:
             if self.readers_alive is not None and now - last_check > LIVENESS_SECONDS:
                 last_check = now
                 if not self.readers_alive():
-                    raise RuntimeError("a tensor-parallel worker stopped reading the control channel (it exited)")
+                    raise RuntimeError("a tensor-parallel worker stopped reading the step channel: it exited")
 
     def read(self) -> Any:
         """The next message; waits for it as long as it takes."""

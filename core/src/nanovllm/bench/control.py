@@ -8,8 +8,9 @@ of ``world_size`` CPU ranks and broadcasts, ``steps`` times, the plan of a decod
 sequences of ``context`` tokens each (``block_size``-token blocks, so a block table of ``context /
 block_size`` entries per sequence, as ``ModelRunner.prepare`` makes it). After each broadcast all ranks
 meet in a small all-reduce on the data group, as a step's forward pass makes them. Reported per step,
-median and 90th percentile: rank 0's time in the broadcast, and the delivery latency (rank 0 starting the
-broadcast to a rank holding the plan; ``time.perf_counter`` is one clock for all processes of a host).
+median and 90th percentile: rank 0's time in the broadcast (wall clock, and its CPU time, which a busy host
+inflates less), and the delivery latency (rank 0 starting the broadcast to a rank holding the plan;
+``time.perf_counter`` is one clock for all processes of a host).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def decode_plan(seqs: int, context: int, block_size: int) -> StepPlan:
         positions=positions,
         slot_mapping=tables[:, -1].astype(np.int64) * block_size + positions % block_size,
         num_decode_tokens=seqs,
-        decode=PhaseArrays(np.arange(seqs + 1, dtype=np.int32), np.full(seqs, context, dtype=np.int32), tables,
-                           1, context),
+        decode=PhaseArrays(np.arange(seqs + 1, dtype=np.int32), np.full(seqs, context, dtype=np.int32),
+                           tables, 1, context),
         prefill=None,
         placeholder_rows=None,
         placeholder_sources=None,
@@ -90,11 +91,12 @@ def measure(transport: str, plan: StepPlan, steps: int, world_size: int = 2) -> 
         init_tensor_parallel(0, world_size, "cpu", store, channel=channel)
         if channel is not None:
             channel.unlink()
-        send = []
+        send, send_cpu = [], []
         for _ in range(steps + WARMUP_STEPS):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             broadcast_control(("step", plan, start))
             send.append(time.perf_counter() - start)
+            send_cpu.append(time.thread_time() - start_cpu)
             _step_sync()
         gathered: list = [None] * world_size
         dist.gather_object([], gathered, dst=0)
@@ -108,9 +110,11 @@ def measure(transport: str, plan: StepPlan, steps: int, world_size: int = 2) -> 
 
     def stats(seconds: list[float]) -> dict:
         micro = np.asarray(seconds) * 1e6
-        return {"median_us": round(float(np.median(micro)), 1), "p90_us": round(float(np.percentile(micro, 90)), 1)}
+        return {"median_us": round(float(np.median(micro)), 1),
+                "p90_us": round(float(np.percentile(micro, 90)), 1)}
 
-    return {"transport": transport, "send": stats(send[WARMUP_STEPS:]), "delivery": stats(delivery)}
+    return {"transport": transport, "send": stats(send[WARMUP_STEPS:]),
+            "send_cpu": stats(send_cpu[WARMUP_STEPS:]), "delivery": stats(delivery)}
 
 
 def main() -> None:
@@ -126,11 +130,12 @@ def main() -> None:
     size = len(pickle.dumps(("step", plan, 0.0), protocol=pickle.HIGHEST_PROTOCOL))
     print(f"decode plan of {args.seqs} sequences x {args.context} tokens: {size / 1024:.1f} KiB pickled; "
           f"{args.world_size} ranks, {args.steps} steps, {os.cpu_count()} CPUs")
-    print(f"{'transport':<10} {'send median':>12} {'send p90':>10} {'delivery median':>16} {'delivery p90':>13}")
+    print("microseconds per step: median / 90th percentile")
+    print(f"{'transport':<10} {'rank 0 send':>16} {'rank 0 send CPU':>16} {'delivery':>16}")
     for transport in args.transports:
         r = measure(transport, plan, args.steps, args.world_size)
-        print(f"{transport:<10} {r['send']['median_us']:>10.1f}us {r['send']['p90_us']:>8.1f}us "
-              f"{r['delivery']['median_us']:>14.1f}us {r['delivery']['p90_us']:>11.1f}us", flush=True)
+        cells = [f"{r[k]['median_us']:.0f} / {r[k]['p90_us']:.0f}" for k in ("send", "send_cpu", "delivery")]
+        print(f"{transport:<10} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16}", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,10 @@
 Rank 0 is the engine's own process: it schedules, broadcasts each step's plan on a shared-memory channel
 that it creates and owns (:mod:`nanovllm.shm_broadcast`; it unlinks the name once every worker has
 attached, so nothing is left in /dev/shm whoever crashes) and samples. A worker builds the same model
-runner on its shard and follows rank 0's steps until told to stop. The world is wired through a TCP store that rank 0 opens on a free port of
-127.0.0.1; a worker writes its traceback there before it exits on an error, so that the engine can say
-what went wrong. Workers leave when the engine's process does (they watch their parent), and ignore
-Ctrl-C, which the engine handles.
+runner on its shard and follows rank 0's steps until told to stop. The world is wired through a TCP store
+that rank 0 opens on a free port of 127.0.0.1; a worker writes its traceback there before it exits on an
+error, so that the engine can say what went wrong. Workers leave when the engine's process does (they watch
+their parent), and ignore Ctrl-C, which the engine handles.
 """
 
 from __future__ import annotations
@@ -75,17 +75,17 @@ def check_observers_travel(observers: tuple[object, ...], world_size: int) -> No
         name = type(observer).__qualname__
         if type(observer).__module__ == "__main__" and interactive:
             raise ValueError(
-                f"tensor_parallel_size={world_size} sends each observer to its worker processes, which cannot "
-                f"import observer class {name!r}: it is defined in an interactive session. Define it in a "
-                "module (a .py file) or the script you run, or register it and pass its selection string"
+                f"tensor_parallel_size={world_size} sends each observer to its worker processes, which "
+                f"cannot import observer class {name!r}: it is defined in an interactive session. Define it "
+                "in a module (a .py file) or the script you run, or register it and pass its selection string"
             )
         try:
             pickle.dumps(observer)
         except Exception as exc:
             raise ValueError(
-                f"tensor_parallel_size={world_size} sends each observer to its worker processes by pickling it, "
-                f"but observer {name!r} cannot be pickled ({exc}). Keep lambdas, locks and open files out of "
-                "its attributes, or register it and pass its selection string"
+                f"tensor_parallel_size={world_size} sends each observer to its worker processes by pickling "
+                f"it, but observer {name!r} cannot be pickled ({exc}). Keep lambdas, locks and open files "
+                "out of its attributes, or register it and pass its selection string"
             ) from exc
 
 
