@@ -136,6 +136,19 @@ def test_two_ranks_generate_the_tokens_of_one(arch, tiny_model, one_thread, tmp_
     assert ranks[0]["allocated"] and ranks[1]["allocated"] == ranks[0]["allocated"]
 
 
+def test_where_stores_may_be_reordered_steps_go_on_the_gloo_group(tiny_model, one_thread, monkeypatch):
+    import platform
+
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(path, **ENGINE) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, greedy, use_tqdm=False)]
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    with LLM(path, tensor_parallel_size=2, **ENGINE) as two:
+        assert two._workers.channel is None and nanovllm.distributed._control_channel is None
+        assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, greedy, use_tqdm=False)] == expected
+
+
 def test_two_ranks_with_kv_offload_generate_the_tokens_of_one(tiny_model, one_thread):
     """Each rank keeps its KV heads in its own host pool and loads them in several pieces per layer."""
     path = tiny_model("LlamaForCausalLM", initializer_range=INIT)

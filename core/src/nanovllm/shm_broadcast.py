@@ -13,7 +13,8 @@ chunks of one slot each: chunk ``k`` (counted from 1 over the channel's life) go
 then one word per reader, the number of the chunk it read there last. The writer fills a slot once every
 reader has read the chunk before (``k - num_slots``), copies the chunk, then stores ``k``; a reader waits for
 ``k``, copies the chunk out, then stores ``k`` in its word. Chunk numbers only grow, so a slot is never
-mistaken for an older one. The protocol relies on the host keeping stores in program order, as x86-64 does.
+mistaken for an older one. The protocol relies on the host keeping stores in program order, as x86-64 does
+(:func:`stores_stay_in_order`); elsewhere (arm64) the engine keeps the gloo control group.
 
 Waiting readers spin for ``SPIN_SECONDS``, then yield the CPU until ``YIELD_SECONDS``, then sleep in
 ``SLEEP_SECONDS`` steps (an idle engine's workers then cost little CPU). The creator owns the segment: it
@@ -28,6 +29,7 @@ import io
 import math
 import os
 import pickle
+import platform
 import secrets
 import time
 from collections.abc import Callable
@@ -45,6 +47,12 @@ NAME_PREFIX = "nanovllm-tp-"
 WORD = 8
 LENGTHS = 16  # the message's length and its pickle's, at its start
 ALIGN = 16  # every array's bytes start at a multiple of this in the message
+
+
+def stores_stay_in_order() -> bool:
+    """Whether other cores see this host's stores in program order (x86-64's total store order), which the
+    ring's flags rely on: Python has no memory fence to order them on weaker hosts such as arm64."""
+    return platform.machine().lower() in ("x86_64", "amd64")
 
 
 def _rebuild(*args: Any) -> Any:
