@@ -5,7 +5,9 @@ rounding) for Llama and Qwen3, in steps that mix prefill chunks with decodes and
 that each rank's KV cache holds its own KV heads and its policies hear of the same block allocations as
 rank 0; that the engine leaves no child process behind when closed or garbage-collected; that a killed
 worker, a worker that fails while building its runner, and the death of the engine's process are each
-noticed (a clear error in the engine; workers that exit by themselves).
+noticed (a clear error in the engine; workers that exit by themselves). The engine's ranks take their steps
+from a shared-memory channel whose name is gone from /dev/shm once the workers have started, whatever
+happens next; ranks started by torchrun keep the gloo control group.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import textwrap
 import time
 from pathlib import Path
 
+import nanovllm.distributed
 import psutil
 import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.distributed import tp_rank
+from nanovllm.shm_broadcast import NAME_PREFIX
 
 PROMPTS = [[5, 6, 7], list(range(10, 40)), list(range(50, 61)), list(range(100, 170))]
 ENGINE = dict(device="cpu", kv_cache_memory=1 << 24, block_size=8, max_num_batched_tokens=48)
@@ -57,11 +61,26 @@ class FailsOnWorkers:
             raise MemoryError("rank-local failure for the test")
 
 
+class HoldsALambda:
+    """An observer that cannot be pickled to the workers."""
+
+    def __init__(self) -> None:
+        self.transform = lambda x: x
+
+    def on_blocks_allocated(self, block_ids) -> None:
+        pass
+
+
 def children() -> list[psutil.Process]:
     """This process's children, but multiprocessing's resource tracker (one per process, started with the
     first spawned process; it holds no model and leaves with this process)."""
     return [p for p in psutil.Process().children(recursive=True)
             if not any("resource_tracker" in part for part in p.cmdline())]
+
+
+def shm_segments() -> set[str]:
+    """The step channels' shared-memory segments in /dev/shm (none should outlive an engine's start)."""
+    return {p.name for p in Path("/dev/shm").glob(NAME_PREFIX + "*")}
 
 
 def gone(pid: int) -> bool:
@@ -91,12 +110,15 @@ def test_two_ranks_generate_the_tokens_of_one(arch, tiny_model, one_thread, tmp_
     path = tiny_model(arch, initializer_range=INIT)
     with LLM(path, **ENGINE) as one:
         expected = one.generate(PROMPTS, params(), use_tqdm=False)
-    before = children()
+    before, segments = children(), shm_segments()
     with LLM(path, tensor_parallel_size=2, observers=[AllocationRecorder(str(tmp_path))], **ENGINE) as two:
         assert len(children()) == len(before) + 1  # one worker, rank 1
         assert two.runner.kv_cache.shape[4] == 1  # of the model's 2 KV heads, rank 0 holds one
+        assert nanovllm.distributed._control_channel is two._workers.channel  # steps go through it
+        assert shm_segments() == segments  # mapped by both ranks, already unlinked
         got = two.generate(PROMPTS, params(), use_tqdm=False)
     assert children() == before
+    assert nanovllm.distributed._control_channel is None
     for want, out in zip(expected, got, strict=True):
         assert out.outputs[0].token_ids == want.outputs[0].token_ids
         assert len(set(want.outputs[0].token_ids)) > 1  # a model that repeats one token would prove little
@@ -114,9 +136,44 @@ def test_two_ranks_generate_the_tokens_of_one(arch, tiny_model, one_thread, tmp_
     assert ranks[0]["allocated"] and ranks[1]["allocated"] == ranks[0]["allocated"]
 
 
+def test_where_stores_may_be_reordered_steps_go_on_the_gloo_group(tiny_model, one_thread, monkeypatch):
+    import platform
+
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(path, **ENGINE) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, greedy, use_tqdm=False)]
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    with LLM(path, tensor_parallel_size=2, **ENGINE) as two:
+        assert two._workers.channel is None and nanovllm.distributed._control_channel is None
+        assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, greedy, use_tqdm=False)] == expected
+
+
+def test_two_ranks_with_kv_offload_generate_the_tokens_of_one(tiny_model, one_thread):
+    """Each rank keeps its KV heads in its own host pool and loads them in several pieces per layer."""
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    head_block = 2 * 8 * 16 * 4  # K and V of one KV head of one block: 8 tokens, head size 16, float32
+    options = {**ENGINE, "kv_cache_memory": None, "max_num_seqs": 4, "kv_offloading_size": 0.01,
+               "kv_offloading_buffer_size": 2 * 24 * head_block / 2**30}  # 2 slots of 24 head blocks
+    prompts = [[(7 * i + 3 * j) % 240 + 3 for j in range(n)] for i, n in enumerate([90, 33, 140])]  # 35 blocks
+    with LLM(path, **options) as one:
+        expected = one.generate(prompts, params()[:3], use_tqdm=False)
+    with LLM(path, tensor_parallel_size=2, **options) as two:
+        offload = two.runner.offload
+        loads = []
+        load = offload._load
+        offload._load = lambda layer_id, piece: loads.append(layer_id) or load(layer_id, piece)
+        got = two.generate(prompts, params()[:3], use_tqdm=False)
+    # rank 0's pool slots hold 24 of its 35 head blocks: two pieces per layer in each of the 11 decode steps
+    assert offload.capacity == 24 and len(loads) >= 2 * 11 * len(two.runner.attention_layers)
+    for want, out in zip(expected, got, strict=True):
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+        assert out.outputs[0].cumulative_logprob == pytest.approx(want.outputs[0].cumulative_logprob, abs=1e-4)
+
+
 def test_a_killed_worker_is_reported_and_the_engine_stops(tiny_model, one_thread):
     path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
-    before = children()
+    before, segments = children(), shm_segments()
     llm = LLM(path, tensor_parallel_size=2, **ENGINE)
     (worker,) = [p for p in children() if p not in before]
     worker.send_signal(signal.SIGKILL)
@@ -128,19 +185,43 @@ def test_a_killed_worker_is_reported_and_the_engine_stops(tiny_model, one_thread
     del llm
     gc.collect()
     assert children() == before
+    assert shm_segments() == segments
 
 
 def test_a_worker_that_fails_to_build_is_reported(tiny_model, one_thread):
     path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
-    before = children()
+    before, segments = children(), shm_segments()
     start = time.monotonic()
     reported = r"(?s)worker rank 1 \(pid \d+\) (raised an error|exited with code 1).*MemoryError: rank-local"
     with pytest.raises(RuntimeError, match=reported):
         LLM(path, tensor_parallel_size=2, observers=[FailsOnWorkers()], **ENGINE)
     assert time.monotonic() - start < 60  # reported, not waited out
     assert children() == before
+    assert shm_segments() == segments
     with LLM(path, **ENGINE) as one:  # the failed world is gone: one rank works in the same process
         assert one.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_an_observer_the_workers_cannot_get_is_refused_before_they_start(tiny_model):
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    before = children()
+    with pytest.raises(ValueError, match=r"observer 'HoldsALambda' cannot be pickled \(.*lambda.*register it"):
+        LLM(path, tensor_parallel_size=2, observers=[HoldsALambda()], **ENGINE)
+    assert children() == before
+    script = textwrap.dedent(f"""
+        from nanovllm import LLM
+        class Interactive:
+            def on_blocks_allocated(self, block_ids):
+                pass
+        try:
+            LLM({path!r}, tensor_parallel_size=2, observers=[Interactive()], **{ENGINE!r})
+        except ValueError as exc:
+            print(exc)
+    """)  # run with -c: as in a notebook or a REPL, __main__ has no file a worker could import
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert "cannot import observer class 'Interactive': it is defined in an interactive session" in done.stdout, (
+        done.stdout + done.stderr[-2000:])
 
 
 def test_async_engine_shutdown_stops_the_workers(tiny_model, one_thread):
@@ -178,12 +259,14 @@ def test_garbage_collection_stops_the_workers(tiny_model, one_thread):
 @pytest.mark.slow
 def test_workers_exit_when_the_engine_process_dies(tiny_model, tmp_path):
     path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    segments = shm_segments()
     script = textwrap.dedent(f"""
         import os, sys
         import psutil
         from nanovllm import LLM
         if __name__ == "__main__":
             llm = LLM({path!r}, tensor_parallel_size=2, **{ENGINE!r})
+            llm.generate([[5, 6, 7]], use_tqdm=False)
             print(*[p.pid for p in psutil.Process().children(recursive=True)], flush=True)
             os.kill(os.getpid(), 9)
     """)
@@ -194,6 +277,35 @@ def test_workers_exit_when_the_engine_process_dies(tiny_model, tmp_path):
     pids = [int(p) for p in done.stdout.split()]
     assert pids
     assert wait_until(lambda: all(gone(p) for p in pids), 15)
+    assert shm_segments() == segments
+
+
+# -- sharded loading ---------------------------------------------------------------------------------
+
+def test_each_rank_reads_only_its_shard_of_each_weight(tiny_model, tmp_path):
+    """Two gloo ranks (torchrun) load Llama with biases on every projection and a vocabulary that does not
+    split evenly (the last rank pads), and Qwen3 with tied embeddings: every parameter is the checkpoint's
+    narrowed by hand, and each rank read from the file exactly the elements it holds, one read per tensor."""
+    models = {
+        "LlamaForCausalLM": tiny_model("LlamaForCausalLM", vocab_size=251, attention_bias=True, mlp_bias=True),
+        "Qwen3ForCausalLM": tiny_model("Qwen3ForCausalLM"),
+    }
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(Path(__file__).with_name("tp_shard_check.py")), str(tmp_path),
+         *[f"{arch}={path}" for arch, path in models.items()]],
+        capture_output=True, text=True, env=env, timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert results.keys() == models.keys()
+        for arch, result in results.items():
+            assert result["differ"] == [], (rank, arch)
+            assert result["read"] == result["held"], (rank, arch)  # not a whole tensor then narrowed
+            assert result["read"] < 0.7 * result["checkpoint"], (rank, arch)  # the model is mostly sharded
+            assert result["reads_per_tensor"] == [1], (rank, arch)
 
 
 # -- ranks started by torchrun (distributed_executor_backend="external_launcher") ---------------------
@@ -201,6 +313,7 @@ def test_workers_exit_when_the_engine_process_dies(tiny_model, tmp_path):
 TORCHRUN_SCRIPT = """
 import json, os, sys
 import torch
+import nanovllm.distributed
 from nanovllm import LLM, SamplingParams
 torch.set_num_threads(1)
 path, engine, prompts, bad_prompt, out = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4], sys.argv[5]
@@ -213,7 +326,9 @@ with LLM(path, tensor_parallel_size=2, distributed_executor_backend="external_la
     except (ValueError, RuntimeError) as exc:
         error = str(exc)
     again = llm.generate(prompts[:1], greedy, use_tqdm=False)
-result = {"tokens": [o.outputs[0].token_ids for o in outputs], "error": error, "again": again[0].outputs[0].token_ids}
+    gloo = nanovllm.distributed._control_channel is None  # perhaps on several hosts: no shared memory
+result = {"tokens": [o.outputs[0].token_ids for o in outputs], "error": error, "again": again[0].outputs[0].token_ids,
+          "gloo": gloo}
 with open(os.path.join(out, "rank" + os.environ["RANK"] + ".json"), "w") as f:  # the ranks share stdout
     json.dump(result, f)
 """
@@ -237,6 +352,7 @@ def test_torchrun_ranks_return_the_tokens_of_one_rank_on_every_rank(tiny_model, 
     for result in results:
         assert result["tokens"] == expected
         assert result["again"] == expected[0]
+        assert result["gloo"]
     assert "outside the vocabulary" in results[0]["error"]
     assert "rank 0 raised" in results[1]["error"] and "outside the vocabulary" in results[1]["error"]
 

@@ -1,9 +1,11 @@
 """Tensor-parallel rank and size: from torch.distributed when it is initialised, else a single rank.
 
 A tensor-parallel world has two process groups: the default one (NCCL on CUDA, gloo on the CPU) for the
-model's all-reduces and gathers, and a gloo control group on which rank 0 broadcasts each step's inputs to
-the other ranks. The control group is on the host, so it works between hosts (``torchrun``) as well as on
-one, and its long timeout lets the other ranks wait for the next step for as long as the engine is idle.
+model's all-reduces and gathers, and a gloo control group for the host's collectives (the smallest KV cache,
+barriers). Rank 0 broadcasts each step's inputs to the other ranks on the control channel: a shared-memory
+ring (:mod:`nanovllm.shm_broadcast`) when the engine started the ranks on its own host, else (``torchrun``,
+possibly several hosts) the gloo control group, whose long timeout lets the other ranks wait for the next
+step for as long as the engine is idle.
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nanovllm.shm_broadcast import ShmBroadcast
+
 # Idle workers wait on the control group for the next step: as long as the engine lives.
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
 # The model's collectives run inside a step; a rank that does not join within this is gone.
 DATA_TIMEOUT = datetime.timedelta(minutes=10)
 
 _control_group: dist.ProcessGroup | None = None
+_control_channel: ShmBroadcast | None = None  # the step broadcast of ranks on one host
 
 
 def tp_rank() -> int:
@@ -38,16 +43,18 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 def init_tensor_parallel(rank: int, world_size: int, device_type: str, store: dist.Store | None = None,
-                         local_rank: int | None = None) -> None:
+                         local_rank: int | None = None, channel: ShmBroadcast | None = None) -> None:
     """Join the tensor-parallel world (``store`` given: the engine's own workers; else ``torchrun``'s
-    environment, MASTER_ADDR and MASTER_PORT) and make the control group. On CUDA the rank takes GPU
-    ``local_rank`` of its host (default: ``rank``, all ranks on one host)."""
-    global _control_group
+    environment, MASTER_ADDR and MASTER_PORT) and make the control group; ``channel``: the shared-memory
+    step broadcast of ranks on one host (its owner closes it), else steps go on the control group. On CUDA
+    the rank takes GPU ``local_rank`` of its host (default: ``rank``, all ranks on one host)."""
+    global _control_group, _control_channel
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count() if local_rank is None else local_rank)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=DATA_TIMEOUT)
     _control_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    _control_channel = channel
 
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -73,14 +80,19 @@ def torchrun_ranks(tensor_parallel_size: int) -> tuple[int, int]:
 
 
 def destroy_tensor_parallel() -> None:
-    global _control_group
-    _control_group = None
+    global _control_group, _control_channel
+    _control_group = _control_channel = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
 def broadcast_control(message: Any = None) -> Any:
     """Rank 0 sends ``message`` (any picklable object) to every rank; every rank returns it."""
+    if _control_channel is not None:
+        if tp_rank() == 0:
+            _control_channel.write(message)
+            return message
+        return _control_channel.read()
     box = [message]
     dist.broadcast_object_list(box, src=0, group=_control_group)
     return box[0]

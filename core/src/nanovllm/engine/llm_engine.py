@@ -23,7 +23,7 @@ from nanovllm.engine.model_runner import LaunchedStep, ModelRunner, resolve_devi
 from nanovllm.engine.output_stream import OutputBuilder, OutputStream
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
-from nanovllm.engine.tp_workers import RunnerSpec, TPWorkers
+from nanovllm.engine.tp_workers import RunnerSpec, TPWorkers, check_observers_travel
 from nanovllm.hub import is_hub_id, resolve_hub_id
 from nanovllm.inputs import TokensPrompt
 from nanovllm.outputs import RequestOutput
@@ -113,6 +113,8 @@ class LLMEngine:
         if isinstance(observers, (str, dict)):
             observers = [observers]
         observer_choices = tuple(observers)  # tensor-parallel workers resolve them again
+        if config.tensor_parallel_size > 1 and not self._external:
+            check_observers_travel(observer_choices, config.tensor_parallel_size)
         observers = tuple(resolve_observer(o, plugins) for o in observers)
         backend_choice = resolve_attention_backend(config.attention_backend, plugins)
         self.model_path = resolve_model_path(config.model, config.revision, config.download_dir)

@@ -1,4 +1,7 @@
-"""Model directories: checks with clear errors, and safetensors loading into packed parameters."""
+"""Model directories: checks with clear errors, and safetensors loading into packed parameters.
+
+Each checkpoint tensor reaches its parameter's ``weight_loader`` as a :class:`LazyTensor`, so that a
+tensor-parallel rank reads only its own shard of a sharded weight from the file, never the whole tensor."""
 
 from __future__ import annotations
 
@@ -53,6 +56,18 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+class LazyTensor:
+    """A checkpoint tensor not read yet: ``shape`` as a tensor's, and ``lazy[index]`` reads just the indexed
+    part from the file (``lazy[...]`` reads it all)."""
+
+    def __init__(self, part) -> None:  # safetensors' slice of one tensor
+        self._part = part
+        self.shape = torch.Size(part.get_shape())
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._part[index]
+
+
 @torch.no_grad()
 def load_weights(model: nn.Module, path: Path) -> None:
     """Copy every checkpoint tensor into ``model``; packed projections take their shard via the
@@ -76,7 +91,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
                         continue
                     raise ModelDirectoryError(f"checkpoint tensor {name!r} in {file.name} has no place in the model")
                 loader = getattr(param, "weight_loader", default_weight_loader)
-                tensor = f.get_tensor(name)
+                tensor = LazyTensor(f.get_slice(name))
                 loader(param, tensor) if shard is None else loader(param, tensor, shard)
                 loaded.add(target)
     missing = sorted(set(params) - loaded)

@@ -1,11 +1,13 @@
 """Tensor-parallel workers: one process per rank other than 0, started by the engine with ``spawn``.
 
-Rank 0 is the engine's own process: it schedules, broadcasts each step's plan on the control group
-(:mod:`nanovllm.distributed`) and samples. A worker builds the same model runner on its shard and follows
-rank 0's steps until told to stop. The world is wired through a TCP store that rank 0 opens on a free port of
-127.0.0.1; a worker writes its traceback there before it exits on an error, so that the engine can say
-what went wrong. Workers leave when the engine's process does (they watch their parent), and ignore
-Ctrl-C, which the engine handles.
+Rank 0 is the engine's own process: it schedules, broadcasts each step's plan on a shared-memory channel
+that it creates and owns (:mod:`nanovllm.shm_broadcast`; it unlinks the name once every worker has
+attached, so nothing is left in /dev/shm whoever crashes; on hosts that may reorder stores, the gloo control
+group instead) and samples. A worker builds the same model
+runner on its shard and follows rank 0's steps until told to stop. The world is wired through a TCP store
+that rank 0 opens on a free port of 127.0.0.1; a worker writes its traceback there before it exits on an
+error, so that the engine can say what went wrong. Workers leave when the engine's process does (they watch
+their parent), and ignore Ctrl-C, which the engine handles.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
+import pickle
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -26,6 +30,7 @@ import torch.distributed as dist
 
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import broadcast_control, destroy_tensor_parallel, init_tensor_parallel
+from nanovllm.shm_broadcast import ShmBroadcast, stores_stay_in_order
 
 # How long a worker may take to start (import torch and the plugins) and join the world.
 START_TIMEOUT = datetime.timedelta(minutes=5)
@@ -61,6 +66,30 @@ class RunnerSpec:
         )
 
 
+def check_observers_travel(observers: tuple[object, ...], world_size: int) -> None:
+    """Each worker gets the engine's observers pickled and imports their classes again: a clear error now
+    for an observer object that cannot make the trip (selection strings always can)."""
+    interactive = not getattr(sys.modules.get("__main__"), "__file__", None)
+    for observer in observers:
+        if isinstance(observer, (str, dict)):
+            continue
+        name = type(observer).__qualname__
+        if type(observer).__module__ == "__main__" and interactive:
+            raise ValueError(
+                f"tensor_parallel_size={world_size} sends each observer to its worker processes, which "
+                f"cannot import observer class {name!r}: it is defined in an interactive session. Define it "
+                "in a module (a .py file) or the script you run, or register it and pass its selection string"
+            )
+        try:
+            pickle.dumps(observer)
+        except Exception as exc:
+            raise ValueError(
+                f"tensor_parallel_size={world_size} sends each observer to its worker processes by pickling "
+                f"it, but observer {name!r} cannot be pickled ({exc}). Keep lambdas, locks and open files "
+                "out of its attributes, or register it and pass its selection string"
+            ) from exc
+
+
 def _exit_with_parent(parent_pid: int) -> None:
     def watch() -> None:
         while os.getppid() == parent_pid:
@@ -70,21 +99,26 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="nanovllm-parent-watch", daemon=True).start()
 
 
-def _worker_main(rank: int, world_size: int, port: int, spec: RunnerSpec, device_type: str, parent_pid: int,
-                 num_threads: int) -> None:
+def _worker_main(rank: int, world_size: int, port: int, channel_name: str | None, spec: RunnerSpec,
+                 device_type: str, parent_pid: int, num_threads: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent(parent_pid)
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=START_TIMEOUT)
+    channel = None
     try:
         torch.set_num_threads(num_threads)
-        store.set(f"joining/{rank}", "1")
-        init_tensor_parallel(rank, world_size, device_type, store)
+        if channel_name is not None:
+            channel = ShmBroadcast.attach(channel_name, world_size - 1, rank - 1)
+        store.set(f"joining/{rank}", "1")  # attached: rank 0 may unlink the channel's name
+        init_tensor_parallel(rank, world_size, device_type, store, channel=channel)
         spec.build().follow()
     except BaseException:
         store.set(f"error/{rank}", traceback.format_exc())
         raise SystemExit(1) from None
     finally:
         destroy_tensor_parallel()
+        if channel is not None:
+            channel.close()
 
 
 class TPWorkers:
@@ -95,20 +129,30 @@ class TPWorkers:
         self.stopped = False
         self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
                                    timeout=START_TIMEOUT)
+        processes: list[multiprocessing.Process] = []
+        self.channel: ShmBroadcast | None = None  # None: steps go on the gloo control group
+        if stores_stay_in_order():
+            # a write that waits for a slot gives up if a worker is gone (it would never read it)
+            self.channel = ShmBroadcast.create(
+                world_size - 1, readers_alive=lambda: all(p.exitcode is None for p in processes))
+        channel_name = None if self.channel is None else self.channel.name
         context = multiprocessing.get_context("spawn")
-        self.processes = [
+        processes.extend(
             context.Process(
                 target=_worker_main, name=f"nanovllm-tp-rank{rank}", daemon=True,
-                args=(rank, world_size, self.store.port, spec, device_type, os.getpid(),
+                args=(rank, world_size, self.store.port, channel_name, spec, device_type, os.getpid(),
                       torch.get_num_threads()),
             )
             for rank in range(1, world_size)
-        ]
+        )
+        self.processes = processes
         try:
             for process in self.processes:
                 process.start()
             self._wait_until_joining()
-            init_tensor_parallel(0, world_size, device_type, self.store)
+            if self.channel is not None:
+                self.channel.unlink()  # every worker has it mapped: no name is left to leak from here on
+            init_tensor_parallel(0, world_size, device_type, self.store, channel=self.channel)
         except BaseException:
             self.stop(graceful=False)
             raise
@@ -187,3 +231,5 @@ class TPWorkers:
                 process.kill()
                 process.join()
         destroy_tensor_parallel()
+        if self.channel is not None:
+            self.channel.close()

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed import all_reduce, tp_rank, tp_size
+from nanovllm.layers.linear import default_weight_loader, shard
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -21,9 +22,13 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        part = loaded[self.start : self.start + self.per_rank]
+        """This rank's rows of the vocabulary (read only there if ``loaded`` is lazy); the padding rows of
+        the last rank stay zero."""
+        start = min(self.start, self.num_embeddings)
+        size = min(self.start + self.per_rank, self.num_embeddings) - start
+        part = shard(loaded, 0, self.num_embeddings, start, size)
         param.data.zero_()
-        param.data[: part.shape[0]].copy_(part)
+        default_weight_loader(param.data[:size], part)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

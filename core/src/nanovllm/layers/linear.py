@@ -1,5 +1,8 @@
-"""Tensor-parallel linear layers. Each parameter carries a ``weight_loader`` that takes the full
-checkpoint tensor (or one shard of a packed projection) and copies this rank's slice into place."""
+"""Tensor-parallel linear layers. Each parameter carries a ``weight_loader`` that takes a checkpoint
+tensor (or one shard of a packed projection) and copies this rank's slice into place. The tensor may be a
+lazy one (:class:`nanovllm.engine.loader.LazyTensor`): a loader indexes only its rank's rows or columns, so
+each rank reads only its shard from the file. Both a tensor and a lazy tensor have ``shape`` and ``[index]``.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +22,18 @@ def _divide(a: int, b: int) -> int:
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
-    param.data.copy_(loaded)
+    param.data.copy_(loaded[...])
+
+
+def shard(loaded: torch.Tensor, dim: int, full_size: int, start: int, size: int) -> torch.Tensor:
+    """Elements ``start:start + size`` of ``loaded`` along ``dim`` (read only there if it is lazy), after
+    checking that the checkpoint's ``dim`` has the model's ``full_size``."""
+    if loaded.shape[dim] != full_size:
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(loaded.shape)} has {loaded.shape[dim]} rows along dim {dim}, "
+            f"the model expects {full_size}"
+        )
+    return loaded[(slice(None),) * dim + (slice(start, start + size),)]
 
 
 class LinearBase(nn.Module):
@@ -37,7 +51,7 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if self.tp_dim is not None and self.tp_size > 1 and param.dim() > self.tp_dim:
             size = param.shape[self.tp_dim]
-            loaded = loaded.narrow(self.tp_dim, self.tp_rank * size, size)
+            loaded = shard(loaded, self.tp_dim, size * self.tp_size, self.tp_rank * size, size)
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,7 +80,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        part = loaded.narrow(0, self.tp_rank * size, size)
+        part = shard(loaded, 0, self.output_sizes[shard_id], self.tp_rank * size, size)
         default_weight_loader(param.data.narrow(0, offset, size), part)
 
 
@@ -85,7 +99,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
-        part = loaded.narrow(0, self.tp_rank * size, size)
+        part = shard(loaded, 0, size * self.tp_size, self.tp_rank * size, size)
         default_weight_loader(param.data.narrow(0, offset, size), part)
 
 
