@@ -15,7 +15,12 @@ from nanovllm.chat_utils import render as render_chat
 from nanovllm.config import EngineConfig
 from nanovllm.default_model import default_model_dir, is_default_model
 from nanovllm.distributed import (
-    broadcast_control, destroy_tensor_parallel, init_tensor_parallel, torchrun_ranks, tp_rank, tp_size,
+    broadcast_control,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+    torchrun_ranks,
+    tp_rank,
+    tp_size,
 )
 from nanovllm.engine.input_processor import InputProcessor, Prompt
 from nanovllm.engine.loader import ModelDirectoryError, read_config_json
