@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One call on the 2-GPU machine (nvidia-h200-x2): install, the tensor-parallel GPU tests, then B6 (batch-1
+# decode at TP1 and TP2, B1 throughput at TP2). A run that outlives its limit has every Python process of it
+# dump its stacks (SIGABRT with PYTHONFAULTHANDLER), so a hang in NCCL or in graph capture shows where each
+# rank waits. Logs and results go to $OUT (or ./gpu_out).
+#   TP_LIMIT=420   seconds for the tests      B6_LIMIT=300   seconds for each benchmark command
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+TESTS=0 bash scripts/gpu_check.sh >/dev/null || { echo "install failed"; exit 1; }
+
+bounded() {  # bounded SECONDS LOG COMMAND...
+  local limit=$1 log=$2
+  shift 2
+  "$@" >"$log" 2>&1 &
+  local pid=$! waited=0
+  while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt "$limit" ]; do sleep 1; waited=$((waited + 1)); done
+  if kill -0 "$pid" 2>/dev/null; then
+    echo "== still running after ${limit}s: the stacks of every rank follow" >>"$log"
+    pkill -ABRT -f "multiprocessing.spawn"  # the tensor-parallel workers
+    pkill -ABRT -P "$pid"                  # a benchmark's job process (rank 0)
+    kill -ABRT "$pid"
+    sleep 5
+    kill -9 "$pid" 2>/dev/null
+  fi
+  wait "$pid"
+  echo "== exit status $?" >>"$log"
+  tail -n 40 "$log"
+}
+
+bounded "${TP_LIMIT:-420}" "$OUT/tp_tests.log" python3 -m pytest -q -m gpu core/tests/test_tensor_parallel_gpu.py
+for tp in 1 2; do
+  bounded "${B6_LIMIT:-300}" "$OUT/b6_latency_tp$tp.log" python3 -m nanovllm.cli bench latency \
+    --presets qwen3-8b llama-3.1-8b --tensor-parallel-size "$tp" --out "$OUT" --name "b6_latency_tp$tp"
+done
+bounded "${B6_LIMIT:-300}" "$OUT/b6_throughput_tp2.log" python3 -m nanovllm.cli bench throughput \
+  --presets qwen3-8b --tensor-parallel-size 2 --out "$OUT" --name b6_throughput_tp2
