@@ -308,6 +308,23 @@ def test_each_rank_reads_only_its_shard_of_each_weight(tiny_model, tmp_path):
             assert result["reads_per_tensor"] == [1], (rank, arch)
 
 
+def test_a_checkpoint_that_does_not_match_its_config_is_named(tiny_model, tmp_path):
+    """The vocabulary (sharded by rows even on one rank) is checked against config.json before it is read."""
+    import shutil
+
+    from nanovllm.engine.loader import load_weights
+    from nanovllm_llama.model import LlamaForCausalLM
+    from transformers import AutoConfig
+
+    path = tmp_path / "model"
+    shutil.copytree(tiny_model("LlamaForCausalLM", initializer_range=INIT), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "vocab_size": 250}))
+    model = LlamaForCausalLM(AutoConfig.from_pretrained(path))
+    with pytest.raises(ValueError, match=r"shape \(256, 64\) has size 256 along dim 0 where the model expects 250"):
+        load_weights(model, path)
+
+
 # -- ranks started by torchrun (distributed_executor_backend="external_launcher") ---------------------
 
 TORCHRUN_SCRIPT = """
