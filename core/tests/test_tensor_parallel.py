@@ -280,6 +280,28 @@ def test_workers_exit_when_the_engine_process_dies(tiny_model, tmp_path):
     assert shm_segments() == segments
 
 
+@pytest.mark.slow
+def test_an_engine_killed_while_its_workers_start_leaves_no_shared_memory(tiny_model):
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    segments = shm_segments()
+    script = textwrap.dedent(f"""
+        from nanovllm import LLM
+        if __name__ == "__main__":
+            LLM({path!r}, tensor_parallel_size=2, **{ENGINE!r})
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    engine = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_until(lambda: shm_segments() - segments or engine.poll() is not None, 60)
+        time.sleep(0.2)  # the workers are still importing torch: they have not attached
+        assert shm_segments() - segments and engine.poll() is None
+    finally:
+        engine.kill()
+    engine.wait()
+    # the workers see their parent gone and exit; then multiprocessing's resource tracker unlinks the segment
+    assert wait_until(lambda: shm_segments() == segments, 60), engine.stderr.read()[-2000:]
+
+
 # -- sharded loading ---------------------------------------------------------------------------------
 
 def test_each_rank_reads_only_its_shard_of_each_weight(tiny_model, tmp_path):
