@@ -27,7 +27,7 @@ import psutil
 import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.distributed import tp_rank
-from nanovllm.shm_broadcast import NAME_PREFIX
+from nanovllm.shm_broadcast import ShmBroadcast
 
 PROMPTS = [[5, 6, 7], list(range(10, 40)), list(range(50, 61)), list(range(100, 170))]
 ENGINE = dict(device="cpu", kv_cache_memory=1 << 24, block_size=8, max_num_batched_tokens=48)
@@ -78,9 +78,36 @@ def children() -> list[psutil.Process]:
             if not any("resource_tracker" in part for part in p.cmdline())]
 
 
-def shm_segments() -> set[str]:
-    """The step channels' shared-memory segments in /dev/shm (none should outlive an engine's start)."""
-    return {p.name for p in Path("/dev/shm").glob(NAME_PREFIX + "*")}
+# Wraps ShmBroadcast.create so that it prints each channel's name (in a script, a fresh process).
+ANNOUNCE_CHANNELS = """
+from nanovllm.shm_broadcast import ShmBroadcast
+_create = ShmBroadcast.create.__func__
+def _announced(cls, *args, **kwargs):
+    channel = _create(cls, *args, **kwargs)
+    print(channel.name, flush=True)
+    return channel
+ShmBroadcast.create = classmethod(_announced)
+"""
+
+
+@pytest.fixture
+def channels(monkeypatch) -> list[str]:
+    """The names of the step channels this test's engines create (other processes may make their own)."""
+    names = []
+    create = ShmBroadcast.create.__func__
+
+    def recorded(cls, *args, **kwargs):
+        channel = create(cls, *args, **kwargs)
+        names.append(channel.name)
+        return channel
+
+    monkeypatch.setattr(ShmBroadcast, "create", classmethod(recorded))
+    return names
+
+
+def in_shm(names: list[str]) -> list[str]:
+    """Those of the channels ``names`` still in /dev/shm (none should outlive an engine's start)."""
+    return [name for name in names if Path("/dev/shm", name).exists()]
 
 
 def gone(pid: int) -> bool:
@@ -106,16 +133,16 @@ def params() -> list[SamplingParams]:
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
-def test_two_ranks_generate_the_tokens_of_one(arch, tiny_model, one_thread, tmp_path):
+def test_two_ranks_generate_the_tokens_of_one(arch, tiny_model, one_thread, tmp_path, channels):
     path = tiny_model(arch, initializer_range=INIT)
     with LLM(path, **ENGINE) as one:
         expected = one.generate(PROMPTS, params(), use_tqdm=False)
-    before, segments = children(), shm_segments()
+    before = children()
     with LLM(path, tensor_parallel_size=2, observers=[AllocationRecorder(str(tmp_path))], **ENGINE) as two:
         assert len(children()) == len(before) + 1  # one worker, rank 1
         assert two.runner.kv_cache.shape[4] == 1  # of the model's 2 KV heads, rank 0 holds one
         assert nanovllm.distributed._control_channel is two._workers.channel  # steps go through it
-        assert shm_segments() == segments  # mapped by both ranks, already unlinked
+        assert channels == [two._workers.channel.name] and not in_shm(channels)  # mapped, and unlinked
         got = two.generate(PROMPTS, params(), use_tqdm=False)
     assert children() == before
     assert nanovllm.distributed._control_channel is None
@@ -171,9 +198,9 @@ def test_two_ranks_with_kv_offload_generate_the_tokens_of_one(tiny_model, one_th
         assert out.outputs[0].cumulative_logprob == pytest.approx(want.outputs[0].cumulative_logprob, abs=1e-4)
 
 
-def test_a_killed_worker_is_reported_and_the_engine_stops(tiny_model, one_thread):
+def test_a_killed_worker_is_reported_and_the_engine_stops(tiny_model, one_thread, channels):
     path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
-    before, segments = children(), shm_segments()
+    before = children()
     llm = LLM(path, tensor_parallel_size=2, **ENGINE)
     (worker,) = [p for p in children() if p not in before]
     worker.send_signal(signal.SIGKILL)
@@ -185,19 +212,19 @@ def test_a_killed_worker_is_reported_and_the_engine_stops(tiny_model, one_thread
     del llm
     gc.collect()
     assert children() == before
-    assert shm_segments() == segments
+    assert channels and not in_shm(channels)
 
 
-def test_a_worker_that_fails_to_build_is_reported(tiny_model, one_thread):
+def test_a_worker_that_fails_to_build_is_reported(tiny_model, one_thread, channels):
     path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
-    before, segments = children(), shm_segments()
+    before = children()
     start = time.monotonic()
     reported = r"(?s)worker rank 1 \(pid \d+\) (raised an error|exited with code 1).*MemoryError: rank-local"
     with pytest.raises(RuntimeError, match=reported):
         LLM(path, tensor_parallel_size=2, observers=[FailsOnWorkers()], **ENGINE)
     assert time.monotonic() - start < 60  # reported, not waited out
     assert children() == before
-    assert shm_segments() == segments
+    assert channels and not in_shm(channels)
     with LLM(path, **ENGINE) as one:  # the failed world is gone: one rank works in the same process
         assert one.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
 
@@ -259,7 +286,6 @@ def test_garbage_collection_stops_the_workers(tiny_model, one_thread):
 @pytest.mark.slow
 def test_workers_exit_when_the_engine_process_dies(tiny_model, tmp_path):
     path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
-    segments = shm_segments()
     script = textwrap.dedent(f"""
         import os, sys
         import psutil
@@ -267,17 +293,40 @@ def test_workers_exit_when_the_engine_process_dies(tiny_model, tmp_path):
         if __name__ == "__main__":
             llm = LLM({path!r}, tensor_parallel_size=2, **{ENGINE!r})
             llm.generate([[5, 6, 7]], use_tqdm=False)
-            print(*[p.pid for p in psutil.Process().children(recursive=True)], flush=True)
+            print(llm._workers.channel.name, *[p.pid for p in psutil.Process().children(recursive=True)],
+                  flush=True)
             os.kill(os.getpid(), 9)
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                           timeout=120)
     assert done.returncode == -signal.SIGKILL, done.stderr
-    pids = [int(p) for p in done.stdout.split()]
+    channel, *pids = done.stdout.split()
     assert pids
-    assert wait_until(lambda: all(gone(p) for p in pids), 15)
-    assert shm_segments() == segments
+    assert wait_until(lambda: all(gone(int(p)) for p in pids), 15)
+    assert not in_shm([channel])
+
+
+@pytest.mark.slow
+def test_an_engine_killed_while_its_workers_start_leaves_no_shared_memory(tiny_model):
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    script = ANNOUNCE_CHANNELS + textwrap.dedent(f"""
+        from nanovllm import LLM
+        if __name__ == "__main__":
+            LLM({path!r}, tensor_parallel_size=2, **{ENGINE!r})
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    engine = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        channel = engine.stdout.readline().strip()
+        time.sleep(0.2)  # the workers are still importing torch: they have not attached
+        assert channel and in_shm([channel]) and engine.poll() is None
+    finally:
+        engine.kill()
+    engine.wait()
+    # the workers see their parent gone and exit; then multiprocessing's resource tracker unlinks the segment
+    assert wait_until(lambda: not in_shm([channel]), 60), engine.stderr.read()[-2000:]
 
 
 # -- sharded loading ---------------------------------------------------------------------------------
@@ -306,6 +355,23 @@ def test_each_rank_reads_only_its_shard_of_each_weight(tiny_model, tmp_path):
             assert result["read"] == result["held"], (rank, arch)  # not a whole tensor then narrowed
             assert result["read"] < 0.7 * result["checkpoint"], (rank, arch)  # the model is mostly sharded
             assert result["reads_per_tensor"] == [1], (rank, arch)
+
+
+def test_a_checkpoint_that_does_not_match_its_config_is_named(tiny_model, tmp_path):
+    """The vocabulary (sharded by rows even on one rank) is checked against config.json before it is read."""
+    import shutil
+
+    from nanovllm.engine.loader import load_weights
+    from nanovllm_llama.model import LlamaForCausalLM
+    from transformers import AutoConfig
+
+    path = tmp_path / "model"
+    shutil.copytree(tiny_model("LlamaForCausalLM", initializer_range=INIT), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "vocab_size": 250}))
+    model = LlamaForCausalLM(AutoConfig.from_pretrained(path))
+    with pytest.raises(ValueError, match=r"shape \(256, 64\) has size 256 along dim 0 where the model expects 250"):
+        load_weights(model, path)
 
 
 # -- ranks started by torchrun (distributed_executor_backend="external_launcher") ---------------------

@@ -19,7 +19,8 @@ mistaken for an older one. The protocol relies on the host keeping stores in pro
 Waiting readers spin for ``SPIN_SECONDS``, then yield the CPU until ``YIELD_SECONDS``, then sleep in
 ``SLEEP_SECONDS`` steps (an idle engine's workers then cost little CPU). The creator owns the segment: it
 unlinks the name once every reader has attached (:meth:`unlink`), so a crash leaves nothing in /dev/shm
-after that; before it, multiprocessing's resource tracker removes the segment when the processes are gone.
+after that; before it, multiprocessing's resource tracker removes the segment once the processes are gone
+(and warns of a leaked shared_memory object).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import platform
 import secrets
 import time
 from collections.abc import Callable
-from multiprocessing import shared_memory
+from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import attrs
@@ -167,6 +168,9 @@ class ShmBroadcast:
         """A new channel, this process its writer. ``readers_alive`` (optional) tells a writer that waits for
         a slot whether the readers are still there; if not, the write raises instead of waiting forever."""
         size = cls._header_bytes(num_readers, num_slots) + num_slots * slot_bytes
+        # the tracker first: started by the segment's registration, it would leave a window in which a crash
+        # leaves the segment untracked
+        resource_tracker.ensure_running()
         memory = shared_memory.SharedMemory(NAME_PREFIX + secrets.token_hex(8), create=True, size=size)
         return cls(memory, num_readers, num_slots, slot_bytes, None, readers_alive)
 

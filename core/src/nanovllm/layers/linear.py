@@ -30,8 +30,8 @@ def shard(loaded: torch.Tensor, dim: int, full_size: int, start: int, size: int)
     checking that the checkpoint's ``dim`` has the model's ``full_size``."""
     if loaded.shape[dim] != full_size:
         raise ValueError(
-            f"checkpoint tensor of shape {tuple(loaded.shape)} has {loaded.shape[dim]} rows along dim {dim}, "
-            f"the model expects {full_size}"
+            f"checkpoint tensor of shape {tuple(loaded.shape)} has size {loaded.shape[dim]} along dim {dim} "
+            f"where the model expects {full_size}: the checkpoint does not match its config.json"
         )
     return loaded[(slice(None),) * dim + (slice(start, start + size),)]
 
