@@ -3,9 +3,9 @@
 ``AsyncLLM`` with ``--streams`` live DELTA requests, its engine replaced by a stand-in that only records
 commands, is fed fake step messages (one new token per stream, as a decode step of the engine in its own
 process sends) and timed per step: the message's pickling and unpickling (the pipe between the processes),
-applying it (mirrors, incremental detokenization, building the RequestOutputs), the consumers waking up
-for their outputs, and one ``json.dumps`` per output as the server's streaming chunk. With the built-in
-model's tokenizer (``--tokenizer builtin``, the default) or none (``--tokenizer none``, as B1's presets).
+applying it (the mirrors; waking the consumers), and the consumers polling their streams (incremental
+detokenization, building the RequestOutputs) with one ``json.dumps`` per output as the server's streaming
+chunk. With the built-in model's tokenizer (``--tokenizer builtin``, the default) or none (``--tokenizer none``, as B1's presets).
 The served throughput itself is ``nanovllm bench serve`` against ``nanovllm serve`` on the GPU.
 """
 
@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     r = measure(args.streams, args.steps, args.prompt_len, args.tokenizer)
     print(f"front-end per step, {args.streams} streams, tokenizer {args.tokenizer} (median of {args.steps} steps):")
     print(f"  transport (pickle + unpickle of the step message) {r['transport_ms']:.2f} ms")
-    print(f"  apply (mirrors, detokenization, RequestOutputs)   {r['apply_ms']:.2f} ms")
-    print(f"  deliver (consumers wake, one json.dumps each)     {r['deliver_ms']:.2f} ms")
+    print(f"  apply (mirrors, waking the consumers)             {r['apply_ms']:.2f} ms")
+    print(f"  deliver (consumers poll: text, outputs, json)     {r['deliver_ms']:.2f} ms")
     print(f"  total {r['total_ms']:.2f} ms per step = {r['per_stream_us']:.1f} us per stream")
 
 

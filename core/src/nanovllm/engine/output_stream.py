@@ -169,12 +169,22 @@ class CompletionStream:
     def _decode(self, builder: OutputBuilder, ids: list[int]) -> None:
         if builder.tokenizer is None:
             return
+        if not self._decode_to(builder, ids, len(ids)):
+            # several new tokens (steps merged), the last character incomplete: the text before it is shown
+            # now, as one token a poll would have shown it
+            for end in range(self.read_offset + 1, len(ids)):
+                self._decode_to(builder, ids, end)
+
+    def _decode_to(self, builder: OutputBuilder, ids: list[int], end: int) -> bool:
+        """Add the text of the tokens up to ``end``; False (nothing added) while it ends in a character split
+        across tokens: it waits for the rest of it."""
         prefix = builder.detokenize(ids[self.prefix_offset : self.read_offset])
-        full = builder.detokenize(ids[self.prefix_offset :])
-        if full.endswith("\ufffd"):  # a character split across tokens: wait for the rest of it
-            return
+        full = builder.detokenize(ids[self.prefix_offset : end])
+        if full.endswith("\ufffd"):
+            return False
         self.text += full[len(prefix) :] if full.startswith(prefix) else full
-        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        self.prefix_offset, self.read_offset = self.read_offset, end
+        return True
 
     def _send(self, completion: CompletionOutput) -> CompletionOutput:
         """CUMULATIVE: as it is. DELTA: cut to what was not returned before, and remember what was."""
