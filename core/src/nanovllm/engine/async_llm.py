@@ -33,10 +33,6 @@ T = TypeVar("T")
 ENGINE_PROCESS_ENV = "NANOVLLM_ENGINE_PROCESS"  # "0": AsyncLLM runs the engine on a thread of this process
 
 
-def is_finished(output: RequestOutput) -> bool:
-    return all(c.finish_reason is not None for c in output.outputs)
-
-
 def engine_process_default() -> bool:
     """Whether ``AsyncLLM`` runs its engine in a process of its own when not told: yes, unless
     ``NANOVLLM_ENGINE_PROCESS=0``."""
@@ -232,7 +228,7 @@ class AsyncLLM:
                 request.news = False
                 out = request.stream.poll(builder)
                 if out is not None:
-                    finished = is_finished(out)
+                    finished = out.finished
                     yield out
         finally:
             if requests.get(request_id) is request:
