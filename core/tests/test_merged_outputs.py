@@ -145,3 +145,25 @@ def test_an_error_behind_a_step_follows_its_output_and_an_abort_drops_what_is_pe
 
     out = asyncio.run(scenario())
     assert out.outputs[0].token_ids == encode(TEXTS[0])[:2] and out.outputs[0].logprobs
+
+
+def test_the_builders_decode_is_the_tokenizers(tiny_model, byte_tokenizer):
+    """OutputBuilder decodes with the Rust tokenizer where that is what the tokenizer's decode does: the same
+    text for every option, special tokens included."""
+    from pathlib import Path
+
+    from nanovllm.engine.llm_engine import load_tokenizer
+    from nanovllm.engine.output_stream import OutputBuilder
+
+    for path in (tiny_model(), byte_tokenizer[0]):
+        tokenizer = load_tokenizer(Path(path))
+        builder = OutputBuilder(tokenizer)
+        assert builder._backend_decode is not None  # the fast path is what is checked
+        ids = [*tokenizer.all_special_ids, *range(5, 40), *tokenizer.all_special_ids, 60, 61]
+        for params in (None, SamplingParams(), SamplingParams(skip_special_tokens=False),
+                       SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False)):
+            for window in (ids, ids[:3], ids[-4:], ids[20:21], []):
+                skip = params is None or params.skip_special_tokens
+                spaces = params is None or params.spaces_between_special_tokens
+                expected = tokenizer.decode(window, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+                assert builder.detokenize(window, params) == expected

@@ -23,10 +23,17 @@ class OutputBuilder:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        # a fast tokenizer that cleans up no spaces decodes as its Rust tokenizer does, which ignores
+        # spaces_between_special_tokens: called directly, a decode of a few tokens costs a quarter
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        clean_up = getattr(tokenizer, "clean_up_tokenization_spaces", True)
+        self._backend_decode = backend.decode if backend is not None and clean_up is False else None
 
     def detokenize(self, token_ids: list[int], params: SamplingParams | None = None) -> str:
         if self.tokenizer is None:
             return ""
+        if self._backend_decode is not None:
+            return self._backend_decode(token_ids, skip_special_tokens=params is None or params.skip_special_tokens)
         if params is None or params.spaces_between_special_tokens:  # the tokenizers' default
             return self.tokenizer.decode(token_ids, skip_special_tokens=params is None or params.skip_special_tokens)
         return self.tokenizer.decode(
