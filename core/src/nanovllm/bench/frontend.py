@@ -75,9 +75,11 @@ async def _measure(llm: AsyncLLM, core: RecordingCore, num_streams: int, num_ste
     for first in range(0, num_steps, behind):  # ``behind`` steps' messages, then the consumers run
         steps = range(first, min(first + behind, num_steps))
         now = time.time()
-        messages = [("step", [(f"r{i}", 0, [rng.randrange(vocab_size)], None, now, now, 0,
-                               ("length", None, now, None) if step == num_steps - 1 else None)
-                              for i in range(num_streams)], SchedulerStats(num_streams, 0, 0.5)) for step in steps]
+        messages = []
+        for step in steps:
+            finish = ("length", None, now, None) if step == num_steps - 1 else None
+            updates = [(f"r{i}", 0, [rng.randrange(vocab_size)], None, now, now, 0, finish) for i in range(num_streams)]
+            messages.append(("step", updates, SchedulerStats(num_streams, 0, 0.5)))
         start = time.perf_counter()
         messages = [pickle.loads(pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL)) for m in messages]
         applied = time.perf_counter()

@@ -35,7 +35,8 @@ class OutputBuilder:
         if self.tokenizer is None:
             return ""
         if self._backend_decode is not None:
-            return self._backend_decode(token_ids, skip_special_tokens=params is None or params.skip_special_tokens)
+            skip = params is None or params.skip_special_tokens
+            return self._backend_decode(token_ids, skip_special_tokens=skip)
         if params is None or params.spaces_between_special_tokens:  # the tokenizers' default
             return self.tokenizer.decode(token_ids, skip_special_tokens=params is None or params.skip_special_tokens)
         return self.tokenizer.decode(
