@@ -159,8 +159,11 @@ def test_async_llm_streams_aborts_and_stays_usable(llm, reference):
     (a, b), first, again, busy = asyncio.run(scenario())
     assert not busy
     assert "".join(o.outputs[0].text for o in a) == reference[0].text
-    assert b[-1].outputs[0].token_ids == reference[1].token_ids and len(b) == len(reference[1].token_ids)
-    assert first.outputs[0].token_ids == reference[1].token_ids[:1]
+    # one output a step, or fewer where steps were applied before the consumer ran (merged)
+    assert b[-1].outputs[0].token_ids == reference[1].token_ids and 1 <= len(b) <= len(reference[1].token_ids)
+    assert all(reference[1].token_ids[: len(o.outputs[0].token_ids)] == o.outputs[0].token_ids for o in b)
+    assert first.outputs[0].token_ids and reference[1].token_ids[: len(first.outputs[0].token_ids)] == \
+        first.outputs[0].token_ids
     assert again[-1].outputs[0].text == reference[0].text
     assert_clean(llm)
 

@@ -113,6 +113,26 @@ def test_completion_matches_offline_and_streams_the_same(client, reference, serv
     wait_idle(server)
 
 
+def test_streamed_events_are_json_dumps_of_each_chunk_for_one_prompt_or_several(server, reference):
+    """Each event is ``json.dumps`` of its chunk (the head's part is encoded once per stream); one prompt is
+    read straight from its request, several merged as they come."""
+    for prompts in (PROMPT, [PROMPT, PROMPT]):
+        body = {"model": MODEL, "prompt": prompts, "stream": True, "stream_options": {"include_usage": True},
+                "temperature": 0, "max_tokens": 12, "ignore_eos": True}
+        with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=TIMEOUT) as response:
+            lines = [line for line in response.iter_lines() if line]
+        assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+        events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+        assert [f"data: {json.dumps(event)}" for event in events] == lines[:-1]
+        texts: dict[int, str] = {}
+        for event in events[:-1]:
+            (choice,) = event["choices"]
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        assert texts == dict.fromkeys(range(1 if isinstance(prompts, str) else 2), reference.text)
+        assert events[-1]["usage"]["completion_tokens"] == 12 * len(texts)
+    wait_idle(server)
+
+
 def test_chat_streaming_and_not_agree(client, server):
     messages = [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]
     done = client.chat.completions.create(messages=messages, **greedy())
@@ -304,11 +324,14 @@ def test_the_nanovllm_serve_command_answers_and_exits_cleanly(tmp_path):
     output = log.read()
     assert code == 0 and "Traceback" not in output, output
 
-    def all_gone() -> bool:
-        return all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in engine_processes)
+    def lingers(p: psutil.Process) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
 
-    # multiprocessing's resource tracker, a child too, leaves once it reads the end of its pipe: allow it a moment
-    deadline = time.monotonic() + 10
-    while not all_gone() and time.monotonic() < deadline:
+    # a child may still be exiting when the server has (seen here: no command line, gone a moment later)
+    deadline = time.monotonic() + TIMEOUT
+    while any(lingers(p) for p in engine_processes):
+        assert time.monotonic() < deadline, [p.cmdline() for p in engine_processes if lingers(p)]
         time.sleep(0.1)
-    assert all_gone(), [p.cmdline() for p in engine_processes if p.is_running()]

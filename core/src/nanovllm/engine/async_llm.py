@@ -6,7 +6,9 @@ The engine runs in a child process of its own (the default), or on a thread of t
 front-end, checks and tokenizes a request before sending it (a bad request raises here, with the errors of
 ``LLM.generate``), mirrors each live request's sequences from the engine's per-step messages, and builds the
 outputs from the mirror with the step API's :class:`OutputStream` (incremental text, stop-string hold-back,
-``output_kind``), so they are the step API's outputs. They reach the event loop once per engine step.
+``output_kind``), so they are the step API's outputs. A step's message updates the mirrors and wakes the
+consumers; each polls its stream when it runs, so the steps applied before it does (a front-end behind the
+engine) reach it as one output, as vLLM merges them: fewer outputs and events to build when it is behind.
 """
 
 from __future__ import annotations
@@ -25,15 +27,10 @@ from nanovllm.engine.llm_engine import LLMEngine, load_tokenizer
 from nanovllm.engine.output_stream import OutputBuilder, OutputStream
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.outputs import RequestOutput
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 T = TypeVar("T")
 ENGINE_PROCESS_ENV = "NANOVLLM_ENGINE_PROCESS"  # "0": AsyncLLM runs the engine on a thread of this process
-_ABORTED = object()  # put in a request's queue by abort(): its generator ends
-
-
-def is_finished(output: RequestOutput) -> bool:
-    return all(c.finish_reason is not None for c in output.outputs)
 
 
 def engine_process_default() -> bool:
@@ -46,9 +43,11 @@ def engine_process_default() -> bool:
 
 
 class _Request:
-    """A live request on the front-end: its mirrored sequences, their output stream, the outputs' queue."""
+    """A live request on the front-end: its mirrored sequences, their output stream, and what its consumer has
+    not seen yet. The consumer polls the stream itself when woken, so every step applied before it runs
+    becomes one output (a DELTA's text, tokens and logprobs those of the steps' deltas together)."""
 
-    __slots__ = ("seqs", "stream", "queue")
+    __slots__ = ("seqs", "stream", "every_step", "news", "error", "aborted", "waiter")
 
     def __init__(self, request_id: str, prompt_text: str | None, token_ids: list[int], params: SamplingParams):
         first = Sequence(token_ids, params, request_id, prompt_text)
@@ -58,7 +57,15 @@ class _Request:
             first.group.append(sibling)
         self.seqs = first.group
         self.stream = OutputStream(first)
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.every_step = params.output_kind != RequestOutputKind.FINAL_ONLY  # else woken when one finishes
+        self.news = False  # the mirrors changed since the consumer last polled
+        self.error: BaseException | None = None  # the engine dropped the request: raised after the news
+        self.aborted = False  # abort(): the generator ends with no further output
+        self.waiter: asyncio.Future | None = None  # the consumer's, while it waits
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
 
 class OutputProcessor:
@@ -81,7 +88,8 @@ class OutputProcessor:
             _, request_ids, text = message
             for request_id in request_ids:
                 if (request := self.requests.get(request_id)) is not None:
-                    request.queue.put_nowait(RuntimeError(text))
+                    request.error = RuntimeError(text)
+                    request.wake()
         elif kind == "result":
             _, call_id, value, error = message
             future = self.calls.pop(call_id, None)
@@ -90,15 +98,15 @@ class OutputProcessor:
         elif kind == "closed":
             self.closed = message[1]
             for request in self.requests.values():
-                request.queue.put_nowait(RuntimeError(self.closed))
+                request.error = RuntimeError(self.closed)
+                request.wake()
             for future in self.calls.values():
                 if not future.done():
                     future.set_exception(RuntimeError(self.closed))
             self.calls.clear()
 
     def _apply(self, updates: list[tuple]) -> None:
-        """Bring the mirrors up to date, then poll each request that changed once, as the step API does."""
-        changed = {}
+        """Bring the mirrors up to date and wake the consumers that have something to poll."""
         for request_id, index, token_ids, logprobs, first_time, last_time, num_cached, finish in updates:
             request = self.requests.get(request_id)
             if request is None:  # its consumer left; the abort is on its way
@@ -113,11 +121,10 @@ class OutputProcessor:
                 seq.status = SequenceStatus.FINISHED
                 if index == 0:
                     seq.prompt_logprobs = prompt_logprobs
-            changed[request_id] = request
-        for request in changed.values():
-            out = request.stream.poll(self.builder)
-            if out is not None:
-                request.queue.put_nowait(out)
+            elif not request.every_step:
+                continue
+            request.news = True
+            request.wake()
 
 
 class AsyncLLM:
@@ -205,17 +212,24 @@ class AsyncLLM:
         text, token_ids = self._inputs.process(prompt, params)
         self._core.send(("add", request_id, token_ids, params))
         request = requests[request_id] = _Request(request_id, text, token_ids, params)
+        builder, loop = self._outputs.builder, asyncio.get_running_loop()
         finished = False
         try:
             while not finished:
-                item = await request.queue.get()
-                if item is _ABORTED:
+                if request.aborted:
                     return
-                if isinstance(item, BaseException):
-                    finished = True  # the engine dropped it already
-                    raise item
-                finished = is_finished(item)
-                yield item
+                if not request.news:
+                    if request.error is not None:
+                        finished = True  # the engine dropped it already
+                        raise request.error
+                    request.waiter = loop.create_future()
+                    await request.waiter
+                    continue
+                request.news = False
+                out = request.stream.poll(builder)
+                if out is not None:
+                    finished = out.finished
+                    yield out
         finally:
             if requests.get(request_id) is request:
                 del requests[request_id]
@@ -228,7 +242,8 @@ class AsyncLLM:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
             if (request := self._outputs.requests.pop(rid, None)) is not None:
-                request.queue.put_nowait(_ABORTED)
+                request.aborted = True
+                request.wake()
         self._core.send(("abort", ids))
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:

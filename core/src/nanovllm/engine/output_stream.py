@@ -9,12 +9,14 @@ last ``len(longest stop) - 1`` characters until it finishes, so a stop string is
 
 from __future__ import annotations
 
-from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
+from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence, SequenceStatus
 from nanovllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 # prompt tokens decoded ahead of the first generated token, for the separator between them
 _PROMPT_CONTEXT = 4
+# looked up once: an enum member read from its class costs as much as the rest of a poll's checks
+_FINISHED, _DELTA, _FINAL_ONLY = SequenceStatus.FINISHED, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 
 
 class OutputBuilder:
@@ -23,10 +25,18 @@ class OutputBuilder:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        # a fast tokenizer that cleans up no spaces decodes as its Rust tokenizer does, which ignores
+        # spaces_between_special_tokens: called directly, a decode of a few tokens costs a quarter
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        clean_up = getattr(tokenizer, "clean_up_tokenization_spaces", True)
+        self._backend_decode = backend.decode if backend is not None and clean_up is False else None
 
     def detokenize(self, token_ids: list[int], params: SamplingParams | None = None) -> str:
         if self.tokenizer is None:
             return ""
+        if self._backend_decode is not None:
+            skip = params is None or params.skip_special_tokens
+            return self._backend_decode(token_ids, skip_special_tokens=skip)
         if params is None or params.spaces_between_special_tokens:  # the tokenizers' default
             return self.tokenizer.decode(token_ids, skip_special_tokens=params is None or params.skip_special_tokens)
         return self.tokenizer.decode(
@@ -90,20 +100,27 @@ class OutputStream:
     def __init__(self, seq: Sequence) -> None:
         self.first = seq.group[0]
         self.kind = seq.sampling_params.output_kind
+        self.delta = self.kind is _DELTA
         self.completions = [CompletionStream(s) for s in seq.group]
         # one list for every output before the last: copying the prompt per token would cost O(prompt) each
         self.prompt_token_ids = self.first.token_ids[: self.first.num_prompt_tokens]
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.first.group)
+        for s in self.first.group:
+            if s.status is not _FINISHED:
+                return False
+        return True
 
     def poll(self, builder: OutputBuilder) -> RequestOutput | None:
         """The output this step owes the caller, or None (nothing new, or FINAL_ONLY still running). DELTA
         outputs hold the completions with something new; the others every completion so far."""
-        if self.kind == RequestOutputKind.FINAL_ONLY:
+        if self.kind is _FINAL_ONLY:
             return builder.output(self.first) if self.finished else None
-        changed = [c for c in (stream.poll(builder) for stream in self.completions) if c is not None]
+        changed = []
+        for stream in self.completions:
+            if (completion := stream.poll(builder)) is not None:
+                changed.append(completion)
         if not changed:
             return None
         if self.finished:
@@ -111,7 +128,7 @@ class OutputStream:
         else:
             first = self.first
             out = RequestOutput(first.request_id, first.prompt_text, self.prompt_token_ids, [], first.num_cached_tokens)
-        out.outputs = changed if self.kind == RequestOutputKind.DELTA else [s.last for s in self.completions if s.last]
+        out.outputs = changed if self.delta else [s.last for s in self.completions if s.last]
         return out
 
 
@@ -120,7 +137,8 @@ class CompletionStream:
 
     def __init__(self, seq: Sequence) -> None:
         self.seq = seq
-        self.kind = seq.sampling_params.output_kind
+        self.delta = seq.sampling_params.output_kind is _DELTA
+        self.with_logprobs = seq.sampling_params.logprobs is not None
         self.prefix_offset = max(0, seq.num_prompt_tokens - _PROMPT_CONTEXT)  # window decoded for context
         self.read_offset = seq.num_prompt_tokens  # tokens before this are in ``text``
         self.text = ""  # the completion text decoded so far
@@ -138,7 +156,7 @@ class CompletionStream:
         """This completion's news since the last poll (cut to the new part for DELTA), or None. Before the
         last, only what is returned is copied: a DELTA output costs what is new, not all so far."""
         seq = self.seq
-        if seq.is_finished:
+        if seq.status is _FINISHED:
             if self.done:
                 return None
             self.done = True
@@ -149,18 +167,18 @@ class CompletionStream:
             return None
         self.num_tokens_seen = num_tokens
         self._decode(builder, ids)
-        with_logprobs = seq.sampling_params.logprobs is not None
+        with_logprobs = self.with_logprobs
         if with_logprobs:
             new = seq.logprobs[len(self.logprobs) :]
             self.logprobs += builder.logprob_dicts(new)
             for _, lps, _ in new:
                 self.cumulative_logprob += lps[0]
         shown = max(0, len(self.text) - self.holdback)  # a stop string may still begin in the rest
-        tokens, chars = (self.num_tokens_sent, self.num_chars_sent) if self.kind == RequestOutputKind.DELTA else (0, 0)
+        tokens, chars = (self.num_tokens_sent, self.num_chars_sent) if self.delta else (0, 0)
         completion = CompletionOutput(seq.index, self.text[chars:shown], ids[seq.num_prompt_tokens + tokens :], None,
                                       None, self.cumulative_logprob if with_logprobs else None,
                                       self.logprobs[tokens:] if with_logprobs else None)
-        if self.kind == RequestOutputKind.DELTA:
+        if self.delta:
             self.num_tokens_sent, self.num_chars_sent = num_tokens, shown
         else:
             self.last = completion
@@ -169,17 +187,27 @@ class CompletionStream:
     def _decode(self, builder: OutputBuilder, ids: list[int]) -> None:
         if builder.tokenizer is None:
             return
+        if not self._decode_to(builder, ids, len(ids)):
+            # several new tokens (steps merged), the last character incomplete: the text before it is shown
+            # now, as one token a poll would have shown it
+            for end in range(self.read_offset + 1, len(ids)):
+                self._decode_to(builder, ids, end)
+
+    def _decode_to(self, builder: OutputBuilder, ids: list[int], end: int) -> bool:
+        """Add the text of the tokens up to ``end``; False (nothing added) while it ends in a character split
+        across tokens: it waits for the rest of it."""
         prefix = builder.detokenize(ids[self.prefix_offset : self.read_offset])
-        full = builder.detokenize(ids[self.prefix_offset :])
-        if full.endswith("\ufffd"):  # a character split across tokens: wait for the rest of it
-            return
+        full = builder.detokenize(ids[self.prefix_offset : end])
+        if full.endswith("\ufffd"):
+            return False
         self.text += full[len(prefix) :] if full.startswith(prefix) else full
-        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        self.prefix_offset, self.read_offset = self.read_offset, end
+        return True
 
     def _send(self, completion: CompletionOutput) -> CompletionOutput:
         """CUMULATIVE: as it is. DELTA: cut to what was not returned before, and remember what was."""
         self.last = completion
-        if self.kind != RequestOutputKind.DELTA:
+        if not self.delta:
             return completion
         tokens, chars = len(completion.token_ids), len(completion.text)
         delta = CompletionOutput(completion.index, completion.text[self.num_chars_sent :],

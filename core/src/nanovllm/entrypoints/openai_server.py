@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.chat_utils import ChatOptions, render
-from nanovllm.engine.async_llm import AsyncLLM, is_finished
+from nanovllm.engine.async_llm import AsyncLLM
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -192,7 +192,7 @@ class RequestTimer:
         if self.first is None and new:
             self.first = now
             m.ttft.observe(now - self.arrival)
-        if not is_finished(out):
+        if not out.finished:
             return
         m.e2e.observe(now - self.arrival)
         m.prompt_tokens.inc(len(out.prompt_token_ids))
@@ -343,13 +343,20 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
     def sse(payload: dict | str) -> str:
         return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
-    async def stream_events(
-        firsts: list[RequestOutput], streams: list[AsyncIterator], n: int,
-        chunks: Callable[[int, CompletionOutput, RequestOutput], list[dict]], head: dict, include_usage: bool,
-    ) -> AsyncIterator[str]:
-        """Merge the requests' delta outputs into one event stream; closing it aborts what is unfinished."""
+    async def outputs_in_turn(
+        firsts: list[RequestOutput], streams: list[AsyncIterator],
+    ) -> AsyncIterator[tuple[int, RequestOutput | Exception]]:
+        """The requests' outputs as they come, each with its request's position; an error instead of an output
+        ends them. One request (most) is read straight from its stream, without a task and a queue between."""
+        if len(streams) == 1:
+            try:
+                yield 0, firsts[0]
+                async for out in streams[0]:
+                    yield 0, out
+            except Exception as exc:
+                yield 0, exc
+            return
         merged: asyncio.Queue = asyncio.Queue()
-        timers = [RequestTimer(metrics) for _ in streams]
 
         async def pump(i: int, first: RequestOutput, stream: AsyncIterator) -> None:
             try:
@@ -361,25 +368,40 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
 
         tasks = [asyncio.ensure_future(pump(i, f, s)) for i, (f, s) in enumerate(zip(firsts, streams, strict=True))]
         try:
+            while True:
+                yield await merged.get()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # their cancellation closes the streams
+
+    async def stream_events(
+        firsts: list[RequestOutput], streams: list[AsyncIterator], n: int,
+        chunks: Callable[[int, CompletionOutput, RequestOutput], list[dict]], head: dict, include_usage: bool,
+    ) -> AsyncIterator[str]:
+        """Merge the requests' delta outputs into one event stream; closing it aborts what is unfinished."""
+        timers = [RequestTimer(metrics) for _ in streams]
+        # each chunk's event is json.dumps({**head, "choices": [chunk]}), with the head's part encoded once
+        start = f"data: {json.dumps(head)[:-1]}, \"choices\": ["
+        outputs = outputs_in_turn(firsts, streams)
+        try:
             remaining = len(streams)
             while remaining:
-                i, out = await merged.get()
+                i, out = await anext(outputs)
                 if isinstance(out, Exception):
                     yield sse({"error": {"message": str(out), "type": "InternalServerError", "code": 500}})
                     return
                 timers[i].observe(out)
                 for c in out.outputs:
                     for chunk in chunks(i * n + c.index, c, out):
-                        yield sse({**head, "choices": [chunk]})
-                if is_finished(out):
+                        yield f"{start}{json.dumps(chunk)}]}}\n\n"
+                if out.finished:
                     remaining -= 1
             if include_usage:
                 yield sse({**head, "choices": [], "usage": usage(firsts, sum(t.count for t in timers))})
             yield sse("[DONE]")
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)  # their cancellation closes the streams
+            await outputs.aclose()
             for s in streams:
                 await s.aclose()
 
