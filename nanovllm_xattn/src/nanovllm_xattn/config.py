@@ -47,7 +47,8 @@ def _head_reduce(_inst, attribute, value) -> None:
 
 def _oracle(_inst, attribute, value) -> None:
     if value is not None and value not in ORACLES:
-        raise ValueError(f"{attribute.name} must be null or one of {', '.join(map(repr, ORACLES))}, got {value!r}")
+        choices = ", ".join(map(repr, ORACLES))
+        raise ValueError(f"{attribute.name} must be null or one of {choices}, got {value!r}")
 
 
 def _path_or_none(_inst, attribute, value) -> None:

@@ -42,8 +42,10 @@ def true_block_scores(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torc
         step = max(1, 2**26 // (num_heads * ctx))  # query rows per slice: [H, rows, ctx] within about 256 MB
         for start in range(0, q_len, step):
             q_pos = torch.arange(q0 + start, min(q0 + start + step, ctx), device=device)
-            logits = torch.einsum("qhd,khd->hqk", q[cu[s] + start: cu[s] + start + len(q_pos)].float(), k) * scale
-            probs = logits.masked_fill(key_pos[None, None, :] > q_pos[None, :, None], float("-inf")).softmax(-1)
+            rows = q[cu[s] + start: cu[s] + start + len(q_pos)].float()
+            logits = torch.einsum("qhd,khd->hqk", rows, k) * scale
+            future = key_pos[None, None, :] > q_pos[None, :, None]
+            probs = logits.masked_fill(future, float("-inf")).softmax(-1)
             per_block = torch.nn.functional.pad(probs, (0, num_blocks * block - ctx)).view(
                 num_heads, len(q_pos), num_blocks, block).sum(-1)  # [H, rows, key blocks]
             scores[s, :, :, :num_blocks].index_add_(1, q_pos // block - q0 // block, per_block)
@@ -64,4 +66,5 @@ def keep_counts(true_scores: torch.Tensor, counts: torch.Tensor, causal: torch.T
 def per_selection_head(true_scores: torch.Tensor, num_selection_heads: int) -> torch.Tensor:
     """``[S, Hs, R, N]``: the query heads' true block masses averaged over each group sharing a selection."""
     num_seqs, num_heads, rows, cols = true_scores.shape
-    return true_scores.view(num_seqs, num_selection_heads, num_heads // num_selection_heads, rows, cols).mean(2)
+    group = num_heads // num_selection_heads
+    return true_scores.view(num_seqs, num_selection_heads, group, rows, cols).mean(2)

@@ -53,10 +53,12 @@ def threshold_mask(scores: torch.Tensor, causal: torch.Tensor, forced: torch.Ten
     return (keep | forced) & causal
 
 
-def allowed_and_forced(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block: int,
-                       keep_sink: bool, keep_recent: bool, recent_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+def allowed_and_forced(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                       block: int, keep_sink: bool, keep_recent: bool,
+                       recent_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(causal, forced)``, each ``[S, 1, R, N]`` bool: the blocks each row may read, and those it always
-    keeps (key block 0 with ``keep_sink``, the ``recent_blocks`` ending at the diagonal with ``keep_recent``)."""
+    keeps (key block 0 with ``keep_sink``, the ``recent_blocks`` ending at the diagonal with
+    ``keep_recent``)."""
     first = first_query_blocks(cu_seqlens_q, context_lens, block)
     causal, recent = causal_blocks(scores, first, context_lens, block, recent_blocks)
     forced = torch.zeros_like(causal)
