@@ -5,6 +5,7 @@ from __future__ import annotations
 import attrs
 
 HEAD_REDUCTIONS = ("mean", "max", "union", "majority", "global_majority", "none")
+ORACLES = ("mass", "counts")
 
 
 def _int_at_least(minimum: int):
@@ -44,6 +45,12 @@ def _head_reduce(_inst, attribute, value) -> None:
         raise ValueError(f"{attribute.name} must be one of {', '.join(map(repr, HEAD_REDUCTIONS))}, got {value!r}")
 
 
+def _oracle(_inst, attribute, value) -> None:
+    if value is not None and value not in ORACLES:
+        choices = ", ".join(map(repr, ORACLES))
+        raise ValueError(f"{attribute.name} must be null or one of {choices}, got {value!r}")
+
+
 def _path_or_none(_inst, attribute, value) -> None:
     if value is not None and not (isinstance(value, str) and value):
         raise ValueError(f"{attribute.name} must be the path of a JSON file of per-layer, per-head thresholds, "
@@ -73,6 +80,9 @@ class XAttentionConfig:
       group uses the largest threshold of its heads.
     - ``skip_layers``: the first layers run dense.
     - ``dense_below``: chunks whose sequences all hold fewer tokens than this run dense.
+    - ``oracle``: an evaluation mode (:mod:`nanovllm_xattn.oracle`) that computes every query's full
+      attention scores, slowly: ``"mass"`` selects by the exact block masses instead of the estimate,
+      ``"counts"`` keeps as many blocks per row as the estimate's selection, those with the most true mass.
     """
 
     threshold: float = attrs.field(default=0.9, validator=_fraction(False))
@@ -87,3 +97,4 @@ class XAttentionConfig:
     threshold_path: str | None = attrs.field(default=None, validator=_path_or_none)
     skip_layers: int = attrs.field(default=0, validator=_int_at_least(0))
     dense_below: int = attrs.field(default=16384, validator=_int_at_least(0))
+    oracle: str | None = attrs.field(default=None, validator=_oracle)

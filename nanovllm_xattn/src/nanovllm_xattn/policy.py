@@ -24,7 +24,8 @@ import torch
 from nanovllm.policy import PolicyContext, SparsePolicy
 
 from nanovllm_xattn.config import XAttentionConfig
-from nanovllm_xattn.selection import block_lists, select_blocks
+from nanovllm_xattn.oracle import keep_counts, per_selection_head, true_block_scores
+from nanovllm_xattn.selection import allowed_and_forced, block_lists, select_blocks
 
 
 @attrs.frozen
@@ -119,11 +120,21 @@ class XAttentionPolicy(SparsePolicy):
         """``[S, Hs, R, N]`` bool: the key blocks each query-block row of ``part`` reads."""
         cfg = self.config
         part_q = q if part.rows is None else q[part.rows]
-        scores = block_scores(part_q, key_cache, key_tables, part.cu_seqlens_q, part.context_lens, ctx.scale,
-                              cfg.stride, cfg.block_size, part.max_query_len, ctx.meta.max_context_len)
+        if cfg.oracle is not None:
+            true_scores = true_block_scores(part_q, key_cache, key_tables, part.cu_seqlens_q, part.context_lens,
+                                            ctx.scale, cfg.block_size, part.max_query_len, ctx.meta.max_context_len)
+        if cfg.oracle == "mass":
+            scores = true_scores
+        else:
+            scores = block_scores(part_q, key_cache, key_tables, part.cu_seqlens_q, part.context_lens, ctx.scale,
+                                  cfg.stride, cfg.block_size, part.max_query_len, ctx.meta.max_context_len)
         mask = select_blocks(scores, part.cu_seqlens_q, part.context_lens, cfg.block_size, ctx.num_kv_heads,
                              cfg.head_reduce, self.thresholds(ctx.layer_id, q.shape[1], q.device), cfg.ratio,
                              cfg.keep_sink, cfg.keep_recent, cfg.recent_blocks)
+        if cfg.oracle == "counts":
+            causal, forced = allowed_and_forced(scores, part.cu_seqlens_q, part.context_lens, cfg.block_size,
+                                                cfg.keep_sink, cfg.keep_recent, cfg.recent_blocks)
+            mask = keep_counts(per_selection_head(true_scores, mask.shape[1]), mask.sum(-1), causal, forced)
         return mask
 
 

@@ -53,6 +53,22 @@ def threshold_mask(scores: torch.Tensor, causal: torch.Tensor, forced: torch.Ten
     return (keep | forced) & causal
 
 
+def allowed_and_forced(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                       block: int, keep_sink: bool, keep_recent: bool,
+                       recent_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(causal, forced)``, each ``[S, 1, R, N]`` bool: the blocks each row may read, and those it always
+    keeps (key block 0 with ``keep_sink``, the ``recent_blocks`` ending at the diagonal with
+    ``keep_recent``)."""
+    first = first_query_blocks(cu_seqlens_q, context_lens, block)
+    causal, recent = causal_blocks(scores, first, context_lens, block, recent_blocks)
+    forced = torch.zeros_like(causal)
+    if keep_sink:
+        forced[..., 0] = True
+    if keep_recent:
+        forced |= recent
+    return causal, forced
+
+
 def select_blocks(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block: int,
                   num_kv_heads: int, head_reduce: str, threshold: torch.Tensor, ratio: float | None = None,
                   keep_sink: bool = True, keep_recent: bool = True, recent_blocks: int = 1) -> torch.Tensor:
@@ -61,13 +77,8 @@ def select_blocks(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens
     reduction over a group uses the largest threshold of its heads."""
     num_seqs, num_heads, rows, cols = scores.shape
     group = num_heads // num_kv_heads
-    first = first_query_blocks(cu_seqlens_q, context_lens, block)
-    causal, recent = causal_blocks(scores, first, context_lens, block, recent_blocks)
-    forced = torch.zeros_like(causal)
-    if keep_sink:
-        forced[..., 0] = True
-    if keep_recent:
-        forced |= recent
+    causal, forced = allowed_and_forced(scores, cu_seqlens_q, context_lens, block, keep_sink, keep_recent,
+                                        recent_blocks)
     if head_reduce == "none":
         return threshold_mask(scores, causal, forced, threshold, ratio)
     grouped = scores.view(num_seqs, num_kv_heads, group, rows, cols)
