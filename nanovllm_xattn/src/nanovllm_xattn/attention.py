@@ -275,6 +275,15 @@ def _listed_blocks(blocks: torch.Tensor, counts: torch.Tensor, first_block: int,
     return listed[..., :-1]
 
 
+def context_rows(cache: torch.Tensor, block_table: torch.Tensor, ctx: int, kv_head: torch.Tensor) -> torch.Tensor:
+    """``[ctx, H, D]`` float32: a sequence's first ``ctx`` cached rows of the paged ``cache`` through its
+    ``block_table``, each query head reading its KV head (``kv_head`` ``[H]``)."""
+    key_pos = torch.arange(ctx, device=kv_head.device)
+    kv_block_size = cache.shape[1]
+    phys = block_table.to(kv_head.device).long()[key_pos // kv_block_size]
+    return cache[phys, key_pos % kv_block_size].float()[:, kv_head]
+
+
 def block_sparse_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, blocks: torch.Tensor, block_counts: torch.Tensor,
@@ -286,7 +295,7 @@ def block_sparse_attention_reference(
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, blocks, block_counts, block,
                   max_query_len)
     num_heads = q.shape[1]
-    kv_block_size, num_kv_heads = k_cache.shape[1:3]
+    num_kv_heads = k_cache.shape[2]
     device = q.device
     kv_head = torch.arange(num_heads, device=device) // (num_heads // num_kv_heads)
     sel_head = torch.arange(num_heads, device=device) // (num_heads // blocks.shape[1])
@@ -304,9 +313,7 @@ def block_sparse_attention_reference(
         listed = _listed_blocks(blocks[s, :, :rows].to(device), block_counts[s, :, :rows].to(device),
                                 first_block, num_key_blocks, s)  # [Hs, rows, key blocks]
         key_pos = torch.arange(ctx, device=device)
-        phys = block_tables[s].to(device).long()[key_pos // kv_block_size]
-        k = k_cache[phys, key_pos % kv_block_size].float()[:, kv_head]  # [ctx, H, D]
-        v = v_cache[phys, key_pos % kv_block_size].float()[:, kv_head]
+        k, v = (context_rows(cache, block_tables[s], ctx, kv_head) for cache in (k_cache, v_cache))
         # query rows in slices, so the [H, rows, ctx] scores stay within about 256 MB
         step = max(1, 2**26 // (num_heads * ctx))
         for start in range(0, q_len, step):
@@ -324,4 +331,4 @@ def block_sparse_attention_reference(
     return out, lse
 
 
-__all__ = ["block_sparse_attention", "block_sparse_attention_reference", "attention_config"]
+__all__ = ["block_sparse_attention", "block_sparse_attention_reference", "attention_config", "context_rows"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from nanovllm_xattn.attention import context_rows
 from nanovllm_xattn.layout import num_key_blocks, num_query_blocks
 
 
@@ -24,7 +25,7 @@ def true_block_scores(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torc
     summed over the (query block, key block) pair. A row sums to its number of queries in the chunk (the
     estimate's to ``block / stride``); the threshold rule reads shares of the row only."""
     num_heads = q.shape[1]
-    kv_block_size, num_kv_heads = k_cache.shape[1:3]
+    num_kv_heads = k_cache.shape[2]
     device = q.device
     kv_head = torch.arange(num_heads, device=device) // (num_heads // num_kv_heads)
     scores = torch.zeros(context_lens.shape[0], num_heads, num_query_blocks(max_query_len, block),
@@ -37,8 +38,7 @@ def true_block_scores(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torc
         q0 = ctx - q_len
         num_blocks = -(-ctx // block)
         key_pos = torch.arange(ctx, device=device)
-        phys = block_tables[s].to(device).long()[key_pos // kv_block_size]
-        k = k_cache[phys, key_pos % kv_block_size].float()[:, kv_head]  # [ctx, H, D]
+        k = context_rows(k_cache, block_tables[s], ctx, kv_head)  # [ctx, H, D]
         step = max(1, 2**26 // (num_heads * ctx))  # query rows per slice: [H, rows, ctx] within about 256 MB
         for start in range(0, q_len, step):
             q_pos = torch.arange(q0 + start, min(q0 + start + step, ctx), device=device)
