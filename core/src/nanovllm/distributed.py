@@ -47,7 +47,7 @@ def init_tensor_parallel(rank: int, world_size: int, device_type: str, store: di
     """Join the tensor-parallel world (``store`` given: the engine's own workers; else ``torchrun``'s
     environment, MASTER_ADDR and MASTER_PORT) and make the control group; ``channel``: the shared-memory
     step broadcast of ranks on one host (its owner closes it), else steps go on the control group. On CUDA
-    the rank takes GPU ``local_rank`` of its host (default: ``rank``, all ranks on one host)."""
+    the rank takes GPU ``local_rank`` of its host (default: ``rank % device_count``, all ranks on one host)."""
     global _control_group, _control_channel
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":

@@ -691,11 +691,6 @@ class ModelRunner:
                 return args[0] if args else None
             handlers[method](*args)
 
-    def stop_followers(self) -> None:
-        """Rank 0: end the other ranks' loops."""
-        if self.sends_steps:
-            broadcast_control(("stop",))
-
     def _sampling_tensors(self, seqs: list[Sequence], vocab_size: int, step_inputs: tuple):
         """The sampler's per-row inputs; a feature no row uses is ``None`` (no work in the sampler).
         ``step_inputs``: the step's input ids and the rows that sample (for multi-token bad words)."""

@@ -38,7 +38,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
-from importlib.util import find_spec
 from types import ModuleType
 
 import attrs
@@ -47,6 +46,7 @@ import torch
 
 from nanovllm.attention.backend import selection_per_kv_head
 from nanovllm.attention.metadata import PhaseMetadata
+from nanovllm.layers.fused import use_fused
 
 NUM_SLOTS = 2  # double buffering: one slot loads while the other is attended to
 MIN_COPY_BYTES = 2 << 20  # runs at least this long go to the copy engines; shorter ones to the gather kernel
@@ -98,7 +98,8 @@ class OffloadEngine:
         """``layers``: the ids of the layers whose KV lives in the pool, ascending."""
         self.layers = list(layers)
         self._row = {layer_id: i for i, layer_id in enumerate(self.layers)}  # layer id -> pool row
-        # the offloaded layer after each, whose first piece a dense layer prefetches
+        # the offloaded layer after each, whose dense plan's first piece an offloaded layer prefetches at its
+        # end (resident layers in between are skipped)
         self._following = dict(zip(self.layers, self.layers[1:], strict=False))
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
@@ -408,15 +409,12 @@ def _kernels() -> ModuleType:
     return offload_kernels
 
 
-HAS_TRITON = find_spec("triton") is not None
-
-
 def selected_piece(
     sel: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, cu: torch.Tensor, positions: torch.Tensor,
     first: int, width: int, block_size: int, scratch_id: int, scratch_row: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One piece of a selection: see :func:`selected_piece_reference`."""
-    if sel.is_cuda and HAS_TRITON:
+    if use_fused(sel):
         return _kernels().selected_piece(sel, tables, lens, cu, positions, first, width, block_size, scratch_id,
                                          scratch_row)
     return selected_piece_reference(sel, tables, lens, cu, positions, first, width, block_size, scratch_id,
@@ -425,7 +423,7 @@ def selected_piece(
 
 def patch_slot(slot: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
     """Write the new K/V into a slot: see :func:`patch_slot_reference`."""
-    if slot.is_cuda and HAS_TRITON:
+    if use_fused(slot):
         _kernels().patch_slot(slot, rows, keys, values)
     else:
         patch_slot_reference(slot, rows, keys, values)
