@@ -10,7 +10,6 @@ import asyncio
 import gc
 import os
 import signal
-import time
 
 import attrs
 import pytest
@@ -18,6 +17,7 @@ from merged_outputs import merged_like
 from nanovllm import LLM, AsyncLLM, SamplingParams
 from nanovllm.plugins import get_plugins
 from nanovllm.sampling_params import RequestOutputKind
+from nanovllm.testing import wait_until
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -243,15 +243,6 @@ def test_a_bad_engine_option_raises_from_the_constructor(model):
         AsyncLLM(model, **{**ENGINE, "max_model_len": 10_000})
 
 
-def wait_until(condition, timeout: float = TIMEOUT) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 @pytest.mark.slow
 def test_the_child_ends_with_shutdown_collection_or_death(model):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
@@ -294,7 +285,7 @@ def test_the_child_ends_with_shutdown_collection_or_death(model):
     asyncio.run(asyncio.wait_for(rest(llm.generate([5, 6, 7], params)), TIMEOUT))
     del llm
     gc.collect()
-    assert wait_until(lambda: not process.is_alive()) and process.exitcode == 0
+    assert wait_until(lambda: not process.is_alive(), TIMEOUT) and process.exitcode == 0
 
 
 def test_the_front_end_cost_measure_runs(capsys):

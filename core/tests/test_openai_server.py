@@ -18,6 +18,7 @@ pytest.importorskip("fastapi")
 import httpx  # noqa: E402
 import uvicorn  # noqa: E402
 from nanovllm import SamplingParams  # noqa: E402
+from nanovllm.testing import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -74,11 +75,9 @@ def metrics(server) -> dict[str, float]:
 
 def wait_idle(server) -> None:
     """Every request gone and every block back (as the engine's latest step reports), within the timeout."""
-    deadline = time.monotonic() + TIMEOUT
-    while any(metrics(server)[f"nanovllm:{name}"] for name in
-              ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")):
-        assert time.monotonic() < deadline, "requests or blocks were left behind"
-        time.sleep(0.05)
+    names = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+    assert wait_until(lambda: not any(metrics(server)[f"nanovllm:{name}"] for name in names), TIMEOUT), \
+        "requests or blocks were left behind"
 
 
 def greedy(**kw):
@@ -331,7 +330,5 @@ def test_the_nanovllm_serve_command_answers_and_exits_cleanly(tmp_path):
             return False
 
     # a child may still be exiting when the server has (seen here: no command line, gone a moment later)
-    deadline = time.monotonic() + TIMEOUT
-    while any(lingers(p) for p in engine_processes):
-        assert time.monotonic() < deadline, [p.cmdline() for p in engine_processes if lingers(p)]
-        time.sleep(0.1)
+    assert wait_until(lambda: not any(lingers(p) for p in engine_processes), TIMEOUT), \
+        [p.cmdline() for p in engine_processes if lingers(p)]

@@ -28,6 +28,7 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.distributed import tp_rank
 from nanovllm.shm_broadcast import ShmBroadcast
+from nanovllm.testing import wait_until
 
 PROMPTS = [[5, 6, 7], list(range(10, 40)), list(range(50, 61)), list(range(100, 170))]
 ENGINE = dict(device="cpu", kv_cache_memory=1 << 24, block_size=8, max_num_batched_tokens=48)
@@ -115,15 +116,6 @@ def gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
-
-
-def wait_until(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def params() -> list[SamplingParams]:

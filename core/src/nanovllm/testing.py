@@ -81,6 +81,19 @@ def hub_cache_entry(cache_dir: str | Path, repo_id: str, model_dir: str | Path, 
     return snapshot
 
 
+def wait_until(condition, timeout: float, poll: float = 0.05) -> bool:
+    """Poll ``condition()`` until it is true (``True``) or ``timeout`` seconds pass (``False``): for what
+    another process or thread finishes on its own time (a child exiting, a server draining)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll)
+    return True
+
+
 def run_under_interpreter(test_file: str | Path, keyword: str = "interp", timeout: int = 900):
     """Run the ``keyword`` cases of ``test_file`` in a fresh pytest process with Triton's interpreter
     switched on (it must be set before anything imports triton). Returns ``(returncode, output tail,
