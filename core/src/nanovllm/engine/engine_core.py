@@ -41,6 +41,7 @@ import attrs
 from nanovllm.config import EngineConfig
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
+from nanovllm.sampling_params import RequestOutputKind
 
 STOP_TIMEOUT = 30.0  # seconds the engine may take to stop when told to, before it is killed
 
@@ -141,8 +142,9 @@ class EngineCore:
         for request_id, completions in list(self.requests.items()):
             for progress in completions:
                 seq = progress.seq
-                if progress.finished:
-                    continue
+                if progress.finished or (seq.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY
+                                         and not seq.is_finished):
+                    continue  # a final-only completion's tokens all go in its finishing update
                 start = seq.num_prompt_tokens + progress.num_sent
                 end = seq.num_tokens - (seq.token_ids[-1] == PLACEHOLDER)  # a token in flight is not known yet
                 if end == start and not seq.is_finished:

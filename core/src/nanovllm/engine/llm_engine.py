@@ -429,16 +429,15 @@ class LLMEngine:
                 del self._streams[request_id]
         return outputs
 
-    def _apply_pending(self) -> list[Sequence]:
+    def _apply_pending(self) -> None:
         """Wait for the step in flight; put its tokens in place of the placeholders, check stops."""
         launched, self._pending = self._pending, None
         if launched is None:
-            return []
+            return
         result = launched.result()
         for seq, position, entries in result.prompt_logprobs:
             if not seq.is_finished:  # by position: a recompute after preemption overwrites, never appends
                 seq.prompt_logprobs[position : position + len(entries)] = entries
-        finished = []
         now = time.time()
         for seq, token, logprobs in zip(launched.seqs, result.tokens, result.logprobs, strict=True):
             if seq.is_finished:  # stopped on the token before, or aborted; this one is discarded
@@ -452,8 +451,6 @@ class LLMEngine:
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-                finished.append(seq)
-        return finished
 
     def _abort(self) -> None:
         """After an error in a step: drop everything in flight and leave the engine empty and usable."""
