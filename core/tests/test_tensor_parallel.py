@@ -427,3 +427,24 @@ def test_external_launcher_needs_torchrun_and_a_matching_world(tiny_model, monke
     with pytest.raises(ValueError, match="WORLD_SIZE=4 ranks but tensor_parallel_size=2"):
         LLM(path, tensor_parallel_size=2, distributed_executor_backend="external_launcher", **ENGINE)
     assert tp_rank() == 0 and not __import__("torch").distributed.is_initialized()
+
+
+def test_what_holds_the_communicator_is_released_before_the_world_is_left():
+    """NCCL waits forever to destroy a communicator that a live CUDA graph captured (pytorch#115388): the
+    runner registers its graphs' release, which runs first, once; a holder already gone is skipped."""
+    calls = []
+
+    class Holder:
+        def release(self) -> None:
+            calls.append(nanovllm.distributed._control_group)
+
+    holder, gone = Holder(), Holder()
+    nanovllm.distributed._control_group = "still in the world"
+    nanovllm.distributed.release_before_destroy(holder.release)
+    nanovllm.distributed.release_before_destroy(gone.release)
+    del gone
+    gc.collect()
+    nanovllm.distributed.destroy_tensor_parallel()
+    nanovllm.distributed.destroy_tensor_parallel()
+    assert calls == ["still in the world"]
+    assert nanovllm.distributed._control_group is None

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,6 +28,9 @@ DATA_TIMEOUT = datetime.timedelta(minutes=10)
 
 _control_group: dist.ProcessGroup | None = None
 _control_channel: ShmBroadcast | None = None  # the step broadcast of ranks on one host
+# Run before the world is left: NCCL cannot destroy a communicator that a live CUDA graph captured (it
+# waits for the graph, forever), so whoever captured collectives registers the graphs' release here.
+_before_destroy: list[weakref.WeakMethod] = []
 
 
 def tp_rank() -> int:
@@ -79,8 +84,17 @@ def torchrun_ranks(tensor_parallel_size: int) -> tuple[int, int]:
     return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
 
 
+def release_before_destroy(release: Callable[[], None]) -> None:
+    """Call the bound method ``release`` before this rank leaves the world (held weakly)."""
+    _before_destroy.append(weakref.WeakMethod(release))
+
+
 def destroy_tensor_parallel() -> None:
     global _control_group, _control_channel
+    while _before_destroy:
+        release = _before_destroy.pop()()
+        if release is not None:
+            release()
     _control_group = _control_channel = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

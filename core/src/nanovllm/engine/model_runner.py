@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, forward_context
 from nanovllm.config import EngineConfig
-from nanovllm.distributed import agree_min, barrier, broadcast_control, tp_rank, tp_size
+from nanovllm.distributed import agree_min, barrier, broadcast_control, release_before_destroy, tp_rank, tp_size
 from nanovllm.engine.loader import load_weights
 from nanovllm.engine.offload import HostPhase, OffloadEngine
 from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
@@ -456,6 +456,15 @@ class ModelRunner:
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = graph
         torch.cuda.synchronize()
+        if tp_size() > 1:  # the graphs hold the NCCL communicator: they must go before it does
+            release_before_destroy(self.release_graphs)
+
+    def release_graphs(self) -> None:
+        """Drop the decode graphs (the engine steps eagerly afterwards)."""
+        torch.cuda.synchronize()
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
 
     def _graph_metadata(self, bs: int) -> StepMetadata:
         g = self.graph_inputs
