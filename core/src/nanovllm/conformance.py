@@ -66,7 +66,7 @@ class Case:
 
 def cases() -> list[Case]:
     """Every check on the CPU with ``torch``, and on CUDA with ``triton`` when a GPU is there; each again
-    with KV offload (but CUDA graphs, which offload does not capture)."""
+    with KV offload."""
     envs = [("cpu", "torch")]
     if torch.cuda.is_available():
         envs.append(("cuda", "triton"))
@@ -75,7 +75,6 @@ def cases() -> list[Case]:
         for device, backend in envs
         for offload in (False, True)
         for check in CHECKS
-        if not (offload and check == "cuda_graphs")
     ]
 
 
@@ -360,6 +359,8 @@ def _check_cuda_graphs(case: Case, model_dir: str, policy: Any) -> None:
         raise unittest.SkipTest("CUDA graphs need a CUDA device")
     llm = _engine(case, model_dir, policy, enforce_eager=False)
     if not llm.runner.graphs:
+        if case.offload and llm.runner.hooks.decode.select is None:
+            raise unittest.SkipTest("under offload only decode steps that select on the device are captured")
         if llm.runner.hooks.cuda_graph_safe:
             raise AssertionError("the policy declares cuda_graph_safe, yet no decode graph was captured")
         raise unittest.SkipTest("the policy is not cuda_graph_safe: decode runs eagerly")

@@ -3,6 +3,7 @@ cache, binds the attention backend and the sparse policy, and runs one step of t
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, forward_con
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import agree_min, barrier, broadcast_control, release_before_destroy, tp_rank, tp_size
 from nanovllm.engine.loader import load_weights
-from nanovllm.engine.offload import HostPhase, OffloadEngine
+from nanovllm.engine.offload import GraphUnsafe, HostPhase, OffloadEngine
 from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import LogitsProcessing, PenaltyCounts, Sampler, TopLogprobs
@@ -420,7 +421,8 @@ class ModelRunner:
     def _use_cuda_graphs(self) -> bool:
         return (
             self.device.type == "cuda"
-            and self.offload is None  # each step's loads are planned on the host
+            # under offload, dense reads are planned on the host each step: only device-made selections
+            and (self.offload is None or self.hooks.decode.select is not None)
             and not self.config.enforce_eager
             and self.backend.supports_cuda_graphs
             and self.hooks.cuda_graph_safe
@@ -428,7 +430,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture_decode_graphs(self) -> None:
-        """One graph per batch-size bucket, sharing a memory pool and static input buffers."""
+        """One graph per batch-size bucket, sharing a memory pool and static input buffers. Under offload a
+        decode step that still reads densely somewhere cannot be captured: decode then stays eager."""
+        try:
+            with self.offload.capturing() if self.offload is not None else nullcontext():
+                self._capture_each_size()
+        except GraphUnsafe:
+            self.release_graphs()
+
+    def _capture_each_size(self) -> None:
         max_bs = min(self.config.max_num_seqs, 512)
         self.graph_sizes = sorted({b for b in (1, 2, 4, 8, *range(16, max_bs + 1, 16)) if b <= max_bs} | {max_bs})
         max_blocks = -(-self.max_model_len // self.block_size)
@@ -452,7 +462,11 @@ class ModelRunner:
                 if self.graph_output is None:
                     self.graph_output = torch.empty(max_bs, *warm.shape[1:], dtype=warm.dtype, device=dev)
                 with torch.cuda.graph(graph, pool):
+                    if self.offload is not None:
+                        self.offload.begin_capture()
                     self.graph_output[:bs] = self.model(ids, pos)
+                    if self.offload is not None:
+                        self.offload.end_capture()
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = graph
         torch.cuda.synchronize()
@@ -486,7 +500,11 @@ class ModelRunner:
         tables = meta.decode.block_tables
         g["block_tables"][:graph_bs].fill_(0)
         g["block_tables"][:bs, : tables.shape[1]] = tables
+        if self.offload is not None:
+            self.offload.order_streams()
         self.graphs[graph_bs].replay()
+        if self.offload is not None:
+            self.offload.order_streams()
         return self.graph_output[:bs]
 
     # -- one step ---------------------------------------------------------------------------------

@@ -29,6 +29,12 @@ references here, which the CPU runs.
 single KV head and its group of query heads, with its own block table into the slot. Per-KV-head
 selections and shared ones take the same path through the backend's ordinary kernels.
 
+**CUDA graphs.** A decode step whose every offloaded read is a selection made on the device has no host
+plan, so the model runner captures it like any decode step: inside the capture, the side streams fork from
+the capture stream and join it at the end, and no event from outside the graph is waited on; around each
+replay the compute stream and the side streams are ordered both ways (:meth:`OffloadEngine.order_streams`).
+A dense read met while capturing raises :class:`GraphUnsafe`, and decode stays eager.
+
 On the CPU device the same code runs with host tensors for pool and slots and without streams, so the
 tests cover its logic.
 """
@@ -37,7 +43,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from types import ModuleType
 
 import attrs
@@ -65,6 +71,10 @@ def device_view(host: torch.Tensor) -> torch.Tensor:
 
     view = torch.as_tensor(_Interface(), device="cuda")
     return view.view(host.dtype) if host.dtype == torch.bfloat16 else view
+
+
+class GraphUnsafe(RuntimeError):
+    """A decode step being captured needs reads planned on the host each step (dense, not selected)."""
 
 
 @attrs.define
@@ -140,6 +150,8 @@ class OffloadEngine:
         self._slot_caches = [(slot[:, 0, :, None], slot[:, 1, :, None]) for slot in self.slots]
         # (layer, is_prefill) -> (the dense plan's first piece, what _load returned for it)
         self._prefetched: dict[tuple[int, bool], tuple[Piece, tuple]] = {}
+        self._capturing = False
+        self._forked: set = set()  # the side streams a capture has forked (they must join it)
 
     # -- the pool as a paged cache -------------------------------------------------------------------
 
@@ -180,6 +192,8 @@ class OffloadEngine:
     def attend_dense(self, ctx, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(out, lse) over every history block (decode: the whole context, the new token included;
         prefill: the tokens before the chunk); None when no sequence of the phase has any."""
+        if self._capturing:
+            raise GraphUnsafe(f"layer {ctx.layer_id} reads every history block, planned on the host each step")
         if ctx.is_prefill not in self._plans:
             self._plans[ctx.is_prefill] = list(self._dense_plan(self._host[ctx.is_prefill], ctx.is_prefill))
         plan = self._plans[ctx.is_prefill]
@@ -250,13 +264,59 @@ class OffloadEngine:
         lse = lse.view(hkv, t, group).transpose(0, 1).reshape(t, hkv * group)
         return out, lse
 
+    # -- CUDA graphs -----------------------------------------------------------------------------------------
+
+    @contextmanager
+    def capturing(self) -> Iterator[None]:
+        """While the model runner warms up and captures decode graphs: dense reads raise
+        :class:`GraphUnsafe`, and nothing made then (a capture's kernels have not run) is kept for later."""
+        cached, self._virtual_tables, self._capturing = self._virtual_tables, {}, True
+        try:
+            yield
+        finally:
+            self._virtual_tables, self._capturing = cached, False
+
+    def begin_capture(self) -> None:
+        """First thing inside a capture: forget the events of earlier work, which the graph cannot wait on
+        (its replays are ordered by :meth:`order_streams`)."""
+        self._forget_events()
+        self._plans, self._virtual_cu, self._prefetched, self._forked = {}, {}, {}, set()
+
+    def end_capture(self) -> None:
+        """Last thing inside a capture: the side streams it forked join the capture stream."""
+        for stream in self._forked:
+            torch.cuda.current_stream().wait_stream(stream)
+        self._forget_events()
+
+    def order_streams(self) -> None:
+        """Before and after a graph replay: the compute stream waits for the side streams' work so far,
+        and they for its, so the replay's loads see earlier stores and later loads see the replay's."""
+        if self.cuda:
+            compute = torch.cuda.current_stream()
+            for stream in (self.load_stream, self.store_stream):
+                compute.wait_stream(stream)
+                stream.wait_stream(compute)
+        self._forget_events()
+
+    def _forget_events(self) -> None:
+        self._stored = [None] * len(self.layers)
+        self._storing = [None] * len(self.layers)
+        if self.cuda:
+            self._slot_free = [None] * NUM_SLOTS
+
     # -- slots and streams ---------------------------------------------------------------------------------
+
+    def _fork(self, stream) -> None:
+        """``stream`` runs after the compute stream's work so far (inside a capture: joins the graph)."""
+        stream.wait_stream(torch.cuda.current_stream())
+        if self._capturing:
+            self._forked.add(stream)
 
     def _on(self, stream, *tensors: torch.Tensor):
         """Run on ``stream`` after the current stream's work so far; ``tensors`` stay alive until it is done."""
         if stream is None:
             return nullcontext()
-        stream.wait_stream(torch.cuda.current_stream())
+        self._fork(stream)
         for tensor in tensors:
             tensor.record_stream(stream)
         return torch.cuda.stream(stream)
@@ -274,7 +334,7 @@ class OffloadEngine:
             return index, None
         stream = self.load_stream
         if piece.on_device:  # a selection: its indices come from this layer's query
-            stream.wait_stream(torch.cuda.current_stream())
+            self._fork(stream)
             piece.ids.record_stream(stream)
         for event in (self._slot_free[index], self._stored[self._row[layer_id]]):
             if event is not None:
