@@ -150,7 +150,8 @@ class OffloadEngine:
         self._slot_caches = [(slot[:, 0, :, None], slot[:, 1, :, None]) for slot in self.slots]
         # (layer, is_prefill) -> (the dense plan's first piece, what _load returned for it)
         self._prefetched: dict[tuple[int, bool], tuple[Piece, tuple]] = {}
-        self._capturing = False
+        self._capturing = False  # warming up and capturing decode graphs
+        self._in_graph = False  # inside one capture
         self._forked: set = set()  # the side streams a capture has forked (they must join it)
 
     # -- the pool as a paged cache -------------------------------------------------------------------
@@ -268,25 +269,28 @@ class OffloadEngine:
 
     @contextmanager
     def capturing(self) -> Iterator[None]:
-        """While the model runner warms up and captures decode graphs: dense reads raise
-        :class:`GraphUnsafe`, and nothing made then (a capture's kernels have not run) is kept for later."""
-        cached, self._virtual_tables, self._capturing = self._virtual_tables, {}, True
+        """While the model runner warms up and captures decode graphs: dense reads raise :class:`GraphUnsafe`."""
+        self._capturing = True
         try:
             yield
         finally:
-            self._virtual_tables, self._capturing = cached, False
+            self._capturing = False
 
     def begin_capture(self) -> None:
         """First thing inside a capture: forget the events of earlier work, which the graph cannot wait on
-        (its replays are ordered by :meth:`order_streams`)."""
+        (its replays are ordered by :meth:`order_streams`), and what earlier steps computed."""
         self._forget_events()
         self._plans, self._virtual_cu, self._prefetched, self._forked = {}, {}, {}, set()
+        self._in_graph = True
 
     def end_capture(self) -> None:
-        """Last thing inside a capture: the side streams it forked join the capture stream."""
+        """Last thing inside a capture: the side streams it forked join the capture stream. What the capture
+        computed holds no values (its kernels have not run), so none of it is kept for later steps."""
         for stream in self._forked:
             torch.cuda.current_stream().wait_stream(stream)
         self._forget_events()
+        self._plans, self._virtual_cu, self._prefetched = {}, {}, {}
+        self._in_graph = False
 
     def order_streams(self) -> None:
         """Before and after a graph replay: the compute stream waits for the side streams' work so far,
@@ -309,7 +313,7 @@ class OffloadEngine:
     def _fork(self, stream) -> None:
         """``stream`` runs after the compute stream's work so far (inside a capture: joins the graph)."""
         stream.wait_stream(torch.cuda.current_stream())
-        if self._capturing:
+        if self._in_graph:
             self._forked.add(stream)
 
     def _on(self, stream, *tensors: torch.Tensor):
@@ -442,8 +446,9 @@ class OffloadEngine:
             )
             tables = self._virtual_tables.get((hkv * num_seqs, width))
             if tables is None:  # virtual sequence r reads its i-th selected block at slot head block r * width + i
-                tables = torch.arange(hkv * num_seqs * width, device=sel.device, dtype=torch.int32)
-                tables = self._virtual_tables.setdefault((hkv * num_seqs, width), tables.view(-1, width))
+                tables = torch.arange(hkv * num_seqs * width, device=sel.device, dtype=torch.int32).view(-1, width)
+                if not self._in_graph:  # a graph's own tensor holds values only in its replays
+                    self._virtual_tables[(hkv * num_seqs, width)] = tables
             yield Piece(ids, tables, selection, lens, rows, width * self.block_size, True)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
