@@ -226,6 +226,20 @@ def test_disconnect_mid_stream_aborts_and_leaks_no_block(server):
     wait_idle(server)  # long before 200 tokens could have been generated
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_disconnect_while_waiting_for_a_whole_answer_aborts_and_leaks_no_block(server, endpoint):
+    """Not streaming: nothing is sent before the end, yet a client that leaves aborts its request at once (it
+    never finishes, so no request latency is recorded) and its blocks come back."""
+    body = {"model": MODEL, "max_tokens": 200, "ignore_eos": True,
+            **({"prompt": PROMPT} if endpoint == "completions" else {"messages": [{"role": "user", "content": "Hi"}]})}
+    finished_before = metrics(server)["nanovllm:e2e_request_latency_seconds_count"]
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(f"{server}/v1/{endpoint}", json=body, timeout=httpx.Timeout(TIMEOUT, read=1.0))
+    wait_idle(server)
+    assert metrics(server)["nanovllm:e2e_request_latency_seconds_count"] == finished_before, \
+        "the request ran to its end: the server did not notice the client leave"
+
+
 def test_bad_requests_get_openai_shaped_errors(client, server):
     with pytest.raises(openai.NotFoundError, match="no-such-model"):
         client.completions.create(model="no-such-model", prompt=PROMPT)
