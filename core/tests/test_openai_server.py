@@ -260,14 +260,25 @@ def test_bad_requests_get_openai_shaped_errors(client, server):
     assert client.completions.create(prompt=PROMPT, **greedy(max_tokens=2)).usage.completion_tokens == 2
 
 
-def test_metrics(server, client):
-    client.completions.create(prompt=PROMPT, **greedy(max_tokens=3))
+@pytest.mark.parametrize("stream", [False, True])
+def test_metrics(server, client, stream):
+    """Gauges back to zero; each finished request's times as the engine took them, whether its answer came
+    whole (one output at the end) or streamed: its first token long before its end."""
+    names = ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds")
+    before = metrics(server)
+    out = client.completions.create(prompt=PROMPT, stream=stream, **greedy(max_tokens=12))
+    if stream:
+        list(out)
     values = metrics(server)
     assert values["nanovllm:num_requests_running"] == 0 and values["nanovllm:num_requests_waiting"] == 0
     assert values["nanovllm:kv_cache_usage_perc"] == 0
-    assert values["nanovllm:time_to_first_token_seconds_count"] >= 1
-    assert values["nanovllm:generation_tokens_total"] >= 3
+    assert values["nanovllm:generation_tokens_total"] - before.get("nanovllm:generation_tokens_total", 0) == 12
     assert values["nanovllm:request_output_tokens_per_second_count"] >= 1
+    counts, sums = ({name: values[f"nanovllm:{name}_{part}"] - before.get(f"nanovllm:{name}_{part}", 0)
+                     for name in names} for part in ("count", "sum"))
+    assert set(counts.values()) == {1}, counts
+    ttft, tpot, e2e = (sums[name] for name in names)
+    assert 0 < ttft < e2e and 0 < tpot and ttft + 11 * tpot == pytest.approx(e2e, rel=0.2, abs=0.05)
 
 
 def test_api_key(llm):

@@ -184,28 +184,28 @@ class Metrics:
 
 
 class RequestTimer:
-    """The times and token count of one engine request (fed its delta or final-only outputs), reported
-    to the metrics when it finishes."""
+    """One engine request's generated tokens, counted over its DELTA or FINAL_ONLY outputs; when it finishes,
+    they and its times are reported to the metrics. The times are the output's ``metrics`` (arrival, first
+    and last token, finish), so a final-only request, whose one output comes at the end, is timed as a
+    streamed one is."""
 
     def __init__(self, metrics: Metrics) -> None:
-        self.metrics, self.arrival, self.first, self.count = metrics, time.perf_counter(), None, 0
+        self.metrics, self.count = metrics, 0
 
     def observe(self, out: RequestOutput) -> None:
-        now = time.perf_counter()
-        new = sum(len(c.token_ids) for c in out.outputs)
-        self.count += new
-        m = self.metrics
-        if self.first is None and new:
-            self.first = now
-            m.ttft.observe(now - self.arrival)
+        self.count += sum(len(c.token_ids) for c in out.outputs)
         if not out.finished:
             return
-        m.e2e.observe(now - self.arrival)
+        m, times = self.metrics, out.metrics
+        e2e = times.finished_time - times.arrival_time
+        m.e2e.observe(e2e)
         m.prompt_tokens.inc(len(out.prompt_token_ids))
         m.generation_tokens.inc(self.count)
-        m.throughput.observe(self.count / max(now - self.arrival, 1e-9))
-        if self.count > 1:
-            m.tpot.observe((now - self.first) / (self.count - 1))
+        m.throughput.observe(self.count / max(e2e, 1e-9))
+        if times.first_token_time is not None:
+            m.ttft.observe(times.first_token_time - times.arrival_time)
+            if self.count > 1:
+                m.tpot.observe((times.last_token_time - times.first_token_time) / (self.count - 1))
 
 
 # -- the app ----------------------------------------------------------------------------------------
