@@ -301,13 +301,17 @@ def test_bench_serve_measures_every_request(server):
     from nanovllm.bench.serve import markdown, run_rate
 
     prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9], [10]]
-    for rate in (float("inf"), 50.0):
-        r = asyncio.run(asyncio.wait_for(run_rate(server, MODEL, prompts, [3, 3, 3, 3], rate, 0, TIMEOUT), 3 * TIMEOUT))
+    for rate, stream in ((float("inf"), True), (50.0, True), (float("inf"), False)):
+        r = asyncio.run(asyncio.wait_for(run_rate(server, MODEL, prompts, [3, 3, 3, 3], rate, 0, TIMEOUT, stream),
+                                         3 * TIMEOUT))
         assert r["completed"] == 4 and r["failed"] == 0 and r["output_tokens"] == 12
-        assert 0 < r["p50_ttft_ms"] <= r["p99_ttft_ms"] <= r["p99_e2e_ms"] and r["mean_tpot_ms"] > 0
+        assert 0 < r["p50_ttft_ms"] <= r["p99_ttft_ms"] <= r["p99_e2e_ms"]
+        assert r["mean_tpot_ms"] > 0 if stream else r["p50_ttft_ms"] == r["p50_e2e_ms"]
+        if rate == 50.0:
+            at_fifty = r
     env = {"device": "cpu", "date": "today", "commit": "x", "torch": "t"}
     settings = {"base_url": server, "model": MODEL, "num_prompts": 4}
-    assert "| 50.0 | 4/4 |" in markdown({"environment": env, "settings": settings, "results": [r]}, "serve")
+    assert "| 50.0 | 4/4 |" in markdown({"environment": env, "settings": settings, "results": [at_fifty]}, "serve")
 
 
 @pytest.mark.slow
