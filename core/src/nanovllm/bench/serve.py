@@ -80,8 +80,8 @@ async def run_rate(base_url: str, model: str, prompts: list[list[int]], max_toke
         per_request = [await clients.enter_async_context(httpx.AsyncClient(base_url=base_url, timeout=timeout,
                                                                            verify=False)) for _ in prompts]
         start = time.perf_counter()
-        results = await asyncio.gather(*(one_request(c, model, p, m, start + o, stream)
-                                         for c, p, m, o in zip(per_request, prompts, max_tokens, offsets, strict=True)))
+        requests = zip(per_request, prompts, max_tokens, offsets, strict=True)
+        results = await asyncio.gather(*(one_request(c, model, p, m, start + o, stream) for c, p, m, o in requests))
         elapsed = time.perf_counter() - start
     ok = [r for r in results if "error" not in r]
     produced = sum(r["tokens"] for r in ok)
