@@ -188,3 +188,22 @@ def test_paged_prompt_caches_hold_the_prompt_through_its_table():
     torch.testing.assert_close(tail, full[40:])
     with pytest.raises(ValueError, match="give a multiple of block_size"):
         paged_prompt(60, 4, 2, 8, 16, gen, "cpu")
+
+
+def test_serve_ceiling_stand_in_runs_the_real_scheduler_and_paces_its_steps(tiny_model, one_thread):
+    """The stand-in model of ``bench serve_ceiling``: every request gets exactly its tokens through the real
+    engine, a step takes at least its set time, and the first steps' batches are logged."""
+    import functools
+    import time
+
+    from nanovllm.bench.serve_ceiling import STAND_IN_MODEL, offline, stand_in_engine
+
+    model = tiny_model(**STAND_IN_MODEL)
+    prompts, max_tokens = [[5] * 40, [9] * 300, [3] * 7], [4, 9, 1]
+    build = functools.partial(stand_in_engine, step_ms=2.0, prefill_us=0.0)
+    start = time.perf_counter()
+    r = offline(model, build, prompts, max_tokens)
+    steps = r["first_steps"]
+    assert r["output_tok_per_s"] * r["duration_s"] == pytest.approx(sum(max_tokens))
+    assert steps[0] == (3, 347) and all(n <= 3 for n, _ in steps) and len(steps) >= max(max_tokens)
+    assert time.perf_counter() - start >= 0.002 * len(steps)

@@ -7,7 +7,6 @@ import asyncio
 
 import pytest
 from nanovllm import SamplingParams
-from nanovllm.plugins import get_plugins
 from nanovllm.sampling_params import RequestOutputKind
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -20,12 +19,10 @@ def greedy(**kw) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model):
-    if "LlamaForCausalLM" not in get_plugins().registry.model_families:
-        pytest.skip("needs the nanovllm-llama plugin")
+def llm(model):
     from nanovllm import LLM
 
-    return LLM(tiny_model(), kv_cache_memory=1 << 24, device="cpu", max_model_len=64, block_size=4)
+    return LLM(model, kv_cache_memory=1 << 24, device="cpu", max_model_len=64, block_size=4)
 
 
 @pytest.fixture(scope="module")

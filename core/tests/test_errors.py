@@ -21,13 +21,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model):
-    if "LlamaForCausalLM" not in get_plugins().registry.model_families:
-        pytest.skip("needs the nanovllm-llama plugin")
-    return tiny_model()
-
-
-@pytest.fixture(scope="module")
 def llm(model):
     from nanovllm import LLM
 

@@ -15,7 +15,6 @@ from nanovllm import SamplingParams, TextPrompt, TokensPrompt
 from nanovllm.config import EngineConfig
 from nanovllm.engine.llm_engine import resolve_model_path
 from nanovllm.hub import HubError, is_hub_id
-from nanovllm.plugins import get_plugins
 from nanovllm.testing import hub_cache_entry
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -28,13 +27,6 @@ TEMPLATE = (
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model):
-    if "LlamaForCausalLM" not in get_plugins().registry.model_families:
-        pytest.skip("needs the nanovllm-llama plugin")
-    return tiny_model()
 
 
 @pytest.fixture(scope="module")

@@ -226,6 +226,20 @@ def test_disconnect_mid_stream_aborts_and_leaks_no_block(server):
     wait_idle(server)  # long before 200 tokens could have been generated
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_disconnect_while_waiting_for_a_whole_answer_aborts_and_leaks_no_block(server, endpoint):
+    """Not streaming: nothing is sent before the end, yet a client that leaves aborts its request at once (it
+    never finishes, so no request latency is recorded) and its blocks come back."""
+    body = {"model": MODEL, "max_tokens": 200, "ignore_eos": True,
+            **({"prompt": PROMPT} if endpoint == "completions" else {"messages": [{"role": "user", "content": "Hi"}]})}
+    finished_before = metrics(server)["nanovllm:e2e_request_latency_seconds_count"]
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(f"{server}/v1/{endpoint}", json=body, timeout=httpx.Timeout(TIMEOUT, read=1.0))
+    wait_idle(server)
+    assert metrics(server)["nanovllm:e2e_request_latency_seconds_count"] == finished_before, \
+        "the request ran to its end: the server did not notice the client leave"
+
+
 def test_bad_requests_get_openai_shaped_errors(client, server):
     with pytest.raises(openai.NotFoundError, match="no-such-model"):
         client.completions.create(model="no-such-model", prompt=PROMPT)
@@ -246,14 +260,25 @@ def test_bad_requests_get_openai_shaped_errors(client, server):
     assert client.completions.create(prompt=PROMPT, **greedy(max_tokens=2)).usage.completion_tokens == 2
 
 
-def test_metrics(server, client):
-    client.completions.create(prompt=PROMPT, **greedy(max_tokens=3))
+@pytest.mark.parametrize("stream", [False, True])
+def test_metrics(server, client, stream):
+    """Gauges back to zero; each finished request's times as the engine took them, whether its answer came
+    whole (one output at the end) or streamed: its first token long before its end."""
+    names = ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds")
+    before = metrics(server)
+    out = client.completions.create(prompt=PROMPT, stream=stream, **greedy(max_tokens=12))
+    if stream:
+        list(out)
     values = metrics(server)
     assert values["nanovllm:num_requests_running"] == 0 and values["nanovllm:num_requests_waiting"] == 0
     assert values["nanovllm:kv_cache_usage_perc"] == 0
-    assert values["nanovllm:time_to_first_token_seconds_count"] >= 1
-    assert values["nanovllm:generation_tokens_total"] >= 3
+    assert values["nanovllm:generation_tokens_total"] - before.get("nanovllm:generation_tokens_total", 0) == 12
     assert values["nanovllm:request_output_tokens_per_second_count"] >= 1
+    counts, sums = ({name: values[f"nanovllm:{name}_{part}"] - before.get(f"nanovllm:{name}_{part}", 0)
+                     for name in names} for part in ("count", "sum"))
+    assert set(counts.values()) == {1}, counts
+    ttft, tpot, e2e = (sums[name] for name in names)
+    assert 0 < ttft < e2e and 0 < tpot and ttft + 11 * tpot == pytest.approx(e2e, rel=0.2, abs=0.05)
 
 
 def test_api_key(llm):
@@ -276,13 +301,17 @@ def test_bench_serve_measures_every_request(server):
     from nanovllm.bench.serve import markdown, run_rate
 
     prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9], [10]]
-    for rate in (float("inf"), 50.0):
-        r = asyncio.run(asyncio.wait_for(run_rate(server, MODEL, prompts, [3, 3, 3, 3], rate, 0, TIMEOUT), 3 * TIMEOUT))
+    for rate, stream in ((float("inf"), True), (50.0, True), (float("inf"), False)):
+        r = asyncio.run(asyncio.wait_for(run_rate(server, MODEL, prompts, [3, 3, 3, 3], rate, 0, TIMEOUT, stream),
+                                         3 * TIMEOUT))
         assert r["completed"] == 4 and r["failed"] == 0 and r["output_tokens"] == 12
-        assert 0 < r["p50_ttft_ms"] <= r["p99_ttft_ms"] <= r["p99_e2e_ms"] and r["mean_tpot_ms"] > 0
+        assert 0 < r["p50_ttft_ms"] <= r["p99_ttft_ms"] <= r["p99_e2e_ms"]
+        assert r["mean_tpot_ms"] > 0 if stream else r["p50_ttft_ms"] == r["p50_e2e_ms"]
+        if rate == 50.0:
+            at_fifty = r
     env = {"device": "cpu", "date": "today", "commit": "x", "torch": "t"}
     settings = {"base_url": server, "model": MODEL, "num_prompts": 4}
-    assert "| 50.0 | 4/4 |" in markdown({"environment": env, "settings": settings, "results": [r]}, "serve")
+    assert "| 50.0 | 4/4 |" in markdown({"environment": env, "settings": settings, "results": [at_fifty]}, "serve")
 
 
 @pytest.mark.slow

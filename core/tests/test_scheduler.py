@@ -293,11 +293,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model):
-    return tiny_model()
-
-
-@pytest.fixture(scope="module")
 def reference(model):
     tokens, _ = greedy(model, enable_prefix_caching=False)
     return tokens

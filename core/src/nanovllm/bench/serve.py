@@ -10,6 +10,7 @@ end-to-end latency. Results go to ``NAME.json`` and ``NAME.md`` like the other b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -34,32 +35,38 @@ def summary(name: str, values: list[float]) -> dict[str, float]:
     return out
 
 
-async def one_request(client, model: str, prompt: list[int], max_tokens: int, start_at: float) -> dict[str, Any]:
-    """Send one streaming completion at ``start_at`` (perf_counter seconds); its timings and token count."""
+async def one_request(client, model: str, prompt: list[int], max_tokens: int, start_at: float,
+                      stream: bool = True) -> dict[str, Any]:
+    """Send one completion at ``start_at`` (perf_counter seconds); its timings and token count. Not streamed,
+    its first token is timed at the answer's arrival, as its latency."""
     await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.6, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.6, "ignore_eos": True}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
     sent = time.perf_counter()
     first = None
     tokens = 0
     async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             return {"error": f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"}
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            elif first is None and chunk["choices"]:  # any chunk, as vLLM's benchmark: a model without a
-                first = time.perf_counter()  # tokenizer streams tokens with empty text
+        if not stream:
+            tokens = json.loads(await response.aread())["usage"]["completion_tokens"]
+        else:
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                elif first is None and chunk["choices"]:  # any chunk, as vLLM's benchmark: a model without a
+                    first = time.perf_counter()  # tokenizer streams tokens with empty text
     done = time.perf_counter()
     return {"ttft": (first or done) - sent, "latency": done - sent, "tokens": tokens,
-            "tpot": (done - (first or done)) / (tokens - 1) if tokens > 1 else None}
+            "tpot": (done - (first or done)) / (tokens - 1) if tokens > 1 and first is not None else None}
 
 
 async def run_rate(base_url: str, model: str, prompts: list[list[int]], max_tokens: list[int], rate: float,
-                   seed: int, timeout: float) -> dict[str, Any]:
+                   seed: int, timeout: float, stream: bool = True) -> dict[str, Any]:
     import httpx
 
     rng = random.Random(seed)
@@ -67,11 +74,14 @@ async def run_rate(base_url: str, model: str, prompts: list[list[int]], max_toke
     for _ in prompts:  # Poisson arrivals: exponential gaps at the rate; all at once for inf
         offsets.append(now)
         now += 0.0 if math.isinf(rate) else rng.expovariate(rate)
-    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
-    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
+    # a client (one connection) per request: httpx's pool looks at every connection for every request it
+    # assigns and every response it closes, which with hundreds of requests at once costs more than they do
+    async with contextlib.AsyncExitStack() as clients:
+        per_request = [await clients.enter_async_context(httpx.AsyncClient(base_url=base_url, timeout=timeout,
+                                                                           verify=False)) for _ in prompts]
         start = time.perf_counter()
-        results = await asyncio.gather(*(one_request(client, model, p, m, start + o)
-                                         for p, m, o in zip(prompts, max_tokens, offsets, strict=True)))
+        requests = zip(per_request, prompts, max_tokens, offsets, strict=True)
+        results = await asyncio.gather(*(one_request(c, model, p, m, start + o, stream) for c, p, m, o in requests))
         elapsed = time.perf_counter() - start
     ok = [r for r in results if "error" not in r]
     produced = sum(r["tokens"] for r in ok)

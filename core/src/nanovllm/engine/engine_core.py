@@ -227,7 +227,7 @@ def _picklable(exc: BaseException) -> BaseException:
 
 
 def _engine_process_main(model: str | None, kwargs: dict[str, Any], commands: Connection, messages: Connection,
-                         num_threads: int) -> None:
+                         num_threads: int, build: Callable[..., LLMEngine]) -> None:
     """The child: build the engine, say whether that worked, then run the core until shut down or until the
     front-end's end of the pipe closes (its process ended)."""
     import torch
@@ -235,7 +235,7 @@ def _engine_process_main(model: str | None, kwargs: dict[str, Any], commands: Co
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the front-end, which shuts this down
     torch.set_num_threads(num_threads)
     try:
-        engine = LLMEngine(model, **kwargs)
+        engine = build(model, **kwargs)
     except BaseException as exc:
         messages.send(("failed", _picklable(exc)))
         return
@@ -266,12 +266,12 @@ def _engine_process_main(model: str | None, kwargs: dict[str, Any], commands: Co
 
 
 class EngineProcess:
-    """The core in a child process (``spawn``; the engine built there from ``model`` and ``kwargs``, which
-    are pickled). Commands are pickled by the caller and written by a sender thread, so the caller never
+    """The core in a child process (``spawn``; the engine built there as ``build(model, **kwargs)``, all three
+    pickled: ``build`` is ``LLMEngine`` but for measurements with a stand-in model). Commands are pickled by the caller and written by a sender thread, so the caller never
     waits on a full pipe; a reader thread hands each message to ``post``. The constructor waits until the
     engine is built and raises its error if that fails."""
 
-    def __init__(self, model: str | None, kwargs: dict[str, Any]) -> None:
+    def __init__(self, model: str | None, kwargs: dict[str, Any], build: Callable[..., LLMEngine] = LLMEngine) -> None:
         import multiprocessing
 
         import torch
@@ -283,7 +283,7 @@ class EngineProcess:
         self._messages, messages_out = context.Pipe(duplex=False)
         self.process = context.Process(
             target=_engine_process_main, name="nanovllm-engine",
-            args=(model, kwargs, commands_in, messages_out, torch.get_num_threads()),
+            args=(model, kwargs, commands_in, messages_out, torch.get_num_threads(), build),
         )
         try:
             self.process.start()

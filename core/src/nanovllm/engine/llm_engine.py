@@ -547,21 +547,24 @@ class LLMEngine:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(seqs), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
-        members = [s for seq in seqs for s in seq.group]  # every completion of every request
-        done = 0
+        scheduler = self.scheduler
+        unfinished = seqs  # requests with a completion still running
+        num_finished = scheduler.num_finished
         try:
             with bar:
-                while done < len(members):
-                    if not self.scheduler.has_unfinished():
+                while unfinished:
+                    if not scheduler.has_unfinished():
                         raise RuntimeError("the scheduler ran dry before every request finished")
                     self.step()  # outputs are only for add_request(request_id, ...) requests
-                    done = sum(1 for s in members if s.is_finished)
-                    # a request is done when its last completion is
-                    bar.update(sum(1 for seq in seqs if all(s.is_finished for s in seq.group)) - bar.n)
+                    if scheduler.num_finished != num_finished:  # some sequence finished: look which requests
+                        num_finished = scheduler.num_finished
+                        unfinished = [seq for seq in unfinished if not all(s.is_finished for s in seq.group)]
+                        bar.update(len(seqs) - len(unfinished) - bar.n)
         except BaseException:  # e.g. KeyboardInterrupt between steps: drop this call's requests, keep others
-            for seq in members:
-                if not seq.is_finished:
-                    self.scheduler.abort(seq)
+            for seq in unfinished:
+                for s in seq.group:
+                    if not s.is_finished:
+                        scheduler.abort(s)
             raise
         return [self.output_builder.output(seq) for seq in seqs]
 

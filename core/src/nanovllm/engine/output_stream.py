@@ -54,6 +54,10 @@ class OutputBuilder:
 
     def output(self, seq: Sequence) -> RequestOutput:
         """The output of the request of ``seq``: one completion per sequence of its group."""
+        return self.request_output(seq, [self.completion(s) for s in seq.group])
+
+    def request_output(self, seq: Sequence, completions: list[CompletionOutput]) -> RequestOutput:
+        """The output of the request of ``seq``, with the ``completions`` given (a stream's, built already)."""
         first = seq.group[0]
         prompt_logprobs = None
         if first.prompt_logprobs is not None:
@@ -67,8 +71,7 @@ class OutputBuilder:
             max(s.finished_time for s in seq.group) if finished else None,
         )
         return RequestOutput(first.request_id, first.prompt_text, first.token_ids[: first.num_prompt_tokens],
-                             [self.completion(s) for s in seq.group], first.num_cached_tokens, prompt_logprobs,
-                             finished, metrics)
+                             completions, first.num_cached_tokens, prompt_logprobs, finished, metrics)
 
     def completion(self, seq: Sequence) -> CompletionOutput:
         text = self.completion_text(seq)
@@ -123,13 +126,12 @@ class OutputStream:
                 changed.append(completion)
         if not changed:
             return None
-        if self.finished:
-            out = builder.output(self.first)
-        else:
-            first = self.first
-            out = RequestOutput(first.request_id, first.prompt_text, self.prompt_token_ids, [], first.num_cached_tokens)
-        out.outputs = changed if self.delta else [s.last for s in self.completions if s.last]
-        return out
+        completions = changed if self.delta else [s.last for s in self.completions if s.last]
+        if self.finished:  # with the prompt logprobs and metrics; the completions are the streams'
+            return builder.request_output(self.first, completions)
+        first = self.first
+        return RequestOutput(first.request_id, first.prompt_text, self.prompt_token_ids, completions,
+                             first.num_cached_tokens)
 
 
 class CompletionStream:
@@ -161,12 +163,13 @@ class CompletionStream:
                 return None
             self.done = True
             return self._send(builder.completion(seq))
-        ids = seq.token_ids[:-1] if seq.token_ids[-1] == PLACEHOLDER else seq.token_ids
-        num_tokens = len(ids) - seq.num_prompt_tokens
+        ids = seq.token_ids
+        end = len(ids) - (ids[-1] == PLACEHOLDER)  # a token in flight is not known yet
+        num_tokens = end - seq.num_prompt_tokens
         if num_tokens == self.num_tokens_seen:
             return None
         self.num_tokens_seen = num_tokens
-        self._decode(builder, ids)
+        self._decode(builder, ids, end)
         with_logprobs = self.with_logprobs
         if with_logprobs:
             new = seq.logprobs[len(self.logprobs) :]
@@ -175,7 +178,7 @@ class CompletionStream:
                 self.cumulative_logprob += lps[0]
         shown = max(0, len(self.text) - self.holdback)  # a stop string may still begin in the rest
         tokens, chars = (self.num_tokens_sent, self.num_chars_sent) if self.delta else (0, 0)
-        completion = CompletionOutput(seq.index, self.text[chars:shown], ids[seq.num_prompt_tokens + tokens :], None,
+        completion = CompletionOutput(seq.index, self.text[chars:shown], ids[seq.num_prompt_tokens + tokens : end], None,
                                       None, self.cumulative_logprob if with_logprobs else None,
                                       self.logprobs[tokens:] if with_logprobs else None)
         if self.delta:
@@ -184,14 +187,15 @@ class CompletionStream:
             self.last = completion
         return completion
 
-    def _decode(self, builder: OutputBuilder, ids: list[int]) -> None:
+    def _decode(self, builder: OutputBuilder, ids: list[int], end: int) -> None:
+        """Add the text of ``ids[:end]``."""
         if builder.tokenizer is None:
             return
-        if not self._decode_to(builder, ids, len(ids)):
+        if not self._decode_to(builder, ids, end):
             # several new tokens (steps merged), the last character incomplete: the text before it is shown
             # now, as one token a poll would have shown it
-            for end in range(self.read_offset + 1, len(ids)):
-                self._decode_to(builder, ids, end)
+            for partial_end in range(self.read_offset + 1, end):
+                self._decode_to(builder, ids, partial_end)
 
     def _decode_to(self, builder: OutputBuilder, ids: list[int], end: int) -> bool:
         """Add the text of the tokens up to ``end``; False (nothing added) while it ends in a character split

@@ -30,6 +30,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_finished = 0  # sequences finished so far: a caller waiting for some looks only when it moves
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -131,6 +132,7 @@ class Scheduler:
         if seq.token_ids[-1] == PLACEHOLDER:  # sampled by a step in flight, never read back: discarded
             seq.token_ids.pop()
         seq.status = SequenceStatus.FINISHED
+        self.num_finished += 1
         seq.finish_reason = reason
         seq.finished_time = time.time()
         self.block_manager.free(seq)

@@ -13,7 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +26,12 @@ from nanovllm.chat_utils import ChatOptions, render
 from nanovllm.engine.async_llm import AsyncLLM
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready; its requests were aborted."""
 
 
 class APIError(Exception):
@@ -178,28 +184,28 @@ class Metrics:
 
 
 class RequestTimer:
-    """The times and token count of one engine request (fed its delta or final-only outputs), reported
-    to the metrics when it finishes."""
+    """One engine request's generated tokens, counted over its DELTA or FINAL_ONLY outputs; when it finishes,
+    they and its times are reported to the metrics. The times are the output's ``metrics`` (arrival, first
+    and last token, finish), so a final-only request, whose one output comes at the end, is timed as a
+    streamed one is."""
 
     def __init__(self, metrics: Metrics) -> None:
-        self.metrics, self.arrival, self.first, self.count = metrics, time.perf_counter(), None, 0
+        self.metrics, self.count = metrics, 0
 
     def observe(self, out: RequestOutput) -> None:
-        now = time.perf_counter()
-        new = sum(len(c.token_ids) for c in out.outputs)
-        self.count += new
-        m = self.metrics
-        if self.first is None and new:
-            self.first = now
-            m.ttft.observe(now - self.arrival)
+        self.count += sum(len(c.token_ids) for c in out.outputs)
         if not out.finished:
             return
-        m.e2e.observe(now - self.arrival)
+        m, times = self.metrics, out.metrics
+        e2e = times.finished_time - times.arrival_time
+        m.e2e.observe(e2e)
         m.prompt_tokens.inc(len(out.prompt_token_ids))
         m.generation_tokens.inc(self.count)
-        m.throughput.observe(self.count / max(now - self.arrival, 1e-9))
-        if self.count > 1:
-            m.tpot.observe((now - self.first) / (self.count - 1))
+        m.throughput.observe(self.count / max(e2e, 1e-9))
+        if times.first_token_time is not None:
+            m.ttft.observe(times.first_token_time - times.arrival_time)
+            if self.count > 1:
+                m.tpot.observe((times.last_token_time - times.first_token_time) / (self.count - 1))
 
 
 # -- the app ----------------------------------------------------------------------------------------
@@ -216,6 +222,10 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
     @app.exception_handler(APIError)
     async def api_error(_request: Request, exc: APIError) -> JSONResponse:
         return error_response(str(exc), exc.status, exc.param)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_request: Request, _exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -290,18 +300,23 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
     async def run_requests(
         prompts: list, params: SamplingParams, prefix: str,
     ) -> tuple[list[RequestOutput], list[AsyncIterator]]:
-        starts = [start(p, params, f"{prefix}-{i}") for i, p in enumerate(prompts)]
-        results = await asyncio.gather(*starts, return_exceptions=True)
-        streams = [r[1] for r in results if not isinstance(r, BaseException)]
-        for r in results:
-            if isinstance(r, BaseException):
-                for s in streams:
-                    await s.aclose()
-                raise r
-        return [r[0] for r in results], streams
+        """Start one engine request per prompt; their first outputs and streams. If one fails, or the caller
+        is cancelled (its client left), the others are closed, which aborts them."""
+        starts = [asyncio.ensure_future(start(p, params, f"{prefix}-{i}")) for i, p in enumerate(prompts)]
+        try:
+            results = await asyncio.gather(*starts)
+        except BaseException:
+            for task in starts:
+                task.cancel()
+            await asyncio.wait(starts)
+            for task in starts:
+                if not task.cancelled() and task.exception() is None:
+                    await task.result()[1].aclose()
+            raise
+        return [r[0] for r in results], [r[1] for r in results]
 
     async def final_outputs(request: Request, prompts: list, params: SamplingParams, prefix: str) -> list[RequestOutput]:
-        """Non-streaming: each prompt's final output; a client that disconnects first aborts them all."""
+        """Non-streaming: each prompt's final output."""
 
         async def one(first: RequestOutput, stream: AsyncIterator, timer: RequestTimer) -> RequestOutput:
             timer.observe(first)
@@ -310,12 +325,22 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
                 timer.observe(last)
             return last
 
-        timers = [RequestTimer(metrics) for _ in prompts]
-        firsts, streams = await run_requests(prompts, params, prefix)
-        work = asyncio.gather(*(one(f, s, t) for f, s, t in zip(firsts, streams, timers, strict=True)))
-        return await until_disconnected(request, work, streams)
+        async def run() -> list[RequestOutput]:
+            timers = [RequestTimer(metrics) for _ in prompts]
+            firsts, streams = await run_requests(prompts, params, prefix)
+            try:
+                return await asyncio.gather(*(one(f, s, t) for f, s, t in zip(firsts, streams, timers, strict=True)))
+            finally:  # cancelled: a stream whose reader never ran is still open
+                for s in streams:
+                    await s.aclose()
 
-    async def until_disconnected(request: Request, work: Awaitable, streams: list[AsyncIterator]):
+        return await until_disconnected(request, run())
+
+    async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+        """``work``'s result; if the client disconnects first, ``work`` is cancelled, which closes the engine
+        requests it waits on (aborting them: their blocks are freed at once), and :class:`ClientGone` raised.
+        For what comes before the response starts: a non-streaming answer (sent only at the end), or the
+        wait for a stream's first output; once streaming, Starlette notices a disconnect itself."""
         work = asyncio.ensure_future(work)
 
         async def disconnected() -> None:
@@ -327,12 +352,11 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
             await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
-        if not work.done():  # the client left: stop generating for it
-            work.cancel()
-            await asyncio.wait({work})  # its cancellation closes the streams it was reading
-            for s in streams:
-                await s.aclose()
-            raise asyncio.CancelledError
+            if not work.done():  # the client left (or this handler was cancelled): stop generating for it
+                work.cancel()
+                await asyncio.wait({work})
+        if work.cancelled():
+            raise ClientGone
         return work.result()
 
     def usage(outputs: list[RequestOutput], completion_tokens: int) -> dict:
@@ -429,7 +453,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
                     "logprobs": completion_logprobs(c, body.logprobs, offset)}
 
         if body.stream:
-            firsts, streams = await run_requests(prompts, params, request_id)
+            firsts, streams = await until_disconnected(request, run_requests(prompts, params, request_id))
             offsets: dict[int, int] = {}
 
             def chunks(index: int, c: CompletionOutput, _out: RequestOutput) -> list[dict]:
@@ -463,7 +487,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
         top = body.top_logprobs or 0
 
         if body.stream:
-            firsts, streams = await run_requests([{"prompt_token_ids": prompt_ids}], params, request_id)
+            firsts, streams = await until_disconnected(
+                request, run_requests([{"prompt_token_ids": prompt_ids}], params, request_id))
             started: set[int] = set()
 
             def chunks(index: int, c: CompletionOutput, _out: RequestOutput) -> list[dict]:
