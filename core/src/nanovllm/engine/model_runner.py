@@ -60,6 +60,10 @@ class PhaseArrays:
     max_query_len: int
     max_context_len: int
 
+    def host_phase(self) -> HostPhase:
+        """The phase as the offload engine plans it (the padded block tables as they are)."""
+        return HostPhase(self.block_tables, np.diff(self.cu_seqlens_q).tolist(), self.context_lens.tolist())
+
 
 @attrs.define
 class StepPlan:
@@ -77,7 +81,6 @@ class StepPlan:
     sample_rows: np.ndarray | None  # hidden-state rows that sample; None: every row, in order
     num_sampling: int
     prompt_logprob_rows: np.ndarray | None  # hidden-state rows followed by a prompt token, if any asked
-    host_phases: tuple[HostPhase | None, HostPhase | None] | None  # the offload engine's plan of the step
 
 
 @attrs.define
@@ -574,20 +577,8 @@ class ModelRunner:
             sample_rows=None if len(sample_rows) == row else np.asarray(sample_rows, dtype=np.int64),
             num_sampling=len(sampling),
             prompt_logprob_rows=prompt_rows,
-            host_phases=None if self.offload is None else self._host_phases(seqs),
         )
         return plan, sampling, prompt_targets
-
-    @staticmethod
-    def _host_phases(seqs: list[Sequence]) -> tuple[HostPhase | None, HostPhase | None]:
-        """The step's decode and prefill phases as the offload engine plans them."""
-        phases = []
-        for is_decode in (True, False):
-            group = [s for s in seqs if s.is_decode == is_decode]
-            q_lens = [1 if is_decode else s.num_scheduled_tokens for s in group]
-            ctx_lens = [s.num_computed_tokens + q for s, q in zip(group, q_lens, strict=True)]
-            phases.append(HostPhase([s.block_table for s in group], q_lens, ctx_lens) if group else None)
-        return phases[0], phases[1]
 
     def notify_allocated(self, block_ids: list[int]) -> None:
         """Tell the policies which physical blocks were handed out since the last step (before it runs)."""
@@ -613,7 +604,7 @@ class ModelRunner:
             prefill=self._phase_metadata(plan.prefill),
         )
         if self.offload is not None:
-            self.offload.begin_step(*plan.host_phases)
+            self.offload.begin_step(*(phase and phase.host_phase() for phase in (plan.decode, plan.prefill)))
         if self.graphs and meta.prefill is None and input_ids.shape[0] <= self.graph_sizes[-1]:
             hidden = self._replay_decode(input_ids, meta.positions, meta)
         else:
