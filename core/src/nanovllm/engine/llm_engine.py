@@ -380,8 +380,9 @@ class LLMEngine:
             raise RuntimeError(self._stopped_reason)
         try:
             scheduled = self.scheduler.schedule()
-            self.runner.notify_allocated(self.scheduler.block_manager.take_newly_allocated())
-            launched = self.runner.launch(scheduled) if scheduled else None
+            # blocks handed out for a step that is not launched are told with the next one, before any write
+            launched = (self.runner.launch(scheduled, self.scheduler.block_manager.take_newly_allocated())
+                        if scheduled else None)
             if self.config.async_scheduling:
                 self._apply_pending()
             self.scheduler.advance([s for s in scheduled if not s.is_finished])

@@ -81,6 +81,7 @@ class StepPlan:
     sample_rows: np.ndarray | None  # hidden-state rows that sample; None: every row, in order
     num_sampling: int
     prompt_logprob_rows: np.ndarray | None  # hidden-state rows followed by a prompt token, if any asked
+    allocated_blocks: np.ndarray | None  # blocks handed out since the last step, for the policies to reset
 
 
 @attrs.define
@@ -517,9 +518,12 @@ class ModelRunner:
         return PhaseMetadata(self._to_device(phase.cu_seqlens_q), self._to_device(phase.context_lens),
                              self._to_device(phase.block_tables), phase.max_query_len, phase.max_context_len)
 
-    def prepare(self, seqs: list[Sequence]) -> tuple[StepPlan, list[Sequence], PromptTargets | None]:
+    def prepare(
+        self, seqs: list[Sequence], allocated: list[int] | None = None
+    ) -> tuple[StepPlan, list[Sequence], PromptTargets | None]:
         """The host side of one step (decodes, one token each, first; then prefill chunks): its plan, the
-        sequences that sample in it in row order, and the targets of its prompt logprobs (``None``: none)."""
+        sequences that sample in it in row order, and the targets of its prompt logprobs (``None``: none).
+        ``allocated``: the blocks handed out since the last step."""
         bs = self.block_size
         decodes = [s for s in seqs if s.is_decode]
         prefills = [s for s in seqs if not s.is_decode]
@@ -577,21 +581,18 @@ class ModelRunner:
             sample_rows=None if len(sample_rows) == row else np.asarray(sample_rows, dtype=np.int64),
             num_sampling=len(sampling),
             prompt_logprob_rows=prompt_rows,
+            allocated_blocks=(np.asarray(allocated, dtype=np.int64)
+                              if allocated and self.hooks.blocks_allocated else None),
         )
         return plan, sampling, prompt_targets
-
-    def notify_allocated(self, block_ids: list[int]) -> None:
-        """Tell the policies which physical blocks were handed out since the last step (before it runs)."""
-        if block_ids and self.hooks.blocks_allocated:
-            if self.sends_steps:
-                broadcast_control(("notify_allocated", block_ids))
-            ids = self._to_device(np.asarray(block_ids, dtype=np.int64))
-            for on_blocks_allocated in self.hooks.blocks_allocated:
-                on_blocks_allocated(ids)
 
     def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The step's inputs on the device and its forward pass (every rank): hidden states, input ids and
         the rows that sample (``None``: every row)."""
+        if plan.allocated_blocks is not None:  # the policies reset their metadata before the step writes them
+            ids = self._to_device(plan.allocated_blocks)
+            for on_blocks_allocated in self.hooks.blocks_allocated:
+                on_blocks_allocated(ids)
         input_ids = self._to_device(plan.input_ids)
         if plan.placeholder_rows is not None:
             sources = self._to_device(plan.placeholder_sources)
@@ -614,11 +615,12 @@ class ModelRunner:
         return hidden, input_ids, sample_rows
 
     @torch.inference_mode()
-    def launch(self, seqs: list[Sequence]) -> LaunchedStep | None:
+    def launch(self, seqs: list[Sequence], allocated: list[int] | None = None) -> LaunchedStep | None:
         """Launch one step without waiting for it; None when it has nothing to read back (no sequence
-        samples in it and none asked for prompt logprobs). With tensor parallelism, rank 0 broadcasts
-        the step's plan first; every rank runs the forward pass and the logits, rank 0 samples."""
-        plan, sampling, prompt_targets = self.prepare(seqs)
+        samples in it and none asked for prompt logprobs). ``allocated``: the blocks handed out since the
+        last step, whose metadata the policies reset first. With tensor parallelism, rank 0 broadcasts the
+        step's plan first; every rank runs the forward pass and the logits, rank 0 samples."""
+        plan, sampling, prompt_targets = self.prepare(seqs, allocated)
         if self.sends_steps:
             broadcast_control(("step", plan))
         hidden, input_ids, sample_rows = self._forward(plan)
@@ -684,12 +686,11 @@ class ModelRunner:
     def follow(self) -> Any:
         """The loop of a rank other than 0: run what rank 0 broadcasts until it says stop; returns what
         rank 0 sent with the stop (``("stop", result)``; None for a plain stop)."""
-        handlers = {"step": self._follow_step, "notify_allocated": self.notify_allocated}
         while True:
-            method, *args = broadcast_control()
-            if method == "stop":
-                return args[0] if args else None
-            handlers[method](*args)
+            message = broadcast_control()
+            if message[0] == "stop":
+                return message[1] if len(message) > 1 else None
+            self._follow_step(message[1])
 
     def _sampling_tensors(self, seqs: list[Sequence], vocab_size: int, step_inputs: tuple):
         """The sampler's per-row inputs; a feature no row uses is ``None`` (no work in the sampler).
