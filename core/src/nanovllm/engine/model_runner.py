@@ -639,9 +639,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden if sample_rows is None else hidden[sample_rows])
             step_inputs = (input_ids, sample_rows)
             sampled = self.sampler(logits, *self._sampling_tensors(sampling, logits.shape[-1], step_inputs))
-            if self.sends_steps:  # the other ranks read tokens still on the device from it next step
-                dist.broadcast(sampled, src=0)
-            self._last_sampled = sampled
+            self._keep_sampled(sampled)
             for row, s in enumerate(sampling):
                 s.sample_row = row
             asked = [i for i, s in enumerate(sampling) if s.sampling_params.logprobs is not None]
@@ -679,9 +677,14 @@ class ModelRunner:
                 self.model.compute_logits(hidden[rows])
         if plan.num_sampling:
             self.model.compute_logits(hidden if sample_rows is None else hidden[sample_rows])
-            sampled = torch.empty(plan.num_sampling, dtype=torch.long, device=self.device)
+            self._keep_sampled(torch.empty(plan.num_sampling, dtype=torch.long, device=self.device))
+
+    def _keep_sampled(self, sampled: torch.Tensor) -> None:
+        """Keep the step's sampled tokens (rank 0's, into ``sampled`` on the other ranks): the next step
+        reads those not yet read back from here, on every rank."""
+        if tp_size() > 1:
             dist.broadcast(sampled, src=0)
-            self._last_sampled = sampled
+        self._last_sampled = sampled
 
     def follow(self) -> Any:
         """The loop of a rank other than 0: run what rank 0 broadcasts until it says stop; returns what
