@@ -3,6 +3,7 @@ cache, binds the attention backend and the sparse policy, and runs one step of t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,13 @@ AUTO_BACKENDS = ("triton", "torch")  # preference order for attention_backend="a
 PROMPT_LOGPROB_ROWS = 1024
 
 
+def prompt_logits(hidden: torch.Tensor, rows: torch.Tensor, compute_logits) -> Iterator[torch.Tensor]:
+    """The logits of ``hidden[rows]``, ``PROMPT_LOGPROB_ROWS`` rows at a time (on every tensor-parallel
+    rank: computing them is a collective)."""
+    for part in rows.split(PROMPT_LOGPROB_ROWS):
+        yield compute_logits(hidden[part])
+
+
 @attrs.define
 class PromptLogprobRows:
     """The hidden-state rows of a step followed by a prompt token, of the requests with prompt_logprobs."""
@@ -43,11 +51,9 @@ class PromptLogprobRows:
 
     def logprobs(self, hidden: torch.Tensor, compute_logits) -> TopLogprobs:
         """Their logprobs, ``PROMPT_LOGPROB_ROWS`` rows of logits at a time."""
-        parts = []
-        for rows, targets in zip(self.rows.split(PROMPT_LOGPROB_ROWS), self.targets.split(PROMPT_LOGPROB_ROWS),
-                                 strict=True):
-            parts.append(TopLogprobs.of(compute_logits(hidden[rows]), targets, self.k))
-        return TopLogprobs.cat(parts)
+        chunks = zip(prompt_logits(hidden, self.rows, compute_logits), self.targets.split(PROMPT_LOGPROB_ROWS),
+                     strict=True)
+        return TopLogprobs.cat([TopLogprobs.of(logits, targets, self.k) for logits, targets in chunks])
 
 
 @attrs.define
@@ -673,8 +679,8 @@ class ModelRunner:
         takes the sampled tokens from rank 0."""
         hidden, _, sample_rows = self._forward(plan)
         if plan.prompt_logprob_rows is not None:
-            for rows in self._to_device(plan.prompt_logprob_rows).split(PROMPT_LOGPROB_ROWS):
-                self.model.compute_logits(hidden[rows])
+            for _ in prompt_logits(hidden, self._to_device(plan.prompt_logprob_rows), self.model.compute_logits):
+                pass
         if plan.num_sampling:
             self.model.compute_logits(hidden if sample_rows is None else hidden[sample_rows])
             self._keep_sampled(torch.empty(plan.num_sampling, dtype=torch.long, device=self.device))
