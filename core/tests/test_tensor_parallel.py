@@ -3,7 +3,7 @@
 We check that two ranks generate the greedy tokens of one rank (and the same logprobs, to float32
 rounding) for Llama and Qwen3, in steps that mix prefill chunks with decodes and ask for prompt logprobs;
 that each rank's KV cache holds its own KV heads and its policies hear of the same block allocations as
-rank 0; that the engine leaves no child process behind when closed or garbage-collected; that a killed
+rank 0; that only rank 0 gets the logits of the whole vocabulary; that the engine leaves no child process behind when closed or garbage-collected; that a killed
 worker, a worker that fails while building its runner, and the death of the engine's process are each
 noticed (a clear error in the engine; workers that exit by themselves). The engine's ranks take their steps
 from a shared-memory channel whose name is gone from /dev/shm once the workers have started, whatever
@@ -319,6 +319,52 @@ def test_an_engine_killed_while_its_workers_start_leaves_no_shared_memory(tiny_m
     engine.wait()
     # the workers see their parent gone and exit; then multiprocessing's resource tracker unlinks the segment
     assert wait_until(lambda: not in_shm([channel]), 60), engine.stderr.read()[-2000:]
+
+
+# -- the LM head --------------------------------------------------------------------------------------
+
+def lm_head_logits(rank: int, store, hidden, weight):
+    """Rank ``rank`` of a two-rank gloo world: what its vocabulary-parallel LM head returns for ``hidden``."""
+    from nanovllm.distributed import destroy_tensor_parallel, init_tensor_parallel
+    from nanovllm.layers.embed_head import ParallelLMHead
+
+    init_tensor_parallel(rank, 2, "cpu", store)
+    try:
+        head = ParallelLMHead(*weight.shape)
+        head.weight_loader(head.weight, weight)
+        return head(hidden)
+    finally:
+        destroy_tensor_parallel()
+
+
+def lm_head_on_rank_1(port: int, hidden, weight, out: str) -> None:
+    import torch.distributed as dist
+
+    logits = lm_head_logits(1, dist.TCPStore("127.0.0.1", port, 2, is_master=False), hidden, weight)
+    Path(out).write_text(json.dumps(None if logits is None else list(logits.shape)))
+
+
+def test_only_rank_0_gets_the_logits_of_the_whole_vocabulary(one_thread, tmp_path):
+    """Only rank 0 samples: the other ranks send their slice of the logits and never hold the whole
+    vocabulary's (a vocabulary of 11 over two ranks: the last rank pads its slice)."""
+    import multiprocessing
+
+    import torch
+    import torch.distributed as dist
+
+    hidden, weight = torch.randn(3, 8), torch.randn(11, 8)
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    out = tmp_path / "rank1.json"
+    rank1 = multiprocessing.get_context("spawn").Process(target=lm_head_on_rank_1,
+                                                         args=(store.port, hidden, weight, str(out)))
+    rank1.start()
+    try:
+        logits = lm_head_logits(0, store, hidden, weight)
+    finally:
+        rank1.join(60)
+    assert rank1.exitcode == 0
+    torch.testing.assert_close(logits, hidden @ weight.T)
+    assert json.loads(out.read_text()) is None
 
 
 # -- sharded loading ---------------------------------------------------------------------------------

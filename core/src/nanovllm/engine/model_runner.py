@@ -391,9 +391,11 @@ class ModelRunner:
         with forward_context(meta):
             hidden = self.model(ids, ids.clone())
             self.model.compute_logits(hidden[cu[1:].long() - 1])
-            # the largest slice of prompt logprobs: its logits and their log_softmax
+            # the largest slice of prompt logprobs: its logits and (rank 0, which gets them) their log_softmax
             rows = hidden[: min(PROMPT_LOGPROB_ROWS, num_tokens)]
-            TopLogprobs.of(self.model.compute_logits(rows), ids[: rows.shape[0]], 1)
+            logits = self.model.compute_logits(rows)
+            if logits is not None:
+                TopLogprobs.of(logits, ids[: rows.shape[0]], 1)
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         used = total - free
