@@ -3,6 +3,10 @@ cache, binds the attention backend and the sparse policy, and runs one step of t
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +18,16 @@ import torch.distributed as dist
 
 from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, forward_context
 from nanovllm.config import EngineConfig
-from nanovllm.distributed import agree_min, barrier, broadcast_control, release_before_destroy, tp_rank, tp_size
+from nanovllm.distributed import (
+    agree_min,
+    barrier,
+    barrier_within,
+    broadcast_control,
+    capture_problem,
+    release_before_destroy,
+    tp_rank,
+    tp_size,
+)
 from nanovllm.engine.loader import load_weights
 from nanovllm.engine.offload import HostPhase, OffloadEngine
 from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
@@ -26,6 +39,30 @@ from nanovllm.selection import BackendChoice, PolicyPlan
 
 CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30
 AUTO_BACKENDS = ("triton", "torch")  # preference order for attention_backend="auto"
+
+
+# Seconds every tensor-parallel rank has to capture its decode graphs (capture with 4 ranks hung once on an
+# H200 x4); past them the engine decodes eagerly. The variable changes it.
+CAPTURE_TIMEOUT_VARIABLE = "NANOVLLM_CAPTURE_TIMEOUT"
+DEFAULT_CAPTURE_TIMEOUT = 300.0
+
+
+class CaptureTimeout(RuntimeError):
+    """A tensor-parallel rank did not capture its decode graphs in time (rank 0 raises it)."""
+
+
+def capture_timeout() -> float:
+    """The seconds of ``NANOVLLM_CAPTURE_TIMEOUT`` (default ``DEFAULT_CAPTURE_TIMEOUT``)."""
+    raw = os.environ.get(CAPTURE_TIMEOUT_VARIABLE, "")
+    try:
+        seconds = float(raw) if raw else DEFAULT_CAPTURE_TIMEOUT
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise ValueError(f"{CAPTURE_TIMEOUT_VARIABLE}={raw!r} must be a number of seconds above 0 (the time "
+                         "each tensor-parallel rank has to capture its decode CUDA graphs); unset it for "
+                         f"{DEFAULT_CAPTURE_TIMEOUT:.0f}")
+    return seconds
 
 
 # Prompt rows whose logits are computed at once for prompt logprobs: a whole 8K-token chunk of a
@@ -250,7 +287,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._warm_up()
         if self._use_cuda_graphs():
-            self._capture_decode_graphs()
+            self._capture_on_every_rank()
         barrier()  # every rank built its runner: a failure is reported at start, not at the first step
 
     # -- set-up -----------------------------------------------------------------------------------
@@ -430,17 +467,55 @@ class ModelRunner:
     # -- CUDA graphs for decode steps -------------------------------------------------------------------
 
     def _use_cuda_graphs(self) -> bool:
-        return (
+        usable = (
             self.device.type == "cuda"
             and self.offload is None  # each step's loads are planned on the host
             and not self.config.enforce_eager
             and self.backend.supports_cuda_graphs
             and self.hooks.cuda_graph_safe
         )
+        problem = capture_problem() if usable else None
+        if problem is not None:
+            warnings.warn(f"{problem}: the engine decodes eagerly (no CUDA graphs); pass enforce_eager=True "
+                          "to say so and silence this", RuntimeWarning, stacklevel=2)
+        return usable and problem is None
+
+    def _capture_on_every_rank(self) -> None:
+        """Capture the decode graphs; with tensor parallelism every rank has ``capture_timeout()`` seconds
+        from a common start after the warm-ups. Rank 0 then waits for the others only until that time is up
+        (at least a second) and raises :class:`CaptureTimeout` if one is late, for the engine to start again
+        eagerly. A capture that hangs cannot be interrupted in its own process: past the time, each rank
+        still in it warns, so that a hang says where it is."""
+        self._prepare_decode_graphs()
+        if tp_size() == 1:
+            self._capture_decode_graphs()
+            return
+        timeout = capture_timeout()
+        barrier()  # every rank ran its warm-up collectives: from here each one captures on its own
+        start = time.monotonic()
+        still_capturing = threading.Timer(timeout, warnings.warn, args=(
+            f"tensor-parallel rank {tp_rank()} has not captured its decode CUDA graphs in {timeout:.0f} s "
+            f"({CAPTURE_TIMEOUT_VARIABLE}); if it never does, stop the program and start the engine with "
+            "enforce_eager=True", RuntimeWarning))
+        still_capturing.daemon = True
+        still_capturing.start()
+        try:
+            self._capture_decode_graphs()
+        finally:
+            still_capturing.cancel()
+        try:
+            barrier_within(max(timeout - (time.monotonic() - start), 1.0))
+        except RuntimeError as exc:
+            raise CaptureTimeout(
+                f"not every tensor-parallel rank captured its decode CUDA graphs within {timeout:.0f} s "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
 
     @torch.inference_mode()
-    def _capture_decode_graphs(self) -> None:
-        """One graph per batch-size bucket, sharing a memory pool and static input buffers."""
+    def _prepare_decode_graphs(self) -> None:
+        """The batch-size buckets, their static input and output buffers, and a warm-up of each bucket
+        outside any graph: Triton compiles here, and with tensor parallelism the collectives run here, so
+        that capturing needs no other rank (a rank that hangs in its capture cannot hold up the others)."""
         max_bs = min(self.config.max_num_seqs, 512)
         self.graph_sizes = sorted({b for b in (1, 2, 4, 8, *range(16, max_bs + 1, 16)) if b <= max_bs} | {max_bs})
         max_blocks = -(-self.max_model_len // self.block_size)
@@ -453,23 +528,25 @@ class ModelRunner:
             "block_tables": torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev),
             "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
         }
-        self.graph_output: torch.Tensor | None = None
+        for bs in self.graph_sizes:
+            with forward_context(self._graph_metadata(bs)):
+                warm = self.model(self.graph_inputs["input_ids"][:bs], self.graph_inputs["positions"][:bs])
+        self.graph_output = torch.empty(max_bs, *warm.shape[1:], dtype=warm.dtype, device=dev)
+
+    @torch.inference_mode()
+    def _capture_decode_graphs(self) -> None:
+        """One graph per batch-size bucket, sharing a memory pool and the static buffers."""
+        if tp_size() > 1:  # the graphs hold the NCCL communicator: they must go before it does
+            release_before_destroy(self.release_graphs)
         pool = None
         for bs in reversed(self.graph_sizes):
             graph = torch.cuda.CUDAGraph()
-            meta = self._graph_metadata(bs)
             ids, pos = self.graph_inputs["input_ids"][:bs], self.graph_inputs["positions"][:bs]
-            with forward_context(meta):
-                warm = self.model(ids, pos)  # warm-up outside the graph (Triton compiles here)
-                if self.graph_output is None:
-                    self.graph_output = torch.empty(max_bs, *warm.shape[1:], dtype=warm.dtype, device=dev)
-                with torch.cuda.graph(graph, pool):
-                    self.graph_output[:bs] = self.model(ids, pos)
+            with forward_context(self._graph_metadata(bs)), torch.cuda.graph(graph, pool):
+                self.graph_output[:bs] = self.model(ids, pos)
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = graph
         torch.cuda.synchronize()
-        if tp_size() > 1:  # the graphs hold the NCCL communicator: they must go before it does
-            release_before_destroy(self.release_graphs)
 
     def release_graphs(self) -> None:
         """Drop the decode graphs (the engine steps eagerly afterwards)."""
