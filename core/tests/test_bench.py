@@ -188,3 +188,24 @@ def test_paged_prompt_caches_hold_the_prompt_through_its_table():
     torch.testing.assert_close(tail, full[40:])
     with pytest.raises(ValueError, match="give a multiple of block_size"):
         paged_prompt(60, 4, 2, 8, 16, gen, "cpu")
+
+
+def test_allreduce_bench_on_the_cpu(tmp_path, monkeypatch):
+    """B6's all-reduces of a decode step, the whole command on two gloo ranks (eager only: no CUDA graphs
+    on the CPU): rows of the preset's shape in the results files. Checks the code, not the speed."""
+    from nanovllm.bench import allreduce
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert cli_main(["bench", "allreduce", "--tensor-parallel-size", "2", "--presets", "qwen3-0.6b",
+                     "--allreduce-batches", "1", "3", "--allreduce-steps", "2", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "allreduce.json").read_text())
+    assert payload["settings"]["tensor_parallel_size"] == 2
+    rows = payload["results"]
+    assert [(r["mode"], r["batch"]) for r in rows] == [("eager", 1), ("eager", 3)]
+    for r in rows:
+        assert r["world_size"] == 2 and r["allreduces_per_step"] == 2 * 28  # qwen3-0.6b: 28 layers
+        assert r["bytes_per_allreduce"] == r["batch"] * 1024 * 4  # hidden 1024, float32 on the CPU
+        assert r["ms_per_step"] == pytest.approx(r["us_per_allreduce"] * 56 / 1e3)
+    assert "| eager | 3 | 12,288 |" in (tmp_path / "allreduce.md").read_text()
+    with pytest.raises(ValueError, match="needs --tensor-parallel-size 2 or more"):
+        allreduce.run(1)
