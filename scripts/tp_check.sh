@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# One call on the 2-GPU machine (nvidia-h200-x2): install, the tensor-parallel GPU tests, then B6 (batch-1
-# decode at TP1 and TP2, B1 throughput at TP2). A run that outlives its limit has every Python process of it
-# dump its stacks (SIGABRT with PYTHONFAULTHANDLER), so a hang in NCCL or in graph capture shows where each
-# rank waits. Logs and results go to $OUT (or ./gpu_out).
+# One call on the 2-GPU machine (nvidia-h200-x2): install, the tensor-parallel GPU tests, then B6 (the
+# all-reduces of a decode step, eager and in a CUDA graph; batch-1 decode at TP1 and TP2; B1 throughput at
+# TP2). A run that outlives its limit has every Python process of it dump its stacks (SIGABRT with
+# PYTHONFAULTHANDLER), so a hang in NCCL or in graph capture shows where each rank waits. Logs and results
+# go to $OUT (or ./gpu_out).
+#   TP_JOBS="tests allreduce latency throughput"   which parts to run (default: all)
 #   TP_LIMIT=420   seconds for the tests      B6_LIMIT=300   seconds for each benchmark command
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,10 +31,21 @@ bounded() {  # bounded SECONDS LOG COMMAND...
   tail -n 40 "$log"
 }
 
-bounded "${TP_LIMIT:-420}" "$OUT/tp_tests.log" python3 -m pytest -q -m gpu core/tests/test_tensor_parallel_gpu.py
-for tp in 1 2; do
-  bounded "${B6_LIMIT:-300}" "$OUT/b6_latency_tp$tp.log" python3 -m nanovllm.cli bench latency \
-    --presets qwen3-8b llama-3.1-8b --tensor-parallel-size "$tp" --out "$OUT" --name "b6_latency_tp$tp"
-done
-bounded "${B6_LIMIT:-300}" "$OUT/b6_throughput_tp2.log" python3 -m nanovllm.cli bench throughput \
-  --presets qwen3-8b --tensor-parallel-size 2 --out "$OUT" --name b6_throughput_tp2
+JOBS=" ${TP_JOBS:-tests allreduce latency throughput} "
+if [[ $JOBS == *" tests "* ]]; then
+  bounded "${TP_LIMIT:-420}" "$OUT/tp_tests.log" python3 -m pytest -q -m gpu core/tests/test_tensor_parallel_gpu.py
+fi
+if [[ $JOBS == *" allreduce "* ]]; then
+  bounded "${B6_LIMIT:-300}" "$OUT/b6_allreduce_tp2.log" python3 -m nanovllm.cli bench allreduce \
+    --presets qwen3-8b --tensor-parallel-size 2 --out "$OUT" --name b6_allreduce_tp2
+fi
+if [[ $JOBS == *" latency "* ]]; then
+  for tp in 1 2; do
+    bounded "${B6_LIMIT:-300}" "$OUT/b6_latency_tp$tp.log" python3 -m nanovllm.cli bench latency \
+      --presets qwen3-8b llama-3.1-8b --tensor-parallel-size "$tp" --out "$OUT" --name "b6_latency_tp$tp"
+  done
+fi
+if [[ $JOBS == *" throughput "* ]]; then
+  bounded "${B6_LIMIT:-300}" "$OUT/b6_throughput_tp2.log" python3 -m nanovllm.cli bench throughput \
+    --presets qwen3-8b --tensor-parallel-size 2 --out "$OUT" --name b6_throughput_tp2
+fi

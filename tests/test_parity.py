@@ -153,7 +153,7 @@ class CapturingEngine:
         self.steps: list[dict] = []
         launch = runner.launch
 
-        def recording_launch(seqs):
+        def recording_launch(seqs, *rest):
             self.steps.append(dict(
                 decodes=sum(s.is_decode for s in seqs),
                 prefills=sum(not s.is_decode for s in seqs),
@@ -164,7 +164,7 @@ class CapturingEngine:
                 # a preempted sequence prefilling its prompt and completion again
                 recompute=any(not s.is_decode and s.num_completion_tokens > 0 for s in seqs),
             ))
-            return launch(seqs)
+            return launch(seqs, *rest)
 
         runner.launch = recording_launch
 

@@ -207,3 +207,24 @@ def test_serve_ceiling_stand_in_runs_the_real_scheduler_and_paces_its_steps(tiny
     assert r["output_tok_per_s"] * r["duration_s"] == pytest.approx(sum(max_tokens))
     assert steps[0] == (3, 347) and all(n <= 3 for n, _ in steps) and len(steps) >= max(max_tokens)
     assert time.perf_counter() - start >= 0.002 * len(steps)
+
+
+def test_allreduce_bench_on_the_cpu(tmp_path, monkeypatch):
+    """B6's all-reduces of a decode step, the whole command on two gloo ranks (eager only: no CUDA graphs
+    on the CPU): rows of the preset's shape in the results files. Checks the code, not the speed."""
+    from nanovllm.bench import allreduce
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert cli_main(["bench", "allreduce", "--tensor-parallel-size", "2", "--presets", "qwen3-0.6b",
+                     "--allreduce-batches", "1", "3", "--allreduce-steps", "2", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "allreduce.json").read_text())
+    assert payload["settings"]["tensor_parallel_size"] == 2
+    rows = payload["results"]
+    assert [(r["mode"], r["batch"]) for r in rows] == [("eager", 1), ("eager", 3)]
+    for r in rows:
+        assert r["world_size"] == 2 and r["allreduces_per_step"] == 2 * 28  # qwen3-0.6b: 28 layers
+        assert r["bytes_per_allreduce"] == r["batch"] * 1024 * 4  # hidden 1024, float32 on the CPU
+        assert r["ms_per_step"] == pytest.approx(r["us_per_allreduce"] * 56 / 1e3)
+    assert "| eager | 3 | 12,288 |" in (tmp_path / "allreduce.md").read_text()
+    with pytest.raises(ValueError, match="needs --tensor-parallel-size 2 or more"):
+        allreduce.run(1)

@@ -274,11 +274,11 @@ def test_chat_needs_a_template_and_well_formed_messages(llm, reference):
 def test_a_failing_step_leaves_the_engine_usable(llm, reference, monkeypatch, fail_at):
     launch, calls = llm.runner.launch, []
 
-    def boom(seqs):
+    def boom(seqs, *rest):
         calls.append(1)
         if len(calls) > fail_at:
             raise RuntimeError("device lost")
-        return launch(seqs)
+        return launch(seqs, *rest)
 
     monkeypatch.setattr(llm.runner, "launch", boom)
     with pytest.raises(RuntimeError, match="device lost"):

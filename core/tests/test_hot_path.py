@@ -80,8 +80,8 @@ def spy(llm, monkeypatch):
     steps: list[tuple[bool, bool]] = []  # (has decodes, has prefill chunks) of each step, in order
     real_prepare = llm.runner.prepare
 
-    def recording_prepare(seqs):
-        out = real_prepare(seqs)
+    def recording_prepare(seqs, *rest):
+        out = real_prepare(seqs, *rest)
         meta = out[0]  # the StepPlan
         steps.append((meta.decode is not None, meta.prefill is not None))
         CALLS.append(("step", len(steps), False))

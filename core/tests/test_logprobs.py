@@ -87,8 +87,8 @@ def test_steps_without_logprobs_do_no_logprob_work(llm, monkeypatch):
         calls.append(1)
         return of(*args, **kwargs)
 
-    def recording_launch(seqs):
-        step = launch(seqs)
+    def recording_launch(seqs, *rest):
+        step = launch(seqs, *rest)
         launched.append(step)
         return step
 

@@ -303,9 +303,9 @@ def spy_steps(llm) -> list[list[tuple[int, bool]]]:
     steps: list[list[tuple[int, bool]]] = []
     launch = llm.runner.launch
 
-    def recording(seqs):
+    def recording(seqs, *rest):
         steps.append([(s.num_scheduled_tokens, s.is_decode) for s in seqs])
-        return launch(seqs)
+        return launch(seqs, *rest)
 
     llm.runner.launch = recording
     return steps

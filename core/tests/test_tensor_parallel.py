@@ -3,11 +3,13 @@
 We check that two ranks generate the greedy tokens of one rank (and the same logprobs, to float32
 rounding) for Llama and Qwen3, in steps that mix prefill chunks with decodes and ask for prompt logprobs;
 that each rank's KV cache holds its own KV heads and its policies hear of the same block allocations as
-rank 0; that the engine leaves no child process behind when closed or garbage-collected; that a killed
-worker, a worker that fails while building its runner, and the death of the engine's process are each
-noticed (a clear error in the engine; workers that exit by themselves). The engine's ranks take their steps
-from a shared-memory channel whose name is gone from /dev/shm once the workers have started, whatever
-happens next; ranks started by torchrun keep the gloo control group.
+rank 0; that only rank 0 gets the logits of the whole vocabulary; that the engine leaves no child process
+behind when closed or garbage-collected; that a killed worker, a worker that fails while building its
+runner, and the death of the engine's process are each noticed (a clear error in the engine; workers that
+exit by themselves); that a worker that hangs in its CUDA graph capture (simulated) leaves an engine that
+decodes eagerly and says so. The engine's ranks take their steps from a shared-memory channel whose name
+is gone from /dev/shm once the workers have started, whatever happens next; ranks started by torchrun keep
+the gloo control group.
 """
 
 from __future__ import annotations
@@ -60,6 +62,33 @@ class FailsOnWorkers:
     def initialize(self, *args) -> None:
         if tp_rank() != 0:
             raise MemoryError("rank-local failure for the test")
+
+
+def pretend_to_capture(runner) -> None:
+    """Decode graphs on the CPU for the capture tests: nothing is captured, the engine steps eagerly."""
+
+
+class HangsInCaptureOnWorkers:
+    """An observer that, on every rank but 0, makes the runner capture decode graphs on the CPU and hang
+    in that capture (past any time box: the engine kills the worker)."""
+
+    def initialize(self, *args) -> None:
+        from nanovllm.engine.model_runner import ModelRunner
+
+        if tp_rank() != 0:
+            ModelRunner._use_cuda_graphs = lambda runner: not runner.config.enforce_eager
+            ModelRunner._capture_decode_graphs = lambda runner: time.sleep(600)
+
+
+class CapturesOnWorkers:
+    """An observer that, on every rank but 0, makes the runner capture decode graphs on the CPU at once."""
+
+    def initialize(self, *args) -> None:
+        from nanovllm.engine.model_runner import ModelRunner
+
+        if tp_rank() != 0:
+            ModelRunner._use_cuda_graphs = lambda runner: not runner.config.enforce_eager
+            ModelRunner._capture_decode_graphs = pretend_to_capture
 
 
 class HoldsALambda:
@@ -243,6 +272,57 @@ def test_an_observer_the_workers_cannot_get_is_refused_before_they_start(tiny_mo
         done.stdout + done.stderr[-2000:])
 
 
+@pytest.fixture
+def rank_0_captures(monkeypatch) -> list[float]:
+    """Rank 0 (this process) captures decode graphs on the CPU (nothing, at once); the times it did."""
+    from nanovllm.engine.model_runner import ModelRunner
+
+    captures = []
+    monkeypatch.setattr(ModelRunner, "_use_cuda_graphs", lambda runner: not runner.config.enforce_eager)
+    monkeypatch.setattr(ModelRunner, "_capture_decode_graphs", lambda runner: captures.append(time.time()))
+    monkeypatch.setenv("NANOVLLM_CAPTURE_TIMEOUT", "1")
+    return captures
+
+
+def test_a_rank_that_does_not_capture_in_time_makes_the_engine_decode_eagerly(tiny_model, one_thread,
+                                                                               rank_0_captures):
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(path, **ENGINE) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, greedy, use_tqdm=False)]
+    rank_0_captures.clear()  # one rank's
+    before = children()
+    start = time.monotonic()
+    late = (r"(?s)not every tensor-parallel rank captured its decode CUDA graphs within 1 s.*Ranks 1 failed.*"
+            r"started its 2 ranks again without CUDA graphs.*enforce_eager=True.*NANOVLLM_CAPTURE_TIMEOUT")
+    with pytest.warns(RuntimeWarning, match=late):
+        llm = LLM(path, tensor_parallel_size=2, observers=[HangsInCaptureOnWorkers()], **ENGINE)
+    with llm:
+        assert time.monotonic() - start < 60  # the hung worker was given up on, not waited out
+        assert len(rank_0_captures) == 1  # the first world captured; the second one did not try
+        assert llm.config.enforce_eager and llm.runner.config.enforce_eager
+        assert len(children()) == len(before) + 1  # the new world's worker; the hung one is gone
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)] == expected
+    assert children() == before
+
+
+def test_a_rank_0_capture_past_the_time_warns_but_keeps_the_graphs(tiny_model, one_thread, rank_0_captures,
+                                                                  monkeypatch):
+    """Rank 0 cannot interrupt its own capture: past the time it warns, and once every rank has captured
+    the engine keeps its graphs."""
+    from nanovllm.engine.model_runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "_capture_decode_graphs", lambda runner: time.sleep(2))
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    late = "rank 0 has not captured its decode CUDA graphs in 1 s"
+    with pytest.warns(RuntimeWarning, match=late) as caught:
+        llm = LLM(path, tensor_parallel_size=2, observers=[CapturesOnWorkers()], **ENGINE)
+    with llm:
+        assert not llm.config.enforce_eager
+        assert not [w for w in caught if "again without CUDA graphs" in str(w.message)]
+        assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_async_engine_shutdown_stops_the_workers(tiny_model, one_thread):
     import asyncio
 
@@ -319,6 +399,52 @@ def test_an_engine_killed_while_its_workers_start_leaves_no_shared_memory(tiny_m
     engine.wait()
     # the workers see their parent gone and exit; then multiprocessing's resource tracker unlinks the segment
     assert wait_until(lambda: not in_shm([channel]), 60), engine.stderr.read()[-2000:]
+
+
+# -- the LM head --------------------------------------------------------------------------------------
+
+def lm_head_logits(rank: int, store, hidden, weight):
+    """Rank ``rank`` of a two-rank gloo world: what its vocabulary-parallel LM head returns for ``hidden``."""
+    from nanovllm.distributed import destroy_tensor_parallel, init_tensor_parallel
+    from nanovllm.layers.embed_head import ParallelLMHead
+
+    init_tensor_parallel(rank, 2, "cpu", store)
+    try:
+        head = ParallelLMHead(*weight.shape)
+        head.weight_loader(head.weight, weight)
+        return head(hidden)
+    finally:
+        destroy_tensor_parallel()
+
+
+def lm_head_on_rank_1(port: int, hidden, weight, out: str) -> None:
+    import torch.distributed as dist
+
+    logits = lm_head_logits(1, dist.TCPStore("127.0.0.1", port, 2, is_master=False), hidden, weight)
+    Path(out).write_text(json.dumps(None if logits is None else list(logits.shape)))
+
+
+def test_only_rank_0_gets_the_logits_of_the_whole_vocabulary(one_thread, tmp_path):
+    """Only rank 0 samples: the other ranks send their slice of the logits and never hold the whole
+    vocabulary's (a vocabulary of 11 over two ranks: the last rank pads its slice)."""
+    import multiprocessing
+
+    import torch
+    import torch.distributed as dist
+
+    hidden, weight = torch.randn(3, 8), torch.randn(11, 8)
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    out = tmp_path / "rank1.json"
+    rank1 = multiprocessing.get_context("spawn").Process(target=lm_head_on_rank_1,
+                                                         args=(store.port, hidden, weight, str(out)))
+    rank1.start()
+    try:
+        logits = lm_head_logits(0, store, hidden, weight)
+    finally:
+        rank1.join(60)
+    assert rank1.exitcode == 0
+    torch.testing.assert_close(logits, hidden @ weight.T)
+    assert json.loads(out.read_text()) is None
 
 
 # -- sharded loading ---------------------------------------------------------------------------------
@@ -448,3 +574,16 @@ def test_what_holds_the_communicator_is_released_before_the_world_is_left():
     nanovllm.distributed.destroy_tensor_parallel()
     assert calls == ["still in the world"]
     assert nanovllm.distributed._control_group is None
+
+
+def test_the_capture_time_box_must_be_seconds(monkeypatch):
+    from nanovllm.engine.model_runner import DEFAULT_CAPTURE_TIMEOUT, capture_timeout
+
+    monkeypatch.delenv("NANOVLLM_CAPTURE_TIMEOUT", raising=False)
+    assert capture_timeout() == DEFAULT_CAPTURE_TIMEOUT
+    monkeypatch.setenv("NANOVLLM_CAPTURE_TIMEOUT", "2.5")
+    assert capture_timeout() == 2.5
+    for bad in ("soon", "0", "-1"):
+        monkeypatch.setenv("NANOVLLM_CAPTURE_TIMEOUT", bad)
+        with pytest.raises(ValueError, match=rf"NANOVLLM_CAPTURE_TIMEOUT='{bad}' must be a number of seconds"):
+            capture_timeout()

@@ -1,6 +1,7 @@
 """Tensor parallelism on two GPUs (NCCL): two ranks give one rank's greedy tokens, with CUDA graphs and
 eagerly, and bfloat16 logprobs close to one rank's; Quest keeps per-rank metadata and selects from the
-KV heads each rank owns. Skipped without two CUDA devices."""
+KV heads each rank owns; a worker that hangs in its graph capture (rank 0 captures for real) leaves an
+eager engine with one rank's tokens. Skipped without two CUDA devices."""
 
 from __future__ import annotations
 
@@ -39,6 +40,17 @@ def test_two_gpus_give_the_tokens_of_one(arch, eager, tiny_model):
     path = tiny_model(arch, initializer_range=INIT)
     engine = dict(dtype="float32", enforce_eager=eager)
     assert_same_tokens(generate(path, 1, **engine), generate(path, 2, **engine), 1e-3)
+
+
+def test_a_worker_that_hangs_in_capture_leaves_an_eager_engine(tiny_model, monkeypatch):
+    from test_tensor_parallel import HangsInCaptureOnWorkers
+
+    monkeypatch.setenv("NANOVLLM_CAPTURE_TIMEOUT", "20")
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    want = generate(path, 1, dtype="float32")
+    with pytest.warns(RuntimeWarning, match="started its 2 ranks again without CUDA graphs"):
+        got = generate(path, 2, dtype="float32", observers=[HangsInCaptureOnWorkers()])
+    assert_same_tokens(want, got, 1e-3)
 
 
 def test_bfloat16_logprobs_stay_close(tiny_model):

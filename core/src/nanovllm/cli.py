@@ -146,10 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks on shape presets with random weights (GPU), and the "
                            "attention quality of sparse policies on the built-in model (CPU or GPU)")
     bench.add_argument("benchmark", choices=("throughput", "latency", "kernels", "all", "offload", "quality", "render",
-                                             "serve"),
+                                             "serve", "allreduce"),
                        help="B1 throughput (+ decode-step profile), B2 latency, B3 kernels (all: these three); "
                        "B5 offload (KV in pinned host memory); quality of sparse policies; render FILE.json "
-                       "redoes a results file's ratios, table and chart; serve: B1's prompts against a live server")
+                       "redoes a results file's ratios, table and chart; serve: B1's prompts against a live server; "
+                       "allreduce: B6's all-reduces of a decode step over --tensor-parallel-size ranks, eager and "
+                       "in a CUDA graph")
     bench.add_argument("file", nargs="?", help="results JSON (for render)")
     bench.add_argument("--presets", nargs="+", default=None,
                        help="qwen3-0.6b, qwen3-8b, llama-3.1-8b (default: qwen3-0.6b; llama-3.1-8b for offload)")
@@ -188,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="size of each pinned copy of the copy rate (256 or more to reach the PCIe rate)")
     offload.add_argument("--small-kv-gib", type=float, default=4.0,
                          help="GiB left for KV after the weights on the GPU made small")
+    allreduce = bench.add_argument_group("allreduce (B6; the shape of --presets, default qwen3-8b)")
+    allreduce.add_argument("--allreduce-batches", nargs="+", type=int, default=[1, 8, 64, 256],
+                           help="batch sizes of the [batch, hidden] messages")
+    allreduce.add_argument("--allreduce-steps", type=int, default=100, help="decode steps timed per batch and mode")
     load = bench.add_argument_group("serve (a live server: nanovllm serve MODEL)")
     load.add_argument("--base-url", default="http://127.0.0.1:8000")
     load.add_argument("--request-rates", nargs="+", default=["inf"],

@@ -125,3 +125,21 @@ def barrier() -> None:
     """Wait for every rank on the control group; a rank that died raises here, on the host."""
     if tp_size() > 1:
         dist.barrier(group=_control_group)
+
+
+def barrier_within(seconds: float) -> None:
+    """Rank 0 waits at most ``seconds`` for every other rank to reach this barrier (a RuntimeError naming
+    the late ranks after that); the other ranks wait for rank 0 as long as it takes."""
+    if tp_size() > 1:
+        dist.monitored_barrier(group=_control_group, timeout=datetime.timedelta(seconds=seconds),
+                               wait_all_ranks=True)
+
+
+def capture_problem() -> str | None:
+    """Why this world's collectives cannot be captured in CUDA graphs, or None when they can."""
+    if tp_size() == 1:
+        return None
+    version = tuple(torch.cuda.nccl.version())[:3]
+    if version < (2, 9, 6):  # NCCL captures its collectives from 2.9.6 on
+        return f"NCCL {'.'.join(map(str, version))} cannot capture collectives in CUDA graphs (2.9.6 can)"
+    return None

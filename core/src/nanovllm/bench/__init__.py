@@ -72,6 +72,10 @@ def run_job(job: dict) -> list[dict]:
         return [engine.bench_transformers(job["preset"], **opts)]
     if kind == "latency":
         return [engine.bench_latency(job["preset"], **opts)]
+    if kind == "allreduce":
+        from nanovllm.bench import allreduce
+
+        return allreduce.run(**opts)
     if kind == "quality":
         from nanovllm.bench import quality
 
@@ -181,7 +185,7 @@ def _fmt(v: Any) -> str:
 
 
 def markdown(payload: dict[str, Any], title: str) -> str:
-    from nanovllm.bench import offload, quality
+    from nanovllm.bench import allreduce, offload, quality
 
     if quality.is_quality(payload):
         return quality.markdown(payload, title)
@@ -214,6 +218,7 @@ def markdown(payload: dict[str, Any], title: str) -> str:
                       "| kernel | ms per step | calls |", "|---|---|---|"]
             lines += [f"| {k['name']} | {k['ms']} | {k['calls']} |" for k in r["top_kernels"]]
     lines += offload.markdown_lines(payload["results"])
+    lines += allreduce.markdown_lines(payload["results"])
     return "\n".join(lines) + "\n"
 
 
@@ -248,6 +253,10 @@ def chart(payload: dict[str, Any], path: Path) -> bool:
             panels.append(("prefill 16K TFLOP/s (B3)", [(k["name"].removeprefix("d=128 "), k["value"], None) for k in pre]))
             panels.append(("decode GB/s of KV (B3)", [(k["name"].split(" default")[0], k["value"], None) for k in dec]))
     panels += offload.chart_panels(results)
+    reduces = [r for r in results if r["benchmark"] == "allreduce"]
+    if reduces:
+        panels.append(("us per all-reduce of a decode step (B6)",
+                       [(f"{r['mode']} batch {r['batch']}", r["us_per_allreduce"], None) for r in reduces]))
     if not panels:
         return False
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.2 * len(panels)), squeeze=False)
@@ -329,7 +338,13 @@ def main(args) -> int:
     if args.benchmark == "quality":
         return main_quality(args)
     options = engine_options(args)
-    if args.benchmark == "offload":
+    if args.benchmark == "allreduce":
+        presets = args.presets or ["qwen3-8b"]
+        sizes = {"batches": args.allreduce_batches, "steps": args.allreduce_steps}
+        jobs = [{"kind": "allreduce", "preset": preset,
+                 "options": {"world_size": args.tensor_parallel_size, "preset": preset, **sizes}}
+                for preset in presets]
+    elif args.benchmark == "offload":
         from nanovllm.bench import offload
 
         presets = args.presets or ["llama-3.1-8b"]
@@ -344,7 +359,8 @@ def main(args) -> int:
         print(f"== {job['kind']} {job.get('preset', '')} {job['options'] or ''}", file=sys.stderr, flush=True)
         results += run_job_in_subprocess(job)
     settings = {"benchmark": args.benchmark, "presets": presets, "hf_num_seqs": args.hf_num_seqs, **sizes, **options}
-    path = write_results(results, Path(args.out), args.name or ("offload" if args.benchmark == "offload" else "bench"), settings)
+    name = args.name or (args.benchmark if args.benchmark in ("offload", "allreduce") else "bench")
+    path = write_results(results, Path(args.out), name, settings)
     print(path.with_suffix(".md").read_text())
     return 1 if any("error" in r for r in results) else 0
 

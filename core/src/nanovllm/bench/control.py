@@ -52,7 +52,7 @@ def decode_plan(seqs: int, context: int, block_size: int) -> StepPlan:
         sample_rows=None,
         num_sampling=seqs,
         prompt_logprob_rows=None,
-        host_phases=None,
+        allocated_blocks=None,
     )
 
 

@@ -49,10 +49,7 @@ class StandInRunner:
         self.busy_until = 0.0
         self.steps: list[tuple[int, int]] = []  # (sequences, tokens) per step
 
-    def notify_allocated(self, block_ids: list[int]) -> None:
-        pass
-
-    def launch(self, seqs: list[Sequence]) -> StandInStep | None:
+    def launch(self, seqs: list[Sequence], allocated: list[int] | None = None) -> StandInStep | None:
         tokens = sum(s.num_scheduled_tokens for s in seqs)
         if len(self.steps) < LOGGED_STEPS:
             self.steps.append((len(seqs), tokens))

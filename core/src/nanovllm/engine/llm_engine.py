@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import time
+import warnings
 import weakref
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 from pathlib import Path
 from typing import Any
+
+import attrs
 
 from nanovllm.chat_utils import ChatOptions
 from nanovllm.chat_utils import render as render_chat
@@ -24,7 +28,13 @@ from nanovllm.distributed import (
 )
 from nanovllm.engine.input_processor import InputProcessor, Prompt
 from nanovllm.engine.loader import ModelDirectoryError, read_config_json
-from nanovllm.engine.model_runner import LaunchedStep, ModelRunner, resolve_device
+from nanovllm.engine.model_runner import (
+    CAPTURE_TIMEOUT_VARIABLE,
+    CaptureTimeout,
+    LaunchedStep,
+    ModelRunner,
+    resolve_device,
+)
 from nanovllm.engine.output_stream import OutputBuilder, OutputStream
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
@@ -167,6 +177,34 @@ class LLMEngine:
         self._workers: TPWorkers | None = None
         self._finalizer: weakref.finalize | None = None  # leaves the tensor-parallel world
         self._stopped_reason: str | None = None  # set when a tensor-parallel engine is closed or broken
+        runner_args = (model_cls, plugins, backend_choice, observers, arch, observer_choices)
+        try:
+            self.runner = self._start_ranks(*runner_args)
+            late = None
+        except CaptureTimeout as exc:
+            if self._external:  # torchrun's ranks cannot be started again from here
+                raise CaptureTimeout(f"{exc}; start every rank again with enforce_eager=True") from exc
+            late = str(exc)
+        if late is not None:  # the world is stopped: a new one decodes eagerly
+            warnings.warn(
+                f"{late}, so the engine started its {config.tensor_parallel_size} ranks again without CUDA "
+                f"graphs (slower decoding). Pass enforce_eager=True to skip the capture, or set "
+                f"{CAPTURE_TIMEOUT_VARIABLE} to more seconds if it was only slow",
+                RuntimeWarning, stacklevel=2,
+            )
+            self.config = config = attrs.evolve(config, enforce_eager=True)
+            gc.collect()  # the failed runner's model and cache, before the new one sizes its cache
+            self.runner = self._start_ranks(*runner_args)
+        self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)
+        self._pending: LaunchedStep | None = None  # the step in flight, its tokens not yet applied
+        self._next_request = 0
+        self._streams: dict[str, OutputStream] = {}  # requests of add_request(request_id, ...), unfinished
+
+    def _start_ranks(self, model_cls: type, plugins, backend_choice, observers: tuple[object, ...], arch: str,
+                     observer_choices: tuple[object, ...]) -> ModelRunner:
+        """Join or start the tensor-parallel world (if any) and build this rank's model runner; a failure
+        stops the engine's workers (a worker's error, with its traceback, is the one raised)."""
+        config = self.config
         if self._external:
             rank, local_rank = self._torchrun_ranks
             init_tensor_parallel(rank, config.tensor_parallel_size, resolve_device(config.device).type,
@@ -178,7 +216,7 @@ class LLMEngine:
             # the workers stop when the engine is closed or garbage-collected (the finalizer holds no engine)
             self._finalizer = weakref.finalize(self, self._workers.stop)
         try:
-            self.runner = ModelRunner(
+            return ModelRunner(
                 config, self.hf_config, self.model_path, model_cls, self.max_model_len, plugins,
                 self.policy_plan, backend_choice, observers,
             )
@@ -186,14 +224,11 @@ class LLMEngine:
             if self._workers is None:
                 raise
             error = self._workers.worker_failure()
+            self._finalizer.detach()
             self._workers.stop(graceful=False)
             if error is None:
                 raise
             raise error from exc
-        self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)
-        self._pending: LaunchedStep | None = None  # the step in flight, its tokens not yet applied
-        self._next_request = 0
-        self._streams: dict[str, OutputStream] = {}  # requests of add_request(request_id, ...), unfinished
 
     def _check_tensor_parallel(self) -> None:
         """Each rank takes an equal share of the heads and MLP features, and a GPU of its own."""
@@ -380,8 +415,9 @@ class LLMEngine:
             raise RuntimeError(self._stopped_reason)
         try:
             scheduled = self.scheduler.schedule()
-            self.runner.notify_allocated(self.scheduler.block_manager.take_newly_allocated())
-            launched = self.runner.launch(scheduled) if scheduled else None
+            # blocks handed out for a step that is not launched are told with the next one, before any write
+            launched = (self.runner.launch(scheduled, self.scheduler.block_manager.take_newly_allocated())
+                        if scheduled else None)
             if self.config.async_scheduling:
                 self._apply_pending()
             self.scheduler.advance([s for s in scheduled if not s.is_finished])

@@ -3,6 +3,11 @@ cache, binds the attention backend and the sparse policy, and runs one step of t
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+import warnings
+from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -14,7 +19,16 @@ import torch.distributed as dist
 
 from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, forward_context
 from nanovllm.config import EngineConfig
-from nanovllm.distributed import agree_min, barrier, broadcast_control, release_before_destroy, tp_rank, tp_size
+from nanovllm.distributed import (
+    agree_min,
+    barrier,
+    barrier_within,
+    broadcast_control,
+    capture_problem,
+    release_before_destroy,
+    tp_rank,
+    tp_size,
+)
 from nanovllm.engine.loader import load_weights
 from nanovllm.engine.offload import GraphUnsafe, HostPhase, OffloadEngine
 from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
@@ -28,9 +42,40 @@ CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30
 AUTO_BACKENDS = ("triton", "torch")  # preference order for attention_backend="auto"
 
 
+# Seconds every tensor-parallel rank has to capture its decode graphs (capture with 4 ranks hung once on an
+# H200 x4); past them the engine decodes eagerly. The variable changes it.
+CAPTURE_TIMEOUT_VARIABLE = "NANOVLLM_CAPTURE_TIMEOUT"
+DEFAULT_CAPTURE_TIMEOUT = 300.0
+
+
+class CaptureTimeout(RuntimeError):
+    """A tensor-parallel rank did not capture its decode graphs in time (rank 0 raises it)."""
+
+
+def capture_timeout() -> float:
+    """The seconds of ``NANOVLLM_CAPTURE_TIMEOUT`` (default ``DEFAULT_CAPTURE_TIMEOUT``)."""
+    raw = os.environ.get(CAPTURE_TIMEOUT_VARIABLE, "")
+    try:
+        seconds = float(raw) if raw else DEFAULT_CAPTURE_TIMEOUT
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise ValueError(f"{CAPTURE_TIMEOUT_VARIABLE}={raw!r} must be a number of seconds above 0 (the time "
+                         "each tensor-parallel rank has to capture its decode CUDA graphs); unset it for "
+                         f"{DEFAULT_CAPTURE_TIMEOUT:.0f}")
+    return seconds
+
+
 # Prompt rows whose logits are computed at once for prompt logprobs: a whole 8K-token chunk of a
 # 49K-token vocabulary would take 1.6 GB of float32 logits.
 PROMPT_LOGPROB_ROWS = 1024
+
+
+def prompt_logits(hidden: torch.Tensor, rows: torch.Tensor, compute_logits) -> Iterator[torch.Tensor]:
+    """The logits of ``hidden[rows]``, ``PROMPT_LOGPROB_ROWS`` rows at a time (on every tensor-parallel
+    rank: computing them is a collective)."""
+    for part in rows.split(PROMPT_LOGPROB_ROWS):
+        yield compute_logits(hidden[part])
 
 
 @attrs.define
@@ -44,11 +89,9 @@ class PromptLogprobRows:
 
     def logprobs(self, hidden: torch.Tensor, compute_logits) -> TopLogprobs:
         """Their logprobs, ``PROMPT_LOGPROB_ROWS`` rows of logits at a time."""
-        parts = []
-        for rows, targets in zip(self.rows.split(PROMPT_LOGPROB_ROWS), self.targets.split(PROMPT_LOGPROB_ROWS),
-                                 strict=True):
-            parts.append(TopLogprobs.of(compute_logits(hidden[rows]), targets, self.k))
-        return TopLogprobs.cat(parts)
+        chunks = zip(prompt_logits(hidden, self.rows, compute_logits), self.targets.split(PROMPT_LOGPROB_ROWS),
+                     strict=True)
+        return TopLogprobs.cat([TopLogprobs.of(logits, targets, self.k) for logits, targets in chunks])
 
 
 @attrs.define
@@ -60,6 +103,10 @@ class PhaseArrays:
     block_tables: np.ndarray
     max_query_len: int
     max_context_len: int
+
+    def host_phase(self) -> HostPhase:
+        """The phase as the offload engine plans it (the padded block tables as they are)."""
+        return HostPhase(self.block_tables, np.diff(self.cu_seqlens_q).tolist(), self.context_lens.tolist())
 
 
 @attrs.define
@@ -78,7 +125,7 @@ class StepPlan:
     sample_rows: np.ndarray | None  # hidden-state rows that sample; None: every row, in order
     num_sampling: int
     prompt_logprob_rows: np.ndarray | None  # hidden-state rows followed by a prompt token, if any asked
-    host_phases: tuple[HostPhase | None, HostPhase | None] | None  # the offload engine's plan of the step
+    allocated_blocks: np.ndarray | None  # blocks handed out since the last step, for the policies to reset
 
 
 @attrs.define
@@ -241,7 +288,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._warm_up()
         if self._use_cuda_graphs():
-            self._capture_decode_graphs()
+            self._capture_on_every_rank()
         barrier()  # every rank built its runner: a failure is reported at start, not at the first step
 
     # -- set-up -----------------------------------------------------------------------------------
@@ -382,9 +429,11 @@ class ModelRunner:
         with forward_context(meta):
             hidden = self.model(ids, ids.clone())
             self.model.compute_logits(hidden[cu[1:].long() - 1])
-            # the largest slice of prompt logprobs: its logits and their log_softmax
+            # the largest slice of prompt logprobs: its logits and (rank 0, which gets them) their log_softmax
             rows = hidden[: min(PROMPT_LOGPROB_ROWS, num_tokens)]
-            TopLogprobs.of(self.model.compute_logits(rows), ids[: rows.shape[0]], 1)
+            logits = self.model.compute_logits(rows)
+            if logits is not None:
+                TopLogprobs.of(logits, ids[: rows.shape[0]], 1)
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         used = total - free
@@ -419,7 +468,7 @@ class ModelRunner:
     # -- CUDA graphs for decode steps -------------------------------------------------------------------
 
     def _use_cuda_graphs(self) -> bool:
-        return (
+        usable = (
             self.device.type == "cuda"
             # under offload, dense reads are planned on the host each step: only device-made selections
             and (self.offload is None or self.hooks.decode.select is not None)
@@ -427,18 +476,52 @@ class ModelRunner:
             and self.backend.supports_cuda_graphs
             and self.hooks.cuda_graph_safe
         )
+        problem = capture_problem() if usable else None
+        if problem is not None:
+            warnings.warn(f"{problem}: the engine decodes eagerly (no CUDA graphs); pass enforce_eager=True "
+                          "to say so and silence this", RuntimeWarning, stacklevel=2)
+        return usable and problem is None
 
-    @torch.inference_mode()
-    def _capture_decode_graphs(self) -> None:
-        """One graph per batch-size bucket, sharing a memory pool and static input buffers. Under offload a
-        decode step that still reads densely somewhere cannot be captured: decode then stays eager."""
+    def _capture_on_every_rank(self) -> None:
+        """Capture the decode graphs; with tensor parallelism every rank has ``capture_timeout()`` seconds
+        from a common start after the warm-ups. Rank 0 then waits for the others only until that time is up
+        (at least a second) and raises :class:`CaptureTimeout` if one is late, for the engine to start again
+        eagerly. A capture that hangs cannot be interrupted in its own process: past the time, each rank
+        still in it warns, so that a hang says where it is."""
         try:
             with self.offload.capturing() if self.offload is not None else nullcontext():
-                self._capture_each_size()
-        except GraphUnsafe:
-            self.release_graphs()
+                self._prepare_decode_graphs()
+        except GraphUnsafe:  # under offload, a decode step that still reads densely somewhere: stay eager
+            return
+        if tp_size() == 1:
+            self._capture_decode_graphs()
+            return
+        timeout = capture_timeout()
+        barrier()  # every rank ran its warm-up collectives: from here each one captures on its own
+        start = time.monotonic()
+        still_capturing = threading.Timer(timeout, warnings.warn, args=(
+            f"tensor-parallel rank {tp_rank()} has not captured its decode CUDA graphs in {timeout:.0f} s "
+            f"({CAPTURE_TIMEOUT_VARIABLE}); if it never does, stop the program and start the engine with "
+            "enforce_eager=True", RuntimeWarning))
+        still_capturing.daemon = True
+        still_capturing.start()
+        try:
+            self._capture_decode_graphs()
+        finally:
+            still_capturing.cancel()
+        try:
+            barrier_within(max(timeout - (time.monotonic() - start), 1.0))
+        except RuntimeError as exc:
+            raise CaptureTimeout(
+                f"not every tensor-parallel rank captured its decode CUDA graphs within {timeout:.0f} s "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
 
-    def _capture_each_size(self) -> None:
+    @torch.inference_mode()
+    def _prepare_decode_graphs(self) -> None:
+        """The batch-size buckets, their static input and output buffers, and a warm-up of each bucket
+        outside any graph: Triton compiles here, and with tensor parallelism the collectives run here, so
+        that capturing needs no other rank (a rank that hangs in its capture cannot hold up the others)."""
         max_bs = min(self.config.max_num_seqs, 512)
         self.graph_sizes = sorted({b for b in (1, 2, 4, 8, *range(16, max_bs + 1, 16)) if b <= max_bs} | {max_bs})
         max_blocks = -(-self.max_model_len // self.block_size)
@@ -451,27 +534,29 @@ class ModelRunner:
             "block_tables": torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev),
             "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
         }
-        self.graph_output: torch.Tensor | None = None
+        for bs in self.graph_sizes:
+            with forward_context(self._graph_metadata(bs)):
+                warm = self.model(self.graph_inputs["input_ids"][:bs], self.graph_inputs["positions"][:bs])
+        self.graph_output = torch.empty(max_bs, *warm.shape[1:], dtype=warm.dtype, device=dev)
+
+    @torch.inference_mode()
+    def _capture_decode_graphs(self) -> None:
+        """One graph per batch-size bucket, sharing a memory pool and the static buffers."""
+        if tp_size() > 1:  # the graphs hold the NCCL communicator: they must go before it does
+            release_before_destroy(self.release_graphs)
         pool = None
         for bs in reversed(self.graph_sizes):
             graph = torch.cuda.CUDAGraph()
-            meta = self._graph_metadata(bs)
             ids, pos = self.graph_inputs["input_ids"][:bs], self.graph_inputs["positions"][:bs]
-            with forward_context(meta):
-                warm = self.model(ids, pos)  # warm-up outside the graph (Triton compiles here)
-                if self.graph_output is None:
-                    self.graph_output = torch.empty(max_bs, *warm.shape[1:], dtype=warm.dtype, device=dev)
-                with torch.cuda.graph(graph, pool):
-                    if self.offload is not None:
-                        self.offload.begin_capture()
-                    self.graph_output[:bs] = self.model(ids, pos)
-                    if self.offload is not None:
-                        self.offload.end_capture()
+            with forward_context(self._graph_metadata(bs)), torch.cuda.graph(graph, pool):
+                if self.offload is not None:
+                    self.offload.begin_capture()
+                self.graph_output[:bs] = self.model(ids, pos)
+                if self.offload is not None:
+                    self.offload.end_capture()
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = graph
         torch.cuda.synchronize()
-        if tp_size() > 1:  # the graphs hold the NCCL communicator: they must go before it does
-            release_before_destroy(self.release_graphs)
 
     def release_graphs(self) -> None:
         """Drop the decode graphs (the engine steps eagerly afterwards)."""
@@ -532,9 +617,12 @@ class ModelRunner:
         return PhaseMetadata(self._to_device(phase.cu_seqlens_q), self._to_device(phase.context_lens),
                              self._to_device(phase.block_tables), phase.max_query_len, phase.max_context_len)
 
-    def prepare(self, seqs: list[Sequence]) -> tuple[StepPlan, list[Sequence], PromptTargets | None]:
+    def prepare(
+        self, seqs: list[Sequence], allocated: list[int] | None = None
+    ) -> tuple[StepPlan, list[Sequence], PromptTargets | None]:
         """The host side of one step (decodes, one token each, first; then prefill chunks): its plan, the
-        sequences that sample in it in row order, and the targets of its prompt logprobs (``None``: none)."""
+        sequences that sample in it in row order, and the targets of its prompt logprobs (``None``: none).
+        ``allocated``: the blocks handed out since the last step."""
         bs = self.block_size
         decodes = [s for s in seqs if s.is_decode]
         prefills = [s for s in seqs if not s.is_decode]
@@ -592,33 +680,18 @@ class ModelRunner:
             sample_rows=None if len(sample_rows) == row else np.asarray(sample_rows, dtype=np.int64),
             num_sampling=len(sampling),
             prompt_logprob_rows=prompt_rows,
-            host_phases=None if self.offload is None else self._host_phases(seqs),
+            allocated_blocks=(np.asarray(allocated, dtype=np.int64)
+                              if allocated and self.hooks.blocks_allocated else None),
         )
         return plan, sampling, prompt_targets
-
-    @staticmethod
-    def _host_phases(seqs: list[Sequence]) -> tuple[HostPhase | None, HostPhase | None]:
-        """The step's decode and prefill phases as the offload engine plans them."""
-        phases = []
-        for is_decode in (True, False):
-            group = [s for s in seqs if s.is_decode == is_decode]
-            q_lens = [1 if is_decode else s.num_scheduled_tokens for s in group]
-            ctx_lens = [s.num_computed_tokens + q for s, q in zip(group, q_lens, strict=True)]
-            phases.append(HostPhase([s.block_table for s in group], q_lens, ctx_lens) if group else None)
-        return phases[0], phases[1]
-
-    def notify_allocated(self, block_ids: list[int]) -> None:
-        """Tell the policies which physical blocks were handed out since the last step (before it runs)."""
-        if block_ids and self.hooks.blocks_allocated:
-            if self.sends_steps:
-                broadcast_control(("notify_allocated", block_ids))
-            ids = self._to_device(np.asarray(block_ids, dtype=np.int64))
-            for on_blocks_allocated in self.hooks.blocks_allocated:
-                on_blocks_allocated(ids)
 
     def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The step's inputs on the device and its forward pass (every rank): hidden states, input ids and
         the rows that sample (``None``: every row)."""
+        if plan.allocated_blocks is not None:  # the policies reset their metadata before the step writes them
+            ids = self._to_device(plan.allocated_blocks)
+            for on_blocks_allocated in self.hooks.blocks_allocated:
+                on_blocks_allocated(ids)
         input_ids = self._to_device(plan.input_ids)
         if plan.placeholder_rows is not None:
             sources = self._to_device(plan.placeholder_sources)
@@ -631,7 +704,7 @@ class ModelRunner:
             prefill=self._phase_metadata(plan.prefill),
         )
         if self.offload is not None:
-            self.offload.begin_step(*plan.host_phases)
+            self.offload.begin_step(*(phase and phase.host_phase() for phase in (plan.decode, plan.prefill)))
         if self.graphs and meta.prefill is None and input_ids.shape[0] <= self.graph_sizes[-1]:
             hidden = self._replay_decode(input_ids, meta.positions, meta)
         else:
@@ -641,11 +714,12 @@ class ModelRunner:
         return hidden, input_ids, sample_rows
 
     @torch.inference_mode()
-    def launch(self, seqs: list[Sequence]) -> LaunchedStep | None:
+    def launch(self, seqs: list[Sequence], allocated: list[int] | None = None) -> LaunchedStep | None:
         """Launch one step without waiting for it; None when it has nothing to read back (no sequence
-        samples in it and none asked for prompt logprobs). With tensor parallelism, rank 0 broadcasts
-        the step's plan first; every rank runs the forward pass and the logits, rank 0 samples."""
-        plan, sampling, prompt_targets = self.prepare(seqs)
+        samples in it and none asked for prompt logprobs). ``allocated``: the blocks handed out since the
+        last step, whose metadata the policies reset first. With tensor parallelism, rank 0 broadcasts the
+        step's plan first; every rank runs the forward pass and the logits, rank 0 samples."""
+        plan, sampling, prompt_targets = self.prepare(seqs, allocated)
         if self.sends_steps:
             broadcast_control(("step", plan))
         hidden, input_ids, sample_rows = self._forward(plan)
@@ -664,9 +738,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden if sample_rows is None else hidden[sample_rows])
             step_inputs = (input_ids, sample_rows)
             sampled = self.sampler(logits, *self._sampling_tensors(sampling, logits.shape[-1], step_inputs))
-            if self.sends_steps:  # the other ranks read tokens still on the device from it next step
-                dist.broadcast(sampled, src=0)
-            self._last_sampled = sampled
+            self._keep_sampled(sampled)
             for row, s in enumerate(sampling):
                 s.sample_row = row
             asked = [i for i, s in enumerate(sampling) if s.sampling_params.logprobs is not None]
@@ -700,23 +772,27 @@ class ModelRunner:
         takes the sampled tokens from rank 0."""
         hidden, _, sample_rows = self._forward(plan)
         if plan.prompt_logprob_rows is not None:
-            for rows in self._to_device(plan.prompt_logprob_rows).split(PROMPT_LOGPROB_ROWS):
-                self.model.compute_logits(hidden[rows])
+            for _ in prompt_logits(hidden, self._to_device(plan.prompt_logprob_rows), self.model.compute_logits):
+                pass
         if plan.num_sampling:
             self.model.compute_logits(hidden if sample_rows is None else hidden[sample_rows])
-            sampled = torch.empty(plan.num_sampling, dtype=torch.long, device=self.device)
+            self._keep_sampled(torch.empty(plan.num_sampling, dtype=torch.long, device=self.device))
+
+    def _keep_sampled(self, sampled: torch.Tensor) -> None:
+        """Keep the step's sampled tokens (rank 0's, into ``sampled`` on the other ranks): the next step
+        reads those not yet read back from here, on every rank."""
+        if tp_size() > 1:
             dist.broadcast(sampled, src=0)
-            self._last_sampled = sampled
+        self._last_sampled = sampled
 
     def follow(self) -> Any:
         """The loop of a rank other than 0: run what rank 0 broadcasts until it says stop; returns what
         rank 0 sent with the stop (``("stop", result)``; None for a plain stop)."""
-        handlers = {"step": self._follow_step, "notify_allocated": self.notify_allocated}
         while True:
-            method, *args = broadcast_control()
-            if method == "stop":
-                return args[0] if args else None
-            handlers[method](*args)
+            message = broadcast_control()
+            if message[0] == "stop":
+                return message[1] if len(message) > 1 else None
+            self._follow_step(message[1])
 
     def _sampling_tensors(self, seqs: list[Sequence], vocab_size: int, step_inputs: tuple):
         """The sampler's per-row inputs; a feature no row uses is ``None`` (no work in the sampler).

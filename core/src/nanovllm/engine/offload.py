@@ -81,7 +81,7 @@ class GraphUnsafe(RuntimeError):
 class HostPhase:
     """What the host knows of one phase of a step: block tables and lengths (for the dense plans)."""
 
-    block_tables: list[list[int]]
+    block_tables: Sequence[Sequence[int]]  # a row may run on past its sequence's blocks (padding)
     query_lens: list[int]
     context_lens: list[int]
 

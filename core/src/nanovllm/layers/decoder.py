@@ -101,5 +101,7 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits of the whole vocabulary; None on tensor-parallel ranks other than 0 (see
+        :class:`~nanovllm.layers.embed_head.ParallelLMHead`)."""
         return self.lm_head(hidden)

@@ -40,12 +40,17 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for the vocabulary; with ``tie_word_embeddings`` the model shares the embedding weight."""
+    """Logits for the vocabulary; with ``tie_word_embeddings`` the model shares the embedding weight.
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    Only rank 0 samples, so each rank sends its slice of the logits to rank 0 alone: the other ranks get
+    None and never hold the whole vocabulary's logits."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            dist.all_gather(parts, logits)
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+            dist.gather(logits, parts, dst=0)
+            if parts is None:
+                return None
             logits = torch.cat(parts, dim=-1)
         return logits[..., : self.num_embeddings]
