@@ -89,7 +89,10 @@ def release_before_destroy(release: Callable[[], None]) -> None:
     _before_destroy.append(weakref.WeakMethod(release))
 
 
-def destroy_tensor_parallel() -> None:
+def destroy_tensor_parallel(peers_gone: bool = False) -> None:
+    """Leave the world. NCCL's shutdown waits for every rank to shut down too, so ranks that stop together
+    call this together; ``peers_gone``: some ranks died or were killed, and NCCL's communicators are
+    aborted instead, which waits for no one."""
     global _control_group, _control_channel
     while _before_destroy:
         release = _before_destroy.pop()()
@@ -97,7 +100,10 @@ def destroy_tensor_parallel() -> None:
             release()
     _control_group = _control_channel = None
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        if peers_gone and dist.get_backend() == "nccl":
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
 
 
 def broadcast_control(message: Any = None) -> Any:

@@ -68,6 +68,8 @@ def _measure(preset: str, batches: list[int], steps: int) -> list[dict[str, Any]
 
         modes = {"eager": step}
         if cuda:
+            step()  # NCCL sets up its communicator on the first collective, which a capture cannot hold
+            torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 step()

@@ -112,11 +112,12 @@ def _worker_main(rank: int, world_size: int, port: int, channel_name: str | None
         store.set(f"joining/{rank}", "1")  # attached: rank 0 may unlink the channel's name
         init_tensor_parallel(rank, world_size, device_type, store, channel=channel)
         spec.build().follow()
+        destroy_tensor_parallel()  # with rank 0, which told this rank to stop
     except BaseException:
         store.set(f"error/{rank}", traceback.format_exc())
+        destroy_tensor_parallel(peers_gone=True)  # rank 0 will not leave the world with a failed rank
         raise SystemExit(1) from None
     finally:
-        destroy_tensor_parallel()
         if channel is not None:
             channel.close()
 
@@ -211,8 +212,8 @@ class TPWorkers:
         )
 
     def stop(self, graceful: bool = True) -> None:
-        """Tell the workers to stop and wait for them (``graceful``; after a failed step they are out of
-        step and are killed at once, as are those that do not leave in time); then leave the world."""
+        """Tell the workers to stop, leave the world with them, and wait for them (``graceful``; after a
+        failed step they are out of step and are killed at once, as are those that do not leave in time)."""
         if self.stopped:
             return
         self.stopped = True
@@ -223,6 +224,8 @@ class TPWorkers:
                 told = True
             except RuntimeError:  # a worker died under the broadcast; the others are killed below
                 pass
+        if told:  # the workers leave the world now too: NCCL's shutdown waits for every rank's
+            destroy_tensor_parallel()
         for process in self.processes:
             if process.pid is None:  # never started
                 continue
@@ -230,6 +233,7 @@ class TPWorkers:
             if process.is_alive():
                 process.kill()
                 process.join()
-        destroy_tensor_parallel()
+        if not told:
+            destroy_tensor_parallel(peers_gone=True)
         if self.channel is not None:
             self.channel.close()
