@@ -15,6 +15,7 @@ import attrs
 import pytest
 from merged_outputs import merged_like
 from nanovllm import LLM, AsyncLLM, SamplingParams
+from nanovllm.outputs import RequestOutput
 from nanovllm.plugins import get_plugins
 from nanovllm.sampling_params import RequestOutputKind
 from nanovllm.testing import wait_until
@@ -221,6 +222,57 @@ def test_a_failed_step_or_add_fails_its_requests_and_the_engine_goes_on(engine, 
 
     last, idle = run(scenario())
     assert len(last.outputs[0].token_ids) == 4 and idle
+
+
+def record_what_each_step_sees(engine) -> None:
+    """From now on, each step notes how many requests wait as it is planned."""
+    schedule, engine.waiting_per_step = engine.scheduler.schedule, []
+
+    def recording():
+        engine.waiting_per_step.append(len(engine.scheduler.waiting))
+        return schedule()
+
+    engine.scheduler.schedule = recording
+
+
+def what_each_step_saw(engine) -> list[int]:
+    del engine.scheduler.schedule
+    return engine.waiting_per_step
+
+
+def test_a_burst_of_requests_reaches_the_scheduler_together(engine, run):
+    """Requests started together (as a burst's HTTP handlers start in one turn of the event loop) reach the
+    engine as one message, so the first step is planned with all of them, not with the first to arrive."""
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    burst = 48
+
+    async def scenario():
+        await engine.call(record_what_each_step_sees)
+
+        async def one(i: int) -> RequestOutput:
+            return [out async for out in engine.generate([5 + i % 9, 6, 7], params)][-1]
+
+        outputs = await asyncio.gather(*(one(i) for i in range(burst)))
+        return outputs, await engine.call(what_each_step_saw)
+
+    outputs, waiting_per_step = run(scenario())
+    assert all(len(out.outputs[0].token_ids) == 2 for out in outputs)
+    assert waiting_per_step[0] == burst, f"the first step saw {waiting_per_step[0]} of {burst} requests"
+
+
+def test_a_request_closed_in_the_turn_that_queued_it_is_aborted(engine, run):
+    """Its abort goes after its add, which is still waiting for the end of the turn: not before, where the
+    engine would ignore it and then run the request to its end."""
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    async def scenario():
+        stream = engine.submit([5, 6, 7, 8], long)
+        await stream.aclose()  # does not wait: still the turn that queued the request
+        outputs = [out async for out in stream]
+        return outputs, await engine.call(has_no_request_and_no_block)
+
+    outputs, idle = run(scenario())
+    assert outputs == [] and idle
 
 
 def test_the_default_and_the_way_back_to_a_thread(model, engine, monkeypatch):

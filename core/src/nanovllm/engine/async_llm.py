@@ -6,7 +6,9 @@ The engine runs in a child process of its own (the default), or on a thread of t
 front-end, checks and tokenizes a request before sending it (a bad request raises here, with the errors of
 ``LLM.generate``), mirrors each live request's sequences from the engine's per-step messages, and builds the
 outputs from the mirror with the step API's :class:`OutputStream` (incremental text, stop-string hold-back,
-``output_kind``), so they are the step API's outputs. A step's message updates the mirrors and wakes the
+``output_kind``), so they are the step API's outputs. The requests queued in one turn of the event loop go to
+the engine as one message at the turn's end (a burst of HTTP requests is planned as one batch, not one request
+first and the others a step later). A step's message updates the mirrors and wakes the
 consumers; each polls its stream when it runs, so the steps applied before it does (a front-end behind the
 engine) reach it as one output, as vLLM merges them: fewer outputs and events to build when it is behind.
 """
@@ -127,6 +129,62 @@ class OutputProcessor:
             request.wake()
 
 
+class RequestStream:
+    """The outputs of one queued request (``AsyncLLM.submit``), read with ``async for``; the last one is
+    finished. Each read polls the request's output stream once, so the steps applied before it come as one
+    output. ``aclose()``, or an error or cancellation while waiting, aborts a request not read to its end."""
+
+    def __init__(self, llm: AsyncLLM, request_id: str, request: _Request) -> None:
+        self._llm, self.request_id, self._request = llm, request_id, request
+        self._done = False  # finished, failed, aborted or closed: no further output
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        request, outputs = self._request, self._llm._outputs
+        while not self._done:
+            if request.aborted:
+                break
+            if request.news:
+                request.news = False
+                out = request.stream.poll(outputs.builder)
+                if out is not None:
+                    if out.finished:
+                        self._end(abort=False)
+                    return out
+                continue
+            if request.error is not None:  # the engine dropped it already
+                self._end(abort=False)
+                raise request.error
+            request.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await request.waiter
+            except BaseException:  # the consumer was cancelled: it will not read on
+                self._end(abort=True)
+                raise
+        self._done = True
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Abort the request unless it ended; a read waiting on it ends with no further output."""
+        self._end(abort=True)
+
+    def _end(self, abort: bool) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._request.wake()
+        llm = self._llm
+        if llm._outputs.requests.get(self.request_id) is self._request:
+            del llm._outputs.requests[self.request_id]
+            if abort and llm._outputs.closed is None:
+                llm._send(("abort", [self.request_id]))
+
+
 class AsyncLLM:
     """``AsyncLLM(model=None, engine_process=None, **config)`` takes what ``LLM`` takes; the engine runs in a
     process of its own unless ``engine_process=False`` (default: ``NANOVLLM_ENGINE_PROCESS``, else True).
@@ -154,6 +212,7 @@ class AsyncLLM:
         self._inputs = InputProcessor(self.tokenizer, info.vocab_size, info.max_model_len, info.max_logprobs)
         self._outputs = OutputProcessor(self.tokenizer)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._adds: list[tuple] = []  # (request_id, token_ids, params) queued this turn, not sent yet
         self._next_call = 0
 
     @property
@@ -191,12 +250,13 @@ class AsyncLLM:
         elif loop is not self._loop:
             raise RuntimeError("an AsyncLLM serves the event loop it was first used from; make one per loop")
 
-    async def generate(
+    def submit(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Queue a request and yield its outputs as ``sampling_params.output_kind`` asks, the last one
-        finished. A bad request raises here, before it reaches the engine. Closing the generator early (or
-        cancelling its consumer) aborts the request and frees its blocks."""
+    ) -> RequestStream:
+        """Queue a request now and return its outputs to read (``async for``), as ``generate`` yields them. A
+        bad request raises here. The requests queued in one turn of the event loop reach the engine together,
+        in one message at the end of the turn, so a burst is planned as one batch. Close the stream
+        (``aclose()``) to abort a request not read to its end."""
         self._start()
         if request_id is None:
             request_id = uuid.uuid4().hex
@@ -210,31 +270,42 @@ class AsyncLLM:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         text, token_ids = self._inputs.process(prompt, params)
-        self._core.send(("add", request_id, token_ids, params))
+        if not self._adds:
+            self._loop.call_soon(self._send_adds)
+        self._adds.append((request_id, token_ids, params))
         request = requests[request_id] = _Request(request_id, text, token_ids, params)
-        builder, loop = self._outputs.builder, asyncio.get_running_loop()
-        finished = False
+        return RequestStream(self, request_id, request)
+
+    async def generate(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request and yield its outputs as ``sampling_params.output_kind`` asks, the last one
+        finished. A bad request raises here, before it reaches the engine. Closing the generator early (or
+        cancelling its consumer) aborts the request and frees its blocks."""
+        stream = self.submit(prompt, sampling_params, request_id)
         try:
-            while not finished:
-                if request.aborted:
-                    return
-                if not request.news:
-                    if request.error is not None:
-                        finished = True  # the engine dropped it already
-                        raise request.error
-                    request.waiter = loop.create_future()
-                    await request.waiter
-                    continue
-                request.news = False
-                out = request.stream.poll(builder)
-                if out is not None:
-                    finished = out.finished
-                    yield out
+            async for out in stream:
+                yield out
         finally:
-            if requests.get(request_id) is request:
-                del requests[request_id]
-                if not finished and self._outputs.closed is None:
-                    self._core.send(("abort", [request_id]))
+            await stream.aclose()
+
+    def _send_adds(self) -> None:
+        """Send the requests queued since the last call as one command."""
+        adds, self._adds = self._adds, []
+        if not adds:
+            return
+        try:
+            self._core.send(("add", adds))
+        except Exception as exc:  # pickling: what fails depends on the object
+            for request_id, _, _ in adds:
+                if (request := self._outputs.requests.get(request_id)) is not None:
+                    request.error = RuntimeError(f"request {request_id!r} could not be sent to the engine: {exc!r}")
+                    request.wake()
+
+    def _send(self, command: tuple) -> None:
+        """Send a command after the adds still queued, which it may concern (an abort of one of them)."""
+        self._send_adds()
+        self._core.send(command)
 
     async def abort(self, request_id: str | list[str]) -> None:
         """Abort requests: their generators end with no further output. Unknown ids are ignored."""
@@ -244,7 +315,7 @@ class AsyncLLM:
             if (request := self._outputs.requests.pop(rid, None)) is not None:
                 request.aborted = True
                 request.wake()
-        self._core.send(("abort", ids))
+        self._send(("abort", ids))
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` where the engine runs, between steps, and return its result. With the engine in
@@ -252,7 +323,7 @@ class AsyncLLM:
         self._start()
         call_id, self._next_call = self._next_call, self._next_call + 1
         try:
-            self._core.send(("call", call_id, fn))
+            self._send(("call", call_id, fn))
         except Exception as exc:  # pickling: what fails depends on the object
             raise TypeError(f"call() sends fn to the engine's process, so it must be picklable (a module-level "
                             f"function, not a lambda or closure): {exc}; or use engine_process=False") from None

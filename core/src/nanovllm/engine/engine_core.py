@@ -6,7 +6,10 @@ into outputs (text, logprob dicts, ``RequestOutput``): in a process of its own, 
 (scheduling, building steps, reading back tokens) shares no interpreter lock with that, nor with HTTP.
 
 Commands (tuples, their kind first):
-    ("add", request_id, token_ids, params)   queue a request the front-end checked and tokenized
+    ("add", [(request_id, token_ids, params), ...])
+                                             queue requests the front-end checked and tokenized: those it
+                                             queued in one turn of its event loop, so a burst of requests
+                                             reaches the scheduler together, before it plans a step
     ("abort", request_ids)                   drop requests, free their blocks
     ("call", call_id, fn)                    run fn(engine) between steps; answered by a "result" message
     ("shutdown",)                            abort what is left and stop (the end of the pipe does the same)
@@ -113,12 +116,16 @@ class EngineCore:
         """Run one command; its answers (an error, a call's result)."""
         kind = command[0]
         if kind == "add":
-            _, request_id, token_ids, params = command
-            try:
-                seq = self.engine._enqueue(None, token_ids, params, request_id)
-            except Exception as exc:
-                return [("error", [request_id], f"the engine could not queue request {request_id!r}: {exc!r}")]
-            self.requests[request_id] = [_Progress(s) for s in seq.group]
+            errors = []
+            for request_id, token_ids, params in command[1]:
+                try:
+                    seq = self.engine._enqueue(None, token_ids, params, request_id)
+                except Exception as exc:
+                    errors.append(("error", [request_id], f"the engine could not queue request {request_id!r}: "
+                                                          f"{exc!r}"))
+                    continue
+                self.requests[request_id] = [_Progress(s) for s in seq.group]
+            return errors
         elif kind == "abort":
             self.abort(command[1])
         elif kind == "call":

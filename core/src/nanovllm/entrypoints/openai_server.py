@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.chat_utils import ChatOptions, render
-from nanovllm.engine.async_llm import AsyncLLM
+from nanovllm.engine.async_llm import AsyncLLM, RequestStream
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -287,54 +287,46 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
             raise APIError(f"token id(s) outside the vocabulary [0, {llm.vocab_size}): {bad[:5]}", param="tokens")
         return {"prompt": tokenizer.decode(body.tokens)}
 
-    async def start(prompt, params: SamplingParams, request_id: str) -> tuple[RequestOutput, AsyncIterator]:
-        """Queue one engine request and wait for its first output, so a bad request fails as a 400 before
-        any response is sent."""
-        stream = llm.generate(prompt, params, request_id)
+    def submit(prompts: list, params: SamplingParams, prefix: str) -> list[RequestStream]:
+        """Queue one engine request per prompt, at once: in the handler's own turn of the event loop, so the
+        requests of a burst reach the engine together. A bad prompt is a 400, and the others are aborted."""
+        streams: list[RequestStream] = []
         try:
-            first = await anext(stream)
-        except (ValueError, TypeError) as exc:
-            raise APIError(str(exc)) from None
-        return first, stream
-
-    async def run_requests(
-        prompts: list, params: SamplingParams, prefix: str,
-    ) -> tuple[list[RequestOutput], list[AsyncIterator]]:
-        """Start one engine request per prompt; their first outputs and streams. If one fails, or the caller
-        is cancelled (its client left), the others are closed, which aborts them."""
-        starts = [asyncio.ensure_future(start(p, params, f"{prefix}-{i}")) for i, p in enumerate(prompts)]
-        try:
-            results = await asyncio.gather(*starts)
-        except BaseException:
-            for task in starts:
-                task.cancel()
-            await asyncio.wait(starts)
-            for task in starts:
-                if not task.cancelled() and task.exception() is None:
-                    await task.result()[1].aclose()
+            for i, prompt in enumerate(prompts):
+                streams.append(llm.submit(prompt, params, f"{prefix}-{i}"))
+        except BaseException as exc:
+            for stream in streams:
+                stream.close()
+            if isinstance(exc, (ValueError, TypeError)):
+                raise APIError(str(exc)) from None
             raise
-        return [r[0] for r in results], [r[1] for r in results]
+        return streams
 
-    async def final_outputs(request: Request, prompts: list, params: SamplingParams, prefix: str) -> list[RequestOutput]:
-        """Non-streaming: each prompt's final output."""
+    async def first_outputs(request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+        """Streaming: each request's first output, before the response starts. If one fails, or the client
+        leaves first, every request is aborted."""
+        try:
+            return await until_disconnected(request, asyncio.gather(*(anext(s) for s in streams)))
+        except BaseException:
+            for stream in streams:
+                stream.close()
+            raise
 
-        async def one(first: RequestOutput, stream: AsyncIterator, timer: RequestTimer) -> RequestOutput:
-            timer.observe(first)
-            last = first
-            async for last in stream:
-                timer.observe(last)
-            return last
+    async def final_outputs(request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+        """Not streaming: each request's final output. If one fails, or the client leaves first, every
+        request is aborted."""
 
-        async def run() -> list[RequestOutput]:
-            timers = [RequestTimer(metrics) for _ in prompts]
-            firsts, streams = await run_requests(prompts, params, prefix)
-            try:
-                return await asyncio.gather(*(one(f, s, t) for f, s, t in zip(firsts, streams, timers, strict=True)))
-            finally:  # cancelled: a stream whose reader never ran is still open
-                for s in streams:
-                    await s.aclose()
+        async def last(stream: RequestStream) -> RequestOutput:
+            timer = RequestTimer(metrics)
+            async for out in stream:
+                timer.observe(out)
+            return out
 
-        return await until_disconnected(request, run())
+        try:
+            return await until_disconnected(request, asyncio.gather(*(last(s) for s in streams)))
+        finally:
+            for stream in streams:
+                stream.close()
 
     async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
         """``work``'s result; if the client disconnects first, ``work`` is cancelled, which closes the engine
@@ -368,7 +360,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
         return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
     async def outputs_in_turn(
-        firsts: list[RequestOutput], streams: list[AsyncIterator],
+        firsts: list[RequestOutput], streams: list[RequestStream],
     ) -> AsyncIterator[tuple[int, RequestOutput | Exception]]:
         """The requests' outputs as they come, each with its request's position; an error instead of an output
         ends them. One request (most) is read straight from its stream, without a task and a queue between."""
@@ -382,7 +374,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
             return
         merged: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int, first: RequestOutput, stream: AsyncIterator) -> None:
+        async def pump(i: int, first: RequestOutput, stream: RequestStream) -> None:
             try:
                 await merged.put((i, first))
                 async for out in stream:
@@ -400,7 +392,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
             await asyncio.gather(*tasks, return_exceptions=True)  # their cancellation closes the streams
 
     async def stream_events(
-        firsts: list[RequestOutput], streams: list[AsyncIterator], n: int,
+        firsts: list[RequestOutput], streams: list[RequestStream], n: int,
         chunks: Callable[[int, CompletionOutput, RequestOutput], list[dict]], head: dict, include_usage: bool,
     ) -> AsyncIterator[str]:
         """Merge the requests' delta outputs into one event stream; closing it aborts what is unfinished."""
@@ -453,7 +445,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
                     "logprobs": completion_logprobs(c, body.logprobs, offset)}
 
         if body.stream:
-            firsts, streams = await until_disconnected(request, run_requests(prompts, params, request_id))
+            streams = submit(prompts, params, request_id)
+            firsts = await first_outputs(request, streams)
             offsets: dict[int, int] = {}
 
             def chunks(index: int, c: CompletionOutput, _out: RequestOutput) -> list[dict]:
@@ -464,7 +457,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(stream_events(firsts, streams, body.n, chunks, head, include_usage),
                                      media_type="text/event-stream")
-        outputs = await final_outputs(request, prompts, params, request_id)
+        outputs = await final_outputs(request, submit(prompts, params, request_id))
         choices = [choice(i * body.n + c.index, c) for i, out in enumerate(outputs) for c in out.outputs]
         completion_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
         return {**head, "choices": choices, "usage": usage(outputs, completion_tokens)}
@@ -487,8 +480,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
         top = body.top_logprobs or 0
 
         if body.stream:
-            firsts, streams = await until_disconnected(
-                request, run_requests([{"prompt_token_ids": prompt_ids}], params, request_id))
+            streams = submit([{"prompt_token_ids": prompt_ids}], params, request_id)
+            firsts = await first_outputs(request, streams)
             started: set[int] = set()
 
             def chunks(index: int, c: CompletionOutput, _out: RequestOutput) -> list[dict]:
@@ -507,7 +500,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None)
             head = {**head, "object": "chat.completion.chunk"}
             return StreamingResponse(stream_events(firsts, streams, body.n, chunks, head, include_usage),
                                      media_type="text/event-stream")
-        (out,) = await final_outputs(request, [{"prompt_token_ids": prompt_ids}], params, request_id)
+        (out,) = await final_outputs(request, submit([{"prompt_token_ids": prompt_ids}], params, request_id))
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": chat_logprobs(c, top) if body.logprobs else None,
                     "finish_reason": finish(c), "stop_reason": c.stop_reason} for c in out.outputs]
