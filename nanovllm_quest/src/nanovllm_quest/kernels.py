@@ -342,8 +342,7 @@ def select_pages(
         q, metadata, block_tables, kv_lens, scratch, out, width,
         q.stride(0), q.stride(1), metadata.stride(0), metadata.stride(1), metadata.stride(2),
         block_tables.stride(0), out.shape[-1], SCORE_TILE=SCORE_TILE, NUM_KV_HEADS=num_kv_heads,
-        BLOCK_SIZE=block_size, **_score_args(q, metadata, block_tables, page_size, block_size, group_reduction,
-                                             keep_sink),
-        **_topk_args(width, k, page_size, block_size),
+        BLOCK_SIZE=block_size, **(_score_args(q, metadata, block_tables, page_size, block_size, group_reduction,
+                                              keep_sink) | _topk_args(width, k, page_size, block_size)),
     )
     return out
