@@ -200,6 +200,7 @@ def test_a_write_of_whole_blocks_describes_them():
 
 
 def test_kv_write_of_a_sequence_is_its_prefill_through_its_block_table():
+    import torch
     from nanovllm.policy import KVWrite
 
     cache = torch.randn(6, 4, 2, 8)
