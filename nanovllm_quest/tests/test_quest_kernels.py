@@ -75,8 +75,9 @@ def shared_anchor_step(gen, block: int, page: int, num_blocks: int) -> StepMetad
     tables[[0, 1, 4], 0] = 0
     decode_pos, chunks = [9, page - 3, page], [(3, page + 3), (4, 4)]
     positions = decode_pos + [0] + [p for start, count in chunks for p in range(start, start + count)]
-    seqs = [0, 1, 2, -1] + [s for s, (_, count) in zip((3, 4), chunks) for _ in range(count)]
-    slots = [int(tables[s, p // block]) * block + p % block if s >= 0 else -1 for s, p in zip(seqs, positions)]
+    seqs = [0, 1, 2, -1] + [s for s, (_, count) in zip((3, 4), chunks, strict=True) for _ in range(count)]
+    slots = [int(tables[s, p // block]) * block + p % block if s >= 0 else -1
+             for s, p in zip(seqs, positions, strict=True)]
     decode_tables = torch.cat([tables[:3], torch.zeros(1, width, dtype=torch.int32)])  # padding row: zeros
     decode = PhaseMetadata(torch.arange(5, dtype=torch.int32), torch.tensor(decode_pos + [1], dtype=torch.int32),
                            decode_tables, 1, page + 1)
