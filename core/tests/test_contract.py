@@ -199,6 +199,20 @@ def test_a_write_of_whole_blocks_describes_them():
     assert write.slot_mapping.tolist() == [20, 21, 22, 23, 4, 5]
 
 
+def test_kv_write_of_a_sequence_is_its_prefill_through_its_block_table():
+    import torch
+    from nanovllm.policy import KVWrite
+
+    cache = torch.randn(6, 4, 2, 8)
+    write = KVWrite.of_sequence(1, cache, -cache, block_table=[5, 1, 3], num_tokens=10)
+    assert write.slot_mapping.tolist() == [20, 21, 22, 23, 4, 5, 6, 7, 12, 13]
+    assert write.positions.tolist() == list(range(10)) and write.block_fill().tolist() == [4] * 8 + [2] * 2
+    assert torch.equal(write.key, torch.cat([cache[5], cache[1], cache[3, :2]])) and torch.equal(write.value, -write.key)
+    prefill = write.step.prefill
+    assert prefill.block_tables.tolist() == [[5, 1, 3]] and prefill.query_lens.tolist() == [10]
+    assert prefill.context_lens.tolist() == [10] and write.step.decode is None
+
+
 # -- observer plugins --------------------------------------------------------------------------------------
 
 

@@ -10,7 +10,8 @@ from nanovllm.conformance import tiny_model
 from nanovllm.plugins import get_plugins
 from nanovllm.quality.perplexity import DensityMeter
 
-SPARSE = "quest:token_budget=16,skip_layers=1"  # 4 blocks of 4 tokens, from layer 1 on
+SPARSE = "quest:token_budget=16,skip_layers=1,page_size=4"  # 4 blocks of 4 tokens, from layer 1 on
+PAGED = "quest:token_budget=16,skip_layers=1,page_size=8"  # 2 pages of 2 blocks
 
 
 def engine(device: str, policy: str = SPARSE, observers=(), offload: bool = False, eager: bool = True) -> LLM:
@@ -36,6 +37,49 @@ def test_decode_reads_a_fraction_of_the_history():
     generate(engine("cpu", observers=[meter]))
     assert 0.05 < meter.density("decode") < 0.5
     assert meter.density("prefill") is None  # prefill is dense ``full``
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_pages_of_several_blocks_on_the_device_cache_and_offloaded(device):
+    meter = DensityMeter()
+    want = generate(engine(device, PAGED, observers=[meter]))
+    assert 0.05 < meter.density("decode") < 0.5
+    assert want != generate(engine(device, SPARSE))  # pages select otherwise than blocks
+    assert generate(engine(device, PAGED, offload=True)) == want
+
+
+def test_page_bounds_hold_under_prefix_sharing_and_preemption(monkeypatch):
+    """Every decode step, in every sparse layer, each page's bounds (at its anchor) bound every key of the
+    page, for every sequence of the step: with prompts that share an anchor block through the prefix cache
+    but not the page's later blocks, in one batch, and with preemption (freed and reallocated anchors)."""
+    from nanovllm.conformance import _kv_bytes, _prefix_prompts, _prompts
+    from nanovllm_quest.policy import QuestPolicy
+    from test_quest_policy import assert_pages_bound_their_keys
+
+    checked = []
+    select = QuestPolicy.select_blocks
+
+    def checking(self, ctx):
+        if ctx.layer_id >= self.config.skip_layers:
+            lens = ctx.history_lens.tolist()
+            metadata = self.metadata[ctx.layer_id - self.config.skip_layers]
+            assert_pages_bound_their_keys(metadata, ctx.k_cache, ctx.meta.block_tables, lens, self.config.page_size)
+            checked.append(len(lens))
+        return select(self, ctx)
+
+    monkeypatch.setattr(QuestPolicy, "select_blocks", checking)
+    model = tiny_model()
+    llm = LLM(model, sparse_policy="quest:token_budget=16,skip_layers=1,page_size=16", device="cpu",
+              dtype="float32", block_size=4, max_model_len=128, enforce_eager=True, max_num_seqs=4,
+              attention_backend="torch", kv_cache_memory=_kv_bytes(model, 192), max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm.generate(_prefix_prompts([38], 7), params, use_tqdm=False)  # blocks 0-8 cached; page 2 is blocks 8-11
+    shared = llm.generate(_prefix_prompts([38, 38, 38], 7)[1:], params, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 36 for o in shared), "the anchor block 8 is not shared"
+    llm.generate(_prompts([30, 45, 60, 25], 5), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                 use_tqdm=False)
+    assert llm.scheduler.num_preemptions > 0
+    assert max(checked) > 1
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

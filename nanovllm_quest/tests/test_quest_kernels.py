@@ -11,7 +11,10 @@ import torch
 
 pytest.importorskip("triton")
 
+from nanovllm.attention.metadata import PhaseMetadata, StepMetadata  # noqa: E402
 from nanovllm_quest import kernels, reference  # noqa: E402
+from nanovllm_quest.policy import page_rows  # noqa: E402
+from nanovllm_quest.reference import PageRows  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 INTERP = (not CUDA) and os.environ.get("TRITON_INTERPRET") == "1"
@@ -41,59 +44,136 @@ def random_write(gen, num_blocks: int, block_size: int, seqs: list[tuple[int, in
     return key, torch.tensor(slots), torch.tensor(positions)
 
 
+def rows_on(rows: PageRows, device) -> PageRows:
+    return PageRows(rows.anchor.to(device), None if rows.order is None else rows.order.to(device))
+
+
 @cases
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_update_metadata(device, dtype, block_size):
+    """Pages of one block: the anchor is each row's own block."""
     gen = torch.Generator().manual_seed(block_size)
     hkv, d, n = 2, 48, 64
     # decode rows mid-block, a fresh block's first token, chunks starting mid-block and spanning blocks
     seqs = [(5, 1), (2 * block_size, 1), (3, 2 * block_size + 1), (0, 3 * block_size), (block_size - 1, 2)]
     key, slots, pos = random_write(gen, n, block_size, seqs, hkv, d, dtype)
+    rows = page_rows(StepMetadata(slots, pos, 0, None, None), block_size, block_size)
     start = torch.randn(n, hkv, 2, d, generator=gen).to(dtype)  # stale bounds of earlier owners
     want = start.clone()
-    reference.update_metadata(want, key, slots, pos, block_size)
+    reference.update_metadata(want, key, pos, rows, block_size)
     got = start.to(device)
-    kernels.update_metadata(got, key.to(device), slots.to(device), pos.to(device), block_size)
+    kernels.update_metadata(got, key.to(device), pos.to(device), rows_on(rows, device), block_size)
+    assert torch.equal(got.cpu(), want), "min/max are exact: the kernel must match bit for bit"
+
+
+def shared_anchor_step(gen, block: int, page: int, num_blocks: int) -> StepMetadata:
+    """Decodes of three sequences (and one padding row), then prefill chunks of two. Sequences 0, 1 and 4
+    share block 0 as the anchor of their page 0 (a prefix-cache hit) and write its later blocks; sequence
+    2 writes its page 1's first token; sequence 3's chunk spans pages 0 and 1."""
+    width = 3 * (page // block)
+    tables = (torch.randperm(num_blocks - 1, generator=gen)[: 5 * width] + 1).view(5, width).int()
+    tables[[0, 1, 4], 0] = 0
+    decode_pos, chunks = [9, page - 3, page], [(3, page + 3), (4, 4)]
+    positions = decode_pos + [0] + [p for start, count in chunks for p in range(start, start + count)]
+    seqs = [0, 1, 2, -1] + [s for s, (_, count) in zip((3, 4), chunks, strict=True) for _ in range(count)]
+    slots = [int(tables[s, p // block]) * block + p % block if s >= 0 else -1
+             for s, p in zip(seqs, positions, strict=True)]
+    decode_tables = torch.cat([tables[:3], torch.zeros(1, width, dtype=torch.int32)])  # padding row: zeros
+    decode = PhaseMetadata(torch.arange(5, dtype=torch.int32), torch.tensor(decode_pos + [1], dtype=torch.int32),
+                           decode_tables, 1, page + 1)
+    cu = torch.tensor([0, chunks[0][1], chunks[0][1] + chunks[1][1]], dtype=torch.int32)
+    prefill = PhaseMetadata(cu, torch.tensor([sum(c) for c in chunks], dtype=torch.int32), tables[3:], page + 3,
+                            2 * page + 6)
+    return StepMetadata(torch.tensor(slots), torch.tensor(positions), 4, decode, prefill)
+
+
+@cases
+@pytest.mark.parametrize("page", [16, 32])
+def test_update_metadata_of_shared_pages(device, dtype, page):
+    """Pages of several blocks: rows of three sequences fold into one shared anchor in one step (decode and
+    prefill rows, not adjacent), so the kernel must see them as one run."""
+    gen = torch.Generator().manual_seed(page)
+    block, hkv, d, n = 4, 2, 48, 128
+    step = shared_anchor_step(gen, block, page, n)
+    rows = page_rows(step, block, page)
+    shared = (rows.anchor == 0).nonzero().flatten()
+    assert sorted(rows.order[shared].tolist()) == [0, 1] + list(range(4 + page + 3, 4 + page + 7))  # seqs 0, 1, 4
+    key = torch.randn(len(step.positions), hkv, d, generator=gen).to(dtype)
+    start = torch.randn(n, hkv, 2, d, generator=gen).to(dtype)
+    start = torch.stack([start.amin(2), start.amax(2)], dim=2)
+    want = start.clone()
+    reference.update_metadata(want, key, step.positions, rows, page)
+    new = key[rows.order[shared]]
+    assert torch.equal(want[0, :, 0], torch.minimum(start[0, :, 0], new.amin(0)))  # widened, not restarted
+    assert torch.equal(want[0, :, 1], torch.maximum(start[0, :, 1], new.amax(0)))
+    got = start.to(device)
+    kernels.update_metadata(got, key.to(device), step.positions.to(device), rows_on(rows, device),
+                            page)
     assert torch.equal(got.cpu(), want), "min/max are exact: the kernel must match bit for bit"
 
 
 @cases
 @pytest.mark.parametrize("reduction", ["max", "sum"])
 @pytest.mark.parametrize("keep_sink", [False, True])
-def test_block_scores(device, dtype, reduction, keep_sink):
+@pytest.mark.parametrize("per_page", [1, 3])
+def test_page_scores(device, dtype, reduction, keep_sink, per_page):
     gen = torch.Generator().manual_seed(7)
     seqs, heads, hkv, d, width = 3, 8, 2, 64, 150 if device == "cuda" else 70
+    block, page = 16, 16 * per_page
     num_blocks = seqs * width
     metadata = torch.randn(num_blocks, hkv, 2, d, generator=gen)
     metadata = torch.stack([metadata.amin(2), metadata.amax(2)], dim=2).to(dtype)
     tables = torch.randperm(num_blocks, generator=gen)[: seqs * width].view(seqs, width).int()
-    lens = torch.tensor([width * 16 - 5, 1, (width // 2 + 3) * 16], dtype=torch.int32)  # blocks of 16
-    n = (lens + 15) // 16
-    tables[1:, :] = torch.where(torch.arange(width) < n[1:, None], tables[1:], -1)
+    lens = torch.tensor([width * block - 5, 1, (width // 2 + 3) * block], dtype=torch.int32)
+    tables[1:, :] = torch.where(torch.arange(width) < ((lens[1:, None] + block - 1) // block), tables[1:], -1)
+    n = (lens + page - 1) // page
     q = torch.randn(seqs, heads, d, generator=gen).to(dtype)
-    want = reference.block_scores(q, metadata, tables, lens, 16, reduction, keep_sink)
-    finite_blocks = n - 1 - (keep_sink & (n > 1)).int()  # the newest block (and the sink) forced to +inf
-    assert torch.equal(torch.isfinite(want).sum(-1), finite_blocks[:, None].expand(-1, hkv))
-    got = kernels.block_scores(q.to(device), metadata.to(device), tables.to(device), lens.to(device), 16,
-                               reduction, keep_sink).cpu()
+    want = reference.page_scores(q, metadata, tables, lens, block, page, reduction, keep_sink)
+    assert want.shape == (seqs, hkv, -(-width // per_page))
+    finite_pages = n - 1 - (keep_sink & (n > 1)).int()  # the newest page (and the sink) forced to +inf
+    assert torch.equal(torch.isfinite(want).sum(-1), finite_pages[:, None].expand(-1, hkv))
+    got = kernels.page_scores(q.to(device), metadata.to(device), tables.to(device), lens.to(device), block, page,
+                              reduction, keep_sink).cpu()
     assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got.sign(), want.sign())
     finite = torch.isfinite(want)
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-4)
 
 
 @cases
-@pytest.mark.parametrize(("width", "k", "tile"), [(37, 8, None), (200, 16, None), (300, 40, 64), (20, 32, None)])
-def test_top_blocks(device, dtype, width, k, tile, monkeypatch):
+@pytest.mark.parametrize(("width", "k", "tile", "per_page"), [
+    (37, 8, None, 1), (200, 16, None, 1), (300, 40, 64, 1), (20, 32, None, 1),
+    (37, 8, None, 3), (40, 6, 16, 3), (20, 32, None, 3),
+])
+def test_top_pages(device, dtype, width, k, tile, per_page, monkeypatch):
     if tile is not None:  # rows longer than a tile: the looping path
         monkeypatch.setattr(kernels, "MAX_TOPK_TILE", tile)
     gen = torch.Generator().manual_seed(width)
     scores = (torch.randn(4, 3, width, generator=gen) * 4).round()  # many ties
-    scores[0, 0, width // 2:] = float("-inf")  # fewer valid blocks than k in some rows
-    scores[1, :, :3] = float("inf")  # forced blocks
+    scores[0, 0, width // 2:] = float("-inf")  # fewer valid pages than k in some rows
+    scores[1, :, :3] = float("inf")  # forced pages
     scores[2, 1, :] = -0.0
     scores[3, 2, 5] = float("nan")
-    want = reference.top_blocks(scores, k)
-    got = kernels.top_blocks(scores.to(device), k).cpu()
+    # histories that end inside a page: its blocks past the history are not selected
+    lens = torch.tensor([width * per_page * 16, width * per_page * 16 - 17, 5, 40 * 16 - 1], dtype=torch.int32)
+    want = reference.top_pages(scores, k, lens, 16, 16 * per_page)
+    assert want.shape == (4, 3, k * per_page)
+    got = kernels.top_pages(scores.to(device), k, lens.to(device), 16, 16 * per_page).cpu()
+    assert torch.equal(got, want)
+
+
+@cases
+@pytest.mark.parametrize("fused", [False, True])
+def test_select_pages(device, dtype, fused):
+    gen = torch.Generator().manual_seed(11)
+    seqs, heads, hkv, d, width, block, page = 3, 8, 2, 32, 40, 4, 16
+    metadata = torch.randn(seqs * width, hkv, 2, d, generator=gen)
+    metadata = torch.stack([metadata.amin(2), metadata.amax(2)], dim=2).to(dtype)
+    tables = torch.randperm(seqs * width, generator=gen).view(seqs, width).int()
+    lens = torch.tensor([width * block, 37, 3], dtype=torch.int32)
+    q = torch.randn(seqs, heads, d, generator=gen).to(dtype)
+    want = reference.select_pages(q, metadata, tables, lens, block, page, 4, "max", True)
+    got = kernels.select_pages(q.to(device), metadata.to(device), tables.to(device), lens.to(device), block, page,
+                               4, "max", True, fused=fused).cpu()
     assert torch.equal(got, want)
 
 
@@ -105,4 +185,4 @@ def test_kernels_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == 1 * 2 + 4 + 4, tail
+    assert passed == 2 + 2 + 4 * 2 + 7 + 2, tail

@@ -37,13 +37,14 @@ def decode_batch(lens: list[int], heads: int = 8, kv_heads: int = 2, dim: int = 
 def paged_decode(keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, lens: list[int], block: int = BLOCK,
                  **config) -> tuple[QuestPolicy, PolicyContext]:
     """Sequence ``s`` holds ``keys[s, :lens[s]]`` in physical blocks numbered in reverse, written through
-    ``on_kv_write`` as one prefill each; ``q [S, H, D]`` is the decode step's queries."""
+    ``on_kv_write`` as one prefill each; ``q [S, H, D]`` is the decode step's queries. Pages are one block
+    unless ``page_size`` says otherwise."""
     num_seqs, _, kv_heads, dim = keys.shape
     width = max(-(-n // block) for n in lens)
     k_cache = torch.zeros(num_seqs * width, block, kv_heads, dim)
     v_cache = torch.zeros_like(k_cache)
     tables = torch.full((num_seqs, width), -1, dtype=torch.int32)
-    policy = QuestPolicy(QuestConfig(**{"skip_layers": 0, **config}))
+    policy = QuestPolicy(QuestConfig(**{"skip_layers": 0, "page_size": block, **config}))
     policy.initialize(1, kv_heads, dim, num_seqs * width, block, torch.float32, torch.device("cpu"))
     for s, n in enumerate(lens):
         used = -(-n // block)
@@ -52,9 +53,7 @@ def paged_decode(keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, lens
             rows = slice(j * block, min(n, (j + 1) * block))
             k_cache[b, : rows.stop - rows.start] = keys[s, rows]
             v_cache[b, : rows.stop - rows.start] = values[s, rows]
-        counts = [min(block, n - j * block) for j in range(used)]
-        policy.on_kv_write(KVWrite.of_blocks(0, k_cache, v_cache, tables[s, :used].tolist(), counts,
-                                             [j * block for j in range(used)]))
+        policy.on_kv_write(KVWrite.of_sequence(0, k_cache, v_cache, tables[s, :used].tolist(), n))
     meta = PhaseMetadata(torch.arange(num_seqs + 1, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32),
                          tables, 1, max(lens))
     return policy, PolicyContext(0, False, q, meta, k_cache, v_cache, dim**-0.5, TorchBackend())
@@ -64,38 +63,67 @@ def test_config_is_checked_at_the_selection():
     installed()
     resolved = resolve_sparse_policy("quest:token_budget=1024,group_reduction=sum,keep_sink=true")
     assert resolved.cls is QuestPolicy
-    assert resolved.config == QuestConfig(1024, 2, "sum", True)
+    assert resolved.config == QuestConfig(1024, 2, "sum", True, 16)
+    assert resolve_sparse_policy("quest:page_size=64").config.page_size == 64
     for bad, message in [("token_budget=0", "token_budget must be an int >= 1"),
                          ("skip_layers=-1", "skip_layers must be an int >= 0"),
                          ("group_reduction=mean", "group_reduction must be one of 'max', 'sum'"),
                          ("keep_sink=2", "keep_sink must be true or false"),
-                         ("budget=4", "Accepted: token_budget, skip_layers, group_reduction, keep_sink")]:
+                         ("page_size=0", "page_size must be an int >= 1"),
+                         ("budget=4", "Accepted: token_budget, skip_layers, group_reduction, keep_sink, page_size")]:
         with pytest.raises(SelectionError, match=message):
             resolve_sparse_policy(f"quest:{bad}")
 
 
-def test_a_budget_below_one_block_is_refused_at_start():
-    with pytest.raises(ValueError, match=r"token_budget=8 is less than one KV block \(block_size=16\)"):
+def test_a_budget_below_one_page_is_refused_at_start():
+    with pytest.raises(ValueError, match=r"token_budget=8 is less than one page \(page_size=16, block_size=16\)"):
         QuestPolicy(QuestConfig(token_budget=8)).initialize(4, 2, 16, 10, 16, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"token_budget=32 is less than one page \(page_size=64"):
+        QuestPolicy(QuestConfig(token_budget=32, page_size=64)).initialize(4, 2, 16, 10, 16, torch.float32,
+                                                                           torch.device("cpu"))
 
 
-def test_the_bound_holds_for_every_key():
-    """Each query head's bound for a block is at least ``q . k`` of every key in it; a KV head's score
+@pytest.mark.parametrize(("page", "block", "fit"), [(24, 16, 32), (8, 16, 16), (16, 32, 32)])
+def test_a_page_that_is_not_whole_blocks_is_refused_at_start(page, block, fit):
+    with pytest.raises(ValueError, match=rf"page_size={page} is not a multiple of the KV block size "
+                                         rf"\(block_size={block}\); use a multiple of {block}, e.g. "
+                                         rf"sparse_policy='quest:page_size={fit}'"):
+        QuestPolicy(QuestConfig(page_size=page)).initialize(4, 2, 16, 10, block, torch.float32, torch.device("cpu"))
+
+
+def assert_pages_bound_their_keys(metadata: torch.Tensor, k_cache: torch.Tensor, tables: torch.Tensor,
+                                  lens: list[int], page: int) -> None:
+    """Every page's min/max, kept at its anchor, bounds each channel of each of its keys (``metadata``: one
+    layer's ``[blocks, Hkv, 2, D]``)."""
+    block = k_cache.shape[1]
+    for s, n in enumerate(lens):
+        keys = k_cache[tables[s, : -(-n // block)].long()].flatten(0, 1)[:n].to(metadata.dtype)  # [n, Hkv, D]
+        for p in range(-(-n // page)):
+            anchor = int(tables[s, p * (page // block)])
+            in_page = keys[p * page: (p + 1) * page]
+            assert (metadata[anchor, :, reference.MIN] <= in_page.amin(0)).all(), f"seq {s} page {p}: min"
+            assert (metadata[anchor, :, reference.MAX] >= in_page.amax(0)).all(), f"seq {s} page {p}: max"
+
+
+@pytest.mark.parametrize("page", [BLOCK, 3 * BLOCK])
+def test_the_bound_holds_for_every_key(page):
+    """Each query head's bound for a page is at least ``q . k`` of every key in it; a KV head's score
     (max over its group) at least the best ``q . k`` of any of its query heads."""
     lens = [37, 64, 5]
-    policy, ctx = decode_batch(lens, seed=3)
+    policy, ctx = decode_batch(lens, seed=3, page_size=page)
+    assert_pages_bound_their_keys(policy.metadata[0], ctx.k_cache, ctx.meta.block_tables, lens, page)
     q = ctx.query
     for reduction in ("max", "sum"):
-        scores = reference.block_scores(q, policy.metadata[0], ctx.meta.block_tables, ctx.history_lens,
-                                        BLOCK, reduction)
-        per_head = reference.block_scores(q, policy.metadata[0].repeat_interleave(4, dim=1),
-                                          ctx.meta.block_tables, ctx.history_lens, BLOCK)  # MHA view: G = 1
+        scores = reference.page_scores(q, policy.metadata[0], ctx.meta.block_tables, ctx.history_lens,
+                                       BLOCK, page, reduction)
+        per_head = reference.page_scores(q, policy.metadata[0].repeat_interleave(4, dim=1),
+                                         ctx.meta.block_tables, ctx.history_lens, BLOCK, page)  # MHA view: G = 1
         for s, n in enumerate(lens):
             keys = ctx.k_cache[ctx.meta.block_tables[s, : -(-n // BLOCK)].long()].flatten(0, 1)[:n]  # [n, Hkv, D]
             qk = torch.einsum("hd,nhd->hn", q[s], keys.repeat_interleave(4, dim=1))  # [H, n]
-            best = torch.full((8, -(-n // BLOCK)), float("-inf"))
-            best = best.scatter_reduce(1, (torch.arange(n) // BLOCK).expand(8, n), qk, "amax")
-            last = -(-n // BLOCK) - 1
+            best = torch.full((8, -(-n // page)), float("-inf"))
+            best = best.scatter_reduce(1, (torch.arange(n) // page).expand(8, n), qk, "amax")
+            last = -(-n // page) - 1
             assert (per_head[s, :, :last] >= best[:, :last] - 1e-5).all()
             group_best = best.view(2, 4, -1).amax(1)
             if reduction == "max":
@@ -134,14 +162,23 @@ def test_a_budget_covering_every_block_is_dense_attention():
     assert (out[1] - dense[1]).abs().max() > 1e-3
 
 
-def test_the_selected_blocks_are_the_top_bounds():
-    policy, ctx = decode_batch([64], token_budget=5 * BLOCK)
+@pytest.mark.parametrize("page", [BLOCK, 2 * BLOCK])
+def test_the_selected_pages_are_the_top_bounds(page):
+    policy, ctx = decode_batch([62], token_budget=5 * page, page_size=page)
     sel = policy.select_blocks(ctx)
-    scores = reference.block_scores(ctx.query, policy.metadata[0], ctx.meta.block_tables, ctx.history_lens, BLOCK)
+    per_page = page // BLOCK
+    assert sel.shape == (1, 2, 5 * per_page)
+    scores = reference.page_scores(ctx.query, policy.metadata[0], ctx.meta.block_tables, ctx.history_lens,
+                                   BLOCK, page)
+    pages = -(-62 // page)
     for h in range(2):
-        chosen = set(sel[0, h].tolist())
-        others = [b for b in range(16) if b not in chosen]
-        assert min(scores[0, h, list(chosen)]) >= max(scores[0, h, others])
+        chosen = sorted({b // per_page for b in sel[0, h].tolist() if b >= 0})
+        assert len(chosen) == 5 and pages - 1 in chosen
+        # a chosen page brings each of its blocks that hold history, and nothing else
+        assert [b for b in sel[0, h].tolist() if b >= 0] == [
+            b for p in chosen for b in range(p * per_page, (p + 1) * per_page) if b < -(-62 // BLOCK)]
+        others = [p for p in range(pages) if p not in chosen]
+        assert min(scores[0, h, chosen]) >= max(scores[0, h, others])
 
 
 def planted_capture(case: planted.PlantedAttention, num_layers: int = 1) -> Capture:
@@ -151,27 +188,33 @@ def planted_capture(case: planted.PlantedAttention, num_layers: int = 1) -> Capt
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_the_needles_block_is_selected_among_distractors(seed):
+@pytest.mark.parametrize(("per_page", "kept", "gap"), [(1, 2, 0.05), (2, 3, 0.1)])
+def test_the_needles_page_is_selected_among_distractors(seed, per_page, kept, gap):
     """Planted needles: one key per KV head that every later query looks for, and eight near-miss
-    distractors at cosine 0.7 in other blocks. With a budget of the newest block and one more, Quest
-    keeps each needle's block; on the attention metrics it matches the oracle and beats a random choice."""
+    distractors at cosine 0.7 in other blocks. With a budget of the newest page and one more, Quest
+    keeps each needle's block; on the attention metrics it matches the oracle and beats a random choice.
+    Pages of two blocks hold twice the random keys, whose channel extremes loosen the bound: a distractor's
+    page can outrank the needle's (seeds 1, 2 and 4), so they keep the newest page and two more; and they
+    take whole pages, where the oracle takes as many blocks anywhere (``gap``: its lead in mass recall)."""
     installed()
     case = planted.needles(num_tokens=512, seed=seed)
+    page = per_page * case.block_size
     positions = [479, 495, 511]
     truth = case.true_blocks()[positions]  # [P, Hkv, blocks]
     assert truth.sum(-1).eq(1).all(), "every query sees its head's needle"
     lens = [p + 1 for p in positions]
     keys = case.k.expand(len(positions), -1, -1, -1)
     policy, ctx = paged_decode(keys, case.v.expand_as(keys), case.q[positions], lens, block=case.block_size,
-                               token_budget=2 * case.block_size)
-    sel = policy.select_blocks(ctx)  # [P, Hkv, 2]
+                               token_budget=kept * page, page_size=page)
+    sel = policy.select_blocks(ctx)  # [P, Hkv, kept * per_page]
     for p in range(len(positions)):
         for h in range(case.num_kv_heads):
             needle = int(truth[p, h].nonzero())
             assert needle in sel[p, h].tolist(), f"query {positions[p]}, KV head {h}: needle block {needle}"
-    layers = evaluate_policy("quest:token_budget=32,skip_layers=0", planted_capture(case), positions)
+    layers = evaluate_policy(f"quest:token_budget={kept * page},skip_layers=0,page_size={page}",
+                             planted_capture(case), positions)
     got, oracle, rand = (layers[0][w] for w in ("policy", "oracle", "random"))
-    assert got["mass_recall"] >= oracle["mass_recall"] - 0.05 and got["mass_recall"] > rand["mass_recall"] + 0.4
+    assert got["mass_recall"] >= oracle["mass_recall"] - gap and got["mass_recall"] > rand["mass_recall"] + 0.4
     assert got["policy_output_error"] == pytest.approx(got["output_error"], abs=1e-4)
 
 

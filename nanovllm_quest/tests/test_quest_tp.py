@@ -10,7 +10,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.plugins import get_plugins
 from nanovllm.quality.perplexity import DensityMeter
 
-SPARSE = "quest:token_budget=16,skip_layers=1"  # 4 blocks of 4 tokens, from layer 1 on
+SPARSE = "quest:token_budget=16,skip_layers=1,page_size=4"  # 4 blocks of 4 tokens, from layer 1 on
 INIT = 0.3  # transformers' default 0.02 makes a tied tiny model repeat its input token forever
 # 2 slots of 24 head blocks (4 tokens x head size 16, K and V, float32): several loads per layer and step
 SMALL_BUFFER = 2 * 24 * 2 * 4 * 16 * 4 / 2**30

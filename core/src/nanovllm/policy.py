@@ -216,6 +216,23 @@ class KVWrite:
         flat_k, flat_v = (c.reshape(-1, *c.shape[2:]) for c in (k_cache, v_cache))
         return cls(layer_id, flat_k[slots], flat_v[slots], step, k_cache, v_cache)
 
+    @classmethod
+    def of_sequence(
+        cls, layer_id: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: list[int], num_tokens: int
+    ) -> KVWrite:
+        """A write of what the cache already holds: the first ``num_tokens`` tokens of one sequence through
+        its ``block_table`` (physical blocks), as one prefill chunk. Unlike :meth:`of_blocks`, the write
+        says which blocks form the sequence, which metadata spanning blocks (Quest's pages) needs."""
+        dev, bs = k_cache.device, k_cache.shape[1]
+        positions = torch.arange(num_tokens, dtype=torch.long, device=dev)
+        table = torch.tensor([block_table], dtype=torch.int32, device=dev)
+        slots = table[0, positions // bs].long() * bs + positions % bs
+        cu = torch.tensor([0, num_tokens], dtype=torch.int32, device=dev)
+        prefill = PhaseMetadata(cu, cu[1:], table, num_tokens, num_tokens)
+        flat_k, flat_v = (c.reshape(-1, *c.shape[2:]) for c in (k_cache, v_cache))
+        return cls(layer_id, flat_k[slots], flat_v[slots], StepMetadata(slots, positions, 0, None, prefill),
+                   k_cache, v_cache)
+
     def block_fill(self) -> torch.Tensor:
         """``[num_tokens]`` how many tokens the block of each row holds after this step."""
         positions = self.positions

@@ -7,8 +7,9 @@ Jobs, each in its own process (one engine's GPU memory never shrinks the next on
   top-K, attention over the selected blocks per KV head), at each context, batch and budget. Layers with
   their own KV are captured one after another in one CUDA graph, as in the engine's decode graph, and the
   replay time is divided by their number; L2 is cold at each replay. A one-layer graph is timed too: its
-  replay adds the graph's own launch (about 5 us) to every layer. The ceiling is
-  ``1 / (1 / block_size + budget / context)``, the ratio of the bytes read.
+  replay adds the graph's own launch (about 5 us) to every layer. Each Quest page size (``--page-sizes``)
+  is timed on the same caches, with scoring and top-K as two kernels and fused into one. The ceiling is
+  ``1 / (1 / page_size + budget / context)``, the ratio of the bytes read.
 - ``decode``: the engine end to end, KV on the GPU, CUDA graphs: ``steps`` decode steps after prefilling
   ``batch`` prompts of ``context`` tokens, with ``full`` and with Quest.
 - ``offload``: the same with the KV cache in pinned host memory; with the host-to-device copy rate of the
@@ -44,13 +45,12 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 # -- attention kernels ----------------------------------------------------------------------------------
 
 
-def bench_attention(contexts: list[int], batches: list[int], budgets: list[int]) -> list[dict[str, Any]]:
+def bench_attention(contexts: list[int], batches: list[int], budgets: list[int],
+                    page_sizes: list[int]) -> list[dict[str, Any]]:
     import torch
     from nanovllm.attention.metadata import PhaseMetadata
     from nanovllm.attention.triton_backend import TritonBackend
     from nanovllm.bench.kernels import graph_ms
-
-    from nanovllm_quest import kernels
 
     backend, scale, rows = TritonBackend(), HEAD_DIM**-0.5, []
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -63,8 +63,8 @@ def bench_attention(contexts: list[int], batches: list[int], budgets: list[int])
             for _ in range(layers_in_graph(context, batch)):
                 k_cache = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
                 v_cache = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
-                metadata = torch.stack([k_cache.amin(1), k_cache.amax(1)], dim=2)  # [blocks, KV heads, 2, D]
                 tables = torch.randperm(num_blocks, generator=gen, device="cuda").view(batch, width).int()
+                metadata = {page: page_metadata(k_cache, tables, page) for page in page_sizes}
                 lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
                 meta = PhaseMetadata(torch.arange(batch + 1, dtype=torch.int32, device="cuda"), lens, tables, 1,
                                      context)
@@ -76,37 +76,81 @@ def bench_attention(contexts: list[int], batches: list[int], budgets: list[int])
 
             dense_ms = graph_ms([partial(dense, x) for x in layers])
             dense_one_ms = graph_ms([partial(dense, layers[0])])
-            for budget in budgets:
-                k = budget // BLOCK_SIZE
-
-                def score(x):
-                    return kernels.block_scores(x.q, x.metadata, x.meta.block_tables, x.meta.context_lens, BLOCK_SIZE)
-
-                def quest(x):
-                    sel = kernels.top_blocks(score(x), k)
-                    return backend.attend_blocks(x.q, x.k_cache, x.v_cache, x.meta, sel, x.meta.context_lens, scale)
-
-                scores = [score(x) for x in layers]
-                selections = [kernels.top_blocks(s, k) for s in scores]
-                quest_ms = graph_ms([partial(quest, x) for x in layers])
-                rows.append({
-                    "benchmark": "attention", "context": context, "batch": batch, "budget": budget,
-                    "layers_in_graph": len(layers),
-                    "dense_us": 1000 * dense_ms, "quest_us": 1000 * quest_ms,
-                    "score_us": 1000 * graph_ms([partial(score, x) for x in layers]),
-                    "topk_us": 1000 * graph_ms([partial(kernels.top_blocks, s, k) for s in scores]),
-                    "attend_us": 1000 * graph_ms([
-                        partial(backend.attend_blocks, x.q, x.k_cache, x.v_cache, x.meta, sel, x.meta.context_lens,
-                                scale) for x, sel in zip(layers, selections, strict=True)]),
-                    "dense_one_layer_us": 1000 * dense_one_ms,
-                    "quest_one_layer_us": 1000 * graph_ms([partial(quest, layers[0])]),
-                    "speedup": dense_ms / quest_ms, "ceiling": 1 / (1 / BLOCK_SIZE + budget / context),
-                })
-                rows[-1]["speedup_one_layer"] = rows[-1]["dense_one_layer_us"] / rows[-1]["quest_one_layer_us"]
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            for page in page_sizes:
+                for budget in budgets:
+                    rows.append(bench_quest(layers, backend, scale, context, batch, budget, page, dense_ms,
+                                            dense_one_ms))
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
             del layers
             torch.cuda.empty_cache()
     return rows
+
+
+def bench_quest(layers: list, backend, scale: float, context: int, batch: int, budget: int, page: int,
+                dense_ms: float, dense_one_ms: float) -> dict[str, Any]:
+    """One row: Quest's steps at one budget and page size over the layers' caches, against their dense time.
+    ``quest``: scoring and top-K as two kernels, then the attention; ``quest_fused``: the fused selection."""
+    from nanovllm.bench.kernels import graph_ms
+
+    from nanovllm_quest import kernels
+
+    k = budget // page
+
+    def score(x):
+        return kernels.page_scores(x.q, x.metadata[page], x.meta.block_tables, x.meta.context_lens, BLOCK_SIZE,
+                                   page)
+
+    def top(x, scores):
+        return kernels.top_pages(scores, k, x.meta.context_lens, BLOCK_SIZE, page)
+
+    def select_fused(x):
+        return kernels.select_pages(x.q, x.metadata[page], x.meta.block_tables, x.meta.context_lens, BLOCK_SIZE,
+                                    page, k, fused=True)
+
+    def attend(x, sel):
+        return backend.attend_blocks(x.q, x.k_cache, x.v_cache, x.meta, sel, x.meta.context_lens, scale)
+
+    def quest(x):
+        return attend(x, top(x, score(x)))
+
+    def quest_fused(x):
+        return attend(x, select_fused(x))
+
+    scores = [score(x) for x in layers]
+    selections = [top(x, s) for x, s in zip(layers, scores, strict=True)]
+    quest_ms = graph_ms([partial(quest, x) for x in layers])
+    quest_fused_ms = graph_ms([partial(quest_fused, x) for x in layers])
+    row = {
+        "benchmark": "attention", "context": context, "batch": batch, "budget": budget, "page_size": page,
+        "layers_in_graph": len(layers),
+        "dense_us": 1000 * dense_ms, "quest_us": 1000 * quest_ms,
+        "score_us": 1000 * graph_ms([partial(score, x) for x in layers]),
+        "topk_us": 1000 * graph_ms([partial(top, x, s) for x, s in zip(layers, scores, strict=True)]),
+        "attend_us": 1000 * graph_ms([partial(attend, x, sel) for x, sel in zip(layers, selections, strict=True)]),
+        "fused_select_us": 1000 * graph_ms([partial(select_fused, x) for x in layers]),
+        "quest_fused_us": 1000 * quest_fused_ms,
+        "dense_one_layer_us": 1000 * dense_one_ms,
+        "quest_one_layer_us": 1000 * graph_ms([partial(quest, layers[0])]),
+        "speedup": dense_ms / quest_ms, "speedup_fused": dense_ms / quest_fused_ms,
+        "ceiling": 1 / (1 / page + budget / context),
+    }
+    row["speedup_one_layer"] = row["dense_one_layer_us"] / row["quest_one_layer_us"]
+    return row
+
+
+def page_metadata(k_cache, tables, page: int):
+    """Quest's metadata of a cache whose sequences fill their block tables: each page's min/max at its anchor
+    (the physical block of its first logical block), ``[blocks, KV heads, 2, D]``."""
+    import torch
+
+    per_page = page // BLOCK_SIZE
+    bounds = torch.stack([k_cache.amin(1), k_cache.amax(1)], dim=2)  # per block: [blocks, KV heads, 2, D]
+    logical = bounds[tables.long()]  # [batch, width, KV heads, 2, D]
+    logical = logical.view(tables.shape[0], -1, per_page, *logical.shape[2:])
+    pages = torch.stack([logical[..., 0, :].amin(2), logical[..., 1, :].amax(2)], dim=-2)
+    metadata = torch.empty_like(bounds)
+    metadata[tables[:, ::per_page].long()] = pages
+    return metadata
 
 
 class Layer(NamedTuple):
@@ -134,9 +178,11 @@ def bench_engine(kind: str, context: int, batch: int, policy: str, steps: int) -
     return [{**row, "benchmark": kind, "policy": policy}]
 
 
-def jobs(contexts: list[int], batches: list[int], budgets: list[int], budget: int, steps: int) -> list[dict]:
+def jobs(contexts: list[int], batches: list[int], budgets: list[int], budget: int, steps: int,
+         page_sizes: list[int] = (16,)) -> list[dict]:
     quest = f"quest:token_budget={budget}"
-    out: list[dict] = [{"kind": "attention", "contexts": contexts, "batches": batches, "budgets": budgets}]
+    out: list[dict] = [{"kind": "attention", "contexts": contexts, "batches": batches, "budgets": budgets,
+                        "page_sizes": list(page_sizes)}]
     for context, batch in [(32768, 1), (131072, 1), (32768, 8)]:
         out += [{"kind": "decode", "context": context, "batch": batch, "policy": p, "steps": steps}
                 for p in ("full", quest)]
@@ -148,7 +194,7 @@ def jobs(contexts: list[int], batches: list[int], budgets: list[int], budget: in
 
 def run_job(job: dict) -> list[dict[str, Any]]:
     if job["kind"] == "attention":
-        return bench_attention(job["contexts"], job["batches"], job["budgets"])
+        return bench_attention(job["contexts"], job["batches"], job["budgets"], job.get("page_sizes", [BLOCK_SIZE]))
     if job["kind"] == "offload-copy":
         from nanovllm.bench import offload as b5
 
@@ -204,16 +250,20 @@ def markdown(payload: dict[str, Any], title: str) -> str:
              f"Preset {PRESET} (random weights), blocks of {BLOCK_SIZE}, bfloat16; targets from issue 9.", "",
              "## Decode attention per layer (us; layers in one CUDA graph, cold L2)", "",
              "Columns `one layer`: a graph of one layer, whose replay adds the graph launch to the layer.", "",
-             "| context | batch | budget | layers | dense | Quest | score | top-K | attend | speedup | ceiling | "
-             "target | dense, one layer | Quest, one layer | speedup, one layer |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Columns `fused`: scoring and top-K in one kernel (`select`), then the attention (`Quest`).", "",
+             "| context | batch | budget | page | layers | dense | Quest | score | top-K | attend | speedup | "
+             "ceiling | target | dense, one layer | Quest, one layer | speedup, one layer | select, fused | "
+             "Quest, fused | speedup, fused |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["results"]:
         if r["benchmark"] == "attention":
-            cells = [r["context"], r["batch"], r["budget"], r["layers_in_graph"], f"{r['dense_us']:.1f}",
-                     f"{r['quest_us']:.1f}", f"{r['score_us']:.1f}", f"{r['topk_us']:.1f}", f"{r['attend_us']:.1f}",
-                     f"{r['speedup']:.2f}x", f"{r['ceiling']:.1f}x", f">= {r['target']}x" if r.get("target") else "",
-                     f"{r['dense_one_layer_us']:.1f}", f"{r['quest_one_layer_us']:.1f}",
-                     f"{r['speedup_one_layer']:.2f}x"]
+            fused = [f"{r['fused_select_us']:.1f}", f"{r['quest_fused_us']:.1f}", f"{r['speedup_fused']:.2f}x"] \
+                if "quest_fused_us" in r else ["", "", ""]
+            cells = [r["context"], r["batch"], r["budget"], r.get("page_size", BLOCK_SIZE), r["layers_in_graph"],
+                     f"{r['dense_us']:.1f}", f"{r['quest_us']:.1f}", f"{r['score_us']:.1f}", f"{r['topk_us']:.1f}",
+                     f"{r['attend_us']:.1f}", f"{r['speedup']:.2f}x", f"{r['ceiling']:.1f}x",
+                     f">= {r['target']}x" if r.get("target") else "", f"{r['dense_one_layer_us']:.1f}",
+                     f"{r['quest_one_layer_us']:.1f}", f"{r['speedup_one_layer']:.2f}x", *fused]
             lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += ["", "## Decode in the engine (ms per step)", "",
               "| KV | context | batch | policy | ms/step | speedup vs full | target | floor ms | vs floor |",
@@ -245,7 +295,7 @@ def chart(payload: dict[str, Any], path: Path) -> None:
     att = [r for r in payload["results"] if r["benchmark"] == "attention"]
     eng = [r for r in payload["results"] if "speedup" in r and r["benchmark"] != "attention"]
     fig, axes = plt.subplots(2, 1, figsize=(10, 7))
-    labels = [f"{r['context'] // 1024}K x{r['batch']} b{r['budget']}" for r in att]
+    labels = [f"{r['context'] // 1024}K x{r['batch']} b{r['budget']} p{r.get('page_size', BLOCK_SIZE)}" for r in att]
     axes[0].barh(labels, [r["speedup"] for r in att], color="tab:blue", label="Quest / dense")
     axes[0].scatter([r["ceiling"] for r in att], labels, color="black", marker="|", s=200, label="ceiling")
     axes[0].set_title("decode attention speedup over dense (per layer, layers in one graph)", fontsize=10)
@@ -272,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--budgets", nargs="+", type=int, default=[1024, 2048, 4096])
+    parser.add_argument("--page-sizes", nargs="+", type=int, default=[16, 64],
+                        help="Quest page sizes of the attention job (multiples of the block size, 16)")
     parser.add_argument("--budget", type=int, default=2048, help="token budget of the engine runs")
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--only", nargs="+", default=None, help="job kinds to run (attention, decode, offload)")
@@ -283,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from nanovllm.bench import run_plugin_jobs
 
-    selected = [job for job in jobs(args.contexts, args.batches, args.budgets, args.budget, args.decode_steps)
+    selected = [job for job in jobs(args.contexts, args.batches, args.budgets, args.budget, args.decode_steps,
+                                    args.page_sizes)
                 if not (args.only and job["kind"] not in args.only and not (job["kind"] == "offload-copy" and "offload" in args.only))]
     return run_plugin_jobs(selected, "nanovllm_quest.bench", Path(args.out), args.name, vars(args) | {"job": None},
                            with_ratios, markdown, chart)

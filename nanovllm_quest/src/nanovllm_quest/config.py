@@ -5,6 +5,7 @@ from __future__ import annotations
 import attrs
 
 GROUP_REDUCTIONS = ("max", "sum")
+DEFAULT_PAGE_SIZE = 16  # the paper's page; with the engine's default KV block of 16, one page is one block
 
 
 def _int_at_least(minimum: int):
@@ -31,14 +32,21 @@ def _bool(_inst, attribute, value) -> None:
 @attrs.define(frozen=True)
 class QuestConfig:
     """- ``token_budget``: history tokens each KV head attends to per decode step; the policy keeps
-      ``token_budget // block_size`` KV blocks (at least one block's worth is required).
+      ``token_budget // page_size`` pages (at least one page's worth is required).
     - ``skip_layers``: the first layers stay dense (the paper's 2: their attention is not sparse).
     - ``group_reduction``: how the bounds of a GQA group's query heads combine into the score of their
-      shared KV head, ``max`` (a block matters if it matters to any head of the group) or ``sum``.
-    - ``keep_sink``: always keep the first block (the attention sink) besides the newest one.
+      shared KV head, ``max`` (a page matters if it matters to any head of the group) or ``sum``.
+    - ``keep_sink``: always keep the first page (the attention sink) besides the newest one.
+    - ``page_size``: tokens of a Quest page, a multiple of the KV block size. The policy keeps one
+      min/max per page and KV head, scores and ranks pages, and attends to the selected pages' blocks.
+      Pages larger than a block read ``page_size / block_size`` times fewer metadata bytes and rank as
+      many times fewer candidates, for a coarser selection. A page's bounds are kept at its first
+      block; when the prefix cache shares that block between sequences whose later blocks differ, the
+      bounds cover the keys of all of them: still an upper bound for each, only looser.
     """
 
     token_budget: int = attrs.field(default=2048, validator=_int_at_least(1))
     skip_layers: int = attrs.field(default=2, validator=_int_at_least(0))
     group_reduction: str = attrs.field(default="max", validator=_one_of(GROUP_REDUCTIONS))
     keep_sink: bool = attrs.field(default=False, validator=_bool)
+    page_size: int = attrs.field(default=DEFAULT_PAGE_SIZE, validator=_int_at_least(1))

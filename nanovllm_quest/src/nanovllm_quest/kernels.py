@@ -1,17 +1,18 @@
-"""Quest's three steps as Triton kernels, same signatures and results as :mod:`nanovllm_quest.reference`.
+"""Quest's steps as Triton kernels, same signatures and results as :mod:`nanovllm_quest.reference`.
 
-- ``update_metadata``: one program per (new row, KV head); the first row of each block's run of rows
-  folds the run's keys into the block's min/max, so no two programs write one block and no atomics are
-  needed.
-- ``block_scores``: one program per (sequence, KV head, tile of blocks); it reads only the metadata of
-  the tile (the bound splits into two small matmuls, ``relu(q) . max + min(q, 0) . min``) and reduces
-  the GQA group's bounds.
-- ``top_blocks``: one program per (sequence, KV head). The k-th largest score is found by bisection on
+- ``update_metadata``: one program per (new row, KV head) over the rows grouped by page anchor; the first
+  row of each anchor's run folds the run's keys into the anchor's min/max, so no two programs write one
+  anchor and no atomics are needed.
+- ``page_scores``: one program per (sequence, KV head, tile of pages); it reads only the metadata of the
+  tile's anchors (the bound splits into two small matmuls, ``relu(q) . max + min(q, 0) . min``) and
+  reduces the GQA group's bounds.
+- ``top_pages``: one program per (sequence, KV head). The k-th largest score is found by bisection on
   the order-preserving integer image of the float scores (32 counting passes over the row held in
-  registers), then the chosen indices are compacted in ascending order with a prefix sum; ties go to
-  the lower index.
+  registers), then the chosen pages are compacted in ascending order with a prefix sum (ties go to the
+  lower index) and written as their blocks.
+- ``select_pages``: the two above, fused into one program per (sequence, KV head) for short score rows.
 
-No host synchronisation and no data-dependent shape: all three are captured in the decode CUDA graphs.
+No host synchronisation and no data-dependent shape: all are captured in the decode CUDA graphs.
 On CPU tensors they run under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is first
 imported), for tests only.
 """
@@ -22,40 +23,55 @@ import torch
 import triton
 import triton.language as tl
 
-SCORE_TILE = 64  # blocks per scoring program: 32 KB of bf16 metadata at head size 128
-MAX_TOPK_TILE = 8192  # a row of up to this many blocks (128K tokens at block size 16) stays in registers
+from nanovllm_quest.reference import PageRows
+
+SCORE_TILE = 64  # pages per scoring program: 32 KB of bf16 metadata at head size 128
+MAX_TOPK_TILE = 8192  # a row of up to this many pages (128K tokens at pages of 16) stays in registers
+MAX_UPDATE_ROWS = 64  # new keys an update program folds at a time
+MAX_FUSED_PAGES = 1024  # score rows up to this many pages are scored and ranked by one fused kernel
 
 
 @triton.jit
 def _update_kernel(
-    Key, Meta, Slots, Positions, num_rows,
+    Key, Meta, Anchors, Order, Positions, num_rows,
     stride_kt, stride_kh, stride_mb, stride_mh, stride_mm,
-    BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    ORDERED: tl.constexpr,
 ):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
-    slot = tl.load(Slots + r)
-    prev = tl.where(r > 0, tl.load(Slots + tl.maximum(r - 1, 0)), -1)
-    block = tl.where(slot >= 0, slot // BLOCK_SIZE, -1)
-    prev_block = tl.where(prev >= 0, prev // BLOCK_SIZE, -2)
-    leader = (slot >= 0) & (prev_block != block)  # the first row of this block's run
-    # masks compare index vectors with scalar limits (the interpreter cannot AND a scalar into a mask);
-    # a limit of 0 makes a program that is not a leader load and store nothing
-    rows = r + tl.arange(0, ROWS)
-    row_slots = tl.load(Slots + rows, mask=rows < tl.where(leader, num_rows, 0), other=-1)
-    same = (row_slots >= 0) & (tl.where(row_slots >= 0, row_slots, 0) // BLOCK_SIZE == block)
+    anchor = tl.load(Anchors + r)
+    prev = tl.where(r > 0, tl.load(Anchors + tl.maximum(r - 1, 0)), -2)
+    leader = (anchor >= 0) & (prev != anchor)  # the first row of this anchor's run
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    keys = tl.load(
-        Key + rows.to(tl.int64)[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-        mask=same[:, None] & d_ok[None, :], other=0.0,
-    ).to(tl.float32)
-    new_min = tl.min(tl.where(same[:, None], keys, float("inf")), 0)
-    new_max = tl.max(tl.where(same[:, None], keys, float("-inf")), 0)
-    fresh = tl.load(Positions + r) % BLOCK_SIZE == 0  # the block's first token: forget its old bounds
-    base = Meta + tl.where(leader, block, 0).to(tl.int64) * stride_mb + kvh * stride_mh + offs_d
+    new_min = tl.full([BLOCK_D], float("inf"), tl.float32)
+    new_max = tl.full([BLOCK_D], float("-inf"), tl.float32)
+    fresh = tl.zeros([], tl.int32)
+    start = r
+    go = leader
+    while go:  # the run, ROWS rows at a time (rows of a page shared by sequences can outnumber the page)
+        # masks compare index vectors with scalar limits (the interpreter cannot AND a scalar into a mask)
+        rows = start + tl.arange(0, ROWS)
+        same = tl.load(Anchors + rows, mask=rows < num_rows, other=-1) == anchor
+        if ORDERED:
+            src = tl.load(Order + rows, mask=same, other=0)
+        else:
+            src = rows
+        at_start = tl.load(Positions + src, mask=same, other=1) % PAGE_SIZE == 0  # the page's first token
+        fresh = tl.maximum(fresh, tl.max((same & at_start).to(tl.int32), 0))
+        keys = tl.load(
+            Key + src.to(tl.int64)[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+            mask=same[:, None] & d_ok[None, :], other=0.0,
+        ).to(tl.float32)
+        new_min = tl.minimum(new_min, tl.min(tl.where(same[:, None], keys, float("inf")), 0))
+        new_max = tl.maximum(new_max, tl.max(tl.where(same[:, None], keys, float("-inf")), 0))
+        start += ROWS
+        go = (start < num_rows) & (tl.load(Anchors + tl.minimum(start, num_rows - 1)) == anchor)
+    # a program that is not a leader loads and stores nothing: its limits are 0
+    base = Meta + tl.where(leader, anchor, 0).to(tl.int64) * stride_mb + kvh * stride_mh + offs_d
     write = offs_d < tl.where(leader, HEAD_DIM, 0)
-    keep_old = offs_d < tl.where(leader & (fresh == 0), HEAD_DIM, 0)
+    keep_old = offs_d < tl.where(leader & (fresh == 0), HEAD_DIM, 0)  # a restarted page forgets its bounds
     old_min = tl.load(base, mask=keep_old, other=float("inf")).to(tl.float32)
     old_max = tl.load(base + stride_mm, mask=keep_old, other=float("-inf")).to(tl.float32)
     out_ty = Meta.dtype.element_ty
@@ -64,35 +80,30 @@ def _update_kernel(
 
 
 def update_metadata(
-    metadata: torch.Tensor, key: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
-    block_size: int,
+    metadata: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, rows: PageRows, page_size: int
 ) -> None:
     num_rows, num_kv_heads, head_dim = key.shape
     if num_rows == 0:
         return
     assert key.stride(-1) == 1 and metadata.stride(-1) == 1, "keys and metadata must be contiguous per head"
+    ordered = rows.order is not None
     _update_kernel[(num_rows, num_kv_heads)](
-        key, metadata, slot_mapping, positions, num_rows,
+        key, metadata, rows.anchor, rows.order if ordered else rows.anchor, positions, num_rows,
         key.stride(0), key.stride(1), metadata.stride(0), metadata.stride(1), metadata.stride(2),
-        BLOCK_SIZE=block_size, ROWS=triton.next_power_of_2(block_size), HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=2,
+        PAGE_SIZE=page_size, ROWS=min(triton.next_power_of_2(page_size), MAX_UPDATE_ROWS), HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), ORDERED=ordered, num_warps=2,
     )
 
 
 @triton.jit
-def _score_kernel(
-    Q, Meta, BlockTables, KVLens, Scores, width,
-    stride_qs, stride_qh, stride_mb, stride_mh, stride_mm, stride_bt, stride_ss, stride_sh,
+def _page_bounds(
+    Q, Meta, BlockTables, s, kvh, offs_p, n, stride_qs, stride_qh, stride_mb, stride_mh, stride_mm, stride_bt,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, REDUCE_MAX: tl.constexpr, KEEP_SINK: tl.constexpr,
-    FP32: tl.constexpr,
+    BLOCKS_PER_PAGE: tl.constexpr, REDUCE_MAX: tl.constexpr, KEEP_SINK: tl.constexpr, FP32: tl.constexpr,
 ):
-    s = tl.program_id(0)
-    kvh = tl.program_id(1)
-    n = tl.cdiv(tl.load(KVLens + s), BLOCK_SIZE)  # history blocks of this sequence
-    offs_b = tl.program_id(2) * TILE + tl.arange(0, TILE)
-    valid = offs_b < n
-    phys = tl.load(BlockTables + s * stride_bt + offs_b, mask=valid, other=0).to(tl.int64)
+    """Scores of pages ``offs_p`` of sequence ``s`` for KV head ``kvh`` (``n``: its pages of history)."""
+    valid = offs_p < n
+    phys = tl.load(BlockTables + s * stride_bt + offs_p * BLOCKS_PER_PAGE, mask=valid, other=0).to(tl.int64)
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     g_ok = offs_g < GROUP
@@ -118,35 +129,61 @@ def _score_kernel(
         score = tl.max(tl.where(g_ok[:, None], bound, float("-inf")), 0)
     else:
         score = tl.sum(tl.where(g_ok[:, None], bound, 0.0), 0)
-    forced = offs_b == n - 1
+    forced = offs_p == n - 1
     if KEEP_SINK:
-        forced = forced | (offs_b == 0)
+        forced = forced | (offs_p == 0)
     score = tl.where(forced, float("inf"), score)
-    score = tl.where(valid, score, float("-inf"))
-    tl.store(Scores + s * stride_ss + kvh * stride_sh + offs_b, score, mask=offs_b < width)
+    return tl.where(valid, score, float("-inf"))
 
 
-def block_scores(
+@triton.jit
+def _score_kernel(
+    Q, Meta, BlockTables, KVLens, Scores, width,
+    stride_qs, stride_qh, stride_mb, stride_mh, stride_mm, stride_bt, stride_ss, stride_sh,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCKS_PER_PAGE: tl.constexpr, TILE: tl.constexpr, REDUCE_MAX: tl.constexpr,
+    KEEP_SINK: tl.constexpr, FP32: tl.constexpr,
+):
+    s = tl.program_id(0)
+    kvh = tl.program_id(1)
+    n = tl.cdiv(tl.load(KVLens + s), PAGE_SIZE)  # history pages of this sequence
+    offs_p = tl.program_id(2) * TILE + tl.arange(0, TILE)
+    score = _page_bounds(Q, Meta, BlockTables, s, kvh, offs_p, n, stride_qs, stride_qh, stride_mb, stride_mh,
+                         stride_mm, stride_bt, GROUP, G_PAD, HEAD_DIM, BLOCK_D, BLOCKS_PER_PAGE, REDUCE_MAX,
+                         KEEP_SINK, FP32)
+    tl.store(Scores + s * stride_ss + kvh * stride_sh + offs_p, score, mask=offs_p < width)
+
+
+def _score_args(q: torch.Tensor, metadata: torch.Tensor, block_tables: torch.Tensor, page_size: int,
+                block_size: int, group_reduction: str, keep_sink: bool) -> dict:
+    """The constexprs the scoring shares with the fused selection."""
+    num_heads, head_dim = q.shape[1:]
+    group = num_heads // metadata.shape[1]
+    return dict(
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=page_size,
+        BLOCKS_PER_PAGE=page_size // block_size, REDUCE_MAX=group_reduction == "max", KEEP_SINK=keep_sink,
+        FP32=q.dtype == torch.float32 or not q.is_cuda,
+    )
+
+
+def page_scores(
     q: torch.Tensor, metadata: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
-    group_reduction: str = "max", keep_sink: bool = False,
+    page_size: int, group_reduction: str = "max", keep_sink: bool = False,
 ) -> torch.Tensor:
-    num_seqs, num_heads, head_dim = q.shape
+    num_seqs = q.shape[0]
     num_kv_heads = metadata.shape[1]
-    width = block_tables.shape[1]
+    width = triton.cdiv(block_tables.shape[1], page_size // block_size)
     scores = torch.empty(num_seqs, num_kv_heads, width, dtype=torch.float32, device=q.device)
     if num_seqs == 0 or width == 0:
         return scores
     assert q.stride(-1) == 1 and metadata.stride(-1) == 1 and block_tables.stride(-1) == 1
-    group = num_heads // num_kv_heads
     grid = (num_seqs, num_kv_heads, triton.cdiv(width, SCORE_TILE))
     _score_kernel[grid](
         q, metadata, block_tables, kv_lens, scores, width,
         q.stride(0), q.stride(1), metadata.stride(0), metadata.stride(1), metadata.stride(2),
-        block_tables.stride(0), scores.stride(0), scores.stride(1),
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, TILE=SCORE_TILE,
-        REDUCE_MAX=group_reduction == "max", KEEP_SINK=keep_sink,
-        FP32=q.dtype == torch.float32 or not q.is_cuda, num_warps=4,
+        block_tables.stride(0), scores.stride(0), scores.stride(1), TILE=SCORE_TILE,
+        **_score_args(q, metadata, block_tables, page_size, block_size, group_reduction, keep_sink), num_warps=4,
     )
     return scores
 
@@ -169,13 +206,13 @@ def _tile_keys(row, i, offs, width, TILE: tl.constexpr):
 
 
 @triton.jit
-def _topk_kernel(
-    Scores, Out, width, stride_sr, stride_or,
-    K: tl.constexpr, K_PAD: tl.constexpr, TILE: tl.constexpr, NUM_TILES: tl.constexpr,
+def _select_row(
+    row, out, width, history_blocks,
+    K: tl.constexpr, OUT_PAD: tl.constexpr, TILE: tl.constexpr, NUM_TILES: tl.constexpr,
+    BLOCKS_PER_PAGE: tl.constexpr,
 ):
-    r = tl.program_id(0).to(tl.int64)
-    row = Scores + r * stride_sr
-    out = Out + r * stride_or
+    """The blocks of the ``K`` best pages of one score row (``width`` pages) into ``out`` (``K *
+    BLOCKS_PER_PAGE`` entries): pages ascending, each as its blocks below ``history_blocks``, -1 padded."""
     offs = tl.arange(0, TILE)
     if NUM_TILES == 1:
         keys = _tile_keys(row, 0, offs, width, TILE)
@@ -209,24 +246,103 @@ def _topk_kernel(
         tie = ((tile == t) & (t > 0)).to(tl.int32)
         tie_rank = tl.cumsum(tie, 0) - tie
         take = ((tile > t) | ((tie == 1) & (tie_rank < ties_left))).to(tl.int32)
-        slot = written + tl.cumsum(take, 0) - take
-        tl.store(out + slot, (i * TILE + offs).to(tl.int32), mask=take == 1)
+        slot = (written + tl.cumsum(take, 0) - take) * BLOCKS_PER_PAGE
+        for j in tl.static_range(BLOCKS_PER_PAGE):
+            block = (i * TILE + offs) * BLOCKS_PER_PAGE + j
+            tl.store(out + slot + j, tl.where(block < history_blocks, block, -1).to(tl.int32), mask=take == 1)
         written += tl.sum(take, 0)
         ties_left -= tl.sum(tie * (tie_rank < ties_left).to(tl.int32), 0)
-    offs_k = tl.arange(0, K_PAD)
-    tl.store(out + offs_k, tl.full([K_PAD], -1, tl.int32), mask=(offs_k >= written) & (offs_k < K))
+    offs_k = tl.arange(0, OUT_PAD)
+    tl.store(out + offs_k, tl.full([OUT_PAD], -1, tl.int32),
+             mask=(offs_k >= written * BLOCKS_PER_PAGE) & (offs_k < K * BLOCKS_PER_PAGE))
 
 
-def top_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
+@triton.jit
+def _topk_kernel(
+    Scores, Out, KVLens, width, stride_sr, stride_or,
+    NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, K: tl.constexpr, OUT_PAD: tl.constexpr,
+    TILE: tl.constexpr, NUM_TILES: tl.constexpr, BLOCKS_PER_PAGE: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    history_blocks = tl.cdiv(tl.load(KVLens + r // NUM_KV_HEADS), BLOCK_SIZE)
+    _select_row(Scores + r * stride_sr, Out + r * stride_or, width, history_blocks, K, OUT_PAD, TILE, NUM_TILES,
+                BLOCKS_PER_PAGE)
+
+
+def _topk_args(width: int, k: int, page_size: int, block_size: int) -> dict:
+    """The constexprs the top-K shares with the fused selection, and its warps."""
+    tile = min(triton.next_power_of_2(max(width, 16)), MAX_TOPK_TILE)
+    per_page = page_size // block_size
+    return dict(K=k, OUT_PAD=triton.next_power_of_2(k * per_page), TILE=tile, NUM_TILES=triton.cdiv(width, tile),
+                BLOCKS_PER_PAGE=per_page, num_warps=8 if tile >= 4096 else 4)
+
+
+def top_pages(scores: torch.Tensor, k: int, kv_lens: torch.Tensor, block_size: int, page_size: int) -> torch.Tensor:
     num_seqs, num_kv_heads, width = scores.shape
-    out = torch.empty(num_seqs, num_kv_heads, k, dtype=torch.int32, device=scores.device)
+    out = torch.empty(num_seqs, num_kv_heads, k * (page_size // block_size), dtype=torch.int32,
+                      device=scores.device)
     if out.numel() == 0:
         return out
     assert scores.is_contiguous()
-    tile = min(triton.next_power_of_2(max(width, 16)), MAX_TOPK_TILE)
     _topk_kernel[(num_seqs * num_kv_heads,)](
-        scores, out, width, width, k,
-        K=k, K_PAD=triton.next_power_of_2(k), TILE=tile, NUM_TILES=triton.cdiv(width, tile),
-        num_warps=8 if tile >= 4096 else 4,
+        scores, out, kv_lens, width, width, out.shape[-1],
+        NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size, **_topk_args(width, k, page_size, block_size),
+    )
+    return out
+
+
+@triton.jit
+def _select_kernel(
+    Q, Meta, BlockTables, KVLens, Scores, Out, width,
+    stride_qs, stride_qh, stride_mb, stride_mh, stride_mm, stride_bt, stride_or,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCKS_PER_PAGE: tl.constexpr, REDUCE_MAX: tl.constexpr, KEEP_SINK: tl.constexpr,
+    FP32: tl.constexpr, SCORE_TILE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    K: tl.constexpr, OUT_PAD: tl.constexpr, TILE: tl.constexpr, NUM_TILES: tl.constexpr,
+):
+    """Scoring and top-K of one (sequence, KV head) in one program: the scores go through a scratch row
+    (L2-resident), so the step costs one launch and no second pass over the grid."""
+    s = tl.program_id(0)
+    kvh = tl.program_id(1)
+    kv_len = tl.load(KVLens + s)
+    n = tl.cdiv(kv_len, PAGE_SIZE)
+    row = Scores + (s * NUM_KV_HEADS + kvh).to(tl.int64) * width
+    for start in range(0, width, SCORE_TILE):
+        offs_p = start + tl.arange(0, SCORE_TILE)
+        score = _page_bounds(Q, Meta, BlockTables, s, kvh, offs_p, n, stride_qs, stride_qh, stride_mb,
+                             stride_mh, stride_mm, stride_bt, GROUP, G_PAD, HEAD_DIM, BLOCK_D, BLOCKS_PER_PAGE,
+                             REDUCE_MAX, KEEP_SINK, FP32)
+        tl.store(row + offs_p, score, mask=offs_p < width)
+    tl.debug_barrier()  # the program's threads read each other's scores
+    out = Out + (s * NUM_KV_HEADS + kvh).to(tl.int64) * stride_or
+    _select_row(row, out, width, tl.cdiv(kv_len, BLOCK_SIZE), K, OUT_PAD, TILE, NUM_TILES, BLOCKS_PER_PAGE)
+
+
+def select_pages(
+    q: torch.Tensor, metadata: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
+    page_size: int, k: int, group_reduction: str = "max", keep_sink: bool = False, fused: bool | None = None,
+) -> torch.Tensor:
+    """The blocks of the ``k`` best pages: scoring and top-K fused into one kernel when the score row
+    has at most ``MAX_FUSED_PAGES`` pages (``fused`` forces either way), else the two kernels."""
+    width = triton.cdiv(block_tables.shape[1], page_size // block_size)
+    if fused is None:
+        fused = width <= MAX_FUSED_PAGES
+    if not fused:
+        scores = page_scores(q, metadata, block_tables, kv_lens, block_size, page_size, group_reduction, keep_sink)
+        return top_pages(scores, k, kv_lens, block_size, page_size)
+    num_seqs, num_kv_heads = q.shape[0], metadata.shape[1]
+    out = torch.empty(num_seqs, num_kv_heads, k * (page_size // block_size), dtype=torch.int32, device=q.device)
+    if out.numel() == 0:
+        return out
+    if width == 0:
+        return out.fill_(-1)
+    assert q.stride(-1) == 1 and metadata.stride(-1) == 1 and block_tables.stride(-1) == 1
+    scratch = torch.empty(num_seqs, num_kv_heads, width, dtype=torch.float32, device=q.device)
+    _select_kernel[(num_seqs, num_kv_heads)](
+        q, metadata, block_tables, kv_lens, scratch, out, width,
+        q.stride(0), q.stride(1), metadata.stride(0), metadata.stride(1), metadata.stride(2),
+        block_tables.stride(0), out.shape[-1], SCORE_TILE=SCORE_TILE, NUM_KV_HEADS=num_kv_heads,
+        BLOCK_SIZE=block_size, **(_score_args(q, metadata, block_tables, page_size, block_size, group_reduction,
+                                              keep_sink) | _topk_args(width, k, page_size, block_size)),
     )
     return out

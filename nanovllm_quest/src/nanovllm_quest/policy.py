@@ -1,21 +1,23 @@
-"""The ``quest`` policy: per decode step and KV head, attend only to the blocks whose keys can score highest.
+"""The ``quest`` policy: per decode step and KV head, attend only to the pages whose keys can score highest.
 
-Quest (Tang et al., ICML 2024) keeps, per KV block and KV head, the channel-wise min and max of the
-block's keys. ``sum_i max(q_i * min_i, q_i * max_i)`` bounds ``q . k`` from above for every key of the
-block, so the blocks with the largest bounds are the ones that can hold the largest attention weights.
-Each decode step scores every history block from its metadata alone (1/block_size of the key bytes),
-keeps the ``token_budget // block_size`` best blocks per KV head, the newest block always, and attends
-exactly over them.
+Quest (Tang et al., ICML 2024) keeps, per page and KV head, the channel-wise min and max of the page's
+keys. ``sum_i max(q_i * min_i, q_i * max_i)`` bounds ``q . k`` from above for every key of the page, so
+the pages with the largest bounds are the ones that can hold the largest attention weights. Each decode
+step scores every history page from its metadata alone (1/page_size of the key bytes), keeps the
+``token_budget // page_size`` best pages per KV head, the newest page always, and attends exactly over
+their blocks. A page is ``page_size`` tokens, a whole number of KV blocks (the paper's page is 16 tokens,
+one block at the engine's default block size).
 
 - Metadata is kept from the KV-write hooks, on the GPU cache and with offload (the new keys are still on
-  the GPU there), at a cost proportional to the new tokens; a block's bounds restart when its first token
-  is written, which is how a reallocated block is first written, and a block shared through the prefix
-  cache keeps them.
+  the GPU there), at a cost proportional to the new tokens. A page's bounds live at its anchor, the
+  physical block of its first logical block; they restart when the page's first token is written, which
+  is how a reallocated anchor is first written, and a block shared through the prefix cache keeps them.
+  Sequences sharing an anchor whose later blocks differ all widen its bounds: an upper bound for each.
 - The first ``skip_layers`` layers, and any step whose budget covers the whole block table, run dense.
-  A sequence with no more blocks than the budget selects all of them.
+  A sequence with no more pages than the budget selects all of them.
 - Prefill is not Quest's phase (``supports_prefill=False``): it runs ``full`` or the prefill policy.
-- On CUDA the three steps are Triton kernels (:mod:`nanovllm_quest.kernels`), captured in the decode
-  graphs; on the CPU their torch references (:mod:`nanovllm_quest.reference`).
+- On CUDA the steps are Triton kernels (:mod:`nanovllm_quest.kernels`), captured in the decode graphs;
+  on the CPU their torch references (:mod:`nanovllm_quest.reference`).
 - With offload, the metadata stays on the GPU and only the selected head blocks cross PCIe
   (``ctx.attend_blocks``); the ``skip_layers`` are the policy's ``dense_layers``, whose KV the engine
   keeps resident on the GPU, so their whole history does not cross PCIe every step.
@@ -24,6 +26,7 @@ exactly over them.
 from __future__ import annotations
 
 import torch
+from nanovllm.attention.metadata import StepMetadata
 from nanovllm.policy import KVWrite, PolicyContext, SparsePolicy
 
 from nanovllm_quest import reference
@@ -47,6 +50,7 @@ class QuestPolicy(SparsePolicy):
 
     def __init__(self, config: QuestConfig | None = None) -> None:
         super().__init__(config if config is not None else QuestConfig())
+        self._rows_key: tuple | None = None  # (step, capturing) of the cached PageRows
 
     def metadata_bytes_per_block(self, num_layers, num_kv_heads, head_dim, block_size, dtype) -> int:
         sparse_layers = max(0, num_layers - self.config.skip_layers)
@@ -57,17 +61,26 @@ class QuestPolicy(SparsePolicy):
         return frozenset(range(min(self.config.skip_layers, num_layers)))
 
     def initialize(self, num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device) -> None:
-        if self.config.token_budget < block_size:
+        page, budget = self.config.page_size, self.config.token_budget
+        if page % block_size:
+            fit = -(-page // block_size) * block_size
             raise ValueError(
-                f"quest: token_budget={self.config.token_budget} is less than one KV block "
-                f"(block_size={block_size}); use token_budget >= {block_size}, e.g. "
-                f"sparse_policy='quest:token_budget={64 * block_size}'"
+                f"quest: page_size={page} is not a multiple of the KV block size (block_size={block_size}); "
+                f"use a multiple of {block_size}, e.g. sparse_policy='quest:page_size={fit}', or a KV "
+                f"block_size that divides {page}"
             )
-        self.budget_blocks = self.config.token_budget // block_size
+        if budget < page:
+            raise ValueError(
+                f"quest: token_budget={budget} is less than one page (page_size={page}, block_size="
+                f"{block_size}); use token_budget >= {page}, e.g. sparse_policy='quest:token_budget={64 * page}'"
+            )
         self.block_size = block_size
+        self.blocks_per_page = page // block_size
+        self.budget_pages = budget // page
         self.ops = _ops(torch.device(device))
         sparse_layers = max(0, num_layers - self.config.skip_layers)
-        # [layer - skip_layers, block, KV head, min|max, head_dim]; the dense layers keep none
+        # [layer - skip_layers, block, KV head, min|max, head_dim], a page's bounds at its anchor block;
+        # the dense layers keep none
         self.metadata = torch.empty(sparse_layers, num_blocks, num_kv_heads, 2, head_dim, dtype=dtype, device=device)
 
     # -- metadata ------------------------------------------------------------------------------------
@@ -77,29 +90,73 @@ class QuestPolicy(SparsePolicy):
         ``on_decode_offload``, while the new keys are still on the GPU, so the metadata stays there."""
         layer = write.layer_id - self.config.skip_layers
         if layer >= 0:
-            self.ops.update_metadata(self.metadata[layer], write.key, write.slot_mapping, write.positions,
-                                     self.block_size)
+            self.ops.update_metadata(self.metadata[layer], write.key, write.positions, self._page_rows(write),
+                                     self.config.page_size)
+
+    def _page_rows(self, write: KVWrite) -> reference.PageRows:
+        """The step's rows grouped by page anchor, computed once per step for all its layers (and again
+        inside a CUDA-graph capture, whose warm-up ran the same step outside it)."""
+        capturing = write.key.is_cuda and torch.cuda.is_current_stream_capturing()
+        if self._rows_key is None or self._rows_key[0] is not write.step or self._rows_key[1] != capturing:
+            self._rows = page_rows(write.step, self.block_size, self.config.page_size)
+            self._rows_key = (write.step, capturing)
+        return self._rows
 
     def block_metadata(self, layer_id: int, block_ids: torch.Tensor) -> torch.Tensor | None:
+        """Per-block bounds with pages of one block. Larger pages keep their bounds at the anchor as a union
+        that a shared anchor widens (see :class:`QuestConfig`), which no pass over the cache block by block
+        recomputes: the conformance kit's comparison does not apply, and the tests check the bound instead."""
         layer = layer_id - self.config.skip_layers
-        return self.metadata[layer, block_ids] if layer >= 0 else None
+        if layer < 0 or self.blocks_per_page > 1:
+            return None
+        return self.metadata[layer, block_ids]
 
     # -- decode ------------------------------------------------------------------------------------------
 
     def is_dense(self, ctx: PolicyContext) -> bool:
-        """A dense layer, or a budget that covers every block a sequence of this step can have."""
-        return ctx.layer_id < self.config.skip_layers or self.budget_blocks >= ctx.meta.block_tables.shape[1]
+        """A dense layer, or a budget that covers every page a sequence of this step can have."""
+        budget_blocks = self.budget_pages * self.blocks_per_page
+        return ctx.layer_id < self.config.skip_layers or budget_blocks >= ctx.meta.block_tables.shape[1]
 
     def select_blocks(self, ctx: PolicyContext) -> torch.Tensor:
         if self.is_dense(ctx):
             return ctx.all_history_blocks()
-        scores = self.ops.block_scores(
+        return self.ops.select_pages(
             ctx.query, self.metadata[ctx.layer_id - self.config.skip_layers], ctx.meta.block_tables,
-            ctx.history_lens, self.block_size, self.config.group_reduction, self.config.keep_sink,
+            ctx.history_lens, self.block_size, self.config.page_size, self.budget_pages,
+            self.config.group_reduction, self.config.keep_sink,
         )
-        return self.ops.top_blocks(scores, self.budget_blocks)
 
     def compute_chunked_decode(self, q: torch.Tensor, ctx: PolicyContext) -> torch.Tensor:
         if self.is_dense(ctx):
             return ctx.attend_all(q)
         return ctx.attend_blocks(q, self._selection(ctx))[0]
+
+
+def page_rows(step: StepMetadata, block_size: int, page_size: int) -> reference.PageRows:
+    """Each new row's page anchor, ``block_tables[seq, position // page_size * blocks_per_page]`` of its
+    sequence (decode rows: one sequence each; prefill rows: by ``cu_seqlens_q``), grouped by a stable sort,
+    since sequences that share an anchor through the prefix cache write to one page in one step. With pages
+    of one block the anchor is the row's own block, and a block's rows are already adjacent."""
+    slots = step.slot_mapping
+    if page_size == block_size:
+        return reference.PageRows(torch.where(slots >= 0, slots // block_size, -1), None)
+    per_page, nd = page_size // block_size, step.num_decode_tokens
+    page_col = step.positions // page_size * per_page
+    anchors = []
+    for phase, rows in ((step.decode, slice(0, nd)), (step.prefill, slice(nd, slots.shape[0]))):
+        if phase is None:
+            continue
+        tables = phase.block_tables
+        count = slots[rows].shape[0]
+        if tables.shape[1] == 0:  # the memory-profiling step: no cache, every slot -1
+            anchors.append(torch.full_like(slots[rows], -1))
+            continue
+        seq = torch.arange(count, device=slots.device)  # decode: one row per sequence
+        if phase is step.prefill:
+            seq = torch.repeat_interleave(seq[: phase.num_seqs], phase.query_lens, output_size=count)
+        col = page_col[rows].clamp(max=tables.shape[1] - 1)  # rows of CUDA-graph padding keep old positions
+        anchors.append(tables[seq, col].long())
+    anchor = torch.where(slots >= 0, torch.cat(anchors), -1)
+    order = torch.sort(anchor, stable=True).indices
+    return reference.PageRows(anchor[order], order)

@@ -73,10 +73,7 @@ def evaluate_layer(
     k_cache = _paged_cache(layer.k, num_blocks, bs, device, dtype)
     v_cache = _paged_cache(layer.v, num_blocks, bs, device, dtype)
     t = layer.k.shape[0]  # the whole text as one prefill, in blocks 0, 1, ...
-    blocks = list(range(-(-t // bs)))
-    counts = [min(bs, t - b * bs) for b in blocks]
-    starts = [b * bs for b in blocks]
-    policy.on_kv_write(KVWrite.of_blocks(layer.layer_id, k_cache, v_cache, blocks, counts, starts))
+    policy.on_kv_write(KVWrite.of_sequence(layer.layer_id, k_cache, v_cache, list(range(-(-t // bs))), t))
     pos = torch.tensor(positions, dtype=torch.long, device=device)
     q = layer.q[positions].to(device=device, dtype=dtype)
     ctx = PolicyContext(layer.layer_id, False, q, _decode_metadata(pos, bs), k_cache, v_cache, layer.scale,
