@@ -361,3 +361,45 @@ def test_the_nanovllm_serve_command_answers_and_exits_cleanly(tmp_path):
     # a child may still be exiting when the server has (seen here: no command line, gone a moment later)
     assert wait_until(lambda: not any(lingers(p) for p in engine_processes), TIMEOUT), \
         [p.cmdline() for p in engine_processes if lingers(p)]
+
+
+def test_prompt_forms_read_as_pydantics_smart_union_reads_them():
+    """The completion prompt's ordered union (token ids first, for speed) takes each form as the smart union
+    of every form did, and refuses what it refused."""
+    from pydantic import BaseModel, ValidationError
+
+    from nanovllm.entrypoints.openai_server import CompletionRequest
+
+    class Smart(BaseModel):
+        prompt: str | list[str] | list[int] | list[list[int]]
+
+    def read(model, prompt):
+        try:
+            value = model.model_validate({"prompt": prompt}).prompt
+            return value, [type(x) for x in value] if isinstance(value, list) else type(value)
+        except ValidationError:
+            return "refused"
+
+    prompts = ["text", "", ["one", "two"], ["1", "2"], [1, 2, 3], [], [[1, 2], [3]], [1.0, 2.0], [True, 2],
+               ["a", 1], [1, "a"], [[1, "a"]], [1.5], 3, {"prompt": "x"}, None, [[]], [["a"]]]
+    for prompt in prompts:
+        assert read(CompletionRequest, prompt) == read(Smart, prompt), prompt
+    assert read(CompletionRequest, [1, 2, 3]) == ([1, 2, 3], [int] * 3)
+    assert read(CompletionRequest, ["1", "2"]) == (["1", "2"], [str] * 2)
+
+
+@pytest.mark.parametrize("prompt", [[1, "a"], [[1, "a"]], {"prompt": "x"}, [1.5], None])
+def test_a_prompt_of_no_form_is_an_openai_shaped_400(llm, prompt):
+    from nanovllm import AsyncLLM
+    from nanovllm.entrypoints.openai_server import build_app
+
+    app = build_app(AsyncLLM.from_engine(llm), MODEL)  # refused before the engine is started
+
+    async def post():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as http:
+            return await http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
+
+    response = asyncio.run(post())
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == 400 and error["type"] == "BadRequestError"
+    assert "prompt" in error["message"]

@@ -5,6 +5,16 @@ temperature 0.6, ``ignore_eos``) sent to ``/v1/completions`` with streaming, the
 at each request rate (``inf``: all at once). Per rate: output tok/s over the run, request rate, and the mean
 and percentiles of the time to first token (TTFT), the time per output token after the first (TPOT) and the
 end-to-end latency. Results go to ``NAME.json`` and ``NAME.md`` like the other benchmarks.
+
+What the client does before the clock starts, so that the run times the server and not the client (they share
+the host's CPU; a burst at rate ``inf`` is where the client's costs showed):
+- one short request (as vLLM's initial test prompt, and offline B1's warm-up), untimed; an error there stops
+  the run;
+- the request bodies are encoded to JSON (a B1 body, a thousand token ids, ~0.2 ms to encode);
+- each request gets a client of its own with its connection already open (a ``GET /health`` on it): httpx
+  connects through anyio, which resolves even an IP address on a worker thread, ~1 ms of the client's event
+  loop per connection at a burst. The server's accepting the connection is then before the clock too.
+The requests themselves, their HTTP parsing, validation and everything after are timed.
 """
 
 from __future__ import annotations
@@ -35,18 +45,25 @@ def summary(name: str, values: list[float]) -> dict[str, float]:
     return out
 
 
-async def one_request(client, model: str, prompt: list[int], max_tokens: int, start_at: float,
-                      stream: bool = True) -> dict[str, Any]:
-    """Send one completion at ``start_at`` (perf_counter seconds); its timings and token count. Not streamed,
-    its first token is timed at the answer's arrival, as its latency."""
-    await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+JSON_HEADERS = {"content-type": "application/json"}
+
+
+def request_body(model: str, prompt: list[int], max_tokens: int, stream: bool) -> bytes:
+    """A B1 completion request, encoded."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.6, "ignore_eos": True}
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+async def one_request(client, body: bytes, start_at: float, stream: bool = True) -> dict[str, Any]:
+    """Send one encoded completion request at ``start_at`` (perf_counter seconds); its timings and token count.
+    Not streamed, its first token is timed at the answer's arrival, as its latency."""
+    await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
     sent = time.perf_counter()
     first = None
     tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as response:
+    async with client.stream("POST", "/v1/completions", content=body, headers=JSON_HEADERS) as response:
         if response.status_code != 200:
             return {"error": f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"}
         if not stream:
@@ -74,14 +91,19 @@ async def run_rate(base_url: str, model: str, prompts: list[list[int]], max_toke
     for _ in prompts:  # Poisson arrivals: exponential gaps at the rate; all at once for inf
         offsets.append(now)
         now += 0.0 if math.isinf(rate) else rng.expovariate(rate)
+    bodies = [request_body(model, p, m, stream) for p, m in zip(prompts, max_tokens, strict=True)]
     # a client (one connection) per request: httpx's pool looks at every connection for every request it
     # assigns and every response it closes, which with hundreds of requests at once costs more than they do
     async with contextlib.AsyncExitStack() as clients:
         per_request = [await clients.enter_async_context(httpx.AsyncClient(base_url=base_url, timeout=timeout,
                                                                            verify=False)) for _ in prompts]
+        warm_up = await one_request(per_request[0], request_body(model, [1, 2, 3], 4, stream), 0.0, stream)
+        if "error" in warm_up:
+            raise RuntimeError(f"the initial test request failed, so no run: {warm_up['error']}")
+        await asyncio.gather(*(client.get("/health") for client in per_request))  # each one's connection open
         start = time.perf_counter()
-        requests = zip(per_request, prompts, max_tokens, offsets, strict=True)
-        results = await asyncio.gather(*(one_request(c, model, p, m, start + o, stream) for c, p, m, o in requests))
+        requests = zip(per_request, bodies, offsets, strict=True)
+        results = await asyncio.gather(*(one_request(c, b, start + o, stream) for c, b, o in requests))
         elapsed = time.perf_counter() - start
     ok = [r for r in results if "error" not in r]
     produced = sum(r["tokens"] for r in ok)
