@@ -42,7 +42,7 @@ def window_env(tmp_path_factory) -> dict[str, str]:
 
 
 def run(args: list[str], env: dict[str, str], cwd: Path | None = None) -> str:
-    proc = subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{args[:3]} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
