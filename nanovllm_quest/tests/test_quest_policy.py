@@ -63,7 +63,7 @@ def test_config_is_checked_at_the_selection():
     installed()
     resolved = resolve_sparse_policy("quest:token_budget=1024,group_reduction=sum,keep_sink=true")
     assert resolved.cls is QuestPolicy
-    assert resolved.config == QuestConfig(1024, 2, "sum", True, 16)
+    assert resolved.config == QuestConfig(1024, 2, "sum", True, None)  # page: one KV block
     assert resolve_sparse_policy("quest:page_size=64").config.page_size == 64
     for bad, message in [("token_budget=0", "token_budget must be an int >= 1"),
                          ("skip_layers=-1", "skip_layers must be an int >= 0"),
@@ -224,3 +224,10 @@ def test_skip_layers_are_dense():
     layers = evaluate_policy("quest:token_budget=16,skip_layers=1", planted_capture(case, num_layers=2), [255])
     assert layers[0]["policy"]["density"] == pytest.approx(1.0)
     assert layers[0]["policy"]["policy_output_error"] < 1e-5
+
+
+@pytest.mark.parametrize("block", [4, 16, 32])
+def test_the_default_page_is_one_kv_block(block):
+    policy = QuestPolicy(QuestConfig(token_budget=64 * block))
+    policy.initialize(4, 2, 16, 10, block, torch.float32, "cpu")
+    assert (policy.page_size, policy.blocks_per_page, policy.budget_pages) == (block, 1, 64)

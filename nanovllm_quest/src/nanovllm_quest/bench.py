@@ -8,7 +8,7 @@ Jobs, each in its own process (one engine's GPU memory never shrinks the next on
   their own KV are captured one after another in one CUDA graph, as in the engine's decode graph, and the
   replay time is divided by their number; L2 is cold at each replay. A one-layer graph is timed too: its
   replay adds the graph's own launch (about 5 us) to every layer. Each Quest page size (``--page-sizes``)
-  is timed on the same caches, with scoring and top-K as two kernels and fused into one. The ceiling is
+  is timed on the same caches. The ceiling is
   ``1 / (1 / page_size + budget / context)``, the ratio of the bytes read.
 - ``decode``: the engine end to end, KV on the GPU, CUDA graphs: ``steps`` decode steps after prefilling
   ``batch`` prompts of ``context`` tokens, with ``full`` and with Quest.
@@ -88,8 +88,8 @@ def bench_attention(contexts: list[int], batches: list[int], budgets: list[int],
 
 def bench_quest(layers: list, backend, scale: float, context: int, batch: int, budget: int, page: int,
                 dense_ms: float, dense_one_ms: float) -> dict[str, Any]:
-    """One row: Quest's steps at one budget and page size over the layers' caches, against their dense time.
-    ``quest``: scoring and top-K as two kernels, then the attention; ``quest_fused``: the fused selection."""
+    """One row: Quest's steps at one budget and page size over the layers' caches, against their dense time
+    (scoring, then top-K, then the attention over the selection)."""
     from nanovllm.bench.kernels import graph_ms
 
     from nanovllm_quest import kernels
@@ -103,23 +103,15 @@ def bench_quest(layers: list, backend, scale: float, context: int, batch: int, b
     def top(x, scores):
         return kernels.top_pages(scores, k, x.meta.context_lens, BLOCK_SIZE, page)
 
-    def select_fused(x):
-        return kernels.select_pages(x.q, x.metadata[page], x.meta.block_tables, x.meta.context_lens, BLOCK_SIZE,
-                                    page, k, fused=True)
-
     def attend(x, sel):
         return backend.attend_blocks(x.q, x.k_cache, x.v_cache, x.meta, sel, x.meta.context_lens, scale)
 
     def quest(x):
         return attend(x, top(x, score(x)))
 
-    def quest_fused(x):
-        return attend(x, select_fused(x))
-
     scores = [score(x) for x in layers]
     selections = [top(x, s) for x, s in zip(layers, scores, strict=True)]
     quest_ms = graph_ms([partial(quest, x) for x in layers])
-    quest_fused_ms = graph_ms([partial(quest_fused, x) for x in layers])
     row = {
         "benchmark": "attention", "context": context, "batch": batch, "budget": budget, "page_size": page,
         "layers_in_graph": len(layers),
@@ -127,11 +119,9 @@ def bench_quest(layers: list, backend, scale: float, context: int, batch: int, b
         "score_us": 1000 * graph_ms([partial(score, x) for x in layers]),
         "topk_us": 1000 * graph_ms([partial(top, x, s) for x, s in zip(layers, scores, strict=True)]),
         "attend_us": 1000 * graph_ms([partial(attend, x, sel) for x, sel in zip(layers, selections, strict=True)]),
-        "fused_select_us": 1000 * graph_ms([partial(select_fused, x) for x in layers]),
-        "quest_fused_us": 1000 * quest_fused_ms,
         "dense_one_layer_us": 1000 * dense_one_ms,
         "quest_one_layer_us": 1000 * graph_ms([partial(quest, layers[0])]),
-        "speedup": dense_ms / quest_ms, "speedup_fused": dense_ms / quest_fused_ms,
+        "speedup": dense_ms / quest_ms,
         "ceiling": 1 / (1 / page + budget / context),
     }
     row["speedup_one_layer"] = row["dense_one_layer_us"] / row["quest_one_layer_us"]
@@ -250,20 +240,16 @@ def markdown(payload: dict[str, Any], title: str) -> str:
              f"Preset {PRESET} (random weights), blocks of {BLOCK_SIZE}, bfloat16; targets from issue 9.", "",
              "## Decode attention per layer (us; layers in one CUDA graph, cold L2)", "",
              "Columns `one layer`: a graph of one layer, whose replay adds the graph launch to the layer.", "",
-             "Columns `fused`: scoring and top-K in one kernel (`select`), then the attention (`Quest`).", "",
              "| context | batch | budget | page | layers | dense | Quest | score | top-K | attend | speedup | "
-             "ceiling | target | dense, one layer | Quest, one layer | speedup, one layer | select, fused | "
-             "Quest, fused | speedup, fused |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ceiling | target | dense, one layer | Quest, one layer | speedup, one layer |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["results"]:
         if r["benchmark"] == "attention":
-            fused = [f"{r['fused_select_us']:.1f}", f"{r['quest_fused_us']:.1f}", f"{r['speedup_fused']:.2f}x"] \
-                if "quest_fused_us" in r else ["", "", ""]
             cells = [r["context"], r["batch"], r["budget"], r.get("page_size", BLOCK_SIZE), r["layers_in_graph"],
                      f"{r['dense_us']:.1f}", f"{r['quest_us']:.1f}", f"{r['score_us']:.1f}", f"{r['topk_us']:.1f}",
                      f"{r['attend_us']:.1f}", f"{r['speedup']:.2f}x", f"{r['ceiling']:.1f}x",
                      f">= {r['target']}x" if r.get("target") else "", f"{r['dense_one_layer_us']:.1f}",
-                     f"{r['quest_one_layer_us']:.1f}", f"{r['speedup_one_layer']:.2f}x", *fused]
+                     f"{r['quest_one_layer_us']:.1f}", f"{r['speedup_one_layer']:.2f}x"]
             lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += ["", "## Decode in the engine (ms per step)", "",
               "| KV | context | batch | policy | ms/step | speedup vs full | target | floor ms | vs floor |",

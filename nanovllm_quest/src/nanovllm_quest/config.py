@@ -5,7 +5,6 @@ from __future__ import annotations
 import attrs
 
 GROUP_REDUCTIONS = ("max", "sum")
-DEFAULT_PAGE_SIZE = 16  # the paper's page; with the engine's default KV block of 16, one page is one block
 
 
 def _int_at_least(minimum: int):
@@ -37,7 +36,8 @@ class QuestConfig:
     - ``group_reduction``: how the bounds of a GQA group's query heads combine into the score of their
       shared KV head, ``max`` (a page matters if it matters to any head of the group) or ``sum``.
     - ``keep_sink``: always keep the first page (the attention sink) besides the newest one.
-    - ``page_size``: tokens of a Quest page, a multiple of the KV block size. The policy keeps one
+    - ``page_size``: tokens of a Quest page, a multiple of the KV block size (default: one KV block, 16
+      tokens with the engine's default blocks, the paper's page). The policy keeps one
       min/max per page and KV head, scores and ranks pages, and attends to the selected pages' blocks.
       Pages larger than a block read ``page_size / block_size`` times fewer metadata bytes and rank as
       many times fewer candidates, for a coarser selection. A page's bounds are kept at its first
@@ -49,4 +49,4 @@ class QuestConfig:
     skip_layers: int = attrs.field(default=2, validator=_int_at_least(0))
     group_reduction: str = attrs.field(default="max", validator=_one_of(GROUP_REDUCTIONS))
     keep_sink: bool = attrs.field(default=False, validator=_bool)
-    page_size: int = attrs.field(default=DEFAULT_PAGE_SIZE, validator=_int_at_least(1))
+    page_size: int | None = attrs.field(default=None, validator=attrs.validators.optional(_int_at_least(1)))

@@ -61,7 +61,8 @@ class QuestPolicy(SparsePolicy):
         return frozenset(range(min(self.config.skip_layers, num_layers)))
 
     def initialize(self, num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device) -> None:
-        page, budget = self.config.page_size, self.config.token_budget
+        page = block_size if self.config.page_size is None else self.config.page_size
+        budget = self.config.token_budget
         if page % block_size:
             fit = -(-page // block_size) * block_size
             raise ValueError(
@@ -74,7 +75,7 @@ class QuestPolicy(SparsePolicy):
                 f"quest: token_budget={budget} is less than one page (page_size={page}, block_size="
                 f"{block_size}); use token_budget >= {page}, e.g. sparse_policy='quest:token_budget={64 * page}'"
             )
-        self.block_size = block_size
+        self.block_size, self.page_size = block_size, page
         self.blocks_per_page = page // block_size
         self.budget_pages = budget // page
         self.ops = _ops(torch.device(device))
@@ -91,14 +92,14 @@ class QuestPolicy(SparsePolicy):
         layer = write.layer_id - self.config.skip_layers
         if layer >= 0:
             self.ops.update_metadata(self.metadata[layer], write.key, write.positions, self._page_rows(write),
-                                     self.config.page_size)
+                                     self.page_size)
 
     def _page_rows(self, write: KVWrite) -> reference.PageRows:
         """The step's rows grouped by page anchor, computed once per step for all its layers (and again
         inside a CUDA-graph capture, whose warm-up ran the same step outside it)."""
         capturing = write.key.is_cuda and torch.cuda.is_current_stream_capturing()
         if self._rows_key is None or self._rows_key[0] is not write.step or self._rows_key[1] != capturing:
-            self._rows = page_rows(write.step, self.block_size, self.config.page_size)
+            self._rows = page_rows(write.step, self.block_size, self.page_size)
             self._rows_key = (write.step, capturing)
         return self._rows
 
@@ -123,7 +124,7 @@ class QuestPolicy(SparsePolicy):
             return ctx.all_history_blocks()
         return self.ops.select_pages(
             ctx.query, self.metadata[ctx.layer_id - self.config.skip_layers], ctx.meta.block_tables,
-            ctx.history_lens, self.block_size, self.config.page_size, self.budget_pages,
+            ctx.history_lens, self.block_size, self.page_size, self.budget_pages,
             self.config.group_reduction, self.config.keep_sink,
         )
 
