@@ -28,6 +28,8 @@ before triton is imported) with float32 dots: the interpreter's bfloat16 dot is 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import triton
 import triton.language as tl
@@ -284,6 +286,21 @@ def context_rows(cache: torch.Tensor, block_table: torch.Tensor, ctx: int, kv_he
     return cache[phys, key_pos % kv_block_size].float()[:, kv_head]
 
 
+def query_chunks(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor) -> Iterator[tuple[int, int, int, int]]:
+    """``(sequence, first query row, queries, context length)`` of each sequence with queries in the step; a
+    chunk's queries are the last ``queries`` positions of its context."""
+    cu, ctx_lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    for s, ctx in enumerate(ctx_lens):
+        if cu[s + 1] > cu[s]:
+            yield s, cu[s], cu[s + 1] - cu[s], ctx
+
+
+def rows_per_slice(num_heads: int, ctx: int) -> int:
+    """Query rows taken at a time by the torch references, so their ``[H, rows, ctx]`` scores stay within
+    about 256 MB."""
+    return max(1, 2**26 // (num_heads * ctx))
+
+
 def block_sparse_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, blocks: torch.Tensor, block_counts: torch.Tensor,
@@ -301,11 +318,7 @@ def block_sparse_attention_reference(
     sel_head = torch.arange(num_heads, device=device) // (num_heads // blocks.shape[1])
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=device)
-    cu, ctx_lens = cu_seqlens_q.tolist(), context_lens.tolist()
-    for s, ctx in enumerate(ctx_lens):
-        q_len = cu[s + 1] - cu[s]
-        if q_len == 0:
-            continue
+    for s, first_row, q_len, ctx in query_chunks(cu_seqlens_q, context_lens):
         q0 = ctx - q_len
         first_block = q0 // block
         rows = (ctx - 1) // block - first_block + 1  # the rows this chunk uses
@@ -314,11 +327,10 @@ def block_sparse_attention_reference(
                                 first_block, num_key_blocks, s)  # [Hs, rows, key blocks]
         key_pos = torch.arange(ctx, device=device)
         k, v = (context_rows(cache, block_tables[s], ctx, kv_head) for cache in (k_cache, v_cache))
-        # query rows in slices, so the [H, rows, ctx] scores stay within about 256 MB
-        step = max(1, 2**26 // (num_heads * ctx))
+        step = rows_per_slice(num_heads, ctx)
         for start in range(0, q_len, step):
             q_pos = torch.arange(q0 + start, min(q0 + start + step, ctx), device=device)
-            t = slice(cu[s] + start, cu[s] + start + len(q_pos))
+            t = slice(first_row + start, first_row + start + len(q_pos))
             row = q_pos // block - first_block
             mask = listed[sel_head[:, None, None], row[None, :, None], (key_pos // block)[None, None, :]]
             mask &= key_pos[None, None, :] <= q_pos[None, :, None]  # [H, rows, ctx]
@@ -331,4 +343,5 @@ def block_sparse_attention_reference(
     return out, lse
 
 
-__all__ = ["block_sparse_attention", "block_sparse_attention_reference", "attention_config", "context_rows"]
+__all__ = ["block_sparse_attention", "block_sparse_attention_reference", "attention_config", "context_rows", "query_chunks",
+           "rows_per_slice"]

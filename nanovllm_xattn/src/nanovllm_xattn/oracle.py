@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from nanovllm_xattn.attention import context_rows
+from nanovllm_xattn.attention import context_rows, query_chunks, rows_per_slice
 from nanovllm_xattn.layout import num_key_blocks, num_query_blocks
 
 
@@ -30,19 +30,15 @@ def true_block_scores(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torc
     kv_head = torch.arange(num_heads, device=device) // (num_heads // num_kv_heads)
     scores = torch.zeros(context_lens.shape[0], num_heads, num_query_blocks(max_query_len, block),
                          num_key_blocks(max_context_len, block), dtype=torch.float32, device=device)
-    cu, ctx_lens = cu_seqlens_q.tolist(), context_lens.tolist()
-    for s, ctx in enumerate(ctx_lens):
-        q_len = cu[s + 1] - cu[s]
-        if q_len == 0:
-            continue
+    for s, first_row, q_len, ctx in query_chunks(cu_seqlens_q, context_lens):
         q0 = ctx - q_len
         num_blocks = -(-ctx // block)
         key_pos = torch.arange(ctx, device=device)
         k = context_rows(k_cache, block_tables[s], ctx, kv_head)  # [ctx, H, D]
-        step = max(1, 2**26 // (num_heads * ctx))  # query rows per slice: [H, rows, ctx] within about 256 MB
+        step = rows_per_slice(num_heads, ctx)
         for start in range(0, q_len, step):
             q_pos = torch.arange(q0 + start, min(q0 + start + step, ctx), device=device)
-            rows = q[cu[s] + start: cu[s] + start + len(q_pos)].float()
+            rows = q[first_row + start: first_row + start + len(q_pos)].float()
             logits = torch.einsum("qhd,khd->hqk", rows, k) * scale
             future = key_pos[None, None, :] > q_pos[None, :, None]
             probs = logits.masked_fill(future, float("-inf")).softmax(-1)
