@@ -343,5 +343,5 @@ def block_sparse_attention_reference(
     return out, lse
 
 
-__all__ = ["block_sparse_attention", "block_sparse_attention_reference", "attention_config", "context_rows", "query_chunks",
-           "rows_per_slice"]
+__all__ = ["block_sparse_attention", "block_sparse_attention_reference", "attention_config", "context_rows",
+           "query_chunks", "rows_per_slice"]
