@@ -171,11 +171,12 @@ def bench_engine(kind: str, context: int, batch: int, policy: str, steps: int) -
 def jobs(contexts: list[int], batches: list[int], budgets: list[int], budget: int, steps: int,
          page_sizes: list[int] = (16,)) -> list[dict]:
     quest = f"quest:token_budget={budget}"
+    paged = [f"{quest},page_size={p}" for p in page_sizes if p != BLOCK_SIZE]  # the engine at larger pages too
     out: list[dict] = [{"kind": "attention", "contexts": contexts, "batches": batches, "budgets": budgets,
                         "page_sizes": list(page_sizes)}]
     for context, batch in [(32768, 1), (131072, 1), (32768, 8)]:
         out += [{"kind": "decode", "context": context, "batch": batch, "policy": p, "steps": steps}
-                for p in ("full", quest)]
+                for p in ("full", quest, *paged)]
     out.append({"kind": "offload-copy"})
     out += [{"kind": "offload", "context": 131072, "batch": 1, "policy": p, "steps": s}
             for p, s in (("full", 3), (quest, steps), (quest + ",skip_layers=0", steps))]
