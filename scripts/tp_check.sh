@@ -4,8 +4,10 @@
 # TP2). A run that outlives its limit has every Python process of it dump its stacks (SIGABRT with
 # PYTHONFAULTHANDLER), so a hang in NCCL or in graph capture shows where each rank waits. Logs and results
 # go to $OUT (or ./gpu_out).
-#   TP_JOBS="tests allreduce latency throughput"   which parts to run (default: all)
+#   TP_JOBS="tests allreduce latency throughput"   which parts to run, in this order (default: all)
 #   TP_LIMIT=420   seconds for the tests      B6_LIMIT=300   seconds for each benchmark command
+#   B6_PRESETS="qwen3-8b llama-3.1-8b"   presets of the latency job
+#   THROUGHPUT_TP="2"   tensor-parallel sizes of the B1 throughput job ("1 2": TP1 in the same run)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -31,21 +33,23 @@ bounded() {  # bounded SECONDS LOG COMMAND...
   tail -n 40 "$log"
 }
 
-JOBS=" ${TP_JOBS:-tests allreduce latency throughput} "
-if [[ $JOBS == *" tests "* ]]; then
-  bounded "${TP_LIMIT:-420}" "$OUT/tp_tests.log" python3 -m pytest -q -m gpu core/tests/test_tensor_parallel_gpu.py
-fi
-if [[ $JOBS == *" allreduce "* ]]; then
-  bounded "${B6_LIMIT:-300}" "$OUT/b6_allreduce_tp2.log" python3 -m nanovllm.cli bench allreduce \
-    --presets qwen3-8b --tensor-parallel-size 2 --out "$OUT" --name b6_allreduce_tp2
-fi
-if [[ $JOBS == *" latency "* ]]; then
-  for tp in 1 2; do
-    bounded "${B6_LIMIT:-300}" "$OUT/b6_latency_tp$tp.log" python3 -m nanovllm.cli bench latency \
-      --presets qwen3-8b llama-3.1-8b --tensor-parallel-size "$tp" --out "$OUT" --name "b6_latency_tp$tp"
-  done
-fi
-if [[ $JOBS == *" throughput "* ]]; then
-  bounded "${B6_LIMIT:-300}" "$OUT/b6_throughput_tp2.log" python3 -m nanovllm.cli bench throughput \
-    --presets qwen3-8b --tensor-parallel-size 2 --out "$OUT" --name b6_throughput_tp2
-fi
+for job in ${TP_JOBS:-tests allreduce latency throughput}; do  # in the order given
+  case $job in
+    tests)
+      bounded "${TP_LIMIT:-420}" "$OUT/tp_tests.log" python3 -m pytest -q -m gpu core/tests/test_tensor_parallel_gpu.py ;;
+    allreduce)
+      bounded "${B6_LIMIT:-300}" "$OUT/b6_allreduce_tp2.log" python3 -m nanovllm.cli bench allreduce \
+        --presets qwen3-8b --tensor-parallel-size 2 --out "$OUT" --name b6_allreduce_tp2 ;;
+    latency)
+      for tp in 1 2; do
+        bounded "${B6_LIMIT:-300}" "$OUT/b6_latency_tp$tp.log" python3 -m nanovllm.cli bench latency \
+          --presets ${B6_PRESETS:-qwen3-8b llama-3.1-8b} --tensor-parallel-size "$tp" --out "$OUT" --name "b6_latency_tp$tp"
+      done ;;
+    throughput)
+      for tp in ${THROUGHPUT_TP:-2}; do
+        bounded "${B6_LIMIT:-300}" "$OUT/b6_throughput_tp$tp.log" python3 -m nanovllm.cli bench throughput \
+          --presets qwen3-8b --tensor-parallel-size "$tp" --out "$OUT" --name "b6_throughput_tp$tp"
+      done ;;
+    *) echo "unknown TP_JOBS entry: $job (tests, allreduce, latency, throughput)"; exit 2 ;;
+  esac
+done

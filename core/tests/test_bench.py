@@ -225,6 +225,6 @@ def test_allreduce_bench_on_the_cpu(tmp_path, monkeypatch):
         assert r["world_size"] == 2 and r["allreduces_per_step"] == 2 * 28  # qwen3-0.6b: 28 layers
         assert r["bytes_per_allreduce"] == r["batch"] * 1024 * 4  # hidden 1024, float32 on the CPU
         assert r["ms_per_step"] == pytest.approx(r["us_per_allreduce"] * 56 / 1e3)
-    assert "| eager | 3 | 12,288 |" in (tmp_path / "allreduce.md").read_text()
+    assert "| gloo | eager | 3 | 12,288 |" in (tmp_path / "allreduce.md").read_text()
     with pytest.raises(ValueError, match="needs --tensor-parallel-size 2 or more"):
         allreduce.run(1)

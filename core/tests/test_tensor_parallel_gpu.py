@@ -73,3 +73,17 @@ def test_quest_under_two_gpus(tiny_model):
     path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
     engine = dict(dtype="float32", block_size=16, sparse_policy="quest:token_budget=32,skip_layers=0")
     assert_same_tokens(generate(path, 1, **engine), generate(path, 2, **engine), 1e-3)
+
+
+def test_symmetric_all_reduce_sums_as_nccl_does():
+    """The engine's all-reduce (one-shot, two-shot, and NCCL past its buffer) equals NCCL's sum, eagerly and
+    replayed from a graph; where the GPUs have peer access it must be in use."""
+    from nanovllm.bench import allreduce
+
+    # qwen3-0.6b rows are 2 KB: one-shot, two-shot (over 512 KiB) and NCCL (over the 4 MiB buffer)
+    rows = allreduce.run(2, preset="qwen3-0.6b", batches=(1, 300, 1500, 4096), steps=3)
+    if torch.cuda.can_device_access_peer(0, 1):
+        assert all(r["symmetric_off"] is None for r in rows)
+        paths_and_modes = {(r["path"], r["mode"]) for r in rows}
+        assert paths_and_modes == {(p, m) for p in ("nccl", "symmetric") for m in ("eager", "graph")}
+    assert all(r["us_per_allreduce"] > 0 for r in rows)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,7 @@ _control_channel: ShmBroadcast | None = None  # the step broadcast of ranks on o
 # Run before the world is left: NCCL cannot destroy a communicator that a live CUDA graph captured (it
 # waits for the graph, forever), so whoever captured collectives registers the graphs' release here.
 _before_destroy: list[weakref.WeakMethod] = []
+_symmetric: SymmetricAllReduce | None = None  # small all-reduces, when the GPUs allow
 
 
 def tp_rank() -> int:
@@ -42,9 +44,79 @@ def tp_size() -> int:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum over the ranks (``x`` itself, or a new tensor: use the result)."""
     if tp_size() > 1:
+        if _symmetric is not None and _symmetric.takes(x):
+            return _symmetric(x)
         dist.all_reduce(x)
     return x
+
+
+SYMMETRIC_VARIABLE = "NANOVLLM_SYMMETRIC_ALL_REDUCE"  # "0": every all-reduce goes through NCCL
+
+
+class SymmetricAllReduce:
+    """All-reduces of small tensors through PyTorch's symmetric memory: every rank copies its input into a
+    buffer that the other GPUs of the host map (peer to peer), then each rank reads and sums every rank's
+    copy itself, in one kernel. A decode step's all-reduces are a few KB, where NCCL's ring pays its
+    latency twice; NVLink multicast is not used. Larger tensors (prefill) stay on NCCL."""
+
+    BUFFER_BYTES = 4 << 20  # two-shot up to this; a B1 decode step's [256, 4096] bf16 is 2 MiB
+    ONE_SHOT_MAX_BYTES = 512 << 10  # one-shot: each rank reads every peer's whole tensor
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self.group_name = dist.group.WORLD.group_name
+        self.buffer = symm_mem.empty(self.BUFFER_BYTES // dtype.itemsize, dtype=dtype, device=device)
+        symm_mem.rendezvous(self.buffer, self.group_name)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.dtype == self.buffer.dtype and x.numel() <= self.buffer.numel() and x.is_contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        staging = self.buffer[: x.numel()].view_as(x)
+        out = torch.empty_like(x)
+        if x.numel() * x.element_size() <= self.ONE_SHOT_MAX_BYTES:
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(staging, x, "sum", self.group_name, out)
+        else:  # reduce-scatter then all-gather, each rank moving a 1/world share
+            staging.copy_(x)
+            torch.ops.symm_mem.two_shot_all_reduce_out(staging, "sum", self.group_name, out)
+        return out
+
+
+
+def enable_symmetric_all_reduce(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Every rank calls this together once it holds its GPU: small all-reduces of ``dtype`` then go through
+    :class:`SymmetricAllReduce`. Returns why they stay on NCCL (None: they do not). It needs every rank on
+    one host with peer access between their GPUs, and a test sum that comes out right on every rank."""
+    global _symmetric
+    if tp_size() == 1 or device.type != "cuda":
+        return "one rank" if tp_size() == 1 else f"on {device.type}, not CUDA"
+    places: list[Any] = [None] * tp_size()
+    dist.all_gather_object(places, (socket.gethostname(), torch.cuda.current_device()), group=_control_group)
+    here = torch.cuda.current_device()
+    reason = None
+    if os.environ.get(SYMMETRIC_VARIABLE, "1") == "0":
+        reason = f"{SYMMETRIC_VARIABLE}=0"
+    elif len({host for host, _ in places}) > 1:
+        reason = "the ranks are on several hosts"
+    elif not all(gpu == here or torch.cuda.can_device_access_peer(here, gpu) for _, gpu in places):
+        reason = "the GPUs have no peer access to each other"
+    if agree_min(int(reason is None)) == 1:
+        try:
+            _symmetric = SymmetricAllReduce(dtype, device)
+        except Exception as exc:  # noqa: BLE001 -- whatever it is, NCCL still works
+            reason = f"{type(exc).__name__}: {exc}"
+        if agree_min(int(reason is None)) == 1:  # every rank holds the buffer: test it together
+            total = all_reduce(torch.full((1024,), tp_rank() + 1.0, dtype=dtype, device=device))
+            if not bool((total == tp_size() * (tp_size() + 1) / 2).all()):
+                reason = "a test sum came out wrong"
+        if agree_min(int(reason is None)) == 0:
+            reason = reason or "another rank could not use it"
+    if reason is not None:
+        _symmetric = None
+    return reason
 
 
 def init_tensor_parallel(rank: int, world_size: int, device_type: str, store: dist.Store | None = None,
@@ -93,12 +165,12 @@ def destroy_tensor_parallel(peers_gone: bool = False) -> None:
     """Leave the world. NCCL's shutdown waits for every rank to shut down too, so ranks that stop together
     call this together; ``peers_gone``: some ranks died or were killed, and NCCL's communicators are
     aborted instead, which waits for no one."""
-    global _control_group, _control_channel
+    global _control_group, _control_channel, _symmetric
     while _before_destroy:
         release = _before_destroy.pop()()
         if release is not None:
             release()
-    _control_group = _control_channel = None
+    _control_group = _control_channel = _symmetric = None
     if dist.is_available() and dist.is_initialized():
         if peers_gone and dist.get_backend() == "nccl":
             dist.distributed_c10d._abort_process_group()

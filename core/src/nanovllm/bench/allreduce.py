@@ -4,7 +4,8 @@ A tensor-parallel decode step all-reduces the hidden states ``[batch, hidden]`` 
 attention and after the MLP). This starts a world of ``world_size`` ranks on this host (one GPU each, NCCL;
 gloo on the CPU), rank 0 in the calling process, and times a step's ``2 * num_hidden_layers`` all-reduces
 of a preset's shape, back to back: eagerly (one launch each) and, on CUDA, replayed from one CUDA graph that
-captured a whole step's. Reported per batch size and mode, the median over the steps: microseconds per
+captured a whole step's, through NCCL and through the engine's ``all_reduce`` (symmetric memory where the
+GPUs have peer access). Reported per batch size, path and mode, the median over the steps: microseconds per
 all-reduce and milliseconds per step.
 """
 
@@ -19,7 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nanovllm.distributed import destroy_tensor_parallel, init_tensor_parallel
+from nanovllm.distributed import (
+    all_reduce,
+    destroy_tensor_parallel,
+    enable_symmetric_all_reduce,
+    init_tensor_parallel,
+)
 from nanovllm.presets import PRESETS
 
 WARMUP_STEPS = 5
@@ -53,37 +59,51 @@ def _median_step_seconds(step: Callable[[], None], steps: int, cuda: bool) -> fl
 
 
 def _measure(preset: str, batches: list[int], steps: int) -> list[dict[str, Any]]:
-    """Every rank runs this in step; rank 0's rows are the result."""
+    """Every rank runs this in step; rank 0's rows are the result. Each batch is timed through NCCL and, where
+    the GPUs allow, through the engine's own ``all_reduce`` (symmetric memory for small tensors), whose sum
+    must equal NCCL's."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32  # a CPU run only checks the benchmark itself
     hidden, per_step = step_shape(preset)
+    symmetric_off = enable_symmetric_all_reduce(dtype, device)
+    paths: dict[str, Callable[[torch.Tensor], Any]] = {"nccl" if cuda else "gloo": dist.all_reduce}
+    if symmetric_off is None:
+        paths["symmetric"] = all_reduce
     rows = []
     for batch in batches:
         x = torch.zeros(batch, hidden, dtype=dtype, device=device)  # zeros: sums stay finite
+        if symmetric_off is None:
+            probe = torch.randn(batch, hidden, generator=torch.Generator(device).manual_seed(dist.get_rank()),
+                                device=device, dtype=dtype)
+            expected = probe.clone()
+            dist.all_reduce(expected)
+            torch.testing.assert_close(all_reduce(probe), expected)
+        for path, reduce in paths.items():
 
-        def step(x: torch.Tensor = x) -> None:
-            for _ in range(per_step):
-                dist.all_reduce(x)
+            def step(x: torch.Tensor = x, reduce=reduce) -> None:
+                for _ in range(per_step):
+                    reduce(x)
 
-        modes = {"eager": step}
-        if cuda:
-            step()  # NCCL sets up its communicator on the first collective, which a capture cannot hold
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            modes["graph"] = graph.replay
-        for mode, run in modes.items():
-            seconds = _median_step_seconds(run, steps, cuda)
-            rows.append({
-                "benchmark": "allreduce", "preset": preset, "mode": mode, "batch": batch,
-                "world_size": dist.get_world_size(), "dtype": str(dtype).removeprefix("torch."),
-                "allreduces_per_step": per_step, "bytes_per_allreduce": x.numel() * x.element_size(),
-                "us_per_allreduce": seconds / per_step * 1e6, "ms_per_step": seconds * 1e3,
-            })
-        if cuda:
-            graph.reset()  # before the world is left: NCCL waits for graphs that captured its communicator
+            modes = {"eager": step}
+            if cuda:
+                step()  # NCCL sets up its communicator on the first collective, which a capture cannot hold
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+                modes["graph"] = graph.replay
+            for mode, run in modes.items():
+                seconds = _median_step_seconds(run, steps, cuda)
+                rows.append({
+                    "benchmark": "allreduce", "preset": preset, "path": path, "mode": mode, "batch": batch,
+                    "world_size": dist.get_world_size(), "dtype": str(dtype).removeprefix("torch."),
+                    "allreduces_per_step": per_step, "bytes_per_allreduce": x.numel() * x.element_size(),
+                    "us_per_allreduce": seconds / per_step * 1e6, "ms_per_step": seconds * 1e3,
+                    "symmetric_off": symmetric_off,
+                })
+            if cuda:
+                graph.reset()  # before the world is left: NCCL waits for graphs that captured its group
     return rows
 
 
@@ -133,9 +153,13 @@ def markdown_lines(results: list[dict[str, Any]]) -> list[str]:
     rows = [r for r in results if r["benchmark"] == "allreduce" and "error" not in r]
     if not rows:
         return []
-    lines = ["", f"All-reduces of a decode step: {rows[0]['allreduces_per_step']} of [batch, hidden] "
-             f"{rows[0]['dtype']} ({rows[0]['preset']}), {rows[0]['world_size']} ranks.",
-             "", "| mode | batch | bytes | us per all-reduce | ms per step |", "|---|---|---|---|---|"]
-    lines += [f"| {r['mode']} | {r['batch']} | {r['bytes_per_allreduce']:,} | {r['us_per_allreduce']:.1f} | "
-              f"{r['ms_per_step']:.3f} |" for r in rows]
+    first = rows[0]
+    lines = ["", f"All-reduces of a decode step: {first['allreduces_per_step']} of [batch, hidden] "
+             f"{first['dtype']} ({first['preset']}), {first['world_size']} ranks. Path `symmetric`: the "
+             "engine's own all-reduce (symmetric memory up to its buffer, NCCL above)."]
+    if first["symmetric_off"]:
+        lines.append(f"Symmetric memory not used: {first['symmetric_off']}.")
+    lines += ["", "| path | mode | batch | bytes | us per all-reduce | ms per step |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['path']} | {r['mode']} | {r['batch']} | {r['bytes_per_allreduce']:,} | "
+              f"{r['us_per_allreduce']:.1f} | {r['ms_per_step']:.3f} |" for r in rows]
     return lines

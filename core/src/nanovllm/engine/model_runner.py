@@ -25,6 +25,7 @@ from nanovllm.distributed import (
     barrier_within,
     broadcast_control,
     capture_problem,
+    enable_symmetric_all_reduce,
     release_before_destroy,
     tp_rank,
     tp_size,
@@ -244,6 +245,8 @@ class ModelRunner:
             load_weights(self.model, model_path)
         self.model.eval()
         barrier()  # a rank that failed to build or load its shard is reported here, not in a collective
+        # why small all-reduces stay on NCCL (None: they go peer to peer through symmetric memory)
+        self.symmetric_all_reduce_off = enable_symmetric_all_reduce(self.dtype, self.device)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         first = self.attention_layers[0]
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
