@@ -1,9 +1,13 @@
-"""Tensor parallelism on two GPUs (NCCL): two ranks give one rank's greedy tokens, with CUDA graphs and
-eagerly, and bfloat16 logprobs close to one rank's; Quest keeps per-rank metadata and selects from the
-KV heads each rank owns; a worker that hangs in its graph capture (rank 0 captures for real) leaves an
-eager engine with one rank's tokens. Skipped without two CUDA devices."""
+"""Tensor parallelism on two GPUs (NCCL, and symmetric memory for small all-reduces): two ranks give one
+rank's greedy tokens, with CUDA graphs and eagerly, and bfloat16 logprobs close to one rank's; Quest keeps
+per-rank metadata and selects from the KV heads each rank owns; a worker that hangs in its graph capture
+(rank 0 captures for real) leaves an eager engine with one rank's tokens. Skipped without two CUDA devices."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -32,6 +36,23 @@ def assert_same_tokens(want: list, got: list, logprob_tol: float) -> None:
                 assert token in lp_g
                 assert lp_g[token].logprob == pytest.approx(entry.logprob, abs=logprob_tol)
     assert len({t for w in want for t in w.outputs[0].token_ids}) > 4  # not one repeated token
+
+
+def test_symmetric_all_reduce_in_the_engine(tiny_model):
+    """With peer access, the first tensor-parallel engine of a process all-reduces through symmetric memory
+    (CUDA graphs); a second one keeps NCCL, and says why (pytorch#196082). Both give one rank's tokens."""
+    from nanovllm import distributed
+
+    path = tiny_model("Qwen3ForCausalLM", initializer_range=INIT)
+    want = generate(path, 1, dtype="float32")
+    first_in_process = distributed._rendezvous_count == 0
+    for engine_number in range(2):
+        with LLM(path, tensor_parallel_size=2, kv_cache_memory=1 << 26, dtype="float32") as llm:
+            off = llm.runner.symmetric_all_reduce_off
+            got = llm.generate(PROMPTS, SamplingParams(**GREEDY), use_tqdm=False)
+        assert_same_tokens(want, got, 1e-3)
+        if torch.cuda.can_device_access_peer(0, 1) and first_in_process:
+            assert (off is None) if engine_number == 0 else ("196082" in off)
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
@@ -75,15 +96,20 @@ def test_quest_under_two_gpus(tiny_model):
     assert_same_tokens(generate(path, 1, **engine), generate(path, 2, **engine), 1e-3)
 
 
-def test_symmetric_all_reduce_sums_as_nccl_does():
-    """The engine's all-reduce (one-shot, two-shot, and NCCL past its buffer) equals NCCL's sum, eagerly and
-    replayed from a graph; where the GPUs have peer access it must be in use."""
-    from nanovllm.bench import allreduce
 
+def test_symmetric_all_reduce_sums_as_nccl_does(tmp_path):
+    """The engine's all-reduce (one-shot, two-shot, and NCCL past its buffer) equals NCCL's sum, eagerly and
+    replayed from a graph (the benchmark checks it); where the GPUs have peer access it must be in use. In
+    a process of its own: PyTorch's rendezvous numbering is per process (see the next test)."""
     # qwen3-0.6b rows are 2 KB: one-shot, two-shot (over 512 KiB) and NCCL (over the 4 MiB buffer)
-    rows = allreduce.run(2, preset="qwen3-0.6b", batches=(1, 300, 1500, 4096), steps=3)
+    command = ["bench", "allreduce", "--presets", "qwen3-0.6b", "--tensor-parallel-size", "2",
+               "--allreduce-batches", "1", "300", "1500", "4096", "--allreduce-steps", "3",
+               "--out", str(tmp_path), "--name", "ar"]
+    subprocess.run([sys.executable, "-m", "nanovllm.cli", *command], check=True, timeout=300)
+    results = json.loads((tmp_path / "ar.json").read_text())["results"]
+    rows = [r for r in results if r["benchmark"] == "allreduce"]
     if torch.cuda.can_device_access_peer(0, 1):
         assert all(r["symmetric_off"] is None for r in rows)
         paths_and_modes = {(r["path"], r["mode"]) for r in rows}
         assert paths_and_modes == {(p, m) for p in ("nccl", "symmetric") for m in ("eager", "graph")}
-    assert all(r["us_per_allreduce"] > 0 for r in rows)
+    assert len(rows) >= 8 and all(r["us_per_allreduce"] > 0 for r in rows)

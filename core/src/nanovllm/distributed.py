@@ -33,6 +33,7 @@ _control_channel: ShmBroadcast | None = None  # the step broadcast of ranks on o
 # waits for the graph, forever), so whoever captured collectives registers the graphs' release here.
 _before_destroy: list[weakref.WeakMethod] = []
 _symmetric: SymmetricAllReduce | None = None  # small all-reduces, when the GPUs allow
+_rendezvous_count = 0  # symmetric-memory rendezvous this process has begun
 
 
 def tp_rank() -> int:
@@ -90,21 +91,27 @@ def enable_symmetric_all_reduce(dtype: torch.dtype, device: torch.device) -> str
     """Every rank calls this together once it holds its GPU: small all-reduces of ``dtype`` then go through
     :class:`SymmetricAllReduce`. Returns why they stay on NCCL (None: they do not). It needs every rank on
     one host with peer access between their GPUs, and a test sum that comes out right on every rank."""
-    global _symmetric
+    global _symmetric, _rendezvous_count
     if tp_size() == 1 or device.type != "cuda":
         return "one rank" if tp_size() == 1 else f"on {device.type}, not CUDA"
     places: list[Any] = [None] * tp_size()
-    dist.all_gather_object(places, (socket.gethostname(), torch.cuda.current_device()), group=_control_group)
+    dist.all_gather_object(places, (socket.gethostname(), torch.cuda.current_device(), _rendezvous_count),
+                           group=_control_group)
     here = torch.cuda.current_device()
     reason = None
     if os.environ.get(SYMMETRIC_VARIABLE, "1") == "0":
         reason = f"{SYMMETRIC_VARIABLE}=0"
-    elif len({host for host, _ in places}) > 1:
+    elif len({host for host, _, _ in places}) > 1:
         reason = "the ranks are on several hosts"
-    elif not all(gpu == here or torch.cuda.can_device_access_peer(here, gpu) for _, gpu in places):
+    elif not all(gpu == here or torch.cuda.can_device_access_peer(here, gpu) for _, gpu, _ in places):
         reason = "the GPUs have no peer access to each other"
+    elif len({count for _, _, count in places}) > 1:
+        # PyTorch numbers a process's rendezvous, not a group's, and the ranks must agree (pytorch#196082):
+        # an engine started after another one in this process has fresh workers, whose numbers differ
+        reason = "an earlier tensor-parallel engine in this process used symmetric memory (pytorch#196082)"
     if agree_min(int(reason is None)) == 1:
         try:
+            _rendezvous_count += 1
             _symmetric = SymmetricAllReduce(dtype, device)
         except Exception as exc:  # noqa: BLE001 -- whatever it is, NCCL still works
             reason = f"{type(exc).__name__}: {exc}"

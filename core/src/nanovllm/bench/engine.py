@@ -148,8 +148,10 @@ def bench_latency(preset: str, eager: bool, **engine_options: Any) -> dict[str, 
     }
 
 
-def profile_decode_step(preset: str, steps: int = 30, **engine_options: Any) -> dict[str, Any]:
-    """Where one full-batch decode step of the B1 workload goes: the B1 prompts are prefilled, then
+def profile_decode_step(preset: str, steps: int = 30, num_seqs: int = 256,
+                        **engine_options: Any) -> dict[str, Any]:
+    """Where one full-batch decode step of the B1 workload goes (its first ``num_seqs`` prompts; 1: a
+    batch-1 step, as B2 and B6 time them): the prompts are prefilled, then
     decode steps are timed (wall clock per step; the host phases without and with a synchronisation
     after each, which separates host work from waiting; ``wait_and_apply`` is where the host waits
     for the GPU) and five are profiled (GPU kernel time)."""
@@ -159,7 +161,7 @@ def profile_decode_step(preset: str, steps: int = 30, **engine_options: Any) -> 
     from nanovllm import LLM, SamplingParams
 
     llm = LLM(preset, max_model_len=4096, **engine_options)
-    prompts, _ = throughput_workload()
+    prompts, _ = throughput_workload(num_seqs=num_seqs)
     for p in prompts:  # every sequence outlives the profiled steps
         llm.add_request(p, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1024))
     sched, runner = llm.scheduler, llm.runner
