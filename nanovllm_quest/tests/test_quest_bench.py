@@ -14,7 +14,7 @@ def test_quest_rows_get_their_speedup_target_and_floor():
          "decode_ms_per_step": 20.0, "kv_tokens_per_step": 131072, "kv_bytes_per_token": kv_per_token},
         {"benchmark": "attention", "context": 32768, "batch": 1, "budget": 2048, "dense_us": 60.0, "quest_us": 20.0,
          "score_us": 1.0, "topk_us": 1.0, "attend_us": 1.0, "speedup": 3.0, "ceiling": 8.0, "layers_in_graph": 8,
-         "page_size": 16, "topk_digit_bits": 4,
+         "page_size": 16,
          "dense_one_layer_us": 66.0, "quest_one_layer_us": 33.0, "speedup_one_layer": 2.0},
     ]
     full, quest, attention = bench.with_ratios(rows)[1:]
@@ -29,7 +29,6 @@ def test_quest_rows_get_their_speedup_target_and_floor():
     assert "| host pool | 131072 | 1 | quest:token_budget=2048,skip_layers=0 | 20.00 | 20.00x | >= 20.0x |" in text
     assert "| 32768 | 1 | 2048 | 16 | 8 | 60.0 | 20.0 |" in text
     assert "| 66.0 | 33.0 | 2.00x |" in text
-    assert "Top-K: radix select, 4 bits a pass." in text
 
 
 def test_layers_in_graph_keep_the_kv_under_16_gib():
@@ -38,9 +37,9 @@ def test_layers_in_graph_keep_the_kv_under_16_gib():
     assert bench.layers_in_graph(1 << 22, 8) == 1
 
 
-def test_the_attention_job_times_each_page_size_and_digit_width():
-    (job,) = [j for j in bench.jobs([32768], [1], [2048], 2048, 4, [16, 64], 8) if j["kind"] == "attention"]
-    assert job["page_sizes"] == [16, 64] and job["topk_digit_bits"] == 8
+def test_the_attention_job_times_each_page_size():
+    (job,) = [j for j in bench.jobs([32768], [1], [2048], 2048, 4, [16, 64]) if j["kind"] == "attention"]
+    assert job["page_sizes"] == [16, 64]
 
 
 @pytest.mark.parametrize("page", [16, 48])

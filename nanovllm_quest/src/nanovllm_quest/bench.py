@@ -9,8 +9,7 @@ Jobs, each in its own process (one engine's GPU memory never shrinks the next on
   replay time is divided by their number; L2 is cold at each replay. A one-layer graph is timed too: its
   replay adds the graph's own launch (about 5 us) to every layer. Each Quest page size (``--page-sizes``)
   is timed on the same caches. The ceiling is
-  ``1 / (1 / page_size + budget / context)``, the ratio of the bytes read. ``--topk-digit-bits`` times the
-  top-K's radix select at 4 or 8 bits a pass in place of the kernel's default.
+  ``1 / (1 / page_size + budget / context)``, the ratio of the bytes read.
 - ``decode``: the engine end to end, KV on the GPU, CUDA graphs: ``steps`` decode steps after prefilling
   ``batch`` prompts of ``context`` tokens, with ``full`` and with Quest.
 - ``offload``: the same with the KV cache in pinned host memory; with the host-to-device copy rate of the
@@ -46,17 +45,13 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 # -- attention kernels ----------------------------------------------------------------------------------
 
 
-def bench_attention(contexts: list[int], batches: list[int], budgets: list[int], page_sizes: list[int],
-                    topk_digit_bits: int | None = None) -> list[dict[str, Any]]:
+def bench_attention(contexts: list[int], batches: list[int], budgets: list[int],
+                    page_sizes: list[int]) -> list[dict[str, Any]]:
     import torch
     from nanovllm.attention.metadata import PhaseMetadata
     from nanovllm.attention.triton_backend import TritonBackend
     from nanovllm.bench.kernels import graph_ms
 
-    from nanovllm_quest import kernels
-
-    if topk_digit_bits is not None:
-        kernels.TOPK_DIGIT_BITS = topk_digit_bits
     backend, scale, rows = TritonBackend(), HEAD_DIM**-0.5, []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for context in contexts:
@@ -119,7 +114,7 @@ def bench_quest(layers: list, backend, scale: float, context: int, batch: int, b
     quest_ms = graph_ms([partial(quest, x) for x in layers])
     row = {
         "benchmark": "attention", "context": context, "batch": batch, "budget": budget, "page_size": page,
-        "layers_in_graph": len(layers), "topk_digit_bits": kernels.TOPK_DIGIT_BITS,
+        "layers_in_graph": len(layers),
         "dense_us": 1000 * dense_ms, "quest_us": 1000 * quest_ms,
         "score_us": 1000 * graph_ms([partial(score, x) for x in layers]),
         "topk_us": 1000 * graph_ms([partial(top, x, s) for x, s in zip(layers, scores, strict=True)]),
@@ -174,11 +169,11 @@ def bench_engine(kind: str, context: int, batch: int, policy: str, steps: int) -
 
 
 def jobs(contexts: list[int], batches: list[int], budgets: list[int], budget: int, steps: int,
-         page_sizes: list[int] = (16,), topk_digit_bits: int | None = None) -> list[dict]:
+         page_sizes: list[int] = (16,)) -> list[dict]:
     quest = f"quest:token_budget={budget}"
     paged = [f"{quest},page_size={p}" for p in page_sizes if p != BLOCK_SIZE]  # the engine at larger pages too
     out: list[dict] = [{"kind": "attention", "contexts": contexts, "batches": batches, "budgets": budgets,
-                        "page_sizes": list(page_sizes), "topk_digit_bits": topk_digit_bits}]
+                        "page_sizes": list(page_sizes)}]
     for context, batch in [(32768, 1), (131072, 1), (32768, 8)]:
         out += [{"kind": "decode", "context": context, "batch": batch, "policy": p, "steps": steps}
                 for p in ("full", quest, *paged)]
@@ -190,8 +185,7 @@ def jobs(contexts: list[int], batches: list[int], budgets: list[int], budget: in
 
 def run_job(job: dict) -> list[dict[str, Any]]:
     if job["kind"] == "attention":
-        return bench_attention(job["contexts"], job["batches"], job["budgets"],
-                               job.get("page_sizes", [BLOCK_SIZE]), job.get("topk_digit_bits"))
+        return bench_attention(job["contexts"], job["batches"], job["budgets"], job.get("page_sizes", [BLOCK_SIZE]))
     if job["kind"] == "offload-copy":
         from nanovllm.bench import offload as b5
 
@@ -243,12 +237,10 @@ def quest_offload_bytes(row: dict[str, Any]) -> float:
 
 def markdown(payload: dict[str, Any], title: str) -> str:
     env = payload["environment"]
-    bits = sorted({r["topk_digit_bits"] for r in payload["results"] if "topk_digit_bits" in r})
     lines = [f"# {title}", "", f"{env['device']}, {env['date']}, commit {env['commit']}, torch {env['torch']}.",
              f"Preset {PRESET} (random weights), blocks of {BLOCK_SIZE}, bfloat16; targets from issue 9.", "",
              "## Decode attention per layer (us; layers in one CUDA graph, cold L2)", "",
-             "Columns `one layer`: a graph of one layer, whose replay adds the graph launch to the layer."
-             + (f" Top-K: radix select, {'/'.join(map(str, bits))} bits a pass." if bits else ""), "",
+             "Columns `one layer`: a graph of one layer, whose replay adds the graph launch to the layer.", "",
              "| context | batch | budget | page | layers | dense | Quest | score | top-K | attend | speedup | "
              "ceiling | target | dense, one layer | Quest, one layer | speedup, one layer |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -319,8 +311,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", nargs="+", type=int, default=[1024, 2048, 4096])
     parser.add_argument("--page-sizes", nargs="+", type=int, default=[16, 64],
                         help="Quest page sizes of the attention job (multiples of the block size, 16)")
-    parser.add_argument("--topk-digit-bits", type=int, choices=[4, 8], default=None,
-                        help="bits a pass of the top-K's radix select (attention job; default: the kernel's)")
     parser.add_argument("--budget", type=int, default=2048, help="token budget of the engine runs")
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--only", nargs="+", default=None, help="job kinds to run (attention, decode, offload)")
@@ -333,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     from nanovllm.bench import run_plugin_jobs
 
     selected = [job for job in jobs(args.contexts, args.batches, args.budgets, args.budget, args.decode_steps,
-                                    args.page_sizes, args.topk_digit_bits)
+                                    args.page_sizes)
                 if not (args.only and job["kind"] not in args.only and not (job["kind"] == "offload-copy" and "offload" in args.only))]
     return run_plugin_jobs(selected, "nanovllm_quest.bench", Path(args.out), args.name, vars(args) | {"job": None},
                            with_ratios, markdown, chart)

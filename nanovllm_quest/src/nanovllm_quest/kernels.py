@@ -6,10 +6,10 @@
 - ``page_scores``: one program per (sequence, KV head, tile of pages); it reads only the metadata of the
   tile's anchors (the bound splits into two small matmuls, ``relu(q) . max + min(q, 0) . min``) and
   reduces the GQA group's bounds.
-- ``top_pages``: one program per (sequence, KV head). The k-th largest score is found by radix select on
-  the order-preserving integer image of the float scores (a histogram of ``TOPK_DIGIT_BITS`` bits per pass
-  over the row held in registers), then the chosen pages are compacted in ascending order with a prefix
-  sum (ties go to the lower index) and written as their blocks.
+- ``top_pages``: one program per (sequence, KV head). The k-th largest score is found by bisection on
+  the order-preserving integer image of the float scores (32 counting passes over the row held in
+  registers), then the chosen pages are compacted in ascending order with a prefix sum (ties go to the
+  lower index) and written as their blocks.
 - ``select_pages``: the two above, one after the other.
 
 No host synchronisation and no data-dependent shape: all are captured in the decode CUDA graphs.
@@ -28,11 +28,6 @@ from nanovllm_quest.reference import PageRows
 SCORE_TILE = 64  # pages per scoring program: 32 KB of bf16 metadata at head size 128
 MAX_TOPK_TILE = 8192  # a row of up to this many pages (128K tokens at pages of 16) stays in registers
 MAX_UPDATE_ROWS = 64  # new keys an update program folds at a time
-# Bits of the top-K's radix select per pass, 4 or 8 (``python -m nanovllm_quest.bench --topk-digit-bits``
-# times either). 4 is the default: a probe measured an 8-bit select slower than the bisection this replaced
-# (benchmarks/results/README.md), and Triton 3.6 lowers tl.histogram to a warp vote per digit bit and a
-# popcount per bin a lane owns (at least 32 bins), so 8 bits cost 8 popcounts a key against 1.
-TOPK_DIGIT_BITS = 4
 
 
 @triton.jit
@@ -195,8 +190,8 @@ def page_scores(
 @triton.jit
 def _order_keys(scores):
     """Float32 -> uint32 with the floats' order; ``-inf``, NaN and padding -> 0 (never chosen). 32-bit
-    keys: the earlier bisection's counting passes ran about 10% faster on them than on int64 keys (H100:
-    8.9 against 9.9 us at 2K blocks, 17.5 against 19.6 us at 8K), and they take half the radix passes."""
+    keys: the counting passes ran about 10% faster than on int64 keys (H100: 8.9 against 9.9 us at 2K
+    blocks, 17.5 against 19.6 us at 8K)."""
     bits = scores.to(tl.int32, bitcast=True)
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: larger magnitude, smaller key
     keys = (ordered ^ (-2147483648)).to(tl.uint32, bitcast=True)  # flip the sign bit: unsigned order
@@ -210,48 +205,36 @@ def _tile_keys(row, i, offs, width, TILE: tl.constexpr):
 
 
 @triton.jit
-def _digit_histogram(keys, t, SHIFT: tl.constexpr, DIGIT_BITS: tl.constexpr):
-    """Counts of the digit of ``keys`` at bit ``SHIFT`` among the keys whose higher digits are ``t``'s."""
-    digit = ((keys >> SHIFT) & ((1 << DIGIT_BITS) - 1)).to(tl.int32)
-    if SHIFT + DIGIT_BITS == 32:  # the top digit: every key
-        hist = tl.histogram(digit, 1 << DIGIT_BITS)
-    else:
-        hist = tl.histogram(digit, 1 << DIGIT_BITS,
-                            mask=(keys >> (SHIFT + DIGIT_BITS)) == (t >> (SHIFT + DIGIT_BITS)))
-    return hist
-
-
-@triton.jit
 def _select_row(
     row, out, width, history_blocks,
     K: tl.constexpr, OUT_PAD: tl.constexpr, TILE: tl.constexpr, NUM_TILES: tl.constexpr,
-    BLOCKS_PER_PAGE: tl.constexpr, DIGIT_BITS: tl.constexpr,
+    BLOCKS_PER_PAGE: tl.constexpr,
 ):
     """The blocks of the ``K`` best pages of one score row (``width`` pages) into ``out`` (``K *
     BLOCKS_PER_PAGE`` entries): pages ascending, each as its blocks below ``history_blocks``, -1 padded."""
     offs = tl.arange(0, TILE)
     if NUM_TILES == 1:
         keys = _tile_keys(row, 0, offs, width, TILE)
-    # The K-th largest key t (the largest t with at least K keys >= t; 0 when fewer than K are valid) by radix
-    # select, DIGIT_BITS bits a pass from the top: a histogram of the next digit over the keys that share t's
-    # digits so far. At batch 1 only a few programs run, so the time is the chain of block-wide passes: 32 /
-    # DIGIT_BITS of them, where a bisection needs 32.
-    bins = tl.arange(0, 1 << DIGIT_BITS)
+    # the K-th largest key, bit by bit from the top: the largest t with at least K keys >= t
     t = tl.zeros([], tl.uint32)
-    above = tl.zeros([], tl.int32)  # keys whose digits so far exceed t's: at the end, the keys > t
-    for p in tl.static_range(32 // DIGIT_BITS):
-        hist = tl.zeros([1 << DIGIT_BITS], tl.int32)
-        for i in range(NUM_TILES):
-            if NUM_TILES == 1:
-                tile = keys
-            else:
+    for bit in range(31, -1, -1):
+        cand = t | (tl.full([], 1, tl.uint32) << bit)
+        if NUM_TILES == 1:
+            count = tl.sum((keys >= cand).to(tl.int32), 0)
+        else:
+            count = tl.zeros([], tl.int32)
+            for i in range(NUM_TILES):
                 tile = _tile_keys(row, i, offs, width, TILE)
-            hist += _digit_histogram(tile, t, 32 - (p + 1) * DIGIT_BITS, DIGIT_BITS)
-        reach = above + tl.cumsum(hist, 0, reverse=True) >= K  # digits with K keys at or above them: 0..d
-        d = tl.maximum(tl.sum(reach.to(tl.int32), 0) - 1, 0)  # none (fewer than K keys in all): 0
-        above += tl.sum(tl.where(bins > d, hist, 0), 0)
-        t = t | (d.to(tl.uint32) << (32 - (p + 1) * DIGIT_BITS))
+                count += tl.sum((tile >= cand).to(tl.int32), 0)
+        t = tl.where(count >= K, cand, t)
     # everything above t, then ties at t in index order until K are taken (t == 0: fewer than K valid)
+    if NUM_TILES == 1:
+        above = tl.sum((keys > t).to(tl.int32), 0)
+    else:
+        above = tl.zeros([], tl.int32)
+        for i in range(NUM_TILES):
+            tile = _tile_keys(row, i, offs, width, TILE)
+            above += tl.sum((tile > t).to(tl.int32), 0)
     ties_left = K - above
     written = tl.zeros([], tl.int32)
     for i in range(NUM_TILES):
@@ -277,21 +260,20 @@ def _select_row(
 def _topk_kernel(
     Scores, Out, KVLens, width, stride_sr, stride_or,
     NUM_KV_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, K: tl.constexpr, OUT_PAD: tl.constexpr,
-    TILE: tl.constexpr, NUM_TILES: tl.constexpr, BLOCKS_PER_PAGE: tl.constexpr, DIGIT_BITS: tl.constexpr,
+    TILE: tl.constexpr, NUM_TILES: tl.constexpr, BLOCKS_PER_PAGE: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     history_blocks = tl.cdiv(tl.load(KVLens + r // NUM_KV_HEADS), BLOCK_SIZE)
     _select_row(Scores + r * stride_sr, Out + r * stride_or, width, history_blocks, K, OUT_PAD, TILE, NUM_TILES,
-                BLOCKS_PER_PAGE, DIGIT_BITS)
+                BLOCKS_PER_PAGE)
 
 
 def _topk_args(width: int, k: int, page_size: int, block_size: int) -> dict:
     """The top-K kernel's constexprs and warps."""
     tile = min(triton.next_power_of_2(max(width, 16)), MAX_TOPK_TILE)
     per_page = page_size // block_size
-    assert 32 % TOPK_DIGIT_BITS == 0, "the radix select's digits must tile the 32-bit keys"
     return dict(K=k, OUT_PAD=triton.next_power_of_2(k * per_page), TILE=tile, NUM_TILES=triton.cdiv(width, tile),
-                BLOCKS_PER_PAGE=per_page, DIGIT_BITS=TOPK_DIGIT_BITS, num_warps=8 if tile >= 4096 else 4)
+                BLOCKS_PER_PAGE=per_page, num_warps=8 if tile >= 4096 else 4)
 
 
 def top_pages(scores: torch.Tensor, k: int, kv_lens: torch.Tensor, block_size: int, page_size: int) -> torch.Tensor:
