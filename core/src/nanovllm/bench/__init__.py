@@ -256,7 +256,7 @@ def chart(payload: dict[str, Any], path: Path) -> bool:
     reduces = [r for r in results if r["benchmark"] == "allreduce"]
     if reduces:
         panels.append(("us per all-reduce of a decode step (B6)",
-                       [(f"{r['mode']} batch {r['batch']}", r["us_per_allreduce"], None) for r in reduces]))
+                       [(f"{r.get('path', 'nccl')} {r['mode']} batch {r['batch']}", r["us_per_allreduce"], None) for r in reduces]))
     if not panels:
         return False
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.2 * len(panels)), squeeze=False)
