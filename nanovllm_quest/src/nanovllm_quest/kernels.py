@@ -95,12 +95,17 @@ def update_metadata(
 
 
 @triton.jit
-def _page_bounds(
-    Q, Meta, BlockTables, s, kvh, offs_p, n, stride_qs, stride_qh, stride_mb, stride_mh, stride_mm, stride_bt,
+def _score_kernel(
+    Q, Meta, BlockTables, KVLens, Scores, width,
+    stride_qs, stride_qh, stride_mb, stride_mh, stride_mm, stride_bt, stride_ss, stride_sh,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCKS_PER_PAGE: tl.constexpr, REDUCE_MAX: tl.constexpr, KEEP_SINK: tl.constexpr, FP32: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCKS_PER_PAGE: tl.constexpr, TILE: tl.constexpr, REDUCE_MAX: tl.constexpr,
+    KEEP_SINK: tl.constexpr, FP32: tl.constexpr,
 ):
-    """Scores of pages ``offs_p`` of sequence ``s`` for KV head ``kvh`` (``n``: its pages of history)."""
+    s = tl.program_id(0)
+    kvh = tl.program_id(1)
+    n = tl.cdiv(tl.load(KVLens + s), PAGE_SIZE)  # history pages of this sequence
+    offs_p = tl.program_id(2) * TILE + tl.arange(0, TILE)
     valid = offs_p < n
     phys = tl.load(BlockTables + s * stride_bt + offs_p * BLOCKS_PER_PAGE, mask=valid, other=0).to(tl.int64)
     offs_g = tl.arange(0, G_PAD)
@@ -131,39 +136,8 @@ def _page_bounds(
     forced = offs_p == n - 1
     if KEEP_SINK:
         forced = forced | (offs_p == 0)
-    score = tl.where(forced, float("inf"), score)
-    return tl.where(valid, score, float("-inf"))
-
-
-@triton.jit
-def _score_kernel(
-    Q, Meta, BlockTables, KVLens, Scores, width,
-    stride_qs, stride_qh, stride_mb, stride_mh, stride_mm, stride_bt, stride_ss, stride_sh,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCKS_PER_PAGE: tl.constexpr, TILE: tl.constexpr, REDUCE_MAX: tl.constexpr,
-    KEEP_SINK: tl.constexpr, FP32: tl.constexpr,
-):
-    s = tl.program_id(0)
-    kvh = tl.program_id(1)
-    n = tl.cdiv(tl.load(KVLens + s), PAGE_SIZE)  # history pages of this sequence
-    offs_p = tl.program_id(2) * TILE + tl.arange(0, TILE)
-    score = _page_bounds(Q, Meta, BlockTables, s, kvh, offs_p, n, stride_qs, stride_qh, stride_mb, stride_mh,
-                         stride_mm, stride_bt, GROUP, G_PAD, HEAD_DIM, BLOCK_D, BLOCKS_PER_PAGE, REDUCE_MAX,
-                         KEEP_SINK, FP32)
+    score = tl.where(valid, tl.where(forced, float("inf"), score), float("-inf"))
     tl.store(Scores + s * stride_ss + kvh * stride_sh + offs_p, score, mask=offs_p < width)
-
-
-def _score_args(q: torch.Tensor, metadata: torch.Tensor, block_tables: torch.Tensor, page_size: int,
-                block_size: int, group_reduction: str, keep_sink: bool) -> dict:
-    """The scoring kernel's constexprs."""
-    num_heads, head_dim = q.shape[1:]
-    group = num_heads // metadata.shape[1]
-    return dict(
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=page_size,
-        BLOCKS_PER_PAGE=page_size // block_size, REDUCE_MAX=group_reduction == "max", KEEP_SINK=keep_sink,
-        FP32=q.dtype == torch.float32 or not q.is_cuda,
-    )
 
 
 def page_scores(
@@ -177,12 +151,17 @@ def page_scores(
     if num_seqs == 0 or width == 0:
         return scores
     assert q.stride(-1) == 1 and metadata.stride(-1) == 1 and block_tables.stride(-1) == 1
+    num_heads, head_dim = q.shape[1:]
+    group = num_heads // num_kv_heads
     grid = (num_seqs, num_kv_heads, triton.cdiv(width, SCORE_TILE))
     _score_kernel[grid](
         q, metadata, block_tables, kv_lens, scores, width,
         q.stride(0), q.stride(1), metadata.stride(0), metadata.stride(1), metadata.stride(2),
-        block_tables.stride(0), scores.stride(0), scores.stride(1), TILE=SCORE_TILE,
-        **_score_args(q, metadata, block_tables, page_size, block_size, group_reduction, keep_sink), num_warps=4,
+        block_tables.stride(0), scores.stride(0), scores.stride(1),
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=page_size,
+        BLOCKS_PER_PAGE=page_size // block_size, TILE=SCORE_TILE, REDUCE_MAX=group_reduction == "max",
+        KEEP_SINK=keep_sink, FP32=q.dtype == torch.float32 or not q.is_cuda, num_warps=4,
     )
     return scores
 
@@ -268,14 +247,6 @@ def _topk_kernel(
                 BLOCKS_PER_PAGE)
 
 
-def _topk_args(width: int, k: int, page_size: int, block_size: int) -> dict:
-    """The top-K kernel's constexprs and warps."""
-    tile = min(triton.next_power_of_2(max(width, 16)), MAX_TOPK_TILE)
-    per_page = page_size // block_size
-    return dict(K=k, OUT_PAD=triton.next_power_of_2(k * per_page), TILE=tile, NUM_TILES=triton.cdiv(width, tile),
-                BLOCKS_PER_PAGE=per_page, num_warps=8 if tile >= 4096 else 4)
-
-
 def top_pages(scores: torch.Tensor, k: int, kv_lens: torch.Tensor, block_size: int, page_size: int) -> torch.Tensor:
     num_seqs, num_kv_heads, width = scores.shape
     out = torch.empty(num_seqs, num_kv_heads, k * (page_size // block_size), dtype=torch.int32,
@@ -283,9 +254,13 @@ def top_pages(scores: torch.Tensor, k: int, kv_lens: torch.Tensor, block_size: i
     if out.numel() == 0:
         return out
     assert scores.is_contiguous()
+    tile = min(triton.next_power_of_2(max(width, 16)), MAX_TOPK_TILE)
+    per_page = page_size // block_size
     _topk_kernel[(num_seqs * num_kv_heads,)](
         scores, out, kv_lens, width, width, out.shape[-1],
-        NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size, **_topk_args(width, k, page_size, block_size),
+        NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size, K=k, OUT_PAD=triton.next_power_of_2(k * per_page),
+        TILE=tile, NUM_TILES=triton.cdiv(width, tile), BLOCKS_PER_PAGE=per_page,
+        num_warps=8 if tile >= 4096 else 4,
     )
     return out
 
