@@ -90,7 +90,8 @@ class SymmetricAllReduce:
 def enable_symmetric_all_reduce(dtype: torch.dtype, device: torch.device) -> str | None:
     """Every rank calls this together once it holds its GPU: small all-reduces of ``dtype`` then go through
     :class:`SymmetricAllReduce`. Returns why they stay on NCCL (None: they do not). It needs every rank on
-    one host with peer access between their GPUs, and a test sum that comes out right on every rank."""
+    one host with peer access between their GPUs, a process that has not set up symmetric memory before,
+    and a test sum that comes out right on every rank."""
     global _symmetric, _rendezvous_count
     if tp_size() == 1 or device.type != "cuda":
         return "one rank" if tp_size() == 1 else f"on {device.type}, not CUDA"
@@ -105,9 +106,9 @@ def enable_symmetric_all_reduce(dtype: torch.dtype, device: torch.device) -> str
         reason = "the ranks are on several hosts"
     elif not all(gpu == here or torch.cuda.can_device_access_peer(here, gpu) for _, gpu, _ in places):
         reason = "the GPUs have no peer access to each other"
-    elif len({count for _, _, count in places}) > 1:
-        # PyTorch numbers a process's rendezvous, not a group's, and the ranks must agree (pytorch#196082):
-        # an engine started after another one in this process has fresh workers, whose numbers differ
+    elif any(count for _, _, count in places):
+        # PyTorch numbers a process's rendezvous, not a group's (pytorch#196082): a later engine's fresh
+        # workers would wait on keys rank 0 never writes. Only processes new to it take part.
         reason = "an earlier tensor-parallel engine in this process used symmetric memory (pytorch#196082)"
     if agree_min(int(reason is None)) == 1:
         try:
