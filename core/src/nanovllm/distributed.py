@@ -86,7 +86,6 @@ class SymmetricAllReduce:
         return out
 
 
-
 def enable_symmetric_all_reduce(dtype: torch.dtype, device: torch.device) -> str | None:
     """Every rank calls this together once it holds its GPU: small all-reduces of ``dtype`` then go through
     :class:`SymmetricAllReduce`. Returns why they stay on NCCL (None: they do not). It needs every rank on

@@ -212,9 +212,7 @@ class KVWrite:
         cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32)
         ends_t = torch.tensor(ends, dtype=torch.int32, device=dev)
         prefill = PhaseMetadata(cu, ends_t, tables.to(dev), max(counts), max(ends))
-        step = StepMetadata(slots, positions, 0, None, prefill)
-        flat_k, flat_v = (c.reshape(-1, *c.shape[2:]) for c in (k_cache, v_cache))
-        return cls(layer_id, flat_k[slots], flat_v[slots], step, k_cache, v_cache)
+        return cls._of_cache(layer_id, k_cache, v_cache, StepMetadata(slots, positions, 0, None, prefill))
 
     @classmethod
     def of_sequence(
@@ -229,9 +227,16 @@ class KVWrite:
         slots = table[0, positions // bs].long() * bs + positions % bs
         cu = torch.tensor([0, num_tokens], dtype=torch.int32, device=dev)
         prefill = PhaseMetadata(cu, cu[1:], table, num_tokens, num_tokens)
+        return cls._of_cache(layer_id, k_cache, v_cache, StepMetadata(slots, positions, 0, None, prefill))
+
+    @classmethod
+    def _of_cache(
+        cls, layer_id: int, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepMetadata
+    ) -> KVWrite:
+        """The write of ``step``, its keys and values read back from the cache at its slots."""
+        slots = step.slot_mapping
         flat_k, flat_v = (c.reshape(-1, *c.shape[2:]) for c in (k_cache, v_cache))
-        return cls(layer_id, flat_k[slots], flat_v[slots], StepMetadata(slots, positions, 0, None, prefill),
-                   k_cache, v_cache)
+        return cls(layer_id, flat_k[slots], flat_v[slots], step, k_cache, v_cache)
 
     def block_fill(self) -> torch.Tensor:
         """``[num_tokens]`` how many tokens the block of each row holds after this step."""

@@ -11,7 +11,7 @@ Jobs, each in its own process (one engine's GPU memory never shrinks the next on
   is timed on the same caches. The ceiling is
   ``1 / (1 / page_size + budget / context)``, the ratio of the bytes read.
 - ``decode``: the engine end to end, KV on the GPU, CUDA graphs: ``steps`` decode steps after prefilling
-  ``batch`` prompts of ``context`` tokens, with ``full`` and with Quest.
+  ``batch`` prompts of ``context`` tokens, with ``full`` and with Quest (also at each larger page size).
 - ``offload``: the same with the KV cache in pinned host memory; with the host-to-device copy rate of the
   same run, the floor of the bytes each Quest step moves (the dense layers' whole history, the sparse
   layers' selected head blocks).
@@ -310,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--budgets", nargs="+", type=int, default=[1024, 2048, 4096])
     parser.add_argument("--page-sizes", nargs="+", type=int, default=[16, 64],
-                        help="Quest page sizes of the attention job (multiples of the block size, 16)")
+                        help="Quest page sizes (multiples of the block size, 16) of the attention job, and "
+                        "of the decode job's Quest rows besides the default page")
     parser.add_argument("--budget", type=int, default=2048, help="token budget of the engine runs")
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--only", nargs="+", default=None, help="job kinds to run (attention, decode, offload)")

@@ -274,11 +274,14 @@ def _engine_process_main(model: str | None, kwargs: dict[str, Any], commands: Co
 
 class EngineProcess:
     """The core in a child process (``spawn``; the engine built there as ``build(model, **kwargs)``, all three
-    pickled: ``build`` is ``LLMEngine`` but for measurements with a stand-in model). Commands are pickled by the caller and written by a sender thread, so the caller never
-    waits on a full pipe; a reader thread hands each message to ``post``. The constructor waits until the
-    engine is built and raises its error if that fails."""
+    pickled: ``build`` is ``LLMEngine`` but for measurements with a stand-in model). Commands are pickled by
+    the caller and written by a sender thread, so the caller never waits on a full pipe; a reader thread
+    hands each message to ``post``. The constructor waits until the engine is built and raises its error if
+    that fails."""
 
-    def __init__(self, model: str | None, kwargs: dict[str, Any], build: Callable[..., LLMEngine] = LLMEngine) -> None:
+    def __init__(
+        self, model: str | None, kwargs: dict[str, Any], build: Callable[..., LLMEngine] = LLMEngine
+    ) -> None:
         import multiprocessing
 
         import torch
