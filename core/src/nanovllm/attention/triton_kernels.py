@@ -86,12 +86,24 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 @triton.jit
+def _tile_blocks(bt_row, start_n, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The physical cache block of each key of tile ``start_n`` (a scalar when the tile lies in one
+    block); 0 for a tile at or past ``end``, which is then never read."""
+    if BLOCK_N <= BLOCK_SIZE:
+        blocks = tl.load(bt_row + start_n // BLOCK_SIZE, mask=start_n < end, other=0)
+    else:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        blocks = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=offs_n < end, other=0)
+    return blocks
+
+
+@triton.jit
 def _key_offsets(
     start_n, s, kvh, q_start, n_keys, kv_len,
     block_tables, sel, stride_bt, num_sel,
     stride_kb, stride_ks, stride_kh,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    PAGED: tl.constexpr, HAS_INDICES: tl.constexpr, MASKED: tl.constexpr,
+    PAGED: tl.constexpr, HAS_INDICES: tl.constexpr,
 ):
     """Offsets (into the K/V base) of the key rows of tile ``start_n``, their positions, and validity.
 
@@ -107,20 +119,11 @@ def _key_offsets(
             pos = logical * BLOCK_SIZE + within
             valid = (logical >= 0) & (pos < kv_len)
             phys = tl.load(block_tables + s * stride_bt + logical, mask=valid, other=0)
-            row = phys.to(tl.int64) * stride_kb + within * stride_ks
         else:
             pos = offs_n
             valid = offs_n < n_keys
-            if BLOCK_N <= BLOCK_SIZE and BLOCK_SIZE % BLOCK_N == 0:
-                # the whole tile lies in one cache block: one block-table read
-                phys = tl.load(block_tables + s * stride_bt + start_n // BLOCK_SIZE)
-                row = phys.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks
-            else:
-                if MASKED:
-                    phys = tl.load(block_tables + s * stride_bt + offs_n // BLOCK_SIZE, mask=valid, other=0)
-                else:
-                    phys = tl.load(block_tables + s * stride_bt + offs_n // BLOCK_SIZE)
-                row = phys.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks
+            phys = _tile_blocks(block_tables + s * stride_bt, start_n, n_keys, BLOCK_N, BLOCK_SIZE)
+        row = phys.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks
     else:
         pos = offs_n
         valid = offs_n < n_keys
@@ -172,7 +175,7 @@ def _masked_tile(
     """A key tile with masks: validity (length, selection) and, if CAUSAL, position."""
     koff, pos, valid = _key_offsets(
         start_n, s, kvh, q_start, n_keys, kv_len, block_tables, sel, stride_bt, num_sel,
-        stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES, True,
+        stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES,
     )
     kv_ptrs = koff[:, None] + offs_d[None, :] * stride_kd
     ld_mask = valid[:, None] & d_ok[None, :]
@@ -254,13 +257,21 @@ def _prefill_kernel(
     if HAS_INDICES:
         lo = 0  # every tile needs the selection's masks
 
-    # tiles every row sees in full: no masks
+    # tiles every row sees in full: no masks (never with HAS_INDICES, whose lo is 0). Paged, a tile's
+    # block-table entries are read one tile ahead: Triton pipelines a key load whose address waits on a
+    # load of the same iteration 2 deep, not 3 (H100, 128K: 339 against 302 ms; contiguous keys 293 ms)
+    offs_t = tl.arange(0, BLOCK_N)
+    bt_row = block_tables + s * stride_bt
+    if PAGED:
+        next_blocks = _tile_blocks(bt_row, 0, lo, BLOCK_N, BLOCK_SIZE)
     for start_n in range(0, lo, BLOCK_N):
-        koff, pos, valid = _key_offsets(
-            start_n, s, kvh, q_start, n_keys, kv_len, block_tables, sel, stride_bt, num_sel,
-            stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES, False,
-        )
-        kv_ptrs = koff[:, None] + offs_d[None, :] * stride_kd
+        if PAGED:
+            blocks = next_blocks
+            next_blocks = _tile_blocks(bt_row, start_n + BLOCK_N, lo, BLOCK_N, BLOCK_SIZE)
+            rows = blocks.to(tl.int64) * stride_kb + ((start_n + offs_t) % BLOCK_SIZE) * stride_ks
+        else:
+            rows = (q_start + start_n + offs_t).to(tl.int64) * stride_ks
+        kv_ptrs = (rows + kvh * stride_kh)[:, None] + offs_d[None, :] * stride_kd
         if BLOCK_D == HEAD_DIM:
             k = tl.load(K + kv_ptrs)
             v = tl.load(V + kv_ptrs)
