@@ -56,15 +56,14 @@ def _count_at_most(entries, n, bound_a, bound_b, bound_c, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _tile_slots(bt_row, t, last_pos, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, MASKED: tl.constexpr):
-    """Physical blocks, slots in them and positions of the keys of key tile ``t`` (start <= ``last_pos``)."""
+def _tile_slots(bt_row, t, last_pos, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr):
+    """Physical blocks, slots in them and positions of the keys of key tile ``t`` (start <= ``last_pos``);
+    keys past ``last_pos`` do not read the block table."""
     pos = t * TILE + tl.arange(0, TILE)
     if BLOCK_SIZE >= TILE:  # the tile lies in one cache block: one block-table read
         phys = tl.load(bt_row + (t * TILE) // BLOCK_SIZE).to(tl.int64)
-    elif MASKED:
-        phys = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos <= last_pos, other=0).to(tl.int64)
     else:
-        phys = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
+        phys = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos <= last_pos, other=0).to(tl.int64)
     return phys, pos % BLOCK_SIZE, pos
 
 
@@ -81,9 +80,16 @@ def _listed_tiles(
     last_tile = last_pos // TILE  # tiles past it hold no key any row reads
     j_lo, j_full, j_hi = _count_at_most(entries, n_entries, -1 - shift, full_tile - shift, last_tile - shift,
                                         CHUNK)
-    for j in range(j_lo, j_full):  # below every row and inside the context: no masks
-        t = shift + tl.load(entries + j)
-        phys, slot, pos = _tile_slots(bt_row, t, last_pos, BLOCK_SIZE, TILE, False)
+    # below every row and inside the context: no masks. The next tile's entry and block-table entries are read
+    # a tile ahead: Triton pipelines a key load whose address waits on a load of its own iteration 2 deep, not 3
+    t_next = shift + tl.load(entries + j_lo, mask=j_lo < j_full, other=-shift)  # past the list: tile 0
+    phys_next, _, _ = _tile_slots(bt_row, t_next, last_pos, BLOCK_SIZE, TILE)
+    for j in range(j_lo, j_full):
+        t = t_next
+        phys = phys_next
+        t_next = shift + tl.load(entries + j + 1, mask=j + 1 < j_full, other=-shift)
+        phys_next, _, _ = _tile_slots(bt_row, t_next, last_pos, BLOCK_SIZE, TILE)
+        slot = (t * TILE + tl.arange(0, TILE)) % BLOCK_SIZE
         k_rows = phys * stride_kb + slot * stride_ks
         v_rows = k_rows if SAME_LAYOUT else phys * stride_vb + slot * stride_vs
         if BLOCK_D == HEAD_DIM:
@@ -95,7 +101,7 @@ def _listed_tiles(
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
     for j in range(tl.maximum(j_lo, j_full), j_hi):  # the diagonal: causal mask, nothing past last_pos read
         t = shift + tl.load(entries + j)
-        phys, slot, pos = _tile_slots(bt_row, t, last_pos, BLOCK_SIZE, TILE, True)
+        phys, slot, pos = _tile_slots(bt_row, t, last_pos, BLOCK_SIZE, TILE)
         k_rows = phys * stride_kb + slot * stride_ks
         v_rows = k_rows if SAME_LAYOUT else phys * stride_vb + slot * stride_vs
         ld = (pos <= last_pos)[:, None] & d_ok[None, :]

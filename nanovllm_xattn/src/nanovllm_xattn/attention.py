@@ -47,19 +47,24 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _key_slots(bt_row, start_n, last_pos, BLOCK_N: tl.constexpr, KV_BLOCK: tl.constexpr,
-               MASKED: tl.constexpr):
+def _key_slots(bt_row, start_n, last_pos, BLOCK_N: tl.constexpr, KV_BLOCK: tl.constexpr):
     """Physical cache blocks, slots in them and positions of the keys ``start_n .. start_n + BLOCK_N - 1``.
-    ``start_n`` is a multiple of ``BLOCK_N`` and at most ``last_pos``; with ``MASKED`` keys past
-    ``last_pos`` do not read the block table."""
+    ``start_n`` is a multiple of ``BLOCK_N`` and at most ``last_pos``; keys past ``last_pos`` do not read
+    the block table."""
     pos = start_n + tl.arange(0, BLOCK_N)
     if BLOCK_N <= KV_BLOCK:  # the key tile lies in one cache block: one block-table read
         phys = tl.load(bt_row + start_n // KV_BLOCK).to(tl.int64)
-    elif MASKED:
-        phys = tl.load(bt_row + pos // KV_BLOCK, mask=pos <= last_pos, other=0).to(tl.int64)
     else:
-        phys = tl.load(bt_row + pos // KV_BLOCK).to(tl.int64)
+        phys = tl.load(bt_row + pos // KV_BLOCK, mask=pos <= last_pos, other=0).to(tl.int64)
     return phys, pos % KV_BLOCK, pos
+
+
+@triton.jit
+def _listed_tile_start(entries, it, count, stride_le, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The first key of the ``it``-th key tile of the listed blocks (``BLOCK // BLOCK_N`` tiles a block);
+    0, a key every sequence has, past the ``count`` tiles."""
+    key_block = tl.load(entries + (it // (BLOCK // BLOCK_N)) * stride_le, mask=it < count, other=0)
+    return key_block * BLOCK + (it % (BLOCK // BLOCK_N)) * BLOCK_N
 
 
 # list strides change with the selection's width and the block tables' width: one compiled kernel for all
@@ -119,11 +124,17 @@ def _block_sparse_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # 1. key tiles every row sees in full, (entry, tile in block) flattened; the diagonal's prefix at the end
+    # 1. key tiles every row sees in full, (entry, tile in block) flattened; the diagonal's prefix at the end.
+    # The next tile's list entry and block-table entries are read a tile ahead: Triton pipelines a key load
+    # whose address waits on a load of its own iteration 2 deep, not 3
+    start_next = _listed_tile_start(entries, 0, num_unmasked, stride_le, BLOCK, BLOCK_N)
+    phys_next, _, _ = _key_slots(bt_row, start_next, last_pos, BLOCK_N, KV_BLOCK)
     for it in range(0, num_unmasked):
-        key_block = tl.load(entries + (it // (BLOCK // BLOCK_N)) * stride_le)
-        start_n = key_block * BLOCK + (it % (BLOCK // BLOCK_N)) * BLOCK_N
-        phys, slot, pos = _key_slots(bt_row, start_n, last_pos, BLOCK_N, KV_BLOCK, False)
+        start_n = start_next
+        phys = phys_next
+        start_next = _listed_tile_start(entries, it + 1, num_unmasked, stride_le, BLOCK, BLOCK_N)
+        phys_next, _, _ = _key_slots(bt_row, start_next, last_pos, BLOCK_N, KV_BLOCK)
+        slot = (start_n + tl.arange(0, BLOCK_N)) % KV_BLOCK
         k_off = (phys * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :] * stride_kd
         k_ptrs = K + k_off
         if SAME_LAYOUT:  # the engine's K and V caches: one address computation for both
@@ -140,7 +151,7 @@ def _block_sparse_kernel(
 
     # 2. the diagonal block from the tile's first row to its last: causal mask
     for start_n in range(diag_lo, diag_hi, BLOCK_N):
-        phys, slot, pos = _key_slots(bt_row, start_n, last_pos, BLOCK_N, KV_BLOCK, True)
+        phys, slot, pos = _key_slots(bt_row, start_n, last_pos, BLOCK_N, KV_BLOCK)
         ld = (pos <= last_pos)[:, None] & d_ok[None, :]
         k = tl.load(K + (phys * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :] * stride_kd,
                     mask=ld, other=0.0)
