@@ -438,7 +438,8 @@ def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, max
         return 32, 32, 4, 2
     # measured on an H100, 16K causal, 32q/8kv heads (`nanovllm bench kernels`, its sweep), TFLOP/s of
     # dense / paged bs=16 / paged bs=256: d=64 412 / 373 / 379 (4 warps: 376 / 353 / 360);
-    # d=128 495 / 423 / 440 (BLOCK_N 64: 473 / 370 / 387)
+    # d=128 495 / 423 / 440 (BLOCK_N 64: 473 / 370 / 387); d=128 since the block table is read a tile
+    # ahead: 483 / 466 / 463 (h100_kernels_prefetch)
     if head_dim <= 64:
         bm, bn, warps, stages = 128, 64, 8, 3
     elif head_dim <= 128:
