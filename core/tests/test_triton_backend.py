@@ -186,6 +186,24 @@ def test_prefill_paged(device, dtype, head_dim, group, block_size, short, gen):
 
 
 @cases
+def test_prefill_paged_key_tiles(device, dtype, head_dim, group, block_size, gen):
+    """Key tiles of 2 and 8 cache blocks of 16 (one block of 256), whose block-table entries the kernel
+    reads a tile ahead: every tile, the last one past the table's end included, reads the right blocks.
+    Interpreted: chunks behind a history of several unmasked key tiles."""
+    lens = GPU_PREFILL if device == "cuda" else [(9, 100), (20, 90)]
+    c = Case([q for q, _ in lens], [k for _, k in lens], _kv_heads(device), group, head_dim, block_size,
+             dtype, device, gen)
+    ref = TorchBackend().prefill(c.q, c.k, c.v, c.k_cache, c.v_cache, c.meta, c.scale)
+    m = c.meta
+    configs = [(64, 128, 4, 3)] if device == "cuda" and dtype != torch.float32 else [(16, 32, 1, 1)]
+    for cfg in configs:
+        out = torch.full_like(c.q, float("nan"))
+        tk.attention_rows(c.q, c.k_cache, c.v_cache, out, None, m.cu_seqlens_q, m.context_lens, m.block_tables,
+                          None, m.max_query_len, c.scale, paged=True, causal=True, config=cfg)
+        _check(out, ref, dtype, f"paged prefill, tiles {cfg}", gen)
+
+
+@cases
 def test_prefill_single_fresh(device, dtype, head_dim, group, block_size, gen):
     n = 1000 if device == "cuda" else 37
     c = Case([n], [n], _kv_heads(device), group, head_dim, block_size, dtype, device, gen)
