@@ -170,9 +170,11 @@ def test_select_pages(device, dtype):
     tables = torch.randperm(seqs * width, generator=gen).view(seqs, width).int()
     lens = torch.tensor([width * block, 37, 3], dtype=torch.int32)
     q = torch.randn(seqs, heads, d, generator=gen).to(dtype)
-    want = reference.select_pages(q, metadata, tables, lens, block, page, 4, "max", True)
-    got = kernels.select_pages(q.to(device), metadata.to(device), tables.to(device), lens.to(device), block, page,
-                               4, "max", True).cpu()
+    ref_scores = reference.page_scores(q, metadata, tables, lens, block, page, "max", True)
+    want = reference.top_pages(ref_scores, 4, lens, block, page)
+    args = [t.to(device) for t in (q, metadata, tables, lens)]
+    scores = kernels.page_scores(*args, block, page, "max", True)
+    got = kernels.top_pages(scores, 4, args[3], block, page).cpu()
     assert torch.equal(got, want)
 
 

@@ -10,7 +10,8 @@
   the order-preserving integer image of the float scores (32 counting passes over the row held in
   registers), then the chosen pages are compacted in ascending order with a prefix sum (ties go to the
   lower index) and written as their blocks.
-- ``select_pages``: the two above, one after the other.
+Scoring and top-K stay two launches: a kernel doing both in one program per (sequence, KV head) was
+slower on the H100 in every case measured (at pages of 64, 32K, batch 1: 19.6 against 12.9 us).
 
 No host synchronisation and no data-dependent shape: all are captured in the decode CUDA graphs.
 On CPU tensors they run under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is first
@@ -264,13 +265,3 @@ def top_pages(scores: torch.Tensor, k: int, kv_lens: torch.Tensor, block_size: i
     )
     return out
 
-
-def select_pages(
-    q: torch.Tensor, metadata: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
-    page_size: int, k: int, group_reduction: str = "max", keep_sink: bool = False,
-) -> torch.Tensor:
-    """The blocks of the ``k`` best pages (:func:`top_pages` of :func:`page_scores`). A kernel doing both in
-    one program per (sequence, KV head) was slower on the H100 in every case measured (at pages of 64,
-    32K, batch 1: 19.6 against 12.9 us), so they stay two launches."""
-    scores = page_scores(q, metadata, block_tables, kv_lens, block_size, page_size, group_reduction, keep_sink)
-    return top_pages(scores, k, kv_lens, block_size, page_size)

@@ -122,11 +122,12 @@ class QuestPolicy(SparsePolicy):
     def select_blocks(self, ctx: PolicyContext) -> torch.Tensor:
         if self.is_dense(ctx):
             return ctx.all_history_blocks()
-        return self.ops.select_pages(
-            ctx.query, self.metadata[ctx.layer_id - self.config.skip_layers], ctx.meta.block_tables,
-            ctx.history_lens, self.block_size, self.page_size, self.budget_pages,
-            self.config.group_reduction, self.config.keep_sink,
+        lens, cfg = ctx.history_lens, self.config
+        scores = self.ops.page_scores(
+            ctx.query, self.metadata[ctx.layer_id - cfg.skip_layers], ctx.meta.block_tables, lens,
+            self.block_size, self.page_size, cfg.group_reduction, cfg.keep_sink,
         )
+        return self.ops.top_pages(scores, self.budget_pages, lens, self.block_size, self.page_size)
 
     def compute_chunked_decode(self, q: torch.Tensor, ctx: PolicyContext) -> torch.Tensor:
         if self.is_dense(ctx):

@@ -94,11 +94,3 @@ def top_pages(
     history = ((kv_lens.long() + block_size - 1) // block_size)[:, None, None, None]
     return torch.where((pages[..., None] >= 0) & (blocks < history), blocks, -1).flatten(-2).to(torch.int32)
 
-
-def select_pages(
-    q: torch.Tensor, metadata: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
-    page_size: int, k: int, group_reduction: str = "max", keep_sink: bool = False,
-) -> torch.Tensor:
-    """The blocks of the ``k`` best pages (:func:`top_pages` of :func:`page_scores`)."""
-    scores = page_scores(q, metadata, block_tables, kv_lens, block_size, page_size, group_reduction, keep_sink)
-    return top_pages(scores, k, kv_lens, block_size, page_size)
