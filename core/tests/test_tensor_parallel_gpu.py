@@ -96,11 +96,11 @@ def test_quest_under_two_gpus(tiny_model):
     assert_same_tokens(generate(path, 1, **engine), generate(path, 2, **engine), 1e-3)
 
 
-
 def test_symmetric_all_reduce_sums_as_nccl_does(tmp_path):
     """The engine's all-reduce (one-shot, two-shot, and NCCL past its buffer) equals NCCL's sum, eagerly and
     replayed from a graph (the benchmark checks it); where the GPUs have peer access it must be in use. In
-    a process of its own: PyTorch's rendezvous numbering is per process (see the next test)."""
+    a process of its own: PyTorch's rendezvous numbering is per process (see
+    test_symmetric_all_reduce_in_the_engine)."""
     # qwen3-0.6b rows are 2 KB: one-shot, two-shot (over 512 KiB) and NCCL (over the 4 MiB buffer)
     command = ["bench", "allreduce", "--presets", "qwen3-0.6b", "--tensor-parallel-size", "2",
                "--allreduce-batches", "1", "300", "1500", "4096", "--allreduce-steps", "3",

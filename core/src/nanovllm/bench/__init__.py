@@ -255,9 +255,9 @@ def chart(payload: dict[str, Any], path: Path) -> bool:
     panels += offload.chart_panels(results)
     reduces = [r for r in results if r["benchmark"] == "allreduce"]
     if reduces:
-        labels = [f"{r.get('path', 'nccl')} {r['mode']} batch {r['batch']}" for r in reduces]
-        panels.append(("us per all-reduce of a decode step (B6)",
-                       [(label, r["us_per_allreduce"], None) for label, r in zip(labels, reduces, strict=True)]))
+        bars = [(f"{r.get('path', 'nccl')} {r['mode']} batch {r['batch']}", r["us_per_allreduce"], None)
+                for r in reduces]
+        panels.append(("us per all-reduce of a decode step (B6)", bars))
     if not panels:
         return False
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.2 * len(panels)), squeeze=False)
