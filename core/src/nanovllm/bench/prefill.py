@@ -53,11 +53,13 @@ def paged_prompt(n: int, heads: int, kv_heads: int, head_dim: int, block_size: i
     return PagedPrompt(q, k, v, k_cache, v_cache, tables, cu, lens, PhaseMetadata(cu, lens, tables, n, n))
 
 
-def kernel_ms(fn: Callable[[], Any]) -> float:
-    """Median ms of ``fn`` on the GPU (the plugins' kernel rows all time this way)."""
+def kernel_ms(fn: Callable[[], Any], min_runs: int = 10) -> float:
+    """Median ms of ``fn`` on the GPU over at least ``min_runs`` runs (the plugins' kernel rows all time this
+    way). ``do_bench`` runs as many as fit its time budget, which is a single run of a 128K prefill."""
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=3, rep=20, return_mode="median")
+    once = do_bench(fn, warmup=1, rep=1, return_mode="median")
+    return do_bench(fn, warmup=3, rep=max(20.0, min_runs * once), return_mode="median")
 
 
 def dense_prefill_ms(prompt: PagedPrompt, scale: float, history: int = 64) -> dict[str, float]:
