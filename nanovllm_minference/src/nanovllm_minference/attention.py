@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 from nanovllm.attention.backend import check_paged_inputs, prefill_kernel_outputs
-from nanovllm.attention.triton_kernels import online_softmax_step
+from nanovllm.attention.triton_kernels import online_softmax_step, tile_blocks
 
 from nanovllm_minference.index import TILE, SparseIndex
 
@@ -60,10 +60,7 @@ def _tile_slots(bt_row, t, last_pos, BLOCK_SIZE: tl.constexpr, TILE: tl.constexp
     """Physical blocks, slots in them and positions of the keys of key tile ``t`` (start <= ``last_pos``);
     keys past ``last_pos`` do not read the block table."""
     pos = t * TILE + tl.arange(0, TILE)
-    if BLOCK_SIZE >= TILE:  # the tile lies in one cache block: one block-table read
-        phys = tl.load(bt_row + (t * TILE) // BLOCK_SIZE).to(tl.int64)
-    else:
-        phys = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos <= last_pos, other=0).to(tl.int64)
+    phys = tile_blocks(bt_row, t * TILE, last_pos + 1, TILE, BLOCK_SIZE).to(tl.int64)
     return phys, pos % BLOCK_SIZE, pos
 
 

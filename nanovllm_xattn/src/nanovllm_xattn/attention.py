@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 from nanovllm.attention.backend import check_paged_inputs, prefill_kernel_outputs
-from nanovllm.attention.triton_kernels import online_softmax_step
+from nanovllm.attention.triton_kernels import online_softmax_step, tile_blocks
 
 from nanovllm_xattn.layout import num_query_blocks
 
@@ -52,10 +52,7 @@ def _key_slots(bt_row, start_n, last_pos, BLOCK_N: tl.constexpr, KV_BLOCK: tl.co
     ``start_n`` is a multiple of ``BLOCK_N`` and at most ``last_pos``; keys past ``last_pos`` do not read
     the block table."""
     pos = start_n + tl.arange(0, BLOCK_N)
-    if BLOCK_N <= KV_BLOCK:  # the key tile lies in one cache block: one block-table read
-        phys = tl.load(bt_row + start_n // KV_BLOCK).to(tl.int64)
-    else:
-        phys = tl.load(bt_row + pos // KV_BLOCK, mask=pos <= last_pos, other=0).to(tl.int64)
+    phys = tile_blocks(bt_row, start_n, last_pos + 1, BLOCK_N, KV_BLOCK).to(tl.int64)
     return phys, pos % KV_BLOCK, pos
 
 

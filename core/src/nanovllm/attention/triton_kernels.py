@@ -86,9 +86,14 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 @triton.jit
-def _tile_blocks(bt_row, start_n, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def tile_blocks(bt_row, start_n, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """The physical cache block of each key of tile ``start_n`` (a scalar when the tile lies in one
-    block); 0 for a tile at or past ``end``, which is then never read."""
+    block); 0 for a key at or past ``end``, which is then never read. ``bt_row`` points at the sequence's
+    block-table row.
+
+    Public: plugin kernels read their paged keys through it. A loop that calls it for the next tile,
+    one iteration ahead of that tile's key loads, gets three pipeline stages from Triton; called for the
+    tile it loads, two."""
     if BLOCK_N <= BLOCK_SIZE:
         blocks = tl.load(bt_row + start_n // BLOCK_SIZE, mask=start_n < end, other=0)
     else:
@@ -122,7 +127,7 @@ def _key_offsets(
         else:
             pos = offs_n
             valid = offs_n < n_keys
-            phys = _tile_blocks(block_tables + s * stride_bt, start_n, n_keys, BLOCK_N, BLOCK_SIZE)
+            phys = tile_blocks(block_tables + s * stride_bt, start_n, n_keys, BLOCK_N, BLOCK_SIZE)
         row = phys.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_ks
     else:
         pos = offs_n
@@ -263,11 +268,11 @@ def _prefill_kernel(
     offs_t = tl.arange(0, BLOCK_N)
     bt_row = block_tables + s * stride_bt
     if PAGED:
-        next_blocks = _tile_blocks(bt_row, 0, lo, BLOCK_N, BLOCK_SIZE)
+        next_blocks = tile_blocks(bt_row, 0, lo, BLOCK_N, BLOCK_SIZE)
     for start_n in range(0, lo, BLOCK_N):
         if PAGED:
             blocks = next_blocks
-            next_blocks = _tile_blocks(bt_row, start_n + BLOCK_N, lo, BLOCK_N, BLOCK_SIZE)
+            next_blocks = tile_blocks(bt_row, start_n + BLOCK_N, lo, BLOCK_N, BLOCK_SIZE)
             rows = blocks.to(tl.int64) * stride_kb + ((start_n + offs_t) % BLOCK_SIZE) * stride_ks
         else:
             rows = (q_start + start_n + offs_t).to(tl.int64) * stride_ks
