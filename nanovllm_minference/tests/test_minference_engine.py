@@ -9,7 +9,8 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.testing import policy_engine, prompt_logprobs
 
 PROMPT = [(11 * j) % 240 + 3 for j in range(300)]
-SPARSE = "minference:vertical_size=8,slash_size=24,num_sink_tokens=4,num_recent_diags=8,dense_below=0"
+SPARSE = ("minference:vertical_size=8,slash_size=24,num_sink_tokens=4,num_recent_diags=8,dense_below=0,"
+          "dense_above=null")
 
 
 def engine(device: str, policy: str = SPARSE, offload: bool = False, chunk: int = 64) -> LLM:

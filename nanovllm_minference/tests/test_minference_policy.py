@@ -26,7 +26,7 @@ def test_budgets_covering_everything_are_dense(pattern, q_len):
     case = planted.needles(num_tokens=300)
     q, ctx = prefill_context(case.q, case.k, case.v, q_len, case.scale)
     big = dict(vertical_size=300, slash_size=300, n_init=300, n_local=300, top_k_blocks=5)
-    policy = MInferencePolicy(MInferenceConfig(pattern=pattern, dense_below=0, **big))
+    policy = MInferencePolicy(MInferenceConfig(pattern=pattern, dense_below=0, dense_above=None, **big))
     got = run(policy, q, ctx)
     want = ctx.attend_all(q, ctx.new_keys, ctx.new_values)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -58,7 +58,8 @@ def test_sparse_output_matches_its_mask():
     """The output is attention over exactly the index's keys (the mask the quality harness measures)."""
     case = planted.local_band(num_tokens=400, window=40)
     q, ctx = prefill_context(case.q, case.k, case.v, 400, case.scale)
-    policy = MInferencePolicy(MInferenceConfig(vertical_size=20, slash_size=70, dense_below=0))
+    policy = MInferencePolicy(MInferenceConfig(vertical_size=20, slash_size=70, dense_below=0,
+                                               dense_above=None))
     from nanovllm_minference.policy import _ops
 
     index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device)[0])
@@ -88,7 +89,8 @@ def test_a_per_head_file_mixes_patterns(tmp_path):
     heads = {"0": ["stream_llm", 4, 64, 0], "1": ["vertical_and_slash", 4, 20, 0], "2": ["block_sparse", 2, 1, 0]}
     path = tmp_path / "heads.json"
     path.write_text(json.dumps([heads] * 4))
-    policy = MInferencePolicy(MInferenceConfig(config_path=str(path), dense_below=0))
+    policy = MInferencePolicy(MInferenceConfig(config_path=str(path), dense_below=0,
+                                               dense_above=None))
     policy.initialize(4, 2, 64, 16, BLOCK, torch.float32, torch.device("cpu"))
     from nanovllm_minference.policy import _ops
 
@@ -113,7 +115,7 @@ def test_offload_reads_the_keys_the_resident_path_reads(monkeypatch, options):
     path's output; here the 'pool' is the same cache read through ``read_keys`` / ``read_blocks``."""
     case = planted.slash_diagonals(num_tokens=480, offsets=(0, 100, 300))
     q, ctx = prefill_context(case.q, case.k, case.v, 150, case.scale)
-    policy = MInferencePolicy(MInferenceConfig(**options, dense_below=0))
+    policy = MInferencePolicy(MInferenceConfig(**options, dense_below=0, dense_above=None))
     resident = run(policy, q, ctx)
 
     class PoolStandIn:
@@ -134,11 +136,59 @@ def test_offload_reads_the_keys_the_resident_path_reads(monkeypatch, options):
     assert reads and reads[0] < 480 // BLOCK  # only the touched blocks' values crossed
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_pattern_that_is_not_sparse_runs_dense(monkeypatch, offload):
+    """An index computing more than ``dense_above`` of dense work runs dense attention (after the estimate;
+    with offload, the pool's dense stream instead of the touched blocks); one below it runs the sparse
+    kernel."""
+    case = planted.slash_diagonals(num_tokens=480, offsets=(0, 100, 300))
+    q, ctx = prefill_context(case.q, case.k, case.v, 480, case.scale)
+    want = ctx.attend_all(q, ctx.new_keys, ctx.new_values)
+    dense_streams = []
+    if offload:
+        class PoolStandIn:
+            def wait_stored(self, layer_id):
+                pass
+
+            def attend_dense(self, ctx, q):
+                dense_streams.append(1)
+                return None  # no history: the test checks the route, not this output
+
+        ctx.offload = PoolStandIn()
+    import nanovllm_minference.policy as module
+
+    estimate, attend = module._ops(q.device)
+    sparse_calls = []
+
+    def counting_attend(*args, **kwargs):
+        sparse_calls.append(1)
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(module, "_ops", lambda device: (estimate, counting_attend))
+    everything = dict(vertical_size=480, slash_size=480, dense_below=0)
+    index = MInferencePolicy(MInferenceConfig(**everything)).build_index(q, ctx, ctx.k_cache,
+                                                                         ctx.meta.block_tables, estimate)
+    density = module.computed_density(index, ctx.meta.cu_seqlens_q, ctx.meta.context_lens)
+    assert density > 0.8
+    for limit, sparse in ((0.8, False), (density - 0.01, False), (density + 0.01, True), (None, True)):
+        sparse_calls.clear()
+        dense_streams.clear()
+        got = run(MInferencePolicy(MInferenceConfig(**everything, dense_above=limit)), q, ctx)
+        assert bool(sparse_calls) == sparse and bool(dense_streams) == (offload and not sparse)
+        if sparse or not offload:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # a sparse pattern stays sparse under the default limit
+    sparse_calls.clear()
+    run(MInferencePolicy(MInferenceConfig(vertical_size=4, slash_size=40, dense_below=0)), q, ctx)
+    assert sparse_calls
+
+
 @pytest.mark.parametrize("options, match", [
     ({"pattern": "dilated"}, "pattern must be one of"),
     ({"vertical_size": 0}, "vertical_size must be an int >= 1"),
     ({"adaptive_budget": 1.5}, r"fraction in \(0, 1\]"),
     ({"config_path": ""}, "path of a JSON file"),
+    ({"dense_above": 0}, "dense_above must be a share of dense work above 0"),
 ])
 def test_bad_options_name_the_fix(options, match):
     with pytest.raises(ValueError, match=match):

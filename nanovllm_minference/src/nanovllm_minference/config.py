@@ -22,6 +22,14 @@ def _fraction_or_none(_inst, attribute, value) -> None:
         raise ValueError(f"{attribute.name} must be a fraction in (0, 1] of the context, or null; got {value!r}")
 
 
+def _positive_or_none(_inst, attribute, value) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{attribute.name} must be a share of dense work above 0, e.g. 0.8, or null; "
+                         f"got {value!r}")
+
+
 def _pattern(_inst, attribute, value) -> None:
     if value not in PATTERNS:
         raise ValueError(f"{attribute.name} must be one of {', '.join(map(repr, PATTERNS))}, got {value!r}")
@@ -48,6 +56,10 @@ class MInferenceConfig:
     - ``skip_layers``: the first layers run dense.
     - ``dense_below``: chunks whose sequences all hold fewer tokens than this run dense, where estimation
       and tiles cost more than they save (measured on an H100; see the README).
+    - ``dense_above``: a chunk whose index would compute more than this share of dense causal attention
+      runs the dense kernel instead (``null``: never). The sparse kernel's 64 x 64 tiles cost about 1.2x
+      the dense paged kernel's per unit of work (H100), so above about 0.8 dense is faster; a model whose
+      attention is not sparse then pays only the estimate.
     """
 
     pattern: str = attrs.field(default="vertical_slash", validator=_pattern)
@@ -63,3 +75,4 @@ class MInferenceConfig:
     config_path: str | None = attrs.field(default=None, validator=_path_or_none)
     skip_layers: int = attrs.field(default=0, validator=_int_at_least(0))
     dense_below: int = attrs.field(default=16384, validator=_int_at_least(0))
+    dense_above: float | None = attrs.field(default=0.8, validator=_positive_or_none)

@@ -14,7 +14,8 @@ Per layer and prefill chunk:
 With KV offload the history lives in the host pool: the estimate reads every key (no values) across
 PCIe, and the attention reads only the KV blocks the index touches, into a compact buffer it then
 addresses through a block table of its own. Chunks whose sequences are all shorter than ``dense_below``
-and the first ``skip_layers`` layers run dense.
+and the first ``skip_layers`` layers run dense, as does a chunk whose index would compute more than
+``dense_above`` of dense attention's work (a pattern that is not sparse).
 """
 
 from __future__ import annotations
@@ -25,7 +26,14 @@ from nanovllm.policy import PolicyContext, SparsePolicy
 
 from nanovllm_minference.config import MInferenceConfig
 from nanovllm_minference.head_config import HeadPattern, layer_heads, load_head_patterns
-from nanovllm_minference.index import TILE, SparseIndex, block_sparse_index, lines_to_index, top_lines
+from nanovllm_minference.index import (
+    TILE,
+    SparseIndex,
+    block_sparse_index,
+    computed_density,
+    lines_to_index,
+    top_lines,
+)
 
 
 @attrs.frozen
@@ -80,18 +88,28 @@ class MInferencePolicy(SparsePolicy):
         estimate, attend = _ops(q.device)
         meta = ctx.meta
         if ctx.offload is None:
-            k_cache, v_cache, tables = ctx.k_cache, ctx.v_cache, meta.block_tables
-            index = self.build_index(q, ctx, k_cache, tables, estimate)
+            index = self.build_index(q, ctx, ctx.k_cache, meta.block_tables, estimate)
         else:
             # keys cross PCIe only for what the index scores with; A-shape needs none
             plan = self._plan(ctx.layer_id, q.shape[1], q.device)
             key_cache, key_tables = self._all_keys(ctx) if plan.reads_keys else (ctx.k_cache, meta.block_tables)
             index = self.build_index(q, ctx, key_cache, key_tables, estimate)
             del key_cache
+        if self.too_dense(index, ctx):
+            return ctx.attend_all(q, k, v)
+        if ctx.offload is None:
+            k_cache, v_cache, tables = ctx.k_cache, ctx.v_cache, meta.block_tables
+        else:
             k_cache, v_cache, tables = self._touched_kv(ctx, index)
         out, _ = attend(q, k_cache, v_cache, tables, meta.cu_seqlens_q, meta.context_lens, index, ctx.scale,
                         meta.max_query_len)
         return out
+
+    def too_dense(self, index: SparseIndex, ctx: PolicyContext) -> bool:
+        """Whether the index computes more than ``dense_above`` of dense causal attention's work (a host
+        sync per chunk and layer: prefill is not captured in graphs)."""
+        limit, meta = self.config.dense_above, ctx.meta
+        return limit is not None and computed_density(index, meta.cu_seqlens_q, meta.context_lens) > limit
 
     def build_index(self, q: torch.Tensor, ctx: PolicyContext, k_cache: torch.Tensor, tables: torch.Tensor,
                     estimate) -> SparseIndex:

@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
             return MInferencePolicy(MInferenceConfig(**options))
 
         return prefill.run("minference", args.settings, make_policy, measure, args.tokens, args.chunk, args.layers,
-                           args.rows_per_chunk, args.ppl_tail, fixed={"dense_below": 0}, done=done)
+                           args.rows_per_chunk, args.ppl_tail, fixed={"dense_below": 0, "dense_above": None},
+                           done=done)
 
     return prefill.main(argv, "python -m nanovllm_minference.quality", __doc__.split("\n")[0], DEFAULT_SETTINGS,
                         "minference_quality", run, markdown)
