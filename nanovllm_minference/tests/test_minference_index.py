@@ -7,7 +7,14 @@ import json
 import pytest
 import torch
 from nanovllm_minference.head_config import load_head_patterns, layer_heads
-from nanovllm_minference.index import TILE, block_sparse_index, index_mask, lines_to_index, top_lines
+from nanovllm_minference.index import (
+    TILE,
+    block_sparse_index,
+    computed_density,
+    index_mask,
+    lines_to_index,
+    top_lines,
+)
 from nanovllm_minference.policy import touched_blocks
 
 # (query_len, context_len) per sequence: a fresh prompt, chunks of a longer one at unaligned starts
@@ -54,6 +61,28 @@ def test_every_line_is_read_and_nothing_beyond_its_tiles(seed):
             for c in read - lines:
                 assert any(abs(p - o - c) < 2 * TILE for o in offsets[s, h, : oc[s, h]].tolist())
                 assert c // TILE - base in index.slash_tiles[s, h, : index.slash_counts[s, h]].tolist()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_computed_density_counts_the_kernels_work(seed):
+    """Per query tile and head: every slash tile inside 0..the tile's last key tile in full, every column
+    up to the tile's last row once per row; over dense causal work. Counted here one tile at a time."""
+    q_lens, lens, cu = batch()
+    columns, cc, offsets, oc = random_lines(lens, 3, 40, seed)
+    index = lines_to_index(columns, cc, offsets, oc, lens - q_lens, int(lens.max()))
+    work = dense = 0
+    for s, (q_len, ctx) in enumerate(zip(q_lens.tolist(), lens.tolist(), strict=True)):
+        q_start = ctx - q_len
+        dense += sum(p + 1 for p in range(q_start, ctx))
+        for first in range(q_start, ctx, TILE):
+            rows = min(first + TILE, ctx) - first
+            base, last = first // TILE, (first + rows - 1) // TILE
+            for h in range(3):
+                slash = index.slash_tiles[s, h, : index.slash_counts[s, h]].tolist()
+                cols = index.columns[s, h, : index.column_counts[s, h]].tolist()
+                work += sum(TILE * rows for d in slash if 0 <= base + d <= last)
+                work += sum(rows for c in cols if c <= first + rows - 1)
+    assert computed_density(index, cu, lens) == pytest.approx(work / (dense * 3), rel=1e-12)
 
 
 def test_budgets_covering_everything_read_every_visible_key():

@@ -201,13 +201,17 @@ def computed_density(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_len
     first = q_start + m * TILE
     rows = (torch.minimum(first + TILE, lens[:, None]) - first).clamp(min=0)  # [S, M], 0 past the chunk
     base, last = first // TILE, (first + rows - 1) // TILE
-    d = index.slash_tiles.long()[:, :, None, :]
-    real = torch.arange(d.shape[-1], device=device) < index.slash_counts[..., None, None]
-    tile = base[:, None, :, None] + d
-    tiles = (real & (tile >= 0) & (tile <= last[:, None, :, None])).sum(-1)  # [S, H, M]
-    seen = torch.searchsorted(index.columns.long(), (first + rows - 1)[:, None, :].expand(-1, d.shape[1], -1).contiguous(),
-                              right=True)
-    columns = torch.minimum(seen, index.column_counts.long()[..., None])
+    num_heads = index.slash_tiles.shape[1]
+
+    def entries_at_most(lists: torch.Tensor, counts: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+        """[S, H, M]: how many of each head's first ``counts`` (ascending) entries are <= ``bound`` [S, M]."""
+        bound = bound[:, None, :].expand(-1, num_heads, -1).contiguous()
+        return torch.minimum(torch.searchsorted(lists.long(), bound, right=True), counts.long()[..., None])
+
+    # slash offsets d with 0 <= base + d <= last; columns up to the tile's last row
+    tiles = (entries_at_most(index.slash_tiles, index.slash_counts, last - base)
+             - entries_at_most(index.slash_tiles, index.slash_counts, -base - 1))
+    columns = entries_at_most(index.columns, index.column_counts, first + rows - 1)
     work = tiles * TILE * rows[:, None, :] + columns * rows[:, None, :]
     if index.blocks is not None:
         work = work + index.block_counts.long() * TILE * rows[:, None, :]
