@@ -10,16 +10,16 @@ c <= p_j of scale * q_j . k_c`` (float32). Then::
 both ``[S, H, L]`` float32 with ``L`` the longest context; entries at or past a sequence's context are 0.
 
 ``estimate`` is two Triton passes over the paged keys, each program owning one KV head's slice of keys
-(pass 1 reads a key once for up to 256 stacked rows of its GQA group; pass 2 once for as many of the
-group's heads as fit in shared memory):
+(each pass reads a key once for up to 256 stacked rows of its GQA group's heads; pass 2 for as many of
+the heads as fit in shared memory):
 
 1. row statistics: the running max and sum of ``exp2`` of every row's scores, one partial per slice;
    torch folds the partials into each row's max and ``1 / sum``.
 2. sums: the scores again, normalised; column sums are stored (each column has one owner). Diagonal
-   sums are skewed in registers (``tl.gather`` shifts row ``j`` by ``j``) so a column of the skewed tile
-   is one diagonal, then added to ``slash`` with atomics. A key tile is at least as wide as the rows, so
-   each diagonal gets parts from at most two tiles: two additions onto zero give the same float in either
-   order, and the result is deterministic.
+   sums are skewed in registers (``tl.gather`` rotates row ``j`` by ``j``) so a column of the skewed
+   tile holds two diagonals, one on each side of the rotation, then added to ``slash`` with atomics. Key
+   tiles are square (as many keys as rows), so each diagonal gets one part from each of at most two
+   tiles: two additions onto zero give the same float in either order, and the result is deterministic.
 
 ``estimate_reference`` is the same in plain torch, batched over sequences and heads (the CPU path).
 """
@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from nanovllm.attention.triton_kernels import max_shared_memory
 
 LOG2E = 1.4426950408889634
 MAX_LAST_Q = 128  # rows per head held in one tile; MInference uses 64
@@ -210,11 +211,11 @@ def _sums_kernel(
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd, stride_bt,
     GROUP: tl.constexpr, HEADS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPAN: tl.constexpr,
-    FP32: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP32: tl.constexpr,
 ):
     """Pass 2: per (key slice, block of HEADS query heads of one GQA group, sequence), the normalised
-    probabilities of each head on each key tile: column sums stored, diagonal sums atomically added."""
+    probabilities of the block's stacked rows on each square key tile (ROWS keys): column sums stored per
+    head, diagonal sums atomically added."""
     split = tl.program_id(0)
     first_head = tl.program_id(1) * HEADS  # HEADS divides GROUP: the block reads one KV head
     kvh = first_head // GROUP
@@ -225,41 +226,46 @@ def _sums_kernel(
     n = tl.minimum(q_end - tl.load(cu_q + s), last_q)
     if n <= 0:
         return
-    j = tl.arange(0, ROWS)
+    # the rows of the block's heads stacked: row r is row j = r % ROWS of head first_head + r // ROWS
+    offs_r = tl.arange(0, HEADS * ROWS)
+    j = offs_r % ROWS
+    h = first_head + offs_r // ROWS
     row_ok = j < n
     pos = ctx - n + j
-    q_rows = (q_end - n + j).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    # skew: column u of the skewed tile holds row j's key c0 + j - u + BLOCK_N - 1, i.e. the diagonal of
-    # offset p_j - c = (ctx - n) - c0 - BLOCK_N + 1 + u for every row
-    u = tl.arange(0, SPAN)
-    skew = j[:, None] - u[None, :] + BLOCK_N - 1
-    skew_ok = (skew >= 0) & (skew < BLOCK_N)
-    skew = tl.minimum(tl.maximum(skew, 0), BLOCK_N - 1)
+    q = tl.load(Q + (q_end - n + j).to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh
+                + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    stats = (s * num_heads + h) * ROWS + j
+    m = tl.load(RowM + stats)
+    inv_l = tl.load(RowInvL + stats)
+    # skew: column u of row j holds key c0 + (j - u) mod ROWS, on the diagonal of offset
+    # p_j - c = (ctx - n - c0) + u where u <= j ("lower"), and that minus ROWS where u > j
+    u = tl.arange(0, ROWS)
+    skew = (j[:, None] - u[None, :] + ROWS) % ROWS
+    lower = u[None, :] <= j[:, None]
+    out = (s * num_heads + first_head + tl.arange(0, HEADS)).to(tl.int64)[:, None] * width  # [HEADS, 1]
     limit = tl.minimum(ctx, width)  # writes stay inside the outputs
 
-    start = split * tiles_per_split * BLOCK_N
-    end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
-    for c0 in range(start, end, BLOCK_N):
+    start = split * tiles_per_split * ROWS
+    end = tl.minimum(start + tiles_per_split * ROWS, ctx)
+    for c0 in range(start, end, ROWS):
         k, c = _key_tile(K, block_tables, s, kvh, c0, ctx, stride_bt, stride_kb, stride_ks, stride_kh,
-                         stride_kd, offs_d, d_ok, BLOCK_N, BLOCK_SIZE)
+                         stride_kd, offs_d, d_ok, ROWS, BLOCK_SIZE)
+        qk = _scores(q, k, scale_log2, FP32)
         keep = row_ok[:, None] & (c[None, :] <= pos[:, None])
-        o = ctx - n - c0 - BLOCK_N + 1 + u
-        o_ok = (u < ROWS + BLOCK_N - 1) & (o >= 0) & (o < limit)
-        for g in tl.static_range(HEADS):  # the block's query heads share the key tile
-            h = first_head + g
-            q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd,
-                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            stats = (s * num_heads + h) * ROWS + j
-            m = tl.load(RowM + stats)
-            inv_l = tl.load(RowInvL + stats)
-            qk = _scores(q, k, scale_log2, FP32)
-            p = tl.where(keep, tl.math.exp2(qk - m[:, None]), 0.0) * inv_l[:, None]
-            out = (s * num_heads + h).to(tl.int64) * width
-            tl.store(Vertical + out + c, tl.sum(p, 0), mask=c < limit)
-            diag = tl.sum(tl.where(skew_ok, tl.gather(p, skew, axis=1), 0.0), 0)
-            tl.atomic_add(Slash + out + o, diag, mask=o_ok, sem="relaxed")
+        p = tl.where(keep, tl.math.exp2(qk - m[:, None]), 0.0) * inv_l[:, None]
+        tl.store(Vertical + out + c[None, :], tl.sum(tl.reshape(p, [HEADS, ROWS, ROWS]), 1),
+                 mask=(c < limit)[None, :])
+        skewed = tl.gather(p, skew, axis=1)
+        diag_lower = tl.sum(tl.reshape(tl.where(lower, skewed, 0.0), [HEADS, ROWS, ROWS]), 1)
+        diag_upper = tl.sum(tl.reshape(tl.where(lower, 0.0, skewed), [HEADS, ROWS, ROWS]), 1)
+        o = ctx - n - c0 + u
+        tl.atomic_add(Slash + out + o[None, :], diag_lower, mask=((o >= 0) & (o < limit))[None, :],
+                      sem="relaxed")
+        o -= ROWS
+        tl.atomic_add(Slash + out + o[None, :], diag_upper, mask=((u > 0) & (o >= 0) & (o < limit))[None, :],
+                      sem="relaxed")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,19 +288,19 @@ def _slices(width: int, block_n: int, programs: int, device: torch.device) -> tu
     return triton.cdiv(tiles, per_slice), per_slice
 
 
-def _sums_heads(group: int, rows: int, block_n: int, block_d: int, itemsize: int, budget: int) -> int:
-    """Query heads per pass-2 program: the most that divide the group, stack at most 256 rows, and fit
-    ``budget`` bytes of shared memory. Triton pipelines every head's query load in the key loop (two
-    buffers each, measured on sm_90 with Triton 3.6) besides three stages of the key tile, and
-    ``tl.gather`` stages the float32 probability tile."""
-    tile_q, tile_k, gather = rows * block_d * itemsize, block_n * block_d * itemsize, rows * block_n * 4
+def _sums_heads(group: int, rows: int, block_d: int, itemsize: int, budget: int) -> int:
+    """Query heads per pass-2 program: the most (a power of two) that divide the group, stack at most 256
+    rows, and fit ``budget`` bytes of shared memory: their queries, three stages of the key tile and
+    ``tl.gather``'s float32 probability tile."""
+    tile_k = rows * block_d * itemsize
     fits = [
         heads for heads in range(1, group + 1)
-        if group % heads == 0 and heads * rows <= 256 and 2 * heads * tile_q + 3 * tile_k + gather <= budget
+        if group % heads == 0 and heads & (heads - 1) == 0 and heads * rows <= 256
+        and heads * tile_k + 3 * tile_k + heads * rows * rows * 4 <= budget
     ]
     if not fits:
         raise ValueError(
-            f"a pass-2 program of {rows} rows, {block_n} keys and head size {block_d} needs more than the "
+            f"a pass-2 program of {rows} rows and keys and head size {block_d} needs more than the "
             f"{budget} bytes of shared memory: pass a smaller last_q"
         )
     return fits[-1]
@@ -320,7 +326,8 @@ def estimate(
         return vertical, slash
 
     gpu = q.device.type == "cuda"
-    rows = max(16, triton.next_power_of_2(last_q))
+    # pass 2 tiles keys in squares of the rows; on the GPU at least 64 (masked rows past last_q)
+    rows = max(64 if gpu else 16, triton.next_power_of_2(last_q))
     block_d = triton.next_power_of_2(head_dim)
     fp32 = q.dtype == torch.float32 or not gpu
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, FP32=fp32)
@@ -346,17 +353,15 @@ def estimate(
     row_sum = (part_l * torch.exp2(part_m - row_max[:, :, None])).sum(2)
     inv_sum = torch.where(row_sum > 0, 1.0 / row_sum, 0.0)
 
-    # pass 2: a key tile at least as wide as the rows (each diagonal then spans at most two tiles), and as
-    # many query heads of a group per program as shared memory holds (the CPU interpreter has no limit)
-    block_n2 = max(64 if gpu else 16, rows)
-    budget = triton.runtime.driver.active.utils.get_device_properties(q.device.index)["max_shared_mem"] \
-        if gpu else 1 << 30
-    heads2 = _sums_heads(group, rows, block_n2, block_d, q.element_size(), budget)
-    slices2, per_slice2 = _slices(width, block_n2, num_seqs * num_heads // heads2, q.device)
+    # pass 2: square tiles (each diagonal then gets parts from at most two tiles), as many query heads of
+    # a group per program as shared memory holds (the CPU interpreter has no limit)
+    budget = max_shared_memory(q.device) if gpu else 1 << 30
+    heads2 = _sums_heads(group, rows, block_d, q.element_size(), budget)
+    slices2, per_slice2 = _slices(width, rows, num_seqs * num_heads // heads2, q.device)
     _sums_kernel[(slices2, num_heads // heads2, num_seqs)](
         q, k_cache, cu_seqlens_q, context_lens, block_tables, row_max.contiguous(), inv_sum.contiguous(),
         vertical, slash, scale_log2, last_q, per_slice2, width, *strides,
-        GROUP=group, HEADS=heads2, ROWS=rows, BLOCK_N=block_n2, SPAN=triton.next_power_of_2(rows + block_n2 - 1), **common,
-        num_warps=8 if rows >= 128 else 4,
+        GROUP=group, HEADS=heads2, ROWS=rows, **common,
+        num_warps=8 if gpu and heads2 * rows >= 256 else 4,
     )
     return vertical, slash
