@@ -189,15 +189,19 @@ def index_mask(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: tor
     return mask & visible[:, None, :]
 
 
-def computed_density(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor) -> float:
+def computed_density(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                     max_query_len: int | None = None) -> float:
     """The attention work the kernel does over the work of dense causal attention: every listed tile a
     query tile reaches counts in full (TILE x TILE, as the kernel computes it), every column up to the
-    tile's last row once per row. Duplicated columns count twice (an upper bound); what drives the time."""
+    tile's last row once per row. Duplicated columns count twice (an upper bound); what drives the time.
+    ``max_query_len`` (a host int, at least every chunk's length) saves reading the lengths back."""
     device = context_lens.device
     lens = context_lens.long()
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     q_start = (lens - q_lens)[:, None]
-    m = torch.arange(-(-int(q_lens.max()) // TILE), device=device)[None, :]
+    if max_query_len is None:
+        max_query_len = int(q_lens.max())
+    m = torch.arange(-(-max_query_len // TILE), device=device)[None, :]
     first = q_start + m * TILE
     rows = (torch.minimum(first + TILE, lens[:, None]) - first).clamp(min=0)  # [S, M], 0 past the chunk
     base, last = first // TILE, (first + rows - 1) // TILE

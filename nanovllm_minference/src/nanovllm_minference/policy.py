@@ -109,7 +109,9 @@ class MInferencePolicy(SparsePolicy):
         """Whether the index computes more than ``dense_above`` of dense causal attention's work (a host
         sync per chunk and layer: prefill is not captured in graphs)."""
         limit, meta = self.config.dense_above, ctx.meta
-        return limit is not None and computed_density(index, meta.cu_seqlens_q, meta.context_lens) > limit
+        if limit is None:
+            return False
+        return computed_density(index, meta.cu_seqlens_q, meta.context_lens, meta.max_query_len) > limit
 
     def build_index(self, q: torch.Tensor, ctx: PolicyContext, k_cache: torch.Tensor, tables: torch.Tensor,
                     estimate) -> SparseIndex:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from nanovllm.attention.triton_kernels import is_interpreted
+from nanovllm.attention.triton_kernels import is_interpreted, max_shared_memory
 
 from nanovllm_xattn.layout import num_key_blocks, num_query_blocks
 
@@ -297,7 +297,7 @@ def _fit_stages(stages: int, rows: int, block_n: int, block_d: int, q: torch.Ten
     reduction by key block may stage the float32 logit tile besides (wide blocks make wide tiles)."""
     if q.device.type != "cuda":
         return stages
-    budget = triton.runtime.driver.active.utils.get_device_properties(q.device.index)["max_shared_mem"]
+    budget = max_shared_memory(q.device)
     while stages > 1 and stages * (rows + block_n) * block_d * q.element_size() + rows * block_n * 4 > budget:
         stages -= 1
     return stages
