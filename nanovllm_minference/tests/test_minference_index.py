@@ -120,6 +120,13 @@ def test_top_lines_keep_forced_lines_best_first_within_budget():
             others = vertical[s, h, 4 : lens[s]]
             if rest:
                 assert min(vertical[s, h, rest]) >= others.sort(descending=True).values[len(rest) - 1]
+    # host bounds on the sizes (the policy's, to skip a sync) choose the same lines
+    bounded = top_lines(vertical, slash, lens, sizes_v, sizes_s, num_sink_tokens=4, num_recent_diags=10,
+                        max_sizes=(70, 60))
+    for got, want, counts in zip(bounded[::2], (columns, offsets), (cc, oc), strict=True):
+        for s in range(2):
+            for h in range(3):
+                assert got[s, h, : counts[s, h]].tolist() == want[s, h, : counts[s, h]].tolist()
 
 
 def test_block_sparse_is_causal_keeps_its_own_tile_and_finds_a_planted_cluster():

@@ -79,24 +79,27 @@ def lines_to_index(
 def top_lines(
     vertical: torch.Tensor, slash: torch.Tensor, context_lens: torch.Tensor, vertical_sizes: torch.Tensor,
     slash_sizes: torch.Tensor, num_sink_tokens: int, num_recent_diags: int,
+    max_sizes: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """MInference's choice from the estimated scores ``[S, H, L]``: the ``vertical_sizes[s, h]`` best
     columns, the first ``num_sink_tokens`` always among them (first when the budget is smaller), and the ``slash_sizes[s, h]`` best
     diagonals, the ``num_recent_diags`` nearest always among them. Returns (columns, column_counts,
-    offsets, offset_counts) for :func:`lines_to_index`."""
+    offsets, offset_counts) for :func:`lines_to_index`. ``max_sizes``: host ints at least every vertical and
+    slash size, which saves reading the sizes back."""
     length = vertical.shape[-1]
     lens = context_lens.long()[:, None, None]
     pos = torch.arange(length, device=vertical.device)
 
-    def best(scores: torch.Tensor, forced: int, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def best(scores: torch.Tensor, forced: int, sizes: torch.Tensor, largest: int | None):
         ranked = torch.where(pos < forced, FORCED - pos, scores.float())  # forced: nearest first
         ranked = torch.where(pos < lens, ranked, float("-inf"))
-        k = min(int(sizes.max()), length)
+        k = min(int(sizes.max()) if largest is None else largest, length)
         counts = torch.minimum(sizes.long(), lens[..., 0]).clamp(max=k)
         return ranked.topk(k, dim=-1).indices, counts  # best first: a head's first counts[s, h] are its own
 
-    columns, column_counts = best(vertical, num_sink_tokens, vertical_sizes)
-    offsets, offset_counts = best(slash, num_recent_diags, slash_sizes)
+    largest = max_sizes or (None, None)
+    columns, column_counts = best(vertical, num_sink_tokens, vertical_sizes, largest[0])
+    offsets, offset_counts = best(slash, num_recent_diags, slash_sizes, largest[1])
     return columns, column_counts, offsets, offset_counts
 
 

@@ -44,6 +44,7 @@ class LayerPlan:
     vertical: torch.Tensor  # int64 [H]: columns (a_shape: n_init; block_sparse: key tiles per query tile)
     slash: torch.Tensor  # int64 [H]: diagonals (a_shape: n_local)
     masks: dict[str, torch.Tensor]  # bool [H] per pattern the layer uses, made once
+    max_sizes: tuple[int, int]  # the largest vertical and slash sizes, on the host
 
     def heads(self, kind: str) -> torch.Tensor:
         return self.masks[kind]
@@ -124,9 +125,12 @@ class MInferencePolicy(SparsePolicy):
         q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).long()
         vertical = plan.vertical[None, :].expand(num_seqs, -1)
         slash = plan.slash[None, :].expand(num_seqs, -1)
+        max_sizes = plan.max_sizes
         if cfg.adaptive_budget is not None and cfg.config_path is None:
             budget = (lens.double() * cfg.adaptive_budget)[:, None].expand(-1, num_heads)
             vertical, slash = (budget * 0.2).long().clamp(min=1), (budget * 0.8).long().clamp(min=1)
+            longest = meta.max_context_len * cfg.adaptive_budget
+            max_sizes = max(1, int(longest * 0.2)), max(1, int(longest * 0.8))
         empty = torch.zeros(num_seqs, num_heads, 1, dtype=torch.long, device=q.device)
         zero = torch.zeros(num_seqs, num_heads, dtype=torch.long, device=q.device)
         columns, column_counts, offsets, offset_counts = empty, zero, empty, zero
@@ -134,7 +138,7 @@ class MInferencePolicy(SparsePolicy):
             scores = estimate(q, k_cache, tables, meta.cu_seqlens_q, meta.context_lens, ctx.scale, cfg.last_q,
                               meta.max_context_len)
             lines = top_lines(*scores, meta.context_lens, vertical, slash, cfg.num_sink_tokens,
-                              cfg.num_recent_diags)
+                              cfg.num_recent_diags, max_sizes)
             columns, column_counts, offsets, offset_counts = _only(plan.heads("vertical_slash"), *lines)
         if plan.uses("a_shape"):
             fixed = _a_shape_lines(plan, lens, num_heads)
@@ -165,7 +169,8 @@ class MInferencePolicy(SparsePolicy):
             sizes = torch.tensor([[h.vertical_size, h.slash_size] for h in heads], device=device)
             kinds = tuple(h.pattern for h in heads)
             masks = {kind: torch.tensor([k == kind for k in kinds], device=device) for kind in set(kinds)}
-            self._plans[key] = LayerPlan(kinds, sizes[:, 0], sizes[:, 1], masks)
+            max_sizes = max(h.vertical_size for h in heads), max(h.slash_size for h in heads)
+            self._plans[key] = LayerPlan(kinds, sizes[:, 0], sizes[:, 1], masks, max_sizes)
         return self._plans[key]
 
     # -- offload: what crosses PCIe -------------------------------------------------------------------
