@@ -48,6 +48,16 @@ def test_pages_of_several_blocks_on_the_device_cache_and_offloaded(device):
     assert generate(engine(device, PAGED, offload=True)) == want
 
 
+def test_the_oracle_with_every_page_of_a_sequence_in_budget_gives_its_dense_tokens():
+    """Budget 36 blocks: the prompts of 90 and 33 tokens stay within it while the one of 140 outgrows it,
+    so once the batch's block table is wider than the budget the oracle selects, and the two shorter
+    sequences keep every page: their tokens are the dense ones."""
+    meter = DensityMeter()
+    got = generate(engine("cpu", "quest:token_budget=144,skip_layers=1,page_size=4,oracle=true", [meter]))
+    assert meter.density("decode") < 1.0  # the longest sequence was sparse in some steps
+    assert got[:2] == generate(engine("cpu", "full"))[:2]
+
+
 def test_page_bounds_hold_under_prefix_sharing_and_preemption(monkeypatch):
     """Every decode step, in every sparse layer, each page's bounds (at its anchor) bound every key of the
     page, for every sequence of the step: with prompts that share an anchor block through the prefix cache

@@ -63,16 +63,24 @@ def test_config_is_checked_at_the_selection():
     installed()
     resolved = resolve_sparse_policy("quest:token_budget=1024,group_reduction=sum,keep_sink=true")
     assert resolved.cls is QuestPolicy
-    assert resolved.config == QuestConfig(1024, 2, "sum", True, None)  # page: one KV block
+    assert resolved.config == QuestConfig(1024, 2, "sum", True, None, False)  # page: one KV block
     assert resolve_sparse_policy("quest:page_size=64").config.page_size == 64
+    assert resolve_sparse_policy("quest:oracle=true").config.oracle is True
     for bad, message in [("token_budget=0", "token_budget must be an int >= 1"),
                          ("skip_layers=-1", "skip_layers must be an int >= 0"),
                          ("group_reduction=mean", "group_reduction must be one of 'max', 'sum'"),
                          ("keep_sink=2", "keep_sink must be true or false"),
                          ("page_size=0", "page_size must be an int >= 1"),
-                         ("budget=4", "Accepted: token_budget, skip_layers, group_reduction, keep_sink, page_size")]:
+                         ("oracle=3", "oracle must be true or false, got 3"),
+                         ("budget=4", "Accepted: token_budget, skip_layers, group_reduction, keep_sink, page_size, "
+                                      "oracle")]:
         with pytest.raises(SelectionError, match=message):
             resolve_sparse_policy(f"quest:{bad}")
+
+
+def test_the_oracle_is_not_captured_in_cuda_graphs():
+    assert QuestPolicy(QuestConfig()).cuda_graph_safe
+    assert not QuestPolicy(QuestConfig(oracle=True)).cuda_graph_safe
 
 
 def test_a_budget_below_one_page_is_refused_at_start():
@@ -179,6 +187,53 @@ def test_the_selected_pages_are_the_top_bounds(page):
             b for p in chosen for b in range(p * per_page, (p + 1) * per_page) if b < -(-62 // BLOCK)]
         others = [p for p in range(pages) if p not in chosen]
         assert min(scores[0, h, chosen]) >= max(scores[0, h, others])
+
+
+@pytest.mark.parametrize("page", [BLOCK, 3 * BLOCK])
+def test_page_masses_are_each_heads_softmax_summed_by_page(page):
+    """Per query head, the softmax of ``scale * q . k`` over the history, summed over each page's keys and
+    combined over the GQA group by ``group_reduction``; the forced pages and those past the history as in
+    ``page_scores``. With one query head per KV head the masses over all pages sum to 1."""
+    lens = [37, 64, 5]
+    for heads, kv_heads in [(2, 2), (8, 2)]:
+        policy, ctx = decode_batch(lens, heads=heads, kv_heads=kv_heads, seed=5, page_size=page)
+        keys = ctx.read_keys(ctx.all_history_blocks())
+        group = heads // kv_heads
+        for reduction, keep_sink in [("sum", False), ("max", True)]:
+            got = reference.page_masses(ctx.query, keys, ctx.history_lens, page, ctx.scale, reduction, keep_sink)
+            assert got.shape == (3, kv_heads, -(-keys.shape[1] // (page // BLOCK)))
+            for s, n in enumerate(lens):
+                k = ctx.k_cache[ctx.meta.block_tables[s, : -(-n // BLOCK)].long()].flatten(0, 1)[:n]
+                probs = (ctx.scale * torch.einsum("hd,nhd->hn", ctx.query[s],
+                                                  k.repeat_interleave(group, dim=1))).softmax(-1)  # [H, n]
+                pages = -(-n // page)
+                per_head = torch.zeros(heads, pages).index_add_(1, torch.arange(n) // page, probs)
+                grouped = per_head.view(kv_heads, group, pages)
+                want = grouped.sum(1) if reduction == "sum" else grouped.amax(1)
+                first = 1 if keep_sink and pages > 1 else 0
+                torch.testing.assert_close(got[s, :, first: pages - 1], want[:, first: pages - 1])
+                assert torch.isposinf(got[s, :, pages - 1]).all() and torch.isneginf(got[s, :, pages:]).all()
+                assert not keep_sink or torch.isposinf(got[s, :, 0]).all()
+                if group == 1 and reduction == "sum":
+                    unforced = got[s, :, : pages - 1].sum(-1) + want[:, pages - 1]
+                    torch.testing.assert_close(unforced, torch.ones(kv_heads))
+
+
+def test_the_oracle_keeps_the_page_of_the_largest_q_dot_k_where_the_bound_misleads():
+    """Page 5 holds a key aligned with every query (q . k = 32); page 9 holds two keys of opposite signs
+    whose channel ranges give the bound 80 but q . k = 0. With the newest page and one more, Quest's bound
+    keeps page 9; the oracle keeps page 5, which holds nearly all the attention."""
+    lens, dim = [64], 16
+    g = torch.Generator().manual_seed(0)
+    keys = 0.1 * torch.randn(1, 64, 2, dim, generator=g)
+    keys[0, 5 * BLOCK + 1] = 2.0
+    half = torch.cat([torch.full((dim // 2,), 5.0), torch.full((dim // 2,), -5.0)])
+    keys[0, 9 * BLOCK], keys[0, 9 * BLOCK + 2] = half, -half
+    q = torch.ones(1, 8, dim)
+    values = torch.randn(keys.shape, generator=g)
+    for oracle, kept in [(False, 9), (True, 5)]:
+        policy, ctx = paged_decode(keys, values, q, lens, token_budget=2 * BLOCK, oracle=oracle)
+        assert policy.select_blocks(ctx).tolist() == [[[kept, 15], [kept, 15]]], f"oracle={oracle}"
 
 
 def planted_capture(case: planted.PlantedAttention, num_layers: int = 1) -> Capture:

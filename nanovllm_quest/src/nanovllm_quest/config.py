@@ -43,6 +43,10 @@ class QuestConfig:
       many times fewer candidates, for a coarser selection. A page's bounds are kept at its first
       block; when the prefix cache shares that block between sequences whose later blocks differ, the
       bounds cover the keys of all of them: still an upper bound for each, only looser.
+    - ``oracle``: an evaluation mode, slow, for quality measurements only: pages rank by their exact
+      attention mass for the step's query (:func:`nanovllm_quest.reference.page_masses`, every history
+      key read) instead of the bound, which tells what the bound costs from what the budget costs.
+      Decode then runs eagerly (no CUDA graphs).
     """
 
     token_budget: int = attrs.field(default=2048, validator=_int_at_least(1))
@@ -50,3 +54,4 @@ class QuestConfig:
     group_reduction: str = attrs.field(default="max", validator=_one_of(GROUP_REDUCTIONS))
     keep_sink: bool = attrs.field(default=False, validator=_bool)
     page_size: int | None = attrs.field(default=None, validator=attrs.validators.optional(_int_at_least(1)))
+    oracle: bool = attrs.field(default=False, validator=_bool)

@@ -21,6 +21,8 @@ one block at the engine's default block size).
 - With offload, the metadata stays on the GPU and only the selected head blocks cross PCIe
   (``ctx.attend_blocks``); the ``skip_layers`` are the policy's ``dense_layers``, whose KV the engine
   keeps resident on the GPU, so their whole history does not cross PCIe every step.
+- ``oracle=true`` (evaluation only) ranks pages by their exact attention mass instead of the bound, reading
+  every history key each step, eagerly.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class QuestPolicy(SparsePolicy):
 
     def __init__(self, config: QuestConfig | None = None) -> None:
         super().__init__(config if config is not None else QuestConfig())
+        # the oracle reads every history key through the block table's full width: evaluation, eager only
+        self.cuda_graph_safe = not self.config.oracle
         self._rows_key: tuple | None = None  # (step, capturing) of the cached PageRows
 
     def metadata_bytes_per_block(self, num_layers, num_kv_heads, head_dim, block_size, dtype) -> int:
@@ -123,10 +127,15 @@ class QuestPolicy(SparsePolicy):
         if self.is_dense(ctx):
             return ctx.all_history_blocks()
         lens, cfg = ctx.history_lens, self.config
-        scores = self.ops.page_scores(
-            ctx.query, self.metadata[ctx.layer_id - cfg.skip_layers], ctx.meta.block_tables, lens,
-            self.block_size, self.page_size, cfg.group_reduction, cfg.keep_sink,
-        )
+        if cfg.oracle:
+            keys = ctx.read_keys(ctx.all_history_blocks())
+            scores = reference.page_masses(ctx.query, keys, lens, self.page_size, ctx.scale,
+                                           cfg.group_reduction, cfg.keep_sink)
+        else:
+            scores = self.ops.page_scores(
+                ctx.query, self.metadata[ctx.layer_id - cfg.skip_layers], ctx.meta.block_tables, lens,
+                self.block_size, self.page_size, cfg.group_reduction, cfg.keep_sink,
+            )
         return self.ops.top_pages(scores, self.budget_pages, lens, self.block_size, self.page_size)
 
     def compute_chunked_decode(self, q: torch.Tensor, ctx: PolicyContext) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Quest's steps in plain torch: the CPU path of the policy and the oracle of the Triton kernels.
+"""Quest's steps in plain torch: the CPU path of the policy and the oracle of the Triton kernels, and the
+exact page masses of the ``oracle`` evaluation mode.
 
 Metadata of one layer is ``[num_blocks, num_kv_heads, 2, head_dim]`` in the KV dtype, indexed by physical
 block: per page and KV head, the channel-wise minimum (index 0) and maximum (index 1) of the page's keys,
@@ -65,7 +66,35 @@ def page_scores(
         "shgd,swhd->shgw", qg.clamp(max=0), meta[..., MIN, :]
     )
     score = bound.amax(dim=2) if group_reduction == "max" else bound.sum(dim=2)
-    idx = torch.arange(anchors.shape[1], device=q.device)
+    return _force_pages(score, kv_lens, page_size, keep_sink)
+
+
+def page_masses(
+    q: torch.Tensor, keys: torch.Tensor, kv_lens: torch.Tensor, page_size: int, scale: float,
+    group_reduction: str = "max", keep_sink: bool = False,
+) -> torch.Tensor:
+    """The oracle of :func:`page_scores`, same result contract: ``[S, Hkv, P]`` float32, each page's exact
+    attention mass for the decode queries ``q [S, H, D]``. ``keys [S, W, block_size, Hkv, D]`` are the
+    sequences' logical blocks (``PolicyContext.read_keys``); a query head's mass of a page is the sum over
+    its keys of the head's softmax of ``scale * q . k`` over the first ``kv_lens`` keys, and the query
+    heads of a GQA group combine by ``group_reduction``. Forced and absent pages as in :func:`page_scores`."""
+    num_seqs, width, block_size, num_kv_heads, head_dim = keys.shape
+    num_pages = -(-width // (page_size // block_size))
+    pad = num_pages * page_size - width * block_size
+    k = torch.nn.functional.pad(keys.float().flatten(1, 2), (0, 0, 0, 0, 0, pad))  # [S, P * page, Hkv, D]
+    qg = q.float().view(num_seqs, num_kv_heads, -1, head_dim)
+    logits = torch.einsum("shgd,snhd->shgn", qg, k) * scale
+    past = torch.arange(k.shape[1], device=q.device) >= kv_lens.long()[:, None, None, None]
+    probs = logits.masked_fill(past, float("-inf")).softmax(-1)
+    mass = probs.view(*probs.shape[:3], num_pages, page_size).sum(-1)  # [S, Hkv, G, P]
+    score = mass.amax(dim=2) if group_reduction == "max" else mass.sum(dim=2)
+    return _force_pages(score, kv_lens, page_size, keep_sink)
+
+
+def _force_pages(score: torch.Tensor, kv_lens: torch.Tensor, page_size: int, keep_sink: bool) -> torch.Tensor:
+    """``score [S, Hkv, P]`` with the newest page (and page 0 with ``keep_sink``) ``+inf``, pages past the
+    history ``-inf``."""
+    idx = torch.arange(score.shape[-1], device=score.device)
     n = ((kv_lens.long() + page_size - 1) // page_size)[:, None, None]
     forced = idx == n - 1
     if keep_sink:
