@@ -7,9 +7,9 @@
   tile's anchors (the bound splits into two small matmuls, ``relu(q) . max + min(q, 0) . min``) and
   reduces the GQA group's bounds.
 - ``top_pages``: one program per (sequence, KV head). The k-th largest score is found by bisection on
-  the order-preserving integer image of the float scores (32 counting passes over the row held in
-  registers), then the chosen pages are compacted in ascending order with a prefix sum (ties go to the
-  lower index) and written as their blocks.
+  the order-preserving integer image of the float scores (up to 32 counting passes over the row held in
+  registers, fewer when a candidate has exactly k scores at or above it), then the chosen pages are
+  compacted in ascending order with a prefix sum (ties go to the lower index) and written as their blocks.
 Scoring and top-K stay two launches: a kernel doing both in one program per (sequence, KV head) was
 slower on the H100 in every case measured (at pages of 64, 32K, batch 1: 19.6 against 12.9 us).
 
@@ -195,18 +195,23 @@ def _select_row(
     offs = tl.arange(0, TILE)
     if NUM_TILES == 1:
         keys = _tile_keys(row, 0, offs, width, TILE)
-    # the K-th largest key, bit by bit from the top: the largest t with at least K keys >= t
+    # the K-th largest key, bit by bit from the top: the largest t with at least K keys >= t. A candidate
+    # with exactly K keys at or above it selects the same K keys and ends the search: on the H100 that
+    # saved a fifth of the passes' time (9.3 -> 7.3 us at 2K pages, 17.4 -> 14.3 us at 8K, batch 1)
     t = tl.zeros([], tl.uint32)
-    for bit in range(31, -1, -1):
+    bit = 31
+    exact = tl.zeros([], tl.int32)
+    while (bit >= 0) & (exact == 0):
         cand = t | (tl.full([], 1, tl.uint32) << bit)
         if NUM_TILES == 1:
             count = tl.sum((keys >= cand).to(tl.int32), 0)
         else:
             count = tl.zeros([], tl.int32)
             for i in range(NUM_TILES):
-                tile = _tile_keys(row, i, offs, width, TILE)
-                count += tl.sum((tile >= cand).to(tl.int32), 0)
+                count += tl.sum((_tile_keys(row, i, offs, width, TILE) >= cand).to(tl.int32), 0)
         t = tl.where(count >= K, cand, t)
+        exact = (count == K).to(tl.int32)
+        bit -= 1
     # everything above t, then ties at t in index order until K are taken (t == 0: fewer than K valid)
     if NUM_TILES == 1:
         above = tl.sum((keys > t).to(tl.int32), 0)
