@@ -147,6 +147,19 @@ def test_offload_bench_on_a_tiny_model(tiny_model, one_thread, tmp_path):
     assert json.loads(path.read_text())["results"] == rows
 
 
+def test_ttft_after_a_full_length_warm_up(tiny_model, one_thread):
+    """The TTFT job's warm-up is a prompt as long as the timed one (so every kernel has compiled), timed on
+    its own; the timed prompt is the same one as without it."""
+    from nanovllm.bench import offload
+
+    model = tiny_model("LlamaForCausalLM")
+    options = {"device": "cpu", "max_num_batched_tokens": 64}
+    row = offload.bench_decode(model, 96, 1, 1, False, full_warm_up=True, **options)
+    assert row["ttft_first_s"] > 0 and row["ttft_s"] > 0 and row["prompt_len"] == 96
+    assert "ttft_first_s" not in offload.bench_decode(model, 96, 1, 1, False, **options)
+    assert offload._prompts(2, 96, 1000)[0] == offload._prompts(1, 96, 1000)[0]
+
+
 def test_offload_bench_refuses_bad_sizes(capsys):
     assert cli_main(["bench", "offload", "--decode-steps", "0"]) == 2
     assert "--decode-steps takes positive numbers" in capsys.readouterr().err

@@ -13,14 +13,14 @@ def test_ratios_and_table():
         {"benchmark": "kernel", "context": 1024, "index": "fixed", "density": 0.2, "dense_ms": 10.0,
          "dense_paged_ms": 12.0, "cudnn_ms": 8.0, "sparse_ms": 3.0, "ratio": 0.3},
         {"benchmark": "ttft", "context": 1024, "policy": "full", "ttft_s": 4.0},
-        {"benchmark": "ttft", "context": 1024, "policy": "minference", "ttft_s": 2.0},
+        {"benchmark": "ttft", "context": 1024, "policy": "minference", "ttft_s": 2.0, "ttft_first_s": 5.0},
         {"benchmark": "ttft", "context": 2048, "policy": "minference", "error": "exit 1"},
     ]
     rows = bench.with_ratios(results)
     assert abs(rows[0]["bound"] - 0.25) < 1e-12 and rows[0]["ratio_paged"] == 0.25
     assert rows[2]["speedup"] == 2.0 and "speedup" not in rows[1] and "speedup" not in rows[3]
     table = bench.markdown({"environment": ENV, "results": rows}, "t")
-    assert "| 1024 | minference | 2.000 | 2.00x |" in table and "exit 1" in table and "| 0.250 |" in table
+    assert "| 1024 | minference | 2.000 | 2.00x | 5.000 |" in table and "| 1024 | full | 4.000 | - | - |" in table and "exit 1" in table and "| 0.250 |" in table
 
 
 def test_fixed_index_lands_near_its_density():
