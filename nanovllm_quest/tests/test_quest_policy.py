@@ -176,12 +176,13 @@ def test_the_selected_pages_are_the_top_bounds(page):
     sel = policy.select_blocks(ctx)
     per_page = page // BLOCK
     assert sel.shape == (1, 2, 5 * per_page)
+    cfg = policy.config
     scores = reference.page_scores(ctx.query, policy.metadata[0], ctx.meta.block_tables, ctx.history_lens,
-                                   BLOCK, page)
+                                   BLOCK, page, cfg.group_reduction, cfg.keep_sink)
     pages = -(-62 // page)
     for h in range(2):
         chosen = sorted({b // per_page for b in sel[0, h].tolist() if b >= 0})
-        assert len(chosen) == 5 and pages - 1 in chosen
+        assert len(chosen) == 5 and pages - 1 in chosen and 0 in chosen  # the newest page, and the sink
         # a chosen page brings each of its blocks that hold history, and nothing else
         assert [b for b in sel[0, h].tolist() if b >= 0] == [
             b for p in chosen for b in range(p * per_page, (p + 1) * per_page) if b < -(-62 // BLOCK)]
@@ -221,8 +222,8 @@ def test_page_masses_are_each_heads_softmax_summed_by_page(page):
 
 def test_the_oracle_keeps_the_page_of_the_largest_q_dot_k_where_the_bound_misleads():
     """Page 5 holds a key aligned with every query (q . k = 32); page 9 holds two keys of opposite signs
-    whose channel ranges give the bound 80 but q . k = 0. With the newest page and one more, Quest's bound
-    keeps page 9; the oracle keeps page 5, which holds nearly all the attention."""
+    whose channel ranges give the bound 80 but q . k = 0. With the newest page and one more (no sink page),
+    Quest's bound keeps page 9; the oracle keeps page 5, which holds nearly all the attention."""
     lens, dim = [64], 16
     g = torch.Generator().manual_seed(0)
     keys = 0.1 * torch.randn(1, 64, 2, dim, generator=g)
@@ -232,7 +233,7 @@ def test_the_oracle_keeps_the_page_of_the_largest_q_dot_k_where_the_bound_mislea
     q = torch.ones(1, 8, dim)
     values = torch.randn(keys.shape, generator=g)
     for oracle, kept in [(False, 9), (True, 5)]:
-        policy, ctx = paged_decode(keys, values, q, lens, token_budget=2 * BLOCK, oracle=oracle)
+        policy, ctx = paged_decode(keys, values, q, lens, token_budget=2 * BLOCK, oracle=oracle, keep_sink=False)
         assert policy.select_blocks(ctx).tolist() == [[[kept, 15], [kept, 15]]], f"oracle={oracle}"
 
 
@@ -244,10 +245,13 @@ def planted_capture(case: planted.PlantedAttention, num_layers: int = 1) -> Capt
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize(("per_page", "kept", "gap"), [(1, 2, 0.05), (2, 3, 0.1)])
-def test_the_needles_page_is_selected_among_distractors(seed, per_page, kept, gap):
+@pytest.mark.parametrize("keep_sink", [False, True])
+def test_the_needles_page_is_selected_among_distractors(seed, per_page, kept, gap, keep_sink):
     """Planted needles: one key per KV head that every later query looks for, and eight near-miss
-    distractors at cosine 0.7 in other blocks. With a budget of the newest page and one more, Quest
-    keeps each needle's block; on the attention metrics it matches the oracle and beats a random choice.
+    distractors at cosine 0.7 in other blocks. With a budget of the newest page and one more (and the sink
+    page, when it is kept), Quest keeps each needle's block. Without the sink page, on the attention metrics
+    it matches the oracle and beats a random choice (these planted keys have no sink: the kept one takes
+    a block the oracle spends elsewhere).
     Pages of two blocks hold twice the random keys, whose channel extremes loosen the bound: a distractor's
     page can outrank the needle's (seeds 1, 2 and 4), so they keep the newest page and two more; and they
     take whole pages, where the oracle takes as many blocks anywhere (``gap``: its lead in mass recall)."""
@@ -259,14 +263,18 @@ def test_the_needles_page_is_selected_among_distractors(seed, per_page, kept, ga
     assert truth.sum(-1).eq(1).all(), "every query sees its head's needle"
     lens = [p + 1 for p in positions]
     keys = case.k.expand(len(positions), -1, -1, -1)
+    budget = (kept + keep_sink) * page
     policy, ctx = paged_decode(keys, case.v.expand_as(keys), case.q[positions], lens, block=case.block_size,
-                               token_budget=kept * page, page_size=page)
-    sel = policy.select_blocks(ctx)  # [P, Hkv, kept * per_page]
+                               token_budget=budget, page_size=page, keep_sink=keep_sink)
+    sel = policy.select_blocks(ctx)  # [P, Hkv, budget // BLOCK]
     for p in range(len(positions)):
         for h in range(case.num_kv_heads):
             needle = int(truth[p, h].nonzero())
             assert needle in sel[p, h].tolist(), f"query {positions[p]}, KV head {h}: needle block {needle}"
-    layers = evaluate_policy(f"quest:token_budget={kept * page},skip_layers=0,page_size={page}",
+            assert not keep_sink or 0 in sel[p, h].tolist()
+    if keep_sink:
+        return
+    layers = evaluate_policy(f"quest:token_budget={budget},skip_layers=0,page_size={page},keep_sink=false",
                              planted_capture(case), positions)
     got, oracle, rand = (layers[0][w] for w in ("policy", "oracle", "random"))
     assert got["mass_recall"] >= oracle["mass_recall"] - gap and got["mass_recall"] > rand["mass_recall"] + 0.4

@@ -35,7 +35,9 @@ class QuestConfig:
     - ``skip_layers``: the first layers stay dense (the paper's 2: their attention is not sparse).
     - ``group_reduction``: how the bounds of a GQA group's query heads combine into the score of their
       shared KV head, ``max`` (a page matters if it matters to any head of the group) or ``sum``.
-    - ``keep_sink``: always keep the first page (the attention sink) besides the newest one.
+    - ``keep_sink``: always keep the first page (the attention sink) besides the newest one. On by
+      default: on SmolLM2 it lowered Quest's perplexity at every budget measured (budget 1024: +3.9% of
+      dense against +8.5% without it; 2048: +1.6% against +2.5%), for one ranked page less.
     - ``page_size``: tokens of a Quest page, a multiple of the KV block size (default: one KV block, 16
       tokens with the engine's default blocks, the paper's page). The policy keeps one
       min/max per page and KV head, scores and ranks pages, and attends to the selected pages' blocks.
@@ -52,6 +54,6 @@ class QuestConfig:
     token_budget: int = attrs.field(default=2048, validator=_int_at_least(1))
     skip_layers: int = attrs.field(default=2, validator=_int_at_least(0))
     group_reduction: str = attrs.field(default="max", validator=_one_of(GROUP_REDUCTIONS))
-    keep_sink: bool = attrs.field(default=False, validator=_bool)
+    keep_sink: bool = attrs.field(default=True, validator=_bool)
     page_size: int | None = attrs.field(default=None, validator=attrs.validators.optional(_int_at_least(1)))
     oracle: bool = attrs.field(default=False, validator=_bool)
