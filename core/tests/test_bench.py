@@ -149,7 +149,7 @@ def test_offload_bench_on_a_tiny_model(tiny_model, one_thread, tmp_path):
 
 def test_ttft_after_a_full_length_warm_up(tiny_model, one_thread):
     """The TTFT job's warm-up is a prompt as long as the timed one (so every kernel has compiled), timed on
-    its own; the timed prompt is the same one as without it."""
+    its own; the prompts drawn for it extend, not change, the ones drawn without it."""
     from nanovllm.bench import offload
 
     model = tiny_model("LlamaForCausalLM")
