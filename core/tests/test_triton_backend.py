@@ -47,6 +47,7 @@ INTERP_CONFIGS = [
     (torch.bfloat16, 128, 4, 16),
     (torch.float16, 64, 8, 256),
     (torch.float32, 32, 2, 16),
+    (torch.bfloat16, 64, 2, 8),  # blocks smaller than the decode tile: selected tiles span several blocks
 ]
 
 
@@ -333,7 +334,11 @@ def _check_per_head(c: Case, sel, kv_lens, q_lens, dtype, what, gen):
 
 
 @cases
-def test_attend_blocks_per_head_decode(device, dtype, head_dim, group, block_size, gen):
+@pytest.mark.parametrize("read_ahead", [False, True], ids=["in-step", "read-ahead"])
+def test_attend_blocks_per_head_decode(device, dtype, head_dim, group, block_size, read_ahead, gen,
+                                       monkeypatch):
+    # both ways of reading a selected tile's entries (block_n > block_size only), whatever the batch
+    monkeypatch.setattr(tk, "_read_ahead", lambda multi_block_tiles, *_: multi_block_tiles and read_ahead)
     ctx = GPU_DECODE if device == "cuda" else INTERP_DECODE
     c = Case([1] * len(ctx), ctx, PER_HEAD_KV, group, head_dim, block_size, dtype, device, gen)
     kv_lens = (c.meta.context_lens - torch.tensor([0, 0, 3, 1, 0][: len(ctx)], device=device)).int()
@@ -489,4 +494,5 @@ def test_kernels_under_interpreter():
         f for f in globals().values()
         if any(m.name == "parametrize" and "device" in m.args[0] for m in getattr(f, "pytestmark", []))
     ]
-    assert passed == len(case_tests) * len(INTERP_CONFIGS), tail
+    # each case once per config (their "short" variants skip there), the per-head decode twice (read-ahead)
+    assert passed == (len(case_tests) + 1) * len(INTERP_CONFIGS), tail
