@@ -1,7 +1,8 @@
 """Quest against the core's conformance kit. The budget (100 blocks of 4 tokens) covers every sequence of
 the kit's scenarios but not the block table (128 blocks at max_model_len 512), so every layer scores,
 selects and attends through its per-KV-head selection, and must still be exactly ``full``: with pages of
-one block (whose metadata the kit also recomputes block by block) and with pages of 4 blocks."""
+one block (whose metadata the kit also recomputes block by block), with pages of 4 blocks, and with float8
+bounds (rounded outward in every update, so the kept metadata equals the recomputed one)."""
 
 import pytest
 from nanovllm.conformance import cases, run_case
@@ -10,9 +11,9 @@ from nanovllm.plugins import get_plugins
 SELECTION = "quest:token_budget=400,skip_layers=0"
 
 
-@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("options", ["page_size=4", "page_size=16", "page_size=4,metadata_dtype=fp8"])
 @pytest.mark.parametrize("case", cases(), ids=str)
-def test_conformance(case, page_size):
+def test_conformance(case, options):
     if "quest" not in get_plugins().registry.sparse_policies:
         pytest.skip("the entry point is registered only once the distribution is installed")
-    run_case(case, f"{SELECTION},page_size={page_size}")
+    run_case(case, f"{SELECTION},{options}")

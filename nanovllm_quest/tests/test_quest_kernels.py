@@ -48,22 +48,43 @@ def rows_on(rows: PageRows, device) -> PageRows:
     return PageRows(rows.anchor.to(device), None if rows.order is None else rows.order.to(device))
 
 
+def bits(metadata: torch.Tensor) -> torch.Tensor:
+    """Comparable bits (float8 has no ``torch.equal``; NaN bits compare equal)."""
+    return metadata.cpu().view(torch.int8 if metadata.element_size() == 1 else torch.int16
+                               if metadata.element_size() == 2 else torch.int32)
+
+
+def stale_bounds(gen, shape, dtype, fp8: bool) -> torch.Tensor:
+    """Random bounds of earlier owners, some float8 ones unbounded (NaN)."""
+    start = torch.randn(*shape, generator=gen)
+    if not fp8:
+        return start.to(dtype)
+    start[..., 0] = float("nan")
+    return start.to(reference.FP8)
+
+
 @cases
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_update_metadata(device, dtype, block_size):
-    """Pages of one block: the anchor is each row's own block."""
+@pytest.mark.parametrize("fp8", [False, True], ids=["kv-dtype", "fp8"])
+def test_update_metadata(device, dtype, block_size, fp8):
+    """Pages of one block: the anchor is each row's own block. Float8 bounds: keys past the format's range
+    make their pages unbounded."""
     gen = torch.Generator().manual_seed(block_size)
     hkv, d, n = 2, 48, 64
     # decode rows mid-block, a fresh block's first token, chunks starting mid-block and spanning blocks
     seqs = [(5, 1), (2 * block_size, 1), (3, 2 * block_size + 1), (0, 3 * block_size), (block_size - 1, 2)]
     key, slots, pos = random_write(gen, n, block_size, seqs, hkv, d, dtype)
+    if fp8:
+        key[::7, :, 1] *= 1000
     rows = page_rows(StepMetadata(slots, pos, 0, None, None), block_size, block_size)
-    start = torch.randn(n, hkv, 2, d, generator=gen).to(dtype)  # stale bounds of earlier owners
+    start = stale_bounds(gen, (n, hkv, 2, d), dtype, fp8)
     want = start.clone()
     reference.update_metadata(want, key, pos, rows, block_size)
+    if fp8:
+        assert want.float().isnan().any() and not want.float().isnan().all()
     got = start.to(device)
     kernels.update_metadata(got, key.to(device), pos.to(device), rows_on(rows, device), block_size)
-    assert torch.equal(got.cpu(), want), "min/max are exact: the kernel must match bit for bit"
+    assert torch.equal(bits(got), bits(want)), "min/max (rounded outward) must match bit for bit"
 
 
 def shared_anchor_step(gen, block: int, page: int, num_blocks: int) -> StepMetadata:
@@ -89,7 +110,8 @@ def shared_anchor_step(gen, block: int, page: int, num_blocks: int) -> StepMetad
 
 @cases
 @pytest.mark.parametrize("page", [16, 32])
-def test_update_metadata_of_shared_pages(device, dtype, page):
+@pytest.mark.parametrize("fp8", [False, True], ids=["kv-dtype", "fp8"])
+def test_update_metadata_of_shared_pages(device, dtype, page, fp8):
     """Pages of several blocks: rows of three sequences fold into one shared anchor in one step (decode and
     prefill rows, not adjacent), so the kernel must see them as one run."""
     gen = torch.Generator().manual_seed(page)
@@ -99,17 +121,21 @@ def test_update_metadata_of_shared_pages(device, dtype, page):
     shared = (rows.anchor == 0).nonzero().flatten()
     assert sorted(rows.order[shared].tolist()) == [0, 1] + list(range(4 + page + 3, 4 + page + 7))  # seqs 0, 1, 4
     key = torch.randn(len(step.positions), hkv, d, generator=gen).to(dtype)
-    start = torch.randn(n, hkv, 2, d, generator=gen).to(dtype)
-    start = torch.stack([start.amin(2), start.amax(2)], dim=2)
+    start = torch.randn(n, hkv, 2, d, generator=gen)
+    start = torch.stack([start.amin(2), start.amax(2)], dim=2).to(reference.FP8 if fp8 else dtype)
     want = start.clone()
     reference.update_metadata(want, key, step.positions, rows, page)
-    new = key[rows.order[shared]]
-    assert torch.equal(want[0, :, 0], torch.minimum(start[0, :, 0], new.amin(0)))  # widened, not restarted
-    assert torch.equal(want[0, :, 1], torch.maximum(start[0, :, 1], new.amax(0)))
+    new = key[rows.order[shared]].float()
+    low = torch.minimum(start[0, :, 0].float(), new.amin(0))  # widened, not restarted
+    high = torch.maximum(start[0, :, 1].float(), new.amax(0))
+    if fp8:
+        low, high = reference.round_fp8(low, up=False), reference.round_fp8(high, up=True)
+    assert torch.equal(bits(want[0, :, 0]), bits(low.to(want.dtype)))
+    assert torch.equal(bits(want[0, :, 1]), bits(high.to(want.dtype)))
     got = start.to(device)
     kernels.update_metadata(got, key.to(device), step.positions.to(device), rows_on(rows, device),
                             page)
-    assert torch.equal(got.cpu(), want), "min/max are exact: the kernel must match bit for bit"
+    assert torch.equal(bits(got), bits(want)), "min/max (rounded outward) must match bit for bit"
 
 
 @cases
@@ -135,6 +161,27 @@ def test_page_scores(device, dtype, reduction, keep_sink, per_page):
     got = kernels.page_scores(q.to(device), metadata.to(device), tables.to(device), lens.to(device), block, page,
                               reduction, keep_sink).cpu()
     assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got.sign(), want.sign())
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-4)
+
+
+@cases
+def test_page_scores_with_fp8_bounds(device, dtype):
+    """Float8 bounds score as their float32 values; an unbounded page (a NaN channel) scores ``+inf``."""
+    gen = torch.Generator().manual_seed(11)
+    seqs, heads, hkv, d, width, block = 2, 8, 2, 64, 40, 16
+    bounds = torch.randn(seqs * width, hkv, 2, d, generator=gen) * 3
+    metadata = torch.stack([reference.round_fp8(bounds.amin(2), up=False),
+                            reference.round_fp8(bounds.amax(2), up=True)], dim=2)
+    tables = torch.randperm(seqs * width, generator=gen).view(seqs, width).int()
+    lens = torch.tensor([width * block, width * block - 9], dtype=torch.int32)
+    metadata[tables[0, 5], 1, reference.MAX, 3] = float("nan")  # sequence 0, KV head 1, page 5
+    q = torch.randn(seqs, heads, d, generator=gen).to(dtype)
+    want = reference.page_scores(q, metadata, tables, lens, block, block, "max", True)
+    assert want[0, 1, 5] == float("inf") and torch.isfinite(want[0, 0, 1:-1]).all()
+    got = kernels.page_scores(q.to(device), metadata.to(device), tables.to(device), lens.to(device), block,
+                              block, "max", True).cpu()
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
     finite = torch.isfinite(want)
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-4)
 
@@ -190,4 +237,4 @@ def test_kernels_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == 2 + 2 + 4 * 2 + 7 * 2 + 1, tail
+    assert passed == 2 * 2 + 2 * 2 + 4 * 2 + 1 + 7 * 2 + 1, tail

@@ -63,7 +63,8 @@ def test_config_is_checked_at_the_selection():
     installed()
     resolved = resolve_sparse_policy("quest:token_budget=1024,group_reduction=sum,keep_sink=true")
     assert resolved.cls is QuestPolicy
-    assert resolved.config == QuestConfig(1024, 2, "sum", True, None, False)  # page: one KV block
+    assert resolved.config == QuestConfig(1024, 2, "sum", True, None, "auto", False)  # page: one KV block
+    assert resolve_sparse_policy("quest:metadata_dtype=fp8").config.metadata_dtype == "fp8"
     assert resolve_sparse_policy("quest:page_size=64").config.page_size == 64
     assert resolve_sparse_policy("quest:oracle=true").config.oracle is True
     for bad, message in [("token_budget=0", "token_budget must be an int >= 1"),
@@ -72,8 +73,9 @@ def test_config_is_checked_at_the_selection():
                          ("keep_sink=2", "keep_sink must be true or false"),
                          ("page_size=0", "page_size must be an int >= 1"),
                          ("oracle=3", "oracle must be true or false, got 3"),
+                         ("metadata_dtype=fp16", "metadata_dtype must be one of 'auto', 'fp8'"),
                          ("budget=4", "Accepted: token_budget, skip_layers, group_reduction, keep_sink, page_size, "
-                                      "oracle")]:
+                                      "metadata_dtype, oracle")]:
         with pytest.raises(SelectionError, match=message):
             resolve_sparse_policy(f"quest:{bad}")
 
@@ -105,20 +107,25 @@ def assert_pages_bound_their_keys(metadata: torch.Tensor, k_cache: torch.Tensor,
     layer's ``[blocks, Hkv, 2, D]``)."""
     block = k_cache.shape[1]
     for s, n in enumerate(lens):
-        keys = k_cache[tables[s, : -(-n // block)].long()].flatten(0, 1)[:n].to(metadata.dtype)  # [n, Hkv, D]
+        keys = k_cache[tables[s, : -(-n // block)].long()].flatten(0, 1)[:n].float()  # [n, Hkv, D]
+        bounds = metadata.float()
         for p in range(-(-n // page)):
             anchor = int(tables[s, p * (page // block)])
             in_page = keys[p * page: (p + 1) * page]
-            assert (metadata[anchor, :, reference.MIN] <= in_page.amin(0)).all(), f"seq {s} page {p}: min"
-            assert (metadata[anchor, :, reference.MAX] >= in_page.amax(0)).all(), f"seq {s} page {p}: max"
+            assert (bounds[anchor, :, reference.MIN] <= in_page.amin(0)).all(), f"seq {s} page {p}: min"
+            assert (bounds[anchor, :, reference.MAX] >= in_page.amax(0)).all(), f"seq {s} page {p}: max"
 
 
 @pytest.mark.parametrize("page", [BLOCK, 3 * BLOCK])
-def test_the_bound_holds_for_every_key(page):
+@pytest.mark.parametrize("metadata_dtype", ["auto", "fp8"])
+def test_the_bound_holds_for_every_key(page, metadata_dtype):
     """Each query head's bound for a page is at least ``q . k`` of every key in it; a KV head's score
-    (max over its group) at least the best ``q . k`` of any of its query heads."""
+    (max over its group) at least the best ``q . k`` of any of its query heads. Float8 bounds too."""
     lens = [37, 64, 5]
-    policy, ctx = decode_batch(lens, seed=3, page_size=page)
+    policy, ctx = decode_batch(lens, seed=3, page_size=page, metadata_dtype=metadata_dtype)
+    if metadata_dtype == "fp8":
+        assert policy.metadata.dtype == reference.FP8
+        assert policy.metadata_bytes_per_block(3, 2, 16, BLOCK, torch.bfloat16) == 3 * 2 * 2 * 16
     assert_pages_bound_their_keys(policy.metadata[0], ctx.k_cache, ctx.meta.block_tables, lens, page)
     q = ctx.query
     for reduction in ("max", "sum"):
@@ -137,6 +144,25 @@ def test_the_bound_holds_for_every_key(page):
             if reduction == "max":
                 assert (scores[s, :, :last] >= group_best[:, :last] - 1e-5).all()
             assert torch.isinf(scores[s, :, last]).all() and (scores[s, :, last + 1:] == float("-inf")).all()
+
+
+def test_a_float8_page_past_its_range_is_always_kept():
+    """A key channel beyond float8's +-448 leaves its page without a bound (NaN): it scores ``+inf`` and is
+    selected whatever the query, until the page restarts; the other pages keep finite float8 bounds."""
+    lens = [40]
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randn(1, 40, 2, 16, generator=g)
+    keys[0, 9, 1, 4] = 900.0  # page 2 (blocks of 4), KV head 1
+    q = torch.randn(1, 8, 16, generator=g)
+    q[0, :, 4] = -1.0  # every query head would rank the page low on that channel
+    policy, ctx = paged_decode(keys, torch.randn_like(keys), q, lens, metadata_dtype="fp8", token_budget=8,
+                               keep_sink=False)
+    anchor = int(ctx.meta.block_tables[0, 2])
+    assert policy.metadata[0, anchor, 1, reference.MAX].float().isnan().any()
+    assert not policy.metadata[0, anchor, 0].float().isnan().any()  # KV head 0 keeps its bound
+    scores = reference.page_scores(q, policy.metadata[0], ctx.meta.block_tables, ctx.history_lens, BLOCK, BLOCK)
+    assert scores[0, 1, 2] == float("inf") and torch.isfinite(scores[0, 0, :-1]).all()
+    assert 2 in policy.select_blocks(ctx)[0, 1].tolist()
 
 
 def test_selection_keeps_the_contract():

@@ -341,8 +341,9 @@ def _check_metadata(case: Case, model_dir: str, policy: Any) -> None:
             caches = (layer.k_cache, layer.v_cache)
             twin.on_kv_write(KVWrite.of_blocks(layer.layer_id, *caches, blocks, counts, starts))
         for layer in runner.attention_layers:
-            kept = policy_obj.block_metadata(layer.layer_id, ids)
-            fresh = twin.block_metadata(layer.layer_id, ids)
+            # compared as float32: metadata of any dtype (float8 has no arithmetic on the CPU)
+            kept = policy_obj.block_metadata(layer.layer_id, ids).float()
+            fresh = twin.block_metadata(layer.layer_id, ids).float()
             same = torch.allclose(kept, fresh, rtol=1e-5, atol=1e-6, equal_nan=True)
             assert same, (
                 f"metadata: layer {layer.layer_id}: the metadata {type(policy_obj).__name__} kept through "

@@ -45,8 +45,8 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 # -- attention kernels ----------------------------------------------------------------------------------
 
 
-def bench_attention(contexts: list[int], batches: list[int], budgets: list[int],
-                    page_sizes: list[int]) -> list[dict[str, Any]]:
+def bench_attention(contexts: list[int], batches: list[int], budgets: list[int], page_sizes: list[int],
+                    metadata_dtypes: list[str] = ("auto",)) -> list[dict[str, Any]]:
     import torch
     from nanovllm.attention.metadata import PhaseMetadata
     from nanovllm.attention.triton_backend import TritonBackend
@@ -64,7 +64,8 @@ def bench_attention(contexts: list[int], batches: list[int], budgets: list[int],
                 k_cache = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
                 v_cache = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
                 tables = torch.randperm(num_blocks, generator=gen, device="cuda").view(batch, width).int()
-                metadata = {page: page_metadata(k_cache, tables, page) for page in page_sizes}
+                metadata = {(page, kind): page_metadata(k_cache, tables, page, kind) for page in page_sizes
+                            for kind in metadata_dtypes}
                 lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
                 meta = PhaseMetadata(torch.arange(batch + 1, dtype=torch.int32, device="cuda"), lens, tables, 1,
                                      context)
@@ -77,28 +78,30 @@ def bench_attention(contexts: list[int], batches: list[int], budgets: list[int],
             dense_ms = graph_ms([partial(dense, x) for x in layers])
             dense_one_ms = graph_ms([partial(dense, layers[0])])
             for page in page_sizes:
-                for budget in budgets:
-                    rows.append(bench_quest(layers, backend, scale, context, batch, budget, page, dense_ms,
-                                            dense_one_ms))
+                for kind in metadata_dtypes:
+                    for budget in budgets:
+                        rows.append(bench_quest(layers, backend, scale, context, batch, budget, (page, kind),
+                                                dense_ms, dense_one_ms))
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
             del layers
             torch.cuda.empty_cache()
     return rows
 
 
-def bench_quest(layers: list, backend, scale: float, context: int, batch: int, budget: int, page: int,
-                dense_ms: float, dense_one_ms: float) -> dict[str, Any]:
-    """One row: Quest's steps at one budget and page size over the layers' caches, against their dense time
-    (scoring, then top-K, then the attention over the selection)."""
+def bench_quest(layers: list, backend, scale: float, context: int, batch: int, budget: int,
+                metadata_key: tuple[int, str], dense_ms: float, dense_one_ms: float) -> dict[str, Any]:
+    """One row: Quest's steps at one budget, page size and metadata dtype over the layers' caches, against
+    their dense time (scoring, then top-K, then the attention over the selection)."""
     from nanovllm.bench.kernels import graph_ms
 
     from nanovllm_quest import kernels
 
+    page, kind = metadata_key
     k = budget // page
 
     def score(x):
-        return kernels.page_scores(x.q, x.metadata[page], x.meta.block_tables, x.meta.context_lens, BLOCK_SIZE,
-                                   page)
+        return kernels.page_scores(x.q, x.metadata[metadata_key], x.meta.block_tables, x.meta.context_lens,
+                                   BLOCK_SIZE, page)
 
     def top(x, scores):
         return kernels.top_pages(scores, k, x.meta.context_lens, BLOCK_SIZE, page)
@@ -114,6 +117,7 @@ def bench_quest(layers: list, backend, scale: float, context: int, batch: int, b
     quest_ms = graph_ms([partial(quest, x) for x in layers])
     row = {
         "benchmark": "attention", "context": context, "batch": batch, "budget": budget, "page_size": page,
+        "metadata_dtype": kind,
         "layers_in_graph": len(layers),
         "dense_us": 1000 * dense_ms, "quest_us": 1000 * quest_ms,
         "score_us": 1000 * graph_ms([partial(score, x) for x in layers]),
@@ -128,10 +132,13 @@ def bench_quest(layers: list, backend, scale: float, context: int, batch: int, b
     return row
 
 
-def page_metadata(k_cache, tables, page: int):
+def page_metadata(k_cache, tables, page: int, metadata_dtype: str = "auto"):
     """Quest's metadata of a cache whose sequences fill their block tables: each page's min/max at its anchor
-    (the physical block of its first logical block), ``[blocks, KV heads, 2, D]``."""
+    (the physical block of its first logical block), ``[blocks, KV heads, 2, D]``; ``fp8``: rounded outward
+    to float8, as the policy keeps it with ``metadata_dtype=fp8``."""
     import torch
+
+    from nanovllm_quest import reference
 
     per_page = page // BLOCK_SIZE
     bounds = torch.stack([k_cache.amin(1), k_cache.amax(1)], dim=2)  # per block: [blocks, KV heads, 2, D]
@@ -140,6 +147,9 @@ def page_metadata(k_cache, tables, page: int):
     pages = torch.stack([logical[..., 0, :].amin(2), logical[..., 1, :].amax(2)], dim=-2)
     metadata = torch.empty_like(bounds)
     metadata[tables[:, ::per_page].long()] = pages
+    if metadata_dtype == "fp8":
+        return torch.stack([reference.round_fp8(metadata[:, :, reference.MIN].float(), up=False),
+                            reference.round_fp8(metadata[:, :, reference.MAX].float(), up=True)], dim=2)
     return metadata
 
 
@@ -169,14 +179,16 @@ def bench_engine(kind: str, context: int, batch: int, policy: str, steps: int) -
 
 
 def jobs(contexts: list[int], batches: list[int], budgets: list[int], budget: int, steps: int,
-         page_sizes: list[int] = (16,)) -> list[dict]:
+         page_sizes: list[int] = (16,), metadata_dtypes: list[str] = ("auto",)) -> list[dict]:
     quest = f"quest:token_budget={budget}"
-    paged = [f"{quest},page_size={p}" for p in page_sizes if p != BLOCK_SIZE]  # the engine at larger pages too
+    # the engine at larger pages and other metadata dtypes too
+    variants = [f"{quest},page_size={p}" for p in page_sizes if p != BLOCK_SIZE]
+    variants += [f"{quest},metadata_dtype={kind}" for kind in metadata_dtypes if kind != "auto"]
     out: list[dict] = [{"kind": "attention", "contexts": contexts, "batches": batches, "budgets": budgets,
-                        "page_sizes": list(page_sizes)}]
+                        "page_sizes": list(page_sizes), "metadata_dtypes": list(metadata_dtypes)}]
     for context, batch in [(32768, 1), (131072, 1), (32768, 8)]:
         out += [{"kind": "decode", "context": context, "batch": batch, "policy": p, "steps": steps}
-                for p in ("full", quest, *paged)]
+                for p in ("full", quest, *variants)]
     out.append({"kind": "offload-copy"})
     out += [{"kind": "offload", "context": 131072, "batch": 1, "policy": p, "steps": s}
             for p, s in (("full", 3), (quest, steps), (quest + ",skip_layers=0", steps))]
@@ -185,7 +197,8 @@ def jobs(contexts: list[int], batches: list[int], budgets: list[int], budget: in
 
 def run_job(job: dict) -> list[dict[str, Any]]:
     if job["kind"] == "attention":
-        return bench_attention(job["contexts"], job["batches"], job["budgets"], job.get("page_sizes", [BLOCK_SIZE]))
+        return bench_attention(job["contexts"], job["batches"], job["budgets"], job.get("page_sizes", [BLOCK_SIZE]),
+                               job.get("metadata_dtypes", ["auto"]))
     if job["kind"] == "offload-copy":
         from nanovllm.bench import offload as b5
 
@@ -246,7 +259,8 @@ def markdown(payload: dict[str, Any], title: str) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["results"]:
         if r["benchmark"] == "attention":
-            cells = [r["context"], r["batch"], r["budget"], r.get("page_size", BLOCK_SIZE), r["layers_in_graph"],
+            page = f"{r.get('page_size', BLOCK_SIZE)}" + (" fp8" if r.get("metadata_dtype") == "fp8" else "")
+            cells = [r["context"], r["batch"], r["budget"], page, r["layers_in_graph"],
                      f"{r['dense_us']:.1f}", f"{r['quest_us']:.1f}", f"{r['score_us']:.1f}", f"{r['topk_us']:.1f}",
                      f"{r['attend_us']:.1f}", f"{r['speedup']:.2f}x", f"{r['ceiling']:.1f}x",
                      f">= {r['target']}x" if r.get("target") else "", f"{r['dense_one_layer_us']:.1f}",
@@ -282,7 +296,8 @@ def chart(payload: dict[str, Any], path: Path) -> None:
     att = [r for r in payload["results"] if r["benchmark"] == "attention"]
     eng = [r for r in payload["results"] if "speedup" in r and r["benchmark"] != "attention"]
     fig, axes = plt.subplots(2, 1, figsize=(10, 7))
-    labels = [f"{r['context'] // 1024}K x{r['batch']} b{r['budget']} p{r.get('page_size', BLOCK_SIZE)}" for r in att]
+    labels = [f"{r['context'] // 1024}K x{r['batch']} b{r['budget']} p{r.get('page_size', BLOCK_SIZE)}"
+              + (" fp8" if r.get("metadata_dtype") == "fp8" else "") for r in att]
     axes[0].barh(labels, [r["speedup"] for r in att], color="tab:blue", label="Quest / dense")
     axes[0].scatter([r["ceiling"] for r in att], labels, color="black", marker="|", s=200, label="ceiling")
     axes[0].set_title("decode attention speedup over dense (per layer, layers in one graph)", fontsize=10)
@@ -312,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page-sizes", nargs="+", type=int, default=[16, 64],
                         help="Quest page sizes (multiples of the block size, 16) of the attention job, and "
                         "of the decode job's Quest rows besides the default page")
+    parser.add_argument("--metadata-dtypes", nargs="+", default=["auto", "fp8"], choices=["auto", "fp8"],
+                        help="Quest metadata dtypes of the attention job (at each page size), and of the decode "
+                        "job's Quest rows besides auto")
     parser.add_argument("--budget", type=int, default=2048, help="token budget of the engine runs")
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--only", nargs="+", default=None, help="job kinds to run (attention, decode, offload)")
@@ -324,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     from nanovllm.bench import run_plugin_jobs
 
     selected = [job for job in jobs(args.contexts, args.batches, args.budgets, args.budget, args.decode_steps,
-                                    args.page_sizes)
+                                    args.page_sizes, args.metadata_dtypes)
                 if not (args.only and job["kind"] not in args.only and not (job["kind"] == "offload-copy" and "offload" in args.only))]
     return run_plugin_jobs(selected, "nanovllm_quest.bench", Path(args.out), args.name, vars(args) | {"job": None},
                            with_ratios, markdown, chart)

@@ -40,7 +40,7 @@ def _update_kernel(
     Key, Meta, Anchors, Order, Positions, num_rows,
     stride_kt, stride_kh, stride_mb, stride_mh, stride_mm,
     PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    ORDERED: tl.constexpr,
+    ORDERED: tl.constexpr, FP8: tl.constexpr,
 ):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -76,11 +76,50 @@ def _update_kernel(
     base = Meta + tl.where(leader, anchor, 0).to(tl.int64) * stride_mb + kvh * stride_mh + offs_d
     write = offs_d < tl.where(leader, HEAD_DIM, 0)
     keep_old = offs_d < tl.where(leader & (fresh == 0), HEAD_DIM, 0)  # a restarted page forgets its bounds
-    old_min = tl.load(base, mask=keep_old, other=float("inf")).to(tl.float32)
-    old_max = tl.load(base + stride_mm, mask=keep_old, other=float("-inf")).to(tl.float32)
-    out_ty = Meta.dtype.element_ty
-    tl.store(base, tl.minimum(old_min, new_min).to(out_ty), mask=write)
-    tl.store(base + stride_mm, tl.maximum(old_max, new_max).to(out_ty), mask=write)
+    old_min = _to_float32(tl.load(base, mask=keep_old, other=0.0), FP8)
+    old_max = _to_float32(tl.load(base + stride_mm, mask=keep_old, other=0.0), FP8)
+    old_min = tl.where(keep_old, old_min, float("inf"))  # float8 has no infinity: fill after the load
+    old_max = tl.where(keep_old, old_max, float("-inf"))
+    low = tl.minimum(old_min, new_min)
+    high = tl.maximum(old_max, new_max)
+    if FP8:  # rounded outward; an unbounded (NaN) page stays unbounded until it restarts
+        tl.store(base, _round_fp8(tl.where(old_min != old_min, old_min, low), False), mask=write)
+        tl.store(base + stride_mm, _round_fp8(tl.where(old_max != old_max, old_max, high), True), mask=write)
+    else:
+        tl.store(base, low.to(Meta.dtype.element_ty), mask=write)
+        tl.store(base + stride_mm, high.to(Meta.dtype.element_ty), mask=write)
+
+
+@triton.jit
+def _to_float32(x, FP8: tl.constexpr):
+    """Metadata as float32; float8's NaN stays NaN (Triton's interpreter reads it as 480)."""
+    if FP8:
+        return tl.where((x.to(tl.int8, bitcast=True) & 0x7F) == 0x7F, float("nan"), x.to(tl.float32))
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _round_fp8(x, UP: tl.constexpr):
+    """:func:`reference.round_fp8` from float32 bits, without a float8 conversion (Triton's interpreter
+    drops a rounding's carry into the exponent): the magnitude truncated to e4m3, plus one unit when
+    rounding away from zero leaves a remainder; NaN past the range and for NaN."""
+    xb = x.to(tl.int32, bitcast=True)
+    negative = xb < 0
+    mag = xb & 0x7FFFFFFF
+    exp = mag >> 23
+    normal = exp >= 121  # |x| >= 2^-6, e4m3's smallest normal
+    scaled = tl.abs(x) * 512.0  # e4m3 subnormals are multiples of 2^-9
+    whole = tl.floor(scaled)
+    units = tl.where(normal, ((exp - 120) << 3) | ((mag >> 20) & 7), whole.to(tl.int32))
+    inexact = tl.where(normal, (mag & 0xFFFFF) != 0, scaled != whole)
+    if UP:
+        away = negative == 0
+    else:
+        away = negative
+    units = tl.where(away, units + inexact.to(tl.int32), tl.minimum(units, 0x7E))
+    bits = tl.where(negative, units | 0x80, units)
+    bits = tl.where((units > 0x7E) | (mag > 0x7F800000), 0x7F, bits)  # past 448, or NaN
+    return bits.to(tl.int8).to(tl.float8e4nv, bitcast=True)
 
 
 def update_metadata(
@@ -95,7 +134,8 @@ def update_metadata(
         key, metadata, rows.anchor, rows.order if ordered else rows.anchor, positions, num_rows,
         key.stride(0), key.stride(1), metadata.stride(0), metadata.stride(1), metadata.stride(2),
         PAGE_SIZE=page_size, ROWS=min(triton.next_power_of_2(page_size), MAX_UPDATE_ROWS), HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), ORDERED=ordered, num_warps=2,
+        BLOCK_D=triton.next_power_of_2(head_dim), ORDERED=ordered, FP8=metadata.dtype == torch.float8_e4m3fn,
+        num_warps=2,
     )
 
 
@@ -105,7 +145,7 @@ def _score_kernel(
     stride_qs, stride_qh, stride_mb, stride_mh, stride_mm, stride_bt, stride_ss, stride_sh,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCKS_PER_PAGE: tl.constexpr, TILE: tl.constexpr, REDUCE_MAX: tl.constexpr,
-    KEEP_SINK: tl.constexpr, FP32: tl.constexpr,
+    KEEP_SINK: tl.constexpr, FP32: tl.constexpr, FP8: tl.constexpr,
 ):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -125,6 +165,8 @@ def _score_kernel(
     ld = valid[:, None] & d_ok[None, :]
     kmin = tl.load(meta, mask=ld, other=0.0)
     kmax = tl.load(meta + stride_mm, mask=ld, other=0.0)
+    if FP8:
+        kmin, kmax = _to_float32(kmin, True), _to_float32(kmax, True)
     zero = tl.zeros_like(q)
     q_pos = tl.where(q > 0, q, zero)
     q_neg = tl.where(q < 0, q, zero)
@@ -134,6 +176,7 @@ def _score_kernel(
     else:  # 16-bit products are exact in the float32 accumulator
         bound = tl.dot(q_pos, tl.trans(kmax.to(q.dtype)))
         bound += tl.dot(q_neg, tl.trans(kmin.to(q.dtype)))
+    bound = tl.where(bound != bound, float("inf"), bound)  # an unbounded float8 page
     if REDUCE_MAX:
         score = tl.max(tl.where(g_ok[:, None], bound, float("-inf")), 0)
     else:
@@ -166,7 +209,8 @@ def page_scores(
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=page_size,
         BLOCKS_PER_PAGE=page_size // block_size, TILE=SCORE_TILE, REDUCE_MAX=group_reduction == "max",
-        KEEP_SINK=keep_sink, FP32=q.dtype == torch.float32 or not q.is_cuda, num_warps=4,
+        KEEP_SINK=keep_sink, FP32=q.dtype == torch.float32 or not q.is_cuda,
+        FP8=metadata.dtype == torch.float8_e4m3fn, num_warps=4,
     )
     return scores
 

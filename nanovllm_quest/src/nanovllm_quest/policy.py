@@ -58,7 +58,10 @@ class QuestPolicy(SparsePolicy):
 
     def metadata_bytes_per_block(self, num_layers, num_kv_heads, head_dim, block_size, dtype) -> int:
         sparse_layers = max(0, num_layers - self.config.skip_layers)
-        return sparse_layers * num_kv_heads * 2 * head_dim * dtype.itemsize
+        return sparse_layers * num_kv_heads * 2 * head_dim * self._metadata_dtype(dtype).itemsize
+
+    def _metadata_dtype(self, kv_dtype: torch.dtype) -> torch.dtype:
+        return reference.FP8 if self.config.metadata_dtype == "fp8" else kv_dtype
 
     def dense_layers(self, num_layers: int) -> frozenset[int]:
         """The first ``skip_layers`` run dense: under offload their KV stays on the GPU."""
@@ -86,7 +89,8 @@ class QuestPolicy(SparsePolicy):
         sparse_layers = max(0, num_layers - self.config.skip_layers)
         # [layer - skip_layers, block, KV head, min|max, head_dim], a page's bounds at its anchor block;
         # the dense layers keep none
-        self.metadata = torch.empty(sparse_layers, num_blocks, num_kv_heads, 2, head_dim, dtype=dtype, device=device)
+        self.metadata = torch.empty(sparse_layers, num_blocks, num_kv_heads, 2, head_dim,
+                                    dtype=self._metadata_dtype(dtype), device=device)
 
     # -- metadata ------------------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ Metadata of one layer is ``[num_blocks, num_kv_heads, 2, head_dim]`` in the KV d
 block: per page and KV head, the channel-wise minimum (index 0) and maximum (index 1) of the page's keys,
 kept at the page's anchor, the physical block of its first logical block (with pages of one block, every
 block is its own anchor). Minima and maxima of stored keys are stored keys' values, so they are exact in
-any dtype.
+any dtype. In float8 (``metadata_dtype=fp8``) minima round down and maxima up (:func:`round_fp8`), and NaN
+marks a page whose keys left the format's range: it scores ``+inf``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from typing import NamedTuple
 import torch
 
 MIN, MAX = 0, 1
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3 value
+FP8_NAN = 0x7F  # e4m3's NaN, as the int8 bits of a float8
 
 
 class PageRows(NamedTuple):
@@ -36,13 +40,49 @@ def update_metadata(
         key, positions = key[rows.order], positions[rows.order]
     keep = rows.anchor >= 0
     anchors = rows.anchor[keep]
-    keys = key[keep].to(metadata.dtype)
     restart = anchors[positions[keep] % page_size == 0]
+    if metadata.dtype == FP8:
+        _update_rounded(metadata, key[keep].float(), anchors, restart)
+        return
+    keys = key[keep].to(metadata.dtype)
     metadata[restart, :, MIN] = float("inf")
     metadata[restart, :, MAX] = float("-inf")
     index = anchors[:, None, None].expand_as(keys)
     metadata.select(2, MIN).scatter_reduce_(0, index, keys, "amin")
     metadata.select(2, MAX).scatter_reduce_(0, index, keys, "amax")
+
+
+def _update_rounded(metadata: torch.Tensor, keys: torch.Tensor, anchors: torch.Tensor, restart: torch.Tensor
+                    ) -> None:
+    """:func:`update_metadata` into float8 bounds: fold in float32, then round outward. An unbounded (NaN)
+    page stays unbounded until it restarts."""
+    touched, local = torch.unique(anchors, return_inverse=True)
+    work = metadata[touched].float()
+    fresh = torch.isin(touched, restart)
+    work[fresh, :, MIN] = float("inf")
+    work[fresh, :, MAX] = float("-inf")
+    index = local[:, None, None].expand_as(keys)
+    work.select(2, MIN).scatter_reduce_(0, index, keys, "amin")  # NaN in ``work`` stays NaN
+    work.select(2, MAX).scatter_reduce_(0, index, keys, "amax")
+    metadata[touched, :, MIN] = round_fp8(work[:, :, MIN], up=False)
+    metadata[touched, :, MAX] = round_fp8(work[:, :, MAX], up=True)
+
+
+def round_fp8(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """float32 ``x`` rounded to float8 e4m3 toward ``+inf`` (``up``) or ``-inf``: the nearest value, then one
+    step outward if that fell on the wrong side. Past the range on the rounding side (above 448 up, below
+    -448 down), and NaN, give NaN."""
+    over = (x > FP8_MAX) if up else (x < -FP8_MAX)
+    near = x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    back = near.float()
+    bits = near.view(torch.int8).int()
+    negative = bits < 0  # sign-magnitude: a step away from zero adds 1 to the bits either side
+    if up:
+        step = torch.where(back < x, torch.where(negative, -1, 1), 0)
+    else:
+        step = torch.where(back > x, torch.where(negative, 1, -1), 0)
+    bits = torch.where(over | x.isnan(), FP8_NAN, bits + step)
+    return bits.to(torch.int8).view(FP8)
 
 
 def page_scores(
@@ -55,8 +95,8 @@ def page_scores(
 
     A page's bound for query head ``h`` is ``sum_i max(q_i * min_i, q_i * max_i)``, at least ``q . k``
     for every key of the page; the query heads of a GQA group combine by ``group_reduction``. The
-    newest page (``n[s] - 1``) and, with ``keep_sink``, page 0 get ``+inf``; pages at or past ``n[s]``
-    get ``-inf``."""
+    newest page (``n[s] - 1``), with ``keep_sink`` page 0, and pages without a bound (NaN) get ``+inf``;
+    pages at or past ``n[s]`` get ``-inf``."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = metadata.shape[1]
     anchors = block_tables[:, :: page_size // block_size]  # [S, P]: each page's first block
@@ -65,6 +105,7 @@ def page_scores(
     bound = torch.einsum("shgd,swhd->shgw", qg.clamp(min=0), meta[..., MAX, :]) + torch.einsum(
         "shgd,swhd->shgw", qg.clamp(max=0), meta[..., MIN, :]
     )
+    bound = torch.where(bound.isnan(), float("inf"), bound)  # an unbounded float8 page
     score = bound.amax(dim=2) if group_reduction == "max" else bound.sum(dim=2)
     return _force_pages(score, kv_lens, page_size, keep_sink)
 
