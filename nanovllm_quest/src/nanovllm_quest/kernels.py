@@ -2,7 +2,7 @@
 
 - ``update_metadata``: one program per (new row, KV head) over the rows grouped by page anchor; the first
   row of each anchor's run folds the run's keys into the anchor's min/max, so no two programs write one
-  anchor and no atomics are needed.
+  anchor and no atomics are needed. Float8 bounds are rounded outward from float32 bits (``_round_fp8``).
 - ``page_scores``: one program per (sequence, KV head, tile of pages); it reads only the metadata of the
   tile's anchors (the bound splits into two small matmuls, ``relu(q) . max + min(q, 0) . min``) and
   reduces the GQA group's bounds.
