@@ -320,3 +320,19 @@ def test_the_default_page_is_one_kv_block(block):
     policy = QuestPolicy(QuestConfig(token_budget=64 * block))
     policy.initialize(4, 2, 16, 10, block, torch.float32, "cpu")
     assert (policy.page_size, policy.blocks_per_page, policy.budget_pages) == (block, 1, 64)
+
+
+def test_float8_rounding_is_outward_and_tight():
+    """Rounding up gives the smallest float8 at or above ``x``, down the largest at or below; past the range
+    on the rounding side (and NaN) gives NaN, which scoring reads as no bound."""
+    values = torch.arange(256, dtype=torch.int32).to(torch.int8).view(reference.FP8).float()
+    grid = values[~values.isnan()].unique()  # ascending, -448 .. 448
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(20000, generator=g) * 40, torch.randn(2000, generator=g) * 1e-3, grid,
+                   torch.tensor([0.0, -0.0, 1e-12, -1e-12, 448.5, -448.5, 1e4, -1e4, float("nan")])])
+    up, down = reference.round_fp8(x, up=True).float(), reference.round_fp8(x, up=False).float()
+    assert torch.equal(up.isnan(), (x > 448) | x.isnan()) and torch.equal(down.isnan(), (x < -448) | x.isnan())
+    fine = ~up.isnan()
+    assert torch.equal(up[fine], grid[torch.searchsorted(grid, x[fine])])
+    fine = ~down.isnan()
+    assert torch.equal(down[fine], grid[torch.searchsorted(grid, x[fine], right=True) - 1])
