@@ -40,32 +40,20 @@ def update_metadata(
         key, positions = key[rows.order], positions[rows.order]
     keep = rows.anchor >= 0
     anchors = rows.anchor[keep]
-    restart = anchors[positions[keep] % page_size == 0]
+    restart = positions[keep] % page_size == 0
+    if metadata.dtype == FP8:  # fold the touched pages in float32, then round outward
+        touched, at = torch.unique(anchors, return_inverse=True)
+        bounds, keys = metadata[touched].float(), key[keep].float()
+    else:
+        bounds, at, keys = metadata, anchors, key[keep].to(metadata.dtype)
+    bounds[at[restart], :, MIN] = float("inf")
+    bounds[at[restart], :, MAX] = float("-inf")
+    index = at[:, None, None].expand_as(keys)
+    bounds.select(2, MIN).scatter_reduce_(0, index, keys, "amin")  # a NaN (unbounded float8) page stays NaN
+    bounds.select(2, MAX).scatter_reduce_(0, index, keys, "amax")
     if metadata.dtype == FP8:
-        _update_rounded(metadata, key[keep].float(), anchors, restart)
-        return
-    keys = key[keep].to(metadata.dtype)
-    metadata[restart, :, MIN] = float("inf")
-    metadata[restart, :, MAX] = float("-inf")
-    index = anchors[:, None, None].expand_as(keys)
-    metadata.select(2, MIN).scatter_reduce_(0, index, keys, "amin")
-    metadata.select(2, MAX).scatter_reduce_(0, index, keys, "amax")
-
-
-def _update_rounded(metadata: torch.Tensor, keys: torch.Tensor, anchors: torch.Tensor, restart: torch.Tensor
-                    ) -> None:
-    """:func:`update_metadata` into float8 bounds: fold in float32, then round outward. An unbounded (NaN)
-    page stays unbounded until it restarts."""
-    touched, local = torch.unique(anchors, return_inverse=True)
-    work = metadata[touched].float()
-    fresh = torch.isin(touched, restart)
-    work[fresh, :, MIN] = float("inf")
-    work[fresh, :, MAX] = float("-inf")
-    index = local[:, None, None].expand_as(keys)
-    work.select(2, MIN).scatter_reduce_(0, index, keys, "amin")  # NaN in ``work`` stays NaN
-    work.select(2, MAX).scatter_reduce_(0, index, keys, "amax")
-    metadata[touched, :, MIN] = round_fp8(work[:, :, MIN], up=False)
-    metadata[touched, :, MAX] = round_fp8(work[:, :, MAX], up=True)
+        metadata[touched, :, MIN] = round_fp8(bounds[:, :, MIN], up=False)
+        metadata[touched, :, MAX] = round_fp8(bounds[:, :, MAX], up=True)
 
 
 def round_fp8(x: torch.Tensor, up: bool) -> torch.Tensor:

@@ -103,6 +103,15 @@ def tile_blocks(bt_row, start_n, end, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.cons
 
 
 @triton.jit
+def _selected_blocks(sel, bt_row, start_n, num_sel, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The logical block (-1: none) and physical block of each key of selected-key tile ``start_n``."""
+    j = (start_n + tl.arange(0, BLOCK_N)) // BLOCK_SIZE
+    logical = tl.load(sel + j, mask=j < num_sel, other=-1)
+    phys = tl.load(bt_row + logical, mask=logical >= 0, other=0)
+    return logical, phys
+
+
+@triton.jit
 def _key_offsets(
     start_n, s, kvh, q_start, n_keys, kv_len,
     block_tables, sel, stride_bt, num_sel,
@@ -118,12 +127,10 @@ def _key_offsets(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if PAGED:
         if HAS_INDICES:
-            j = offs_n // BLOCK_SIZE
-            within = offs_n % BLOCK_SIZE
-            logical = tl.load(sel + j, mask=j < num_sel, other=-1)
-            pos = logical * BLOCK_SIZE + within
+            logical, phys = _selected_blocks(sel, block_tables + s * stride_bt, start_n, num_sel, BLOCK_N,
+                                             BLOCK_SIZE)
+            pos = logical * BLOCK_SIZE + offs_n % BLOCK_SIZE
             valid = (logical >= 0) & (pos < kv_len)
-            phys = tl.load(block_tables + s * stride_bt + logical, mask=valid, other=0)
         else:
             pos = offs_n
             valid = offs_n < n_keys
@@ -134,15 +141,6 @@ def _key_offsets(
         valid = offs_n < n_keys
         row = (q_start + offs_n).to(tl.int64) * stride_ks
     return row + kvh * stride_kh, pos, valid
-
-
-@triton.jit
-def _selected_blocks(sel, bt_row, start_n, num_sel, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """The logical block (-1: none) and physical block of each key of selected-key tile ``start_n``."""
-    j = (start_n + tl.arange(0, BLOCK_N)) // BLOCK_SIZE
-    logical = tl.load(sel + j, mask=j < num_sel, other=-1)
-    phys = tl.load(bt_row + logical, mask=logical >= 0, other=0)
-    return logical, phys
 
 
 @triton.jit
