@@ -204,15 +204,19 @@ def test_dense_layers_that_leave_nothing_to_offload_are_refused(tiny_model):
     _engine(tiny_model(), sparse_policy="quest_style:dense_layers=2")
 
 
-def test_a_sparse_layer_costs_few_host_operations(tiny_model, monkeypatch):
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_sparse_layer_costs_few_host_operations(tiny_model, monkeypatch, cached):
     """Torch ops the host issues per sparse layer on the selected-blocks path (``attend_selected``), with
     each call that is one launch on the GPU (the per-piece kernels, the backend's ``attend_blocks``)
-    counted once. 103 before the piece kernels; the bound keeps it from creeping back."""
+    counted once, through the selection cache and through the ring. 103 before the piece kernels; the
+    bound keeps it from creeping back."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from nanovllm.engine import offload
 
     llm = _engine(tiny_model(), offload_buffer=1.0, sparse_policy="quest_style:budget_blocks=2")
+    if not cached:
+        monkeypatch.setattr(llm.runner.offload, "_cache_fits", lambda num_seqs, k: False)
 
     def one_range(owner, name):
         call = getattr(owner, name)
@@ -224,18 +228,65 @@ def test_a_sparse_layer_costs_few_host_operations(tiny_model, monkeypatch):
         monkeypatch.setattr(owner, name, ranged)
 
     for owner, name in ((llm.runner.offload, "attend_selected"), (llm.runner.backend, "attend_blocks"),
-                        (offload, "selected_piece"), (offload, "patch_slot")):
+                        (offload, "selected_piece"), (offload, "cached_piece"), (offload, "patch_slot"),
+                        (offload, "load_misses")):
         one_range(owner, name)
     prompts = _prompts([100, 130])
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     per_layer = [[c.name for c in e.cpu_children] for e in prof.events() if e.name == "attend_selected"]
     assert len(per_layer) % 2 == 0 and len(per_layer) >= 4  # decode steps, two layers each
-    assert all(names.count(name) == 1 for names in per_layer for name in ("selected_piece", "attend_blocks"))
+    # the prefill step's selections go through the ring, the decode steps' through the cache if it is on
+    pieces = [[n for n in names if n in ("selected_piece", "cached_piece")] for names in per_layer]
+    assert all(names.count("attend_blocks") == 1 for names in per_layer) and all(len(p) == 1 for p in pieces)
+    assert sum(p == ["cached_piece"] for p in pieces) == (4 if cached else 0), pieces
+    assert all(names.count("load_misses") == ("cached_piece" in names) for names in per_layer)
     # the step's first layer also builds the virtual batch's cu_seqlens (9 ops), which the second reuses,
     # and the first piece of a new shape its block tables (2)
     counts = [len(names) for names in per_layer]
     assert max(counts[1::2]) <= 16 and max(counts[0::2]) <= 27, per_layer
+
+
+def test_the_selection_cache_gives_the_ring_tokens_and_loads_less(tiny_model, monkeypatch):
+    """Decode selections through the cache regions give the tokens of the ring and of the GPU cache, while
+    sequences finish at different steps (the others move to other rows), and reuse head blocks."""
+    model, policy = tiny_model(), "prefill=full;decode=quest_style:budget_blocks=3"
+    prompts = _prompts([40, 97, 130, 33, 70], seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1)
+              for n in (30, 12, 40, 25, 33)]
+    want = _engine(model, sparse_policy=policy).generate(prompts, params, use_tqdm=False)
+    for cached in (True, False):
+        llm = _engine(model, offload_buffer=1.0, sparse_policy=policy)
+        engine = llm.runner.offload
+        uses = []
+        fits = engine._cache_fits if cached else (lambda num_seqs, k: False)
+        monkeypatch.setattr(engine, "_cache_fits",
+                            lambda num_seqs, k: uses.append(fits(num_seqs, k)) or uses[-1])
+        _same_outputs(llm.generate(prompts, params, use_tqdm=False), want)
+        assert all(uses) == cached and len(uses) >= 2 * 39  # two layers a decode step
+        loaded, reused = engine.cache_counts.tolist()
+        assert (reused > 0.2 * (loaded + reused)) if cached else loaded == reused == 0, (loaded, reused)
+
+
+def test_blocks_handed_out_again_leave_the_selection_cache(tiny_model):
+    """The model runner tells the offload engine which blocks a step hands out; the cache forgets exactly
+    those blocks' head blocks, in every layer."""
+    policy = "prefill=full;decode=quest_style:budget_blocks=3"
+    llm = _engine(tiny_model(), offload_buffer=1.0, sparse_policy=policy)
+    engine, told = llm.runner.offload, []
+    forget = engine.forget_blocks
+    engine.forget_blocks = lambda ids: told.append(ids.tolist()) or forget(ids)
+    llm.generate(_prompts([40, 20]), SamplingParams(max_tokens=30, ignore_eos=True), use_tqdm=False)
+    # 3 + 2 blocks for the prompts, 2 + 2 more as they grow to 70 and 50 tokens
+    assert sorted(b for ids in told for b in ids) == list(range(3 + 2 + 2 + 2))
+    hkv = engine.num_kv_heads
+    cached = engine._cached
+    with torch.inference_mode():  # as the model runner calls it
+        cached.copy_(torch.arange(cached.numel(), dtype=torch.int32).view(cached.shape) % (8 * hkv))
+        before = cached.clone()
+        engine.forget_blocks(torch.tensor([2, 5]))
+    gone = torch.isin(before // hkv, torch.tensor([2, 5]))
+    assert gone.any() and (cached[gone] == -1).all() and torch.equal(cached[~gone], before[~gone])
 
 
 class OffloadRecorder:
@@ -372,6 +423,22 @@ def test_gpu_offload_gives_the_gpu_cache_tokens(tiny_model, policy, copies, monk
         assert engine.pool.is_pinned() and engine.pool.device.type == "cpu"
         assert engine.load_stream != torch.cuda.current_stream() != engine.store_stream
         _same_outputs(llm.generate(prompts, PARAMS, use_tqdm=False), want)
+
+
+@pytest.mark.gpu
+def test_gpu_selection_cache_under_cuda_graphs_gives_the_ring_tokens(tiny_model):
+    """Decode graphs (batches padded to 1, 2, 4, 8) through the selection cache, against eager decode
+    through the ring, while sequences finish at different steps."""
+    model, policy = tiny_model(), "prefill=full;decode=quest_style:budget_blocks=3"
+    prompts = _prompts([40, 97, 130, 33, 70], seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (30, 12, 40, 25, 33)]
+    want = _engine(model, device="cuda", offload_buffer=1.0, sparse_policy=policy,
+                   kv_offloading_reuse_selections=False).generate(prompts, params, use_tqdm=False)
+    llm = _engine(model, device="cuda", offload_buffer=1.0, sparse_policy=policy, enforce_eager=False)
+    assert llm.runner.graphs
+    _same_outputs(llm.generate(prompts, params, use_tqdm=False), want)
+    loaded, reused = llm.runner.offload.cache_counts.tolist()
+    assert reused > 0.2 * (loaded + reused), (loaded, reused)
 
 
 @pytest.mark.gpu

@@ -12,9 +12,10 @@ Jobs, each in its own process (one engine's GPU memory never shrinks the next on
   ``1 / (1 / page_size + budget / context)``, the ratio of the bytes read.
 - ``decode``: the engine end to end, KV on the GPU, CUDA graphs: ``steps`` decode steps after prefilling
   ``batch`` prompts of ``context`` tokens, with ``full`` and with Quest (also at each larger page size).
-- ``offload``: the same with the KV cache in pinned host memory; with the host-to-device copy rate of the
-  same run, the floor of the bytes each Quest step moves (the dense layers' whole history, the sparse
-  layers' selected head blocks).
+- ``offload``: the same with the KV cache in pinned host memory (the ``skip_layers`` resident on the GPU),
+  with the offload engine's selection cache and without it; with the host-to-device copy rate of the same
+  run, the floors of the bytes each Quest step selects and of those it moves (the selection cache loads only
+  the selected head blocks it lacks).
 
 Random weights give near-uniform attention: that changes what Quest selects, never what it costs. Quality
 is measured on the real SmolLM2 with ``nanovllm bench quality``.
@@ -171,11 +172,13 @@ def layers_in_graph(context: int, batch: int) -> int:
 # -- the engine ---------------------------------------------------------------------------------------------
 
 
-def bench_engine(kind: str, context: int, batch: int, policy: str, steps: int) -> list[dict[str, Any]]:
+def bench_engine(
+    kind: str, context: int, batch: int, policy: str, steps: int, **options: Any
+) -> list[dict[str, Any]]:
     from nanovllm.bench import offload as b5
 
-    row = b5.bench_decode(PRESET, context, batch, steps, kind == "offload", sparse_policy=policy)
-    return [{**row, "benchmark": kind, "policy": policy}]
+    row = b5.bench_decode(PRESET, context, batch, steps, kind == "offload", sparse_policy=policy, **options)
+    return [{**row, "benchmark": kind, "policy": policy, "options": options}]
 
 
 def jobs(contexts: list[int], batches: list[int], budgets: list[int], budget: int, steps: int,
@@ -190,8 +193,10 @@ def jobs(contexts: list[int], batches: list[int], budgets: list[int], budget: in
         out += [{"kind": "decode", "context": context, "batch": batch, "policy": p, "steps": steps}
                 for p in ("full", quest, *variants)]
     out.append({"kind": "offload-copy"})
-    out += [{"kind": "offload", "context": 131072, "batch": 1, "policy": p, "steps": s}
-            for p, s in (("full", 3), (quest, steps), (quest + ",skip_layers=0", steps))]
+    out += [{"kind": "offload", "context": 131072, "batch": 1, "policy": p, "steps": s, "options": o}
+            for p, s, o in (("full", 3, {}), (quest, steps, {}),
+                            (quest, steps, {"kv_offloading_reuse_selections": False}),
+                            (quest + ",skip_layers=0", steps, {}))]
     return out
 
 
@@ -203,7 +208,8 @@ def run_job(job: dict) -> list[dict[str, Any]]:
         from nanovllm.bench import offload as b5
 
         return [b5.bench_copy()]
-    return bench_engine(job["kind"], job["context"], job["batch"], job["policy"], job["steps"])
+    return bench_engine(job["kind"], job["context"], job["batch"], job["policy"], job["steps"],
+                        **job.get("options", {}))
 
 
 # -- results ---------------------------------------------------------------------------------------------------
@@ -227,7 +233,15 @@ def with_ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 r["speedup"] = dense["decode_ms_per_step"] / r["decode_ms_per_step"]
             r["target"] = TARGETS.get((r["benchmark"], r["context"], r["batch"]))
             if r["benchmark"] == "offload" and copy is not None:
-                r["h2d_bytes_per_step"] = quest_offload_bytes(r)
+                r["selected_bytes_per_step"] = quest_offload_bytes(r)
+                r["selected_floor_ms"] = r["selected_bytes_per_step"] / copy["h2d_gbs"] / 1e6
+                r["vs_selected_floor"] = r["decode_ms_per_step"] / r["selected_floor_ms"]
+                loaded, reused = r.get("cache_loaded_head_blocks_per_step", 0), r.get("cache_reused_head_blocks_per_step", 0)
+                if loaded + reused:  # through the selection cache: only its loads cross PCIe
+                    r["reused_share"] = reused / (loaded + reused)
+                    r["h2d_bytes_per_step"] = loaded * head_block_bytes(r)
+                else:
+                    r["h2d_bytes_per_step"] = r["selected_bytes_per_step"]
                 r["floor_ms"] = r["h2d_bytes_per_step"] / copy["h2d_gbs"] / 1e6
                 r["vs_floor"] = r["decode_ms_per_step"] / r["floor_ms"]
         elif r["benchmark"] == "offload" and copy is not None and "kv_tokens_per_step" in r:
@@ -235,6 +249,11 @@ def with_ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             r["vs_floor"] = r["decode_ms_per_step"] / r["floor_ms"]
         out.append(r)
     return out
+
+
+def head_block_bytes(row: dict[str, Any]) -> float:
+    """K and V of one KV head of one block of one layer."""
+    return row["kv_bytes_per_token"] / 32 / KV_HEADS * BLOCK_SIZE  # llama-3.1-8b: 32 layers
 
 
 def quest_offload_bytes(row: dict[str, Any]) -> float:
@@ -275,10 +294,25 @@ def markdown(payload: dict[str, Any], title: str) -> str:
                 lines.append(f"| {r['benchmark']} | {r['context']} | {r['batch']} | {r['policy']} | "
                              f"{r.get('error') or r.get('skipped')} | | | | |")
                 continue
-            cells = ["GPU" if r["benchmark"] == "decode" else "host pool", r["context"], r["batch"], r["policy"],
+            policy = r["policy"] + "".join(f", {k}={v}" for k, v in r.get("options", {}).items())
+            cells = ["GPU" if r["benchmark"] == "decode" else "host pool", r["context"], r["batch"], policy,
                      f"{r['decode_ms_per_step']:.2f}", f"{r['speedup']:.2f}x" if "speedup" in r else "-",
                      f">= {r['target']}x" if r.get("target") else "", f"{r['floor_ms']:.2f}" if "floor_ms" in r else "",
                      f"{r['vs_floor']:.2f}" if "vs_floor" in r else ""]
+            lines.append("| " + " | ".join(map(str, cells)) + " |")
+    offload = [r for r in payload["results"] if "selected_floor_ms" in r]
+    if offload:
+        lines += ["", "## Quest under offload: the bytes selected and the bytes moved", "",
+                  "The selection cache loads only the selected head blocks its layer's region lacks; the floors "
+                  "are the PCIe time of the selected bytes and of the moved bytes at this run's copy rate.", "",
+                  "| policy | selection cache | reused | MB selected | MB moved | ms/step | selected floor | vs it | "
+                  "moved floor | vs it |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in offload:
+            on = r.get("options", {}).get("kv_offloading_reuse_selections", True)
+            cells = [r["policy"], "on" if on else "off", f"{r['reused_share']:.3f}" if "reused_share" in r else "-",
+                     f"{r['selected_bytes_per_step'] / 1e6:.1f}", f"{r['h2d_bytes_per_step'] / 1e6:.1f}",
+                     f"{r['decode_ms_per_step']:.2f}", f"{r['selected_floor_ms']:.2f}", f"{r['vs_selected_floor']:.2f}",
+                     f"{r['floor_ms']:.2f}", f"{r['vs_floor']:.2f}"]
             lines.append("| " + " | ".join(map(str, cells)) + " |")
     copy = next((r for r in payload["results"] if r["benchmark"] == "offload-copy"), None)
     if copy and "h2d_gbs" in copy:
@@ -302,7 +336,8 @@ def chart(payload: dict[str, Any], path: Path) -> None:
     axes[0].scatter([r["ceiling"] for r in att], labels, color="black", marker="|", s=200, label="ceiling")
     axes[0].set_title("decode attention speedup over dense (per layer, layers in one graph)", fontsize=10)
     axes[0].legend(fontsize=8)
-    labels = [f"{r['benchmark']} {r['context'] // 1024}K x{r['batch']}\n{r['policy']}" for r in eng]
+    labels = [f"{r['benchmark']} {r['context'] // 1024}K x{r['batch']}\n{r['policy']}"
+              + ("".join(f",{k}={v}" for k, v in r.get("options", {}).items())) for r in eng]
     axes[1].barh(labels, [r["speedup"] for r in eng], color="tab:green")
     for i, r in enumerate(eng):
         if r.get("target"):

@@ -319,16 +319,24 @@ def _prefill_then_decode(llm, prompts: list[list[int]], steps: int) -> dict[str,
     ttft = time.perf_counter() - start
     llm.step()  # untimed: kernels specialised on the full context's shape (split counts) compile here
     kv_tokens = 0  # each sequence's history read by the step, its new token included
+    offload = llm.runner.offload
+    counts = offload.cache_counts.tolist() if offload is not None else None
     start = time.perf_counter()
     for _ in range(steps):
         kv_tokens += sum(s.num_tokens for s in sched.running)
         llm.step()
     _sync()
     decode = time.perf_counter() - start
+    cache = {}
+    if counts is not None:  # head blocks of the selections the cache loaded and reused, per step
+        loaded, reused = (now - then for now, then in zip(offload.cache_counts.tolist(), counts, strict=True))
+        cache = {"cache_loaded_head_blocks_per_step": loaded / steps,
+                 "cache_reused_head_blocks_per_step": reused / steps}
     if any(s.is_finished for s in seqs):
         raise RuntimeError("a sequence finished inside the timed decode steps; lengths() must leave more room")
     llm.abort_request([s.request_id for s in seqs])
-    return {"ttft_s": ttft, "decode_ms_per_step": 1000 * decode / steps, "kv_tokens_per_step": kv_tokens / steps}
+    return {"ttft_s": ttft, "decode_ms_per_step": 1000 * decode / steps,
+            "kv_tokens_per_step": kv_tokens / steps, **cache}
 
 
 def _free() -> None:

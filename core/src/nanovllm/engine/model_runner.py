@@ -371,6 +371,7 @@ class ModelRunner:
         engine = OffloadEngine(
             offloaded, num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device,
             int(self.config.kv_offloading_buffer_size * 2**30), self.config.max_num_seqs,
+            self.config.kv_offloading_reuse_selections,
         )
         metadata, resident = num_blocks * metadata_bytes, num_blocks * resident_bytes
         if self.device.type == "cuda":
@@ -538,6 +539,8 @@ class ModelRunner:
             "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
         }
         for bs in self.graph_sizes:
+            if self.offload is not None:  # a decode step (its dense reads raise GraphUnsafe here)
+                self.offload.begin_step(None, None)
             with forward_context(self._graph_metadata(bs)):
                 warm = self.model(self.graph_inputs["input_ids"][:bs], self.graph_inputs["positions"][:bs])
         self.graph_output = torch.empty(max_bs, *warm.shape[1:], dtype=warm.dtype, device=dev)
@@ -683,8 +686,8 @@ class ModelRunner:
             sample_rows=None if len(sample_rows) == row else np.asarray(sample_rows, dtype=np.int64),
             num_sampling=len(sampling),
             prompt_logprob_rows=prompt_rows,
-            allocated_blocks=(np.asarray(allocated, dtype=np.int64)
-                              if allocated and self.hooks.blocks_allocated else None),
+            allocated_blocks=(np.asarray(allocated, dtype=np.int64) if allocated and (
+                self.hooks.blocks_allocated or self.offload is not None) else None),
         )
         return plan, sampling, prompt_targets
 
@@ -695,6 +698,8 @@ class ModelRunner:
             ids = self._to_device(plan.allocated_blocks)
             for on_blocks_allocated in self.hooks.blocks_allocated:
                 on_blocks_allocated(ids)
+            if self.offload is not None:  # and the offload engine's selection cache forgets them
+                self.offload.forget_blocks(ids)
         input_ids = self._to_device(plan.input_ids)
         if plan.placeholder_rows is not None:
             sources = self._to_device(plan.placeholder_sources)
