@@ -312,7 +312,8 @@ class OffloadEngine:
         finally:
             self._capturing = False
             if self._cached is not None:  # the warm-ups loaded from made-up block tables
-                self._cached.fill_(-1)
+                with torch.inference_mode():  # where the warm-ups made it
+                    self._cached.fill_(-1)
 
     def begin_capture(self) -> None:
         """First thing inside a capture: forget the events of earlier work, which the graph cannot wait on
