@@ -432,9 +432,9 @@ def test_gpu_selection_cache_under_cuda_graphs_gives_the_ring_tokens(tiny_model)
     model, policy = tiny_model(), "prefill=full;decode=quest_style:budget_blocks=3"
     prompts = _prompts([40, 97, 130, 33, 70], seed=5)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (30, 12, 40, 25, 33)]
-    want = _engine(model, device="cuda", offload_buffer=1.0, sparse_policy=policy,
-                   kv_offloading_reuse_selections=False).generate(prompts, params, use_tqdm=False)
-    llm = _engine(model, device="cuda", offload_buffer=1.0, sparse_policy=policy, enforce_eager=False)
+    options = dict(device="cuda", attention_backend="triton", offload_buffer=1.0, sparse_policy=policy)
+    want = _engine(model, **options, kv_offloading_reuse_selections=False).generate(prompts, params, use_tqdm=False)
+    llm = _engine(model, **options, enforce_eager=False)
     assert llm.runner.graphs
     _same_outputs(llm.generate(prompts, params, use_tqdm=False), want)
     loaded, reused = llm.runner.offload.cache_counts.tolist()
