@@ -428,8 +428,8 @@ def test_gpu_offload_gives_the_gpu_cache_tokens(tiny_model, policy, copies, monk
 @pytest.mark.gpu
 def test_gpu_selection_cache_under_cuda_graphs_gives_the_ring_tokens(tiny_model):
     """Decode graphs (batches padded to 1, 2, 4, 8) through the selection cache, against eager decode
-    through the ring, while sequences finish at different steps."""
-    model, policy = tiny_model(), "prefill=full;decode=quest_style:budget_blocks=3"
+    through the ring, while sequences finish at different steps (the tiny Qwen3: Triton's head sizes)."""
+    model, policy = tiny_model("Qwen3ForCausalLM"), "prefill=full;decode=quest_style:budget_blocks=3"
     prompts = _prompts([40, 97, 130, 33, 70], seed=5)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (30, 12, 40, 25, 33)]
     options = dict(device="cuda", attention_backend="triton", offload_buffer=1.0, sparse_policy=policy)
