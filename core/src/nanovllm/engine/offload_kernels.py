@@ -21,6 +21,23 @@ import triton.language as tl
 
 
 @triton.jit
+def _new_token_rows(Rows, Cu, Pos, part, valid, head_blocks, s, h, num_tokens, block_size, scratch_row,
+                    BLOCK_T: tl.constexpr):
+    """The slot row of each of sequence ``s``'s new tokens for KV head ``h``: in the head block
+    ``head_blocks[j]`` where its block is the piece's ``part[j]``, else the scratch row."""
+    t0 = tl.load(Cu + s)
+    t1 = tl.load(Cu + s + 1)
+    for start in range(t0, t1, BLOCK_T):
+        t = start + tl.arange(0, BLOCK_T)
+        ok = t < t1
+        pos = tl.load(Pos + t, mask=ok, other=0)
+        block = (pos // block_size).to(tl.int32)
+        at = tl.max(tl.where((part[None, :] == block[:, None]) & valid[None, :], head_blocks[None, :], -1), 1)
+        row = at.to(tl.int64) * block_size + pos % block_size
+        tl.store(Rows + h * num_tokens + t, tl.where(at >= 0, row, scratch_row), mask=ok)
+
+
+@triton.jit
 def _selected_piece_kernel(
     Sel, Tables, Lens, Cu, Pos, Ids, Selection, PieceLens, Rows,
     num_seqs, num_tokens, first, width, num_kv_heads, block_size, scratch_id, scratch_row,
@@ -42,18 +59,7 @@ def _selected_piece_kernel(
     partial = tl.where(n > 0, (n - 1) // block_size, -2)  # the block of the last token, if any
     has_partial = tl.sum((valid & (part == partial)).to(tl.int32), 0) > 0
     tl.store(PieceLens + r, count * block_size - tl.where(has_partial, block_size - (n - partial * block_size), 0))
-    # the slot row of each of the sequence's new tokens: where its block is in this piece, else scratch
-    t0 = tl.load(Cu + s)
-    t1 = tl.load(Cu + s + 1)
-    for start in range(t0, t1, BLOCK_T):
-        t = start + tl.arange(0, BLOCK_T)
-        ok = t < t1
-        pos = tl.load(Pos + t, mask=ok, other=0)
-        block = (pos // block_size).to(tl.int32)
-        match = (part[None, :] == block[:, None]) & valid[None, :]
-        j = tl.max(tl.where(match, i[None, :], -1), 1)
-        row = (r * width + j).to(tl.int64) * block_size + pos % block_size
-        tl.store(Rows + h * num_tokens + t, tl.where(j >= 0, row, scratch_row), mask=ok)
+    _new_token_rows(Rows, Cu, Pos, part, valid, r * width + i, s, h, num_tokens, block_size, scratch_row, BLOCK_T)
 
 
 def selected_piece(
@@ -157,17 +163,7 @@ def _cached_piece_kernel(
     has_partial = tl.sum(newest.to(tl.int32), 0) > 0
     unfilled = tl.where(has_partial, block_size - (n - partial * block_size), 0)
     tl.store(PieceLens + r, count * block_size - unfilled)
-    # the slot row of each of the sequence's new tokens: where its block is selected, else scratch
-    t0 = tl.load(Cu + s)
-    t1 = tl.load(Cu + s + 1)
-    for start in range(t0, t1, BLOCK_T):
-        t = start + tl.arange(0, BLOCK_T)
-        ok = t < t1
-        pos = tl.load(Pos + t, mask=ok, other=0)
-        block = (pos // block_size).to(tl.int32)
-        at = tl.max(tl.where((part[None, :] == block[:, None]) & valid[None, :], flat[None, :], -1), 1)
-        row = at.to(tl.int64) * block_size + pos % block_size
-        tl.store(Rows + h * num_tokens + t, tl.where(at >= 0, row, scratch_row), mask=ok)
+    _new_token_rows(Rows, Cu, Pos, part, valid, flat, s, h, num_tokens, block_size, scratch_row, BLOCK_T)
 
 
 def cached_piece(
