@@ -56,3 +56,58 @@ def test_page_metadata_bounds_each_page_at_its_anchor(page):
         keys = k_cache[tables[s].long()].flatten(0, 1).view(-1, page, 2, 8)  # [pages, page, Hkv, D]
         anchors = tables[s, ::per_page].long()
         assert torch.equal(metadata[anchors, :, 0], keys.amin(1)) and torch.equal(metadata[anchors, :, 1], keys.amax(1))
+
+
+def test_offload_rows_through_the_selection_cache_count_the_bytes_they_move():
+    kv_per_token = 32 * 2 * 8 * 128 * 2
+    head_block = kv_per_token / 32 / 8 * 16
+    common = {"benchmark": "offload", "context": 131072, "batch": 1, "kv_tokens_per_step": 131072,
+              "kv_bytes_per_token": kv_per_token}
+    rows = [{"benchmark": "offload-copy", "h2d_gbs": 50.0},
+            {**common, "policy": "quest:token_budget=2048", "decode_ms_per_step": 10.0,
+             "cache_loaded_head_blocks_per_step": 3072.0, "cache_reused_head_blocks_per_step": 27648.0},
+            {**common, "policy": "recent_window:budget_blocks=128", "decode_ms_per_step": 8.0,
+             "options": {"kv_offloading_reuse_selections": False}}]
+    cached, ring = bench.with_ratios(rows)[1:]
+    selected = 30 * 2048 * kv_per_token / 32  # the 30 sparse layers' 2,048 tokens
+    assert cached["selected_bytes_per_step"] == ring["selected_bytes_per_step"] == pytest.approx(selected)
+    assert cached["reused_share"] == pytest.approx(0.9) and "reused_share" not in ring
+    assert cached["h2d_bytes_per_step"] == pytest.approx(3072 * head_block) == pytest.approx(0.1 * selected)
+    assert cached["vs_selected_floor"] == pytest.approx(10.0 / (selected / 50e9 * 1e3))
+    assert ring["h2d_bytes_per_step"] == pytest.approx(selected)
+    text = bench.markdown({"environment": {"device": "d", "date": "-", "commit": "c", "torch": "t"},
+                           "results": [cached, ring]}, "t")
+    assert "| quest:token_budget=2048 | on | 0.900 |" in text
+    assert "| recent_window:budget_blocks=128 | off | - |" in text
+
+
+def test_the_recent_window_selection_is_the_first_and_newest_blocks_and_reuses_the_rest(monkeypatch):
+    """The bench's best case for the selection cache: every step selects the blocks of the step before,
+    but for the block being written, so the cache loads only that one."""
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.conformance import tiny_model
+    from nanovllm.plugins import get_plugins, reload_plugins
+
+    get_plugins().register(bench.RecentWindowPlugin(), "quest-bench-recent-window")
+    try:
+        options = dict(device="cpu", dtype="float32", block_size=4, max_model_len=256, enforce_eager=True,
+                       sparse_policy="recent_window:budget_blocks=4,skip_layers=1")
+        seen, select = [], bench.RecentWindowPolicy.select_blocks
+
+        def recorded(self, ctx):
+            seen.append((ctx.num_history_blocks.tolist(), select(self, ctx)))
+            return seen[-1][1]
+
+        monkeypatch.setattr(bench.RecentWindowPolicy, "select_blocks", recorded)
+        llm = LLM(tiny_model(), kv_offloading_size=0.01, kv_offloading_buffer_size=0.004, **options)
+        prompt = [{"prompt_token_ids": [(5 * j) % 200 + 3 for j in range(60)]}]
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        got = llm.generate(prompt, params, use_tqdm=False)
+        loaded, reused = llm.runner.offload.cache_counts.tolist()
+        n, chosen = seen[-1]
+        assert chosen.tolist() == [[0, n[0] - 3, n[0] - 2, n[0] - 1]]
+        assert reused > 0.6 * (loaded + reused), (loaded, reused)
+        want = LLM(tiny_model(), kv_cache_memory=2**23, **options).generate(prompt, params, use_tqdm=False)
+        assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    finally:
+        reload_plugins()

@@ -15,7 +15,9 @@ Jobs, each in its own process (one engine's GPU memory never shrinks the next on
 - ``offload``: the same with the KV cache in pinned host memory (the ``skip_layers`` resident on the GPU),
   with the offload engine's selection cache and without it; with the host-to-device copy rate of the same
   run, the floors of the bytes each Quest step selects and of those it moves (the selection cache loads only
-  the selected head blocks it lacks).
+  the selected head blocks it lacks). Random weights make Quest's consecutive selections share few blocks,
+  so ``recent_window`` (the bench's own selection of as many blocks: the first and the newest ones, the
+  step before's but for the block being written) times the cache's best case on the same path.
 
 Random weights give near-uniform attention: that changes what Quest selects, never what it costs. Quality
 is measured on the real SmolLM2 with ``nanovllm bench quality``.
@@ -29,6 +31,11 @@ import sys
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
+
+import attrs
+import torch
+from nanovllm.hookspecs import hookimpl
+from nanovllm.policy import SparsePolicy
 
 # issue 9's targets on one H100
 TARGETS = {
@@ -172,10 +179,55 @@ def layers_in_graph(context: int, batch: int) -> int:
 # -- the engine ---------------------------------------------------------------------------------------------
 
 
+@attrs.frozen
+class RecentWindowConfig:
+    budget_blocks: int = 128
+    skip_layers: int = 2
+
+
+class RecentWindowPolicy(SparsePolicy):
+    """Bench only: per sequence (every KV head alike) its first block and its newest ``budget_blocks - 1``,
+    with Quest's ``skip_layers`` dense. Consecutive steps select the same blocks but for the one being
+    written: the selection cache's best case."""
+
+    supports_prefill, supports_decode, requires_block_selection, cuda_graph_safe = False, True, True, True
+
+    def dense_layers(self, num_layers: int) -> frozenset[int]:
+        return frozenset(range(min(self.config.skip_layers, num_layers)))
+
+    def select_blocks(self, ctx):
+        if ctx.layer_id < self.config.skip_layers:
+            return ctx.all_history_blocks()
+        n = ctx.num_history_blocks.long()[:, None]
+        i = torch.arange(self.config.budget_blocks, device=n.device)[None, :]
+        block = torch.where(i == 0, 0, n - self.config.budget_blocks + i)  # ascending
+        keep = (block < n) & ((i == 0) | (block > 0))  # block 0 once
+        return torch.where(keep, block, -1).to(torch.int32)
+
+    def compute_chunked_decode(self, q, ctx):
+        if ctx.layer_id < self.config.skip_layers:
+            return ctx.attend_all(q)
+        return super().compute_chunked_decode(q, ctx)
+
+
+class RecentWindowPlugin:
+    """Registers ``recent_window`` in the bench's job process, where the engine is built."""
+
+    @hookimpl
+    def register_sparse_policies(self, registry) -> None:
+        registry.add_sparse_policy("recent_window", f"{__name__}:RecentWindowPolicy",
+                                   config=f"{__name__}:RecentWindowConfig")
+
+
 def bench_engine(
     kind: str, context: int, batch: int, policy: str, steps: int, **options: Any
 ) -> list[dict[str, Any]]:
     from nanovllm.bench import offload as b5
+
+    if policy.startswith("recent_window"):
+        from nanovllm.plugins import get_plugins
+
+        get_plugins().register(RecentWindowPlugin(), "quest-bench-recent-window")
 
     row = b5.bench_decode(PRESET, context, batch, steps, kind == "offload", sparse_policy=policy, **options)
     return [{**row, "benchmark": kind, "policy": policy, "options": options}]
@@ -184,6 +236,7 @@ def bench_engine(
 def jobs(contexts: list[int], batches: list[int], budgets: list[int], budget: int, steps: int,
          page_sizes: list[int] = (16,), metadata_dtypes: list[str] = ("auto",)) -> list[dict]:
     quest = f"quest:token_budget={budget}"
+    window = f"recent_window:budget_blocks={budget // BLOCK_SIZE}"
     # the engine at larger pages and other metadata dtypes too
     variants = [f"{quest},page_size={p}" for p in page_sizes if p != BLOCK_SIZE]
     variants += [f"{quest},metadata_dtype={kind}" for kind in metadata_dtypes if kind != "auto"]
@@ -196,7 +249,8 @@ def jobs(contexts: list[int], batches: list[int], budgets: list[int], budget: in
     out += [{"kind": "offload", "context": 131072, "batch": 1, "policy": p, "steps": s, "options": o}
             for p, s, o in (("full", 3, {}), (quest, steps, {}),
                             (quest, steps, {"kv_offloading_reuse_selections": False}),
-                            (quest + ",skip_layers=0", steps, {}))]
+                            (quest + ",skip_layers=0", steps, {}), (window, steps, {}),
+                            (window, steps, {"kv_offloading_reuse_selections": False}))]
     return out
 
 
@@ -260,7 +314,8 @@ def quest_offload_bytes(row: dict[str, Any]) -> float:
     """Host-to-device bytes of one Quest step: the sparse layers read ``token_budget`` tokens per KV head;
     the dense (``skip_layers``) layers' KV is resident on the GPU and does not cross PCIe."""
     options = dict(kv.split("=") for kv in row["policy"].partition(":")[2].split(",") if kv)
-    skip, budget = int(options.get("skip_layers", 2)), int(options["token_budget"])
+    skip = int(options.get("skip_layers", 2))
+    budget = int(options["token_budget"]) if "token_budget" in options else int(options["budget_blocks"]) * BLOCK_SIZE
     layers = 32  # llama-3.1-8b
     per_layer_token = row["kv_bytes_per_token"] / layers
     tokens = row["kv_tokens_per_step"]
