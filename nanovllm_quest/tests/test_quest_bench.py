@@ -111,3 +111,12 @@ def test_the_recent_window_selection_is_the_first_and_newest_blocks_and_reuses_t
         assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
     finally:
         reload_plugins()
+
+
+def test_reuse_rows_get_their_table():
+    row = {"benchmark": "reuse", "budget": 1024, "text": "GPL-3", "prompt_tokens": 7600, "decode_steps": 96,
+           "device": "cpu", "dtype": "torch.bfloat16", "loaded_head_blocks": 100, "reused_head_blocks": 300,
+           "reused_share": 0.75}
+    text = bench.markdown({"environment": {"device": "d", "date": "-", "commit": "c", "torch": "t"},
+                           "results": bench.with_ratios([row])}, "t")
+    assert "| 1024 | GPL-3 | 7600 | 96 | cpu, torch.bfloat16 | 100 | 300 | 0.750 |" in text

@@ -19,6 +19,12 @@ Jobs, each in its own process (one engine's GPU memory never shrinks the next on
   so ``recent_window`` (the bench's own selection of as many blocks: the first and the newest ones, the
   step before's but for the block being written) times the cache's best case on the same path.
 
+- ``reuse`` (only when asked for: ``--only reuse``): how much of Quest's decode selections the selection
+  cache reuses on the real SmolLM2 (the built-in model, 8K context) in the engine with offload: a natural
+  English text found on this machine (``REUSE_PROMPT_TOKENS`` tokens), then ``REUSE_STEPS`` greedy decode
+  steps, at each of ``--budgets``. That share is a property of the model's attention, which random weights
+  do not have; it says how many of the selected bytes a real model still moves.
+
 Random weights give near-uniform attention: that changes what Quest selects, never what it costs. Quality
 is measured on the real SmolLM2 with ``nanovllm bench quality``.
 """
@@ -47,6 +53,7 @@ TARGETS = {
 }
 OFFLOAD_FLOOR_TARGET = 2.0  # Quest offload decode within this factor of the PCIe floor of its bytes
 PRESET = "llama-3.1-8b"
+REUSE_PROMPT_TOKENS, REUSE_STEPS = 7600, 96  # SmolLM2's 8,192 positions hold both
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 
 
@@ -254,7 +261,34 @@ def jobs(contexts: list[int], batches: list[int], budgets: list[int], budget: in
     return out
 
 
+def bench_reuse(budgets: list[int]) -> list[dict[str, Any]]:
+    """The ``reuse`` job: per budget, the selected head blocks the offload engine's cache loaded and reused
+    over ``REUSE_STEPS`` decode steps after a ``REUSE_PROMPT_TOKENS``-token natural text, on SmolLM2."""
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.quality.corpus import corpus_tokens
+
+    rows = []
+    for budget in budgets:
+        llm = LLM("default", max_model_len=8192, kv_offloading_size=1.0, sparse_policy=f"quest:token_budget={budget}")
+        ids, text = corpus_tokens(llm.get_tokenizer(), REUSE_PROMPT_TOKENS)
+        prompt = [{"prompt_token_ids": ids}]
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # the prompt's KV
+        counts = llm.runner.offload.cache_counts
+        before = counts.tolist()
+        params = SamplingParams(temperature=0, max_tokens=REUSE_STEPS + 1, ignore_eos=True)
+        llm.generate(prompt, params, use_tqdm=False)  # a prefix-cache hit, then the decode steps
+        loaded, reused = (now - then for now, then in zip(counts.tolist(), before, strict=True))
+        rows.append({"benchmark": "reuse", "budget": budget, "text": text.name, "prompt_tokens": len(ids),
+                     "decode_steps": REUSE_STEPS, "device": str(llm.runner.device), "dtype": str(llm.runner.dtype),
+                     "loaded_head_blocks": loaded, "reused_head_blocks": reused,
+                     "reused_share": reused / (loaded + reused)})
+        del llm
+    return rows
+
+
 def run_job(job: dict) -> list[dict[str, Any]]:
+    if job["kind"] == "reuse":
+        return bench_reuse(job["budgets"])
     if job["kind"] == "attention":
         return bench_attention(job["contexts"], job["batches"], job["budgets"], job.get("page_sizes", [BLOCK_SIZE]),
                                job.get("metadata_dtypes", ["auto"]))
@@ -355,6 +389,14 @@ def markdown(payload: dict[str, Any], title: str) -> str:
                      f">= {r['target']}x" if r.get("target") else "", f"{r['floor_ms']:.2f}" if "floor_ms" in r else "",
                      f"{r['vs_floor']:.2f}" if "vs_floor" in r else ""]
             lines.append("| " + " | ".join(map(str, cells)) + " |")
+    reuse = [r for r in payload["results"] if r["benchmark"] == "reuse"]
+    if reuse:
+        lines += ["", "## Selected head blocks the selection cache reuses (SmolLM2, KV offloaded)", "",
+                  "| budget | text | prompt tokens | decode steps | device, dtype | loaded | reused | reused share |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['budget']} | {r['text']} | {r['prompt_tokens']} | {r['decode_steps']} | {r['device']}, "
+                  f"{r['dtype']} | {r['loaded_head_blocks']} | {r['reused_head_blocks']} | {r['reused_share']:.3f} |"
+                  for r in reuse]
     offload = [r for r in payload["results"] if "selected_floor_ms" in r]
     if offload:
         lines += ["", "## Quest under offload: the bytes selected and the bytes moved", "",
@@ -398,6 +440,11 @@ def chart(payload: dict[str, Any], path: Path) -> None:
         if r.get("target"):
             axes[1].plot([r["target"]] * 2, [i - 0.4, i + 0.4], color="tab:red", lw=2)
     axes[1].set_title("end-to-end decode speedup over full (red: target)", fontsize=10)
+    reuse = [r for r in payload["results"] if r["benchmark"] == "reuse"]
+    if reuse and not eng:  # a reuse-only run: its shares in the lower panel
+        axes[1].barh([f"budget {r['budget']}" for r in reuse], [r["reused_share"] for r in reuse], color="tab:purple")
+        axes[1].set_xlim(0, 1)
+        axes[1].set_title("selected head blocks the selection cache reuses (SmolLM2, KV offloaded)", fontsize=10)
     for ax in axes:
         ax.tick_params(axis="y", labelsize=7)
         ax.invert_yaxis()
@@ -422,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
                         "job's Quest rows besides auto")
     parser.add_argument("--budget", type=int, default=2048, help="token budget of the engine runs")
     parser.add_argument("--decode-steps", type=int, default=16)
-    parser.add_argument("--only", nargs="+", default=None, help="job kinds to run (attention, decode, offload)")
+    parser.add_argument("--only", nargs="+", default=None,
+                        help="job kinds to run (attention, decode, offload, reuse)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default="quest")
     args = parser.parse_args(argv)
@@ -434,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     selected = [job for job in jobs(args.contexts, args.batches, args.budgets, args.budget, args.decode_steps,
                                     args.page_sizes, args.metadata_dtypes)
                 if not (args.only and job["kind"] not in args.only and not (job["kind"] == "offload-copy" and "offload" in args.only))]
+    if args.only and "reuse" in args.only:  # the built-in model's weights: not on every machine
+        selected.append({"kind": "reuse", "budgets": args.budgets})
     return run_plugin_jobs(selected, "nanovllm_quest.bench", Path(args.out), args.name, vars(args) | {"job": None},
                            with_ratios, markdown, chart)
 
