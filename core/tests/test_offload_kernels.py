@@ -125,53 +125,56 @@ def _decode_steps(seed: int, num_seqs: int, hkv: int, k: int, steps: int = 8, wi
 
 
 def _pool(hkv: int, head_dim: int = 2) -> torch.Tensor:
-    """Pool head blocks whose values name them: element 0 of head block ``x`` is ``x``."""
-    pool = torch.rand(501 * hkv, 2, BS, head_dim)
-    pool[:, 0, 0, 0] = torch.arange(501 * hkv, dtype=torch.float32)
+    """Two layers' pools of 500 blocks (and a scratch block) as head blocks, whose values name them:
+    element 0 of head block ``x`` is ``x``."""
+    pool = torch.rand(2 * 501 * hkv, 2, BS, head_dim)
+    pool[:, 0, 0, 0] = torch.arange(2 * 501 * hkv, dtype=torch.float32)
     return pool
 
 
-CACHE_CASES = [(0, 1, 2, 4), (1, 3, 2, 6), (2, 2, 4, 5)]  # seed, seqs, kv heads, k
+CACHE_CASES = [(0, 1, 2, 4, 0), (1, 3, 2, 6, 501), (2, 2, 4, 5, 501)]  # seed, seqs, kv heads, k, first block
 
 
-@pytest.mark.parametrize("seed,num_seqs,hkv,k", CACHE_CASES)
-def test_cached_piece_reads_the_selection_and_loads_only_what_its_region_lacks(seed, num_seqs, hkv, k):
+@pytest.mark.parametrize("seed,num_seqs,hkv,k,first_block", CACHE_CASES)
+def test_cached_piece_reads_the_selection_and_loads_only_what_its_region_lacks(seed, num_seqs, hkv, k, first_block):
     """Over consecutive steps: attention reads exactly the selected head blocks, each at its own position
     of its row's region; a block selected the step before (not then the newest) is not loaded again; every
     block the cache says it holds is really there; the newest block is loaded every step and never kept;
     selection, lengths and new-token rows are the ring's (``selected_piece_reference``)."""
     pool, base = _pool(hkv), 3
-    rows_cap = (num_seqs + 1) * hkv  # one more sequence's rows than the steps use: left alone
-    flat = torch.zeros(base + rows_cap * k + 1, 2, BS, 2)
+    flat = torch.zeros(base + (num_seqs + 1) * hkv * k + 1, 2, BS, 2)
     scratch_row = (flat.shape[0] - 1) * BS
-    cached = torch.full((rows_cap, k), -1, dtype=torch.int32)
+    # the flat head blocks' pool head blocks: the region, and one more sequence's rows after it, left alone
+    held_all = torch.full((flat.shape[0] - 1,), -1, dtype=torch.int32)
+    cached = held_all[base : base + num_seqs * hkv * k].view(-1, k)
     before: dict[int, set[int]] = {}
     for sel, tables, lens, cu, positions in _decode_steps(seed, num_seqs, hkv, k):
         counts = torch.zeros(2, dtype=torch.int64)
         loads, tables_v, selection, lens_v, rows = cached_piece_reference(
-            sel, tables, lens, cu, positions, cached, base, BS, scratch_row, counts)
+            sel, tables, lens, cu, positions, cached, base, first_block, BS, scratch_row, counts)
         load_misses(pool, flat, loads, base)
         assert counts.tolist() == [int((loads >= 0).sum()), int((sel >= 0).sum() - (loads >= 0).sum())]
         ring = selected_piece_reference(sel, tables, lens, cu, positions, 0, k, BS, SCRATCH_ID, SCRATCH_ROW)
         assert torch.equal(selection, ring[1]) and torch.equal(lens_v, ring[2])
-        assert (cached[num_seqs * hkv :] == -1).all()
+        assert (held_all[: base] == -1).all() and (held_all[base + num_seqs * hkv * k :] == -1).all()
         for s in range(num_seqs):
             newest = (int(lens[s]) - 1) // BS
             for h in range(hkv):
                 c, r = s * hkv + h, h * num_seqs + s
                 chosen = [int(b) for b in sel[s, h] if b >= 0]
-                wanted = [int(tables[s, b]) * hkv + h for b in chosen]
+                wanted = [(first_block + int(tables[s, b])) * hkv + h for b in chosen]
                 at = tables_v[r, : len(chosen)]
                 assert len(set(at.tolist())) == len(chosen)
                 assert ((at >= base + c * k) & (at < base + (c + 1) * k)).all()
                 assert flat[at.long(), 0, 0, 0].tolist() == wanted  # attention reads the selection
                 loaded = {int(x) for x in loads[c * k : (c + 1) * k] if x >= 0}
-                assert loaded <= set(wanted) and int(tables[s, newest]) * hkv + h in loaded
+                newest_id = (first_block + int(tables[s, newest])) * hkv + h
+                assert loaded <= set(wanted) and newest_id in loaded
                 assert not loaded & before.get(c, set())  # held since the step before
                 held = cached[c]
                 where = torch.nonzero(held >= 0).flatten()
                 assert (flat[base + c * k + where, 0, 0, 0] == held[where]).all()
-                assert int(tables[s, newest]) * hkv + h not in held.tolist()
+                assert newest_id not in held.tolist()
                 before[c] = {w for b, w in zip(chosen, wanted, strict=True) if b != newest}
             for t in range(int(cu[s]), int(cu[s + 1])):
                 for h in range(hkv):
@@ -181,24 +184,23 @@ def test_cached_piece_reads_the_selection_and_loads_only_what_its_region_lacks(s
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("seed,num_seqs,hkv,k", CACHE_CASES)
-def test_cached_piece_kernel_is_the_reference(device, seed, num_seqs, hkv, k):
+@pytest.mark.parametrize("seed,num_seqs,hkv,k,first_block", CACHE_CASES)
+def test_cached_piece_kernel_is_the_reference(device, seed, num_seqs, hkv, k, first_block):
     """Step after step, the kernel's outputs and the cache it leaves are the reference's, and
     ``load_misses`` copies what the reference copies."""
     from nanovllm.engine import offload_kernels
 
     pool, base = _pool(hkv), 3
-    rows_cap = (num_seqs + 1) * hkv
-    want_cached = torch.full((rows_cap, k), -1, dtype=torch.int32)
+    want_cached = torch.full((num_seqs * hkv, k), -1, dtype=torch.int32)
     got_cached = want_cached.clone().to(device)
-    want_flat = torch.zeros(base + rows_cap * k + 1, 2, BS, 2)
+    want_flat = torch.zeros(base + num_seqs * hkv * k + 1, 2, BS, 2)
     got_flat, got_pool = want_flat.clone().to(device), pool.to(device)
     want_counts = torch.zeros(2, dtype=torch.int64)
     got_counts = want_counts.to(device)
     for case in _decode_steps(seed, num_seqs, hkv, k):
-        want = cached_piece_reference(*case, want_cached, base, BS, SCRATCH_ROW, want_counts)
-        got = offload_kernels.cached_piece(*(x.to(device) for x in case), got_cached, base, BS, SCRATCH_ROW,
-                                           got_counts)
+        want = cached_piece_reference(*case, want_cached, base, first_block, BS, SCRATCH_ROW, want_counts)
+        got = offload_kernels.cached_piece(*(x.to(device) for x in case), got_cached, base, first_block, BS,
+                                           SCRATCH_ROW, got_counts)
         for g, w in zip(got, want, strict=True):
             assert g.dtype == w.dtype and torch.equal(g.cpu(), w)
         assert torch.equal(got_cached.cpu(), want_cached) and torch.equal(got_counts.cpu(), want_counts)

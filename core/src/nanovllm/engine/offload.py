@@ -32,8 +32,10 @@ head) keeps the head blocks it loaded, keyed by pool id, and a step loads only t
 region lacks (``cached_piece``, then ``load_misses``). A full block's pool content changes only when the
 block is handed out again, which invalidates it (:meth:`OffloadEngine.forget_blocks`); the block being
 written (a sequence's newest) is loaded every step and never kept. Any use of the ring (a prefill, a dense
-read) overwrites the regions, so it empties the cache for the rest of the step. Attention reads the same
-keys in the same order either way, so the results are bit-identical to the ring's.
+read) overwrites the regions, so it empties the cache for the rest of the step. What each flat head block
+holds is one fixed tensor (``_held``, ids over every layer's pool), so a layout for another ``k`` and the
+decode graphs captured with the first one never disagree about it. Attention reads the same keys in the same
+order either way, so the results are bit-identical to the ring's.
 
 **Attention over a slot** runs on a virtual batch: each (KV head, sequence) pair is one sequence with a
 single KV head and its group of query heads, with its own block table into the slot. Per-KV-head
@@ -108,7 +110,8 @@ class Piece:
     max_keys: int
     on_device: bool  # computed on the compute stream (a selection), not planned on the host
     runs: list[tuple[int, int, int]] | None = None  # (first id, first slot row, length): DMA copies instead
-    cached: bool = False  # ids are per position of the layer's cache region (-1: nothing to load there)
+    base: int | None = None  # a cached piece: its layer's region's first flat head block; ids are per position
+    # of the region (-1: nothing to load there)
 
 
 class OffloadEngine:
@@ -164,12 +167,12 @@ class OffloadEngine:
         # (layer, is_prefill) -> (the dense plan's first piece, what _load returned for it)
         self._prefetched: dict[tuple[int, bool], tuple[Piece, tuple]] = {}
         # the selection cache: the slots' memory as one flat run of head blocks (the last one scratch), and
-        # per offloaded layer the pool head block each cache position holds [layers, seqs * kv_heads, k]
+        # the head block of the whole pool each holds, (pool row * (blocks + 1) + block) * kv_heads + head
         self._flat = self.slots.view(-1, 2, block_size, head_dim)
         self._flat_cache = (self._flat[:, 0, :, None], self._flat[:, 1, :, None])
         self._flat_scratch_row = (self._flat.shape[0] - 1) * block_size
-        self._cached: torch.Tensor | None = None
-        self._cache_seqs = 0  # how many sequences the layout holds
+        self._held = torch.full((self._flat.shape[0] - 1,), -1, dtype=torch.int32, device=device)
+        self._all_head_blocks = self._pool.view(-1, 2, block_size, head_dim)
         self.reuse_selections = reuse_selections
         self._cache_open = False  # this step may use the cache (decode only, the ring untouched so far)
         self._cache_emptied = False  # emptied in this step (a graph replay may have filled it since)
@@ -202,10 +205,9 @@ class OffloadEngine:
     def forget_blocks(self, block_ids: torch.Tensor) -> None:
         """Blocks handed out again (their pool content is about to change): the cache forgets them. Called by
         the model runner before the step that writes them."""
-        if self._cached is not None:
-            blocks = self._cached.div(self.num_kv_heads, rounding_mode="floor")
-            stale = torch.isin(blocks, block_ids.to(torch.int32))
-            self._cached.masked_fill_(stale, -1)
+        blocks = self._held.div(self.num_kv_heads, rounding_mode="floor") % (self.num_blocks + 1)
+        stale = torch.isin(blocks, block_ids.to(torch.int32)) & (self._held >= 0)
+        self._held.masked_fill_(stale, -1)
 
     def store(self, layer_id: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Send the step's new K/V ``[tokens, kv_heads, head_dim]`` of one layer to their pool slots
@@ -311,9 +313,7 @@ class OffloadEngine:
             yield
         finally:
             self._capturing = False
-            if self._cached is not None:  # the warm-ups loaded from made-up block tables
-                with torch.inference_mode():  # where the warm-ups made it
-                    self._cached.fill_(-1)
+            self._held.fill_(-1)  # the warm-ups loaded from made-up block tables
 
     def begin_capture(self) -> None:
         """First thing inside a capture: forget the events of earlier work, which the graph cannot wait on
@@ -368,7 +368,7 @@ class OffloadEngine:
     def _load(self, layer_id: int, piece: Piece) -> tuple[int | None, torch.cuda.Event | None]:
         """Enqueue the piece's head blocks of a layer into the next slot: (slot index, the "slot ready"
         event the compute stream waits for); a cached piece's go to its layer's cache region (index None)."""
-        if piece.cached:
+        if piece.base is not None:
             return None, self._load_cached(layer_id, piece)
         self.empty_cache()
         index = self._next_slot
@@ -394,9 +394,9 @@ class OffloadEngine:
 
     def _load_cached(self, layer_id: int, piece: Piece) -> torch.cuda.Event | None:
         """Load the head blocks a cached piece's region lacks, on the load stream after the selection."""
-        source = self._pool_head_blocks[self._row[layer_id]]
+        base = piece.base
         if not self.cuda:
-            load_misses(source, self._flat, piece.ids, self._cache_base(layer_id))
+            load_misses(self._all_head_blocks, self._flat, piece.ids, base)
             return None
         stream = self.load_stream
         self._fork(stream)
@@ -405,7 +405,7 @@ class OffloadEngine:
         if stored is not None:
             stream.wait_event(stored)
         with torch.cuda.stream(stream):
-            load_misses(source, self._flat, piece.ids, self._cache_base(layer_id))
+            load_misses(self._all_head_blocks, self._flat, piece.ids, base)
         ready = torch.cuda.Event()
         ready.record(stream)
         return ready
@@ -415,9 +415,9 @@ class OffloadEngine:
         being captured), and let its loads start only after the attention over them so far. The cache stays
         closed for the rest of the step."""
         self._cache_open = False
-        if self._cached is None or self._cache_emptied:
+        if self._cache_emptied:
             return
-        self._cached.fill_(-1)
+        self._held.fill_(-1)
         self._cache_emptied = True
         if self.cuda:
             self._fork(self.load_stream)
@@ -511,13 +511,15 @@ class OffloadEngine:
         sel = selection_per_kv_head(block_indices, hkv)
         num_seqs, _, k = sel.shape
         if not ctx.is_prefill and self._cache_fits(num_seqs, k):
+            row = self._row[ctx.layer_id]
+            base = row * self._cache_seqs(k) * hkv * k  # the layer's region
             loads, tables, selection, lens, rows = cached_piece(
                 sel, meta.block_tables, kv_lens, meta.cu_seqlens_q, ctx.positions,
-                self._cached[self._row[ctx.layer_id]], self._cache_base(ctx.layer_id), self.block_size,
-                self._flat_scratch_row, self.cache_counts,
+                self._held[base : base + num_seqs * hkv * k].view(-1, k), base, row * (self.num_blocks + 1),
+                self.block_size, self._flat_scratch_row, self.cache_counts,
             )
             self._cache_emptied = False
-            yield Piece(loads, tables, selection, lens, rows, k * self.block_size, True, cached=True)
+            yield Piece(loads, tables, selection, lens, rows, k * self.block_size, True, base=base)
             return
         per_piece = self.capacity // (hkv * num_seqs)
         for first in range(0, k, per_piece):
@@ -534,22 +536,12 @@ class OffloadEngine:
             yield Piece(ids, tables, selection, lens, rows, width * self.block_size, True)
 
     def _cache_fits(self, num_seqs: int, k: int) -> bool:
-        """Whether this step's selection of ``k`` blocks per sequence and KV head goes through the cache. Its
-        layout (how many sequences each layer's region holds) follows ``k``, set outside any graph capture."""
-        if not self._cache_open:
-            return False
-        if self._cached is None or self._cached.shape[2] != k:
-            if self._in_graph:
-                return False
-            per_seq = len(self.layers) * self.num_kv_heads * k
-            self._cache_seqs = (self._flat.shape[0] - 1) // per_seq  # the last head block is scratch
-            self._cached = torch.full((len(self.layers), self._cache_seqs * self.num_kv_heads, k), -1,
-                                      dtype=torch.int32, device=self.device)
-        return 0 < num_seqs <= self._cache_seqs
+        """Whether this step's selection of ``k`` blocks per sequence and KV head goes through the cache."""
+        return self._cache_open and 0 < num_seqs <= self._cache_seqs(k)
 
-    def _cache_base(self, layer_id: int) -> int:
-        """The first head block of a layer's cache region in the flat slots."""
-        return self._row[layer_id] * self._cached.shape[1] * self._cached.shape[2]
+    def _cache_seqs(self, k: int) -> int:
+        """How many sequences each layer's region holds, at ``k`` head blocks per sequence and KV head."""
+        return self._held.shape[0] // (len(self.layers) * self.num_kv_heads * k)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A planned piece's tensor: copied on the load stream, which reads it first, and kept alive
@@ -588,12 +580,11 @@ def selected_piece(
 
 def cached_piece(
     sel: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, cu: torch.Tensor, positions: torch.Tensor,
-    cached: torch.Tensor, base: int, block_size: int, scratch_row: int, counts: torch.Tensor,
+    held: torch.Tensor, base: int, first_block: int, block_size: int, scratch_row: int, counts: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A decode selection through a layer's cache region: see :func:`cached_piece_reference`."""
-    ops = _kernels() if use_fused(sel) else None
-    piece = cached_piece_reference if ops is None else ops.cached_piece
-    return piece(sel, tables, lens, cu, positions, cached, base, block_size, scratch_row, counts)
+    piece = _kernels().cached_piece if use_fused(sel) else cached_piece_reference
+    return piece(sel, tables, lens, cu, positions, held, base, first_block, block_size, scratch_row, counts)
 
 
 def load_misses(pool: torch.Tensor, flat: torch.Tensor, loads: torch.Tensor, base: int) -> None:
@@ -656,17 +647,18 @@ def selected_piece_reference(
 
 def cached_piece_reference(
     sel: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, cu: torch.Tensor, positions: torch.Tensor,
-    cached: torch.Tensor, base: int, block_size: int, scratch_row: int, counts: torch.Tensor,
+    held: torch.Tensor, base: int, first_block: int, block_size: int, scratch_row: int, counts: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The selection ``sel`` ``[seqs, kv_heads, k]`` (ascending, -1 padded) of a decode step through a
     layer's cache region: ``k`` head blocks per cache row ``c = s * kv_heads + h``, starting at flat head
-    block ``base``. ``cached`` ``[rows >= seqs * kv_heads, k]`` int32 is the pool head block each position
-    holds (-1: none), updated in place. A selected head block already held stays where it is; the others
+    block ``base``. ``held`` ``[seqs * kv_heads, k]`` int32 is the head block of the whole pool each position
+    holds (-1: none), updated in place; this layer's pool begins at block ``first_block`` of it, so block
+    ``b``'s head ``h`` is ``(first_block + b) * kv_heads + h``. A selected head block already held stays where it is; the others
     (and the block holding the newest token, whose pool copy is still being written) go to positions whose
     block is no longer selected, in order. The newest block is not kept: its position reads -1 afterwards.
     ``counts`` ``[2]`` int64 adds the head blocks loaded and those reused. Returns:
 
-    - loads ``[seqs * kv_heads * k]`` int32: the pool head block to load into flat head block
+    - loads ``[seqs * kv_heads * k]`` int32: the head block of the whole pool to load into flat head block
       ``base + c * k + j``, -1 where nothing is loaded;
     - tables ``[rows, k]`` int32 (virtual row ``r = h * seqs + s``): the flat head block of the i-th selected
       block, 0 past the selection;
@@ -677,12 +669,13 @@ def cached_piece_reference(
     valid = part >= 0
     seq = torch.arange(num_seqs, device=dev).repeat_interleave(hkv)
     head = torch.arange(hkv, device=dev).repeat(num_seqs)
-    wanted = torch.where(valid, tables.long()[seq[:, None], part.clamp(min=0)] * hkv + head[:, None], -1)
+    physical = first_block + tables.long()[seq[:, None], part.clamp(min=0)]
+    wanted = torch.where(valid, physical * hkv + head[:, None], -1)
     n = lens.long()[seq]
     partial = torch.where(n > 0, (n - 1) // block_size, -2)  # the block of the last token, if any
     newest = valid & (part == partial[:, None])
-    held = cached[:n_rows].long()
-    match = (wanted[:, :, None] == held[:, None, :]) & (valid & ~newest)[:, :, None] & (held >= 0)[:, None, :]
+    holding = held.long()
+    match = (wanted[:, :, None] == holding[:, None, :]) & (valid & ~newest)[:, :, None] & (holding >= 0)[:, None, :]
     local = torch.arange(k, device=dev)
     hit = torch.where(match, local, -1).amax(-1)  # [rows, i]: the position holding selected block i
     miss = valid & (hit < 0)
@@ -692,7 +685,7 @@ def cached_piece_reference(
     position = torch.where(miss, torch.where(assign, local, -1).amax(-1), hit)
     loads = torch.where(assign, wanted[:, :, None], -1).amax(1)  # [rows, j]
     kept = torch.where(assign & ~newest[:, :, None], wanted[:, :, None], -1).amax(1)
-    cached[:n_rows] = torch.where(assign.any(1), kept, held).to(cached.dtype)
+    held.copy_(torch.where(assign.any(1), kept, holding))
     counts += torch.stack([miss.sum(), (valid & ~miss).sum()])
     count = valid.sum(1)
     flat = base + torch.arange(n_rows, device=dev)[:, None] * k + position

@@ -122,8 +122,8 @@ def patch_slot(slot: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, value
 
 @triton.jit
 def _cached_piece_kernel(
-    Sel, Tables, Lens, Cu, Pos, Cached, Loads, VTables, Selection, PieceLens, Rows, Counts,
-    num_seqs, num_tokens, k, num_kv_heads, block_size, base, scratch_row,
+    Sel, Tables, Lens, Cu, Pos, Held, Loads, VTables, Selection, PieceLens, Rows, Counts,
+    num_seqs, num_tokens, k, num_kv_heads, block_size, base, first_block, scratch_row,
     stride_sel_s, stride_sel_h, stride_tab_s,
     BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
@@ -136,11 +136,11 @@ def _cached_piece_kernel(
     part = tl.load(Sel + s * stride_sel_s + h * stride_sel_h + i, mask=inside, other=-1)
     valid = part >= 0
     physical = tl.load(Tables + s * stride_tab_s + tl.where(valid, part, 0), mask=valid, other=0)
-    wanted = tl.where(valid, physical * num_kv_heads + h, -1)
+    wanted = tl.where(valid, (first_block + physical) * num_kv_heads + h, -1)
     n = tl.load(Lens + s).to(tl.int32)
     partial = tl.where(n > 0, (n - 1) // block_size, -2)  # the block of the last token, if any
     newest = valid & (part == partial)
-    held = tl.load(Cached + c * k + i, mask=inside, other=-1)
+    held = tl.load(Held + c * k + i, mask=inside, other=-1)
     match = (wanted[:, None] == held[None, :]) & (valid & ~newest)[:, None] & (held >= 0)[None, :]
     hit = tl.max(tl.where(match, i[None, :], -1), 1)
     miss = valid & (hit < 0)
@@ -152,7 +152,7 @@ def _cached_piece_kernel(
     loads = tl.max(tl.where(assign, wanted[:, None], -1), 0)
     kept = tl.max(tl.where(assign & ~newest[:, None], wanted[:, None], -1), 0)
     tl.store(Loads + c * k + i, loads, mask=inside)
-    tl.store(Cached + c * k + i, tl.where(tl.max(assign.to(tl.int32), 0) > 0, kept, held), mask=inside)
+    tl.store(Held + c * k + i, tl.where(tl.max(assign.to(tl.int32), 0) > 0, kept, held), mask=inside)
     count = tl.sum(valid.to(tl.int32), 0)
     loaded = tl.sum(miss.to(tl.int32), 0)
     tl.atomic_add(Counts, loaded.to(tl.int64))
@@ -168,7 +168,7 @@ def _cached_piece_kernel(
 
 def cached_piece(
     sel: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, cu: torch.Tensor, positions: torch.Tensor,
-    cached: torch.Tensor, base: int, block_size: int, scratch_row: int, counts: torch.Tensor,
+    held: torch.Tensor, base: int, first_block: int, block_size: int, scratch_row: int, counts: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """See :func:`nanovllm.engine.offload.cached_piece_reference`."""
     num_seqs, num_kv_heads, k = sel.shape
@@ -183,8 +183,8 @@ def cached_piece(
         sel = sel.contiguous()
     block_k = triton.next_power_of_2(max(k, 1))
     _cached_piece_kernel[(n_rows,)](
-        sel, tables, lens, cu, positions, cached, loads, tables_v, selection, piece_lens, rows, counts,
-        num_seqs, positions.shape[0], k, num_kv_heads, block_size, base, scratch_row,
+        sel, tables, lens, cu, positions, held, loads, tables_v, selection, piece_lens, rows, counts,
+        num_seqs, positions.shape[0], k, num_kv_heads, block_size, base, first_block, scratch_row,
         sel.stride(0), sel.stride(1), tables.stride(0),
         BLOCK_K=block_k, BLOCK_T=max(1, min(64, 4096 // block_k)), num_warps=8 if block_k >= 128 else 4,
     )
