@@ -120,3 +120,7 @@ def test_reuse_rows_get_their_table():
     text = bench.markdown({"environment": {"device": "d", "date": "-", "commit": "c", "torch": "t"},
                            "results": bench.with_ratios([row])}, "t")
     assert "| 1024 | GPL-3 | 7600 | 96 | cpu, torch.bfloat16 | 100 | 300 | 0.750 |" in text
+    failed = {"kind": "reuse", "benchmark": "reuse", "budgets": [1024], "error": "exit 1"}
+    text = bench.markdown({"environment": {"device": "d", "date": "-", "commit": "c", "torch": "t"},
+                           "results": bench.with_ratios([failed])}, "t")
+    assert "| [1024] | exit 1 |" in text

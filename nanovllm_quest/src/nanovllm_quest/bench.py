@@ -394,7 +394,8 @@ def markdown(payload: dict[str, Any], title: str) -> str:
         lines += ["", "## Selected head blocks the selection cache reuses (SmolLM2, KV offloaded)", "",
                   "| budget | text | prompt tokens | decode steps | device, dtype | loaded | reused | reused share |",
                   "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['budget']} | {r['text']} | {r['prompt_tokens']} | {r['decode_steps']} | {r['device']}, "
+        lines += [f"| {r['budgets']} | {r['error']} | | | | | | |" if "error" in r else
+                  f"| {r['budget']} | {r['text']} | {r['prompt_tokens']} | {r['decode_steps']} | {r['device']}, "
                   f"{r['dtype']} | {r['loaded_head_blocks']} | {r['reused_head_blocks']} | {r['reused_share']:.3f} |"
                   for r in reuse]
     offload = [r for r in payload["results"] if "selected_floor_ms" in r]
@@ -441,6 +442,7 @@ def chart(payload: dict[str, Any], path: Path) -> None:
             axes[1].plot([r["target"]] * 2, [i - 0.4, i + 0.4], color="tab:red", lw=2)
     axes[1].set_title("end-to-end decode speedup over full (red: target)", fontsize=10)
     reuse = [r for r in payload["results"] if r["benchmark"] == "reuse"]
+    reuse = [r for r in reuse if "error" not in r]
     if reuse and not eng:  # a reuse-only run: its shares in the lower panel
         axes[1].barh([f"budget {r['budget']}" for r in reuse], [r["reused_share"] for r in reuse], color="tab:purple")
         axes[1].set_xlim(0, 1)
