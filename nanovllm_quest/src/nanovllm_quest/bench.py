@@ -269,7 +269,9 @@ def bench_reuse(budgets: list[int]) -> list[dict[str, Any]]:
 
     rows = []
     for budget in budgets:
-        llm = LLM("default", max_model_len=8192, kv_offloading_size=1.0, sparse_policy=f"quest:token_budget={budget}")
+        # a pool of 4 GiB, so that the load slots (capped at the pool's size) hold a 2,048-token selection of
+        # every offloaded layer in float32
+        llm = LLM("default", max_model_len=8192, kv_offloading_size=4.0, sparse_policy=f"quest:token_budget={budget}")
         ids, text = corpus_tokens(llm.get_tokenizer(), REUSE_PROMPT_TOKENS)
         prompt = [{"prompt_token_ids": ids}]
         llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # the prompt's KV
@@ -278,6 +280,9 @@ def bench_reuse(budgets: list[int]) -> list[dict[str, Any]]:
         params = SamplingParams(temperature=0, max_tokens=REUSE_STEPS + 1, ignore_eos=True)
         llm.generate(prompt, params, use_tqdm=False)  # a prefix-cache hit, then the decode steps
         loaded, reused = (now - then for now, then in zip(counts.tolist(), before, strict=True))
+        if loaded + reused == 0:
+            raise RuntimeError(f"at budget {budget} the selections did not fit the load slots: no decode step "
+                               "went through the selection cache")
         rows.append({"benchmark": "reuse", "budget": budget, "text": text.name, "prompt_tokens": len(ids),
                      "decode_steps": REUSE_STEPS, "device": str(llm.runner.device), "dtype": str(llm.runner.dtype),
                      "loaded_head_blocks": loaded, "reused_head_blocks": reused,
