@@ -25,8 +25,8 @@ new tokens' slot rows) and one ``patch_slot`` kernel to write the new K/V in; a 
 is one piece. Both are Triton kernels on CUDA (:mod:`nanovllm.engine.offload_kernels`) with their torch
 references here, which the CPU runs.
 
-**The selection cache.** Consecutive decode steps select mostly the same blocks (85-90% of Quest's at a
-budget of 2,048 on SmolLM2). When every offloaded layer's selection of every sequence of a decode step fits
+**The selection cache.** Consecutive decode steps select mostly the same blocks (on SmolLM2, 78-83% of
+Quest's head blocks at budgets of 1,024-2,048). When every offloaded layer's selection of every sequence of a decode step fits
 the slots' memory, that memory becomes one cache region per layer instead of the ring: each (sequence, KV
 head) keeps the head blocks it loaded, keyed by pool id, and a step loads only the selected head blocks its
 region lacks (``cached_piece``, then ``load_misses``). A full block's pool content changes only when the
