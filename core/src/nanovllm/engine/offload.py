@@ -205,6 +205,8 @@ class OffloadEngine:
     def forget_blocks(self, block_ids: torch.Tensor) -> None:
         """Blocks handed out again (their pool content is about to change): the cache forgets them. Called by
         the model runner before the step that writes them."""
+        if not self.reuse_selections:
+            return
         blocks = self._held.div(self.num_kv_heads, rounding_mode="floor") % (self.num_blocks + 1)
         stale = torch.isin(blocks, block_ids.to(torch.int32)) & (self._held >= 0)
         self._held.masked_fill_(stale, -1)
