@@ -315,7 +315,8 @@ class OffloadEngine:
             yield
         finally:
             self._capturing = False
-            self._held.fill_(-1)  # the warm-ups loaded from made-up block tables
+            with torch.inference_mode():  # however the engine was built, as the steps change it
+                self._held.fill_(-1)  # the warm-ups loaded from made-up block tables
 
     def begin_capture(self) -> None:
         """First thing inside a capture: forget the events of earlier work, which the graph cannot wait on
