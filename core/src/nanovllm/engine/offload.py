@@ -654,12 +654,12 @@ def cached_piece_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The selection ``sel`` ``[seqs, kv_heads, k]`` (ascending, -1 padded) of a decode step through a
     layer's cache region: ``k`` head blocks per cache row ``c = s * kv_heads + h``, starting at flat head
-    block ``base``. ``held`` ``[seqs * kv_heads, k]`` int32 is the head block of the whole pool each position
-    holds (-1: none), updated in place; this layer's pool begins at block ``first_block`` of it, so block
-    ``b``'s head ``h`` is ``(first_block + b) * kv_heads + h``. A selected head block already held stays where it is; the others
-    (and the block holding the newest token, whose pool copy is still being written) go to positions whose
-    block is no longer selected, in order. The newest block is not kept: its position reads -1 afterwards.
-    ``counts`` ``[2]`` int64 adds the head blocks loaded and those reused. Returns:
+    block ``base``. ``held`` ``[seqs * kv_heads, k]`` int32 is the head block of the whole pool each
+    position holds (-1: none), updated in place; this layer's pool begins at block ``first_block`` of it, so
+    block ``b``'s head ``h`` is ``(first_block + b) * kv_heads + h``. A selected head block already held stays
+    where it is; the others (and the block holding the newest token, whose pool copy is still being written)
+    go to positions whose block is no longer selected, in order. The newest block is not kept: its position
+    reads -1 afterwards. ``counts`` ``[2]`` int64 adds the head blocks loaded and those reused. Returns:
 
     - loads ``[seqs * kv_heads * k]`` int32: the head block of the whole pool to load into flat head block
       ``base + c * k + j``, -1 where nothing is loaded;
@@ -678,7 +678,8 @@ def cached_piece_reference(
     partial = torch.where(n > 0, (n - 1) // block_size, -2)  # the block of the last token, if any
     newest = valid & (part == partial[:, None])
     holding = held.long()
-    match = (wanted[:, :, None] == holding[:, None, :]) & (valid & ~newest)[:, :, None] & (holding >= 0)[:, None, :]
+    reusable = (valid & ~newest)[:, :, None] & (holding >= 0)[:, None, :]
+    match = (wanted[:, :, None] == holding[:, None, :]) & reusable  # [rows, i, j]
     local = torch.arange(k, device=dev)
     hit = torch.where(match, local, -1).amax(-1)  # [rows, i]: the position holding selected block i
     miss = valid & (hit < 0)
