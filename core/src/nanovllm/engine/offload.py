@@ -26,16 +26,18 @@ is one piece. Both are Triton kernels on CUDA (:mod:`nanovllm.engine.offload_ker
 references here, which the CPU runs.
 
 **The selection cache.** Consecutive decode steps select mostly the same blocks (on SmolLM2, 78-83% of
-Quest's head blocks at budgets of 1,024-2,048). When every offloaded layer's selection of every sequence of a decode step fits
-the slots' memory, that memory becomes one cache region per layer instead of the ring: each (sequence, KV
-head) keeps the head blocks it loaded, keyed by pool id, and a step loads only the selected head blocks its
-region lacks (``cached_piece``, then ``load_misses``). A full block's pool content changes only when the
-block is handed out again, which invalidates it (:meth:`OffloadEngine.forget_blocks`); the block being
-written (a sequence's newest) is loaded every step and never kept. Any use of the ring (a prefill, a dense
-read) overwrites the regions, so it empties the cache for the rest of the step. What each flat head block
-holds is one fixed tensor (``_held``, ids over every layer's pool), so a layout for another ``k`` and the
-decode graphs captured with the first one never disagree about it. Attention reads the same keys in the same
-order either way, so the results are bit-identical to the ring's.
+Quest's head blocks at budgets of 1,024-2,048). When every offloaded layer's selection of every sequence of
+a decode step fits the slots' memory, that memory becomes one cache region per layer instead of the ring.
+Each (sequence, KV head) keeps the head blocks it loaded, keyed by pool id, and a step loads only the
+selected head blocks its region lacks (``cached_piece``, then ``load_misses``).
+- A full block's pool content changes only when the block is handed out again, which invalidates it
+  (:meth:`OffloadEngine.forget_blocks`).
+- The block being written (a sequence's newest) is loaded every step and never kept.
+- Any use of the ring (a prefill, a dense read) overwrites the regions, so it empties the cache for the
+  rest of the step.
+- What each flat head block holds is one fixed tensor (``_held``, ids over every layer's pool), so a layout
+  for another ``k`` and the decode graphs captured with the first one never disagree about it.
+Attention reads the same keys in the same order either way, so the results are bit-identical to the ring's.
 
 **Attention over a slot** runs on a virtual batch: each (KV head, sequence) pair is one sequence with a
 single KV head and its group of query heads, with its own block table into the slot. Per-KV-head
