@@ -687,7 +687,8 @@ class ModelRunner:
             num_sampling=len(sampling),
             prompt_logprob_rows=prompt_rows,
             allocated_blocks=(np.asarray(allocated, dtype=np.int64) if allocated and (
-                self.hooks.blocks_allocated or self.offload is not None) else None),
+                self.hooks.blocks_allocated or (self.offload is not None and self.offload.reuse_selections))
+                else None),
         )
         return plan, sampling, prompt_targets
 

@@ -209,9 +209,9 @@ class OffloadEngine:
         the model runner before the step that writes them."""
         if not self.reuse_selections:
             return
+        # -1 (nothing held) maps to the scratch block, which is never handed out
         blocks = self._held.div(self.num_kv_heads, rounding_mode="floor") % (self.num_blocks + 1)
-        stale = torch.isin(blocks, block_ids.to(torch.int32)) & (self._held >= 0)
-        self._held.masked_fill_(stale, -1)
+        self._held.masked_fill_(torch.isin(blocks, block_ids.to(torch.int32)), -1)
 
     def store(self, layer_id: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Send the step's new K/V ``[tokens, kv_heads, head_dim]`` of one layer to their pool slots
@@ -373,47 +373,29 @@ class OffloadEngine:
     def _load(self, layer_id: int, piece: Piece) -> tuple[int | None, torch.cuda.Event | None]:
         """Enqueue the piece's head blocks of a layer into the next slot: (slot index, the "slot ready"
         event the compute stream waits for); a cached piece's go to its layer's cache region (index None)."""
-        if piece.base is not None:
-            return None, self._load_cached(layer_id, piece)
-        self.empty_cache()
-        index = self._next_slot
-        self._next_slot = (index + 1) % NUM_SLOTS
-        slot = self.slots[index]
-        # a prefetch that was never used (its layer read something else) is overwritten now: forget it
-        self._prefetched = {key: held for key, held in self._prefetched.items() if held[1][0] != index}
+        index = None
+        if piece.base is None:  # the ring
+            self.empty_cache()
+            index = self._next_slot
+            self._next_slot = (index + 1) % NUM_SLOTS
+            # a prefetch that was never used (its layer read something else) is overwritten now: forget it
+            self._prefetched = {key: held for key, held in self._prefetched.items() if held[1][0] != index}
         if not self.cuda:
-            self._copy(layer_id, piece, slot)
+            self._copy(layer_id, piece, index)
             return index, None
         stream = self.load_stream
         if piece.on_device:  # a selection: its indices come from this layer's query
             self._fork(stream)
             piece.ids.record_stream(stream)
-        for event in (self._slot_free[index], self._stored[self._row[layer_id]]):
+        slot_free = None if index is None else self._slot_free[index]
+        for event in (slot_free, self._stored[self._row[layer_id]]):
             if event is not None:
                 stream.wait_event(event)
         with torch.cuda.stream(stream):
-            self._copy(layer_id, piece, slot)
+            self._copy(layer_id, piece, index)
         ready = torch.cuda.Event()
         ready.record(stream)
         return index, ready
-
-    def _load_cached(self, layer_id: int, piece: Piece) -> torch.cuda.Event | None:
-        """Load the head blocks a cached piece's region lacks, on the load stream after the selection."""
-        base = piece.base
-        if not self.cuda:
-            load_misses(self._all_head_blocks, self._flat, piece.ids, base)
-            return None
-        stream = self.load_stream
-        self._fork(stream)
-        piece.ids.record_stream(stream)
-        stored = self._stored[self._row[layer_id]]
-        if stored is not None:
-            stream.wait_event(stored)
-        with torch.cuda.stream(stream):
-            load_misses(self._all_head_blocks, self._flat, piece.ids, base)
-        ready = torch.cuda.Event()
-        ready.record(stream)
-        return ready
 
     def empty_cache(self) -> None:
         """The ring is about to overwrite the cache regions: forget them (once a step, recorded in a graph
@@ -427,8 +409,13 @@ class OffloadEngine:
         if self.cuda:
             self._fork(self.load_stream)
 
-    def _copy(self, layer_id: int, piece: Piece, slot: torch.Tensor) -> None:
-        """Runs through the copy engines from the pinned pool; otherwise one gather kernel."""
+    def _copy(self, layer_id: int, piece: Piece, index: int | None) -> None:
+        """Into ring slot ``index``: runs through the copy engines from the pinned pool, otherwise one gather
+        kernel. A cached piece's missing head blocks (index None): ``load_misses``."""
+        if index is None:
+            load_misses(self._all_head_blocks, self._flat, piece.ids, piece.base)
+            return
+        slot = self.slots[index]
         rows = (-1, 2, self.block_size, self.head_dim)
         if piece.runs is not None:
             host = self.pool[self._row[layer_id]].view(rows)
