@@ -207,9 +207,9 @@ class RecentWindowPolicy(SparsePolicy):
             return ctx.all_history_blocks()
         n = ctx.num_history_blocks.long()[:, None]
         i = torch.arange(self.config.budget_blocks, device=n.device)[None, :]
-        block = torch.where(i == 0, 0, n - self.config.budget_blocks + i)  # ascending
-        keep = (block < n) & ((i == 0) | (block > 0))  # block 0 once
-        return torch.where(keep, block, -1).to(torch.int32)
+        start = (n - self.config.budget_blocks + 1).clamp(min=1)  # the newest blocks after block 0
+        block = torch.where(i == 0, 0, start + i - 1)  # ascending, -1 padded at the end
+        return torch.where(block < n, block, -1).to(torch.int32)
 
     def compute_chunked_decode(self, q, ctx):
         if ctx.layer_id < self.config.skip_layers:
