@@ -113,6 +113,101 @@ def test_rope_in_place(device, dtype, head_dim, heads, kv_heads, qk_norm, gen):
     assert torch.equal(dev_qkv[:, heads + kv_heads :], v_before), "v is left alone"
 
 
+@cases
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_all_reduce_rms_norm(device, dtype, world, with_residual, gen):
+    """The fused all-reduce and RMSNorm against the sum of every rank's share then the torch norm, as rank 1
+    of ``world`` simulated ones: each rank's buffer already holds its share (``sync=False``; the ranks' flags
+    are the two-GPU tests' part). Three calls: the slot alternates, and each program takes several rows."""
+    rows, hidden, offset, slot = 37, 1000, 96, 40_000
+    norm = RMSNorm(hidden, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=gen))
+    norm = norm.to(dtype)
+    weight = norm.weight.detach().to(device)
+    buffers = [torch.full((offset + 2 * slot,), float("nan"), dtype=dtype, device=device)
+               for _ in range(world)]
+    addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
+    epochs = torch.zeros(8, dtype=torch.int32, device=device)
+    for call in range(3):
+        shares = [_rand(gen, rows, hidden, dtype=dtype, device="cpu") for _ in range(world)]
+        start = offset + (call + 1) % 2 * slot
+        for r in (0, 2):
+            if r < world:
+                buffers[r][start : start + rows * hidden] = shares[r].flatten().to(device)
+        residual = _rand(gen, rows, hidden, dtype=dtype, device="cpu") if with_residual else None
+        total = torch.stack(shares).float().sum(0).to(dtype)  # rank order, rounded once, as each rank sums
+        ref = norm(total, None if residual is None else residual.clone())
+        got_res = None if residual is None else residual.to(device)
+        got = fk.all_reduce_rms_norm(shares[1].to(device), weight, norm.eps, got_res, addresses, epochs, 1,
+                                     offset, slot, 0, sync=False)
+        if with_residual:
+            _close(got[0], ref[0], gen, f"all_reduce_rms_norm output, call {call}")
+            _close(got[1], ref[1], gen, f"all_reduce_rms_norm residual, call {call}")
+            assert got[1] is got_res, "the new residual is written in place"
+        else:
+            _close(got, ref, gen, f"all_reduce_rms_norm, call {call}")
+        assert epochs.tolist() == [call + 1] * 8, "every program counts its calls"
+        assert torch.equal(buffers[1][start : start + rows * hidden].cpu(), shares[1].flatten()), \
+            "this rank's share is in the call's slot"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_reduce_rms_norm_ranks_wait_for_each_other(world, gen):
+    """The flags for real: ``world`` ranks simulated on streams of one GPU, 40 calls launched with no
+    synchronisation between them and one rank held back at random before each (``torch.cuda._sleep``), so
+    a rank writes its next share while a slower one still reads this one (the two slots), and waits for the
+    others. Every rank gets the same bits, the sum's norm, on every call."""
+    rows, hidden, offset, slot, dtype = 5, 512, 64, 4096, torch.bfloat16
+    flags = (offset + 2 * slot) * dtype.itemsize
+    buffers = [torch.zeros(offset + 2 * slot + 64, dtype=dtype, device="cuda") for _ in range(world)]
+    addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device="cuda")
+    epochs = [torch.zeros(4, dtype=torch.int32, device="cuda") for _ in range(world)]
+    streams = [torch.cuda.Stream() for _ in range(world)]
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype).cuda()
+    norm = RMSNorm(hidden, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(weight.cpu())
+    calls = [([_rand(gen, rows, hidden, dtype=dtype, device="cuda") for _ in range(world)],
+              _rand(gen, rows, hidden, dtype=dtype, device="cuda")) for _ in range(40)]
+    # CUDA loads a kernel at its first launch, which waits for the GPU: behind a kernel that spins, forever.
+    # So every kernel of the loop runs once first, each rank's fused one with its flags already set.
+    torch.cuda._sleep(1)
+    for r in range(world):
+        for b in buffers:
+            b.view(torch.uint8)[flags:].view(torch.int32).fill_(1 << 20)
+        fk.all_reduce_rms_norm(calls[0][0][r], weight, 1e-6, calls[0][1].clone(), addresses,
+                               torch.zeros_like(epochs[r]), r, offset, slot, flags)
+        torch.cuda.synchronize()
+    for b in buffers:
+        b.view(torch.uint8)[flags:].zero_()
+    torch.cuda.synchronize()
+    outputs = []
+    for share, residual in calls:  # no synchronisation between calls: only the flags order the ranks
+        late = int(torch.randint(0, world, (1,), generator=gen))
+        out = []
+        for r in range(world):
+            with torch.cuda.stream(streams[r]):
+                if r == late:
+                    torch.cuda._sleep(int(torch.randint(0, 200_000, (1,), generator=gen)))
+                out.append(fk.all_reduce_rms_norm(share[r], weight, 1e-6, residual.clone(), addresses,
+                                                  epochs[r], r, offset, slot, flags))
+        outputs.append(out)
+    torch.cuda.synchronize()
+    for call, (out, (share, residual)) in enumerate(zip(outputs, calls, strict=True)):
+        total = torch.stack(share).float().sum(0).to(dtype).cpu()
+        ref = norm(total, residual.cpu())
+        for r in range(world):
+            same = torch.equal(out[r][0], out[0][0]) and torch.equal(out[r][1], out[0][1])
+            assert same, f"rank {r} differs from rank 0 on call {call}"
+        _close(out[0][0], ref[0], gen, f"call {call} output")
+        _close(out[0][1], ref[1], gen, f"call {call} residual")
+    assert all(e.tolist() == [40] * 4 for e in epochs)
+
+
 def _pair_norm(x: torch.Tensor) -> torch.Tensor:
     """``sqrt(x1^2 + x2^2)`` of the rotated pairs ``(x[..., i], x[..., i + D/2])``, at both positions."""
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -126,4 +221,4 @@ def test_fused_kernels_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == len(DTYPES) * (4 + 1 + 3), tail
+    assert passed == len(DTYPES) * (4 + 1 + 3 + 4), tail

@@ -97,8 +97,9 @@ def test_quest_under_two_gpus(tiny_model):
 
 
 def test_symmetric_all_reduce_sums_as_nccl_does(tmp_path):
-    """The engine's all-reduce (one-shot, two-shot, and NCCL past its buffer) equals NCCL's sum, eagerly and
-    replayed from a graph (the benchmark checks it); where the GPUs have peer access it must be in use. In
+    """The engine's all-reduce (one-shot, two-shot, and NCCL past its buffer) equals NCCL's sum, and its
+    all-reduce fused with the RMSNorm equals NCCL's sum then the norm (the benchmark checks both); both run
+    eagerly and replayed from a graph, and where the GPUs have peer access they must be in use. In
     a process of its own: PyTorch's rendezvous numbering is per process (see
     test_symmetric_all_reduce_in_the_engine)."""
     # qwen3-0.6b rows are 2 KB: one-shot, two-shot (over 512 KiB) and NCCL (over the 4 MiB buffer)
@@ -111,5 +112,8 @@ def test_symmetric_all_reduce_sums_as_nccl_does(tmp_path):
     if torch.cuda.can_device_access_peer(0, 1):
         assert all(r["symmetric_off"] is None for r in rows)
         paths_and_modes = {(r["path"], r["mode"]) for r in rows}
-        assert paths_and_modes == {(p, m) for p in ("nccl", "symmetric") for m in ("eager", "graph")}
+        paths = ("nccl", "symmetric", "symmetric+norm", "fused norm")
+        assert paths_and_modes == {(p, m) for p in paths for m in ("eager", "graph")}
+        fused_batches = {r["batch"] for r in rows if r["path"] == "fused norm"}
+        assert fused_batches == {1, 300, 1500}  # 4096 rows are past its slots
     assert len(rows) >= 8 and all(r["us_per_allreduce"] > 0 for r in rows)

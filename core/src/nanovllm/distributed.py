@@ -53,6 +53,16 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_reduce_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                        residual: torch.Tensor | None = None):
+    """``RMSNorm`` of the sum over the ranks of ``x``, in one kernel through symmetric memory
+    (:meth:`SymmetricAllReduce.rms_norm`); None where that path does not take ``x``: the caller all-reduces,
+    then norms."""
+    if _symmetric is None or not _symmetric.takes_rows(x):
+        return None
+    return _symmetric.rms_norm(x, weight, eps, residual)
+
+
 SYMMETRIC_VARIABLE = "NANOVLLM_SYMMETRIC_ALL_REDUCE"  # "0": every all-reduce goes through NCCL
 
 
@@ -60,17 +70,36 @@ class SymmetricAllReduce:
     """All-reduces of small tensors through PyTorch's symmetric memory: every rank copies its input into a
     buffer that the other GPUs of the host map (peer to peer), then each rank reads and sums every rank's
     copy itself, in one kernel. A decode step's all-reduces are a few KB, where NCCL's ring pays its
-    latency twice; NVLink multicast is not used. Larger tensors (prefill) stay on NCCL."""
+    latency twice; NVLink multicast is not used. Larger tensors (prefill) stay on NCCL.
+
+    The same buffer serves :meth:`rms_norm`: the all-reduce of a row-parallel layer's output fused with the
+    RMSNorm that follows it (one kernel of ours instead of PyTorch's all-reduce and the norm), in a region
+    of its own with its own flags."""
 
     BUFFER_BYTES = 4 << 20  # two-shot up to this; a B1 decode step's [256, 4096] bf16 is 2 MiB
     ONE_SHOT_MAX_BYTES = 512 << 10  # one-shot: each rank reads every peer's whole tensor
+    NORM_SLOT_BYTES = 4 << 20  # each of the fused norm's two slots: [512, 4096] bf16
+    NORM_PROGRAMS = 128  # the fused norm's fixed grid: each program's flags count its calls
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
         from torch.distributed import _symmetric_memory as symm_mem
 
         self.group_name = dist.group.WORLD.group_name
-        self.buffer = symm_mem.empty(self.BUFFER_BYTES // dtype.itemsize, dtype=dtype, device=device)
-        symm_mem.rendezvous(self.buffer, self.group_name)
+        itemsize = dtype.itemsize
+        flag_bytes = self.NORM_PROGRAMS * tp_size() * 4
+        total = self.BUFFER_BYTES + 2 * self.NORM_SLOT_BYTES + flag_bytes
+        self.flags_offset = self.BUFFER_BYTES + 2 * self.NORM_SLOT_BYTES  # bytes
+        whole = symm_mem.empty(total // itemsize, dtype=dtype, device=device)
+        whole.view(torch.uint8)[self.flags_offset :].zero_()
+        torch.cuda.synchronize(device)  # zero before the rendezvous, which every rank must reach
+        handle = symm_mem.rendezvous(whole, self.group_name)
+        if handle.buffer_ptrs[tp_rank()] != whole.data_ptr():
+            raise RuntimeError("the symmetric buffer does not start where PyTorch says it does")
+        self.buffer = whole[: self.BUFFER_BYTES // itemsize]
+        self.norm_offset = self.BUFFER_BYTES // itemsize  # elements
+        self.norm_slot = self.NORM_SLOT_BYTES // itemsize
+        self.addresses = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
+        self.epochs = torch.zeros(self.NORM_PROGRAMS, dtype=torch.int32, device=device)
 
     def takes(self, x: torch.Tensor) -> bool:
         return x.dtype == self.buffer.dtype and x.numel() <= self.buffer.numel() and x.is_contiguous()
@@ -84,6 +113,17 @@ class SymmetricAllReduce:
             staging.copy_(x)
             torch.ops.symm_mem.two_shot_all_reduce_out(staging, "sum", self.group_name, out)
         return out
+
+    def takes_rows(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`rms_norm` takes ``x`` (the same answer on every rank: it depends on shapes)."""
+        return (x.dtype == self.buffer.dtype and x.dim() == 2 and x.is_contiguous()
+                and x.numel() <= self.norm_slot and x.shape[-1] <= 16384)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None):
+        from nanovllm.layers.fused import kernels
+
+        return kernels().all_reduce_rms_norm(x, weight, eps, residual, self.addresses, self.epochs, tp_rank(),
+                                             self.norm_offset, self.norm_slot, self.flags_offset)
 
 
 def enable_symmetric_all_reduce(dtype: torch.dtype, device: torch.device) -> str | None:
@@ -117,8 +157,12 @@ def enable_symmetric_all_reduce(dtype: torch.dtype, device: torch.device) -> str
             reason = f"{type(exc).__name__}: {exc}"
         if agree_min(int(reason is None)) == 1:  # every rank holds the buffer: test it together
             total = all_reduce(torch.full((1024,), tp_rank() + 1.0, dtype=dtype, device=device))
+            normed = all_reduce_rms_norm(torch.full((2, 512), tp_rank() + 1.0, dtype=dtype, device=device),
+                                         torch.full((512,), 2.0, dtype=dtype, device=device), 0.0)
             if not bool((total == tp_size() * (tp_size() + 1) / 2).all()):
                 reason = "a test sum came out wrong"
+            elif normed is None or float((normed.float() - 2.0).abs().max()) > 0.02:
+                reason = "a test sum and norm came out wrong"
         if agree_min(int(reason is None)) == 0:
             reason = reason or "another rank could not use it"
     if reason is not None:

@@ -7,6 +7,10 @@ of a preset's shape, back to back: eagerly (one launch each) and, on CUDA, repla
 captured a whole step's, through NCCL and through the engine's ``all_reduce`` (symmetric memory where the
 GPUs have peer access). Reported per batch size, path and mode, the median over the steps: microseconds per
 all-reduce and milliseconds per step.
+
+In a decoder layer each all-reduce is followed by the residual add and RMSNorm, so with symmetric memory two
+more paths time the pair: ``symmetric+norm`` (the all-reduce, then the norm's kernel) and ``fused norm``
+(:func:`nanovllm.distributed.all_reduce_rms_norm`, one kernel), which must give the same sums and norms.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch.distributed as dist
 
 from nanovllm.distributed import (
     all_reduce,
+    all_reduce_rms_norm,
     destroy_tensor_parallel,
     enable_symmetric_all_reduce,
     init_tensor_parallel,
@@ -68,18 +73,33 @@ def _measure(preset: str, batches: list[int], steps: int) -> list[dict[str, Any]
     hidden, per_step = step_shape(preset)
     symmetric_off = enable_symmetric_all_reduce(dtype, device)
     paths: dict[str, Callable[[torch.Tensor], Any]] = {"nccl" if cuda else "gloo": dist.all_reduce}
+    weight, eps = torch.ones(hidden, dtype=dtype, device=device), 1e-6
     if symmetric_off is None:
+        from nanovllm.layers.fused_kernels import rms_norm
+
         paths["symmetric"] = all_reduce
+        paths["symmetric+norm"] = lambda x: rms_norm(all_reduce(x), weight, eps, x)  # x as the residual
+        paths["fused norm"] = lambda x: all_reduce_rms_norm(x, weight, eps, x)
     rows = []
     for batch in batches:
-        x = torch.zeros(batch, hidden, dtype=dtype, device=device)  # zeros: sums stay finite
+        x = torch.zeros(batch, hidden, dtype=dtype, device=device)  # zeros: sums and residuals stay zero
+        fused_takes = False
         if symmetric_off is None:
             probe = torch.randn(batch, hidden, generator=torch.Generator(device).manual_seed(dist.get_rank()),
                                 device=device, dtype=dtype)
             expected = probe.clone()
             dist.all_reduce(expected)
             torch.testing.assert_close(all_reduce(probe), expected)
+            residual = torch.randn(batch, hidden, generator=torch.Generator(device).manual_seed(7),
+                                   device=device, dtype=dtype)
+            want = rms_norm(expected, weight, eps, residual.clone())
+            got = all_reduce_rms_norm(probe, weight, eps, residual.clone())
+            fused_takes = got is not None
+            if fused_takes:
+                torch.testing.assert_close(got, want)
         for path, reduce in paths.items():
+            if path == "fused norm" and not fused_takes:
+                continue  # past its buffer: the decoder all-reduces, then norms
 
             def step(x: torch.Tensor = x, reduce=reduce) -> None:
                 for _ in range(per_step):
@@ -156,7 +176,9 @@ def markdown_lines(results: list[dict[str, Any]]) -> list[str]:
     first = rows[0]
     lines = ["", f"All-reduces of a decode step: {first['allreduces_per_step']} of [batch, hidden] "
              f"{first['dtype']} ({first['preset']}), {first['world_size']} ranks. Path `symmetric`: the "
-             "engine's own all-reduce (symmetric memory up to its buffer, NCCL above)."]
+             "engine's own all-reduce (symmetric memory up to its buffer, NCCL above); `symmetric+norm`: it, "
+             "then the residual add and RMSNorm that follow it in a decoder layer; `fused norm`: both in one "
+             "kernel."]
     if first["symmetric_off"]:
         lines.append(f"Symmetric memory not used: {first['symmetric_off']}.")
     lines += ["", "| path | mode | batch | bytes | us per all-reduce | ms per step |", "|---|---|---|---|---|---|"]

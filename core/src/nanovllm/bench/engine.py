@@ -148,13 +148,14 @@ def bench_latency(preset: str, eager: bool, **engine_options: Any) -> dict[str, 
     }
 
 
-def profile_decode_step(preset: str, steps: int = 30, num_seqs: int = 256,
-                        **engine_options: Any) -> dict[str, Any]:
+def profile_decode_step(preset: str, steps: int = 30, num_seqs: int = 256, temperature: float = 0.6,
+                        top: int = 12, **engine_options: Any) -> dict[str, Any]:
     """Where one full-batch decode step of the B1 workload goes (its first ``num_seqs`` prompts; 1: a
     batch-1 step, as B2 and B6 time them): the prompts are prefilled, then
     decode steps are timed (wall clock per step; the host phases without and with a synchronisation
     after each, which separates host work from waiting; ``wait_and_apply`` is where the host waits
-    for the GPU) and five are profiled (GPU kernel time)."""
+    for the GPU) and five are profiled (GPU kernel time). ``temperature``: every request's (B2 and B6 decode
+    greedily: 0); ``top``: how many kernels the result lists, the slowest first."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -163,7 +164,7 @@ def profile_decode_step(preset: str, steps: int = 30, num_seqs: int = 256,
     llm = LLM(preset, max_model_len=4096, **engine_options)
     prompts, _ = throughput_workload(num_seqs=num_seqs)
     for p in prompts:  # every sequence outlives the profiled steps
-        llm.add_request(p, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1024))
+        llm.add_request(p, SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=1024))
     sched, runner = llm.scheduler, llm.runner
     while sched.waiting or any(s.num_computed_tokens < s.num_tokens - 1 for s in sched.running):
         llm.step()
@@ -212,5 +213,5 @@ def profile_decode_step(preset: str, steps: int = 30, num_seqs: int = 256,
     result["gpu_ms_per_step"] = sum(k[1] for k in kernels)
     result["kernel_launches_per_step"] = sum(k[2] for k in kernels)
     result["gpu_idle_ms_per_step"] = result["step_ms_plain"] - result["gpu_ms_per_step"]
-    result["top_kernels"] = [{"name": k[0][:80], "ms": round(k[1], 3), "calls": k[2]} for k in kernels[:12]]
+    result["top_kernels"] = [{"name": k[0][:80], "ms": round(k[1], 3), "calls": k[2]} for k in kernels[:top]]
     return result

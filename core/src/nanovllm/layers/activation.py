@@ -19,12 +19,16 @@ class SiluAndMul(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """The SwiGLU feed-forward block of Llama-family models (``gate_proj``/``up_proj`` packed)."""
+    """The SwiGLU feed-forward block of Llama-family models (``gate_proj``/``up_proj`` packed).
+    ``reduce_results=False``: each tensor-parallel rank returns its share of the output (see
+    :class:`~nanovllm.layers.linear.RowParallelLinear`)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 reduce_results: bool = True) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias,
+                                           reduce_results=reduce_results)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,9 @@ from nanovllm.layers.rotary_embedding import rope_from_config
 
 
 class SelfAttention(nn.Module):
-    """Packed QKV projection, RoPE, paged attention, output projection."""
+    """Packed QKV projection, RoPE, paged attention, output projection. Under tensor parallelism it returns
+    this rank's share of the output: the decoder layer's next RMSNorm sums the shares (``partial=True``),
+    fused with its own kernel where it can."""
 
     def __init__(self, config, layer_id: int) -> None:
         super().__init__()
@@ -29,7 +31,8 @@ class SelfAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, bias
         )
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias,
+                                        reduce_results=False)
         self.rotary_emb = rope_from_config(config, self.head_dim)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_id)
         # per-head RMSNorms of queries and keys before RoPE (Qwen3 sets them); none here
@@ -50,17 +53,20 @@ class DecoderLayer(nn.Module):
     def __init__(self, config, layer_id: int, attention_cls: type[SelfAttention]) -> None:
         super().__init__()
         self.self_attn = attention_cls(config, layer_id)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False),
+                            reduce_results=False)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, hidden, residual):
+        """``hidden``: the embeddings (``residual`` None, the first layer) or the previous layer's MLP
+        output, one share per tensor-parallel rank; returns this layer's, likewise."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, partial=True)
         hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, partial=True)
         return self.mlp(hidden), residual
 
 
@@ -75,7 +81,7 @@ class DecoderModel(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
-        return self.norm(hidden, residual)[0]
+        return self.norm(hidden, residual, partial=True)[0]
 
 
 class DecoderForCausalLM(nn.Module):

@@ -5,6 +5,9 @@ five to ten elementwise kernels of the torch code they replace (decode steps are
 - ``silu_and_mul``: ``silu(gate) * up`` over the two halves of each row.
 - ``rope_``: neox-style rotary embedding of q and k in place, optionally RMS-normalising each head
   first (Qwen3's q/k norms).
+- ``all_reduce_rms_norm``: under tensor parallelism, the sum over the ranks of each rank's share (a
+  row-parallel layer's output), then ``rms_norm``, in one kernel: the ranks exchange their shares through
+  symmetric memory (:class:`nanovllm.distributed.SymmetricAllReduce`).
 
 Each rounds where the torch reference in the layers rounds (to the activation dtype after the norm,
 after the weight, after SiLU), so the two agree to the last bit in most elements and greedy decoding
@@ -19,6 +22,21 @@ import triton.language as tl
 
 
 @triton.jit
+def _add_rms_norm_row(x, R, W, Out, row, cols, ok, n_cols, eps, stride_r, stride_o,
+                      HAS_RESIDUAL: tl.constexpr):
+    """``_rms_norm_kernel``'s body for one row ``x`` (already loaded, in the activation dtype)."""
+    if HAS_RESIDUAL:
+        r = tl.load(R + row * stride_r + cols, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(Out.dtype.element_ty)
+        tl.store(R + row * stride_r + cols, x, mask=ok)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
+    y = (xf * rstd).to(Out.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Out + row * stride_o + cols, (y * w).to(Out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _rms_norm_kernel(
     X, R, W, Out, n_cols, eps,
     stride_x, stride_r, stride_o,
@@ -28,15 +46,7 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(R + row * stride_r + cols, mask=ok, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-        tl.store(R + row * stride_r + cols, x, mask=ok)
-    xf = x.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
-    y = (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
-    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Out + row * stride_o + cols, (y * w).to(Out.dtype.element_ty), mask=ok)
+    _add_rms_norm_row(x, R, W, Out, row, cols, ok, n_cols, eps, stride_r, stride_o, HAS_RESIDUAL)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -54,6 +64,112 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             rows, res, weight, out, n_cols, eps, rows.stride(0), res.stride(0), n_cols,
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
         )
+    return out if residual is None else (out, residual)
+
+
+@triton.jit
+def _signal(addresses, epoch):
+    """Store ``epoch`` at every address (a flag in a peer GPU's memory), releasing this block's earlier
+    writes to the whole system; returns zeros."""
+    return tl.inline_asm_elementwise(
+        "st.release.sys.global.u32 [$1], $2; mov.u32 $0, 0;",
+        "=r,l,r", [addresses, epoch + tl.zeros(addresses.shape, tl.int32)], dtype=tl.int32, is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _wait(addresses, epoch):
+    """Wait until every flag holds ``epoch`` or a later one (compared modulo 2**32); returns zeros. A peer
+    that has not arrived after ten minutes (the NCCL collectives' timeout, ``DATA_TIMEOUT``) traps, so the
+    rank fails instead of hanging."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .u32 %seen, %ahead;
+        .reg .u64 %start, %now;
+        .reg .pred %behind, %gave_up;
+        mov.u64 %start, %globaltimer;
+        spin:
+        ld.acquire.sys.global.u32 %seen, [$1];
+        sub.u32 %ahead, %seen, $2;
+        setp.lt.s32 %behind, %ahead, 0;
+        @!%behind bra done;
+        mov.u64 %now, %globaltimer;
+        sub.u64 %now, %now, %start;
+        setp.gt.u64 %gave_up, %now, 600000000000;
+        @%gave_up trap;
+        bra spin;
+        done:
+        mov.u32 $0, 0;
+        }""",
+        "=r,l,r", [addresses, epoch + tl.zeros(addresses.shape, tl.int32)], dtype=tl.int32, is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit(do_not_specialize=["rank"])  # one compiled kernel for every rank
+def _all_reduce_rms_norm_kernel(
+    X, R, W, Out, Buffers, Epochs, n_rows, n_cols, eps,
+    stride_x, stride_r, stride_o, data_offset, slot_size, flags_offset, rank,
+    WORLD: tl.constexpr, WORLD_POW2: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, SYNC: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """A fixed grid: program ``p`` takes rows ``p, p + grid, ...`` and copies this rank's share of them into
+    slot ``epoch % 2`` of its symmetric buffer, tells each rank's program ``p`` that it has (a flag per
+    program and rank, holding how many calls that program has made), waits for theirs, then sums every
+    rank's share in rank order (so every rank gets the same bits) and norms. Two slots let a rank write
+    the next call's share while a slower one still reads this call's: it cannot get two calls ahead.
+    ``SYNC`` off (tests on the interpreter): the other ranks' shares are already in place."""
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    epoch = tl.load(Epochs + pid) + 1
+    slot = (epoch & 1).to(tl.int64)
+    dtype = Out.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    own = tl.load(Buffers + rank).to(tl.pointer_type(dtype)) + data_offset + slot * slot_size
+    for row in range(pid, n_rows, grid):
+        tl.store(own + row * n_cols + cols, tl.load(X + row * stride_x + cols, mask=ok), mask=ok)
+    zero = 0
+    if SYNC:
+        tl.debug_barrier()  # every thread's copy is written before the flags say so
+        ranks = tl.arange(0, WORLD_POW2) % WORLD
+        signalled = _signal(tl.load(Buffers + ranks) + flags_offset + (pid * WORLD + rank) * 4, epoch)
+        waited = _wait(tl.load(Buffers + rank) + flags_offset + (pid * WORLD + ranks) * 4, epoch)
+        zero = tl.sum(signalled + waited)  # used, so neither is optimised away
+        tl.debug_barrier()
+    for row in range(pid, n_rows, grid):
+        total = tl.zeros([BLOCK], tl.float32)
+        for r in tl.static_range(WORLD):
+            share = tl.load(Buffers + r).to(tl.pointer_type(dtype)) + data_offset + slot * slot_size
+            total += tl.load(share + row * n_cols + cols, mask=ok, other=0.0, volatile=True).to(tl.float32)
+        _add_rms_norm_row(total.to(dtype), R, W, Out, row, cols, ok, n_cols, eps, stride_r, stride_o,
+                          HAS_RESIDUAL)
+    tl.store(Epochs + pid, epoch + zero)
+
+
+def all_reduce_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+    buffers: torch.Tensor, epochs: torch.Tensor, rank: int, data_offset: int, slot_size: int,
+    flags_offset: int, sync: bool = True,
+):
+    """``rms_norm`` of the sum over the ranks of ``x [rows, hidden]`` (contiguous), as
+    ``rms_norm(all_reduce(x), weight, eps, residual)`` computes it.
+
+    ``buffers``: every rank's symmetric buffer address (int64, on the device). Its shares live
+    ``data_offset`` elements in, in two slots of ``slot_size`` elements; its flags ``flags_offset`` bytes in
+    (``[len(epochs), world]`` int32, zero at the start). ``epochs``: this rank's calls per program, which
+    fixes the grid. ``sync=False``: for tests, the other ranks' shares are already in their slots."""
+    n_rows, n_cols = x.shape
+    world = buffers.numel()
+    out = torch.empty_like(x)
+    res = x if residual is None else residual
+    block = triton.next_power_of_2(n_cols)
+    _all_reduce_rms_norm_kernel[(epochs.numel(),)](
+        x, res, weight, out, buffers, epochs, n_rows, n_cols, eps, x.stride(0), res.stride(0), n_cols,
+        data_offset, slot_size, flags_offset, rank, WORLD=world, WORLD_POW2=triton.next_power_of_2(world),
+        HAS_RESIDUAL=residual is not None, SYNC=sync, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+    )
     return out if residual is None else (out, residual)
 
 
@@ -148,4 +264,4 @@ def rope_(
     return q, k
 
 
-__all__ = ["rms_norm", "rope_", "silu_and_mul"]
+__all__ = ["all_reduce_rms_norm", "rms_norm", "rope_", "silu_and_mul"]

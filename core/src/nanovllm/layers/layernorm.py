@@ -3,6 +3,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanovllm.distributed import all_reduce, all_reduce_rms_norm, tp_size
 from nanovllm.layers.fused import kernels, use_fused
 
 
@@ -20,8 +21,15 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return x.to(dtype) * self.weight
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """On CUDA one fused kernel, which updates ``residual`` in place."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, partial: bool = False):
+        """On CUDA one fused kernel, which updates ``residual`` in place. ``partial``: ``x`` is this
+        rank's share of a sum over the tensor-parallel ranks (a row-parallel layer's output without its
+        all-reduce), which is all-reduced first: in the same kernel where symmetric memory takes it."""
+        if partial and tp_size() > 1:
+            fused = all_reduce_rms_norm(x, self.weight, self.eps, residual)
+            if fused is not None:
+                return fused
+            x = all_reduce(x)
         if use_fused(x):
             return kernels().rms_norm(x, self.weight, self.eps, residual)
         if residual is None:

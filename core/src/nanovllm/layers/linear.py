@@ -104,11 +104,16 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; the partial products are summed with an all-reduce."""
+    """Input features split across ranks; the partial products are summed with an all-reduce.
+    ``reduce_results=False``: each rank returns its share, for a layer that sums it itself (the RMSNorm
+    that follows, ``RMSNorm(..., partial=True)``, fuses the all-reduce)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 reduce_results: bool = True) -> None:
         super().__init__(_divide(in_features, tp_size()), out_features, bias, 1)
+        self.reduce_results = reduce_results
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        return all_reduce(F.linear(x, self.weight, bias))
+        out = F.linear(x, self.weight, bias)
+        return all_reduce(out) if self.reduce_results else out
