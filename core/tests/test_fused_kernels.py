@@ -118,9 +118,10 @@ def test_rope_in_place(device, dtype, head_dim, heads, kv_heads, qk_norm, gen):
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_all_reduce_rms_norm(device, dtype, world, with_residual, gen):
     """The fused all-reduce and RMSNorm against the sum of every rank's share then the torch norm, as rank 1
-    of ``world`` simulated ones: each rank's buffer already holds its share (``sync=False``; the ranks' flags
-    are the two-GPU tests' part). Three calls: the slot alternates, and each program takes several rows."""
-    rows, hidden, offset, slot = 37, 1000, 96, 40_000
+    of ``world`` simulated ones: each rank's buffer already holds its share (``sync=False``; the ranks'
+    flags are the next test's part). Three calls of 37 rows, then one of 5: the slot alternates, each program
+    takes several rows, and with fewer rows than programs only the programs with a row count the call."""
+    hidden, offset, slot = 1000, 96, 40_000
     norm = RMSNorm(hidden, eps=1e-6)
     with torch.no_grad():
         norm.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=gen))
@@ -130,9 +131,9 @@ def test_all_reduce_rms_norm(device, dtype, world, with_residual, gen):
                for _ in range(world)]
     addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
     epochs = torch.zeros(8, dtype=torch.int32, device=device)
-    for call in range(3):
+    for call, rows in enumerate([37, 37, 37, 5]):
         shares = [_rand(gen, rows, hidden, dtype=dtype, device="cpu") for _ in range(world)]
-        start = offset + (call + 1) % 2 * slot
+        start = offset + (call + 1) % 2 * slot  # here every program with a row has made every call
         for r in (0, 2):
             if r < world:
                 buffers[r][start : start + rows * hidden] = shares[r].flatten().to(device)
@@ -148,7 +149,8 @@ def test_all_reduce_rms_norm(device, dtype, world, with_residual, gen):
             assert got[1] is got_res, "the new residual is written in place"
         else:
             _close(got, ref, gen, f"all_reduce_rms_norm, call {call}")
-        assert epochs.tolist() == [call + 1] * 8, "every program counts its calls"
+        counted = [call + 1] * min(rows, 8) + [call] * max(0, 8 - rows)
+        assert epochs.tolist() == counted, "each program with a row counts the call"
         assert torch.equal(buffers[1][start : start + rows * hidden].cpu(), shares[1].flatten()), \
             "this rank's share is in the call's slot"
 
@@ -157,11 +159,11 @@ def test_all_reduce_rms_norm(device, dtype, world, with_residual, gen):
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("world", [2, 3])
 def test_all_reduce_rms_norm_ranks_wait_for_each_other(world, gen):
-    """The flags for real: ``world`` ranks simulated on streams of one GPU, 40 calls launched with no
-    synchronisation between them and one rank held back at random before each (``torch.cuda._sleep``), so
-    a rank writes its next share while a slower one still reads this one (the two slots), and waits for the
-    others. Every rank gets the same bits, the sum's norm, on every call."""
-    rows, hidden, offset, slot, dtype = 5, 512, 64, 4096, torch.bfloat16
+    """The flags for real: ``world`` ranks simulated on streams of one GPU, 40 calls of 1 to 7 rows launched
+    with no synchronisation between them and one rank held back at random before each
+    (``torch.cuda._sleep``), so a rank writes its next share while a slower one still reads this one (the
+    two slots), and waits for the others. Every rank gets the same bits, the sum's norm, on every call."""
+    hidden, offset, slot, dtype = 512, 64, 4096, torch.bfloat16
     flags = (offset + 2 * slot) * dtype.itemsize
     buffers = [torch.zeros(offset + 2 * slot + 64, dtype=dtype, device="cuda") for _ in range(world)]
     addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device="cuda")
@@ -171,8 +173,9 @@ def test_all_reduce_rms_norm_ranks_wait_for_each_other(world, gen):
     norm = RMSNorm(hidden, eps=1e-6).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(weight.cpu())
-    calls = [([_rand(gen, rows, hidden, dtype=dtype, device="cuda") for _ in range(world)],
-              _rand(gen, rows, hidden, dtype=dtype, device="cuda")) for _ in range(40)]
+    rows = [1 + call % 7 for call in range(40)]  # 1 to 7 rows on 4 programs: their counts part and meet
+    calls = [([_rand(gen, n, hidden, dtype=dtype, device="cuda") for _ in range(world)],
+              _rand(gen, n, hidden, dtype=dtype, device="cuda")) for n in rows]
     # CUDA loads a kernel at its first launch, which waits for the GPU: behind a kernel that spins, forever.
     # So every kernel of the loop runs once first, each rank's fused one with its flags already set.
     torch.cuda._sleep(1)
@@ -205,7 +208,8 @@ def test_all_reduce_rms_norm_ranks_wait_for_each_other(world, gen):
             assert same, f"rank {r} differs from rank 0 on call {call}"
         _close(out[0][0], ref[0], gen, f"call {call} output")
         _close(out[0][1], ref[1], gen, f"call {call} residual")
-    assert all(e.tolist() == [40] * 4 for e in epochs)
+    counted = [sum(n > p for n in rows) for p in range(4)]
+    assert all(e.tolist() == counted for e in epochs)
 
 
 def _pair_norm(x: torch.Tensor) -> torch.Tensor:

@@ -110,25 +110,25 @@ def _wait(addresses, epoch):
 @triton.jit(do_not_specialize=["rank"])  # one compiled kernel for every rank
 def _all_reduce_rms_norm_kernel(
     X, R, W, Out, Buffers, Epochs, n_rows, n_cols, eps,
-    stride_x, stride_r, stride_o, data_offset, slot_size, flags_offset, rank,
+    stride_x, stride_r, stride_o, data_offset, slot_size, flags_offset, rank, programs,
     WORLD: tl.constexpr, WORLD_POW2: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, SYNC: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """A fixed grid: program ``p`` takes rows ``p, p + grid, ...`` and copies this rank's share of them into
-    slot ``epoch % 2`` of its symmetric buffer, tells each rank's program ``p`` that it has (a flag per
-    program and rank, holding how many calls that program has made), waits for theirs, then sums every
-    rank's share in rank order (so every rank gets the same bits) and norms. Two slots let a rank write
-    the next call's share while a slower one still reads this call's: it cannot get two calls ahead.
-    ``SYNC`` off (tests on the interpreter): the other ranks' shares are already in place."""
+    """Program ``p`` takes rows ``p, p + programs, ...`` (the same program always takes the same rows; the
+    grid is ``min(rows, programs)``) and copies this rank's share of them into slot ``epoch % 2`` of its
+    symmetric buffer, where ``epoch`` counts the calls program ``p`` has run. It tells program ``p`` of
+    every rank that it has (a flag per program and rank, holding that count), waits for theirs, then sums
+    every rank's share in rank order (so every rank gets the same bits) and norms. Two slots let a rank
+    write a row's next share while a slower rank still reads this one: past the wait, no program is two
+    calls ahead of its peers. ``SYNC`` off (tests on the interpreter): the other ranks' shares are in place."""
     pid = tl.program_id(0)
-    grid = tl.num_programs(0)
     epoch = tl.load(Epochs + pid) + 1
     slot = (epoch & 1).to(tl.int64)
     dtype = Out.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
     own = tl.load(Buffers + rank).to(tl.pointer_type(dtype)) + data_offset + slot * slot_size
-    for row in range(pid, n_rows, grid):
+    for row in range(pid, n_rows, programs):
         tl.store(own + row * n_cols + cols, tl.load(X + row * stride_x + cols, mask=ok), mask=ok)
     zero = 0
     if SYNC:
@@ -138,7 +138,7 @@ def _all_reduce_rms_norm_kernel(
         waited = _wait(tl.load(Buffers + rank) + flags_offset + (pid * WORLD + ranks) * 4, epoch)
         zero = tl.sum(signalled + waited)  # used, so neither is optimised away
         tl.debug_barrier()
-    for row in range(pid, n_rows, grid):
+    for row in range(pid, n_rows, programs):
         total = tl.zeros([BLOCK], tl.float32)
         for r in tl.static_range(WORLD):
             share = tl.load(Buffers + r).to(tl.pointer_type(dtype)) + data_offset + slot * slot_size
@@ -158,16 +158,19 @@ def all_reduce_rms_norm(
 
     ``buffers``: every rank's symmetric buffer address (int64, on the device). Its shares live
     ``data_offset`` elements in, in two slots of ``slot_size`` elements; its flags ``flags_offset`` bytes in
-    (``[len(epochs), world]`` int32, zero at the start). ``epochs``: this rank's calls per program, which
-    fixes the grid. ``sync=False``: for tests, the other ranks' shares are already in their slots."""
+    (``[len(epochs), world]`` int32, zero at the start). ``epochs``: this rank's calls per program, one
+    program per row up to its length. ``sync=False``: for tests, the other ranks' shares are already in their slots."""
     n_rows, n_cols = x.shape
     world = buffers.numel()
     out = torch.empty_like(x)
     res = x if residual is None else residual
     block = triton.next_power_of_2(n_cols)
-    _all_reduce_rms_norm_kernel[(epochs.numel(),)](
+    programs = epochs.numel()
+    if n_rows == 0:
+        return out if residual is None else (out, residual)
+    _all_reduce_rms_norm_kernel[(min(n_rows, programs),)](
         x, res, weight, out, buffers, epochs, n_rows, n_cols, eps, x.stride(0), res.stride(0), n_cols,
-        data_offset, slot_size, flags_offset, rank, WORLD=world, WORLD_POW2=triton.next_power_of_2(world),
+        data_offset, slot_size, flags_offset, rank, programs, WORLD=world, WORLD_POW2=triton.next_power_of_2(world),
         HAS_RESIDUAL=residual is not None, SYNC=sync, BLOCK=block, num_warps=min(16, max(1, block // 256)),
     )
     return out if residual is None else (out, residual)
