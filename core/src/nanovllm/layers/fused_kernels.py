@@ -120,7 +120,8 @@ def _all_reduce_rms_norm_kernel(
     every rank that it has (a flag per program and rank, holding that count), waits for theirs, then sums
     every rank's share in rank order (so every rank gets the same bits) and norms. Two slots let a rank
     write a row's next share while a slower rank still reads this one: past the wait, no program is two
-    calls ahead of its peers. ``SYNC`` off (tests on the interpreter): the other ranks' shares are in place."""
+    calls ahead of its peers. ``SYNC`` off (tests on the interpreter): the other ranks' shares are in
+    place."""
     pid = tl.program_id(0)
     epoch = tl.load(Epochs + pid) + 1
     slot = (epoch & 1).to(tl.int64)
@@ -159,7 +160,8 @@ def all_reduce_rms_norm(
     ``buffers``: every rank's symmetric buffer address (int64, on the device). Its shares live
     ``data_offset`` elements in, in two slots of ``slot_size`` elements; its flags ``flags_offset`` bytes in
     (``[len(epochs), world]`` int32, zero at the start). ``epochs``: this rank's calls per program, one
-    program per row up to its length. ``sync=False``: for tests, the other ranks' shares are already in their slots."""
+    program per row up to its length. ``sync=False``: for tests, the other ranks' shares are already in
+    their slots."""
     n_rows, n_cols = x.shape
     world = buffers.numel()
     out = torch.empty_like(x)
@@ -170,7 +172,8 @@ def all_reduce_rms_norm(
         return out if residual is None else (out, residual)
     _all_reduce_rms_norm_kernel[(min(n_rows, programs),)](
         x, res, weight, out, buffers, epochs, n_rows, n_cols, eps, x.stride(0), res.stride(0), n_cols,
-        data_offset, slot_size, flags_offset, rank, programs, WORLD=world, WORLD_POW2=triton.next_power_of_2(world),
+        data_offset, slot_size, flags_offset, rank, programs,
+        WORLD=world, WORLD_POW2=triton.next_power_of_2(world),
         HAS_RESIDUAL=residual is not None, SYNC=sync, BLOCK=block, num_warps=min(16, max(1, block // 256)),
     )
     return out if residual is None else (out, residual)
