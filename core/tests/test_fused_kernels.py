@@ -118,25 +118,27 @@ def test_rope_in_place(device, dtype, head_dim, heads, kv_heads, qk_norm, gen):
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_all_reduce_rms_norm(device, dtype, world, with_residual, gen):
     """The fused all-reduce and RMSNorm against the sum of every rank's share then the torch norm, as rank 1
-    of ``world`` simulated ones: each rank's buffer already holds its share (``sync=False``; the ranks'
-    flags are the next test's part). Three calls of 37 rows, then one of 5: the slot alternates, each program
-    takes several rows, and with fewer rows than programs only the programs with a row count the call."""
+    of ``world`` simulated ones: the other ranks' shares are already in its buffer (``sync=False``; the
+    ranks' flags are the next test's part), and it writes its own into every rank's. Three calls of 37 rows,
+    then one of 5: the slot alternates, each program takes several rows, and with fewer rows than programs
+    only the programs with a row count the call."""
     hidden, offset, slot = 1000, 96, 40_000
     norm = RMSNorm(hidden, eps=1e-6)
     with torch.no_grad():
         norm.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=gen))
     norm = norm.to(dtype)
     weight = norm.weight.detach().to(device)
-    buffers = [torch.full((offset + 2 * slot,), float("nan"), dtype=dtype, device=device)
+    buffers = [torch.full((offset + 2 * world * slot,), float("nan"), dtype=dtype, device=device)
                for _ in range(world)]
     addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
     epochs = torch.zeros(8, dtype=torch.int32, device=device)
     for call, rows in enumerate([37, 37, 37, 5]):
         shares = [_rand(gen, rows, hidden, dtype=dtype, device="cpu") for _ in range(world)]
-        start = offset + (call + 1) % 2 * slot  # here every program with a row has made every call
+        # the region of rank r in this call's slot (every program with a row has made every call here)
+        start = [offset + ((call + 1) % 2 * world + r) * slot for r in range(world)]
         for r in (0, 2):
             if r < world:
-                buffers[r][start : start + rows * hidden] = shares[r].flatten().to(device)
+                buffers[1][start[r] : start[r] + rows * hidden] = shares[r].flatten().to(device)
         residual = _rand(gen, rows, hidden, dtype=dtype, device="cpu") if with_residual else None
         total = torch.stack(shares).float().sum(0).to(dtype)  # rank order, rounded once, as each rank sums
         ref = norm(total, None if residual is None else residual.clone())
@@ -151,8 +153,9 @@ def test_all_reduce_rms_norm(device, dtype, world, with_residual, gen):
             _close(got, ref, gen, f"all_reduce_rms_norm, call {call}")
         counted = [call + 1] * min(rows, 8) + [call] * max(0, 8 - rows)
         assert epochs.tolist() == counted, "each program with a row counts the call"
-        assert torch.equal(buffers[1][start : start + rows * hidden].cpu(), shares[1].flatten()), \
-            "this rank's share is in the call's slot"
+        for b in buffers:
+            assert torch.equal(b[start[1] : start[1] + rows * hidden].cpu(), shares[1].flatten()), \
+                "this rank's share is in its region of the call's slot, in every rank's buffer"
 
 
 @pytest.mark.gpu
@@ -164,8 +167,8 @@ def test_all_reduce_rms_norm_ranks_wait_for_each_other(world, gen):
     (``torch.cuda._sleep``), so a rank writes its next share while a slower one still reads this one (the
     two slots), and waits for the others. Every rank gets the same bits, the sum's norm, on every call."""
     hidden, offset, slot, dtype = 512, 64, 4096, torch.bfloat16
-    flags = (offset + 2 * slot) * dtype.itemsize
-    buffers = [torch.zeros(offset + 2 * slot + 64, dtype=dtype, device="cuda") for _ in range(world)]
+    flags = (offset + 2 * world * slot) * dtype.itemsize
+    buffers = [torch.zeros(offset + 2 * world * slot + 64, dtype=dtype, device="cuda") for _ in range(world)]
     addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device="cuda")
     epochs = [torch.zeros(4, dtype=torch.int32, device="cuda") for _ in range(world)]
     streams = [torch.cuda.Stream() for _ in range(world)]

@@ -78,7 +78,7 @@ class SymmetricAllReduce:
 
     BUFFER_BYTES = 4 << 20  # two-shot up to this; a B1 decode step's [256, 4096] bf16 is 2 MiB
     ONE_SHOT_MAX_BYTES = 512 << 10  # one-shot: each rank reads every peer's whole tensor
-    NORM_SLOT_BYTES = 4 << 20  # each of the fused norm's two slots: [512, 4096] bf16
+    NORM_SLOT_BYTES = 4 << 20  # a region of the fused norm's slots, one per rank: [512, 4096] bf16
     NORM_PROGRAMS = 128  # the fused norm's fixed grid: each program's flags count its calls
 
     def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
@@ -87,8 +87,9 @@ class SymmetricAllReduce:
         self.group_name = dist.group.WORLD.group_name
         itemsize = dtype.itemsize
         flag_bytes = self.NORM_PROGRAMS * tp_size() * 4
-        total = self.BUFFER_BYTES + 2 * self.NORM_SLOT_BYTES + flag_bytes
-        self.flags_offset = self.BUFFER_BYTES + 2 * self.NORM_SLOT_BYTES  # bytes
+        norm_bytes = 2 * tp_size() * self.NORM_SLOT_BYTES  # two slots of a region per rank
+        total = self.BUFFER_BYTES + norm_bytes + flag_bytes
+        self.flags_offset = self.BUFFER_BYTES + norm_bytes  # bytes
         whole = symm_mem.empty(total // itemsize, dtype=dtype, device=device)
         whole.view(torch.uint8)[self.flags_offset :].zero_()
         torch.cuda.synchronize(device)  # zero before the rendezvous, which every rank must reach

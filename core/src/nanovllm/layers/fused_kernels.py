@@ -115,25 +115,30 @@ def _all_reduce_rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr, SYNC: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Program ``p`` takes rows ``p, p + programs, ...`` (the same program always takes the same rows; the
-    grid is ``min(rows, programs)``) and copies this rank's share of them into slot ``epoch % 2`` of its
-    symmetric buffer, where ``epoch`` counts the calls program ``p`` has run. It tells program ``p`` of
-    every rank that it has (a flag per program and rank, holding that count), waits for theirs, then sums
-    every rank's share in rank order (so every rank gets the same bits) and norms. Two slots let a rank
-    write a row's next share while a slower rank still reads this one: past the wait, no program is two
-    calls ahead of its peers. ``SYNC`` off (tests on the interpreter): the other ranks' shares are in
-    place."""
+    grid is ``min(rows, programs)``) and writes this rank's share of them into every rank's symmetric
+    buffer, at slot ``epoch % 2``, region ``rank``, where ``epoch`` counts the calls program ``p`` has run.
+    It tells program ``p`` of every rank that it has (a flag per program and rank, holding that count),
+    waits for theirs, then sums the regions of its own buffer in rank order (so every rank gets the same
+    bits) and norms. Writing to the peers and reading at home crosses the link once: the writes are posted,
+    where a read waits for its answer. Two slots let a rank write a row's next share while a slower rank
+    still reads this one: past the wait, no program is two calls ahead of its peers. ``SYNC`` off (tests
+    on the interpreter): the other ranks' shares are already in this rank's buffer."""
     pid = tl.program_id(0)
     epoch = tl.load(Epochs + pid) + 1
     slot = (epoch & 1).to(tl.int64)
     dtype = Out.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
-    own = tl.load(Buffers + rank).to(tl.pointer_type(dtype)) + data_offset + slot * slot_size
+    home = tl.load(Buffers + rank).to(tl.pointer_type(dtype)) + data_offset + slot * WORLD * slot_size
+    mine = data_offset + (slot * WORLD + rank) * slot_size  # this rank's region of the slot
     for row in range(pid, n_rows, programs):
-        tl.store(own + row * n_cols + cols, tl.load(X + row * stride_x + cols, mask=ok), mask=ok)
+        x = tl.load(X + row * stride_x + cols, mask=ok)
+        for r in tl.static_range(WORLD):
+            there = tl.load(Buffers + r).to(tl.pointer_type(dtype)) + mine
+            tl.store(there + row * n_cols + cols, x, mask=ok)
     zero = 0
     if SYNC:
-        tl.debug_barrier()  # every thread's copy is written before the flags say so
+        tl.debug_barrier()  # every thread's writes are issued before the flags say so
         ranks = tl.arange(0, WORLD_POW2) % WORLD
         signalled = _signal(tl.load(Buffers + ranks) + flags_offset + (pid * WORLD + rank) * 4, epoch)
         waited = _wait(tl.load(Buffers + rank) + flags_offset + (pid * WORLD + ranks) * 4, epoch)
@@ -142,8 +147,8 @@ def _all_reduce_rms_norm_kernel(
     for row in range(pid, n_rows, programs):
         total = tl.zeros([BLOCK], tl.float32)
         for r in tl.static_range(WORLD):
-            share = tl.load(Buffers + r).to(tl.pointer_type(dtype)) + data_offset + slot * slot_size
-            total += tl.load(share + row * n_cols + cols, mask=ok, other=0.0, volatile=True).to(tl.float32)
+            share = home + r * slot_size + row * n_cols + cols
+            total += tl.load(share, mask=ok, other=0.0, volatile=True).to(tl.float32)
         _add_rms_norm_row(total.to(dtype), R, W, Out, row, cols, ok, n_cols, eps, stride_r, stride_o,
                           HAS_RESIDUAL)
     tl.store(Epochs + pid, epoch + zero)
@@ -157,11 +162,11 @@ def all_reduce_rms_norm(
     """``rms_norm`` of the sum over the ranks of ``x [rows, hidden]`` (contiguous), as
     ``rms_norm(all_reduce(x), weight, eps, residual)`` computes it.
 
-    ``buffers``: every rank's symmetric buffer address (int64, on the device). Its shares live
-    ``data_offset`` elements in, in two slots of ``slot_size`` elements; its flags ``flags_offset`` bytes in
-    (``[len(epochs), world]`` int32, zero at the start). ``epochs``: this rank's calls per program, one
-    program per row up to its length. ``sync=False``: for tests, the other ranks' shares are already in
-    their slots."""
+    ``buffers``: every rank's symmetric buffer address (int64, on the device). The shares live
+    ``data_offset`` elements in, in two slots of one region of ``slot_size`` elements per rank; the flags
+    ``flags_offset`` bytes in (``[len(epochs), world]`` int32, zero at the start). ``epochs``: this rank's
+    calls per program, one program per row up to its length. ``sync=False``: for tests, the other ranks'
+    shares are already in this rank's buffer."""
     n_rows, n_cols = x.shape
     world = buffers.numel()
     out = torch.empty_like(x)
