@@ -215,6 +215,33 @@ def test_all_reduce_rms_norm_ranks_wait_for_each_other(world, gen):
     assert all(e.tolist() == counted for e in epochs)
 
 
+TRAPS = """
+import torch
+from nanovllm.layers import fused_kernels as fk
+buffers = [torch.zeros(4096, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+addresses = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device="cuda")
+x = torch.ones(1, 256, dtype=torch.bfloat16, device="cuda")
+fk.all_reduce_rms_norm(x, x[0], 1e-6, None, addresses, torch.zeros(2, dtype=torch.int32, device="cuda"), 0,
+                       0, 256, 4096, timeout_s=0.5)
+print("launched", flush=True)
+torch.cuda.synchronize()
+print("returned", flush=True)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_all_reduce_rms_norm_traps_when_a_rank_never_comes():
+    """Rank 0 of two, alone: its kernel gives up after its timeout and the process fails, instead of
+    hanging (in a process of its own: a trap ends the CUDA context)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", TRAPS], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["launched"] and done.returncode != 0, done.stdout + done.stderr[-2000:]
+    assert "CUDA" in done.stderr, done.stderr[-2000:]
+
+
 def _pair_norm(x: torch.Tensor) -> torch.Tensor:
     """``sqrt(x1^2 + x2^2)`` of the rotated pairs ``(x[..., i], x[..., i + D/2])``, at both positions."""
     x1, x2 = x.float().chunk(2, dim=-1)

@@ -120,11 +120,13 @@ class SymmetricAllReduce:
         return (x.dtype == self.buffer.dtype and x.dim() == 2 and x.is_contiguous()
                 and x.numel() <= self.norm_slot and x.shape[-1] <= 16384)
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None):
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+                 timeout_s: float = DATA_TIMEOUT.total_seconds()):
         from nanovllm.layers.fused import kernels
 
         return kernels().all_reduce_rms_norm(x, weight, eps, residual, self.addresses, self.epochs, tp_rank(),
-                                             self.norm_offset, self.norm_slot, self.flags_offset)
+                                             self.norm_offset, self.norm_slot, self.flags_offset,
+                                             timeout_s=timeout_s)
 
 
 def enable_symmetric_all_reduce(dtype: torch.dtype, device: torch.device) -> str | None:
@@ -158,11 +160,20 @@ def enable_symmetric_all_reduce(dtype: torch.dtype, device: torch.device) -> str
             reason = f"{type(exc).__name__}: {exc}"
         if agree_min(int(reason is None)) == 1:  # every rank holds the buffer: test it together
             total = all_reduce(torch.full((1024,), tp_rank() + 1.0, dtype=dtype, device=device))
-            normed = all_reduce_rms_norm(torch.full((2, 512), tp_rank() + 1.0, dtype=dtype, device=device),
-                                         torch.full((512,), 2.0, dtype=dtype, device=device), 0.0)
             if not bool((total == tp_size() * (tp_size() + 1) / 2).all()):
                 reason = "a test sum came out wrong"
-            elif normed is None or float((normed.float() - 2.0).abs().max()) > 0.02:
+            shares = torch.full((2, 512), tp_rank() + 1.0, dtype=dtype, device=device)
+            try:  # the ranks' flags must cross between the GPUs: a rank that waits a minute traps
+                normed = _symmetric.rms_norm(shares, torch.full((512,), 2.0, dtype=dtype, device=device), 0.0,
+                                             None, timeout_s=60.0)
+                worst = float((normed.float() - 2.0).abs().max())
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"tensor-parallel rank {tp_rank()}: the all-reduce fused with RMSNorm failed its "
+                    f"start-up test over symmetric memory ({exc}); set {SYMMETRIC_VARIABLE}=0 to keep "
+                    "every all-reduce on NCCL"
+                ) from exc
+            if reason is None and worst > 0.02:
                 reason = "a test sum and norm came out wrong"
         if agree_min(int(reason is None)) == 0:
             reason = reason or "another rank could not use it"

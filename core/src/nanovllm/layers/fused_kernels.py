@@ -79,10 +79,9 @@ def _signal(addresses, epoch):
 
 
 @triton.jit
-def _wait(addresses, epoch):
+def _wait(addresses, epoch, timeout_ns):
     """Wait until every flag holds ``epoch`` or a later one (compared modulo 2**32); returns zeros. A peer
-    that has not arrived after ten minutes (the NCCL collectives' timeout, ``DATA_TIMEOUT``) traps, so the
-    rank fails instead of hanging."""
+    that has not arrived after ``timeout_ns`` traps, so the rank fails instead of hanging."""
     return tl.inline_asm_elementwise(
         """{
         .reg .u32 %seen, %ahead;
@@ -96,21 +95,22 @@ def _wait(addresses, epoch):
         @!%behind bra done;
         mov.u64 %now, %globaltimer;
         sub.u64 %now, %now, %start;
-        setp.gt.u64 %gave_up, %now, 600000000000;
+        setp.gt.u64 %gave_up, %now, $3;
         @%gave_up trap;
         bra spin;
         done:
         mov.u32 $0, 0;
         }""",
-        "=r,l,r", [addresses, epoch + tl.zeros(addresses.shape, tl.int32)], dtype=tl.int32, is_pure=False,
-        pack=1,
+        "=r,l,r,l", [addresses, epoch + tl.zeros(addresses.shape, tl.int32),
+                     timeout_ns + tl.zeros(addresses.shape, tl.int64)],
+        dtype=tl.int32, is_pure=False, pack=1,
     )
 
 
-@triton.jit(do_not_specialize=["rank"])  # one compiled kernel for every rank
+@triton.jit(do_not_specialize=["rank", "timeout_ns"])  # one compiled kernel for every rank
 def _all_reduce_rms_norm_kernel(
     X, R, W, Out, Buffers, Epochs, n_rows, n_cols, eps,
-    stride_x, stride_r, stride_o, data_offset, slot_size, flags_offset, rank, programs,
+    stride_x, stride_r, stride_o, data_offset, slot_size, flags_offset, rank, programs, timeout_ns,
     WORLD: tl.constexpr, WORLD_POW2: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, SYNC: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -141,7 +141,7 @@ def _all_reduce_rms_norm_kernel(
         tl.debug_barrier()  # every thread's writes are issued before the flags say so
         ranks = tl.arange(0, WORLD_POW2) % WORLD
         signalled = _signal(tl.load(Buffers + ranks) + flags_offset + (pid * WORLD + rank) * 4, epoch)
-        waited = _wait(tl.load(Buffers + rank) + flags_offset + (pid * WORLD + ranks) * 4, epoch)
+        waited = _wait(tl.load(Buffers + rank) + flags_offset + (pid * WORLD + ranks) * 4, epoch, timeout_ns)
         zero = tl.sum(signalled + waited)  # used, so neither is optimised away
         tl.debug_barrier()
     for row in range(pid, n_rows, programs):
@@ -157,7 +157,7 @@ def _all_reduce_rms_norm_kernel(
 def all_reduce_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
     buffers: torch.Tensor, epochs: torch.Tensor, rank: int, data_offset: int, slot_size: int,
-    flags_offset: int, sync: bool = True,
+    flags_offset: int, sync: bool = True, timeout_s: float = 600.0,
 ):
     """``rms_norm`` of the sum over the ranks of ``x [rows, hidden]`` (contiguous), as
     ``rms_norm(all_reduce(x), weight, eps, residual)`` computes it.
@@ -166,7 +166,8 @@ def all_reduce_rms_norm(
     ``data_offset`` elements in, in two slots of one region of ``slot_size`` elements per rank; the flags
     ``flags_offset`` bytes in (``[len(epochs), world]`` int32, zero at the start). ``epochs``: this rank's
     calls per program, one program per row up to its length. ``sync=False``: for tests, the other ranks'
-    shares are already in this rank's buffer."""
+    shares are already in this rank's buffer. ``timeout_s``: how long a rank waits for the others before
+    its kernel traps (default: the NCCL collectives' ten minutes, ``DATA_TIMEOUT``)."""
     n_rows, n_cols = x.shape
     world = buffers.numel()
     out = torch.empty_like(x)
@@ -177,7 +178,7 @@ def all_reduce_rms_norm(
         return out if residual is None else (out, residual)
     _all_reduce_rms_norm_kernel[(min(n_rows, programs),)](
         x, res, weight, out, buffers, epochs, n_rows, n_cols, eps, x.stride(0), res.stride(0), n_cols,
-        data_offset, slot_size, flags_offset, rank, programs,
+        data_offset, slot_size, flags_offset, rank, programs, int(timeout_s * 1e9),
         WORLD=world, WORLD_POW2=triton.next_power_of_2(world),
         HAS_RESIDUAL=residual is not None, SYNC=sync, BLOCK=block, num_warps=min(16, max(1, block // 256)),
     )
