@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One call on the 2-GPU machine (nvidia-h200-x2): install, the tensor-parallel GPU tests, then B6 (the
-# all-reduces of a decode step, eager and in a CUDA graph; batch-1 decode at TP1 and TP2; B1 throughput at
-# TP2). A run that outlives its limit has every Python process of it dump its stacks (SIGABRT with
-# PYTHONFAULTHANDLER), so a hang in NCCL or in graph capture shows where each rank waits. Logs and results
-# go to $OUT (or ./gpu_out).
+# all-reduces of a decode step, eager and in a CUDA graph; batch-1 decode and B1 throughput at TP1 and TP2),
+# and the B6 summary (`b6.md`: TP2 over TP1 from this run, against issue 12's targets). A run that outlives
+# its limit has every Python process of it dump its stacks (SIGABRT with PYTHONFAULTHANDLER), so a hang in
+# NCCL or in graph capture shows where each rank waits. Logs and results go to $OUT (or ./gpu_out). All of it
+# takes longer than one call: TP_JOBS="allreduce tests", then TP_JOBS="latency throughput".
 #   TP_JOBS="tests allreduce latency throughput"   which parts to run, in this order (default: all)
 #   TP_LIMIT=420   seconds for the tests      B6_LIMIT=300   seconds for each benchmark command
 #   B6_PRESETS="qwen3-8b llama-3.1-8b"   presets of the latency job
-#   THROUGHPUT_TP="2"   tensor-parallel sizes of the B1 throughput job ("1 2": TP1 in the same run)
+#   THROUGHPUT_TP="1 2"   tensor-parallel sizes of the B1 throughput job (TP1 in the same run, for the summary)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -46,10 +47,13 @@ for job in ${TP_JOBS:-tests allreduce latency throughput}; do  # in the order gi
           --presets ${B6_PRESETS:-qwen3-8b llama-3.1-8b} --tensor-parallel-size "$tp" --out "$OUT" --name "b6_latency_tp$tp"
       done ;;
     throughput)
-      for tp in ${THROUGHPUT_TP:-2}; do
+      for tp in ${THROUGHPUT_TP:-1 2}; do
         bounded "${B6_LIMIT:-300}" "$OUT/b6_throughput_tp$tp.log" python3 -m nanovllm.cli bench throughput \
           --presets qwen3-8b --tensor-parallel-size "$tp" --out "$OUT" --name "b6_throughput_tp$tp"
       done ;;
     *) echo "unknown TP_JOBS entry: $job (tests, allreduce, latency, throughput)"; exit 2 ;;
   esac
 done
+if ls "$OUT"/b6_latency_tp*.json "$OUT"/b6_throughput_tp*.json >/dev/null 2>&1; then
+  python3 -m nanovllm.bench.tp_summary "$OUT" --name b6
+fi

@@ -241,3 +241,37 @@ def test_allreduce_bench_on_the_cpu(tmp_path, monkeypatch):
     assert "| gloo | eager | 3 | 12,288 |" in (tmp_path / "allreduce.md").read_text()
     with pytest.raises(ValueError, match="needs --tensor-parallel-size 2 or more"):
         allreduce.run(1)
+
+
+def test_tp_summary_speedups_against_issue_12s_targets(tmp_path):
+    from nanovllm.bench import tp_summary
+
+    env = {"device": "NVIDIA H200", "date": "2026-11-24 00:00 UTC", "commit": "abc", "torch": "2.11"}
+
+    def write(name, results):
+        payload = {"environment": env, "settings": {}, "results": results}
+        (tmp_path / f"{name}.json").write_text(json.dumps(payload))
+
+    def latency(preset, ms):
+        return {"benchmark": "latency", "preset": preset, "ms_per_token": ms, "metric": "ms_per_token"}
+
+    def throughput(preset, tok_s):
+        return {"benchmark": "throughput", "preset": preset, "output_tok_per_s": tok_s,
+                "metric": "output_tok_per_s"}
+
+    eager = {"benchmark": "latency-eager", "preset": "qwen3-8b", "ms_per_token": 20.0}
+    write("b6_latency_tp1", [eager, latency("qwen3-8b", 5.0), latency("llama-3.1-8b", 4.8)])
+    write("b6_latency_tp2", [latency("qwen3-8b", 3.5)])
+    write("b6_throughput_tp1", [throughput("qwen3-8b", 9000.0)])
+    write("b6_throughput_tp2", [throughput("qwen3-8b", 14_500.0)])
+    tp_summary.main([str(tmp_path), "--name", "b6"])
+    summary = json.loads((tmp_path / "b6.json").read_text())
+    rows = {(r["benchmark"], r["preset"]): r for r in summary["rows"]}
+    assert set(rows) == {("latency", "qwen3-8b"), ("throughput", "qwen3-8b")}
+    assert rows["latency", "qwen3-8b"]["speedup"] == pytest.approx(5.0 / 3.5)  # lower is better
+    assert rows["latency", "qwen3-8b"]["met"] is False  # 1.43x against 1.45x
+    assert rows["throughput", "qwen3-8b"]["speedup"] == pytest.approx(14_500 / 9000)
+    assert rows["throughput", "qwen3-8b"]["met"] is True
+    assert summary["missing"] == ["latency llama-3.1-8b at TP2"]
+    text = (tmp_path / "b6.md").read_text()
+    assert "1.429x | >= 1.45x | missed" in text and "Not in this run: latency llama-3.1-8b at TP2." in text
