@@ -85,6 +85,7 @@ class SymmetricAllReduce:
         from torch.distributed import _symmetric_memory as symm_mem
 
         self.group_name = dist.group.WORLD.group_name
+        self.rank = tp_rank()
         itemsize = dtype.itemsize
         flag_bytes = self.NORM_PROGRAMS * tp_size() * 4
         norm_bytes = 2 * tp_size() * self.NORM_SLOT_BYTES  # two slots of a region per rank
@@ -94,7 +95,7 @@ class SymmetricAllReduce:
         whole.view(torch.uint8)[self.flags_offset :].zero_()
         torch.cuda.synchronize(device)  # zero before the rendezvous, which every rank must reach
         handle = symm_mem.rendezvous(whole, self.group_name)
-        if handle.buffer_ptrs[tp_rank()] != whole.data_ptr():
+        if handle.buffer_ptrs[self.rank] != whole.data_ptr():
             raise RuntimeError("the symmetric buffer does not start where PyTorch says it does")
         self.buffer = whole[: self.BUFFER_BYTES // itemsize]
         self.norm_offset = self.BUFFER_BYTES // itemsize  # elements
@@ -124,7 +125,7 @@ class SymmetricAllReduce:
                  timeout_s: float = DATA_TIMEOUT.total_seconds()):
         from nanovllm.layers.fused import kernels
 
-        return kernels().all_reduce_rms_norm(x, weight, eps, residual, self.addresses, self.epochs, tp_rank(),
+        return kernels().all_reduce_rms_norm(x, weight, eps, residual, self.addresses, self.epochs, self.rank,
                                              self.norm_offset, self.norm_slot, self.flags_offset,
                                              timeout_s=timeout_s)
 

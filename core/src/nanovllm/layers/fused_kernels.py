@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.distributed import DATA_TIMEOUT
+
 
 @triton.jit
 def _add_rms_norm_row(x, R, W, Out, row, cols, ok, n_cols, eps, stride_r, stride_o,
@@ -70,7 +72,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 @triton.jit
 def _signal(addresses, epoch):
     """Store ``epoch`` at every address (a flag in a peer GPU's memory), releasing this block's earlier
-    writes to the whole system; returns zeros."""
+    writes to the whole system (impure: kept although its result is unused)."""
     return tl.inline_asm_elementwise(
         "st.release.sys.global.u32 [$1], $2; mov.u32 $0, 0;",
         "=r,l,r", [addresses, epoch + tl.zeros(addresses.shape, tl.int32)], dtype=tl.int32, is_pure=False,
@@ -80,7 +82,7 @@ def _signal(addresses, epoch):
 
 @triton.jit
 def _wait(addresses, epoch, timeout_ns):
-    """Wait until every flag holds ``epoch`` or a later one (compared modulo 2**32); returns zeros. A peer
+    """Wait until every flag holds ``epoch`` or a later one (compared modulo 2**32). A peer
     that has not arrived after ``timeout_ns`` traps, so the rank fails instead of hanging."""
     return tl.inline_asm_elementwise(
         """{
@@ -136,13 +138,11 @@ def _all_reduce_rms_norm_kernel(
         for r in tl.static_range(WORLD):
             there = tl.load(Buffers + r).to(tl.pointer_type(dtype)) + mine
             tl.store(there + row * n_cols + cols, x, mask=ok)
-    zero = 0
     if SYNC:
         tl.debug_barrier()  # every thread's writes are issued before the flags say so
         ranks = tl.arange(0, WORLD_POW2) % WORLD
-        signalled = _signal(tl.load(Buffers + ranks) + flags_offset + (pid * WORLD + rank) * 4, epoch)
-        waited = _wait(tl.load(Buffers + rank) + flags_offset + (pid * WORLD + ranks) * 4, epoch, timeout_ns)
-        zero = tl.sum(signalled + waited)  # used, so neither is optimised away
+        _signal(tl.load(Buffers + ranks) + flags_offset + (pid * WORLD + rank) * 4, epoch)
+        _wait(tl.load(Buffers + rank) + flags_offset + (pid * WORLD + ranks) * 4, epoch, timeout_ns)
         tl.debug_barrier()
     for row in range(pid, n_rows, programs):
         total = tl.zeros([BLOCK], tl.float32)
@@ -151,13 +151,13 @@ def _all_reduce_rms_norm_kernel(
             total += tl.load(share, mask=ok, other=0.0, volatile=True).to(tl.float32)
         _add_rms_norm_row(total.to(dtype), R, W, Out, row, cols, ok, n_cols, eps, stride_r, stride_o,
                           HAS_RESIDUAL)
-    tl.store(Epochs + pid, epoch + zero)
+    tl.store(Epochs + pid, epoch)
 
 
 def all_reduce_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
     buffers: torch.Tensor, epochs: torch.Tensor, rank: int, data_offset: int, slot_size: int,
-    flags_offset: int, sync: bool = True, timeout_s: float = 600.0,
+    flags_offset: int, sync: bool = True, timeout_s: float = DATA_TIMEOUT.total_seconds(),
 ):
     """``rms_norm`` of the sum over the ranks of ``x [rows, hidden]`` (contiguous), as
     ``rms_norm(all_reduce(x), weight, eps, residual)`` computes it.
@@ -167,7 +167,7 @@ def all_reduce_rms_norm(
     ``flags_offset`` bytes in (``[len(epochs), world]`` int32, zero at the start). ``epochs``: this rank's
     calls per program, one program per row up to its length. ``sync=False``: for tests, the other ranks'
     shares are already in this rank's buffer. ``timeout_s``: how long a rank waits for the others before
-    its kernel traps (default: the NCCL collectives' ten minutes, ``DATA_TIMEOUT``)."""
+    its kernel traps (default: the NCCL collectives' timeout)."""
     n_rows, n_cols = x.shape
     world = buffers.numel()
     out = torch.empty_like(x)
