@@ -54,6 +54,6 @@ for job in ${TP_JOBS:-tests allreduce latency throughput}; do  # in the order gi
     *) echo "unknown TP_JOBS entry: $job (tests, allreduce, latency, throughput)"; exit 2 ;;
   esac
 done
-if ls "$OUT"/b6_latency_tp*.json "$OUT"/b6_throughput_tp*.json >/dev/null 2>&1; then
+if compgen -G "$OUT/b6_latency_tp*.json" >/dev/null || compgen -G "$OUT/b6_throughput_tp*.json" >/dev/null; then
   python3 -m nanovllm.bench.tp_summary "$OUT" --name b6
 fi
