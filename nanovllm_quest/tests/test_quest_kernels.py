@@ -142,7 +142,8 @@ def test_update_metadata_of_shared_pages(device, dtype, page, fp8):
 @pytest.mark.parametrize("reduction", ["max", "sum"])
 @pytest.mark.parametrize("keep_sink", [False, True])
 @pytest.mark.parametrize("per_page", [1, 3])
-def test_page_scores(device, dtype, reduction, keep_sink, per_page):
+@pytest.mark.parametrize("recent", [1, 4])
+def test_page_scores(device, dtype, reduction, keep_sink, per_page, recent):
     gen = torch.Generator().manual_seed(7)
     seqs, heads, hkv, d, width = 3, 8, 2, 64, 150 if device == "cuda" else 70
     block, page = 16, 16 * per_page
@@ -154,12 +155,16 @@ def test_page_scores(device, dtype, reduction, keep_sink, per_page):
     tables[1:, :] = torch.where(torch.arange(width) < ((lens[1:, None] + block - 1) // block), tables[1:], -1)
     n = (lens + page - 1) // page
     q = torch.randn(seqs, heads, d, generator=gen).to(dtype)
-    want = reference.page_scores(q, metadata, tables, lens, block, page, reduction, keep_sink)
+    want = reference.page_scores(q, metadata, tables, lens, block, page, reduction, keep_sink, recent)
     assert want.shape == (seqs, hkv, -(-width // per_page))
-    finite_pages = n - 1 - (keep_sink & (n > 1)).int()  # the newest page (and the sink) forced to +inf
+    # the newest pages (and the sink, when older than them) forced to +inf
+    finite_pages = (n - recent).clamp(min=0) - (keep_sink & (n > recent)).int()
     assert torch.equal(torch.isfinite(want).sum(-1), finite_pages[:, None].expand(-1, hkv))
+    pages = torch.arange(want.shape[-1])
+    newest = (pages >= n[:, None] - recent) & (pages < n[:, None])
+    assert torch.isposinf(want[newest[:, None].expand_as(want)]).all()
     got = kernels.page_scores(q.to(device), metadata.to(device), tables.to(device), lens.to(device), block, page,
-                              reduction, keep_sink).cpu()
+                              reduction, keep_sink, recent).cpu()
     assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got.sign(), want.sign())
     finite = torch.isfinite(want)
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-4)
@@ -237,4 +242,4 @@ def test_kernels_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == 2 * 2 + 2 * 2 + 4 * 2 + 1 + 7 * 2 + 1, tail
+    assert passed == 2 * 2 + 2 * 2 + 8 * 2 + 1 + 7 * 2 + 1, tail

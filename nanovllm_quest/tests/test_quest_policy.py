@@ -38,13 +38,14 @@ def paged_decode(keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, lens
                  **config) -> tuple[QuestPolicy, PolicyContext]:
     """Sequence ``s`` holds ``keys[s, :lens[s]]`` in physical blocks numbered in reverse, written through
     ``on_kv_write`` as one prefill each; ``q [S, H, D]`` is the decode step's queries. Pages are one block
-    unless ``page_size`` says otherwise."""
+    unless ``page_size`` says otherwise, and only the newest page is forced (the paper's selection, which
+    these tests rank) unless ``recent_pages`` says otherwise."""
     num_seqs, _, kv_heads, dim = keys.shape
     width = max(-(-n // block) for n in lens)
     k_cache = torch.zeros(num_seqs * width, block, kv_heads, dim)
     v_cache = torch.zeros_like(k_cache)
     tables = torch.full((num_seqs, width), -1, dtype=torch.int32)
-    policy = QuestPolicy(QuestConfig(**{"skip_layers": 0, "page_size": block, **config}))
+    policy = QuestPolicy(QuestConfig(**{"skip_layers": 0, "page_size": block, "recent_pages": 1, **config}))
     policy.initialize(1, kv_heads, dim, num_seqs * width, block, torch.float32, torch.device("cpu"))
     for s, n in enumerate(lens):
         used = -(-n // block)
@@ -63,7 +64,8 @@ def test_config_is_checked_at_the_selection():
     installed()
     resolved = resolve_sparse_policy("quest:token_budget=1024,group_reduction=sum,keep_sink=true")
     assert resolved.cls is QuestPolicy
-    assert resolved.config == QuestConfig(1024, 2, "sum", True, None, "auto", False)  # page: one KV block
+    assert resolved.config == QuestConfig(1024, 2, "sum", True, 8, None, "auto", False)  # page: one KV block
+    assert resolve_sparse_policy("quest:recent_pages=1").config.recent_pages == 1
     assert resolve_sparse_policy("quest:metadata_dtype=fp8").config.metadata_dtype == "fp8"
     assert resolve_sparse_policy("quest:page_size=64").config.page_size == 64
     assert resolve_sparse_policy("quest:oracle=true").config.oracle is True
@@ -71,11 +73,12 @@ def test_config_is_checked_at_the_selection():
                          ("skip_layers=-1", "skip_layers must be an int >= 0"),
                          ("group_reduction=mean", "group_reduction must be one of 'max', 'sum'"),
                          ("keep_sink=2", "keep_sink must be true or false"),
+                         ("recent_pages=0", "recent_pages must be an int >= 1"),
                          ("page_size=0", "page_size must be an int >= 1"),
                          ("oracle=3", "oracle must be true or false, got 3"),
                          ("metadata_dtype=fp16", "metadata_dtype must be one of 'auto', 'fp8'"),
-                         ("budget=4", "Accepted: token_budget, skip_layers, group_reduction, keep_sink, page_size, "
-                                      "metadata_dtype, oracle")]:
+                         ("budget=4", "Accepted: token_budget, skip_layers, group_reduction, keep_sink, "
+                                      "recent_pages, page_size, metadata_dtype, oracle")]:
         with pytest.raises(SelectionError, match=message):
             resolve_sparse_policy(f"quest:{bad}")
 
@@ -178,6 +181,31 @@ def test_selection_keeps_the_contract():
             assert row == picked + [-1] * (4 - len(picked)) and picked == sorted(set(picked))
             assert all(b < blocks for b in picked) and len(picked) == min(4, blocks)
             assert blocks - 1 in picked and 0 in picked  # the newest block, and the sink
+
+
+@pytest.mark.parametrize("per_page", [1, 2])
+def test_the_newest_pages_are_kept_whatever_their_bounds(per_page):
+    """``recent_pages``: the newest pages are selected even when their bounds rank last, and never more of
+    them than the budget holds besides the sink, the page being written first."""
+    page, n = per_page * BLOCK, 12 * per_page * BLOCK + 3  # 13 pages, the newest partly written
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(1, n, 2, 16, generator=g).abs()
+    keys[0, n - 4 * page:] = -keys[0, n - 4 * page:]  # the newest pages' keys point away from every query
+    q = torch.ones(1, 8, 16)
+    pages = -(-n // page)
+
+    def kept(budget_pages: int, **config) -> list[int]:
+        policy, ctx = paged_decode(keys, torch.randn_like(keys), q, [n], token_budget=budget_pages * page,
+                                   page_size=page, **config)
+        blocks = policy.select_blocks(ctx)[0, 0].tolist()
+        return sorted({b // per_page for b in blocks if b >= 0})
+
+    newest = list(range(pages - 3, pages))
+    assert not set(newest[:2]) & set(kept(6, keep_sink=True))  # ranked by the bound: the newest page alone
+    assert set(newest) | {0} <= set(kept(6, keep_sink=True, recent_pages=3))
+    assert kept(6, keep_sink=False, recent_pages=3)[-3:] == newest and 0 not in newest
+    assert kept(3, keep_sink=True, recent_pages=8) == [0, pages - 2, pages - 1]  # 2 recent + the sink
+    assert kept(1, keep_sink=True, recent_pages=8) == [pages - 1]  # one page: the one being written
 
 
 def test_a_budget_covering_every_block_is_dense_attention():
@@ -300,7 +328,8 @@ def test_the_needles_page_is_selected_among_distractors(seed, per_page, kept, ga
             assert not keep_sink or 0 in sel[p, h].tolist()
     if keep_sink:
         return
-    layers = evaluate_policy(f"quest:token_budget={budget},skip_layers=0,page_size={page},keep_sink=false",
+    layers = evaluate_policy(f"quest:token_budget={budget},skip_layers=0,page_size={page},keep_sink=false,"
+                             "recent_pages=1",
                              planted_capture(case), positions)
     got, oracle, rand = (layers[0][w] for w in ("policy", "oracle", "random"))
     assert got["mass_recall"] >= oracle["mass_recall"] - gap and got["mass_recall"] > rand["mass_recall"] + 0.4

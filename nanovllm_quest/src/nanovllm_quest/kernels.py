@@ -146,7 +146,7 @@ def _score_kernel(
     stride_qs, stride_qh, stride_mb, stride_mh, stride_mm, stride_bt, stride_ss, stride_sh,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCKS_PER_PAGE: tl.constexpr, TILE: tl.constexpr, REDUCE_MAX: tl.constexpr,
-    KEEP_SINK: tl.constexpr, FP32: tl.constexpr, FP8: tl.constexpr,
+    KEEP_SINK: tl.constexpr, RECENT_PAGES: tl.constexpr, FP32: tl.constexpr, FP8: tl.constexpr,
 ):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -182,7 +182,7 @@ def _score_kernel(
         score = tl.max(tl.where(g_ok[:, None], bound, float("-inf")), 0)
     else:
         score = tl.sum(tl.where(g_ok[:, None], bound, 0.0), 0)
-    forced = offs_p == n - 1
+    forced = offs_p >= n - RECENT_PAGES  # the newest pages (pages past n are not valid)
     if KEEP_SINK:
         forced = forced | (offs_p == 0)
     score = tl.where(valid, tl.where(forced, float("inf"), score), float("-inf"))
@@ -191,7 +191,7 @@ def _score_kernel(
 
 def page_scores(
     q: torch.Tensor, metadata: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
-    page_size: int, group_reduction: str = "max", keep_sink: bool = False,
+    page_size: int, group_reduction: str = "max", keep_sink: bool = False, recent_pages: int = 1,
 ) -> torch.Tensor:
     num_seqs = q.shape[0]
     num_kv_heads = metadata.shape[1]
@@ -210,7 +210,8 @@ def page_scores(
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=page_size,
         BLOCKS_PER_PAGE=page_size // block_size, TILE=SCORE_TILE, REDUCE_MAX=group_reduction == "max",
-        KEEP_SINK=keep_sink, FP32=q.dtype == torch.float32 or not q.is_cuda,
+        KEEP_SINK=keep_sink, RECENT_PAGES=max(1, recent_pages),
+        FP32=q.dtype == torch.float32 or not q.is_cuda,
         FP8=metadata.dtype == torch.float8_e4m3fn, num_warps=4,
     )
     return scores

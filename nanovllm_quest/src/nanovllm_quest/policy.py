@@ -4,9 +4,9 @@ Quest (Tang et al., ICML 2024) keeps, per page and KV head, the channel-wise min
 keys. ``sum_i max(q_i * min_i, q_i * max_i)`` bounds ``q . k`` from above for every key of the page, so
 the pages with the largest bounds are the ones that can hold the largest attention weights. Each decode
 step scores every history page from its metadata alone (1/page_size of the key bytes), keeps the
-``token_budget // page_size`` best pages per KV head, the newest page always, and attends exactly over
-their blocks. A page is ``page_size`` tokens, a whole number of KV blocks (the paper's page is 16 tokens,
-one block at the engine's default block size).
+``token_budget // page_size`` best pages per KV head, the ``recent_pages`` newest always, and attends
+exactly over their blocks. A page is ``page_size`` tokens, a whole number of KV blocks (the paper's page
+is 16 tokens, one block at the engine's default block size).
 
 - Metadata is kept from the KV-write hooks, on the GPU cache and with offload (the new keys are still on
   the GPU there), at a cost proportional to the new tokens. A page's bounds live at its anchor, the
@@ -85,6 +85,9 @@ class QuestPolicy(SparsePolicy):
         self.block_size, self.page_size = block_size, page
         self.blocks_per_page = page // block_size
         self.budget_pages = budget // page
+        # the forced pages fit the budget, the newest first: a one-page budget keeps the page being written
+        self.keep_sink = self.config.keep_sink and self.budget_pages > 1
+        self.recent_pages = max(1, min(self.config.recent_pages, self.budget_pages - self.keep_sink))
         self.ops = _ops(torch.device(device))
         sparse_layers = max(0, num_layers - self.config.skip_layers)
         # [layer - skip_layers, block, KV head, min|max, head_dim], a page's bounds at its anchor block;
@@ -134,11 +137,11 @@ class QuestPolicy(SparsePolicy):
         if cfg.oracle:
             keys = ctx.read_keys(ctx.all_history_blocks())
             scores = reference.page_masses(ctx.query, keys, lens, self.page_size, ctx.scale,
-                                           cfg.group_reduction, cfg.keep_sink)
+                                           cfg.group_reduction, self.keep_sink, self.recent_pages)
         else:
             scores = self.ops.page_scores(
                 ctx.query, self.metadata[ctx.layer_id - cfg.skip_layers], ctx.meta.block_tables, lens,
-                self.block_size, self.page_size, cfg.group_reduction, cfg.keep_sink,
+                self.block_size, self.page_size, cfg.group_reduction, self.keep_sink, self.recent_pages,
             )
         return self.ops.top_pages(scores, self.budget_pages, lens, self.block_size, self.page_size)
 

@@ -75,7 +75,7 @@ def round_fp8(x: torch.Tensor, up: bool) -> torch.Tensor:
 
 def page_scores(
     q: torch.Tensor, metadata: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
-    page_size: int, group_reduction: str = "max", keep_sink: bool = False,
+    page_size: int, group_reduction: str = "max", keep_sink: bool = False, recent_pages: int = 1,
 ) -> torch.Tensor:
     """``[S, Hkv, P]`` float32 priority of each logical page (``P = ceil(W / (page_size / block_size))``,
     ``W`` the block-table width) for the decode queries ``q [S, H, D]`` over histories of ``kv_lens``
@@ -83,8 +83,9 @@ def page_scores(
 
     A page's bound for query head ``h`` is ``sum_i max(q_i * min_i, q_i * max_i)``, at least ``q . k``
     for every key of the page; the query heads of a GQA group combine by ``group_reduction``. The
-    newest page (``n[s] - 1``), with ``keep_sink`` page 0, and pages without a bound (NaN) get ``+inf``;
-    pages at or past ``n[s]`` get ``-inf``."""
+    ``recent_pages`` newest pages (from ``n[s] - recent_pages``; at least the newest, ``n[s] - 1``), with
+    ``keep_sink`` page 0, and pages without a bound (NaN) get ``+inf``; pages at or past ``n[s]`` get
+    ``-inf``."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = metadata.shape[1]
     anchors = block_tables[:, :: page_size // block_size]  # [S, P]: each page's first block
@@ -95,12 +96,12 @@ def page_scores(
     )
     bound = torch.where(bound.isnan(), float("inf"), bound)  # an unbounded float8 page
     score = bound.amax(dim=2) if group_reduction == "max" else bound.sum(dim=2)
-    return _force_pages(score, kv_lens, page_size, keep_sink)
+    return _force_pages(score, kv_lens, page_size, keep_sink, recent_pages)
 
 
 def page_masses(
     q: torch.Tensor, keys: torch.Tensor, kv_lens: torch.Tensor, page_size: int, scale: float,
-    group_reduction: str = "max", keep_sink: bool = False,
+    group_reduction: str = "max", keep_sink: bool = False, recent_pages: int = 1,
 ) -> torch.Tensor:
     """The oracle of :func:`page_scores`, same result contract: ``[S, Hkv, P]`` float32, each page's exact
     attention mass for the decode queries ``q [S, H, D]``. ``keys [S, W, block_size, Hkv, D]`` are the
@@ -117,15 +118,16 @@ def page_masses(
     probs = logits.masked_fill(past, float("-inf")).softmax(-1)
     mass = probs.view(*probs.shape[:3], num_pages, page_size).sum(-1)  # [S, Hkv, G, P]
     score = mass.amax(dim=2) if group_reduction == "max" else mass.sum(dim=2)
-    return _force_pages(score, kv_lens, page_size, keep_sink)
+    return _force_pages(score, kv_lens, page_size, keep_sink, recent_pages)
 
 
-def _force_pages(score: torch.Tensor, kv_lens: torch.Tensor, page_size: int, keep_sink: bool) -> torch.Tensor:
-    """``score [S, Hkv, P]`` with the newest page (and page 0 with ``keep_sink``) ``+inf``, pages past the
-    history ``-inf``."""
+def _force_pages(score: torch.Tensor, kv_lens: torch.Tensor, page_size: int, keep_sink: bool,
+                 recent_pages: int) -> torch.Tensor:
+    """``score [S, Hkv, P]`` with the ``recent_pages`` newest pages (at least one) and page 0 with
+    ``keep_sink`` ``+inf``, pages past the history ``-inf``."""
     idx = torch.arange(score.shape[-1], device=score.device)
     n = ((kv_lens.long() + page_size - 1) // page_size)[:, None, None]
-    forced = idx == n - 1
+    forced = idx >= n - max(1, recent_pages)
     if keep_sink:
         forced = forced | (idx == 0)
     score = torch.where(forced, float("inf"), score)
