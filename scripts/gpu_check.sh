@@ -8,6 +8,8 @@
 #   QUEST_BENCH="..."  arguments of `python -m nanovllm_quest.bench` (unset: not run), results under $OUT
 #   MINFERENCE_BENCH="..."  arguments of `python -m nanovllm_minference.bench` (unset: not run)
 #   XATTN_BENCH="..."  arguments of `python -m nanovllm_xattn.bench` (unset: not run)
+#   NANOVLLM_COMMIT=$(git rev-parse --short HEAD), set in the command sent: the results record it; the device's
+#   copy of the tree has a git of its own, whose HEAD is not the commit that was sent
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
