@@ -432,26 +432,33 @@ def chart(payload: dict[str, Any], path: Path) -> None:
 
     att = [r for r in payload["results"] if r["benchmark"] == "attention"]
     eng = [r for r in payload["results"] if "speedup" in r and r["benchmark"] != "attention"]
-    fig, axes = plt.subplots(2, 1, figsize=(10, 7))
-    labels = [f"{r['context'] // 1024}K x{r['batch']} b{r['budget']} p{r.get('page_size', BLOCK_SIZE)}"
-              + (" fp8" if r.get("metadata_dtype") == "fp8" else "") for r in att]
-    axes[0].barh(labels, [r["speedup"] for r in att], color="tab:blue", label="Quest / dense")
-    axes[0].scatter([r["ceiling"] for r in att], labels, color="black", marker="|", s=200, label="ceiling")
-    axes[0].set_title("decode attention speedup over dense (per layer, layers in one graph)", fontsize=10)
-    axes[0].legend(fontsize=8)
+    # an engine-only run gets no attention panel
+    fig, axes = plt.subplots(2 if att else 1, 1, figsize=(10, 7 if att else 3.8), squeeze=False)
+    axes = list(axes[:, 0])
+    if att:
+        labels = [f"{r['context'] // 1024}K x{r['batch']} b{r['budget']} p{r.get('page_size', BLOCK_SIZE)}"
+                  + (" fp8" if r.get("metadata_dtype") == "fp8" else "") for r in att]
+        axes[0].barh(labels, [r["speedup"] for r in att], color="tab:blue", label="Quest / dense")
+        axes[0].scatter([r["ceiling"] for r in att], labels, color="black", marker="|", s=200,
+                        label="ceiling")
+        axes[0].set_title("decode attention speedup over dense (per layer, layers in one graph)",
+                          fontsize=10)
+        axes[0].legend(fontsize=8)
+    bottom = axes[-1]
     labels = [f"{r['benchmark']} {r['context'] // 1024}K x{r['batch']}\n{r['policy']}"
               + ("".join(f",{k}={v}" for k, v in r.get("options", {}).items())) for r in eng]
-    axes[1].barh(labels, [r["speedup"] for r in eng], color="tab:green")
+    bottom.barh(labels, [r["speedup"] for r in eng], color="tab:green")
     for i, r in enumerate(eng):
         if r.get("target"):
-            axes[1].plot([r["target"]] * 2, [i - 0.4, i + 0.4], color="tab:red", lw=2)
-    axes[1].set_title("end-to-end decode speedup over full (red: target)", fontsize=10)
+            bottom.plot([r["target"]] * 2, [i - 0.4, i + 0.4], color="tab:red", lw=2)
+    bottom.set_title("end-to-end decode speedup over full (red: target)", fontsize=10)
     reuse = [r for r in payload["results"] if r["benchmark"] == "reuse"]
     reuse = [r for r in reuse if "error" not in r]
     if reuse and not eng:  # a reuse-only run: its shares in the lower panel
-        axes[1].barh([f"budget {r['budget']}" for r in reuse], [r["reused_share"] for r in reuse], color="tab:purple")
-        axes[1].set_xlim(0, 1)
-        axes[1].set_title("selected head blocks the selection cache reuses (SmolLM2, KV offloaded)", fontsize=10)
+        bottom.barh([f"budget {r['budget']}" for r in reuse], [r["reused_share"] for r in reuse],
+                    color="tab:purple")
+        bottom.set_xlim(0, 1)
+        bottom.set_title("selected head blocks the selection cache reuses (SmolLM2, KV offloaded)", fontsize=10)
     for ax in axes:
         ax.tick_params(axis="y", labelsize=7)
         ax.invert_yaxis()
