@@ -1,8 +1,9 @@
 """Quest against the core's conformance kit. The budget (100 blocks of 4 tokens) covers every sequence of
 the kit's scenarios but not the block table (128 blocks at max_model_len 512), so every layer scores,
 selects and attends through its per-KV-head selection, and must still be exactly ``full``: with pages of
-one block (whose metadata the kit also recomputes block by block), with pages of 4 blocks, and with float8
-bounds (rounded outward in every update, so the kept metadata equals the recomputed one)."""
+one block (whose metadata the kit also recomputes block by block), with pages of 4 blocks, with float8
+bounds (rounded outward in every update, so the kept metadata equals the recomputed one), and with float8
+bounds over halves of a page."""
 
 import pytest
 from nanovllm.conformance import cases, run_case
@@ -11,7 +12,8 @@ from nanovllm.plugins import get_plugins
 SELECTION = "quest:token_budget=400,skip_layers=0"
 
 
-@pytest.mark.parametrize("options", ["page_size=4", "page_size=16", "page_size=4,metadata_dtype=fp8"])
+@pytest.mark.parametrize("options", ["page_size=4", "page_size=16", "page_size=4,metadata_dtype=fp8",
+                                     "bound_size=2,metadata_dtype=fp8"])
 @pytest.mark.parametrize("case", cases(), ids=str)
 def test_conformance(case, options):
     if "quest" not in get_plugins().registry.sparse_policies:

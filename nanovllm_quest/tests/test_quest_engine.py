@@ -12,6 +12,8 @@ from nanovllm.quality.perplexity import DensityMeter
 
 SPARSE = "quest:token_budget=16,skip_layers=1,page_size=4"  # 4 blocks of 4 tokens, from layer 1 on
 PAGED = "quest:token_budget=16,skip_layers=1,page_size=8"  # 2 pages of 2 blocks
+# 4 blocks of 4 tokens, each scored by its halves; only the newest forced, so that the bounds rank the rest
+HALVES = "quest:token_budget=16,skip_layers=1,bound_size=2,recent_pages=1"
 
 
 def engine(device: str, policy: str = SPARSE, observers=(), offload: bool = False, eager: bool = True) -> LLM:
@@ -48,6 +50,15 @@ def test_pages_of_several_blocks_on_the_device_cache_and_offloaded(device):
     assert generate(engine(device, PAGED, offload=True)) == want
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_bounds_below_the_page_on_the_device_cache_offloaded_and_in_graphs(device):
+    want = generate(engine(device, HALVES))
+    assert want != generate(engine(device, f"{SPARSE},recent_pages=1"))  # the halves rank otherwise
+    assert generate(engine(device, HALVES, offload=True)) == want
+    if device == "cuda":
+        assert generate(engine(device, HALVES, eager=False)) == want
+
+
 def test_the_oracle_with_every_page_of_a_sequence_in_budget_gives_its_dense_tokens():
     """Budget 36 blocks: the prompts of 90 and 33 tokens stay within it while the one of 140 outgrows it,
     so once the batch's block table is wider than the budget the oracle selects, and the two shorter
@@ -58,10 +69,12 @@ def test_the_oracle_with_every_page_of_a_sequence_in_budget_gives_its_dense_toke
     assert got[:2] == generate(engine("cpu", "full"))[:2]
 
 
-def test_page_bounds_hold_under_prefix_sharing_and_preemption(monkeypatch):
+@pytest.mark.parametrize("options", ["page_size=16", "bound_size=2"])
+def test_page_bounds_hold_under_prefix_sharing_and_preemption(monkeypatch, options):
     """Every decode step, in every sparse layer, each page's bounds (at its anchor) bound every key of the
     page, for every sequence of the step: with prompts that share an anchor block through the prefix cache
-    but not the page's later blocks, in one batch, and with preemption (freed and reallocated anchors)."""
+    but not the page's later blocks, in one batch, and with preemption (freed and reallocated anchors).
+    Bounds over halves of a page of one block likewise bound their halves."""
     from nanovllm.conformance import _kv_bytes, _prefix_prompts, _prompts
     from nanovllm_quest.policy import QuestPolicy
     from test_quest_policy import assert_pages_bound_their_keys
@@ -73,13 +86,14 @@ def test_page_bounds_hold_under_prefix_sharing_and_preemption(monkeypatch):
         if ctx.layer_id >= self.config.skip_layers:
             lens = ctx.history_lens.tolist()
             metadata = self.metadata[ctx.layer_id - self.config.skip_layers]
-            assert_pages_bound_their_keys(metadata, ctx.k_cache, ctx.meta.block_tables, lens, self.config.page_size)
+            assert_pages_bound_their_keys(metadata, ctx.k_cache, ctx.meta.block_tables, lens, self.page_size,
+                                          self.bound_size)
             checked.append(len(lens))
         return select(self, ctx)
 
     monkeypatch.setattr(QuestPolicy, "select_blocks", checking)
     model = tiny_model()
-    llm = LLM(model, sparse_policy="quest:token_budget=16,skip_layers=1,page_size=16", device="cpu",
+    llm = LLM(model, sparse_policy=f"quest:token_budget=16,skip_layers=1,{options}", device="cpu",
               dtype="float32", block_size=4, max_model_len=128, enforce_eager=True, max_num_seqs=4,
               attention_backend="torch", kv_cache_memory=_kv_bytes(model, 192), max_num_batched_tokens=64)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

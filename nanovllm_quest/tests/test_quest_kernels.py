@@ -64,11 +64,12 @@ def stale_bounds(gen, shape, dtype, fp8: bool) -> torch.Tensor:
 
 
 @cases
-@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize(("block_size", "bound"), [(4, 4), (16, 16), (16, 4)])
 @pytest.mark.parametrize("fp8", [False, True], ids=["kv-dtype", "fp8"])
-def test_update_metadata(device, dtype, block_size, fp8):
-    """Pages of one block: the anchor is each row's own block. Float8 bounds: keys past the format's range
-    make their pages unbounded."""
+def test_update_metadata(device, dtype, block_size, bound, fp8):
+    """Pages of one block: the anchor is each row's own block, and with bounds below the page each row's
+    bound is the metadata row ``slot // bound``. Float8 bounds: keys past the format's range make their
+    bounds unbounded."""
     gen = torch.Generator().manual_seed(block_size)
     hkv, d, n = 2, 48, 64
     # decode rows mid-block, a fresh block's first token, chunks starting mid-block and spanning blocks
@@ -76,14 +77,14 @@ def test_update_metadata(device, dtype, block_size, fp8):
     key, slots, pos = random_write(gen, n, block_size, seqs, hkv, d, dtype)
     if fp8:
         key[::7, :, 1] *= 1000
-    rows = page_rows(StepMetadata(slots, pos, 0, None, None), block_size, block_size)
-    start = stale_bounds(gen, (n, hkv, 2, d), dtype, fp8)
+    rows = page_rows(StepMetadata(slots, pos, 0, None, None), block_size, block_size, bound)
+    start = stale_bounds(gen, (n * block_size // bound, hkv, 2, d), dtype, fp8)
     want = start.clone()
-    reference.update_metadata(want, key, pos, rows, block_size)
+    reference.update_metadata(want, key, pos, rows, bound)
     if fp8:
         assert want.float().isnan().any() and not want.float().isnan().all()
     got = start.to(device)
-    kernels.update_metadata(got, key.to(device), pos.to(device), rows_on(rows, device), block_size)
+    kernels.update_metadata(got, key.to(device), pos.to(device), rows_on(rows, device), bound)
     assert torch.equal(bits(got), bits(want)), "min/max (rounded outward) must match bit for bit"
 
 
@@ -141,21 +142,21 @@ def test_update_metadata_of_shared_pages(device, dtype, page, fp8):
 @cases
 @pytest.mark.parametrize("reduction", ["max", "sum"])
 @pytest.mark.parametrize("keep_sink", [False, True])
-@pytest.mark.parametrize("per_page", [1, 3])
+@pytest.mark.parametrize(("per_page", "bounds"), [(1, 1), (3, 1), (1, 2)])
 @pytest.mark.parametrize("recent", [1, 4])
-def test_page_scores(device, dtype, reduction, keep_sink, per_page, recent):
+def test_page_scores(device, dtype, reduction, keep_sink, per_page, bounds, recent):
     gen = torch.Generator().manual_seed(7)
     seqs, heads, hkv, d, width = 3, 8, 2, 64, 150 if device == "cuda" else 70
     block, page = 16, 16 * per_page
     num_blocks = seqs * width
-    metadata = torch.randn(num_blocks, hkv, 2, d, generator=gen)
+    metadata = torch.randn(num_blocks * bounds, hkv, 2, d, generator=gen)
     metadata = torch.stack([metadata.amin(2), metadata.amax(2)], dim=2).to(dtype)
     tables = torch.randperm(num_blocks, generator=gen)[: seqs * width].view(seqs, width).int()
     lens = torch.tensor([width * block - 5, 1, (width // 2 + 3) * block], dtype=torch.int32)
     tables[1:, :] = torch.where(torch.arange(width) < ((lens[1:, None] + block - 1) // block), tables[1:], -1)
     n = (lens + page - 1) // page
     q = torch.randn(seqs, heads, d, generator=gen).to(dtype)
-    want = reference.page_scores(q, metadata, tables, lens, block, page, reduction, keep_sink, recent)
+    want = reference.page_scores(q, metadata, tables, lens, block, page, reduction, keep_sink, recent, bounds)
     assert want.shape == (seqs, hkv, -(-width // per_page))
     # the newest pages (and the sink, when older than them) forced to +inf
     finite_pages = (n - recent).clamp(min=0) - (keep_sink & (n > recent)).int()
@@ -164,28 +165,31 @@ def test_page_scores(device, dtype, reduction, keep_sink, per_page, recent):
     newest = (pages >= n[:, None] - recent) & (pages < n[:, None])
     assert torch.isposinf(want[newest[:, None].expand_as(want)]).all()
     got = kernels.page_scores(q.to(device), metadata.to(device), tables.to(device), lens.to(device), block, page,
-                              reduction, keep_sink, recent).cpu()
+                              reduction, keep_sink, recent, bounds).cpu()
     assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got.sign(), want.sign())
     finite = torch.isfinite(want)
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-4)
 
 
 @cases
-def test_page_scores_with_fp8_bounds(device, dtype):
-    """Float8 bounds score as their float32 values; an unbounded page (a NaN channel) scores ``+inf``."""
+@pytest.mark.parametrize("per_page", [1, 2])
+def test_page_scores_with_fp8_bounds(device, dtype, per_page):
+    """Float8 bounds score as their float32 values; a page with an unbounded bound (a NaN channel) scores
+    ``+inf``."""
     gen = torch.Generator().manual_seed(11)
     seqs, heads, hkv, d, width, block = 2, 8, 2, 64, 40, 16
-    bounds = torch.randn(seqs * width, hkv, 2, d, generator=gen) * 3
+    bounds = torch.randn(seqs * width * per_page, hkv, 2, d, generator=gen) * 3
     metadata = torch.stack([reference.round_fp8(bounds.amin(2), up=False),
                             reference.round_fp8(bounds.amax(2), up=True)], dim=2)
     tables = torch.randperm(seqs * width, generator=gen).view(seqs, width).int()
     lens = torch.tensor([width * block, width * block - 9], dtype=torch.int32)
-    metadata[tables[0, 5], 1, reference.MAX, 3] = float("nan")  # sequence 0, KV head 1, page 5
+    # sequence 0, KV head 1, page 5: its last bound
+    metadata[tables[0, 5] * per_page + per_page - 1, 1, reference.MAX, 3] = float("nan")
     q = torch.randn(seqs, heads, d, generator=gen).to(dtype)
-    want = reference.page_scores(q, metadata, tables, lens, block, block, "max", True)
+    want = reference.page_scores(q, metadata, tables, lens, block, block, "max", True, 1, per_page)
     assert want[0, 1, 5] == float("inf") and torch.isfinite(want[0, 0, 1:-1]).all()
     got = kernels.page_scores(q.to(device), metadata.to(device), tables.to(device), lens.to(device), block,
-                              block, "max", True).cpu()
+                              block, "max", True, 1, per_page).cpu()
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     finite = torch.isfinite(want)
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-4)
@@ -242,4 +246,4 @@ def test_kernels_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == 2 * 2 + 2 * 2 + 8 * 2 + 1 + 7 * 2 + 1, tail
+    assert passed == 3 * 2 + 2 * 2 + 2 * 2 * 3 * 2 + 2 + 7 * 2 + 1, tail

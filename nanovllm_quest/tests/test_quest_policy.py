@@ -64,10 +64,11 @@ def test_config_is_checked_at_the_selection():
     installed()
     resolved = resolve_sparse_policy("quest:token_budget=1024,group_reduction=sum,keep_sink=true")
     assert resolved.cls is QuestPolicy
-    assert resolved.config == QuestConfig(1024, 2, "sum", True, 8, None, "auto", False)  # page: one KV block
+    assert resolved.config == QuestConfig(1024, 2, "sum", True, 8, None, None, "auto", False)  # page: a block
     assert resolve_sparse_policy("quest:recent_pages=1").config.recent_pages == 1
     assert resolve_sparse_policy("quest:metadata_dtype=fp8").config.metadata_dtype == "fp8"
     assert resolve_sparse_policy("quest:page_size=64").config.page_size == 64
+    assert resolve_sparse_policy("quest:bound_size=8").config.bound_size == 8
     assert resolve_sparse_policy("quest:oracle=true").config.oracle is True
     for bad, message in [("token_budget=0", "token_budget must be an int >= 1"),
                          ("skip_layers=-1", "skip_layers must be an int >= 0"),
@@ -75,10 +76,11 @@ def test_config_is_checked_at_the_selection():
                          ("keep_sink=2", "keep_sink must be true or false"),
                          ("recent_pages=0", "recent_pages must be an int >= 1"),
                          ("page_size=0", "page_size must be an int >= 1"),
+                         ("bound_size=0", "bound_size must be an int >= 1"),
                          ("oracle=3", "oracle must be true or false, got 3"),
                          ("metadata_dtype=fp16", "metadata_dtype must be one of 'auto', 'fp8'"),
                          ("budget=4", "Accepted: token_budget, skip_layers, group_reduction, keep_sink, "
-                                      "recent_pages, page_size, metadata_dtype, oracle")]:
+                                      "recent_pages, page_size, bound_size, metadata_dtype, oracle")]:
         with pytest.raises(SelectionError, match=message):
             resolve_sparse_policy(f"quest:{bad}")
 
@@ -105,37 +107,47 @@ def test_a_page_that_is_not_whole_blocks_is_refused_at_start(page, block, fit):
 
 
 def assert_pages_bound_their_keys(metadata: torch.Tensor, k_cache: torch.Tensor, tables: torch.Tensor,
-                                  lens: list[int], page: int) -> None:
-    """Every page's min/max, kept at its anchor, bounds each channel of each of its keys (``metadata``: one
-    layer's ``[blocks, Hkv, 2, D]``)."""
-    block = k_cache.shape[1]
+                                  lens: list[int], page: int, bound: int | None = None) -> None:
+    """Every bound's min/max, kept at its page's anchor, bounds each channel of each of its keys
+    (``metadata``: one layer's ``[blocks * bounds a page, Hkv, 2, D]``; ``bound``: tokens a bound covers,
+    the page by default)."""
+    block, bound = k_cache.shape[1], bound or page
+    per_page = page // bound
     for s, n in enumerate(lens):
         keys = k_cache[tables[s, : -(-n // block)].long()].flatten(0, 1)[:n].float()  # [n, Hkv, D]
         bounds = metadata.float()
         for p in range(-(-n // page)):
             anchor = int(tables[s, p * (page // block)])
-            in_page = keys[p * page: (p + 1) * page]
-            assert (bounds[anchor, :, reference.MIN] <= in_page.amin(0)).all(), f"seq {s} page {p}: min"
-            assert (bounds[anchor, :, reference.MAX] >= in_page.amax(0)).all(), f"seq {s} page {p}: max"
+            for j in range(per_page):
+                covered = keys[p * page + j * bound: p * page + (j + 1) * bound]
+                if len(covered):
+                    row = bounds[anchor * per_page + j]
+                    where = f"seq {s} page {p} bound {j}"
+                    assert (row[:, reference.MIN] <= covered.amin(0)).all(), f"{where}: min"
+                    assert (row[:, reference.MAX] >= covered.amax(0)).all(), f"{where}: max"
 
 
-@pytest.mark.parametrize("page", [BLOCK, 3 * BLOCK])
+@pytest.mark.parametrize(("page", "bound"), [(BLOCK, None), (3 * BLOCK, None), (BLOCK, 2), (BLOCK, 1)])
 @pytest.mark.parametrize("metadata_dtype", ["auto", "fp8"])
-def test_the_bound_holds_for_every_key(page, metadata_dtype):
+def test_the_bound_holds_for_every_key(page, bound, metadata_dtype):
     """Each query head's bound for a page is at least ``q . k`` of every key in it; a KV head's score
-    (max over its group) at least the best ``q . k`` of any of its query heads. Float8 bounds too."""
+    (max over its group) at least the best ``q . k`` of any of its query heads. Float8 bounds, and bounds
+    over part of a page (``bound_size``), too."""
     lens = [37, 64, 5]
-    policy, ctx = decode_batch(lens, seed=3, page_size=page, metadata_dtype=metadata_dtype)
+    policy, ctx = decode_batch(lens, seed=3, page_size=page, bound_size=bound, metadata_dtype=metadata_dtype)
+    per_page = page // (bound or page)
+    assert policy.metadata.shape[1] == ctx.k_cache.shape[0] * per_page
     if metadata_dtype == "fp8":
         assert policy.metadata.dtype == reference.FP8
-        assert policy.metadata_bytes_per_block(3, 2, 16, BLOCK, torch.bfloat16) == 3 * 2 * 2 * 16
-    assert_pages_bound_their_keys(policy.metadata[0], ctx.k_cache, ctx.meta.block_tables, lens, page)
+        assert policy.metadata_bytes_per_block(3, 2, 16, BLOCK, torch.bfloat16) == 3 * 2 * 2 * 16 * per_page
+    assert_pages_bound_their_keys(policy.metadata[0], ctx.k_cache, ctx.meta.block_tables, lens, page, bound)
     q = ctx.query
     for reduction in ("max", "sum"):
         scores = reference.page_scores(q, policy.metadata[0], ctx.meta.block_tables, ctx.history_lens,
-                                       BLOCK, page, reduction)
+                                       BLOCK, page, reduction, bounds_per_page=per_page)
         per_head = reference.page_scores(q, policy.metadata[0].repeat_interleave(4, dim=1),
-                                         ctx.meta.block_tables, ctx.history_lens, BLOCK, page)  # MHA view: G = 1
+                                         ctx.meta.block_tables, ctx.history_lens, BLOCK, page,
+                                         bounds_per_page=per_page)  # MHA view: G = 1
         for s, n in enumerate(lens):
             keys = ctx.k_cache[ctx.meta.block_tables[s, : -(-n // BLOCK)].long()].flatten(0, 1)[:n]  # [n, Hkv, D]
             qk = torch.einsum("hd,nhd->hn", q[s], keys.repeat_interleave(4, dim=1))  # [H, n]
@@ -147,6 +159,39 @@ def test_the_bound_holds_for_every_key(page, metadata_dtype):
             if reduction == "max":
                 assert (scores[s, :, :last] >= group_best[:, :last] - 1e-5).all()
             assert torch.isinf(scores[s, :, last]).all() and (scores[s, :, last + 1:] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("metadata_dtype", ["auto", "fp8"])
+def test_bounds_over_part_of_a_page_are_tighter(metadata_dtype):
+    """A page scored by bounds over halves of it scores at most what its whole-page bound scores (the min/max
+    of the halves' min/max), and less wherever the halves' keys differ; the policy selects by the halves."""
+    lens = [37, 64, 5]
+    policy, ctx = decode_batch(lens, seed=4, bound_size=BLOCK // 2, metadata_dtype=metadata_dtype,
+                               token_budget=4 * BLOCK)
+    halves = policy.metadata[0].float().unflatten(0, (-1, 2))  # [blocks, 2 halves, Hkv, 2, D]
+    whole = torch.stack([halves[:, :, :, reference.MIN].amin(1), halves[:, :, :, reference.MAX].amax(1)], 2)
+    args = (ctx.meta.block_tables, ctx.history_lens, BLOCK, BLOCK, "max", False)
+    tight = reference.page_scores(ctx.query, policy.metadata[0], *args, bounds_per_page=2)
+    loose = reference.page_scores(ctx.query, whole, *args)
+    finite = torch.isfinite(loose)
+    assert torch.equal(finite, torch.isfinite(tight))
+    assert (tight[finite] <= loose[finite] + 1e-5).all()
+    assert (tight[finite] < loose[finite] - 1e-3).float().mean() > 0.5
+    lens = ctx.history_lens
+    forced = (ctx.meta.block_tables, lens, BLOCK, BLOCK, "max", policy.keep_sink, policy.recent_pages)
+    want = reference.top_pages(reference.page_scores(ctx.query, policy.metadata[0], *forced, 2), 4, lens,
+                               BLOCK, BLOCK)
+    assert torch.equal(policy.select_blocks(ctx), want)
+    by_pages = reference.top_pages(reference.page_scores(ctx.query, whole, *forced), 4, lens, BLOCK, BLOCK)
+    assert not torch.equal(by_pages, want)  # whole-page bounds select otherwise
+
+
+@pytest.mark.parametrize(("bound", "page", "block"), [(3, None, 4), (8, None, 4), (2, 8, 4), (6, 16, 16)])
+def test_a_bound_that_does_not_split_the_page_is_refused_at_start(bound, page, block):
+    with pytest.raises(ValueError, match=rf"bound_size={bound} does not split the page .* e\.g\. "
+                                         rf"sparse_policy='quest:bound_size={block // 2}'"):
+        QuestPolicy(QuestConfig(bound_size=bound, page_size=page)).initialize(
+            4, 2, 16, 10, block, torch.float32, torch.device("cpu"))
 
 
 def test_a_float8_page_past_its_range_is_always_kept():

@@ -7,8 +7,8 @@ Jobs, each in its own process (one engine's GPU memory never shrinks the next on
   top-K, attention over the selected blocks per KV head), at each context, batch and budget. Layers with
   their own KV are captured one after another in one CUDA graph, as in the engine's decode graph, and the
   replay time is divided by their number; L2 is cold at each replay. A one-layer graph is timed too: its
-  replay adds the graph's own launch (about 5 us) to every layer. Each Quest page size (``--page-sizes``)
-  is timed on the same caches. The ceiling is
+  replay adds the graph's own launch (about 5 us) to every layer. Each Quest page size (``--page-sizes``),
+  metadata dtype and bound size below the page (``--bound-sizes``) is timed on the same caches. The ceiling is
   ``1 / (1 / page_size + budget / context)``, the ratio of the bytes read.
 - ``decode``: the engine end to end, KV on the GPU, CUDA graphs: ``steps`` decode steps after prefilling
   ``batch`` prompts of ``context`` tokens, with ``full`` and with Quest (also at each larger page size).
@@ -61,13 +61,18 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 
 
 def bench_attention(contexts: list[int], batches: list[int], budgets: list[int], page_sizes: list[int],
-                    metadata_dtypes: list[str] = ("auto",)) -> list[dict[str, Any]]:
+                    metadata_dtypes: list[str] = ("auto",), bound_sizes: list[int] = ()
+                    ) -> list[dict[str, Any]]:
     import torch
     from nanovllm.attention.metadata import PhaseMetadata
     from nanovllm.attention.triton_backend import TritonBackend
     from nanovllm.bench.kernels import graph_ms
 
     backend, scale, rows = TritonBackend(), HEAD_DIM**-0.5, []
+    # (page, metadata dtype, bound size): each page's own bound, and bounds below a page of one block
+    variants = [(page, kind, bound) for page in page_sizes for bound in [page, *sorted(bound_sizes)]
+                if bound == page or (page == BLOCK_SIZE and bound < page and page % bound == 0)
+                for kind in metadata_dtypes]
     gen = torch.Generator(device="cuda").manual_seed(0)
     for context in contexts:
         for batch in batches:
@@ -79,8 +84,7 @@ def bench_attention(contexts: list[int], batches: list[int], budgets: list[int],
                 k_cache = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
                 v_cache = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
                 tables = torch.randperm(num_blocks, generator=gen, device="cuda").view(batch, width).int()
-                metadata = {(page, kind): page_metadata(k_cache, tables, page, kind) for page in page_sizes
-                            for kind in metadata_dtypes}
+                metadata = {key: page_metadata(k_cache, tables, *key) for key in variants}
                 lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
                 meta = PhaseMetadata(torch.arange(batch + 1, dtype=torch.int32, device="cuda"), lens, tables, 1,
                                      context)
@@ -92,31 +96,30 @@ def bench_attention(contexts: list[int], batches: list[int], budgets: list[int],
 
             dense_ms = graph_ms([partial(dense, x) for x in layers])
             dense_one_ms = graph_ms([partial(dense, layers[0])])
-            for page in page_sizes:
-                for kind in metadata_dtypes:
-                    for budget in budgets:
-                        rows.append(bench_quest(layers, backend, scale, context, batch, budget, (page, kind),
-                                                dense_ms, dense_one_ms))
-                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            for key in variants:
+                for budget in budgets:
+                    rows.append(bench_quest(layers, backend, scale, context, batch, budget, key, dense_ms,
+                                            dense_one_ms))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
             del layers
             torch.cuda.empty_cache()
     return rows
 
 
 def bench_quest(layers: list, backend, scale: float, context: int, batch: int, budget: int,
-                metadata_key: tuple[int, str], dense_ms: float, dense_one_ms: float) -> dict[str, Any]:
-    """One row: Quest's steps at one budget, page size and metadata dtype over the layers' caches, against
-    their dense time (scoring, then top-K, then the attention over the selection)."""
+                metadata_key: tuple[int, str, int], dense_ms: float, dense_one_ms: float) -> dict[str, Any]:
+    """One row: Quest's steps at one budget, page size, metadata dtype and bound size over the layers'
+    caches, against their dense time (scoring, then top-K, then the attention over the selection)."""
     from nanovllm.bench.kernels import graph_ms
 
     from nanovllm_quest import kernels
 
-    page, kind = metadata_key
+    page, kind, bound = metadata_key
     k = budget // page
 
     def score(x):
         return kernels.page_scores(x.q, x.metadata[metadata_key], x.meta.block_tables, x.meta.context_lens,
-                                   BLOCK_SIZE, page)
+                                   BLOCK_SIZE, page, bounds_per_page=page // bound)
 
     def top(x, scores):
         return kernels.top_pages(scores, k, x.meta.context_lens, BLOCK_SIZE, page)
@@ -132,7 +135,7 @@ def bench_quest(layers: list, backend, scale: float, context: int, batch: int, b
     quest_ms = graph_ms([partial(quest, x) for x in layers])
     row = {
         "benchmark": "attention", "context": context, "batch": batch, "budget": budget, "page_size": page,
-        "metadata_dtype": kind,
+        "metadata_dtype": kind, "bound_size": bound,
         "layers_in_graph": len(layers),
         "dense_us": 1000 * dense_ms, "quest_us": 1000 * quest_ms,
         "score_us": 1000 * graph_ms([partial(score, x) for x in layers]),
@@ -147,21 +150,26 @@ def bench_quest(layers: list, backend, scale: float, context: int, batch: int, b
     return row
 
 
-def page_metadata(k_cache, tables, page: int, metadata_dtype: str = "auto"):
-    """Quest's metadata of a cache whose sequences fill their block tables: each page's min/max at its anchor
-    (the physical block of its first logical block), ``[blocks, KV heads, 2, D]``; ``fp8``: rounded outward
-    to float8, as the policy keeps it with ``metadata_dtype=fp8``."""
+def page_metadata(k_cache, tables, page: int, metadata_dtype: str = "auto", bound: int | None = None):
+    """Quest's metadata of a cache whose sequences fill their block tables, as the policy keeps it: each
+    page's min/max at its anchor (the physical block of its first logical block), ``[blocks, KV heads, 2,
+    D]``; bounds of ``bound`` tokens below a page of one block, ``[blocks * bounds a page, KV heads, 2, D]``;
+    ``fp8``: rounded outward to float8."""
     import torch
 
     from nanovllm_quest import reference
 
-    per_page = page // BLOCK_SIZE
-    bounds = torch.stack([k_cache.amin(1), k_cache.amax(1)], dim=2)  # per block: [blocks, KV heads, 2, D]
-    logical = bounds[tables.long()]  # [batch, width, KV heads, 2, D]
-    logical = logical.view(tables.shape[0], -1, per_page, *logical.shape[2:])
-    pages = torch.stack([logical[..., 0, :].amin(2), logical[..., 1, :].amax(2)], dim=-2)
-    metadata = torch.empty_like(bounds)
-    metadata[tables[:, ::per_page].long()] = pages
+    if bound is not None and bound < page:  # pages of one block: every block is an anchor
+        sub = k_cache.unflatten(1, (page // bound, bound))  # [blocks, bounds, bound, KV heads, D]
+        metadata = torch.stack([sub.amin(2), sub.amax(2)], dim=3).flatten(0, 1)
+    else:
+        per_page = page // BLOCK_SIZE
+        bounds = torch.stack([k_cache.amin(1), k_cache.amax(1)], dim=2)  # per block: [blocks, KV heads, 2, D]
+        logical = bounds[tables.long()]  # [batch, width, KV heads, 2, D]
+        logical = logical.view(tables.shape[0], -1, per_page, *logical.shape[2:])
+        pages = torch.stack([logical[..., 0, :].amin(2), logical[..., 1, :].amax(2)], dim=-2)
+        metadata = torch.empty_like(bounds)
+        metadata[tables[:, ::per_page].long()] = pages
     if metadata_dtype == "fp8":
         return torch.stack([reference.round_fp8(metadata[:, :, reference.MIN].float(), up=False),
                             reference.round_fp8(metadata[:, :, reference.MAX].float(), up=True)], dim=2)
@@ -241,14 +249,18 @@ def bench_engine(
 
 
 def jobs(contexts: list[int], batches: list[int], budgets: list[int], budget: int, steps: int,
-         page_sizes: list[int] = (16,), metadata_dtypes: list[str] = ("auto",)) -> list[dict]:
+         page_sizes: list[int] = (16,), metadata_dtypes: list[str] = ("auto",),
+         bound_sizes: list[int] = ()) -> list[dict]:
     quest = f"quest:token_budget={budget}"
     window = f"recent_window:budget_blocks={budget // BLOCK_SIZE}"
-    # the engine at larger pages and other metadata dtypes too
+    # the engine at larger pages, other metadata dtypes and smaller bounds too
     variants = [f"{quest},page_size={p}" for p in page_sizes if p != BLOCK_SIZE]
     variants += [f"{quest},metadata_dtype={kind}" for kind in metadata_dtypes if kind != "auto"]
+    variants += [f"{quest},bound_size={b}" + ("" if kind == "auto" else f",metadata_dtype={kind}")
+                 for b in bound_sizes if b < BLOCK_SIZE for kind in metadata_dtypes]
     out: list[dict] = [{"kind": "attention", "contexts": contexts, "batches": batches, "budgets": budgets,
-                        "page_sizes": list(page_sizes), "metadata_dtypes": list(metadata_dtypes)}]
+                        "page_sizes": list(page_sizes), "metadata_dtypes": list(metadata_dtypes),
+                        "bound_sizes": list(bound_sizes)}]
     for context, batch in [(32768, 1), (131072, 1), (32768, 8)]:
         out += [{"kind": "decode", "context": context, "batch": batch, "policy": p, "steps": steps}
                 for p in ("full", quest, *variants)]
@@ -296,7 +308,7 @@ def run_job(job: dict) -> list[dict[str, Any]]:
         return bench_reuse(job["budgets"])
     if job["kind"] == "attention":
         return bench_attention(job["contexts"], job["batches"], job["budgets"], job.get("page_sizes", [BLOCK_SIZE]),
-                               job.get("metadata_dtypes", ["auto"]))
+                               job.get("metadata_dtypes", ["auto"]), job.get("bound_sizes", []))
     if job["kind"] == "offload-copy":
         from nanovllm.bench import offload as b5
 
@@ -372,7 +384,7 @@ def markdown(payload: dict[str, Any], title: str) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["results"]:
         if r["benchmark"] == "attention":
-            page = f"{r.get('page_size', BLOCK_SIZE)}" + (" fp8" if r.get("metadata_dtype") == "fp8" else "")
+            page = page_label(r)
             cells = [r["context"], r["batch"], r["budget"], page, r["layers_in_graph"],
                      f"{r['dense_us']:.1f}", f"{r['quest_us']:.1f}", f"{r['score_us']:.1f}", f"{r['topk_us']:.1f}",
                      f"{r['attend_us']:.1f}", f"{r['speedup']:.2f}x", f"{r['ceiling']:.1f}x",
@@ -424,6 +436,14 @@ def markdown(payload: dict[str, Any], title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def page_label(row: dict[str, Any]) -> str:
+    """``16``, ``16 fp8``, ``16/8`` (pages of 16 scored by bounds of 8 tokens)."""
+    page = row.get("page_size", BLOCK_SIZE)
+    bound = row.get("bound_size", page)
+    fp8 = " fp8" if row.get("metadata_dtype") == "fp8" else ""
+    return f"{page}" + (f"/{bound}" if bound != page else "") + fp8
+
+
 def chart(payload: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -436,8 +456,7 @@ def chart(payload: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(2 if att else 1, 1, figsize=(10, 7 if att else 3.8), squeeze=False)
     axes = list(axes[:, 0])
     if att:
-        labels = [f"{r['context'] // 1024}K x{r['batch']} b{r['budget']} p{r.get('page_size', BLOCK_SIZE)}"
-                  + (" fp8" if r.get("metadata_dtype") == "fp8" else "") for r in att]
+        labels = [f"{r['context'] // 1024}K x{r['batch']} b{r['budget']} p{page_label(r)}" for r in att]
         axes[0].barh(labels, [r["speedup"] for r in att], color="tab:blue", label="Quest / dense")
         axes[0].scatter([r["ceiling"] for r in att], labels, color="black", marker="|", s=200,
                         label="ceiling")
@@ -481,6 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metadata-dtypes", nargs="+", default=["auto", "fp8"], choices=["auto", "fp8"],
                         help="Quest metadata dtypes of the attention job (at each page size), and of the decode "
                         "job's Quest rows besides auto")
+    parser.add_argument("--bound-sizes", nargs="+", type=int, default=[],
+                        help="Quest bound sizes below the page (divisors of the block size, 16) of the "
+                        "attention job at pages of one block, and of the decode job's Quest rows (at each "
+                        "metadata dtype)")
     parser.add_argument("--budget", type=int, default=2048, help="token budget of the engine runs")
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--only", nargs="+", default=None,
@@ -494,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     from nanovllm.bench import run_plugin_jobs
 
     selected = [job for job in jobs(args.contexts, args.batches, args.budgets, args.budget, args.decode_steps,
-                                    args.page_sizes, args.metadata_dtypes)
+                                    args.page_sizes, args.metadata_dtypes, args.bound_sizes)
                 if not (args.only and job["kind"] not in args.only and not (job["kind"] == "offload-copy" and "offload" in args.only))]
     if args.only and "reuse" in args.only:  # the built-in model's weights: not on every machine
         selected.append({"kind": "reuse", "budgets": args.budgets})

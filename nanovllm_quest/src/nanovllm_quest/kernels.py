@@ -1,11 +1,11 @@
 """Quest's steps as Triton kernels, same signatures and results as :mod:`nanovllm_quest.reference`.
 
-- ``update_metadata``: one program per (new row, KV head) over the rows grouped by page anchor; the first
-  row of each anchor's run folds the run's keys into the anchor's min/max, so no two programs write one
+- ``update_metadata``: one program per (new row, KV head) over the rows grouped by bound; the first
+  row of each bound's run folds the run's keys into its min/max, so no two programs write one
   anchor and no atomics are needed. Float8 bounds are rounded outward from float32 bits (``_round_fp8``).
 - ``page_scores``: one program per (sequence, KV head, tile of pages); it reads only the metadata of the
-  tile's anchors (the bound splits into two small matmuls, ``relu(q) . max + min(q, 0) . min``) and
-  reduces the GQA group's bounds.
+  tile's anchors (a bound splits into two small matmuls, ``relu(q) . max + min(q, 0) . min``), keeps the
+  largest of each page's bounds, and reduces the GQA group's.
 - ``top_pages``: one program per (sequence, KV head). The k-th largest score is found by bisection on
   the order-preserving integer image of the float scores (up to 32 counting passes over the row held in
   registers, fewer when a candidate has exactly k scores at or above it), then the chosen pages are
@@ -39,7 +39,7 @@ MAX_UPDATE_ROWS = 64  # new keys an update program folds at a time
 def _update_kernel(
     Key, Meta, Anchors, Order, Positions, num_rows,
     stride_kt, stride_kh, stride_mb, stride_mh, stride_mm,
-    PAGE_SIZE: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BOUND_SIZE: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     ORDERED: tl.constexpr, FP8: tl.constexpr,
 ):
     r = tl.program_id(0)
@@ -62,7 +62,7 @@ def _update_kernel(
             src = tl.load(Order + rows, mask=same, other=0)
         else:
             src = rows
-        at_start = tl.load(Positions + src, mask=same, other=1) % PAGE_SIZE == 0  # the page's first token
+        at_start = tl.load(Positions + src, mask=same, other=1) % BOUND_SIZE == 0  # the bound's first token
         fresh = tl.maximum(fresh, tl.max((same & at_start).to(tl.int32), 0))
         keys = tl.load(
             Key + src.to(tl.int64)[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
@@ -75,7 +75,7 @@ def _update_kernel(
     # a program that is not a leader loads and stores nothing: its limits are 0
     base = Meta + tl.where(leader, anchor, 0).to(tl.int64) * stride_mb + kvh * stride_mh + offs_d
     write = offs_d < tl.where(leader, HEAD_DIM, 0)
-    keep_old = offs_d < tl.where(leader & (fresh == 0), HEAD_DIM, 0)  # a restarted page forgets its bounds
+    keep_old = offs_d < tl.where(leader & (fresh == 0), HEAD_DIM, 0)  # a restarted bound forgets its keys
     old_min = _to_float32(tl.load(base, mask=keep_old, other=0.0), FP8)
     old_max = _to_float32(tl.load(base + stride_mm, mask=keep_old, other=0.0), FP8)
     old_min = tl.where(keep_old, old_min, float("inf"))  # float8 has no infinity: fill after the load
@@ -124,7 +124,7 @@ def _round_fp8(x, UP: tl.constexpr):
 
 
 def update_metadata(
-    metadata: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, rows: PageRows, page_size: int
+    metadata: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, rows: PageRows, bound_size: int
 ) -> None:
     num_rows, num_kv_heads, head_dim = key.shape
     if num_rows == 0:
@@ -134,7 +134,8 @@ def update_metadata(
     _update_kernel[(num_rows, num_kv_heads)](
         key, metadata, rows.anchor, rows.order if ordered else rows.anchor, positions, num_rows,
         key.stride(0), key.stride(1), metadata.stride(0), metadata.stride(1), metadata.stride(2),
-        PAGE_SIZE=page_size, ROWS=min(triton.next_power_of_2(page_size), MAX_UPDATE_ROWS), HEAD_DIM=head_dim,
+        BOUND_SIZE=bound_size, ROWS=min(triton.next_power_of_2(bound_size), MAX_UPDATE_ROWS),
+        HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), ORDERED=ordered, FP8=metadata.dtype == torch.float8_e4m3fn,
         num_warps=2,
     )
@@ -145,8 +146,9 @@ def _score_kernel(
     Q, Meta, BlockTables, KVLens, Scores, width,
     stride_qs, stride_qh, stride_mb, stride_mh, stride_mm, stride_bt, stride_ss, stride_sh,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCKS_PER_PAGE: tl.constexpr, TILE: tl.constexpr, REDUCE_MAX: tl.constexpr,
-    KEEP_SINK: tl.constexpr, RECENT_PAGES: tl.constexpr, FP32: tl.constexpr, FP8: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCKS_PER_PAGE: tl.constexpr, BOUNDS: tl.constexpr, TILE: tl.constexpr,
+    REDUCE_MAX: tl.constexpr, KEEP_SINK: tl.constexpr, RECENT_PAGES: tl.constexpr, FP32: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -162,22 +164,24 @@ def _score_kernel(
         Q + s.to(tl.int64) * stride_qs + (kvh * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
         mask=g_ok[:, None] & d_ok[None, :], other=0.0,
     )
-    meta = Meta + phys[:, None] * stride_mb + kvh * stride_mh + offs_d[None, :]
-    ld = valid[:, None] & d_ok[None, :]
-    kmin = tl.load(meta, mask=ld, other=0.0)
-    kmax = tl.load(meta + stride_mm, mask=ld, other=0.0)
-    if FP8 and FP32:  # on the GPU a 16-bit conversion keeps float8's NaN; the interpreter's needs help
-        kmin, kmax = _to_float32(kmin, True), _to_float32(kmax, True)
     zero = tl.zeros_like(q)
     q_pos = tl.where(q > 0, q, zero)
     q_neg = tl.where(q < 0, q, zero)
-    if FP32:  # float32 inputs or the interpreter: exact float32 products
-        bound = tl.dot(q_pos.to(tl.float32), tl.trans(kmax.to(tl.float32)), input_precision="ieee")
-        bound += tl.dot(q_neg.to(tl.float32), tl.trans(kmin.to(tl.float32)), input_precision="ieee")
-    else:  # 16-bit products are exact in the float32 accumulator
-        bound = tl.dot(q_pos, tl.trans(kmax.to(q.dtype)))
-        bound += tl.dot(q_neg, tl.trans(kmin.to(q.dtype)))
-    bound = tl.where(bound != bound, float("inf"), bound)  # an unbounded float8 page
+    ld = valid[:, None] & d_ok[None, :]
+    bound = tl.full([G_PAD, TILE], float("-inf"), tl.float32)
+    for j in tl.static_range(BOUNDS):  # the page's bounds, in rows anchor * BOUNDS + j
+        meta = Meta + (phys * BOUNDS + j)[:, None] * stride_mb + kvh * stride_mh + offs_d[None, :]
+        kmin = tl.load(meta, mask=ld, other=0.0)
+        kmax = tl.load(meta + stride_mm, mask=ld, other=0.0)
+        if FP8 and FP32:  # on the GPU a 16-bit conversion keeps float8's NaN; the interpreter's needs help
+            kmin, kmax = _to_float32(kmin, True), _to_float32(kmax, True)
+        if FP32:  # float32 inputs or the interpreter: exact float32 products
+            part = tl.dot(q_pos.to(tl.float32), tl.trans(kmax.to(tl.float32)), input_precision="ieee")
+            part += tl.dot(q_neg.to(tl.float32), tl.trans(kmin.to(tl.float32)), input_precision="ieee")
+        else:  # 16-bit products are exact in the float32 accumulator
+            part = tl.dot(q_pos, tl.trans(kmax.to(q.dtype)))
+            part += tl.dot(q_neg, tl.trans(kmin.to(q.dtype)))
+        bound = tl.maximum(bound, tl.where(part != part, float("inf"), part))  # NaN: unbounded float8
     if REDUCE_MAX:
         score = tl.max(tl.where(g_ok[:, None], bound, float("-inf")), 0)
     else:
@@ -192,6 +196,7 @@ def _score_kernel(
 def page_scores(
     q: torch.Tensor, metadata: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
     page_size: int, group_reduction: str = "max", keep_sink: bool = False, recent_pages: int = 1,
+    bounds_per_page: int = 1,
 ) -> torch.Tensor:
     num_seqs = q.shape[0]
     num_kv_heads = metadata.shape[1]
@@ -209,8 +214,8 @@ def page_scores(
         block_tables.stride(0), scores.stride(0), scores.stride(1),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=page_size,
-        BLOCKS_PER_PAGE=page_size // block_size, TILE=SCORE_TILE, REDUCE_MAX=group_reduction == "max",
-        KEEP_SINK=keep_sink, RECENT_PAGES=max(1, recent_pages),
+        BLOCKS_PER_PAGE=page_size // block_size, BOUNDS=bounds_per_page, TILE=SCORE_TILE,
+        REDUCE_MAX=group_reduction == "max", KEEP_SINK=keep_sink, RECENT_PAGES=max(1, recent_pages),
         FP32=q.dtype == torch.float32 or not q.is_cuda,
         FP8=metadata.dtype == torch.float8_e4m3fn, num_warps=4,
     )

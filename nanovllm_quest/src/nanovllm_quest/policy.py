@@ -55,10 +55,13 @@ class QuestPolicy(SparsePolicy):
         # the oracle reads every history key through the block table's full width: evaluation, eager only
         self.cuda_graph_safe = not self.config.oracle
         self._rows_key: tuple | None = None  # (step, capturing) of the cached PageRows
+        if self.config.bound_size is not None:  # bounds below the page: cleared as blocks are handed out
+            self.on_blocks_allocated = self._clear_bounds
 
     def metadata_bytes_per_block(self, num_layers, num_kv_heads, head_dim, block_size, dtype) -> int:
         sparse_layers = max(0, num_layers - self.config.skip_layers)
-        return sparse_layers * num_kv_heads * 2 * head_dim * self._metadata_dtype(dtype).itemsize
+        bounds = max(1, block_size // (self.config.bound_size or block_size))  # below a page of one block
+        return sparse_layers * bounds * num_kv_heads * 2 * head_dim * self._metadata_dtype(dtype).itemsize
 
     def _metadata_dtype(self, kv_dtype: torch.dtype) -> torch.dtype:
         return reference.FP8 if self.config.metadata_dtype == "fp8" else kv_dtype
@@ -82,18 +85,27 @@ class QuestPolicy(SparsePolicy):
                 f"quest: token_budget={budget} is less than one page (page_size={page}, block_size="
                 f"{block_size}); use token_budget >= {page}, e.g. sparse_policy='quest:token_budget={64 * page}'"
             )
-        self.block_size, self.page_size = block_size, page
+        bound = page if self.config.bound_size is None else self.config.bound_size
+        if bound != page and (page % bound or page != block_size):
+            raise ValueError(
+                f"quest: bound_size={bound} does not split the page (page_size={page}, "
+                f"block_size={block_size}): "
+                f"bounds smaller than a page need pages of one KV block and a bound_size that divides it, "
+                f"e.g. sparse_policy='quest:bound_size={block_size // 2 or 1}' with the default page"
+            )
+        self.block_size, self.page_size, self.bound_size = block_size, page, bound
         self.blocks_per_page = page // block_size
+        self.bounds_per_page = page // bound
         self.budget_pages = budget // page
         # the forced pages fit the budget, the newest first: a one-page budget keeps the page being written
         self.keep_sink = self.config.keep_sink and self.budget_pages > 1
         self.recent_pages = max(1, min(self.config.recent_pages, self.budget_pages - self.keep_sink))
         self.ops = _ops(torch.device(device))
         sparse_layers = max(0, num_layers - self.config.skip_layers)
-        # [layer - skip_layers, block, KV head, min|max, head_dim], a page's bounds at its anchor block;
-        # the dense layers keep none
-        self.metadata = torch.empty(sparse_layers, num_blocks, num_kv_heads, 2, head_dim,
-                                    dtype=self._metadata_dtype(dtype), device=device)
+        # [layer - skip_layers, bound, KV head, min|max, head_dim]: a page's bounds at its anchor block, rows
+        # anchor * bounds_per_page onwards, one per bound_size tokens; the dense layers keep none
+        self.metadata = torch.empty(sparse_layers, num_blocks * self.bounds_per_page, num_kv_heads, 2,
+                                    head_dim, dtype=self._metadata_dtype(dtype), device=device)
 
     # -- metadata ------------------------------------------------------------------------------------
 
@@ -103,25 +115,37 @@ class QuestPolicy(SparsePolicy):
         layer = write.layer_id - self.config.skip_layers
         if layer >= 0:
             self.ops.update_metadata(self.metadata[layer], write.key, write.positions, self._page_rows(write),
-                                     self.page_size)
+                                     self.bound_size)
+
+    def _clear_bounds(self, block_ids: torch.Tensor) -> None:
+        """Bounds below the page start at zero in every layer. A page's first token restarts its first
+        bound, and each later bound restarts at its own first token; until then it would keep the block's
+        previous owner's keys. Only the newest page has such bounds, and it is always kept, so they never
+        rank; clearing them keeps the metadata a function of the cache (what the conformance kit checks)."""
+        if self.bounds_per_page > 1 and block_ids.numel():
+            first = block_ids.to(self.metadata.device)[:, None] * self.bounds_per_page
+            rows = (first + torch.arange(self.bounds_per_page, device=first.device)).flatten()
+            self.metadata.view(torch.uint8)[:, rows] = 0  # zero bits: 0.0 in every float format
 
     def _page_rows(self, write: KVWrite) -> reference.PageRows:
-        """The step's rows grouped by page anchor, computed once per step for all its layers (and again
+        """The step's rows grouped by the bound they fold into, computed once per step for all its layers (and
+        again
         inside a CUDA-graph capture, whose warm-up ran the same step outside it)."""
         capturing = write.key.is_cuda and torch.cuda.is_current_stream_capturing()
         if self._rows_key is None or self._rows_key[0] is not write.step or self._rows_key[1] != capturing:
-            self._rows = page_rows(write.step, self.block_size, self.page_size)
+            self._rows = page_rows(write.step, self.block_size, self.page_size, self.bound_size)
             self._rows_key = (write.step, capturing)
         return self._rows
 
     def block_metadata(self, layer_id: int, block_ids: torch.Tensor) -> torch.Tensor | None:
-        """Per-block bounds with pages of one block. Larger pages keep their bounds at the anchor as a union
-        that a shared anchor widens (see :class:`QuestConfig`), which no pass over the cache block by block
-        recomputes: the conformance kit's comparison does not apply, and the tests check the bound instead."""
+        """Per-block bounds with pages of one block, ``[blocks, bounds_per_page, KV heads, 2, head_dim]``.
+        Larger pages keep their bounds at the anchor as a union that a shared anchor widens (see
+        :class:`QuestConfig`), which no pass over the cache block by block recomputes: the conformance
+        kit's comparison does not apply, and the tests check the bound instead."""
         layer = layer_id - self.config.skip_layers
         if layer < 0 or self.blocks_per_page > 1:
             return None
-        return self.metadata[layer, block_ids]
+        return self.metadata[layer].unflatten(0, (-1, self.bounds_per_page))[block_ids]
 
     # -- decode ------------------------------------------------------------------------------------------
 
@@ -142,6 +166,7 @@ class QuestPolicy(SparsePolicy):
             scores = self.ops.page_scores(
                 ctx.query, self.metadata[ctx.layer_id - cfg.skip_layers], ctx.meta.block_tables, lens,
                 self.block_size, self.page_size, cfg.group_reduction, self.keep_sink, self.recent_pages,
+                self.bounds_per_page,
             )
         return self.ops.top_pages(scores, self.budget_pages, lens, self.block_size, self.page_size)
 
@@ -151,14 +176,16 @@ class QuestPolicy(SparsePolicy):
         return ctx.attend_blocks(q, self._selection(ctx))[0]
 
 
-def page_rows(step: StepMetadata, block_size: int, page_size: int) -> reference.PageRows:
-    """Each new row's page anchor, ``block_tables[seq, position // page_size * blocks_per_page]`` of its
-    sequence (decode rows: one sequence each; prefill rows: by ``cu_seqlens_q``), grouped by a stable sort,
-    since sequences that share an anchor through the prefix cache write to one page in one step. With pages
-    of one block the anchor is the row's own block, and a block's rows are already adjacent."""
+def page_rows(step: StepMetadata, block_size: int, page_size: int, bound_size: int | None = None
+              ) -> reference.PageRows:
+    """Each new row's bound: its page anchor, ``block_tables[seq, position // page_size * blocks_per_page]``
+    of its sequence (decode rows: one sequence each; prefill rows: by ``cu_seqlens_q``), grouped by a stable
+    sort, since sequences that share an anchor through the prefix cache write to one page in one step. With
+    pages of one block the anchor is the row's own block, and a block's rows are already adjacent; bounds
+    smaller than the page (``bound_size``) are the rows ``slot // bound_size`` of the metadata."""
     slots = step.slot_mapping
     if page_size == block_size:
-        return reference.PageRows(torch.where(slots >= 0, slots // block_size, -1), None)
+        return reference.PageRows(torch.where(slots >= 0, slots // (bound_size or block_size), -1), None)
     per_page, nd = page_size // block_size, step.num_decode_tokens
     page_col = step.positions // page_size * per_page
     anchors = []

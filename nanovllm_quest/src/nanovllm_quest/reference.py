@@ -1,12 +1,14 @@
 """Quest's steps in plain torch: the CPU path of the policy and the oracle of the Triton kernels, and the
 exact page masses of the ``oracle`` evaluation mode.
 
-Metadata of one layer is ``[num_blocks, num_kv_heads, 2, head_dim]`` in the KV dtype, indexed by physical
-block: per page and KV head, the channel-wise minimum (index 0) and maximum (index 1) of the page's keys,
-kept at the page's anchor, the physical block of its first logical block (with pages of one block, every
-block is its own anchor). Minima and maxima of stored keys are stored keys' values, so they are exact in
-any dtype. In float8 (``metadata_dtype=fp8``) minima round down and maxima up (:func:`round_fp8`), and NaN
-marks a page whose keys left the format's range: it scores ``+inf``.
+Metadata of one layer is ``[num_blocks * bounds_per_page, num_kv_heads, 2, head_dim]`` in the KV dtype: per
+bound and KV head, the channel-wise minimum (index 0) and maximum (index 1) of the bound's keys. A page's
+bounds are kept at its anchor, the physical block of its first logical block (with pages of one block,
+every block is its own anchor), in rows ``anchor * bounds_per_page`` onwards; a bound covers the whole page
+(the paper's), or one of its ``bounds_per_page`` runs of ``bound_size`` tokens. Minima and maxima of
+stored keys are stored keys' values, so they are exact in any dtype. In float8 (``metadata_dtype=fp8``)
+minima round down and maxima up (:func:`round_fp8`), and NaN marks a bound whose keys left the format's
+range: its page scores ``+inf``.
 """
 
 from __future__ import annotations
@@ -31,16 +33,16 @@ class PageRows(NamedTuple):
 
 
 def update_metadata(
-    metadata: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, rows: PageRows, page_size: int
+    metadata: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, rows: PageRows, bound_size: int
 ) -> None:
-    """Fold new keys ``[T, Hkv, D]`` into the min/max of their pages, in place. A page whose first token
-    (``position % page_size == 0``) is among the rows starts afresh, so a reallocated anchor never keeps
-    its previous owner's bounds; otherwise the new keys widen what the anchor holds."""
+    """Fold new keys ``[T, Hkv, D]`` into the min/max of their bounds (rows ``rows.anchor``), in place. A
+    bound whose first token (``position % bound_size == 0``) is among the rows starts afresh, so a
+    reallocated anchor never keeps its previous owner's bounds; otherwise the new keys widen it."""
     if rows.order is not None:
         key, positions = key[rows.order], positions[rows.order]
     keep = rows.anchor >= 0
     anchors = rows.anchor[keep]
-    restart = positions[keep] % page_size == 0
+    restart = positions[keep] % bound_size == 0
     if metadata.dtype == FP8:  # fold the touched pages in float32, then round outward
         touched, at = torch.unique(anchors, return_inverse=True)
         bounds, keys = metadata[touched].float(), key[keep].float()
@@ -76,25 +78,28 @@ def round_fp8(x: torch.Tensor, up: bool) -> torch.Tensor:
 def page_scores(
     q: torch.Tensor, metadata: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
     page_size: int, group_reduction: str = "max", keep_sink: bool = False, recent_pages: int = 1,
+    bounds_per_page: int = 1,
 ) -> torch.Tensor:
     """``[S, Hkv, P]`` float32 priority of each logical page (``P = ceil(W / (page_size / block_size))``,
     ``W`` the block-table width) for the decode queries ``q [S, H, D]`` over histories of ``kv_lens``
     tokens (``n = ceil(kv_lens / page_size)`` pages each).
 
-    A page's bound for query head ``h`` is ``sum_i max(q_i * min_i, q_i * max_i)``, at least ``q . k``
-    for every key of the page; the query heads of a GQA group combine by ``group_reduction``. The
+    A bound for query head ``h`` is ``sum_i max(q_i * min_i, q_i * max_i)``, at least ``q . k`` for every
+    key it covers; a page's is the largest of its ``bounds_per_page`` bounds, and the query heads of a GQA
+    group combine by ``group_reduction``. The
     ``recent_pages`` newest pages (from ``n[s] - recent_pages``; at least the newest, ``n[s] - 1``), with
     ``keep_sink`` page 0, and pages without a bound (NaN) get ``+inf``; pages at or past ``n[s]`` get
     ``-inf``."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = metadata.shape[1]
-    anchors = block_tables[:, :: page_size // block_size]  # [S, P]: each page's first block
-    meta = metadata[anchors.clamp(min=0).long()].float()  # [S, P, Hkv, 2, D]
+    anchors = block_tables[:, :: page_size // block_size].clamp(min=0).long()  # [S, P]: pages' first blocks
+    rows = anchors[..., None] * bounds_per_page + torch.arange(bounds_per_page, device=anchors.device)
+    meta = metadata[rows].float()  # [S, P, bounds_per_page, Hkv, 2, D]
     qg = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    bound = torch.einsum("shgd,swhd->shgw", qg.clamp(min=0), meta[..., MAX, :]) + torch.einsum(
-        "shgd,swhd->shgw", qg.clamp(max=0), meta[..., MIN, :]
+    bound = torch.einsum("shgd,swbhd->shgwb", qg.clamp(min=0), meta[..., MAX, :]) + torch.einsum(
+        "shgd,swbhd->shgwb", qg.clamp(max=0), meta[..., MIN, :]
     )
-    bound = torch.where(bound.isnan(), float("inf"), bound)  # an unbounded float8 page
+    bound = torch.where(bound.isnan(), float("inf"), bound).amax(-1)  # NaN: an unbounded float8 bound
     score = bound.amax(dim=2) if group_reduction == "max" else bound.sum(dim=2)
     return _force_pages(score, kv_lens, page_size, keep_sink, recent_pages)
 
