@@ -68,8 +68,8 @@ def stale_bounds(gen, shape, dtype, fp8: bool) -> torch.Tensor:
 @pytest.mark.parametrize("fp8", [False, True], ids=["kv-dtype", "fp8"])
 def test_update_metadata(device, dtype, block_size, bound, fp8):
     """Pages of one block: the anchor is each row's own block, and with bounds below the page each row's
-    bound is the metadata row ``slot // bound``. Float8 bounds: keys past the format's range make their
-    bounds unbounded."""
+    bound is ``slot // bound``, bound ``slot % block_size // bound`` of its block. Float8 bounds: keys past
+    the format's range make their bounds unbounded."""
     gen = torch.Generator().manual_seed(block_size)
     hkv, d, n = 2, 48, 64
     # decode rows mid-block, a fresh block's first token, chunks starting mid-block and spanning blocks
@@ -78,7 +78,7 @@ def test_update_metadata(device, dtype, block_size, bound, fp8):
     if fp8:
         key[::7, :, 1] *= 1000
     rows = page_rows(StepMetadata(slots, pos, 0, None, None), block_size, block_size, bound)
-    start = stale_bounds(gen, (n * block_size // bound, hkv, 2, d), dtype, fp8)
+    start = stale_bounds(gen, (n, hkv, 2 * block_size // bound, d), dtype, fp8)
     want = start.clone()
     reference.update_metadata(want, key, pos, rows, bound)
     if fp8:
@@ -149,14 +149,14 @@ def test_page_scores(device, dtype, reduction, keep_sink, per_page, bounds, rece
     seqs, heads, hkv, d, width = 3, 8, 2, 64, 150 if device == "cuda" else 70
     block, page = 16, 16 * per_page
     num_blocks = seqs * width
-    metadata = torch.randn(num_blocks * bounds, hkv, 2, d, generator=gen)
-    metadata = torch.stack([metadata.amin(2), metadata.amax(2)], dim=2).to(dtype)
+    metadata = torch.randn(num_blocks, hkv, bounds, 2, d, generator=gen)
+    metadata = torch.stack([metadata.amin(3), metadata.amax(3)], dim=3).flatten(2, 3).to(dtype)
     tables = torch.randperm(num_blocks, generator=gen)[: seqs * width].view(seqs, width).int()
     lens = torch.tensor([width * block - 5, 1, (width // 2 + 3) * block], dtype=torch.int32)
     tables[1:, :] = torch.where(torch.arange(width) < ((lens[1:, None] + block - 1) // block), tables[1:], -1)
     n = (lens + page - 1) // page
     q = torch.randn(seqs, heads, d, generator=gen).to(dtype)
-    want = reference.page_scores(q, metadata, tables, lens, block, page, reduction, keep_sink, recent, bounds)
+    want = reference.page_scores(q, metadata, tables, lens, block, page, reduction, keep_sink, recent)
     assert want.shape == (seqs, hkv, -(-width // per_page))
     # the newest pages (and the sink, when older than them) forced to +inf
     finite_pages = (n - recent).clamp(min=0) - (keep_sink & (n > recent)).int()
@@ -165,7 +165,7 @@ def test_page_scores(device, dtype, reduction, keep_sink, per_page, bounds, rece
     newest = (pages >= n[:, None] - recent) & (pages < n[:, None])
     assert torch.isposinf(want[newest[:, None].expand_as(want)]).all()
     got = kernels.page_scores(q.to(device), metadata.to(device), tables.to(device), lens.to(device), block, page,
-                              reduction, keep_sink, recent, bounds).cpu()
+                              reduction, keep_sink, recent).cpu()
     assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got.sign(), want.sign())
     finite = torch.isfinite(want)
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-4)
@@ -178,18 +178,17 @@ def test_page_scores_with_fp8_bounds(device, dtype, per_page):
     ``+inf``."""
     gen = torch.Generator().manual_seed(11)
     seqs, heads, hkv, d, width, block = 2, 8, 2, 64, 40, 16
-    bounds = torch.randn(seqs * width * per_page, hkv, 2, d, generator=gen) * 3
-    metadata = torch.stack([reference.round_fp8(bounds.amin(2), up=False),
-                            reference.round_fp8(bounds.amax(2), up=True)], dim=2)
+    bounds = torch.randn(seqs * width, hkv, per_page, 2, d, generator=gen) * 3
+    metadata = torch.stack([reference.round_fp8(bounds.amin(3), up=False),
+                            reference.round_fp8(bounds.amax(3), up=True)], dim=3).flatten(2, 3)
     tables = torch.randperm(seqs * width, generator=gen).view(seqs, width).int()
     lens = torch.tensor([width * block, width * block - 9], dtype=torch.int32)
-    # sequence 0, KV head 1, page 5: its last bound
-    metadata[tables[0, 5] * per_page + per_page - 1, 1, reference.MAX, 3] = float("nan")
+    metadata[tables[0, 5], 1, -1, 3] = float("nan")  # sequence 0, KV head 1, page 5: its last bound's max
     q = torch.randn(seqs, heads, d, generator=gen).to(dtype)
-    want = reference.page_scores(q, metadata, tables, lens, block, block, "max", True, 1, per_page)
+    want = reference.page_scores(q, metadata, tables, lens, block, block, "max", True)
     assert want[0, 1, 5] == float("inf") and torch.isfinite(want[0, 0, 1:-1]).all()
     got = kernels.page_scores(q.to(device), metadata.to(device), tables.to(device), lens.to(device), block,
-                              block, "max", True, 1, per_page).cpu()
+                              block, "max", True).cpu()
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     finite = torch.isfinite(want)
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-4)

@@ -109,7 +109,7 @@ def test_a_page_that_is_not_whole_blocks_is_refused_at_start(page, block, fit):
 def assert_pages_bound_their_keys(metadata: torch.Tensor, k_cache: torch.Tensor, tables: torch.Tensor,
                                   lens: list[int], page: int, bound: int | None = None) -> None:
     """Every bound's min/max, kept at its page's anchor, bounds each channel of each of its keys
-    (``metadata``: one layer's ``[blocks * bounds a page, Hkv, 2, D]``; ``bound``: tokens a bound covers,
+    (``metadata``: one layer's ``[blocks, Hkv, 2 * bounds a page, D]``; ``bound``: tokens a bound covers,
     the page by default)."""
     block, bound = k_cache.shape[1], bound or page
     per_page = page // bound
@@ -121,7 +121,7 @@ def assert_pages_bound_their_keys(metadata: torch.Tensor, k_cache: torch.Tensor,
             for j in range(per_page):
                 covered = keys[p * page + j * bound: p * page + (j + 1) * bound]
                 if len(covered):
-                    row = bounds[anchor * per_page + j]
+                    row = bounds[anchor, :, 2 * j: 2 * j + 2]
                     where = f"seq {s} page {p} bound {j}"
                     assert (row[:, reference.MIN] <= covered.amin(0)).all(), f"{where}: min"
                     assert (row[:, reference.MAX] >= covered.amax(0)).all(), f"{where}: max"
@@ -136,7 +136,7 @@ def test_the_bound_holds_for_every_key(page, bound, metadata_dtype):
     lens = [37, 64, 5]
     policy, ctx = decode_batch(lens, seed=3, page_size=page, bound_size=bound, metadata_dtype=metadata_dtype)
     per_page = page // (bound or page)
-    assert policy.metadata.shape[1] == ctx.k_cache.shape[0] * per_page
+    assert policy.metadata.shape[1:4] == (ctx.k_cache.shape[0], 2, 2 * per_page)
     if metadata_dtype == "fp8":
         assert policy.metadata.dtype == reference.FP8
         assert policy.metadata_bytes_per_block(3, 2, 16, BLOCK, torch.bfloat16) == 3 * 2 * 2 * 16 * per_page
@@ -144,10 +144,9 @@ def test_the_bound_holds_for_every_key(page, bound, metadata_dtype):
     q = ctx.query
     for reduction in ("max", "sum"):
         scores = reference.page_scores(q, policy.metadata[0], ctx.meta.block_tables, ctx.history_lens,
-                                       BLOCK, page, reduction, bounds_per_page=per_page)
+                                       BLOCK, page, reduction)
         per_head = reference.page_scores(q, policy.metadata[0].repeat_interleave(4, dim=1),
-                                         ctx.meta.block_tables, ctx.history_lens, BLOCK, page,
-                                         bounds_per_page=per_page)  # MHA view: G = 1
+                                         ctx.meta.block_tables, ctx.history_lens, BLOCK, page)  # MHA: G = 1
         for s, n in enumerate(lens):
             keys = ctx.k_cache[ctx.meta.block_tables[s, : -(-n // BLOCK)].long()].flatten(0, 1)[:n]  # [n, Hkv, D]
             qk = torch.einsum("hd,nhd->hn", q[s], keys.repeat_interleave(4, dim=1))  # [H, n]
@@ -168,10 +167,10 @@ def test_bounds_over_part_of_a_page_are_tighter(metadata_dtype):
     lens = [37, 64, 5]
     policy, ctx = decode_batch(lens, seed=4, bound_size=BLOCK // 2, metadata_dtype=metadata_dtype,
                                token_budget=4 * BLOCK)
-    halves = policy.metadata[0].float().unflatten(0, (-1, 2))  # [blocks, 2 halves, Hkv, 2, D]
-    whole = torch.stack([halves[:, :, :, reference.MIN].amin(1), halves[:, :, :, reference.MAX].amax(1)], 2)
+    halves = policy.metadata[0].float()  # [blocks, Hkv, min|max of each half, D]
+    whole = torch.stack([halves[:, :, reference.MIN::2].amin(2), halves[:, :, reference.MAX::2].amax(2)], 2)
     args = (ctx.meta.block_tables, ctx.history_lens, BLOCK, BLOCK, "max", False)
-    tight = reference.page_scores(ctx.query, policy.metadata[0], *args, bounds_per_page=2)
+    tight = reference.page_scores(ctx.query, policy.metadata[0], *args)
     loose = reference.page_scores(ctx.query, whole, *args)
     finite = torch.isfinite(loose)
     assert torch.equal(finite, torch.isfinite(tight))
@@ -179,8 +178,8 @@ def test_bounds_over_part_of_a_page_are_tighter(metadata_dtype):
     assert (tight[finite] < loose[finite] - 1e-3).float().mean() > 0.5
     lens = ctx.history_lens
     forced = (ctx.meta.block_tables, lens, BLOCK, BLOCK, "max", policy.keep_sink, policy.recent_pages)
-    want = reference.top_pages(reference.page_scores(ctx.query, policy.metadata[0], *forced, 2), 4, lens,
-                               BLOCK, BLOCK)
+    want = reference.top_pages(reference.page_scores(ctx.query, policy.metadata[0], *forced), 4, lens, BLOCK,
+                               BLOCK)
     assert torch.equal(policy.select_blocks(ctx), want)
     by_pages = reference.top_pages(reference.page_scores(ctx.query, whole, *forced), 4, lens, BLOCK, BLOCK)
     assert not torch.equal(by_pages, want)  # whole-page bounds select otherwise

@@ -119,7 +119,7 @@ def bench_quest(layers: list, backend, scale: float, context: int, batch: int, b
 
     def score(x):
         return kernels.page_scores(x.q, x.metadata[metadata_key], x.meta.block_tables, x.meta.context_lens,
-                                   BLOCK_SIZE, page, bounds_per_page=page // bound)
+                                   BLOCK_SIZE, page)
 
     def top(x, scores):
         return kernels.top_pages(scores, k, x.meta.context_lens, BLOCK_SIZE, page)
@@ -153,7 +153,7 @@ def bench_quest(layers: list, backend, scale: float, context: int, batch: int, b
 def page_metadata(k_cache, tables, page: int, metadata_dtype: str = "auto", bound: int | None = None):
     """Quest's metadata of a cache whose sequences fill their block tables, as the policy keeps it: each
     page's min/max at its anchor (the physical block of its first logical block), ``[blocks, KV heads, 2,
-    D]``; bounds of ``bound`` tokens below a page of one block, ``[blocks * bounds a page, KV heads, 2, D]``;
+    D]``; bounds of ``bound`` tokens below a page of one block, ``[blocks, KV heads, 2 * bounds, D]``;
     ``fp8``: rounded outward to float8."""
     import torch
 
@@ -161,7 +161,7 @@ def page_metadata(k_cache, tables, page: int, metadata_dtype: str = "auto", boun
 
     if bound is not None and bound < page:  # pages of one block: every block is an anchor
         sub = k_cache.unflatten(1, (page // bound, bound))  # [blocks, bounds, bound, KV heads, D]
-        metadata = torch.stack([sub.amin(2), sub.amax(2)], dim=3).flatten(0, 1)
+        metadata = torch.stack([sub.amin(2), sub.amax(2)], dim=3).transpose(1, 2).flatten(2, 3)
     else:
         per_page = page // BLOCK_SIZE
         bounds = torch.stack([k_cache.amin(1), k_cache.amax(1)], dim=2)  # per block: [blocks, KV heads, 2, D]
@@ -171,8 +171,9 @@ def page_metadata(k_cache, tables, page: int, metadata_dtype: str = "auto", boun
         metadata = torch.empty_like(bounds)
         metadata[tables[:, ::per_page].long()] = pages
     if metadata_dtype == "fp8":
-        return torch.stack([reference.round_fp8(metadata[:, :, reference.MIN].float(), up=False),
-                            reference.round_fp8(metadata[:, :, reference.MAX].float(), up=True)], dim=2)
+        low = reference.round_fp8(metadata[:, :, reference.MIN::2].float(), up=False)
+        high = reference.round_fp8(metadata[:, :, reference.MAX::2].float(), up=True)
+        return torch.stack([low, high], dim=3).flatten(2, 3)
     return metadata
 
 

@@ -40,7 +40,7 @@ def _update_kernel(
     Key, Meta, Anchors, Order, Positions, num_rows,
     stride_kt, stride_kh, stride_mb, stride_mh, stride_mm,
     BOUND_SIZE: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    ORDERED: tl.constexpr, FP8: tl.constexpr,
+    BOUNDS: tl.constexpr, ORDERED: tl.constexpr, FP8: tl.constexpr,
 ):
     r = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -73,7 +73,8 @@ def _update_kernel(
         start += ROWS
         go = (start < num_rows) & (tl.load(Anchors + tl.minimum(start, num_rows - 1)) == anchor)
     # a program that is not a leader loads and stores nothing: its limits are 0
-    base = Meta + tl.where(leader, anchor, 0).to(tl.int64) * stride_mb + kvh * stride_mh + offs_d
+    bound = tl.where(leader, anchor, 0).to(tl.int64)  # block * BOUNDS + j: min and max in rows 2j, 2j + 1
+    base = Meta + bound // BOUNDS * stride_mb + kvh * stride_mh + bound % BOUNDS * 2 * stride_mm + offs_d
     write = offs_d < tl.where(leader, HEAD_DIM, 0)
     keep_old = offs_d < tl.where(leader & (fresh == 0), HEAD_DIM, 0)  # a restarted bound forgets its keys
     old_min = _to_float32(tl.load(base, mask=keep_old, other=0.0), FP8)
@@ -135,8 +136,8 @@ def update_metadata(
         key, metadata, rows.anchor, rows.order if ordered else rows.anchor, positions, num_rows,
         key.stride(0), key.stride(1), metadata.stride(0), metadata.stride(1), metadata.stride(2),
         BOUND_SIZE=bound_size, ROWS=min(triton.next_power_of_2(bound_size), MAX_UPDATE_ROWS),
-        HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), ORDERED=ordered, FP8=metadata.dtype == torch.float8_e4m3fn,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BOUNDS=metadata.shape[2] // 2,
+        ORDERED=ordered, FP8=metadata.dtype == torch.float8_e4m3fn,
         num_warps=2,
     )
 
@@ -169,8 +170,8 @@ def _score_kernel(
     q_neg = tl.where(q < 0, q, zero)
     ld = valid[:, None] & d_ok[None, :]
     bound = tl.full([G_PAD, TILE], float("-inf"), tl.float32)
-    for j in tl.static_range(BOUNDS):  # the page's bounds, in rows anchor * BOUNDS + j
-        meta = Meta + (phys * BOUNDS + j)[:, None] * stride_mb + kvh * stride_mh + offs_d[None, :]
+    for j in tl.static_range(BOUNDS):  # the page's bounds: min and max in rows 2j and 2j + 1 of its KV head
+        meta = Meta + phys[:, None] * stride_mb + kvh * stride_mh + 2 * j * stride_mm + offs_d[None, :]
         kmin = tl.load(meta, mask=ld, other=0.0)
         kmax = tl.load(meta + stride_mm, mask=ld, other=0.0)
         if FP8 and FP32:  # on the GPU a 16-bit conversion keeps float8's NaN; the interpreter's needs help
@@ -196,7 +197,6 @@ def _score_kernel(
 def page_scores(
     q: torch.Tensor, metadata: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
     page_size: int, group_reduction: str = "max", keep_sink: bool = False, recent_pages: int = 1,
-    bounds_per_page: int = 1,
 ) -> torch.Tensor:
     num_seqs = q.shape[0]
     num_kv_heads = metadata.shape[1]
@@ -214,7 +214,7 @@ def page_scores(
         block_tables.stride(0), scores.stride(0), scores.stride(1),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=page_size,
-        BLOCKS_PER_PAGE=page_size // block_size, BOUNDS=bounds_per_page, TILE=SCORE_TILE,
+        BLOCKS_PER_PAGE=page_size // block_size, BOUNDS=metadata.shape[2] // 2, TILE=SCORE_TILE,
         REDUCE_MAX=group_reduction == "max", KEEP_SINK=keep_sink, RECENT_PAGES=max(1, recent_pages),
         FP32=q.dtype == torch.float32 or not q.is_cuda,
         FP8=metadata.dtype == torch.float8_e4m3fn, num_warps=4,

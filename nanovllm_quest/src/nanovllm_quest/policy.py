@@ -102,9 +102,9 @@ class QuestPolicy(SparsePolicy):
         self.recent_pages = max(1, min(self.config.recent_pages, self.budget_pages - self.keep_sink))
         self.ops = _ops(torch.device(device))
         sparse_layers = max(0, num_layers - self.config.skip_layers)
-        # [layer - skip_layers, bound, KV head, min|max, head_dim]: a page's bounds at its anchor block, rows
-        # anchor * bounds_per_page onwards, one per bound_size tokens; the dense layers keep none
-        self.metadata = torch.empty(sparse_layers, num_blocks * self.bounds_per_page, num_kv_heads, 2,
+        # [layer - skip_layers, block, KV head, min|max of each bound, head_dim]: a page's bounds at its
+        # anchor block, one per bound_size tokens, a KV head's together; the dense layers keep none
+        self.metadata = torch.empty(sparse_layers, num_blocks, num_kv_heads, 2 * self.bounds_per_page,
                                     head_dim, dtype=self._metadata_dtype(dtype), device=device)
 
     # -- metadata ------------------------------------------------------------------------------------
@@ -123,9 +123,7 @@ class QuestPolicy(SparsePolicy):
         previous owner's keys. Only the newest page has such bounds, and it is always kept, so they never
         rank; clearing them keeps the metadata a function of the cache (what the conformance kit checks)."""
         if self.bounds_per_page > 1 and block_ids.numel():
-            first = block_ids.to(self.metadata.device)[:, None] * self.bounds_per_page
-            rows = (first + torch.arange(self.bounds_per_page, device=first.device)).flatten()
-            self.metadata.view(torch.uint8)[:, rows] = 0  # zero bits: 0.0 in every float format
+            self.metadata.view(torch.uint8)[:, block_ids.to(self.metadata.device)] = 0  # 0.0 in any format
 
     def _page_rows(self, write: KVWrite) -> reference.PageRows:
         """The step's rows grouped by the bound they fold into, computed once per step for all its layers (and
@@ -138,14 +136,13 @@ class QuestPolicy(SparsePolicy):
         return self._rows
 
     def block_metadata(self, layer_id: int, block_ids: torch.Tensor) -> torch.Tensor | None:
-        """Per-block bounds with pages of one block, ``[blocks, bounds_per_page, KV heads, 2, head_dim]``.
-        Larger pages keep their bounds at the anchor as a union that a shared anchor widens (see
-        :class:`QuestConfig`), which no pass over the cache block by block recomputes: the conformance
-        kit's comparison does not apply, and the tests check the bound instead."""
+        """Per-block bounds with pages of one block. Larger pages keep their bounds at the anchor as a union
+        that a shared anchor widens (see :class:`QuestConfig`), which no pass over the cache block by block
+        recomputes: the conformance kit's comparison does not apply, and the tests check the bound instead."""
         layer = layer_id - self.config.skip_layers
         if layer < 0 or self.blocks_per_page > 1:
             return None
-        return self.metadata[layer].unflatten(0, (-1, self.bounds_per_page))[block_ids]
+        return self.metadata[layer, block_ids]
 
     # -- decode ------------------------------------------------------------------------------------------
 
@@ -166,7 +163,6 @@ class QuestPolicy(SparsePolicy):
             scores = self.ops.page_scores(
                 ctx.query, self.metadata[ctx.layer_id - cfg.skip_layers], ctx.meta.block_tables, lens,
                 self.block_size, self.page_size, cfg.group_reduction, self.keep_sink, self.recent_pages,
-                self.bounds_per_page,
             )
         return self.ops.top_pages(scores, self.budget_pages, lens, self.block_size, self.page_size)
 
@@ -181,8 +177,9 @@ def page_rows(step: StepMetadata, block_size: int, page_size: int, bound_size: i
     """Each new row's bound: its page anchor, ``block_tables[seq, position // page_size * blocks_per_page]``
     of its sequence (decode rows: one sequence each; prefill rows: by ``cu_seqlens_q``), grouped by a stable
     sort, since sequences that share an anchor through the prefix cache write to one page in one step. With
-    pages of one block the anchor is the row's own block, and a block's rows are already adjacent; bounds
-    smaller than the page (``bound_size``) are the rows ``slot // bound_size`` of the metadata."""
+    pages of one block the anchor is the row's own block, and a block's rows are already adjacent; with
+    bounds smaller than the page (``bound_size``) a row's bound is ``slot // bound_size``, bound
+    ``slot % block_size // bound_size`` of its block."""
     slots = step.slot_mapping
     if page_size == block_size:
         return reference.PageRows(torch.where(slots >= 0, slots // (bound_size or block_size), -1), None)

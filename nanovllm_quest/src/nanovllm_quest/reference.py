@@ -1,11 +1,12 @@
 """Quest's steps in plain torch: the CPU path of the policy and the oracle of the Triton kernels, and the
 exact page masses of the ``oracle`` evaluation mode.
 
-Metadata of one layer is ``[num_blocks * bounds_per_page, num_kv_heads, 2, head_dim]`` in the KV dtype: per
-bound and KV head, the channel-wise minimum (index 0) and maximum (index 1) of the bound's keys. A page's
-bounds are kept at its anchor, the physical block of its first logical block (with pages of one block,
-every block is its own anchor), in rows ``anchor * bounds_per_page`` onwards; a bound covers the whole page
-(the paper's), or one of its ``bounds_per_page`` runs of ``bound_size`` tokens. Minima and maxima of
+Metadata of one layer is ``[num_blocks, num_kv_heads, 2 * bounds, head_dim]`` in the KV dtype: per bound
+and KV head, the channel-wise minimum (index ``2 * j``) and maximum (``2 * j + 1``) of bound ``j``'s keys, so
+a KV head's bounds of a block are contiguous. A page's bounds are kept at its anchor, the physical block of
+its first logical block (with pages of one block, every block is its own anchor). A bound covers the whole
+page (the paper's, one bound), or one of the page's runs of ``bound_size`` tokens; a write's rows name their
+bounds ``anchor * bounds + j`` (:class:`PageRows`). Minima and maxima of
 stored keys are stored keys' values, so they are exact in any dtype. In float8 (``metadata_dtype=fp8``)
 minima round down and maxima up (:func:`round_fp8`), and NaN marks a bound whose keys left the format's
 range: its page scores ``+inf``.
@@ -24,9 +25,9 @@ FP8_NAN = 0x7F  # e4m3's NaN, as the int8 bits of a float8
 
 
 class PageRows(NamedTuple):
-    """A write's rows grouped by the page they fold into: ``anchor[i]`` is the physical block keeping the
-    bounds of the page of row ``order[i]`` (-1: a skipped row), and rows of one anchor are adjacent.
-    ``order`` None: the rows in their own order, already grouped (pages of one block)."""
+    """A write's rows grouped by the bound they fold into: ``anchor[i]`` is ``block * bounds + j``, bound
+    ``j`` kept at physical ``block``, of row ``order[i]`` (-1: a skipped row), and rows of one bound are
+    adjacent. ``order`` None: the rows in their own order, already grouped (pages of one block)."""
 
     anchor: torch.Tensor  # [T] int64
     order: torch.Tensor | None  # [T] int64
@@ -35,27 +36,28 @@ class PageRows(NamedTuple):
 def update_metadata(
     metadata: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, rows: PageRows, bound_size: int
 ) -> None:
-    """Fold new keys ``[T, Hkv, D]`` into the min/max of their bounds (rows ``rows.anchor``), in place. A
-    bound whose first token (``position % bound_size == 0``) is among the rows starts afresh, so a
-    reallocated anchor never keeps its previous owner's bounds; otherwise the new keys widen it."""
+    """Fold new keys ``[T, Hkv, D]`` into the min/max of their bounds (``rows.anchor``), in place. A bound
+    whose first token (``position % bound_size == 0``) is among the rows starts afresh, so a reallocated
+    anchor never keeps its previous owner's bounds; otherwise the new keys widen it."""
     if rows.order is not None:
         key, positions = key[rows.order], positions[rows.order]
     keep = rows.anchor >= 0
-    anchors = rows.anchor[keep]
     restart = positions[keep] % bound_size == 0
-    if metadata.dtype == FP8:  # fold the touched pages in float32, then round outward
-        touched, at = torch.unique(anchors, return_inverse=True)
-        bounds, keys = metadata[touched].float(), key[keep].float()
-    else:
-        bounds, at, keys = metadata, anchors, key[keep].to(metadata.dtype)
+    # the touched bounds, folded in float32: [U, Hkv, 2, D]. Minima and maxima of stored keys are stored
+    # keys' values, so 16-bit bounds come back exact; float8 ones are rounded outward
+    pairs = metadata.unflatten(2, (-1, 2))  # [blocks, Hkv, bounds, 2, D]
+    touched, at = torch.unique(rows.anchor[keep], return_inverse=True)
+    block, j = touched // pairs.shape[2], touched % pairs.shape[2]
+    bounds, keys = pairs[block, :, j].float(), key[keep].float()
     bounds[at[restart], :, MIN] = float("inf")
     bounds[at[restart], :, MAX] = float("-inf")
     index = at[:, None, None].expand_as(keys)
-    bounds.select(2, MIN).scatter_reduce_(0, index, keys, "amin")  # a NaN (unbounded float8) page stays NaN
+    bounds.select(2, MIN).scatter_reduce_(0, index, keys, "amin")  # a NaN (unbounded float8) bound stays NaN
     bounds.select(2, MAX).scatter_reduce_(0, index, keys, "amax")
     if metadata.dtype == FP8:
-        metadata[touched, :, MIN] = round_fp8(bounds[:, :, MIN], up=False)
-        metadata[touched, :, MAX] = round_fp8(bounds[:, :, MAX], up=True)
+        bounds = torch.stack([round_fp8(bounds[:, :, MIN], up=False), round_fp8(bounds[:, :, MAX], up=True)],
+                             dim=2)
+    pairs[block, :, j] = bounds.to(metadata.dtype)
 
 
 def round_fp8(x: torch.Tensor, up: bool) -> torch.Tensor:
@@ -78,26 +80,24 @@ def round_fp8(x: torch.Tensor, up: bool) -> torch.Tensor:
 def page_scores(
     q: torch.Tensor, metadata: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
     page_size: int, group_reduction: str = "max", keep_sink: bool = False, recent_pages: int = 1,
-    bounds_per_page: int = 1,
 ) -> torch.Tensor:
     """``[S, Hkv, P]`` float32 priority of each logical page (``P = ceil(W / (page_size / block_size))``,
     ``W`` the block-table width) for the decode queries ``q [S, H, D]`` over histories of ``kv_lens``
     tokens (``n = ceil(kv_lens / page_size)`` pages each).
 
     A bound for query head ``h`` is ``sum_i max(q_i * min_i, q_i * max_i)``, at least ``q . k`` for every
-    key it covers; a page's is the largest of its ``bounds_per_page`` bounds, and the query heads of a GQA
+    key it covers; a page's is the largest of its bounds, and the query heads of a GQA
     group combine by ``group_reduction``. The
     ``recent_pages`` newest pages (from ``n[s] - recent_pages``; at least the newest, ``n[s] - 1``), with
     ``keep_sink`` page 0, and pages without a bound (NaN) get ``+inf``; pages at or past ``n[s]`` get
     ``-inf``."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = metadata.shape[1]
-    anchors = block_tables[:, :: page_size // block_size].clamp(min=0).long()  # [S, P]: pages' first blocks
-    rows = anchors[..., None] * bounds_per_page + torch.arange(bounds_per_page, device=anchors.device)
-    meta = metadata[rows].float()  # [S, P, bounds_per_page, Hkv, 2, D]
+    anchors = block_tables[:, :: page_size // block_size]  # [S, P]: each page's first block
+    meta = metadata[anchors.clamp(min=0).long()].float().unflatten(3, (-1, 2))  # [S, P, Hkv, bounds, 2, D]
     qg = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    bound = torch.einsum("shgd,swbhd->shgwb", qg.clamp(min=0), meta[..., MAX, :]) + torch.einsum(
-        "shgd,swbhd->shgwb", qg.clamp(max=0), meta[..., MIN, :]
+    bound = torch.einsum("shgd,swhbd->shgwb", qg.clamp(min=0), meta[..., MAX, :]) + torch.einsum(
+        "shgd,swhbd->shgwb", qg.clamp(max=0), meta[..., MIN, :]
     )
     bound = torch.where(bound.isnan(), float("inf"), bound).amax(-1)  # NaN: an unbounded float8 bound
     score = bound.amax(dim=2) if group_reduction == "max" else bound.sum(dim=2)
