@@ -26,8 +26,9 @@ import triton.language as tl
 
 from nanovllm_quest.reference import PageRows
 
-# pages per scoring program (16 KB of bf16 metadata at head size 128). H100, pages of 16, 4 warps: 32 took
-# 7.4 / 16.3 us at 32K / 128K, batch 1, against 8.2 / 17.4 at 64 and 8.3 / 17.4 at 128
+# bounds per scoring program (16 KB of bf16 metadata at head size 128; pages of one bound by default).
+# H100, pages of 16, 4 warps: 32 took 7.4 / 16.3 us at 32K / 128K, batch 1, against 8.2 / 17.4 at 64 and
+# 8.3 / 17.4 at 128
 SCORE_TILE = 32
 # a row of up to this many pages (256K tokens at pages of 16) stays in registers; wider rows are read
 # again each pass. H100, batch 1, 8 warps: 16K pages took 23 us in one tile against 53 in two of 8K
@@ -147,16 +148,21 @@ def _score_kernel(
     Q, Meta, BlockTables, KVLens, Scores, width,
     stride_qs, stride_qh, stride_mb, stride_mh, stride_mm, stride_bt, stride_ss, stride_sh,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCKS_PER_PAGE: tl.constexpr, BOUNDS: tl.constexpr, TILE: tl.constexpr,
-    REDUCE_MAX: tl.constexpr, KEEP_SINK: tl.constexpr, RECENT_PAGES: tl.constexpr, FP32: tl.constexpr,
-    FP8: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCKS_PER_PAGE: tl.constexpr, BOUNDS: tl.constexpr, BOUNDS_PAD: tl.constexpr,
+    TILE: tl.constexpr, REDUCE_MAX: tl.constexpr, KEEP_SINK: tl.constexpr, RECENT_PAGES: tl.constexpr,
+    FP32: tl.constexpr, FP8: tl.constexpr,
 ):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     n = tl.cdiv(tl.load(KVLens + s), PAGE_SIZE)  # history pages of this sequence
     offs_p = tl.program_id(2) * TILE + tl.arange(0, TILE)
     valid = offs_p < n
-    phys = tl.load(BlockTables + s * stride_bt + offs_p * BLOCKS_PER_PAGE, mask=valid, other=0).to(tl.int64)
+    # one row per (page, bound): the tile's bounds in one dot, then each page's largest
+    offs_r = tl.arange(0, TILE * BOUNDS_PAD)
+    page_r = tl.program_id(2) * TILE + offs_r // BOUNDS_PAD
+    bound_r = offs_r % BOUNDS_PAD
+    row_ok = (page_r < n) & (bound_r < BOUNDS)
+    phys = tl.load(BlockTables + s * stride_bt + page_r * BLOCKS_PER_PAGE, mask=row_ok, other=0).to(tl.int64)
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     g_ok = offs_g < GROUP
@@ -165,24 +171,27 @@ def _score_kernel(
         Q + s.to(tl.int64) * stride_qs + (kvh * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
         mask=g_ok[:, None] & d_ok[None, :], other=0.0,
     )
+    # a bound's min and max are rows 2j and 2j + 1 of its block's KV head
+    rows = phys * stride_mb + 2 * bound_r * stride_mm
+    meta = Meta + rows[:, None] + kvh * stride_mh + offs_d[None, :]
+    ld = row_ok[:, None] & d_ok[None, :]
+    kmin = tl.load(meta, mask=ld, other=0.0)
+    kmax = tl.load(meta + stride_mm, mask=ld, other=0.0)
+    if FP8 and FP32:  # on the GPU a 16-bit conversion keeps float8's NaN; the interpreter's needs help
+        kmin, kmax = _to_float32(kmin, True), _to_float32(kmax, True)
     zero = tl.zeros_like(q)
     q_pos = tl.where(q > 0, q, zero)
     q_neg = tl.where(q < 0, q, zero)
-    ld = valid[:, None] & d_ok[None, :]
-    bound = tl.full([G_PAD, TILE], float("-inf"), tl.float32)
-    for j in tl.static_range(BOUNDS):  # the page's bounds: min and max in rows 2j and 2j + 1 of its KV head
-        meta = Meta + phys[:, None] * stride_mb + kvh * stride_mh + 2 * j * stride_mm + offs_d[None, :]
-        kmin = tl.load(meta, mask=ld, other=0.0)
-        kmax = tl.load(meta + stride_mm, mask=ld, other=0.0)
-        if FP8 and FP32:  # on the GPU a 16-bit conversion keeps float8's NaN; the interpreter's needs help
-            kmin, kmax = _to_float32(kmin, True), _to_float32(kmax, True)
-        if FP32:  # float32 inputs or the interpreter: exact float32 products
-            part = tl.dot(q_pos.to(tl.float32), tl.trans(kmax.to(tl.float32)), input_precision="ieee")
-            part += tl.dot(q_neg.to(tl.float32), tl.trans(kmin.to(tl.float32)), input_precision="ieee")
-        else:  # 16-bit products are exact in the float32 accumulator
-            part = tl.dot(q_pos, tl.trans(kmax.to(q.dtype)))
-            part += tl.dot(q_neg, tl.trans(kmin.to(q.dtype)))
-        bound = tl.maximum(bound, tl.where(part != part, float("inf"), part))  # NaN: unbounded float8
+    if FP32:  # float32 inputs or the interpreter: exact float32 products
+        bound = tl.dot(q_pos.to(tl.float32), tl.trans(kmax.to(tl.float32)), input_precision="ieee")
+        bound += tl.dot(q_neg.to(tl.float32), tl.trans(kmin.to(tl.float32)), input_precision="ieee")
+    else:  # 16-bit products are exact in the float32 accumulator
+        bound = tl.dot(q_pos, tl.trans(kmax.to(q.dtype)))
+        bound += tl.dot(q_neg, tl.trans(kmin.to(q.dtype)))
+    bound = tl.where(bound != bound, float("inf"), bound)  # an unbounded float8 bound
+    if BOUNDS_PAD > 1:
+        bound = tl.where((bound_r < BOUNDS)[None, :], bound, float("-inf"))
+        bound = tl.max(tl.reshape(bound, [G_PAD, TILE, BOUNDS_PAD]), 2)
     if REDUCE_MAX:
         score = tl.max(tl.where(g_ok[:, None], bound, float("-inf")), 0)
     else:
@@ -207,14 +216,17 @@ def page_scores(
     assert q.stride(-1) == 1 and metadata.stride(-1) == 1 and block_tables.stride(-1) == 1
     num_heads, head_dim = q.shape[1:]
     group = num_heads // num_kv_heads
-    grid = (num_seqs, num_kv_heads, triton.cdiv(width, SCORE_TILE))
+    bounds = metadata.shape[2] // 2
+    bounds_pad = triton.next_power_of_2(bounds)
+    tile = max(1, SCORE_TILE // bounds_pad)  # pages a program: SCORE_TILE bounds
+    grid = (num_seqs, num_kv_heads, triton.cdiv(width, tile))
     _score_kernel[grid](
         q, metadata, block_tables, kv_lens, scores, width,
         q.stride(0), q.stride(1), metadata.stride(0), metadata.stride(1), metadata.stride(2),
         block_tables.stride(0), scores.stride(0), scores.stride(1),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=page_size,
-        BLOCKS_PER_PAGE=page_size // block_size, BOUNDS=metadata.shape[2] // 2, TILE=SCORE_TILE,
+        BLOCKS_PER_PAGE=page_size // block_size, BOUNDS=bounds, BOUNDS_PAD=bounds_pad, TILE=tile,
         REDUCE_MAX=group_reduction == "max", KEEP_SINK=keep_sink, RECENT_PAGES=max(1, recent_pages),
         FP32=q.dtype == torch.float32 or not q.is_cuda,
         FP8=metadata.dtype == torch.float8_e4m3fn, num_warps=4,
