@@ -75,7 +75,8 @@ def test_a_worker_that_hangs_in_capture_leaves_an_eager_engine(tiny_model, monke
 
 
 def test_bfloat16_logprobs_stay_close(tiny_model):
-    """bfloat16 all-reduces add in another order than one GPU's matmuls: the prompt logprobs stay close."""
+    """bfloat16 all-reduces add in another order than one GPU's matmuls: the prompt logprobs stay close, within
+    0.1 or 2% (bfloat16 steps logits near 10 by 0.0625: on the H200s TP2 put a -11.01 logprob at -10.90)."""
     path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     runs = []
@@ -86,7 +87,7 @@ def test_bfloat16_logprobs_stay_close(tiny_model):
         for w, g in zip(want.prompt_logprobs[1:], got.prompt_logprobs[1:], strict=True):
             for token, entry in w.items():
                 if token in g:
-                    assert g[token].logprob == pytest.approx(entry.logprob, abs=0.1)
+                    assert g[token].logprob == pytest.approx(entry.logprob, abs=0.1, rel=0.02)
 
 
 def test_quest_under_two_gpus(tiny_model):
