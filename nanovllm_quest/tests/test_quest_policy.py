@@ -185,6 +185,14 @@ def test_bounds_over_part_of_a_page_are_tighter(metadata_dtype):
     assert not torch.equal(by_pages, want)  # whole-page bounds select otherwise
 
 
+def test_float8_bounds_on_a_gpu_without_float8_are_refused_at_start(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=r"metadata_dtype=fp8 needs .* compute capability 8\.9 or newer .* this "
+                                         r"one is 8\.0: use metadata_dtype=auto"):
+        QuestPolicy(QuestConfig(metadata_dtype="fp8")).initialize(4, 2, 16, 10, 16, torch.bfloat16,
+                                                                  torch.device("cuda"))
+
+
 @pytest.mark.parametrize(("bound", "page", "block"), [(3, None, 4), (8, None, 4), (2, 8, 4), (6, 16, 16)])
 def test_a_bound_that_does_not_split_the_page_is_refused_at_start(bound, page, block):
     with pytest.raises(ValueError, match=rf"bound_size={bound} does not split the page .* e\.g\. "

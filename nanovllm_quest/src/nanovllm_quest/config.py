@@ -56,13 +56,15 @@ class QuestConfig:
       keeps ``page_size / bound_size`` bounds a page, each over that many of its tokens, and a page scores
       the largest of them: a tighter upper bound, so a better ranking, for as many times the metadata that
       scoring reads. Selection, top-K and attention stay at whole pages. It needs pages of one KV block.
-      On SmolLM2 at budget 1024, bounds of 8 tokens in pages of 16 brought perplexity from +2.6% of dense
-      to +1.3% (:file:`benchmarks/results/README.md`).
+      On SmolLM2 at budget 1024, bounds of 8 tokens in pages of 16 brought the documentation text's
+      perplexity from +2.6% of dense to +1.3% (+1.8% with ``metadata_dtype=fp8``, which decodes as fast as
+      the default on an H100); on the GPL-3 the gain was small (:file:`benchmarks/results/README.md`).
     - ``metadata_dtype``: ``auto`` keeps the bounds in the KV cache's dtype (the paper's); ``fp8`` in
       float8 e4m3, half the bytes that scoring reads at 16-bit KV. Minima round down and maxima up, so the
       bound still holds, only looser; a page with a key channel past the format's range (+-448) gets no
       bound and is always kept. H100, 128K: scoring 16.3 -> 12.4 us at batch 1, 99 -> 65 us at batch 8. On
-      SmolLM2 at budget 1024 mass recall fell by 0.002 (:file:`benchmarks/results/README.md`).
+      SmolLM2 at budget 1024 mass recall fell by 0.002 (:file:`benchmarks/results/README.md`). On CUDA it
+      needs a GPU of compute capability 8.9 or newer (Triton's float8), checked at start.
     - ``oracle``: an evaluation mode, slow, for quality measurements only: pages rank by their exact
       attention mass for the step's query (:func:`nanovllm_quest.reference.page_masses`, every history
       key read) instead of the bound, which tells what the bound costs from what the budget costs.

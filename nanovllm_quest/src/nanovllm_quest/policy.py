@@ -93,6 +93,14 @@ class QuestPolicy(SparsePolicy):
                 f"bounds smaller than a page need pages of one KV block and a bound_size that divides it, "
                 f"e.g. sparse_policy='quest:bound_size={block_size // 2 or 1}' with the default page"
             )
+        device = torch.device(device)
+        if self.config.metadata_dtype == "fp8" and device.type == "cuda":
+            capability = torch.cuda.get_device_capability(device)
+            if capability < (8, 9):
+                raise ValueError(
+                    f"quest: metadata_dtype=fp8 needs float8 in Triton, on GPUs of compute capability 8.9 or "
+                    f"newer (Ada, Hopper); this one is {capability[0]}.{capability[1]}: use metadata_dtype=auto"
+                )
         self.block_size, self.page_size, self.bound_size = block_size, page, bound
         self.blocks_per_page = page // block_size
         self.bounds_per_page = page // bound
@@ -100,7 +108,7 @@ class QuestPolicy(SparsePolicy):
         # the forced pages fit the budget, the newest first: a one-page budget keeps the page being written
         self.keep_sink = self.config.keep_sink and self.budget_pages > 1
         self.recent_pages = max(1, min(self.config.recent_pages, self.budget_pages - self.keep_sink))
-        self.ops = _ops(torch.device(device))
+        self.ops = _ops(device)
         sparse_layers = max(0, num_layers - self.config.skip_layers)
         # [layer - skip_layers, block, KV head, min|max of each bound, head_dim]: a page's bounds at its
         # anchor block, one per bound_size tokens, a KV head's together; the dense layers keep none
