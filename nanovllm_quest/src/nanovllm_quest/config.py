@@ -58,7 +58,7 @@ class QuestConfig:
       scoring reads. Selection, top-K and attention stay at whole pages. It needs pages of one KV block.
       On SmolLM2 at budget 1024, bounds of 8 tokens in pages of 16 brought the documentation text's
       perplexity from +2.6% of dense to +1.3% (+1.8% with ``metadata_dtype=fp8``, which decodes as fast as
-      the default on an H100); on the GPL-3 the gain was small (:file:`benchmarks/results/README.md`).
+      the default on an H100), and the GPL-3's from +2.9% to +2.1% (:file:`benchmarks/results/README.md`).
     - ``metadata_dtype``: ``auto`` keeps the bounds in the KV cache's dtype (the paper's); ``fp8`` in
       float8 e4m3, half the bytes that scoring reads at 16-bit KV. Minima round down and maxima up, so the
       bound still holds, only looser; a page with a key channel past the format's range (+-448) gets no
