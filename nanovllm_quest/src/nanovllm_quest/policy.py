@@ -6,7 +6,8 @@ the pages with the largest bounds are the ones that can hold the largest attenti
 step scores every history page from its metadata alone (1/page_size of the key bytes), keeps the
 ``token_budget // page_size`` best pages per KV head, the ``recent_pages`` newest always, and attends
 exactly over their blocks. A page is ``page_size`` tokens, a whole number of KV blocks (the paper's page
-is 16 tokens, one block at the engine's default block size).
+is 16 tokens, one block at the engine's default block size). With ``bound_size`` below a page of one block,
+the page keeps one min/max per ``bound_size`` tokens and scores the largest of those bounds.
 
 - Metadata is kept from the KV-write hooks, on the GPU cache and with offload (the new keys are still on
   the GPU there), at a cost proportional to the new tokens. A page's bounds live at its anchor, the
