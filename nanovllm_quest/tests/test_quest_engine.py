@@ -53,7 +53,8 @@ def test_pages_of_several_blocks_on_the_device_cache_and_offloaded(device):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_bounds_below_the_page_on_the_device_cache_offloaded_and_in_graphs(device):
     want = generate(engine(device, HALVES))
-    assert want != generate(engine(device, f"{SPARSE},recent_pages=1"))  # the halves rank otherwise
+    page_bounds = f"{SPARSE},recent_pages=1,metadata_dtype=kv"  # the paper's bound: one a page
+    assert want != generate(engine(device, page_bounds))  # the halves rank otherwise
     assert generate(engine(device, HALVES, offload=True)) == want
     if device == "cuda":
         assert generate(engine(device, HALVES, eager=False)) == want

@@ -15,7 +15,7 @@ from nanovllm.quality.evaluate import evaluate_policy
 from nanovllm.selection import SelectionError, resolve_sparse_policy
 from nanovllm_quest import reference
 from nanovllm_quest.config import QuestConfig
-from nanovllm_quest.policy import QuestPolicy
+from nanovllm_quest.policy import QuestPolicy, bound_layout
 
 BLOCK = 4
 
@@ -78,7 +78,7 @@ def test_config_is_checked_at_the_selection():
                          ("page_size=0", "page_size must be an int >= 1"),
                          ("bound_size=0", "bound_size must be an int >= 1"),
                          ("oracle=3", "oracle must be true or false, got 3"),
-                         ("metadata_dtype=fp16", "metadata_dtype must be one of 'auto', 'fp8'"),
+                         ("metadata_dtype=fp16", "metadata_dtype must be one of 'auto', 'kv', 'fp8'"),
                          ("budget=4", "Accepted: token_budget, skip_layers, group_reduction, keep_sink, "
                                       "recent_pages, page_size, bound_size, metadata_dtype, oracle")]:
         with pytest.raises(SelectionError, match=message):
@@ -128,18 +128,22 @@ def assert_pages_bound_their_keys(metadata: torch.Tensor, k_cache: torch.Tensor,
 
 
 @pytest.mark.parametrize(("page", "bound"), [(BLOCK, None), (3 * BLOCK, None), (BLOCK, 2), (BLOCK, 1)])
-@pytest.mark.parametrize("metadata_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("metadata_dtype", ["auto", "kv", "fp8"])
 def test_the_bound_holds_for_every_key(page, bound, metadata_dtype):
     """Each query head's bound for a page is at least ``q . k`` of every key in it; a KV head's score
     (max over its group) at least the best ``q . k`` of any of its query heads. Float8 bounds, and bounds
-    over part of a page (``bound_size``), too."""
+    over part of a page (``bound_size``; unset with float8 bounds: halves of a page of one block), too."""
     lens = [37, 64, 5]
     policy, ctx = decode_batch(lens, seed=3, page_size=page, bound_size=bound, metadata_dtype=metadata_dtype)
-    per_page = page // (bound or page)
+    float8 = metadata_dtype != "kv"  # auto: float8 on the CPU
+    assert policy.bound_size == (bound or (page // 2 if float8 and page == BLOCK else page))
+    bound, per_page = policy.bound_size, policy.bounds_per_page
     assert policy.metadata.shape[1:4] == (ctx.k_cache.shape[0], 2, 2 * per_page)
-    if metadata_dtype == "fp8":
+    if float8:
         assert policy.metadata.dtype == reference.FP8
         assert policy.metadata_bytes_per_block(3, 2, 16, BLOCK, torch.bfloat16) == 3 * 2 * 2 * 16 * per_page
+    else:
+        assert policy.metadata.dtype == torch.float32
     assert_pages_bound_their_keys(policy.metadata[0], ctx.k_cache, ctx.meta.block_tables, lens, page, bound)
     q = ctx.query
     for reduction in ("max", "sum"):
@@ -160,7 +164,7 @@ def test_the_bound_holds_for_every_key(page, bound, metadata_dtype):
             assert torch.isinf(scores[s, :, last]).all() and (scores[s, :, last + 1:] == float("-inf")).all()
 
 
-@pytest.mark.parametrize("metadata_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("metadata_dtype", ["kv", "fp8"])
 def test_bounds_over_part_of_a_page_are_tighter(metadata_dtype):
     """A page scored by bounds over halves of it scores at most what its whole-page bound scores (the min/max
     of the halves' min/max), and less wherever the halves' keys differ; the policy selects by the halves."""
@@ -185,10 +189,27 @@ def test_bounds_over_part_of_a_page_are_tighter(metadata_dtype):
     assert not torch.equal(by_pages, want)  # whole-page bounds select otherwise
 
 
+@pytest.mark.parametrize(("device", "capability", "block", "want"), [
+    ("cpu", None, 16, (16, 8, True)), ("cuda", (9, 0), 16, (16, 8, True)),
+    ("cuda", (8, 9), 32, (32, 16, True)), ("cuda", (8, 0), 16, (16, 16, False)),
+    ("cpu", None, 4, (4, 2, True)), ("cpu", None, 5, (5, 5, True)),
+])
+def test_the_default_bounds_are_float8_halves_of_the_page_where_float8_is(device, capability, block, want,
+                                                                          monkeypatch):
+    """``auto``: two float8 bounds a page of one block (as many bytes as one 16-bit bound) where Triton has
+    float8; on a GPU without it, the paper's one bound in the KV dtype. Larger pages keep one bound."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    device = torch.device(device)
+    assert tuple(bound_layout(QuestConfig(), block, device)) == want
+    assert tuple(bound_layout(QuestConfig(metadata_dtype="kv"), block, device)) == (block, block, False)
+    assert bound_layout(QuestConfig(page_size=4 * block), block, device).bound_size == 4 * block
+    assert bound_layout(QuestConfig(bound_size=1), block, device).bound_size == 1
+
+
 def test_float8_bounds_on_a_gpu_without_float8_are_refused_at_start(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(ValueError, match=r"metadata_dtype=fp8 needs .* compute capability 8\.9 or newer .* this "
-                                         r"one is 8\.0: use metadata_dtype=auto"):
+                                         r"one is 8\.0: use metadata_dtype=kv"):
         QuestPolicy(QuestConfig(metadata_dtype="fp8")).initialize(4, 2, 16, 10, 16, torch.bfloat16,
                                                                   torch.device("cuda"))
 

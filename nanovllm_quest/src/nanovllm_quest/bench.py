@@ -68,11 +68,16 @@ def bench_attention(contexts: list[int], batches: list[int], budgets: list[int],
     from nanovllm.attention.triton_backend import TritonBackend
     from nanovllm.bench.kernels import graph_ms
 
+    from nanovllm_quest.policy import float8_available
+
     backend, scale, rows = TritonBackend(), HEAD_DIM**-0.5, []
+    # "auto" is what the policy picks on this GPU
+    float8 = float8_available(torch.device("cuda"))
+    kinds = dict.fromkeys("fp8" if k == "fp8" or (k == "auto" and float8) else "kv" for k in metadata_dtypes)
     # (page, metadata dtype, bound size): each page's own bound, and bounds below a page of one block
     variants = [(page, kind, bound) for page in page_sizes for bound in [page, *sorted(bound_sizes)]
                 if bound == page or (page == BLOCK_SIZE and bound < page and page % bound == 0)
-                for kind in metadata_dtypes]
+                for kind in kinds]
     gen = torch.Generator(device="cuda").manual_seed(0)
     for context in contexts:
         for batch in batches:
@@ -150,7 +155,7 @@ def bench_quest(layers: list, backend, scale: float, context: int, batch: int, b
     return row
 
 
-def page_metadata(k_cache, tables, page: int, metadata_dtype: str = "auto", bound: int | None = None):
+def page_metadata(k_cache, tables, page: int, metadata_dtype: str = "kv", bound: int | None = None):
     """Quest's metadata of a cache whose sequences fill their block tables, as the policy keeps it: each
     page's min/max at its anchor (the physical block of its first logical block), ``[blocks, KV heads, 2,
     D]``; bounds of ``bound`` tokens below a page of one block, ``[blocks, KV heads, 2 * bounds, D]``;
@@ -498,9 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page-sizes", nargs="+", type=int, default=[16, 64],
                         help="Quest page sizes (multiples of the block size, 16) of the attention job, and "
                         "of the decode job's Quest rows besides the default page")
-    parser.add_argument("--metadata-dtypes", nargs="+", default=["auto", "fp8"], choices=["auto", "fp8"],
-                        help="Quest metadata dtypes of the attention job (at each page size), and of the decode "
-                        "job's Quest rows besides auto")
+    parser.add_argument("--metadata-dtypes", nargs="+", default=["kv", "fp8"], choices=["auto", "kv", "fp8"],
+                        help="Quest metadata dtypes of the attention job (at each page size; auto: what the "
+                        "policy picks on this GPU), and of the decode job's Quest rows besides the default")
     parser.add_argument("--bound-sizes", nargs="+", type=int, default=[],
                         help="Quest bound sizes below the page (divisors of the block size, 16) of the "
                         "attention job at pages of one block, and of the decode job's Quest rows (at each "

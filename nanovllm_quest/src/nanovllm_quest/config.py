@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 
 GROUP_REDUCTIONS = ("max", "sum")
-METADATA_DTYPES = ("auto", "fp8")
+METADATA_DTYPES = ("auto", "kv", "fp8")
 
 
 def _int_at_least(minimum: int):
@@ -52,19 +52,23 @@ class QuestConfig:
       many times fewer candidates, for a coarser selection. A page's bounds are kept at its first
       block; when the prefix cache shares that block between sequences whose later blocks differ, the
       bounds cover the keys of all of them: still an upper bound for each, only looser.
-    - ``bound_size``: tokens under one min/max pair (default: the page, the paper's bound). A smaller size
-      keeps ``page_size / bound_size`` bounds a page, each over that many of its tokens, and a page scores
-      the largest of them: a tighter upper bound, so a better ranking, for as many times the metadata that
-      scoring reads. Selection, top-K and attention stay at whole pages. It needs pages of one KV block.
-      On SmolLM2 at budget 1024, bounds of 8 tokens in pages of 16 brought the documentation text's
-      perplexity from +2.6% of dense to +1.3% (+1.8% with ``metadata_dtype=fp8``, which decodes as fast as
-      the default on an H100), and the GPL-3's from +2.9% to +2.1% (:file:`benchmarks/results/README.md`).
-    - ``metadata_dtype``: ``auto`` keeps the bounds in the KV cache's dtype (the paper's); ``fp8`` in
-      float8 e4m3, half the bytes that scoring reads at 16-bit KV. Minima round down and maxima up, so the
-      bound still holds, only looser; a page with a key channel past the format's range (+-448) gets no
-      bound and is always kept. H100, 128K: scoring 16.3 -> 12.4 us at batch 1, 99 -> 65 us at batch 8. On
-      SmolLM2 at budget 1024 mass recall fell by 0.002 (:file:`benchmarks/results/README.md`). On CUDA it
-      needs a GPU of compute capability 8.9 or newer (Triton's float8), checked at start.
+    - ``bound_size``: tokens under one min/max pair. A size below the page keeps ``page_size / bound_size``
+      bounds a page, each over that many of its tokens, and a page scores the largest of them: a tighter
+      upper bound, so a better ranking, for as many times the metadata that scoring reads. Selection,
+      top-K and attention stay at whole pages. It needs pages of one KV block. Unset: half a page of one
+      block when the bounds are float8 (two float8 bounds are as many bytes as the paper's one 16-bit
+      bound), else the page (the paper's bound).
+    - ``metadata_dtype``: ``auto`` (default) keeps the bounds in float8 e4m3 where Triton has it (CUDA GPUs
+      of compute capability 8.9 or newer, and the CPU path), else in the KV cache's dtype; ``kv``: the KV
+      cache's dtype (the paper's); ``fp8``: float8, refused at start on GPUs without it. Float8 minima round
+      down and maxima up, so the bound still holds, only looser; a bound with a key channel past the
+      format's range (+-448) is unbounded and its page always kept.
+
+      So by default, on an H100, a page of 16 is scored by float8 bounds over its two halves. On an H100
+      (llama-3.1-8b preset, budget 2048) that decodes as fast as the paper's bfloat16 page bound: 1.54x
+      dense at 128K batch 1, 1.85x at 8 x 32K. On SmolLM2 at budget 1024 it lowered the perplexity of the
+      last 2,048 tokens from +2.6% of dense to +1.8% on the documentation text, and from +2.9% to +2.1% on
+      the GPL-3 (:file:`benchmarks/results/README.md`). ``metadata_dtype=kv`` gives the paper's bound.
     - ``oracle``: an evaluation mode, slow, for quality measurements only: pages rank by their exact
       attention mass for the step's query (:func:`nanovllm_quest.reference.page_masses`, every history
       key read) instead of the bound, which tells what the bound costs from what the budget costs.

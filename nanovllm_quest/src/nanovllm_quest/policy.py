@@ -28,6 +28,8 @@ the page keeps one min/max per ``bound_size`` tokens and scores the largest of t
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from nanovllm.attention.metadata import StepMetadata
 from nanovllm.policy import KVWrite, PolicyContext, SparsePolicy
@@ -56,56 +58,28 @@ class QuestPolicy(SparsePolicy):
         # the oracle reads every history key through the block table's full width: evaluation, eager only
         self.cuda_graph_safe = not self.config.oracle
         self._rows_key: tuple | None = None  # (step, capturing) of the cached PageRows
-        if self.config.bound_size is not None:  # bounds below the page: cleared as blocks are handed out
-            self.on_blocks_allocated = self._clear_bounds
 
     def metadata_bytes_per_block(self, num_layers, num_kv_heads, head_dim, block_size, dtype) -> int:
+        # the engine's device is the current CUDA device when there is one (a CPU engine on a machine whose
+        # GPU lacks float8 is counted in the KV dtype: more than it allocates, never less)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        layout = bound_layout(self.config, block_size, device)
+        itemsize = reference.FP8.itemsize if layout.float8 else dtype.itemsize
         sparse_layers = max(0, num_layers - self.config.skip_layers)
-        bounds = max(1, block_size // (self.config.bound_size or block_size))  # below a page of one block
-        return sparse_layers * bounds * num_kv_heads * 2 * head_dim * self._metadata_dtype(dtype).itemsize
-
-    def _metadata_dtype(self, kv_dtype: torch.dtype) -> torch.dtype:
-        return reference.FP8 if self.config.metadata_dtype == "fp8" else kv_dtype
+        return sparse_layers * layout.bounds_per_page * num_kv_heads * 2 * head_dim * itemsize
 
     def dense_layers(self, num_layers: int) -> frozenset[int]:
         """The first ``skip_layers`` run dense: under offload their KV stays on the GPU."""
         return frozenset(range(min(self.config.skip_layers, num_layers)))
 
     def initialize(self, num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device) -> None:
-        page = block_size if self.config.page_size is None else self.config.page_size
-        budget = self.config.token_budget
-        if page % block_size:
-            fit = -(-page // block_size) * block_size
-            raise ValueError(
-                f"quest: page_size={page} is not a multiple of the KV block size (block_size={block_size}); "
-                f"use a multiple of {block_size}, e.g. sparse_policy='quest:page_size={fit}', or a KV "
-                f"block_size that divides {page}"
-            )
-        if budget < page:
-            raise ValueError(
-                f"quest: token_budget={budget} is less than one page (page_size={page}, block_size="
-                f"{block_size}); use token_budget >= {page}, e.g. sparse_policy='quest:token_budget={64 * page}'"
-            )
-        bound = page if self.config.bound_size is None else self.config.bound_size
-        if bound != page and (page % bound or page != block_size):
-            raise ValueError(
-                f"quest: bound_size={bound} does not split the page (page_size={page}, "
-                f"block_size={block_size}): "
-                f"bounds smaller than a page need pages of one KV block and a bound_size that divides it, "
-                f"e.g. sparse_policy='quest:bound_size={block_size // 2 or 1}' with the default page"
-            )
         device = torch.device(device)
-        if self.config.metadata_dtype == "fp8" and device.type == "cuda":
-            capability = torch.cuda.get_device_capability(device)
-            if capability < (8, 9):
-                raise ValueError(
-                    f"quest: metadata_dtype=fp8 needs float8 in Triton, on GPUs of compute capability 8.9 or "
-                    f"newer (Ada, Hopper); this one is {capability[0]}.{capability[1]}: use metadata_dtype=auto"
-                )
+        layout = bound_layout(self.config, block_size, device)
+        page, bound = layout.page_size, layout.bound_size
         self.block_size, self.page_size, self.bound_size = block_size, page, bound
         self.blocks_per_page = page // block_size
         self.bounds_per_page = page // bound
-        self.budget_pages = budget // page
+        self.budget_pages = self.config.token_budget // page
         # the forced pages fit the budget, the newest first: a one-page budget keeps the page being written
         self.keep_sink = self.config.keep_sink and self.budget_pages > 1
         self.recent_pages = max(1, min(self.config.recent_pages, self.budget_pages - self.keep_sink))
@@ -114,7 +88,7 @@ class QuestPolicy(SparsePolicy):
         # [layer - skip_layers, block, KV head, min|max of each bound, head_dim]: a page's bounds at its
         # anchor block, one per bound_size tokens, a KV head's together; the dense layers keep none
         self.metadata = torch.empty(sparse_layers, num_blocks, num_kv_heads, 2 * self.bounds_per_page,
-                                    head_dim, dtype=self._metadata_dtype(dtype), device=device)
+                                    head_dim, dtype=reference.FP8 if layout.float8 else dtype, device=device)
 
     # -- metadata ------------------------------------------------------------------------------------
 
@@ -126,7 +100,7 @@ class QuestPolicy(SparsePolicy):
             self.ops.update_metadata(self.metadata[layer], write.key, write.positions, self._page_rows(write),
                                      self.bound_size)
 
-    def _clear_bounds(self, block_ids: torch.Tensor) -> None:
+    def on_blocks_allocated(self, block_ids: torch.Tensor) -> None:
         """Bounds below the page start at zero in every layer. A page's first token restarts its first
         bound, and each later bound restarts at its own first token; until then it would keep the block's
         previous owner's keys. Only the newest page has such bounds, and it is always kept, so they never
@@ -179,6 +153,58 @@ class QuestPolicy(SparsePolicy):
         if self.is_dense(ctx):
             return ctx.attend_all(q)
         return ctx.attend_blocks(q, self._selection(ctx))[0]
+
+
+class BoundLayout(NamedTuple):
+    page_size: int
+    bound_size: int
+    float8: bool
+
+    @property
+    def bounds_per_page(self) -> int:
+        return self.page_size // self.bound_size
+
+
+def float8_available(device: torch.device) -> bool:
+    """Triton's float8 e4m3 needs a GPU of compute capability 8.9 or newer; the CPU path is torch's."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def bound_layout(config: QuestConfig, block_size: int, device: torch.device) -> BoundLayout:
+    """The page, the tokens under one bound and the bounds' dtype that ``config`` gives with KV blocks of
+    ``block_size`` on ``device``, checked. ``metadata_dtype=auto`` is float8 where it is available;
+    ``bound_size`` unset halves a page of one block with float8 bounds (two float8 bounds are as many bytes
+    as the paper's one 16-bit bound), else it is the page."""
+    page = block_size if config.page_size is None else config.page_size
+    if page % block_size:
+        fit = -(-page // block_size) * block_size
+        raise ValueError(
+            f"quest: page_size={page} is not a multiple of the KV block size (block_size={block_size}); "
+            f"use a multiple of {block_size}, e.g. sparse_policy='quest:page_size={fit}', or a KV "
+            f"block_size that divides {page}"
+        )
+    if config.token_budget < page:
+        raise ValueError(
+            f"quest: token_budget={config.token_budget} is less than one page (page_size={page}, block_size="
+            f"{block_size}); use token_budget >= {page}, e.g. sparse_policy='quest:token_budget={64 * page}'"
+        )
+    if config.metadata_dtype == "fp8" and not float8_available(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(
+            f"quest: metadata_dtype=fp8 needs float8 in Triton, on GPUs of compute capability 8.9 or newer "
+            f"(Ada, Hopper); this one is {major}.{minor}: use metadata_dtype=kv"
+        )
+    float8 = config.metadata_dtype == "fp8" or (config.metadata_dtype == "auto" and float8_available(device))
+    bound = config.bound_size
+    if bound is None:
+        bound = page // 2 if float8 and page == block_size and page % 2 == 0 else page
+    if bound != page and (page % bound or page != block_size):
+        raise ValueError(
+            f"quest: bound_size={bound} does not split the page (page_size={page}, block_size={block_size}): "
+            f"bounds smaller than a page need pages of one KV block and a bound_size that divides it, "
+            f"e.g. sparse_policy='quest:bound_size={block_size // 2 or 1}' with the default page"
+        )
+    return BoundLayout(page, bound, float8)
 
 
 def page_rows(step: StepMetadata, block_size: int, page_size: int, bound_size: int | None = None
