@@ -65,8 +65,8 @@ class QuestConfig:
       format's range (+-448) is unbounded and its page always kept.
 
       So by default, on an H100, a page of 16 is scored by float8 bounds over its two halves. On an H100
-      (llama-3.1-8b preset, budget 2048) that decodes as fast as the paper's bfloat16 page bound: 1.54x
-      dense at 128K batch 1, 1.85x at 8 x 32K. On SmolLM2 at budget 1024 it lowered the perplexity of the
+      (llama-3.1-8b preset, budget 2048) that decodes within 0-4% of the paper's bfloat16 page bound: 1.54x
+      dense at 128K batch 1 and 1.86x at 8 x 32K, against 1.54-1.57x and 1.86-1.93x. On SmolLM2 at budget 1024 it lowered the perplexity of the
       last 2,048 tokens from +2.6% of dense to +1.8% on the documentation text, and from +2.9% to +2.1% on
       the GPL-3 (:file:`benchmarks/results/README.md`). ``metadata_dtype=kv`` gives the paper's bound.
     - ``oracle``: an evaluation mode, slow, for quality measurements only: pages rank by their exact
