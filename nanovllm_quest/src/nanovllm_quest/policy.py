@@ -109,9 +109,8 @@ class QuestPolicy(SparsePolicy):
             self.metadata.view(torch.uint8)[:, block_ids.to(self.metadata.device)] = 0  # 0.0 in any format
 
     def _page_rows(self, write: KVWrite) -> reference.PageRows:
-        """The step's rows grouped by the bound they fold into, computed once per step for all its layers (and
-        again
-        inside a CUDA-graph capture, whose warm-up ran the same step outside it)."""
+        """The step's rows grouped by the bound they fold into, computed once per step for all its layers
+        (and again inside a CUDA-graph capture, whose warm-up ran the same step outside it)."""
         capturing = write.key.is_cuda and torch.cuda.is_current_stream_capturing()
         if self._rows_key is None or self._rows_key[0] is not write.step or self._rows_key[1] != capturing:
             self._rows = page_rows(write.step, self.block_size, self.page_size, self.bound_size)
