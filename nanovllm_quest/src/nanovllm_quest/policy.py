@@ -75,11 +75,10 @@ class QuestPolicy(SparsePolicy):
     def initialize(self, num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device) -> None:
         device = torch.device(device)
         layout = bound_layout(self.config, block_size, device)
-        page, bound = layout.page_size, layout.bound_size
-        self.block_size, self.page_size, self.bound_size = block_size, page, bound
-        self.blocks_per_page = page // block_size
-        self.bounds_per_page = page // bound
-        self.budget_pages = self.config.token_budget // page
+        self.block_size, self.page_size, self.bound_size = block_size, layout.page_size, layout.bound_size
+        self.blocks_per_page = layout.page_size // block_size
+        self.bounds_per_page = layout.bounds_per_page
+        self.budget_pages = self.config.token_budget // layout.page_size
         # the forced pages fit the budget, the newest first: a one-page budget keeps the page being written
         self.keep_sink = self.config.keep_sink and self.budget_pages > 1
         self.recent_pages = max(1, min(self.config.recent_pages, self.budget_pages - self.keep_sink))
