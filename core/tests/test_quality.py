@@ -244,6 +244,17 @@ def test_longest_file_is_the_fallback_and_too_short_is_a_clear_error(tmp_path, m
         corpus.corpus_tokens(WordTokenizer(), 400, [short, long])
 
 
+def test_a_named_text_file_is_read_alone_and_its_errors_name_the_fix(tmp_path):
+    mine = tmp_path / "essay.txt"
+    mine.write_text("mine " * 30)
+    ids, chosen = corpus.corpus_tokens(WordTokenizer(), 20, text_file=mine)
+    assert ids == ["mine"] * 20 and chosen.source == str(mine) and chosen.name == "the file essay.txt"
+    with pytest.raises(FileNotFoundError, match=r"no text of 40 tokens.*essay.txt \(30 tokens\)"):
+        corpus.corpus_tokens(WordTokenizer(), 40, text_file=mine)
+    with pytest.raises(FileNotFoundError, match=r"'.*absent.txt' does not exist; name a UTF-8 text file"):
+        corpus.corpus_tokens(WordTokenizer(), 20, text_file=tmp_path / "absent.txt")
+
+
 def test_python_documentation_is_the_long_candidate():
     texts = list(corpus.candidates([]))
     if not texts:
@@ -399,12 +410,17 @@ def test_bench_quality_job_writes_results(tiny_model, tmp_path):
     from nanovllm import bench
     from nanovllm.cli import main as cli_main
 
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
     args = ["bench", "quality", "--model", tiny_model("LlamaForCausalLM"), "--tokens", "200",
-            "--queries", "4", "--device", "cpu", "--out", str(tmp_path), "--name", "t", "--ppl-tail", "40"]
+            "--queries", "4", "--device", "cpu", "--out", str(tmp_path), "--name", "t", "--ppl-tail", "40",
+            "--text", str(text), "--dtype", "float32"]
     assert cli_main(args) == 0
     payload = json.loads((tmp_path / "t.json").read_text())
     assert payload["settings"]["benchmark"] == "quality" and payload["settings"]["policies"] == ["full"]
+    assert payload["settings"]["text_file"] == str(text) and payload["settings"]["dtype"] == "float32"
     [row] = payload["results"]
+    assert row["text"]["source"] == str(text) and row["dtype"] == "float32"
     assert row["policy"] == "full" and row["tokens"] == 200 and row["layers"] == [0, 1]
     assert row["positions"] == decode_positions(200, 4, 16) and row["device"] == "cpu"
     assert row["text"]["sha256"] and row["text"]["source"]
@@ -482,3 +498,11 @@ def test_bench_quality_runs_on_cuda(tiny_model, test_policies):
     assert rows[0]["mean"]["policy"]["mass_recall"] == pytest.approx(1)
     assert rows[1]["mean"]["policy"]["density"] < 1 and rows[1]["sequence"]["ppl_tail_step"] == 1
     assert 0 < rows[1]["sequence"]["decode_density"] < 1 and rows[0]["sequence"]["ppl_vs_dense"] == 1
+
+
+def test_bench_quality_refuses_a_missing_text_file_before_it_starts(tmp_path, capsys):
+    from nanovllm.cli import main as cli_main
+
+    assert cli_main(["bench", "quality", "--text", str(tmp_path / "absent.txt"), "--out", str(tmp_path)]) == 2
+    assert "absent.txt' does not exist; name a UTF-8 text file" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # no job ran, no results file

@@ -180,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--seed", type=int, default=0, help="seed of the random selection")
     quality.add_argument("--ppl-tail", type=int, default=DEFAULT_PPL_TAIL,
                          help="perplexity of the text's last N tokens with each policy in the engine (0: skip)")
+    quality.add_argument("--text", default=None, metavar="FILE",
+                         help="a UTF-8 text file to read instead of the long text found on this machine")
+    quality.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
+                         help="the engine's dtype (auto: float32 on the CPU, the model's 16-bit type on a GPU)")
     offload = bench.add_argument_group("offload (B5)")
     offload.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072],
                          help="prompt tokens; shortened where the decoded tokens would pass the model's "

@@ -373,9 +373,13 @@ def main_quality(args) -> int:
     policies = args.policy or ["full"]
     for selection in policies:  # a bad name or option fails here, before a process starts
         make_policy(selection)
+    if args.text is not None:
+        from nanovllm.quality.corpus import file_text
+
+        file_text(args.text)  # so does a missing text file
     options = {"policies": policies, "layers": args.layers, "tokens": args.tokens,
                "queries": args.queries, "top_k": args.top_k, "device": args.device, "model": args.model,
-               "seed": args.seed, "ppl_tail": args.ppl_tail}
+               "seed": args.seed, "ppl_tail": args.ppl_tail, "text_file": args.text, "dtype": args.dtype}
     print(f"== quality {options}", file=sys.stderr, flush=True)
     results = run_job_in_subprocess({"kind": "quality", "options": options})
     path = write_results(results, Path(args.out), args.name or "quality", {"benchmark": "quality", **options})

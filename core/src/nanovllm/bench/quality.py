@@ -1,7 +1,7 @@
 """``nanovllm bench quality``: attention quality of sparse policies on a real model and a real text.
 
 The built-in SmolLM2-135M-Instruct (or ``model``) prefills a long English text found on the machine
-(:mod:`nanovllm.quality.corpus`) densely, once; the queries, keys and values of the chosen layers are
+(:mod:`nanovllm.quality.corpus`), or the ``text_file`` given, densely, once; the queries, keys and values of the chosen layers are
 captured, and every policy is evaluated on them for decode queries at block ends over the last three
 quarters of the text (:mod:`nanovllm.quality.evaluate`): mass recall, top-k recall, output error and
 density, next to the oracle and a random selection with the same number of blocks.
@@ -41,8 +41,11 @@ def run(
     model: str | None = None,
     seed: int = 0,
     ppl_tail: int = DEFAULT_PPL_TAIL,
+    text_file: str | None = None,
+    dtype: str = "auto",
 ) -> list[dict[str, Any]]:
-    """Capture once, evaluate each policy; one result row per policy."""
+    """Capture once, evaluate each policy; one result row per policy. ``dtype`` is the engine's (``auto``:
+    float32 on the CPU, the model's 16-bit type on a GPU)."""
     import torch
 
     from nanovllm import LLM
@@ -54,9 +57,9 @@ def run(
         raise ValueError("name at least one sparse policy to evaluate, e.g. policies=['full']")
     for selection in policies:  # a bad name or option fails before the model loads
         make_policy(selection)
-    llm = LLM(model, max_model_len=tokens + 1, sparse_policy="full", device=device, enforce_eager=True,
-              async_scheduling=False, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
-    token_ids, text = corpus_tokens(llm.tokenizer, tokens)
+    llm = LLM(model, max_model_len=tokens + 1, sparse_policy="full", device=device, dtype=dtype,
+              enforce_eager=True, async_scheduling=False, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+    token_ids, text = corpus_tokens(llm.tokenizer, tokens, text_file=text_file)
     layer_ids = layers if layers is not None else default_layers(len(llm.runner.attention_layers))
     capture = capture_activations(llm, token_ids, layer_ids)
     model_name = model or "SmolLM2-135M-Instruct"
@@ -83,18 +86,18 @@ def run(
     if ppl_tail:
         if not 0 < ppl_tail < tokens:
             raise ValueError(f"ppl_tail={ppl_tail} must be below tokens={tokens}; lower it, or 0 to skip")
-        add_perplexity(rows, token_ids, ppl_tail, model, device)
+        add_perplexity(rows, token_ids, ppl_tail, model, device, dtype)
     return rows
 
 
 def add_perplexity(rows: list[dict[str, Any]], token_ids: list[int], tail: int, model: str | None,
-                   device: str) -> None:
+                   device: str, dtype: str = "auto") -> None:
     """Each row's ``sequence``: perplexity of the last ``tail`` tokens with the policy in the engine, next
     to dense (``full``, run once), and the density its selections achieved."""
     from nanovllm.quality.perplexity import tail_perplexity
 
     def measure(selection: str) -> dict[str, Any]:
-        result = tail_perplexity(selection, token_ids, tail, model=model, device=device,
+        result = tail_perplexity(selection, token_ids, tail, model=model, device=device, dtype=dtype,
                                  prefill_chunk=MAX_NUM_BATCHED_TOKENS)
         gc.collect()
         return {"perplexity": result.perplexity, "ppl_tail_tokens": tail, "ppl_tail_step": result.tail_step,

@@ -11,6 +11,8 @@ Candidates, in a fixed order; the first with enough tokens wins:
    in name order. Its content follows the Python version.
 3. The longest license or notice file of the installed distributions, the Python installation and
    ``/usr/share/common-licenses``.
+
+A caller may name its own file instead (``text_file``): then that file alone is read, whole.
 """
 
 from __future__ import annotations
@@ -127,13 +129,23 @@ def _pydoc_topics() -> CorpusText | None:
                       str(module.__file__), text)
 
 
-def corpus_tokens(tokenizer: Any, num_tokens: int, license_files: list[Path] | None = None
-                  ) -> tuple[list[int], CorpusText]:
-    """The first ``num_tokens`` tokens (``tokenizer.encode``) of the first candidate long enough."""
+def file_text(path: Path | str) -> CorpusText:
+    """A text file named by the user, read whole as UTF-8."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"text file {str(path)!r} does not exist; name a UTF-8 text file, or leave it "
+                                "out to use the text this machine has")
+    return CorpusText(f"the file {path.name}", str(path), path.read_text(encoding="utf-8", errors="replace"))
+
+
+def corpus_tokens(tokenizer: Any, num_tokens: int, license_files: list[Path] | None = None,
+                  text_file: Path | str | None = None) -> tuple[list[int], CorpusText]:
+    """The first ``num_tokens`` tokens (``tokenizer.encode``) of the first candidate long enough, or of
+    ``text_file`` alone when it is given."""
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be positive, got {num_tokens}")
     tried = []
-    for text in candidates(license_files):
+    for text in [file_text(text_file)] if text_file is not None else candidates(license_files):
         ids = tokenizer.encode(text.text[: CHARS_PER_TOKEN_BOUND * num_tokens])
         if len(ids) >= num_tokens:
             return ids[:num_tokens], text
