@@ -28,7 +28,7 @@ class QuestStylePolicy(SparsePolicy):
     requires_block_selection = True
     cuda_graph_safe = True
 
-    def metadata_bytes_per_block(self, num_layers, num_kv_heads, head_dim, block_size, dtype) -> int:
+    def metadata_bytes_per_block(self, num_layers, num_kv_heads, head_dim, block_size, dtype, device) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * 4  # float32 min and max
 
     def dense_layers(self, num_layers: int) -> frozenset[int]:

@@ -141,7 +141,8 @@ def test_the_bound_holds_for_every_key(page, bound, metadata_dtype):
     assert policy.metadata.shape[1:4] == (ctx.k_cache.shape[0], 2, 2 * per_page)
     if float8:
         assert policy.metadata.dtype == reference.FP8
-        assert policy.metadata_bytes_per_block(3, 2, 16, BLOCK, torch.bfloat16) == 3 * 2 * 2 * 16 * per_page
+        cpu = torch.device("cpu")
+        assert policy.metadata_bytes_per_block(3, 2, 16, BLOCK, torch.bfloat16, cpu) == 3 * 2 * 2 * 16 * per_page
     else:
         assert policy.metadata.dtype == torch.float32
     assert_pages_bound_their_keys(policy.metadata[0], ctx.k_cache, ctx.meta.block_tables, lens, page, bound)
@@ -212,6 +213,20 @@ def test_float8_bounds_on_a_gpu_without_float8_are_refused_at_start(monkeypatch)
                                          r"one is 8\.0: use metadata_dtype=kv"):
         QuestPolicy(QuestConfig(metadata_dtype="fp8")).initialize(4, 2, 16, 10, 16, torch.bfloat16,
                                                                   torch.device("cuda"))
+
+
+def test_metadata_bytes_are_counted_on_the_engines_device(monkeypatch):
+    """A CPU engine keeps float8 bounds (torch has them) on a machine whose GPU lacks them: its bytes are
+    counted for the CPU, and the GPU's are in the KV dtype."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    shape = (4, 2, 16, 16, torch.bfloat16)  # 2 sparse layers of the 4 (skip_layers=2)
+    auto, fp8 = QuestPolicy(QuestConfig()), QuestPolicy(QuestConfig(metadata_dtype="fp8"))
+    assert auto.metadata_bytes_per_block(*shape, torch.device("cpu")) == 2 * 2 * 4 * 16 * 1  # float8 halves
+    assert fp8.metadata_bytes_per_block(*shape, torch.device("cpu")) == 2 * 2 * 4 * 16 * 1
+    assert auto.metadata_bytes_per_block(*shape, torch.device("cuda")) == 2 * 2 * 2 * 16 * 2  # one bf16 bound
+    with pytest.raises(ValueError, match="metadata_dtype=fp8 needs float8"):
+        fp8.metadata_bytes_per_block(*shape, torch.device("cuda"))
 
 
 @pytest.mark.parametrize(("bound", "page", "block"), [(3, None, 4), (8, None, 4), (2, 8, 4), (6, 16, 16)])

@@ -275,10 +275,11 @@ class SparsePolicy:
         self.config = config
 
     def metadata_bytes_per_block(
-        self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+        self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+        device: torch.device,
     ) -> int:
-        """Device bytes of the per-block metadata ``initialize`` will allocate, per KV block. The engine
-        sizes the KV cache with them, so metadata stays inside the memory budget."""
+        """Device bytes of the per-block metadata ``initialize`` will allocate, per KV block, on the same
+        ``device``. The engine sizes the KV cache with them, so metadata stays inside the memory budget."""
         return 0
 
     def dense_layers(self, num_layers: int) -> frozenset[int]:

@@ -59,11 +59,8 @@ class QuestPolicy(SparsePolicy):
         self.cuda_graph_safe = not self.config.oracle
         self._rows_key: tuple | None = None  # (step, capturing) of the cached PageRows
 
-    def metadata_bytes_per_block(self, num_layers, num_kv_heads, head_dim, block_size, dtype) -> int:
-        # the engine's device is the current CUDA device when there is one (a CPU engine on a machine whose
-        # GPU lacks float8 is counted in the KV dtype: more than it allocates, never less)
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        layout = bound_layout(self.config, block_size, device)
+    def metadata_bytes_per_block(self, num_layers, num_kv_heads, head_dim, block_size, dtype, device) -> int:
+        layout = bound_layout(self.config, block_size, torch.device(device))
         itemsize = reference.FP8.itemsize if layout.float8 else dtype.itemsize
         sparse_layers = max(0, num_layers - self.config.skip_layers)
         return sparse_layers * layout.bounds_per_page * num_kv_heads * 2 * head_dim * itemsize

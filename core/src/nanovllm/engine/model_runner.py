@@ -333,7 +333,8 @@ class ModelRunner:
         """(K and V of one block in ``num_layers`` layers (default: all), the per-block metadata the
         policies will keep)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        shape = (len(self.attention_layers), self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
+        shape = (len(self.attention_layers), self.num_kv_heads, self.head_dim, self.block_size, self.dtype,
+                 self.device)
         metadata = sum(p.metadata_bytes_per_block(*shape) for p in self.hooks.policies)
         num_layers = len(self.attention_layers) if num_layers is None else num_layers
         return 2 * num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize, metadata
