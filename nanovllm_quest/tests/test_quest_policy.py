@@ -142,7 +142,8 @@ def test_the_bound_holds_for_every_key(page, bound, metadata_dtype):
     if float8:
         assert policy.metadata.dtype == reference.FP8
         cpu = torch.device("cpu")
-        assert policy.metadata_bytes_per_block(3, 2, 16, BLOCK, torch.bfloat16, cpu) == 3 * 2 * 2 * 16 * per_page
+        bytes_per_block = policy.metadata_bytes_per_block(3, 2, 16, BLOCK, torch.bfloat16, cpu)
+        assert bytes_per_block == 3 * 2 * 2 * 16 * per_page
     else:
         assert policy.metadata.dtype == torch.float32
     assert_pages_bound_their_keys(policy.metadata[0], ctx.k_cache, ctx.meta.block_tables, lens, page, bound)
