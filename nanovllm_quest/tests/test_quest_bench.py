@@ -42,6 +42,17 @@ def test_the_attention_job_times_each_page_size():
     assert job["page_sizes"] == [16, 64]
 
 
+def test_rescore_factors_become_attention_rows_and_engine_policies():
+    all_jobs = bench.jobs([32768], [1], [2048], 2048, 4, [16], ["auto"], [], [4])
+    (attention,) = [j for j in all_jobs if j["kind"] == "attention"]
+    assert attention["rescores"] == [4]
+    policies = {j["policy"] for j in all_jobs if j["kind"] == "decode"}
+    assert policies == {"full", "quest:token_budget=2048", "quest:token_budget=2048,rescore=4"}
+    row = {"page_size": 16, "bound_size": 8, "metadata_dtype": "fp8", "rescore": 4}
+    assert bench.page_label(row) == "16/8 fp8 r4"
+    assert bench.page_label({"page_size": 16, "rescore": 1}) == "16"
+
+
 @pytest.mark.parametrize("page", [16, 48])
 def test_page_metadata_bounds_each_page_at_its_anchor(page):
     import torch

@@ -237,6 +237,32 @@ def test_select_pages(device, dtype):
     assert torch.equal(got, want)
 
 
+@cases
+@pytest.mark.parametrize("reduction", ["max", "sum"])
+def test_rescore_pages(device, dtype, reduction):
+    """Nominees' exact scores: a row with fewer valid pages than nominees (-1 padding), a history ending
+    inside its last page (keys past it left out), forced pages kept ``+inf``, every other page ``-inf``."""
+    gen = torch.Generator().manual_seed(13)
+    seqs, heads, hkv, d, width, block = 3, 8, 2, 64, 30, 16
+    k_cache = torch.randn(seqs * width, block, hkv, d, generator=gen).to(dtype)
+    tables = torch.randperm(seqs * width, generator=gen).view(seqs, width).int()
+    lens = torch.tensor([width * block, width * block - 9, 5 * block + 3], dtype=torch.int32)
+    q = torch.randn(seqs, heads, d, generator=gen).to(dtype)
+    scores = torch.randn(seqs, hkv, width, generator=gen)
+    scores[:, :, 0] = float("inf")  # the sink
+    scores[2, :, 6:] = float("-inf")  # past sequence 2's history
+    nominees = reference.top_pages(scores, 12, lens, block, block)
+    assert (nominees[2] == -1).any()
+    want = reference.rescore_pages(q, k_cache, tables, lens, nominees, scores, reduction)
+    assert torch.isfinite(want).sum() == 2 * (11 + 11 + 5)  # per KV head: 12, 12 and 6 nominees, 1 forced
+    args = [t.to(device) for t in (q, k_cache, tables, lens, nominees, scores)]
+    got = kernels.rescore_pages(*args, reduction).cpu()
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-3)
+    assert torch.equal(got[~finite], want[~finite])
+
+
 def test_kernels_under_interpreter():
     """Every ``interp`` case of this file under Triton's interpreter on the CPU, in a fresh process."""
     if CUDA or INTERP:
@@ -245,4 +271,4 @@ def test_kernels_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == 3 * 2 + 2 * 2 + 2 * 2 * 3 * 2 + 2 + 7 * 2 + 1, tail
+    assert passed == 3 * 2 + 2 * 2 + 2 * 2 * 3 * 2 + 2 + 7 * 2 + 1 + 2, tail

@@ -64,7 +64,8 @@ def test_config_is_checked_at_the_selection():
     installed()
     resolved = resolve_sparse_policy("quest:token_budget=1024,group_reduction=sum,keep_sink=true")
     assert resolved.cls is QuestPolicy
-    assert resolved.config == QuestConfig(1024, 2, "sum", True, 8, None, None, "auto", False)  # page: a block
+    # page: a block
+    assert resolved.config == QuestConfig(1024, 2, "sum", True, 8, None, None, "auto", 1, False)
     assert resolve_sparse_policy("quest:recent_pages=1").config.recent_pages == 1
     assert resolve_sparse_policy("quest:metadata_dtype=fp8").config.metadata_dtype == "fp8"
     assert resolve_sparse_policy("quest:page_size=64").config.page_size == 64
@@ -80,7 +81,8 @@ def test_config_is_checked_at_the_selection():
                          ("oracle=3", "oracle must be true or false, got 3"),
                          ("metadata_dtype=fp16", "metadata_dtype must be one of 'auto', 'kv', 'fp8'"),
                          ("budget=4", "Accepted: token_budget, skip_layers, group_reduction, keep_sink, "
-                                      "recent_pages, page_size, bound_size, metadata_dtype, oracle")]:
+                                      "recent_pages, page_size, bound_size, metadata_dtype, rescore, oracle"),
+                         ("rescore=0", "rescore must be an int >= 1")]:
         with pytest.raises(SelectionError, match=message):
             resolve_sparse_policy(f"quest:{bad}")
 
@@ -366,7 +368,8 @@ def test_page_masses_are_each_heads_softmax_summed_by_page(page):
 def test_the_oracle_keeps_the_page_of_the_largest_q_dot_k_where_the_bound_misleads():
     """Page 5 holds a key aligned with every query (q . k = 32); page 9 holds two keys of opposite signs
     whose channel ranges give the bound 80 but q . k = 0. With the newest page and one more (no sink page),
-    Quest's bound keeps page 9; the oracle keeps page 5, which holds nearly all the attention."""
+    Quest's bound keeps page 9; the oracle keeps page 5, which holds nearly all the attention, and so does
+    rescoring the bound's best pages by their keys."""
     lens, dim = [64], 16
     g = torch.Generator().manual_seed(0)
     keys = 0.1 * torch.randn(1, 64, 2, dim, generator=g)
@@ -375,9 +378,40 @@ def test_the_oracle_keeps_the_page_of_the_largest_q_dot_k_where_the_bound_mislea
     keys[0, 9 * BLOCK], keys[0, 9 * BLOCK + 2] = half, -half
     q = torch.ones(1, 8, dim)
     values = torch.randn(keys.shape, generator=g)
-    for oracle, kept in [(False, 9), (True, 5)]:
-        policy, ctx = paged_decode(keys, values, q, lens, token_budget=2 * BLOCK, oracle=oracle, keep_sink=False)
-        assert policy.select_blocks(ctx).tolist() == [[[kept, 15], [kept, 15]]], f"oracle={oracle}"
+    for options, kept in [({}, 9), ({"oracle": True}, 5), ({"rescore": 2}, 5)]:
+        policy, ctx = paged_decode(keys, values, q, lens, token_budget=2 * BLOCK, keep_sink=False, **options)
+        assert policy.select_blocks(ctx).tolist() == [[[kept, 15], [kept, 15]]], f"{options}"
+
+
+@pytest.mark.parametrize("reduction", ["max", "sum"])
+def test_rescoring_every_page_keeps_those_whose_keys_score_highest(reduction):
+    """Nominating every page, the selection is the forced pages and the best by each page's largest
+    ``q . k`` per query head (combined over the GQA group), computed here from the keys themselves."""
+    lens = [150, 77]
+    policy, ctx = decode_batch(lens, seed=9, token_budget=5 * BLOCK, rescore=20, group_reduction=reduction)
+    sel = policy.select_blocks(ctx)
+    for s, n in enumerate(lens):
+        pages = -(-n // BLOCK)
+        k = ctx.k_cache[ctx.meta.block_tables[s, :pages].long()].flatten(0, 1)[:n]  # [n, Hkv, D]
+        qk = torch.einsum("hd,nhd->hn", ctx.query[s], k.repeat_interleave(4, dim=1))  # [H, n]
+        best = torch.full((8, pages), float("-inf")).scatter_reduce(
+            1, (torch.arange(n) // BLOCK).expand(8, n), qk, "amax").view(2, 4, pages)
+        exact = best.amax(1) if reduction == "max" else best.sum(1)
+        for h in range(2):
+            chosen = sorted(b for b in sel[s, h].tolist() if b >= 0)
+            ranked = exact[h, 1: pages - 1].argsort(descending=True)[:3] + 1  # besides sink and newest
+            assert chosen == sorted([0, pages - 1, *ranked.tolist()]), f"seq {s} KV head {h}"
+
+
+def test_rescore_is_refused_with_pages_of_several_blocks_and_with_offload():
+    with pytest.raises(ValueError, match=r"rescore=2 ranks pages of one KV block, but page_size=32 holds 2 "
+                                         r"blocks of 16; leave page_size unset, or use rescore=1"):
+        QuestPolicy(QuestConfig(rescore=2, page_size=32)).initialize(4, 2, 16, 10, 16, torch.float32,
+                                                                     torch.device("cpu"))
+    policy, ctx = decode_batch([150], token_budget=2 * BLOCK, rescore=2)
+    ctx.offload = object()
+    with pytest.raises(NotImplementedError, match="use rescore=1 with offload, or run without offload"):
+        policy.select_blocks(ctx)
 
 
 def planted_capture(case: planted.PlantedAttention, num_layers: int = 1) -> Capture:

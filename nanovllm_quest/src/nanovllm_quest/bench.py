@@ -8,8 +8,9 @@ Jobs, each in its own process (one engine's GPU memory never shrinks the next on
   their own KV are captured one after another in one CUDA graph, as in the engine's decode graph, and the
   replay time is divided by their number; L2 is cold at each replay. A one-layer graph is timed too: its
   replay adds the graph's own launch (about 5 us) to every layer. Each Quest page size (``--page-sizes``),
-  metadata dtype and bound size below the page (``--bound-sizes``) is timed on the same caches. The ceiling is
-  ``1 / (1 / page_size + budget / context)``, the ratio of the bytes read.
+  metadata dtype and bound size below the page (``--bound-sizes``) is timed on the same caches, and each
+  ``--rescores`` factor at pages of one block (the bound's nominees ranked again by their keys). The ceiling
+  is ``1 / (1 / page_size + budget / context)``, the ratio of the bytes read.
 - ``decode``: the engine end to end, KV on the GPU, CUDA graphs: ``steps`` decode steps after prefilling
   ``batch`` prompts of ``context`` tokens, with ``full`` and with Quest (also at each larger page size).
 - ``offload``: the same with the KV cache in pinned host memory (the ``skip_layers`` resident on the GPU),
@@ -61,8 +62,8 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 
 
 def bench_attention(contexts: list[int], batches: list[int], budgets: list[int], page_sizes: list[int],
-                    metadata_dtypes: list[str] = ("auto",), bound_sizes: list[int] = ()
-                    ) -> list[dict[str, Any]]:
+                    metadata_dtypes: list[str] = ("auto",), bound_sizes: list[int] = (),
+                    rescores: list[int] = ()) -> list[dict[str, Any]]:
     import torch
     from nanovllm.attention.metadata import PhaseMetadata
     from nanovllm.attention.triton_backend import TritonBackend
@@ -102,19 +103,22 @@ def bench_attention(contexts: list[int], batches: list[int], budgets: list[int],
             dense_ms = graph_ms([partial(dense, x) for x in layers])
             dense_one_ms = graph_ms([partial(dense, layers[0])])
             for key in variants:
-                for budget in budgets:
-                    rows.append(bench_quest(layers, backend, scale, context, batch, budget, key, dense_ms,
-                                            dense_one_ms))
-                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+                for rescore in [1, *(r for r in rescores if r > 1 and key[0] == BLOCK_SIZE)]:
+                    for budget in budgets:
+                        rows.append(bench_quest(layers, backend, scale, context, batch, budget, key, dense_ms,
+                                                dense_one_ms, rescore))
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
             del layers
             torch.cuda.empty_cache()
     return rows
 
 
 def bench_quest(layers: list, backend, scale: float, context: int, batch: int, budget: int,
-                metadata_key: tuple[int, str, int], dense_ms: float, dense_one_ms: float) -> dict[str, Any]:
-    """One row: Quest's steps at one budget, page size, metadata dtype and bound size over the layers'
-    caches, against their dense time (scoring, then top-K, then the attention over the selection)."""
+                metadata_key: tuple[int, str, int], dense_ms: float, dense_one_ms: float, rescore: int = 1
+                ) -> dict[str, Any]:
+    """One row: Quest's steps at one budget, page size, metadata dtype, bound size and rescore factor over
+    the layers' caches, against their dense time (scoring, the nominees rescored, then top-K, then the
+    attention over the selection)."""
     from nanovllm.bench.kernels import graph_ms
 
     from nanovllm_quest import kernels
@@ -126,6 +130,11 @@ def bench_quest(layers: list, backend, scale: float, context: int, batch: int, b
         return kernels.page_scores(x.q, x.metadata[metadata_key], x.meta.block_tables, x.meta.context_lens,
                                    BLOCK_SIZE, page)
 
+    def rescored(x, scores):
+        lens = x.meta.context_lens
+        nominees = kernels.top_pages(scores, rescore * k, lens, BLOCK_SIZE, page)
+        return kernels.rescore_pages(x.q, x.k_cache, x.meta.block_tables, lens, nominees, scores)
+
     def top(x, scores):
         return kernels.top_pages(scores, k, x.meta.context_lens, BLOCK_SIZE, page)
 
@@ -133,14 +142,19 @@ def bench_quest(layers: list, backend, scale: float, context: int, batch: int, b
         return backend.attend_blocks(x.q, x.k_cache, x.v_cache, x.meta, sel, x.meta.context_lens, scale)
 
     def quest(x):
-        return attend(x, top(x, score(x)))
+        scores = score(x)
+        return attend(x, top(x, rescored(x, scores) if rescore > 1 else scores))
 
     scores = [score(x) for x in layers]
+    rescore_us = None
+    if rescore > 1:
+        rescore_us = 1000 * graph_ms([partial(rescored, x, s) for x, s in zip(layers, scores, strict=True)])
+        scores = [rescored(x, s) for x, s in zip(layers, scores, strict=True)]
     selections = [top(x, s) for x, s in zip(layers, scores, strict=True)]
     quest_ms = graph_ms([partial(quest, x) for x in layers])
     row = {
         "benchmark": "attention", "context": context, "batch": batch, "budget": budget, "page_size": page,
-        "metadata_dtype": kind, "bound_size": bound,
+        "metadata_dtype": kind, "bound_size": bound, "rescore": rescore, "rescore_us": rescore_us,
         "layers_in_graph": len(layers),
         "dense_us": 1000 * dense_ms, "quest_us": 1000 * quest_ms,
         "score_us": 1000 * graph_ms([partial(score, x) for x in layers]),
@@ -256,7 +270,7 @@ def bench_engine(
 
 def jobs(contexts: list[int], batches: list[int], budgets: list[int], budget: int, steps: int,
          page_sizes: list[int] = (16,), metadata_dtypes: list[str] = ("auto",),
-         bound_sizes: list[int] = ()) -> list[dict]:
+         bound_sizes: list[int] = (), rescores: list[int] = ()) -> list[dict]:
     quest = f"quest:token_budget={budget}"
     window = f"recent_window:budget_blocks={budget // BLOCK_SIZE}"
     # the engine at larger pages, other metadata dtypes and smaller bounds too
@@ -264,9 +278,10 @@ def jobs(contexts: list[int], batches: list[int], budgets: list[int], budget: in
     variants += [f"{quest},metadata_dtype={kind}" for kind in metadata_dtypes if kind != "auto"]
     variants += [f"{quest},bound_size={b}" + ("" if kind == "auto" else f",metadata_dtype={kind}")
                  for b in bound_sizes if b < BLOCK_SIZE for kind in metadata_dtypes]
+    variants += [f"{quest},rescore={r}" for r in rescores if r > 1]
     out: list[dict] = [{"kind": "attention", "contexts": contexts, "batches": batches, "budgets": budgets,
                         "page_sizes": list(page_sizes), "metadata_dtypes": list(metadata_dtypes),
-                        "bound_sizes": list(bound_sizes)}]
+                        "bound_sizes": list(bound_sizes), "rescores": list(rescores)}]
     for context, batch in [(32768, 1), (131072, 1), (32768, 8)]:
         out += [{"kind": "decode", "context": context, "batch": batch, "policy": p, "steps": steps}
                 for p in ("full", quest, *variants)]
@@ -314,7 +329,8 @@ def run_job(job: dict) -> list[dict[str, Any]]:
         return bench_reuse(job["budgets"])
     if job["kind"] == "attention":
         return bench_attention(job["contexts"], job["batches"], job["budgets"], job.get("page_sizes", [BLOCK_SIZE]),
-                               job.get("metadata_dtypes", ["auto"]), job.get("bound_sizes", []))
+                               job.get("metadata_dtypes", ["auto"]), job.get("bound_sizes", []),
+                               job.get("rescores", []))
     if job["kind"] == "offload-copy":
         from nanovllm.bench import offload as b5
 
@@ -385,14 +401,17 @@ def markdown(payload: dict[str, Any], title: str) -> str:
              f"Preset {PRESET} (random weights), blocks of {BLOCK_SIZE}, bfloat16; targets from issue 9.", "",
              "## Decode attention per layer (us; layers in one CUDA graph, cold L2)", "",
              "Columns `one layer`: a graph of one layer, whose replay adds the graph launch to the layer.", "",
-             "| context | batch | budget | page | layers | dense | Quest | score | top-K | attend | speedup | "
-             "ceiling | target | dense, one layer | Quest, one layer | speedup, one layer |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Column `rescore`: the bound's nominees (a top-K of rescore x budget pages) ranked again by "
+             "their keys (page label `r`: the factor), between scoring and the top-K.", "",
+             "| context | batch | budget | page | layers | dense | Quest | score | rescore | top-K | attend | "
+             "speedup | ceiling | target | dense, one layer | Quest, one layer | speedup, one layer |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["results"]:
         if r["benchmark"] == "attention":
             page = page_label(r)
             cells = [r["context"], r["batch"], r["budget"], page, r["layers_in_graph"],
-                     f"{r['dense_us']:.1f}", f"{r['quest_us']:.1f}", f"{r['score_us']:.1f}", f"{r['topk_us']:.1f}",
+                     f"{r['dense_us']:.1f}", f"{r['quest_us']:.1f}", f"{r['score_us']:.1f}",
+                     f"{r['rescore_us']:.1f}" if r.get("rescore_us") else "", f"{r['topk_us']:.1f}",
                      f"{r['attend_us']:.1f}", f"{r['speedup']:.2f}x", f"{r['ceiling']:.1f}x",
                      f">= {r['target']}x" if r.get("target") else "", f"{r['dense_one_layer_us']:.1f}",
                      f"{r['quest_one_layer_us']:.1f}", f"{r['speedup_one_layer']:.2f}x"]
@@ -443,11 +462,13 @@ def markdown(payload: dict[str, Any], title: str) -> str:
 
 
 def page_label(row: dict[str, Any]) -> str:
-    """``16``, ``16 fp8``, ``16/8`` (pages of 16 scored by bounds of 8 tokens)."""
+    """``16``, ``16 fp8``, ``16/8`` (pages of 16 scored by bounds of 8 tokens), ``16/8 fp8 r4`` (the bound's
+    4 x budget best pages rescored by their keys)."""
     page = row.get("page_size", BLOCK_SIZE)
     bound = row.get("bound_size", page)
     fp8 = " fp8" if row.get("metadata_dtype") == "fp8" else ""
-    return f"{page}" + (f"/{bound}" if bound != page else "") + fp8
+    rescore = f" r{row['rescore']}" if row.get("rescore", 1) > 1 else ""
+    return f"{page}" + (f"/{bound}" if bound != page else "") + fp8 + rescore
 
 
 def chart(payload: dict[str, Any], path: Path) -> None:
@@ -510,6 +531,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="Quest bound sizes below the page (divisors of the block size, 16) of the "
                         "attention job at pages of one block, and of the decode job's Quest rows (at each "
                         "metadata dtype)")
+    parser.add_argument("--rescores", nargs="+", type=int, default=[],
+                        help="Quest rescore factors above 1 of the attention job at pages of one block, and "
+                        "of the decode job's Quest rows")
     parser.add_argument("--budget", type=int, default=2048, help="token budget of the engine runs")
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--only", nargs="+", default=None,
@@ -523,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     from nanovllm.bench import run_plugin_jobs
 
     selected = [job for job in jobs(args.contexts, args.batches, args.budgets, args.budget, args.decode_steps,
-                                    args.page_sizes, args.metadata_dtypes, args.bound_sizes)
+                                    args.page_sizes, args.metadata_dtypes, args.bound_sizes, args.rescores)
                 if not (args.only and job["kind"] not in args.only and not (job["kind"] == "offload-copy" and "offload" in args.only))]
     if args.only and "reuse" in args.only:  # the built-in model's weights: not on every machine
         selected.append({"kind": "reuse", "budgets": args.budgets})

@@ -69,6 +69,12 @@ class QuestConfig:
       dense at 128K batch 1 and 1.86x at 8 x 32K, against 1.54-1.57x and 1.86-1.93x. On SmolLM2 at budget 1024 it lowered the perplexity of the
       last 2,048 tokens from +2.6% of dense to +1.8% on the documentation text, and from +2.9% to +2.1% on
       the GPL-3 (:file:`benchmarks/results/README.md`). ``metadata_dtype=kv`` gives the paper's bound.
+    - ``rescore``: the bound nominates ``rescore`` times the budget's pages, and the largest exact ``q . k``
+      of each nominee's keys ranks them for the budget (1, the default: off, the paper's selection). It
+      reads the nominees' keys, ``rescore x token_budget`` keys per KV head, besides the bounds; it needs
+      pages of one KV block, and the GPU cache (not KV offload). Where a text repeats itself, many pages
+      have near-identical bounds that rank them alike, and the keys tell them apart
+      (:file:`benchmarks/results/README.md`).
     - ``oracle``: an evaluation mode, slow, for quality measurements only: pages rank by their exact
       attention mass for the step's query (:func:`nanovllm_quest.reference.page_masses`, every history
       key read) instead of the bound, which tells what the bound costs from what the budget costs.
@@ -83,4 +89,5 @@ class QuestConfig:
     page_size: int | None = attrs.field(default=None, validator=attrs.validators.optional(_int_at_least(1)))
     bound_size: int | None = attrs.field(default=None, validator=attrs.validators.optional(_int_at_least(1)))
     metadata_dtype: str = attrs.field(default="auto", validator=_one_of(METADATA_DTYPES))
+    rescore: int = attrs.field(default=1, validator=_int_at_least(1))
     oracle: bool = attrs.field(default=False, validator=_bool)

@@ -10,6 +10,9 @@
   the order-preserving integer image of the float scores (up to 32 counting passes over the row held in
   registers, fewer when a candidate has exactly k scores at or above it), then the chosen pages are
   compacted in ascending order with a prefix sum (ties go to the lower index) and written as their blocks.
+- ``rescore_pages``: one program per (sequence, KV head, tile of nominated pages): the tile's keys in one
+  dot with the GQA group's queries, each page's largest logit per head, the group's reduced; forced pages
+  stay ``+inf``.
 Scoring and top-K stay two launches: a kernel doing both in one program per (sequence, KV head) was
 slower on the H100 in every case measured (at pages of 64, 32K, batch 1: 19.6 against 12.9 us).
 
@@ -34,6 +37,7 @@ SCORE_TILE = 32
 # again each pass. H100, batch 1, 8 warps: 16K pages took 23 us in one tile against 53 in two of 8K
 MAX_TOPK_TILE = 16384
 MAX_UPDATE_ROWS = 64  # new keys an update program folds at a time
+RESCORE_ROWS = 64  # keys a rescoring program reads (4 pages of 16)
 
 
 @triton.jit
@@ -232,6 +236,81 @@ def page_scores(
         FP8=metadata.dtype == torch.float8_e4m3fn, num_warps=4,
     )
     return scores
+
+
+@triton.jit
+def _rescore_kernel(
+    Q, K, BlockTables, KVLens, Nominees, Scores, Out, num_nominees,
+    stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ns, stride_nh,
+    stride_ss, stride_sh,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BS_PAD: tl.constexpr, TILE: tl.constexpr, REDUCE_MAX: tl.constexpr,
+    FP32: tl.constexpr,
+):
+    s = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    kv_len = tl.load(KVLens + s)
+    nominees = Nominees + s * stride_ns + kvh * stride_nh
+    # one row per (nominated page, slot): the tile's keys in one dot
+    offs_r = tl.arange(0, TILE * BS_PAD)
+    cand_r = tl.program_id(2) * TILE + offs_r // BS_PAD
+    slot_r = offs_r % BS_PAD
+    page_r = tl.load(nominees + cand_r, mask=cand_r < num_nominees, other=-1)
+    pos_r = page_r * BLOCK_SIZE + slot_r
+    row_ok = (page_r >= 0) & (slot_r < BLOCK_SIZE) & (pos_r < kv_len)
+    phys_r = tl.load(BlockTables + s * stride_bt + page_r, mask=row_ok, other=0).to(tl.int64)
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = offs_g < GROUP
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(Q + s * stride_qs + (kvh * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    k_rows = phys_r * stride_kb + slot_r * stride_ks + kvh * stride_kh
+    k = tl.load(K + k_rows[:, None] + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if FP32:
+        logits = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        logits = tl.dot(q, tl.trans(k.to(q.dtype)))
+    logits = tl.where(row_ok[None, :], logits, float("-inf"))
+    best = tl.max(tl.reshape(logits, [G_PAD, TILE, BS_PAD]), 2)  # [G_PAD, TILE]: each page's best key
+    if REDUCE_MAX:
+        score = tl.max(tl.where(g_ok[:, None], best, float("-inf")), 0)
+    else:
+        score = tl.sum(tl.where(g_ok[:, None], best, 0.0), 0)
+    offs_c = tl.program_id(2) * TILE + tl.arange(0, TILE)
+    page = tl.load(nominees + offs_c, mask=offs_c < num_nominees, other=-1)
+    live = page >= 0
+    row = s * stride_ss + kvh * stride_sh + page
+    forced = tl.load(Scores + row, mask=live, other=0.0) == float("inf")
+    tl.store(Out + row, tl.where(forced, float("inf"), score), mask=live)
+
+
+def rescore_pages(
+    q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
+    candidates: torch.Tensor, scores: torch.Tensor, group_reduction: str = "max",
+) -> torch.Tensor:
+    out = torch.full_like(scores, float("-inf"))
+    num_seqs, num_kv_heads, num_nominees = candidates.shape
+    if out.numel() == 0 or num_nominees == 0:
+        return out
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
+    assert scores.is_contiguous() and candidates.stride(-1) == 1
+    num_heads, head_dim = q.shape[1:]
+    group = num_heads // num_kv_heads
+    block_size = k_cache.shape[1]
+    bs_pad = triton.next_power_of_2(block_size)
+    tile = max(1, RESCORE_ROWS // bs_pad)  # pages a program
+    grid = (num_seqs, num_kv_heads, triton.cdiv(num_nominees, tile))
+    _rescore_kernel[grid](
+        q, k_cache, block_tables, kv_lens, candidates, scores, out, num_nominees,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), candidates.stride(0), candidates.stride(1),
+        scores.stride(0), scores.stride(1),
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BS_PAD=bs_pad, TILE=tile,
+        REDUCE_MAX=group_reduction == "max", FP32=q.dtype == torch.float32 or not q.is_cuda, num_warps=4,
+    )
+    return out
 
 
 @triton.jit

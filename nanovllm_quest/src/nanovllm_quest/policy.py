@@ -79,6 +79,7 @@ class QuestPolicy(SparsePolicy):
         # the forced pages fit the budget, the newest first: a one-page budget keeps the page being written
         self.keep_sink = self.config.keep_sink and self.budget_pages > 1
         self.recent_pages = max(1, min(self.config.recent_pages, self.budget_pages - self.keep_sink))
+        self.nominated_pages = self.config.rescore * self.budget_pages
         self.ops = _ops(device)
         sparse_layers = max(0, num_layers - self.config.skip_layers)
         # [layer - skip_layers, block, KV head, min|max of each bound, head_dim]: a page's bounds at its
@@ -142,7 +143,21 @@ class QuestPolicy(SparsePolicy):
                 ctx.query, self.metadata[ctx.layer_id - cfg.skip_layers], ctx.meta.block_tables, lens,
                 self.block_size, self.page_size, cfg.group_reduction, self.keep_sink, self.recent_pages,
             )
+            if cfg.rescore > 1:
+                scores = self._rescore(ctx, scores)
         return self.ops.top_pages(scores, self.budget_pages, lens, self.block_size, self.page_size)
+
+    def _rescore(self, ctx: PolicyContext, scores: torch.Tensor) -> torch.Tensor:
+        """The bound's ``rescore x budget`` best pages ranked again by their keys' exact ``q . k``."""
+        if ctx.offload is not None:
+            raise NotImplementedError(
+                "quest: rescore reads the nominated pages' keys from the GPU cache, and KV offload keeps "
+                "them in host memory; use rescore=1 with offload, or run without offload"
+            )
+        lens = ctx.history_lens
+        nominees = self.ops.top_pages(scores, self.nominated_pages, lens, self.block_size, self.page_size)
+        return self.ops.rescore_pages(ctx.query, ctx.k_cache, ctx.meta.block_tables, lens, nominees, scores,
+                                      self.config.group_reduction)
 
     def compute_chunked_decode(self, q: torch.Tensor, ctx: PolicyContext) -> torch.Tensor:
         if self.is_dense(ctx):
@@ -182,6 +197,11 @@ def bound_layout(config: QuestConfig, block_size: int, device: torch.device) -> 
         raise ValueError(
             f"quest: token_budget={config.token_budget} is less than one page (page_size={page}, block_size="
             f"{block_size}); use token_budget >= {page}, e.g. sparse_policy='quest:token_budget={64 * page}'"
+        )
+    if config.rescore > 1 and page != block_size:
+        raise ValueError(
+            f"quest: rescore={config.rescore} ranks pages of one KV block, but page_size={page} holds "
+            f"{page // block_size} blocks of {block_size}; leave page_size unset, or use rescore=1"
         )
     if config.metadata_dtype == "fp8" and not float8_available(device):
         major, minor = torch.cuda.get_device_capability(device)

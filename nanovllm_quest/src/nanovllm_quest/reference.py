@@ -126,6 +126,35 @@ def page_masses(
     return _force_pages(score, kv_lens, page_size, keep_sink, recent_pages)
 
 
+def rescore_pages(
+    q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
+    candidates: torch.Tensor, scores: torch.Tensor, group_reduction: str = "max",
+) -> torch.Tensor:
+    """``scores [S, Hkv, P]`` of pages of one block re-ranked over ``candidates [S, Hkv, C]`` (logical
+    blocks, -1 padded; :func:`top_pages` of ``scores``): a candidate scores the largest ``q . k`` of its keys
+    for each query head (keys at or past ``kv_lens`` left out), its GQA group's combined by
+    ``group_reduction``; a forced page (``+inf``) stays forced; every other page gets ``-inf``. The page
+    bound's exact value: the bound over one key."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    valid = candidates >= 0
+    pages = candidates.clamp(min=0).long()  # [S, Hkv, C]
+    phys = block_tables.long().gather(1, pages.flatten(1)).view_as(pages)
+    heads = torch.arange(num_kv_heads, device=q.device)[None, :, None]
+    keys = k_cache.transpose(1, 2)[phys, heads].float()  # [S, Hkv, C, block, D]
+    qg = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    logits = torch.einsum("shgd,shcjd->shgcj", qg, keys)
+    pos = pages[:, :, None, :, None] * block_size + torch.arange(block_size, device=q.device)
+    logits = logits.masked_fill(pos >= kv_lens.long()[:, None, None, None, None], float("-inf"))
+    best = logits.amax(-1)  # [S, Hkv, G, C]
+    exact = best.amax(2) if group_reduction == "max" else best.sum(2)
+    exact = torch.where(scores.gather(-1, pages) == float("inf"), float("inf"), exact)
+    width = scores.shape[-1]
+    out = torch.full((num_seqs, num_kv_heads, width + 1), float("-inf"), device=q.device)
+    out.scatter_(-1, torch.where(valid, pages, width), torch.where(valid, exact, float("-inf")))
+    return out[..., :width]
+
+
 def _force_pages(score: torch.Tensor, kv_lens: torch.Tensor, page_size: int, keep_sink: bool,
                  recent_pages: int) -> torch.Tensor:
     """``score [S, Hkv, P]`` with the ``recent_pages`` newest pages (at least one) and page 0 with
