@@ -82,7 +82,8 @@ def test_config_is_checked_at_the_selection():
                          ("metadata_dtype=fp16", "metadata_dtype must be one of 'auto', 'kv', 'fp8'"),
                          ("budget=4", "Accepted: token_budget, skip_layers, group_reduction, keep_sink, "
                                       "recent_pages, page_size, bound_size, metadata_dtype, rescore, oracle"),
-                         ("rescore=0", "rescore must be an int >= 1")]:
+                         ("rescore=0", "rescore must be an int >= 1"),
+                         ("rescore=2,oracle=true", "rescore has nothing to refine; use one of them")]:
         with pytest.raises(SelectionError, match=message):
             resolve_sparse_policy(f"quest:{bad}")
 

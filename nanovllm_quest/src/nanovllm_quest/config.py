@@ -91,3 +91,8 @@ class QuestConfig:
     metadata_dtype: str = attrs.field(default="auto", validator=_one_of(METADATA_DTYPES))
     rescore: int = attrs.field(default=1, validator=_int_at_least(1))
     oracle: bool = attrs.field(default=False, validator=_bool)
+
+    def __attrs_post_init__(self) -> None:
+        if self.oracle and self.rescore > 1:
+            raise ValueError("oracle=true ranks every page by its exact attention mass, so rescore has nothing "
+                             "to refine; use one of them")
