@@ -240,8 +240,8 @@ def test_select_pages(device, dtype):
 @cases
 @pytest.mark.parametrize("reduction", ["max", "sum"])
 def test_rescore_pages(device, dtype, reduction):
-    """Nominees' exact scores: a row with fewer valid pages than nominees (-1 padding), a history ending
-    inside its last page (keys past it left out), forced pages kept ``+inf``, every other page ``-inf``."""
+    """Nominees' exact scores: a row with fewer valid pages than nominees (-1 padding: ``-inf``), a history
+    ending inside its last page (keys past it left out), forced pages kept ``+inf``."""
     gen = torch.Generator().manual_seed(13)
     seqs, heads, hkv, d, width, block = 3, 8, 2, 64, 30, 16
     k_cache = torch.randn(seqs * width, block, hkv, d, generator=gen).to(dtype)
@@ -254,13 +254,36 @@ def test_rescore_pages(device, dtype, reduction):
     nominees = reference.top_pages(scores, 12, lens, block, block)
     assert (nominees[2] == -1).any()
     want = reference.rescore_pages(q, k_cache, tables, lens, nominees, scores, reduction)
-    assert torch.isfinite(want).sum() == 2 * (11 + 11 + 5)  # per KV head: 12, 12 and 6 nominees, 1 forced
+    assert want.shape == nominees.shape and torch.equal(torch.isneginf(want), nominees < 0)
+    assert torch.isposinf(want).sum() == 3 * 2  # the sink, nominated first in every row
     args = [t.to(device) for t in (q, k_cache, tables, lens, nominees, scores)]
     got = kernels.rescore_pages(*args, reduction).cpu()
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     finite = torch.isfinite(want)
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-3)
     assert torch.equal(got[~finite], want[~finite])
+
+
+@cases
+@pytest.mark.parametrize(("width", "k"), [(24, 8), (40, 16), (6, 8)])
+def test_pick_nominees(device, dtype, width, k):
+    """The ``k`` best nominees (ties: the earlier; ``-inf``, NaN and padding never) as their pages."""
+    gen = torch.Generator().manual_seed(width)
+    nominees = torch.sort(torch.randperm(500, generator=gen)[: 3 * 2 * width].view(3, 2, width), dim=-1).values
+    exact = (torch.randn(3, 2, width, generator=gen) * 3).round() + 0.0  # ties (+ 0.0: no -0.0, which the
+    # kernel's integer order puts just below 0.0)
+    exact[0, 0, : width // 2] = float("-inf")  # padding: fewer than k in some rows
+    nominees[0, 0, : width // 2] = -1
+    exact[1, :, 1] = float("inf")  # forced
+    exact[2, 1, 3] = float("nan")
+    want = reference.pick_nominees(exact, nominees.int(), k)
+    assert want.shape == (3, 2, k) and (want[0, 0] == -1).any() == (width - width // 2 < k)
+    for s in range(3):
+        for h in range(2):
+            got_pages = [p for p in want[s, h].tolist() if p >= 0]
+            assert got_pages == sorted(got_pages) and set(got_pages) <= set(nominees[s, h].tolist())
+    got = kernels.pick_nominees(exact.to(device), nominees.int().to(device), k).cpu()
+    assert torch.equal(got, want)
 
 
 def test_kernels_under_interpreter():
@@ -271,4 +294,4 @@ def test_kernels_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == 3 * 2 + 2 * 2 + 2 * 2 * 3 * 2 + 2 + 7 * 2 + 1 + 2, tail
+    assert passed == 3 * 2 + 2 * 2 + 2 * 2 * 3 * 2 + 2 + 7 * 2 + 1 + 2 + 3, tail

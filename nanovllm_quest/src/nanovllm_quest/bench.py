@@ -117,8 +117,8 @@ def bench_quest(layers: list, backend, scale: float, context: int, batch: int, b
                 metadata_key: tuple[int, str, int], dense_ms: float, dense_one_ms: float, rescore: int = 1
                 ) -> dict[str, Any]:
     """One row: Quest's steps at one budget, page size, metadata dtype, bound size and rescore factor over
-    the layers' caches, against their dense time (scoring, the nominees rescored, then top-K, then the
-    attention over the selection)."""
+    the layers' caches, against their dense time (scoring, then the selection: top-K, or with rescore the
+    nominees' top-K, their rescoring and the pick; then the attention over the selection)."""
     from nanovllm.bench.kernels import graph_ms
 
     from nanovllm_quest import kernels
@@ -130,31 +130,26 @@ def bench_quest(layers: list, backend, scale: float, context: int, batch: int, b
         return kernels.page_scores(x.q, x.metadata[metadata_key], x.meta.block_tables, x.meta.context_lens,
                                    BLOCK_SIZE, page)
 
-    def rescored(x, scores):
+    def top(x, scores):
+        if rescore == 1:
+            return kernels.top_pages(scores, k, x.meta.context_lens, BLOCK_SIZE, page)
         lens = x.meta.context_lens
         nominees = kernels.top_pages(scores, rescore * k, lens, BLOCK_SIZE, page)
-        return kernels.rescore_pages(x.q, x.k_cache, x.meta.block_tables, lens, nominees, scores)
-
-    def top(x, scores):
-        return kernels.top_pages(scores, k, x.meta.context_lens, BLOCK_SIZE, page)
+        exact = kernels.rescore_pages(x.q, x.k_cache, x.meta.block_tables, lens, nominees, scores)
+        return kernels.pick_nominees(exact, nominees, k)
 
     def attend(x, sel):
         return backend.attend_blocks(x.q, x.k_cache, x.v_cache, x.meta, sel, x.meta.context_lens, scale)
 
     def quest(x):
-        scores = score(x)
-        return attend(x, top(x, rescored(x, scores) if rescore > 1 else scores))
+        return attend(x, top(x, score(x)))
 
     scores = [score(x) for x in layers]
-    rescore_us = None
-    if rescore > 1:
-        rescore_us = 1000 * graph_ms([partial(rescored, x, s) for x, s in zip(layers, scores, strict=True)])
-        scores = [rescored(x, s) for x, s in zip(layers, scores, strict=True)]
     selections = [top(x, s) for x, s in zip(layers, scores, strict=True)]
     quest_ms = graph_ms([partial(quest, x) for x in layers])
     row = {
         "benchmark": "attention", "context": context, "batch": batch, "budget": budget, "page_size": page,
-        "metadata_dtype": kind, "bound_size": bound, "rescore": rescore, "rescore_us": rescore_us,
+        "metadata_dtype": kind, "bound_size": bound, "rescore": rescore,
         "layers_in_graph": len(layers),
         "dense_us": 1000 * dense_ms, "quest_us": 1000 * quest_ms,
         "score_us": 1000 * graph_ms([partial(score, x) for x in layers]),
@@ -401,17 +396,16 @@ def markdown(payload: dict[str, Any], title: str) -> str:
              f"Preset {PRESET} (random weights), blocks of {BLOCK_SIZE}, bfloat16; targets from issue 9.", "",
              "## Decode attention per layer (us; layers in one CUDA graph, cold L2)", "",
              "Columns `one layer`: a graph of one layer, whose replay adds the graph launch to the layer.", "",
-             "Column `rescore`: the bound's nominees (a top-K of rescore x budget pages) ranked again by "
-             "their keys (page label `r`: the factor), between scoring and the top-K.", "",
-             "| context | batch | budget | page | layers | dense | Quest | score | rescore | top-K | attend | "
+             "Page label `r`: the factor of `rescore`; its top-K column is the whole selection (the nominees' "
+             "top-K, their rescoring by their keys and the pick among them).", "",
+             "| context | batch | budget | page | layers | dense | Quest | score | top-K | attend | "
              "speedup | ceiling | target | dense, one layer | Quest, one layer | speedup, one layer |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["results"]:
         if r["benchmark"] == "attention":
             page = page_label(r)
             cells = [r["context"], r["batch"], r["budget"], page, r["layers_in_graph"],
-                     f"{r['dense_us']:.1f}", f"{r['quest_us']:.1f}", f"{r['score_us']:.1f}",
-                     f"{r['rescore_us']:.1f}" if r.get("rescore_us") else "", f"{r['topk_us']:.1f}",
+                     f"{r['dense_us']:.1f}", f"{r['quest_us']:.1f}", f"{r['score_us']:.1f}", f"{r['topk_us']:.1f}",
                      f"{r['attend_us']:.1f}", f"{r['speedup']:.2f}x", f"{r['ceiling']:.1f}x",
                      f">= {r['target']}x" if r.get("target") else "", f"{r['dense_one_layer_us']:.1f}",
                      f"{r['quest_one_layer_us']:.1f}", f"{r['speedup_one_layer']:.2f}x"]

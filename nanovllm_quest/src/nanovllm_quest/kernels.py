@@ -12,7 +12,8 @@
   compacted in ascending order with a prefix sum (ties go to the lower index) and written as their blocks.
 - ``rescore_pages``: one program per (sequence, KV head, tile of nominated pages): the tile's keys in one
   dot with the GQA group's queries, each page's largest logit per head, the group's reduced; forced pages
-  stay ``+inf``.
+  stay ``+inf``. ``pick_nominees`` is ``top_pages``' selection over those scores, written as the nominees'
+  pages.
 Scoring and top-K stay two launches: a kernel doing both in one program per (sequence, KV head) was
 slower on the H100 in every case measured (at pages of 64, 32K, batch 1: 19.6 against 12.9 us).
 
@@ -242,7 +243,7 @@ def page_scores(
 def _rescore_kernel(
     Q, K, BlockTables, KVLens, Nominees, Scores, Out, num_nominees,
     stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ns, stride_nh,
-    stride_ss, stride_sh,
+    stride_ss, stride_sh, stride_os, stride_oh,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BS_PAD: tl.constexpr, TILE: tl.constexpr, REDUCE_MAX: tl.constexpr,
     FP32: tl.constexpr,
@@ -280,18 +281,18 @@ def _rescore_kernel(
     offs_c = tl.program_id(2) * TILE + tl.arange(0, TILE)
     page = tl.load(nominees + offs_c, mask=offs_c < num_nominees, other=-1)
     live = page >= 0
-    row = s * stride_ss + kvh * stride_sh + page
-    forced = tl.load(Scores + row, mask=live, other=0.0) == float("inf")
-    tl.store(Out + row, tl.where(forced, float("inf"), score), mask=live)
+    forced = tl.load(Scores + s * stride_ss + kvh * stride_sh + page, mask=live, other=0.0) == float("inf")
+    score = tl.where(live, tl.where(forced, float("inf"), score), float("-inf"))
+    tl.store(Out + s * stride_os + kvh * stride_oh + offs_c, score, mask=offs_c < num_nominees)
 
 
 def rescore_pages(
     q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
     candidates: torch.Tensor, scores: torch.Tensor, group_reduction: str = "max",
 ) -> torch.Tensor:
-    out = torch.full_like(scores, float("-inf"))
     num_seqs, num_kv_heads, num_nominees = candidates.shape
-    if out.numel() == 0 or num_nominees == 0:
+    out = torch.empty(candidates.shape, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
         return out
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
     assert scores.is_contiguous() and candidates.stride(-1) == 1
@@ -305,7 +306,7 @@ def rescore_pages(
         q, k_cache, block_tables, kv_lens, candidates, scores, out, num_nominees,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), candidates.stride(0), candidates.stride(1),
-        scores.stride(0), scores.stride(1),
+        scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BS_PAD=bs_pad, TILE=tile,
         REDUCE_MAX=group_reduction == "max", FP32=q.dtype == torch.float32 or not q.is_cuda, num_warps=4,
@@ -332,12 +333,13 @@ def _tile_keys(row, i, offs, width, TILE: tl.constexpr):
 
 @triton.jit
 def _select_row(
-    row, out, width, history_blocks,
+    row, out, width, history_blocks, names,
     K: tl.constexpr, OUT_PAD: tl.constexpr, TILE: tl.constexpr, NUM_TILES: tl.constexpr,
-    BLOCKS_PER_PAGE: tl.constexpr,
+    BLOCKS_PER_PAGE: tl.constexpr, NAMED: tl.constexpr,
 ):
     """The blocks of the ``K`` best pages of one score row (``width`` pages) into ``out`` (``K *
-    BLOCKS_PER_PAGE`` entries): pages ascending, each as its blocks below ``history_blocks``, -1 padded."""
+    BLOCKS_PER_PAGE`` entries): pages ascending, each as its blocks below ``history_blocks``, -1 padded.
+    ``NAMED``: entry ``i`` of the row is page ``names[i]`` (ascending), not page ``i``."""
     offs = tl.arange(0, TILE)
     if NUM_TILES == 1:
         keys = _tile_keys(row, 0, offs, width, TILE)
@@ -378,7 +380,10 @@ def _select_row(
         take = ((tile > t) | ((tie == 1) & (tie_rank < ties_left))).to(tl.int32)
         slot = (written + tl.cumsum(take, 0) - take) * BLOCKS_PER_PAGE
         for j in tl.static_range(BLOCKS_PER_PAGE):
-            block = (i * TILE + offs) * BLOCKS_PER_PAGE + j
+            if NAMED:
+                block = tl.load(names + i * TILE + offs, mask=take == 1, other=-1) * BLOCKS_PER_PAGE + j
+            else:
+                block = (i * TILE + offs) * BLOCKS_PER_PAGE + j
             tl.store(out + slot + j, tl.where(block < history_blocks, block, -1).to(tl.int32), mask=take == 1)
         written += tl.sum(take, 0)
         ties_left -= tl.sum(tie * (tie_rank < ties_left).to(tl.int32), 0)
@@ -395,8 +400,31 @@ def _topk_kernel(
 ):
     r = tl.program_id(0).to(tl.int64)
     history_blocks = tl.cdiv(tl.load(KVLens + r // NUM_KV_HEADS), BLOCK_SIZE)
-    _select_row(Scores + r * stride_sr, Out + r * stride_or, width, history_blocks, K, OUT_PAD, TILE, NUM_TILES,
-                BLOCKS_PER_PAGE)
+    _select_row(Scores + r * stride_sr, Out + r * stride_or, width, history_blocks, Scores, K, OUT_PAD, TILE,
+                NUM_TILES, BLOCKS_PER_PAGE, False)
+
+
+@triton.jit
+def _pick_kernel(Scores, Names, Out, width, stride_sr, stride_nr, stride_or,
+                 K: tl.constexpr, OUT_PAD: tl.constexpr, TILE: tl.constexpr, NUM_TILES: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    _select_row(Scores + r * stride_sr, Out + r * stride_or, width, 2147483647, Names + r * stride_nr, K, OUT_PAD,
+                TILE, NUM_TILES, 1, True)
+
+
+def pick_nominees(exact: torch.Tensor, nominees: torch.Tensor, k: int) -> torch.Tensor:
+    num_seqs, num_kv_heads, width = exact.shape
+    out = torch.empty(num_seqs, num_kv_heads, k, dtype=torch.int32, device=exact.device)
+    if out.numel() == 0:
+        return out
+    assert exact.is_contiguous() and nominees.is_contiguous()
+    tile = min(triton.next_power_of_2(max(width, 16)), MAX_TOPK_TILE)
+    _pick_kernel[(num_seqs * num_kv_heads,)](
+        exact, nominees, out, width, width, width, k,
+        K=k, OUT_PAD=triton.next_power_of_2(k), TILE=tile, NUM_TILES=triton.cdiv(width, tile),
+        num_warps=8 if tile >= 4096 else 4,
+    )
+    return out
 
 
 def top_pages(scores: torch.Tensor, k: int, kv_lens: torch.Tensor, block_size: int, page_size: int) -> torch.Tensor:

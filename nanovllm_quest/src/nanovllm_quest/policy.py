@@ -144,11 +144,12 @@ class QuestPolicy(SparsePolicy):
                 self.block_size, self.page_size, cfg.group_reduction, self.keep_sink, self.recent_pages,
             )
             if cfg.rescore > 1:
-                scores = self._rescore(ctx, scores)
+                return self._rescore(ctx, scores)
         return self.ops.top_pages(scores, self.budget_pages, lens, self.block_size, self.page_size)
 
     def _rescore(self, ctx: PolicyContext, scores: torch.Tensor) -> torch.Tensor:
-        """The bound's ``rescore x budget`` best pages ranked again by their keys' exact ``q . k``."""
+        """The budget's best of the bound's ``rescore x budget`` best pages, ranked by their keys' exact
+        ``q . k``."""
         if ctx.offload is not None:
             raise NotImplementedError(
                 "quest: rescore reads the nominated pages' keys from the GPU cache, and KV offload keeps "
@@ -156,8 +157,9 @@ class QuestPolicy(SparsePolicy):
             )
         lens = ctx.history_lens
         nominees = self.ops.top_pages(scores, self.nominated_pages, lens, self.block_size, self.page_size)
-        return self.ops.rescore_pages(ctx.query, ctx.k_cache, ctx.meta.block_tables, lens, nominees, scores,
-                                      self.config.group_reduction)
+        exact = self.ops.rescore_pages(ctx.query, ctx.k_cache, ctx.meta.block_tables, lens, nominees, scores,
+                                       self.config.group_reduction)
+        return self.ops.pick_nominees(exact, nominees, self.budget_pages)
 
     def compute_chunked_decode(self, q: torch.Tensor, ctx: PolicyContext) -> torch.Tensor:
         if self.is_dense(ctx):

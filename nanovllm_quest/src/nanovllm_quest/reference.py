@@ -130,11 +130,11 @@ def rescore_pages(
     q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
     candidates: torch.Tensor, scores: torch.Tensor, group_reduction: str = "max",
 ) -> torch.Tensor:
-    """``scores [S, Hkv, P]`` of pages of one block re-ranked over ``candidates [S, Hkv, C]`` (logical
-    blocks, -1 padded; :func:`top_pages` of ``scores``): a candidate scores the largest ``q . k`` of its keys
-    for each query head (keys at or past ``kv_lens`` left out), its GQA group's combined by
-    ``group_reduction``; a forced page (``+inf``) stays forced; every other page gets ``-inf``. The page
-    bound's exact value: the bound over one key."""
+    """``[S, Hkv, C]`` float32 exact scores of the nominated pages ``candidates [S, Hkv, C]`` (pages of one
+    block as logical blocks, -1 padded; :func:`top_pages` of ``scores [S, Hkv, P]``): a nominee scores the
+    largest ``q . k`` of its keys for each query head (keys at or past ``kv_lens`` left out), its GQA
+    group's combined by ``group_reduction``; a page ``scores`` forces (``+inf``) stays ``+inf``, padding is
+    ``-inf``. It is the page bound taken over one key."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     valid = candidates >= 0
@@ -149,10 +149,22 @@ def rescore_pages(
     best = logits.amax(-1)  # [S, Hkv, G, C]
     exact = best.amax(2) if group_reduction == "max" else best.sum(2)
     exact = torch.where(scores.gather(-1, pages) == float("inf"), float("inf"), exact)
-    width = scores.shape[-1]
-    out = torch.full((num_seqs, num_kv_heads, width + 1), float("-inf"), device=q.device)
-    out.scatter_(-1, torch.where(valid, pages, width), torch.where(valid, exact, float("-inf")))
-    return out[..., :width]
+    return torch.where(valid, exact, float("-inf"))
+
+
+def pick_nominees(exact: torch.Tensor, nominees: torch.Tensor, k: int) -> torch.Tensor:
+    """``[S, Hkv, k]`` int32: the ``k`` best nominees by ``exact [S, Hkv, C]`` (ties: the earlier one;
+    ``-inf`` never chosen), as their pages ``nominees [S, Hkv, C]`` (ascending), ascending, -1 padded."""
+    width = exact.shape[-1]
+    take = min(k, width)
+    exact = torch.nan_to_num(exact, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    ordered = torch.sort(exact, dim=-1, descending=True, stable=True)
+    picked = torch.where(ordered.values[..., :take] > float("-inf"), ordered.indices[..., :take], width)
+    picked = picked.sort(dim=-1).values
+    pages = torch.where(picked < width, nominees.long().gather(-1, picked.clamp(max=width - 1)), -1)
+    if take < k:
+        pages = torch.cat([pages, pages.new_full((*pages.shape[:-1], k - take), -1)], dim=-1)
+    return pages.to(torch.int32)
 
 
 def _force_pages(score: torch.Tensor, kv_lens: torch.Tensor, page_size: int, keep_sink: bool,
