@@ -269,7 +269,8 @@ def test_rescore_pages(device, dtype, reduction):
 def test_pick_nominees(device, dtype, width, k):
     """The ``k`` best nominees (ties: the earlier; ``-inf``, NaN and padding never) as their pages."""
     gen = torch.Generator().manual_seed(width)
-    nominees = torch.sort(torch.randperm(500, generator=gen)[: 3 * 2 * width].view(3, 2, width), dim=-1).values
+    pages = torch.randperm(500, generator=gen)[: 3 * 2 * width].view(3, 2, width)
+    nominees = torch.sort(pages, dim=-1).values
     exact = (torch.randn(3, 2, width, generator=gen) * 3).round() + 0.0  # ties (+ 0.0: no -0.0, which the
     # kernel's integer order puts just below 0.0)
     exact[0, 0, : width // 2] = float("-inf")  # padding: fewer than k in some rows

@@ -396,8 +396,8 @@ def markdown(payload: dict[str, Any], title: str) -> str:
              f"Preset {PRESET} (random weights), blocks of {BLOCK_SIZE}, bfloat16; targets from issue 9.", "",
              "## Decode attention per layer (us; layers in one CUDA graph, cold L2)", "",
              "Columns `one layer`: a graph of one layer, whose replay adds the graph launch to the layer.", "",
-             "Page label `r`: the factor of `rescore`; its top-K column is the whole selection (the nominees' "
-             "top-K, their rescoring by their keys and the pick among them).", "",
+             "Page label `r`: the factor of `rescore`; its top-K column is the whole selection (the "
+             "nominees' top-K, their rescoring by their keys and the pick among them).", "",
              "| context | batch | budget | page | layers | dense | Quest | score | top-K | attend | "
              "speedup | ceiling | target | dense, one layer | Quest, one layer | speedup, one layer |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -94,5 +94,5 @@ class QuestConfig:
 
     def __attrs_post_init__(self) -> None:
         if self.oracle and self.rescore > 1:
-            raise ValueError("oracle=true ranks every page by its exact attention mass, so rescore has nothing "
-                             "to refine; use one of them")
+            raise ValueError("oracle=true ranks every page by its exact attention mass, so rescore has "
+                             "nothing to refine; use one of them")

@@ -408,8 +408,8 @@ def _topk_kernel(
 def _pick_kernel(Scores, Names, Out, width, stride_sr, stride_nr, stride_or,
                  K: tl.constexpr, OUT_PAD: tl.constexpr, TILE: tl.constexpr, NUM_TILES: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
-    _select_row(Scores + r * stride_sr, Out + r * stride_or, width, 2147483647, Names + r * stride_nr, K, OUT_PAD,
-                TILE, NUM_TILES, 1, True)
+    _select_row(Scores + r * stride_sr, Out + r * stride_or, width, 2147483647, Names + r * stride_nr, K,
+                OUT_PAD, TILE, NUM_TILES, 1, True)
 
 
 def pick_nominees(exact: torch.Tensor, nominees: torch.Tensor, k: int) -> torch.Tensor:
