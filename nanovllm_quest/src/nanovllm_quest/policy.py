@@ -22,6 +22,8 @@ the page keeps one min/max per ``bound_size`` tokens and scores the largest of t
 - With offload, the metadata stays on the GPU and only the selected head blocks cross PCIe
   (``ctx.attend_blocks``); the ``skip_layers`` are the policy's ``dense_layers``, whose KV the engine
   keeps resident on the GPU, so their whole history does not cross PCIe every step.
+- ``rescore`` above 1 keeps the bound as a first pass: it nominates ``rescore`` times the budget's pages,
+  whose keys' largest ``q . k`` then picks the budget (GPU cache only, not under offload).
 - ``oracle=true`` (evaluation only) ranks pages by their exact attention mass instead of the bound, reading
   every history key each step, eagerly.
 """
