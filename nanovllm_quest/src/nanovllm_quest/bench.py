@@ -122,6 +122,7 @@ def bench_quest(layers: list, backend, scale: float, context: int, batch: int, b
     from nanovllm.bench.kernels import graph_ms
 
     from nanovllm_quest import kernels
+    from nanovllm_quest.policy import rescore_selection
 
     page, kind, bound = metadata_key
     k = budget // page
@@ -133,10 +134,8 @@ def bench_quest(layers: list, backend, scale: float, context: int, batch: int, b
     def top(x, scores):
         if rescore == 1:
             return kernels.top_pages(scores, k, x.meta.context_lens, BLOCK_SIZE, page)
-        lens = x.meta.context_lens
-        nominees = kernels.top_pages(scores, rescore * k, lens, BLOCK_SIZE, page)
-        exact = kernels.rescore_pages(x.q, x.k_cache, x.meta.block_tables, lens, nominees, scores)
-        return kernels.pick_nominees(exact, nominees, k)
+        return rescore_selection(kernels, x.q, x.k_cache, x.meta.block_tables, x.meta.context_lens, scores, k,
+                                 rescore)
 
     def attend(x, sel):
         return backend.attend_blocks(x.q, x.k_cache, x.v_cache, x.meta, sel, x.meta.context_lens, scale)

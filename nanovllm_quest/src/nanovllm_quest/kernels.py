@@ -288,14 +288,14 @@ def _rescore_kernel(
 
 def rescore_pages(
     q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
-    candidates: torch.Tensor, scores: torch.Tensor, group_reduction: str = "max",
+    nominees: torch.Tensor, scores: torch.Tensor, group_reduction: str = "max",
 ) -> torch.Tensor:
-    num_seqs, num_kv_heads, num_nominees = candidates.shape
-    out = torch.empty(candidates.shape, dtype=torch.float32, device=q.device)
+    num_seqs, num_kv_heads, num_nominees = nominees.shape
+    out = torch.empty(nominees.shape, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
-    assert scores.is_contiguous() and candidates.stride(-1) == 1
+    assert scores.is_contiguous() and nominees.stride(-1) == 1
     num_heads, head_dim = q.shape[1:]
     group = num_heads // num_kv_heads
     block_size = k_cache.shape[1]
@@ -303,9 +303,9 @@ def rescore_pages(
     tile = max(1, RESCORE_ROWS // bs_pad)  # pages a program
     grid = (num_seqs, num_kv_heads, triton.cdiv(num_nominees, tile))
     _rescore_kernel[grid](
-        q, k_cache, block_tables, kv_lens, candidates, scores, out, num_nominees,
+        q, k_cache, block_tables, kv_lens, nominees, scores, out, num_nominees,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), candidates.stride(0), candidates.stride(1),
+        block_tables.stride(0), nominees.stride(0), nominees.stride(1),
         scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BS_PAD=bs_pad, TILE=tile,

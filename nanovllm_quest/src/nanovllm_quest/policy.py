@@ -81,7 +81,6 @@ class QuestPolicy(SparsePolicy):
         # the forced pages fit the budget, the newest first: a one-page budget keeps the page being written
         self.keep_sink = self.config.keep_sink and self.budget_pages > 1
         self.recent_pages = max(1, min(self.config.recent_pages, self.budget_pages - self.keep_sink))
-        self.nominated_pages = self.config.rescore * self.budget_pages
         self.ops = _ops(device)
         sparse_layers = max(0, num_layers - self.config.skip_layers)
         # [layer - skip_layers, block, KV head, min|max of each bound, head_dim]: a page's bounds at its
@@ -157,16 +156,25 @@ class QuestPolicy(SparsePolicy):
                 "quest: rescore reads the nominated pages' keys from the GPU cache, and KV offload keeps "
                 "them in host memory; use rescore=1 with offload, or run without offload"
             )
-        lens = ctx.history_lens
-        nominees = self.ops.top_pages(scores, self.nominated_pages, lens, self.block_size, self.page_size)
-        exact = self.ops.rescore_pages(ctx.query, ctx.k_cache, ctx.meta.block_tables, lens, nominees, scores,
-                                       self.config.group_reduction)
-        return self.ops.pick_nominees(exact, nominees, self.budget_pages)
+        return rescore_selection(self.ops, ctx.query, ctx.k_cache, ctx.meta.block_tables, ctx.history_lens,
+                                 scores, self.budget_pages, self.config.rescore, self.config.group_reduction)
 
     def compute_chunked_decode(self, q: torch.Tensor, ctx: PolicyContext) -> torch.Tensor:
         if self.is_dense(ctx):
             return ctx.attend_all(q)
         return ctx.attend_blocks(q, self._selection(ctx))[0]
+
+
+def rescore_selection(
+    ops, q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
+    scores: torch.Tensor, budget_pages: int, rescore: int, group_reduction: str = "max",
+) -> torch.Tensor:
+    """Pages of one block: the ``budget_pages`` best, by their keys' exact ``q . k``, of the ``rescore x
+    budget_pages`` best by ``scores`` (the bound), with ``ops`` the kernels or the torch references."""
+    block_size = k_cache.shape[1]
+    nominees = ops.top_pages(scores, rescore * budget_pages, kv_lens, block_size, block_size)
+    exact = ops.rescore_pages(q, k_cache, block_tables, kv_lens, nominees, scores, group_reduction)
+    return ops.pick_nominees(exact, nominees, budget_pages)
 
 
 class BoundLayout(NamedTuple):

@@ -128,17 +128,17 @@ def page_masses(
 
 def rescore_pages(
     q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
-    candidates: torch.Tensor, scores: torch.Tensor, group_reduction: str = "max",
+    nominees: torch.Tensor, scores: torch.Tensor, group_reduction: str = "max",
 ) -> torch.Tensor:
-    """``[S, Hkv, C]`` float32 exact scores of the nominated pages ``candidates [S, Hkv, C]`` (pages of one
+    """``[S, Hkv, C]`` float32 exact scores of the nominated pages ``nominees [S, Hkv, C]`` (pages of one
     block as logical blocks, -1 padded; :func:`top_pages` of ``scores [S, Hkv, P]``): a nominee scores the
     largest ``q . k`` of its keys for each query head (keys at or past ``kv_lens`` left out), its GQA
     group's combined by ``group_reduction``; a page ``scores`` forces (``+inf``) stays ``+inf``, padding is
     ``-inf``. It is the page bound taken over one key."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    valid = candidates >= 0
-    pages = candidates.clamp(min=0).long()  # [S, Hkv, C]
+    valid = nominees >= 0
+    pages = nominees.clamp(min=0).long()  # [S, Hkv, C]
     phys = block_tables.long().gather(1, pages.flatten(1)).view_as(pages)
     heads = torch.arange(num_kv_heads, device=q.device)[None, :, None]
     keys = k_cache.transpose(1, 2)[phys, heads].float()  # [S, Hkv, C, block, D]
@@ -153,18 +153,12 @@ def rescore_pages(
 
 
 def pick_nominees(exact: torch.Tensor, nominees: torch.Tensor, k: int) -> torch.Tensor:
-    """``[S, Hkv, k]`` int32: the ``k`` best nominees by ``exact [S, Hkv, C]`` (ties: the earlier one;
-    ``-inf`` never chosen), as their pages ``nominees [S, Hkv, C]`` (ascending), ascending, -1 padded."""
-    width = exact.shape[-1]
-    take = min(k, width)
-    exact = torch.nan_to_num(exact, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-    ordered = torch.sort(exact, dim=-1, descending=True, stable=True)
-    picked = torch.where(ordered.values[..., :take] > float("-inf"), ordered.indices[..., :take], width)
-    picked = picked.sort(dim=-1).values
-    pages = torch.where(picked < width, nominees.long().gather(-1, picked.clamp(max=width - 1)), -1)
-    if take < k:
-        pages = torch.cat([pages, pages.new_full((*pages.shape[:-1], k - take), -1)], dim=-1)
-    return pages.to(torch.int32)
+    """``[S, Hkv, k]`` int32: :func:`top_pages`' selection of ``k`` among the nominees by their scores
+    ``exact [S, Hkv, C]``, written as their pages ``nominees [S, Hkv, C]`` (ascending), so ascending too, -1
+    padded."""
+    every = torch.full(exact.shape[:1], exact.shape[-1], device=exact.device)  # no nominee is past a history
+    picked = top_pages(exact, k, every, 1, 1).long()  # indices into the nominees
+    return torch.where(picked >= 0, nominees.long().gather(-1, picked.clamp(min=0)), -1).to(torch.int32)
 
 
 def _force_pages(score: torch.Tensor, kv_lens: torch.Tensor, page_size: int, keep_sink: bool,

@@ -1,10 +1,10 @@
 """``nanovllm bench quality``: attention quality of sparse policies on a real model and a real text.
 
 The built-in SmolLM2-135M-Instruct (or ``model``) prefills a long English text found on the machine
-(:mod:`nanovllm.quality.corpus`), or the ``text_file`` given, densely, once; the queries, keys and values of the chosen layers are
-captured, and every policy is evaluated on them for decode queries at block ends over the last three
-quarters of the text (:mod:`nanovllm.quality.evaluate`): mass recall, top-k recall, output error and
-density, next to the oracle and a random selection with the same number of blocks.
+(:mod:`nanovllm.quality.corpus`), or the ``text_file`` given, densely, once; the queries, keys and values
+of the chosen layers are captured, and every policy is evaluated on them for decode queries at block ends
+over the last three quarters of the text (:mod:`nanovllm.quality.evaluate`): mass recall, top-k recall,
+output error and density, next to the oracle and a random selection with the same number of blocks.
 
 One result row per policy, with the run's text, tokens, positions and layers, per-layer metrics and
 their mean. ``sequence`` holds whole-sequence metrics of the policy running in the engine

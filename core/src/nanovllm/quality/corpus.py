@@ -133,8 +133,8 @@ def file_text(path: Path | str) -> CorpusText:
     """A text file named by the user, read whole as UTF-8."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"text file {str(path)!r} does not exist; name a UTF-8 text file, or leave it "
-                                "out to use the text this machine has")
+        raise FileNotFoundError(f"text file {str(path)!r} does not exist; name a UTF-8 text file, or leave "
+                                "it out to use the text this machine has")
     return CorpusText(f"the file {path.name}", str(path), path.read_text(encoding="utf-8", errors="replace"))
 
 
