@@ -204,6 +204,18 @@ def test_dense_layers_that_leave_nothing_to_offload_are_refused(tiny_model):
     _engine(tiny_model(), sparse_policy="quest_style:dense_layers=2")
 
 
+def test_a_policy_that_refuses_offload_fails_at_start_and_only_with_offload(tiny_model, monkeypatch):
+    import quest_style
+
+    def refuse(self) -> None:
+        raise ValueError("quest_style: this option needs the GPU cache; drop kv_offloading_size")
+
+    monkeypatch.setattr(quest_style.QuestStylePolicy, "check_offload", refuse)
+    with pytest.raises(ValueError, match="needs the GPU cache; drop kv_offloading_size"):
+        _engine(tiny_model(), offload_buffer=1.0, sparse_policy="quest_style:budget_blocks=2")
+    _engine(tiny_model(), sparse_policy="quest_style:budget_blocks=2")  # the GPU cache: never asked
+
+
 @pytest.mark.parametrize("cached", [True, False])
 def test_a_sparse_layer_costs_few_host_operations(tiny_model, monkeypatch, cached):
     """Torch ops the host issues per sparse layer on the selected-blocks path (``attend_selected``), with

@@ -13,6 +13,7 @@ from nanovllm.quality import planted
 from nanovllm.quality.capture import Capture, LayerActivations
 from nanovllm.quality.evaluate import evaluate_policy
 from nanovllm.selection import SelectionError, resolve_sparse_policy
+from nanovllm.testing import policy_engine
 from nanovllm_quest import reference
 from nanovllm_quest.config import QuestConfig
 from nanovllm_quest.policy import QuestPolicy, bound_layout
@@ -404,15 +405,14 @@ def test_rescoring_every_page_keeps_those_whose_keys_score_highest(reduction):
             assert chosen == sorted([0, pages - 1, *ranked.tolist()]), f"seq {s} KV head {h}"
 
 
-def test_rescore_is_refused_with_pages_of_several_blocks_and_with_offload():
+def test_rescore_is_refused_with_pages_of_several_blocks_and_with_offload_at_start():
     with pytest.raises(ValueError, match=r"rescore=2 ranks pages of one KV block, but page_size=32 holds 2 "
                                          r"blocks of 16; leave page_size unset, or use rescore=1"):
         QuestPolicy(QuestConfig(rescore=2, page_size=32)).initialize(4, 2, 16, 10, 16, torch.float32,
                                                                      torch.device("cpu"))
-    policy, ctx = decode_batch([150], token_budget=2 * BLOCK, rescore=2)
-    ctx.offload = object()
-    with pytest.raises(NotImplementedError, match="use rescore=1 with offload, or run without offload"):
-        policy.select_blocks(ctx)
+    QuestPolicy(QuestConfig(rescore=1)).check_offload()
+    with pytest.raises(ValueError, match="use rescore=1 with kv_offloading_size, or run without offload"):
+        policy_engine("quest:token_budget=16,skip_layers=1,rescore=2", "cpu", 4, offload=True)
 
 
 def planted_capture(case: planted.PlantedAttention, num_layers: int = 1) -> Capture:

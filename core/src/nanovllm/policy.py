@@ -289,6 +289,11 @@ class SparsePolicy:
         for it comes out of the same budget as the load slots."""
         return frozenset()
 
+    def check_offload(self) -> None:
+        """Called at start when KV offload is on (``kv_offloading_size``), before the pool is allocated. A
+        policy whose options need every key on the GPU raises ``ValueError`` here, naming the fix, so
+        ``LLM(...)`` fails instead of a later step."""
+
     def initialize(
         self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
         dtype: torch.dtype, device: torch.device,

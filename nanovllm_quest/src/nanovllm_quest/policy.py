@@ -23,7 +23,7 @@ the page keeps one min/max per ``bound_size`` tokens and scores the largest of t
   (``ctx.attend_blocks``); the ``skip_layers`` are the policy's ``dense_layers``, whose KV the engine
   keeps resident on the GPU, so their whole history does not cross PCIe every step.
 - ``rescore`` above 1 keeps the bound as a first pass: it nominates ``rescore`` times the budget's pages,
-  whose keys' largest ``q . k`` then picks the budget (GPU cache only, not under offload).
+  whose keys' largest ``q . k`` then picks the budget (GPU cache only: refused at start with offload).
 - ``oracle=true`` (evaluation only) ranks pages by their exact attention mass instead of the bound, reading
   every history key each step, eagerly.
 """
@@ -66,6 +66,14 @@ class QuestPolicy(SparsePolicy):
         itemsize = reference.FP8.itemsize if layout.float8 else dtype.itemsize
         sparse_layers = max(0, num_layers - self.config.skip_layers)
         return sparse_layers * layout.bounds_per_page * num_kv_heads * 2 * head_dim * itemsize
+
+    def check_offload(self) -> None:
+        if self.config.rescore > 1:
+            raise ValueError(
+                f"quest: rescore={self.config.rescore} reads the nominated pages' keys from the GPU cache, "
+                "and KV offload keeps them in host memory; use rescore=1 with kv_offloading_size, or run "
+                "without offload"
+            )
 
     def dense_layers(self, num_layers: int) -> frozenset[int]:
         """The first ``skip_layers`` run dense: under offload their KV stays on the GPU."""
@@ -151,11 +159,6 @@ class QuestPolicy(SparsePolicy):
     def _rescore(self, ctx: PolicyContext, scores: torch.Tensor) -> torch.Tensor:
         """The budget's best of the bound's ``rescore x budget`` best pages, ranked by their keys' exact
         ``q . k``."""
-        if ctx.offload is not None:
-            raise NotImplementedError(
-                "quest: rescore reads the nominated pages' keys from the GPU cache, and KV offload keeps "
-                "them in host memory; use rescore=1 with offload, or run without offload"
-            )
         return rescore_selection(self.ops, ctx.query, ctx.k_cache, ctx.meta.block_tables, ctx.history_lens,
                                  scores, self.budget_pages, self.config.rescore, self.config.group_reduction)
 

@@ -271,6 +271,8 @@ class ModelRunner:
             for i, layer in enumerate(self.attention_layers):
                 layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         else:
+            for policy in self.hooks.policies:  # before the pool: options that need the GPU cache fail now
+                policy.check_offload()
             self.offload = self._make_offload_engine()
             self.num_blocks = self.offload.num_blocks
             for i, layer in enumerate(self.attention_layers):
