@@ -53,6 +53,17 @@ def test_rescore_factors_become_attention_rows_and_engine_policies():
     assert bench.page_label({"page_size": 16, "rescore": 1}) == "16"
 
 
+def test_metadata_variants_lay_out_auto_as_the_policy_does():
+    import torch
+
+    cpu = torch.device("cpu")  # float8 bounds are available there, as on an H100
+    assert bench.metadata_variants([16], ["auto"], [], cpu) == [(16, "fp8", 8)]  # halves, not one bound
+    assert bench.metadata_variants([16, 64], ["kv", "fp8", "auto"], [4, 16, 32], cpu) == [
+        (16, "kv", 16), (16, "kv", 4), (16, "fp8", 8), (16, "fp8", 4), (16, "fp8", 16), (64, "kv", 64),
+        (64, "fp8", 64),
+    ]
+
+
 @pytest.mark.parametrize("page", [16, 48])
 def test_page_metadata_bounds_each_page_at_its_anchor(page):
     import torch

@@ -8,7 +8,8 @@ Jobs, each in its own process (one engine's GPU memory never shrinks the next on
   their own KV are captured one after another in one CUDA graph, as in the engine's decode graph, and the
   replay time is divided by their number; L2 is cold at each replay. A one-layer graph is timed too: its
   replay adds the graph's own launch (about 5 us) to every layer. Each Quest page size (``--page-sizes``),
-  metadata dtype and bound size below the page (``--bound-sizes``) is timed on the same caches, and each
+  metadata dtype (``auto`` laid out as the policy does on this GPU) and bound size of a page of one block
+  (``--bound-sizes``) is timed on the same caches, and each
   ``--rescores`` factor at pages of one block (the bound's nominees ranked again by their keys). The ceiling
   is ``1 / (1 / page_size + budget / context)``, the ratio of the bytes read.
 - ``decode``: the engine end to end, KV on the GPU, CUDA graphs: ``steps`` decode steps after prefilling
@@ -69,16 +70,8 @@ def bench_attention(contexts: list[int], batches: list[int], budgets: list[int],
     from nanovllm.attention.triton_backend import TritonBackend
     from nanovllm.bench.kernels import graph_ms
 
-    from nanovllm_quest.policy import float8_available
-
     backend, scale, rows = TritonBackend(), HEAD_DIM**-0.5, []
-    # "auto" is what the policy picks on this GPU
-    float8 = float8_available(torch.device("cuda"))
-    kinds = dict.fromkeys("fp8" if k == "fp8" or (k == "auto" and float8) else "kv" for k in metadata_dtypes)
-    # (page, metadata dtype, bound size): each page's own bound, and bounds below a page of one block
-    variants = [(page, kind, bound) for page in page_sizes for bound in [page, *sorted(bound_sizes)]
-                if bound == page or (page == BLOCK_SIZE and bound < page and page % bound == 0)
-                for kind in kinds]
+    variants = metadata_variants(page_sizes, metadata_dtypes, bound_sizes, torch.device("cuda"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     for context in contexts:
         for batch in batches:
@@ -111,6 +104,26 @@ def bench_attention(contexts: list[int], batches: list[int], budgets: list[int],
             del layers
             torch.cuda.empty_cache()
     return rows
+
+
+def metadata_variants(page_sizes: list[int], metadata_dtypes: list[str], bound_sizes: list[int],
+                      device: torch.device) -> list[tuple[int, str, int]]:
+    """``(page, "kv" | "fp8", bound size)`` of each configuration as the policy lays it out on ``device``
+    (``bound_layout``): the page's default bound, and each of ``bound_sizes`` that divides a page of one
+    block; ``auto`` resolves as the policy's, float8 halves where float8 is available."""
+    from nanovllm_quest.config import QuestConfig
+    from nanovllm_quest.policy import bound_layout
+
+    variants: dict[tuple[int, str, int], None] = {}
+    for page in page_sizes:
+        bounds = [None, *(b for b in sorted(bound_sizes) if page == BLOCK_SIZE and page % b == 0)]
+        for kind in metadata_dtypes:
+            for bound in bounds:
+                config = QuestConfig(token_budget=max(page, 2048), page_size=page, metadata_dtype=kind,
+                                     bound_size=bound)
+                layout = bound_layout(config, BLOCK_SIZE, device)
+                variants[(page, "fp8" if layout.float8 else "kv", layout.bound_size)] = None
+    return list(variants)
 
 
 def bench_quest(layers: list, backend, scale: float, context: int, batch: int, budget: int,
@@ -521,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="Quest metadata dtypes of the attention job (at each page size; auto: what the "
                         "policy picks on this GPU), and of the decode job's Quest rows besides the default")
     parser.add_argument("--bound-sizes", nargs="+", type=int, default=[],
-                        help="Quest bound sizes below the page (divisors of the block size, 16) of the "
+                        help="Quest bound sizes (divisors of the block size, 16) of the "
                         "attention job at pages of one block, and of the decode job's Quest rows (at each "
                         "metadata dtype)")
     parser.add_argument("--rescores", nargs="+", type=int, default=[],
