@@ -271,8 +271,8 @@ def test_pick_nominees(device, dtype, width, k):
     gen = torch.Generator().manual_seed(width)
     pages = torch.randperm(500, generator=gen)[: 3 * 2 * width].view(3, 2, width)
     nominees = torch.sort(pages, dim=-1).values
-    exact = (torch.randn(3, 2, width, generator=gen) * 3).round() + 0.0  # ties (+ 0.0: no -0.0, which the
-    # kernel's integer order puts just below 0.0)
+    exact = (torch.randn(3, 2, width, generator=gen) * 3).round()  # ties, -0.0 with 0.0 among them
+    assert (exact == 0).any() and torch.signbit(exact[exact == 0]).any()
     exact[0, 0, : width // 2] = float("-inf")  # padding: fewer than k in some rows
     nominees[0, 0, : width // 2] = -1
     exact[1, :, 1] = float("inf")  # forced
