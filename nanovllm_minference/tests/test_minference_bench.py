@@ -32,3 +32,10 @@ def test_fixed_index_lands_near_its_density():
         index = bench.fixed_index(n, target, 64, "cpu")
         density = computed_density(index, torch.tensor([0, n]), torch.tensor([n]))
         assert abs(density - target) < 0.02
+
+
+def test_ttft_policies_join_the_defaults_once_at_each_context():
+    local = "minference:num_recent_diags=6096,dense_below=0"
+    all_jobs = bench.jobs([32768], [32768, 131072], [0.1], [local, "full"])
+    ttft = [(j["context"], j["policy"]) for j in all_jobs if j["kind"] == "ttft"]
+    assert ttft == [(c, p) for c in (32768, 131072) for p in (*bench.TTFT_POLICIES, local)]

@@ -9,7 +9,7 @@ Jobs, each in its own process (one engine's GPU memory never shrinks the next on
   builds with the default budgets, (b) fixed indices (1000 sink columns and a band of diagonals) at set
   densities. Also the estimate and the index building, as a share of dense attention.
 - ``ttft``: the engine end to end: the time to the first token of one prompt, ``full`` against
-  MInference (default budgets; A-shape), KV on the GPU.
+  MInference (default budgets; A-shape; and each of ``--ttft-policies``), KV on the GPU.
 
 Random weights give near-uniform attention. The estimate's best diagonals then scatter over the whole
 context, each pulls in its tiles, and the default budgets compute almost every tile: their density here
@@ -110,11 +110,15 @@ def fixed_index(n: int, density: float, columns: int, device):
                           torch.zeros(1, dtype=torch.long, device=device), n)
 
 
-def jobs(contexts: list[int], ttft_contexts: list[int], densities: list[float]) -> list[dict]:
+TTFT_POLICIES = ("full", "minference:dense_below=0", "minference:pattern=\"a_shape\",dense_below=0")
+
+
+def jobs(contexts: list[int], ttft_contexts: list[int], densities: list[float],
+         ttft_policies: list[str] = ()) -> list[dict]:
     out: list[dict] = [{"kind": "kernel", "contexts": contexts, "densities": densities}]
+    policies = list(dict.fromkeys([*TTFT_POLICIES, *ttft_policies]))
     for context in ttft_contexts:
-        out += [{"kind": "ttft", "context": context, "policy": p}
-                for p in ("full", "minference:dense_below=0", "minference:pattern=\"a_shape\",dense_below=0")]
+        out += [{"kind": "ttft", "context": context, "policy": p} for p in policies]
     return out
 
 
@@ -167,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768, 131072])
     parser.add_argument("--densities", nargs="+", type=float, default=[0.05, 0.1, 0.2, 0.4])
     parser.add_argument("--ttft-contexts", nargs="+", type=int, default=[32768, 131072])
+    parser.add_argument("--ttft-policies", nargs="+", default=[],
+                        help="sparse_policy selections timed by the ttft job besides full, the default budgets "
+                        "and A-shape")
     parser.add_argument("--only", nargs="+", default=None, help="job kinds to run (kernel, ttft)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default="minference")
@@ -176,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from nanovllm.bench import run_plugin_jobs
 
-    selected = [job for job in jobs(args.contexts, args.ttft_contexts, args.densities)
+    selected = [job for job in jobs(args.contexts, args.ttft_contexts, args.densities, args.ttft_policies)
                 if not (args.only and job["kind"] not in args.only)]
     return run_plugin_jobs(selected, "nanovllm_minference.bench", Path(args.out), args.name, vars(args) | {"job": None},
                            with_ratios, markdown, chart)
