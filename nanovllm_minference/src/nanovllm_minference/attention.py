@@ -29,7 +29,7 @@ import triton.language as tl
 from nanovllm.attention.backend import check_paged_inputs, prefill_kernel_outputs
 from nanovllm.attention.triton_kernels import online_softmax_step, tile_blocks
 
-from nanovllm_minference.index import TILE, SparseIndex
+from nanovllm_minference.index import TILE, SparseIndex, computed_density
 
 LOG2E = 1.4426950408889634
 LIST_CHUNK = 1024  # list entries counted per step of the pre-scans: most lists take one step
@@ -217,12 +217,16 @@ def _launch_config(q: torch.Tensor, head_dim: int) -> tuple[int, int]:
 def sparse_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, index: SparseIndex, scale: float,
-    max_query_len: int, *, config: tuple[int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    max_query_len: int, *, dense_above: float | None = None, config: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Sparse prefill attention (Triton): ``(out [T, H, D] in q's dtype, lse [T, H] float32)``.
 
-    ``max_query_len`` (a host int) sizes the grid. ``config`` overrides ``(num_warps, num_stages)``
+    ``max_query_len`` (a host int) sizes the grid. ``dense_above``: when the index computes more than this
+    share of dense causal work (:func:`~nanovllm_minference.index.computed_density`), launch nothing and
+    return ``None``. The share is read back (a host sync) once the launch is prepared, so the GPU idles only
+    for the launch itself after the index is built. ``config`` overrides ``(num_warps, num_stages)``
     (benchmarks)."""
+    density = _density(index, cu_seqlens_q, context_lens, max_query_len, dense_above)
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, index)
     if index.blocks is not None and index.blocks.shape[2] < triton.cdiv(max_query_len, TILE):
         raise ValueError(
@@ -247,6 +251,8 @@ def sparse_attention(
         blocks, block_counts = column_counts, column_counts  # never read
     warps, stages = config or _launch_config(q, head_dim)
     grid = (triton.cdiv(max_query_len, TILE), num_heads, cu_seqlens_q.shape[0] - 1)
+    if density is not None and float(density) > dense_above:
+        return None
     _sparse_prefill_kernel[grid](
         q, k_cache, v_cache, out, lse,
         cu_seqlens_q, context_lens, block_tables,
@@ -267,6 +273,14 @@ def sparse_attention(
 # ---------------------------------------------------------------------------------------------
 # torch reference
 # ---------------------------------------------------------------------------------------------
+
+
+def _density(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, max_query_len: int,
+             dense_above: float | None) -> torch.Tensor | None:
+    """The index's computed density as a device scalar (not read back), when ``dense_above`` asks for it."""
+    if dense_above is None:
+        return None
+    return computed_density(index, cu_seqlens_q, context_lens, max_query_len, as_tensor=True)
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, index: SparseIndex) -> None:
@@ -339,10 +353,13 @@ def _dense_mask(index: SparseIndex, s: int, q_start: int, query_len: int, ctx_le
 def sparse_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, index: SparseIndex, scale: float,
-    max_query_len: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    max_query_len: int, *, dense_above: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Sparse prefill attention (torch, any device; the oracle): a dense mask per sequence, float32 softmax.
-    Same arguments and results as :func:`sparse_attention` (``max_query_len`` is unused)."""
+    Same arguments and results as :func:`sparse_attention`."""
+    density = _density(index, cu_seqlens_q, context_lens, max_query_len, dense_above)
+    if density is not None and float(density) > dense_above:
+        return None
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, index)
     num_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1:3]

@@ -87,32 +87,27 @@ class MInferencePolicy(SparsePolicy):
         if ctx.layer_id < cfg.skip_layers or ctx.meta.max_context_len < cfg.dense_below:
             return ctx.attend_all(q, k, v)
         estimate, attend = _ops(q.device)
-        meta = ctx.meta
+        meta, dense_above = ctx.meta, self.config.dense_above
         if ctx.offload is None:
             index = self.build_index(q, ctx, ctx.k_cache, meta.block_tables, estimate)
+            k_cache, v_cache, tables = ctx.k_cache, ctx.v_cache, meta.block_tables
         else:
             # keys cross PCIe only for what the index scores with; A-shape needs none
             plan = self._plan(ctx.layer_id, q.shape[1], q.device)
             key_cache, key_tables = self._all_keys(ctx) if plan.reads_keys else (ctx.k_cache, meta.block_tables)
             index = self.build_index(q, ctx, key_cache, key_tables, estimate)
             del key_cache
-        if self.too_dense(index, ctx):
-            return ctx.attend_all(q, k, v)
-        if ctx.offload is None:
-            k_cache, v_cache, tables = ctx.k_cache, ctx.v_cache, meta.block_tables
-        else:
+            # decided before the touched blocks cross PCIe
+            if dense_above is not None and computed_density(index, meta.cu_seqlens_q, meta.context_lens,
+                                                            meta.max_query_len) > dense_above:
+                return ctx.attend_all(q, k, v)
             k_cache, v_cache, tables = self._touched_kv(ctx, index)
-        out, _ = attend(q, k_cache, v_cache, tables, meta.cu_seqlens_q, meta.context_lens, index, ctx.scale,
-                        meta.max_query_len)
-        return out
-
-    def too_dense(self, index: SparseIndex, ctx: PolicyContext) -> bool:
-        """Whether the index computes more than ``dense_above`` of dense causal attention's work (a host
-        sync per chunk and layer: prefill is not captured in graphs)."""
-        limit, meta = self.config.dense_above, ctx.meta
-        if limit is None:
-            return False
-        return computed_density(index, meta.cu_seqlens_q, meta.context_lens, meta.max_query_len) > limit
+            dense_above = None
+        # dense_above: the kernel reads the index's density back (a host sync per chunk and layer; prefill
+        # is not captured in graphs) once its launch is prepared, and launches nothing above it
+        result = attend(q, k_cache, v_cache, tables, meta.cu_seqlens_q, meta.context_lens, index, ctx.scale,
+                        meta.max_query_len, dense_above=dense_above)
+        return ctx.attend_all(q, k, v) if result is None else result[0]
 
     def build_index(self, q: torch.Tensor, ctx: PolicyContext, k_cache: torch.Tensor, tables: torch.Tensor,
                     estimate) -> SparseIndex:
