@@ -87,10 +87,13 @@ class MInferencePolicy(SparsePolicy):
         if ctx.layer_id < cfg.skip_layers or ctx.meta.max_context_len < cfg.dense_below:
             return ctx.attend_all(q, k, v)
         estimate, attend = _ops(q.device)
-        meta, dense_above = ctx.meta, self.config.dense_above
+        meta, dense_above = ctx.meta, cfg.dense_above
         if ctx.offload is None:
             index = self.build_index(q, ctx, ctx.k_cache, meta.block_tables, estimate)
-            k_cache, v_cache, tables = ctx.k_cache, ctx.v_cache, meta.block_tables
+            # above dense_above the kernel launches nothing (None): it reads the index's density back, a host
+            # sync per chunk and layer (prefill is not captured in graphs), once its launch is prepared
+            result = attend(q, ctx.k_cache, ctx.v_cache, meta.block_tables, meta.cu_seqlens_q,
+                            meta.context_lens, index, ctx.scale, meta.max_query_len, dense_above=dense_above)
         else:
             # keys cross PCIe only for what the index scores with; A-shape needs none
             plan = self._plan(ctx.layer_id, q.shape[1], q.device)
@@ -101,12 +104,8 @@ class MInferencePolicy(SparsePolicy):
             if dense_above is not None and computed_density(index, meta.cu_seqlens_q, meta.context_lens,
                                                             meta.max_query_len) > dense_above:
                 return ctx.attend_all(q, k, v)
-            k_cache, v_cache, tables = self._touched_kv(ctx, index)
-            dense_above = None
-        # dense_above: the kernel reads the index's density back (a host sync per chunk and layer; prefill
-        # is not captured in graphs) once its launch is prepared, and launches nothing above it
-        result = attend(q, k_cache, v_cache, tables, meta.cu_seqlens_q, meta.context_lens, index, ctx.scale,
-                        meta.max_query_len, dense_above=dense_above)
+            result = attend(q, *self._touched_kv(ctx, index), meta.cu_seqlens_q, meta.context_lens, index,
+                            ctx.scale, meta.max_query_len)
         return ctx.attend_all(q, k, v) if result is None else result[0]
 
     def build_index(self, q: torch.Tensor, ctx: PolicyContext, k_cache: torch.Tensor, tables: torch.Tensor,
