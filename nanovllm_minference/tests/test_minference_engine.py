@@ -49,3 +49,23 @@ def test_with_quest_for_decode(device):
 def test_triton_kernels_give_the_tokens_of_the_torch_references():
     """The CUDA engine (Triton kernels) and the CPU engine (torch references) on the same float32 model."""
     assert generate(engine("cuda")) == generate(engine("cpu"))
+
+
+@pytest.mark.gpu
+def test_the_kernels_compile_at_start_not_in_the_first_prompt():
+    """The engine's warm-up prefills after a history as long as ``max_model_len`` (512 here), past
+    ``dense_below``: the estimate and the sparse kernel compile at start, and a first prompt compiles none."""
+    from nanovllm_minference import attention, estimate
+
+    kernels = [attention._sparse_prefill_kernel, estimate._row_stats_kernel, estimate._sums_kernel]
+
+    def compiled() -> int:  # Triton's in-memory cache of compiled variants, per device
+        return sum(len(entry[0]) for kernel in kernels for entry in kernel.device_caches.values())
+
+    for kernel in kernels:
+        kernel.device_caches.clear()  # earlier tests of this process compiled them already
+    llm = engine("cuda", SPARSE.replace("dense_below=0", "dense_below=256"))
+    at_start = compiled()
+    assert at_start >= len(kernels)
+    generate(llm)  # a 300-token prompt: its chunks past 256 tokens run the sparse path
+    assert compiled() == at_start

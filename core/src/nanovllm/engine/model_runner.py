@@ -450,22 +450,28 @@ class ModelRunner:
     @torch.inference_mode()
     def _warm_up(self) -> None:
         """Two mixed steps (one decode, two prefill chunks of long or short queries) that write nothing,
-        so the kernels of prefill steps compile now and not inside the first requests."""
+        so the kernels of prefill steps compile now and not inside the first requests. The first step's
+        chunks follow a history that reaches ``max_model_len`` (block 0 throughout), so the paged kernels
+        and the policies' long-context paths (e.g. past a ``dense_below``) compile too; with offload that
+        history would cross PCIe, so there it is empty."""
         dev = self.device
 
-        def phase(lens: list[int]) -> PhaseMetadata:
-            tables = torch.zeros(len(lens), -(-max(lens) // self.block_size), dtype=torch.int32, device=dev)
+        def phase(lens: list[int], history: int = 0) -> PhaseMetadata:
+            width = -(-(max(lens) + history) // self.block_size)
+            tables = torch.zeros(len(lens), width, dtype=torch.int32, device=dev)
             cu = torch.tensor(np.cumsum([0, *lens]), dtype=torch.int32, device=dev)
-            return PhaseMetadata(cu, cu[1:] - cu[:-1], tables, max(lens), max(lens))
+            return PhaseMetadata(cu, cu[1:] - cu[:-1] + history, tables, max(lens), max(lens) + history)
 
         def host(lens: list[int]) -> HostPhase:
             return HostPhase([[0] * -(-max(lens) // self.block_size)] * len(lens), lens, lens)
 
-        for chunks in ([min(self.max_model_len, 96), 8], [8, 8]):
+        first = min(self.max_model_len, 96)
+        history = 0 if self.offload is not None else self.max_model_len - first
+        for chunks, before in (([first, 8], history), ([8, 8], 0)):
             num_tokens = 1 + sum(chunks)
             ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
             meta = StepMetadata(torch.full((num_tokens,), -1, dtype=torch.long, device=dev), ids, 1, phase([1]),
-                                phase(chunks))
+                                phase(chunks, before))
             if self.offload is not None:
                 self.offload.begin_step(host([1]), host(chunks))
             with forward_context(meta):
