@@ -181,7 +181,8 @@ def test_abort_frees_blocks_and_ends_the_generator(engine, run):
         return first, rest, await engine.call(has_no_request_and_no_block), engine.stats
 
     first, rest, idle, stats = run(scenario())
-    assert len(first.outputs[0].token_ids) == 1 and rest == []
+    # a delta holds every token made since the last read: on a loaded machine the first may hold several
+    assert 1 <= len(first.outputs[0].token_ids) < 40 and rest == []
     assert idle and stats.num_running == 0 and stats.kv_cache_usage == 0
 
 
