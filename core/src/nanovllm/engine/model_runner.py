@@ -451,9 +451,9 @@ class ModelRunner:
     def _warm_up(self) -> None:
         """Two mixed steps (one decode, two prefill chunks of long or short queries) that write nothing,
         so the kernels of prefill steps compile now and not inside the first requests. The first step's
-        chunks follow a history that reaches ``max_model_len`` (block 0 throughout), so the paged kernels
-        and the policies' long-context paths (e.g. past a ``dense_below``) compile too; with offload that
-        history would cross PCIe, so there it is empty."""
+        chunks follow a history that reaches ``max_model_len`` (block 0, zeroed, throughout), so the paged
+        kernels and the policies' long-context paths (e.g. past a ``dense_below``) compile too; with
+        offload that history would cross PCIe, so there it is empty."""
         dev = self.device
 
         def phase(lens: list[int], history: int = 0) -> PhaseMetadata:
@@ -467,6 +467,10 @@ class ModelRunner:
 
         first = min(self.max_model_len, 96)
         history = 0 if self.offload is not None else self.max_model_len - first
+        if history:  # block 0 is no one's yet: zeros, not what the memory held, so no NaN reaches a policy
+            for layer in self.attention_layers:
+                layer.k_cache[0].zero_()
+                layer.v_cache[0].zero_()
         for chunks, before in (([first, 8], history), ([8, 8], 0)):
             num_tokens = 1 + sum(chunks)
             ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
