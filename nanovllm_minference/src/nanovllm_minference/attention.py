@@ -226,8 +226,8 @@ def sparse_attention(
     return ``None``. The share is read back (a host sync) once the launch is prepared, so the GPU idles only
     for the launch itself after the index is built. ``config`` overrides ``(num_warps, num_stages)``
     (benchmarks)."""
-    density = _density(index, cu_seqlens_q, context_lens, max_query_len, dense_above)
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, index)
+    density = _density(index, cu_seqlens_q, context_lens, max_query_len, dense_above)
     if index.blocks is not None and index.blocks.shape[2] < triton.cdiv(max_query_len, TILE):
         raise ValueError(
             f"index.blocks lists {index.blocks.shape[2]} query tiles but max_query_len {max_query_len} makes "
@@ -357,10 +357,10 @@ def sparse_attention_reference(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Sparse prefill attention (torch, any device; the oracle): a dense mask per sequence, float32 softmax.
     Same arguments and results as :func:`sparse_attention`."""
+    _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, index)
     density = _density(index, cu_seqlens_q, context_lens, max_query_len, dense_above)
     if density is not None and float(density) > dense_above:
         return None
-    _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, index)
     num_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1:3]
     group = num_heads // num_kv_heads

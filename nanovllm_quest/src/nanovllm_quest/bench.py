@@ -9,9 +9,9 @@ Jobs, each in its own process (one engine's GPU memory never shrinks the next on
   replay time is divided by their number; L2 is cold at each replay. A one-layer graph is timed too: its
   replay adds the graph's own launch (about 5 us) to every layer. Each Quest page size (``--page-sizes``),
   metadata dtype (``auto`` laid out as the policy does on this GPU) and bound size of a page of one block
-  (``--bound-sizes``) is timed on the same caches, and each
-  ``--rescores`` factor at pages of one block (the bound's nominees ranked again by their keys). The ceiling
-  is ``1 / (1 / page_size + budget / context)``, the ratio of the bytes read.
+  (``--bound-sizes``) is timed on the same caches, and each ``--rescores`` factor at pages of one block
+  (the bound's nominees ranked again by their keys). The ceiling is ``1 / (1 / page_size + budget /
+  context)``, the ratio of the bytes read.
 - ``decode``: the engine end to end, KV on the GPU, CUDA graphs: ``steps`` decode steps after prefilling
   ``batch`` prompts of ``context`` tokens, with ``full`` and with Quest (also at each larger page size).
 - ``offload``: the same with the KV cache in pinned host memory (the ``skip_layers`` resident on the GPU),
@@ -119,8 +119,8 @@ def metadata_variants(page_sizes: list[int], metadata_dtypes: list[str], bound_s
         bounds = [None, *(b for b in sorted(bound_sizes) if page == BLOCK_SIZE and page % b == 0)]
         for kind in metadata_dtypes:
             for bound in bounds:
-                config = QuestConfig(token_budget=max(page, 2048), page_size=page, metadata_dtype=kind,
-                                     bound_size=bound)
+                # the layout does not depend on the budget; any of at least a page passes its check
+                config = QuestConfig(token_budget=page, page_size=page, metadata_dtype=kind, bound_size=bound)
                 layout = bound_layout(config, BLOCK_SIZE, device)
                 variants[(page, "fp8" if layout.float8 else "kv", layout.bound_size)] = None
     return list(variants)

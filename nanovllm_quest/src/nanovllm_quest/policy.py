@@ -153,14 +153,9 @@ class QuestPolicy(SparsePolicy):
                 self.block_size, self.page_size, cfg.group_reduction, self.keep_sink, self.recent_pages,
             )
             if cfg.rescore > 1:
-                return self._rescore(ctx, scores)
+                return rescore_selection(self.ops, ctx.query, ctx.k_cache, ctx.meta.block_tables, lens,
+                                         scores, self.budget_pages, cfg.rescore, cfg.group_reduction)
         return self.ops.top_pages(scores, self.budget_pages, lens, self.block_size, self.page_size)
-
-    def _rescore(self, ctx: PolicyContext, scores: torch.Tensor) -> torch.Tensor:
-        """The budget's best of the bound's ``rescore x budget`` best pages, ranked by their keys' exact
-        ``q . k``."""
-        return rescore_selection(self.ops, ctx.query, ctx.k_cache, ctx.meta.block_tables, ctx.history_lens,
-                                 scores, self.budget_pages, self.config.rescore, self.config.group_reduction)
 
     def compute_chunked_decode(self, q: torch.Tensor, ctx: PolicyContext) -> torch.Tensor:
         if self.is_dense(ctx):
