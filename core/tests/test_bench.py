@@ -160,6 +160,20 @@ def test_ttft_after_a_full_length_warm_up(tiny_model, one_thread):
     assert offload._prompts(2, 96, 1000)[0] == offload._prompts(1, 96, 1000)[0]
 
 
+def test_ttft_rounds_time_fresh_prompts_and_report_their_median(tiny_model, one_thread):
+    from nanovllm.bench import offload
+
+    model = tiny_model("LlamaForCausalLM")
+    options = {"device": "cpu", "max_num_batched_tokens": 64}
+    row = offload.bench_decode(model, 96, 1, 1, False, full_warm_up=True, ttft_rounds=3, **options)
+    assert len(row["ttft_rounds_s"]) == 3 and all(t > 0 for t in row["ttft_rounds_s"])
+    assert row["ttft_s"] == sorted(row["ttft_rounds_s"])[1]
+    prompts = offload._prompts(4, 96, 1000)
+    assert len({tuple(p) for p in prompts}) == 4  # no round meets another's prompt in the prefix cache
+    with pytest.raises(ValueError, match="ttft_rounds must be at least 1"):
+        offload.bench_decode(model, 96, 1, 1, False, ttft_rounds=0, **options)
+
+
 def test_offload_bench_refuses_bad_sizes(capsys):
     assert cli_main(["bench", "offload", "--decode-steps", "0"]) == 2
     assert "--decode-steps takes positive numbers" in capsys.readouterr().err

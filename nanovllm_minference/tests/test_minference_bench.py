@@ -13,15 +13,16 @@ def test_ratios_and_table():
         {"benchmark": "kernel", "context": 1024, "index": "fixed", "density": 0.2, "dense_ms": 10.0,
          "dense_paged_ms": 12.0, "cudnn_ms": 8.0, "sparse_ms": 3.0, "ratio": 0.3},
         {"benchmark": "ttft", "context": 1024, "policy": "full", "ttft_s": 4.0},
-        {"benchmark": "ttft", "context": 1024, "policy": "minference", "ttft_s": 2.0, "ttft_first_s": 5.0},
+        {"benchmark": "ttft", "context": 1024, "policy": "minference", "ttft_s": 2.0, "ttft_first_s": 5.0,
+         "ttft_rounds_s": [2.5, 2.0, 1.5]},
         {"benchmark": "ttft", "context": 2048, "policy": "minference", "error": "exit 1"},
     ]
     rows = bench.with_ratios(results)
     assert abs(rows[0]["bound"] - 0.25) < 1e-12 and rows[0]["ratio_paged"] == 0.25
     assert rows[2]["speedup"] == 2.0 and "speedup" not in rows[1] and "speedup" not in rows[3]
     table = bench.markdown({"environment": ENV, "results": rows}, "t")
-    assert "| 1024 | minference | 2.000 | 2.00x | 5.000 |" in table
-    assert "| 1024 | full | 4.000 | - | - |" in table
+    assert "| 1024 | minference | 2.000 | 2.00x | 2.500, 2.000, 1.500 | 5.000 |" in table
+    assert "| 1024 | full | 4.000 | - | - | - |" in table
     assert "exit 1" in table and "| 0.250 |" in table
 
 
@@ -36,6 +37,6 @@ def test_fixed_index_lands_near_its_density():
 
 def test_ttft_policies_join_the_defaults_once_at_each_context():
     local = "minference:num_recent_diags=6096,dense_below=0"
-    all_jobs = bench.jobs([32768], [32768, 131072], [0.1], [local, "full"])
-    ttft = [(j["context"], j["policy"]) for j in all_jobs if j["kind"] == "ttft"]
-    assert ttft == [(c, p) for c in (32768, 131072) for p in (*bench.TTFT_POLICIES, local)]
+    all_jobs = bench.jobs([32768], [32768, 131072], [0.1], [local, "full"], ttft_rounds=3)
+    ttft = [(j["context"], j["policy"], j["rounds"]) for j in all_jobs if j["kind"] == "ttft"]
+    assert ttft == [(c, p, 3) for c in (32768, 131072) for p in (*bench.TTFT_POLICIES, local)]

@@ -23,6 +23,7 @@ def test_ratios_and_table():
 
 
 def test_jobs_cover_every_policy_at_every_context():
-    jobs = bench.jobs([1024], [2048, 4096], [0.2], 8)
+    jobs = bench.jobs([1024], [2048, 4096], [0.2], 8, ttft_rounds=2)
     assert jobs[0] == {"kind": "kernel", "contexts": [1024], "densities": [0.2], "stride": 8}
-    assert [(j["context"], j["policy"]) for j in jobs[1:]] == [(c, p) for c in (2048, 4096) for p in bench.TTFT_POLICIES]
+    assert [(j["context"], j["policy"], j["rounds"]) for j in jobs[1:]] == [
+        (c, p, 2) for c in (2048, 4096) for p in bench.TTFT_POLICIES]

@@ -114,18 +114,18 @@ TTFT_POLICIES = ("full", "minference:dense_below=0", "minference:pattern=\"a_sha
 
 
 def jobs(contexts: list[int], ttft_contexts: list[int], densities: list[float],
-         ttft_policies: list[str] = ()) -> list[dict]:
+         ttft_policies: list[str] = (), ttft_rounds: int = 1) -> list[dict]:
     out: list[dict] = [{"kind": "kernel", "contexts": contexts, "densities": densities}]
     policies = list(dict.fromkeys([*TTFT_POLICIES, *ttft_policies]))
     for context in ttft_contexts:
-        out += [{"kind": "ttft", "context": context, "policy": p} for p in policies]
+        out += [{"kind": "ttft", "context": context, "policy": p, "rounds": ttft_rounds} for p in policies]
     return out
 
 
 def run_job(job: dict) -> list[dict[str, Any]]:
     if job["kind"] == "kernel":
         return bench_kernel(job["contexts"], job["densities"])
-    return bench_ttft(PRESET, job["context"], job["policy"])
+    return bench_ttft(PRESET, job["context"], job["policy"], job["rounds"])
 
 
 # -- results ---------------------------------------------------------------------------------------------------
@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768, 131072])
     parser.add_argument("--densities", nargs="+", type=float, default=[0.05, 0.1, 0.2, 0.4])
     parser.add_argument("--ttft-contexts", nargs="+", type=int, default=[32768, 131072])
+    parser.add_argument("--ttft-rounds", type=int, default=1,
+                        help="prompts timed one after another per ttft job; TTFT is their median")
     parser.add_argument("--ttft-policies", nargs="+", default=[],
                         help="sparse_policy selections timed by the ttft job besides full, the default budgets "
                         "and A-shape")
@@ -183,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from nanovllm.bench import run_plugin_jobs
 
-    selected = [job for job in jobs(args.contexts, args.ttft_contexts, args.densities, args.ttft_policies)
+    selected = [job for job in jobs(args.contexts, args.ttft_contexts, args.densities, args.ttft_policies,
+                                             args.ttft_rounds)
                 if not (args.only and job["kind"] not in args.only)]
     return run_plugin_jobs(selected, "nanovllm_minference.bench", Path(args.out), args.name, vars(args) | {"job": None},
                            with_ratios, markdown, chart)

@@ -196,11 +196,13 @@ def small_gpu_utilization(weights: int, kv_gib: float, total: int) -> float:
 
 def bench_decode(
     model: str, context: int, batch: int, steps: int, offload: bool,
-    host_memory_fraction: float = HOST_MEMORY_FRACTION, full_warm_up: bool = False, **engine_options: Any,
+    host_memory_fraction: float = HOST_MEMORY_FRACTION, full_warm_up: bool = False, ttft_rounds: int = 1,
+    **engine_options: Any,
 ) -> dict[str, Any]:
     """TTFT and decode of ``batch`` prompts of ``context`` tokens. ``full_warm_up``: the warm-up is a batch of
     other prompts as long, timed as ``ttft_first_s``, so that every kernel the timed run meets has compiled
-    (a sparse prefill's kernels run only past some length)."""
+    (a sparse prefill's kernels run only past some length). ``ttft_rounds``: batches of fresh prompts timed
+    one after another; ``ttft_s`` is their median, ``ttft_rounds_s`` each one."""
     shape = model_shape(model, engine_options)
     prompt_len, options = _plan(shape, context, batch, steps, offload, engine_options)
     row = {"benchmark": "offload-decode" if offload else "offload-resident", "preset": model, "context": context,
@@ -214,7 +216,7 @@ def bench_decode(
     from nanovllm import LLM
 
     llm = LLM(model, **options)
-    measured = _measure(llm, shape, batch, prompt_len, steps, full_warm_up)
+    measured = _measure(llm, shape, batch, prompt_len, steps, full_warm_up, ttft_rounds)
     del llm
     _free()
     return {**row, **measured}
@@ -267,9 +269,12 @@ def _plan(
 
 
 def _measure(llm, shape: ModelShape, batch: int, prompt_len: int, steps: int,
-             full_warm_up: bool = False) -> dict[str, Any]:
+             full_warm_up: bool = False, ttft_rounds: int = 1) -> dict[str, Any]:
     """TTFT and decode of ``batch`` prompts; with offload, the bytes each decode step moves."""
-    prompts = _prompts(2 * batch if full_warm_up else batch, prompt_len, shape.vocab_size)
+    if ttft_rounds < 1:
+        raise ValueError(f"ttft_rounds must be at least 1, got {ttft_rounds}")
+    warm_ups = batch if full_warm_up else 0
+    prompts = _prompts(ttft_rounds * batch + warm_ups, prompt_len, shape.vocab_size)
     out = {}
     if full_warm_up:
         from nanovllm import SamplingParams
@@ -277,10 +282,19 @@ def _measure(llm, shape: ModelShape, batch: int, prompt_len: int, steps: int,
         _sync()
         start = time.perf_counter()
         first = SamplingParams(temperature=0, ignore_eos=True, max_tokens=1)
-        llm.generate(prompts[batch:], first, use_tqdm=False)
+        llm.generate(prompts[batch:2 * batch], first, use_tqdm=False)
         _sync()
         out["ttft_first_s"] = time.perf_counter() - start
+    extra = prompts[batch + warm_ups:]  # the rounds before the last, each on prompts of its own
+    rounds = []
+    for i in range(0, len(extra), batch):
+        seconds, seqs = _time_to_first_tokens(llm, extra[i:i + batch])
+        llm.abort_request([s.request_id for s in seqs])
+        rounds.append(seconds)
     out |= _prefill_then_decode(llm, prompts[:batch], steps)
+    if rounds:
+        out["ttft_rounds_s"] = [*rounds, out["ttft_s"]]
+        out["ttft_s"] = statistics.median(out["ttft_rounds_s"])
     if llm.runner.device.type == "cuda":
         out["max_memory_allocated"] = torch.cuda.max_memory_allocated()
     if llm.runner.offload is not None:
@@ -302,12 +316,11 @@ def _prompts(batch: int, length: int, vocab_size: int) -> list[list[int]]:
     return [[rng.randint(0, min(10_000, vocab_size - 1)) for _ in range(length)] for _ in range(batch)]
 
 
-def _prefill_then_decode(llm, prompts: list[list[int]], steps: int) -> dict[str, float]:
-    """TTFT of the prompts together (until every sequence has its first token), then, after one untimed
-    decode step, ``steps`` decode steps of the whole batch; the sequences are aborted after."""
+def _time_to_first_tokens(llm, prompts: list[list[int]]) -> tuple[float, list]:
+    """Seconds from adding ``prompts`` together until every one has its first token, and their sequences
+    (still running)."""
     from nanovllm import SamplingParams
 
-    llm.generate([prompts[0][:8]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up, decode included
     sched = llm.scheduler
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=llm.max_model_len)
     _sync()
@@ -316,7 +329,17 @@ def _prefill_then_decode(llm, prompts: list[list[int]], steps: int) -> dict[str,
     while sched.waiting or any(s.num_computed_tokens < s.num_tokens - 1 for s in sched.running):
         llm.step()
     _sync()
-    ttft = time.perf_counter() - start
+    return time.perf_counter() - start, seqs
+
+
+def _prefill_then_decode(llm, prompts: list[list[int]], steps: int) -> dict[str, float]:
+    """TTFT of the prompts together (until every sequence has its first token), then, after one untimed
+    decode step, ``steps`` decode steps of the whole batch; the sequences are aborted after."""
+    from nanovllm import SamplingParams
+
+    llm.generate([prompts[0][:8]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up, decode included
+    sched = llm.scheduler
+    ttft, seqs = _time_to_first_tokens(llm, prompts)
     llm.step()  # untimed: kernels specialised on the full context's shape (split counts) compile here
     kv_tokens = 0  # each sequence's history read by the step, its new token included
     offload = llm.runner.offload
