@@ -10,6 +10,8 @@
   the order-preserving integer image of the float scores (up to 32 counting passes over the row held in
   registers, fewer when a candidate has exactly k scores at or above it), then the chosen pages are
   compacted in ascending order with a prefix sum (ties go to the lower index) and written as their blocks.
+  Searching two bits a pass (three candidates counted in one reduction) was no faster at 2K pages and 12%
+  slower at 8K on the H100 (``benchmarks/results/h100_quest_topk_digits.md``).
 - ``rescore_pages``: one program per (sequence, KV head, tile of nominated pages): the tile's keys in one
   dot with the GQA group's queries, each page's largest logit per head, the group's reduced; forced pages
   stay ``+inf``. ``pick_nominees`` is ``top_pages``' selection over those scores, written as the nominees'
