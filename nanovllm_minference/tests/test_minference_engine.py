@@ -52,9 +52,11 @@ def test_triton_kernels_give_the_tokens_of_the_torch_references():
 
 
 @pytest.mark.gpu
-def test_the_kernels_compile_at_start_not_in_the_first_prompt():
+@pytest.mark.parametrize("offload", [False, True])
+def test_the_kernels_compile_at_start_not_in_the_first_prompt(offload):
     """The engine's warm-up prefills after a history as long as ``max_model_len`` (512 here), past
-    ``dense_below``: the estimate and the sparse kernel compile at start, and a first prompt compiles none."""
+    ``dense_below``: the estimate and the sparse kernel compile at start, and a first prompt compiles none.
+    With offload the history is read from the pool, as a prompt's would be."""
     from nanovllm_minference import attention, estimate
 
     kernels = [attention._sparse_prefill_kernel, estimate._row_stats_kernel, estimate._sums_kernel]
@@ -64,7 +66,7 @@ def test_the_kernels_compile_at_start_not_in_the_first_prompt():
 
     for kernel in kernels:
         kernel.device_caches.clear()  # earlier tests of this process compiled them already
-    llm = engine("cuda", SPARSE.replace("dense_below=0", "dense_below=256"))
+    llm = engine("cuda", SPARSE.replace("dense_below=0", "dense_below=256"), offload=offload)
     at_start = compiled()
     assert at_start >= len(kernels)
     generate(llm)  # a 300-token prompt: its chunks past 256 tokens run the sparse path

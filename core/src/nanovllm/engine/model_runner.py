@@ -453,7 +453,7 @@ class ModelRunner:
         so the kernels of prefill steps compile now and not inside the first requests. The first step's
         chunks follow a history that reaches ``max_model_len`` (block 0, zeroed, throughout), so the paged
         kernels and the policies' long-context paths (e.g. past a ``dense_below``) compile too; with
-        offload that history would cross PCIe, so there it is empty."""
+        offload that history is read from the pool, as a long prompt's would be."""
         dev = self.device
 
         def phase(lens: list[int], history: int = 0) -> PhaseMetadata:
@@ -462,22 +462,24 @@ class ModelRunner:
             cu = torch.tensor(np.cumsum([0, *lens]), dtype=torch.int32, device=dev)
             return PhaseMetadata(cu, cu[1:] - cu[:-1] + history, tables, max(lens), max(lens) + history)
 
-        def host(lens: list[int]) -> HostPhase:
-            return HostPhase([[0] * -(-max(lens) // self.block_size)] * len(lens), lens, lens)
+        def host(lens: list[int], history: int = 0) -> HostPhase:
+            width = -(-(max(lens) + history) // self.block_size)
+            return HostPhase([[0] * width] * len(lens), lens, [n + history for n in lens])
 
         first = min(self.max_model_len, 96)
-        history = 0 if self.offload is not None else self.max_model_len - first
-        if history:  # block 0 is no one's yet: zeros, not what the memory held, so no NaN reaches a policy
-            for layer in self.attention_layers:
-                layer.k_cache[0].zero_()
-                layer.v_cache[0].zero_()
+        history = self.max_model_len - first
+        # block 0 (of the pool, with offload) is no one's yet: zeros, not what the memory held, so no NaN
+        # reaches a policy
+        for layer in self.attention_layers:
+            layer.k_cache[0].zero_()
+            layer.v_cache[0].zero_()
         for chunks, before in (([first, 8], history), ([8, 8], 0)):
             num_tokens = 1 + sum(chunks)
             ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
             meta = StepMetadata(torch.full((num_tokens,), -1, dtype=torch.long, device=dev), ids, 1, phase([1]),
                                 phase(chunks, before))
             if self.offload is not None:
-                self.offload.begin_step(host([1]), host(chunks))
+                self.offload.begin_step(host([1]), host(chunks, before))
             with forward_context(meta):
                 self.model.compute_logits(self.model(ids, ids.clone()))
         torch.cuda.synchronize()
