@@ -71,3 +71,29 @@ def test_the_kernels_compile_at_start_not_in_the_first_prompt(offload):
     assert at_start >= len(kernels)
     generate(llm)  # a 300-token prompt: its chunks past 256 tokens run the sparse path
     assert compiled() == at_start
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload", [False, True])
+def test_the_warm_up_reads_zeros_not_what_block_0_held(offload, monkeypatch):
+    """The warm-up's long history is block 0 throughout, which no sequence owns yet: it is zeroed first, so
+    NaN left in fresh memory never reaches the estimate (planted here in every layer's block 0)."""
+    import nanovllm_minference.policy as module
+    import torch
+
+    llm = engine("cuda", SPARSE.replace("dense_below=0", "dense_below=256"), offload=offload)
+    for layer in llm.runner.attention_layers:
+        layer.k_cache[0].fill_(float("nan"))
+        layer.v_cache[0].fill_(float("nan"))
+    estimate, attend = module._ops(torch.device("cuda"))
+    clean = []
+
+    def watched_estimate(*args, **kwargs):
+        scores = estimate(*args, **kwargs)
+        clean.append(not any(torch.isnan(s).any().item() for s in scores))
+        return scores
+
+    monkeypatch.setattr(module, "_ops", lambda device: (watched_estimate, attend))
+    llm.runner._warm_up()
+    assert clean and all(clean)
+
