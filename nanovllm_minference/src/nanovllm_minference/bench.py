@@ -185,9 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from nanovllm.bench import run_plugin_jobs
 
-    selected = [job for job in jobs(args.contexts, args.ttft_contexts, args.densities, args.ttft_policies,
-                                             args.ttft_rounds)
-                if not (args.only and job["kind"] not in args.only)]
+    all_jobs = jobs(args.contexts, args.ttft_contexts, args.densities, args.ttft_policies, args.ttft_rounds)
+    selected = [job for job in all_jobs if not (args.only and job["kind"] not in args.only)]
     return run_plugin_jobs(selected, "nanovllm_minference.bench", Path(args.out), args.name, vars(args) | {"job": None},
                            with_ratios, markdown, chart)
 
