@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("triton")
 
 from nanovllm.testing import PagedBatch, assert_interpreter_cases_pass, assert_kernel_matches_reference  # noqa: E402
-from nanovllm_minference.attention import sparse_attention, sparse_attention_reference  # noqa: E402
+from nanovllm_minference.attention import index_density, sparse_attention, sparse_attention_reference  # noqa: E402
 from nanovllm_minference.index import TILE, SparseIndex, computed_density  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -242,9 +242,10 @@ def test_kernel_matches_reference(device, dtype, head_dim, num_kv_heads, group, 
     out, lse = sparse_attention(*c.args(index))
     ref_out, ref_lse = sparse_attention_reference(*c.args(index))
     assert_kernel_matches_reference(out, lse, ref_out, ref_lse, f"seed {seed}")
-    # dense_above: nothing launched above the index's density, the same results below it
+    # the density the kernel's dense_above reads, from its own kernel: the reference's to the last bit
     density = computed_density(index, c.cu, c.ctx, c.max_query_len)
-    assert 0 < density
+    assert 0 < density and index_density(index, c.cu, c.ctx, c.max_query_len).item() == density
+    # dense_above: nothing launched above the index's density, the same results below it
     for attend, want in ((sparse_attention, out), (sparse_attention_reference, ref_out)):
         assert attend(*c.args(index), dense_above=density * 0.99) is None
         assert torch.equal(attend(*c.args(index), dense_above=density * 1.01)[0], want)

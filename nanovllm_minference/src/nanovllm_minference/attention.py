@@ -205,6 +205,60 @@ def _sparse_prefill_kernel(
              mask=m_ok)
 
 
+@triton.jit(do_not_specialize=["num_cols", "num_slash", "num_qtiles"])
+def _density_kernel(
+    cu_q, ctx_lens, columns, column_counts, slash_tiles, slash_counts, block_counts, totals,
+    num_cols, num_slash, num_qtiles,
+    TILE: tl.constexpr, CHUNK: tl.constexpr, HAS_BLOCKS: tl.constexpr,
+):
+    """One program per (query tile, head, sequence), as the sparse kernel's grid: the work its query tile
+    does, added to ``totals[0]``; the sequence's dense causal work for every head to ``totals[1]``."""
+    m = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    head = s * tl.num_programs(1) + h
+    q_len = (tl.load(cu_q + s + 1) - tl.load(cu_q + s)).to(tl.int64)
+    ctx_len = tl.load(ctx_lens + s).to(tl.int64)
+    q_start = ctx_len - q_len
+    if (m == 0) & (h == 0):
+        dense = (q_start + 1) * q_len + q_len * (q_len - 1) // 2
+        tl.atomic_add(totals + 1, dense * tl.num_programs(1))
+    first = q_start + m * TILE
+    rows = tl.minimum(first + TILE, ctx_len) - first
+    if rows > 0:
+        base = first // TILE
+        last = (first + rows - 1) // TILE
+        # slash offsets d with 0 <= base + d <= last; columns up to the tile's last row
+        before, upto, _ = _count_at_most(slash_tiles + head * num_slash, tl.load(slash_counts + head),
+                                         -base - 1, last - base, 0, CHUNK)
+        row_cols, num_row_cols = columns + head * num_cols, tl.load(column_counts + head)
+        cols, _, _ = _count_at_most(row_cols, num_row_cols, first + rows - 1, 0, 0, CHUNK)
+        work = (upto - before).to(tl.int64) * TILE * rows + cols.to(tl.int64) * rows
+        if HAS_BLOCKS:
+            work += tl.load(block_counts + head * num_qtiles + m).to(tl.int64) * TILE * rows
+        tl.atomic_add(totals, work)
+
+
+def index_density(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                  max_query_len: int) -> torch.Tensor:
+    """:func:`~nanovllm_minference.index.computed_density` (its torch reference) as a float64 device scalar,
+    from one launch instead of the torch version's fifty-odd small kernels."""
+    num_seqs, num_heads = index.columns.shape[:2]
+    totals = torch.zeros(2, dtype=torch.int64, device=context_lens.device)
+    has_blocks = index.blocks is not None
+    block_counts = index.block_counts.contiguous() if has_blocks else totals
+    columns, slash = index.columns.contiguous(), index.slash_tiles.contiguous()
+    grid = (triton.cdiv(max_query_len, TILE), num_heads, num_seqs)
+    if min(grid) > 0:
+        _density_kernel[grid](
+            cu_seqlens_q, context_lens, columns, index.column_counts.contiguous(), slash,
+            index.slash_counts.contiguous(), block_counts, totals,
+            columns.shape[2], slash.shape[2], block_counts.shape[2] if has_blocks else 0,
+            TILE=TILE, CHUNK=LIST_CHUNK, HAS_BLOCKS=has_blocks,
+        )
+    return totals[0].double() / totals[1].double()
+
+
 def _launch_config(q: torch.Tensor, head_dim: int) -> tuple[int, int]:
     """(num_warps, num_stages)."""
     if q.device.type != "cuda":
@@ -227,7 +281,6 @@ def sparse_attention(
     for the launch itself after the index is built. ``config`` overrides ``(num_warps, num_stages)``
     (benchmarks)."""
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, index)
-    density = _density(index, cu_seqlens_q, context_lens, max_query_len, dense_above)
     if index.blocks is not None and index.blocks.shape[2] < triton.cdiv(max_query_len, TILE):
         raise ValueError(
             f"index.blocks lists {index.blocks.shape[2]} query tiles but max_query_len {max_query_len} makes "
@@ -240,6 +293,7 @@ def sparse_attention(
     )
     if not launch:
         return out, lse
+    density = None if dense_above is None else index_density(index, cu_seqlens_q, context_lens, max_query_len)
     num_heads, head_dim = q.shape[1:]
     has_blocks = index.blocks is not None
     columns, slash = index.columns.contiguous(), index.slash_tiles.contiguous()
@@ -273,14 +327,6 @@ def sparse_attention(
 # ---------------------------------------------------------------------------------------------
 # torch reference
 # ---------------------------------------------------------------------------------------------
-
-
-def _density(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, max_query_len: int,
-             dense_above: float | None) -> torch.Tensor | None:
-    """The index's computed density as a device scalar (not read back), when ``dense_above`` asks for it."""
-    if dense_above is None:
-        return None
-    return computed_density(index, cu_seqlens_q, context_lens, max_query_len, as_tensor=True)
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, index: SparseIndex) -> None:
@@ -358,9 +404,9 @@ def sparse_attention_reference(
     """Sparse prefill attention (torch, any device; the oracle): a dense mask per sequence, float32 softmax.
     Same arguments and results as :func:`sparse_attention`."""
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, index)
-    density = _density(index, cu_seqlens_q, context_lens, max_query_len, dense_above)
-    if density is not None and float(density) > dense_above:
-        return None
+    if dense_above is not None:
+        if computed_density(index, cu_seqlens_q, context_lens, max_query_len) > dense_above:
+            return None
     num_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1:3]
     group = num_heads // num_kv_heads

@@ -212,9 +212,11 @@ def computed_density(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_len
     num_heads = index.slash_tiles.shape[1]
 
     def entries_at_most(lists: torch.Tensor, counts: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
-        """[S, H, M]: how many of each head's first ``counts`` (ascending) entries are <= ``bound`` [S, M]."""
+        """[S, H, M]: how many of each head's first ``counts`` (ascending) entries are <= ``bound`` [S, M];
+        what follows them is never read (the search runs over the real entries, then ``PAD``)."""
         bound = bound[:, None, :].expand(-1, num_heads, -1).contiguous()
-        return torch.minimum(torch.searchsorted(lists.long(), bound, right=True), counts.long()[..., None])
+        real = torch.arange(lists.shape[-1], device=device) < counts[..., None]
+        return torch.searchsorted(torch.where(real, lists.long(), PAD), bound, right=True)
 
     # slash offsets d with 0 <= base + d <= last; columns up to the tile's last row
     tiles = (entries_at_most(index.slash_tiles, index.slash_counts, last - base)
