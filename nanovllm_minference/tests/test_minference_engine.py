@@ -96,4 +96,3 @@ def test_the_warm_up_reads_zeros_not_what_block_0_held(offload, monkeypatch):
     monkeypatch.setattr(module, "_ops", lambda device: (watched_estimate, attend))
     llm.runner._warm_up()
     assert clean and all(clean)
-

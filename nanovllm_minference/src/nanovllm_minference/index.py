@@ -193,12 +193,12 @@ def index_mask(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: tor
 
 
 def computed_density(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                     max_query_len: int | None = None, as_tensor: bool = False) -> float | torch.Tensor:
+                     max_query_len: int | None = None) -> float:
     """The attention work the kernel does over the work of dense causal attention: every listed tile a
     query tile reaches counts in full (TILE x TILE, as the kernel computes it), every column up to the
     tile's last row once per row. Duplicated columns count twice (an upper bound); what drives the time.
-    ``max_query_len`` (a host int, at least every chunk's length) saves reading the lengths back;
-    ``as_tensor`` returns a float64 device scalar, not read back."""
+    ``max_query_len`` (a host int, at least every chunk's length) saves reading the lengths back. The
+    reference of :func:`~nanovllm_minference.attention.index_density`, which computes it in one launch."""
     device = context_lens.device
     lens = context_lens.long()
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
@@ -226,5 +226,4 @@ def computed_density(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_len
     if index.blocks is not None:
         work = work + index.block_counts.long() * TILE * rows[:, None, :]
     dense = ((q_start + 1) * q_lens[:, None] + q_lens[:, None] * (q_lens[:, None] - 1) // 2).sum()
-    density = work.sum().double() / (dense * index.columns.shape[1]).double()
-    return density if as_tensor else float(density)
+    return float(work.sum().double() / (dense * index.columns.shape[1]).double())

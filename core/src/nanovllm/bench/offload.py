@@ -203,6 +203,8 @@ def bench_decode(
     other prompts as long, timed as ``ttft_first_s``, so that every kernel the timed run meets has compiled
     (a sparse prefill's kernels run only past some length). ``ttft_rounds``: batches of fresh prompts timed
     one after another; ``ttft_s`` is their median, ``ttft_rounds_s`` each one."""
+    if ttft_rounds < 1:
+        raise ValueError(f"ttft_rounds must be at least 1, got {ttft_rounds}")
     shape = model_shape(model, engine_options)
     prompt_len, options = _plan(shape, context, batch, steps, offload, engine_options)
     row = {"benchmark": "offload-decode" if offload else "offload-resident", "preset": model, "context": context,
@@ -271,8 +273,6 @@ def _plan(
 def _measure(llm, shape: ModelShape, batch: int, prompt_len: int, steps: int,
              full_warm_up: bool = False, ttft_rounds: int = 1) -> dict[str, Any]:
     """TTFT and decode of ``batch`` prompts; with offload, the bytes each decode step moves."""
-    if ttft_rounds < 1:
-        raise ValueError(f"ttft_rounds must be at least 1, got {ttft_rounds}")
     warm_ups = batch if full_warm_up else 0
     prompts = _prompts(ttft_rounds * batch + warm_ups, prompt_len, shape.vocab_size)
     out = {}
