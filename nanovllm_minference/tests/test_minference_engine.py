@@ -52,23 +52,31 @@ def test_triton_kernels_give_the_tokens_of_the_torch_references():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("decision", [False, True])
 @pytest.mark.parametrize("offload", [False, True])
-def test_the_kernels_compile_at_start_not_in_the_first_prompt(offload):
+def test_the_kernels_compile_at_start_not_in_the_first_prompt(offload, decision):
     """The engine's warm-up prefills after a history as long as ``max_model_len`` (512 here), past
     ``dense_below``: the estimate and the sparse kernel compile at start, and a first prompt compiles none.
-    With offload the history is read from the pool, as a prompt's would be."""
+    With offload the history is read from the pool, as a prompt's would be. With the ``dense_above``
+    decision its density kernel compiles at start too, and the sparse kernel still does, whatever the
+    warm-up's all-zero keys make the decision say."""
     from nanovllm_minference import attention, estimate
 
     kernels = [attention._sparse_prefill_kernel, estimate._row_stats_kernel, estimate._sums_kernel]
+    policy = SPARSE.replace("dense_below=0", "dense_below=256")
+    if decision:
+        kernels.append(attention._density_kernel)
+        policy = policy.replace(",dense_above=null", "")
 
-    def compiled() -> int:  # Triton's in-memory cache of compiled variants, per device
-        return sum(len(entry[0]) for kernel in kernels for entry in kernel.device_caches.values())
+    def compiled() -> dict[str, int]:  # Triton's in-memory cache of compiled variants, per device
+        return {kernel.fn.__name__: sum(len(entry[0]) for entry in kernel.device_caches.values())
+                for kernel in kernels}
 
     for kernel in kernels:
         kernel.device_caches.clear()  # earlier tests of this process compiled them already
-    llm = engine("cuda", SPARSE.replace("dense_below=0", "dense_below=256"), offload=offload)
+    llm = engine("cuda", policy, offload=offload)
     at_start = compiled()
-    assert at_start >= len(kernels)
+    assert all(at_start.values()), at_start
     generate(llm)  # a 300-token prompt: its chunks past 256 tokens run the sparse path
     assert compiled() == at_start
 
@@ -85,14 +93,14 @@ def test_the_warm_up_reads_zeros_not_what_block_0_held(offload, monkeypatch):
     for layer in llm.runner.attention_layers:
         layer.k_cache[0].fill_(float("nan"))
         layer.v_cache[0].fill_(float("nan"))
-    estimate, attend = module._ops(torch.device("cuda"))
+    ops = module._ops(torch.device("cuda"))
     clean = []
 
     def watched_estimate(*args, **kwargs):
-        scores = estimate(*args, **kwargs)
+        scores = ops.estimate(*args, **kwargs)
         clean.append(not any(torch.isnan(s).any().item() for s in scores))
         return scores
 
-    monkeypatch.setattr(module, "_ops", lambda device: (watched_estimate, attend))
+    monkeypatch.setattr(module, "_ops", lambda device: ops._replace(estimate=watched_estimate))
     llm.runner._warm_up()
     assert clean and all(clean)

@@ -41,7 +41,7 @@ def test_planted_columns_and_diagonals_are_found():
                                                    num_recent_diags=1, dense_below=0))
         from nanovllm_minference.policy import _ops
 
-        index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device)[0])
+        index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device).estimate)
         mask = index_mask(index, ctx.meta.cu_seqlens_q, ctx.meta.context_lens)
         group = q.shape[1] // case.num_kv_heads
         for h in range(q.shape[1]):
@@ -62,7 +62,7 @@ def test_sparse_output_matches_its_mask():
                                                dense_above=None))
     from nanovllm_minference.policy import _ops
 
-    index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device)[0])
+    index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device).estimate)
     mask = index_mask(index, ctx.meta.cu_seqlens_q, ctx.meta.context_lens)
     assert 0.1 < mask.float().mean() < 0.6  # sparse, and not empty
     group = q.shape[1] // case.num_kv_heads
@@ -94,7 +94,7 @@ def test_a_per_head_file_mixes_patterns(tmp_path):
     policy.initialize(4, 2, 64, 16, BLOCK, torch.float32, torch.device("cpu"))
     from nanovllm_minference.policy import _ops
 
-    index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device)[0])
+    index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device).estimate)
     mask = index_mask(index, ctx.meta.cu_seqlens_q, ctx.meta.context_lens)
     pos = torch.arange(256)
     a_shape = (pos[None, :] < 4) | ((pos[:, None] - pos[None, :] >= 0) & (pos[:, None] - pos[None, :] < 64))
@@ -136,13 +136,14 @@ def test_offload_reads_the_keys_the_resident_path_reads(monkeypatch, options):
     assert reads and reads[0] < 480 // BLOCK  # only the touched blocks' values crossed
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("offload", [False, True])
-def test_a_pattern_that_is_not_sparse_runs_dense(monkeypatch, offload):
+def test_a_pattern_that_is_not_sparse_runs_dense(monkeypatch, offload, device):
     """An index computing more than ``dense_above`` of dense work runs dense attention (after the estimate;
     with offload, the pool's dense stream instead of the touched blocks); one below it runs the sparse
-    kernel."""
+    kernel. On the GPU the density is the Triton one, on both paths."""
     case = planted.slash_diagonals(num_tokens=480, offsets=(0, 100, 300))
-    q, ctx = prefill_context(case.q, case.k, case.v, 480, case.scale)
+    q, ctx = prefill_context(case.q, case.k, case.v, 480, case.scale, device=device)
     want = ctx.attend_all(q, ctx.new_keys, ctx.new_values)
     dense_streams = []
     if offload:
@@ -157,19 +158,19 @@ def test_a_pattern_that_is_not_sparse_runs_dense(monkeypatch, offload):
         ctx.offload = PoolStandIn()
     import nanovllm_minference.policy as module
 
-    estimate, attend = module._ops(q.device)
+    ops = module._ops(q.device)
     sparse_calls = []
 
     def counting_attend(*args, **kwargs):
-        result = attend(*args, **kwargs)
+        result = ops.attend(*args, **kwargs)
         if result is not None:  # None: the index was too dense, nothing launched
             sparse_calls.append(1)
         return result
 
-    monkeypatch.setattr(module, "_ops", lambda device: (estimate, counting_attend))
+    monkeypatch.setattr(module, "_ops", lambda device: ops._replace(attend=counting_attend))
     everything = dict(vertical_size=480, slash_size=480, dense_below=0)
     index = MInferencePolicy(MInferenceConfig(**everything)).build_index(q, ctx, ctx.k_cache,
-                                                                         ctx.meta.block_tables, estimate)
+                                                                         ctx.meta.block_tables, ops.estimate)
     density = module.computed_density(index, ctx.meta.cu_seqlens_q, ctx.meta.context_lens)
     assert density > 0.8
     for limit, sparse in ((0.8, False), (density - 0.01, False), (density + 0.01, True), (None, True)):
@@ -203,7 +204,7 @@ def test_adaptive_budget_scales_with_the_context():
     policy = MInferencePolicy(MInferenceConfig(adaptive_budget=0.1, dense_below=0))
     from nanovllm_minference.policy import _ops
 
-    index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device)[0])
+    index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device).estimate)
     assert index.column_counts.unique().tolist() == [8]  # 20% of 10% of 400
 
 

@@ -115,10 +115,12 @@ def run_under_interpreter(test_file: str | Path, keyword: str = "interp", timeou
     return proc.returncode, tail, int(passed.group(1)) if passed else 0
 
 
-def prefill_context(q, k, v, query_len: int, scale: float, block_size: int = 16, layer_id: int = 3, seed: int = 0):
+def prefill_context(q, k, v, query_len: int, scale: float, block_size: int = 16, layer_id: int = 3,
+                    seed: int = 0, device: str = "cpu"):
     """``(q_chunk, ctx)``: one sequence of ``T`` tokens (``q [T, H, D]``, ``k``/``v`` ``[T, Hkv, D]``) whose
     last ``query_len`` tokens are a prefill chunk, as a policy sees it: a :class:`~nanovllm.policy.PolicyContext`
-    over a paged cache that already holds every key, its blocks in a shuffled order, on the torch backend."""
+    over a paged cache that already holds every key, its blocks in a shuffled order, on the torch backend,
+    every tensor on ``device``."""
     import torch
 
     from nanovllm.attention.metadata import PhaseMetadata
@@ -131,15 +133,17 @@ def prefill_context(q, k, v, query_len: int, scale: float, block_size: int = 16,
     pad = width * block_size - n
 
     def paged(x):
-        cache = torch.zeros(width, block_size, *x.shape[1:], dtype=x.dtype)
-        cache[table.long()] = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)).view(width, block_size, *x.shape[1:])
+        shape = (width, block_size, *x.shape[1:])
+        cache = torch.zeros(shape, dtype=x.dtype, device=x.device)
+        cache[table.long().to(x.device)] = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)).view(shape)
         return cache
 
-    meta = PhaseMetadata(torch.tensor([0, query_len], dtype=torch.int32), torch.tensor([n], dtype=torch.int32),
-                         table[None, :], query_len, n)
+    lens = [torch.tensor(x, dtype=torch.int32, device=device) for x in ([0, query_len], [n])]
+    meta = PhaseMetadata(*lens, table[None, :].to(device), query_len, n)
     chunk = slice(n - query_len, n)
-    ctx = PolicyContext(layer_id, True, q[chunk], meta, paged(k), paged(v), scale, TorchBackend(), None, k[chunk],
-                        v[chunk], torch.arange(n - query_len, n))
+    q, k, v = q.to(device), k.to(device), v.to(device)
+    ctx = PolicyContext(layer_id, True, q[chunk], meta, paged(k), paged(v), scale, TorchBackend(), None,
+                        k[chunk], v[chunk], torch.arange(n - query_len, n, device=device))
     return q[chunk], ctx
 
 

@@ -20,6 +20,9 @@ and the first ``skip_layers`` layers run dense, as does a chunk whose index woul
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import attrs
 import torch
 from nanovllm.policy import PolicyContext, SparsePolicy
@@ -86,25 +89,25 @@ class MInferencePolicy(SparsePolicy):
         cfg = self.config
         if ctx.layer_id < cfg.skip_layers or ctx.meta.max_context_len < cfg.dense_below:
             return ctx.attend_all(q, k, v)
-        estimate, attend = _ops(q.device)
+        ops = _ops(q.device)
         meta, dense_above = ctx.meta, cfg.dense_above
         if ctx.offload is None:
-            index = self.build_index(q, ctx, ctx.k_cache, meta.block_tables, estimate)
+            index = self.build_index(q, ctx, ctx.k_cache, meta.block_tables, ops.estimate)
             # above dense_above the kernel launches nothing (None): it reads the index's density back, a host
             # sync per chunk and layer (prefill is not captured in graphs), once its launch is prepared
-            result = attend(q, ctx.k_cache, ctx.v_cache, meta.block_tables, meta.cu_seqlens_q,
+            result = ops.attend(q, ctx.k_cache, ctx.v_cache, meta.block_tables, meta.cu_seqlens_q,
                             meta.context_lens, index, ctx.scale, meta.max_query_len, dense_above=dense_above)
         else:
             # keys cross PCIe only for what the index scores with; A-shape needs none
             plan = self._plan(ctx.layer_id, q.shape[1], q.device)
             key_cache, key_tables = self._all_keys(ctx) if plan.reads_keys else (ctx.k_cache, meta.block_tables)
-            index = self.build_index(q, ctx, key_cache, key_tables, estimate)
+            index = self.build_index(q, ctx, key_cache, key_tables, ops.estimate)
             del key_cache
             # decided before the touched blocks cross PCIe
-            if dense_above is not None and computed_density(index, meta.cu_seqlens_q, meta.context_lens,
-                                                            meta.max_query_len) > dense_above:
+            if dense_above is not None and float(ops.density(index, meta.cu_seqlens_q, meta.context_lens,
+                                                             meta.max_query_len)) > dense_above:
                 return ctx.attend_all(q, k, v)
-            result = attend(q, *self._touched_kv(ctx, index), meta.cu_seqlens_q, meta.context_lens, index,
+            result = ops.attend(q, *self._touched_kv(ctx, index), meta.cu_seqlens_q, meta.context_lens, index,
                             ctx.scale, meta.max_query_len)
         return ctx.attend_all(q, k, v) if result is None else result[0]
 
@@ -253,14 +256,20 @@ def _either(heads: torch.Tensor, chosen, other):
     return tuple(out)
 
 
-def _ops(device: torch.device):
-    """(estimate, attention): the Triton kernels on the GPU, their torch references elsewhere."""
+class Ops(NamedTuple):
+    estimate: Callable
+    attend: Callable
+    density: Callable  # the index's computed density (a float, or a device scalar)
+
+
+def _ops(device: torch.device) -> Ops:
+    """The Triton kernels on the GPU, their torch references elsewhere."""
     if device.type == "cuda":
-        from nanovllm_minference.attention import sparse_attention
+        from nanovllm_minference.attention import index_density, sparse_attention
         from nanovllm_minference.estimate import estimate
 
-        return estimate, sparse_attention
+        return Ops(estimate, sparse_attention, index_density)
     from nanovllm_minference.attention import sparse_attention_reference
     from nanovllm_minference.estimate import estimate_reference
 
-    return estimate_reference, sparse_attention_reference
+    return Ops(estimate_reference, sparse_attention_reference, computed_density)
