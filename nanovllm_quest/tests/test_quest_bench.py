@@ -46,7 +46,7 @@ def test_rescore_factors_become_attention_rows_and_engine_policies():
     all_jobs = bench.jobs([32768], [1], [2048], 2048, 4, [16], ["auto"], [], [4])
     (attention,) = [j for j in all_jobs if j["kind"] == "attention"]
     assert attention["rescores"] == [4]
-    policies = {j["policy"] for j in all_jobs if j["kind"] == "decode"}
+    policies = {j["policy"] for j in all_jobs if j["kind"] == "decode" and j["context"] != 131072}
     assert policies == {"full", "quest:token_budget=2048", "quest:token_budget=2048,rescore=4"}
     row = {"page_size": 16, "bound_size": 8, "metadata_dtype": "fp8", "rescore": 4}
     assert bench.page_label(row) == "16/8 fp8 r4"
@@ -101,6 +101,43 @@ def test_offload_rows_through_the_selection_cache_count_the_bytes_they_move():
                            "results": [cached, ring]}, "t")
     assert "| quest:token_budget=2048 | on | 0.900 |" in text
     assert "| recent_window:budget_blocks=128 | off | - |" in text
+
+
+def test_offload_rows_get_the_offloads_own_time_from_the_resident_row_of_their_policy():
+    kv_per_token = 32 * 2 * 8 * 128 * 2
+    common = {"context": 131072, "batch": 1, "kv_tokens_per_step": 131072, "kv_bytes_per_token": kv_per_token}
+    quest = "quest:token_budget=2048"
+    resident, offload = {**common, "benchmark": "offload-resident"}, {**common, "benchmark": "offload"}
+    rows = [{"benchmark": "offload-copy", "h2d_gbs": 50.0},
+            {**resident, "policy": "full", "decode_ms_per_step": 12.0},
+            {**resident, "policy": quest, "decode_ms_per_step": 8.0},
+            {**resident, "policy": quest, "batch": 8, "decode_ms_per_step": 30.0},
+            {**common, "benchmark": "decode", "policy": quest + ",skip_layers=0", "decode_ms_per_step": 9.0},
+            {**offload, "policy": "full", "decode_ms_per_step": 400.0},
+            {**offload, "policy": quest, "decode_ms_per_step": 13.0,
+             "options": {"kv_offloading_reuse_selections": False}},
+            {**offload, "policy": quest + ",skip_layers=0", "decode_ms_per_step": 14.0}]
+    full, cold, unmatched = bench.with_ratios(rows)[5:]
+    assert full["resident_ms_per_step"] == 12.0 and full["offload_ms_per_step"] == pytest.approx(388.0)
+    assert full["offload_vs_floor"] == pytest.approx(388.0 / full["floor_ms"])
+    assert cold["resident_ms_per_step"] == 8.0  # the batch-1 row of its policy, not the batch-8 one
+    assert cold["offload_vs_floor"] == pytest.approx(5.0 / (30 * 2048 * kv_per_token / 32 / 50e9 * 1e3))
+    assert "offload_ms_per_step" not in unmatched  # no row of the offload job with that policy resident
+    text = bench.markdown({"environment": {"device": "d", "date": "-", "commit": "c", "torch": "t"},
+                           "results": [full, cold, unmatched]}, "t")
+    floor, ratio = cold["floor_ms"], cold["offload_vs_floor"]
+    assert f"| {quest} | off | 13.00 | 8.00 | 5.00 | {floor:.2f} | {ratio:.2f} |" in text
+    assert "| full | - | 400.00 | 12.00 | 388.00 |" in text
+
+
+def test_the_offload_job_times_each_offloaded_policy_with_its_kv_on_the_gpu_too():
+    all_jobs = bench.jobs([131072], [1], [2048], 2048, 4)
+    resident = [j["policy"] for j in all_jobs if j["kind"] == "offload-resident"]
+    offloaded = [j["policy"] for j in all_jobs if j["kind"] == "offload"]
+    assert sorted(resident) == sorted(set(offloaded)) and len(offloaded) > len(resident)
+    assert {(j["context"], j["batch"]) for j in all_jobs if j["kind"] == "decode"} == {(131072, 1)}
+    kinds = {j["kind"] for j in bench.selected(all_jobs, ["offload"])}
+    assert kinds == {"offload", "offload-copy", "offload-resident"}
 
 
 def test_the_recent_window_selection_is_the_first_and_newest_blocks_and_reuses_the_rest(monkeypatch):

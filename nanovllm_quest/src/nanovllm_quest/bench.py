@@ -13,13 +13,15 @@ Jobs, each in its own process (one engine's GPU memory never shrinks the next on
   (the bound's nominees ranked again by their keys). The ceiling is ``1 / (1 / page_size + budget /
   context)``, the ratio of the bytes read.
 - ``decode``: the engine end to end, KV on the GPU, CUDA graphs: ``steps`` decode steps after prefilling
-  ``batch`` prompts of ``context`` tokens, with ``full`` and with Quest (also at each larger page size).
+  ``batch`` prompts of ``context`` tokens (32K and 128K at batch 1, 32K at batch 8, those of ``--contexts``
+  and ``--batches``), with ``full`` and with Quest (also at each larger page size).
 - ``offload``: the same with the KV cache in pinned host memory (the ``skip_layers`` resident on the GPU),
   with the offload engine's selection cache and without it; with the host-to-device copy rate of the same
   run, the floors of the bytes each Quest step selects and of those it moves (the selection cache loads only
   the selected head blocks it lacks). Random weights make Quest's consecutive selections share few blocks,
   so ``recent_window`` (the bench's own selection of as many blocks: the first and the newest ones, the
-  step before's but for the block being written) times the cache's best case on the same path.
+  step before's but for the block being written) times the cache's best case on the same path. Each of
+  these policies also runs with its KV on the GPU: the offload's own time is the difference.
 
 - ``reuse`` (only when asked for: ``--only reuse``): how much of Quest's decode selections the selection
   cache reuses on the real SmolLM2 (the built-in model, 8K context) in the engine with offload: a natural
@@ -289,16 +291,25 @@ def jobs(contexts: list[int], batches: list[int], budgets: list[int], budget: in
     out: list[dict] = [{"kind": "attention", "contexts": contexts, "batches": batches, "budgets": budgets,
                         "page_sizes": list(page_sizes), "metadata_dtypes": list(metadata_dtypes),
                         "bound_sizes": list(bound_sizes), "rescores": list(rescores)}]
+    cold = {"kv_offloading_reuse_selections": False}
+    offloaded = (("full", 3, {}), (quest, steps, {}), (quest, steps, cold),
+                 (quest + ",skip_layers=0", steps, {}), (window, steps, {}), (window, steps, cold))
     for context, batch in [(32768, 1), (131072, 1), (32768, 8)]:
-        out += [{"kind": "decode", "context": context, "batch": batch, "policy": p, "steps": steps}
-                for p in ("full", quest, *variants)]
+        if context in contexts and batch in batches:
+            out += [{"kind": "decode", "context": context, "batch": batch, "policy": p, "steps": steps}
+                    for p in ("full", quest, *variants)]
     out.append({"kind": "offload-copy"})
+    # each offloaded policy also with its KV on the GPU: the offload's own time is the difference
+    out += [{"kind": "offload-resident", "context": 131072, "batch": 1, "policy": p, "steps": steps}
+            for p in dict.fromkeys(p for p, _, _ in offloaded)]
     out += [{"kind": "offload", "context": 131072, "batch": 1, "policy": p, "steps": s, "options": o}
-            for p, s, o in (("full", 3, {}), (quest, steps, {}),
-                            (quest, steps, {"kv_offloading_reuse_selections": False}),
-                            (quest + ",skip_layers=0", steps, {}), (window, steps, {}),
-                            (window, steps, {"kv_offloading_reuse_selections": False}))]
+            for p, s, o in offloaded]
     return out
+
+
+def selected(all_jobs: list[dict], only: list[str] | None) -> list[dict]:
+    """The jobs of the kinds in ``only`` (all when None); ``offload`` brings its copy and resident jobs."""
+    return [job for job in all_jobs if not only or job["kind"].partition("-")[0] in only]
 
 
 def bench_reuse(budgets: list[int]) -> list[dict[str, Any]]:
@@ -351,7 +362,8 @@ def run_job(job: dict) -> list[dict[str, Any]]:
 
 def with_ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Quest's rows against the dense row of the same kind, context and batch, and against their targets;
-    offload rows against the floor of the bytes they move."""
+    offload rows against the floor of the bytes they move, as a whole step and as the offload's own time (the
+    step over the same policy's step with the KV on the GPU, in the same run)."""
     copy = next((r for r in results if r.get("benchmark") == "offload-copy" and "h2d_gbs" in r), None)
     out = []
     for r in results:
@@ -381,6 +393,13 @@ def with_ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif r["benchmark"] == "offload" and copy is not None and "kv_tokens_per_step" in r:
             r["floor_ms"] = r["kv_tokens_per_step"] * r["kv_bytes_per_token"] / copy["h2d_gbs"] / 1e6
             r["vs_floor"] = r["decode_ms_per_step"] / r["floor_ms"]
+        resident = r["benchmark"] == "offload" and next(
+            (d for d in results if d["benchmark"] == "offload-resident" and "decode_ms_per_step" in d
+             and (d["policy"], d["context"], d["batch"]) == (r["policy"], r["context"], r["batch"])), None)
+        if resident and "floor_ms" in r:
+            r["resident_ms_per_step"] = resident["decode_ms_per_step"]
+            r["offload_ms_per_step"] = r["decode_ms_per_step"] - resident["decode_ms_per_step"]
+            r["offload_vs_floor"] = r["offload_ms_per_step"] / r["floor_ms"]
         out.append(r)
     return out
 
@@ -459,6 +478,21 @@ def markdown(payload: dict[str, Any], title: str) -> str:
                      f"{r['selected_bytes_per_step'] / 1e6:.1f}", f"{r['h2d_bytes_per_step'] / 1e6:.1f}",
                      f"{r['decode_ms_per_step']:.2f}", f"{r['selected_floor_ms']:.2f}", f"{r['vs_selected_floor']:.2f}",
                      f"{r['floor_ms']:.2f}", f"{r['vs_floor']:.2f}"]
+            lines.append("| " + " | ".join(map(str, cells)) + " |")
+    own = [r for r in payload["results"] if "offload_ms_per_step" in r]
+    if own:
+        lines += ["", "## The offload's own time", "",
+                  "A step with the KV in the host pool, less the same policy's step with the KV on the GPU "
+                  "in this run: the time the offload adds, against the floor of the bytes it moves.", "",
+                  "| policy | selection cache | ms/step | KV on the GPU | offload's own | moved floor | "
+                  "vs it |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in own:
+            on = r.get("options", {}).get("kv_offloading_reuse_selections", True)
+            cache = "-" if r["policy"] == "full" else "on" if on else "off"
+            times = ("decode_ms_per_step", "resident_ms_per_step", "offload_ms_per_step", "floor_ms",
+                     "offload_vs_floor")
+            cells = [r["policy"], cache, *(f"{r[key]:.2f}" for key in times)]
             lines.append("| " + " | ".join(map(str, cells)) + " |")
     copy = next((r for r in payload["results"] if r["benchmark"] == "offload-copy"), None)
     if copy and "h2d_gbs" in copy:
@@ -552,12 +586,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from nanovllm.bench import run_plugin_jobs
 
-    selected = [job for job in jobs(args.contexts, args.batches, args.budgets, args.budget, args.decode_steps,
-                                    args.page_sizes, args.metadata_dtypes, args.bound_sizes, args.rescores)
-                if not (args.only and job["kind"] not in args.only and not (job["kind"] == "offload-copy" and "offload" in args.only))]
+    chosen = selected(jobs(args.contexts, args.batches, args.budgets, args.budget, args.decode_steps,
+                           args.page_sizes, args.metadata_dtypes, args.bound_sizes, args.rescores), args.only)
     if args.only and "reuse" in args.only:  # the built-in model's weights: not on every machine
-        selected.append({"kind": "reuse", "budgets": args.budgets})
-    return run_plugin_jobs(selected, "nanovllm_quest.bench", Path(args.out), args.name, vars(args) | {"job": None},
+        chosen.append({"kind": "reuse", "budgets": args.budgets})
+    return run_plugin_jobs(chosen, "nanovllm_quest.bench", Path(args.out), args.name,
+                           vars(args) | {"job": None},
                            with_ratios, markdown, chart)
 
 
