@@ -473,8 +473,8 @@ def markdown(payload: dict[str, Any], title: str) -> str:
                   "| policy | selection cache | reused | MB selected | MB moved | ms/step | selected floor | vs it | "
                   "moved floor | vs it |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in offload:
-            on = r.get("options", {}).get("kv_offloading_reuse_selections", True)
-            cells = [r["policy"], "on" if on else "off", f"{r['reused_share']:.3f}" if "reused_share" in r else "-",
+            reused = f"{r['reused_share']:.3f}" if "reused_share" in r else "-"
+            cells = [r["policy"], selection_cache(r), reused,
                      f"{r['selected_bytes_per_step'] / 1e6:.1f}", f"{r['h2d_bytes_per_step'] / 1e6:.1f}",
                      f"{r['decode_ms_per_step']:.2f}", f"{r['selected_floor_ms']:.2f}", f"{r['vs_selected_floor']:.2f}",
                      f"{r['floor_ms']:.2f}", f"{r['vs_floor']:.2f}"]
@@ -487,18 +487,23 @@ def markdown(payload: dict[str, Any], title: str) -> str:
                   "| policy | selection cache | ms/step | KV on the GPU | offload's own | moved floor | "
                   "vs it |",
                   "|---|---|---|---|---|---|---|"]
+        times = ("decode_ms_per_step", "resident_ms_per_step", "offload_ms_per_step", "floor_ms",
+                 "offload_vs_floor")
         for r in own:
-            on = r.get("options", {}).get("kv_offloading_reuse_selections", True)
-            cache = "-" if r["policy"] == "full" else "on" if on else "off"
-            times = ("decode_ms_per_step", "resident_ms_per_step", "offload_ms_per_step", "floor_ms",
-                     "offload_vs_floor")
-            cells = [r["policy"], cache, *(f"{r[key]:.2f}" for key in times)]
+            cells = [r["policy"], selection_cache(r), *(f"{r[key]:.2f}" for key in times)]
             lines.append("| " + " | ".join(map(str, cells)) + " |")
     copy = next((r for r in payload["results"] if r["benchmark"] == "offload-copy"), None)
     if copy and "h2d_gbs" in copy:
         lines += ["", f"Pinned host-to-device copy rate of this run: {copy['h2d_gbs']:.1f} GB/s (the floors' rate). "
                   f"Quest offload target: within {OFFLOAD_FLOOR_TARGET}x of its floor."]
     return "\n".join(lines) + "\n"
+
+
+def selection_cache(row: dict[str, Any]) -> str:
+    """Whether an offload row's decode used the selection cache ('-' for dense: it selects nothing)."""
+    if row["policy"] == "full":
+        return "-"
+    return "on" if row.get("options", {}).get("kv_offloading_reuse_selections", True) else "off"
 
 
 def page_label(row: dict[str, Any]) -> str:
