@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 from nanovllm import bench
@@ -158,6 +159,42 @@ def test_ttft_after_a_full_length_warm_up(tiny_model, one_thread):
     assert row["ttft_first_s"] > 0 and row["ttft_s"] > 0 and row["prompt_len"] == 96
     assert "ttft_first_s" not in offload.bench_decode(model, 96, 1, 1, False, **options)
     assert offload._prompts(2, 96, 1000)[0] == offload._prompts(1, 96, 1000)[0]
+
+
+def test_paired_ttft_engines_take_turns_in_one_process(tiny_model, one_thread, monkeypatch):
+    from nanovllm.bench import offload, prefill
+
+    model = tiny_model("LlamaForCausalLM")
+    order, timed = [], offload._time_to_first_tokens
+
+    def recorded(llm, prompts):
+        order.append((id(llm), tuple(prompts[0])))
+        return timed(llm, prompts)
+
+    monkeypatch.setattr(offload, "_time_to_first_tokens", recorded)
+    options = {"device": "cpu", "max_num_batched_tokens": 64}
+    full, other = offload.bench_paired_ttft(model, 96, ["full", "full"], 3, **options)
+    engines = {engine for engine, _ in order}
+    assert len(order) == 8 and len(engines) == 2  # a first prompt and 3 rounds, each engine in turn
+    assert all(order[i][0] != order[i + 1][0] and order[i][1] == order[i + 1][1] for i in range(0, 8, 2))
+    assert len({prompt for _, prompt in order}) == 4
+    for row in (full, other):
+        assert row["ttft_first_s"] > 0 and len(row["ttft_rounds_s"]) == 3
+        assert row["ttft_s"] == sorted(row["ttft_rounds_s"])[1]
+    assert "speedup_rounds" not in full
+    assert other["speedup_rounds"] == [a / b for a, b in zip(full["ttft_rounds_s"], other["ttft_rounds_s"])]
+    # each engine's KV holds the one prompt and not a second one: two engines share a GPU
+    settings, per_token = other["settings"], offload.model_shape(model, options).kv_bytes_per_token
+    one_prompt = settings["max_model_len"] * per_token
+    assert one_prompt <= settings["kv_cache_memory"] < 2 * one_prompt
+    for rounds, policies, match in ((0, ["full", "full"], "rounds must be at least 1"),
+                                    (1, ["full"], "at least two policies")):
+        with pytest.raises(ValueError, match=match):
+            offload.bench_paired_ttft(model, 96, policies, rounds, **options)
+    monkeypatch.setattr(offload, "bench_paired_ttft", lambda *a, **k: [dict(full), dict(other)])
+    rows = prefill.bench_ttft_paired(model, 96, ["full", "full"], 3)
+    assert rows[1]["paired_speedup"] == statistics.median(other["speedup_rounds"])
+    assert all(r["benchmark"] == "ttft" and r["paired_with"] == "full" for r in rows)
 
 
 def test_ttft_rounds_time_fresh_prompts_and_report_their_median(tiny_model, one_thread):

@@ -16,13 +16,17 @@ def test_ratios_and_table():
         {"benchmark": "ttft", "context": 1024, "policy": "minference", "ttft_s": 2.0, "ttft_first_s": 5.0,
          "ttft_rounds_s": [2.5, 2.0, 1.5]},
         {"benchmark": "ttft", "context": 2048, "policy": "minference", "error": "exit 1"},
+        {"benchmark": "ttft", "context": 1024, "policy": "a_shape", "ttft_s": 1.0, "paired_with": "full",
+         "ttft_rounds_s": [1.0, 1.1], "speedup_rounds": [3.0, 3.4], "paired_speedup": 3.2},
     ]
     rows = bench.with_ratios(results)
     assert abs(rows[0]["bound"] - 0.25) < 1e-12 and rows[0]["ratio_paged"] == 0.25
     assert rows[2]["speedup"] == 2.0 and "speedup" not in rows[1] and "speedup" not in rows[3]
+    assert rows[4]["speedup"] == 3.2  # a paired row: its rounds' median, not 4.0 / 1.0 from another process
     table = bench.markdown({"environment": ENV, "results": rows}, "t")
-    assert "| 1024 | minference | 2.000 | 2.00x | 2.500, 2.000, 1.500 | 5.000 |" in table
-    assert "| 1024 | full | 4.000 | - | - | - |" in table
+    assert "| 1024 | minference | 2.000 | 2.00x | 2.500, 2.000, 1.500 | - | 5.000 |" in table
+    assert "| 1024 | full | 4.000 | - | - | - | - |" in table
+    assert "| 1024 | a_shape | 1.000 | 3.20x | 1.000, 1.100 | 3.000x, 3.400x | - |" in table
     assert "exit 1" in table and "| 0.250 |" in table
 
 
@@ -40,3 +44,6 @@ def test_ttft_policies_join_the_defaults_once_at_each_context():
     all_jobs = bench.jobs([32768], [32768, 131072], [0.1], [local, "full"], ttft_rounds=3)
     ttft = [(j["context"], j["policy"], j["rounds"]) for j in all_jobs if j["kind"] == "ttft"]
     assert ttft == [(c, p, 3) for c in (32768, 131072) for p in (*bench.TTFT_POLICIES, local)]
+    paired_jobs = bench.jobs([32768], [131072], [0.1], [local], ttft_rounds=3, ttft_paired=True)[1:]
+    paired = [(j["kind"], j["context"], j["policies"]) for j in paired_jobs]
+    assert paired == [("ttft-paired", 131072, ["full", p]) for p in (*bench.TTFT_POLICIES[1:], local)]

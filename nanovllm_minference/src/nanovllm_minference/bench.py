@@ -9,7 +9,9 @@ Jobs, each in its own process (one engine's GPU memory never shrinks the next on
   builds with the default budgets, (b) fixed indices (1000 sink columns and a band of diagonals) at set
   densities. Also the estimate and the index building, as a share of dense attention.
 - ``ttft``: the engine end to end: the time to the first token of one prompt, ``full`` against
-  MInference (default budgets; A-shape; and each of ``--ttft-policies``), KV on the GPU.
+  MInference (default budgets; A-shape; and each of ``--ttft-policies``), KV on the GPU. With
+  ``--ttft-paired``, ``ttft-paired`` jobs instead: each policy in one process with ``full``, the two engines
+  taking turns on each round's prompt, so that no difference between processes enters the speedup.
 
 Random weights give near-uniform attention. The estimate's best diagonals then scatter over the whole
 context, each pulls in its tiles, and the default budgets compute almost every tile: their density here
@@ -28,6 +30,7 @@ from typing import Any
 from nanovllm.bench import prefill
 from nanovllm.bench.prefill import (
     bench_ttft,
+    bench_ttft_paired,
     dense_prefill_ms,
     density_chart,
     kernel_ms,
@@ -114,17 +117,26 @@ TTFT_POLICIES = ("full", "minference:dense_below=0", "minference:pattern=\"a_sha
 
 
 def jobs(contexts: list[int], ttft_contexts: list[int], densities: list[float],
-         ttft_policies: list[str] = (), ttft_rounds: int = 1) -> list[dict]:
+         ttft_policies: list[str] = (), ttft_rounds: int = 1, ttft_paired: bool = False) -> list[dict]:
+    """``ttft_paired``: each policy's TTFT in one process with ``full``'s, the two engines taking turns on
+    each round's prompt (two 8B engines with KV for 128K fit an 80 GB GPU; more do not)."""
     out: list[dict] = [{"kind": "kernel", "contexts": contexts, "densities": densities}]
     policies = list(dict.fromkeys([*TTFT_POLICIES, *ttft_policies]))
     for context in ttft_contexts:
-        out += [{"kind": "ttft", "context": context, "policy": p, "rounds": ttft_rounds} for p in policies]
+        if ttft_paired:
+            out += [{"kind": "ttft-paired", "context": context, "policies": ["full", p],
+                     "rounds": ttft_rounds} for p in policies if p != "full"]
+        else:
+            out += [{"kind": "ttft", "context": context, "policy": p, "rounds": ttft_rounds}
+                    for p in policies]
     return out
 
 
 def run_job(job: dict) -> list[dict[str, Any]]:
     if job["kind"] == "kernel":
         return bench_kernel(job["contexts"], job["densities"])
+    if job["kind"] == "ttft-paired":
+        return bench_ttft_paired(PRESET, job["context"], job["policies"], job["rounds"])
     return bench_ttft(PRESET, job["context"], job["policy"], job["rounds"])
 
 
@@ -173,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttft-contexts", nargs="+", type=int, default=[32768, 131072])
     parser.add_argument("--ttft-rounds", type=int, default=1,
                         help="prompts timed one after another per ttft job; TTFT is their median")
+    parser.add_argument("--ttft-paired", action="store_true",
+                        help="time each policy in one process with full, the engines taking turns each round")
     parser.add_argument("--ttft-policies", nargs="+", default=[],
                         help="sparse_policy selections timed by the ttft job besides full, the default budgets "
                         "and A-shape")
@@ -185,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from nanovllm.bench import run_plugin_jobs
 
-    all_jobs = jobs(args.contexts, args.ttft_contexts, args.densities, args.ttft_policies, args.ttft_rounds)
-    selected = [job for job in all_jobs if not (args.only and job["kind"] not in args.only)]
+    all_jobs = jobs(args.contexts, args.ttft_contexts, args.densities, args.ttft_policies, args.ttft_rounds,
+                    args.ttft_paired)
+    selected = [job for job in all_jobs if not args.only or job["kind"].partition("-")[0] in args.only]
     return run_plugin_jobs(selected, "nanovllm_minference.bench", Path(args.out), args.name, vars(args) | {"job": None},
                            with_ratios, markdown, chart)
 

@@ -5,6 +5,7 @@ target line."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,17 @@ def bench_ttft(preset: str, context: int, policy: str, rounds: int = 1) -> list[
     return [{**row, "benchmark": "ttft", "policy": policy}]
 
 
+def bench_ttft_paired(preset: str, context: int, policies: list[str], rounds: int) -> list[dict[str, Any]]:
+    """The ``ttft-paired`` job: :func:`nanovllm.bench.offload.bench_paired_ttft`, the policies' engines in one
+    process taking turns on each round's prompt; ``paired_speedup`` is the median of the rounds' speedups."""
+    from nanovllm.bench import offload
+
+    rows = offload.bench_paired_ttft(preset, context, policies, rounds)
+    for row in rows[1:]:
+        row["paired_speedup"] = statistics.median(row["speedup_rounds"])
+    return [{**row, "benchmark": "ttft", "paired_with": policies[0]} for row in rows]
+
+
 def with_ratios(results: list[dict[str, Any]], slack: float) -> list[dict[str, Any]]:
     """Kernel rows with their target bound (``density + slack``) and, where the run timed the dense paged
     kernel, their time over its (``ratio_paged``); TTFT rows with their speedup over ``full`` at the same
@@ -113,9 +125,12 @@ def with_ratios(results: list[dict[str, Any]], slack: float) -> list[dict[str, A
 
 
 def ttft_speedup(row: dict[str, Any], results: list[dict[str, Any]]) -> float | None:
-    """``full``'s TTFT over this row's, at the same context; None without both."""
+    """``full``'s TTFT over this row's, at the same context (a paired row: the median of its rounds' speedups
+    over the policy it was paired with); None without both."""
     if row.get("benchmark") != "ttft" or "ttft_s" not in row or row.get("policy") == "full":
         return None
+    if "paired_speedup" in row:
+        return row["paired_speedup"]
     dense = next((d for d in results if d.get("benchmark") == "ttft" and d.get("policy") == "full"
                   and d.get("context") == row["context"] and "ttft_s" in d), None)
     return None if dense is None else dense["ttft_s"] / row["ttft_s"]
@@ -126,16 +141,20 @@ def ttft_table(results: list[dict[str, Any]], heading: str) -> list[str]:
     lines = ["", f"## {heading}", "",
              "TTFT after a first prompt as long (timed in the last column, with the compiles of the kernels "
              "it met first).", "",
-             "Rounds: the prompts timed one after another, each of its own; TTFT is their median.", "",
-             "| context | policy | TTFT s | speedup vs full | rounds s | first prompt s |",
-             "|---|---|---|---|---|---|"]
+             "Rounds: the prompts timed one after another, each of its own; TTFT is their median. Paired "
+             "rows (`ttft-paired`): engines in one process taking turns on each round's prompt; their "
+             "speedup is the median of the rounds' speedups over the first engine's policy.", "",
+             "| context | policy | TTFT s | speedup vs full | rounds s | speedup by round | first prompt s |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         if r["benchmark"] == "ttft":
             result = r.get("error") or f"{r['ttft_s']:.3f}"
             speed = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
             rounds = ", ".join(f"{t:.3f}" for t in r.get("ttft_rounds_s", [])) or "-"
+            by_round = ", ".join(f"{x:.3f}x" for x in r.get("speedup_rounds", [])) or "-"
             first = f"{r['ttft_first_s']:.3f}" if "ttft_first_s" in r else "-"
-            lines.append(f"| {r['context']} | {r['policy']} | {result} | {speed} | {rounds} | {first} |")
+            cells = [r["context"], r["policy"], result, speed, rounds, by_round, first]
+            lines.append("| " + " | ".join(map(str, cells)) + " |")
     return lines
 
 
