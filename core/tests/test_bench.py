@@ -182,7 +182,8 @@ def test_paired_ttft_engines_take_turns_in_one_process(tiny_model, one_thread, m
         assert row["ttft_first_s"] > 0 and len(row["ttft_rounds_s"]) == 3
         assert row["ttft_s"] == sorted(row["ttft_rounds_s"])[1]
     assert "speedup_rounds" not in full
-    assert other["speedup_rounds"] == [a / b for a, b in zip(full["ttft_rounds_s"], other["ttft_rounds_s"], strict=True)]
+    pairs = zip(full["ttft_rounds_s"], other["ttft_rounds_s"], strict=True)
+    assert other["speedup_rounds"] == [a / b for a, b in pairs]
     # each engine's KV holds the one prompt and not a second one: two engines share a GPU
     settings, per_token = other["settings"], offload.model_shape(model, options).kv_bytes_per_token
     one_prompt = settings["max_model_len"] * per_token
