@@ -96,7 +96,7 @@ class MInferencePolicy(SparsePolicy):
             # above dense_above the kernel launches nothing (None): it reads the index's density back, a host
             # sync per chunk and layer (prefill is not captured in graphs), once its launch is prepared
             result = ops.attend(q, ctx.k_cache, ctx.v_cache, meta.block_tables, meta.cu_seqlens_q,
-                            meta.context_lens, index, ctx.scale, meta.max_query_len, dense_above=dense_above)
+                                meta.context_lens, index, ctx.scale, meta.max_query_len, dense_above=dense_above)
         else:
             # keys cross PCIe only for what the index scores with; A-shape needs none
             plan = self._plan(ctx.layer_id, q.shape[1], q.device)
@@ -107,8 +107,8 @@ class MInferencePolicy(SparsePolicy):
             if dense_above is not None and float(ops.density(index, meta.cu_seqlens_q, meta.context_lens,
                                                              meta.max_query_len)) > dense_above:
                 return ctx.attend_all(q, k, v)
-            result = ops.attend(q, *self._touched_kv(ctx, index), meta.cu_seqlens_q, meta.context_lens, index,
-                            ctx.scale, meta.max_query_len)
+            result = ops.attend(q, *self._touched_kv(ctx, index), meta.cu_seqlens_q, meta.context_lens,
+                                index, ctx.scale, meta.max_query_len)
         return ctx.attend_all(q, k, v) if result is None else result[0]
 
     def build_index(self, q: torch.Tensor, ctx: PolicyContext, k_cache: torch.Tensor, tables: torch.Tensor,
