@@ -96,7 +96,8 @@ class MInferencePolicy(SparsePolicy):
             # above dense_above the kernel launches nothing (None): it reads the index's density back, a host
             # sync per chunk and layer (prefill is not captured in graphs), once its launch is prepared
             result = ops.attend(q, ctx.k_cache, ctx.v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                meta.context_lens, index, ctx.scale, meta.max_query_len, dense_above=dense_above)
+                                meta.context_lens, index, ctx.scale, meta.max_query_len,
+                                dense_above=dense_above)
         else:
             # keys cross PCIe only for what the index scores with; A-shape needs none
             plan = self._plan(ctx.layer_id, q.shape[1], q.device)
