@@ -136,7 +136,9 @@ def test_the_offload_job_times_each_offloaded_policy_with_its_kv_on_the_gpu_too(
     offloaded = [j["policy"] for j in all_jobs if j["kind"] == "offload"]
     assert sorted(resident) == sorted(set(offloaded)) and len(offloaded) > len(resident)
     assert {(j["context"], j["batch"]) for j in all_jobs if j["kind"] == "decode"} == {(131072, 1)}
-    kinds = {j["kind"] for j in bench.selected(all_jobs, ["offload"])}
+    from nanovllm.bench import jobs_of_kinds
+
+    kinds = {j["kind"] for j in jobs_of_kinds(all_jobs, ["offload"])}
     assert kinds == {"offload", "offload-copy", "offload-resident"}
 
 

@@ -307,11 +307,6 @@ def jobs(contexts: list[int], batches: list[int], budgets: list[int], budget: in
     return out
 
 
-def selected(all_jobs: list[dict], only: list[str] | None) -> list[dict]:
-    """The jobs of the kinds in ``only`` (all when None); ``offload`` brings its copy and resident jobs."""
-    return [job for job in all_jobs if not only or job["kind"].partition("-")[0] in only]
-
-
 def bench_reuse(budgets: list[int]) -> list[dict[str, Any]]:
     """The ``reuse`` job: per budget, the selected head blocks the offload engine's cache loaded and reused
     over ``REUSE_STEPS`` decode steps after a ``REUSE_PROMPT_TOKENS``-token natural text, on SmolLM2."""
@@ -393,15 +388,23 @@ def with_ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif r["benchmark"] == "offload" and copy is not None and "kv_tokens_per_step" in r:
             r["floor_ms"] = r["kv_tokens_per_step"] * r["kv_bytes_per_token"] / copy["h2d_gbs"] / 1e6
             r["vs_floor"] = r["decode_ms_per_step"] / r["floor_ms"]
-        resident = r["benchmark"] == "offload" and next(
-            (d for d in results if d["benchmark"] == "offload-resident" and "decode_ms_per_step" in d
-             and (d["policy"], d["context"], d["batch"]) == (r["policy"], r["context"], r["batch"])), None)
-        if resident and "floor_ms" in r:
-            r["resident_ms_per_step"] = resident["decode_ms_per_step"]
-            r["offload_ms_per_step"] = r["decode_ms_per_step"] - resident["decode_ms_per_step"]
-            r["offload_vs_floor"] = r["offload_ms_per_step"] / r["floor_ms"]
+        if r["benchmark"] == "offload" and "floor_ms" in r:
+            r |= offload_own_time(r, results)
         out.append(r)
     return out
+
+
+def offload_own_time(row: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, float]:
+    """An offload row's step less its policy's step with the KV on the GPU (the ``offload-resident`` row of
+    the same context and batch), against the floor of the bytes it moves; nothing without that row."""
+    key = ("offload-resident", row["policy"], row["context"], row["batch"])
+    resident = next((d for d in results if "decode_ms_per_step" in d
+                     and (d["benchmark"], d.get("policy"), d.get("context"), d.get("batch")) == key), None)
+    if resident is None:
+        return {}
+    own = row["decode_ms_per_step"] - resident["decode_ms_per_step"]
+    return {"resident_ms_per_step": resident["decode_ms_per_step"], "offload_ms_per_step": own,
+            "offload_vs_floor": own / row["floor_ms"]}
 
 
 def head_block_bytes(row: dict[str, Any]) -> float:
@@ -589,9 +592,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.job:
         print(json.dumps(run_job(json.loads(args.job))))
         return 0
-    from nanovllm.bench import run_plugin_jobs
+    from nanovllm.bench import jobs_of_kinds, run_plugin_jobs
 
-    chosen = selected(jobs(args.contexts, args.batches, args.budgets, args.budget, args.decode_steps,
+    chosen = jobs_of_kinds(jobs(args.contexts, args.batches, args.budgets, args.budget, args.decode_steps,
                            args.page_sizes, args.metadata_dtypes, args.bound_sizes, args.rescores), args.only)
     if args.only and "reuse" in args.only:  # the built-in model's weights: not on every machine
         chosen.append({"kind": "reuse", "budgets": args.budgets})

@@ -154,10 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.job:
         print(json.dumps(run_job(json.loads(args.job))))
         return 0
-    from nanovllm.bench import run_plugin_jobs
+    from nanovllm.bench import jobs_of_kinds, run_plugin_jobs
 
     all_jobs = jobs(args.contexts, args.ttft_contexts, args.densities, args.stride, args.ttft_rounds)
-    selected = [job for job in all_jobs if not (args.only and job["kind"] not in args.only)]
+    selected = jobs_of_kinds(all_jobs, args.only)
     return run_plugin_jobs(selected, "nanovllm_xattn.bench", Path(args.out), args.name, vars(args) | {"job": None},
                            with_ratios, markdown, chart)
 

@@ -102,6 +102,12 @@ def run_job_in_subprocess(job: dict, command: tuple[str, ...] = ("-m", "nanovllm
     return json.loads(lines[-1])
 
 
+def jobs_of_kinds(jobs: list[dict], kinds: list[str] | None) -> list[dict]:
+    """The jobs whose kind is one of ``kinds`` (all when None, as for ``--only`` left out); a kind also
+    brings the jobs it names before a hyphen (``offload`` brings ``offload-copy``)."""
+    return [job for job in jobs if not kinds or job["kind"].partition("-")[0] in kinds]
+
+
 def run_plugin_jobs(jobs: list[dict], module: str, out: Path, name: str, settings: dict[str, Any],
                     finish: Callable[[list[dict]], list[dict]], markdown: Callable[[dict, str], str],
                     chart: Callable[[dict, Path], None]) -> int:

@@ -178,11 +178,15 @@ def lengths(context: int, batch: int, steps: int, max_positions: int, max_num_ba
     return prompt, prompt + room
 
 
+def kv_bytes(batch: int, max_model_len: int, block_size: int, kv_bytes_per_token: int) -> int:
+    """KV bytes of ``batch`` sequences of ``max_model_len`` tokens in whole blocks, and one spare block (the
+    engine rounds a KV budget down to whole blocks)."""
+    return (batch * -(-max_model_len // block_size) + 1) * block_size * kv_bytes_per_token
+
+
 def pool_gib(batch: int, max_model_len: int, block_size: int, kv_bytes_per_token: int) -> float:
-    """``kv_offloading_size`` for ``batch`` sequences of ``max_model_len`` tokens (one spare block: the
-    engine rounds the GiB down to whole blocks)."""
-    blocks = batch * -(-max_model_len // block_size) + 1
-    return blocks * block_size * kv_bytes_per_token / 2**30
+    """``kv_offloading_size`` for ``batch`` sequences of ``max_model_len`` tokens."""
+    return kv_bytes(batch, max_model_len, block_size, kv_bytes_per_token) / 2**30
 
 
 def host_memory_bytes() -> int:
@@ -241,9 +245,8 @@ def bench_paired_ttft(
     shape = model_shape(model, engine_options)
     prompt_len, options = _plan(shape, context, 1, 1, False, engine_options)
     if "kv_cache_memory" not in options:  # each engine holds KV for its one prompt, and no more
-        block_size = _option(options, "block_size")
-        blocks = -(-options["max_model_len"] // block_size) + 1
-        options["kv_cache_memory"] = blocks * block_size * shape.kv_bytes_per_token
+        options["kv_cache_memory"] = kv_bytes(1, options["max_model_len"], _option(options, "block_size"),
+                                              shape.kv_bytes_per_token)
     from nanovllm import LLM
 
     engines = [LLM(model, **options, sparse_policy=policy) for policy in policies]
@@ -251,9 +254,7 @@ def bench_paired_ttft(
     times: list[list[float]] = [[] for _ in policies]
     for prompt in [first, *timed]:
         for llm, seconds in zip(engines, times, strict=True):
-            took, seqs = _time_to_first_tokens(llm, [prompt])
-            llm.abort_request([s.request_id for s in seqs])
-            seconds.append(took)
+            seconds.append(_ttft_alone(llm, [prompt]))
     del engines, llm
     _free()
     rows = []
@@ -329,11 +330,7 @@ def _measure(llm, shape: ModelShape, batch: int, prompt_len: int, steps: int,
         _sync()
         out["ttft_first_s"] = time.perf_counter() - start
     extra = prompts[batch + warm_ups:]  # the rounds before the last, each on prompts of its own
-    rounds = []
-    for i in range(0, len(extra), batch):
-        seconds, seqs = _time_to_first_tokens(llm, extra[i:i + batch])
-        llm.abort_request([s.request_id for s in seqs])
-        rounds.append(seconds)
+    rounds = [_ttft_alone(llm, extra[i:i + batch]) for i in range(0, len(extra), batch)]
     out |= _prefill_then_decode(llm, prompts[:batch], steps)
     if rounds:
         out["ttft_rounds_s"] = [*rounds, out["ttft_s"]]
@@ -373,6 +370,13 @@ def _time_to_first_tokens(llm, prompts: list[list[int]]) -> tuple[float, list]:
         llm.step()
     _sync()
     return time.perf_counter() - start, seqs
+
+
+def _ttft_alone(llm, prompts: list[list[int]]) -> float:
+    """:func:`_time_to_first_tokens`, the sequences aborted after."""
+    seconds, seqs = _time_to_first_tokens(llm, prompts)
+    llm.abort_request([s.request_id for s in seqs])
+    return seconds
 
 
 def _prefill_then_decode(llm, prompts: list[list[int]], steps: int) -> dict[str, float]:
