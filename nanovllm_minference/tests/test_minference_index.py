@@ -8,6 +8,7 @@ import pytest
 import torch
 from nanovllm_minference.head_config import load_head_patterns, layer_heads
 from nanovllm_minference.index import (
+    PAD,
     TILE,
     block_sparse_index,
     computed_density,
@@ -41,11 +42,17 @@ def random_lines(lens, num_heads, width, seed):
     return columns, counts[0], offsets, counts[1]
 
 
+def valid(lines, counts):
+    """The first ``counts`` entries of each list."""
+    return torch.arange(lines.shape[-1]) < counts[..., None]
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_every_line_is_read_and_nothing_beyond_its_tiles(seed):
     q_lens, lens, cu = batch()
     columns, cc, offsets, oc = random_lines(lens, 3, 6, seed)
-    index = lines_to_index(columns, cc, offsets, oc, lens - q_lens, int(lens.max()))
+    index = lines_to_index(columns, valid(columns, cc), offsets, valid(offsets, oc), lens - q_lens,
+                           int(lens.max()))
     mask = index_mask(index, cu, lens)
     pos = positions_of(cu, lens)
     seq = torch.repeat_interleave(torch.arange(len(lens)), q_lens)
@@ -69,7 +76,8 @@ def test_computed_density_counts_the_kernels_work(seed):
     up to the tile's last row once per row; over dense causal work. Counted here one tile at a time."""
     q_lens, lens, cu = batch()
     columns, cc, offsets, oc = random_lines(lens, 3, 40, seed)
-    index = lines_to_index(columns, cc, offsets, oc, lens - q_lens, int(lens.max()))
+    index = lines_to_index(columns, valid(columns, cc), offsets, valid(offsets, oc), lens - q_lens,
+                           int(lens.max()))
     work = dense = 0
     for s, (q_len, ctx) in enumerate(zip(q_lens.tolist(), lens.tolist(), strict=True)):
         q_start = ctx - q_len
@@ -91,7 +99,7 @@ def test_budgets_covering_everything_read_every_visible_key():
     every = torch.arange(n).expand(len(lens), 2, n)
     for columns, offsets in (((lens * 0)[:, None].expand(-1, 2), lens[:, None].expand(-1, 2)),
                              (lens[:, None].expand(-1, 2), (lens * 0)[:, None].expand(-1, 2))):
-        index = lines_to_index(every, columns, every, offsets, lens - q_lens, n)
+        index = lines_to_index(every, valid(every, columns), every, valid(every, offsets), lens - q_lens, n)
         mask = index_mask(index, cu, lens)
         pos = positions_of(cu, lens)
         seq = torch.repeat_interleave(torch.arange(len(lens)), q_lens)
@@ -105,9 +113,11 @@ def test_top_lines_keep_forced_lines_best_first_within_budget():
     vertical, slash = torch.rand(2, 2, 3, 500, generator=g)
     sizes_v = torch.tensor([[50, 8, 1]] * 2)
     sizes_s = torch.tensor([[60, 12, 2]] * 2)
-    columns, cc, offsets, oc = top_lines(vertical, slash, lens, sizes_v, sizes_s, num_sink_tokens=4,
+    columns, cv, offsets, ov = top_lines(vertical, slash, lens, sizes_v, sizes_s, num_sink_tokens=4,
                                          num_recent_diags=10)
+    cc, oc = cv.sum(-1), ov.sum(-1)
     assert cc.tolist() == [[50, 8, 1], [40, 8, 1]] and oc.tolist() == [[60, 12, 2], [40, 12, 2]]
+    assert torch.equal(cv, valid(columns, cc)) and torch.equal(ov, valid(offsets, oc))  # best first
     for s in range(2):
         for h in range(3):
             chosen_c = columns[s, h, : cc[s, h]].tolist()
@@ -127,6 +137,42 @@ def test_top_lines_keep_forced_lines_best_first_within_budget():
         for s in range(2):
             for h in range(3):
                 assert got[s, h, : counts[s, h]].tolist() == want[s, h, : counts[s, h]].tolist()
+
+
+def test_top_lines_with_equal_sizes_choose_the_same_lines_unordered():
+    """Heads sharing their budgets take their best lines without topk's sort: the same sets, and a sequence
+    shorter than the budget keeps only its real lines."""
+    lens = torch.tensor([500, 40])
+    g = torch.Generator().manual_seed(1)
+    vertical, slash = torch.rand(2, 2, 3, 500, generator=g)
+    sizes_v, sizes_s = torch.full((2, 3), 50), torch.full((2, 3), 60)
+    ordered = top_lines(vertical, slash, lens, sizes_v, sizes_s, 4, 10, max_sizes=(50, 60))
+    unordered = top_lines(vertical, slash, lens, sizes_v, sizes_s, 4, 10, max_sizes=(50, 60),
+                          sizes_equal=True)
+    for lines, chosen in ((0, 1), (2, 3)):
+        assert torch.equal(unordered[chosen].sum(-1), ordered[chosen].sum(-1))
+        for s in range(2):
+            for h in range(3):
+                want = set(ordered[lines][s, h][ordered[chosen][s, h]].tolist())
+                assert set(unordered[lines][s, h][unordered[chosen][s, h]].tolist()) == want
+    assert unordered[1][1].sum(-1).tolist() == [40, 40, 40]
+    with pytest.raises(ValueError, match="max_sizes"):
+        top_lines(vertical, slash, lens, sizes_v, sizes_s, 4, 10, sizes_equal=True)
+
+
+def test_slash_tiles_are_ascending_distinct_and_padded():
+    """The slash tiles listed are exactly the offsets the cover marks, ascending, then padding."""
+    q_lens, lens, cu = batch()
+    columns, cc, offsets, oc = random_lines(lens, 3, 40, seed=5)
+    index = lines_to_index(columns, valid(columns, cc), offsets, valid(offsets, oc), lens - q_lens,
+                           int(lens.max()))
+    reach = index.cover_offset
+    for s in range(len(lens)):
+        for h in range(3):
+            listed = index.slash_tiles[s, h].tolist()
+            count = int(index.slash_counts[s, h])
+            marked = (index.slash_cover[s, h].nonzero().flatten() - reach).tolist()
+            assert listed[:count] == marked and all(t == PAD for t in listed[count:])
 
 
 def test_block_sparse_is_causal_keeps_its_own_tile_and_finds_a_planted_cluster():
@@ -159,7 +205,8 @@ def test_block_sparse_is_causal_keeps_its_own_tile_and_finds_a_planted_cluster()
 def test_touched_blocks_hold_every_key_the_index_reads(block_size):
     q_lens, lens, cu = batch()
     columns, cc, offsets, oc = random_lines(lens, 3, 5, seed=7)
-    index = lines_to_index(columns, cc, offsets, oc, lens - q_lens, int(lens.max()))
+    index = lines_to_index(columns, valid(columns, cc), offsets, valid(offsets, oc), lens - q_lens,
+                           int(lens.max()))
     num_blocks = -(-int(lens.max()) // block_size) + 1
     touched = touched_blocks(index, cu, lens, block_size, num_blocks)
     mask = index_mask(index, cu, lens)

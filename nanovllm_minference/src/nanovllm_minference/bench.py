@@ -75,7 +75,8 @@ def bench_kernel(contexts: list[int], densities: list[float]) -> list[dict[str, 
 
         def build():
             scores = estimate(q, k_cache, tables, cu, lens, scale, cfg.last_q, n)
-            lines = top_lines(*scores, lens, *sizes, cfg.num_sink_tokens, cfg.num_recent_diags)
+            lines = top_lines(*scores, lens, *sizes, cfg.num_sink_tokens, cfg.num_recent_diags,
+                              (cfg.vertical_size, cfg.slash_size), sizes_equal=True)
             return lines_to_index(*lines, lens - n, n)
 
         estimate_ms = kernel_ms(lambda: estimate(q, k_cache, tables, cu, lens, scale, cfg.last_q, n))
@@ -107,9 +108,8 @@ def fixed_index(n: int, density: float, columns: int, device):
     from nanovllm_minference.index import lines_to_index
 
     band = max(1, int(density * n / 2) - columns // 2)
-    ones = torch.ones(1, HEADS, dtype=torch.long, device=device)
     lines = torch.arange(max(band, columns), device=device).expand(1, HEADS, -1)
-    return lines_to_index(lines, ones * min(columns, n), lines, ones * min(band, n),
+    return lines_to_index(lines, lines < min(columns, n), lines, lines < min(band, n),
                           torch.zeros(1, dtype=torch.long, device=device), n)
 
 

@@ -44,48 +44,61 @@ FORCED = 2.0**24  # the score of always-kept lines, above any sum of softmax row
 
 
 def _sorted_padded(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``values`` with invalid entries replaced by ``PAD``, sorted ascending along the last dimension."""
-    return torch.where(valid, values, PAD).sort(dim=-1).values.to(torch.int32)
+    """``values`` with invalid entries replaced by ``PAD``, sorted ascending along the last dimension (int32:
+    half the radix passes of int64)."""
+    return torch.where(valid, values.int(), PAD).sort(dim=-1).values
+
+
+def _compacted(present: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``values`` (int32, broadcast to ``present``) where ``present``, in their order, then ``PAD``; and
+    how many. A cumulative count places every entry, where a sort would order them all again."""
+    rank = present.cumsum(-1, dtype=torch.int32)  # present entries up to and including this one
+    count = rank[..., -1:]
+    slot = torch.arange(present.shape[-1], device=present.device, dtype=torch.int32)
+    # present entries go to rank - 1; the others follow them, in order
+    where = torch.where(present, rank - 1, count + slot - rank)
+    out = torch.empty(present.shape, dtype=torch.int32, device=present.device)
+    out.scatter_(-1, where.long(), torch.where(present, values, PAD))
+    return out, count[..., 0]
 
 
 def lines_to_index(
-    columns: torch.Tensor, column_counts: torch.Tensor, offsets: torch.Tensor, offset_counts: torch.Tensor,
+    columns: torch.Tensor, column_valid: torch.Tensor, offsets: torch.Tensor, offset_valid: torch.Tensor,
     query_starts: torch.Tensor, max_context_len: int,
 ) -> SparseIndex:
     """The index of vertical lines and diagonals. ``columns`` ``[S, H, V]`` key positions and ``offsets``
-    ``[S, H, K]`` diagonal offsets (query position minus key position, 0 the main diagonal), the first
-    ``*_counts[s, h]`` of each row real, in any order. A diagonal crosses the rows of a query tile in at most
-    two key tiles, at the same offsets from the tile's base for every query tile of the sequence; those
-    offsets are the slash tiles."""
+    ``[S, H, K]`` diagonal offsets (query position minus key position, 0 the main diagonal), in any order;
+    ``*_valid`` (bool, the same shapes) say which entries are real. A diagonal crosses the rows of a query
+    tile in at most two key tiles, at the same offsets from the tile's base for every query tile of the
+    sequence; those offsets are the slash tiles."""
     device = columns.device
-    rank_v = torch.arange(columns.shape[-1], device=device)
-    cols = _sorted_padded(columns.long(), rank_v < column_counts[..., None])
+    cols = _sorted_padded(columns, column_valid)
     reach = -(-max_context_len // TILE) + 1  # R: offsets run from -R to 1
     phase = (query_starts.long() % TILE)[:, None, None]
     o = offsets.long()
-    valid = torch.arange(o.shape[-1], device=device) < offset_counts[..., None]
     cover = torch.zeros(*o.shape[:2], reach + 3, dtype=torch.int8, device=device)  # the last slot: a dump
     for edge in (0, TILE - 1):
         tile = torch.div(phase + edge - o, TILE, rounding_mode="floor")
-        cover.scatter_(-1, torch.where(valid, tile + reach, reach + 2), 1)
+        cover.scatter_(-1, torch.where(offset_valid, tile + reach, reach + 2), 1)
     cover = cover[..., : reach + 2].contiguous()
-    present = cover.bool()
-    tiles = _sorted_padded(torch.arange(reach + 2, device=device) - reach, present)
-    return SparseIndex(
-        cols, column_counts.to(torch.int32), tiles, present.sum(-1, dtype=torch.int32), cover,
-    )
+    offsets_from_base = torch.arange(reach + 2, device=device, dtype=torch.int32) - reach
+    tiles, tile_counts = _compacted(cover.bool(), offsets_from_base)
+    return SparseIndex(cols, column_valid.sum(-1, dtype=torch.int32), tiles, tile_counts, cover)
 
 
 def top_lines(
     vertical: torch.Tensor, slash: torch.Tensor, context_lens: torch.Tensor, vertical_sizes: torch.Tensor,
     slash_sizes: torch.Tensor, num_sink_tokens: int, num_recent_diags: int,
-    max_sizes: tuple[int, int] | None = None,
+    max_sizes: tuple[int, int] | None = None, sizes_equal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """MInference's choice from the estimated scores ``[S, H, L]``: the ``vertical_sizes[s, h]`` best
-    columns, the first ``num_sink_tokens`` always among them (first when the budget is smaller), and the ``slash_sizes[s, h]`` best
-    diagonals, the ``num_recent_diags`` nearest always among them. Returns (columns, column_counts,
-    offsets, offset_counts) for :func:`lines_to_index`. ``max_sizes``: host ints at least every vertical and
-    slash size, which saves reading the sizes back."""
+    columns, the first ``num_sink_tokens`` always among them (first when the budget is smaller), and the
+    ``slash_sizes[s, h]`` best diagonals, the ``num_recent_diags`` nearest always among them. Returns
+    (columns, column_valid, offsets, offset_valid) for :func:`lines_to_index`. ``max_sizes``: host ints at
+    least every vertical and slash size, which saves reading the sizes back. ``sizes_equal``: every size
+    equals its bound in ``max_sizes``, so the best lines are taken unordered (no sort inside topk)."""
+    if sizes_equal and max_sizes is None:
+        raise ValueError("sizes_equal needs max_sizes: the sizes every head and sequence shares")
     length = vertical.shape[-1]
     lens = context_lens.long()[:, None, None]
     pos = torch.arange(length, device=vertical.device)
@@ -94,13 +107,15 @@ def top_lines(
         ranked = torch.where(pos < forced, FORCED - pos, scores.float())  # forced: nearest first
         ranked = torch.where(pos < lens, ranked, float("-inf"))
         k = min(int(sizes.max()) if largest is None else largest, length)
-        counts = torch.minimum(sizes.long(), lens[..., 0]).clamp(max=k)
-        return ranked.topk(k, dim=-1).indices, counts  # best first: a head's first counts[s, h] are its own
+        top = ranked.topk(k, dim=-1, sorted=not sizes_equal)
+        valid = top.values > float("-inf")  # past the context
+        if not sizes_equal:  # best first: a head's first sizes[s, h] are its own
+            valid &= torch.arange(k, device=pos.device) < sizes[..., None]
+        return top.indices, valid
 
     largest = max_sizes or (None, None)
-    columns, column_counts = best(vertical, num_sink_tokens, vertical_sizes, largest[0])
-    offsets, offset_counts = best(slash, num_recent_diags, slash_sizes, largest[1])
-    return columns, column_counts, offsets, offset_counts
+    return (*best(vertical, num_sink_tokens, vertical_sizes, largest[0]),
+            *best(slash, num_recent_diags, slash_sizes, largest[1]))
 
 
 def block_sparse_index(

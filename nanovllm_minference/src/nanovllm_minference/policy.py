@@ -48,6 +48,7 @@ class LayerPlan:
     slash: torch.Tensor  # int64 [H]: diagonals (a_shape: n_local)
     masks: dict[str, torch.Tensor]  # bool [H] per pattern the layer uses, made once
     max_sizes: tuple[int, int]  # the largest vertical and slash sizes, on the host
+    same_sizes: bool  # every head has the largest sizes
 
     def heads(self, kind: str) -> torch.Tensor:
         return self.masks[kind]
@@ -93,8 +94,8 @@ class MInferencePolicy(SparsePolicy):
         meta, dense_above = ctx.meta, cfg.dense_above
         if ctx.offload is None:
             index = self.build_index(q, ctx, ctx.k_cache, meta.block_tables, ops.estimate)
-            # above dense_above the kernel launches nothing (None): it reads the index's density back, a host
-            # sync per chunk and layer (prefill is not captured in graphs), once its launch is prepared
+            # above dense_above the kernel computes nothing (None): it reads the decision back, a host sync
+            # per chunk and layer (prefill is not captured in graphs), once the kernel is queued
             result = ops.attend(q, ctx.k_cache, ctx.v_cache, meta.block_tables, meta.cu_seqlens_q,
                                 meta.context_lens, index, ctx.scale, meta.max_query_len,
                                 dense_above=dense_above)
@@ -123,27 +124,29 @@ class MInferencePolicy(SparsePolicy):
         q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).long()
         vertical = plan.vertical[None, :].expand(num_seqs, -1)
         slash = plan.slash[None, :].expand(num_seqs, -1)
-        max_sizes = plan.max_sizes
+        max_sizes, sizes_equal = plan.max_sizes, plan.same_sizes
         if cfg.adaptive_budget is not None and cfg.config_path is None:
             budget = (lens.double() * cfg.adaptive_budget)[:, None].expand(-1, num_heads)
             vertical, slash = (budget * 0.2).long().clamp(min=1), (budget * 0.8).long().clamp(min=1)
             longest = meta.max_context_len * cfg.adaptive_budget
             max_sizes = max(1, int(longest * 0.2)), max(1, int(longest * 0.8))
+            sizes_equal = num_seqs == 1  # the one sequence is the longest
         empty = torch.zeros(num_seqs, num_heads, 1, dtype=torch.long, device=q.device)
-        zero = torch.zeros(num_seqs, num_heads, dtype=torch.long, device=q.device)
-        columns, column_counts, offsets, offset_counts = empty, zero, empty, zero
+        none = torch.zeros(num_seqs, num_heads, 1, dtype=torch.bool, device=q.device)
+        columns, column_valid, offsets, offset_valid = empty, none, empty, none
         if plan.uses("vertical_slash"):
             scores = estimate(q, k_cache, tables, meta.cu_seqlens_q, meta.context_lens, ctx.scale, cfg.last_q,
                               meta.max_context_len)
             lines = top_lines(*scores, meta.context_lens, vertical, slash, cfg.num_sink_tokens,
-                              cfg.num_recent_diags, max_sizes)
-            columns, column_counts, offsets, offset_counts = _only(plan.heads("vertical_slash"), *lines)
+                              cfg.num_recent_diags, max_sizes, sizes_equal)
+            columns, column_valid, offsets, offset_valid = _only(plan.heads("vertical_slash"), *lines)
         if plan.uses("a_shape"):
-            fixed = _a_shape_lines(plan, lens, num_heads)
-            columns, column_counts, offsets, offset_counts = _either(
-                plan.heads("a_shape"), fixed, (columns, column_counts, offsets, offset_counts)
+            fixed = _a_shape_lines(plan, lens)
+            columns, column_valid, offsets, offset_valid = _either(
+                plan.heads("a_shape"), fixed, (columns, column_valid, offsets, offset_valid)
             )
-        index = lines_to_index(columns, column_counts, offsets, offset_counts, lens - q_lens, meta.max_context_len)
+        index = lines_to_index(columns, column_valid, offsets, offset_valid, lens - q_lens,
+                               meta.max_context_len)
         if plan.uses("block_sparse"):
             top_k = torch.where(plan.heads("block_sparse"), plan.vertical, 0)
             keys = _keys_in_order(k_cache, tables, meta.max_context_len)
@@ -168,7 +171,8 @@ class MInferencePolicy(SparsePolicy):
             kinds = tuple(h.pattern for h in heads)
             masks = {kind: torch.tensor([k == kind for k in kinds], device=device) for kind in set(kinds)}
             max_sizes = max(h.vertical_size for h in heads), max(h.slash_size for h in heads)
-            self._plans[key] = LayerPlan(kinds, sizes[:, 0], sizes[:, 1], masks, max_sizes)
+            same_sizes = all((h.vertical_size, h.slash_size) == max_sizes for h in heads)
+            self._plans[key] = LayerPlan(kinds, sizes[:, 0], sizes[:, 1], masks, max_sizes, same_sizes)
         return self._plans[key]
 
     # -- offload: what crosses PCIe -------------------------------------------------------------------
@@ -229,31 +233,28 @@ def _keys_in_order(k_cache: torch.Tensor, tables: torch.Tensor, length: int) -> 
     return k_cache[physical].flatten(1, 2)
 
 
-def _a_shape_lines(plan: LayerPlan, lens: torch.Tensor, num_heads: int):
+def _a_shape_lines(plan: LayerPlan, lens: torch.Tensor):
     """A-shape as lines: the first ``n_init`` columns and the ``n_local`` nearest diagonals."""
-    device = lens.device
-    widths = int(plan.vertical.max()), int(plan.slash.max())
-    columns, offsets = (torch.arange(w, device=device)[None, None, :].expand(lens.shape[0], num_heads, -1)
-                        for w in widths)
-    return (columns, torch.minimum(plan.vertical[None, :], lens[:, None]),
-            offsets, torch.minimum(plan.slash[None, :], lens[:, None]))
+    lines = []
+    for sizes, width in zip((plan.vertical, plan.slash), plan.max_sizes, strict=True):
+        first = torch.arange(width, device=lens.device)
+        valid = first < torch.minimum(sizes[None, :], lens[:, None])[..., None]  # [S, H, width]
+        lines += [first.expand_as(valid), valid]
+    return tuple(lines)
 
 
-def _only(heads: torch.Tensor, columns, column_counts, offsets, offset_counts):
+def _only(heads: torch.Tensor, columns, column_valid, offsets, offset_valid):
     """Lines of the given heads only: the others get none."""
-    return columns, torch.where(heads, column_counts, 0), offsets, torch.where(heads, offset_counts, 0)
+    return columns, column_valid & heads[:, None], offsets, offset_valid & heads[:, None]
 
 
 def _either(heads: torch.Tensor, chosen, other):
     """Per head: ``chosen`` lines where ``heads``, else ``other`` (lists padded to a common width)."""
     out = []
     for a, b in zip(chosen, other, strict=True):
-        if a.dim() == 3:
-            width = max(a.shape[-1], b.shape[-1])
-            a, b = (torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in (a, b))
-            out.append(torch.where(heads[None, :, None], a, b))
-        else:
-            out.append(torch.where(heads[None, :], a, b))
+        width = max(a.shape[-1], b.shape[-1])
+        a, b = (torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in (a, b))
+        out.append(torch.where(heads[None, :, None], a, b))
     return tuple(out)
 
 
