@@ -10,8 +10,8 @@ c <= p_j of scale * q_j . k_c`` (float32). Then::
 both ``[S, H, L]`` float32 with ``L`` the longest context; entries at or past a sequence's context are 0.
 
 ``estimate`` is two Triton passes over the paged keys, each program owning one KV head's slice of keys
-(each pass reads a key once for up to 256 stacked rows of its GQA group's heads; pass 2 for as many of
-the heads as fit in shared memory):
+(each pass reads a key once for the stacked rows of several of its GQA group's heads: up to 256 rows in
+pass 1, 128 in pass 2):
 
 1. row statistics: the running max and sum of ``exp2`` of every row's scores, one partial per slice;
    torch folds the partials into each row's max and ``1 / sum``.
@@ -289,13 +289,15 @@ def _slices(width: int, block_n: int, programs: int, device: torch.device) -> tu
 
 
 def _sums_heads(group: int, rows: int, block_d: int, itemsize: int, budget: int) -> int:
-    """Query heads per pass-2 program: the most (a power of two) that divide the group, stack at most 256
+    """Query heads per pass-2 program: the most (a power of two) that divide the group, stack at most 128
     rows, and fit ``budget`` bytes of shared memory: their queries, three stages of the key tile and
-    ``tl.gather``'s float32 probability tile."""
+    ``tl.gather``'s float32 probability tile. (H100, 64 rows a head, group 4: two heads and four warps ran
+    the pass 25% faster than four heads and eight warps, at 32K and 128K keys; the row sums of the larger
+    tile cost more than its shared key reads save.)"""
     tile_k = rows * block_d * itemsize
     fits = [
         heads for heads in range(1, group + 1)
-        if group % heads == 0 and heads & (heads - 1) == 0 and heads * rows <= 256
+        if group % heads == 0 and heads & (heads - 1) == 0 and heads * rows <= 128
         and heads * tile_k + 3 * tile_k + heads * rows * rows * 4 <= budget
     ]
     if not fits:
@@ -361,7 +363,6 @@ def estimate(
     _sums_kernel[(slices2, num_heads // heads2, num_seqs)](
         q, k_cache, cu_seqlens_q, context_lens, block_tables, row_max.contiguous(), inv_sum.contiguous(),
         vertical, slash, scale_log2, last_q, per_slice2, width, *strides,
-        GROUP=group, HEADS=heads2, ROWS=rows, **common,
-        num_warps=8 if gpu and heads2 * rows >= 256 else 4,
+        GROUP=group, HEADS=heads2, ROWS=rows, **common, num_warps=4,
     )
     return vertical, slash
