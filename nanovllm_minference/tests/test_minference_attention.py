@@ -245,7 +245,8 @@ def test_kernel_matches_reference(device, dtype, head_dim, num_kv_heads, group, 
     # the density the kernel's dense_above reads, from its own kernel: the reference's to the last bit
     density = computed_density(index, c.cu, c.ctx, c.max_query_len)
     assert 0 < density and index_density(index, c.cu, c.ctx, c.max_query_len).item() == density
-    # dense_above: nothing launched above the index's density, the same results below it
+    # dense_above: None above the index's density (the guarded kernel computes nothing), the same results
+    # below it
     for attend, want in ((sparse_attention, out), (sparse_attention_reference, ref_out)):
         assert attend(*c.args(index), dense_above=density * 0.99) is None
         assert torch.equal(attend(*c.args(index), dense_above=density * 1.01)[0], want)

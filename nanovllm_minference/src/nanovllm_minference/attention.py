@@ -22,6 +22,8 @@ imported) with float32 dots: the interpreter's bfloat16 dot is wrong.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 import torch
 import triton
@@ -114,7 +116,7 @@ def _listed_tiles(
 def _sparse_prefill_kernel(
     Q, K, V, Out, Lse,
     cu_q, ctx_lens, block_tables,
-    columns, column_counts, slash_tiles, slash_counts, slash_cover, blocks, block_counts,
+    columns, column_counts, slash_tiles, slash_counts, slash_cover, blocks, block_counts, too_dense,
     scale_log2,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -124,8 +126,11 @@ def _sparse_prefill_kernel(
     stride_bt, num_cols, num_slash, cover_r, num_qtiles, num_blocks,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr, CHUNK: tl.constexpr, HAS_BLOCKS: tl.constexpr, FP32: tl.constexpr,
-    SAME_LAYOUT: tl.constexpr,
+    SAME_LAYOUT: tl.constexpr, GUARDED: tl.constexpr,
 ):
+    if GUARDED:  # the index's work is above dense_above: the caller runs dense attention instead
+        if tl.load(too_dense) != 0:
+            return
     # last query tiles first: under a causal mask they have the most keys
     m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -276,10 +281,11 @@ def sparse_attention(
     """Sparse prefill attention (Triton): ``(out [T, H, D] in q's dtype, lse [T, H] float32)``.
 
     ``max_query_len`` (a host int) sizes the grid. ``dense_above``: when the index computes more than this
-    share of dense causal work (:func:`~nanovllm_minference.index.computed_density`), launch nothing and
-    return ``None``. The share is read back (a host sync) once the launch is prepared, so the GPU idles only
-    for the launch itself after the index is built. ``config`` overrides ``(num_warps, num_stages)``
-    (benchmarks)."""
+    share of dense causal work (:func:`~nanovllm_minference.index.computed_density`), compute nothing and
+    return ``None``. The comparison is made on the GPU and its copy to the host queued, then the kernel,
+    guarded by it (its programs return at once when it holds); the host waits for the copy alone, so the GPU
+    does not idle through the host's launch of this kernel (128 us of its arguments on the H100 machine's
+    CPU). ``config`` overrides ``(num_warps, num_stages)`` (benchmarks)."""
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, index)
     if index.blocks is not None and index.blocks.shape[2] < triton.cdiv(max_query_len, TILE):
         raise ValueError(
@@ -293,7 +299,10 @@ def sparse_attention(
     )
     if not launch:
         return out, lse
-    density = None if dense_above is None else index_density(index, cu_seqlens_q, context_lens, max_query_len)
+    too_dense = answer = None
+    if dense_above is not None:
+        too_dense = index_density(index, cu_seqlens_q, context_lens, max_query_len) > dense_above
+        answer = _read_back_ahead(too_dense)
     num_heads, head_dim = q.shape[1:]
     has_blocks = index.blocks is not None
     columns, slash = index.columns.contiguous(), index.slash_tiles.contiguous()
@@ -305,12 +314,11 @@ def sparse_attention(
         blocks, block_counts = column_counts, column_counts  # never read
     warps, stages = config or _launch_config(q, head_dim)
     grid = (triton.cdiv(max_query_len, TILE), num_heads, cu_seqlens_q.shape[0] - 1)
-    if density is not None and float(density) > dense_above:
-        return None
     _sparse_prefill_kernel[grid](
         q, k_cache, v_cache, out, lse,
         cu_seqlens_q, context_lens, block_tables,
         columns, column_counts, slash, slash_counts, cover, blocks, block_counts,
+        column_counts if too_dense is None else too_dense,  # never read unguarded
         scale * LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *lse.stride(),
         block_tables.stride(0), columns.shape[2], slash.shape[2], index.cover_offset,
@@ -319,9 +327,34 @@ def sparse_attention(
         BLOCK_SIZE=k_cache.shape[1], TILE=TILE, CHUNK=LIST_CHUNK, HAS_BLOCKS=has_blocks,
         FP32=q.dtype == torch.float32 or q.device.type != "cuda",  # the interpreter's bfloat16 dot is wrong
         SAME_LAYOUT=k_cache.stride() == v_cache.stride(),  # the engine's caches: one address computation
-        num_warps=warps, num_stages=stages,
+        GUARDED=too_dense is not None, num_warps=warps, num_stages=stages,
     )
+    if answer is not None and answer():  # a host sync per chunk and layer, on the decision alone
+        return None
     return out, lse
+
+
+_READ_BACK: dict[torch.device, tuple[torch.Tensor, torch.cuda.Event]] = {}
+
+
+def _read_back_ahead(flag: torch.Tensor) -> Callable[[], bool]:
+    """Start copying a device bool to the host; the call returned waits for that copy, not for the work
+    queued after it (a plain read would wait for the guarded kernel too, and the GPU would then idle for
+    the host's next launches). One pinned buffer per device (pinning one per call cost more than the sync
+    saved): each answer is read before the next copy is queued."""
+    if flag.device.type != "cuda":
+        return lambda: bool(flag)
+    if flag.device not in _READ_BACK:
+        _READ_BACK[flag.device] = torch.empty((), dtype=torch.bool, pin_memory=True), torch.cuda.Event()
+    host, copied = _READ_BACK[flag.device]
+    host.copy_(flag, non_blocking=True)
+    copied.record(torch.cuda.current_stream(flag.device))
+
+    def answer() -> bool:
+        copied.synchronize()
+        return bool(host)
+
+    return answer
 
 
 # ---------------------------------------------------------------------------------------------
