@@ -47,3 +47,6 @@ def test_ttft_policies_join_the_defaults_once_at_each_context():
     paired_jobs = bench.jobs([32768], [131072], [0.1], [local], ttft_rounds=3, ttft_paired=True)[1:]
     paired = [(j["kind"], j["context"], j["policies"]) for j in paired_jobs]
     assert paired == [("ttft-paired", 131072, ["full", p]) for p in (*bench.TTFT_POLICIES[1:], local)]
+    alone = bench.jobs([32768], [131072], [0.1], [local], ttft_paired=True, default_policies=False)[1:]
+    assert [j["policies"] for j in alone] == [["full", local]]
+    assert [j["policy"] for j in bench.jobs([], [8192], [], [], default_policies=False)[1:]] == ["full"]

@@ -117,11 +117,14 @@ TTFT_POLICIES = ("full", "minference:dense_below=0", "minference:pattern=\"a_sha
 
 
 def jobs(contexts: list[int], ttft_contexts: list[int], densities: list[float],
-         ttft_policies: list[str] = (), ttft_rounds: int = 1, ttft_paired: bool = False) -> list[dict]:
+         ttft_policies: list[str] = (), ttft_rounds: int = 1, ttft_paired: bool = False,
+         default_policies: bool = True) -> list[dict]:
     """``ttft_paired``: each policy's TTFT in one process with ``full``'s, the two engines taking turns on
-    each round's prompt (two 8B engines with KV for 128K fit an 80 GB GPU; more do not)."""
+    each round's prompt (two 8B engines with KV for 128K fit an 80 GB GPU; more do not).
+    ``default_policies`` False: the TTFT jobs time ``full`` and ``ttft_policies`` only."""
     out: list[dict] = [{"kind": "kernel", "contexts": contexts, "densities": densities}]
-    policies = list(dict.fromkeys([*TTFT_POLICIES, *ttft_policies]))
+    defaults = TTFT_POLICIES if default_policies else TTFT_POLICIES[:1]
+    policies = list(dict.fromkeys([*defaults, *ttft_policies]))
     for context in ttft_contexts:
         if ttft_paired:
             out += [{"kind": "ttft-paired", "context": context, "policies": ["full", p],
@@ -190,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttft-policies", nargs="+", default=[],
                         help="sparse_policy selections timed by the ttft job besides full, the default budgets "
                         "and A-shape")
+    parser.add_argument("--no-default-policies", dest="default_policies", action="store_false",
+                        help="the ttft jobs time full and the --ttft-policies only (a paired 128K job takes "
+                        "minutes per policy)")
     parser.add_argument("--only", nargs="+", default=None, help="job kinds to run (kernel, ttft)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default="minference")
@@ -200,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     from nanovllm.bench import jobs_of_kinds, run_plugin_jobs
 
     all_jobs = jobs(args.contexts, args.ttft_contexts, args.densities, args.ttft_policies, args.ttft_rounds,
-                    args.ttft_paired)
+                    args.ttft_paired, args.default_policies)
     selected = jobs_of_kinds(all_jobs, args.only)
     return run_plugin_jobs(selected, "nanovllm_minference.bench", Path(args.out), args.name, vars(args) | {"job": None},
                            with_ratios, markdown, chart)
