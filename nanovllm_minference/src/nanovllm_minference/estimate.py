@@ -348,7 +348,7 @@ def estimate(
         q, k_cache, cu_seqlens_q, context_lens, block_tables, part_m, part_l,
         scale_log2, last_q, per_slice1, *strides,
         GROUP=group, NUM_SUB=num_sub, HEADS=heads, ROWS=rows, BLOCK_N=block_n1, **common,
-        num_warps=8 if gpu and heads * rows >= 256 else 4,
+        num_warps=4,  # H100, 256 rows x 64 keys: 204 us against 230 with 8 warps (128K keys), 64 and 70 (32K)
     )
     row_max = part_m.amax(2)
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
