@@ -58,8 +58,8 @@ def test_the_kernels_compile_at_start_not_in_the_first_prompt(offload, decision)
     """The engine's warm-up prefills after a history as long as ``max_model_len`` (512 here), past
     ``dense_below``: the estimate and the sparse kernel compile at start, and a first prompt compiles none.
     With offload the history is read from the pool, as a prompt's would be. With the ``dense_above``
-    decision its density kernel compiles at start too, and the sparse kernel still does: the index the
-    warm-up's all-zero keys give is sparse enough to pass it."""
+    decision its density kernel compiles at start too; the sparse kernel is queued whatever the decision
+    says (guarded on the GPU), so it does as well."""
     from nanovllm_minference import attention, estimate
 
     kernels = [attention._sparse_prefill_kernel, estimate._row_stats_kernel, estimate._sums_kernel]

@@ -163,7 +163,7 @@ def test_a_pattern_that_is_not_sparse_runs_dense(monkeypatch, offload, device):
 
     def counting_attend(*args, **kwargs):
         result = ops.attend(*args, **kwargs)
-        if result is not None:  # None: the index was too dense, nothing launched
+        if result is not None:  # None: the index was too dense, the guarded kernel computed nothing
             sparse_calls.append(1)
         return result
 
