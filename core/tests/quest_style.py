@@ -42,8 +42,8 @@ class QuestStylePolicy(SparsePolicy):
         self.key_max = torch.full(shape, float("-inf"), dtype=torch.float32, device=device)
 
     def on_blocks_allocated(self, block_ids: torch.Tensor) -> None:
-        self.key_min[:, block_ids] = float("inf")
-        self.key_max[:, block_ids] = float("-inf")
+        self.key_min.index_fill_(1, block_ids, float("inf"))  # not x[:, ids] = inf: that copy syncs
+        self.key_max.index_fill_(1, block_ids, float("-inf"))
 
     def on_kv_write(self, write: KVWrite) -> None:
         rows = torch.where(write.block_ids >= 0, write.block_ids, self.num_blocks)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from nanovllm.conformance import cases, run_case
+from nanovllm.conformance import Case, cases, run_case
 from nanovllm.plugins import get_plugins, reload_plugins
 from nanovllm.policy import PolicyContext
 from quest_style import Plugin, QuestStylePolicy
@@ -44,7 +44,7 @@ def test_quest_style_with_a_covering_budget_passes(case):
 def test_the_kit_covers_every_check():
     assert {c.check for c in cases()} == {
         "prefill", "decode", "chunked_prefill", "prefix_cache", "preemption", "mixed_lengths",
-        "selection_contract", "metadata", "cuda_graphs",
+        "selection_contract", "metadata", "cuda_graphs", "no_host_sync",
     }
 
 
@@ -81,8 +81,17 @@ class DropsOldest(QuestStylePolicy):
         return torch.cat([blocks[..., 1:], torch.full_like(blocks[..., :1], -1)], dim=-1)
 
 
+class SyncsOnAllocation(QuestStylePolicy):
+    """Resets its metadata by assigning a scalar at tensor indices: a copy from pageable memory, a sync."""
+
+    def on_blocks_allocated(self, block_ids: torch.Tensor) -> None:
+        self.key_min[:, block_ids] = float("inf")
+        self.key_max[:, block_ids] = float("-inf")
+
+
 BROKEN = {"small_budget": SmallBudget, "descending": Descending, "int64_selection": Int64Selection,
-          "forgets_resets": ForgetsResets, "drops_oldest": DropsOldest}
+          "forgets_resets": ForgetsResets, "drops_oldest": DropsOldest,
+          "syncs_on_allocation": SyncsOnAllocation}
 CPU = {c.check: c for c in cases() if c.device == "cpu"}
 
 
@@ -99,6 +108,12 @@ CPU = {c.check: c for c in cases() if c.device == "cpu"}
 def test_the_kit_fails_a_broken_policy(policy, check, message):
     with pytest.raises(AssertionError, match=message):
         run_case(CPU[check], policy)
+
+
+@pytest.mark.gpu
+def test_the_kit_fails_a_policy_that_syncs_in_decode():
+    with pytest.raises(AssertionError, match="waited for the GPU"):
+        run_case(Case("no_host_sync", "cuda", "triton"), "syncs_on_allocation:budget_blocks=1000")
 
 
 def test_policy_metadata_counts_against_the_kv_budget():

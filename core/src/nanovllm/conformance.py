@@ -42,6 +42,7 @@ CHECKS = (
     "selection_contract",
     "metadata",
     "cuda_graphs",
+    "no_host_sync",
 )
 BLOCK_SIZE = 4  # small blocks, so short prompts span many of them
 ATOL = 2e-4  # float32 everywhere: the policy's kernels and the dense ones differ only in rounding
@@ -296,6 +297,8 @@ def run_case(case: Case, policy: str | dict, model_dir: str | None = None) -> No
         _check_metadata(case, model_dir, policy)
     elif case.check == "cuda_graphs":
         _check_cuda_graphs(case, model_dir, policy)
+    elif case.check == "no_host_sync":
+        _check_no_host_sync(case, model_dir, policy)
     else:
         raise ValueError(f"unknown check {case.check!r}; the checks are {', '.join(CHECKS)}")
 
@@ -369,3 +372,33 @@ def _check_cuda_graphs(case: Case, model_dir: str, policy: Any) -> None:
     graphed = llm.generate(prompts, _params(24), use_tqdm=False)
     eager = _engine(case, model_dir, policy).generate(prompts, _params(24), use_tqdm=False)
     compare_outputs("cuda_graphs (graphs against eager)", graphed, eager)
+
+
+def _check_no_host_sync(case: Case, model_dir: str, policy: Any) -> None:
+    """Decode steps under CUDA graphs queue their work and return without waiting for the GPU. The engine
+    launches step N+1 before it reads step N's tokens; a sync in a step (``.item()``, ``.tolist()`` of a
+    device tensor, a copy from pageable memory such as ``x[ids] = 0.0``) drains that pipeline, and the GPU
+    then idles while the host launches the next graph. Steps cross block boundaries, so the allocation hook
+    runs too. The engine's own read-back of a step's tokens waits on an event, which this does not count."""
+    if case.device != "cuda":
+        raise unittest.SkipTest("CUDA graphs need a CUDA device")
+    llm = _engine(case, model_dir, policy, enforce_eager=False)
+    if not llm.runner.graphs:
+        raise unittest.SkipTest("no decode graph was captured: decode runs eagerly (the cuda_graphs check)")
+    from nanovllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=8 * BLOCK_SIZE, ignore_eos=True)
+    seqs = [llm.add_request(prompt, params) for prompt in _prompts([3, 40, 97, 12], 10)]
+    while any(s.num_completion_tokens < 2 for s in seqs):  # every prompt prefilled, decodes under way
+        llm.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(3 * BLOCK_SIZE):
+            try:
+                llm.step()
+            except RuntimeError as exc:
+                raise AssertionError(f"no_host_sync: decode step {step} waited for the GPU: {exc}") from exc
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(not s.is_finished for s in seqs), "no_host_sync: a request finished inside the checked steps"

@@ -112,8 +112,11 @@ class PolicySpec:
     @hookspec
     def on_blocks_allocated(self, block_ids: torch.Tensor) -> None:
         """Physical blocks ``[n]`` (int64, on the device) were handed out to hold new tokens: reset their
-        per-block metadata, in every layer. Called once per step before the forward pass. A block shared
-        through the prefix cache is not reallocated, so its metadata stays."""
+        per-block metadata, in every layer. Called once per step before the forward pass, outside any CUDA
+        graph. Queue the reset without a host sync: ``m.index_fill_(1, block_ids, 0.0)``, not
+        ``m[:, block_ids] = 0.0``, which copies the scalar from pageable memory and waits for the GPU (the
+        conformance kit's ``no_host_sync`` check). A block shared through the prefix cache is not reallocated,
+        so its metadata stays."""
 
     @hookspec
     def on_blocks_selected(self, ctx: PolicyContext, block_indices: torch.Tensor) -> None:

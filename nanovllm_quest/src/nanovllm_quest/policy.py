@@ -112,7 +112,9 @@ class QuestPolicy(SparsePolicy):
         previous owner's keys. Only the newest page has such bounds, and it is always kept, so they never
         rank; clearing them keeps the metadata a function of the cache (what the conformance kit checks)."""
         if self.bounds_per_page > 1 and block_ids.numel():
-            self.metadata.view(torch.uint8)[:, block_ids.to(self.metadata.device)] = 0  # 0.0 in any format
+            # 0 is 0.0 in any format; index_fill_, as an index assignment of a scalar copies it from
+            # pageable host memory, which waits for the GPU to drain
+            self.metadata.view(torch.uint8).index_fill_(1, block_ids.to(self.metadata.device), 0)
 
     def _page_rows(self, write: KVWrite) -> reference.PageRows:
         """The step's rows grouped by the bound they fold into, computed once per step for all its layers
