@@ -363,3 +363,34 @@ def test_bad_requests_leave_the_engine_usable(llm, monkeypatch):
     monkeypatch.undo()
     assert not llm.scheduler.has_unfinished()
     assert len(run(llm).token_ids) == 12
+
+
+@needs_llama
+@pytest.mark.gpu
+def test_decode_steps_with_every_option_never_wait_for_the_gpu():
+    """The engine launches step N+1 before it reads step N's tokens; a sync anywhere in a step (the
+    sampler's inputs, penalties, bans, logprobs) would drain that pipeline. On the conformance kit's model,
+    whose head size the Triton backend takes."""
+    from nanovllm import LLM
+    from nanovllm.conformance import tiny_model
+
+    llm = LLM(tiny_model(), kv_cache_memory=1 << 24, device="cuda", attention_backend="triton",
+              dtype="float32", block_size=4, enforce_eager=False)
+    options = [dict(temperature=0, logprobs=3),
+               dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=1),
+               dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2, logprobs=0),
+               dict(logit_bias={7: 2.0}, bad_words=["tok9", "tok11 tok12"], min_tokens=30,
+                    stop=["tok3 tok3"]),
+               dict(allowed_token_ids=[3, 50, 60, 70], temperature=1.5)]
+    seqs = [llm.add_request([5 + i, 9, 13, 200, 17] * 4, SamplingParams(max_tokens=40, ignore_eos=True, **o))
+            for i, o in enumerate(options)]
+    while any(s.num_completion_tokens < 2 for s in seqs):
+        llm.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(12):  # three blocks of 4 tokens: allocation too
+            llm.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(not s.is_finished for s in seqs)
