@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nanovllm.bench import prefill
+from nanovllm.bench import markdown_row, prefill
 from nanovllm.bench.prefill import (
     bench_ttft,
     bench_ttft_paired,
@@ -171,7 +171,7 @@ def markdown(payload: dict[str, Any], title: str) -> str:
                      f"{r['estimate_ms']:.2f}" if "estimate_ms" in r else "",
                      f"{r['index_ms']:.2f}" if "index_ms" in r else "",
                      f"{r['estimate_share']:.3f}" if "estimate_share" in r else ""]
-            lines.append("| " + " | ".join(map(str, cells)) + " |")
+            lines.append(markdown_row(cells))
     lines += ttft_table(payload["results"], f"Time to first token, one prompt, KV on the GPU (target at 128K: >= {TTFT_TARGET}x)")
     return "\n".join(lines) + "\n"
 

@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 
 import attrs
 import torch
+from nanovllm.bench import markdown_row
 from nanovllm.hookspecs import hookimpl
 from nanovllm.policy import SparsePolicy
 
@@ -443,7 +444,7 @@ def markdown(payload: dict[str, Any], title: str) -> str:
                      f"{r['attend_us']:.1f}", f"{r['speedup']:.2f}x", f"{r['ceiling']:.1f}x",
                      f">= {r['target']}x" if r.get("target") else "", f"{r['dense_one_layer_us']:.1f}",
                      f"{r['quest_one_layer_us']:.1f}", f"{r['speedup_one_layer']:.2f}x"]
-            lines.append("| " + " | ".join(map(str, cells)) + " |")
+            lines.append(markdown_row(cells))
     lines += ["", "## Decode in the engine (ms per step)", "",
               "| KV | context | batch | policy | ms/step | speedup vs full | target | floor ms | vs floor |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -458,7 +459,7 @@ def markdown(payload: dict[str, Any], title: str) -> str:
                      f"{r['decode_ms_per_step']:.2f}", f"{r['speedup']:.2f}x" if "speedup" in r else "-",
                      f">= {r['target']}x" if r.get("target") else "", f"{r['floor_ms']:.2f}" if "floor_ms" in r else "",
                      f"{r['vs_floor']:.2f}" if "vs_floor" in r else ""]
-            lines.append("| " + " | ".join(map(str, cells)) + " |")
+            lines.append(markdown_row(cells))
     reuse = [r for r in payload["results"] if r["benchmark"] == "reuse"]
     if reuse:
         lines += ["", "## Selected head blocks the selection cache reuses (SmolLM2, KV offloaded)", "",
@@ -481,7 +482,7 @@ def markdown(payload: dict[str, Any], title: str) -> str:
                      f"{r['selected_bytes_per_step'] / 1e6:.1f}", f"{r['h2d_bytes_per_step'] / 1e6:.1f}",
                      f"{r['decode_ms_per_step']:.2f}", f"{r['selected_floor_ms']:.2f}", f"{r['vs_selected_floor']:.2f}",
                      f"{r['floor_ms']:.2f}", f"{r['vs_floor']:.2f}"]
-            lines.append("| " + " | ".join(map(str, cells)) + " |")
+            lines.append(markdown_row(cells))
     own = [r for r in payload["results"] if "offload_ms_per_step" in r]
     if own:
         lines += ["", "## The offload's own time", "",
@@ -494,7 +495,7 @@ def markdown(payload: dict[str, Any], title: str) -> str:
                  "offload_vs_floor")
         for r in own:
             cells = [r["policy"], selection_cache(r), *(f"{r[key]:.2f}" for key in times)]
-            lines.append("| " + " | ".join(map(str, cells)) + " |")
+            lines.append(markdown_row(cells))
     copy = next((r for r in payload["results"] if r["benchmark"] == "offload-copy"), None)
     if copy and "h2d_gbs" in copy:
         lines += ["", f"Pinned host-to-device copy rate of this run: {copy['h2d_gbs']:.1f} GB/s (the floors' rate). "

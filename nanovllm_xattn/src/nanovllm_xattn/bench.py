@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nanovllm.bench import prefill
+from nanovllm.bench import markdown_row, prefill
 from nanovllm.bench.prefill import (
     bench_ttft,
     dense_prefill_ms,
@@ -129,7 +129,7 @@ def markdown(payload: dict[str, Any], title: str) -> str:
                      f"{r['dense_paged_ms']:.2f}", f"{r['sparse_ms']:.2f}", f"{r['ratio']:.3f}",
                      f"{r['ratio_paged']:.3f}", f"{r['bound']:.3f}", f"{r['estimate_ms']:.2f}",
                      f"{r['estimate_share']:.3f}", f"{r['select_share']:.3f}"]
-            lines.append("| " + " | ".join(map(str, cells)) + " |")
+            lines.append(markdown_row(cells))
     lines += ttft_table(payload["results"], f"Time to first token, one prompt, KV on the GPU (target at 128K, 20% density: >= {TTFT_TARGET}x)")
     return "\n".join(lines) + "\n"
 

@@ -18,7 +18,7 @@ import platform
 import subprocess
 import sys
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 # Targets on one H100 (issue 3) and anchors (ANCHORS.md): bandwidth floors per device, peers' numbers.
@@ -190,6 +190,11 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def markdown_row(cells: Iterable[object]) -> str:
+    """One line of a markdown table."""
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
 def markdown(payload: dict[str, Any], title: str) -> str:
     from nanovllm.bench import allreduce, offload, quality
 
@@ -206,7 +211,7 @@ def markdown(payload: dict[str, Any], title: str) -> str:
         elif "metric" in r:
             cells = [r["benchmark"], r["preset"], r["metric"], r[r["metric"]], r.get("target", ""),
                      r.get("vs_target", ""), r.get("floor", ""), r.get("vs_floor", ""), r.get("peer", "")]
-            table.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
+            table.append(markdown_row(map(_fmt, cells)))
     if table:
         lines += ["", "| benchmark | preset | metric | measured | target | vs_target | floor | vs_floor | peer |",
                   "|---|---|---|---|---|---|---|---|---|", *table]
@@ -216,7 +221,7 @@ def markdown(payload: dict[str, Any], title: str) -> str:
             for k in r["rows"]:
                 ref = k.get("vs_cudnn", k.get("vs_copy", ""))
                 cells = [k["kind"], k["name"], k["ms"], k["value"], k["unit"], ref, k.get("target", ""), k["note"]]
-                lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
+                lines.append(markdown_row(map(_fmt, cells)))
         if r["benchmark"] == "decode-profile" and "top_kernels" in r:
             lines += ["", f"Full-batch decode step, {r['preset']}, batch {r['batch']}: {r['step_ms_plain']:.2f} ms "
                       f"wall, {r['gpu_ms_per_step']:.2f} ms of GPU kernels ({r['kernel_launches_per_step']} launches), "

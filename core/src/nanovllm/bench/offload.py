@@ -35,7 +35,7 @@ from typing import Any
 import attrs
 import torch
 
-from nanovllm.bench import OFFLOAD_GPU_KV_TARGET_GIB, OFFLOAD_TTFT_TARGET
+from nanovllm.bench import OFFLOAD_GPU_KV_TARGET_GIB, OFFLOAD_TTFT_TARGET, markdown_row
 from nanovllm.bench.engine import _sync
 from nanovllm.config import EngineConfig
 
@@ -480,7 +480,7 @@ def markdown_lines(results: list[dict[str, Any]]) -> list[str]:
                  r.get("decode_ms_per_step", ""), "" if h2d is None else h2d / 2**30, r.get("h2d_gbs", ""),
                  r.get("floor_ms", ""), r.get("vs_floor", ""),
                  "" if "d2h_bytes_per_step" not in r else r["d2h_bytes_per_step"] / 2**10, r.get("skipped", "")]
-        lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
+        lines.append(markdown_row(map(_fmt, cells)))
     small_kv = next((r["small_kv_gib"] for r in rows if r["benchmark"] == "offload-small"), "small_kv_gib")
     lines += ["", f"Small GPU: at most {small_kv} GiB left for KV after the weights. Target: the offload engine's "
               f"GPU memory for KV (its load slots) at most {OFFLOAD_GPU_KV_TARGET_GIB} GiB.", "",
@@ -497,7 +497,7 @@ def markdown_lines(results: list[dict[str, Any]]) -> list[str]:
         cells = ["offload" if r["offload"] else "resident", r["preset"], r["context"], limit, outcome,
                  r.get("ttft_s", ""), r.get("decode_ms_per_step", ""), "" if peak is None else peak / 2**30,
                  r.get("gpu_kv_gib", ""), r.get("target", ""), r.get("vs_target", "")]
-        lines.append("| " + " | ".join(_fmt(c) for c in cells) + " |")
+        lines.append(markdown_row(map(_fmt, cells)))
     return lines
 
 

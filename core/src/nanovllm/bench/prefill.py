@@ -12,6 +12,8 @@ from typing import Any
 
 import attrs
 
+from nanovllm.bench import markdown_row
+
 
 @attrs.define(frozen=True)
 class PagedPrompt:
@@ -154,7 +156,7 @@ def ttft_table(results: list[dict[str, Any]], heading: str) -> list[str]:
             by_round = ", ".join(f"{x:.3f}x" for x in r.get("speedup_rounds", [])) or "-"
             first = f"{r['ttft_first_s']:.3f}" if "ttft_first_s" in r else "-"
             cells = [r["context"], r["policy"], result, speed, rounds, by_round, first]
-            lines.append("| " + " | ".join(map(str, cells)) + " |")
+            lines.append(markdown_row(cells))
     return lines
 
 

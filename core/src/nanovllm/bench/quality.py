@@ -18,6 +18,8 @@ import gc
 from pathlib import Path
 from typing import Any
 
+from nanovllm.bench import markdown_row
+
 DEFAULT_TOKENS = 4096
 DEFAULT_QUERIES = 32
 DEFAULT_TOP_K = 10
@@ -141,7 +143,7 @@ def markdown(payload: dict[str, Any], title: str) -> str:
     header = ["policy", "layer", "density", "blocks", "mass recall (oracle / random)",
               "top-k recall (oracle / random)", "output error (oracle / random)", "policy out error",
               *sequence_keys]
-    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["", markdown_row(header), "|" + "---|" * len(header)]
     for r in rows:
         for label, entry in [*((str(x["layer"]), x) for x in r["per_layer"]), ("mean", r["mean"])]:
             p, o, rnd = entry["policy"], entry["oracle"], entry["random"]
@@ -151,7 +153,7 @@ def markdown(payload: dict[str, Any], title: str) -> str:
             seq = r.get("sequence", {}) if label == "mean" else {}
             cells += [_f(seq[k]) if isinstance(seq.get(k), float) else
                       ("-" if seq.get(k) is None else str(seq[k])) for k in sequence_keys]
-            lines.append("| " + " | ".join(cells) + " |")
+            lines.append(markdown_row(cells))
     for r in payload["results"]:
         if "error" in r:
             lines.append(f"\nfailed: {r.get('policy', r['preset'])}: {r['error']}")
