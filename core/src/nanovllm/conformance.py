@@ -385,9 +385,7 @@ def _check_no_host_sync(case: Case, model_dir: str, policy: Any) -> None:
     llm = _engine(case, model_dir, policy, enforce_eager=False)
     if not llm.runner.graphs:
         raise unittest.SkipTest("no decode graph was captured: decode runs eagerly (the cuda_graphs check)")
-    from nanovllm import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=8 * BLOCK_SIZE, ignore_eos=True)
+    params = _params(8 * BLOCK_SIZE, prompt_logprobs=False)
     seqs = [llm.add_request(prompt, params) for prompt in _prompts([3, 40, 97, 12], 10)]
     while any(s.num_completion_tokens < 2 for s in seqs):  # every prompt prefilled, decodes under way
         llm.step()

@@ -22,6 +22,7 @@ imported) with float32 dots: the interpreter's bfloat16 dot is wrong.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import attrs
@@ -334,19 +335,21 @@ def sparse_attention(
     return out, lse
 
 
-_READ_BACK: dict[torch.device, tuple[torch.Tensor, torch.cuda.Event]] = {}
+_READ_BACK = threading.local()  # per thread: {device: (pinned bool, event)}
 
 
 def _read_back_ahead(flag: torch.Tensor) -> Callable[[], bool]:
     """Start copying a device bool to the host; the call returned waits for that copy, not for the work
     queued after it (a plain read would wait for the guarded kernel too, and the GPU would then idle for
-    the host's next launches). One pinned buffer per device (pinning one per call cost more than the sync
-    saved): each answer is read before the next copy is queued."""
+    the host's next launches). One pinned buffer per thread and device (pinning one per call cost more than
+    the sync saved): a thread reads each answer before it queues the next copy, and engines stepping in
+    other threads of the process have buffers of their own."""
     if flag.device.type != "cuda":
         return lambda: bool(flag)
-    if flag.device not in _READ_BACK:
-        _READ_BACK[flag.device] = torch.empty((), dtype=torch.bool, pin_memory=True), torch.cuda.Event()
-    host, copied = _READ_BACK[flag.device]
+    buffers = _READ_BACK.__dict__.setdefault("buffers", {})
+    if flag.device not in buffers:
+        buffers[flag.device] = torch.empty((), dtype=torch.bool, pin_memory=True), torch.cuda.Event()
+    host, copied = buffers[flag.device]
     host.copy_(flag, non_blocking=True)
     copied.record(torch.cuda.current_stream(flag.device))
 
