@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from nanovllm import SamplingParams
+from nanovllm.conformance import host_syncs_fail
 from nanovllm.layers.sampler import LogitsProcessing, PenaltyCounts, Sampler
 from nanovllm.plugins import get_plugins
 
@@ -110,9 +111,7 @@ def test_every_option_runs_on_the_device_without_a_host_sync():
     counts = PenaltyCounts(vocab, dev)
     ints = lambda values: torch.tensor(values, dtype=torch.long).pin_memory().to(dev, non_blocking=True)  # noqa: E731
     floats = lambda values: torch.tensor(values).pin_memory().to(dev, non_blocking=True)  # noqa: E731
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with host_syncs_fail():
         slots = [counts.slot(Owner(), ints([1, 2, 3]), ints([4, 4])) for _ in range(3)]
         processing = LogitsProcessing(
             add=(ints([0, 1]), ints([5, 6]), floats([3.0, float("-inf")])),
@@ -123,8 +122,6 @@ def test_every_option_runs_on_the_device_without_a_host_sync():
         )
         sampled = Sampler()(logits, floats([0.0, 1.0] * 4), ints([0, 5] * 4), floats([1.0, 0.9] * 4), None,
                             floats([0.0, 0.1] * 4), processing)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert sampled[3].item() in (10, 11) and sampled[1].item() != 6
 
 
@@ -386,11 +383,7 @@ def test_decode_steps_with_every_option_never_wait_for_the_gpu():
             for i, o in enumerate(options)]
     while any(s.num_completion_tokens < 2 for s in seqs):
         llm.step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with host_syncs_fail():
         for _ in range(12):  # three blocks of 4 tokens: allocation too
             llm.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert all(not s.is_finished for s in seqs)

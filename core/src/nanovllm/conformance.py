@@ -21,6 +21,7 @@ process (no download) unless ``model_dir`` is given.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 import tempfile
@@ -389,14 +390,22 @@ def _check_no_host_sync(case: Case, model_dir: str, policy: Any) -> None:
     seqs = [llm.add_request(prompt, params) for prompt in _prompts([3, 40, 97, 12], 10)]
     while any(s.num_completion_tokens < 2 for s in seqs):  # every prompt prefilled, decodes under way
         llm.step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with host_syncs_fail():
         for step in range(3 * BLOCK_SIZE):
             try:
                 llm.step()
             except RuntimeError as exc:
                 raise AssertionError(f"no_host_sync: decode step {step} waited for the GPU: {exc}") from exc
+    assert all(not s.is_finished for s in seqs), "no_host_sync: a request finished inside the checked steps"
+
+
+@contextlib.contextmanager
+def host_syncs_fail():
+    """Inside, a CUDA operation that waits for the GPU raises ``RuntimeError`` (PyTorch's sync-debug error
+    mode). The GPU's earlier work is finished first, so only what runs inside counts."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert all(not s.is_finished for s in seqs), "no_host_sync: a request finished inside the checked steps"
