@@ -21,6 +21,9 @@ pytestmark = [
 PROMPTS = [[5, 6, 7], list(range(10, 40)), list(range(50, 61)), list(range(100, 170))]
 INIT = 0.3  # transformers' default 0.02 makes a tied tiny model repeat its input token forever
 GREEDY = dict(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+# head size 32, which the Triton backend takes: the tiny Llama's default (16) runs the torch backend, which
+# captures no CUDA graphs, so a graphs test on it would decode eagerly on every rank
+GRAPHED = {"LlamaForCausalLM": dict(hidden_size=128, intermediate_size=256), "Qwen3ForCausalLM": {}}
 
 
 def generate(path: str, tp: int, **engine) -> list:
@@ -58,7 +61,7 @@ def test_symmetric_all_reduce_in_the_engine(tiny_model):
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
 @pytest.mark.parametrize("eager", [True, False])
 def test_two_gpus_give_the_tokens_of_one(arch, eager, tiny_model):
-    path = tiny_model(arch, initializer_range=INIT)
+    path = tiny_model(arch, initializer_range=INIT, **GRAPHED[arch])
     engine = dict(dtype="float32", enforce_eager=eager)
     assert_same_tokens(generate(path, 1, **engine), generate(path, 2, **engine), 1e-3)
 
@@ -67,7 +70,9 @@ def test_a_worker_that_hangs_in_capture_leaves_an_eager_engine(tiny_model, monke
     from test_tensor_parallel import HangsInCaptureOnWorkers
 
     monkeypatch.setenv("NANOVLLM_CAPTURE_TIMEOUT", "20")
-    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    # rank 0 must capture for real: on a model it runs eagerly it never joins the workers' warm-up
+    # collectives, and the two ranks wait for each other forever (seen on the two H200s)
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT, **GRAPHED["LlamaForCausalLM"])
     want = generate(path, 1, dtype="float32")
     with pytest.warns(RuntimeWarning, match="started its 2 ranks again without CUDA graphs"):
         got = generate(path, 2, dtype="float32", observers=[HangsInCaptureOnWorkers()])
