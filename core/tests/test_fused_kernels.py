@@ -151,7 +151,7 @@ def test_all_reduce_rms_norm(device, dtype, world, with_residual, gen):
         ref = norm(total, None if residual is None else residual.clone())
         got_res = None if residual is None else residual.to(device)
         got = fk.all_reduce_rms_norm(shares[1].to(device), weight, norm.eps, got_res, addresses, epochs, 1,
-                                     offset, slot, 0, sync=False)
+                                     offset, slot, 0, timeout_s=60, sync=False)
         if with_residual:
             _close(got[0], ref[0], gen, f"all_reduce_rms_norm output, call {call}")
             _close(got[1], ref[1], gen, f"all_reduce_rms_norm residual, call {call}")
@@ -193,7 +193,7 @@ def test_all_reduce_rms_norm_ranks_wait_for_each_other(world, gen):
         for b in buffers:
             b.view(torch.uint8)[flags:].view(torch.int32).fill_(1 << 20)
         fk.all_reduce_rms_norm(calls[0][0][r], weight, 1e-6, calls[0][1].clone(), addresses,
-                               torch.zeros_like(epochs[r]), r, offset, slot, flags)
+                               torch.zeros_like(epochs[r]), r, offset, slot, flags, timeout_s=60)
         torch.cuda.synchronize()
     for b in buffers:
         b.view(torch.uint8)[flags:].zero_()
@@ -207,7 +207,7 @@ def test_all_reduce_rms_norm_ranks_wait_for_each_other(world, gen):
                 if r == late:
                     torch.cuda._sleep(int(torch.randint(0, 200_000, (1,), generator=gen)))
                 out.append(fk.all_reduce_rms_norm(share[r], weight, 1e-6, residual.clone(), addresses,
-                                                  epochs[r], r, offset, slot, flags))
+                                                  epochs[r], r, offset, slot, flags, timeout_s=60))
         outputs.append(out)
     torch.cuda.synchronize()
     for call, (out, (share, residual)) in enumerate(zip(outputs, calls, strict=True)):

@@ -20,8 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.distributed import DATA_TIMEOUT
-
 
 @triton.jit
 def _add_rms_norm_row(x, R, W, Out, row, cols, ok, n_cols, eps, stride_r, stride_o,
@@ -157,7 +155,7 @@ def _all_reduce_rms_norm_kernel(
 def all_reduce_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
     buffers: torch.Tensor, epochs: torch.Tensor, rank: int, data_offset: int, slot_size: int,
-    flags_offset: int, sync: bool = True, timeout_s: float = DATA_TIMEOUT.total_seconds(),
+    flags_offset: int, *, timeout_s: float, sync: bool = True,
 ):
     """``rms_norm`` of the sum over the ranks of ``x [rows, hidden]`` (contiguous), as
     ``rms_norm(all_reduce(x), weight, eps, residual)`` computes it.
@@ -167,7 +165,7 @@ def all_reduce_rms_norm(
     ``flags_offset`` bytes in (``[len(epochs), world]`` int32, zero at the start). ``epochs``: this rank's
     calls per program, one program per row up to its length. ``sync=False``: for tests, the other ranks'
     shares are already in this rank's buffer. ``timeout_s``: how long a rank waits for the others before
-    its kernel traps (default: the NCCL collectives' timeout)."""
+    its kernel traps (the engine passes its collectives' timeout)."""
     n_rows, n_cols = x.shape
     world = buffers.numel()
     out = torch.empty_like(x)
