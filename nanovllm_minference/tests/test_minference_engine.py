@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 from nanovllm import LLM, SamplingParams
-from nanovllm.testing import policy_engine, prompt_logprobs
+from nanovllm.conformance import policy_engine
+from nanovllm.testing import prompt_logprobs
 
 PROMPT = [(11 * j) % 240 + 3 for j in range(300)]
 SPARSE = ("minference:vertical_size=8,slash_size=24,num_sink_tokens=4,num_recent_diags=8,dense_below=0,"

@@ -7,13 +7,13 @@ import pytest
 import torch
 from nanovllm.attention.metadata import PhaseMetadata
 from nanovllm.attention.torch_backend import TorchBackend
+from nanovllm.conformance import policy_engine
 from nanovllm.plugins import get_plugins
 from nanovllm.policy import KVWrite, PolicyContext
 from nanovllm.quality import planted
 from nanovllm.quality.capture import Capture, LayerActivations
 from nanovllm.quality.evaluate import evaluate_policy
 from nanovllm.selection import SelectionError, resolve_sparse_policy
-from nanovllm.testing import policy_engine
 from nanovllm_quest import reference
 from nanovllm_quest.config import QuestConfig
 from nanovllm_quest.policy import QuestPolicy, bound_layout

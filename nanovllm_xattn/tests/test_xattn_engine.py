@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 from nanovllm import LLM, SamplingParams
-from nanovllm.conformance import tiny_model
-from nanovllm.testing import policy_engine, prompt_logprobs
+from nanovllm.conformance import policy_engine, tiny_model
+from nanovllm.testing import prompt_logprobs
 
 PROMPT = [(11 * j) % 240 + 3 for j in range(400)]
 SPARSE = "xattn:threshold=0.5,block_size=64,stride=4,dense_below=0"

@@ -91,6 +91,30 @@ def tiny_model() -> str:
                               intermediate_size=256))
 
 
+def policy_engine(policy: str, device: str, block_size: int, offload: bool = False, **options: Any):
+    """A small float32 engine on the kit's tiny model under ``policy`` (a sparse-policy selection,
+    ``name:key=value,...;name2:...``), as policies' engine tests use it: eager, 4 sequences, ``max_model_len``
+    512, the torch backend on the CPU and triton elsewhere, the KV cache on the device (8 MiB) or with
+    ``offload`` in host memory; ``options`` override any of these. Skips the test when a policy it names is
+    not registered (its distribution is not installed)."""
+    from nanovllm import LLM
+    from nanovllm.plugins import get_plugins
+
+    registered = get_plugins().registry.sparse_policies
+    for name in (selection.split(":")[0].strip() for selection in policy.split(";")):
+        if name not in registered:
+            raise unittest.SkipTest(f"sparse policy {name!r} is not registered: its distribution is not "
+                                    "installed")
+    settings: dict[str, Any] = dict(device=device, dtype="float32", block_size=block_size, max_model_len=512,
+                                    enforce_eager=True, max_num_seqs=4,
+                                    attention_backend="torch" if device == "cpu" else "triton")
+    if offload:
+        settings.update(kv_offloading_size=0.01, kv_offloading_buffer_size=0.004)
+    else:
+        settings["kv_cache_memory"] = 2**23
+    return LLM(tiny_model(), sparse_policy=policy, **(settings | options))
+
+
 def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 250) for _ in range(n)] for n in lengths]
