@@ -323,6 +323,29 @@ def test_a_rank_0_capture_past_the_time_warns_but_keeps_the_graphs(tiny_model, o
         assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_ranks_capture_decode_graphs_together_or_not_at_all(tiny_model, one_thread):
+    """The workers could capture (made to think so here), rank 0 cannot (the CPU): they all decode eagerly,
+    with one rank's tokens. A worker that captured alone would wait forever in its warm-up collectives, so
+    the engine runs in a process of its own with a time limit."""
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(path, **ENGINE) as one:
+        expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, SamplingParams(**greedy),
+                                                                   use_tqdm=False)]
+    script = textwrap.dedent(f"""
+        from nanovllm import LLM, SamplingParams
+        from test_tensor_parallel import CapturesOnWorkers
+        if __name__ == "__main__":
+            with LLM({path!r}, tensor_parallel_size=2, observers=[CapturesOnWorkers()], **{ENGINE!r}) as llm:
+                outputs = llm.generate({PROMPTS!r}, SamplingParams(**{greedy!r}), use_tqdm=False)
+                print(len(llm.runner.graphs), [o.outputs[0].token_ids for o in outputs])
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split(maxsplit=1) == ["0", f"{expected}\n"]
+
+
 def test_async_engine_shutdown_stops_the_workers(tiny_model, one_thread):
     import asyncio
 

@@ -292,7 +292,7 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda":
             self._warm_up()
-        if self._use_cuda_graphs():
+        if self._every_rank_captures(self._use_cuda_graphs()):
             self._capture_on_every_rank()
         barrier()  # every rank built its runner: a failure is reported at start, not at the first step
 
@@ -500,6 +500,16 @@ class ModelRunner:
             warnings.warn(f"{problem}: the engine decodes eagerly (no CUDA graphs); pass enforce_eager=True "
                           "to say so and silence this", RuntimeWarning, stacklevel=2)
         return usable and problem is None
+
+    @staticmethod
+    def _every_rank_captures(this_rank_can: bool) -> bool:
+        """Every tensor-parallel rank captures decode graphs, or none does: a rank that captured alone would
+        wait forever in its warm-up collectives (a rank's backend, policy or environment may differ)."""
+        every_rank_can = agree_min(int(this_rank_can)) == 1
+        if this_rank_can and not every_rank_can:
+            warnings.warn(f"tensor-parallel rank {tp_rank()} decodes eagerly (no CUDA graphs): another rank "
+                          "cannot capture its decode graphs", RuntimeWarning, stacklevel=3)
+        return every_rank_can
 
     def _capture_on_every_rank(self) -> None:
         """Capture the decode graphs; with tensor parallelism every rank has ``capture_timeout()`` seconds
