@@ -142,9 +142,9 @@ def test_bad_arguments():
             reference(case, stride, block)
     with pytest.raises(ValueError, match="max_context_len"):
         block_scores_reference(**dict(case, max_context_len=4), stride=4, block=64)
-    with pytest.raises(ValueError, match="head sizes must match"):
+    with pytest.raises(ValueError, match="head dims must match"):
         block_scores_reference(**dict(case, q=case["q"][:, :, :4]), stride=4, block=64)
-    with pytest.raises(ValueError, match="same 1 sequences"):
+    with pytest.raises(ValueError, match="one entry / row per sequence"):
         block_scores_reference(**dict(case, cu_seqlens_q=torch.tensor([0, 2, 4])), stride=4, block=64)
 
 

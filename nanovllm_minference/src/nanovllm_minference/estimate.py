@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from nanovllm.attention.backend import check_paged_inputs
 from nanovllm.attention.triton_kernels import max_shared_memory
 
 LOG2E = 1.4426950408889634
@@ -36,28 +37,9 @@ MAX_LAST_Q = 128  # rows per head held in one tile; MInference uses 64
 
 
 def _check_args(q, k_cache, block_tables, cu_seqlens_q, context_lens, last_q) -> None:
-    if q.dim() != 3 or k_cache.dim() != 4:
-        raise ValueError(
-            f"q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)}: expected q [tokens, heads, head_dim] "
-            "and k_cache [num_blocks, block_size, kv_heads, head_dim]"
-        )
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    if num_heads % num_kv_heads or q.shape[2] != k_cache.shape[3]:
-        raise ValueError(
-            f"{num_heads} query heads of size {q.shape[2]} against {num_kv_heads} KV heads of size "
-            f"{k_cache.shape[3]}: the head sizes must match and the KV heads divide the query heads"
-        )
-    block_size = k_cache.shape[1]
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size {block_size}: the kernels need a power of two")
+    check_paged_inputs(q, k_cache, None, block_tables, cu_seqlens_q, context_lens)
     if not 1 <= last_q <= MAX_LAST_Q:
         raise ValueError(f"last_q={last_q}: estimate from 1 to {MAX_LAST_Q} query rows (MInference uses 64)")
-    num_seqs = context_lens.shape[0]
-    if cu_seqlens_q.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
-        raise ValueError(
-            f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}, block_tables {tuple(block_tables.shape)} and "
-            f"context_lens {tuple(context_lens.shape)} must describe the same {num_seqs} sequences"
-        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from nanovllm.attention.backend import check_paged_inputs
 from nanovllm.attention.triton_kernels import is_interpreted, max_shared_memory
 
 from nanovllm_xattn.layout import num_key_blocks, num_query_blocks
@@ -59,30 +60,12 @@ def _check_args(
     q, k_cache, block_tables, cu_seqlens_q, context_lens, stride: int, block: int, max_query_len: int,
     max_context_len: int,
 ) -> None:
-    if q.dim() != 3 or k_cache.dim() != 4:
-        raise ValueError(
-            f"q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)}: expected q [tokens, heads, head_dim] "
-            "and k_cache [num_blocks, kv_block_size, kv_heads, head_dim]"
-        )
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    if num_heads % num_kv_heads or q.shape[2] != k_cache.shape[3]:
-        raise ValueError(
-            f"{num_heads} query heads of size {q.shape[2]} against {num_kv_heads} KV heads of size "
-            f"{k_cache.shape[3]}: the head sizes must match and the KV heads divide the query heads"
-        )
-    if not _is_power_of_two(k_cache.shape[1]):
-        raise ValueError(f"kv_block_size {k_cache.shape[1]}: the paged cache needs a power of two")
+    check_paged_inputs(q, k_cache, None, block_tables, cu_seqlens_q, context_lens)
     if not (_is_power_of_two(block) and block >= 64):
         raise ValueError(f"block={block}: use a power of two of at least 64 (XAttention uses 128)")
     if not (_is_power_of_two(stride) and 2 <= stride <= 64 and block % stride == 0):
         raise ValueError(
             f"stride={stride}: use a power of two from 2 to 64 that divides block={block} (XAttention uses 8)"
-        )
-    num_seqs = context_lens.shape[0]
-    if cu_seqlens_q.shape != (num_seqs + 1,) or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(
-            f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}, block_tables {tuple(block_tables.shape)} and "
-            f"context_lens {tuple(context_lens.shape)} must describe the same {num_seqs} sequences"
         )
     if max_query_len < 0 or max_context_len < 0:
         raise ValueError(f"max_query_len={max_query_len}, max_context_len={max_context_len}: must be >= 0")
