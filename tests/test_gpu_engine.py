@@ -36,6 +36,28 @@ def test_triton_engine_matches_torch_backend(tiny_model):
     assert _greedy(path, "cuda", "triton") == _greedy(path, "cuda", "torch")
 
 
+def test_weight_prefetch_is_captured_in_the_decode_graphs_and_changes_no_token(tiny_model, monkeypatch):
+    """Small decode steps read each next matmul's weights into L2 on a side stream, in the warm-ups and in
+    the captured graphs; the tokens are those of an engine without it."""
+    from nanovllm.layers import fused_kernels, weight_prefetch
+
+    calls = []
+    real = fused_kernels.l2_prefetch
+
+    def counted(*args):
+        calls.append(torch.cuda.is_current_stream_capturing())
+        real(*args)
+
+    monkeypatch.setattr(fused_kernels, "l2_prefetch", counted)
+    path = tiny_model("Qwen3ForCausalLM")  # head dim 32
+    with_prefetch = _greedy(path, "cuda", "triton")
+    assert any(calls) and not all(calls)
+    calls.clear()
+    monkeypatch.setattr(weight_prefetch, "enabled", lambda: False)
+    assert _greedy(path, "cuda", "triton") == with_prefetch
+    assert not calls
+
+
 def test_cuda_logprobs_match_cpu(tiny_model):
     """Logprobs computed on the GPU and read back with the step's tokens (async scheduling, decodes in
     CUDA graphs, prompt logprobs across chunks, a request without logprobs in the batch) match the CPU's."""

@@ -256,10 +256,28 @@ def _pair_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([norm, norm], dim=-1)
 
 
+@cases
+def test_l2_prefetch_reads_the_first_bytes_and_changes_nothing(device, dtype, gen):
+    """The prefetch kernel changes no value, so it has no torch counterpart: each program's sum must be the
+    sum of its 16 KiB of the first ``n_bytes`` (so it read those, and nothing past them); the tensor stays."""
+    w = _rand(gen, 9, 2048, dtype=dtype, device=device)
+    before = w.clone()
+    n_bytes = w.numel() * w.element_size() * 2 // 3 + 2  # a part, its end not on a word
+    sink = torch.full((8,), 7, dtype=torch.int32, device=device)
+    fk.l2_prefetch(w, n_bytes, sink)
+    assert torch.equal(w, before)
+    words = w.reshape(-1).view(torch.uint8)[: n_bytes - n_bytes % 4].view(torch.int32).cpu().long()
+    sums = [(int(chunk.sum()) + 2**31) % 2**32 - 2**31 for chunk in words.split(4096)]  # int32 wrap-around
+    assert len(sums) > 1
+    assert sink.cpu().tolist() == sums + [7] * (8 - len(sums))
+    with pytest.raises(ValueError, match="prefetch fewer bytes"):
+        fk.l2_prefetch(w, n_bytes, sink[:1])
+
+
 @pytest.mark.skipif(CUDA or INTERP, reason="CUDA runs the gpu cases; the subprocess, the interp cases")
 def test_fused_kernels_under_interpreter():
     from nanovllm.testing import run_under_interpreter
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == len(DTYPES) * (4 + 1 + 3 + 4), tail
+    assert passed == len(DTYPES) * (4 + 1 + 3 + 4 + 1), tail

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from nanovllm.distributed import tp_size
+from nanovllm.layers import weight_prefetch
 from nanovllm.layers.activation import GatedMLP
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -42,6 +43,7 @@ class SelfAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        weight_prefetch.prefetch(self.o_proj.weight, hidden)  # while RoPE and attention run
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -61,11 +63,13 @@ class DecoderLayer(nn.Module):
     def forward(self, positions, hidden, residual):
         """``hidden``: the embeddings (``residual`` None, the first layer) or the previous layer's MLP
         output, one share per tensor-parallel rank; returns this layer's, likewise."""
+        weight_prefetch.prefetch(self.self_attn.qkv_proj.weight, hidden)  # while the norm (all-reduce) runs
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual, partial=True)
         hidden = self.self_attn(positions, hidden)
+        weight_prefetch.prefetch(self.mlp.gate_up_proj.weight, hidden)  # likewise
         hidden, residual = self.post_attention_layernorm(hidden, residual, partial=True)
         return self.mlp(hidden), residual
 
@@ -81,6 +85,7 @@ class DecoderModel(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
+        weight_prefetch.join(hidden)
         return self.norm(hidden, residual, partial=True)[0]
 
 

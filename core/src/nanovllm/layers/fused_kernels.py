@@ -8,6 +8,8 @@ five to ten elementwise kernels of the torch code they replace (decode steps are
 - ``all_reduce_rms_norm``: under tensor parallelism, the sum over the ranks of each rank's share (a
   row-parallel layer's output), then ``rms_norm``, in one kernel: the ranks exchange their shares through
   symmetric memory (:class:`nanovllm.distributed.SymmetricAllReduce`).
+- ``l2_prefetch``: reads the first bytes of a tensor into L2 and changes no value (no torch counterpart:
+  see :mod:`nanovllm.layers.weight_prefetch`).
 
 Each rounds where the torch reference in the layers rounds (to the activation dtype after the norm,
 after the weight, after SiLU), so the two agree to the last bit in most elements and greedy decoding
@@ -275,3 +277,25 @@ def rope_(
 
 
 __all__ = ["all_reduce_rms_norm", "rms_norm", "rope_", "silu_and_mul"]
+
+
+@triton.jit
+def _l2_prefetch_kernel(Words, Sink, n_words, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    words = tl.load(Words + offs, mask=offs < n_words, other=0, eviction_policy="evict_last")
+    tl.store(Sink + pid, tl.sum(words, 0))  # a use of the loads, or the compiler drops them
+
+
+_PREFETCH_BLOCK = 4096  # 32-bit words a program reads: 16 KiB
+
+
+def l2_prefetch(x: torch.Tensor, n_bytes: int, sink: torch.Tensor) -> None:
+    """Read the first ``n_bytes`` of contiguous ``x`` into L2, marked to be evicted last. ``sink`` (int32,
+    at least ``n_bytes / 16 KiB`` elements) takes one meaningless sum per program."""
+    words = x.reshape(-1).view(torch.uint8)[: n_bytes - n_bytes % 4].view(torch.int32)
+    grid = triton.cdiv(words.numel(), _PREFETCH_BLOCK)
+    if grid > sink.numel():
+        raise ValueError(f"a sink of {sink.numel()} elements for {grid} programs: prefetch fewer bytes")
+    if grid:
+        _l2_prefetch_kernel[(grid,)](words, sink, words.numel(), BLOCK=_PREFETCH_BLOCK)
