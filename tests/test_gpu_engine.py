@@ -12,11 +12,11 @@ pytestmark = pytest.mark.gpu
 PROMPT_LENS = (5, 37, 80, 130)
 
 
-def _greedy(path: str, device: str, backend: str) -> list[list[int]]:
+def _greedy(path: str, device: str, backend: str, **engine) -> list[list[int]]:
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in PROMPT_LENS]
     llm = LLM(path, device=device, dtype="float32", attention_backend=backend, kv_cache_memory=1 << 26,
-              max_num_batched_tokens=64, block_size=16)
+              max_num_batched_tokens=64, block_size=16, **engine)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     first = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     again = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]  # prefix-cache hits
@@ -37,8 +37,8 @@ def test_triton_engine_matches_torch_backend(tiny_model):
 
 
 def test_weight_prefetch_is_captured_in_the_decode_graphs_and_changes_no_token(tiny_model, monkeypatch):
-    """Small decode steps read each next matmul's weights into L2 on a side stream, in the warm-ups and in
-    the captured graphs; the tokens are those of an engine without it."""
+    """Small decode steps read each next matmul's weights into L2 on a side stream, in the captured graphs
+    only (eagerly the launches would cost more than they save); the tokens are those of an engine without."""
     from nanovllm.layers import fused_kernels, weight_prefetch
 
     calls = []
@@ -51,8 +51,10 @@ def test_weight_prefetch_is_captured_in_the_decode_graphs_and_changes_no_token(t
     monkeypatch.setattr(fused_kernels, "l2_prefetch", counted)
     path = tiny_model("Qwen3ForCausalLM")  # head dim 32
     with_prefetch = _greedy(path, "cuda", "triton")
-    assert any(calls) and not all(calls)
+    assert calls.count(True) > 0 and calls.count(False) <= 1  # captured; at most one compile, outside
     calls.clear()
+    assert _greedy(path, "cuda", "triton", enforce_eager=True) == with_prefetch
+    assert not calls
     monkeypatch.setattr(weight_prefetch, "enabled", lambda: False)
     assert _greedy(path, "cuda", "triton") == with_prefetch
     assert not calls

@@ -33,6 +33,7 @@ from nanovllm.distributed import (
 from nanovllm.engine.loader import load_weights
 from nanovllm.engine.offload import GraphUnsafe, HostPhase, OffloadEngine
 from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
+from nanovllm.layers import weight_prefetch
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import LogitsProcessing, PenaltyCounts, Sampler, TopLogprobs
 from nanovllm.plugins import PluginSet
@@ -576,17 +577,18 @@ class ModelRunner:
         if tp_size() > 1:  # the graphs hold the NCCL communicator: they must go before it does
             release_before_destroy(self.release_graphs)
         pool = None
-        for bs in reversed(self.graph_sizes):
-            graph = torch.cuda.CUDAGraph()
-            ids, pos = self.graph_inputs["input_ids"][:bs], self.graph_inputs["positions"][:bs]
-            with forward_context(self._graph_metadata(bs)), torch.cuda.graph(graph, pool):
-                if self.offload is not None:
-                    self.offload.begin_capture()
-                self.graph_output[:bs] = self.model(ids, pos)
-                if self.offload is not None:
-                    self.offload.end_capture()
-            pool = graph.pool() if pool is None else pool
-            self.graphs[bs] = graph
+        with weight_prefetch.capturing(self.device):  # the graphs read each next matmul's weights into L2
+            for bs in reversed(self.graph_sizes):
+                graph = torch.cuda.CUDAGraph()
+                ids, pos = self.graph_inputs["input_ids"][:bs], self.graph_inputs["positions"][:bs]
+                with forward_context(self._graph_metadata(bs)), torch.cuda.graph(graph, pool):
+                    if self.offload is not None:
+                        self.offload.begin_capture()
+                    self.graph_output[:bs] = self.model(ids, pos)
+                    if self.offload is not None:
+                        self.offload.end_capture()
+                pool = graph.pool() if pool is None else pool
+                self.graphs[bs] = graph
         torch.cuda.synchronize()
 
     def release_graphs(self) -> None:
