@@ -38,7 +38,7 @@ def test_triton_engine_matches_torch_backend(tiny_model):
 
 def test_weight_prefetch_is_captured_in_the_decode_graphs_and_changes_no_token(tiny_model, monkeypatch):
     """Small decode steps read each next matmul's weights into L2 on a side stream, in the captured graphs
-    only (eagerly the launches would cost more than they save); the tokens are those of an engine without."""
+    only (eagerly the host's launches bound the step); the tokens are those of an engine without."""
     from nanovllm.layers import fused_kernels, weight_prefetch
 
     calls = []

@@ -4,9 +4,9 @@ next matmul's weights before those kernels: a Triton kernel on a side stream rea
 (evict-last) while they run, and the matmul then finds it there. No value changes.
 
 Only in the decode CUDA graphs the runner captures inside :func:`capturing`: a graph replays the prefetches
-at no host cost, where eagerly each launch costs the host more than the GPU saves (a qwen3-8b batch-1 step on
-an H100 went from 24.6 to 34.5 ms). The side stream joins the main one at the end of the model's forward,
-inside the graph. ``NANOVLLM_WEIGHT_PREFETCH=0`` turns it off."""
+at no host cost, where eagerly they would add three Triton launches a layer to steps that are already bound
+by the host's launches. The side stream joins the main one at the end of the model's forward, inside the
+graph. ``NANOVLLM_WEIGHT_PREFETCH=0`` turns it off."""
 
 from __future__ import annotations
 
