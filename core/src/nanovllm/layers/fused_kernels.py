@@ -276,9 +276,6 @@ def rope_(
     return q, k
 
 
-__all__ = ["all_reduce_rms_norm", "rms_norm", "rope_", "silu_and_mul"]
-
-
 @triton.jit
 def _l2_prefetch_kernel(Words, Sink, n_words, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
@@ -299,3 +296,6 @@ def l2_prefetch(x: torch.Tensor, n_bytes: int, sink: torch.Tensor) -> None:
         raise ValueError(f"a sink of {sink.numel()} elements for {grid} programs: prefetch fewer bytes")
     if grid:
         _l2_prefetch_kernel[(grid,)](words, sink, words.numel(), BLOCK=_PREFETCH_BLOCK)
+
+
+__all__ = ["all_reduce_rms_norm", "l2_prefetch", "rms_norm", "rope_", "silu_and_mul"]
