@@ -1,11 +1,15 @@
 """The sparse index (torch, CPU): lines become slash tiles and columns that cover them, budgets that cover
 everything read every visible key, forced lines stay, block-sparse tiles are causal and keep their own
-tile, and the offload path's touched blocks hold every key the index reads."""
+tile, and the offload path's touched blocks hold every key the index reads. The Triton index builder
+gives the torch reference's index exactly: on CUDA (``gpu``), and under Triton's interpreter in a subprocess
+(``test_index_kernel_under_interpreter``)."""
 
 import json
+import os
 
 import pytest
 import torch
+from nanovllm.testing import assert_interpreter_cases_pass
 from nanovllm_minference.head_config import load_head_patterns, layer_heads
 from nanovllm_minference.index import (
     PAD,
@@ -13,13 +17,18 @@ from nanovllm_minference.index import (
     block_sparse_index,
     computed_density,
     index_mask,
+    SORTED_IN_KERNEL,
     lines_to_index,
+    lines_to_index_reference,
     top_lines,
 )
 from nanovllm_minference.policy import touched_blocks
 
 # (query_len, context_len) per sequence: a fresh prompt, chunks of a longer one at unaligned starts
 SHAPES = [(130, 130), (77, 300), (200, 457), (1, 65)]
+CUDA = torch.cuda.is_available()
+# the interpreter cases exist only inside the subprocess that test_index_kernel_under_interpreter starts
+INTERP = (not CUDA) and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def batch(shapes=SHAPES):
@@ -51,8 +60,8 @@ def valid(lines, counts):
 def test_every_line_is_read_and_nothing_beyond_its_tiles(seed):
     q_lens, lens, cu = batch()
     columns, cc, offsets, oc = random_lines(lens, 3, 6, seed)
-    index = lines_to_index(columns, valid(columns, cc), offsets, valid(offsets, oc), lens - q_lens,
-                           int(lens.max()))
+    index = lines_to_index_reference(columns, valid(columns, cc), offsets, valid(offsets, oc), lens - q_lens,
+                                     int(lens.max()))
     mask = index_mask(index, cu, lens)
     pos = positions_of(cu, lens)
     seq = torch.repeat_interleave(torch.arange(len(lens)), q_lens)
@@ -76,8 +85,8 @@ def test_computed_density_counts_the_kernels_work(seed):
     up to the tile's last row once per row; over dense causal work. Counted here one tile at a time."""
     q_lens, lens, cu = batch()
     columns, cc, offsets, oc = random_lines(lens, 3, 40, seed)
-    index = lines_to_index(columns, valid(columns, cc), offsets, valid(offsets, oc), lens - q_lens,
-                           int(lens.max()))
+    index = lines_to_index_reference(columns, valid(columns, cc), offsets, valid(offsets, oc), lens - q_lens,
+                                     int(lens.max()))
     work = dense = 0
     for s, (q_len, ctx) in enumerate(zip(q_lens.tolist(), lens.tolist(), strict=True)):
         q_start = ctx - q_len
@@ -99,12 +108,49 @@ def test_budgets_covering_everything_read_every_visible_key():
     every = torch.arange(n).expand(len(lens), 2, n)
     for columns, offsets in (((lens * 0)[:, None].expand(-1, 2), lens[:, None].expand(-1, 2)),
                              (lens[:, None].expand(-1, 2), (lens * 0)[:, None].expand(-1, 2))):
-        index = lines_to_index(every, valid(every, columns), every, valid(every, offsets), lens - q_lens, n)
+        lines = every, valid(every, columns), every, valid(every, offsets)
+        index = lines_to_index_reference(*lines, lens - q_lens, n)
         mask = index_mask(index, cu, lens)
         pos = positions_of(cu, lens)
         seq = torch.repeat_interleave(torch.arange(len(lens)), q_lens)
         visible = (torch.arange(n)[None, :] <= pos[:, None]) & (torch.arange(n)[None, :] < lens[seq][:, None])
         assert torch.equal(mask, visible[:, None, :].expand_as(mask))
+
+
+# (column list width, offset list width): narrow lists, offsets past one kernel step, columns too wide to
+# sort in the kernel
+KERNEL_WIDTHS = [(6, 9), (40, 1500), (SORTED_IN_KERNEL + 1, 30)]
+KERNEL_PARAMS = [
+    pytest.param("cuda", w, id=f"gpu-{w[0]}x{w[1]}", marks=pytest.mark.gpu) for w in KERNEL_WIDTHS
+] + [pytest.param("cpu", w, id=f"interp-{w[0]}x{w[1]}") for w in (KERNEL_WIDTHS if INTERP else [])]
+
+
+@pytest.mark.parametrize("device, widths", KERNEL_PARAMS)
+def test_index_kernel_gives_the_reference_index(device, widths):
+    """Random lines with garbage past every count (values the reference never reads, some out of range),
+    empty lists, several chunks at unaligned starts, a context long enough for offsets past 1024 tiles."""
+    shapes = [*SHAPES, (300, 70_000)]
+    q_lens, lens, _ = batch(shapes)
+    for seed in range(2):
+        g = torch.Generator().manual_seed(seed)
+        columns, cc, offsets, oc = (t.clone() for t in random_lines(lens, 5, max(widths), seed))
+        columns, offsets = columns[..., : widths[0]], offsets[..., : widths[1]]
+        cc, oc = cc.clamp(max=widths[0]), oc.clamp(max=widths[1])
+        cc[0, 1] = oc[1, 2] = 0
+        cv, ov = valid(columns, cc), valid(offsets, oc)
+        columns[~cv] = torch.randint(-(10**9), 10**9, (int((~cv).sum()),), generator=g)
+        offsets[~ov] = torch.randint(-(10**9), 10**9, (int((~ov).sum()),), generator=g)
+        args = columns, cv, offsets, ov, lens - q_lens
+        ref = lines_to_index_reference(*args, int(lens.max()))
+        out = lines_to_index(*(t.to(device) for t in args), int(lens.max()))
+        for name in ("columns", "column_counts", "slash_tiles", "slash_counts", "slash_cover"):
+            got, want = getattr(out, name).cpu(), getattr(ref, name)
+            assert got.dtype == want.dtype and torch.equal(got, want), f"seed {seed}: {name} differs"
+
+
+def test_index_kernel_under_interpreter():
+    """Every ``interp`` case of this file under Triton's interpreter on the CPU, in a fresh process."""
+    assert_interpreter_cases_pass(__file__, len(KERNEL_WIDTHS))
 
 
 def test_top_lines_keep_forced_lines_best_first_within_budget():
@@ -164,8 +210,8 @@ def test_slash_tiles_are_ascending_distinct_and_padded():
     """The slash tiles listed are exactly the offsets the cover marks, ascending, then padding."""
     q_lens, lens, cu = batch()
     columns, cc, offsets, oc = random_lines(lens, 3, 40, seed=5)
-    index = lines_to_index(columns, valid(columns, cc), offsets, valid(offsets, oc), lens - q_lens,
-                           int(lens.max()))
+    index = lines_to_index_reference(columns, valid(columns, cc), offsets, valid(offsets, oc), lens - q_lens,
+                                     int(lens.max()))
     reach = index.cover_offset
     for s in range(len(lens)):
         for h in range(3):
@@ -205,8 +251,8 @@ def test_block_sparse_is_causal_keeps_its_own_tile_and_finds_a_planted_cluster()
 def test_touched_blocks_hold_every_key_the_index_reads(block_size):
     q_lens, lens, cu = batch()
     columns, cc, offsets, oc = random_lines(lens, 3, 5, seed=7)
-    index = lines_to_index(columns, valid(columns, cc), offsets, valid(offsets, oc), lens - q_lens,
-                           int(lens.max()))
+    index = lines_to_index_reference(columns, valid(columns, cc), offsets, valid(offsets, oc), lens - q_lens,
+                                     int(lens.max()))
     num_blocks = -(-int(lens.max()) // block_size) + 1
     touched = touched_blocks(index, cu, lens, block_size, num_blocks)
     mask = index_mask(index, cu, lens)

@@ -41,7 +41,7 @@ def test_planted_columns_and_diagonals_are_found():
                                                    num_recent_diags=1, dense_below=0))
         from nanovllm_minference.policy import _ops
 
-        index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device).estimate)
+        index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device))
         mask = index_mask(index, ctx.meta.cu_seqlens_q, ctx.meta.context_lens)
         group = q.shape[1] // case.num_kv_heads
         for h in range(q.shape[1]):
@@ -62,7 +62,7 @@ def test_sparse_output_matches_its_mask():
                                                dense_above=None))
     from nanovllm_minference.policy import _ops
 
-    index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device).estimate)
+    index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device))
     mask = index_mask(index, ctx.meta.cu_seqlens_q, ctx.meta.context_lens)
     assert 0.1 < mask.float().mean() < 0.6  # sparse, and not empty
     group = q.shape[1] // case.num_kv_heads
@@ -94,7 +94,7 @@ def test_a_per_head_file_mixes_patterns(tmp_path):
     policy.initialize(4, 2, 64, 16, BLOCK, torch.float32, torch.device("cpu"))
     from nanovllm_minference.policy import _ops
 
-    index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device).estimate)
+    index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device))
     mask = index_mask(index, ctx.meta.cu_seqlens_q, ctx.meta.context_lens)
     pos = torch.arange(256)
     a_shape = (pos[None, :] < 4) | ((pos[:, None] - pos[None, :] >= 0) & (pos[:, None] - pos[None, :] < 64))
@@ -170,7 +170,7 @@ def test_a_pattern_that_is_not_sparse_runs_dense(monkeypatch, offload, device):
     monkeypatch.setattr(module, "_ops", lambda device: ops._replace(attend=counting_attend))
     everything = dict(vertical_size=480, slash_size=480, dense_below=0)
     index = MInferencePolicy(MInferenceConfig(**everything)).build_index(q, ctx, ctx.k_cache,
-                                                                         ctx.meta.block_tables, ops.estimate)
+                                                                         ctx.meta.block_tables, ops)
     density = module.computed_density(index, ctx.meta.cu_seqlens_q, ctx.meta.context_lens)
     assert density > 0.8
     for limit, sparse in ((0.8, False), (density - 0.01, False), (density + 0.01, True), (None, True)):
@@ -204,7 +204,7 @@ def test_adaptive_budget_scales_with_the_context():
     policy = MInferencePolicy(MInferenceConfig(adaptive_budget=0.1, dense_below=0))
     from nanovllm_minference.policy import _ops
 
-    index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device).estimate)
+    index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device))
     assert index.column_counts.unique().tolist() == [8]  # 20% of 10% of 400
 
 

@@ -105,12 +105,12 @@ def fixed_index(n: int, density: float, columns: int, device):
     near ``density``."""
     import torch
 
-    from nanovllm_minference.index import lines_to_index
+    from nanovllm_minference.index import lines_to_index_reference
 
     band = max(1, int(density * n / 2) - columns // 2)
     lines = torch.arange(max(band, columns), device=device).expand(1, HEADS, -1)
-    return lines_to_index(lines, lines < min(columns, n), lines, lines < min(band, n),
-                          torch.zeros(1, dtype=torch.long, device=device), n)
+    return lines_to_index_reference(lines, lines < min(columns, n), lines, lines < min(band, n),
+                                    torch.zeros(1, dtype=torch.long, device=device), n)
 
 
 TTFT_POLICIES = ("full", "minference:dense_below=0", "minference:pattern=\"a_shape\",dense_below=0")

@@ -13,12 +13,17 @@ A row at position ``p`` of query tile ``m`` reads key ``c`` when ``c <= p`` (cau
 
 A head uses slash tiles and columns, or blocks, never both, so no key is counted twice. Lists are
 ascending and padded at the end; counts say how many entries are real.
+
+:func:`lines_to_index` builds the index of lines in one Triton launch (on CPU tensors, under Triton's
+interpreter); :func:`lines_to_index_reference` is the same in torch, the CPU path and the tests' oracle.
 """
 
 from __future__ import annotations
 
 import attrs
 import torch
+import triton
+import triton.language as tl
 
 TILE = 64  # query rows and keys per tile; MInference's 64 x 64 blocks
 
@@ -62,7 +67,7 @@ def _compacted(present: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tenso
     return out, count[..., 0]
 
 
-def lines_to_index(
+def lines_to_index_reference(
     columns: torch.Tensor, column_valid: torch.Tensor, offsets: torch.Tensor, offset_valid: torch.Tensor,
     query_starts: torch.Tensor, max_context_len: int,
 ) -> SparseIndex:
@@ -84,6 +89,84 @@ def lines_to_index(
     offsets_from_base = torch.arange(reach + 2, device=device, dtype=torch.int32) - reach
     tiles, tile_counts = _compacted(cover.bool(), offsets_from_base)
     return SparseIndex(cols, column_valid.sum(-1, dtype=torch.int32), tiles, tile_counts, cover)
+
+
+SORTED_IN_KERNEL = 4096  # wider column lists are sorted by torch: one program would hold them all
+
+
+@triton.jit(do_not_specialize=["num_heads", "num_columns", "num_offsets", "reach"])
+def _lines_kernel(
+    columns, column_valid, offsets, offset_valid, query_starts,
+    sorted_columns, column_counts, slash_tiles, slash_counts, cover,
+    num_heads, num_columns, num_offsets, reach,
+    TILE: tl.constexpr, PAD: tl.constexpr, COLUMNS: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """One program per (sequence, head) row of the index. ``cover`` is zero on entry; ``COLUMNS`` 0: the
+    columns are sorted by the caller."""
+    row = tl.program_id(0).to(tl.int64)
+    if COLUMNS > 0:
+        j = tl.arange(0, COLUMNS)
+        ok = j < num_columns
+        real = tl.load(column_valid + row * num_columns + j, mask=ok, other=0).to(tl.int1)
+        c = tl.load(columns + row * num_columns + j, mask=ok, other=0).to(tl.int32)
+        tl.store(sorted_columns + row * num_columns + j, tl.sort(tl.where(real, c, PAD)), mask=ok)
+        tl.store(column_counts + row, tl.sum(real.to(tl.int32), 0))
+    # a diagonal at offset o crosses the rows of a query tile in the key tiles of its first and last row:
+    # offsets floor((phase + edge - o) / TILE) from the base tile, shifted by reach (>= 0: o < context)
+    width = reach + 2
+    cover_row = cover + row * width
+    phase = tl.load(query_starts + row // num_heads).to(tl.int64) % TILE
+    for j0 in range(0, num_offsets, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)
+        live = j < num_offsets
+        real = tl.load(offset_valid + row * num_offsets + j, mask=live, other=0).to(tl.int1) & live
+        o = tl.load(offsets + row * num_offsets + j, mask=real, other=0).to(tl.int64)
+        for edge in tl.static_range(2):
+            at = (phase + edge * (TILE - 1) - o + reach * TILE) // TILE
+            tl.store(cover_row + at, tl.full([CHUNK], 1, tl.int8), mask=real & (at >= 0) & (at < width))
+    tl.debug_barrier()  # every mark is made before any is read
+    # the covered offsets, ascending, then PAD: a running count places each
+    tiles_row = slash_tiles + row * width
+    count = tl.full([], 0, tl.int32)
+    for j0 in range(0, width, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)
+        present = tl.load(cover_row + j, mask=j < width, other=0).to(tl.int32)
+        rank = tl.cumsum(present, 0)
+        tl.store(tiles_row + count + rank - 1, (j - reach).to(tl.int32), mask=present != 0)
+        count += tl.sum(present, 0)
+    for j0 in range(0, width, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)
+        tl.store(tiles_row + j, tl.full([CHUNK], PAD, tl.int32), mask=(j >= count) & (j < width))
+    tl.store(slash_counts + row, count)
+
+
+def lines_to_index(
+    columns: torch.Tensor, column_valid: torch.Tensor, offsets: torch.Tensor, offset_valid: torch.Tensor,
+    query_starts: torch.Tensor, max_context_len: int,
+) -> SparseIndex:
+    """:func:`lines_to_index_reference` in one launch (Triton) and a fill, where the reference launches some
+    thirty small torch kernels for every prefill chunk and layer."""
+    num_seqs, num_heads, width = columns.shape
+    device = columns.device
+    reach = -(-max_context_len // TILE) + 1
+    cover = torch.zeros(num_seqs, num_heads, reach + 2, dtype=torch.int8, device=device)
+    tiles = torch.empty(num_seqs, num_heads, reach + 2, dtype=torch.int32, device=device)
+    tile_counts = torch.empty(num_seqs, num_heads, dtype=torch.int32, device=device)
+    sorted_here = width <= SORTED_IN_KERNEL
+    if sorted_here:
+        cols = torch.empty(num_seqs, num_heads, width, dtype=torch.int32, device=device)
+        col_counts = torch.empty(num_seqs, num_heads, dtype=torch.int32, device=device)
+    else:
+        cols, col_counts = _sorted_padded(columns, column_valid), column_valid.sum(-1, dtype=torch.int32)
+    if num_seqs * num_heads > 0:
+        _lines_kernel[(num_seqs * num_heads,)](
+            columns.contiguous(), column_valid.contiguous(), offsets.contiguous(), offset_valid.contiguous(),
+            query_starts.contiguous(), cols, col_counts, tiles, tile_counts, cover,
+            num_heads, width, offsets.shape[-1], reach,
+            TILE=TILE, PAD=PAD, COLUMNS=triton.next_power_of_2(max(width, 1)) if sorted_here else 0,
+            CHUNK=1024,
+        )
+    return SparseIndex(cols, col_counts, tiles, tile_counts, cover)
 
 
 def top_lines(

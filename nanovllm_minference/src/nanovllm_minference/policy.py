@@ -34,7 +34,7 @@ from nanovllm_minference.index import (
     SparseIndex,
     block_sparse_index,
     computed_density,
-    lines_to_index,
+    lines_to_index_reference,
     top_lines,
 )
 
@@ -93,7 +93,7 @@ class MInferencePolicy(SparsePolicy):
         ops = _ops(q.device)
         meta, dense_above = ctx.meta, cfg.dense_above
         if ctx.offload is None:
-            index = self.build_index(q, ctx, ctx.k_cache, meta.block_tables, ops.estimate)
+            index = self.build_index(q, ctx, ctx.k_cache, meta.block_tables, ops)
             # above dense_above the kernel computes nothing (None): it reads the decision back, a host sync
             # per chunk and layer (prefill is not captured in graphs), once the kernel is queued
             result = ops.attend(q, ctx.k_cache, ctx.v_cache, meta.block_tables, meta.cu_seqlens_q,
@@ -103,7 +103,7 @@ class MInferencePolicy(SparsePolicy):
             # keys cross PCIe only for what the index scores with; A-shape needs none
             plan = self._plan(ctx.layer_id, q.shape[1], q.device)
             key_cache, key_tables = self._all_keys(ctx) if plan.reads_keys else (ctx.k_cache, meta.block_tables)
-            index = self.build_index(q, ctx, key_cache, key_tables, ops.estimate)
+            index = self.build_index(q, ctx, key_cache, key_tables, ops)
             del key_cache
             # decided before the touched blocks cross PCIe
             if dense_above is not None and float(ops.density(index, meta.cu_seqlens_q, meta.context_lens,
@@ -114,7 +114,7 @@ class MInferencePolicy(SparsePolicy):
         return ctx.attend_all(q, k, v) if result is None else result[0]
 
     def build_index(self, q: torch.Tensor, ctx: PolicyContext, k_cache: torch.Tensor, tables: torch.Tensor,
-                    estimate) -> SparseIndex:
+                    ops: Ops) -> SparseIndex:
         """The index of every head of every sequence of the chunk, keys read from ``k_cache`` through
         ``tables``."""
         cfg, meta = self.config, ctx.meta
@@ -135,8 +135,8 @@ class MInferencePolicy(SparsePolicy):
         none = torch.zeros(num_seqs, num_heads, 1, dtype=torch.bool, device=q.device)
         columns, column_valid, offsets, offset_valid = empty, none, empty, none
         if plan.uses("vertical_slash"):
-            scores = estimate(q, k_cache, tables, meta.cu_seqlens_q, meta.context_lens, ctx.scale, cfg.last_q,
-                              meta.max_context_len)
+            scores = ops.estimate(q, k_cache, tables, meta.cu_seqlens_q, meta.context_lens, ctx.scale,
+                                  cfg.last_q, meta.max_context_len)
             lines = top_lines(*scores, meta.context_lens, vertical, slash, cfg.num_sink_tokens,
                               cfg.num_recent_diags, max_sizes, sizes_equal)
             columns, column_valid, offsets, offset_valid = _only(plan.heads("vertical_slash"), *lines)
@@ -145,7 +145,7 @@ class MInferencePolicy(SparsePolicy):
             columns, column_valid, offsets, offset_valid = _either(
                 plan.heads("a_shape"), fixed, (columns, column_valid, offsets, offset_valid)
             )
-        index = lines_to_index(columns, column_valid, offsets, offset_valid, lens - q_lens,
+        index = ops.index(columns, column_valid, offsets, offset_valid, lens - q_lens,
                                meta.max_context_len)
         if plan.uses("block_sparse"):
             top_k = torch.where(plan.heads("block_sparse"), plan.vertical, 0)
@@ -260,6 +260,7 @@ def _either(heads: torch.Tensor, chosen, other):
 
 class Ops(NamedTuple):
     estimate: Callable
+    index: Callable  # lines to a SparseIndex
     attend: Callable
     density: Callable  # the index's computed density (a float, or a device scalar)
 
@@ -269,9 +270,10 @@ def _ops(device: torch.device) -> Ops:
     if device.type == "cuda":
         from nanovllm_minference.attention import index_density, sparse_attention
         from nanovllm_minference.estimate import estimate
+        from nanovllm_minference.index import lines_to_index
 
-        return Ops(estimate, sparse_attention, index_density)
+        return Ops(estimate, lines_to_index, sparse_attention, index_density)
     from nanovllm_minference.attention import sparse_attention_reference
     from nanovllm_minference.estimate import estimate_reference
 
-    return Ops(estimate_reference, sparse_attention_reference, computed_density)
+    return Ops(estimate_reference, lines_to_index_reference, sparse_attention_reference, computed_density)

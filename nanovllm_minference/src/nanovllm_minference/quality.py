@@ -32,7 +32,7 @@ def measure(policy, q: torch.Tensor, ctx, positions: torch.Tensor, dense) -> tup
     from nanovllm_minference.policy import _ops
 
     meta = ctx.meta
-    index = policy.build_index(q, ctx, ctx.k_cache, meta.block_tables, _ops(q.device).estimate)
+    index = policy.build_index(q, ctx, ctx.k_cache, meta.block_tables, _ops(q.device))
     start = int(meta.context_lens[0]) - q.shape[0]
     mask = index_mask(index, meta.cu_seqlens_q, meta.context_lens, positions - start)
     return compare_key_masks(dense, mask), computed_density(index, meta.cu_seqlens_q, meta.context_lens)
