@@ -274,3 +274,27 @@ def test_bad_inputs_are_refused_up_front():
     if not INTERP:
         with pytest.raises(ValueError, match="sparse_attention_reference on the CPU"):
             sparse_attention(*c.args(index))
+
+
+@pytest.mark.gpu
+def test_the_decision_reads_back_in_and_out_of_inference_mode():
+    """The read-back buffer is kept per thread: one made under inference mode (the engine) must still take
+    a copy outside it (the quality harness, a test) in the same thread."""
+    import threading
+
+    from nanovllm_minference.attention import _read_back_ahead
+
+    answers, errors = [], []
+
+    def fresh_thread():
+        try:
+            with torch.inference_mode():
+                answers.append(_read_back_ahead(torch.tensor(True, device="cuda"))())
+            answers.append(_read_back_ahead(torch.tensor(False, device="cuda"))())
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=fresh_thread)
+    worker.start()
+    worker.join()
+    assert not errors and answers == [True, False], errors

@@ -348,7 +348,8 @@ def _read_back_ahead(flag: torch.Tensor) -> Callable[[], bool]:
         return lambda: bool(flag)
     buffers = _READ_BACK.__dict__.setdefault("buffers", {})
     if flag.device not in buffers:
-        buffers[flag.device] = torch.empty((), dtype=torch.bool, pin_memory=True), torch.cuda.Event()
+        with torch.inference_mode(False):  # an inference tensor could not be written outside inference mode
+            buffers[flag.device] = torch.empty((), dtype=torch.bool, pin_memory=True), torch.cuda.Event()
     host, copied = buffers[flag.device]
     host.copy_(flag, non_blocking=True)
     copied.record(torch.cuda.current_stream(flag.device))

@@ -105,12 +105,12 @@ def _lines_kernel(
     columns are sorted by the caller."""
     row = tl.program_id(0).to(tl.int64)
     if COLUMNS > 0:
-        j = tl.arange(0, COLUMNS)
-        ok = j < num_columns
-        real = tl.load(column_valid + row * num_columns + j, mask=ok, other=0).to(tl.int1)
-        c = tl.load(columns + row * num_columns + j, mask=ok, other=0).to(tl.int32)
-        tl.store(sorted_columns + row * num_columns + j, tl.sort(tl.where(real, c, PAD)), mask=ok)
-        tl.store(column_counts + row, tl.sum(real.to(tl.int32), 0))
+        slot = tl.arange(0, COLUMNS)  # names of their own: Triton types a name once per function
+        in_list = slot < num_columns
+        listed = tl.load(column_valid + row * num_columns + slot, mask=in_list, other=0).to(tl.int1)
+        c = tl.load(columns + row * num_columns + slot, mask=in_list, other=0).to(tl.int32)
+        tl.store(sorted_columns + row * num_columns + slot, tl.sort(tl.where(listed, c, PAD)), mask=in_list)
+        tl.store(column_counts + row, tl.sum(listed.to(tl.int32), 0))
     # a diagonal at offset o crosses the rows of a query tile in the key tiles of its first and last row:
     # offsets floor((phase + edge - o) / TILE) from the base tile, shifted by reach (>= 0: o < context)
     width = reach + 2
