@@ -20,6 +20,8 @@ from nanovllm_minference.index import (
     SORTED_IN_KERNEL,
     lines_to_index,
     lines_to_index_reference,
+    ranked_lines,
+    ranked_lines_reference,
     top_lines,
 )
 from nanovllm_minference.policy import touched_blocks
@@ -148,9 +150,28 @@ def test_index_kernel_gives_the_reference_index(device, widths):
             assert got.dtype == want.dtype and torch.equal(got, want), f"seed {seed}: {name} differs"
 
 
-def test_index_kernel_under_interpreter():
+# (forced columns, forced diagonals): none, some, more than the shorter contexts hold
+RANK_FORCED = [(0, 0), (4, 100), (30, 2000)]
+RANK_PARAMS = [
+    pytest.param("cuda", f, id=f"gpu-rank-{f[0]}-{f[1]}", marks=pytest.mark.gpu) for f in RANK_FORCED
+] + [pytest.param("cpu", f, id=f"interp-rank-{f[0]}-{f[1]}") for f in (RANK_FORCED if INTERP else [])]
+
+
+@pytest.mark.parametrize("device, forced", RANK_PARAMS)
+def test_ranking_kernel_gives_the_reference_scores(device, forced):
+    """Sequences of different lengths (lines past a context at -inf), forced lines, widths off the tile."""
+    lens = torch.tensor([1500, 3001, 37])
+    g = torch.Generator().manual_seed(sum(forced))
+    vertical, slash = torch.rand(2, 3, 4, 3001, generator=g)
+    want = ranked_lines_reference(vertical, slash, lens, *forced)
+    got = ranked_lines(vertical.to(device), slash.to(device), lens.to(device), *forced)
+    for name, a, b in zip(("vertical", "slash"), got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a.cpu(), b), f"{name} differs"
+
+
+def test_index_kernels_under_interpreter():
     """Every ``interp`` case of this file under Triton's interpreter on the CPU, in a fresh process."""
-    assert_interpreter_cases_pass(__file__, len(KERNEL_WIDTHS))
+    assert_interpreter_cases_pass(__file__, len(KERNEL_WIDTHS) + len(RANK_FORCED))
 
 
 def test_top_lines_keep_forced_lines_best_first_within_budget():

@@ -169,6 +169,56 @@ def lines_to_index(
     return SparseIndex(cols, col_counts, tiles, tile_counts, cover)
 
 
+def ranked_lines_reference(
+    vertical: torch.Tensor, slash: torch.Tensor, context_lens: torch.Tensor, num_sink_tokens: int,
+    num_recent_diags: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scores :func:`top_lines` ranks by (float32, ``[S, H, L]``): forced lines above any sum, nearest
+    first; lines at or past a sequence's context at -inf."""
+    pos = torch.arange(vertical.shape[-1], device=vertical.device)
+    lens = context_lens.long()[:, None, None]
+
+    def ranked(scores: torch.Tensor, forced: int) -> torch.Tensor:
+        scores = torch.where(pos < forced, FORCED - pos, scores.float())
+        return torch.where(pos < lens, scores, float("-inf"))
+
+    return ranked(vertical, num_sink_tokens), ranked(slash, num_recent_diags)
+
+
+@triton.jit
+def _ranked_kernel(vertical, slash, context_lens, ranked_vertical, ranked_slash, num_heads, length,
+                   num_sink_tokens, num_recent_diags, FORCED: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per (BLOCK lines, sequence and head): both kinds of line."""
+    row = tl.program_id(1).to(tl.int64)
+    pos = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = pos < length
+    visible = pos < tl.load(context_lens + row // num_heads)
+    at = row * length + pos
+    v = tl.load(vertical + at, mask=inside, other=0.0).to(tl.float32)
+    v = tl.where(pos < num_sink_tokens, FORCED - pos.to(tl.float32), v)
+    tl.store(ranked_vertical + at, tl.where(visible, v, float("-inf")), mask=inside)
+    d = tl.load(slash + at, mask=inside, other=0.0).to(tl.float32)
+    d = tl.where(pos < num_recent_diags, FORCED - pos.to(tl.float32), d)
+    tl.store(ranked_slash + at, tl.where(visible, d, float("-inf")), mask=inside)
+
+
+def ranked_lines(
+    vertical: torch.Tensor, slash: torch.Tensor, context_lens: torch.Tensor, num_sink_tokens: int,
+    num_recent_diags: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ranked_lines_reference` in one launch (Triton) instead of ten elementwise torch kernels."""
+    num_seqs, num_heads, length = vertical.shape
+    out = torch.empty(2, *vertical.shape, dtype=torch.float32, device=vertical.device)
+    vertical, slash = vertical.contiguous(), slash.contiguous()
+    if out.numel():
+        block = 1024
+        _ranked_kernel[(triton.cdiv(length, block), num_seqs * num_heads)](
+            vertical, slash, context_lens, out[0], out[1], num_heads, length, num_sink_tokens, num_recent_diags,
+            FORCED=FORCED, BLOCK=block,
+        )
+    return out[0], out[1]
+
+
 def top_lines(
     vertical: torch.Tensor, slash: torch.Tensor, context_lens: torch.Tensor, vertical_sizes: torch.Tensor,
     slash_sizes: torch.Tensor, num_sink_tokens: int, num_recent_diags: int,
@@ -183,22 +233,19 @@ def top_lines(
     if sizes_equal and max_sizes is None:
         raise ValueError("sizes_equal needs max_sizes: the sizes every head and sequence shares")
     length = vertical.shape[-1]
-    lens = context_lens.long()[:, None, None]
-    pos = torch.arange(length, device=vertical.device)
+    rank = ranked_lines if vertical.device.type == "cuda" else ranked_lines_reference
+    ranked = rank(vertical, slash, context_lens, num_sink_tokens, num_recent_diags)
 
-    def best(scores: torch.Tensor, forced: int, sizes: torch.Tensor, largest: int | None):
-        ranked = torch.where(pos < forced, FORCED - pos, scores.float())  # forced: nearest first
-        ranked = torch.where(pos < lens, ranked, float("-inf"))
+    def best(scores: torch.Tensor, sizes: torch.Tensor, largest: int | None):
         k = min(int(sizes.max()) if largest is None else largest, length)
-        top = ranked.topk(k, dim=-1, sorted=not sizes_equal)
+        top = scores.topk(k, dim=-1, sorted=not sizes_equal)
         valid = top.values > float("-inf")  # past the context
         if not sizes_equal:  # best first: a head's first sizes[s, h] are its own
-            valid &= torch.arange(k, device=pos.device) < sizes[..., None]
+            valid &= torch.arange(k, device=scores.device) < sizes[..., None]
         return top.indices, valid
 
     largest = max_sizes or (None, None)
-    return (*best(vertical, num_sink_tokens, vertical_sizes, largest[0]),
-            *best(slash, num_recent_diags, slash_sizes, largest[1]))
+    return (*best(ranked[0], vertical_sizes, largest[0]), *best(ranked[1], slash_sizes, largest[1]))
 
 
 def block_sparse_index(
