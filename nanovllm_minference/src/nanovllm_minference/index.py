@@ -213,8 +213,8 @@ def ranked_lines(
     if out.numel():
         block = 1024
         _ranked_kernel[(triton.cdiv(length, block), num_seqs * num_heads)](
-            vertical, slash, context_lens, out[0], out[1], num_heads, length, num_sink_tokens, num_recent_diags,
-            FORCED=FORCED, BLOCK=block,
+            vertical, slash, context_lens, out[0], out[1], num_heads, length,
+            num_sink_tokens, num_recent_diags, FORCED=FORCED, BLOCK=block,
         )
     return out[0], out[1]
 
