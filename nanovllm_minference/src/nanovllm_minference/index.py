@@ -188,9 +188,9 @@ def ranked_lines_reference(
 @triton.jit
 def _ranked_kernel(vertical, slash, context_lens, ranked_vertical, ranked_slash, num_heads, length,
                    num_sink_tokens, num_recent_diags, FORCED: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per (BLOCK lines, sequence and head): both kinds of line."""
-    row = tl.program_id(1).to(tl.int64)
-    pos = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    """One program per (sequence and head, BLOCK lines): both kinds of line."""
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = pos < length
     visible = pos < tl.load(context_lens + row // num_heads)
     at = row * length + pos
@@ -212,7 +212,7 @@ def ranked_lines(
     vertical, slash = vertical.contiguous(), slash.contiguous()
     if out.numel():
         block = 1024
-        _ranked_kernel[(triton.cdiv(length, block), num_seqs * num_heads)](
+        _ranked_kernel[(num_seqs * num_heads, triton.cdiv(length, block))](
             vertical, slash, context_lens, out[0], out[1], num_heads, length,
             num_sink_tokens, num_recent_diags, FORCED=FORCED, BLOCK=block,
         )
