@@ -1,8 +1,8 @@
 """The sparse index (torch, CPU): lines become slash tiles and columns that cover them, budgets that cover
 everything read every visible key, forced lines stay, block-sparse tiles are causal and keep their own
-tile, and the offload path's touched blocks hold every key the index reads. The Triton index builder
-gives the torch reference's index exactly: on CUDA (``gpu``), and under Triton's interpreter in a subprocess
-(``test_index_kernel_under_interpreter``)."""
+tile, and the offload path's touched blocks hold every key the index reads. The Triton index builder and
+ranking give the torch references' tensors exactly: on CUDA (``gpu``), and under Triton's interpreter in a
+subprocess (``test_index_kernels_under_interpreter``)."""
 
 import json
 import os
@@ -13,11 +13,11 @@ from nanovllm.testing import assert_interpreter_cases_pass
 from nanovllm_minference.head_config import load_head_patterns, layer_heads
 from nanovllm_minference.index import (
     PAD,
+    SORTED_IN_KERNEL,
     TILE,
     block_sparse_index,
     computed_density,
     index_mask,
-    SORTED_IN_KERNEL,
     lines_to_index,
     lines_to_index_reference,
     ranked_lines,

@@ -145,8 +145,7 @@ class MInferencePolicy(SparsePolicy):
             columns, column_valid, offsets, offset_valid = _either(
                 plan.heads("a_shape"), fixed, (columns, column_valid, offsets, offset_valid)
             )
-        index = ops.index(columns, column_valid, offsets, offset_valid, lens - q_lens,
-                               meta.max_context_len)
+        index = ops.index(columns, column_valid, offsets, offset_valid, lens - q_lens, meta.max_context_len)
         if plan.uses("block_sparse"):
             top_k = torch.where(plan.heads("block_sparse"), plan.vertical, 0)
             keys = _keys_in_order(k_cache, tables, meta.max_context_len)
