@@ -21,6 +21,7 @@ FLAGS = {  # a value for every engine option, as a user would type it, and what 
     "--distributed-executor-backend": ("external_launcher", "external_launcher"), "--device": ("cpu", "cpu"),
     "--seed": ("7", 7), "--load-format": ("dummy", "dummy"), "--skip-tokenizer-init": (None, True),
     "--sparse-policy": ("quest:token_budget=64", "quest:token_budget=64"), "--attention-backend": ("torch", "torch"),
+    "--hf-overrides": ('{"max_position_embeddings": 64}', '{"max_position_embeddings": 64}'),
     "--max-logprobs": ("5", 5), "--tokenizer": ("some/tokenizer", "some/tokenizer"), "--revision": ("v1", "v1"),
     "--tokenizer-revision": ("v2", "v2"), "--download-dir": ("/tmp/hub", "/tmp/hub"),
     "--trust-remote-code": (None, True),

@@ -115,12 +115,26 @@ def test_unknown_keyword_is_an_error_not_dropped(model):
         (dict(max_model_len=100_000), "exceeds the model's max_position_embeddings"),
         (dict(kv_cache_memory=1000), "raise kv_cache_memory or lower max_model_len"),
         (dict(tensor_parallel_size=3), "tensor_parallel_size=3 must divide the model's num_attention_heads"),
+        (dict(hf_overrides={"max_position_embedding": 64}), "which LlamaConfig does not have"),
+        (dict(hf_overrides=[("max_position_embeddings", 64)]), "must map config.json field names to values"),
+        (dict(hf_overrides="max_position_embeddings=64"), "expected a JSON object"),
     ],
 )
 def test_bad_engine_options(model, kw, words):
     with pytest.raises(ValueError) as info:
         make_llm(model, **kw)
     assert words in str(info.value)
+
+
+def test_hf_overrides_replace_config_fields_before_the_engine_is_built(model):
+    """The tiny model's 512 positions, raised: the longer max_model_len is accepted, and the RoPE table
+    the model builds from the config is as long."""
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings=512"):
+        make_llm(model, max_model_len=1024)
+    llm = make_llm(model, max_model_len=1024, hf_overrides='{"max_position_embeddings": 1024}')
+    assert llm.hf_config.max_position_embeddings == 1024
+    rotary = next(m for m in llm.runner.model.modules() if type(m).__name__ == "RotaryEmbedding")
+    assert rotary.cos_sin.shape[0] == 1024
 
 
 # -- SamplingParams ---------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import attrs
@@ -50,6 +51,23 @@ def _selection(_inst, attr, value) -> None:
         raise ValueError(f"{attr.name} must be a selection string like 'name:key=value' or a dict, got {value!r}")
 
 
+def _json_object(value: Any) -> Any:
+    """A dict as ``LLM(...)`` takes it, or a JSON object as a command-line flag gives it."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"expected a JSON object such as '{{\"max_position_embeddings\": 131072}}', got "
+                         f"{value!r:.80} ({exc})") from None
+
+
+def _field_values(_inst, attr, value) -> None:
+    if value is not None and (not isinstance(value, dict) or not all(isinstance(k, str) for k in value)):
+        raise ValueError(f"{attr.name} must map config.json field names to values, e.g. "
+                         f"{{'max_position_embeddings': 131072}}, got {value!r:.80}")
+
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # vLLM's other spellings of the same dtypes
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -90,6 +108,10 @@ class EngineConfig:
         validator=_one_of("dtype", (*DTYPES, *DTYPE_ALIASES)),
     )
     max_model_len: int | None = attrs.field(default=None, validator=_positive_int("max_model_len"))
+    # fields of the model's config.json replaced before anything is built, e.g. {"max_position_embeddings":
+    # 131072} to run a model past the length it was trained for
+    hf_overrides: dict[str, Any] | None = attrs.field(default=None, converter=_json_object,
+                                                       validator=_field_values)
     max_num_seqs: int = attrs.field(default=256, validator=_positive_int("max_num_seqs"))
     max_num_batched_tokens: int = attrs.field(default=8192, validator=_positive_int("max_num_batched_tokens"))
     gpu_memory_utilization: float = attrs.field(default=0.9, validator=_fraction)

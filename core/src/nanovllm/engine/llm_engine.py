@@ -104,6 +104,16 @@ def _check_unsupported(**arguments: object) -> None:
                              "unset (None)")
 
 
+def override_config(hf_config: Any, overrides: dict[str, Any] | None) -> None:
+    """Replace fields of a model's config (``hf_overrides``); a name the config lacks is an error, since
+    setting it would change nothing."""
+    for name, value in (overrides or {}).items():
+        if not hasattr(hf_config, name):
+            raise ValueError(f"hf_overrides names {name!r}, which {type(hf_config).__name__} does not have; "
+                             "use a field name from the model's config.json")
+        setattr(hf_config, name, value)
+
+
 class LLMEngine:
     def __init__(
         self, model: str | None = None, *, observers: SequenceABC[object] = (), **kwargs: Any
@@ -161,6 +171,7 @@ class LLMEngine:
             self.hf_config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=False)
         except Exception as exc:
             raise ModelDirectoryError(f"config.json in {str(self.model_path)!r} cannot be read: {exc}") from exc
+        override_config(self.hf_config, config.hf_overrides)
         self.max_model_len = self._max_model_len()
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
