@@ -244,6 +244,24 @@ def test_longest_file_is_the_fallback_and_too_short_is_a_clear_error(tmp_path, m
         corpus.corpus_tokens(WordTokenizer(), 400, [short, long])
 
 
+def test_joined_texts_follow_each_other_once_and_too_few_is_a_clear_error(tmp_path, monkeypatch):
+    topics = corpus.CorpusText("topics", "pydoc", "topic " * 100)
+    monkeypatch.setattr(corpus, "_pydoc_topics", lambda: topics)
+    short, long = tmp_path / "NOTICE", tmp_path / "LICENSE"
+    short.write_text("word " * 50)
+    long.write_text("other " * 300)
+    ids, used = corpus.joined_corpus_tokens(WordTokenizer(), 250, [short, long])
+    assert ids == ["topic"] * 100 + ["other"] * 150
+    assert [t.name for t in used] == ["topics", "longest license or notice file"]
+    ids, used = corpus.joined_corpus_tokens(WordTokenizer(), 60, [short, long])
+    assert ids == ["topic"] * 60 and len(used) == 1  # the first text alone, when it is long enough
+    # the longest file is the same text as the topics: counted once
+    same = corpus.CorpusText("topics", "pydoc", long.read_text())
+    monkeypatch.setattr(corpus, "_pydoc_topics", lambda: same)
+    with pytest.raises(FileNotFoundError, match=r"hold 300 tokens together, fewer than 400: topics at"):
+        corpus.joined_corpus_tokens(WordTokenizer(), 400, [short, long])
+
+
 def test_a_named_text_file_is_read_alone_and_its_errors_name_the_fix(tmp_path):
     mine = tmp_path / "essay.txt"
     mine.write_text("mine " * 30)

@@ -19,7 +19,8 @@ def test_ratios_and_table():
     assert abs(rows[0]["bound"] - 0.25) < 1e-12
     assert rows[2]["speedup"] == 2.0 and "speedup" not in rows[1] and "speedup" not in rows[3]
     table = bench.markdown({"environment": ENV, "results": rows}, "t")
-    assert "| 1024 | xattn:ratio=0.2 | 2.000 | 2.00x |" in table and "exit 1" in table and "| 0.250 |" in table
+    assert "| 1024 | -, random tokens | xattn:ratio=0.2 | 2.000 | 2.00x |" in table
+    assert "exit 1" in table and "| 0.250 |" in table
 
 
 def test_jobs_cover_every_policy_at_every_context():

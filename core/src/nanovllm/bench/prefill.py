@@ -134,7 +134,8 @@ def ttft_speedup(row: dict[str, Any], results: list[dict[str, Any]]) -> float | 
     if "paired_speedup" in row:
         return row["paired_speedup"]
     dense = next((d for d in results if d.get("benchmark") == "ttft" and d.get("policy") == "full"
-                  and d.get("context") == row["context"] and "ttft_s" in d), None)
+                  and d.get("context") == row["context"] and d.get("preset") == row.get("preset")
+                  and "ttft_s" in d), None)
     return None if dense is None else dense["ttft_s"] / row["ttft_s"]
 
 
@@ -146,8 +147,9 @@ def ttft_table(results: list[dict[str, Any]], heading: str) -> list[str]:
              "Rounds: the prompts timed one after another, each of its own; TTFT is their median. Paired "
              "rows (`ttft-paired`): engines in one process taking turns on each round's prompt; their "
              "speedup is the median of the rounds' speedups over the first engine's policy.", "",
-             "| context | policy | TTFT s | speedup vs full | rounds s | speedup by round | first prompt s |",
-             "|---|---|---|---|---|---|---|"]
+             "| context | model, prompt | policy | TTFT s | speedup vs full | rounds s | speedup by round | "
+             "first prompt s |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r["benchmark"] == "ttft":
             result = r.get("error") or f"{r['ttft_s']:.3f}"
@@ -155,7 +157,8 @@ def ttft_table(results: list[dict[str, Any]], heading: str) -> list[str]:
             rounds = ", ".join(f"{t:.3f}" for t in r.get("ttft_rounds_s", [])) or "-"
             by_round = ", ".join(f"{x:.3f}x" for x in r.get("speedup_rounds", [])) or "-"
             first = f"{r['ttft_first_s']:.3f}" if "ttft_first_s" in r else "-"
-            cells = [r["context"], r["policy"], result, speed, rounds, by_round, first]
+            model = f"{r.get('preset', '-')}, {r.get('prompt', 'random tokens')}"
+            cells = [r["context"], model, r["policy"], result, speed, rounds, by_round, first]
             lines.append(markdown_row(cells))
     return lines
 

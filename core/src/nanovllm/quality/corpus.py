@@ -154,3 +154,24 @@ def corpus_tokens(tokenizer: Any, num_tokens: int, license_files: list[Path] | N
         f"no text of {num_tokens} tokens on this machine; tried: {'; '.join(tried) or 'nothing found'}. "
         "Ask for fewer tokens, or run where /usr/share/common-licenses/GPL-3 or Python's pydoc_data exists"
     )
+
+
+def joined_corpus_tokens(tokenizer: Any, num_tokens: int,
+                         license_files: list[Path] | None = None) -> tuple[list[int], list[CorpusText]]:
+    """The first ``num_tokens`` tokens of the candidate texts joined in order (blank lines between them,
+    each text once), for prompts longer than any one text; and the texts used."""
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+    used: list[CorpusText] = []
+    ids: list[int] = []
+    for text in candidates(license_files):
+        if any(t.sha256 == text.sha256 for t in used):
+            continue
+        used.append(text)
+        ids = tokenizer.encode("\n\n".join(t.text for t in used))
+        if len(ids) >= num_tokens:
+            return ids[:num_tokens], used
+    raise FileNotFoundError(
+        f"the texts on this machine hold {len(ids)} tokens together, fewer than {num_tokens}: "
+        f"{'; '.join(f'{t.name} at {t.source}' for t in used) or 'nothing found'}. Ask for fewer tokens"
+    )
