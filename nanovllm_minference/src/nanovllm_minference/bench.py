@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -143,13 +144,14 @@ def bench_ttft_text(
     settings = rows[0]["settings"]
     for row in rows[1:]:
         row["paired_speedup"] = statistics.median(row["speedup_rounds"])
-        row["index"] = index_work(ids[: row["prompt_len"]], row["policy"], settings)
+        row["index"] = index_work(TEXT_MODEL, ids[: row["prompt_len"]], row["policy"], settings)
     text = {"prompt": "natural text", "texts": [t.describe() for t in texts]}
     return [{**row, **text, "benchmark": "ttft", "paired_with": "full"} for row in rows]
 
 
-def index_work(prompt: list[int], policy: str, settings: dict[str, Any]) -> dict[str, Any]:
-    """One prefill of ``prompt`` on a fresh engine, the policy's index of every chunk and layer recorded:
+def index_work(model: str, prompt: list[int], policy: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """One prefill of ``prompt`` on a fresh engine of ``model``, the policy's index of every chunk and layer
+    recorded:
     how many chunk-layers built one, how many of those ran dense (above ``dense_above``), their densities
     (each weighted by its chunk's dense work), and ``work``: the share of the prompt's dense causal
     attention the prefill computed, counting every chunk-layer that ran dense (index or not) in full."""
@@ -157,7 +159,7 @@ def index_work(prompt: list[int], policy: str, settings: dict[str, Any]) -> dict
 
     from nanovllm_minference.index import computed_density
 
-    llm = LLM(TEXT_MODEL, **settings, sparse_policy=policy)
+    llm = LLM(model, **settings, sparse_policy=policy)
     chosen = llm.runner.prefill_policy
     built, recorded = chosen.build_index, []
 
@@ -212,8 +214,13 @@ def run_job(job: dict) -> list[dict[str, Any]]:
         return bench_kernel(job["contexts"], job["densities"])
     if job["kind"] == "text":
         return bench_ttft_text(job["context"], job["policies"], job["rounds"])
-    if job["kind"] == "ttft-paired":
-        return bench_ttft_paired(PRESET, job["context"], job["policies"], job["rounds"])
+    if job["kind"] == "ttft-paired":  # and what MInference's index computed, on a random prompt as long
+        rows = bench_ttft_paired(PRESET, job["context"], job["policies"], job["rounds"])
+        prompt = random.Random(0).choices(range(10_000), k=rows[0]["prompt_len"])
+        for row in rows:
+            if row["policy"].startswith("minference"):
+                row["index"] = index_work(PRESET, prompt, row["policy"], row["settings"])
+        return rows
     return bench_ttft(PRESET, job["context"], job["policy"], job["rounds"])
 
 
