@@ -39,7 +39,7 @@ def test_ratios_and_table():
     assert f"{random} full | 4.000 | - | - | - | - |" in table
     assert f"{random} a_shape | 1.000 | 3.20x | 1.000, 1.100 | 3.000x, 3.400x | - |" in table
     assert "| 1024 | default, natural text | minference | 0.250 | 2.00x |" in table
-    assert "| 1024 | minference | 30 | 5 | 0.400 | 0.300 | 0.450 |" in table
+    assert "| 1024 | default, natural text | minference | 30 | 5 | 0.400 | 0.300 | 0.450 |" in table
     assert "exit 1" in table and "| 0.250 |" in table
 
 

@@ -256,23 +256,49 @@ def markdown(payload: dict[str, Any], title: str) -> str:
     lines += ttft_table(payload["results"], f"Time to first token, one prompt, KV on the GPU (target at 128K: >= {TTFT_TARGET}x)")
     indexed = [r for r in payload["results"] if "index" in r and isinstance(r["index"], dict)]
     if indexed:
-        lines += ["", "## The indices of the natural-text prompts (real weights)", "",
+        lines += ["", "## What MInference's index computed (one more prompt as long)", "",
                   "Chunk-layers that built an index, those that ran dense (above `dense_above`), the "
                   "indices' density (each chunk weighted by its dense work), that of those that ran sparse, "
                   "and the share of the prompt's dense causal attention computed (dense chunks and layers in "
                   "full).", "",
-                  "| context | policy | chunk-layers | ran dense | density | sparse ones' density | work |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| context | model, prompt | policy | chunk-layers | ran dense | density | sparse ones' density "
+                  "| work |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in indexed:
             i = r["index"]
-            cells = [r["context"], r["policy"], i["chunk_layers"], i["ran_dense"], f"{i['density']:.3f}",
+            model = f"{r.get('preset', '-')}, {r.get('prompt', 'random tokens')}"
+            cells = [r["context"], model, r["policy"], i["chunk_layers"], i["ran_dense"], f"{i['density']:.3f}",
                      f"{i['sparse_density']:.3f}", f"{i['work']:.3f}"]
             lines.append(markdown_row(cells))
     return "\n".join(lines) + "\n"
 
 
 def chart(payload: dict[str, Any], path: Path) -> None:
-    density_chart(payload, path, "nanovllm-minference", "computed density", "sparse / dense Triton kernel time", KERNEL_SLACK)
+    """The kernel's time against its density; for a run of TTFT rows with their index only, the TTFT speedup
+    against the share of dense attention the prefill computed."""
+    if any(r["benchmark"] == "kernel" and "ratio" in r for r in payload["results"]):
+        density_chart(payload, path, "nanovllm-minference", "computed density", "sparse / dense Triton kernel time",
+                      KERNEL_SLACK)
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [r for r in payload["results"] if isinstance(r.get("index"), dict) and "speedup" in r]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in points:
+        label = f"{r['context'] // 1024}K, {r.get('preset', '-')}, {r.get('prompt', 'random tokens')}"
+        ax.plot(r["index"]["work"], r["speedup"], marker="o", linestyle="", label=label)
+    ax.axhline(TTFT_TARGET, color="r", linestyle="--", label=f"target at 128K: {TTFT_TARGET}x")
+    ax.set_xlabel("share of dense causal attention computed")
+    ax.set_ylabel("TTFT speedup over full")
+    ax.legend(fontsize=8)
+    env = payload["environment"]
+    ax.set_title(f"nanovllm-minference - {env['device']} - {env['date']} - {env['commit']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
