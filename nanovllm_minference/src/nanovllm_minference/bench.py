@@ -261,14 +261,14 @@ def markdown(payload: dict[str, Any], title: str) -> str:
                   "indices' density (each chunk weighted by its dense work), that of those that ran sparse, "
                   "and the share of the prompt's dense causal attention computed (dense chunks and layers in "
                   "full).", "",
-                  "| context | model, prompt | policy | chunk-layers | ran dense | density | sparse ones' density "
-                  "| work |",
+                  "| context | model, prompt | policy | chunk-layers | ran dense | density | "
+                  "sparse ones' density | work |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in indexed:
             i = r["index"]
             model = f"{r.get('preset', '-')}, {r.get('prompt', 'random tokens')}"
-            cells = [r["context"], model, r["policy"], i["chunk_layers"], i["ran_dense"], f"{i['density']:.3f}",
-                     f"{i['sparse_density']:.3f}", f"{i['work']:.3f}"]
+            cells = [r["context"], model, r["policy"], i["chunk_layers"], i["ran_dense"],
+                     f"{i['density']:.3f}", f"{i['sparse_density']:.3f}", f"{i['work']:.3f}"]
             lines.append(markdown_row(cells))
     return "\n".join(lines) + "\n"
 
@@ -277,8 +277,8 @@ def chart(payload: dict[str, Any], path: Path) -> None:
     """The kernel's time against its density; for a run of TTFT rows with their index only, the TTFT speedup
     against the share of dense attention the prefill computed."""
     if any(r["benchmark"] == "kernel" and "ratio" in r for r in payload["results"]):
-        density_chart(payload, path, "nanovllm-minference", "computed density", "sparse / dense Triton kernel time",
-                      KERNEL_SLACK)
+        density_chart(payload, path, "nanovllm-minference", "computed density",
+                      "sparse / dense Triton kernel time", KERNEL_SLACK)
         return
     import matplotlib
 
