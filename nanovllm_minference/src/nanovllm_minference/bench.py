@@ -124,7 +124,7 @@ TTFT_POLICIES = ("full", "minference:dense_below=0", "minference:pattern=\"a_sha
 
 
 TEXT_MODEL = "default"  # the built-in SmolLM2-135M-Instruct
-TEXT_POLICY = "minference"  # what a user gets: the default budgets, dense below 16K
+TEXT_POLICY = "minference"  # what a user gets: the default budgets and dense_below
 
 
 def bench_ttft_text(
@@ -288,12 +288,13 @@ def chart(payload: dict[str, Any], path: Path) -> None:
     points = [r for r in payload["results"] if isinstance(r.get("index"), dict) and "speedup" in r]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in points:
-        label = f"{r['context'] // 1024}K, {r.get('preset', '-')}, {r.get('prompt', 'random tokens')}"
+        prompt = r.get("prompt", "random tokens")
+        label = f"{r['context'] // 1024}K {r['policy']} ({r.get('preset', '-')}, {prompt})"
         ax.plot(r["index"]["work"], r["speedup"], marker="o", linestyle="", label=label)
     ax.axhline(TTFT_TARGET, color="r", linestyle="--", label=f"target at 128K: {TTFT_TARGET}x")
     ax.set_xlabel("share of dense causal attention computed")
     ax.set_ylabel("TTFT speedup over full")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     env = payload["environment"]
     ax.set_title(f"nanovllm-minference - {env['device']} - {env['date']} - {env['commit']}", fontsize=9)
     fig.tight_layout()

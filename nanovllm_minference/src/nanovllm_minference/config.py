@@ -55,7 +55,8 @@ class MInferenceConfig:
       configs; a head it omits gets ``vertical_slash`` (1000, 6096).
     - ``skip_layers``: the first layers run dense.
     - ``dense_below``: chunks whose sequences all hold fewer tokens than this run dense, where estimation
-      and tiles cost more than they save (measured on an H100; see the README).
+      and tiles cost more than they save (measured on an H100 with SmolLM2's real attention; see the
+      README).
     - ``dense_above``: a chunk whose index would compute more than this share of dense causal attention
       runs the dense kernel instead (``null``: never). The sparse kernel's 64 x 64 tiles cost about 1.2x
       the dense paged kernel's per unit of work (H100), so above about 0.8 dense is faster; a model whose
@@ -74,5 +75,5 @@ class MInferenceConfig:
     top_k_blocks: int = attrs.field(default=100, validator=_int_at_least(1))
     config_path: str | None = attrs.field(default=None, validator=_path_or_none)
     skip_layers: int = attrs.field(default=0, validator=_int_at_least(0))
-    dense_below: int = attrs.field(default=16384, validator=_int_at_least(0))
+    dense_below: int = attrs.field(default=32768, validator=_int_at_least(0))
     dense_above: float | None = attrs.field(default=0.8, validator=_positive_or_none)
