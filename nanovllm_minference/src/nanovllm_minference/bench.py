@@ -42,6 +42,7 @@ from nanovllm.bench.prefill import (
     density_chart,
     kernel_ms,
     paged_prompt,
+    save_chart,
     ttft_table,
 )
 
@@ -294,12 +295,7 @@ def chart(payload: dict[str, Any], path: Path) -> None:
     ax.axhline(TTFT_TARGET, color="r", linestyle="--", label=f"target at 128K: {TTFT_TARGET}x")
     ax.set_xlabel("share of dense causal attention computed")
     ax.set_ylabel("TTFT speedup over full")
-    ax.legend(fontsize=7)
-    env = payload["environment"]
-    ax.set_title(f"nanovllm-minference - {env['device']} - {env['date']} - {env['commit']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_chart(fig, ax, path, "nanovllm-minference", payload["environment"], legend_size=7)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -179,8 +179,14 @@ def density_chart(payload: dict[str, Any], path: Path, name: str, xlabel: str, y
     ax.plot(xs, [x + slack for x in xs], "r--", label=f"target: density + {slack}")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.legend(fontsize=8)
-    env = payload["environment"]
+    save_chart(fig, ax, path, name, payload["environment"])
+
+
+def save_chart(fig, ax, path: Path, name: str, env: dict[str, Any], legend_size: int = 8) -> None:
+    """A one-panel chart's legend and title (``name``, the device, date and commit), saved and closed."""
+    import matplotlib.pyplot as plt
+
+    ax.legend(fontsize=legend_size)
     ax.set_title(f"{name} - {env['device']} - {env['date']} - {env['commit']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
