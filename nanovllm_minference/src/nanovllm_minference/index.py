@@ -173,8 +173,8 @@ def ranked_lines_reference(
     vertical: torch.Tensor, slash: torch.Tensor, context_lens: torch.Tensor, num_sink_tokens: int,
     num_recent_diags: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scores :func:`top_lines` ranks by (float32, ``[S, H, L]``): forced lines above any sum, nearest
-    first; lines at or past a sequence's context at -inf."""
+    """The scores :func:`top_lines` ranks by, columns then diagonals (float32, ``[2, S, H, L]``): forced
+    lines above any sum, nearest first; lines at or past a sequence's context at -inf."""
     pos = torch.arange(vertical.shape[-1], device=vertical.device)
     lens = context_lens.long()[:, None, None]
 
@@ -182,7 +182,7 @@ def ranked_lines_reference(
         scores = torch.where(pos < forced, FORCED - pos, scores.float())
         return torch.where(pos < lens, scores, float("-inf"))
 
-    return ranked(vertical, num_sink_tokens), ranked(slash, num_recent_diags)
+    return torch.stack((ranked(vertical, num_sink_tokens), ranked(slash, num_recent_diags)))
 
 
 @triton.jit
@@ -205,7 +205,7 @@ def _ranked_kernel(vertical, slash, context_lens, ranked_vertical, ranked_slash,
 def ranked_lines(
     vertical: torch.Tensor, slash: torch.Tensor, context_lens: torch.Tensor, num_sink_tokens: int,
     num_recent_diags: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """:func:`ranked_lines_reference` in one launch (Triton) instead of ten elementwise torch kernels."""
     num_seqs, num_heads, length = vertical.shape
     out = torch.empty(2, *vertical.shape, dtype=torch.float32, device=vertical.device)
@@ -216,7 +216,7 @@ def ranked_lines(
             vertical, slash, context_lens, out[0], out[1], num_heads, length,
             num_sink_tokens, num_recent_diags, FORCED=FORCED, BLOCK=block,
         )
-    return out[0], out[1]
+    return out
 
 
 def top_lines(
@@ -235,17 +235,26 @@ def top_lines(
     length = vertical.shape[-1]
     rank = ranked_lines if vertical.device.type == "cuda" else ranked_lines_reference
     ranked = rank(vertical, slash, context_lens, num_sink_tokens, num_recent_diags)
-
-    def best(scores: torch.Tensor, sizes: torch.Tensor, largest: int | None):
-        k = min(int(sizes.max()) if largest is None else largest, length)
-        top = scores.topk(k, dim=-1, sorted=not sizes_equal)
-        valid = top.values > float("-inf")  # past the context
+    sizes = (vertical_sizes, slash_sizes)
+    ks = [min(int(s.max()) if bound is None else bound, length)
+          for s, bound in zip(sizes, max_sizes or (None, None), strict=True)]
+    # one topk for both kinds of line: on the GPU each call on long rows is some twenty launches, which set
+    # the pace of a small model's prefill; the kind with the smaller budget takes its best from the wider
+    # selection
+    wide = max(ks)
+    top = ranked.topk(wide, dim=-1, sorted=not sizes_equal)
+    lines = []
+    for values, indices, k, kind_sizes in zip(top.values, top.indices, ks, sizes, strict=True):
+        if k < wide and sizes_equal:  # unordered: the best k of the wider selection
+            best = values.topk(k, dim=-1, sorted=False)
+            values, indices = best.values, indices.gather(-1, best.indices)
+        elif k < wide:  # best first: the first k
+            values, indices = values[..., :k], indices[..., :k]
+        valid = values > float("-inf")  # past the context
         if not sizes_equal:  # best first: a head's first sizes[s, h] are its own
-            valid &= torch.arange(k, device=scores.device) < sizes[..., None]
-        return top.indices, valid
-
-    largest = max_sizes or (None, None)
-    return (*best(ranked[0], vertical_sizes, largest[0]), *best(ranked[1], slash_sizes, largest[1]))
+            valid &= torch.arange(k, device=values.device) < kind_sizes[..., None]
+        lines += [indices, valid]
+    return tuple(lines)
 
 
 def block_sparse_index(
