@@ -151,11 +151,11 @@ def bench_ttft_text(
 
 
 def index_work(model: str, prompt: list[int], policy: str, settings: dict[str, Any]) -> dict[str, Any]:
-    """One prefill of ``prompt`` on a fresh engine of ``model``, the policy's index of every chunk and layer
-    recorded:
-    how many chunk-layers built one, how many of those ran dense (above ``dense_above``), their densities
-    (each weighted by its chunk's dense work), and ``work``: the share of the prompt's dense causal
-    attention the prefill computed, counting every chunk-layer that ran dense (index or not) in full."""
+    """One prefill of ``prompt`` on a fresh engine of ``model``, recording the policy's index of every chunk
+    and layer. Returns how many chunk-layers built one, how many of those ran dense (above ``dense_above``),
+    their densities (each weighted by its chunk's dense work), and ``work``: the share of the prompt's dense
+    causal attention the prefill computed, counting every chunk-layer that ran dense (index or not) in
+    full."""
     from nanovllm import LLM, SamplingParams
 
     from nanovllm_minference.index import computed_density
@@ -235,7 +235,9 @@ def with_ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def markdown(payload: dict[str, Any], title: str) -> str:
     env = payload["environment"]
     lines = [f"# {title}", "", f"{env['device']}, {env['date']}, commit {env['commit']}, torch {env['torch']}.",
-             f"Preset {PRESET} shapes (random weights), blocks of {BLOCK_SIZE}, bfloat16; targets from issue 10.", "",
+             f"Preset {PRESET} shapes (random weights), blocks of {BLOCK_SIZE}, bfloat16; targets from "
+             "issue 10. Rows on natural text: the built-in SmolLM2-135M-Instruct (real weights, `hf_overrides` "
+             "past its 8K).", "",
              "## Prefill attention of one prompt, one layer (ms)", "",
              "Density: the work the sparse kernel does over dense causal attention's. Target: sparse <= "
              f"(density + {KERNEL_SLACK}) x dense Triton at 128K; estimate + index <= {ESTIMATE_SHARE:.0%} of dense.", "",
