@@ -236,8 +236,8 @@ def markdown(payload: dict[str, Any], title: str) -> str:
     env = payload["environment"]
     lines = [f"# {title}", "", f"{env['device']}, {env['date']}, commit {env['commit']}, torch {env['torch']}.",
              f"Preset {PRESET} shapes (random weights), blocks of {BLOCK_SIZE}, bfloat16; targets from "
-             "issue 10. Rows on natural text: the built-in SmolLM2-135M-Instruct (real weights, `hf_overrides` "
-             "past its 8K).", "",
+             "issue 10. Rows on natural text: the built-in SmolLM2-135M-Instruct (real weights, "
+             "`hf_overrides` past its 8K).", "",
              "## Prefill attention of one prompt, one layer (ms)", "",
              "Density: the work the sparse kernel does over dense causal attention's. Target: sparse <= "
              f"(density + {KERNEL_SLACK}) x dense Triton at 128K; estimate + index <= {ESTIMATE_SHARE:.0%} of dense.", "",
