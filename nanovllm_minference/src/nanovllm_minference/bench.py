@@ -43,6 +43,7 @@ from nanovllm.bench.prefill import (
     kernel_ms,
     paged_prompt,
     save_chart,
+    ttft_model,
     ttft_table,
 )
 
@@ -269,8 +270,7 @@ def markdown(payload: dict[str, Any], title: str) -> str:
                   "|---|---|---|---|---|---|---|---|"]
         for r in indexed:
             i = r["index"]
-            model = f"{r.get('preset', '-')}, {r.get('prompt', 'random tokens')}"
-            cells = [r["context"], model, r["policy"], i["chunk_layers"], i["ran_dense"],
+            cells = [r["context"], ttft_model(r), r["policy"], i["chunk_layers"], i["ran_dense"],
                      f"{i['density']:.3f}", f"{i['sparse_density']:.3f}", f"{i['work']:.3f}"]
             lines.append(markdown_row(cells))
     return "\n".join(lines) + "\n"
@@ -291,8 +291,7 @@ def chart(payload: dict[str, Any], path: Path) -> None:
     points = [r for r in payload["results"] if isinstance(r.get("index"), dict) and "speedup" in r]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in points:
-        prompt = r.get("prompt", "random tokens")
-        label = f"{r['context'] // 1024}K {r['policy']} ({r.get('preset', '-')}, {prompt})"
+        label = f"{r['context'] // 1024}K {r['policy']} ({ttft_model(r)})"
         ax.plot(r["index"]["work"], r["speedup"], marker="o", linestyle="", label=label)
     ax.axhline(TTFT_TARGET, color="r", linestyle="--", label=f"target at 128K: {TTFT_TARGET}x")
     ax.set_xlabel("share of dense causal attention computed")

@@ -172,7 +172,7 @@ def lines_to_index(
 def ranked_lines_reference(
     vertical: torch.Tensor, slash: torch.Tensor, context_lens: torch.Tensor, num_sink_tokens: int,
     num_recent_diags: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """The scores :func:`top_lines` ranks by, columns then diagonals (float32, ``[2, S, H, L]``): forced
     lines above any sum, nearest first; lines at or past a sequence's context at -inf."""
     pos = torch.arange(vertical.shape[-1], device=vertical.device)

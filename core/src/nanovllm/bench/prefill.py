@@ -157,10 +157,14 @@ def ttft_table(results: list[dict[str, Any]], heading: str) -> list[str]:
             rounds = ", ".join(f"{t:.3f}" for t in r.get("ttft_rounds_s", [])) or "-"
             by_round = ", ".join(f"{x:.3f}x" for x in r.get("speedup_rounds", [])) or "-"
             first = f"{r['ttft_first_s']:.3f}" if "ttft_first_s" in r else "-"
-            model = f"{r.get('preset', '-')}, {r.get('prompt', 'random tokens')}"
-            cells = [r["context"], model, r["policy"], result, speed, rounds, by_round, first]
+            cells = [r["context"], ttft_model(r), r["policy"], result, speed, rounds, by_round, first]
             lines.append(markdown_row(cells))
     return lines
+
+
+def ttft_model(row: dict[str, Any]) -> str:
+    """A TTFT row's model and prompt, as the tables and charts name them."""
+    return f"{row.get('preset', '-')}, {row.get('prompt', 'random tokens')}"
 
 
 def density_chart(payload: dict[str, Any], path: Path, name: str, xlabel: str, ylabel: str, slack: float) -> None:
