@@ -221,6 +221,32 @@ def test_top_pages(device, dtype, width, k, tile, per_page, ties, monkeypatch):
 
 
 @cases
+@pytest.mark.parametrize("shape", ["heavy-tailed", "two-clusters", "one-gap", "descending"])
+def test_top_pages_on_skewed_rows(device, dtype, shape):
+    """The selection is exact on rows whose scores are far from evenly spread: a few huge scores, two tight
+    clusters far apart, a gap right at the K-th score, the row in order (a search that guesses the K-th
+    score from the spread of the scores, measured on the H100 and not kept, needed such rows)."""
+    gen = torch.Generator().manual_seed(3)
+    width, k = 3000, 100
+    if shape == "heavy-tailed":
+        scores = torch.exp(torch.randn(2, 4, width, generator=gen) * 8)
+    elif shape == "two-clusters":
+        base = torch.where(torch.rand(2, 4, width, generator=gen) < 0.1, 1e6, -1e6)
+        scores = base + torch.randn(2, 4, width, generator=gen) * 1e-3
+    elif shape == "one-gap":
+        scores = torch.rand(2, 4, width, generator=gen)
+        top = scores.topk(k, dim=-1).indices
+        scores.scatter_(-1, top, scores.gather(-1, top) + 1e4)
+    else:
+        scores = torch.linspace(1e3, -1e3, width).expand(2, 4, width).clone()
+    scores[:, :, -3:] = float("inf")  # forced pages
+    lens = torch.full((2,), width * 16, dtype=torch.int32)
+    want = reference.top_pages(scores, k, lens, 16, 16)
+    got = kernels.top_pages(scores.to(device), k, lens.to(device), 16, 16).cpu()
+    assert torch.equal(got, want)
+
+
+@cases
 def test_select_pages(device, dtype):
     gen = torch.Generator().manual_seed(11)
     seqs, heads, hkv, d, width, block, page = 3, 8, 2, 32, 40, 4, 16
