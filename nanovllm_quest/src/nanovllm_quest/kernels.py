@@ -169,7 +169,11 @@ def _score_kernel(
     page_r = tl.program_id(2) * TILE + offs_r // BOUNDS_PAD
     bound_r = offs_r % BOUNDS_PAD
     row_ok = (page_r < n) & (bound_r < BOUNDS)
-    phys = tl.load(BlockTables + s * stride_bt + page_r * BLOCKS_PER_PAGE, mask=row_ok, other=0).to(tl.int64)
+    # the block table's columns are read whether or not they hold history (entries past it are clamped and
+    # their bounds not loaded), so this load does not wait for the history length's
+    in_table = (page_r < width) & (bound_r < BOUNDS)
+    phys = tl.load(BlockTables + s * stride_bt + page_r * BLOCKS_PER_PAGE, mask=in_table, other=0)
+    phys = tl.maximum(phys, 0).to(tl.int64)
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     g_ok = offs_g < GROUP
