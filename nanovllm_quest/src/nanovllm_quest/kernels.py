@@ -169,8 +169,8 @@ def _score_kernel(
     page_r = tl.program_id(2) * TILE + offs_r // BOUNDS_PAD
     bound_r = offs_r % BOUNDS_PAD
     row_ok = (page_r < n) & (bound_r < BOUNDS)
-    # the block table's columns are read whether or not they hold history (entries past it are clamped and
-    # their bounds not loaded), so this load does not wait for the history length's
+    # every column of the block table is read, history or not (the bounds of pages past the history are
+    # not loaded), so that this load and the history length's run together rather than one after the other
     in_table = (page_r < width) & (bound_r < BOUNDS)
     phys = tl.load(BlockTables + s * stride_bt + page_r * BLOCKS_PER_PAGE, mask=in_table, other=0)
     phys = tl.maximum(phys, 0).to(tl.int64)
