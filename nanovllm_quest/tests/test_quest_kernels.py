@@ -223,9 +223,10 @@ def test_top_pages(device, dtype, width, k, tile, per_page, ties, monkeypatch):
 @cases
 @pytest.mark.parametrize("shape", ["heavy-tailed", "two-clusters", "one-gap", "descending"])
 def test_top_pages_on_skewed_rows(device, dtype, shape):
-    """The selection is exact on rows whose scores are far from evenly spread: a few huge scores, two tight
-    clusters far apart, a gap right at the K-th score, the row in order (a search that guesses the K-th
-    score from the spread of the scores, measured on the H100 and not kept, needed such rows)."""
+    """The selection is exact on rows whose scores are far from evenly spread: a few huge scores, two clusters
+    far apart whose scores tie exactly (the noise is below float32's step at 1e6), a gap right at the K-th
+    score, the row in order (a search that guesses the K-th score from the spread of the scores, measured on
+    the H100 and not kept, needed such rows)."""
     gen = torch.Generator().manual_seed(3)
     width, k = 3000, 100
     if shape == "heavy-tailed":
