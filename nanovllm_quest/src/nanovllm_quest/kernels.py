@@ -36,6 +36,11 @@ from nanovllm_quest.reference import PageRows
 # H100, pages of 16, 4 warps: 32 took 7.4 / 16.3 us at 32K / 128K, batch 1, against 8.2 / 17.4 at 64 and
 # 8.3 / 17.4 at 128
 SCORE_TILE = 32
+# float8 bounds: up to 128 a program (32 KB), halved while the grid has fewer than two programs per
+# multiprocessor. H100, float8 halves, budget 2048: the layer took 154.5 against 166.5 us at 8 x 128K (32
+# bounds), 68.9 against 72.2 at 8 x 32K, 40.6 against 41.6 at 128K batch 1 and, at 64, 24.0 against 24.8
+# at 32K batch 1 (benchmarks/results/h100_quest_score_fp16.md)
+SCORE_TILE_FP8 = 128
 # a row of up to this many pages (256K tokens at pages of 16) stays in registers; wider rows are read
 # again each pass. H100, batch 1, 8 warps: 16K pages took 23 us in one tile against 53 in two of 8K
 MAX_TOPK_TILE = 16384
@@ -106,6 +111,19 @@ def _to_float32(x, FP8: tl.constexpr):
     if FP8:
         return tl.where((x.to(tl.int8, bitcast=True) & 0x7F) == 0x7F, float("nan"), x.to(tl.float32))
     return x.to(tl.float32)
+
+
+@triton.jit
+def _float16_scaled(x):
+    """``x`` times a power of two, as float16, with the inverse power. The largest magnitude lands in [2^14,
+    2^15), so a 16-bit ``x`` converts exactly but for values over 2^28 below its largest, and its products
+    with float8 values are exact in float32, as a bfloat16 ``x``'s are."""
+    x = x.to(tl.float32)
+    top = tl.max(tl.max(tl.abs(x), 1), 0)
+    exp = tl.maximum((top.to(tl.int32, bitcast=True) >> 23) & 0xFF, 14)  # biased exponent of the largest
+    up = ((268 - exp) << 23).to(tl.float32, bitcast=True)  # 2^(141 - exp): the largest to 2^14
+    down = ((exp - 14) << 23).to(tl.float32, bitcast=True)
+    return (x * up).to(tl.float16), down
 
 
 @triton.jit
@@ -190,6 +208,10 @@ def _score_kernel(
     kmax = tl.load(meta + stride_mm, mask=ld, other=0.0)
     if FP8 and FP32:  # on the GPU a 16-bit conversion keeps float8's NaN; the interpreter's needs help
         kmin, kmax = _to_float32(kmin, True), _to_float32(kmax, True)
+    if FP8 and not FP32:  # float16 operands: float8 converts to float16 in one instruction a pair, to
+        # bfloat16 in several (H100: scoring 10% faster at 8 x 128K, bit-identical scores)
+        q, unscale = _float16_scaled(q)
+        kmin, kmax = kmin.to(tl.float16), kmax.to(tl.float16)
     zero = tl.zeros_like(q)
     q_pos = tl.where(q > 0, q, zero)
     q_neg = tl.where(q < 0, q, zero)
@@ -199,6 +221,8 @@ def _score_kernel(
     else:  # 16-bit products are exact in the float32 accumulator
         bound = tl.dot(q_pos, tl.trans(kmax.to(q.dtype)))
         bound += tl.dot(q_neg, tl.trans(kmin.to(q.dtype)))
+    if FP8 and not FP32:
+        bound = bound * unscale
     bound = tl.where(bound != bound, float("inf"), bound)  # an unbounded float8 bound
     if BOUNDS_PAD > 1:
         bound = tl.where((bound_r < BOUNDS)[None, :], bound, float("-inf"))
@@ -229,7 +253,14 @@ def page_scores(
     group = num_heads // num_kv_heads
     bounds = metadata.shape[2] // 2
     bounds_pad = triton.next_power_of_2(bounds)
-    tile = max(1, SCORE_TILE // bounds_pad)  # pages a program: SCORE_TILE bounds
+    fp8 = metadata.dtype == torch.float8_e4m3fn
+    rows = SCORE_TILE
+    if fp8 and q.is_cuda:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        rows = SCORE_TILE_FP8
+        while rows > SCORE_TILE and num_seqs * num_kv_heads * triton.cdiv(width * bounds_pad, rows) < 2 * sms:
+            rows //= 2
+    tile = max(1, rows // bounds_pad)  # pages a program
     grid = (num_seqs, num_kv_heads, triton.cdiv(width, tile))
     _score_kernel[grid](
         q, metadata, block_tables, kv_lens, scores, width,
@@ -239,8 +270,7 @@ def page_scores(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=page_size,
         BLOCKS_PER_PAGE=page_size // block_size, BOUNDS=bounds, BOUNDS_PAD=bounds_pad, TILE=tile,
         REDUCE_MAX=group_reduction == "max", KEEP_SINK=keep_sink, RECENT_PAGES=max(1, recent_pages),
-        FP32=q.dtype == torch.float32 or not q.is_cuda,
-        FP8=metadata.dtype == torch.float8_e4m3fn, num_warps=4,
+        FP32=q.dtype == torch.float32 or not q.is_cuda, FP8=fp8, num_warps=4,
     )
     return scores
 
