@@ -4,8 +4,9 @@
   row of each bound's run folds the run's keys into its min/max, so no two programs write one
   anchor and no atomics are needed. Float8 bounds are rounded outward from float32 bits (``_round_fp8``).
 - ``page_scores``: one program per (sequence, KV head, tile of pages); it reads only the metadata of the
-  tile's anchors (a bound splits into two small matmuls, ``relu(q) . max + min(q, 0) . min``), keeps the
-  largest of each page's bounds, and reduces the GQA group's.
+  tile's anchors (a bound splits into two small matmuls, ``relu(q) . max + min(q, 0) . min``; float8
+  bounds in float16, the query scaled into its range), keeps the largest of each page's bounds, and
+  reduces the GQA group's.
 - ``top_pages``: one program per (sequence, KV head). The k-th largest score is found by bisection on
   the order-preserving integer image of the float scores (up to 32 counting passes over the row held in
   registers, fewer when a candidate has exactly k scores at or above it), then the chosen pages are
@@ -39,7 +40,7 @@ SCORE_TILE = 32
 # float8 bounds: up to 128 a program (32 KB), halved while the grid has fewer than two programs per
 # multiprocessor. H100, float8 halves, budget 2048: the layer took 154.5 against 166.5 us at 8 x 128K (32
 # bounds), 68.9 against 72.2 at 8 x 32K, 40.6 against 41.6 at 128K batch 1 and, at 64, 24.0 against 24.8
-# at 32K batch 1 (benchmarks/results/h100_quest_score_fp16.md)
+# at 32K batch 1 (benchmarks/results/h100_quest_score_fp16_probe.md)
 SCORE_TILE_FP8 = 128
 # a row of up to this many pages (256K tokens at pages of 16) stays in registers; wider rows are read
 # again each pass. H100, batch 1, 8 warps: 16K pages took 23 us in one tile against 53 in two of 8K
