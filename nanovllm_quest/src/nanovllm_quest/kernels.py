@@ -37,10 +37,10 @@ from nanovllm_quest.reference import PageRows
 # H100, pages of 16, 4 warps: 32 took 7.4 / 16.3 us at 32K / 128K, batch 1, against 8.2 / 17.4 at 64 and
 # 8.3 / 17.4 at 128
 SCORE_TILE = 32
-# float8 bounds: up to 128 a program (32 KB), halved while the grid has fewer than two programs per
-# multiprocessor. H100, float8 halves, budget 2048: the layer took 154.5 against 166.5 us at 8 x 128K (32
-# bounds), 68.9 against 72.2 at 8 x 32K, 40.6 against 41.6 at 128K batch 1 and, at 64, 24.0 against 24.8
-# at 32K batch 1 (benchmarks/results/h100_quest_score_fp16_probe.md)
+# float8 bounds in float16 dots: up to 128 a program (32 KB), halved while the grid has fewer than two
+# programs per multiprocessor. H100, float8 halves, budget 2048, the layer against 32 bounds in bfloat16:
+# 154.5 / 166.5 us at 8 x 128K, 68.9 / 72.2 at 8 x 32K, 40.6 / 41.6 at 128K batch 1, and at 64 bounds
+# 24.0 / 24.8 at 32K batch 1 (benchmarks/results/h100_quest_score_fp16_probe.md)
 SCORE_TILE_FP8 = 128
 # a row of up to this many pages (256K tokens at pages of 16) stays in registers; wider rows are read
 # again each pass. H100, batch 1, 8 warps: 16K pages took 23 us in one tile against 53 in two of 8K
@@ -255,8 +255,9 @@ def page_scores(
     bounds = metadata.shape[2] // 2
     bounds_pad = triton.next_power_of_2(bounds)
     fp8 = metadata.dtype == torch.float8_e4m3fn
+    fp32 = q.dtype == torch.float32 or not q.is_cuda
     rows = SCORE_TILE
-    if fp8 and q.is_cuda:
+    if fp8 and not fp32:  # the float16 dots
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         rows = SCORE_TILE_FP8
         while rows > SCORE_TILE and num_seqs * num_kv_heads * triton.cdiv(width * bounds_pad, rows) < 2 * sms:
@@ -271,7 +272,7 @@ def page_scores(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=page_size,
         BLOCKS_PER_PAGE=page_size // block_size, BOUNDS=bounds, BOUNDS_PAD=bounds_pad, TILE=tile,
         REDUCE_MAX=group_reduction == "max", KEEP_SINK=keep_sink, RECENT_PAGES=max(1, recent_pages),
-        FP32=q.dtype == torch.float32 or not q.is_cuda, FP8=fp8, num_warps=4,
+        FP32=fp32, FP8=fp8, num_warps=4,
     )
     return scores
 
