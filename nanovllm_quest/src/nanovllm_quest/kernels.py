@@ -10,7 +10,8 @@
 - ``top_pages``: one program per (sequence, KV head). The k-th largest score is found by bisection on
   the order-preserving integer image of the float scores (up to 32 counting passes over the row held in
   registers, fewer when a candidate has exactly k scores at or above it), then the chosen pages are
-  compacted in ascending order with a prefix sum (ties go to the lower index) and written as their blocks.
+  compacted in ascending order with a prefix sum and written as their blocks. Ties at the k-th score go to
+  the lower index; they are ranked only in a row where more than k scores reach it.
   Searching two bits a pass (three candidates counted in one reduction) was no faster at 2K pages and 12%
   slower at 8K on the H100 (``benchmarks/results/h100_quest_topk_digits.md``).
 - ``rescore_pages``: one program per (sequence, KV head, tile of nominated pages): the tile's keys in one
@@ -385,6 +386,7 @@ def _select_row(
     # with exactly K keys at or above it selects the same K keys and ends the search: on the H100 that
     # took a fifth off the kernel's time (9.3 -> 7.3 us at 2K pages, 17.4 -> 14.3 us at 8K, batch 1)
     t = tl.zeros([], tl.uint32)
+    kept = tl.zeros([], tl.int32)  # keys at or above t (once t > 0)
     bit = 31
     exact = tl.zeros([], tl.int32)
     while (bit >= 0) & (exact == 0):
@@ -396,26 +398,36 @@ def _select_row(
             for i in range(NUM_TILES):
                 count += tl.sum((_tile_keys(row, i, offs, width, TILE) >= cand).to(tl.int32), 0)
         t = tl.where(count >= K, cand, t)
+        kept = tl.where(count >= K, count, kept)
         exact = (count == K).to(tl.int32)
         bit -= 1
-    # everything above t, then ties at t in index order until K are taken (t == 0: fewer than K valid)
-    if NUM_TILES == 1:
-        above = tl.sum((keys > t).to(tl.int32), 0)
-    else:
-        above = tl.zeros([], tl.int32)
-        for i in range(NUM_TILES):
-            tile = _tile_keys(row, i, offs, width, TILE)
-            above += tl.sum((tile > t).to(tl.int32), 0)
-    ties_left = K - above
+    # the keys at or above t (t == 0: fewer than K valid, all of them). Where more than K are, the ties at t
+    # are ranked by index and the first are taken until K are: that costs a count, a prefix sum and two sums
+    # a tile, which the usual row (exactly K at or above t) skips
+    ranked = (t > 0) & (kept != K)
+    ties_left = tl.zeros([], tl.int32)
+    if ranked:
+        if NUM_TILES == 1:
+            above = tl.sum((keys > t).to(tl.int32), 0)
+        else:
+            above = tl.zeros([], tl.int32)
+            for i in range(NUM_TILES):
+                tile = _tile_keys(row, i, offs, width, TILE)
+                above += tl.sum((tile > t).to(tl.int32), 0)
+        ties_left = K - above
     written = tl.zeros([], tl.int32)
     for i in range(NUM_TILES):
         if NUM_TILES == 1:
             tile = keys
         else:
             tile = _tile_keys(row, i, offs, width, TILE)
-        tie = ((tile == t) & (t > 0)).to(tl.int32)
-        tie_rank = tl.cumsum(tie, 0) - tie
-        take = ((tile > t) | ((tie == 1) & (tie_rank < ties_left))).to(tl.int32)
+        if ranked:
+            tie = (tile == t).to(tl.int32)
+            tie_rank = tl.cumsum(tie, 0) - tie
+            take = ((tile > t) | ((tie == 1) & (tie_rank < ties_left))).to(tl.int32)
+            ties_left -= tl.sum(tie * (tie_rank < ties_left).to(tl.int32), 0)
+        else:
+            take = (tile >= tl.maximum(t, 1)).to(tl.int32)
         slot = (written + tl.cumsum(take, 0) - take) * BLOCKS_PER_PAGE
         for j in tl.static_range(BLOCKS_PER_PAGE):
             if NAMED:
@@ -423,8 +435,12 @@ def _select_row(
             else:
                 block = (i * TILE + offs) * BLOCKS_PER_PAGE + j
             tl.store(out + slot + j, tl.where(block < history_blocks, block, -1).to(tl.int32), mask=take == 1)
-        written += tl.sum(take, 0)
-        ties_left -= tl.sum(tie * (tie_rank < ties_left).to(tl.int32), 0)
+        if NUM_TILES > 1:
+            written += tl.sum(take, 0)
+        elif t == 0:
+            written = tl.sum(take, 0)
+        else:  # exactly K taken
+            written = tl.full([], K, tl.int32)
     offs_k = tl.arange(0, OUT_PAD)
     tl.store(out + offs_k, tl.full([OUT_PAD], -1, tl.int32),
              mask=(offs_k >= written * BLOCKS_PER_PAGE) & (offs_k < K * BLOCKS_PER_PAGE))
