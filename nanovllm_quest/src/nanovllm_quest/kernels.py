@@ -386,7 +386,6 @@ def _select_row(
     # with exactly K keys at or above it selects the same K keys and ends the search: on the H100 that
     # took a fifth off the kernel's time (9.3 -> 7.3 us at 2K pages, 17.4 -> 14.3 us at 8K, batch 1)
     t = tl.zeros([], tl.uint32)
-    kept = tl.zeros([], tl.int32)  # keys at or above t (once t > 0)
     bit = 31
     exact = tl.zeros([], tl.int32)
     while (bit >= 0) & (exact == 0):
@@ -398,13 +397,12 @@ def _select_row(
             for i in range(NUM_TILES):
                 count += tl.sum((_tile_keys(row, i, offs, width, TILE) >= cand).to(tl.int32), 0)
         t = tl.where(count >= K, cand, t)
-        kept = tl.where(count >= K, count, kept)
         exact = (count == K).to(tl.int32)
         bit -= 1
-    # the keys at or above t (t == 0: fewer than K valid, all of them). Where more than K are, the ties at t
-    # are ranked by index and the first are taken until K are: that costs a count, a prefix sum and two sums
-    # a tile, which the usual row (exactly K at or above t) skips
-    ranked = (t > 0) & (kept != K)
+    # the keys at or above t (t == 0: fewer than K valid, all of them). Where more than K are (the search
+    # never met a candidate with exactly K), the ties at t are ranked by index and the first are taken until
+    # K are: that costs a count, a prefix sum and two sums a tile, which the usual row skips
+    ranked = (t > 0) & (exact == 0)
     ties_left = tl.zeros([], tl.int32)
     if ranked:
         if NUM_TILES == 1:
