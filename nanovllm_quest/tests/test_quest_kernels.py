@@ -173,10 +173,14 @@ def test_page_scores(device, dtype, reduction, keep_sink, per_page, bounds, rece
 
 @cases
 @pytest.mark.parametrize("per_page", [1, 2])
-def test_page_scores_with_fp8_bounds(device, dtype, per_page):
+@pytest.mark.parametrize("step", [None, 16])
+def test_page_scores_with_fp8_bounds(device, dtype, per_page, step, monkeypatch):
     """Float8 bounds score as their float32 values; a page with an unbounded bound (a NaN channel) scores
     ``+inf``. The query's channels span 7.5 orders of magnitude, past float16's range: on the GPU a 16-bit
-    query is scaled into it. The widths reach each scoring tile on an H100 (32, 64 and 128 bounds a program)."""
+    query is scaled into it. The widths reach each scoring tile on an H100 (32, 64 and 128 bounds a program,
+    the last in two steps); ``step`` 16 takes every program in several steps."""
+    if step is not None:
+        monkeypatch.setattr(kernels, "SCORE_STEP", step)
     gen = torch.Generator().manual_seed(11)
     seqs, hkv, d, block = 2, 8 if device == "cuda" else 2, 64, 16
     for width in (40, 700, 2200) if device == "cuda" else (40,):

@@ -3,8 +3,8 @@
 - ``update_metadata``: one program per (new row, KV head) over the rows grouped by bound; the first
   row of each bound's run folds the run's keys into its min/max, so no two programs write one
   anchor and no atomics are needed. Float8 bounds are rounded outward from float32 bits (``_round_fp8``).
-- ``page_scores``: one program per (sequence, KV head, tile of pages); it reads only the metadata of the
-  tile's anchors (a bound splits into two small matmuls, ``relu(q) . max + min(q, 0) . min``; float8
+- ``page_scores``: one program per (sequence, KV head, tile of pages), taken in steps of up to
+  ``SCORE_STEP`` bounds; it reads only the metadata of the tile's anchors (a bound splits into two small matmuls, ``relu(q) . max + min(q, 0) . min``; float8
   bounds in float16, the query scaled into its range), keeps the largest of each page's bounds, and
   reduces the GQA group's.
 - ``top_pages``: one program per (sequence, KV head). The k-th largest score is found by bisection on
@@ -43,6 +43,10 @@ SCORE_TILE = 32
 # 154.5 / 166.5 us at 8 x 128K, 68.9 / 72.2 at 8 x 32K, 40.6 / 41.6 at 128K batch 1, and at 64 bounds
 # 24.0 / 24.8 at 32K batch 1 (benchmarks/results/h100_quest_score_fp16_probe.md)
 SCORE_TILE_FP8 = 128
+# bounds scored at a time: a program of more takes them in steps, the next step's loads issued before this
+# step's dots. H100, float8 halves, 128 bounds in two steps against one: 28.4 / 30.5 us at 8 x 32K, 99.3 /
+# 107.2 at 8 x 128K, 16.8 / 17.8 at 128K batch 1 (benchmarks/results/h100_quest_score_steps_probe.md)
+SCORE_STEP = 64
 # a row of up to this many pages (256K tokens at pages of 16) stays in registers; wider rows are read
 # again each pass. H100, batch 1, 8 warps: 16K pages took 23 us in one tile against 53 in two of 8K
 MAX_TOPK_TILE = 16384
@@ -171,37 +175,26 @@ def update_metadata(
 
 
 @triton.jit
-def _score_kernel(
-    Q, Meta, BlockTables, KVLens, Scores, width,
-    stride_qs, stride_qh, stride_mb, stride_mh, stride_mm, stride_bt, stride_ss, stride_sh,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCKS_PER_PAGE: tl.constexpr, BOUNDS: tl.constexpr, BOUNDS_PAD: tl.constexpr,
+def _score_tile(
+    tile_index, q_pos, q_neg, unscale, n, Meta, bt_row, Scores, width, kvh, stride_mb, stride_mh, stride_mm,
+    offs_d, d_ok, g_ok,
+    G_PAD: tl.constexpr, BLOCKS_PER_PAGE: tl.constexpr, BOUNDS: tl.constexpr, BOUNDS_PAD: tl.constexpr,
     TILE: tl.constexpr, REDUCE_MAX: tl.constexpr, KEEP_SINK: tl.constexpr, RECENT_PAGES: tl.constexpr,
     FP32: tl.constexpr, FP8: tl.constexpr,
 ):
-    s = tl.program_id(0)
-    kvh = tl.program_id(1)
-    n = tl.cdiv(tl.load(KVLens + s), PAGE_SIZE)  # history pages of this sequence
-    offs_p = tl.program_id(2) * TILE + tl.arange(0, TILE)
+    """Scores of the ``TILE`` pages of tile ``tile_index`` into ``Scores`` (the row of one sequence and KV head)."""
+    offs_p = tile_index * TILE + tl.arange(0, TILE)
     valid = offs_p < n
     # one row per (page, bound): the tile's bounds in one dot, then each page's largest
     offs_r = tl.arange(0, TILE * BOUNDS_PAD)
-    page_r = tl.program_id(2) * TILE + offs_r // BOUNDS_PAD
+    page_r = tile_index * TILE + offs_r // BOUNDS_PAD
     bound_r = offs_r % BOUNDS_PAD
     row_ok = (page_r < n) & (bound_r < BOUNDS)
     # every column of the block table is read, history or not (the bounds of pages past the history are
     # not loaded), so that this load and the history length's run together rather than one after the other
     in_table = (page_r < width) & (bound_r < BOUNDS)
-    phys = tl.load(BlockTables + s * stride_bt + page_r * BLOCKS_PER_PAGE, mask=in_table, other=0)
+    phys = tl.load(bt_row + page_r * BLOCKS_PER_PAGE, mask=in_table, other=0)
     phys = tl.maximum(phys, 0).to(tl.int64)
-    offs_g = tl.arange(0, G_PAD)
-    offs_d = tl.arange(0, BLOCK_D)
-    g_ok = offs_g < GROUP
-    d_ok = offs_d < HEAD_DIM
-    q = tl.load(
-        Q + s.to(tl.int64) * stride_qs + (kvh * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
-        mask=g_ok[:, None] & d_ok[None, :], other=0.0,
-    )
     # a bound's min and max are rows 2j and 2j + 1 of its block's KV head
     rows = phys * stride_mb + 2 * bound_r * stride_mm
     meta = Meta + rows[:, None] + kvh * stride_mh + offs_d[None, :]
@@ -212,17 +205,13 @@ def _score_kernel(
         kmin, kmax = _to_float32(kmin, True), _to_float32(kmax, True)
     if FP8 and not FP32:  # float16 operands: float8 converts to float16 in one instruction a pair, to
         # bfloat16 in several (H100: scoring 10% faster at 8 x 128K, bit-identical scores)
-        q, unscale = _float16_scaled(q)
         kmin, kmax = kmin.to(tl.float16), kmax.to(tl.float16)
-    zero = tl.zeros_like(q)
-    q_pos = tl.where(q > 0, q, zero)
-    q_neg = tl.where(q < 0, q, zero)
     if FP32:  # float32 inputs or the interpreter: exact float32 products
         bound = tl.dot(q_pos.to(tl.float32), tl.trans(kmax.to(tl.float32)), input_precision="ieee")
         bound += tl.dot(q_neg.to(tl.float32), tl.trans(kmin.to(tl.float32)), input_precision="ieee")
     else:  # 16-bit products are exact in the float32 accumulator
-        bound = tl.dot(q_pos, tl.trans(kmax.to(q.dtype)))
-        bound += tl.dot(q_neg, tl.trans(kmin.to(q.dtype)))
+        bound = tl.dot(q_pos, tl.trans(kmax.to(q_pos.dtype)))
+        bound += tl.dot(q_neg, tl.trans(kmin.to(q_pos.dtype)))
     if FP8 and not FP32:
         bound = bound * unscale
     bound = tl.where(bound != bound, float("inf"), bound)  # an unbounded float8 bound
@@ -237,7 +226,47 @@ def _score_kernel(
     if KEEP_SINK:
         forced = forced | (offs_p == 0)
     score = tl.where(valid, tl.where(forced, float("inf"), score), float("-inf"))
-    tl.store(Scores + s * stride_ss + kvh * stride_sh + offs_p, score, mask=offs_p < width)
+    tl.store(Scores + offs_p, score, mask=offs_p < width)
+
+
+@triton.jit
+def _score_kernel(
+    Q, Meta, BlockTables, KVLens, Scores, width,
+    stride_qs, stride_qh, stride_mb, stride_mh, stride_mm, stride_bt, stride_ss, stride_sh,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCKS_PER_PAGE: tl.constexpr, BOUNDS: tl.constexpr, BOUNDS_PAD: tl.constexpr,
+    TILE: tl.constexpr, STEPS: tl.constexpr, REDUCE_MAX: tl.constexpr, KEEP_SINK: tl.constexpr,
+    RECENT_PAGES: tl.constexpr, FP32: tl.constexpr, FP8: tl.constexpr,
+):
+    s = tl.program_id(0)
+    kvh = tl.program_id(1)
+    n = tl.cdiv(tl.load(KVLens + s), PAGE_SIZE)  # history pages of this sequence
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = offs_g < GROUP
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + s.to(tl.int64) * stride_qs + (kvh * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
+        mask=g_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    unscale = 1.0
+    if FP8 and not FP32:  # the float16 dots: the query scaled into float16's range
+        q, unscale = _float16_scaled(q)
+    zero = tl.zeros_like(q)
+    q_pos = tl.where(q > 0, q, zero)
+    q_neg = tl.where(q < 0, q, zero)
+    bt_row = BlockTables + s * stride_bt
+    scores = Scores + s * stride_ss + kvh * stride_sh
+    if STEPS == 1:
+        _score_tile(tl.program_id(2), q_pos, q_neg, unscale, n, Meta, bt_row, scores, width, kvh, stride_mb,
+                    stride_mh, stride_mm, offs_d, d_ok, g_ok, G_PAD, BLOCKS_PER_PAGE, BOUNDS, BOUNDS_PAD, TILE,
+                    REDUCE_MAX, KEEP_SINK, RECENT_PAGES, FP32, FP8)
+    else:  # several tiles, the next one's loads issued while this one is scored
+        first = tl.program_id(2) * STEPS
+        for i in tl.range(first, first + STEPS, num_stages=2):
+            _score_tile(i, q_pos, q_neg, unscale, n, Meta, bt_row, scores, width, kvh, stride_mb, stride_mh,
+                        stride_mm, offs_d, d_ok, g_ok, G_PAD, BLOCKS_PER_PAGE, BOUNDS, BOUNDS_PAD, TILE,
+                        REDUCE_MAX, KEEP_SINK, RECENT_PAGES, FP32, FP8)
 
 
 def page_scores(
@@ -257,14 +286,16 @@ def page_scores(
     bounds_pad = triton.next_power_of_2(bounds)
     fp8 = metadata.dtype == torch.float8_e4m3fn
     fp32 = q.dtype == torch.float32 or not q.is_cuda
-    rows = SCORE_TILE
+    rows = SCORE_TILE  # bounds a program
     if fp8 and not fp32:  # the float16 dots
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
         rows = SCORE_TILE_FP8
         while rows > SCORE_TILE and num_seqs * num_kv_heads * triton.cdiv(width * bounds_pad, rows) < 2 * sms:
             rows //= 2
-    tile = max(1, rows // bounds_pad)  # pages a program
-    grid = (num_seqs, num_kv_heads, triton.cdiv(width, tile))
+    step_rows = min(rows, SCORE_STEP)
+    tile = max(1, step_rows // bounds_pad)  # pages a step
+    steps = max(1, rows // step_rows)
+    grid = (num_seqs, num_kv_heads, triton.cdiv(width, tile * steps))
     _score_kernel[grid](
         q, metadata, block_tables, kv_lens, scores, width,
         q.stride(0), q.stride(1), metadata.stride(0), metadata.stride(1), metadata.stride(2),
@@ -272,7 +303,7 @@ def page_scores(
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=page_size,
         BLOCKS_PER_PAGE=page_size // block_size, BOUNDS=bounds, BOUNDS_PAD=bounds_pad, TILE=tile,
-        REDUCE_MAX=group_reduction == "max", KEEP_SINK=keep_sink, RECENT_PAGES=max(1, recent_pages),
+        STEPS=steps, REDUCE_MAX=group_reduction == "max", KEEP_SINK=keep_sink, RECENT_PAGES=max(1, recent_pages),
         FP32=fp32, FP8=fp8, num_warps=4,
     )
     return scores
