@@ -330,4 +330,4 @@ def test_kernels_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == 3 * 2 + 2 * 2 + 2 * 2 * 3 * 2 + 2 + 7 * 2 + 4 + 1 + 2 + 3, tail
+    assert passed == 3 * 2 + 2 * 2 + 2 * 2 * 3 * 2 + 2 * 2 + 7 * 2 + 4 + 1 + 2 + 3, tail
