@@ -4,15 +4,15 @@
   row of each bound's run folds the run's keys into its min/max, so no two programs write one
   anchor and no atomics are needed. Float8 bounds are rounded outward from float32 bits (``_round_fp8``).
 - ``page_scores``: one program per (sequence, KV head, tile of pages), taken in steps of up to
-  ``SCORE_STEP`` bounds; it reads only the metadata of the tile's anchors (a bound splits into two small matmuls, ``relu(q) . max + min(q, 0) . min``; float8
-  bounds in float16, the query scaled into its range), keeps the largest of each page's bounds, and
-  reduces the GQA group's.
+  ``SCORE_STEP`` bounds; it reads only the metadata of the tile's anchors (a bound splits into two small
+  matmuls, ``relu(q) . max + min(q, 0) . min``; float8 bounds in float16, the query scaled into its range),
+  keeps the largest of each page's bounds, and reduces the GQA group's.
 - ``top_pages``: one program per (sequence, KV head). The k-th largest score is found by bisection on
   the order-preserving integer image of the float scores (up to 32 counting passes over the row held in
-  registers, from the first bit where the row's smallest and largest finite scores differ, ending early at a
-  candidate with exactly k scores at or above it), then the chosen pages are
-  compacted in ascending order with a prefix sum and written as their blocks. Ties at the k-th score go to
-  the lower index; they are ranked only in a row where more than k scores reach it.
+  registers, from the first bit where the row's smallest and largest finite scores differ, ending early at
+  a candidate with exactly k scores at or above it), then the chosen pages are compacted in ascending order
+  with a prefix sum and written as their blocks. Ties at the k-th score go to the lower index; they are
+  ranked only in a row where more than k scores reach it.
   Searching two bits a pass (three candidates counted in one reduction) was no faster at 2K pages and 12%
   slower at 8K on the H100 (``benchmarks/results/h100_quest_topk_digits.md``).
 - ``rescore_pages``: one program per (sequence, KV head, tile of nominated pages): the tile's keys in one
@@ -20,7 +20,9 @@
   stay ``+inf``. ``pick_nominees`` is ``top_pages``' selection over those scores, written as the nominees'
   pages.
 Scoring and top-K stay two launches: a kernel doing both in one program per (sequence, KV head) was
-slower on the H100 in every case measured (at pages of 64, 32K, batch 1: 19.6 against 12.9 us).
+slower on the H100 in every case measured (at pages of 64, 32K, batch 1: 19.6 against 12.9 us), and one whose
+last scoring program of a row selects it was level at 32K batch 1 and 7-49% slower elsewhere
+(``benchmarks/results/h100_quest_score_select_probe.md``).
 
 No host synchronisation and no data-dependent shape: all are captured in the decode CUDA graphs.
 On CPU tensors they run under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is first
@@ -183,7 +185,8 @@ def _score_tile(
     TILE: tl.constexpr, REDUCE_MAX: tl.constexpr, KEEP_SINK: tl.constexpr, RECENT_PAGES: tl.constexpr,
     FP32: tl.constexpr, FP8: tl.constexpr,
 ):
-    """Scores of the ``TILE`` pages of tile ``tile_index`` into ``Scores`` (the row of one sequence and KV head)."""
+    """The scores of tile ``tile_index``'s ``TILE`` pages into ``Scores``, one sequence's row for one KV
+    head."""
     offs_p = tile_index * TILE + tl.arange(0, TILE)
     valid = offs_p < n
     # one row per (page, bound): the tile's bounds in one dot, then each page's largest
@@ -260,8 +263,8 @@ def _score_kernel(
     scores = Scores + s * stride_ss + kvh * stride_sh
     if STEPS == 1:
         _score_tile(tl.program_id(2), q_pos, q_neg, unscale, n, Meta, bt_row, scores, width, kvh, stride_mb,
-                    stride_mh, stride_mm, offs_d, d_ok, g_ok, G_PAD, BLOCKS_PER_PAGE, BOUNDS, BOUNDS_PAD, TILE,
-                    REDUCE_MAX, KEEP_SINK, RECENT_PAGES, FP32, FP8)
+                    stride_mh, stride_mm, offs_d, d_ok, g_ok, G_PAD, BLOCKS_PER_PAGE, BOUNDS, BOUNDS_PAD,
+                    TILE, REDUCE_MAX, KEEP_SINK, RECENT_PAGES, FP32, FP8)
     else:  # several tiles, the next one's loads issued while this one is scored
         first = tl.program_id(2) * STEPS
         for i in tl.range(first, first + STEPS, num_stages=2):
@@ -304,8 +307,8 @@ def page_scores(
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=page_size,
         BLOCKS_PER_PAGE=page_size // block_size, BOUNDS=bounds, BOUNDS_PAD=bounds_pad, TILE=tile,
-        STEPS=steps, REDUCE_MAX=group_reduction == "max", KEEP_SINK=keep_sink, RECENT_PAGES=max(1, recent_pages),
-        FP32=fp32, FP8=fp8, num_warps=4,
+        STEPS=steps, REDUCE_MAX=group_reduction == "max", KEEP_SINK=keep_sink,
+        RECENT_PAGES=max(1, recent_pages), FP32=fp32, FP8=fp8, num_warps=4,
     )
     return scores
 
