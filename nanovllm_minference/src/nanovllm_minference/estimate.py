@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 from nanovllm.attention.backend import check_paged_inputs
-from nanovllm.attention.triton_kernels import max_shared_memory
+from nanovllm.attention.triton_kernels import max_shared_memory, num_sms
 
 LOG2E = 1.4426950408889634
 MAX_LAST_Q = 128  # rows per head held in one tile; MInference uses 64
@@ -259,8 +259,7 @@ def _num_splits(programs: int, tiles: int, device: torch.device) -> int:
     """Key slices per (sequence, head group): enough programs for about four per multiprocessor."""
     if device.type != "cuda":
         return min(tiles, 4)  # the interpreter: a few slices, so that merging them is exercised
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(tiles, triton.cdiv(4 * sms, programs)))
+    return max(1, min(tiles, triton.cdiv(4 * num_sms(device), programs)))
 
 
 def _slices(width: int, block_n: int, programs: int, device: torch.device) -> tuple[int, int]:

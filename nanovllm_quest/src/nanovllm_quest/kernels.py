@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from nanovllm.attention.triton_kernels import num_sms
 
 from nanovllm_quest.reference import PageRows
 
@@ -292,7 +293,7 @@ def page_scores(
     fp32 = q.dtype == torch.float32 or not q.is_cuda
     rows = SCORE_TILE  # bounds a program
     if fp8 and not fp32:  # the float16 dots
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        sms = num_sms(q.device)
         rows = SCORE_TILE_FP8
         while rows > SCORE_TILE and num_seqs * num_kv_heads * triton.cdiv(width * bounds_pad, rows) < 2 * sms:
             rows //= 2

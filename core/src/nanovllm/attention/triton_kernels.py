@@ -468,7 +468,9 @@ def max_shared_memory(device: torch.device) -> int:
     return _max_shared_memory(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device, queried once per device (4 elsewhere: the interpreter, where a few
+    programs are enough)."""
     if device.type != "cuda":
         return 4  # interpreter: a few programs are enough to exercise the split path
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
@@ -509,7 +511,7 @@ def _read_ahead(multi_block_tiles: bool, num_groups: int, device: torch.device) 
     GPU: their programs are short and exposed to the load chain (selection, block table, keys). H100,
     32q/8kv, 2,048 selected keys: batch 1 10.9 against 12.2 us, batch 8 32.5 against 33.3; batch 32 at
     8K 104.8 against 101.1, where occupancy hides the chain. Results are bit-identical either way."""
-    return multi_block_tiles and num_groups <= _num_sms(device) // 2
+    return multi_block_tiles and num_groups <= num_sms(device) // 2
 
 
 def _dummy(t: torch.Tensor) -> torch.Tensor:
@@ -593,7 +595,7 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_keys: int, block_n: 
     programs = max(1, num_seqs * num_kv_heads)
     # at least two splits: with contexts of mixed lengths the finer slices balance the multiprocessors
     # (B1 full-batch step on an H200: 4.62 against 4.85 ms of decode kernel at one split)
-    want = max(2, triton.cdiv(2 * _num_sms(device), programs))
+    want = max(2, triton.cdiv(2 * num_sms(device), programs))
     # 2 tiles, not 4: one sequence's 2,048 selected keys per KV head (H100, 32q/8kv) took 10.8 us in 16
     # splits against 13.8 us in 8; long contexts are bounded by ``want`` anyway
     by_len = max(1, triton.cdiv(max_keys, 2 * block_n))
@@ -661,4 +663,5 @@ def is_interpreted() -> bool:
 
 __all__ = [
     "store_kv", "attention_rows", "attention_decode", "num_decode_splits", "is_interpreted", "max_shared_memory",
+    "num_sms",
 ]
