@@ -188,7 +188,8 @@ def test_page_scores_with_fp8_bounds(device, dtype, per_page, step, monkeypatch)
         metadata = torch.stack([reference.round_fp8(bounds.amin(3), up=False),
                                 reference.round_fp8(bounds.amax(3), up=True)], dim=3).flatten(2, 3)
         tables = torch.randperm(seqs * width, generator=gen).view(seqs, width).int()
-        lens = torch.tensor([width * block, width * block - 9], dtype=torch.int32)
+        # the second sequence's history ends a third of the way in: the scoring programs past it only store
+        lens = torch.tensor([width * block, width // 3 * block - 9], dtype=torch.int32)
         metadata[tables[0, 5], 1, -1, 3] = float("nan")  # sequence 0, KV head 1, page 5: its last bound's max
         magnitude = 10 ** (torch.rand(d, generator=gen) * 7.5 - 3)  # some past float16's 65504
         q = (torch.randn(seqs, 4 * hkv, d, generator=gen) * magnitude).to(dtype)

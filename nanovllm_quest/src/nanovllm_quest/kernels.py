@@ -246,6 +246,12 @@ def _score_kernel(
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     n = tl.cdiv(tl.load(KVLens + s), PAGE_SIZE)  # history pages of this sequence
+    scores = Scores + s * stride_ss + kvh * stride_sh
+    first = tl.program_id(2) * (TILE * STEPS)
+    if first >= n:  # past the history, as most of a block table wider than the context is: no bounds to read
+        offs_p = first + tl.arange(0, TILE * STEPS)
+        tl.store(scores + offs_p, tl.full([TILE * STEPS], float("-inf"), tl.float32), mask=offs_p < width)
+        return
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     g_ok = offs_g < GROUP
@@ -261,14 +267,12 @@ def _score_kernel(
     q_pos = tl.where(q > 0, q, zero)
     q_neg = tl.where(q < 0, q, zero)
     bt_row = BlockTables + s * stride_bt
-    scores = Scores + s * stride_ss + kvh * stride_sh
     if STEPS == 1:
         _score_tile(tl.program_id(2), q_pos, q_neg, unscale, n, Meta, bt_row, scores, width, kvh, stride_mb,
                     stride_mh, stride_mm, offs_d, d_ok, g_ok, G_PAD, BLOCKS_PER_PAGE, BOUNDS, BOUNDS_PAD,
                     TILE, REDUCE_MAX, KEEP_SINK, RECENT_PAGES, FP32, FP8)
     else:  # several tiles, the next one's loads issued while this one is scored
-        first = tl.program_id(2) * STEPS
-        for i in tl.range(first, first + STEPS, num_stages=2):
+        for i in tl.range(first // TILE, first // TILE + STEPS, num_stages=2):
             _score_tile(i, q_pos, q_neg, unscale, n, Meta, bt_row, scores, width, kvh, stride_mb, stride_mh,
                         stride_mm, offs_d, d_ok, g_ok, G_PAD, BLOCKS_PER_PAGE, BOUNDS, BOUNDS_PAD, TILE,
                         REDUCE_MAX, KEEP_SINK, RECENT_PAGES, FP32, FP8)
