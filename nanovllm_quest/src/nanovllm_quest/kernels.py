@@ -6,7 +6,8 @@
 - ``page_scores``: one program per (sequence, KV head, tile of pages), taken in steps of up to
   ``SCORE_STEP`` bounds; it reads only the metadata of the tile's anchors (a bound splits into two small
   matmuls, ``relu(q) . max + min(q, 0) . min``; float8 bounds in float16, the query scaled into its range),
-  keeps the largest of each page's bounds, and reduces the GQA group's.
+  keeps the largest of each page's bounds, and reduces the GQA group's. A program whose pages all lie past
+  the sequence's history (a block table as wide as ``max_model_len``) only stores ``-inf``.
 - ``top_pages``: one program per (sequence, KV head). The k-th largest score is found by bisection on
   the order-preserving integer image of the float scores (up to 32 counting passes over the row held in
   registers, from the first bit where the row's smallest and largest finite scores differ, ending early at
