@@ -420,8 +420,9 @@ def _min_max_count(lo_a, hi_a, n_a, lo_b, hi_b, n_b):
 def _search_start(keys, K: tl.constexpr):
     """Where the bisection for the K-th largest of ``keys`` (a row's order keys) may start: the bits that the
     row's smallest and largest finite keys share, and the first bit below them. The K-th largest lies between
-    those two keys, so it has their shared bits, when fewer than K pages are forced (+inf) and at least K are
-    valid; otherwise the search starts from the top, ``(0, 31)``. One reduction of three values."""
+    those two keys, so it has their shared bits, when fewer than K pages are forced (+inf) and more than K are
+    valid. A row of at most K valid pages (a short sequence, a CUDA graph's padding row) takes them all: no
+    search, ``(0, -1)``. Otherwise the search starts from the top, ``(0, 31)``. One reduction of three values."""
     inf_key = 0xFF800000  # the order key of +inf
     finite = (keys > 0) & (keys < inf_key)
     counts = finite.to(tl.int32) + ((keys == inf_key).to(tl.int32) << 16)  # rows of at most 16K pages
@@ -432,9 +433,10 @@ def _search_start(keys, K: tl.constexpr):
     # higher, which costs a pass and keeps the start right
     diff = (lo ^ hi).to(tl.float32)
     first = tl.maximum(((diff.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -1)
-    ok = (num_forced < K) & (num_forced + num_finite >= K) & (first < 31)
+    ok = (num_forced < K) & (num_forced + num_finite > K) & (first < 31)
     shared = hi & ~((tl.full([], 1, tl.uint32) << (first + 1).to(tl.uint32)) - 1)
-    return tl.where(ok, shared, 0).to(tl.uint32), tl.where(ok, first, 31)
+    start = tl.where(num_forced + num_finite <= K, -1, tl.where(ok, first, 31))
+    return tl.where(ok, shared, 0).to(tl.uint32), start
 
 
 @triton.jit
