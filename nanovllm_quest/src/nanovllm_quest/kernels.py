@@ -11,7 +11,8 @@
 - ``top_pages``: one program per (sequence, KV head). The k-th largest score is found by bisection on
   the order-preserving integer image of the float scores (up to 32 counting passes over the row held in
   registers, from the first bit where the row's smallest and largest finite scores differ, ending early at
-  a candidate with exactly k scores at or above it), then the chosen pages are compacted in ascending order
+  a candidate with exactly k scores at or above it; a row of at most k valid pages takes them all,
+  unsearched), then the chosen pages are compacted in ascending order
   with a prefix sum and written as their blocks. Ties at the k-th score go to the lower index; they are
   ranked only in a row where more than k scores reach it.
   Searching two bits a pass (three candidates counted in one reduction) was no faster at 2K pages and 12%
