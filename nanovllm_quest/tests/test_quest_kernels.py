@@ -217,7 +217,7 @@ def test_top_pages(device, dtype, width, k, tile, per_page, ties, monkeypatch):
         scores = scores.round()
     # distinct scores: the search mostly ends early, on a candidate with exactly k scores at or above it
     scores[0, 0, width // 2:] = float("-inf")  # fewer valid pages than k in some rows
-    scores[0, 1, k:] = float("-inf")  # exactly k valid pages (where the row is wider): all of them, unsearched
+    scores[0, 1, k:] = float("-inf")  # exactly k valid pages (where the row is wider): taken unsearched
     scores[1, :, :3] = float("inf")  # forced pages
     scores[1, 2, : k + 1] = float("inf")  # more forced pages than k: the search starts from the top
     scores[2, 1, :] = -0.0

@@ -423,7 +423,8 @@ def _search_start(keys, K: tl.constexpr):
     row's smallest and largest finite keys share, and the first bit below them. The K-th largest lies between
     those two keys, so it has their shared bits, when fewer than K pages are forced (+inf) and more than K are
     valid. A row of at most K valid pages (a short sequence, a CUDA graph's padding row) takes them all: no
-    search, ``(0, -1)``. Otherwise the search starts from the top, ``(0, 31)``. One reduction of three values."""
+    search, ``(0, -1)``. Otherwise the search starts from the top, ``(0, 31)``. One reduction of three
+    values."""
     inf_key = 0xFF800000  # the order key of +inf
     finite = (keys > 0) & (keys < inf_key)
     counts = finite.to(tl.int32) + ((keys == inf_key).to(tl.int32) << 16)  # rows of at most 16K pages
