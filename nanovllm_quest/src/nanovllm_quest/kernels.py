@@ -12,9 +12,9 @@
   the order-preserving integer image of the float scores (up to 32 counting passes over the row held in
   registers, from the first bit where the row's smallest and largest finite scores differ, ending early at
   a candidate with exactly k scores at or above it; a row of at most k valid pages takes them all,
-  unsearched), then the chosen pages are compacted in ascending order
-  with a prefix sum and written as their blocks. Ties at the k-th score go to the lower index; they are
-  ranked only in a row where more than k scores reach it.
+  unsearched), then the chosen pages are compacted in ascending order with a prefix sum and written as
+  their blocks. Ties at the k-th score go to the lower index; they are ranked only in a row where more than
+  k scores reach it.
   Searching two bits a pass (three candidates counted in one reduction) was no faster at 2K pages and 12%
   slower at 8K on the H100 (``benchmarks/results/h100_quest_topk_digits.md``).
 - ``rescore_pages``: one program per (sequence, KV head, tile of nominated pages): the tile's keys in one
@@ -435,9 +435,10 @@ def _search_start(keys, K: tl.constexpr):
     # higher, which costs a pass and keeps the start right
     diff = (lo ^ hi).to(tl.float32)
     first = tl.maximum(((diff.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -1)
-    ok = (num_forced < K) & (num_forced + num_finite > K) & (first < 31)
+    num_valid = num_forced + num_finite
+    ok = (num_forced < K) & (num_valid > K) & (first < 31)
     shared = hi & ~((tl.full([], 1, tl.uint32) << (first + 1).to(tl.uint32)) - 1)
-    start = tl.where(num_forced + num_finite <= K, -1, tl.where(ok, first, 31))
+    start = tl.where(num_valid <= K, -1, tl.where(ok, first, 31))
     return tl.where(ok, shared, 0).to(tl.uint32), start
 
 

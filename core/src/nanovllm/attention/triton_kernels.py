@@ -472,7 +472,7 @@ def num_sms(device: torch.device) -> int:
     """Multiprocessors of a CUDA device, queried once per device (4 elsewhere: the interpreter, where a few
     programs are enough)."""
     if device.type != "cuda":
-        return 4  # interpreter: a few programs are enough to exercise the split path
+        return 4
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
