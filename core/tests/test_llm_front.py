@@ -306,6 +306,20 @@ def test_openai_content_format_for_templates_that_loop_over_parts(llm):
     assert "'type'" in forced[0].prompt  # the template printed the list it was given
 
 
+def test_openai_content_format_on_a_template_that_reads_strings_names_the_fix(llm):
+    """As in SmolLM2's template: the content is joined to strings, which a list of parts cannot be."""
+    joins = "{% for m in messages %}{{ 'tok3 ' + m['content'] + ' tok5 ' }}{% endfor %}tok6"
+    with pytest.raises(ValueError, match="reads each message's content as a string.*pass 'string'"):
+        llm.chat(USER, GREEDY, use_tqdm=False, chat_template=joins, chat_template_content_format="openai")
+    assert_idle(llm)
+    for content_format in ("auto", "string"):
+        out = llm.chat(USER, GREEDY, use_tqdm=False, chat_template=joins, chat_template_content_format=content_format)
+        assert out[0].prompt == "tok3 tok40 tok41 tok5 tok6"
+    with pytest.raises(ValueError, match="the chat template failed: .*no_such_filter"):  # other failures as they are
+        llm.chat(USER, GREEDY, use_tqdm=False, chat_template="{{ messages | no_such_filter }}",
+                 chat_template_content_format="openai")
+
+
 def test_chat_template_argument_text_and_file(model, tmp_path):
     plain = make_llm(model)  # its tokenizer has no template
     with pytest.raises(ValueError, match="no chat template; use generate"):
@@ -373,3 +387,41 @@ def test_lora_and_multimodal_arguments_are_accepted_as_none_and_refused_otherwis
         with pytest.raises(ValueError, match=words):
             call(USER if call == llm.chat else "tok3", GREEDY, use_tqdm=False, **kw)
     assert_idle(llm)
+
+
+# -- vLLM's LLM methods: llm_engine, get_default_sampling_params ---------------------------------------------
+
+
+def test_llm_engine_is_the_engine_with_the_step_api(llm):
+    from nanovllm.engine.llm_engine import LLMEngine
+
+    engine = llm.llm_engine
+    assert isinstance(engine, LLMEngine) and engine.get_tokenizer() is llm.get_tokenizer()
+    want = run(llm, ["tok3 tok40"])[0]
+    engine.add_request("kept", "tok3 tok40", GREEDY)
+    engine.add_request("dropped", "tok3 tok41", SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.abort_request("dropped")
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({out.request_id: out for out in engine.step() if out.finished})
+    assert list(finished) == ["kept"] and finished["kept"].outputs[0].token_ids == want
+    assert_idle(llm)
+
+
+def test_default_sampling_params_come_from_generation_config(model, tmp_path):
+    path = tmp_path / "model"
+    shutil.copytree(model, path)
+    config = json.loads((path / "generation_config.json").read_text())
+    defaults = {"temperature": 0.3, "top_p": 0.8, "top_k": 7, "min_p": 0.05, "repetition_penalty": 1.1}
+    (path / "generation_config.json").write_text(json.dumps(
+        {**config, **defaults, "max_new_tokens": 9, "do_sample": True, "num_beams": 1}))
+    llm = make_llm(str(path))
+    params = llm.get_default_sampling_params()
+    assert params == SamplingParams(**defaults, max_tokens=9)
+    params.max_tokens = 2  # as vLLM scripts do: each call gives a new object
+    assert llm.get_default_sampling_params().max_tokens == 9
+    (path / "generation_config.json").write_text(json.dumps({**config, "top_k": "many"}))
+    with pytest.raises(ValueError, match="generation_config.json.*not valid SamplingParams"):
+        llm.get_default_sampling_params()
+    (path / "generation_config.json").unlink()
+    assert llm.get_default_sampling_params() == SamplingParams()

@@ -3,11 +3,12 @@
 ``LLM`` and ``AsyncLLM`` are imported lazily so that ``import nanovllm`` (and listing plugins) does not import torch.
 """
 
+from nanovllm.engine_args import EngineArgs
 from nanovllm.inputs import TextPrompt, TokensPrompt
 from nanovllm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "TextPrompt", "TokensPrompt", "__version__"]
+__all__ = ["LLM", "AsyncLLM", "EngineArgs", "SamplingParams", "TextPrompt", "TokensPrompt", "__version__"]
 
 
 def __getattr__(name: str):

@@ -163,16 +163,33 @@ def render(tokenizer: Any, conversations: list[Any], options: ChatOptions) -> li
     content_format = options.chat_template_content_format
     if content_format == "auto":
         content_format = "openai" if _LOOPS_OVER_CONTENT.search(template) else "string"
+
+    def apply(messages: list[dict[str, Any]]) -> str:
+        return tokenizer.apply_chat_template(
+            messages, tools=options.tools, chat_template=template, tokenize=False,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message, **options.chat_template_kwargs,
+        )
+
     texts = []
     for i, conversation in enumerate(conversations):
         messages = normalize_conversation(conversation, i, content_format)
         try:
-            text = tokenizer.apply_chat_template(
-                messages, tools=options.tools, chat_template=template, tokenize=False,
-                add_generation_prompt=options.add_generation_prompt,
-                continue_final_message=options.continue_final_message, **options.chat_template_kwargs,
-            )
+            texts.append(apply(messages))
         except Exception as exc:  # the template's own checks (e.g. roles must alternate) and Jinja errors
+            if content_format == "openai" and _renders(apply, normalize_conversation(conversation, i, "string")):
+                raise ValueError(
+                    f"conversation {i}: the chat template reads each message's content as a string, but "
+                    "chat_template_content_format='openai' passes it as a list of {'type': 'text', 'text': ...} "
+                    "parts; pass 'string' (the parts joined by newlines) or 'auto' (the format the template reads)"
+                ) from exc
             raise ValueError(f"conversation {i}: the chat template failed: {exc}") from exc
-        texts.append(text)
     return texts
+
+
+def _renders(apply: Any, messages: list[dict[str, Any]]) -> bool:
+    try:
+        apply(messages)
+    except Exception:
+        return False
+    return True
