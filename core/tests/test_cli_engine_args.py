@@ -65,16 +65,17 @@ def test_serve_builds_the_engine_from_the_flags(tiny_model, monkeypatch, one_thr
 
     got = {}
 
-    def fake_serve(llm, name, host, port, api_key, log_level):
-        got.update(llm=llm, name=name, host=host, port=port, api_key=api_key)
+    def fake_serve(llm, name, host, port, api_key, log_level, **options):
+        got.update(llm=llm, name=name, host=host, port=port, api_key=api_key, **options)
         llm.shutdown()
 
     monkeypatch.setattr(openai_server, "serve", fake_serve)
     model = tiny_model()
     argv = ["serve", model, "--device", "cpu", "--max-model-len", "48", "--port", "8123", "--api-key", "k",
-            "--no-engine-process"]  # the engine on a thread, to look at it here
+            "--no-engine-process", "--shutdown-timeout", "2.5"]  # the engine on a thread, to look at it here
     assert cli.main(argv) == 0
     assert got["name"] == model and got["port"] == 8123 and got["api_key"] == "k" and got["host"] == "127.0.0.1"
+    assert got["shutdown_timeout"] == 2.5 and got["max_json_body_size"] == 32 << 20
     assert got["llm"].engine.max_model_len == 48 and got["llm"].engine.config.device == "cpu"
 
 

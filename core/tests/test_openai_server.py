@@ -247,7 +247,7 @@ def test_bad_requests_get_openai_shaped_errors(client, server):
         client.completions.create(prompt=PROMPT, **greedy(extra_body={"frobnicate": 1}))
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(prompt=PROMPT, **greedy(temperature=-1))
-    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 256 tokens"):
         client.completions.create(prompt="word " * 400, **greedy())
     with pytest.raises(openai.BadRequestError, match="image_url"):
         client.chat.completions.create(

@@ -9,6 +9,7 @@ import sys
 
 from nanovllm import __version__
 from nanovllm.engine_args import add_engine_args, engine_kwargs
+from nanovllm.entrypoints import DEFAULT_MAX_JSON_BODY_SIZE, DEFAULT_SHUTDOWN_TIMEOUT
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
@@ -83,7 +84,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     llm = AsyncLLM(args.model, engine_process=args.engine_process, **engine_kwargs(args))
     name = args.served_model_name or args.model or DEFAULT_MODEL
-    serve(llm, name, args.host, args.port, args.api_key, args.uvicorn_log_level)
+    serve(llm, name, args.host, args.port, args.api_key, args.uvicorn_log_level,
+          shutdown_timeout=args.shutdown_timeout, max_json_body_size=args.max_json_body_size)
     return 0
 
 
@@ -134,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="the name clients pass as model (default: MODEL)")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug", "trace"))
+    serve.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="SECONDS",
+                       help="on SIGTERM or Ctrl-C, new requests get 503 and those in flight may finish for this "
+                       "long; the rest are then aborted, each client told so (a second signal stops at once; "
+                       "default: %(default)g)")
+    serve.add_argument("--max-json-body-size", type=int, default=DEFAULT_MAX_JSON_BODY_SIZE, metavar="BYTES",
+                       help="a larger request body gets a 413 (default: %(default)d, 32 MiB)")
     serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                        help="run the engine in a process of its own, apart from HTTP and detokenization "
                        "(default: yes, unless the environment has NANOVLLM_ENGINE_PROCESS=0)")
