@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 
 import attrs
 
@@ -42,6 +43,13 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _is_finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond float's range
+        return False
+
+
 def _as_token_ids(name: str):
     def convert(value: list[int] | None) -> list[int] | None:
         if value is None:
@@ -62,8 +70,8 @@ def _as_logit_bias(value: dict[int, float] | None) -> dict[int, float] | None:
     for token, b in value.items():
         if isinstance(token, str) and token.isdigit():  # JSON object keys (the OpenAI API) are strings
             token = int(token)
-        if not (_is_int(token) and token >= 0 and _is_number(b)):
-            raise ValueError(f"logit_bias maps token ids (ints >= 0) to numbers, got {{{token!r}: {b!r}}}")
+        if not (_is_int(token) and token >= 0 and _is_number(b) and _is_finite(b)):
+            raise ValueError(f"logit_bias maps token ids (ints >= 0) to finite numbers, got {{{token!r}: {b!r}}}")
         bias[token] = min(max(float(b), -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)
     return bias
 
@@ -81,6 +89,9 @@ def _as_bad_words(value: list[str] | None) -> list[str] | None:
 # what torch.Generator.manual_seed accepts: a signed or an unsigned 64-bit integer
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 LOGIT_BIAS_LIMIT = 100.0  # biases are clamped to [-100, 100], as in vLLM and the OpenAI API
+
+# the float fields, each checked to be finite before its range
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 # vLLM fields that nanovllm does not implement: naming one is an error that says so, never ignored
 UNSUPPORTED = {
@@ -147,6 +158,9 @@ class SamplingParams:
 
     def __attrs_post_init__(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, f"n must be an int >= 1, got {self.n!r}")
+        for name in FLOAT_FIELDS:  # inf or nan would reach the sampler's arithmetic and poison its batch
+            value = getattr(self, name)
+            _check(not _is_number(value) or _is_finite(value), f"{name} must be a finite number, got {value!r}")
         _check(
             _is_number(self.temperature) and self.temperature >= 0,
             f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}",

@@ -110,15 +110,29 @@ class InputProcessor:
                 )
 
     def check_sampling(self, params: SamplingParams, index: int) -> None:
-        """The options that depend on this model: token ids within the vocabulary, a tokenizer for words."""
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+        """The options that depend on this model: token ids within the vocabulary (a stop token id beyond it
+        would fail the sampler's step for its whole batch), a tokenizer for words."""
+        token_id_fields = (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                           ("allowed_token_ids", params.allowed_token_ids or ()))
+        for name, ids in token_id_fields:
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
-                raise ValueError(
-                    f"request {index}: {name} has token id(s) outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
-                )
+                raise ValueError(f"request {index}: token_id(s) {bad[:5]} in {name} contain out-of-vocab token ids. "
+                                 f"Vocabulary size: {self.vocab_size}")
         if params.bad_words and self.tokenizer is None:
             raise ValueError(
                 f"request {index}: bad_words needs a tokenizer, and this engine has none (skip_tokenizer_init); "
                 "ban token ids with logit_bias={id: -100} instead"
             )
+
+    def check_context_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """Raise vLLM's ``ValueError`` when the prompt and ``max_tokens`` together exceed ``max_model_len`` (the
+        server's 400). ``process`` does not call it: offline, such a request stops at the limit with finish
+        reason "length", as in vLLM. ``max_tokens=None`` (up to the limit) always fits."""
+        if max_tokens is None or num_prompt_tokens + max_tokens <= self.max_model_len:
+            return
+        raise ValueError(
+            f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, {max_tokens} in the "
+            "completion). Please reduce the length of the messages or completion."
+        )
