@@ -30,19 +30,19 @@ def _dashed(arg: str) -> str:
 
 
 def progress_bar(total: int | None, desc: str, unit: str = "it", enabled: bool | None = None, **kwargs: Any):
-    """A tqdm bar on stderr showing the count, elapsed time, rate and the estimated time left. ``enabled``:
-    True or False to force it; None (the default) shows it only when stderr is a terminal, so logs and
-    pipes stay clean (``TQDM_DISABLE=1`` turns every bar off)."""
+    """A tqdm bar on stderr with the count, elapsed time, rate and estimated time left. ``enabled``: True or
+    False to force it; None (the default) shows it only when stderr is a terminal, so logs and pipes stay
+    clean (``TQDM_DISABLE=1`` turns every bar off). A bar opened inside another one is removed when done."""
     from tqdm.auto import tqdm
 
     if enabled is None:
         enabled = sys.stderr.isatty()
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=not enabled, dynamic_ncols=True,
-                **kwargs)
+    options = {"file": sys.stderr, "disable": not enabled, "dynamic_ncols": True, "leave": None, **kwargs}
+    return tqdm(total=total, desc=desc, unit=unit, **options)
 
 
 class JobClock:
-    """Progress of a run of ``total`` jobs, as a line per job: ``[2/5, 3:12 elapsed, about 4:48 left]``,
+    """Progress of a run of ``total`` jobs, a line per job: ``[job 3/5, 06:24 elapsed, about 06:24 left]``,
     the estimate from the mean time of the jobs done. For runs whose jobs write bars of their own (each
     in its own process), where one bar over the jobs would be torn by theirs."""
 
@@ -55,7 +55,7 @@ class JobClock:
 
         self.done += 1
         elapsed = time.monotonic() - self.start
-        parts = [f"{self.done}/{self.total}", f"{tqdm.format_interval(elapsed)} elapsed"]
+        parts = [f"job {self.done}/{self.total}", f"{tqdm.format_interval(elapsed)} elapsed"]
         if self.done > 1:
             left = elapsed / (self.done - 1) * (self.total - self.done + 1)
             parts.append(f"about {tqdm.format_interval(left)} left")

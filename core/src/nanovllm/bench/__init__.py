@@ -21,6 +21,8 @@ from pathlib import Path
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from nanovllm.utils import JobClock
+
 # Targets on one H100 (issue 3) and anchors (ANCHORS.md): bandwidth floors per device, peers' numbers.
 TARGETS: dict[tuple[str, str], dict[str, Any]] = {
     ("throughput", "qwen3-0.6b"): {"target": 18_000, "floor": {"H100": 25_700, "H200": 37_200},
@@ -92,8 +94,8 @@ def run_job(job: dict) -> list[dict]:
 
 
 def run_job_in_subprocess(job: dict, command: tuple[str, ...] = ("-m", "nanovllm.bench")) -> list[dict]:
-    """``python COMMAND JOB`` (a plugin's benchmark passes its own module and flag): progress bars pass
-    through on stderr, the result is the last line of stdout. A failed job is one row with its ``error``
+    """``python COMMAND JOB`` (a plugin's benchmark passes its own module and flag): the job's progress bars
+    pass through on stderr, the result is the last line of stdout. A failed job is one row with its ``error``
     and the job's fields."""
     proc = subprocess.run([sys.executable, *command, json.dumps(job)], stdout=subprocess.PIPE, text=True)
     lines = proc.stdout.strip().splitlines()
@@ -116,8 +118,9 @@ def run_plugin_jobs(jobs: list[dict], module: str, out: Path, name: str, setting
     adding the ratios), then the chart. Returns 1 if a job failed."""
     env, results, payload = environment(), [], {}
     out.mkdir(parents=True, exist_ok=True)
+    clock = JobClock(len(jobs))
     for job in jobs:
-        print(f"== {job}", file=sys.stderr, flush=True)
+        print(f"== {clock.status()} {job}", file=sys.stderr, flush=True)
         results += run_job_in_subprocess(job, ("-m", module, "--job"))
         payload = {"environment": env, "settings": settings, "results": finish(results)}
         (out / f"{name}.json").write_text(json.dumps(payload, indent=1))
@@ -367,8 +370,10 @@ def main(args) -> int:
         presets, sizes = args.presets or ["qwen3-0.6b"], {}
         jobs = jobs_for(args.benchmark, presets, args.hf_num_seqs, options)
     results: list[dict] = []
+    clock = JobClock(len(jobs))
     for job in jobs:
-        print(f"== {job['kind']} {job.get('preset', '')} {job['options'] or ''}", file=sys.stderr, flush=True)
+        print(f"== {clock.status()} {job['kind']} {job.get('preset', '')} {job['options'] or ''}", file=sys.stderr,
+              flush=True)
         results += run_job_in_subprocess(job)
     settings = {"benchmark": args.benchmark, "presets": presets, "hf_num_seqs": args.hf_num_seqs, **sizes, **options}
     name = args.name or (args.benchmark if args.benchmark in ("offload", "allreduce") else "bench")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from nanovllm.bench import markdown_row
+from nanovllm.utils import progress_bar
 
 DEFAULT_TOKENS = 4096
 DEFAULT_QUERIES = 32
@@ -77,14 +78,16 @@ def run(
         "attention_backend": capture.backend.name,
     }
     rows = []
-    for selection in policies:
-        row = {"benchmark": "quality", "preset": model_name, "policy": selection, **run_info}
-        try:
-            per_layer = evaluate_policy(selection, capture, positions, top_k, seed)
-        except Exception as exc:  # a failing policy (a contract bug, a backend gap) leaves the others' rows
-            rows.append({**row, "error": f"{type(exc).__name__}: {exc}"})
-            continue
-        rows.append({**row, "per_layer": per_layer, "mean": mean_over_layers(per_layer), "sequence": {}})
+    with progress_bar(len(policies), "evaluate", "policy") as bar:
+        for selection in policies:
+            bar.set_postfix_str(selection)
+            row = {"benchmark": "quality", "preset": model_name, "policy": selection, **run_info}
+            try:
+                per_layer = evaluate_policy(selection, capture, positions, top_k, seed)
+                rows.append({**row, "per_layer": per_layer, "mean": mean_over_layers(per_layer), "sequence": {}})
+            except Exception as exc:  # a failing policy (a contract bug, a backend gap) leaves the others' rows
+                rows.append({**row, "error": f"{type(exc).__name__}: {exc}"})
+            bar.update()
     if ppl_tail:
         if not 0 < ppl_tail < tokens:
             raise ValueError(f"ppl_tail={ppl_tail} must be below tokens={tokens}; lower it, or 0 to skip")
@@ -106,13 +109,16 @@ def add_perplexity(rows: list[dict[str, Any]], token_ids: list[int], tail: int, 
                 "decode_density": result.decode_density, "prefill_density": result.prefill_density}
 
     dense = None
-    for row in sorted(rows, key=lambda r: r["policy"] != "full"):  # full first: it is the reference
-        if "error" in row:
-            continue
-        row["sequence"] = measure(row["policy"])
-        if row["policy"] == "full":
-            dense = row["sequence"]["perplexity"]
-    dense = dense if dense is not None else measure("full")["perplexity"]
+    # full first: it is the reference; each run's bar counts its tokens, this one the runs
+    measured = sorted((r for r in rows if "error" not in r), key=lambda r: r["policy"] != "full")
+    runs = len(measured) + (not any(r["policy"] == "full" for r in measured))
+    with progress_bar(runs, "perplexity runs", "run") as bar:
+        for row in measured:
+            row["sequence"] = measure(row["policy"])
+            if row["policy"] == "full":
+                dense = row["sequence"]["perplexity"]
+            bar.update()
+        dense = dense if dense is not None else measure("full")["perplexity"]
     for row in rows:
         if row.get("sequence"):
             row["sequence"]["ppl_vs_dense"] = row["sequence"]["perplexity"] / dense

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nanovllm.utils import progress_bar
+
 PERCENTILES = (50, 90, 99)
 
 
@@ -101,10 +103,17 @@ async def run_rate(base_url: str, model: str, prompts: list[list[int]], max_toke
         if "error" in warm_up:
             raise RuntimeError(f"the initial test request failed, so no run: {warm_up['error']}")
         await asyncio.gather(*(client.get("/health") for client in per_request))  # each one's connection open
-        start = time.perf_counter()
-        requests = zip(per_request, bodies, offsets, strict=True)
-        results = await asyncio.gather(*(one_request(c, b, start + o, stream) for c, b, o in requests))
-        elapsed = time.perf_counter() - start
+        with progress_bar(len(prompts), f"{rate} requests/s", "req") as bar:
+
+            async def counted(request) -> dict[str, Any]:
+                result = await request
+                bar.update()
+                return result
+
+            start = time.perf_counter()
+            requests = zip(per_request, bodies, offsets, strict=True)
+            results = await asyncio.gather(*(counted(one_request(c, b, start + o, stream)) for c, b, o in requests))
+            elapsed = time.perf_counter() - start
     ok = [r for r in results if "error" not in r]
     produced = sum(r["tokens"] for r in ok)
     out = {"benchmark": "serve", "request_rate": "inf" if math.isinf(rate) else rate, "num_requests": len(prompts),

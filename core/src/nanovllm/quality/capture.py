@@ -14,6 +14,7 @@ import torch
 
 from nanovllm.attention.backend import AttentionBackend
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils import progress_bar
 
 
 @attrs.define(frozen=True)
@@ -44,7 +45,7 @@ class Capture:
 
 def capture_activations(llm, token_ids: list[int], layer_ids: Sequence[int]) -> Capture:
     """Prefill ``token_ids`` once on ``llm`` (a fresh engine: a prefix-cache hit would skip tokens) and
-    return the activations of ``layer_ids``. Use ``async_scheduling=False`` so that no decode step
+    return the activations of ``layer_ids``; a progress bar counts the prompt's tokens. Use ``async_scheduling=False`` so that no decode step
     runs after the prompt's only sampled token."""
     runner = llm.runner
     modules = {m.layer_id: m for m in runner.attention_layers}
@@ -58,7 +59,11 @@ def capture_activations(llm, token_ids: list[int], layer_ids: Sequence[int]) -> 
 
     handles = [modules[i].register_forward_pre_hook(keep) for i in layer_ids]
     try:
-        llm.generate([list(token_ids)], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        seq = llm.add_request(list(token_ids), SamplingParams(temperature=0.0, max_tokens=1))
+        with progress_bar(len(token_ids), "capture (dense prefill)", "tok") as bar:
+            while llm.has_unfinished_requests():
+                llm.step()
+                bar.update(min(seq.num_computed_tokens, len(token_ids)) - bar.n)
     finally:
         for handle in handles:
             handle.remove()

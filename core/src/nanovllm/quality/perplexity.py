@@ -16,6 +16,7 @@ import attrs
 import torch
 
 from nanovllm.policy import PolicyContext
+from nanovllm.utils import progress_bar
 
 
 class DensityMeter:
@@ -72,7 +73,7 @@ def tail_perplexity(
     """Perplexity of the last ``tail_tokens`` of ``token_ids`` (built-in model unless ``model``).
 
     ``tail_step`` defaults to 1 when the decode phase runs a policy other than ``full`` (the tail goes
-    through the decode path), else to ``prefill_chunk``.
+    through the decode path), else to ``prefill_chunk``. A progress bar counts the text's tokens.
     """
     from nanovllm import LLM, SamplingParams
 
@@ -90,15 +91,18 @@ def tail_perplexity(
                           SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
     head = len(token_ids) - tail_tokens
     scheduler = llm.scheduler
-    while scheduler.has_unfinished():
-        done = seq.num_computed_tokens
-        # Row p predicts token p + 1: the head in chunks up to the row that predicts the tail's first token,
-        # then the tail's rows in tail_step steps.
-        last_head_row = head - 1
-        scheduler.max_num_batched_tokens = (
-            min(prefill_chunk, last_head_row - done) if done < last_head_row else tail_step
-        )
-        llm.step()
+    with progress_bar(len(token_ids), f"perplexity {llm.policy_plan}", "tok") as bar:
+        while scheduler.has_unfinished():
+            done = seq.num_computed_tokens
+            bar.update(done - bar.n)
+            # Row p predicts token p + 1: the head in chunks up to the row that predicts the tail's first
+            # token, then the tail's rows in tail_step steps.
+            last_head_row = head - 1
+            scheduler.max_num_batched_tokens = (
+                min(prefill_chunk, last_head_row - done) if done < last_head_row else tail_step
+            )
+            llm.step()
+        bar.update(len(token_ids) - bar.n)
     prompt_logprobs = llm.output_builder.output(seq).prompt_logprobs
     nll = -sum(prompt_logprobs[p][token_ids[p]].logprob for p in range(head, len(token_ids))) / tail_tokens
     return PerplexityResult(

@@ -79,6 +79,7 @@ def run(name: str, settings: list[str], make_policy: Callable[[dict[str, Any]], 
     from nanovllm.quality.capture import capture_activations
     from nanovllm.quality.corpus import corpus_tokens
     from nanovllm.quality.perplexity import tail_perplexity
+    from nanovllm.utils import progress_bar
 
     llm = LLM(None, max_model_len=tokens + 1, sparse_policy="full", device="cpu", enforce_eager=True,
               max_num_batched_tokens=chunk)
@@ -94,23 +95,26 @@ def run(name: str, settings: list[str], make_policy: Callable[[dict[str, Any]], 
     payload = {"model": "SmolLM2-135M-Instruct", "text": text.describe(), "tokens": tokens, "chunk": chunk,
                "layers": layer_ids, "rows_per_chunk": rows_per_chunk, "ppl_tail": ppl_tail,
                "dense_perplexity": dense_ppl, "results": rows}
-    for setting in settings:
-        options = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in setting.split(","))}
-        options = {**options, **(fixed or {})}
-        selection = f"{name}:" + ",".join(f"{k}={json.dumps(v)}" for k, v in options.items())
-        policy = make_policy(options)
-        per_layer = {layer.layer_id: layer_metrics(policy, layer, chunk, rows_per_chunk, capture.block_size, measure)
-                     for layer in capture.layers}
-        ppl = tail_perplexity(selection, token_ids, ppl_tail, device="cpu", prefill_chunk=chunk).perplexity
-        mean = {which: {key: sum(m[which][key] for m in per_layer.values()) / len(per_layer)
-                        for key in next(iter(per_layer.values()))[which]}
-                for which in ("policy", "oracle", "random")}
-        rows.append({"policy": selection, "per_layer": per_layer, "mean": mean,
-                     "policy_density": sum(m["policy_density"] for m in per_layer.values()) / len(per_layer),
-                     "perplexity": ppl, "ppl_vs_dense": ppl / dense_ppl})
-        print(json.dumps({k: rows[-1][k] for k in ("policy", "mean", "policy_density", "ppl_vs_dense")}),
-              file=sys.stderr, flush=True)
-        done(payload)
+    with progress_bar(len(settings), name, "setting") as bar:
+        for setting in settings:
+            options = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in setting.split(","))}
+            options = {**options, **(fixed or {})}
+            selection = f"{name}:" + ",".join(f"{k}={json.dumps(v)}" for k, v in options.items())
+            policy = make_policy(options)
+            per_layer = {layer.layer_id: layer_metrics(policy, layer, chunk, rows_per_chunk, capture.block_size,
+                                                       measure) for layer in capture.layers}
+            ppl = tail_perplexity(selection, token_ids, ppl_tail, device="cpu", prefill_chunk=chunk).perplexity
+            mean = {which: {key: sum(m[which][key] for m in per_layer.values()) / len(per_layer)
+                            for key in next(iter(per_layer.values()))[which]}
+                    for which in ("policy", "oracle", "random")}
+            rows.append({"policy": selection, "per_layer": per_layer, "mean": mean,
+                         "policy_density": sum(m["policy_density"] for m in per_layer.values()) / len(per_layer),
+                         "perplexity": ppl, "ppl_vs_dense": ppl / dense_ppl})
+            # above the bar, which a plain print would tear
+            bar.write(json.dumps({k: rows[-1][k] for k in ("policy", "mean", "policy_density", "ppl_vs_dense")}),
+                      file=sys.stderr)
+            done(payload)
+            bar.update()
     return payload
 
 
