@@ -186,13 +186,20 @@ def test_abort_frees_blocks_and_ends_the_generator(engine, run):
     assert idle and stats.num_running == 0 and stats.kv_cache_usage == 0
 
 
-def break_the_next_step(engine) -> None:
-    def fail(*args):
-        engine.runner.launch = launch
-        raise RuntimeError("injected step failure")
-
+def fail_the_steps_of_poisoned(engine) -> None:
+    """From now on, a step with a sequence of request "poisoned" fails."""
     launch = engine.runner.launch
-    engine.runner.launch = fail
+
+    def launch_or_fail(seqs, *rest):
+        if any(s.request_id == "poisoned" for s in seqs):
+            raise RuntimeError("injected step failure")
+        return launch(seqs, *rest)
+
+    engine.runner.launch = launch_or_fail
+
+
+def mend_the_steps(engine) -> None:
+    del engine.runner.launch
 
 
 def refuse_requests(engine) -> None:
@@ -209,20 +216,28 @@ def accept_requests(engine) -> None:
 def test_a_failed_step_or_add_fails_its_requests_and_the_engine_goes_on(engine, run):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
+    async def outputs(prompt, request_id):
+        return [out async for out in engine.generate(prompt, params, request_id)]
+
     async def scenario():
-        await engine.call(break_the_next_step)
-        with pytest.raises(RuntimeError, match="the engine step failed: RuntimeError\\('injected step failure'\\)"):
-            [out async for out in engine.generate([5, 6, 7], params)]
+        await engine.call(fail_the_steps_of_poisoned)
+        healthy, poisoned = await asyncio.gather(outputs([5, 6, 7], "healthy"), outputs([8, 9], "poisoned"))
+        await engine.call(mend_the_steps)
         await engine.call(refuse_requests)
         with pytest.raises(RuntimeError, match="could not queue request 'refused'.*injected add failure"):
-            [out async for out in engine.generate([5, 6, 7], params, "refused")]
+            await outputs([5, 6, 7], "refused")
         await engine.call(accept_requests)
         with pytest.raises(TypeError, match="must be picklable"):
             await engine.call(lambda e: e.has_unfinished_requests())
-        return [out async for out in engine.generate([5, 6, 7], params)][-1], await engine.call(has_no_request_and_no_block)
+        alone = await outputs([5, 6, 7], "alone")
+        return healthy, poisoned, alone, await engine.call(has_no_request_and_no_block)
 
-    last, idle = run(scenario())
-    assert len(last.outputs[0].token_ids) == 4 and idle
+    healthy, poisoned, alone, idle = run(scenario())
+    assert healthy[-1].finish_reason == "length" and healthy[-1].token_ids == alone[-1].token_ids
+    assert len(alone[-1].token_ids) == 4 and idle
+    last = poisoned[-1]  # the failed request ends like any other: a finished output, the error in it
+    assert last.finished and last.finish_reason == "error" and last.token_ids == []
+    assert last.outputs[0].error == "RuntimeError: injected step failure"
 
 
 def record_what_each_step_sees(engine) -> None:

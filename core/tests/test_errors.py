@@ -285,7 +285,8 @@ def test_chat_needs_a_template_and_well_formed_messages(llm, reference):
 
 
 @pytest.mark.parametrize("fail_at", [0, 3])  # the first step, or one with a step in flight
-def test_a_failing_step_leaves_the_engine_usable(llm, reference, monkeypatch, fail_at):
+def test_steps_that_keep_failing_end_every_request_with_an_error(llm, reference, monkeypatch, fail_at):
+    """Each request is tried alone, fails there too, and ends with what it had made and the error."""
     launch, calls = llm.runner.launch, []
 
     def boom(seqs, *rest):
@@ -295,9 +296,12 @@ def test_a_failing_step_leaves_the_engine_usable(llm, reference, monkeypatch, fa
         return launch(seqs, *rest)
 
     monkeypatch.setattr(llm.runner, "launch", boom)
-    with pytest.raises(RuntimeError, match="device lost"):
-        llm.generate(GOOD_PROMPTS, GREEDY, use_tqdm=False)
+    outputs = llm.generate(GOOD_PROMPTS, GREEDY, use_tqdm=False)
     monkeypatch.undo()
+    for out, ref in zip(outputs, reference, strict=True):
+        assert out.finished and out.finish_reason == "error"
+        assert out.outputs[0].error == "RuntimeError: device lost"
+        assert out.token_ids == ref[: len(out.token_ids)]
     assert_clean_and_usable(llm, reference)
 
 

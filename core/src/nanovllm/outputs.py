@@ -31,12 +31,15 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" (EOS, stop string or stop token), "length", "abort", or None
+    # "stop" (EOS, stop string or stop token), "length", "abort", "error" (a step failed for this completion;
+    # see ``error``), or None while it runs
+    finish_reason: str | None
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     # with SamplingParams(logprobs=k): sum of the generated tokens' logprobs, and per generated token
     # the sampled token and the k most likely ones; None when logprobs were not asked for
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
+    error: str | None = None  # with finish_reason "error": the exception that ended it, "TypeName: message"
 
     def finished(self) -> bool:
         return self.finish_reason is not None

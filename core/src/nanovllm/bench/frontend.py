@@ -77,7 +77,7 @@ async def _measure(llm: AsyncLLM, core: RecordingCore, num_streams: int, num_ste
         now = time.time()
         messages = []
         for step in steps:
-            finish = ("length", None, now, None) if step == num_steps - 1 else None
+            finish = ("length", None, now, None, None) if step == num_steps - 1 else None
             updates = [(f"r{i}", 0, [rng.randrange(vocab_size)], None, now, now, 0, finish) for i in range(num_streams)]
             messages.append(("step", updates, SchedulerStats(num_streams, 0, 0.5)))
         start = time.perf_counter()

@@ -119,7 +119,7 @@ class OutputProcessor:
                 seq.logprobs += logprobs
             seq.first_token_time, seq.last_token_time, seq.num_cached_tokens = first_time, last_time, num_cached
             if finish is not None:
-                seq.finish_reason, seq.stop_reason, seq.finished_time, prompt_logprobs = finish
+                seq.finish_reason, seq.stop_reason, seq.finished_time, prompt_logprobs, seq.error = finish
                 seq.status = SequenceStatus.FINISHED
                 if index == 0:
                     seq.prompt_logprobs = prompt_logprobs
@@ -209,7 +209,8 @@ class AsyncLLM:
         # the front-end's own tokenizer: on a thread, the engine's is in use by the engine thread
         self.tokenizer = None if info.tokenizer_path is None else load_tokenizer(Path(info.tokenizer_path))
         self.max_model_len, self.vocab_size = info.max_model_len, info.vocab_size
-        self._inputs = InputProcessor(self.tokenizer, info.vocab_size, info.max_model_len, info.max_logprobs)
+        # the checks and tokenization of requests, as LLMEngine.input_processor (check_context_length: the server's)
+        self.input_processor = InputProcessor(self.tokenizer, info.vocab_size, info.max_model_len, info.max_logprobs)
         self._outputs = OutputProcessor(self.tokenizer)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._adds: list[tuple] = []  # (request_id, token_ids, params) queued this turn, not sent yet
@@ -269,7 +270,7 @@ class AsyncLLM:
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        text, token_ids = self._inputs.process(prompt, params)
+        text, token_ids = self.input_processor.process(prompt, params)
         if not self._adds:
             self._loop.call_soon(self._send_adds)
         self._adds.append((request_id, token_ids, params))
@@ -280,7 +281,9 @@ class AsyncLLM:
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request and yield its outputs as ``sampling_params.output_kind`` asks, the last one
-        finished. A bad request raises here, before it reaches the engine. Closing the generator early (or
+        finished. A bad request raises here, before it reaches the engine. A request that a failed step is
+        blamed on ends like any other, with a last output whose ``finish_reason`` is ``"error"`` (the text in
+        ``CompletionOutput.error``); other requests are not affected. Closing the generator early (or
         cancelling its consumer) aborts the request and frees its blocks."""
         stream = self.submit(prompt, sampling_params, request_id)
         try:

@@ -20,7 +20,11 @@ Messages:
     ("closed", reason)                       the loop ended (shutdown, or a failure: then the reason says so)
 An update is one completion that produced tokens or finished:
     (request_id, index, new_token_ids, new_logprobs, first_token_time, last_token_time, num_cached_tokens,
-     finish), with finish None or (finish_reason, stop_reason, finished_time, prompt_logprobs).
+     finish), with finish None or (finish_reason, stop_reason, finished_time, prompt_logprobs, error).
+
+A step that fails ends only the requests it is to blame on (the engine finishes them with reason "error" and
+the exception's text as ``error``; see ``LLMEngine.step``); the others go on. An "error" message is for a
+request the engine could not queue, or for every request when a step raised nonetheless (tensor parallelism).
 
 Stop strings stay the engine's: it checks them on its own tokenizer's text after every token (as the step
 API does), so a sequence stops, and frees its blocks, on the step that completes one; the update carries the
@@ -102,7 +106,7 @@ class EngineCore:
             if engine.has_unfinished_requests():
                 try:
                     engine.step()
-                except Exception as exc:  # the engine aborted everything and is usable again
+                except Exception as exc:  # tensor parallelism: the engine aborted everything and stopped
                     failed, self.requests = list(self.requests), {}
                     answers.append(("error", failed, f"the engine step failed: {exc!r}"))
             send(("step", self.updates(), self.stats()))
@@ -163,7 +167,7 @@ class EngineCore:
                 if seq.is_finished:
                     progress.finished = True
                     prompt_logprobs = seq.prompt_logprobs if seq.index == 0 else None  # the first reports them
-                    finish = (seq.finish_reason, seq.stop_reason, seq.finished_time, prompt_logprobs)
+                    finish = (seq.finish_reason, seq.stop_reason, seq.finished_time, prompt_logprobs, seq.error)
                 updates.append((request_id, seq.index, seq.token_ids[start:end], logprobs, seq.first_token_time,
                                 seq.last_token_time, seq.num_cached_tokens, finish))
                 progress.num_sent = end - seq.num_prompt_tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import time
 import warnings
 import weakref
@@ -46,6 +47,9 @@ from nanovllm.plugins import get_plugins, load_registered
 from nanovllm.presets import is_preset, preset_dir
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.selection import resolve_attention_backend, resolve_observer, resolve_policies
+
+
+_log = logging.getLogger(__name__)
 
 
 def names_hub_model(model: str | None) -> bool:
@@ -419,18 +423,27 @@ class LLMEngine:
         back holds a placeholder as its last token, which the next step takes from the GPU; one that
         turns out to have finished wastes that one step's compute, which is discarded.
 
-        Whatever goes wrong (an exception or KeyboardInterrupt anywhere in the step), every request is
-        aborted and every block freed, so the engine stays usable. With tensor parallelism the ranks are then
-        out of step: the engine stops its workers and raises an error that says why."""
+        An exception in a step (a policy, the model, the sampler) does not escape it, with one rank: the
+        tokens of the step before it are kept if they can be read, and the sequences of the failed step
+        become suspects (``Scheduler.isolate``): they are recomputed alone, one at a time, and a suspect whose
+        own step fails again is finished with reason ``"error"`` and the exception's text in its
+        ``CompletionOutput.error``. Every other request goes on with the same tokens; nothing vanishes, every
+        block is returned, and the engine stays usable. A KeyboardInterrupt (or other BaseException) aborts
+        every request and frees every block, then is raised. With tensor parallelism the ranks may be out of
+        step after any failure: the engine stops its workers and raises an error that says why."""
         if self._stopped_reason is not None:
             raise RuntimeError(self._stopped_reason)
+        scheduled: list[Sequence] = []
+        reading = False  # the failure, if any, came from reading a step's results
         try:
             scheduled = self.scheduler.schedule()
             # blocks handed out for a step that is not launched are told with the next one, before any write
             launched = (self.runner.launch(scheduled, self.scheduler.block_manager.take_newly_allocated())
                         if scheduled else None)
             if self.config.async_scheduling:
+                reading = True
                 self._apply_pending()
+                reading = False
             self.scheduler.advance([s for s in scheduled if not s.is_finished])
             if launched is not None:
                 for seq in launched.seqs:
@@ -438,8 +451,12 @@ class LLMEngine:
                         seq.token_ids.append(PLACEHOLDER)
                 self._pending = launched
             if not self.config.async_scheduling:
+                reading = True
                 self._apply_pending()
         except BaseException as exc:
+            if isinstance(exc, Exception) and self._workers is None and not (self._external and tp_size() > 1):
+                self._contain(exc, scheduled, reading)
+                return self._stream_outputs() if self._streams else []
             self._abort()
             if self._external and tp_size() > 1:  # torchrun's ranks may be out of step: none steps again
                 self._stopped_reason = (f"a tensor-parallel step failed on rank 0 ({type(exc).__name__}: {exc}); "
@@ -451,6 +468,41 @@ class LLMEngine:
             self._stopped_reason = str(error)
             raise error from exc
         return self._stream_outputs() if self._streams else []
+
+    def _contain(self, exc: Exception, scheduled: list[Sequence], reading: bool) -> None:
+        """After ``exc`` in a step on one rank: blame the sequences of the step that failed, keep the tokens of
+        the step before it where they can be read, finish a suspect that failed alone with reason "error", and
+        make the other sequences of the steps dropped suspects (see ``Scheduler.isolate``)."""
+        scheduler = self.scheduler
+        pending, self._pending = self._pending, None
+        dropped: list[Sequence] = []
+        if reading and pending is not None:  # that step failed; the one launched after it read its tokens
+            failed, dropped = list(pending.seqs), scheduled
+        else:  # planning or launching failed (a failure in schedule(): the sequences it scheduled so far)
+            failed = [*scheduled, *(s for s in (*scheduler.running, *scheduler.waiting) if s.num_scheduled_tokens)]
+            if pending is not None:  # the step before: its tokens are good if they can be read
+                self._pending = pending
+                try:
+                    self._apply_pending()
+                except Exception:
+                    self._pending = None
+                    failed += pending.seqs
+        if not failed and not dropped:  # nothing to pin it on
+            failed = scheduler.suspects[:1] or [*scheduler.running, *scheduler.waiting]
+        culprits = {id(s): s for s in failed}
+        alone = next(iter(culprits.values())) if len(culprits) == 1 else None
+        if alone is not None and alone.solo_steps_left and not alone.is_finished:  # it failed on its own
+            _log.warning("request %r failed in a step of its own; it ends with finish reason 'error'",
+                         alone.request_id, exc_info=exc)
+            self._fail(alone, exc)
+        elif failed:
+            _log.warning("a step of %d sequence(s) failed; they will run alone to find the one that fails",
+                         len(culprits), exc_info=exc)
+        scheduler.isolate([s for s in (*failed, *dropped) if not s.is_finished])
+
+    def _fail(self, seq: Sequence, exc: Exception) -> None:
+        seq.error = f"{type(exc).__name__}: {exc}"
+        self.scheduler.finish(seq, "error")
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (a no-op with one rank); the engine cannot step afterwards.
@@ -477,15 +529,18 @@ class LLMEngine:
         return outputs
 
     def _apply_pending(self) -> None:
-        """Wait for the step in flight; put its tokens in place of the placeholders, check stops."""
-        launched, self._pending = self._pending, None
+        """Wait for the step in flight; put its tokens in place of the placeholders, check stops. The step
+        stays pending until its results are read, so a failed read can be retried or blamed on it."""
+        launched = self._pending
         if launched is None:
             return
         result = launched.result()
+        self._pending = None
         for seq, position, entries in result.prompt_logprobs:
             if not seq.is_finished:  # by position: a recompute after preemption overwrites, never appends
                 seq.prompt_logprobs[position : position + len(entries)] = entries
         now = time.time()
+        scheduler = self.scheduler
         for seq, token, logprobs in zip(launched.seqs, result.tokens, result.logprobs, strict=True):
             if seq.is_finished:  # stopped on the token before, or aborted; this one is discarded
                 continue
@@ -495,9 +550,17 @@ class LLMEngine:
             seq.last_token_time = now
             if logprobs is not None:
                 seq.logprobs.append(logprobs)
-            reason = self._stop_reason(seq, token)
+            if seq.solo_steps_left:
+                scheduler.passed(seq)
+            try:
+                reason = self._stop_reason(seq, token)
+            except Exception as exc:  # its own text (stop strings): only this sequence fails
+                _log.warning("request %r failed in its stop check; it ends with finish reason 'error'",
+                             seq.request_id, exc_info=exc)
+                self._fail(seq, exc)
+                continue
             if reason is not None:
-                self.scheduler.finish(seq, reason)
+                scheduler.finish(seq, reason)
 
     def _abort(self) -> None:
         """After an error in a step: drop everything in flight and leave the engine empty and usable."""

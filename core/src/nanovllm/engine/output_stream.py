@@ -79,7 +79,8 @@ class OutputBuilder:
         if isinstance(seq.stop_reason, str):
             end = text.find(seq.stop_reason)
             text = text[: end + len(seq.stop_reason) if params.include_stop_str_in_output else end]
-        completion = CompletionOutput(seq.index, text, seq.completion_token_ids, seq.finish_reason, seq.stop_reason)
+        completion = CompletionOutput(seq.index, text, seq.completion_token_ids, seq.finish_reason, seq.stop_reason,
+                                      error=seq.error)
         if params.logprobs is not None:
             completion.logprobs = self.logprob_dicts(seq.logprobs)
             completion.cumulative_logprob = sum(logprobs[0] for _, logprobs, _ in seq.logprobs)
@@ -217,6 +218,7 @@ class CompletionStream:
         delta = CompletionOutput(completion.index, completion.text[self.num_chars_sent :],
                                  completion.token_ids[self.num_tokens_sent :], completion.finish_reason,
                                  completion.stop_reason, completion.cumulative_logprob,
-                                 None if completion.logprobs is None else completion.logprobs[self.num_tokens_sent :])
+                                 None if completion.logprobs is None else completion.logprobs[self.num_tokens_sent :],
+                                 completion.error)
         self.num_tokens_sent, self.num_chars_sent = tokens, chars
         return delta

@@ -8,6 +8,11 @@ freed and it goes back to the front of the queue to be recomputed later.
 
 A sequence moves between the queues so that it is in one of them (for a moment in both) whenever it
 holds blocks: an interrupted step can then always find and free them (``abort_all``).
+
+After a step fails, its sequences are suspects (``isolate``): they give up their KV and, one at a time,
+run alone (a step of one sequence, nothing else scheduled) until each has passed ``SOLO_STEPS`` sampling
+steps, a recompute's prefill and a decode; then it rejoins the batch. The engine finishes a suspect whose
+solo step fails with reason "error", so a request that breaks steps is found and ended, and the others go on.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from collections import deque
 from nanovllm.config import EngineConfig
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
+
+SOLO_STEPS = 2  # sampling steps a suspect passes alone: its recompute's prefill, then a decode
 
 
 class Scheduler:
@@ -31,6 +38,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_finished = 0  # sequences finished so far: a caller waiting for some looks only when it moves
+        self.suspects: list[Sequence] = []  # sequences of failed steps, in the order they run alone
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -39,7 +47,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[Sequence]:
-        """Pick this step's sequences and set ``num_scheduled_tokens`` on each."""
+        """Pick this step's sequences and set ``num_scheduled_tokens`` on each; while there are suspects, only
+        the first of them."""
+        if self.suspects:
+            return self._schedule_alone(self.suspects[0])
         budget = self.max_num_batched_tokens
         scheduled: list[Sequence] = []
         preempted = False
@@ -70,38 +81,93 @@ class Scheduler:
                 source.num_computed_tokens < source.num_prompt_tokens
             ):
                 break
-            # a cached prefix has no logits, so a request that wants prompt logprobs computes it again
-            wants_logits = seq.sampling_params.prompt_logprobs is not None
-            hits = [] if wants_logits else self.block_manager.find_cached_prefix(seq)
-            remaining = seq.num_tokens - len(hits) * self.block_manager.block_size
-            num_new = min(remaining, budget)
-            if num_new < remaining and not self.enable_chunked_prefill:
-                break
-            if not self.block_manager.can_allocate(seq, hits, seq.num_tokens - remaining + num_new):
+            if not self._admit(seq, budget):
                 if not self.running:
-                    raise RuntimeError(
-                        f"the KV cache ({self.block_manager.num_free_blocks} free blocks of "
-                        f"{self.block_manager.block_size} tokens) cannot hold one sequence of "
-                        f"{seq.num_tokens} tokens; raise gpu_memory_utilization / kv_cache_memory "
-                        "or lower max_model_len"
-                    )
+                    raise self._too_large(seq)
                 break
-            self.block_manager.allocate(seq, hits, seq.num_tokens - remaining + num_new)
-            seq.status = SequenceStatus.RUNNING
-            seq.num_scheduled_tokens = num_new
-            self.running.append(seq)
-            self.waiting.popleft()
             scheduled.append(seq)
-            budget -= num_new
+            budget -= seq.num_scheduled_tokens
         return scheduled
 
+    def _admit(self, seq: Sequence, budget: int) -> bool:
+        """Give waiting ``seq`` its cached prefix and slots for its next chunk, and make it run; False (and no
+        change) when the chunk or its blocks do not fit."""
+        # a cached prefix has no logits, so a request that wants prompt logprobs computes it again
+        wants_logits = seq.sampling_params.prompt_logprobs is not None
+        hits = [] if wants_logits else self.block_manager.find_cached_prefix(seq)
+        remaining = seq.num_tokens - len(hits) * self.block_manager.block_size
+        num_new = min(remaining, budget)
+        if num_new < remaining and not self.enable_chunked_prefill:
+            return False
+        if not self.block_manager.can_allocate(seq, hits, seq.num_tokens - remaining + num_new):
+            return False
+        self.block_manager.allocate(seq, hits, seq.num_tokens - remaining + num_new)
+        seq.status = SequenceStatus.RUNNING
+        seq.num_scheduled_tokens = num_new
+        self.running.append(seq)
+        self.waiting.remove(seq)  # the first, unless a suspect
+        return True
+
+    def _schedule_alone(self, seq: Sequence) -> list[Sequence]:
+        """A step of suspect ``seq`` alone; running sequences give it their blocks (the last admitted first)
+        when it needs them. Waiting requests wait."""
+        budget = self.max_num_batched_tokens
+        if seq.status == SequenceStatus.WAITING:
+            while not self._admit(seq, budget):
+                self._preempt_another(seq)
+            return [seq]
+        if seq.reached_length(self.max_model_len):  # its last token is still on the GPU; it finishes then
+            return []
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        while not self.block_manager.append_slots(seq, seq.num_computed_tokens + num_new):
+            self._preempt_another(seq)
+        seq.num_scheduled_tokens = num_new
+        return [seq]
+
+    def _preempt_another(self, seq: Sequence) -> None:
+        others = [s for s in self.running if s is not seq]
+        if not others:
+            raise self._too_large(seq)
+        self._preempt(others[-1])
+
+    def _too_large(self, seq: Sequence) -> RuntimeError:
+        return RuntimeError(
+            f"the KV cache ({self.block_manager.num_free_blocks} free blocks of {self.block_manager.block_size} "
+            f"tokens) cannot hold one sequence of {seq.num_tokens} tokens; raise gpu_memory_utilization / "
+            "kv_cache_memory or lower max_model_len"
+        )
+
     def _preempt(self, seq: Sequence) -> None:
-        """Preempt the last running sequence."""
+        """Free a running sequence's blocks and queue it first, to be recomputed."""
         self.block_manager.free(seq)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
-        self.running.pop()
+        self.running.remove(seq)
         self.num_preemptions += 1
+
+    def isolate(self, seqs: list[Sequence]) -> None:
+        """Make ``seqs`` (unfinished sequences of a failed step) suspects: they give up their KV, drop a token
+        never read back (a placeholder), wait first in the queue, and then run alone, one at a time, until each
+        has passed ``SOLO_STEPS`` sampling steps (``passed``). Their generated tokens are kept."""
+        seqs = sorted({id(s): s for s in seqs}.values(), key=lambda s: s.seq_id)  # in the order they came
+        for seq in seqs:  # freed while still queued, so that an interrupt finds them (abort_all)
+            if seq.token_ids[-1] == PLACEHOLDER:
+                seq.token_ids.pop()
+            self.block_manager.free(seq)
+            seq.reset_for_recompute()
+            seq.penalty_slot = -1  # its counts may hold a dropped token: a new slot is filled from its tokens
+        ids = {id(s) for s in seqs}
+        self.running = [s for s in self.running if id(s) not in ids]
+        self.waiting = deque([*seqs, *(s for s in self.waiting if id(s) not in ids)])
+        self.suspects += [s for s in seqs if not s.solo_steps_left]
+        for seq in seqs:
+            seq.solo_steps_left = SOLO_STEPS
+
+    def passed(self, seq: Sequence) -> None:
+        """Suspect ``seq`` sampled a token in a step of its own."""
+        seq.solo_steps_left -= 1
+        if not seq.solo_steps_left:
+            self.suspects.remove(seq)
 
     def advance(self, scheduled: list[Sequence]) -> None:
         """Account for a finished step: the scheduled tokens are now in the cache."""
@@ -129,6 +195,9 @@ class Scheduler:
         self.waiting.clear()
 
     def _release(self, seq: Sequence, reason: str) -> None:
+        if seq.solo_steps_left:
+            self.suspects.remove(seq)
+            seq.solo_steps_left = 0
         if seq.token_ids[-1] == PLACEHOLDER:  # sampled by a step in flight, never read back: discarded
             seq.token_ids.pop()
         seq.status = SequenceStatus.FINISHED

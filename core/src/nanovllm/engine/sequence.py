@@ -44,6 +44,10 @@ class Sequence:
         self.num_committed_blocks = 0  # leading full blocks already offered to the prefix cache
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.error: str | None = None  # with finish reason "error": the exception, "TypeName: message"
+        # after a failed step it was in: the sampling steps it must still pass alone before it runs in a batch
+        # again (0: not suspect; see Scheduler.isolate)
+        self.solo_steps_left = 0
         self.generator = None  # torch.Generator of a seeded request, made by the runner
         # logits processing (see nanovllm.layers.sampler.LogitsProcessing); the engine fills the token ids
         self.processes_logits = sampling_params.processes_logits
