@@ -643,6 +643,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
                 timer.observe(out)
             if out is None or not out.finished:
                 raise aborted()
+            if (failed := failure(out)) is not None:  # a failed step was blamed on it: vLLM's 500
+                raise APIError(failed, 500)
             return out
 
         try:
@@ -743,6 +745,10 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
                 for c in out.outputs:
                     for chunk in chunks(i * n + c.index, c, out):
                         yield f"{start}{json.dumps(chunk)}]}}\n\n"
+                if (failed := failure(out)) is not None:  # this request only: an error event, then [DONE]
+                    yield sse(error_body(failed, 500))
+                    yield sse("[DONE]")
+                    return
                 if out.finished:
                     remaining -= 1
             if include_usage:
@@ -845,6 +851,14 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
         return JSONResponse({**head, "choices": choices, "usage": usage([out], completion_tokens)})
 
     return app
+
+
+def failure(out: RequestOutput) -> str | None:
+    """The error of a completion that a failed engine step ended (finish reason "error"), else None."""
+    for c in out.outputs:
+        if c.finish_reason == "error":
+            return c.error or "the engine failed this request"
+    return None
 
 
 def finish(c: CompletionOutput) -> Literal["stop", "length"] | None:
