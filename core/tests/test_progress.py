@@ -16,10 +16,18 @@ def test_a_forced_bar_shows_count_elapsed_remaining_and_rate_on_stderr(capsys):
     assert last.startswith("perplexity full") and "2/4 [" in last and "<" in last and "tok/s" in last
 
 
-def test_bars_stay_off_when_stderr_is_no_terminal(capsys):
+def test_bars_show_on_a_terminal_unless_tqdm_disable_is_set(capsys, monkeypatch):
     with utils.progress_bar(4, "quiet", "tok") as bar:  # capsys's stderr is no terminal
         bar.update(4)
     assert capsys.readouterr().err == ""
+    monkeypatch.setattr(utils.sys.stderr, "isatty", lambda: True)
+    for value, shown in ((None, True), ("0", True), ("1", False), ("True", False)):
+        if value is None:
+            monkeypatch.delenv("TQDM_DISABLE", raising=False)
+        else:
+            monkeypatch.setenv("TQDM_DISABLE", value)
+        with utils.progress_bar(4, "bar", "tok") as bar:
+            assert bar.disable is not shown, value
 
 
 def test_the_job_clock_estimates_what_is_left_from_the_mean_job(monkeypatch):

@@ -6,6 +6,7 @@ Imports no torch.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -35,8 +36,8 @@ def progress_bar(total: int | None, desc: str, unit: str = "it", enabled: bool |
     clean (``TQDM_DISABLE=1`` turns every bar off). A bar opened inside another one is removed when done."""
     from tqdm.auto import tqdm
 
-    if enabled is None:
-        enabled = sys.stderr.isatty()
+    if enabled is None:  # tqdm reads TQDM_DISABLE only where no disable= is passed, so it is read here
+        enabled = sys.stderr.isatty() and os.environ.get("TQDM_DISABLE", "").lower() in ("", "0", "false")
     options = {"file": sys.stderr, "disable": not enabled, "dynamic_ncols": True, "leave": None, **kwargs}
     return tqdm(total=total, desc=desc, unit=unit, **options)
 
