@@ -220,6 +220,19 @@ def test_a_suspect_takes_the_blocks_of_running_sequences_when_it_needs_them():
     assert sched.block_manager.num_free_blocks == 2
 
 
+def test_a_suspect_keeps_within_max_num_seqs():
+    from nanovllm.config import EngineConfig
+
+    sched = Scheduler(EngineConfig(block_size=4, max_num_seqs=2), num_blocks=16)
+    seqs = [Sequence(list(range(10 + 8 * i, 14 + 8 * i)), GREEDY) for i in range(3)]
+    for seq in seqs:
+        sched.add(seq)
+    sched.advance(sched.schedule())
+    assert sched.running == seqs[:2]
+    sched.isolate([seqs[2]])  # a waiting suspect, with max_num_seqs running: one makes room
+    assert sched.schedule() == [seqs[2]] and sched.running == [seqs[0], seqs[2]] and seqs[1] in sched.waiting
+
+
 # -- a step that fails: offline, the step API, AsyncLLM ---------------------------------------------------
 
 

@@ -113,7 +113,7 @@ class Scheduler:
         when it needs them. Waiting requests wait."""
         budget = self.max_num_batched_tokens
         if seq.status == SequenceStatus.WAITING:
-            while not self._admit(seq, budget):
+            while len(self.running) >= self.max_num_seqs or not self._admit(seq, budget):
                 self._preempt_another(seq)
             return [seq]
         if seq.reached_length(self.max_model_len):  # its last token is still on the GPU; it finishes then
