@@ -257,6 +257,22 @@ def test_a_poisoned_request_fails_alone_and_the_others_finish(llm, reference, mo
     assert [o.token_ids for o in llm.generate(HEALTHY, GREEDY, use_tqdm=False)] == reference
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["launch", "result"])
+def test_on_the_gpu_a_poisoned_request_fails_alone(model, monkeypatch, where):
+    """As above on CUDA, with decode graphs and async scheduling: the step before the failed one is read from
+    its pinned copies, and the placeholders of a step never read back are dropped."""
+    from nanovllm import LLM
+
+    llm = LLM(model, kv_cache_memory=1 << 26, device="cuda", dtype="float32", max_model_len=64, block_size=4)
+    reference = [o.token_ids for o in llm.generate(HEALTHY, GREEDY, use_tqdm=False)]
+    fail_steps(monkeypatch, llm, where)
+    outputs = llm.generate([*HEALTHY, POISONED], GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs[:-1]] == reference
+    assert outputs[-1].finish_reason == "error" and outputs[-1].outputs[0].error == "RuntimeError: injected fault"
+    assert_idle(llm)
+
+
 def test_a_policy_that_fails_one_requests_decodes_offline(llm, reference, monkeypatch):
     """The policy raises mid-forward, after earlier layers wrote this step's keys and values."""
     fail_decodes(monkeypatch, llm, longer_than=LONG)
