@@ -328,6 +328,9 @@ def test_async_llm_ends_only_the_poisoned_stream(llm, reference, monkeypatch):
         return [out async for out in engine.generate(prompt, GREEDY, request_id)]
 
     async def scenario():
+        bad = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[10000000])
+        with pytest.raises(ValueError, match=r"\[10000000\] in stop_token_ids contain out-of-vocab"):
+            engine.submit([5, 6], bad)  # refused at the API, before it reaches the engine
         prompts = [*HEALTHY[:2], POISONED, *HEALTHY[2:]]
         return await asyncio.wait_for(asyncio.gather(*(collect(p, f"r{i}") for i, p in enumerate(prompts))), 60)
 

@@ -60,7 +60,8 @@ def step_messages(encode) -> list[tuple]:
             logprobs = [([ids[step]], [-0.25 - step / 64], [1])] if params.logprobs is not None else None
             finish = None
             if step == len(ids) - 1:
-                finish = ("length", None, 1000.0 + step, None) if stop is None else ("stop", stop, 1000.0 + step, None)
+                reason = ("length", None) if stop is None else ("stop", stop)
+                finish = (*reason, 1000.0 + step, None, None)  # no prompt logprobs, no error
             updates.append((request_id, index, [ids[step]], logprobs, 1000.0, 1000.0 + step, 0, finish))
         messages.append(("step", updates, SchedulerStats(len(updates), 0, 0.5)))
     return messages
