@@ -517,8 +517,15 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
         problems = []
         for err in exc.errors():
             where = ".".join(str(p) for p in err["loc"] if p != "body")
-            if err["type"] == "extra_forbidden":
+            if err["type"] == "json_invalid":
+                problems.append(f"the body is not valid JSON ({err['ctx']['error']} at character {where})")
+            elif err["type"] == "extra_forbidden":
                 problems.append(f"unknown or unsupported field {where!r}")
+            elif err["type"] == "value_error":
+                problems.append(str(err["ctx"]["error"]))
+            elif not where:  # the body as a whole
+                problems.append("the body must be a JSON object" if err["type"] != "missing" else
+                                "the body is empty; send a JSON object")
             else:
                 problems.append(f"{where}: {err['msg']}")
         return error_response("; ".join(problems), 400)
