@@ -3,6 +3,8 @@ ability to fail: policies that break one rule each are caught by the check about
 
 from __future__ import annotations
 
+import unittest
+
 import pytest
 import torch
 from nanovllm.conformance import Case, cases, run_case
@@ -38,13 +40,13 @@ def test_full_passes(case):
 
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 def test_quest_style_with_a_covering_budget_passes(case):
-    run_case(case, "quest_style:budget_blocks=1000")
+    run_case(case, "quest_style:budget_blocks=1000", small_budget="quest_style:budget_blocks=3")
 
 
 def test_the_kit_covers_every_check():
     assert {c.check for c in cases()} == {
         "prefill", "decode", "chunked_prefill", "prefix_cache", "preemption", "mixed_lengths",
-        "selection_contract", "metadata", "cuda_graphs", "no_host_sync",
+        "selection_contract", "metadata", "small_budget", "cuda_graphs", "no_host_sync",
     }
 
 
@@ -89,9 +91,42 @@ class SyncsOnAllocation(QuestStylePolicy):
         self.key_max[:, block_ids] = float("-inf")
 
 
+class PastTheHistory(QuestStylePolicy):
+    """Wrong only on the sparse path: a budget below the history shifts the chosen blocks up by one."""
+
+    def select_blocks(self, ctx: PolicyContext) -> torch.Tensor:
+        blocks = super().select_blocks(ctx)
+        sparse = (ctx.num_history_blocks > self.config.budget_blocks)[:, None, None]
+        return torch.where(sparse & (blocks >= 0), blocks + 1, blocks)
+
+
+class IgnoresItsSelection(QuestStylePolicy):
+    """Selects a few blocks, then decodes over every one."""
+
+    def compute_chunked_decode(self, q: torch.Tensor, ctx: PolicyContext) -> torch.Tensor:
+        return ctx.attend_all(q)
+
+
+class Doubles(QuestStylePolicy):
+    """Selects nothing and computes its own attention, twice too large: no longer an average of values."""
+
+    requires_block_selection = False
+
+    def compute_chunked_prefill(self, q, k, v, ctx: PolicyContext) -> torch.Tensor:
+        return 2 * ctx.attend_all(q, k, v)
+
+
+class DenseAnyway(QuestStylePolicy):
+    """A budget that never takes effect: the small-budget check has nothing sparse to check."""
+
+    def select_blocks(self, ctx: PolicyContext) -> torch.Tensor:
+        return ctx.all_history_blocks()
+
+
 BROKEN = {"small_budget": SmallBudget, "descending": Descending, "int64_selection": Int64Selection,
           "forgets_resets": ForgetsResets, "drops_oldest": DropsOldest,
-          "syncs_on_allocation": SyncsOnAllocation}
+          "syncs_on_allocation": SyncsOnAllocation, "past_the_history": PastTheHistory,
+          "ignores_its_selection": IgnoresItsSelection, "doubles": Doubles, "dense_anyway": DenseAnyway}
 CPU = {c.check: c for c in cases() if c.device == "cpu"}
 
 
@@ -99,15 +134,27 @@ CPU = {c.check: c for c in cases() if c.device == "cpu"}
     ("policy", "check", "message"),
     [
         ("small_budget:budget_blocks=2", "decode", "tokens .* differ from full|logprob"),
-        ("descending:budget_blocks=1000", "selection_contract", "-1 padding must come only at the end"),
+        ("descending:budget_blocks=1000", "selection_contract",
+         "Descending.select_blocks .*(-1 padding must come only at the end|must be strictly ascending)"),
         ("int64_selection:budget_blocks=1000", "selection_contract", "dtype torch.int64, not torch.int32"),
         ("forgets_resets:budget_blocks=1000", "metadata", "differs from a recomputation over the cache"),
         ("drops_oldest:budget_blocks=1000", "chunked_prefill", "differ from full|logprob"),
+        ("past_the_history:budget_blocks=3", "small_budget", "PastTheHistory.select_blocks .*goes beyond"),
+        ("ignores_its_selection:budget_blocks=3", "small_budget",
+         "IgnoresItsSelection.compute_chunked_decode: the output differs from attention over the blocks"),
+        ("doubles:budget_blocks=3", "small_budget",
+         "Doubles.compute_chunked_prefill: an output lies outside"),
+        ("dense_anyway:budget_blocks=3", "small_budget", "the policy's output equals dense attention"),
     ],
 )
 def test_the_kit_fails_a_broken_policy(policy, check, message):
     with pytest.raises(AssertionError, match=message):
-        run_case(CPU[check], policy)
+        run_case(CPU[check], policy, small_budget=policy)
+
+
+def test_the_small_budget_check_needs_a_small_budget():
+    with pytest.raises(unittest.SkipTest, match="small_budget="):
+        run_case(CPU["small_budget"], "quest_style:budget_blocks=1000")
 
 
 @pytest.mark.gpu

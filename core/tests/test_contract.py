@@ -8,6 +8,7 @@ from pathlib import Path
 
 import attrs
 import pytest
+import torch
 from nanovllm import SamplingParams
 from nanovllm.hookspecs import PolicySpec, RegistrationSpec, hookimpl
 from nanovllm.plugins import SparsePolicyInfo, get_plugins, reload_plugins
@@ -261,3 +262,108 @@ def test_an_unknown_observer_is_a_clear_error(observer_plugin, make_llm):
 
     with pytest.raises(PluginError, match="unknown observer 'block_countr'. Did you mean 'block_counter'"):
         make_llm("full", observers="block_countr")
+
+
+# -- every selection is checked at run time ----------------------------------------------------------------
+
+
+class BadSelection(SparsePolicy):
+    """Valid selections in prefill; in decode, ``break_rule`` turns the whole history, followed by at least
+    one -1, into a selection that breaks one rule in every row."""
+
+    def select_blocks(self, ctx):
+        blocks = ctx.all_history_blocks()
+        if ctx.is_prefill:
+            return blocks
+        padded = torch.cat([blocks, torch.full_like(blocks[:, :1], -1)], dim=1)
+        return self.break_rule(padded, ctx.num_history_blocks[:, None])
+
+
+class PastTheEnd(BadSelection):
+    """Block ``num_history_blocks`` where the padding starts: one past the last history block."""
+
+    def break_rule(self, blocks, n):
+        return torch.where(torch.arange(blocks.shape[1]) == n, n.to(torch.int32), blocks)
+
+
+class LeadingMinusFive(BadSelection):
+    def break_rule(self, blocks, n):
+        return torch.cat([torch.full_like(blocks[:, :1], -5), blocks[:, 1:]], dim=1)
+
+
+class Unsorted(BadSelection):
+    def break_rule(self, blocks, n):
+        return blocks[:, [1, 0, *range(2, blocks.shape[1])]]
+
+
+class PaddingFirst(BadSelection):
+    def break_rule(self, blocks, n):
+        return blocks.roll(1, dims=1)
+
+
+class Int64(BadSelection):
+    def break_rule(self, blocks, n):
+        return blocks.long()
+
+
+class OneHeadOfTwo(BadSelection):
+    def break_rule(self, blocks, n):
+        return blocks[:, None, :]  # [num_seqs, 1, k]: per KV head, yet the model has 2 KV heads
+
+BAD_SELECTIONS = [
+    (PastTheEnd, r"block (\d+) goes beyond the \1 history blocks"),
+    (LeadingMinusFive, "entries are block indices >= 0 or -1 padding"),
+    (Unsorted, "block indices must be strictly ascending"),
+    (PaddingFirst, "-1 padding must come only at the end"),
+    (Int64, "returned dtype torch.int64, not torch.int32"),
+    (OneHeadOfTwo, r"returned shape \[\d+, 1, \d+\]; expected \[num_seqs=\d+, k\]"),
+]
+
+
+def selection_error(llm) -> str:
+    """The error that ends a generate call over two prompts of at least two blocks: raised, or where the
+    engine ends the failing requests instead, theirs."""
+    from nanovllm.policy import PolicyContractError
+
+    try:
+        outputs = llm.generate([list(range(3, 30)), list(range(5, 14))],
+                               SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    except PolicyContractError as exc:
+        return str(exc)
+    errors = [getattr(o.outputs[0], "error", None) for o in outputs]
+    assert any(errors), "no error: the broken selection went through"
+    return next(e for e in errors if e)
+
+
+def engine_with(policy: type, device: str, monkeypatch, **options):
+    from nanovllm import LLM
+    from nanovllm.conformance import tiny_model
+
+    name = policy.__name__.lower()
+    monkeypatch.setitem(get_plugins().registry.sparse_policies, name,
+                        SparsePolicyInfo(name, f"{__name__}:{policy.__name__}", "test"))
+    return LLM(tiny_model(), device=device, block_size=4, kv_cache_memory=1 << 22, enforce_eager=True,
+               sparse_policy=name, **options)
+
+
+@pytest.mark.parametrize(("policy", "rule"), BAD_SELECTIONS, ids=lambda p: getattr(p, "__name__", ""))
+def test_a_broken_selection_is_an_error_naming_the_policy_and_the_rule(policy, rule, monkeypatch, one_thread):
+    message = selection_error(engine_with(policy, "cpu", monkeypatch))
+    assert f"{policy.__qualname__}.select_blocks ({__name__}) broke the selection contract" in message
+    assert "decode" in message and re.search(rule, message), message
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("policy", "rule"), BAD_SELECTIONS[:3], ids=lambda p: getattr(p, "__name__", ""))
+def test_a_broken_selection_is_an_error_on_the_gpu(policy, rule, monkeypatch):
+    message = selection_error(engine_with(policy, "cuda", monkeypatch, attention_backend="triton"))
+    assert f"{policy.__qualname__}.select_blocks" in message and re.search(rule, message), message
+
+
+def test_the_selection_check_can_be_turned_off(monkeypatch, one_thread):
+    # without the check, a leading -5 is read as padding: the step runs on, silently wrong
+    monkeypatch.setenv("NANOVLLM_CHECK_SELECTIONS", "0")
+    llm = engine_with(LeadingMinusFive, "cpu", monkeypatch)
+    assert not llm.runner.hooks.check_selections
+    outputs = llm.generate([list(range(3, 30))], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(outputs[0].outputs[0].token_ids) == 3

@@ -2,20 +2,25 @@
 
 Give it a selection whose budget covers every block (e.g. ``"window:sink_blocks=64,recent_blocks=64"``);
 with such options a policy must give exactly the ``full`` policy's greedy tokens and log-probabilities in
-every scheduling situation. In a policy distribution's own tests::
+every scheduling situation. Give it also a selection with a small budget (``small_budget=``): the
+``small_budget`` check runs the policy's sparse code, checks every selection and the per-block metadata,
+and compares each layer's output with the ``torch`` backend's attention over exactly the blocks the policy
+selected (a policy that selects no blocks: with a weighted average of its sequence's values). In a policy
+distribution's own tests::
 
     import pytest
     from nanovllm.conformance import cases, run_case
 
     @pytest.mark.parametrize("case", cases(), ids=str)
     def test_conformance(case):
-        run_case(case, "mypolicy:budget=100000")
+        run_case(case, "mypolicy:budget=100000", small_budget="mypolicy:budget=2")
 
 ``cases()`` lists every check for the CPU with the ``torch`` backend, and with ``triton`` when CUDA is
 there, each with the KV cache on the device and again offloaded to host memory (the same policy code must
-give the same results on both). A check that does not apply (CUDA graphs on the CPU, metadata of a policy that keeps none) raises
-:class:`unittest.SkipTest`, which pytest reports as skipped. A broken rule raises ``AssertionError``
-naming the scenario, the request and what differs. The kit builds a tiny random Llama model once per
+give the same results on both). A check that does not apply (CUDA graphs on the CPU, metadata of a policy
+that keeps none, ``small_budget`` without a small-budget selection) raises :class:`unittest.SkipTest`, which
+pytest reports as skipped. A broken rule raises ``AssertionError`` naming the scenario, the request and
+what differs. The kit builds a tiny random Llama model once per
 process (no download) unless ``model_dir`` is given.
 """
 
@@ -31,7 +36,9 @@ from typing import Any
 import attrs
 import torch
 
-from nanovllm.policy import KVWrite, PolicyContext
+from nanovllm.attention.torch_backend import TorchBackend
+from nanovllm.policies.full import FullAttentionPolicy
+from nanovllm.policy import KVWrite, PolicyContext, PolicyContractError, PolicyHooks, selection_problem
 
 CHECKS = (
     "prefill",
@@ -42,6 +49,7 @@ CHECKS = (
     "mixed_lengths",
     "selection_contract",
     "metadata",
+    "small_budget",
     "cuda_graphs",
     "no_host_sync",
 )
@@ -179,13 +187,24 @@ SCENARIOS: dict[str, tuple[dict, list[tuple[list[int], int, int, bool]]]] = {
 }
 
 
+def _generate(llm: Any, prompts: list[list[int]], params: Any) -> list:
+    """``llm.generate``; a request that a failing step ended (finish reason ``"error"``) fails the check with
+    its error."""
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for i, out in enumerate(outputs):
+        if out.outputs[0].finish_reason == "error":
+            raise AssertionError(f"request {i} (prompt of {len(out.prompt_token_ids)} tokens) ended with an "
+                                 f"error: {getattr(out.outputs[0], 'error', None)}")
+    return outputs
+
+
 def _run_scenario(case: Case, model_dir: str, policy: Any, scenario: str, observers=()) -> tuple[list, Any]:
     overrides, calls = SCENARIOS[scenario]
     llm = _engine(case, model_dir, policy, observers, **overrides)
     outputs = []
     for lengths, max_tokens, seed, prompt_lp in calls:
         prompts = _prompts(lengths, seed) if scenario != "prefix_cache" else _prefix_prompts(lengths, seed)
-        outputs.extend(llm.generate(prompts, _params(max_tokens, prompt_lp), use_tqdm=False))
+        outputs.extend(_generate(llm, prompts, _params(max_tokens, prompt_lp)))
     # the scenario's premise, so that a change of settings cannot make it test nothing
     if scenario == "preemption":
         assert llm.scheduler.num_preemptions > 0, "preemption: no request was preempted"
@@ -248,39 +267,19 @@ def compare_outputs(scenario: str, got: list, want: list) -> None:
 
 
 class SelectionChecker:
-    """Checks every selection the engine receives against the contract (host-side: runs eagerly)."""
+    """An observer that checks every selection the engine receives against the contract's rules (those
+    of the engine's own check, :func:`nanovllm.policy.selection_problem`), whatever
+    ``NANOVLLM_CHECK_SELECTIONS`` says, and counts them per phase. It reads the selection on the host, so
+    an engine with it decodes eagerly."""
 
     def __init__(self) -> None:
         self.calls = {"prefill": 0, "decode": 0}
 
     def on_blocks_selected(self, ctx: PolicyContext, block_indices: torch.Tensor) -> None:
-        check_selection(ctx, block_indices)
-        self.calls["prefill" if ctx.is_prefill else "decode"] += 1
-
-
-def check_selection(ctx: PolicyContext, blocks: Any) -> None:
-    """Raise ``AssertionError`` unless ``blocks`` is a valid ``select_blocks`` result for ``ctx``."""
-    where = f"select_blocks (layer {ctx.layer_id}, {'prefill' if ctx.is_prefill else 'decode'})"
-    assert isinstance(blocks, torch.Tensor), f"{where} returned {type(blocks).__name__}, not a tensor"
-    assert blocks.dtype == torch.int32, f"{where} returned dtype {blocks.dtype}, not torch.int32"
-    assert blocks.device == ctx.query.device, f"{where} returned a tensor on {blocks.device}"
-    num_seqs = ctx.meta.num_seqs
-    shared = (num_seqs, blocks.shape[-1])
-    per_head = (num_seqs, ctx.num_kv_heads, blocks.shape[-1])
-    assert blocks.dim() in (2, 3) and tuple(blocks.shape) in (shared, per_head), (
-        f"{where} returned shape {tuple(blocks.shape)}; expected [num_seqs={num_seqs}, k] or "
-        f"[num_seqs, num_kv_heads={ctx.num_kv_heads}, k]"
-    )
-    rows = blocks.reshape(-1, blocks.shape[-1]).cpu()
-    limit = ctx.num_history_blocks.cpu()
-    limit = limit.repeat_interleave(rows.shape[0] // num_seqs)
-    for r, (row, n) in enumerate(zip(rows.tolist(), limit.tolist(), strict=True)):
-        valid = [b for b in row if b >= 0]
-        assert row[: len(valid)] == valid and all(b == -1 for b in row[len(valid):]), (
-            f"{where}, row {r}: {row}: -1 padding must come only at the end"
-        )
-        assert valid == sorted(set(valid)), f"{where}, row {r}: {valid} is not strictly ascending"
-        assert all(b < n for b in valid), f"{where}, row {r}: {valid} goes beyond the {n} history blocks"
+        phase = "prefill" if ctx.is_prefill else "decode"
+        problem = selection_problem(ctx, block_indices)
+        assert problem is None, f"select_blocks (layer {ctx.layer_id}, {phase}) {problem}"
+        self.calls[phase] += 1
 
 
 class FillRecorder:
@@ -308,24 +307,33 @@ class FillRecorder:
 # -- the checks -----------------------------------------------------------------------------------------
 
 
-def run_case(case: Case, policy: str | dict, model_dir: str | None = None) -> None:
-    """Run one check of the kit for ``policy`` (a selection whose budget covers every block)."""
+def run_case(
+    case: Case, policy: str | dict, model_dir: str | None = None, small_budget: str | dict | None = None
+) -> None:
+    """Run one check of the kit for ``policy`` (a selection whose budget covers every block); the
+    ``small_budget`` check runs ``small_budget`` instead (the same policy with a budget below the prompts'
+    blocks: a few blocks, and options that keep every layer sparse) and skips without it."""
     if case.device == "cuda" and not torch.cuda.is_available():
         raise unittest.SkipTest("needs a CUDA device")
     model_dir = model_dir or tiny_model()
-    if case.check in SCENARIOS:
-        got, _ = _run_scenario(case, model_dir, policy, case.check)
-        compare_outputs(case.check, got, _full_outputs(case.device, case.backend, model_dir, case.check))
-    elif case.check == "selection_contract":
-        _check_selection_contract(case, model_dir, policy)
-    elif case.check == "metadata":
-        _check_metadata(case, model_dir, policy)
-    elif case.check == "cuda_graphs":
-        _check_cuda_graphs(case, model_dir, policy)
-    elif case.check == "no_host_sync":
-        _check_no_host_sync(case, model_dir, policy)
-    else:
-        raise ValueError(f"unknown check {case.check!r}; the checks are {', '.join(CHECKS)}")
+    try:
+        if case.check in SCENARIOS:
+            got, _ = _run_scenario(case, model_dir, policy, case.check)
+            compare_outputs(case.check, got, _full_outputs(case.device, case.backend, model_dir, case.check))
+        elif case.check == "selection_contract":
+            _check_selection_contract(case, model_dir, policy)
+        elif case.check == "metadata":
+            _check_metadata(case, model_dir, policy)
+        elif case.check == "small_budget":
+            _check_small_budget(case, model_dir, small_budget)
+        elif case.check == "cuda_graphs":
+            _check_cuda_graphs(case, model_dir, policy)
+        elif case.check == "no_host_sync":
+            _check_no_host_sync(case, model_dir, policy)
+        else:
+            raise ValueError(f"unknown check {case.check!r}; the checks are {', '.join(CHECKS)}")
+    except PolicyContractError as exc:  # the engine's own check of every selection
+        raise AssertionError(f"{case.check}: {exc}") from exc
 
 
 def _check_selection_contract(case: Case, model_dir: str, policy: Any) -> None:
@@ -347,13 +355,20 @@ def _check_metadata(case: Case, model_dir: str, policy: Any) -> None:
     """Metadata kept step by step (prefix hits, preemption, reallocation) equals one pass over the cache."""
     fills = FillRecorder()
     llm = _engine(case, model_dir, policy, [fills], **SCENARIOS["preemption"][0])
-    runner = llm.runner
-    llm.generate(_prompts([30, 45, 60, 25], 5), _params(30, False), use_tqdm=False)
+    _generate(llm, _prompts([30, 45, 60, 25], 5), _params(30, False))
     assert llm.scheduler.num_preemptions > 0, "the metadata workload did not preempt"
-    llm.generate(_prefix_prompts([40], 7), _params(10, False), use_tqdm=False)
+    _generate(llm, _prefix_prompts([40], 7), _params(10, False))
     prompts = _prefix_prompts([40, 40], 7)[1:] + _prompts([20], 9)
-    shared = llm.generate(prompts, _params(10, False), use_tqdm=False)
+    shared = _generate(llm, prompts, _params(10, False))
     assert shared[0].num_cached_tokens > 0, "no prefix-cache hit"
+    if not _compare_metadata("metadata", llm, fills):
+        raise unittest.SkipTest("the policy keeps no per-block metadata (block_metadata returns None)")
+
+
+def _compare_metadata(check: str, llm: Any, fills: FillRecorder) -> int:
+    """Compare each policy's kept metadata of every written block with a fresh instance's recomputation
+    from the cache; the number of policies that keep metadata."""
+    runner = llm.runner
     blocks = sorted(b for b, n in fills.fill.items() if n > 0)
     ids = torch.tensor(blocks, dtype=torch.long, device=runner.device)
     checked = 0
@@ -374,13 +389,120 @@ def _check_metadata(case: Case, model_dir: str, policy: Any) -> None:
             fresh = twin.block_metadata(layer.layer_id, ids).float()
             same = torch.allclose(kept, fresh, rtol=1e-5, atol=1e-6, equal_nan=True)
             assert same, (
-                f"metadata: layer {layer.layer_id}: the metadata {type(policy_obj).__name__} kept through "
+                f"{check}: layer {layer.layer_id}: the metadata {type(policy_obj).__name__} kept through "
                 f"on_kv_write / on_blocks_allocated differs from a recomputation over the cache "
                 f"(max difference {(kept - fresh).abs().nan_to_num().max().item():.3g})"
             )
         checked += 1
-    if not checked:
-        raise unittest.SkipTest("the policy keeps no per-block metadata (block_metadata returns None)")
+    return checked
+
+
+# Prompts of up to 61 blocks, prefilled in chunks beside decodes, then decoded across block boundaries.
+SMALL_BUDGET_SCENARIO = ({"max_num_batched_tokens": 64}, ([3, 17, 90, 242, 40], 10, 11))
+
+
+def _check_small_budget(case: Case, model_dir: str, policy: Any) -> None:
+    """The policy's sparse code: every selection keeps the contract, every layer's output is attention
+    over exactly what the policy selected, the output differs from dense attention somewhere (the budget
+    is small), and the metadata equals a recomputation from the cache."""
+    if policy is None:
+        raise unittest.SkipTest("no small-budget selection: pass run_case(..., small_budget='name:...') with "
+                                "a budget of a few blocks to run the policy's sparse code")
+    selections, fills = SelectionChecker(), FillRecorder()
+    overrides, (lengths, max_tokens, seed) = SMALL_BUDGET_SCENARIO
+    llm = _engine(case, model_dir, policy, [selections, fills], **overrides)
+    llm.runner.hooks.check_selections = True
+    reference = AttentionReference(llm.runner.hooks)
+    if not reference.phases:
+        raise unittest.SkipTest("the small-budget selection runs full attention in both phases")
+    _generate(llm, _prompts(lengths, seed), _params(max_tokens, False))
+    for phase in reference.phases:
+        if getattr(llm.runner.hooks, phase).select is not None:
+            assert selections.calls[phase] > 0, f"small_budget: {phase}: select_blocks was never called"
+    assert reference.sparse_calls > 0, (
+        f"small_budget: in {reference.calls} layer calls the policy's output equals dense attention: "
+        f"{policy!r} attends to everything here; give it a budget of a few blocks, and options that keep "
+        "every layer and chunk sparse"
+    )
+    _compare_metadata("small_budget", llm, fills)
+
+
+class AttentionReference:
+    """Wraps the compute hook of each phase an engine runs with a policy other than ``full``, and checks
+    each output against the ``torch`` backend: attention over exactly ``ctx.selected_blocks`` (prefill:
+    merged with the chunk itself) where the policy selects blocks; where it does not, a weighted average
+    of its sequence's values (every output channel between their minimum and maximum). Counts the calls
+    whose output differs from dense attention."""
+
+    def __init__(self, hooks: PolicyHooks) -> None:
+        self.torch = TorchBackend()
+        self.calls = self.sparse_calls = 0
+        self.phases = [p for p in ("prefill", "decode")
+                       if not isinstance(getattr(hooks, p).policy, FullAttentionPolicy)]
+        for phase in self.phases:
+            hook = getattr(hooks, phase)
+            setattr(hooks, phase, attrs.evolve(hook, compute=self._wrap(hook.compute, type(hook.policy))))
+
+    def _wrap(self, compute, policy: type):
+        def checked(*args):
+            out = compute(*args)
+            self._check(policy, out, *args)
+            return out
+
+        return checked
+
+    def _check(self, policy: type, out: torch.Tensor, q: torch.Tensor, *args) -> None:
+        ctx: PolicyContext = args[-1]
+        k, v = args[:2] if ctx.is_prefill else (None, None)
+        if ctx.offload is not None:
+            ctx.offload.wait_stored(ctx.layer_id)
+        hook = f"{policy.__qualname__}.compute_chunked_{'prefill' if ctx.is_prefill else 'decode'}"
+        where = f"small_budget: layer {ctx.layer_id}, {hook}"
+        assert out.shape == q.shape and out.dtype == q.dtype, (
+            f"{where} returned {out.dtype} {list(out.shape)}; expected the query's {q.dtype} {list(q.shape)}"
+        )
+        if ctx.selected_blocks is not None:
+            want = self._over_selection(ctx, q, k, v)
+            assert torch.allclose(out.float(), want.float(), atol=ATOL, rtol=1e-4), (
+                f"{where}: the output differs from attention over the blocks select_blocks returned (max "
+                f"difference {(out.float() - want.float()).abs().max().item():.3g}): it attends to other keys"
+            )
+        else:
+            self._check_average(where, ctx, out)
+        self.calls += 1
+        dense = self._dense(ctx, q, k, v)
+        self.sparse_calls += not torch.allclose(out.float(), dense.float(), atol=ATOL, rtol=1e-4)
+
+    def _over_selection(self, ctx: PolicyContext, q, k, v) -> torch.Tensor:
+        caches = (ctx.k_cache, ctx.v_cache, ctx.meta)
+        history = self.torch.attend_blocks(q, *caches, ctx.selected_blocks, ctx.history_lens, ctx.scale)
+        if not ctx.is_prefill:
+            return history[0]
+        return self.torch.merge(*history, *self.torch.attend_chunk(q, k, v, ctx.meta, ctx.scale))[0]
+
+    def _dense(self, ctx: PolicyContext, q, k, v) -> torch.Tensor:
+        caches = (ctx.k_cache, ctx.v_cache, ctx.meta, ctx.scale)
+        return self.torch.prefill(q, k, v, *caches) if ctx.is_prefill else self.torch.decode(q, *caches)
+
+    @staticmethod
+    def _check_average(where: str, ctx: PolicyContext, out: torch.Tensor) -> None:
+        meta, size = ctx.meta, ctx.block_size
+        logical = torch.arange(meta.block_tables.shape[1], device=out.device, dtype=torch.int32)
+        written = (meta.context_lens[:, None] + size - 1) // size
+        values = ctx.read_blocks(torch.where(logical < written, logical, -1))[1].float()  # [S, W, bs, Hkv, D]
+        position = logical[:, None] * size + torch.arange(size, device=out.device)
+        unseen = ~(position[None] < meta.context_lens[:, None, None])[..., None, None]
+        low = values.masked_fill(unseen, float("inf")).amin((1, 2))  # [S, Hkv, D]
+        high = values.masked_fill(unseen, float("-inf")).amax((1, 2))
+        seq = torch.repeat_interleave(torch.arange(meta.num_seqs, device=out.device), meta.query_lens.long(),
+                                      output_size=out.shape[0])
+        group = out.shape[1] // low.shape[1]
+        low, high = (b[seq].repeat_interleave(group, dim=1) for b in (low, high))  # [T, H, D]
+        inside = (out.float() >= low - ATOL) & (out.float() <= high + ATOL)
+        assert bool(inside.all()), (
+            f"{where}: an output lies outside the range of its sequence's values (or is not finite): "
+            "attention's output is a weighted average of them"
+        )
 
 
 def _check_cuda_graphs(case: Case, model_dir: str, policy: Any) -> None:
@@ -394,8 +516,8 @@ def _check_cuda_graphs(case: Case, model_dir: str, policy: Any) -> None:
             raise AssertionError("the policy declares cuda_graph_safe, yet no decode graph was captured")
         raise unittest.SkipTest("the policy is not cuda_graph_safe: decode runs eagerly")
     prompts = _prompts([3, 40, 97, 12], 8)
-    graphed = llm.generate(prompts, _params(24), use_tqdm=False)
-    eager = _engine(case, model_dir, policy).generate(prompts, _params(24), use_tqdm=False)
+    graphed = _generate(llm, prompts, _params(24))
+    eager = _generate(_engine(case, model_dir, policy), prompts, _params(24))
     compare_outputs("cuda_graphs (graphs against eager)", graphed, eager)
 
 

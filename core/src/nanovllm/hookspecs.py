@@ -1,6 +1,7 @@
 """The hook specifications of nanovllm: the whole contract between the core and its plugins.
 
-Specs only. Two kinds of hooks, both under the pluggy project name ``"nanovllm"``:
+Specs, and the check of an implementation's argument names against them. Two kinds of hooks, both under
+the pluggy project name ``"nanovllm"``:
 
 - Registration hooks (:class:`RegistrationSpec`), called once per process for every plugin module named
   by an entry point in the group ``nanovllm`` (discovery lives in :mod:`nanovllm.plugins`).
@@ -13,6 +14,7 @@ Specs only. Two kinds of hooks, both under the pluggy project name ``"nanovllm"`
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING
 
 import pluggy
@@ -122,3 +124,38 @@ class PolicySpec:
     def on_blocks_selected(self, ctx: PolicyContext, block_indices: torch.Tensor) -> None:
         """Observers only: a policy's ``select_blocks`` returned ``block_indices`` for ``ctx`` (density
         logging, statistics, contract checks)."""
+
+
+# -- argument names ---------------------------------------------------------------------------------------
+
+
+def _argument_names(func: object, drop_first: bool) -> list[str]:
+    """The names pluggy passes by: parameters without a default (``self`` dropped where it is unbound)."""
+    params = [p for p in inspect.signature(func).parameters.values()
+              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    return [p.name for p in params[int(drop_first):] if p.default is p.empty]
+
+
+def spec_signature(spec: type, hook: str) -> str:
+    """``hook(arg, ...)`` as ``spec`` declares it."""
+    return f"{hook}({', '.join(_argument_names(getattr(spec, hook), True))})"
+
+
+def argument_problems(plugin: object, spec: type, marked_only: bool = False) -> list[str]:
+    """One line for each hook implementation of ``plugin`` (a class, instance or module) whose argument
+    names are not all among those ``spec`` declares for the hook: pluggy calls hooks by keyword, so such an
+    implementation fails at its first call. Implementations are the callables named like a hook of
+    ``spec`` (with ``marked_only``, those marked ``@hookimpl`` alone)."""
+    problems = []
+    for hook in (name for name in vars(spec) if not name.startswith("_")):
+        func = getattr(plugin, hook, None)
+        if not callable(func) or (marked_only and not hasattr(func, f"{PROJECT_NAME}_impl")):
+            continue
+        unbound = isinstance(plugin, type) and not isinstance(
+            inspect.getattr_static(plugin, hook), (staticmethod, classmethod))
+        wanted = _argument_names(getattr(spec, hook), True)
+        extra = [a for a in _argument_names(func, unbound) if a not in wanted]
+        if extra:
+            problems.append(f"{hook} takes {', '.join(map(repr, extra))}, which the hook does not pass; "
+                            f"the hook's arguments are {spec_signature(spec, hook)}")
+    return problems

@@ -11,7 +11,7 @@ the chunk itself, merged by log-sum-exp), so a policy that only chooses blocks o
 
 from __future__ import annotations
 
-import inspect
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -21,7 +21,7 @@ import torch
 
 from nanovllm.attention.backend import AttentionBackend
 from nanovllm.attention.metadata import PhaseMetadata, StepMetadata
-from nanovllm.hookspecs import PROJECT_NAME, PolicySpec
+from nanovllm.hookspecs import PROJECT_NAME, PolicySpec, argument_problems
 
 RUNTIME_HOOKS = tuple(name for name in vars(PolicySpec) if not name.startswith("_"))
 NOTIFICATION_HOOKS = (
@@ -337,6 +337,85 @@ class SparsePolicy:
         return None
 
 
+# -- the selection contract -----------------------------------------------------------------------------
+
+CHECK_SELECTIONS_ENV = "NANOVLLM_CHECK_SELECTIONS"
+_PAD_LAST = torch.iinfo(torch.int32).max  # -1 padding sorts after every block index
+
+
+class PolicyContractError(RuntimeError):
+    """A policy's hook returned what the contract (:mod:`nanovllm.hookspecs`) forbids."""
+
+
+def selection_checks_enabled() -> bool:
+    """Whether engines check every selection outside CUDA graphs: ``NANOVLLM_CHECK_SELECTIONS``, on
+    unless it is ``0``."""
+    return os.environ.get(CHECK_SELECTIONS_ENV, "1").strip() != "0"
+
+
+def selection_problem(ctx: PolicyContext, blocks: object, values: bool = True) -> str | None:
+    """The rule of ``select_blocks``' result that ``blocks`` breaks for ``ctx``, or ``None``: a tensor on
+    the query's device, int32, shape ``[num_seqs, k]`` or ``[num_seqs, num_kv_heads, k]``, and with
+    ``values`` each row block indices strictly ascending, below ``ctx.num_history_blocks``, then -1
+    padding. The value rules cost a few vectorised operations and, on a GPU, one host sync."""
+    if not isinstance(blocks, torch.Tensor):
+        return f"returned {type(blocks).__name__}, not a torch.Tensor"
+    if blocks.dtype != torch.int32:
+        return f"returned dtype {blocks.dtype}, not torch.int32"
+    if blocks.device != ctx.query.device:
+        return f"returned a tensor on {blocks.device}; the queries are on {ctx.query.device}"
+    num_seqs, num_kv_heads = ctx.meta.num_seqs, ctx.num_kv_heads
+    heads = blocks.shape[1:-1]
+    if blocks.dim() not in (2, 3) or blocks.shape[0] != num_seqs or heads not in ((), (num_kv_heads,)):
+        return (f"returned shape {list(blocks.shape)}; expected [num_seqs={num_seqs}, k] (all heads) or "
+                f"[num_seqs, num_kv_heads={num_kv_heads}, k] (per KV head)")
+    if not values or blocks.numel() == 0:
+        return None
+    limit = ctx.num_history_blocks.view(num_seqs, *([1] * (blocks.dim() - 1)))
+    key = torch.where(blocks < 0, _PAD_LAST, blocks)
+    unordered = (key[..., 1:] <= key[..., :-1]) & (key[..., 1:] != _PAD_LAST)
+    if not bool((blocks < -1).any() | (blocks >= limit).any() | unordered.any()):
+        return None
+    return _first_broken_row(blocks, limit.expand_as(blocks[..., :1]))
+
+
+def _first_broken_row(blocks: torch.Tensor, limit: torch.Tensor) -> str:
+    """The first row that breaks a value rule, and how (the error path: plain Python on the host)."""
+    per_head = blocks.dim() == 3
+    rows, limits = blocks.reshape(-1, blocks.shape[-1]).tolist(), limit.reshape(-1).tolist()
+    for r, (row, n) in enumerate(zip(rows, limits, strict=True)):
+        where = f"sequence {r}"
+        if per_head:
+            where = f"sequence {r // blocks.shape[1]}, KV head {r % blocks.shape[1]}"
+        valid = [b for b in row if b != -1]
+        if any(b < -1 for b in row):
+            return f"{where}: {row}: entries are block indices >= 0 or -1 padding"
+        if row[: len(valid)] != valid:
+            return f"{where}: {row}: -1 padding must come only at the end"
+        if valid != sorted(set(valid)):
+            return f"{where}: {row}: block indices must be strictly ascending"
+        if valid and valid[-1] >= n:
+            return (f"{where}: {row}: block {valid[-1]} goes beyond the {n} history blocks "
+                    "(ctx.num_history_blocks)")
+    raise AssertionError("selection_problem found a broken rule that _first_broken_row does not")
+
+
+def check_selection(policy: object, ctx: PolicyContext, blocks: object) -> None:
+    """Raise :class:`PolicyContractError` naming the policy, the layer and phase, and the rule, unless
+    ``blocks`` keeps the contract of ``select_blocks``. Inside a CUDA-graph capture only the shape, dtype
+    and device are checked (the values would need a host sync; replays run no Python)."""
+    tensor = isinstance(blocks, torch.Tensor)
+    capturing = tensor and blocks.is_cuda and torch.cuda.is_current_stream_capturing()
+    problem = selection_problem(ctx, blocks, values=not capturing)
+    if problem is not None:
+        cls = type(policy)
+        raise PolicyContractError(
+            f"{cls.__qualname__}.select_blocks ({cls.__module__}) broke the selection contract at layer "
+            f"{ctx.layer_id}, {'prefill' if ctx.is_prefill else 'decode'}: {problem}. The rules are in "
+            "nanovllm.hookspecs.PolicySpec.select_blocks"
+        )
+
+
 # -- binding --------------------------------------------------------------------------------------------
 
 
@@ -346,12 +425,12 @@ def _is_base_noop(plugin: object, name: str) -> bool:
     )
 
 
-def _signatures() -> str:
-    """``name(arg, ...)`` of every runtime hook, for error messages."""
-    return "; ".join(
-        f"{name}({', '.join(list(inspect.signature(getattr(PolicySpec, name)).parameters)[1:])})"
-        for name in RUNTIME_HOOKS
-    )
+def check_hook_arguments(member: object, label: str) -> None:
+    """Raise ``TypeError`` naming ``label`` and the hook when a runtime hook method of ``member`` (a policy
+    or observer, class or instance) takes argument names the spec does not pass."""
+    problems = argument_problems(member, PolicySpec)
+    if problems:
+        raise TypeError(f"{label}: {'; '.join(problems)} (nanovllm.hookspecs.PolicySpec)")
 
 
 class _RuntimeManager(pluggy.PluginManager):
@@ -381,21 +460,21 @@ class PolicyHooks:
     on a per-engine pluggy manager and resolved once to bound methods (one for each phase's
     ``select_blocks`` and ``compute_chunked_*``, a tuple for each notification hook)."""
 
-    def __init__(self, prefill: SparsePolicy, decode: SparsePolicy, observers: Iterable[object] = ()) -> None:
+    def __init__(
+        self, prefill: SparsePolicy, decode: SparsePolicy, observers: Iterable[object] = (),
+        check_selections: bool | None = None,
+    ) -> None:
         self.manager = _RuntimeManager(PROJECT_NAME)
         self.manager.add_hookspecs(PolicySpec)
         self.members: list[object] = []
         for member in (prefill, decode, *observers):
             if not any(member is m for m in self.members):
-                try:
-                    self.manager.register(member)
-                except pluggy.PluginValidationError as exc:  # a hook method with other argument names
-                    reason = " ".join(str(exc).split())
-                    raise TypeError(
-                        f"{type(member).__name__}: {reason}. Runtime hooks take the argument names of "
-                        f"nanovllm.hookspecs.PolicySpec: {_signatures()}"
-                    ) from exc
+                label = f"{type(member).__module__}.{type(member).__qualname__}"
+                check_hook_arguments(member, label)
+                self.manager.register(member, name=f"{label}#{len(self.members)}")
                 self.members.append(member)
+        # select_blocks' results are checked outside CUDA graphs (see check_selection)
+        self.check_selections = selection_checks_enabled() if check_selections is None else check_selections
         self.prefill = self._phase(prefill, "compute_chunked_prefill")
         self.decode = self._phase(decode, "compute_chunked_decode")
         self.kv_write = self._all("on_kv_write")

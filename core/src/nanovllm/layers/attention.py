@@ -8,7 +8,7 @@ from torch import nn
 
 from nanovllm.attention.backend import AttentionBackend
 from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, get_forward_context
-from nanovllm.policy import KVWrite, PhaseHooks, PolicyContext, PolicyHooks
+from nanovllm.policy import KVWrite, PhaseHooks, PolicyContext, PolicyHooks, check_selection
 
 
 class Attention(nn.Module):
@@ -83,6 +83,8 @@ class Attention(nn.Module):
         )
         if phase.select is not None:
             ctx.selected_blocks = phase.select(ctx)
+            if self.hooks.check_selections:
+                check_selection(phase.policy, ctx, ctx.selected_blocks)
             for on_blocks_selected in self.hooks.blocks_selected:
                 on_blocks_selected(ctx, ctx.selected_blocks)
         return ctx
