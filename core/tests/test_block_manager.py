@@ -106,6 +106,32 @@ def test_can_allocate_counts_reused_free_blocks():
     assert_all_free(bm)
 
 
+
+def test_blocks_with_nothing_cached_are_handed_out_again_first():
+    """A freed block that holds nothing cached is the next one handed out, so the blocks ever written stay
+    as many as are in use at once (on the CPU, pages of the cache nobody writes never become resident);
+    cached blocks wait at the back of the queue."""
+    bm = BlockManager(64, BS, enable_prefix_caching=False)
+    written: set[int] = set()
+    for i in range(20):
+        s = seq_of(range(100 * i, 100 * i + 10))  # 3 blocks
+        admit(bm, s)
+        compute(bm, s)
+        written.update(s.block_table)
+        bm.free(s)
+    assert len(written) == 3
+
+    bm = BlockManager(64, BS)
+    a = seq_of(range(1, 11))  # 2 full blocks, published, and a partial one
+    admit(bm, a)
+    compute(bm, a)
+    table = list(a.block_table)
+    bm.free(a)
+    b = seq_of(range(50, 53))
+    admit(bm, b)
+    assert b.block_table == table[2:]  # the partial block, not a fresh one nor a cached one
+    assert bm.find_cached_prefix(seq_of(range(1, 11))) == table[:2]
+
 # -- the prefix cache -------------------------------------------------------------------------------
 
 

@@ -6,7 +6,10 @@ prefixes. A hit is verified before it is shared, without trusting the hash: the 
 same token ids and follow the same parent block (block id and generation, bumped whenever a block is
 handed out again), so a hash collision can only cost a hit, never give a wrong one. A block whose last
 user is gone goes to the back of the free queue but keeps its content and hash, so a later request
-with the same prefix can take it back until it is handed out again and overwritten.
+with the same prefix can take it back until it is handed out again and overwritten. A block with nothing
+to keep (prefix caching off, a partial block) goes to the front and is handed out next: the engine then
+writes only as many blocks as it ever holds at once, and on the CPU, where the cache's pages become
+resident when first written, the process does not grow towards the whole cache's size.
 """
 
 from __future__ import annotations
@@ -164,10 +167,13 @@ class BlockManager:
         seq.num_committed_blocks = max(seq.num_committed_blocks, full)
 
     def free(self, seq: Sequence) -> None:
-        """Release the blocks of ``seq``; the tail goes to the free queue first so the prefix lasts longer."""
+        """Release the blocks of ``seq``. Cached blocks go to the back of the free queue, the tail first so
+        the prefix lasts longer; blocks with nothing cached go to the front, to be reused first."""
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_blocks[block_id] = None
+                if block.hash is None:
+                    self.free_blocks.move_to_end(block_id, last=False)
         seq.block_table = []
