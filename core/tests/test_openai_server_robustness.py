@@ -459,7 +459,8 @@ def start_server(model_dir: str, tmp_path: Path, shutdown_timeout: float) -> tup
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "nanovllm.cli", "serve", model_dir, "--port", str(port), "--device", "cpu",
-               "--hf-overrides", json.dumps({"max_position_embeddings": MAX_MODEL_LEN}), "--max-model-len", str(MAX_MODEL_LEN),
+               "--hf-overrides", json.dumps({"max_position_embeddings": MAX_MODEL_LEN}),
+               "--max-model-len", str(MAX_MODEL_LEN),
                "--kv-cache-memory", str(1 << 26), "--uvicorn-log-level", "warning",
                "--served-model-name", MODEL, "--shutdown-timeout", str(shutdown_timeout)]
     log = (tmp_path / "serve.log").open("w+")

@@ -23,17 +23,16 @@ from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from typing import Annotated, Any, Literal, TypeVar
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from nanovllm import __version__
-
 from nanovllm.chat_utils import ChatOptions, render
 from nanovllm.engine.async_llm import AsyncLLM, RequestStream
 from nanovllm.entrypoints import DEFAULT_MAX_JSON_BODY_SIZE, DEFAULT_SHUTDOWN_TIMEOUT
@@ -191,7 +190,8 @@ def make_params(fields: dict[str, Any], max_tokens: int | None, kind: RequestOut
 
 def render_chat(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
                 continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None,
-                tools: list[dict[str, Any]] | None = None, check: Callable[[str, str], None] | None = None) -> list[int]:
+                tools: list[dict[str, Any]] | None = None,
+                check: Callable[[str, str], None] | None = None) -> list[int]:
     """The chat template, rendered as ``LLM.chat`` renders it (:mod:`nanovllm.chat_utils`), then its token ids,
     with the front-end's tokenizer; ``check(text, "messages")`` sees the text before it is tokenized."""
     try:
@@ -221,20 +221,6 @@ def max_token_chars(tokenizer) -> int | None:
     ):
         return None
     return max(len(token) for token in backend.get_vocab(with_added_tokens=True))
-
-
-def context_error(max_model_len: int, prompt_tokens: int, max_tokens: int | None) -> str | None:
-    """Why a prompt of ``prompt_tokens`` asking for ``max_tokens`` more (None: up to the limit) does not fit the
-    context, in vLLM's words; None when it fits."""
-    if prompt_tokens >= max_model_len and max_tokens is None:
-        return (f"This model's maximum context length is {max_model_len} tokens. However, your request has "
-                f"{prompt_tokens} input tokens, which leaves no room for a completion. Please reduce the length of "
-                "the input.")
-    if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
-        return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
-                "completion). Please reduce the length of the messages or completion.")
-    return None
 
 
 class Preprocessor:
@@ -354,7 +340,8 @@ class Metrics:
         latency = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
         self.ttft = series(Histogram, "time_to_first_token_seconds", "Time to the first token", buckets=latency)
         self.tpot = series(Histogram, "time_per_output_token_seconds", "Mean time per output token after the "
-                           "first, per request", vllm_name="request_time_per_output_token_seconds", buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1))
+                           "first, per request", vllm_name="request_time_per_output_token_seconds",
+                           buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1))
         self.e2e = series(Histogram, "e2e_request_latency_seconds", "Request latency", buckets=latency)
         self.throughput = Histogram("nanovllm:request_output_tokens_per_second", "Output tokens per second of "
                                     "a request, from its arrival", buckets=(1, 5, 10, 25, 50, 100, 250, 500, 1000),
@@ -419,7 +406,7 @@ class Drain:
         if self.in_flight:
             try:
                 await asyncio.wait_for(self._idle.wait(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return False
         return True
 
@@ -590,23 +577,19 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
             raise APIError(f"token id(s) outside the vocabulary [0, {llm.vocab_size}): {bad[:5]}", param="tokens")
         return {"prompt": await preprocessor.decode(body.tokens)}
 
-    def check_request(prompts: list[list[int]], params: SamplingParams) -> None:
-        """vLLM's checks of what the engine would take but cannot honour: token ids outside the vocabulary, and
-        a completion that cannot fit the context."""
-        bad = [t for t in params.stop_token_ids if t >= llm.vocab_size]
-        if bad:
-            raise APIError(f"stop_token_ids has token id(s) outside the vocabulary [0, {llm.vocab_size}): {bad[:5]}",
-                           param="stop_token_ids")
+    def check_context(prompts: list[list[int]], params: SamplingParams) -> None:
+        """vLLM's 400 for a completion that cannot fit the context (offline, it would stop there instead)."""
         for token_ids in prompts:
-            problem = context_error(llm.max_model_len, len(token_ids), params.max_tokens)
-            if problem is not None:
-                raise APIError(problem, param="max_tokens" if len(token_ids) < llm.max_model_len else "prompt")
+            try:
+                llm.input_processor.check_context_length(len(token_ids), params.max_tokens)
+            except ValueError as exc:
+                raise APIError(str(exc), param="max_tokens") from None
 
     def submit(prompts: list[list[int]], params: SamplingParams, prefix: str) -> list[RequestStream]:
         """Queue one engine request per prompt (token ids), at once: in the handler's own turn of the event
         loop, so the requests of a burst reach the engine together. A bad prompt is a 400, and the others are
         aborted."""
-        check_request(prompts, params)
+        check_context(prompts, params)
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
