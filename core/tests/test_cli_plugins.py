@@ -16,7 +16,7 @@ import pytest
 from nanovllm.cli import main
 from nanovllm.plugins import reload_plugins
 
-KEYS = {"name", "distribution", "version", "module", "registers", "error", "warning"}
+KEYS = {"name", "distribution", "version", "module", "registers", "error", "warning", "problems"}
 
 
 def write_dist(root: Path, dist: str, module: str, source: str, entry: str) -> None:
@@ -87,6 +87,7 @@ def test_json_listing(site, capsys):
     )
     assert "model:LlamaForCausalLM" in llama["registers"]
     assert "model:Qwen3ForCausalLM" in by_name["qwen3"]["registers"]
+    assert all(p["problems"] is None for p in listed)  # targets are not loaded without --check
 
 
 def test_broken_plugin_is_shown_with_its_error(site, capsys):
@@ -154,3 +155,54 @@ def test_a_typo_in_a_lazy_target_is_one_line_naming_plugin_and_target(site, tiny
     assert len(lines) == 1, proc.stderr
     assert "sparse policy 'typo' registered by distribution 'nanovllm-typo' points at " in lines[0]
     assert "'nanovllm.policies.full:FulAttentionPolicy', which cannot be loaded" in lines[0]
+
+
+# -- --check: every registered target loaded -------------------------------------------------------------
+
+WRONG_ARGUMENTS = """
+from nanovllm.hookspecs import hookimpl
+from nanovllm.policy import SparsePolicy
+
+class Policy(SparsePolicy):
+    def select_blocks(self, context):  # the spec passes ctx
+        return context.all_history_blocks()
+
+@hookimpl
+def register_sparse_policies(registry):
+    registry.add_sparse_policy("renamed", "fakecli_args:Policy")
+"""
+
+
+def test_check_loads_every_target_and_flags_the_ones_that_fail(site, capsys):
+    source = POLICY.replace("FullAttentionPolicy", "FulAttentionPolicy").format(name="typo")
+    write_dist(site, "nanovllm-typo", "fakecli_typo2", source, "typo")
+    write_dist(site, "nanovllm-args", "fakecli_args", WRONG_ARGUMENTS, "args")
+    write_dist(site, "nanovllm-fine", "fakecli_fine2", POLICY.format(name="fine"), "fine")
+    reload_plugins()
+    assert main(["plugins"]) == 0  # listing alone loads no target: nothing is flagged
+    out = capsys.readouterr().out
+    assert "FAILED" not in out and "--check" in out
+
+    assert main(["plugins", "--check"]) == 1
+    out = capsys.readouterr().out
+    assert ("typo         nanovllm-typo 2.5  (fakecli_typo2)\n    sparse_policy:typo\n"
+            "        FAILED: sparse policy 'typo' registered by distribution 'nanovllm-typo' points at "
+            "'nanovllm.policies.full:FulAttentionPolicy', which cannot be loaded (AttributeError: ") in out
+    assert ("    sparse_policy:renamed\n        FAILED: sparse policy 'renamed' registered by distribution "
+            "'nanovllm-args' (fakecli_args:Policy): select_blocks takes 'context', which the hook does not "
+            "pass; the hook's arguments are select_blocks(ctx)") in out
+    assert "fine         nanovllm-fine 2.5  (fakecli_fine2)\n    sparse_policy:fine\n" in out
+    assert "sparse_policy:fine\n        FAILED" not in out
+    assert "model:LlamaForCausalLM\n        FAILED" not in out
+
+    assert main(["plugins", "--check", "--json"]) == 1
+    by_name = {p["name"]: p for p in json.loads(capsys.readouterr().out)}
+    assert set(by_name["typo"]["problems"]) == {"sparse_policy:typo"}
+    assert by_name["fine"]["problems"] == {} and by_name["builtin"]["problems"] == {}
+
+
+def test_check_passes_on_the_installed_plugins(site, capsys):
+    reload_plugins()
+    assert main(["plugins", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "FAILED" not in out and out.rstrip().endswith("every registered target loads")

@@ -186,6 +186,75 @@ def test_selecting_a_broken_plugin_through_the_engine(site, tiny_model):
         LLM(tiny_model(), kv_cache_memory=1 << 24, device="cpu", sparse_policy="broken")
 
 
+# -- hook argument names ------------------------------------------------------------------------------
+
+WRONG_REGISTRATION_ARGUMENTS = """
+from nanovllm.hookspecs import hookimpl
+
+@hookimpl
+def register_sparse_policies(reg):  # the spec passes registry
+    reg.add_sparse_policy("never", "nanovllm.policies.full:FullAttentionPolicy")
+"""
+
+WRONG_POLICY_ARGUMENTS = """
+from nanovllm.hookspecs import hookimpl
+from nanovllm.policy import SparsePolicy
+
+class Policy(SparsePolicy):
+    def select_blocks(self, context):  # the spec passes ctx
+        return context.all_history_blocks()
+
+    def on_kv_write(self, kv):  # the spec passes write
+        pass
+
+@hookimpl
+def register_sparse_policies(registry):
+    registry.add_sparse_policy("renamed", "fake_renamed:Policy")
+"""
+
+
+def test_a_registration_hook_with_other_argument_names_fails_at_discovery(site):
+    write_dist(site, "nanovllm-reg", {"fake_reg": WRONG_REGISTRATION_ARGUMENTS}, {"reg": "fake_reg"})
+    ps = discover("reg")
+    reg = ps.plugins[-1]
+    assert reg.error == ("register_sparse_policies takes 'reg', which the hook does not pass; the hook's "
+                         "arguments are register_sparse_policies(registry) "
+                         "(nanovllm.hookspecs.RegistrationSpec)")
+    assert reg.registered == [] and "never" not in ps.registry.sparse_policies
+    with pytest.raises(PluginError, match="nanovllm-reg 1.0.*register_sparse_policies takes 'reg'"):
+        resolve_sparse_policy("reg", ps)
+
+
+def test_a_policy_hook_with_other_argument_names_fails_before_the_weights_load(site, tiny_model, monkeypatch):
+    import nanovllm.engine.model_runner as model_runner
+    from nanovllm import LLM
+
+    write_dist(site, "nanovllm-renamed", {"fake_renamed": WRONG_POLICY_ARGUMENTS},
+               {"renamed": "fake_renamed"})
+    reload_plugins()
+    monkeypatch.setattr(model_runner, "load_weights", lambda *a: pytest.fail("the weights were loaded"))
+    with pytest.raises(PluginError) as info:
+        LLM(tiny_model(), kv_cache_memory=1 << 24, device="cpu", sparse_policy="renamed")
+    assert str(info.value) == (
+        "sparse policy 'renamed' registered by distribution 'nanovllm-renamed' (fake_renamed:Policy): "
+        "select_blocks takes 'context', which the hook does not pass; the hook's arguments are "
+        "select_blocks(ctx); on_kv_write takes 'kv', which the hook does not pass; the hook's arguments are "
+        "on_kv_write(write); rename the method's arguments (nanovllm.hookspecs.PolicySpec)"
+    )
+
+
+def test_an_observer_object_with_other_argument_names_is_refused_by_name(tiny_model):
+    from nanovllm import LLM
+
+    class Watcher:
+        def on_blocks_selected(self, ctx, blocks):  # the spec passes block_indices
+            pass
+
+    with pytest.raises(PluginError, match=r"observer .*Watcher \(test_plugins\): on_blocks_selected takes "
+                                          "'blocks'"):
+        LLM(tiny_model(), kv_cache_memory=1 << 24, device="cpu", observers=[Watcher()])
+
+
 def test_duplicate_name_is_an_error_naming_both_distributions(site):
     write_dist(site, "nanovllm-one", {"fake_one": REGISTER_POLICY.format(name="same")}, {"one": "fake_one"})
     write_dist(site, "nanovllm-two", {"fake_two": REGISTER_POLICY.format(name="Same")}, {"two": "fake_two"})
@@ -224,7 +293,9 @@ def test_allow_list_limits_what_loads(site, monkeypatch):
     monkeypatch.setenv("NANOVLLM_PLUGINS", "qwen3")  # by entry-point name
     ps = discover()
     assert names(ps) == ["builtin", "qwen3"]
-    assert list(ps.registry.model_families) == ["Qwen3ForCausalLM"] and ps.failed() == []
+    families = ps.registry.model_families
+    assert "Qwen3ForCausalLM" in families and {f.dist for f in families.values()} == {"nanovllm-qwen3"}
+    assert ps.failed() == []
     assert "full" in ps.registry.sparse_policies  # the built-ins always load
 
     monkeypatch.setenv("NANOVLLM_PLUGINS", " NanoVLLM-Llama , nonexistent ")  # by distribution name

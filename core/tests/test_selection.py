@@ -30,8 +30,8 @@ def _positive(_inst, attribute, value):
 @attrs.define(frozen=True)
 class ProbeConfig:
     topk: int = attrs.field(default=4, validator=[attrs.validators.instance_of(int), _positive])
-    ratio: float = 0.5
-    mode: str = "max"
+    ratio: float = attrs.field(default=0.5, validator=attrs.validators.instance_of((int, float)))
+    mode: str = attrs.field(default="max", validator=attrs.validators.in_(("max", "sum")))
     flag: bool = False
 
 
@@ -111,6 +111,16 @@ def test_malformed(spec, message):
         parse_selection(spec)
     assert str(info.value).startswith("sparse_policy")
     assert isinstance(info.value, ValueError)
+
+
+def test_the_example_in_grammar_errors_is_a_real_selection():
+    """The hint names an option the policy has: Quest's token_budget (not a made-up one)."""
+    with pytest.raises(SelectionError, match="write e.g. sparse_policy='quest:token_budget=2048'"):
+        parse_selection("quest:")
+    quest = pytest.importorskip("nanovllm_quest.config")
+    assert "token_budget" in attrs.fields_dict(quest.QuestConfig)
+    with pytest.raises(SelectionError, match="write e.g. attention_backend='name:key=value'"):
+        parse_selection("torch:", "attention_backend")
 
 
 def test_errors_name_the_option_they_are_about():
@@ -217,8 +227,15 @@ def test_invalid_values_are_selection_errors(plugins):
     prefix = "sparse policy 'probe': invalid option value: "
     with pytest.raises(SelectionError, match=prefix + "topk must be positive"):
         resolve_sparse_policy("probe:topk=0", plugins)
-    with pytest.raises(SelectionError, match=prefix + ".*'topk' must be <class 'int'>"):
-        resolve_sparse_policy("probe:topk=many", plugins)
+    # attrs' own validators: one readable line, not the raw tuple of their arguments
+    for spec, reason in [
+        ("probe:topk=many", "topk must be of type int, got 'many' (str)"),
+        ("probe:ratio=high", "ratio must be of type int or float, got 'high' (str)"),
+        ("probe:mode=avg", "mode must be one of 'max', 'sum', got 'avg'"),
+    ]:
+        with pytest.raises(SelectionError) as info:
+            resolve_sparse_policy(spec, plugins)
+        assert str(info.value) == prefix + reason
 
 
 def test_options_for_plugins_without_options(plugins):

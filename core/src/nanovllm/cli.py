@@ -90,12 +90,16 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _plugins(args: argparse.Namespace) -> int:
+    """The plugins and what they register; with ``--check``, every registered target loaded as selecting it
+    would (exit status 1 when a plugin or a target fails)."""
     from nanovllm.plugins import get_plugins
 
-    plugins = get_plugins().plugins
+    plugin_set = get_plugins()
+    ok = plugin_set.check() if args.check else True
+    plugins = plugin_set.plugins
     if args.json:
         print(json.dumps([p.as_dict() for p in plugins], indent=2))
-        return 0
+        return 0 if ok else 1
     for p in plugins:
         print(f"{p.name:<12} {p.dist} {p.version}  ({p.value})")
         if p.error:
@@ -104,7 +108,13 @@ def _plugins(args: argparse.Namespace) -> int:
             print(f"    WARNING: {p.warning}")
         for entry in p.registered:
             print(f"    {entry}")
-    return 0
+            if p.problems and entry in p.problems:
+                print(f"        FAILED: {p.problems[entry]}")
+    if not args.check:
+        print("(registered targets load when selected; --check loads them all now)")
+    elif ok:
+        print("every registered target loads")
+    return 0 if ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     plug = sub.add_parser("plugins", help="list installed plugins and what they register")
     plug.add_argument("--json", action="store_true", help="machine-readable output")
+    plug.add_argument("--check", action="store_true",
+                      help="also load every registered target and config as selecting it would (imports the "
+                      "plugins' code and torch), check policies' hook argument names, flag each failure; exit "
+                      "status 1 if anything fails")
     plug.set_defaults(func=_plugins)
     bench = sub.add_parser("bench", help="benchmarks on shape presets with random weights (GPU), and the "
                            "attention quality of sparse policies on the built-in model (CPU or GPU)")

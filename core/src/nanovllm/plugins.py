@@ -2,7 +2,8 @@
 
 The process-wide :class:`PluginSet` (``get_plugins()``) is the one piece of global state the core
 keeps besides the per-step forward context; it is built once, idempotently, in every process that
-needs it. Nothing here imports torch: targets are ``"module:Name"`` strings resolved on selection.
+needs it. Nothing here imports torch: targets are ``"module:Name"`` strings resolved on selection, or
+all at once by :meth:`PluginSet.check` (``nanovllm plugins --check``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from typing import Any
 import attrs
 import pluggy
 
-from nanovllm.hookspecs import ENTRY_POINT_GROUP, PROJECT_NAME, RegistrationSpec
+from nanovllm.hookspecs import (
+    ENTRY_POINT_GROUP,
+    PROJECT_NAME,
+    PolicySpec,
+    RegistrationSpec,
+    argument_problems,
+)
 
 ALLOW_ENV = "NANOVLLM_PLUGINS"
 REGISTRATION_HOOKS = tuple(n for n in vars(RegistrationSpec) if n.startswith("register_"))
@@ -38,17 +45,25 @@ def load_target(target: str) -> Any:
     return obj
 
 
-def load_registered(target: str, dist: str, what: str) -> Any:
+def load_registered(target: str, dist: str, what: str, spec: type | None = None) -> Any:
     """:func:`load_target` for an entry a plugin registered; a bad target is a one-line error naming the
-    distribution, the entry and the target."""
+    distribution, the entry and the target. With ``spec`` (a hookspec class), a hook method of the loaded
+    class whose argument names the spec does not pass is an error too, naming the hook."""
     try:
-        return load_target(target)
+        obj = load_target(target)
     except (ImportError, AttributeError) as exc:
         reason = " ".join(f"{type(exc).__name__}: {exc}".split())
         raise PluginError(
             f"{what} registered by distribution {dist!r} points at {target!r}, which cannot be loaded "
             f"({reason}); fix the target in its registration hook, or reinstall {dist}"
         ) from exc
+    problems = argument_problems(obj, spec) if spec is not None else []
+    if problems:
+        raise PluginError(
+            f"{what} registered by distribution {dist!r} ({target}): {'; '.join(problems)}; rename the "
+            f"method's arguments (nanovllm.hookspecs.{spec.__name__})"
+        )
+    return obj
 
 
 @attrs.define(frozen=True)
@@ -104,6 +119,8 @@ class PluginInfo:
     registered: list[str] = attrs.Factory(list)
     error: str | None = None
     exception: BaseException | None = attrs.field(default=None, repr=False)
+    # after PluginSet.check(): registered entry -> why its target or config cannot be loaded
+    problems: dict[str, str] | None = None
 
     @property
     def warning(self) -> str | None:
@@ -122,6 +139,7 @@ class PluginInfo:
             "registers": list(self.registered),
             "error": self.error,
             "warning": self.warning,
+            "problems": self.problems,
         }
 
 
@@ -216,6 +234,32 @@ class PluginSet:
             raise PluginError(f"in-process plugin {name!r} failed to register: {info.error}") from info.exception
         return info
 
+    def check(self) -> bool:
+        """Load every registered target and config as selecting it would (this imports the plugins' code,
+        torch included), and check the hook argument names of policies and observers. Fills each loaded
+        plugin's ``problems``; True when every plugin loaded and has none."""
+        registry = self.registry
+        tables = {"model": registry.model_families, "attention_backend": registry.attention_backends,
+                  "sparse_policy": registry.sparse_policies, "observer": registry.observers}
+        for plugin in self.plugins:
+            if plugin.error is not None:
+                continue
+            plugin.problems = {}
+            for name in plugin.registered:
+                kind, _, key = name.partition(":")
+                entry = tables[kind][key]
+                spec = PolicySpec if kind in ("sparse_policy", "observer") else None
+                what = f"{kind.replace('_', ' ')} {key!r}"
+                try:
+                    load_registered(entry.target, plugin.dist, what, spec)
+                    if getattr(entry, "config", None) is not None:
+                        load_registered(entry.config, plugin.dist, f"the config of {what}")
+                except PluginError as exc:
+                    plugin.problems[name] = str(exc)
+                except Exception as exc:  # a module that fails to import in another way
+                    plugin.problems[name] = f"importing it raised {type(exc).__name__}: {exc}"
+        return not any(p.error or p.problems for p in self.plugins)
+
     def failure_for(self, name: str) -> PluginInfo | None:
         """A plugin that failed to load and would have provided ``name`` (matched by entry point or dist)."""
         name = name.lower()
@@ -227,6 +271,11 @@ class PluginSet:
 
 def _register(manager: pluggy.PluginManager, registry: Registry, module: object, info: PluginInfo) -> None:
     """Run the registration hooks of one plugin; a failure is recorded on ``info`` and rolled back."""
+    problems = argument_problems(module, RegistrationSpec, marked_only=True)
+    if problems:
+        info.error = f"{'; '.join(problems)} (nanovllm.hookspecs.RegistrationSpec)"
+        info.exception = PluginError(f"distribution {info.dist!r}: {info.error}")
+        return
     try:
         manager.register(module, name=f"{info.dist}:{info.name}")
     except Exception as exc:

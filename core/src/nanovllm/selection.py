@@ -19,6 +19,7 @@ from typing import Any
 
 import attrs
 
+from nanovllm.hookspecs import PolicySpec, argument_problems
 from nanovllm.plugins import AttentionBackendInfo, PluginError, PluginSet, get_plugins, load_registered
 
 PHASES = ("prefill", "decode")
@@ -85,7 +86,8 @@ def parse_selection(spec: str | dict | Selection, what: str = "sparse_policy") -
         raise SelectionError(f"{what} must be a string like 'name:key=value' or a dict, not {type(spec).__name__}")
     name, sep, body = spec.strip().partition(":")
     name = name.strip().lower()
-    example = f"{what}='quest:topk=8'"
+    # a well-formed selection for error messages; a policy's with an option Quest really has
+    example = f"{what}='quest:token_budget=2048'" if what == "sparse_policy" else f"{what}='name:key=value'"
     if not name:
         raise SelectionError(f"{what}={spec!r} has no name before ':'; write e.g. {example}")
     options: dict[str, Any] = {}
@@ -152,7 +154,26 @@ def make_config(
     try:
         return config_cls(**options)
     except (TypeError, ValueError) as exc:
-        raise SelectionError(f"{label}: invalid option value: {exc}") from exc
+        raise SelectionError(f"{label}: invalid option value: {_validator_message(exc)}") from exc
+
+
+def _validator_message(exc: Exception) -> str:
+    """A config's validation error as one readable line. attrs' own validators raise with the field, the
+    accepted values and the value as further arguments, which ``str()`` shows as a raw tuple."""
+    args = exc.args
+    if len(args) != 4 or not isinstance(args[1], attrs.Attribute):
+        return str(exc)
+    name, accepted, value = args[1].name, args[2], args[3]
+    if isinstance(exc, TypeError) and all(isinstance(t, type) for t in _as_tuple(accepted)):  # instance_of
+        types = " or ".join(t.__name__ for t in _as_tuple(accepted))
+        return f"{name} must be of type {types}, got {value!r} ({type(value).__name__})"
+    if isinstance(exc, ValueError) and isinstance(accepted, (tuple, list, set, frozenset, dict)):  # in_
+        return f"{name} must be one of {', '.join(map(repr, accepted))}, got {value!r}"
+    return str(args[0])
+
+
+def _as_tuple(value: Any) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
 
 
 # -- sparse policies ------------------------------------------------------------------------------------
@@ -191,7 +212,7 @@ def _load_named(sel: Selection, table: dict, kind: str, plugins: PluginSet) -> t
     info = table[sel.name]
     label = f"{kind} {sel.name!r}"
     config = make_config(info.config, sel.options, label, info.dist)
-    return load_registered(info.target, info.dist, label), config
+    return load_registered(info.target, info.dist, label, PolicySpec), config
 
 
 def resolve_sparse_policy(spec: str | dict | Selection, plugins: PluginSet | None = None) -> ResolvedPolicy:
@@ -270,6 +291,11 @@ def resolve_observer(spec: object, plugins: PluginSet | None = None) -> object:
     """An observer instance: given as an object, or a registered observer's selection (``"name"``,
     ``"name:key=value"``, a dict), built with its checked config."""
     if not isinstance(spec, (str, dict, Selection)):
+        problems = argument_problems(spec, PolicySpec)
+        if problems:
+            raise PluginError(f"observer {type(spec).__qualname__} ({type(spec).__module__}): "
+                              f"{'; '.join(problems)}; rename the method's arguments "
+                              "(nanovllm.hookspecs.PolicySpec)")
         return spec
     plugins = plugins or get_plugins()
     sel = parse_selection(spec, "observers")
