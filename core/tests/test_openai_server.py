@@ -260,6 +260,19 @@ def test_bad_requests_get_openai_shaped_errors(client, server):
     assert client.completions.create(prompt=PROMPT, **greedy(max_tokens=2)).usage.completion_tokens == 2
 
 
+def test_a_10_mb_text_is_refused_by_its_length_before_tokenizing(server):
+    """SmolLM2's byte-level BPE bounds the characters a token covers, so 10 MB cannot fit 256 tokens: the 400
+    says so by the character count, for a prompt and for a conversation, without tokenizing it."""
+    text = "word " * (2 << 20)
+    for path, body in (("completions", {"prompt": text}), ("chat/completions", {"messages": [{"role": "user",
+                                                                                             "content": text}]})):
+        response = httpx.post(f"{server}/v1/{path}", json={"model": MODEL, "max_tokens": 2, **body}, timeout=TIMEOUT)
+        message = response.json()["error"]["message"]
+        assert response.status_code == 400 and "maximum context length is 256 tokens" in message
+        assert "characters has at least" in message, message  # refused by its length, not its tokens
+    wait_idle(server)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_metrics(server, client, stream):
     """Gauges back to zero; each finished request's times as the engine took them, whether its answer came

@@ -391,6 +391,7 @@ class Drain:
         self.draining = False
         self.streams: weakref.WeakSet[RequestStream] = weakref.WeakSet()  # every engine request submitted
         self.reason = "the request was aborted"
+        self.aborting = False  # the drain's time is up: what is still in flight is aborted, nothing new starts
         self._idle: asyncio.Event | None = None
 
     def enter(self) -> None:
@@ -418,6 +419,7 @@ class Drain:
         self.reason = (f"the server is shutting down and aborted this request, unfinished after the {timeout:g} s "
                        "it waits for requests in flight (--shutdown-timeout); send it again to another server")
         logger.warning("shutting down: aborting %d request(s) still in flight", self.in_flight)
+        self.aborting = True
         for stream in list(self.streams):
             stream.close()
         await self._until_idle(5.0)  # each handler tells its client
@@ -577,6 +579,10 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
             raise APIError(f"token id(s) outside the vocabulary [0, {llm.vocab_size}): {bad[:5]}", param="tokens")
         return {"prompt": await preprocessor.decode(body.tokens)}
 
+    def aborted() -> APIError:
+        """The error of a request that ended unfinished: the server's drain aborted it."""
+        return APIError(drain.reason, 503)
+
     def check_context(prompts: list[list[int]], params: SamplingParams) -> None:
         """vLLM's 400 for a completion that cannot fit the context (offline, it would stop there instead)."""
         for token_ids in prompts:
@@ -590,6 +596,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
         loop, so the requests of a burst reach the engine together. A bad prompt is a 400, and the others are
         aborted."""
         check_context(prompts, params)
+        if drain.aborting:  # it was still being tokenized when the drain's time ran out
+            raise aborted()
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
@@ -602,10 +610,6 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
                 raise APIError(str(exc)) from None
             raise
         return streams
-
-    def aborted() -> APIError:
-        """The error of a request that ended unfinished: the server's drain aborted it."""
-        return APIError(drain.reason, 503)
 
     async def first_outputs(request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
         """Streaming: each request's first output, before the response starts. If one fails, or the client
