@@ -304,7 +304,37 @@ def test_a_body_over_the_limit_is_a_413_declared_or_chunked(server):
     response = httpx.post(f"{server}{C}", content=chunks(), headers={"content-type": "application/json"},
                           timeout=TIMEOUT)
     assert response.status_code == 413
+    small = json.dumps({**COMPLETION, "prompt": "tok5 " * 100}).encode()  # chunked and under the limit: read whole
+    response = httpx.post(f"{server}{C}", content=(small[i:i + 100] for i in range(0, len(small), 100)),
+                          headers={"content-type": "application/json"}, timeout=TIMEOUT)
+    assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == 100
     good(server)
+
+
+def test_tokenizing_jobs_are_bounded(model_dir):
+    """One job runs, the next waits; past ``max_pending`` a request gets a 503 at once, and the slots come back."""
+    import asyncio
+
+    from nanovllm.engine.llm_engine import load_tokenizer
+    from nanovllm.entrypoints.openai_server import APIError, Preprocessor
+
+    preprocessor = Preprocessor(load_tokenizer(Path(model_dir)), MAX_MODEL_LEN, max_pending=2)
+    release = threading.Event()
+
+    async def main():
+        held = [asyncio.ensure_future(preprocessor.run(release.wait, TIMEOUT)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(APIError) as refused:
+            await preprocessor.run(len, "x")
+        assert refused.value.status == 503
+        release.set()
+        await asyncio.gather(*held)
+        return await preprocessor.encode(["tok5 tok6"])
+
+    try:
+        assert asyncio.run(main()) == [[5, 6]]
+    finally:
+        preprocessor.close()
 
 
 def test_the_context_error_is_vllms(server):
@@ -577,6 +607,7 @@ def test_a_second_signal_stops_at_once(model_dir):
         srv.handle_exit(signal.SIGTERM, None)
         assert wait_until(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 503, 5)
         assert httpx.post(f"{url}{C}", json=COMPLETION, timeout=5).status_code == 503
+        assert "nanovllm:num_requests_running" in httpx.get(f"{url}/metrics", timeout=5).text  # still scraped
         assert not any("error" in event for event in client.events if isinstance(event, dict)), \
             "the drain stopped the stream in flight"
         srv.handle_exit(signal.SIGTERM, None)
