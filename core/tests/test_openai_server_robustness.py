@@ -547,10 +547,11 @@ class Client(threading.Thread):
                 return "complete"
             assert self.status == 503 and "shutting down" in self.body["error"]["message"], self.body
             return "error"
-        if self.events[-1] == "[DONE]":
+        assert self.events[-1] == "[DONE]", self.events[-1]
+        if "error" not in self.events[-2]:
             assert self.events[-2]["choices"][0]["finish_reason"] == "length"
             return "complete"
-        error = self.events[-1]["error"]
+        error = self.events[-2]["error"]
         assert error["code"] == 503 and "shutting down" in error["message"], error
         return "error"
 

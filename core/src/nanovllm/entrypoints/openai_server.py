@@ -732,8 +732,9 @@ def build_app(llm: AsyncLLM, served_model_name: str, api_key: str | None = None,
             remaining = len(streams)
             while remaining:
                 i, out = await anext(outputs)
-                if isinstance(out, Exception):
+                if isinstance(out, Exception):  # an error event, then [DONE], as vLLM ends a failed stream
                     yield sse(error_body(str(out), out.status if isinstance(out, APIError) else 500))
+                    yield sse("[DONE]")
                     return
                 timers[i].observe(out)
                 for c in out.outputs:
