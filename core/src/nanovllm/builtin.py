@@ -21,7 +21,7 @@ def register_attention_backends(registry) -> None:
         "nanovllm.attention.triton_backend:TritonBackend",
         devices=("cuda",),
         dtypes=("float16", "bfloat16", "float32"),
-        head_sizes=(32, 64, 128),
+        head_sizes=(32, 64, 128, 256),
     )
 
 

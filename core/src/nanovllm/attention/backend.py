@@ -44,17 +44,21 @@ class AttentionBackend:
         v_cache: torch.Tensor,
         meta: PhaseMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Causal attention of each chunk over its whole cached context (prefix hits and earlier chunks).
 
         ``k``/``v`` are the chunk's new keys/values, already in the cache; a backend may read them
-        directly when no sequence has a cached prefix."""
+        directly when no sequence has a cached prefix. ``window`` (a sliding-window layer): the query at
+        position ``p`` sees only keys at positions ``p - window + 1 .. p``."""
         raise NotImplementedError
 
     def decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PhaseMetadata, scale: float
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PhaseMetadata, scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """One query token per sequence over its whole cached context."""
+        """One query token per sequence over its whole cached context, or with ``window`` over its last
+        ``window`` tokens (its own included)."""
         raise NotImplementedError
 
     def attend_blocks(

@@ -60,8 +60,9 @@ class TorchBackend(AttentionBackend):
         flat_k[slots] = key[valid].to(k_cache.dtype)
         flat_v[slots] = value[valid].to(v_cache.dtype)
 
-    def _over_cache(self, q, k_cache, v_cache, meta, block_indices, kv_lens, scale, causal):
-        """Shared body: queries of each sequence over selected cached blocks, optionally causal.
+    def _over_cache(self, q, k_cache, v_cache, meta, block_indices, kv_lens, scale, causal, window=None):
+        """Shared body: queries of each sequence over selected cached blocks, optionally causal, and
+        with ``window`` (causal only) over the last ``window`` positions up to each query's own.
 
         ``block_indices`` in either form of ``attend_blocks``; each KV head gathers only its own
         selected blocks and gets its own key mask."""
@@ -84,6 +85,8 @@ class TorchBackend(AttentionBackend):
                 meta.max_query_len, device=q.device
             )
             mask = mask & (key_pos[:, None] <= q_pos[:, :, None, None])
+            if window is not None:
+                mask = mask & (key_pos[:, None] > q_pos[:, :, None, None] - window)
         out, lse = _softmax_attend(q_pad, k, v, mask, scale)
         return out[seq, row].to(q.dtype), lse[seq, row]
 
@@ -92,13 +95,13 @@ class TorchBackend(AttentionBackend):
         idx = torch.arange(n, device=meta.block_tables.device, dtype=torch.int32)
         return torch.where(meta.block_tables >= 0, idx, -1)
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta, scale):
+    def prefill(self, q, k, v, k_cache, v_cache, meta, scale, window=None):
         blocks = self._all_blocks(meta)
-        return self._over_cache(q, k_cache, v_cache, meta, blocks, meta.context_lens, scale, causal=True)[0]
+        return self._over_cache(q, k_cache, v_cache, meta, blocks, meta.context_lens, scale, True, window)[0]
 
-    def decode(self, q, k_cache, v_cache, meta, scale):
+    def decode(self, q, k_cache, v_cache, meta, scale, window=None):
         blocks = self._all_blocks(meta)
-        return self._over_cache(q, k_cache, v_cache, meta, blocks, meta.context_lens, scale, causal=True)[0]
+        return self._over_cache(q, k_cache, v_cache, meta, blocks, meta.context_lens, scale, True, window)[0]
 
     def attend_blocks(self, q, k_cache, v_cache, meta, block_indices, kv_lens, scale):
         return self._over_cache(q, k_cache, v_cache, meta, block_indices, kv_lens, scale, causal=False)

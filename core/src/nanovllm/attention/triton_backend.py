@@ -4,6 +4,7 @@
 - ``prefill``: varlen causal FlashAttention over each sequence's whole context, read through the
   block table (prefix-cache hits and chunked prefill). A single sequence with no cached prefix goes
   to torch SDPA (cuDNN / flash) on the new keys and values when ``sdpa_prefill`` is on.
+- ``prefill`` and ``decode`` take a sliding ``window``: the kernels mask it and skip the tiles before it.
 - ``decode``: split-KV paged decoding, the KV of a GQA group read once for all its query heads,
   then a log-sum-exp reduce. No host synchronisation and no data-dependent shapes: capturable in a
   CUDA graph (the number of splits depends only on the batch, the heads and ``max_context_len``).
@@ -38,28 +39,32 @@ class TritonBackend(AttentionBackend):
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         tk.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: PhaseMetadata, scale: float) -> torch.Tensor:
+    def prefill(
+        self, q, k, v, k_cache, v_cache, meta: PhaseMetadata, scale: float, window: int | None = None
+    ) -> torch.Tensor:
         fresh = meta.num_seqs == 1 and meta.max_context_len == meta.max_query_len
-        if fresh and self.sdpa_prefill and q.is_cuda:
+        if fresh and self.sdpa_prefill and q.is_cuda and window is None:
             return _sdpa_causal(q, k, v, scale, self.sdpa_mode)
         out = _empty_out(q)
         if fresh:  # one sequence, nothing cached before it: the new keys are all there is
             tk.attention_rows(
                 q, k, v, out, None, meta.cu_seqlens_q, None, None, None, meta.max_query_len, scale,
-                paged=False, causal=True,
+                paged=False, causal=True, window=window,
             )
             return out
         tk.attention_rows(
             q, k_cache, v_cache, out, None, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, None,
-            meta.max_query_len, scale, paged=True, causal=True,
+            meta.max_query_len, scale, paged=True, causal=True, window=window,
         )
         return out
 
-    def decode(self, q, k_cache, v_cache, meta: PhaseMetadata, scale: float) -> torch.Tensor:
+    def decode(
+        self, q, k_cache, v_cache, meta: PhaseMetadata, scale: float, window: int | None = None
+    ) -> torch.Tensor:
         out = _empty_out(q)
         tk.attention_decode(
             q, k_cache, v_cache, out, None, meta.context_lens, meta.block_tables, None,
-            meta.max_context_len, scale,
+            meta.max_context_len, scale, window=window,
         )
         return out
 

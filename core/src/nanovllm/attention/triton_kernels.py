@@ -180,11 +180,12 @@ def online_softmax_step(
 @triton.jit
 def _masked_tile(
     acc, l_i, m_i, q, K, V, start_n, s, kvh, q_start, n_keys, kv_len, block_tables, sel,
-    stride_bt, num_sel, stride_kb, stride_ks, stride_kh, stride_kd, offs_d, d_ok, q_pos,
+    stride_bt, num_sel, stride_kb, stride_ks, stride_kh, stride_kd, offs_d, d_ok, q_pos, window,
     scale_log2, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
-    HAS_INDICES: tl.constexpr, CAUSAL: tl.constexpr, FP32: tl.constexpr,
+    HAS_INDICES: tl.constexpr, CAUSAL: tl.constexpr, FP32: tl.constexpr, SLIDING: tl.constexpr,
 ):
-    """A key tile with masks: validity (length, selection) and, if CAUSAL, position."""
+    """A key tile with masks: validity (length, selection), if CAUSAL position, and if SLIDING the window
+    (a key ``window`` or more positions before its query is not seen)."""
     koff, pos, valid = _key_offsets(
         start_n, s, kvh, q_start, n_keys, kv_len, block_tables, sel, stride_bt, num_sel,
         stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES,
@@ -196,6 +197,8 @@ def _masked_tile(
     score_mask = valid[None, :]
     if CAUSAL:
         score_mask = score_mask & (pos[None, :] <= q_pos[:, None])
+    if SLIDING:
+        score_mask = score_mask & (pos[None, :] > q_pos[:, None] - window)
     return online_softmax_step(acc, l_i, m_i, q, k, v, score_mask, scale_log2, True, FP32)
 
 
@@ -215,11 +218,11 @@ def _prefill_kernel(
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_ot, stride_oh, stride_od,
     stride_lt, stride_lh,
-    stride_bt, stride_bi, stride_bh, num_sel,
+    stride_bt, stride_bi, stride_bh, num_sel, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, HAS_INDICES: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
-    FP32: tl.constexpr, SKIP_DEAD: tl.constexpr,
+    FP32: tl.constexpr, SKIP_DEAD: tl.constexpr, SLIDING: tl.constexpr,
 ):
     # heaviest (last) query tiles first: under a causal mask they have the most keys
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -268,6 +271,20 @@ def _prefill_kernel(
         lo = 0
     if HAS_INDICES:
         lo = 0  # every tile needs the selection's masks
+    # SLIDING (causal, no selection): tiles before ``win_lo`` lie wholly outside every row's window and
+    # are never read; [win_lo, full_lo) need the window's mask; [full_lo, lo) every row sees in full
+    win_lo = 0
+    full_lo = 0
+    if SLIDING:
+        win_lo = (tl.maximum(q_off + m_start - window + 1, 0) // BLOCK_N) * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.maximum(tl.minimum(full_lo, lo), win_lo)
+        for start_n in range(win_lo, full_lo, BLOCK_N):
+            acc, l_i, m_i = _masked_tile(
+                acc, l_i, m_i, q, K, V, start_n, s, kvh, q_start, n_keys, kv_len, block_tables,
+                sel, stride_bt, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
+                offs_d, d_ok, q_pos, window, scale_log2, BLOCK_N, BLOCK_SIZE, PAGED, False, True, FP32, True,
+            )
 
     # tiles every row sees in full: no masks (never with HAS_INDICES, whose lo is 0). Paged, a tile's
     # block-table entries are read one tile ahead: Triton pipelines a key load whose address waits on a
@@ -275,8 +292,8 @@ def _prefill_kernel(
     offs_t = tl.arange(0, BLOCK_N)
     bt_row = block_tables + s * stride_bt
     if PAGED:
-        next_blocks = tile_blocks(bt_row, 0, lo, BLOCK_N, BLOCK_SIZE)
-    for start_n in range(0, lo, BLOCK_N):
+        next_blocks = tile_blocks(bt_row, full_lo, lo, BLOCK_N, BLOCK_SIZE)
+    for start_n in range(full_lo, lo, BLOCK_N):
         if PAGED:
             blocks = next_blocks
             next_blocks = tile_blocks(bt_row, start_n + BLOCK_N, lo, BLOCK_N, BLOCK_SIZE)
@@ -300,13 +317,15 @@ def _prefill_kernel(
                 acc, l_i, m_i = _masked_tile(
                     acc, l_i, m_i, q, K, V, start_n, s, kvh, q_start, n_keys, kv_len, block_tables,
                     sel, stride_bt, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
-                    offs_d, d_ok, q_pos, scale_log2, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES, CAUSAL, FP32,
+                    offs_d, d_ok, q_pos, window, scale_log2, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES, CAUSAL,
+                    FP32, False,
                 )
         else:
             acc, l_i, m_i = _masked_tile(
                 acc, l_i, m_i, q, K, V, start_n, s, kvh, q_start, n_keys, kv_len, block_tables,
                 sel, stride_bt, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
-                offs_d, d_ok, q_pos, scale_log2, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES, CAUSAL, FP32,
+                offs_d, d_ok, q_pos, window, scale_log2, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES, CAUSAL,
+                FP32, SLIDING,
             )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -334,11 +353,11 @@ def _decode_kernel(
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_ot, stride_oh, stride_od,
     stride_lt, stride_lh,
-    stride_bt, stride_bi, stride_bh, num_sel,
+    stride_bt, stride_bi, stride_bh, num_sel, window,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     HAS_INDICES: tl.constexpr, WRITE_LSE: tl.constexpr, FP32: tl.constexpr, SKIP_DEAD: tl.constexpr,
-    READ_AHEAD: tl.constexpr,
+    READ_AHEAD: tl.constexpr, SLIDING: tl.constexpr,
 ):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -349,8 +368,12 @@ def _decode_kernel(
         n_keys = num_sel * BLOCK_SIZE
     else:
         n_keys = kv_len
-    per_split = tl.cdiv(tl.cdiv(n_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    # SLIDING: the splits share out the window's tiles only; the pages before it are never read
+    base = 0
+    if SLIDING:
+        base = (tl.maximum(kv_len - window, 0) // BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(n_keys - base, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = base + split * per_split
     end = tl.minimum(start + per_split, n_keys)
 
     offs_g = tl.arange(0, G_PAD)
@@ -366,7 +389,7 @@ def _decode_kernel(
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)
-    q_pos = tl.zeros([G_PAD], tl.int32)  # unused: decode is not masked by position
+    q_pos = tl.zeros([G_PAD], tl.int32) + kv_len - 1  # read only by the window's mask
     if READ_AHEAD:
         # selected keys: a tile's selection and block-table entries are read one tile ahead, so its key
         # loads wait on no load of their own iteration (see ``_read_ahead`` for when it pays)
@@ -394,13 +417,15 @@ def _decode_kernel(
                     acc, l_i, m_i = _masked_tile(
                         acc, l_i, m_i, q, K, V, start_n, s, kvh, 0, end, kv_len, block_tables,
                         sel, stride_bt, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
-                        offs_d, d_ok, q_pos, scale_log2, BLOCK_N, BLOCK_SIZE, True, HAS_INDICES, False, FP32,
+                        offs_d, d_ok, q_pos, window, scale_log2, BLOCK_N, BLOCK_SIZE, True, HAS_INDICES,
+                        False, FP32, False,
                     )
             else:
                 acc, l_i, m_i = _masked_tile(
                     acc, l_i, m_i, q, K, V, start_n, s, kvh, 0, end, kv_len, block_tables,
                     sel, stride_bt, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
-                    offs_d, d_ok, q_pos, scale_log2, BLOCK_N, BLOCK_SIZE, True, HAS_INDICES, False, FP32,
+                    offs_d, d_ok, q_pos, window, scale_log2, BLOCK_N, BLOCK_SIZE, True, HAS_INDICES, False,
+                    FP32, SLIDING,
                 )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -492,7 +517,7 @@ def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, max
         bm, bn, warps, stages = 128, 128, 8, 3
     else:
         bm, bn, warps, stages = 64, 32, 4, 2
-    if max_query_len <= 64:  # short chunks: do not waste a large query tile
+    if max_query_len <= 64 and head_dim <= 128:  # short chunks: do not waste a large query tile
         bm, bn, warps, stages = 64, 64, 4, 3
     return bm, bn, warps, stages
 
@@ -512,6 +537,16 @@ def _read_ahead(multi_block_tiles: bool, num_groups: int, device: torch.device) 
     32q/8kv, 2,048 selected keys: batch 1 10.9 against 12.2 us, batch 8 32.5 against 33.3; batch 32 at
     8K 104.8 against 101.1, where occupancy hides the chain. Results are bit-identical either way."""
     return multi_block_tiles and num_groups <= num_sms(device) // 2
+
+
+def _check_window(window: int | None, allowed: bool) -> None:
+    if window is None:
+        return
+    if not allowed:
+        raise ValueError("a sliding window applies to causal attention over whole contexts, not to "
+                         "selected blocks or non-causal rows")
+    if window < 1:
+        raise ValueError(f"window={window}: a sliding window holds at least one token")
 
 
 def _dummy(t: torch.Tensor) -> torch.Tensor:
@@ -534,15 +569,17 @@ def _selection_args(block_indices: torch.Tensor | None, num_kv_heads: int, like:
 
 def attention_rows(
     q, k, v, out, lse, cu_seqlens_q, lens, block_tables, block_indices, max_query_len, scale,
-    *, paged: bool, causal: bool, config: tuple[int, int, int, int] | None = None,
+    *, paged: bool, causal: bool, config: tuple[int, int, int, int] | None = None, window: int | None = None,
 ) -> None:
     """Launch ``_prefill_kernel``: many query rows per sequence.
 
     paged: ``k``/``v`` are the caches ``[num_blocks, block_size, Hkv, D]`` and ``lens`` the KV lengths
     (context lengths, or the selection's ``kv_lens`` when ``block_indices`` is given); otherwise they
     are dense ``[num_tokens, Hkv, D]`` rows laid out like ``q`` (``lens`` unused). ``block_indices``:
-    None, or a selection ``[num_seqs, k]`` or ``[num_seqs, Hkv, k]`` (see ``attend_blocks``). ``config``
-    overrides the tile choice ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (benchmarks)."""
+    None, or a selection ``[num_seqs, k]`` or ``[num_seqs, Hkv, k]`` (see ``attend_blocks``). ``window``
+    (causal, no selection): each query sees the last ``window`` positions up to its own, and tiles before
+    them are not read. ``config`` overrides the tile choice ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``
+    (benchmarks)."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0:
@@ -559,6 +596,7 @@ def attention_rows(
         bt, stride_bt = _dummy(cu_seqlens_q), 0
     assert k.stride() == v.stride(), "k and v must share one layout"
     has_idx = block_indices is not None
+    _check_window(window, causal and not has_idx)
     bi, stride_bi, stride_bh, num_sel = _selection_args(block_indices, num_kv_heads, cu_seqlens_q)
     write_lse = lse is not None
     lse_t = lse if write_lse else _dummy(out).float()
@@ -569,11 +607,11 @@ def attention_rows(
         cu_seqlens_q, lens if lens is not None else cu_seqlens_q, bt, bi,
         scale * LOG2E,
         *q.stride(), *kstrides, *out.stride(), *lse_strides,
-        stride_bt, stride_bi, stride_bh, num_sel,
+        stride_bt, stride_bi, stride_bh, num_sel, window or 0,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn,
         PAGED=paged, HAS_INDICES=has_idx, CAUSAL=causal, WRITE_LSE=write_lse,
-        FP32=_dot_fp32(q), SKIP_DEAD=_skip_dead(has_idx, bn, block_size),
+        FP32=_dot_fp32(q), SKIP_DEAD=_skip_dead(has_idx, bn, block_size), SLIDING=window is not None,
         num_warps=warps, num_stages=stages,
     )
 
@@ -604,14 +642,15 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_keys: int, block_n: 
 
 def attention_decode(
     q, k_cache, v_cache, out, lse, lens, block_tables, block_indices, max_keys, scale,
-    num_splits: int | None = None, config: tuple[int, int, int] | None = None,
+    num_splits: int | None = None, config: tuple[int, int, int] | None = None, window: int | None = None,
 ) -> None:
     """Launch ``_decode_kernel`` (+ ``_reduce_kernel``): one query row per sequence, paged KV.
 
     ``block_indices``: None (whole contexts), or a selection ``[num_seqs, k]`` or ``[num_seqs, Hkv, k]``
     (see ``attend_blocks``); each program reads only its KV head's list. ``max_keys`` (a host int)
-    bounds the keys of any sequence; it sets the number of splits only, never the result. ``config``
-    overrides ``(BLOCK_N, num_warps, num_stages)`` (benchmarks)."""
+    bounds the keys of any sequence; it sets the number of splits only, never the result. ``window``
+    (no selection): each sequence attends to its last ``window`` keys, and the splits read only the tiles
+    that hold them. ``config`` overrides ``(BLOCK_N, num_warps, num_stages)`` (benchmarks)."""
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
         return
@@ -620,6 +659,9 @@ def attention_decode(
     assert k_cache.stride() == v_cache.stride(), "k and v caches must share one layout"
     group = num_heads // num_kv_heads
     bn, warps, stages = config or _decode_config(head_dim, q.dtype, q.device, block_size)
+    _check_window(window, block_indices is None)
+    if window is not None:  # the keys any split may read: the window and one partial tile before it
+        max_keys = min(max_keys, window + bn)
     if num_splits is None:
         num_splits = num_decode_splits(num_seqs, num_kv_heads, max_keys, bn, q.device)
     block_d = triton.next_power_of_2(head_dim)
@@ -639,12 +681,13 @@ def attention_decode(
         lens, block_tables, bi,
         scale * LOG2E,
         *q.stride(), *k_cache.stride(), *out.stride(), *lse_strides,
-        block_tables.stride(0), stride_bi, stride_bh, num_sel,
+        block_tables.stride(0), stride_bi, stride_bh, num_sel, window or 0,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=bn, NUM_SPLITS=num_splits,
         HAS_INDICES=has_idx, WRITE_LSE=write_lse, FP32=_dot_fp32(q),
         SKIP_DEAD=skip_dead,
         READ_AHEAD=_read_ahead(has_idx and not skip_dead, num_seqs * num_kv_heads, q.device),
+        SLIDING=window is not None,
         num_warps=warps, num_stages=stages,
     )
     if num_splits > 1:
