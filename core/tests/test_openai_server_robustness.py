@@ -470,11 +470,15 @@ def test_vllm_named_metrics_match_ours(server):
                        ("e2e_request_latency_seconds_count", "e2e_request_latency_seconds_count"),
                        ("time_to_first_token_seconds_sum", "time_to_first_token_seconds_sum"),
                        ("time_per_output_token_seconds_count", "request_time_per_output_token_seconds_count"),
+                       ("request_prompt_tokens_sum", "request_prompt_tokens_sum"),
+                       ("request_generation_tokens_count", "request_generation_tokens_count"),
                        ("num_requests_running", "num_requests_running"),
                        ("num_requests_waiting", "num_requests_waiting"),
                        ("kv_cache_usage_perc", "kv_cache_usage_perc")):
         assert after[f"nanovllm:{ours}"] == after[f"vllm:{vllm}{{{label}}}"], ours
     assert after["nanovllm:generation_tokens_total"] - before.get("nanovllm:generation_tokens_total", 0) == 4
+    generated = after["nanovllm:request_generation_tokens_sum"] - before.get("nanovllm:request_generation_tokens_sum", 0)
+    assert generated == 4 and after['nanovllm:request_generation_tokens_bucket{le="5.0"}'] >= 2
     for reason in ("length", "stop"):
         key = f'vllm:request_success_total{{finished_reason="{reason}",{label}}}'
         assert after[key] - before.get(key, 0) == 1, reason
