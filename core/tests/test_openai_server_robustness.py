@@ -216,6 +216,12 @@ BAD = [
     ("logit_bias token past the vocabulary", "POST", C, completion(logit_bias={"99999": 1}), 400),
     ("logit_bias value a string", "POST", C, completion(logit_bias={"5": "x"}), 400),
     ("logit_bias value Infinity", "POST", C, raw(COMPLETION, logit_bias='{"5": Infinity}'), 400),
+    # vLLM's own sampling fields
+    ("allowed_token_ids empty", "POST", C, completion(allowed_token_ids=[]), 400),
+    ("allowed_token_ids past the vocabulary", "POST", C, completion(allowed_token_ids=[5, 300]), 400),
+    ("bad_words a string", "POST", C, completion(bad_words="tok5"), 400),
+    ("bad_words blank", "POST", C, completion(bad_words=[" "]), 400),
+    ("skip_special_tokens a list", "POST", C, completion(skip_special_tokens=[]), 400),
     # logprobs
     ("logprobs negative", "POST", C, completion(logprobs=-1), 400),
     ("logprobs above max_logprobs", "POST", C, completion(logprobs=21), 400),
@@ -335,6 +341,16 @@ def test_tokenizing_jobs_are_bounded(model_dir):
         assert asyncio.run(main()) == [[5, 6]]
     finally:
         preprocessor.close()
+
+
+def test_vllms_own_sampling_fields_are_honoured(server):
+    """allowed_token_ids limits what is sampled; include_stop_str_in_output keeps the stop string."""
+    body = completion(max_tokens=8, ignore_eos=True, allowed_token_ids=[7, 9], temperature=1.0, seed=3)
+    text = httpx.post(f"{server}{C}", json=body, timeout=TIMEOUT).json()["choices"][0]["text"]
+    assert set(text.split()) <= {"tok7", "tok9"} and len(text.split()) == 8
+    body = completion(max_tokens=8, allowed_token_ids=[7], stop=["tok7"], include_stop_str_in_output=True)
+    choice = httpx.post(f"{server}{C}", json=body, timeout=TIMEOUT).json()["choices"][0]
+    assert choice["text"].strip() == "tok7" and choice["finish_reason"] == "stop"
 
 
 def test_the_context_error_is_vllms(server):

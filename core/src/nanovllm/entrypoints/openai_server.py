@@ -102,6 +102,12 @@ class SamplingFields(Closed):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's own sampling fields
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # the end user's id, for the operator's logs; it changes nothing
@@ -114,7 +120,9 @@ class SamplingFields(Closed):
 
     def sampling_kwargs(self) -> dict[str, Any]:
         names = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
-                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                 "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                 "allowed_token_ids", "bad_words")
         kwargs = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         if self.n != 1:
             kwargs["n"] = self.n
