@@ -8,6 +8,7 @@ from transformers' own initialisation, seeded) and a word-level tokenizer whose 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,59 @@ def wait_until(condition, timeout: float, poll: float = 0.05) -> bool:
             return False
         time.sleep(poll)
     return True
+
+
+def settled_rss() -> int:
+    """This process's resident set size in bytes, read after a full garbage collection and glibc's
+    ``malloc_trim(0)`` (where the C library has it), so freed heap handed back to the system does not count:
+    what remains is memory something still holds. Linux only (``/proc/self/statm``)."""
+    import ctypes
+    import gc
+    import os
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except AttributeError:  # not glibc
+        pass
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def soak(
+    llm, num_requests: int, prompt_len: int, every: int, params, seed: int = 0
+) -> Iterator[dict[str, int | float]]:
+    """Run ``num_requests`` prompts of random token ids through ``llm.generate``, ``every`` at a time, and
+    yield a reading of memory before the first and after each batch: ``requests`` done, ``seconds`` since
+    the start, ``rss`` (:func:`settled_rss`) and, where CUDA is initialised, the caching allocator's
+    ``cuda_allocated`` and ``cuda_reserved``, all in bytes. Prompts are ``prompt_len`` tokens minus 0-31, so
+    lengths vary as real ones do; ids are drawn from ``3 ... llm.vocab_size - 1`` (above the tiny models'
+    special tokens)."""
+    import random
+    import time
+
+    import torch
+
+    def reading(done: int) -> dict[str, int | float]:
+        values: dict[str, int | float] = {"requests": done, "seconds": round(time.perf_counter() - start, 3),
+                                          "rss": settled_rss()}
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            values["cuda_allocated"] = torch.cuda.memory_allocated()
+            values["cuda_reserved"] = torch.cuda.memory_reserved()
+        return values
+
+    rng = random.Random(seed)
+    start = time.perf_counter()
+    done = 0
+    yield reading(done)
+    while done < num_requests:
+        batch = min(every, num_requests - done)
+        prompts = [[rng.randrange(3, llm.vocab_size) for _ in range(prompt_len - rng.randrange(32))]
+                   for _ in range(batch)]
+        llm.generate(prompts, params, use_tqdm=False)
+        done += batch
+        yield reading(done)
 
 
 def run_under_interpreter(test_file: str | Path, keyword: str = "interp", timeout: int = 900):
