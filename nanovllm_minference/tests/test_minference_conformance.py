@@ -14,11 +14,6 @@ SMALL_BUDGET = ("minference:vertical_size=8,slash_size=8,num_sink_tokens=2,num_r
                 "dense_above=null")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    """The kit's tiny engines run far faster on one thread."""
-
-
 @pytest.mark.parametrize("case", cases(), ids=str)
 def test_conformance(case):
     if "minference" not in get_plugins().registry.sparse_policies:

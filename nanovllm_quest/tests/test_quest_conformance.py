@@ -15,11 +15,6 @@ SELECTION = "quest:token_budget=400,skip_layers=0"
 SMALL_BUDGET = "quest:token_budget={},recent_pages=1,skip_layers=0"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    """The kit's tiny engines run far faster on one thread."""
-
-
 @pytest.mark.parametrize("options", ["page_size=4", "page_size=16", "page_size=4,metadata_dtype=fp8",
                                      "bound_size=2,metadata_dtype=fp8", "page_size=4,rescore=3"])
 @pytest.mark.parametrize("case", cases(), ids=str)

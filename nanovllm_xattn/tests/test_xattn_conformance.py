@@ -13,11 +13,6 @@ SELECTION = "xattn:threshold=1.0,block_size=64,dense_below=0"
 SMALL_BUDGET = "xattn:ratio=0.1,block_size=64,dense_below=0,keep_recent=false"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    """The kit's tiny engines run far faster on one thread."""
-
-
 @pytest.mark.parametrize("case", cases(), ids=str)
 def test_conformance(case):
     if "xattn" not in get_plugins().registry.sparse_policies:

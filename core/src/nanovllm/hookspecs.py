@@ -73,9 +73,14 @@ class PolicySpec:
 
         Called by the engine when the policy's ``requires_block_selection`` is true; the result goes to
         ``ctx.selected_blocks`` before ``compute_chunked_*``. Logical block indices (block ``j`` holds
-        tokens ``[j * block_size, (j + 1) * block_size)``), int32, ascending, padded with -1 at the end,
-        each below ``ctx.num_history_blocks``: ``[num_seqs, k]`` shared by all heads, or
-        ``[num_seqs, num_kv_heads, k]`` per KV head.
+        tokens ``[j * block_size, (j + 1) * block_size)``), int32, strictly ascending, padded with -1 at
+        the end, each below ``ctx.num_history_blocks``: ``[num_seqs, k]`` shared by all heads, or
+        ``[num_seqs, num_kv_heads, k]`` per KV head. The engine checks these rules outside CUDA graphs
+        (:func:`nanovllm.policy.check_selection`; ``NANOVLLM_CHECK_SELECTIONS=0`` turns it off).
+
+        The history is the sequence before this step's chunk in prefill (a prompt prefilled in one chunk,
+        without a prefix-cache hit, has none: nothing to choose), the whole sequence in decode. Sparsity
+        inside a prefill chunk belongs to ``compute_chunked_prefill``.
         """
 
     @hookspec(firstresult=True)

@@ -2,11 +2,11 @@
 
 The contract (hook names and meaning) is :class:`nanovllm.hookspecs.PolicySpec`. Per layer and phase
 the engine builds a :class:`PolicyContext`, calls ``select_blocks`` when the policy
-``requires_block_selection`` (the result goes to ``ctx.selected_blocks``), then ``compute_chunked_prefill``
-or ``compute_chunked_decode``. The defaults here attend to the selected history blocks (prefill: plus
-the chunk itself, merged by log-sum-exp), so a policy that only chooses blocks overrides
-``select_blocks`` alone. Per-block metadata is kept from ``on_kv_write`` and reset in
-``on_blocks_allocated``.
+``requires_block_selection`` (the result, checked by :func:`check_selection`, goes to
+``ctx.selected_blocks``), then ``compute_chunked_prefill`` or ``compute_chunked_decode``. The defaults
+here attend to the selected history blocks (prefill: plus the chunk itself, merged by log-sum-exp), so a
+policy that only chooses blocks overrides ``select_blocks`` alone. Per-block metadata is kept from
+``on_kv_write`` and reset in ``on_blocks_allocated``.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ class XAttentionPolicy(SparsePolicy):
         if cfg.block_size % block_size:
             raise ValueError(
                 f"xattn block_size={cfg.block_size} is not a multiple of the KV cache's block_size={block_size}: "
-                f"choose an xattn block_size that is (e.g. {max(block_size, 128)})"
+                f"choose a multiple, e.g. sparse_policy='xattn:block_size={max(block_size, 128)}'"
             )
         if self.threshold_table is not None and len(self.threshold_table) != num_layers:
             raise ValueError(

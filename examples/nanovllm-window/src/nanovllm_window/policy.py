@@ -3,7 +3,9 @@ last ``recent_blocks`` history blocks of every sequence.
 
 Only ``select_blocks`` is overridden: :class:`nanovllm.policy.SparsePolicy` already attends to the
 selected history blocks plus the current chunk (prefill) or over the selected blocks (decode, where
-the history includes the new token) and merges the partial results by log-sum-exp.
+the history includes the new token) and merges the partial results by log-sum-exp. The window thus
+applies in decode and to the history before each prefill chunk, never inside a chunk: a prompt
+prefilled in one chunk has no history and is attended to densely.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from nanovllm_window.config import WindowConfig
 
 
 class WindowPolicy(SparsePolicy):
-    """Sink blocks + a sliding window of recent blocks, in prefill and decode."""
+    """Sink blocks + a sliding window of recent blocks of the history (decode, and prefill chunks after the
+    first)."""
 
     supports_prefill = True
     supports_decode = True
