@@ -343,18 +343,21 @@ class ModelRunner:
         return 2 * num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize, metadata
 
     def _resident_layers(self) -> list[int]:
-        """The layers the policies run dense, whose KV stays on the GPU under offload."""
+        """The layers the policies run dense, and the sliding-window layers (always dense over their
+        window), whose KV stays on the GPU under offload."""
         num_layers = len(self.attention_layers)
         resident = sorted(self.hooks.dense_layers(num_layers))
         if any(not 0 <= i < num_layers for i in resident):
             raise ValueError(
                 f"the policies' dense_layers {resident} are not all layers of this {num_layers}-layer model"
             )
+        windowed = {i for i, layer in enumerate(self.attention_layers) if layer.sliding_window is not None}
+        resident = sorted(set(resident) | windowed)
         if len(resident) == num_layers:
             raise ValueError(
-                f"the policies run all {num_layers} layers dense (dense_layers), so their KV stays on the GPU "
-                "and nothing is left to offload: drop kv_offloading_size, or make fewer layers dense (e.g. a "
-                "smaller skip_layers)"
+                f"all {num_layers} layers run dense (the policies' dense_layers, and sliding-window layers), so "
+                "their KV stays on the GPU and nothing is left to offload: drop kv_offloading_size, or make "
+                "fewer layers dense (e.g. a smaller skip_layers)"
             )
         return resident
 

@@ -18,18 +18,33 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
+class GeluTanhAndMul(nn.Module):
+    """``gelu(gate, approximate="tanh") * up`` for the gate/up halves of the last dimension (Gemma)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+# Hugging Face activation names (``hidden_act`` / ``hidden_activation``) -> the gated form
+GATED_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluTanhAndMul, "gelu_tanh": GeluTanhAndMul}
+
+
 class GatedMLP(nn.Module):
-    """The SwiGLU feed-forward block of Llama-family models (``gate_proj``/``up_proj`` packed).
-    ``reduce_results=False``: each tensor-parallel rank returns its share of the output (see
-    :class:`~nanovllm.layers.linear.RowParallelLinear`)."""
+    """The gated feed-forward block (``gate_proj``/``up_proj`` packed): SwiGLU for Llama-family models,
+    ``activation`` any name of :data:`GATED_ACTIVATIONS`. ``reduce_results=False``: each tensor-parallel
+    rank returns its share of the output (see :class:`~nanovllm.layers.linear.RowParallelLinear`)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
-                 reduce_results: bool = True) -> None:
+                 reduce_results: bool = True, activation: str = "silu") -> None:
         super().__init__()
+        if activation not in GATED_ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not supported in a gated MLP (supported: "
+                             f"{', '.join(GATED_ACTIVATIONS)})")
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias,
                                            reduce_results=reduce_results)
-        self.act_fn = SiluAndMul()
+        self.act_fn = GATED_ACTIVATIONS[activation]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))

@@ -12,11 +12,17 @@ from nanovllm.policy import KVWrite, PhaseHooks, PolicyContext, PolicyHooks, che
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_id: int) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_id: int,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.layer_id = layer_id
+        # a sliding-window layer (keys within the last ``sliding_window`` positions) runs dense over its
+        # window through the backend: the sparse policies apply to full-attention layers only
+        self.sliding_window = sliding_window
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend: AttentionBackend | None = None
         self.hooks: PolicyHooks | None = None
@@ -64,11 +70,17 @@ class Attention(nn.Module):
                     hook(write)
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        if self.sliding_window is not None:
+            return self.backend.decode(q, self.k_cache, self.v_cache, meta.decode, self.scale,
+                                       self.sliding_window)
         phase = self.hooks.decode
         rows = slice(0, meta.num_decode_tokens)
         return phase.compute(q, self._context(phase, q, k, v, meta.decode, meta.positions[rows], False))
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        if self.sliding_window is not None:
+            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, meta.prefill, self.scale,
+                                        self.sliding_window)
         phase = self.hooks.prefill
         positions = meta.positions[meta.num_decode_tokens :]
         return phase.compute(q, k, v, self._context(phase, q, k, v, meta.prefill, positions, True))

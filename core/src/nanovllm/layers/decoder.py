@@ -1,7 +1,10 @@
 """A generic pre-norm decoder-only transformer (Llama shape) that model plugins specialise.
 
 A family subclasses :class:`SelfAttention` where its attention differs (Qwen3 sets ``q_norm`` and
-``k_norm``) and sets ``attention_cls`` on a :class:`DecoderForCausalLM` subclass."""
+``k_norm``, Qwen2 ``qkv_bias``) and sets ``attention_cls`` on a :class:`DecoderForCausalLM` subclass; a
+family whose layers differ (Gemma's extra norms) sets ``layer_cls``, ``norm_cls`` and ``embed_scaled``.
+Read from the config for every family: per-layer sliding windows, RoPE per layer type, the attention
+scale (``query_pre_attn_scalar``), the MLP's activation and the final logit soft-cap."""
 
 from __future__ import annotations
 
@@ -18,24 +21,53 @@ from nanovllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import rope_from_config
 
 
+def layer_type_of(config, layer_id: int) -> str:
+    """``"sliding_attention"`` or ``"full_attention"``: the config's ``layer_types`` where it has them
+    (transformers 5 writes them for Gemma, Qwen2/3 and Mistral-like configs), else Qwen2's older
+    ``use_sliding_window`` / ``max_window_layers``, else sliding wherever ``sliding_window`` is set
+    (Mistral)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return layer_types[layer_id]
+    if getattr(config, "sliding_window", None) is None:
+        return "full_attention"
+    if hasattr(config, "use_sliding_window"):
+        sliding = config.use_sliding_window and layer_id >= getattr(config, "max_window_layers", 0)
+        return "sliding_attention" if sliding else "full_attention"
+    return "sliding_attention"
+
+
+def sliding_window_of(config, layer_id: int) -> int | None:
+    """The layer's attention window in tokens (its own included), None for full attention."""
+    if layer_type_of(config, layer_id) != "sliding_attention":
+        return None
+    return getattr(config, "sliding_window", None)
+
+
 class SelfAttention(nn.Module):
     """Packed QKV projection, RoPE, paged attention, output projection. Under tensor parallelism it returns
     this rank's share of the output: the decoder layer's next RMSNorm sums the shares (``partial=True``),
     fused with its own kernel where it can."""
 
+    qkv_bias: bool | None = None  # biases on q/k/v only (Qwen2); None: ``attention_bias`` on all four
+
     def __init__(self, config, layer_id: int) -> None:
         super().__init__()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         bias = getattr(config, "attention_bias", False)
+        qkv_bias = bias if self.qkv_bias is None else self.qkv_bias
         self.num_heads = config.num_attention_heads // tp_size()
         self.num_kv_heads = config.num_key_value_heads // tp_size()
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, bias
+            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads,
+            qkv_bias,
         )
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias,
                                         reduce_results=False)
-        self.rotary_emb = rope_from_config(config, self.head_dim)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_id)
+        self.rotary_emb = rope_from_config(config, self.head_dim, layer_type_of(config, layer_id))
+        scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5  # Gemma's scalar
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale, layer_id,
+                              sliding_window_of(config, layer_id))
         # per-head RMSNorms of queries and keys before RoPE (Qwen3 sets them); none here
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
@@ -51,12 +83,22 @@ class SelfAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v).flatten(1))
 
 
+def mlp_from_config(config) -> GatedMLP:
+    """The gated MLP with the config's activation (``hidden_activation`` for Gemma, else ``hidden_act``);
+    each tensor-parallel rank returns its share."""
+    activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+    return GatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False),
+                    reduce_results=False, activation=activation)
+
+
 class DecoderLayer(nn.Module):
+    # the layer returns its MLP's output as one share per tensor-parallel rank (the next norm sums them)
+    returns_partial = True
+
     def __init__(self, config, layer_id: int, attention_cls: type[SelfAttention]) -> None:
         super().__init__()
         self.self_attn = attention_cls(config, layer_id)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False),
-                            reduce_results=False)
+        self.mlp = mlp_from_config(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -75,18 +117,28 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, attention_cls: type[SelfAttention]) -> None:
+    def __init__(
+        self, config, attention_cls: type[SelfAttention], layer_cls: type[nn.Module] = DecoderLayer,
+        norm_cls: type[RMSNorm] = RMSNorm, embed_scaled: bool = False,
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, attention_cls) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            layer_cls(config, i, attention_cls) for i in range(config.num_hidden_layers)
+        )
+        self.norm = norm_cls(config.hidden_size, config.rms_norm_eps)
+        self.partial = layer_cls.returns_partial
+        # Gemma scales the embeddings by sqrt(hidden_size), rounded to the model's dtype as transformers does
+        self.embed_scale = config.hidden_size**0.5 if embed_scaled else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        if self.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.embed_scale).to(hidden.dtype)
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         weight_prefetch.join(hidden)
-        return self.norm(hidden, residual, partial=True)[0]
+        return self.norm(hidden, residual, partial=self.partial)[0]
 
 
 class DecoderForCausalLM(nn.Module):
@@ -94,6 +146,9 @@ class DecoderForCausalLM(nn.Module):
     ``packed_modules_mapping`` (checkpoint name -> packed parameter and shard) for the weight loader."""
 
     attention_cls: type[SelfAttention] = SelfAttention
+    layer_cls: type[nn.Module] = DecoderLayer
+    norm_cls: type[RMSNorm] = RMSNorm
+    embed_scaled = False
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -104,15 +159,22 @@ class DecoderForCausalLM(nn.Module):
 
     def __init__(self, config) -> None:
         super().__init__()
-        self.model = DecoderModel(config, self.attention_cls)
+        self.model = DecoderModel(
+            config, self.attention_cls, self.layer_cls, self.norm_cls, self.embed_scaled
+        )
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.logit_softcap = getattr(config, "final_logit_softcapping", None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The logits of the whole vocabulary; None on tensor-parallel ranks other than 0 (see
-        :class:`~nanovllm.layers.embed_head.ParallelLMHead`)."""
-        return self.lm_head(hidden)
+        :class:`~nanovllm.layers.embed_head.ParallelLMHead`). With ``final_logit_softcapping`` (Gemma 2)
+        the logits are squashed to ``cap * tanh(logits / cap)``."""
+        logits = self.lm_head(hidden)
+        if logits is not None and self.logit_softcap:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits

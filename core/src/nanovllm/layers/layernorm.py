@@ -36,3 +36,24 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weights are offsets from one (it scales by ``1 + weight``), and the scaling
+    happens in float32 before the cast back. Same call as :class:`RMSNorm`; torch code on every device."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, partial: bool = False):
+        if partial and tp_size() > 1:
+            x = all_reduce(x)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

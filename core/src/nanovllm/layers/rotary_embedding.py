@@ -1,4 +1,5 @@
-"""Rotary position embedding (neox style, rotating the two halves of each head), with llama3 scaling."""
+"""Rotary position embedding (neox style, rotating the two halves of each head), with llama3 and linear
+scaling, and per-layer-type parameters (Gemma 3's local and global layers)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from nanovllm.layers.fused import kernels, use_fused
+from nanovllm.layers.layernorm import RMSNorm
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -33,8 +35,12 @@ class RotaryEmbedding(nn.Module):
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif rope_type == "linear":  # positions divided by the factor
+            inv_freq = inv_freq / scaling["factor"]
         elif rope_type not in ("default", None):
-            raise ValueError(f"rope scaling type {rope_type!r} is not supported (supported: default, llama3)")
+            raise ValueError(
+                f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3)"
+            )
         t = torch.arange(max_position, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1).float(), persistent=False)
@@ -44,7 +50,10 @@ class RotaryEmbedding(nn.Module):
         q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[T, H, D]``, k ``[T, Hkv, D]`` rotated at ``positions`` ``[T]``, after the optional
-        per-head RMSNorms ``q_norm``/``k_norm`` (Qwen3). On CUDA one fused kernel, in place."""
+        per-head RMSNorms ``q_norm``/``k_norm`` (Qwen3). On CUDA one fused kernel, in place; a norm of
+        another kind (Gemma's) runs before it."""
+        if q_norm is not None and type(q_norm) is not RMSNorm:  # the fused kernel knows plain RMSNorm only
+            q, k, q_norm, k_norm = q_norm(q), k_norm(k), None, None
         if use_fused(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
             norms = ((q_norm.weight, q_norm.eps), (k_norm.weight, k_norm.eps)) if q_norm is not None else (None, None)
             return kernels().rope_(q, k, positions, self.cos_sin, *norms)
@@ -59,10 +68,16 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def rope_from_config(hf_config: Any, head_dim: int) -> RotaryEmbedding:
-    """Build RoPE from a Hugging Face config (``rope_parameters`` in transformers 5, else
-    ``rope_theta`` and ``rope_scaling``)."""
+def rope_from_config(hf_config: Any, head_dim: int, layer_type: str | None = None) -> RotaryEmbedding:
+    """Build RoPE from a Hugging Face config (``rope_parameters`` in transformers 5, else ``rope_theta``
+    and ``rope_scaling``) for a layer of ``layer_type`` (an entry of the config's ``layer_types``).
+    Where the parameters differ per layer type (Gemma 3: ``rope_parameters`` keyed by layer type in
+    transformers 5; ``rope_local_base_freq`` for sliding layers, unscaled, before it), the layer's own."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
+    elif layer_type == "sliding_attention" and getattr(hf_config, "rope_local_base_freq", None) is not None:
+        return RotaryEmbedding(head_dim, hf_config.max_position_embeddings, hf_config.rope_local_base_freq)
     base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     scaling = params if params.get("rope_type", "default") != "default" else getattr(hf_config, "rope_scaling", None)
     return RotaryEmbedding(head_dim, hf_config.max_position_embeddings, base, scaling)

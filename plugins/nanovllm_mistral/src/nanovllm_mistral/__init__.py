@@ -1,0 +1,2 @@
+"""nanovllm model-family plugin for Mistral (MistralForCausalLM: a Llama with a sliding window on every
+layer)."""
