@@ -3,9 +3,9 @@
 Runs :func:`nanovllm.testing.soak` (prompts of random token ids, ``--every`` at a time) on CUDA with a shape
 preset's random weights (default ``qwen3-0.6b``; ``--model default`` is the built-in SmolLM2, whose weights
 scripts/gpu_check.sh converts) and prefix caching off, and writes one JSON: the environment (device, date,
-commit), the settings, every reading (requests done, seconds, host RSS after ``gc.collect()`` and
-``malloc_trim(0)``, ``torch.cuda.memory_allocated`` and ``memory_reserved``, bytes) and, for each quantity,
-its growth after the first ``--every`` requests. Exits 1 when any grows by ``--max-growth`` or more.
+commit), the settings, every reading as ``results`` (requests done, seconds, host RSS after ``gc.collect()``
+and ``malloc_trim(0)``, ``torch.cuda.memory_allocated`` and ``memory_reserved``, bytes) and, for each
+quantity, its growth after the first ``--every`` requests. Exits 1 when any grows by ``--max-growth`` or more.
 ``--device cpu`` runs the same soak on the CPU (host memory only), as a check of the script itself.
 
     NANOVLLM_COMMIT=$(git rev-parse --short HEAD) python benchmarks/gpu_soak.py OUT.json
@@ -69,7 +69,7 @@ def main() -> int:
     settings = {"model": args.model, "requests": args.requests, "prompt_len": args.prompt_len,
                 "every": args.every, "max_tokens": args.max_tokens, "max_growth": args.max_growth,
                 "engine": engine, "kv_blocks": llm.runner.num_blocks, "block_size": llm.config.block_size}
-    payload = {"environment": environment(), "settings": settings, "growth": summary, "readings": readings}
+    payload = {"environment": environment(), "settings": settings, "growth": summary, "results": readings}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(payload, indent=1))
     failed = [key for key, g in summary.items() if g["growth"] >= args.max_growth]
