@@ -289,7 +289,8 @@ class EdgeBlocks(SparsePolicy):
 
     def select_blocks(self, ctx: PolicyContext) -> torch.Tensor:
         last = ctx.num_history_blocks.to(torch.int32)[:, None] - 1
-        return torch.cat([torch.zeros_like(last), torch.where(last > 0, last, -1)], dim=1)
+        first = torch.zeros_like(last).masked_fill(last < 0, -1)  # no history (a first chunk): nothing
+        return torch.cat([first, torch.where(last > 0, last, -1)], dim=1)
 
 
 class Recorder(SparsePolicy):
