@@ -367,3 +367,23 @@ def test_the_selection_check_can_be_turned_off(monkeypatch, one_thread):
     assert not llm.runner.hooks.check_selections
     outputs = llm.generate([list(range(3, 30))], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(outputs[0].outputs[0].token_ids) == 3
+
+
+def test_selection_problem_names_the_row_and_checks_values_only_when_asked():
+    from nanovllm.attention.metadata import PhaseMetadata
+    from nanovllm.policy import PolicyContext, selection_problem
+
+    cache = torch.zeros(8, 4, 2, 8)  # blocks of 4 tokens, 2 KV heads
+    lens = torch.tensor([9, 16], dtype=torch.int32)  # decode: 3 and 4 history blocks
+    meta = PhaseMetadata(torch.arange(3, dtype=torch.int32), lens, torch.arange(8, dtype=torch.int32).view(2, 4),
+                         1, 16)
+    ctx = PolicyContext(0, False, torch.zeros(2, 4, 8), meta, cache, cache, 1.0, None)
+    good = torch.tensor([[[0, 2, -1], [1, 2, -1]], [[0, 1, 3], [3, -1, -1]]], dtype=torch.int32)
+    assert selection_problem(ctx, good) is None and selection_problem(ctx, good[:, 0]) is None
+    bad = good.clone()
+    bad[1, 1] = torch.tensor([1, 1, -1])
+    assert selection_problem(ctx, bad) == (
+        "sequence 1, KV head 1: [1, 1, -1]: block indices must be strictly ascending")
+    assert selection_problem(ctx, bad, values=False) is None  # inside a CUDA-graph capture: shape, dtype only
+    assert selection_problem(ctx, good[:, :, None]).startswith("returned shape [2, 2, 1, 3]")
+    assert selection_problem(ctx, good.tolist()) == "returned list, not a torch.Tensor"
