@@ -375,8 +375,8 @@ def test_selection_problem_names_the_row_and_checks_values_only_when_asked():
 
     cache = torch.zeros(8, 4, 2, 8)  # blocks of 4 tokens, 2 KV heads
     lens = torch.tensor([9, 16], dtype=torch.int32)  # decode: 3 and 4 history blocks
-    meta = PhaseMetadata(torch.arange(3, dtype=torch.int32), lens, torch.arange(8, dtype=torch.int32).view(2, 4),
-                         1, 16)
+    tables = torch.arange(8, dtype=torch.int32).view(2, 4)
+    meta = PhaseMetadata(torch.arange(3, dtype=torch.int32), lens, tables, 1, 16)
     ctx = PolicyContext(0, False, torch.zeros(2, 4, 8), meta, cache, cache, 1.0, None)
     good = torch.tensor([[[0, 2, -1], [1, 2, -1]], [[0, 1, 3], [3, -1, -1]]], dtype=torch.int32)
     assert selection_problem(ctx, good) is None and selection_problem(ctx, good[:, 0]) is None
