@@ -257,6 +257,16 @@ def test_a_poisoned_request_fails_alone_and_the_others_finish(llm, reference, mo
     assert [o.token_ids for o in llm.generate(HEALTHY, GREEDY, use_tqdm=False)] == reference
 
 
+def test_a_failed_request_with_prompt_logprobs_reports_what_was_computed(llm, monkeypatch):
+    fail_steps(monkeypatch, llm)
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1)
+    [out] = llm.generate([POISONED], params, use_tqdm=False)
+    assert out.finished and out.finish_reason == "error"
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(POISONED)
+    assert all(entry is None or isinstance(entry, dict) for entry in out.prompt_logprobs)
+    assert_idle(llm)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("where", ["launch", "result"])
 def test_on_the_gpu_a_poisoned_request_fails_alone(model, monkeypatch, where):

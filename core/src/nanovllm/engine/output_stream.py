@@ -86,14 +86,15 @@ class OutputBuilder:
             completion.cumulative_logprob = sum(logprobs[0] for _, logprobs, _ in seq.logprobs)
         return completion
 
-    def logprob_dicts(self, entries: list[RawLogprobs]) -> list[dict[int, Logprob]]:
-        """Per position: the position's own token first, then the top tokens, each with its text."""
+    def logprob_dicts(self, entries: list[RawLogprobs | None]) -> list[dict[int, Logprob] | None]:
+        """Per position: the position's own token first, then the top tokens, each with its text. A position
+        never computed (the prompt of a request that ended with an error) is None."""
         texts: dict[int, str | None] = {}
-        ids = sorted({t for token_ids, _, _ in entries for t in token_ids})
+        ids = sorted({t for entry in entries if entry is not None for t in entry[0]})
         if self.tokenizer is not None and ids:  # batch_decode([]) is not [] for every tokenizer
             texts = dict(zip(ids, self.tokenizer.batch_decode([[t] for t in ids]), strict=True))
         return [
-            {t: Logprob(lp, rank, texts.get(t)) for t, lp, rank in zip(*entry, strict=True)}
+            None if entry is None else {t: Logprob(lp, rank, texts.get(t)) for t, lp, rank in zip(*entry, strict=True)}
             for entry in entries
         ]
 
