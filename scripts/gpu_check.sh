@@ -8,6 +8,8 @@
 #   QUEST_BENCH="..."  arguments of `python -m nanovllm_quest.bench` (unset: not run), results under $OUT
 #   MINFERENCE_BENCH="..."  arguments of `python -m nanovllm_minference.bench` (unset: not run)
 #   XATTN_BENCH="..."  arguments of `python -m nanovllm_xattn.bench` (unset: not run)
+#   SOAK="name:args;name:args"  runs of benchmarks/gpu_soak.py, each writing $OUT/<name>.json (unset: not run),
+#                      e.g. SOAK="h200_soak:;h200_soak_offload:--kv-offloading-size 8"
 #   NANOVLLM_COMMIT=$(git rev-parse --short HEAD), set in the command sent: the results record it; the device's
 #   copy of the tree has a git of its own, whose HEAD is not the commit that was sent
 #   DEFAULT_MODEL_GGUF=FILE  the built-in model's GGUF, converted into $NANOVLLM_CACHE (default /tmp/nvcache)
@@ -50,5 +52,13 @@ fi
 if [ -n "${XATTN_BENCH:-}" ]; then
   python3 -m nanovllm_xattn.bench $XATTN_BENCH --out "$OUT" 2>"$OUT/xattn_bench_stderr.log" || status=1
   tail -c 3000 "$OUT/xattn_bench_stderr.log" | tr '\r' '\n' | grep -v '^\s*$' | tail -15
+fi
+if [ -n "${SOAK:-}" ]; then
+  IFS=';' read -ra soaks <<<"$SOAK"
+  for run in "${soaks[@]}"; do
+    name=${run%%:*}
+    python3 benchmarks/gpu_soak.py "$OUT/$name.json" ${run#*:} >"$OUT/$name.log" 2>&1 || status=1
+    tail -n 12 "$OUT/$name.log"
+  done
 fi
 exit "$status"
