@@ -355,7 +355,7 @@ class ModelRunner:
         resident = sorted(set(resident) | windowed)
         if len(resident) == num_layers:
             raise ValueError(
-                f"all {num_layers} layers run dense (the policies' dense_layers, and sliding-window layers), so "
+                f"all {num_layers} layers dense (the policies' dense_layers and the sliding-window layers), so "
                 "their KV stays on the GPU and nothing is left to offload: drop kv_offloading_size, or make "
                 "fewer layers dense (e.g. a smaller skip_layers)"
             )
