@@ -281,6 +281,23 @@ def test_sparse_policy_runs_on_full_attention_layers_only(model_paths, hf_refere
     assert [o.outputs[0].token_ids for o in outputs] == [ref(p)[0][:16] for p in prompts]
 
 
+def test_two_ranks_give_the_tokens_of_transformers(model_paths, hf_reference):
+    """Gemma 3 on two CPU ranks (gloo): each post-norm sums its block's shares, the layer's output is
+    whole, and the tokens are transformers'."""
+    import nanovllm
+    from nanovllm import SamplingParams
+
+    ref = hf_reference("gemma3")
+    prompts = _prompts(PROMPT_LENS, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with nanovllm.LLM(model_paths("gemma3"), device="cpu", tensor_parallel_size=2, kv_cache_memory=1 << 24,
+                      block_size=8, max_num_batched_tokens=48, max_model_len=MAX_MODEL_LEN,
+                      skip_tokenizer_init=True) as llm:
+        assert llm.runner.kv_cache.shape[4] == 1  # of the model's 2 KV heads, rank 0 holds one
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [ref(p)[0][:16] for p in prompts]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", [*MODELS, *GPU_MODELS])
 def test_triton_engine_on_cuda_matches_hf(model_paths, hf_reference, model):
