@@ -283,7 +283,7 @@ class PastTheEnd(BadSelection):
     """Block ``num_history_blocks`` where the padding starts: one past the last history block."""
 
     def break_rule(self, blocks, n):
-        return torch.where(torch.arange(blocks.shape[1]) == n, n.to(torch.int32), blocks)
+        return torch.where(torch.arange(blocks.shape[1], device=blocks.device) == n, n.to(torch.int32), blocks)
 
 
 class LeadingMinusFive(BadSelection):
