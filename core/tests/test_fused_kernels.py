@@ -83,7 +83,9 @@ def test_silu_and_mul(device, dtype, gen):
 
 
 @cases
-@pytest.mark.parametrize("head_dim,heads,kv_heads,qk_norm", [(128, 16, 8, True), (64, 6, 2, False), (32, 4, 1, True)])
+# (256, 4, 1): Gemma 3 270M's heads (its own q/k norms run before the kernel)
+@pytest.mark.parametrize("head_dim,heads,kv_heads,qk_norm",
+                         [(128, 16, 8, True), (64, 6, 2, False), (32, 4, 1, True), (256, 4, 1, False)])
 def test_rope_in_place(device, dtype, head_dim, heads, kv_heads, qk_norm, gen):
     rope = RotaryEmbedding(head_dim, 4096, 1_000_000.0)
     t = 23
