@@ -143,13 +143,16 @@ def test_torch_reference_is_the_masked_softmax():
                d.brute_force(window), torch.float32, f"torch decode, window {window}", gen)
 
 
-def _tile(device, dtype, head_dim, max_query_len) -> int:
+def _tile(device, dtype, head_dim, max_query_len: int | None = None) -> int:
+    """The key tile of the prefill kernel (``max_query_len`` given) or of the decode kernel: the kernels
+    read whole tiles, so pages before the tile holding a window's first key may be poisoned."""
     if device != "cuda":
         return INTERP_TILE
     from nanovllm.attention import triton_kernels as tk
 
-    return min(tk._prefill_config(head_dim, dtype, torch.device(device), max_query_len)[1],
-               tk._decode_config(head_dim, dtype, torch.device(device), 16)[0])
+    if max_query_len is None:
+        return tk._decode_config(head_dim, dtype, torch.device(device), 16)[0]
+    return tk._prefill_config(head_dim, dtype, torch.device(device), max_query_len)[1]
 
 
 @cases
@@ -189,7 +192,7 @@ def test_decode_window(device, dtype, head_dim, group, block_size, window, gen):
     ctx = GPU_DECODE if device == "cuda" else INTERP_DECODE
     c = Case([1] * len(ctx), ctx, dtype, head_dim, group, block_size, device, gen)
     ref = TorchBackend().decode(c.q, c.k_cache, c.v_cache, c.meta, c.scale, window=window)
-    c.poison_before([max(n - window, 0) for n in ctx], _tile(device, dtype, head_dim, 1))
+    c.poison_before([max(n - window, 0) for n in ctx], _tile(device, dtype, head_dim))
     out = tb.TritonBackend().decode(c.q, c.k_cache, c.v_cache, c.meta, c.scale, window=window)
     _check(out, ref, dtype, "windowed decode", gen)
     for splits in (1, 3):
