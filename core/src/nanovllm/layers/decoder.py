@@ -128,13 +128,16 @@ class DecoderModel(nn.Module):
         )
         self.norm = norm_cls(config.hidden_size, config.rms_norm_eps)
         self.partial = layer_cls.returns_partial
-        # Gemma scales the embeddings by sqrt(hidden_size), rounded to the model's dtype as transformers does
-        self.embed_scale = config.hidden_size**0.5 if embed_scaled else None
+        # Gemma scales the embeddings by sqrt(hidden_size), rounded to the model's dtype (the default dtype
+        # while the runner builds the model) as transformers rounds it
+        self.embed_scale = None
+        if embed_scaled:
+            self.embed_scale = torch.tensor(config.hidden_size**0.5).to(torch.get_default_dtype()).item()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         if self.embed_scale is not None:
-            hidden = hidden * torch.tensor(self.embed_scale).to(hidden.dtype)
+            hidden = hidden * self.embed_scale
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         weight_prefetch.join(hidden)
