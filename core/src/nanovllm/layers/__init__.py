@@ -1,9 +1,9 @@
 """Building blocks for model plugins: tensor-parallel linears, embeddings, norms, RoPE, attention."""
 
-from nanovllm.layers.activation import GatedMLP, SiluAndMul
+from nanovllm.layers.activation import GatedMLP, GeluTanhAndMul, SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.layernorm import GemmaRMSNorm, RMSNorm
 from nanovllm.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -18,6 +18,8 @@ __all__ = [
     "Attention",
     "ColumnParallelLinear",
     "GatedMLP",
+    "GeluTanhAndMul",
+    "GemmaRMSNorm",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
     "QKVParallelLinear",

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanovllm.layers import GemmaRMSNorm
 from nanovllm.layers.decoder import DecoderForCausalLM, SelfAttention, mlp_from_config
-from nanovllm.layers.layernorm import GemmaRMSNorm
 
 
 class Gemma3Attention(SelfAttention):
