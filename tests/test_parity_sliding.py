@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from nanovllm.attention.torch_backend import TorchBackend
+from nanovllm.hookspecs import hookimpl
 
 MAX_NEW = 64
 PROMPT_LENS = (5, 37, 75, 130)
@@ -58,7 +60,8 @@ MODELS = {
 }
 # on the GPU only: Gemma 3's head size (256) through the Triton kernels
 GPU_MODELS = {
-    "gemma3-d256": ("gemma3_text", "Gemma3ForCausalLM", dict(GEMMA3, head_dim=256, query_pre_attn_scalar=256)),
+    "gemma3-d256": ("gemma3_text", "Gemma3ForCausalLM",
+                    dict(GEMMA3, head_dim=256, query_pre_attn_scalar=256)),
 }
 SETTINGS = {
     "onestep-bs16": dict(block_size=16, kv_blocks=64),
@@ -269,8 +272,8 @@ def test_sparse_policy_runs_on_full_attention_layers_only(model_paths, hf_refere
     memory = dict(kv_offloading_size=0.01, kv_offloading_buffer_size=0.01) if offload else dict(
         kv_cache_memory=1 << 24)
     llm = nanovllm.LLM(model_paths("gemma3"), device="cpu", max_model_len=MAX_MODEL_LEN, block_size=16,
-                       skip_tokenizer_init=True, sparse_policy="quest:token_budget=4096", observers=[recorder],
-                       **memory)
+                       skip_tokenizer_init=True, sparse_policy="quest:token_budget=4096",
+                       observers=[recorder], **memory)
     full = [i for i, kind in enumerate(GEMMA3["layer_types"]) if kind == "full_attention"]
     if offload:
         assert llm.runner.resident_layers == [i for i in range(len(GEMMA3["layer_types"])) if i not in full]
@@ -296,6 +299,38 @@ def test_two_ranks_give_the_tokens_of_transformers(model_paths, hf_reference):
         assert llm.runner.kv_cache.shape[4] == 1  # of the model's 2 KV heads, rank 0 holds one
         outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [ref(p)[0][:16] for p in prompts]
+
+
+class WindowlessBackend(TorchBackend):
+    """A backend written before sliding windows: its prefill and decode take no window."""
+
+    name = "windowless"
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta, scale):
+        return super().prefill(q, k, v, k_cache, v_cache, meta, scale)
+
+    def decode(self, q, k_cache, v_cache, meta, scale):
+        return super().decode(q, k_cache, v_cache, meta, scale)
+
+
+class WindowlessPlugin:
+    @hookimpl
+    def register_attention_backends(self, registry) -> None:
+        registry.add_attention_backend("windowless", f"{__name__}:WindowlessBackend", devices=("cpu",))
+
+
+def test_a_backend_without_windows_is_refused_at_start(model_paths):
+    import nanovllm
+    from nanovllm.plugins import get_plugins, reload_plugins
+
+    get_plugins().register(WindowlessPlugin(), "windowless")
+    try:
+        refusal = "'windowless' takes no sliding window.*attention_backend='torch'"
+        with pytest.raises(ValueError, match=refusal):
+            nanovllm.LLM(model_paths("mistral"), device="cpu", attention_backend="windowless",
+                         kv_cache_memory=1 << 24, skip_tokenizer_init=True)
+    finally:
+        reload_plugins()
 
 
 @pytest.mark.gpu

@@ -3,6 +3,7 @@ cache, binds the attention backend and the sparse policy, and runs one step of t
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import time
@@ -316,7 +317,16 @@ class ModelRunner:
         reason = choice.info.supports(self.device.type, dtype_name, self.head_dim)
         if reason is not None:
             raise ValueError(f"attention backend {choice.info.name!r} cannot run this model: {reason}")
-        return choice.load()(choice.config)
+        backend = choice.load()(choice.config)
+        windowed = any(layer.sliding_window is not None for layer in self.attention_layers)
+        ops = (backend.prefill, backend.decode)
+        if windowed and not all("window" in inspect.signature(op).parameters for op in ops):
+            raise ValueError(
+                f"attention backend {choice.info.name!r} takes no sliding window (its prefill and decode have "
+                "no window argument), and this model has sliding-window layers: choose "
+                "attention_backend='torch' or 'triton'"
+            )
+        return backend
 
     @staticmethod
     def _make_policy_hooks(plan: PolicyPlan, observers: tuple[object, ...]) -> PolicyHooks:
