@@ -9,6 +9,7 @@ prompts of 1K-32K tokens, in float32, give transformers' 64 greedy tokens.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 
 import pytest
@@ -135,8 +136,10 @@ def test_long_prompts_on_cuda_match_transformers(length):
     prompt = _pass_key_prompt(tokenizer, length)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=5)
     with LLM("gemma-3-270m", device="cuda", dtype="float32", max_model_len=length + 256,
-             max_num_batched_tokens=8192, gpu_memory_utilization=0.5) as llm:
+             max_num_batched_tokens=8192, kv_cache_memory=4 << 30) as llm:
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    del llm  # its weights and KV cache, before transformers' model and its 32K-token attention
+    gc.collect()
     torch.cuda.empty_cache()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     hf.generation_config.eos_token_id = None  # greedy over the whole vocabulary, as ignore_eos
