@@ -52,10 +52,10 @@ MODELS = {
     "gemma3-legacy-softcap": ("gemma3_text", "Gemma3ForCausalLM", dict(GEMMA3, final_logit_softcapping=3.0)),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", dict(
         BASE, num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
-        tie_word_embeddings=False,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,  # head size 32: Triton's least
     )),
     "mistral": ("mistral", "MistralForCausalLM", dict(
-        BASE, head_dim=16, num_hidden_layers=2, sliding_window=WINDOW, tie_word_embeddings=False,
+        BASE, head_dim=32, num_hidden_layers=2, sliding_window=WINDOW, tie_word_embeddings=False,
     )),
 }
 # on the GPU only: Gemma 3's head size (256) through the Triton kernels

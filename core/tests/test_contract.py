@@ -268,12 +268,13 @@ def test_an_unknown_observer_is_a_clear_error(observer_plugin, make_llm):
 
 
 class BadSelection(SparsePolicy):
-    """Valid selections in prefill; in decode, ``break_rule`` turns the whole history, followed by at least
-    one -1, into a selection that breaks one rule in every row."""
+    """Valid selections in prefill and where every row has one history block (the GPU's start-up warm-up);
+    otherwise ``break_rule`` turns the whole history, followed by at least one -1, into a selection that breaks
+    one rule in every row."""
 
     def select_blocks(self, ctx):
         blocks = ctx.all_history_blocks()
-        if ctx.is_prefill:
+        if ctx.is_prefill or bool((ctx.num_history_blocks < 2).all()):  # the GPU's start-up warm-up: 1 block
             return blocks
         padded = torch.cat([blocks, torch.full_like(blocks[:, :1], -1)], dim=1)
         return self.break_rule(padded, ctx.num_history_blocks[:, None])
