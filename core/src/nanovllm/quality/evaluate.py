@@ -66,7 +66,7 @@ def _decode_metadata(positions: torch.Tensor, block_size: int) -> PhaseMetadata:
 
 def evaluate_layer(
     policy: SparsePolicy, capture: Capture, layer: LayerActivations, positions: list[int], top_k: int,
-    seed: int,
+    seed: int, per_head: bool = False,
 ) -> dict[str, Any]:
     device, dtype, bs = capture.device, capture.dtype, capture.block_size
     num_blocks = -(-capture.num_tokens // bs)
@@ -84,14 +84,23 @@ def evaluate_layer(
     output = policy.compute_chunked_decode(q, ctx)
     dense = dense_attention(layer.q[positions], layer.k, layer.v, positions, layer.scale)
     quality = compare_selection(dense, selection, bs, top_k, policy_output=output, seed=seed)
-    return {"layer": layer.layer_id, **{which: result.summary() for which, result in quality.items()}}
+    out = {"layer": layer.layer_id, **{which: result.summary() for which, result in quality.items()}}
+    if per_head:  # means over the queries: mass recall per query head, density per KV head
+        out["per_head"] = {
+            which: {"mass_recall": r.mass_recall.mean(0).tolist(), "density": r.density.mean(0).tolist()}
+            for which, r in quality.items()
+        }
+    return out
 
 
 def evaluate_policy(
-    selection: str | dict, capture: Capture, positions: list[int], top_k: int = 10, seed: int = 0
+    selection: str | dict, capture: Capture, positions: list[int], top_k: int = 10, seed: int = 0,
+    per_head: bool = False,
 ) -> list[dict[str, Any]]:
     """Per captured layer: ``{"layer", "policy", "oracle", "random"}``, each a dict of mean metrics
-    (the policy's also ``policy_output_error``, the error of the output it computed itself)."""
+    (the policy's also ``policy_output_error``, the error of the output it computed itself); with
+    ``per_head`` also ``"per_head"``: per selection, ``mass_recall`` per query head and ``density`` per
+    KV head, averaged over the queries."""
     policy = make_policy(selection)
     num_blocks = -(-capture.num_tokens // capture.block_size)
     first = capture.layers[0]
@@ -99,7 +108,8 @@ def evaluate_policy(
                       capture.dtype, capture.device)
     policy.on_blocks_allocated(torch.arange(num_blocks, device=capture.device))
     with torch.inference_mode():
-        return [evaluate_layer(policy, capture, layer, positions, top_k, seed) for layer in capture.layers]
+        return [evaluate_layer(policy, capture, layer, positions, top_k, seed, per_head)
+                for layer in capture.layers]
 
 
 def mean_over_layers(layers: list[dict[str, Any]]) -> dict[str, dict[str, float]]:

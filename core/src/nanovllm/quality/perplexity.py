@@ -27,6 +27,10 @@ class DensityMeter:
     cuda_graph_safe = False
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what was counted (to measure the next request alone)."""
         self.selected: dict[str, Any] = {"prefill": 0.0, "decode": 0.0}
         self.visible: dict[str, Any] = {"prefill": 0.0, "decode": 0.0}
 
@@ -75,7 +79,7 @@ def tail_perplexity(
     ``tail_step`` defaults to 1 when the decode phase runs a policy other than ``full`` (the tail goes
     through the decode path), else to ``prefill_chunk``. A progress bar counts the text's tokens.
     """
-    from nanovllm import LLM, SamplingParams
+    from nanovllm import LLM
 
     if not 0 < tail_tokens < len(token_ids) - 1:
         raise ValueError(f"tail_tokens must be in [1, {len(token_ids) - 2}], got {tail_tokens}")
@@ -87,25 +91,41 @@ def tail_perplexity(
     )
     if tail_step is None:
         tail_step = 1 if llm.policy_plan.decode.selection.name != "full" else prefill_chunk
-    seq = llm.add_request({"prompt_token_ids": list(token_ids)},
-                          SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
-    head = len(token_ids) - tail_tokens
-    scheduler = llm.scheduler
-    with progress_bar(len(token_ids), f"perplexity {llm.policy_plan}", "tok") as bar:
-        while scheduler.has_unfinished():
-            done = seq.num_computed_tokens
-            bar.update(done - bar.n)
-            # Row p predicts token p + 1: the head in chunks up to the row that predicts the tail's first
-            # token, then the tail's rows in tail_step steps.
-            last_head_row = head - 1
-            scheduler.max_num_batched_tokens = (
-                min(prefill_chunk, last_head_row - done) if done < last_head_row else tail_step
-            )
-            llm.step()
-        bar.update(len(token_ids) - bar.n)
-    prompt_logprobs = llm.output_builder.output(seq).prompt_logprobs
-    nll = -sum(prompt_logprobs[p][token_ids[p]].logprob for p in range(head, len(token_ids))) / tail_tokens
+    nll = engine_tail_nll(llm, token_ids, tail_tokens, prefill_chunk, tail_step)
     return PerplexityResult(
         str(llm.policy_plan), math.exp(nll), nll, tail_tokens, tail_step,
         meter.density("decode"), meter.density("prefill"),
     )
+
+
+def engine_tail_nll(llm, token_ids: list[int], tail_tokens: int, prefill_chunk: int, tail_step: int) -> float:
+    """Mean negative log-likelihood (nats) of the last ``tail_tokens`` of ``token_ids`` on ``llm``, an
+    engine with ``enable_prefix_caching=False`` and ``max_num_batched_tokens`` at least ``prefill_chunk``
+    and ``tail_step``, running nothing else: the head in chunks of ``prefill_chunk`` tokens, the tail in
+    steps of ``tail_step``. A progress bar counts the text's tokens."""
+    from nanovllm import SamplingParams
+
+    if not 0 < tail_tokens < len(token_ids) - 1:
+        raise ValueError(f"tail_tokens must be in [1, {len(token_ids) - 2}], got {tail_tokens}")
+    seq = llm.add_request({"prompt_token_ids": list(token_ids)},
+                          SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    head = len(token_ids) - tail_tokens
+    scheduler = llm.scheduler
+    budget = scheduler.max_num_batched_tokens
+    try:
+        with progress_bar(len(token_ids), f"perplexity {llm.policy_plan}", "tok") as bar:
+            while scheduler.has_unfinished():
+                done = seq.num_computed_tokens
+                bar.update(done - bar.n)
+                # Row p predicts token p + 1: the head in chunks up to the row that predicts the tail's
+                # first token, then the tail's rows in tail_step steps.
+                last_head_row = head - 1
+                scheduler.max_num_batched_tokens = (
+                    min(prefill_chunk, last_head_row - done) if done < last_head_row else tail_step
+                )
+                llm.step()
+            bar.update(len(token_ids) - bar.n)
+    finally:
+        scheduler.max_num_batched_tokens = budget
+    prompt_logprobs = llm.output_builder.output(seq).prompt_logprobs
+    return -sum(prompt_logprobs[p][token_ids[p]].logprob for p in range(head, len(token_ids))) / tail_tokens
