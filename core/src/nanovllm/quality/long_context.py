@@ -31,7 +31,7 @@ from typing import Any
 import attrs
 
 from nanovllm.quality import passkey as pk
-from nanovllm.utils import progress_bar
+from nanovllm.utils import JobClock, progress_bar
 
 TASKS = ("passkey", "perplexity", "attention")
 HF = "transformers"
@@ -90,12 +90,16 @@ def selection_of(policy: str) -> str:
 class Run:
     """One run's results, built up phase by phase."""
 
-    def __init__(self, settings: LongContextSettings, out_notes: Callable[[str], None] | None = None) -> None:
-        self.settings = settings
+    def __init__(self, settings: LongContextSettings, say: Callable[[str], None] | None = None) -> None:
+        runners = len(settings.policies) + settings.hf
+        tasks = settings.tasks
+        total = runners * (("passkey" in tasks) + ("perplexity" in tasks))
+        total += (1 + len(settings.policies)) * ("attention" in tasks)
+        self.clock = JobClock(total)
         self.phases: list[dict[str, Any]] = []
         self.notes: list[str] = []
         self.errors: dict[str, str] = {}
-        self._say = out_notes or (lambda line: None)
+        self._say = say or (lambda line: None)
 
     def note(self, line: str) -> None:
         self.notes.append(line)
@@ -104,7 +108,7 @@ class Run:
     def phase(self, name: str, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` as phase ``name``: timed; an exception is recorded under ``name`` (``None`` back)."""
         start = time.perf_counter()
-        self._say(f"[{name}] start")
+        self._say(f"[{name}] start {self.clock.status()}")
         try:
             return fn()
         except Exception as exc:  # a selection that fails must not end the run
@@ -230,7 +234,7 @@ def engine_perplexity(settings: LongContextSettings, policy: str, inputs: dict[i
     meter = DensityMeter()
     chunk = settings.prefill_chunk
     llm = LLM(settings.model, sparse_policy=selection_of(policy), max_num_batched_tokens=chunk,
-              observers=[meter], **engine_options(settings, config, max(inputs) + 1))
+              max_num_seqs=1, observers=[meter], **engine_options(settings, config, max(inputs) + 1))
     try:
         tail_step = 1 if llm.policy_plan.decode.selection.name != "full" else chunk
         out = {}
@@ -330,7 +334,7 @@ def capture_full_layers(settings: LongContextSettings, ids: list[int], layers: l
     from nanovllm import LLM
     from nanovllm.quality.capture import capture_activations
 
-    llm = LLM(settings.model, sparse_policy=DENSE, async_scheduling=False,
+    llm = LLM(settings.model, sparse_policy=DENSE, async_scheduling=False, max_num_seqs=1, enforce_eager=True,
               max_num_batched_tokens=settings.prefill_chunk, **engine_options(settings, config, len(ids) + 1))
     try:
         return capture_activations(llm, ids, layers)
