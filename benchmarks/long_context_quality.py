@@ -9,11 +9,14 @@ full-attention layers (:mod:`nanovllm.quality.long_context`).
 
 Writes OUT/NAME.json (device, date, commit, settings, every number and trial, the time of each phase),
 OUT/NAME.md and, with matplotlib, OUT/NAME.png. Progress goes to stderr. A selection that fails is
-recorded in the JSON and the run goes on; the exit status is 1 when any phase failed.
+recorded in the JSON and the run goes on; the exit status is 1 when any phase failed. The JSON is
+written after every phase too (with ``"partial": true`` until the end), so a run stopped early keeps
+what it measured.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -76,7 +79,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    result = lc.run(settings, say=lambda line: print(line, file=sys.stderr, flush=True))
+    args.out.mkdir(parents=True, exist_ok=True)
+    partial = args.out / f"{args.name}.json"
+
+    def checkpoint(result: dict) -> None:  # what a run stopped early measured, rewritten after each phase
+        partial.write_text(json.dumps({**result, "partial": True}, indent=1, default=str) + "\n")
+
+    result = lc.run(settings, say=lambda line: print(line, file=sys.stderr, flush=True),
+                    checkpoint=checkpoint)
     result["seconds"] = round(time.perf_counter() - start, 1)
     paths = lc.write_results(result, args.out, args.name)
     print(paths[1].read_text())

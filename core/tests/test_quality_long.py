@@ -160,6 +160,7 @@ def test_script_end_to_end_on_the_tiny_model(tmp_path, tiny_model, one_thread):
     ])
     assert rc == 1  # the bad selection failed
     result = json.loads((tmp_path / "tiny.json").read_text())
+    assert "partial" not in result  # the checkpoints written after each phase were replaced by the whole
     assert (tmp_path / "tiny.md").is_file()
     assert {"passkey full", f"passkey {quest}", "passkey transformers", "perplexity full",
             "attention capture", f"attention {quest}"} <= {p["name"] for p in result["phases"] if p["ok"]}
@@ -187,3 +188,16 @@ def test_script_end_to_end_on_the_tiny_model(tmp_path, tiny_model, one_thread):
                     strict=True)
         assert all(o >= p - 1e-9 for p, o in heads)
     assert "skipped" in result["attention"]["full"]
+
+
+def test_a_run_whose_every_phase_fails_still_reports(tmp_path, model, one_thread):
+    """Results are checkpointed after each phase, and a run with no answer still writes its tables."""
+    saved = []
+    settings = lc.LongContextSettings(model=model, lengths=[128], depths=[0.5], trials_per_depth=1,
+                                      policies=["nosuchpolicy"], tasks=["passkey"], hf=False, device="cpu")
+    result = lc.run(settings, checkpoint=lambda r: saved.append(json.loads(json.dumps(r, default=str))))
+    assert list(result["errors"]) == ["passkey nosuchpolicy"]
+    assert "nosuchpolicy" in result["errors"]["passkey nosuchpolicy"]
+    assert len(saved) == 1 and saved[0]["phases"][0]["ok"] is False
+    paths = lc.write_results(result, tmp_path, "failed")
+    assert "error in passkey nosuchpolicy" in paths[1].read_text()

@@ -100,6 +100,7 @@ class Run:
         self.notes: list[str] = []
         self.errors: dict[str, str] = {}
         self._say = say or (lambda line: None)
+        self.on_phase_end: Callable[[], None] = lambda: None
 
     def note(self, line: str) -> None:
         self.notes.append(line)
@@ -120,6 +121,7 @@ class Run:
             self.phases.append({"name": name, "seconds": round(seconds, 2), "ok": name not in self.errors})
             free_memory()
             self._say(f"[{name}] {seconds:.1f} s")
+            self.on_phase_end()
 
 
 def free_memory() -> None:
@@ -374,8 +376,11 @@ def attention_metrics(settings: LongContextSettings, policy: str, capture) -> di
 
 
 # --------------------------------------------------------------------------------------------------- run
-def run(settings: LongContextSettings, say: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Every task of ``settings``; the results as one JSON-ready dict (see :func:`write_results`)."""
+def run(settings: LongContextSettings, say: Callable[[str], None] | None = None,
+        checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every task of ``settings``; the results as one JSON-ready dict (see :func:`write_results`).
+    ``say`` gets progress lines; ``checkpoint`` gets the results so far after every phase (so a run
+    stopped early leaves what it measured)."""
     from nanovllm.bench import environment
     from nanovllm.engine.llm_engine import load_tokenizer, resolve_model_path
 
@@ -396,6 +401,8 @@ def run(settings: LongContextSettings, say: Callable[[str], None] | None = None)
         "settings": {**attrs.asdict(settings), "model_dir": str(model_dir), "natural_text": source},
         "runners": runners, "phases": run_.phases, "notes": run_.notes, "errors": run_.errors,
     }
+    if checkpoint is not None:
+        run_.on_phase_end = lambda: checkpoint(result)
 
     if "passkey" in settings.tasks:
         fillers = {"classic": pk.classic_filler_ids(tokenizer, longest)}
@@ -404,6 +411,7 @@ def run(settings: LongContextSettings, say: Callable[[str], None] | None = None)
         prompts = pk.build_prompts(tokenizer, fillers, settings.lengths, settings.depths,
                                    settings.trials_per_depth, settings.seed)
         trials = [{**p.describe(), "answers": {}, "hits": {}} for p in prompts]
+        result["passkey"] = passkey = {"trials": trials, "accuracy": {}, "differences": {}}
         for runner in runners:
             if runner == HF:
                 answers = run_.phase(f"passkey {HF}",
@@ -416,13 +424,13 @@ def run(settings: LongContextSettings, say: Callable[[str], None] | None = None)
             for trial, answer in zip(trials, answers, strict=True):
                 trial["answers"][runner] = answer
                 trial["hits"][runner] = pk.is_hit(answer, trial["key"])
-        result["passkey"] = {"trials": trials, "accuracy": passkey_accuracy(trials, runners),
-                             "differences": passkey_differences(trials, runners)}
+            passkey["accuracy"] = passkey_accuracy(trials, runners)
+            passkey["differences"] = passkey_differences(trials, runners)
 
     if "perplexity" in settings.tasks or "attention" in settings.tasks:
         inputs = perplexity_inputs(tokenizer, settings.lengths, natural)
     if "perplexity" in settings.tasks:
-        ppl: dict[str, Any] = {}
+        result["perplexity"] = ppl = {}
         for runner in runners:
             if runner == HF:
                 got = run_.phase(f"perplexity {HF}", lambda: hf_perplexity(settings, model_dir, inputs))
@@ -431,20 +439,19 @@ def run(settings: LongContextSettings, say: Callable[[str], None] | None = None)
                                  lambda r=runner: engine_perplexity(settings, r, inputs, config))
             if got is not None:
                 ppl[runner] = {str(length): v for length, v in got.items()}
-        result["perplexity"] = ppl
 
     if "attention" in settings.tasks:
         layers = full_attention_layers(config)
         capture = run_.phase("attention capture",
                              lambda: capture_full_layers(settings, inputs[longest], layers, config))
-        metrics: dict[str, Any] = {"layers": layers, "length": longest, "queries": settings.attention_queries}
+        result["attention"] = metrics = {"layers": layers, "length": longest,
+                                         "queries": settings.attention_queries}
         if capture is not None:
             for policy in settings.policies:
                 got = run_.phase(f"attention {policy}",
                                  lambda p=policy: attention_metrics(settings, p, capture))
                 metrics[policy] = got if got is not None else {"error": run_.errors[f"attention {policy}"]}
             del capture
-        result["attention"] = metrics
     return result
 
 
