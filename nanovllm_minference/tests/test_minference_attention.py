@@ -38,11 +38,14 @@ GPU_CONFIGS = [
     (torch.bfloat16, 64, 1, 8, 32, True),
     (torch.float32, 128, 2, 2, 16, True),
     (torch.float16, 96, 2, 2, 64, True),
+    (torch.bfloat16, 256, 1, 4, 16, True),  # Gemma 3
+    (torch.float32, 256, 1, 4, 16, True),
 ]
 INTERP_CONFIGS = [
     (torch.bfloat16, 64, 1, 4, 16, True),
     (torch.float16, 32, 2, 1, 128, False),
     (torch.float32, 48, 1, 2, 32, True),
+    (torch.bfloat16, 256, 1, 4, 16, True),
 ]
 # (query length, context length) per sequence: a fresh prompt, a chunk starting off the tile grid, one
 # row over a long prefix, a chunk on the tile grid

@@ -121,14 +121,14 @@ INTERP_PARAMS = [
 
 
 @pytest.mark.parametrize("device,dtype,group,block_size,last_q", GPU_PARAMS + INTERP_PARAMS)
-def test_estimate_against_reference(device, dtype, group, block_size, last_q):
+def test_estimate_against_reference(device, dtype, group, block_size, last_q, head_dim=None):
     pytest.importorskip("triton")
     from nanovllm_minference.estimate import estimate
 
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator().manual_seed(seed)
     lens = GPU_LENS if device == "cuda" else LENS
-    case = make_case(lens, num_kv_heads=2, group=group, head_dim=128 if device == "cuda" else 32,
+    case = make_case(lens, num_kv_heads=2, group=group, head_dim=head_dim or (128 if device == "cuda" else 32),
                      block_size=block_size, dtype=dtype, device=device, gen=gen)
     width = max(c for _, c in lens) + 5  # padded: the extra columns stay 0
     vertical, slash = estimate(**case, last_q=last_q, max_context_len=width)
@@ -142,6 +142,17 @@ def test_estimate_against_reference(device, dtype, group, block_size, last_q):
     assert torch.equal(again[0], vertical) and torch.equal(again[1], slash), "not deterministic"
 
 
+HEAD_256_PARAMS = [pytest.param("cuda", dt, id=f"gpu-{str(dt)[6:]}", marks=pytest.mark.gpu)
+                   for dt in (torch.bfloat16, torch.float32)]
+HEAD_256_PARAMS += [pytest.param("cpu", torch.bfloat16, id="interp-bfloat16")] if INTERP else []
+
+
+@pytest.mark.parametrize("device,dtype", HEAD_256_PARAMS)
+def test_estimate_at_head_size_256(device, dtype):
+    """Gemma 3's head size (256, 4 query heads a KV head)."""
+    test_estimate_against_reference(device, dtype, 4, 16, 64 if device == "cuda" else 16, head_dim=256)
+
+
 def test_estimate_under_interpreter():
     """Every ``interp`` case of this file under Triton's interpreter on the CPU, in a fresh process."""
-    assert_interpreter_cases_pass(__file__, 3)
+    assert_interpreter_cases_pass(__file__, 4)

@@ -66,12 +66,12 @@ def stale_bounds(gen, shape, dtype, fp8: bool) -> torch.Tensor:
 @cases
 @pytest.mark.parametrize(("block_size", "bound"), [(4, 4), (16, 16), (16, 4)])
 @pytest.mark.parametrize("fp8", [False, True], ids=["kv-dtype", "fp8"])
-def test_update_metadata(device, dtype, block_size, bound, fp8):
+def test_update_metadata(device, dtype, block_size, bound, fp8, d=48):
     """Pages of one block: the anchor is each row's own block, and with bounds below the page each row's
     bound is ``slot // bound``, bound ``slot % block_size // bound`` of its block. Float8 bounds: keys past
     the format's range make their bounds unbounded."""
     gen = torch.Generator().manual_seed(block_size)
-    hkv, d, n = 2, 48, 64
+    hkv, n = 2, 64
     # decode rows mid-block, a fresh block's first token, chunks starting mid-block and spanning blocks
     seqs = [(5, 1), (2 * block_size, 1), (3, 2 * block_size + 1), (0, 3 * block_size), (block_size - 1, 2)]
     key, slots, pos = random_write(gen, n, block_size, seqs, hkv, d, dtype)
@@ -144,9 +144,9 @@ def test_update_metadata_of_shared_pages(device, dtype, page, fp8):
 @pytest.mark.parametrize("keep_sink", [False, True])
 @pytest.mark.parametrize(("per_page", "bounds"), [(1, 1), (3, 1), (1, 2)])
 @pytest.mark.parametrize("recent", [1, 4])
-def test_page_scores(device, dtype, reduction, keep_sink, per_page, bounds, recent):
+def test_page_scores(device, dtype, reduction, keep_sink, per_page, bounds, recent, d=64):
     gen = torch.Generator().manual_seed(7)
-    seqs, heads, hkv, d, width = 3, 8, 2, 64, 150 if device == "cuda" else 70
+    seqs, heads, hkv, width = 3, 8, 2, 150 if device == "cuda" else 70
     block, page = 16, 16 * per_page
     num_blocks = seqs * width
     metadata = torch.randn(num_blocks, hkv, bounds, 2, d, generator=gen)
@@ -174,7 +174,7 @@ def test_page_scores(device, dtype, reduction, keep_sink, per_page, bounds, rece
 @cases
 @pytest.mark.parametrize("per_page", [1, 2])
 @pytest.mark.parametrize("step", [None, 16])
-def test_page_scores_with_fp8_bounds(device, dtype, per_page, step, monkeypatch):
+def test_page_scores_with_fp8_bounds(device, dtype, per_page, step, monkeypatch, d=64):
     """Float8 bounds score as their float32 values; a page with an unbounded bound (a NaN channel) scores
     ``+inf``. The query's channels span 7.5 orders of magnitude, past float16's range: on the GPU a 16-bit
     query is scaled into it. The widths reach each scoring tile on an H100 (32, 64 and 128 bounds a program,
@@ -182,7 +182,7 @@ def test_page_scores_with_fp8_bounds(device, dtype, per_page, step, monkeypatch)
     if step is not None:
         monkeypatch.setattr(kernels, "SCORE_STEP", step)
     gen = torch.Generator().manual_seed(11)
-    seqs, hkv, d, block = 2, 8 if device == "cuda" else 2, 64, 16
+    seqs, hkv, block = 2, 8 if device == "cuda" else 2, 16
     for width in (40, 700, 2200) if device == "cuda" else (40,):
         bounds = torch.randn(seqs * width, hkv, per_page, 2, d, generator=gen) * 3
         metadata = torch.stack([reference.round_fp8(bounds.amin(3), up=False),
@@ -276,11 +276,11 @@ def test_select_pages(device, dtype):
 
 @cases
 @pytest.mark.parametrize("reduction", ["max", "sum"])
-def test_rescore_pages(device, dtype, reduction):
+def test_rescore_pages(device, dtype, reduction, d=64):
     """Nominees' exact scores: a row with fewer valid pages than nominees (-1 padding: ``-inf``), a history
     ending inside its last page (keys past it left out), forced pages kept ``+inf``."""
     gen = torch.Generator().manual_seed(13)
-    seqs, heads, hkv, d, width, block = 3, 8, 2, 64, 30, 16
+    seqs, heads, hkv, width, block = 3, 8, 2, 30, 16
     k_cache = torch.randn(seqs * width, block, hkv, d, generator=gen).to(dtype)
     tables = torch.randperm(seqs * width, generator=gen).view(seqs, width).int()
     lens = torch.tensor([width * block, width * block - 9, 5 * block + 3], dtype=torch.int32)
@@ -324,6 +324,17 @@ def test_pick_nominees(device, dtype, width, k):
     assert torch.equal(got, want)
 
 
+@cases
+def test_kernels_at_head_size_256(device, dtype, monkeypatch):
+    """Gemma 3's head size (256, 4 query heads on 1 KV head): metadata updates in both formats, scoring
+    with 16-bit and float8 bounds, and rescoring, each against its reference."""
+    for fp8 in (False, True):
+        test_update_metadata(device, dtype, 16, 16, fp8, d=256)
+    test_page_scores(device, dtype, "max", True, 1, 2, 1, d=256)
+    test_page_scores_with_fp8_bounds(device, dtype, 1, None, monkeypatch, d=256)
+    test_rescore_pages(device, dtype, "max", d=256)
+
+
 def test_kernels_under_interpreter():
     """Every ``interp`` case of this file under Triton's interpreter on the CPU, in a fresh process."""
     if CUDA or INTERP:
@@ -332,4 +343,4 @@ def test_kernels_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == 3 * 2 + 2 * 2 + 2 * 2 * 3 * 2 + 2 * 2 + 7 * 2 + 4 + 1 + 2 + 3, tail
+    assert passed == 3 * 2 + 2 * 2 + 2 * 2 * 3 * 2 + 2 * 2 + 7 * 2 + 4 + 1 + 2 + 3 + 1, tail

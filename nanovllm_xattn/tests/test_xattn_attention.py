@@ -39,11 +39,14 @@ GPU_CONFIGS = [
     (torch.float32, 128, 2, 1, 32, False, 128, None),
     (torch.bfloat16, 96, 2, 2, 64, True, 256, None),
     (torch.bfloat16, 128, 2, 4, 16, False, 128, (64, 128, 4, 3)),  # key tiles larger than query tiles
+    (torch.bfloat16, 256, 1, 4, 16, False, 128, None),  # Gemma 3
+    (torch.float32, 256, 1, 4, 16, True, 128, None),
 ]
 INTERP_CONFIGS = [
     (torch.bfloat16, 64, 1, 4, 16, False, 64, None),
     (torch.float16, 32, 2, 2, 256, True, 64, (32, 64, 1, 1)),  # key tiles larger than query tiles
     (torch.float32, 48, 2, 1, 4, False, 128, (16, 32, 1, 1)),  # key tiles span several cache blocks
+    (torch.bfloat16, 256, 1, 4, 16, False, 64, None),
 ]
 # (query length, context length) per sequence: a fresh prompt, a chunk starting off the block grid, one row
 # over a long prefix, a chunk on the block grid, a sequence with no query in this phase

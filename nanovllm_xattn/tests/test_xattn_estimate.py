@@ -186,7 +186,8 @@ INTERP_PARAMS = [
 
 
 @pytest.mark.parametrize("device,dtype,group,kv_block_size,stride,block,config", GPU_PARAMS + INTERP_PARAMS)
-def test_block_scores_against_reference(device, dtype, group, kv_block_size, stride, block, config):
+def test_block_scores_against_reference(device, dtype, group, kv_block_size, stride, block, config,
+                                        head_dim=None):
     pytest.importorskip("triton")
     from nanovllm_xattn.estimate import block_scores
 
@@ -194,7 +195,7 @@ def test_block_scores_against_reference(device, dtype, group, kv_block_size, str
     gen = torch.Generator().manual_seed(seed)
     gpu = device == "cuda"
     case = make_case(GPU_LENS if gpu else LENS, num_kv_heads=8 if gpu else 2, group=group,
-                     head_dim=128 if gpu else 32, kv_block_size=kv_block_size, dtype=dtype, device=device,
+                     head_dim=head_dim or (128 if gpu else 32), kv_block_size=kv_block_size, dtype=dtype, device=device,
                      gen=gen)
     case["max_query_len"] += 5  # a padded grid: the extra rows and columns stay 0
     case["max_context_len"] += block
@@ -240,6 +241,18 @@ def test_block_scores_chunked_prefill_on_gpu():
     check_scores(got, chunk, stride, block)
 
 
+HEAD_256_PARAMS = [pytest.param("cuda", dt, id=f"gpu-{str(dt)[6:]}", marks=pytest.mark.gpu)
+                   for dt in (torch.bfloat16, torch.float32)]
+HEAD_256_PARAMS += [pytest.param("cpu", torch.bfloat16, id="interp-bfloat16")] if INTERP else []
+
+
+@pytest.mark.parametrize("device,dtype", HEAD_256_PARAMS)
+def test_block_scores_at_head_size_256(device, dtype):
+    """Gemma 3's head size (256, 4 query heads a KV head), at the default tiles."""
+    test_block_scores_against_reference(device, dtype, 4, 16, 8 if device == "cuda" else 4,
+                                        128 if device == "cuda" else 64, None, head_dim=256)
+
+
 def test_block_scores_under_interpreter():
     """Every ``interp`` case of this file under Triton's interpreter on the CPU, in a fresh process."""
-    assert_interpreter_cases_pass(__file__, 4)
+    assert_interpreter_cases_pass(__file__, 5)

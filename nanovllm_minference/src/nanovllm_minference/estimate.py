@@ -269,9 +269,9 @@ def _slices(width: int, block_n: int, programs: int, device: torch.device) -> tu
     return triton.cdiv(tiles, per_slice), per_slice
 
 
-def _sums_heads(group: int, rows: int, block_d: int, itemsize: int, budget: int) -> int:
+def _sums_heads(group: int, rows: int, block_d: int, itemsize: int, budget: int, stages: int) -> int:
     """Query heads per pass-2 program: the most (a power of two) that divide the group, stack at most 128
-    rows, and fit ``budget`` bytes of shared memory: their queries, three stages of the key tile and
+    rows, and fit ``budget`` bytes of shared memory: their queries, ``stages`` stages of the key tile and
     ``tl.gather``'s float32 probability tile. (H100, 64 rows a head, group 4: two heads and four warps ran
     the pass 25% faster than four heads and eight warps, at 32K and 128K keys; the row sums of the larger
     tile cost more than its shared key reads save.)"""
@@ -279,7 +279,7 @@ def _sums_heads(group: int, rows: int, block_d: int, itemsize: int, budget: int)
     fits = [
         heads for heads in range(1, group + 1)
         if group % heads == 0 and heads & (heads - 1) == 0 and heads * rows <= 128
-        and heads * tile_k + 3 * tile_k + heads * rows * rows * 4 <= budget
+        and heads * tile_k + stages * tile_k + heads * rows * rows * 4 <= budget
     ]
     if not fits:
         raise ValueError(
@@ -319,9 +319,13 @@ def estimate(
 
     # pass 1: up to 256 stacked rows a program (a whole GQA group at last_q 64 and group 4), the key tile
     # as wide as keeps the score tile at 16K floats
-    heads = min(triton.next_power_of_2(group), max(1, 256 // rows))
+    # over head size 128 the tiles shrink to stay within shared memory (Hopper: 227 KB a program): at
+    # most 128 stacked rows (64 in float32) and 8K key elements
+    stacked = 256 if block_d <= 128 else 128 // (2 if q.element_size() == 4 else 1)
+    heads = min(triton.next_power_of_2(group), max(1, stacked // rows))
     num_sub = triton.cdiv(group, heads)
-    block_n1 = max(16, min(128, 16384 // (heads * rows))) if gpu else 16
+    max_keys = 128 if block_d <= 128 else 8192 // block_d
+    block_n1 = max(16, min(max_keys, 16384 // (heads * rows))) if gpu else 16
     slices1, per_slice1 = _slices(width, block_n1, num_seqs * num_kv_heads * num_sub, q.device)
     part_m = torch.empty(num_seqs, num_heads, slices1, rows, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
@@ -339,11 +343,12 @@ def estimate(
     # pass 2: square tiles (each diagonal then gets parts from at most two tiles), as many query heads of
     # a group per program as shared memory holds (the CPU interpreter has no limit)
     budget = max_shared_memory(q.device) if gpu else 1 << 30
-    heads2 = _sums_heads(group, rows, block_d, q.element_size(), budget)
+    stages2 = 3 if block_d * q.element_size() <= 512 else 2  # a float32 key row of 256: two stages
+    heads2 = _sums_heads(group, rows, block_d, q.element_size(), budget, stages2)
     slices2, per_slice2 = _slices(width, rows, num_seqs * num_heads // heads2, q.device)
     _sums_kernel[(slices2, num_heads // heads2, num_seqs)](
         q, k_cache, cu_seqlens_q, context_lens, block_tables, row_max.contiguous(), inv_sum.contiguous(),
         vertical, slash, scale_log2, last_q, per_slice2, width, *strides,
-        GROUP=group, HEADS=heads2, ROWS=rows, **common, num_warps=4,
+        GROUP=group, HEADS=heads2, ROWS=rows, **common, num_warps=4, num_stages=stages2,
     )
     return vertical, slash
