@@ -14,7 +14,7 @@ INTERP = (not CUDA) and os.environ.get("TRITON_INTERPRET") == "1"
 
 pytest.importorskip("triton")
 
-from nanovllm.layers import RMSNorm, RotaryEmbedding, SiluAndMul  # noqa: E402
+from nanovllm.layers import GemmaRMSNorm, RMSNorm, RotaryEmbedding, SiluAndMul  # noqa: E402
 from nanovllm.layers import fused_kernels as fk  # noqa: E402
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -73,6 +73,32 @@ def test_rms_norm(device, dtype, hidden, with_residual, gen):
         assert got[1] is got_res, "the new residual is written in place"
     else:
         _close(got, ref, gen, "rms_norm")
+
+
+@cases
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemma_rms_norm(device, dtype, with_residual, gen):
+    """Gemma's norm (``1 + weight`` in float32, one rounding) against :class:`GemmaRMSNorm`'s torch code,
+    at Gemma 3 270M's width, and the layer itself taking the kernel on CUDA."""
+    hidden = 640
+    norm = GemmaRMSNorm(hidden, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(0.5 * torch.randn(hidden, generator=gen))
+    norm = norm.to(dtype)
+    x = _rand(gen, 37, hidden, dtype=dtype, device="cpu") * 3
+    residual = _rand(gen, 37, hidden, dtype=dtype, device="cpu") if with_residual else None
+    ref = norm(x, residual)  # CPU tensors: the torch code
+    weight = norm.weight.detach().to(device)
+    got_res = residual.to(device) if with_residual else None
+    got = fk.rms_norm(x.to(device), weight, norm.eps, got_res, unit_offset=True)
+    if with_residual:
+        _close(got[0], ref[0], gen, "Gemma rms_norm output")
+        _close(got[1], ref[1], gen, "Gemma rms_norm residual")
+    else:
+        _close(got, ref, gen, "Gemma rms_norm")
+    if device == "cuda":
+        layer = norm.to(device)(x.to(device), residual.to(device) if with_residual else None)
+        assert torch.equal(layer[0] if with_residual else layer, got[0] if with_residual else got)
 
 
 @cases
@@ -282,4 +308,4 @@ def test_fused_kernels_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == len(DTYPES) * (4 + 1 + 3 + 4 + 1), tail
+    assert passed == len(DTYPES) * (4 + 2 + 1 + 4 + 4 + 1), tail

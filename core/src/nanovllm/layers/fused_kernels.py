@@ -1,7 +1,8 @@
 """Triton kernels for the small per-token ops of a decoder layer, one launch each instead of the
 five to ten elementwise kernels of the torch code they replace (decode steps are launch bound).
 
-- ``rms_norm``: RMSNorm of each row, optionally adding the residual first (written back in place).
+- ``rms_norm``: RMSNorm of each row, optionally adding the residual first (written back in place);
+  ``unit_offset`` scales by ``1 + weight`` in float32 (Gemma's norm).
 - ``silu_and_mul``: ``silu(gate) * up`` over the two halves of each row.
 - ``rope_``: neox-style rotary embedding of q and k in place, optionally RMS-normalising each head
   first (Qwen3's q/k norms).
@@ -25,7 +26,7 @@ import triton.language as tl
 
 @triton.jit
 def _add_rms_norm_row(x, R, W, Out, row, cols, ok, n_cols, eps, stride_r, stride_o,
-                      HAS_RESIDUAL: tl.constexpr):
+                      HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr):
     """``_rms_norm_kernel``'s body for one row ``x`` (already loaded, in the activation dtype)."""
     if HAS_RESIDUAL:
         r = tl.load(R + row * stride_r + cols, mask=ok, other=0.0)
@@ -33,8 +34,12 @@ def _add_rms_norm_row(x, R, W, Out, row, cols, ok, n_cols, eps, stride_r, stride
         tl.store(R + row * stride_r + cols, x, mask=ok)
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
-    y = (xf * rstd).to(Out.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:  # Gemma: one rounding, after the scale
+        y = xf * rstd
+        w = 1.0 + w
+    else:  # rounded after the norm, as RMSNorm's torch code does
+        y = (xf * rstd).to(Out.dtype.element_ty).to(tl.float32)
     tl.store(Out + row * stride_o + cols, (y * w).to(Out.dtype.element_ty), mask=ok)
 
 
@@ -42,18 +47,21 @@ def _add_rms_norm_row(x, R, W, Out, row, cols, ok, n_cols, eps, stride_r, stride
 def _rms_norm_kernel(
     X, R, W, Out, n_cols, eps,
     stride_x, stride_r, stride_o,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
-    _add_rms_norm_row(x, R, W, Out, row, cols, ok, n_cols, eps, stride_r, stride_o, HAS_RESIDUAL)
+    _add_rms_norm_row(x, R, W, Out, row, cols, ok, n_cols, eps, stride_r, stride_o, HAS_RESIDUAL, UNIT_OFFSET)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             unit_offset: bool = False):
     """RMSNorm over the last dim of ``x``; with ``residual`` (a contiguous tensor shaped like ``x``)
-    it first sets ``residual = x + residual`` in place and returns ``(normed, residual)``."""
+    it first sets ``residual = x + residual`` in place and returns ``(normed, residual)``.
+    ``unit_offset``: scale by ``1 + weight`` in float32 and round once (Gemma's norm), where the default
+    rounds the normalised row before scaling by ``weight``."""
     n_cols = x.shape[-1]
     rows = x.reshape(-1, n_cols)
     if rows.stride(-1) != 1:
@@ -64,7 +72,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         block = triton.next_power_of_2(n_cols)
         _rms_norm_kernel[(rows.shape[0],)](
             rows, res, weight, out, n_cols, eps, rows.stride(0), res.stride(0), n_cols,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=block, num_warps=min(16, max(1, block // 256)),
         )
     return out if residual is None else (out, residual)
 
@@ -150,7 +158,7 @@ def _all_reduce_rms_norm_kernel(
             share = home + r * slot_size + row * n_cols + cols
             total += tl.load(share, mask=ok, other=0.0, volatile=True).to(tl.float32)
         _add_rms_norm_row(total.to(dtype), R, W, Out, row, cols, ok, n_cols, eps, stride_r, stride_o,
-                          HAS_RESIDUAL)
+                          HAS_RESIDUAL, False)
     tl.store(Epochs + pid, epoch)
 
 
