@@ -100,3 +100,20 @@ def test_bidirectional_config_is_refused(checkpoint_dir):
     config.use_bidirectional_attention = True
     with pytest.raises(ValueError, match="use_bidirectional_attention"):
         Gemma3ForCausalLM(config)
+
+
+def test_attention_logit_softcapping_is_refused_except_where_the_reference_ignores_it():
+    """No backend caps attention logits: a config that sets ``attn_logit_softcapping`` is refused when the
+    model is built, except Gemma 3's, which transformers' Gemma 3 leaves unused too."""
+    import transformers
+    from nanovllm.layers.decoder import SelfAttention
+
+    from nanovllm_gemma3.model import Gemma3Attention
+
+    shape = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=256)
+    llama = transformers.LlamaConfig(**shape, intermediate_size=96, attn_logit_softcapping=50.0)
+    with pytest.raises(ValueError, match=r"attn_logit_softcapping=50.0 .* is not supported"):
+        SelfAttention(llama, 0)
+    llama.attn_logit_softcapping = None
+    SelfAttention(llama, 0)
+    Gemma3Attention(transformers.Gemma3TextConfig(**shape, attn_logit_softcapping=50.0), 0)

@@ -50,9 +50,18 @@ class SelfAttention(nn.Module):
     fused with its own kernel where it can."""
 
     qkv_bias: bool | None = None  # biases on q/k/v only (Qwen2); None: ``attention_bias`` on all four
+    # a family whose reference leaves ``attn_logit_softcapping`` unused sets this (transformers' Gemma 3)
+    ignores_attn_logit_softcapping = False
 
     def __init__(self, config, layer_id: int) -> None:
         super().__init__()
+        softcap = getattr(config, "attn_logit_softcapping", None)
+        if softcap and not self.ignores_attn_logit_softcapping:
+            raise ValueError(
+                f"attn_logit_softcapping={softcap} (attention logits soft-capped by tanh, as in Gemma 2) is not "
+                "supported: nanovllm's attention backends and sparse policies compute uncapped softmax "
+                "attention; set it to null in the model's config.json only if the model was trained without it"
+            )
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         bias = getattr(config, "attention_bias", False)
         qkv_bias = bias if self.qkv_bias is None else self.qkv_bias

@@ -16,11 +16,12 @@ from nanovllm.layers.decoder import DecoderForCausalLM, SelfAttention, mlp_from_
 
 
 class Gemma3Attention(SelfAttention):
+    ignores_attn_logit_softcapping = True  # as transformers' Gemma 3 does (Gemma 2 applies it)
+
     def __init__(self, config, layer_id: int) -> None:
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("Gemma 3 with use_bidirectional_attention=True (an embedding encoder) is not "
                              "supported: nanovllm runs causal decoders")
-        # attn_logit_softcapping is left out as transformers' Gemma 3 leaves it out (Gemma 2 applies it)
         super().__init__(config, layer_id)
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
