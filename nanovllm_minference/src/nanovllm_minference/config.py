@@ -56,7 +56,8 @@ class MInferenceConfig:
     - ``skip_layers``: the first layers run dense.
     - ``dense_below``: chunks whose sequences all hold fewer tokens than this run dense, where estimation
       and tiles cost more than they save (measured on an H100 with SmolLM2's real attention; see the
-      README).
+      README). At the default a prompt of up to 32K tokens runs entirely dense: pass 0 to run the sparse
+      path at any length (quality evaluations at 32K and below).
     - ``dense_above``: a chunk whose index would compute more than this share of dense causal attention
       runs the dense kernel instead (``null``: never). The sparse kernel's 64 x 64 tiles cost about 1.2x
       the dense paged kernel's per unit of work (H100), so above about 0.8 dense is faster; a model whose
