@@ -225,7 +225,10 @@ def gemma3_tokenizer(gguf_file: Path) -> "tokenizers.Tokenizer":  # noqa: F821
     not follow that order), every split of a token into two tokens being one merge, the longer left
     piece first. Raises ``ValueError`` when the ids of :data:`GEMMA3_KNOWN_IDS` come out different.
     """
-    import gguf
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError(f"converting {GEMMA3_MODEL} needs the gguf package: pip install gguf") from None
     from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
     from tokenizers.models import BPE
 
