@@ -575,6 +575,10 @@ def plot(result: dict[str, Any], path: Path) -> bool:
             style = {"linestyle": "--", "color": "black"} if runner == HF else {}
             ax.plot(xs, [points[x] for x in xs], marker="o", label=runner, **style)
         ax.set_xscale("log", base=2)
+        lengths = sorted({x for points in series.values() for x in points})
+        ax.set_xticks(lengths, [str(x) for x in lengths])
+        if ylabel == "accuracy":
+            ax.set_ylim(-0.03, 1.03)
         ax.set_title(title)
         ax.set_xlabel("prompt length (tokens)")
         ax.set_ylabel(ylabel)
