@@ -177,7 +177,9 @@ def test_prefill_fresh_window(device, dtype, head_dim, group, block_size, window
 
     n = 700 if device == "cuda" else 45
     c = Case([n], [n], dtype, head_dim, group, block_size, device, gen)
-    args = (c.q, c.k, c.v, c.k_cache, c.v_cache, c.meta, c.scale)
+    # as in a model that norms k and not v: k contiguous, v a view into the wider projection output
+    v = torch.cat([c.v, torch.full_like(c.v, float("nan"))], dim=-1)[..., :head_dim]
+    args = (c.q, c.k, v, c.k_cache, c.v_cache, c.meta, c.scale)
     ref = TorchBackend().prefill(*args, window=window)
     _check(tb.TritonBackend().prefill(*args, window=window), ref, dtype, "windowed fresh prefill", gen)
 

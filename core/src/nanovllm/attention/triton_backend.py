@@ -47,6 +47,8 @@ class TritonBackend(AttentionBackend):
             return _sdpa_causal(q, k, v, scale, self.sdpa_mode)
         out = _empty_out(q)
         if fresh:  # one sequence, nothing cached before it: the new keys are all there is
+            if k.stride() != v.stride():  # the kernel reads both with one layout; a model may norm k, not v
+                k, v = k.contiguous(), v.contiguous()
             tk.attention_rows(
                 q, k, v, out, None, meta.cu_seqlens_q, None, None, None, meta.max_query_len, scale,
                 paged=False, causal=True, window=window,

@@ -127,5 +127,8 @@ def engine_tail_nll(llm, token_ids: list[int], tail_tokens: int, prefill_chunk: 
             bar.update(len(token_ids) - bar.n)
     finally:
         scheduler.max_num_batched_tokens = budget
-    prompt_logprobs = llm.output_builder.output(seq).prompt_logprobs
+    output = llm.output_builder.output(seq)
+    if output.outputs[0].error is not None:
+        raise RuntimeError(f"the perplexity request failed in the engine: {output.outputs[0].error}")
+    prompt_logprobs = output.prompt_logprobs
     return -sum(prompt_logprobs[p][token_ids[p]].logprob for p in range(head, len(token_ids))) / tail_tokens
