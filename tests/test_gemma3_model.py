@@ -123,7 +123,7 @@ def _pass_key_prompt(tokenizer, num_tokens: int, key: int = 71432) -> list[int]:
 
 @needs_gemma3
 @pytest.mark.gpu
-@pytest.mark.parametrize("length", [1024, 8192, 32768])
+@pytest.mark.parametrize("length", [1024, 8192, 32000])  # with its answer, inside the trained 32,768
 def test_long_prompts_on_cuda_match_transformers(length):
     """Float32 on the GPU, the Triton backend (chunked prefill through the windowed and global layers, decode
     in CUDA graphs): 64 greedy tokens equal transformers' and their logprobs are close."""
