@@ -594,7 +594,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
 
 
 def write_results(result: dict[str, Any], out_dir: Path, name: str) -> list[Path]:
-    """``out_dir/name.json``, ``.md`` and (with matplotlib) ``.png``; the paths written."""
+    """Writes ``<out_dir>/<name>.json``, ``.md`` and (with matplotlib) ``.png``; returns the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
     if plot(result, out_dir / f"{name}.png"):
