@@ -1,4 +1,4 @@
-"""Contract v2: every hook and policy flag is documented in the README and used by the engine."""
+"""Contract v2: every hook and policy flag is documented in docs/writing-plugins.md and used by the engine."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from nanovllm.plugins import SparsePolicyInfo, get_plugins, reload_plugins
 from nanovllm.policies.full import FullAttentionPolicy
 from nanovllm.policy import NOTIFICATION_HOOKS, POLICY_FLAGS, RUNTIME_HOOKS, SparsePolicy
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+README = (Path(__file__).resolve().parents[2] / "docs" / "writing-plugins.md").read_text()
 
 
 def hook_names(spec: type) -> list[str]:
