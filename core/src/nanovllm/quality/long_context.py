@@ -593,14 +593,18 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def write_results(result: dict[str, Any], out_dir: Path, name: str) -> list[Path]:
-    """Writes ``<out_dir>/<name>.json``, ``.md`` and (with matplotlib) ``.png``; returns the paths written."""
+def write_results(result: dict[str, Any], out_dir: Path, name: str,
+                  markdown_of: Callable[[dict[str, Any], str], str] = markdown,
+                  plot_to: Callable[[dict[str, Any], Path], bool] = plot,
+                  title: str = "Long-context quality") -> list[Path]:
+    """Writes ``<out_dir>/<name>.json``, ``.md`` and (with matplotlib) ``.png``; returns the paths written.
+    ``markdown_of`` and ``plot_to`` render another kind of results (the speed benchmark's) the same way."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
-    if plot(result, out_dir / f"{name}.png"):
+    if plot_to(result, out_dir / f"{name}.png"):
         paths.append(out_dir / f"{name}.png")
     else:
         result["notes"].append("matplotlib is not installed (or nothing to draw): no plot")
     paths[0].write_text(json.dumps(result, indent=1, default=str) + "\n")
-    paths[1].write_text(markdown(result, f"Long-context quality: {name}"))
+    paths[1].write_text(markdown_of(result, f"{title}: {name}"))
     return paths
