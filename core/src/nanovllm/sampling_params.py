@@ -121,27 +121,30 @@ class SamplingParams:
     raise ``ValueError``, unknown or unsupported fields ``TypeError``."""
 
     n: int = 1  # completions per prompt (they share the prompt's KV blocks)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float = 1.0  # divides the logits before sampling; 0 is greedy
+    top_p: float = 1.0  # sample from the fewest most likely tokens whose probabilities reach top_p (1: all)
+    top_k: int = 0  # sample from the top_k most likely tokens (0 or -1: all)
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
     presence_penalty: float = 0.0  # subtracted from the logit of each token already generated
     frequency_penalty: float = 0.0  # subtracted once per time a token was already generated
     repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # the most tokens to generate (None: up to max_model_len)
     min_tokens: int = 0  # EOS and stop_token_ids are masked, stop strings not checked, before this many
-    ignore_eos: bool = False
-    stop: list[str] = attrs.field(default=None, converter=_as_stop_list)
-    stop_token_ids: list[int] = attrs.field(default=None, converter=_as_id_list)
-    include_stop_str_in_output: bool = False
-    seed: int | None = None
+    ignore_eos: bool = False  # keep generating past the end-of-sequence token
+    stop: list[str] = attrs.field(default=None, converter=_as_stop_list)  # strings that end the completion
+    stop_token_ids: list[int] = attrs.field(default=None, converter=_as_id_list)  # token ids that end it
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text
+    seed: int | None = None  # a per-request seed (completion i uses seed + i); None: the engine's generator
     logprobs: int | None = None  # top tokens to return per generated token, besides the sampled one
     prompt_logprobs: int | None = None  # top tokens to return per prompt token, besides the actual one
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what step() returns: all so far, new, or final
+    skip_special_tokens: bool = True  # leave special tokens out of the text
     spaces_between_special_tokens: bool = True  # passed to the tokenizer's decode
+    # added to the logits of the given token ids, clamped to [-100, 100]
     logit_bias: dict[int, float] | None = attrs.field(default=None, converter=_as_logit_bias)
+    # sample only among these token ids
     allowed_token_ids: list[int] | None = attrs.field(default=None, converter=_as_token_ids("allowed_token_ids"))
+    # words never generated: the last token of each is masked where the tokens before it were just generated
     bad_words: list[str] | None = attrs.field(default=None, converter=_as_bad_words)
     truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens (-1: max_model_len - 1)
 

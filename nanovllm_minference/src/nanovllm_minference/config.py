@@ -46,6 +46,9 @@ class MInferenceConfig:
       per chunk from its last ``last_q`` queries), ``a_shape`` (the first ``n_init`` keys and the last
       ``n_local``), ``block_sparse`` (the ``top_k_blocks`` key tiles of 64 whose mean key scores highest
       against the query tile's mean query).
+    - ``last_q``: the queries at the end of each chunk whose attention the vertical-slash estimate reads.
+    - ``n_init`` / ``n_local``: A-shape's first keys and nearest keys.
+    - ``top_k_blocks``: block-sparse's key tiles of 64 kept per query tile.
     - ``vertical_size`` / ``slash_size``: columns and diagonals each head keeps (MInference's defaults).
     - ``adaptive_budget``: instead, keep this fraction of each sequence's context, 20% as columns and
       80% as diagonals (the seed fork's rule).
@@ -55,13 +58,12 @@ class MInferenceConfig:
       configs; a head it omits gets ``vertical_slash`` (1000, 6096).
     - ``skip_layers``: the first layers run dense.
     - ``dense_below``: chunks whose sequences all hold fewer tokens than this run dense, where estimation
-      and tiles cost more than they save (measured on an H100 with SmolLM2's real attention; see the
-      README). At the default a prompt of up to 32K tokens runs entirely dense: pass 0 to run the sparse
-      path at any length (quality evaluations at 32K and below).
+      and tiles cost more than they save. At the default a prompt of up to 32K tokens runs entirely dense:
+      pass 0 to run the sparse path at any length (quality evaluations at 32K and below).
     - ``dense_above``: a chunk whose index would compute more than this share of dense causal attention
-      runs the dense kernel instead (``null``: never). The sparse kernel's 64 x 64 tiles cost about 1.2x
-      the dense paged kernel's per unit of work (H100), so above about 0.8 dense is faster; a model whose
-      attention is not sparse then pays only the estimate.
+      runs the dense kernel instead (``null``: never). A tile of the sparse kernel costs more than one of
+      the dense kernel, so a nearly dense index is faster run dense; a model whose attention is not sparse
+      then pays only the estimate.
     """
 
     pattern: str = attrs.field(default="vertical_slash", validator=_pattern)

@@ -71,7 +71,7 @@ class XAttentionConfig:
       (1: the diagonal alone, the paper's; 2 adds the block before, the local context of a block's first
       rows).
     - ``head_reduce``: how the query heads of a GQA group share one selection per KV head: ``mean`` of
-      their block scores (the default, measured in the README), ``max``, the ``union`` or the
+      their block scores (the default), ``max``, the ``union`` or the
       ``majority`` of their own selections; ``global_majority`` keeps what most of all the layer's
       heads select, for every head (the seed fork's vote, for comparison); ``none`` selects per query
       head.
