@@ -1,0 +1,96 @@
+"""The long-context speed benchmark script end to end on the CPU with the tiny random model: every policy's
+TTFT and decode speed at every batch size land in its JSON, table and plot; an unknown policy is refused
+before any model loads."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("long_context_speed",
+                                                  ROOT / "benchmarks" / "long_context_speed.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_policy_and_batch_size_is_measured(tmp_path, tiny_model, one_thread):
+    from nanovllm.plugins import get_plugins
+
+    registry = get_plugins().registry
+    plugins = {"quest", "xattn"} <= set(registry.sparse_policies)
+    if not plugins or "LlamaForCausalLM" not in registry.model_families:
+        pytest.skip("needs the nanovllm-quest, nanovllm-xattn and nanovllm-llama plugins")
+    model = tiny_model("LlamaForCausalLM", max_position_embeddings=256)
+    rng = random.Random(0)
+    text = tmp_path / "text.txt"  # words of the tiny vocabulary
+    text.write_text(" ".join(f"tok{rng.randrange(3, 256)}" for _ in range(500)))
+    policies = ["full", "quest:token_budget=32", "xattn+quest"]
+    script = _script()
+    rc = script.main([
+        "--model", model, "--lengths", "64", "--batch-sizes", "1,3", "--decode-tokens", "8",
+        "--repeats", "2", "--policies", ";".join(policies), "--max-num-batched-tokens", "64", "--no-hf",
+        "--device", "cpu", "--text-file", str(text), "--out", str(tmp_path), "--name", "tiny",
+    ])
+    assert rc == 0
+    result = json.loads((tmp_path / "tiny.json").read_text())
+    assert "partial" not in result and not result["errors"]
+    assert result["runners"] == policies and "transformers" not in result["speed"]
+    assert result["policy_phases"]["xattn+quest"] == {"prefill": "xattn", "decode": "quest"}
+    for policy in policies:
+        for length in ("64",):
+            by_batch = result["speed"][policy][length]
+            assert set(by_batch) == {"1", "3"}
+            assert by_batch["1"]["ttft_ms"] > 0 and by_batch["1"]["engine_ttft_ms"] > 0
+            assert by_batch["1"]["engine_decode_tok_s"] > 0
+            for batch, m in by_batch.items():
+                assert len(m["repeats"]) == 2
+                for r in m["repeats"]:  # wall times of both runs, and the engine's clock of its decode steps
+                    assert r["t_n_s"] > 0 and r["t_1_s"] > 0
+                    assert r["decode_tok_s"] == pytest.approx(int(batch) * 8 / (r["t_n_s"] - r["t_1_s"]))
+                    assert 0 < r["engine_metrics_n"]["first_token_s"] < r["engine_metrics_n"]["last_token_s"]
+                assert min(r["decode_tok_s"] for r in m["repeats"]) <= m["decode_tok_s"]
+                assert m["decode_tok_s"] <= max(r["decode_tok_s"] for r in m["repeats"])
+    table = (tmp_path / "tiny.md").read_text()
+    for policy in policies:
+        assert f"| {policy} |" in table
+    assert "TTFT / full" in table and "TTFT <= full" in table  # xattn's target is reported next to it
+
+
+def test_prompts_differ_and_have_the_length(tmp_path):
+    prompts = _script().batch_prompts([1], list(range(10, 110)), 40, 4)
+    assert len(prompts) == 4 and len({tuple(p) for p in prompts}) == 4
+    assert all(len(p) == 40 and p[0] == 1 and 1 not in p[1:] for p in prompts)
+
+
+def test_an_unknown_policy_is_refused_before_any_model_loads(tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = _script().main(["--model", str(tmp_path / "no-such-model"), "--device", "cpu", "--out", str(out),
+                         "--policies", "full;quets:token_budget=64"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "quets" in err and "quest" in err  # names the bad item and the installed policies
+    assert not out.exists()  # nothing ran
+
+
+def test_targets_compare_with_dense_and_transformers():
+    script = _script()
+    speed = {"full": {"32768": {"1": {"ttft_ms": 100.0, "decode_tok_s": 900.0}}},
+             "xattn": {"32768": {"1": {"ttft_ms": 120.0, "decode_tok_s": 900.0}}},
+             "transformers": {"32768": {"1": {"ttft_ms": 300.0, "decode_tok_s": 80.0}}}}
+    result = {"speed": speed, "policy_phases": {"full": {"prefill": "full"}, "xattn": {"prefill": "xattn"}}}
+    assert script.target_of(result, "full", "32768").endswith("met")  # 11.25x
+    assert script.target_of(result, "xattn", "32768").endswith("MISSED")  # slower than dense
+    speed["transformers"]["32768"]["1"]["decode_tok_s"] = 95.0
+    speed["xattn"]["32768"]["1"]["ttft_ms"] = 99.0
+    assert script.target_of(result, "full", "32768").endswith("MISSED")
+    assert script.target_of(result, "xattn", "32768").endswith("met")
+    assert script.target_of(result, "transformers", "32768") == ""
