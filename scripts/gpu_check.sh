@@ -5,9 +5,9 @@
 #   PYTEST_ARGS="..."  extra pytest arguments
 #   BENCH="all --presets qwen3-0.6b --hf-num-seqs 256"   arguments of `nanovllm bench` (unset: no benchmarks)
 #   BENCH_NAME=name    results file name under $OUT
-#   QUEST_BENCH="..."  arguments of `python -m nanovllm_quest.bench` (unset: not run), results under $OUT
-#   MINFERENCE_BENCH="..."  arguments of `python -m nanovllm_minference.bench` (unset: not run)
-#   XATTN_BENCH="..."  arguments of `python -m nanovllm_xattn.bench` (unset: not run)
+#   QUEST_BENCH="..."  arguments of `python benchmarks/quest_decode.py` (unset: not run), results under $OUT
+#   MINFERENCE_BENCH="..."  arguments of `python benchmarks/minference_prefill.py` (unset: not run)
+#   XATTN_BENCH="..."  arguments of `python benchmarks/xattn_prefill.py` (unset: not run)
 #   SOAK="name:args;name:args"  runs of benchmarks/gpu_soak.py, each writing $OUT/<name>.json (unset: not run),
 #                      e.g. SOAK="h200_soak:;h200_soak_offload:--kv-offloading-size 8"
 #   NANOVLLM_COMMIT=$(git rev-parse --short HEAD), set in the command sent: the results record it; the device's
@@ -43,15 +43,15 @@ if [ -n "${BENCH:-}" ]; then
   tail -c 3000 "$OUT/bench_stderr.log" | tr '\r' '\n' | grep -v '^\s*$' | tail -15
 fi
 if [ -n "${QUEST_BENCH:-}" ]; then
-  python3 -m nanovllm_quest.bench $QUEST_BENCH --out "$OUT" 2>"$OUT/quest_bench_stderr.log" || status=1
+  python3 benchmarks/quest_decode.py $QUEST_BENCH --out "$OUT" 2>"$OUT/quest_bench_stderr.log" || status=1
   tail -c 3000 "$OUT/quest_bench_stderr.log" | tr '\r' '\n' | grep -v '^\s*$' | tail -15
 fi
 if [ -n "${MINFERENCE_BENCH:-}" ]; then
-  python3 -m nanovllm_minference.bench $MINFERENCE_BENCH --out "$OUT" 2>"$OUT/minference_bench_stderr.log" || status=1
+  python3 benchmarks/minference_prefill.py $MINFERENCE_BENCH --out "$OUT" 2>"$OUT/minference_bench_stderr.log" || status=1
   tail -c 3000 "$OUT/minference_bench_stderr.log" | tr '\r' '\n' | grep -v '^\s*$' | tail -15
 fi
 if [ -n "${XATTN_BENCH:-}" ]; then
-  python3 -m nanovllm_xattn.bench $XATTN_BENCH --out "$OUT" 2>"$OUT/xattn_bench_stderr.log" || status=1
+  python3 benchmarks/xattn_prefill.py $XATTN_BENCH --out "$OUT" 2>"$OUT/xattn_bench_stderr.log" || status=1
   tail -c 3000 "$OUT/xattn_bench_stderr.log" | tr '\r' '\n' | grep -v '^\s*$' | tail -15
 fi
 if [ -n "${SOAK:-}" ]; then

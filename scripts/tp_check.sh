@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the 2-GPU machine (nvidia-h200-x2): install, the tensor-parallel GPU tests, then B6 (the
 # all-reduces of a decode step, eager and in a CUDA graph; batch-1 decode and B1 throughput at TP1 and TP2),
-# and the B6 summary (`b6.md`: TP2 over TP1 from this run, against issue 12's targets). A run that outlives
+# and the B6 summary (`b6.md`: TP2 over TP1 from this run). A run that outlives
 # its limit has every Python process of it dump its stacks (SIGABRT with PYTHONFAULTHANDLER), so a hang in
 # NCCL or in graph capture shows where each rank waits. Logs and results go to $OUT (or ./gpu_out). All of it
 # takes longer than one call: TP_JOBS="allreduce tests", then TP_JOBS="latency throughput".
@@ -39,7 +39,7 @@ for job in ${TP_JOBS:-tests allreduce latency throughput}; do  # in the order gi
     tests)
       bounded "${TP_LIMIT:-420}" "$OUT/tp_tests.log" python3 -m pytest -q -m gpu core/tests/test_tensor_parallel_gpu.py ;;
     allreduce)
-      bounded "${B6_LIMIT:-300}" "$OUT/b6_allreduce_tp2.log" python3 -m nanovllm.cli bench allreduce \
+      bounded "${B6_LIMIT:-300}" "$OUT/b6_allreduce_tp2.log" python3 benchmarks/allreduce.py \
         --presets qwen3-8b --tensor-parallel-size 2 --out "$OUT" --name b6_allreduce_tp2 ;;
     latency)
       for tp in 1 2; do
@@ -55,5 +55,5 @@ for job in ${TP_JOBS:-tests allreduce latency throughput}; do  # in the order gi
   esac
 done
 if compgen -G "$OUT/b6_latency_tp*.json" >/dev/null || compgen -G "$OUT/b6_throughput_tp*.json" >/dev/null; then
-  python3 -m nanovllm.bench.tp_summary "$OUT" --name b6
+  python3 benchmarks/tp_summary.py "$OUT" --name b6
 fi

@@ -354,14 +354,3 @@ def test_the_child_ends_with_shutdown_collection_or_death(model):
     del llm
     gc.collect()
     assert wait_until(lambda: not process.is_alive(), TIMEOUT) and process.exitcode == 0
-
-
-def test_the_front_end_cost_measure_runs(capsys):
-    from nanovllm.bench.frontend import main, measure
-
-    result = measure(num_streams=4, num_steps=3, prompt_len=8, tokenizer="none")
-    assert all(result[name] > 0 for name in ("transport_ms", "apply_ms", "deliver_ms", "total_ms", "per_stream_us"))
-    main(["--streams", "2", "--steps", "2", "--tokenizer", "none"])
-    assert "us per stream" in capsys.readouterr().out
-    behind = measure(num_streams=4, num_steps=5, prompt_len=8, tokenizer="none", behind=2)  # 2, 2, then 1 step
-    assert behind["total_ms"] > 0

@@ -12,7 +12,7 @@ import itertools
 import attrs
 import pytest
 from merged_outputs import merged_like
-from nanovllm.bench.frontend import front_end
+from nanovllm.testing import recording_front_end
 from nanovllm.engine.engine_core import SchedulerStats
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -75,7 +75,7 @@ async def settle() -> None:
 
 async def outputs_of(tokenizer_path: str, messages: list[tuple], bursts: list[int]) -> dict[str, list]:
     """Each request's outputs, with the consumers run after each burst of ``bursts`` (cycled) messages."""
-    llm, _ = front_end(tokenizer_path, vocab_size=256)
+    llm, _ = recording_front_end(tokenizer_path, vocab_size=256)
     outputs: dict[str, list] = {request_id: [] for request_id in REQUESTS}
 
     async def consume(request_id: str, params: SamplingParams) -> None:
@@ -126,7 +126,7 @@ def test_an_error_behind_a_step_follows_its_output_and_an_abort_drops_what_is_pe
     messages = step_messages(encode)
 
     async def scenario():
-        llm, _ = front_end(path, vocab_size=256)
+        llm, _ = recording_front_end(path, vocab_size=256)
         params = REQUESTS["delta"][0]
         failing = llm.generate(PROMPT, params, "delta")
         aborted = llm.generate(PROMPT, params, "held")

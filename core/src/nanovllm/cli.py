@@ -168,12 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks on shape presets with random weights (GPU), and the "
                            "attention quality of sparse policies on the built-in model (CPU or GPU)")
     bench.add_argument("benchmark", choices=("throughput", "latency", "kernels", "all", "offload", "quality", "render",
-                                             "serve", "allreduce"),
-                       help="B1 throughput (+ decode-step profile), B2 latency, B3 kernels (all: these three); "
-                       "B5 offload (KV in pinned host memory); quality of sparse policies; render FILE.json "
-                       "redoes a results file's ratios, table and chart; serve: B1's prompts against a live server; "
-                       "allreduce: B6's all-reduces of a decode step over --tensor-parallel-size ranks, eager and "
-                       "in a CUDA graph")
+                                             "serve"),
+                       help="throughput (nano-vLLM's bench.py workload), latency (batch 1), kernels (attention "
+                       "kernels; all: these three); offload (KV in pinned host memory); quality of sparse "
+                       "policies; serve: the throughput prompts against a live server; render FILE.json redoes "
+                       "a results file's table and chart")
     bench.add_argument("file", nargs="?", help="results JSON (for render)")
     bench.add_argument("--presets", nargs="+", default=None,
                        help="qwen3-0.6b, qwen3-8b, llama-3.1-8b (default: qwen3-0.6b; llama-3.1-8b for offload)")
@@ -181,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also run the first N throughput prompts through transformers (0: skip)")
     bench.add_argument("--attention-backend", default=None)
     bench.add_argument("--tensor-parallel-size", type=int, default=1,
-                       help="GPUs per engine for throughput and latency (B6: compare with 1)")
+                       help="GPUs per engine for throughput and latency")
     bench.add_argument("--out", default="benchmarks/results")
     bench.add_argument("--name", default=None, help="results file name (default: bench, offload or quality)")
     from nanovllm.bench.quality import DEFAULT_PPL_TAIL, DEFAULT_QUERIES, DEFAULT_TOKENS, DEFAULT_TOP_K
@@ -206,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a UTF-8 text file to read instead of the long text found on this machine")
     quality.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
                          help="the engine's dtype (auto: float32 on the CPU, the model's 16-bit type on a GPU)")
-    offload = bench.add_argument_group("offload (B5)")
+    offload = bench.add_argument_group("offload")
     offload.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072],
                          help="prompt tokens; shortened where the decoded tokens would pass the model's "
                          "position limit (131072 on llama-3.1-8b)")
@@ -216,15 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
                          help="size of each pinned copy of the copy rate (256 or more to reach the PCIe rate)")
     offload.add_argument("--small-kv-gib", type=float, default=4.0,
                          help="GiB left for KV after the weights on the GPU made small")
-    allreduce = bench.add_argument_group("allreduce (B6; the shape of --presets, default qwen3-8b)")
-    allreduce.add_argument("--allreduce-batches", nargs="+", type=int, default=[1, 8, 64, 256],
-                           help="batch sizes of the [batch, hidden] messages")
-    allreduce.add_argument("--allreduce-steps", type=int, default=100, help="decode steps timed per batch and mode")
     load = bench.add_argument_group("serve (a live server: nanovllm serve MODEL)")
     load.add_argument("--base-url", default="http://127.0.0.1:8000")
     load.add_argument("--request-rates", nargs="+", default=["inf"],
                       help="requests per second, Poisson arrivals; inf sends them all at once")
-    load.add_argument("--num-prompts", type=int, default=256, help="B1 prompts sent at each rate")
+    load.add_argument("--num-prompts", type=int, default=256, help="throughput prompts sent at each rate")
     load.add_argument("--timeout", type=float, default=3600, help="seconds a request may take")
     bench.set_defaults(func=_bench)
     return parser

@@ -1,10 +1,10 @@
-"""Engine benchmarks on shape presets (definitions in ANCHORS.md).
+"""Engine benchmarks on shape presets.
 
-- B1 ``throughput``: nano-vLLM's bench.py workload (seed 0, 256 sequences, prompts of 100-1024 random
+- ``throughput``: nano-vLLM's bench.py workload (seed 0, 256 sequences, prompts of 100-1024 random
   token ids below 10000, 100-1024 output tokens, temperature 0.6, ignore_eos, max_model_len 4096);
   output tok/s over the whole run, prefill included, and the mean decode-only step time. The same
-  prompts through Hugging Face transformers' ``generate`` is the measured peer.
-- B2 ``latency``: batch 1, prompt 128, 512 greedy output tokens; median ms per decode step, eager or
+  prompts through Hugging Face transformers' ``generate`` is the peer measured beside it.
+- ``latency``: batch 1, prompt 128, 512 greedy output tokens; median ms per decode step, eager or
   with CUDA graphs.
 
 Each function builds one engine; :mod:`nanovllm.bench` runs each in its own process, so one run's GPU
@@ -26,7 +26,8 @@ def throughput_workload(seed: int = 0, num_seqs: int = 256) -> tuple[list[list[i
     return prompts, max_tokens
 
 
-def _sync() -> None:
+def sync() -> None:
+    """Wait for the GPU's queued work (nothing on the CPU)."""
     import torch
 
     if torch.cuda.is_available():
@@ -68,10 +69,10 @@ def bench_throughput(preset: str, **engine_options: Any) -> dict[str, Any]:
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in max_tokens]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     timer = DecodeStepTimer(llm)
-    _sync()
+    sync()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=True)
-    _sync()
+    sync()
     elapsed = time.perf_counter() - start
     produced = sum(len(o.token_ids) for o in outputs)
     return {
@@ -92,7 +93,7 @@ def bench_throughput(preset: str, **engine_options: Any) -> dict[str, Any]:
 
 
 def bench_transformers(preset: str, num_seqs: int) -> dict[str, Any]:
-    """The first ``num_seqs`` B1 prompts through transformers' ``generate``: one left-padded batch,
+    """The first ``num_seqs`` throughput prompts through transformers' ``generate``: one left-padded batch,
     sampling at 0.6, every row running to the longest budget; a row's own budget counts as output."""
     import torch
     import transformers
@@ -110,12 +111,12 @@ def bench_transformers(preset: str, num_seqs: int) -> dict[str, Any]:
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
-    _sync()
+    sync()
     start = time.perf_counter()
     with torch.inference_mode():
         model.generate(ids.cuda(), attention_mask=mask.cuda(), do_sample=True, temperature=0.6,
                        max_new_tokens=max(max_tokens), min_new_tokens=max(max_tokens), pad_token_id=0)
-    _sync()
+    sync()
     elapsed = time.perf_counter() - start
     useful = sum(max_tokens)
     return {
@@ -146,72 +147,3 @@ def bench_latency(preset: str, eager: bool, **engine_options: Any) -> dict[str, 
         "ms_per_token": timer.median_ms(),
         "mean_ms_per_token": timer.mean_ms(),
     }
-
-
-def profile_decode_step(preset: str, steps: int = 30, num_seqs: int = 256, temperature: float = 0.6,
-                        top: int = 12, **engine_options: Any) -> dict[str, Any]:
-    """Where one full-batch decode step of the B1 workload goes (its first ``num_seqs`` prompts; 1: a
-    batch-1 step, as B2 and B6 time them): the prompts are prefilled, then
-    decode steps are timed (wall clock per step; the host phases without and with a synchronisation
-    after each, which separates host work from waiting; ``wait_and_apply`` is where the host waits
-    for the GPU) and five are profiled (GPU kernel time). ``temperature``: every request's (B2 and B6 decode
-    greedily: 0); ``top``: how many kernels the result lists, the slowest first."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from nanovllm import LLM, SamplingParams
-
-    llm = LLM(preset, max_model_len=4096, **engine_options)
-    prompts, _ = throughput_workload(num_seqs=num_seqs)
-    for p in prompts:  # every sequence outlives the profiled steps
-        llm.add_request(p, SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=1024))
-    sched, runner = llm.scheduler, llm.runner
-    while sched.waiting or any(s.num_computed_tokens < s.num_tokens - 1 for s in sched.running):
-        llm.step()
-    for _ in range(5):
-        llm.step()
-    _sync()
-    phases = {"schedule": (sched, "schedule"), "prepare": (runner, "prepare"), "sampler": (runner, "sampler"),
-              "wait_and_apply": (llm, "_apply_pending")}
-    result: dict[str, Any] = {"benchmark": "decode-profile", "preset": preset, "batch": len(sched.running),
-                              "cuda_graphs": bool(runner.graphs)}
-    for synced in (False, True):
-        spent = dict.fromkeys(phases, 0.0)
-        originals = {name: getattr(obj, attr) for name, (obj, attr) in phases.items()}
-
-        def timed(name, fn, synced=synced, spent=spent):
-            def wrapper(*args, **kwargs):
-                start = time.perf_counter()
-                out = fn(*args, **kwargs)
-                if synced:
-                    _sync()
-                spent[name] += time.perf_counter() - start
-                return out
-            return wrapper
-
-        for name, (obj, attr) in phases.items():
-            setattr(obj, attr, timed(name, originals[name]))
-        _sync()
-        start = time.perf_counter()
-        for _ in range(steps):
-            llm.step()
-        _sync()
-        step_ms = 1000 * (time.perf_counter() - start) / steps
-        for name, (obj, attr) in phases.items():
-            setattr(obj, attr, originals[name])
-        label = "synced" if synced else "plain"
-        result[f"step_ms_{label}"] = step_ms
-        result[f"host_ms_{label}"] = {k: round(1000 * v / steps, 3) for k, v in spent.items()}
-    n = 5
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            llm.step()
-        _sync()
-    kernels = [(e.key, e.self_device_time_total / n / 1000, e.count // n) for e in prof.key_averages()
-               if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
-    kernels.sort(key=lambda k: -k[1])
-    result["gpu_ms_per_step"] = sum(k[1] for k in kernels)
-    result["kernel_launches_per_step"] = sum(k[2] for k in kernels)
-    result["gpu_idle_ms_per_step"] = result["step_ms_plain"] - result["gpu_ms_per_step"]
-    result["top_kernels"] = [{"name": k[0][:80], "ms": round(k[1], 3), "calls": k[2]} for k in kernels[:top]]
-    return result

@@ -24,7 +24,7 @@ from nanovllm.utils import progress_bar
 DEFAULT_TOKENS = 4096
 DEFAULT_QUERIES = 32
 DEFAULT_TOP_K = 10
-DEFAULT_PPL_TAIL = 512  # tokens scored one per step through a decode policy: about 20 s on 2 CPU cores
+DEFAULT_PPL_TAIL = 512  # tokens scored one per step through a decode policy
 MAX_NUM_BATCHED_TOKENS = 1024  # prefill chunks: the torch backend's padded scores stay small on the CPU
 METRIC_LABELS = {"mass_recall": "mass recall", "topk_recall": "top-k recall", "output_error": "output error"}
 

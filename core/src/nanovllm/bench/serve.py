@@ -1,6 +1,6 @@
 """``nanovllm bench serve``: a load generator against a live OpenAI-compatible server (like ``vllm bench serve``).
 
-Requests are B1's workload (see :func:`nanovllm.bench.engine.throughput_workload`: token-id prompts,
+Requests are the throughput benchmark's workload (see :func:`nanovllm.bench.engine.throughput_workload`: token-id prompts,
 temperature 0.6, ``ignore_eos``) sent to ``/v1/completions`` with streaming, their arrivals a Poisson process
 at each request rate (``inf``: all at once). Per rate: output tok/s over the run, request rate, and the mean
 and percentiles of the time to first token (TTFT), the time per output token after the first (TPOT) and the
@@ -8,11 +8,11 @@ end-to-end latency. Results go to ``NAME.json`` and ``NAME.md`` like the other b
 
 What the client does before the clock starts, so that the run times the server and not the client (they share
 the host's CPU; a burst at rate ``inf`` is where the client's costs showed):
-- one short request (as vLLM's initial test prompt, and offline B1's warm-up), untimed; an error there stops
+- one short request (as vLLM's initial test prompt, and the offline benchmark's warm-up), untimed; an error there stops
   the run;
-- the request bodies are encoded to JSON (a B1 body, a thousand token ids, ~0.2 ms to encode);
+- the request bodies are encoded to JSON (a body holds up to a thousand token ids);
 - each request gets a client of its own with its connection already open (a ``GET /health`` on it): httpx
-  connects through anyio, which resolves even an IP address on a worker thread, ~1 ms of the client's event
+  connects through anyio, which resolves even an IP address on a worker thread, a cost to the client's event
   loop per connection at a burst. The server's accepting the connection is then before the clock too.
 The requests themselves, their HTTP parsing, validation and everything after are timed.
 """
@@ -51,7 +51,7 @@ JSON_HEADERS = {"content-type": "application/json"}
 
 
 def request_body(model: str, prompt: list[int], max_tokens: int, stream: bool) -> bytes:
-    """A B1 completion request, encoded."""
+    """A completion request of the throughput workload, encoded."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.6, "ignore_eos": True}
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
@@ -131,7 +131,7 @@ async def run_rate(base_url: str, model: str, prompts: list[list[int]], max_toke
 def markdown(payload: dict[str, Any], title: str) -> str:
     env, s = payload["environment"], payload["settings"]
     lines = [f"# {title}", "", f"{env['device']}, {env['date']}, commit {env['commit']}, torch {env['torch']}.",
-             f"Server {s['base_url']} ({s['model']}), {s['num_prompts']} B1 prompts per rate.", "",
+             f"Server {s['base_url']} ({s['model']}), {s['num_prompts']} prompts of the throughput workload per rate.", "",
              "| rate (req/s) | done | output tok/s | req/s | TTFT mean / p50 / p99 ms | TPOT mean / p50 / p99 ms "
              "| e2e p50 / p99 ms |", "|---|---|---|---|---|---|---|"]
     for r in payload["results"]:

@@ -1,7 +1,6 @@
-"""Pieces the sparse-prefill plugins' benchmarks share: one prompt's paged inputs and the dense prefill
-kernel's times on them (the reference of every kernel row), the end-to-end time-to-first-token job, its rows
-against ``full`` at the same context and their table, and the kernel chart of time over density with the
-target line."""
+"""What the sparse-prefill scripts share: one prompt's paged inputs and the dense prefill kernel's times on
+them (the reference of every kernel row), the end-to-end time-to-first-token jobs, their rows against
+``full`` at the same context and their table, and the kernel chart of time over density. Not a script."""
 
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-
-from nanovllm.bench import markdown_row
+from nanovllm.bench import markdown_row, offload
 
 
 @attrs.define(frozen=True)
@@ -88,36 +86,76 @@ def dense_prefill_ms(prompt: PagedPrompt, scale: float, history: int = 64) -> di
 def bench_ttft(preset: str, context: int, policy: str, rounds: int = 1) -> list[dict[str, Any]]:
     """The ``ttft`` job: the engine end to end, the time to the first token of one prompt under ``policy``,
     KV on the GPU, after a first prompt as long has compiled every kernel it meets (``ttft_first_s``: a
-    policy's kernels run only past some length, and a first compile took seconds). With ``rounds`` > 1,
-    ``ttft_s`` is the median of as many prompts timed one after another (one 128K prompt's TTFT varied by
-    up to 0.5 s between runs on the H100)."""
-    from nanovllm.bench import offload
-
+    policy's kernels run only past some length, and compile on first use). With ``rounds`` > 1, ``ttft_s``
+    is the median of as many prompts timed one after another."""
     row = offload.bench_decode(preset, context, 1, 1, False, full_warm_up=True, ttft_rounds=rounds,
                                sparse_policy=policy)
     return [{**row, "benchmark": "ttft", "policy": policy}]
 
 
 def bench_ttft_paired(preset: str, context: int, policies: list[str], rounds: int) -> list[dict[str, Any]]:
-    """The ``ttft-paired`` job: :func:`nanovllm.bench.offload.bench_paired_ttft`, the policies' engines in one
-    process taking turns on each round's prompt; ``paired_speedup`` is the median of the rounds' speedups."""
-    from nanovllm.bench import offload
-
-    rows = offload.bench_paired_ttft(preset, context, policies, rounds)
+    """The ``ttft-paired`` job: :func:`bench_paired_ttft`, the policies' engines in one process taking turns on
+    each round's prompt; ``paired_speedup`` is the median of the rounds' speedups."""
+    rows = bench_paired_ttft(preset, context, policies, rounds)
     for row in rows[1:]:
         row["paired_speedup"] = statistics.median(row["speedup_rounds"])
     return [{**row, "benchmark": "ttft", "paired_with": policies[0]} for row in rows]
 
 
-def with_ratios(results: list[dict[str, Any]], slack: float) -> list[dict[str, Any]]:
-    """Kernel rows with their target bound (``density + slack``) and, where the run timed the dense paged
-    kernel, their time over its (``ratio_paged``); TTFT rows with their speedup over ``full`` at the same
-    context."""
+def bench_paired_ttft(
+    model: str, context: int, policies: list[str], rounds: int, prompt_ids: list[int] | None = None,
+    **engine_options: Any,
+) -> list[dict[str, Any]]:
+    """TTFT of one prompt of ``context`` tokens under each of ``policies`` (``sparse_policy`` selections), KV
+    on the GPU: one engine per policy in this process, each with KV for that prompt alone. After a first
+    prompt as long on each (``ttft_first_s``: the compiles), ``rounds`` rounds in which every engine in turn
+    times the round's fresh prompt. The engines of a round share the process and the moment, which rows of
+    separate processes do not. A row per
+    policy: ``ttft_s`` the median of ``ttft_rounds_s``; after the first, ``speedup_rounds``: the first
+    policy's TTFT over this one's, round by round. ``prompt_ids``: a prompt (its first ``context`` tokens
+    or as many as fit) timed in every round instead of fresh random ones; prefix caching is off."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    if len(policies) < 2:
+        raise ValueError(f"give at least two policies to pair, got {policies!r}")
+    shape = offload.model_shape(model, engine_options)
+    prompt_len, options = offload.plan_run(shape, context, 1, 1, False, engine_options)
+    if "kv_cache_memory" not in options:  # each engine holds KV for its one prompt, and no more
+        options["kv_cache_memory"] = offload.kv_bytes(1, options["max_model_len"], offload.engine_option(options, "block_size"),
+                                              shape.kv_bytes_per_token)
+    from nanovllm import LLM
+
+    if prompt_ids is None:
+        first, *timed = offload.random_prompts(rounds + 1, prompt_len, shape.vocab_size)
+    elif len(prompt_ids) < prompt_len:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens, fewer than the {prompt_len} to time")
+    else:
+        first, *timed = [prompt_ids[:prompt_len]] * (rounds + 1)
+    engines = [LLM(model, **options, sparse_policy=policy) for policy in policies]
+    times: list[list[float]] = [[] for _ in policies]
+    for prompt in [first, *timed]:
+        for llm, seconds in zip(engines, times, strict=True):
+            seconds.append(offload.ttft_alone(llm, [prompt]))
+    del engines, llm
+    offload.free_memory()
+    rows = []
+    for policy, (first_s, *rounds_s) in zip(policies, times, strict=True):
+        row = {"preset": model, "context": context, "prompt_len": prompt_len, "policy": policy,
+               "settings": options, "ttft_first_s": first_s, "ttft_rounds_s": rounds_s,
+               "ttft_s": statistics.median(rounds_s)}
+        if rows:
+            row["speedup_rounds"] = [a / b for a, b in zip(times[0][1:], rounds_s, strict=True)]
+        rows.append(row)
+    return rows
+
+
+def with_ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Kernel rows, where the run timed the dense paged kernel, with their time over its (``ratio_paged``);
+    TTFT rows with their speedup over ``full`` at the same context."""
     out = []
     for r in results:
         r = dict(r)
         if r["benchmark"] == "kernel" and "ratio" in r:
-            r["bound"] = r["density"] + slack
             if "dense_paged_ms" in r:
                 r["ratio_paged"] = r["sparse_ms"] / r["dense_paged_ms"]
         elif (speedup := ttft_speedup(r, results)) is not None:
@@ -167,8 +205,9 @@ def ttft_model(row: dict[str, Any]) -> str:
     return f"{row.get('preset', '-')}, {row.get('prompt', 'random tokens')}"
 
 
-def density_chart(payload: dict[str, Any], path: Path, name: str, xlabel: str, ylabel: str, slack: float) -> None:
-    """Kernel rows (``density``, ``ratio``), one line per context, and the target ``density + slack``."""
+def density_chart(payload: dict[str, Any], path: Path, name: str, xlabel: str, ylabel: str) -> None:
+    """Kernel rows (``density``, ``ratio``), one line per context, and the line of time proportional to
+    density."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -180,7 +219,7 @@ def density_chart(payload: dict[str, Any], path: Path, name: str, xlabel: str, y
         pts = sorted((r["density"], r["ratio"]) for r in kernel if r["context"] == n)
         ax.plot(*zip(*pts, strict=True), marker="o", label=f"{n // 1024}K")
     xs = [0, max((r["density"] for r in kernel), default=1)]
-    ax.plot(xs, [x + slack for x in xs], "r--", label=f"target: density + {slack}")
+    ax.plot(xs, xs, "r--", label="time proportional to density")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     save_chart(fig, ax, path, name, payload["environment"])

