@@ -31,8 +31,8 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
     # Single-sequence prefill without a cached prefix through torch SDPA's cuDNN kernel instead of the
-    # Triton one: on an H200, 32q/8kv d=128 bf16, 576 against 480 TFLOP/s at 16K, 521 / 377 at 4K and
-    # 247 / 160 at 1K (`nanovllm bench kernels`). Several sequences, or a cached prefix: Triton.
+    # Triton one: cuDNN is faster on a fresh causal prompt at every length (`nanovllm bench kernels`).
+    # Several sequences, or a cached prefix: Triton.
     sdpa_prefill = True
     sdpa_mode = "cudnn"  # see _sdpa_causal
 

@@ -288,7 +288,7 @@ def _prefill_kernel(
 
     # tiles every row sees in full: no masks (never with HAS_INDICES, whose lo is 0). Paged, a tile's
     # block-table entries are read one tile ahead: Triton pipelines a key load whose address waits on a
-    # load of the same iteration 2 deep, not 3 (H100, 128K: 339 against 302 ms; contiguous keys 293 ms)
+    # load of the same iteration only 2 deep, not 3, which left paged prefill well behind contiguous keys
     offs_t = tl.arange(0, BLOCK_N)
     bt_row = block_tables + s * stride_bt
     if PAGED:
@@ -488,8 +488,8 @@ def _max_shared_memory(device_index: int) -> int:
 
 
 def max_shared_memory(device: torch.device) -> int:
-    """Bytes of shared memory one program may use on a CUDA device. Triton's driver query behind it takes
-    about 0.7 ms of host time on an H100, so it runs once per device."""
+    """Bytes of shared memory one program may use on a CUDA device. Triton's driver query behind it costs
+    host time on every call, so it runs once per device."""
     return _max_shared_memory(device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -507,10 +507,7 @@ def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, max
         return 16, 16, 1, 1
     if dtype == torch.float32:
         return 32, 32, 4, 2
-    # measured on an H100, 16K causal, 32q/8kv heads (`nanovllm bench kernels`, its sweep), TFLOP/s of
-    # dense / paged bs=16 / paged bs=256: d=64 412 / 373 / 379 (4 warps: 376 / 353 / 360);
-    # d=128 495 / 423 / 440 (BLOCK_N 64: 473 / 370 / 387); d=128 since the block table is read a tile
-    # ahead: 483 / 466 / 463 (h100_kernels_prefetch)
+    # the fastest tiles of `nanovllm bench kernels`' sweep (16K causal, 32q/8kv heads), dense and paged
     if head_dim <= 64:
         bm, bn, warps, stages = 128, 64, 8, 3
     elif head_dim <= 128:
@@ -533,9 +530,9 @@ def _skip_dead(has_idx: bool, block_n: int, block_size: int) -> bool:
 
 def _read_ahead(multi_block_tiles: bool, num_groups: int, device: torch.device) -> bool:
     """Read a selected-key tile's entries a tile ahead when few (sequence, KV head) groups share the
-    GPU: their programs are short and exposed to the load chain (selection, block table, keys). H100,
-    32q/8kv, 2,048 selected keys: batch 1 10.9 against 12.2 us, batch 8 32.5 against 33.3; batch 32 at
-    8K 104.8 against 101.1, where occupancy hides the chain. Results are bit-identical either way."""
+    GPU: their programs are short and exposed to the load chain (selection, block table, keys). With
+    more groups, occupancy hides the chain and reading ahead costs more than it saves. Results are
+    bit-identical either way."""
     return multi_block_tiles and num_groups <= num_sms(device) // 2
 
 
@@ -617,9 +614,8 @@ def attention_rows(
 
 
 def _decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, block_size: int):
-    """(BLOCK_N, num_warps, num_stages). H100, d=128, 32q/8kv, bf16, batch x context = 128K tokens:
-    2.61-2.73 TB/s of KV read (87-90% of a device copy) at BLOCK_N 64, 4 warps, 3 stages; BLOCK_N
-    32/128, 8 warps and 2/4 stages measured within 3% or slower."""
+    """(BLOCK_N, num_warps, num_stages): the fastest of `nanovllm bench kernels`' sweep of paged decode
+    (d=128, 32q/8kv, bf16)."""
     if device.type != "cuda":
         return 16, 1, 1
     if dtype == torch.float32:
@@ -632,10 +628,9 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_keys: int, block_n: 
     """Split the keys so that about two programs run per multiprocessor; at least 2 tiles a split."""
     programs = max(1, num_seqs * num_kv_heads)
     # at least two splits: with contexts of mixed lengths the finer slices balance the multiprocessors
-    # (B1 full-batch step on an H200: 4.62 against 4.85 ms of decode kernel at one split)
     want = max(2, triton.cdiv(2 * num_sms(device), programs))
-    # 2 tiles, not 4: one sequence's 2,048 selected keys per KV head (H100, 32q/8kv) took 10.8 us in 16
-    # splits against 13.8 us in 8; long contexts are bounded by ``want`` anyway
+    # at least 2 tiles a split, not more: a short selection (a sequence's few thousand selected keys per
+    # KV head) runs faster in more, shorter splits; long contexts are bounded by ``want`` anyway
     by_len = max(1, triton.cdiv(max_keys, 2 * block_n))
     return max(1, min(want, by_len, 64))
 
