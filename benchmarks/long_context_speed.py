@@ -23,7 +23,7 @@ next, then transformers) and per prompt length:
 Prompts are natural text (``--text-file``): prompt ``i`` of a batch is the text rotated by ``i`` times
 ``1/max batch`` of its length, cut to the prompt length after the tokenizer's BOS, so the prompts differ
 while drawing on one text. Every runner is warmed up (one ``generate`` per batch size, two output
-tokens) before it is timed.
+tokens) before it is timed. The engines run without prefix caching, so every repeat prefills in full.
 
 Writes OUT/NAME.json (device, date, commit, settings, every number and every repeat), OUT/NAME.md (the
 table, next to the targets) and, with matplotlib, OUT/NAME.png; prints the table. The JSON is written after
@@ -278,6 +278,7 @@ def run(settings: SpeedSettings, say: Callable[[str], None] = lambda line: None,
     text, source = lc.natural_text_ids(tokenizer, max(settings.lengths) - len(bos), text_file)
     batch = max(settings.timed_batch_sizes)
     prompts = {length: batch_prompts(bos, text, length, batch) for length in settings.lengths}
+    say(f"model {model_dir}; prompts from {source}")
     runners = list(settings.policies) + ([HF] if settings.hf else [])
     result: dict[str, Any] = {
         "environment": environment(),
