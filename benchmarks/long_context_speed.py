@@ -12,8 +12,10 @@ next, then transformers) and per prompt length:
   the median of ``--repeats``.
 - decode tokens/s at batch ``b``: ``b`` different prompts, greedy with ``ignore_eos``; ``b * N / (t(1 + N) -
   t(1))``, where ``t(k)`` is the wall time of ``generate`` of the ``b`` prompts with ``max_tokens=k`` and
-  ``N`` is ``--decode-tokens``: the time the ``N`` decode steps add to the prefill. The median over
-  ``--repeats`` pairs of runs (each pair run back to back). The engine's own request metrics
+  ``N`` is ``--decode-tokens``: the time the ``N`` decode steps add to the prefill (at batch > 1 the
+  engine decodes the first prompts while it prefills the later ones, in chunks: the difference counts what
+  those decode tokens add to the mixed steps). The median over ``--repeats`` pairs of runs (each pair
+  run back to back). The engine's own request metrics
   (``RequestOutput.metrics``) of every run are recorded beside the wall times, and at batch 1 the TTFT
   and decode tokens/s they give (``engine_ttft_ms``, ``engine_decode_tok_s``: the decode steps alone).
 - transformers: the same token ids through ``AutoModelForCausalLM.generate`` (greedy, ``min_new_tokens``
