@@ -2,8 +2,7 @@
 
 - Prefill: causal, 16K tokens, d=128, 32 query / 8 KV heads, bf16. TFLOP/s (causal FLOPs =
   2 * q_heads * head_dim * S^2) of the triton backend's kernel (dense new k/v, and through the paged
-  cache) next to torch SDPA's cuDNN and flash backends on the same inputs, and the backend's own
-  ``prefill`` of one fresh prompt at 1K/4K/16K.
+  cache) next to torch SDPA's cuDNN and flash backends on the same inputs.
 - Decode: one query per sequence, batch x context >= 128K tokens, paged KV (block sizes 16 and 256).
   GB/s of KV read next to a large device-to-device copy measured in the same run (bytes read +
   written), and SDPA on contiguous KV for one shape.
@@ -177,27 +176,6 @@ def prefill(gen, d: int = 128) -> None:
             except Exception as e:
                 record("prefill", f"d={d} sdpa {name} {label}", float("nan"), float("nan"), "",
                        f"{type(e).__name__}: {str(e)[:60]}")
-    for mode in ("cudnn", "priority", "plain"):
-        t = ms(lambda mode=mode: tb._sdpa_causal(q, k, v, scale, mode))
-        record("prefill", f"d={d} backend SDPA path, mode {mode}", t, tflops(t), "TFLOP/s")
-
-
-def prefill_lengths() -> None:
-    """backend.prefill of one fresh sequence: the Triton kernel against each SDPA mode, shorter prompts."""
-    h, hkv, d = 32, 8, 128
-    for s in (1024, 4096, 16384):
-        q = torch.randn(s, h, d, device=DEV, dtype=torch.bfloat16)
-        k = torch.randn(s, hkv, d, device=DEV, dtype=torch.bfloat16)
-        v = torch.randn(s, hkv, d, device=DEV, dtype=torch.bfloat16)
-        cu = torch.tensor([0, s], dtype=torch.int32, device=DEV)
-        meta = PhaseMetadata(cu, cu[1:], torch.zeros(1, 1, dtype=torch.int32, device=DEV), s, s)
-        backend = tb.TritonBackend()
-        flops = 2 * h * d * s * s
-        for sdpa, mode in ((False, "-"), (True, "cudnn"), (True, "priority"), (True, "plain")):
-            backend.sdpa_prefill, backend.sdpa_mode = sdpa, mode
-            t = ms(lambda b=backend, q=q, k=k, v=v, meta=meta: b.prefill(q, k, v, None, None, meta, d**-0.5))
-            name = f"S={s} backend.prefill " + (f"sdpa {mode}" if sdpa else "triton")
-            record("prefill", name, t, flops / t / 1e9, "TFLOP/s")
 
 
 def decode(gen, copy_gbs: float) -> None:
@@ -292,8 +270,8 @@ def selected_decode(gen) -> None:
         def dense(q=q, kc=kc, vc=vc, out=out, lens=lens, tables=tables, ctx=ctx):
             tk.attention_decode(q, kc, vc, out, None, lens, tables, None, ctx, scale)
 
-        def selected(splits=None, sel=sel, q=q, kc=kc, vc=vc, out=out, lse=lse, lens=lens, tables=tables):
-            tk.attention_decode(q, kc, vc, out, lse, lens, tables, sel, n_sel * bs, scale, num_splits=splits)
+        def selected(sel=sel, q=q, kc=kc, vc=vc, out=out, lse=lse, lens=lens, tables=tables):
+            tk.attention_decode(q, kc, vc, out, lse, lens, tables, sel, n_sel * bs, scale)
 
         label = f"b={batch} ctx={ctx} bs={bs}"
         try:
@@ -308,23 +286,20 @@ def selected_decode(gen) -> None:
             record("decode", f"{label} selected {n_sel} blocks per KV head", float("nan"), float("nan"), "",
                    _why(e))
             continue
-        # the default split count and others: a selection has few keys per KV head
-        for splits in (None, 16, 32):
-            n = splits or tk.num_decode_splits(batch, hkv, n_sel * bs, block_n, q.device)
-            name = f"{label} selected {n_sel} blocks per KV head splits={n}{'' if splits else ' (auto)'}, graph"
-            try:
-                t = graph_ms([lambda x=x, splits=splits: selected(splits, x) for x in sels])
-            except Exception as e:
-                record("decode", name, float("nan"), float("nan"), "", _why(e))
-                continue
-            gbs = sel_bytes / t / 1e6
-            record("decode", name, t, gbs, "GB/s",
-                   f"{gbs / dense_gbs:.2f} of dense GB/s, {t_dense / t:.1f}x faster, err {err:.1e}",
-                   vs_dense=round(gbs / dense_gbs, 3), speedup=round(t_dense / t, 2))
+        n = tk.num_decode_splits(batch, hkv, n_sel * bs, block_n, q.device)
+        name = f"{label} selected {n_sel} blocks per KV head splits={n}, graph"
+        try:
+            t = graph_ms([lambda x=x: selected(x) for x in sels])
+        except Exception as e:
+            record("decode", name, float("nan"), float("nan"), "", _why(e))
+            continue
+        gbs = sel_bytes / t / 1e6
+        record("decode", name, t, gbs, "GB/s", f"{gbs / dense_gbs:.2f} of dense GB/s, {t_dense / t:.1f}x faster, "
+               f"err {err:.1e}", vs_dense=round(gbs / dense_gbs, 3), speedup=round(t_dense / t, 2))
         # The same blocks for every KV head (the [num_seqs, k] form): each block is read whole, 16 tokens x
         # all heads contiguous, where one head's share of a block is 16 pieces of head_dim values apart.
         shared = [x[:, 0].contiguous() for x in sels]
-        t = graph_ms([lambda x=x: selected(None, x) for x in shared])
+        t = graph_ms([lambda x=x: selected(x) for x in shared])
         gbs = sel_bytes / t / 1e6
         record("decode", f"{label} selected {n_sel} blocks shared by all KV heads (auto), graph", t, gbs, "GB/s",
                f"{gbs / dense_gbs:.2f} of dense GB/s, {t_dense / t:.1f}x faster",
@@ -337,13 +312,10 @@ def run() -> list[dict]:
     from tqdm.auto import tqdm
 
     gen = torch.Generator(device=DEV).manual_seed(0)
-    with tqdm(total=5, desc="kernels", unit="part") as bar:
+    with tqdm(total=4, desc="kernels", unit="part") as bar:
         copy_gbs = copy_bandwidth()
         bar.update()
         prefill(gen)
-        bar.update()
-        if not DRY:
-            prefill_lengths()
         bar.update()
         decode(gen, copy_gbs)
         bar.update()
