@@ -149,7 +149,7 @@ class CapturingEngine:
 
         self.llm = llm = nanovllm.LLM(path, device="cpu", max_logprobs=-1, **opts)
         runner = llm.runner
-        runner.kv_cache.fill_(float("nan"))  # reading a slot no step has written must show in the logprobs
+        runner.kv.kv_cache.fill_(float("nan"))  # reading a slot no step has written must show in the logprobs
         self.steps: list[dict] = []
         launch = runner.launch
 
@@ -391,7 +391,7 @@ def logprob_runs(model_paths, hf_reference):
             opts = engine_options(hf_reference(LOGPROB_MODEL), LOGPROB_SETTINGS[setting])
             llm = nanovllm.LLM(model_paths(LOGPROB_MODEL), device="cpu", max_model_len=MAX_MODEL_LEN,
                                max_logprobs=-1, async_scheduling=async_scheduling, **opts)
-            llm.runner.kv_cache.fill_(float("nan"))
+            llm.runner.kv.kv_cache.fill_(float("nan"))
             preempted: list[str] = []
             preempt = llm.scheduler._preempt
 

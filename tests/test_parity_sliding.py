@@ -164,7 +164,7 @@ def _engine(path: str, ref: HFReference, setting: dict):
     opts["kv_cache_memory"] = opts.pop("kv_blocks") * per_block
     llm = nanovllm.LLM(path, device="cpu", max_logprobs=-1, max_model_len=MAX_MODEL_LEN,
                        skip_tokenizer_init=True, **opts)
-    llm.runner.kv_cache.fill_(float("nan"))  # a slot no step wrote must show in the logprobs
+    llm.runner.kv.kv_cache.fill_(float("nan"))  # a slot no step wrote must show in the logprobs
     return llm
 
 
@@ -276,7 +276,7 @@ def test_sparse_policy_runs_on_full_attention_layers_only(model_paths, hf_refere
                        observers=[recorder], **memory)
     full = [i for i, kind in enumerate(GEMMA3["layer_types"]) if kind == "full_attention"]
     if offload:
-        assert llm.runner.resident_layers == [i for i in range(len(GEMMA3["layer_types"])) if i not in full]
+        assert llm.runner.kv.resident_layers == [i for i in range(len(GEMMA3["layer_types"])) if i not in full]
     prompts = _prompts(PROMPT_LENS, seed=7)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -296,7 +296,7 @@ def test_two_ranks_give_the_tokens_of_transformers(model_paths, hf_reference):
     with nanovllm.LLM(model_paths("gemma3"), device="cpu", tensor_parallel_size=2, kv_cache_memory=1 << 24,
                       block_size=8, max_num_batched_tokens=48, max_model_len=MAX_MODEL_LEN,
                       skip_tokenizer_init=True) as llm:
-        assert llm.runner.kv_cache.shape[4] == 1  # of the model's 2 KV heads, rank 0 holds one
+        assert llm.runner.kv.kv_cache.shape[4] == 1  # of the model's 2 KV heads, rank 0 holds one
         outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [ref(p)[0][:16] for p in prompts]
 

@@ -13,9 +13,10 @@ import random
 import pytest
 import torch
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.offload import HostPhase, OffloadEngine
+from nanovllm.kv.offload import HostPhase, OffloadEngine
 from nanovllm.plugins import get_plugins, reload_plugins
-from nanovllm.policy import KVWrite, PolicyContext, SparsePolicy
+from nanovllm.kv import KVTransfer, KVWrite, PagedLayerKV
+from nanovllm.policy import PolicyContext, SparsePolicy
 from quest_style import Plugin
 
 HEAD_BLOCK_BYTES = 2 * 16 * 32 * 4  # K and V of one KV head of one 16-token block, head size 32, float32
@@ -106,7 +107,7 @@ def test_offload_gives_the_gpu_cache_tokens(tiny_model, architecture, policy, ch
 
 
 def test_run_copies_give_the_gather_tokens(tiny_model, monkeypatch):
-    from nanovllm.engine import offload
+    from nanovllm.kv import offload
 
     prompts = _prompts([300, 200, 40])
     want = _engine(tiny_model(), offload_buffer=SMALL_BUFFER).generate(prompts, PARAMS, use_tqdm=False)
@@ -116,11 +117,11 @@ def test_run_copies_give_the_gather_tokens(tiny_model, monkeypatch):
 
 def test_many_pieces_per_layer_are_really_used(tiny_model):
     llm = _engine(tiny_model(), offload_buffer=SMALL_BUFFER)
-    engine = llm.runner.offload
+    engine = llm.runner.kv.engine
     assert engine.capacity == 48
     calls = []
     original = engine._load
-    engine._load = lambda layer_id, piece: calls.append(layer_id) or original(layer_id, piece)
+    engine._load = lambda layer_id, *args: calls.append(layer_id) or original(layer_id, *args)
     llm.generate(_prompts([300, 200]), SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     per_layer = len(calls) / len(llm.runner.attention_layers)
     assert per_layer == 2 * 2  # two decode steps, each over 32 blocks x 2 heads in slots of 48 head blocks
@@ -144,15 +145,16 @@ def test_dense_layers_stay_resident_with_the_same_tokens(tiny_model, monkeypatch
     want = _engine(model, **options).generate(prompts, PARAMS, use_tqdm=False)
     llm = _engine(model, offload_buffer=SMALL_BUFFER, **options)
     runner = llm.runner
-    assert runner.resident_layers == [0, 1] and runner.offload.layers == [2]
-    assert runner.offload.pool.shape[0] == 1
-    assert runner.resident_kv_cache.shape == (2, 2, runner.num_blocks, 16, 2, 16)
+    store = runner.kv
+    assert store.resident_layers == [0, 1] and store.engine.layers == [2]
+    assert store.engine.pool.shape[0] == 1
+    assert store.resident_kv_cache.shape == (2, 2, runner.num_blocks, 16, 2, 16)
     for layer in runner.attention_layers:  # resident layers read and write the GPU cache, without the engine
-        assert (layer.offload is None) == (layer.layer_id < 2)
+        assert isinstance(layer.kv, PagedLayerKV) == (layer.layer_id < 2)
         if layer.layer_id < 2:
-            assert layer.k_cache.data_ptr() == runner.resident_kv_cache[layer.layer_id, 0].data_ptr()
-    stored, store = [], runner.offload.store
-    runner.offload.store = lambda layer_id, *args: stored.append(layer_id) or store(layer_id, *args)
+            assert layer.k_cache.data_ptr() == store.resident_kv_cache[layer.layer_id, 0].data_ptr()
+    stored, to_pool = [], store.engine.store
+    store.engine.store = lambda layer_id, *args: stored.append(layer_id) or to_pool(layer_id, *args)
     got = llm.generate(prompts, PARAMS, use_tqdm=False)
     _same_outputs(got, want)
     assert set(stored) == {2}  # the resident layers' new K/V never go to the pool
@@ -161,7 +163,7 @@ def test_dense_layers_stay_resident_with_the_same_tokens(tiny_model, monkeypatch
     with monkeypatch.context() as patched:
         _all_offloaded(patched)
         everything = _engine(model, offload_buffer=SMALL_BUFFER, **options)
-        assert everything.runner.resident_layers == [] and everything.runner.offload.layers == [0, 1, 2]
+        assert everything.runner.kv.resident_layers == [] and everything.runner.kv.engine.layers == [0, 1, 2]
         _same_outputs(everything.generate(prompts, PARAMS, use_tqdm=False), got)
 
 
@@ -177,8 +179,8 @@ def test_a_resident_layer_between_offloaded_ones_is_skipped_by_the_prefetch(tiny
     prompts = _prompts([97, 130])  # the first prompt's later chunks run alone: prefill-only steps prefetch
     want = _engine(model, **options).generate(prompts, PARAMS, use_tqdm=False)
     llm = _engine(model, offload_buffer=1.0, **options)
-    assert llm.runner.offload.layers == [0, 2]
-    engine, used = llm.runner.offload, []
+    assert llm.runner.kv.engine.layers == [0, 2]
+    engine, used = llm.runner.kv.engine, []
     run = engine._run
     def recording_run(ctx, *args):
         used.append((ctx.layer_id, (ctx.layer_id, ctx.is_prefill) in engine._prefetched))
@@ -224,11 +226,11 @@ def test_a_sparse_layer_costs_few_host_operations(tiny_model, monkeypatch, cache
     bound keeps it from creeping back."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from nanovllm.engine import offload
+    from nanovllm.kv import offload
 
     llm = _engine(tiny_model(), offload_buffer=1.0, sparse_policy="quest_style:budget_blocks=2")
     if not cached:
-        monkeypatch.setattr(llm.runner.offload, "_cache_fits", lambda num_seqs, k: False)
+        monkeypatch.setattr(llm.runner.kv.engine, "_cache_fits", lambda num_seqs, k: False)
 
     def one_range(owner, name):
         call = getattr(owner, name)
@@ -239,7 +241,7 @@ def test_a_sparse_layer_costs_few_host_operations(tiny_model, monkeypatch, cache
 
         monkeypatch.setattr(owner, name, ranged)
 
-    for owner, name in ((llm.runner.offload, "attend_selected"), (llm.runner.backend, "attend_blocks"),
+    for owner, name in ((llm.runner.kv.engine, "attend_selected"), (llm.runner.backend, "attend_blocks"),
                         (offload, "selected_piece"), (offload, "cached_piece"), (offload, "patch_slot"),
                         (offload, "load_misses")):
         one_range(owner, name)
@@ -273,7 +275,7 @@ def test_the_selection_cache_gives_the_ring_tokens_and_reuses_blocks(tiny_model,
     want = _engine(model, sparse_policy=policy).generate(prompts, params, use_tqdm=False)
     for cached in (True, False):
         llm = _engine(model, offload_buffer=1.0, sparse_policy=policy)
-        engine = llm.runner.offload
+        engine = llm.runner.kv.engine
         uses = []
         fits = engine._cache_fits if cached else (lambda num_seqs, k: False)
         monkeypatch.setattr(engine, "_cache_fits",
@@ -289,7 +291,7 @@ def test_blocks_handed_out_again_leave_the_selection_cache(tiny_model):
     those blocks' head blocks, in every layer."""
     policy = "prefill=full;decode=quest_style:budget_blocks=3"
     llm = _engine(tiny_model(), offload_buffer=1.0, sparse_policy=policy)
-    engine, told = llm.runner.offload, []
+    engine, told = llm.runner.kv.engine, []
     forget = engine.forget_blocks
     engine.forget_blocks = lambda ids: told.append(ids.tolist()) or forget(ids)
     llm.generate(_prompts([40, 20]), SamplingParams(max_tokens=30, ignore_eos=True), use_tqdm=False)
@@ -308,19 +310,24 @@ def test_blocks_handed_out_again_leave_the_selection_cache(tiny_model):
 
 
 class OffloadRecorder:
-    """An observer that sees the offload hooks' rows."""
+    """An observer of the offload notifications and of ``on_kv_write``: rows written at layer 0, and the
+    transfers of each phase and kind."""
 
     def __init__(self) -> None:
         self.rows: dict[str, int] = {"prefill": 0, "decode": 0, "kv_write": 0}
+        self.transfers: list[KVTransfer] = []
 
-    def on_prefill_offload(self, write: KVWrite) -> None:
-        assert write.step.decode is None and write.step.num_decode_tokens == 0
-        assert write.key.shape[0] == write.slot_mapping.shape[0] == write.positions.shape[0]
-        self.rows["prefill"] += write.key.shape[0] * (write.layer_id == 0)
+    def _told(self, transfer: KVTransfer, phase: str) -> None:
+        assert transfer.is_prefill == (phase == "prefill") and transfer.kind in ("store", "load")
+        self.transfers.append(transfer)
+        if transfer.kind == "store" and transfer.layer_id == 0:
+            self.rows[phase] += transfer.blocks.shape[0]
 
-    def on_decode_offload(self, write: KVWrite) -> None:
-        assert write.step.prefill is None and write.key.shape[0] == write.step.num_decode_tokens
-        self.rows["decode"] += write.key.shape[0] * (write.layer_id == 0)
+    def on_prefill_offload(self, transfer: KVTransfer) -> None:
+        self._told(transfer, "prefill")
+
+    def on_decode_offload(self, transfer: KVTransfer) -> None:
+        self._told(transfer, "decode")
 
     def on_kv_write(self, write: KVWrite) -> None:
         self.rows["kv_write"] += write.key.shape[0] * (write.layer_id == 0)
@@ -337,18 +344,26 @@ class KVWriteOnly:
             self.fill_ok &= bool((write.block_fill() >= 1).all())
 
 
-def test_offload_hooks_get_each_phase_and_fall_back_to_on_kv_write(tiny_model):
-    recorder, fallback = OffloadRecorder(), KVWriteOnly()
-    llm = _engine(tiny_model(), offload_buffer=1.0, max_num_batched_tokens=32, observers=[recorder, fallback])
+def test_offload_hooks_report_stores_and_loads_and_on_kv_write_runs_on_both_stores(tiny_model):
+    """With offload the notifications report each phase's stores (every new row, at every offloaded layer)
+    and loads; ``on_kv_write`` runs for every row on both stores, so no policy needs the notifications."""
+    recorder, writes = OffloadRecorder(), KVWriteOnly()
+    llm = _engine(tiny_model(), offload_buffer=1.0, max_num_batched_tokens=32, observers=[recorder, writes])
     llm.generate(_prompts([40, 7]), SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
-    # every prompt token once through on_prefill_offload, every later token through on_decode_offload
-    assert recorder.rows == {"prefill": 47, "decode": 2 * 4, "kv_write": 0}
-    assert fallback.rows == 47 + 8 and fallback.fill_ok  # on_kv_write, with both phases' rows
+    # every prompt token stored in a prefill phase, every later token in a decode phase, and on_kv_write
+    # saw them all
+    assert recorder.rows == {"prefill": 47, "decode": 2 * 4, "kv_write": 47 + 8}
+    assert writes.rows == 47 + 8 and writes.fill_ok
+    loads = [t for t in recorder.transfers if t.kind == "load"]
+    assert {t.is_prefill for t in loads} == {False, True}  # the 40-token prompt's later chunks read history
+    assert {t.layer_id for t in recorder.transfers} == {0, 1}
+    engine = llm.runner.kv.engine
+    assert all(t.unit_bytes == engine.head_block_bytes for t in loads)
 
     on_gpu = OffloadRecorder()
     _engine(tiny_model(), observers=[on_gpu]).generate(_prompts([40, 7]), SamplingParams(max_tokens=5, ignore_eos=True),
                                                        use_tqdm=False)
-    assert on_gpu.rows == {"prefill": 0, "decode": 0, "kv_write": 47 + 8}  # without offload: on_kv_write only
+    assert on_gpu.rows == {"prefill": 0, "decode": 0, "kv_write": 47 + 8} and not on_gpu.transfers
 
 
 def _plan(capacity_heads: int, tables: list[list[int]], q_lens: list[int], ctx_lens: list[int], prefill: bool):
@@ -377,7 +392,7 @@ def test_dense_plan_loads_every_history_block_once_within_capacity(prefill):
 
 
 def test_dense_plan_copies_blocks_in_any_allocation_order_as_few_runs(monkeypatch):
-    from nanovllm.engine import offload
+    from nanovllm.kv import offload
 
     monkeypatch.setattr(offload, "MIN_COPY_BYTES", 0)
     # the block manager hands a freed sequence's tail out first: descending ids, and a prefix shared by two
@@ -410,8 +425,8 @@ def test_offload_keeps_no_kv_cache_on_the_device_and_serves_preemption(tiny_mode
               enforce_eager=True, kv_offloading_size=12 * LLAMA_POOL_BLOCK_BYTES / 2**30,
               kv_offloading_buffer_size=SMALL_BUFFER)
     runner = llm.runner
-    assert runner.num_blocks == 12 and not hasattr(runner, "kv_cache")
-    assert runner.offload.pool.shape[1] == 13  # the pool's blocks and its scratch block
+    assert runner.num_blocks == 12 and not hasattr(runner.kv, "kv_cache")
+    assert runner.kv.engine.pool.shape[1] == 13  # the pool's blocks and its scratch block
     prompts = _prompts([60, 55, 50], seed=3)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     got = llm.generate(prompts, params, use_tqdm=False)
@@ -427,7 +442,7 @@ def test_offload_keeps_no_kv_cache_on_the_device_and_serves_preemption(tiny_mode
 @pytest.mark.parametrize("policy", ["full", "quest_style:budget_blocks=2", "quest_style:budget_blocks=2,dense_layers=1"])
 @pytest.mark.parametrize("copies", ["gather", "runs"])
 def test_gpu_offload_gives_the_gpu_cache_tokens(tiny_model, policy, copies, monkeypatch):
-    from nanovllm.engine import offload
+    from nanovllm.kv import offload
 
     if copies == "runs":  # every dense piece through the copy engines, however short its runs
         monkeypatch.setattr(offload, "MIN_COPY_BYTES", 0)
@@ -437,7 +452,7 @@ def test_gpu_offload_gives_the_gpu_cache_tokens(tiny_model, policy, copies, monk
         prompts, PARAMS, use_tqdm=False)
     for buffer in (1.0, SMALL_BUFFER):
         llm = _engine(model, device="cuda", offload_buffer=buffer, sparse_policy=policy, max_num_batched_tokens=64)
-        engine = llm.runner.offload
+        engine = llm.runner.kv.engine
         assert engine.pool.is_pinned() and engine.pool.device.type == "cpu"
         assert engine.load_stream != torch.cuda.current_stream() != engine.store_stream
         _same_outputs(llm.generate(prompts, PARAMS, use_tqdm=False), want)
@@ -455,13 +470,13 @@ def test_gpu_selection_cache_under_cuda_graphs_gives_the_ring_tokens(tiny_model)
     llm = _engine(model, **options, enforce_eager=False)
     assert llm.runner.graphs
     _same_outputs(llm.generate(prompts, params, use_tqdm=False), want)
-    loaded, reused = llm.runner.offload.cache_counts.tolist()
+    loaded, reused = llm.runner.kv.engine.cache_counts.tolist()
     assert reused > 0.2 * (loaded + reused), (loaded, reused)
 
 
 @pytest.mark.gpu
 def test_gpu_device_view_reads_and_writes_pinned_memory():
-    from nanovllm.engine.offload import device_view
+    from nanovllm.kv.offload import device_view
 
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         host = torch.randn(64, 33, pin_memory=True).to(dtype).pin_memory()
@@ -481,5 +496,5 @@ def test_gpu_memory_for_kv_is_the_load_slots(tiny_model):
     before = torch.cuda.memory_allocated()
     llm = _engine(tiny_model(), device="cuda", offload_buffer=SMALL_BUFFER)
     weights = sum(p.numel() * p.element_size() for p in llm.runner.model.parameters())
-    assert torch.cuda.memory_allocated() - before - weights <= llm.runner.offload.gpu_bytes + (1 << 20)
-    assert llm.runner.offload.gpu_bytes <= SMALL_BUFFER * 2**30 + 2 * HEAD_BLOCK_BYTES
+    assert torch.cuda.memory_allocated() - before - weights <= llm.runner.kv.engine.gpu_bytes + (1 << 20)
+    assert llm.runner.kv.engine.gpu_bytes <= SMALL_BUFFER * 2**30 + 2 * HEAD_BLOCK_BYTES

@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from nanovllm.engine.offload import (
+from nanovllm.kv.offload import (
     cached_piece_reference,
     load_misses,
     patch_slot_reference,
@@ -87,7 +87,7 @@ def test_selected_piece_reference_is_the_loop(seed, num_seqs, hkv, shared, decod
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed,num_seqs,hkv,shared,decode", CASES)
 def test_selected_piece_kernel_is_the_reference(device, seed, num_seqs, hkv, shared, decode):
-    from nanovllm.engine import offload_kernels
+    from nanovllm.kv import offload_kernels
 
     case = _case(seed, num_seqs, hkv, shared, decode)
     for first, width in [(0, 6), (4, 2), (2, 3)]:
@@ -188,7 +188,7 @@ def test_cached_piece_reads_the_selection_and_loads_only_what_its_region_lacks(s
 def test_cached_piece_kernel_is_the_reference(device, seed, num_seqs, hkv, k, first_block):
     """Step after step, the kernel's outputs and the cache it leaves are the reference's, and
     ``load_misses`` copies what the reference copies."""
-    from nanovllm.engine import offload_kernels
+    from nanovllm.kv import offload_kernels
 
     pool, base = _pool(hkv), 3
     want_cached = torch.full((num_seqs * hkv, k), -1, dtype=torch.int32)
@@ -212,7 +212,7 @@ def test_cached_piece_kernel_is_the_reference(device, seed, num_seqs, hkv, k, fi
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_patch_slot_kernel_is_the_reference(device, dtype):
-    from nanovllm.engine import offload_kernels
+    from nanovllm.kv import offload_kernels
 
     gen = torch.Generator().manual_seed(0)
     capacity, hkv, tokens, head_dim = 6, 2, 5, 16

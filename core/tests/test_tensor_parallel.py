@@ -161,7 +161,7 @@ def test_two_ranks_generate_the_tokens_of_one(arch, tiny_model, one_thread, tmp_
     before = children()
     with LLM(path, tensor_parallel_size=2, observers=[AllocationRecorder(str(tmp_path))], **ENGINE) as two:
         assert len(children()) == len(before) + 1  # one worker, rank 1
-        assert two.runner.kv_cache.shape[4] == 1  # of the model's 2 KV heads, rank 0 holds one
+        assert two.runner.kv.kv_cache.shape[4] == 1  # of the model's 2 KV heads, rank 0 holds one
         assert nanovllm.distributed._control_channel is two._workers.channel  # steps go through it
         assert channels == [two._workers.channel.name] and not in_shm(channels)  # mapped, and unlinked
         got = two.generate(PROMPTS, params(), use_tqdm=False)
@@ -207,10 +207,10 @@ def test_two_ranks_with_kv_offload_generate_the_tokens_of_one(tiny_model, one_th
     with LLM(path, **options) as one:
         expected = one.generate(prompts, params()[:3], use_tqdm=False)
     with LLM(path, tensor_parallel_size=2, **options) as two:
-        offload = two.runner.offload
+        offload = two.runner.kv.engine
         loads = []
         load = offload._load
-        offload._load = lambda layer_id, piece: loads.append(layer_id) or load(layer_id, piece)
+        offload._load = lambda layer_id, *args: loads.append(layer_id) or load(layer_id, *args)
         got = two.generate(prompts, params()[:3], use_tqdm=False)
     # rank 0's pool slots hold 24 of its 35 head blocks: two pieces per layer in each of the 11 decode steps
     assert offload.capacity == 24 and len(loads) >= 2 * 11 * len(two.runner.attention_layers)

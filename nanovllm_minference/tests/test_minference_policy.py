@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from nanovllm.policy import PolicyContext
+from nanovllm.kv import PagedLayerKV
 from nanovllm.quality import planted
 from nanovllm.testing import prefill_context
 from nanovllm_minference.config import MInferenceConfig
@@ -118,19 +118,16 @@ def test_offload_reads_the_keys_the_resident_path_reads(monkeypatch, options):
     policy = MInferencePolicy(MInferenceConfig(**options, dense_below=0, dense_above=None))
     resident = run(policy, q, ctx)
 
-    class PoolStandIn:
-        def wait_stored(self, layer_id):
-            pass
+    reads = []
 
-    reads, original = [], PolicyContext.read_paged
+    class CompactReads(PagedLayerKV):  # the paged cache, read as the host store reads it
+        def read_paged(self, ctx, blocks, values=True, width=None):
+            present = blocks() if callable(blocks) else blocks
+            if values:
+                reads.append(int(present.sum()))
+            return self.compact_copy(ctx, present, values, width)
 
-    def counting(self, present, values=True):
-        if values:
-            reads.append(int(present.sum()))
-        return original(self, present, values)
-
-    ctx.offload = PoolStandIn()
-    monkeypatch.setattr(PolicyContext, "read_paged", counting)
+    ctx.kv = CompactReads(ctx.layer_id, ctx.k_cache, ctx.v_cache)
     offloaded = run(policy, q, ctx)
     torch.testing.assert_close(offloaded, resident)
     assert reads and reads[0] < 480 // BLOCK  # only the touched blocks' values crossed
@@ -139,23 +136,23 @@ def test_offload_reads_the_keys_the_resident_path_reads(monkeypatch, options):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("offload", [False, True])
 def test_a_pattern_that_is_not_sparse_runs_dense(monkeypatch, offload, device):
-    """An index computing more than ``dense_above`` of dense work runs dense attention (after the estimate;
-    with offload, the pool's dense stream instead of the touched blocks); one below it runs the sparse
-    kernel. On the GPU the density is the Triton one, on both paths."""
+    """An index computing more than ``dense_above`` of dense work runs dense attention (after the estimate,
+    before any value is read: with a store that copies, no touched block is read); one below it runs the
+    sparse kernel. On the GPU the density is the Triton one, on both paths."""
     case = planted.slash_diagonals(num_tokens=480, offsets=(0, 100, 300))
     q, ctx = prefill_context(case.q, case.k, case.v, 480, case.scale, device=device)
     want = ctx.attend_all(q, ctx.new_keys, ctx.new_values)
     dense_streams = []
     if offload:
-        class PoolStandIn:
-            def wait_stored(self, layer_id):
-                pass
+        class DenseStreams(PagedLayerKV):  # the paged cache, read as the host store reads it
+            def read_paged(self, ctx, blocks, values=True, width=None):
+                return self.compact_copy(ctx, blocks() if callable(blocks) else blocks, values, width)
 
-            def attend_dense(self, ctx, q):
+            def attend_all(self, ctx, q, k, v):
                 dense_streams.append(1)
-                return None  # no history: the test checks the route, not this output
+                return super().attend_all(ctx, q, k, v)
 
-        ctx.offload = PoolStandIn()
+        ctx.kv = DenseStreams(ctx.layer_id, ctx.k_cache, ctx.v_cache)
     import nanovllm_minference.policy as module
 
     ops = module._ops(q.device)
@@ -178,8 +175,7 @@ def test_a_pattern_that_is_not_sparse_runs_dense(monkeypatch, offload, device):
         dense_streams.clear()
         got = run(MInferencePolicy(MInferenceConfig(**everything, dense_above=limit)), q, ctx)
         assert bool(sparse_calls) == sparse and bool(dense_streams) == (offload and not sparse)
-        if sparse or not offload:
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # a sparse pattern stays sparse under the default limit
     sparse_calls.clear()
     run(MInferencePolicy(MInferenceConfig(vertical_size=4, slash_size=40, dense_below=0)), q, ctx)

@@ -3,7 +3,8 @@ the kit's scenarios but not the block table (128 blocks at max_model_len 512), s
 selects and attends through its per-KV-head selection, and must still be exactly ``full``: with pages of
 one block (whose metadata the kit also recomputes block by block), with pages of 4 blocks, with float8
 bounds (rounded outward in every update, so the kept metadata equals the recomputed one), with float8
-bounds over halves of a page, and with the bound's nominees rescored by their keys. The kit's small-budget
+bounds over halves of a page, and with the bound's nominees rescored by their keys (read through the KV
+store: in place on the GPU cache, only the nominees' keys from the host pool with offload). The kit's small-budget
 check runs the same options at a budget of 4 pages, one of them recent (every layer scores and ranks), and
 compares each decode with attention over exactly the pages selected."""
 
@@ -21,7 +22,5 @@ SMALL_BUDGET = "quest:token_budget={},recent_pages=1,skip_layers=0"
 def test_conformance(case, options):
     if "quest" not in get_plugins().registry.sparse_policies:
         pytest.skip("the entry point is registered only once the distribution is installed")
-    if "rescore" in options and case.offload:
-        pytest.skip("rescore reads the GPU cache and is refused under offload (test_quest_policy)")
     page = 16 if "page_size=16" in options else 4
     run_case(case, f"{SELECTION},{options}", small_budget=f"{SMALL_BUDGET.format(4 * page)},{options}")

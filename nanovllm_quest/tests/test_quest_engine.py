@@ -115,12 +115,12 @@ def test_offload_gives_the_tokens_of_the_device_cache(device, monkeypatch):
 
     want = generate(engine(device))
     llm = engine(device, offload=True)
-    assert llm.runner.resident_layers == [0] and llm.runner.offload.layers == [1, 2]
+    assert llm.runner.kv.resident_layers == [0] and llm.runner.kv.engine.layers == [1, 2]
     assert llm.runner.attention_layers[0].offload is None
     assert generate(llm) == want
     monkeypatch.setattr(QuestPolicy, "dense_layers", lambda self, num_layers: frozenset())
     llm = engine(device, offload=True)
-    assert llm.runner.offload.layers == [0, 1, 2]
+    assert llm.runner.kv.engine.layers == [0, 1, 2]
     assert generate(llm) == want
 
 

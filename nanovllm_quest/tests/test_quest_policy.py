@@ -405,14 +405,11 @@ def test_rescoring_every_page_keeps_those_whose_keys_score_highest(reduction):
             assert chosen == sorted([0, pages - 1, *ranked.tolist()]), f"seq {s} KV head {h}"
 
 
-def test_rescore_is_refused_with_pages_of_several_blocks_and_with_offload_at_start():
+def test_rescore_is_refused_with_pages_of_several_blocks():
     with pytest.raises(ValueError, match=r"rescore=2 ranks pages of one KV block, but page_size=32 holds 2 "
                                          r"blocks of 16; leave page_size unset, or use rescore=1"):
         QuestPolicy(QuestConfig(rescore=2, page_size=32)).initialize(4, 2, 16, 10, 16, torch.float32,
                                                                      torch.device("cpu"))
-    QuestPolicy(QuestConfig(rescore=1)).check_offload()
-    with pytest.raises(ValueError, match="use rescore=1 with kv_offloading_size, or run without offload"):
-        policy_engine("quest:token_budget=16,skip_layers=1,rescore=2", "cpu", 4, offload=True)
 
 
 def planted_capture(case: planted.PlantedAttention, num_layers: int = 1) -> Capture:

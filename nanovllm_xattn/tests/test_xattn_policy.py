@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from nanovllm.policy import PolicyContext
+from nanovllm.kv import PagedLayerKV
 from nanovllm.quality import planted
 from nanovllm.testing import prefill_context
 
@@ -93,18 +93,15 @@ def test_offload_reads_the_keys_the_resident_path_reads(monkeypatch, options):
     policy = xattn(**options)
     resident = run(policy, q, ctx)
 
-    class PoolStandIn:
-        def wait_stored(self, layer_id):
-            pass
+    reads = []
 
-    reads, original = [], PolicyContext.read_paged
+    class CompactReads(PagedLayerKV):  # the paged cache, read as the host store reads it
+        def read_paged(self, ctx, blocks, values=True, width=None):
+            present = blocks() if callable(blocks) else blocks
+            reads.append((values, int(present.sum())))
+            return self.compact_copy(ctx, present, values, width)
 
-    def counting(self, present, values=True):
-        reads.append((values, int(present.sum())))
-        return original(self, present, values)
-
-    ctx.offload = PoolStandIn()
-    monkeypatch.setattr(PolicyContext, "read_paged", counting)
+    ctx.kv = CompactReads(ctx.layer_id, ctx.k_cache, ctx.v_cache)
     torch.testing.assert_close(run(policy, q, ctx), resident)
     all_blocks = -(-900 // ctx.block_size)
     assert reads[0] == (False, all_blocks), "the estimate reads every key once"

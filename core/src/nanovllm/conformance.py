@@ -458,8 +458,7 @@ class AttentionReference:
     def _check(self, policy: type, out: torch.Tensor, q: torch.Tensor, *args) -> None:
         ctx: PolicyContext = args[-1]
         k, v = args[:2] if ctx.is_prefill else (None, None)
-        if ctx.offload is not None:
-            ctx.offload.wait_stored(ctx.layer_id)
+        ctx.kv.wait_writes()  # the reference below reads the store's paged view itself
         hook = f"{policy.__qualname__}.compute_chunked_{'prefill' if ctx.is_prefill else 'decode'}"
         where = f"small_budget: layer {ctx.layer_id}, {hook}"
         assert out.shape == q.shape and out.dtype == q.dtype, (

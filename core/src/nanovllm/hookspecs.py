@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import torch
 
     from nanovllm.plugins import Registry
+    from nanovllm.kv.store import KVTransfer
     from nanovllm.policy import KVWrite, PolicyContext
 
 PROJECT_NAME = "nanovllm"
@@ -99,22 +100,21 @@ class PolicySpec:
 
     @hookspec
     def on_kv_write(self, write: KVWrite) -> None:
-        """New keys and values of one layer have landed in the paged GPU cache (every sequence of the
-        step, prefill and decode). Called for the prefill policy, the decode policy and observers alike,
+        """New keys and values of one layer have landed in its KV store, the paged GPU cache or the host
+        pool (every sequence of the step, prefill and decode; the keys are on the GPU either way). Called for the prefill policy, the decode policy and observers alike,
         whichever phase each runs, at a cost proportional to the new tokens. Per-block metadata (Quest's
         key min/max) is kept up to date here."""
 
     @hookspec
-    def on_prefill_offload(self, write: KVWrite) -> None:
-        """With KV offload, instead of ``on_kv_write``: the new keys and values of one layer's prefill
-        chunks are on their way to the host pool and still on the GPU (``write.key``, ``write.value``;
-        ``write.k_cache`` is the pool). A member that does not implement it gets ``on_kv_write`` with
-        the same write, so a policy written for the GPU cache runs unchanged with offload."""
+    def on_prefill_offload(self, transfer: KVTransfer) -> None:
+        """With KV offload, a notification of what the host store moves across PCIe for one layer's
+        prefill chunks (:class:`nanovllm.kv.KVTransfer`): their new keys and values stored to the pool
+        (``kind="store"``), or pool blocks loaded into a GPU slot (``kind="load"``), with the layer. No
+        policy needs it to stay correct: ``on_kv_write`` keeps metadata up to date on both stores."""
 
     @hookspec
-    def on_decode_offload(self, write: KVWrite) -> None:
-        """With KV offload, instead of ``on_kv_write``: the decode tokens of one layer (one per sequence),
-        as ``on_prefill_offload``."""
+    def on_decode_offload(self, transfer: KVTransfer) -> None:
+        """As ``on_prefill_offload``, for the decode phase."""
 
     @hookspec
     def on_blocks_allocated(self, block_ids: torch.Tensor) -> None:

@@ -22,6 +22,7 @@ import torch
 from nanovllm.attention.backend import AttentionBackend
 from nanovllm.attention.metadata import PhaseMetadata, StepMetadata
 from nanovllm.hookspecs import PROJECT_NAME, PolicySpec, argument_problems
+from nanovllm.kv.store import KVTransfer, KVWrite, LayerKV, PagedLayerKV
 
 RUNTIME_HOOKS = tuple(name for name in vars(PolicySpec) if not name.startswith("_"))
 NOTIFICATION_HOOKS = (
@@ -34,10 +35,12 @@ POLICY_FLAGS = ("supports_prefill", "supports_decode", "requires_block_selection
 class PolicyContext:
     """What a policy sees for one layer and one phase of a step.
 
-    The attention operations below read the history wherever it lives, the paged GPU cache or, with KV
-    offload, the host pool (the engine streams in what they read), so a policy that uses them runs
-    unchanged on both. ``k_cache`` / ``v_cache`` are the paged cache, or the pool in the same layout
-    (device-addressable, read across PCIe): correct on both paths, fast only on the first.
+    Every read of the history goes through the layer's KV store ``kv`` (:class:`nanovllm.kv.LayerKV`),
+    which offers the same operations whether the history is in the paged GPU cache or, with KV offload, in
+    the host pool (where it streams in what they read): a policy that reads through them has one code path
+    for both. ``k_cache`` / ``v_cache`` are the store's paged view of the layer (with offload, the pool in
+    that layout: device-addressable, read across PCIe); read them through the methods below. ``kv``
+    defaults to the paged GPU cache over ``k_cache`` / ``v_cache``.
     """
 
     layer_id: int
@@ -52,7 +55,9 @@ class PolicyContext:
     new_keys: torch.Tensor | None = None  # [num_tokens, num_kv_heads, head_dim]: this phase's new tokens
     new_values: torch.Tensor | None = None
     positions: torch.Tensor | None = None  # [num_tokens] their positions
-    offload: Any = None  # the offload engine when KV lives in the host pool
+    kv: LayerKV = attrs.field(
+        default=attrs.Factory(lambda ctx: PagedLayerKV(ctx.layer_id, ctx.k_cache, ctx.v_cache), takes_self=True)
+    )
 
     @property
     def block_size(self) -> int:
@@ -84,7 +89,7 @@ class PolicyContext:
         idx = torch.arange(n, device=self.meta.block_tables.device, dtype=torch.int32)
         return torch.where(idx[None, :] < self.num_history_blocks[:, None], idx, -1)
 
-    # -- attention, on either path -------------------------------------------------------------------
+    # -- reads of the history, on either store ----------------------------------------------------------
 
     def attend_blocks(
         self, q: torch.Tensor, block_indices: torch.Tensor, kv_lens: torch.Tensor | None = None
@@ -92,10 +97,7 @@ class PolicyContext:
         """(out, lse) of ``q`` over the selected history blocks (see ``AttentionBackend.attend_blocks``;
         ``kv_lens`` defaults to ``history_lens``). With offload only these blocks cross PCIe, one KV head
         at a time where the selection is per head."""
-        kv_lens = self.history_lens if kv_lens is None else kv_lens
-        if self.offload is not None:
-            return self.offload.attend_selected(self, q, block_indices, kv_lens)
-        return self.backend.attend_blocks(q, self.k_cache, self.v_cache, self.meta, block_indices, kv_lens, self.scale)
+        return self.kv.attend_blocks(self, q, block_indices, self.history_lens if kv_lens is None else kv_lens)
 
     def attend_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(out, lse) of each prefill chunk over its own new tokens, causal (always on the GPU)."""
@@ -108,148 +110,36 @@ class PolicyContext:
     def attend_all(self, q: torch.Tensor, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
         """Dense causal attention over the whole context: the backend's paged kernels on the GPU cache;
         with offload, every history block streamed in (prefill: merged with the chunk, ``k``/``v``)."""
-        if self.offload is None:
-            if self.is_prefill:
-                return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, self.meta, self.scale)
-            return self.backend.decode(q, self.k_cache, self.v_cache, self.meta, self.scale)
-        history = self.offload.attend_dense(self, q)
-        if not self.is_prefill:
-            return history[0]
-        chunk = self.attend_chunk(q, k, v)
-        return chunk[0] if history is None else self.merge(*history, *chunk)[0]
+        return self.kv.attend_all(self, q, k, v)
 
     def read_blocks(self, block_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[num_seqs, k, block_size, num_kv_heads, head_dim]`` of logical blocks
         ``[num_seqs, k]`` (-1: zeros), this step's tokens included, on the query's device. With offload
         they are read from the pool across PCIe."""
-        return self._read(self.k_cache, block_indices), self._read(self.v_cache, block_indices)
+        return self.kv.read_blocks(self, block_indices)
 
     def read_keys(self, block_indices: torch.Tensor) -> torch.Tensor:
         """The keys alone of :meth:`read_blocks`: half the bytes, for estimates that score keys."""
-        return self._read(self.k_cache, block_indices)
+        return self.kv.read_blocks(self, block_indices, values=False)[0]
 
     def read_paged(
-        self, present: torch.Tensor, values: bool = True
+        self, blocks: torch.Tensor | Callable[[], torch.Tensor], values: bool = True, width: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """``(k_cache, v_cache, block_tables)``: the logical blocks marked in ``present`` ([num_seqs, n]
-        bool) read into a compact paged cache of their own, and block tables ``[num_seqs, n]`` that
-        address it by logical block (unmarked blocks map to block 0: never read them). A kernel written
-        for the paged cache then runs unchanged on what it reads; with offload only these blocks cross
-        PCIe. ``values=False`` reads the keys alone (``v_cache`` is None)."""
-        counts = present.sum(-1)
-        width = max(int(counts.max()), 1) if present.numel() else 1
-        logical = torch.arange(present.shape[1], device=present.device, dtype=torch.int32)
-        order = torch.where(present, logical, torch.iinfo(torch.int32).max).sort(-1).values[:, :width]
-        blocks = torch.where(torch.arange(width, device=present.device)[None, :] < counts[:, None], order, -1)
-        rank = present.long().cumsum(-1) - 1
-        seq = torch.arange(present.shape[0], device=present.device)[:, None]
-        tables = torch.where(present, seq * width + rank, 0).to(torch.int32)
-        keys = self.read_keys(blocks).flatten(0, 1)  # [num_seqs * width, block_size, kv_heads, head_dim]
-        vals = self._read(self.v_cache, blocks).flatten(0, 1) if values else None
-        return keys, vals, tables
-
-    def _read(self, cache: torch.Tensor, block_indices: torch.Tensor) -> torch.Tensor:
-        if self.offload is not None:
-            self.offload.wait_stored(self.layer_id)
-        valid = block_indices >= 0
-        physical = torch.gather(self.meta.block_tables, 1, block_indices.clamp(min=0).to(torch.int64)).long()
-        return cache[physical].masked_fill(~valid[..., None, None, None], 0)
+        """``(k_cache, v_cache, block_tables)`` through which the logical blocks marked in ``blocks``
+        (``[num_seqs, n]`` bool, or a function returning it, called only when the store copies) can be read
+        by logical block, so a kernel written for the paged cache runs unchanged on both stores. On the GPU
+        cache: the cache itself and the phase's block tables, every block readable, nothing copied. With
+        offload: only the marked blocks cross PCIe, into a compact paged cache of their own, ``width``
+        blocks a sequence (default: the most any sequence marks, read back with a host sync; give it to
+        stay inside CUDA graphs); unmarked blocks map to block 0, never read them. ``values=False`` reads
+        the keys alone (``v_cache`` is None)."""
+        return self.kv.read_paged(self, blocks, values, width)
 
 
-@attrs.define(frozen=True, slots=True)
-class KVWrite:
-    """The new keys and values of one layer in one step, already in the paged cache.
+# -- the selection contract -----------------------------------------------------------------------------
 
-    Rows are the step's new tokens: decodes first (one per sequence), then the prefill chunks. A row
-    whose slot is -1 was not written (padding, warm-up) and must be ignored.
-    """
-
-    layer_id: int
-    key: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
-    value: torch.Tensor
-    step: StepMetadata
-    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim], this layer, after the write
-    v_cache: torch.Tensor
-
-    @property
-    def slot_mapping(self) -> torch.Tensor:
-        """``[num_tokens]`` int64 cache slot of each row (``block * block_size + offset``), -1: skipped."""
-        return self.step.slot_mapping
-
-    @property
-    def positions(self) -> torch.Tensor:
-        """``[num_tokens]`` position of each row's token in its sequence."""
-        return self.step.positions
-
-    @property
-    def block_size(self) -> int:
-        return self.k_cache.shape[1]
-
-    @property
-    def block_ids(self) -> torch.Tensor:
-        """``[num_tokens]`` physical block of each row, -1 where skipped."""
-        slots = self.slot_mapping
-        return torch.where(slots >= 0, slots // self.block_size, -1)
-
-    @classmethod
-    def of_blocks(
-        cls, layer_id: int, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: list[int],
-        counts: list[int], starts: list[int],
-    ) -> KVWrite:
-        """A write of what the cache already holds: the first ``counts[i]`` tokens of physical block
-        ``blocks[i]``, whose first token sits at position ``starts[i]`` (a multiple of the block size),
-        each block as one sequence's prefill chunk. Recomputes per-block metadata from the cache in one
-        call (the conformance kit, the quality harness)."""
-        dev, bs = k_cache.device, k_cache.shape[1]
-        slots = torch.tensor([b * bs + i for b, n in zip(blocks, counts, strict=True) for i in range(n)],
-                             dtype=torch.long, device=dev)
-        positions = torch.tensor([s + i for s, n in zip(starts, counts, strict=True) for i in range(n)],
-                                 dtype=torch.long, device=dev)
-        lens = torch.tensor(counts, dtype=torch.int32, device=dev)
-        ends = [s + n for s, n in zip(starts, counts, strict=True)]
-        tables = torch.full((len(blocks), max(starts) // bs + 1), -1, dtype=torch.int32)
-        tables[range(len(blocks)), [s // bs for s in starts]] = torch.tensor(blocks, dtype=torch.int32)
-        cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32)
-        ends_t = torch.tensor(ends, dtype=torch.int32, device=dev)
-        prefill = PhaseMetadata(cu, ends_t, tables.to(dev), max(counts), max(ends))
-        return cls._of_cache(layer_id, k_cache, v_cache, StepMetadata(slots, positions, 0, None, prefill))
-
-    @classmethod
-    def of_sequence(
-        cls, layer_id: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: list[int], num_tokens: int
-    ) -> KVWrite:
-        """A write of what the cache already holds: the first ``num_tokens`` tokens of one sequence through
-        its ``block_table`` (physical blocks), as one prefill chunk. Unlike :meth:`of_blocks`, the write
-        says which blocks form the sequence, which metadata spanning blocks (Quest's pages) needs."""
-        dev, bs = k_cache.device, k_cache.shape[1]
-        positions = torch.arange(num_tokens, dtype=torch.long, device=dev)
-        table = torch.tensor([block_table], dtype=torch.int32, device=dev)
-        slots = table[0, positions // bs].long() * bs + positions % bs
-        cu = torch.tensor([0, num_tokens], dtype=torch.int32, device=dev)
-        prefill = PhaseMetadata(cu, cu[1:], table, num_tokens, num_tokens)
-        return cls._of_cache(layer_id, k_cache, v_cache, StepMetadata(slots, positions, 0, None, prefill))
-
-    @classmethod
-    def _of_cache(
-        cls, layer_id: int, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepMetadata
-    ) -> KVWrite:
-        """The write of ``step``, its keys and values read back from the cache at its slots."""
-        slots = step.slot_mapping
-        flat_k, flat_v = (c.reshape(-1, *c.shape[2:]) for c in (k_cache, v_cache))
-        return cls(layer_id, flat_k[slots], flat_v[slots], step, k_cache, v_cache)
-
-    def block_fill(self) -> torch.Tensor:
-        """``[num_tokens]`` how many tokens the block of each row holds after this step."""
-        positions = self.positions
-        ends = positions + 1  # a decode row is its sequence's last token
-        prefill = self.step.prefill
-        if prefill is not None:
-            nd = self.step.num_decode_tokens
-            ends = ends.clone()
-            ends[nd:] = torch.repeat_interleave(
-                prefill.context_lens.long(), prefill.query_lens.long(), output_size=ends.shape[0] - nd
-            )
-        return (ends - (positions - positions % self.block_size)).clamp(max=self.block_size)
+CHECK_SELECTIONS_ENV = "NANOVLLM_CHECK_SELECTIONS"
+_PAD_LAST = torch.iinfo(torch.int32).max  # -1 padding sorts after every block index
 
 
 class SparsePolicy:
@@ -321,11 +211,11 @@ class SparsePolicy:
     def on_kv_write(self, write: KVWrite) -> None:
         """See :meth:`nanovllm.hookspecs.PolicySpec.on_kv_write`."""
 
-    def on_prefill_offload(self, write: KVWrite) -> None:
-        """See :meth:`nanovllm.hookspecs.PolicySpec.on_prefill_offload` (left as is: ``on_kv_write`` runs)."""
+    def on_prefill_offload(self, transfer: KVTransfer) -> None:
+        """See :meth:`nanovllm.hookspecs.PolicySpec.on_prefill_offload`."""
 
-    def on_decode_offload(self, write: KVWrite) -> None:
-        """See :meth:`nanovllm.hookspecs.PolicySpec.on_decode_offload` (left as is: ``on_kv_write`` runs)."""
+    def on_decode_offload(self, transfer: KVTransfer) -> None:
+        """See :meth:`nanovllm.hookspecs.PolicySpec.on_decode_offload`."""
 
     def on_blocks_allocated(self, block_ids: torch.Tensor) -> None:
         """See :meth:`nanovllm.hookspecs.PolicySpec.on_blocks_allocated`."""
@@ -478,8 +368,8 @@ class PolicyHooks:
         self.prefill = self._phase(prefill, "compute_chunked_prefill")
         self.decode = self._phase(decode, "compute_chunked_decode")
         self.kv_write = self._all("on_kv_write")
-        self.prefill_offload = self._offload("on_prefill_offload")
-        self.decode_offload = self._offload("on_decode_offload")
+        self.prefill_offload = self._all("on_prefill_offload")
+        self.decode_offload = self._all("on_decode_offload")
         self.blocks_allocated = self._all("on_blocks_allocated")
         self.blocks_selected = self._all("on_blocks_selected")
 
@@ -496,19 +386,14 @@ class PolicyHooks:
     def _all(self, name: str) -> tuple[Callable, ...]:
         return tuple(i.function for i in getattr(self.manager.hook, name).get_hookimpls())
 
-    def _offload(self, name: str) -> tuple[Callable, ...]:
-        """An offload hook's implementations, and ``on_kv_write`` of members that do not implement it."""
-        own = {id(i.plugin): i.function for i in getattr(self.manager.hook, name).get_hookimpls()}
-        writes = {id(i.plugin): i.function for i in self.manager.hook.on_kv_write.get_hookimpls()}
-        return tuple(own.get(id(m)) or writes[id(m)] for m in self.members if id(m) in own or id(m) in writes)
-
     def implementers(self, name: str) -> list[object]:
         return [i.plugin for i in getattr(self.manager.hook, name).get_hookimpls()]
 
     @property
     def cuda_graph_safe(self) -> bool:
         """The decode policy and everything called inside a decode forward pass can be captured."""
-        inside = self.implementers("on_kv_write") + self.implementers("on_blocks_selected")
+        inside = [m for name in ("on_kv_write", "on_blocks_selected", "on_decode_offload")
+                  for m in self.implementers(name)]
         return all(getattr(m, "cuda_graph_safe", False) for m in [self.decode.policy, *inside])
 
     def dense_layers(self, num_layers: int) -> frozenset[int]:

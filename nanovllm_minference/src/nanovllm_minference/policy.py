@@ -11,9 +11,10 @@ Per layer and prefill chunk:
 4. **Attention**: one kernel over the index, causal, grouped KV heads, on the paged cache, the chunk's
    own keys included (they are already in the cache).
 
-With KV offload the history lives in the host pool: the estimate reads every key (no values) across
-PCIe, and the attention reads only the KV blocks the index touches, into a compact buffer it then
-addresses through a block table of its own. Chunks whose sequences are all shorter than ``dense_below``
+Every read goes through the context's KV store (``ctx.read_paged``), one code path on both stores: on
+the GPU cache the kernels read the cache in place; with KV offload the estimate reads every key (no
+values) across PCIe, the density check comes before any value is read, and the attention reads only the
+KV blocks the index touches, into a compact buffer it addresses through a block table of its own. Chunks whose sequences are all shorter than ``dense_below``
 and the first ``skip_layers`` layers run dense, as does a chunk whose index would compute more than
 ``dense_above`` of dense attention's work (a pattern that is not sparse).
 """
@@ -92,26 +93,20 @@ class MInferencePolicy(SparsePolicy):
             return ctx.attend_all(q, k, v)
         ops = _ops(q.device)
         meta, dense_above = ctx.meta, cfg.dense_above
-        if ctx.offload is None:
-            index = self.build_index(q, ctx, ctx.k_cache, meta.block_tables, ops)
-            # above dense_above the kernel computes nothing (None): it reads the decision back, a host sync
-            # per chunk and layer (prefill is not captured in graphs), once the kernel is queued
-            result = ops.attend(q, ctx.k_cache, ctx.v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                meta.context_lens, index, ctx.scale, meta.max_query_len,
-                                dense_above=dense_above)
-        else:
-            # keys cross PCIe only for what the index scores with; A-shape needs none
-            plan = self._plan(ctx.layer_id, q.shape[1], q.device)
-            key_cache, key_tables = self._all_keys(ctx) if plan.reads_keys else (ctx.k_cache, meta.block_tables)
-            index = self.build_index(q, ctx, key_cache, key_tables, ops)
-            del key_cache
-            # decided before the touched blocks cross PCIe
-            if dense_above is not None and float(ops.density(index, meta.cu_seqlens_q, meta.context_lens,
-                                                             meta.max_query_len)) > dense_above:
-                return ctx.attend_all(q, k, v)
-            result = ops.attend(q, *self._touched_kv(ctx, index), meta.cu_seqlens_q, meta.context_lens,
-                                index, ctx.scale, meta.max_query_len)
-        return ctx.attend_all(q, k, v) if result is None else result[0]
+        # keys are read only for what the index scores with (A-shape needs none)
+        plan = self._plan(ctx.layer_id, q.shape[1], q.device)
+        key_cache, key_tables = ctx.k_cache, meta.block_tables
+        if plan.reads_keys:
+            key_cache, _, key_tables = ctx.read_paged(lambda: _every_block(ctx), values=False)
+        index = self.build_index(q, ctx, key_cache, key_tables, ops)
+        del key_cache
+        # decided before any value is read (a host sync per chunk and layer; prefill is not captured)
+        if dense_above is not None and float(ops.density(index, meta.cu_seqlens_q, meta.context_lens,
+                                                         meta.max_query_len)) > dense_above:
+            return ctx.attend_all(q, k, v)
+        touched = ctx.read_paged(lambda: touched_blocks(index, meta.cu_seqlens_q, meta.context_lens, ctx.block_size,
+                                                        meta.block_tables.shape[1]))
+        return ops.attend(q, *touched, meta.cu_seqlens_q, meta.context_lens, index, ctx.scale, meta.max_query_len)[0]
 
     def build_index(self, q: torch.Tensor, ctx: PolicyContext, k_cache: torch.Tensor, tables: torch.Tensor,
                     ops: Ops) -> SparseIndex:
@@ -174,23 +169,6 @@ class MInferencePolicy(SparsePolicy):
             self._plans[key] = LayerPlan(kinds, sizes[:, 0], sizes[:, 1], masks, max_sizes, same_sizes)
         return self._plans[key]
 
-    # -- offload: what crosses PCIe -------------------------------------------------------------------
-
-    def _all_keys(self, ctx: PolicyContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every key of the chunk's sequences, read from the pool, as a paged cache and its block table."""
-        num_blocks = -(-ctx.meta.context_lens.long() // ctx.block_size)
-        present = torch.arange(int(num_blocks.max()), device=num_blocks.device)[None, :] < num_blocks[:, None]
-        keys, _, tables = ctx.read_paged(present, values=False)
-        return keys, tables
-
-    def _touched_kv(self, ctx: PolicyContext, index: SparseIndex) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The KV blocks the index reads, from the pool into a compact buffer, and a block table into it."""
-        meta = ctx.meta
-        touched = touched_blocks(index, meta.cu_seqlens_q, meta.context_lens, ctx.block_size,
-                                 meta.block_tables.shape[1])
-        return ctx.read_paged(touched)
-
-
 def touched_blocks(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                    num_blocks: int) -> torch.Tensor:
     """``[S, num_blocks]`` bool: the logical KV blocks holding a key that some head of the sequence reads."""
@@ -222,6 +200,12 @@ def touched_blocks(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens:
     per_key = (marks[:, :num_tiles] > 0).repeat_interleave(TILE, dim=1)[:, : num_blocks * block_size]
     per_key &= torch.arange(per_key.shape[1], device=device)[None, :] < lens[:, None]
     return per_key.view(-1, num_blocks, block_size).any(-1)
+
+
+def _every_block(ctx: PolicyContext) -> torch.Tensor:
+    """``[S, n]`` bool: every KV block of each sequence's context (a host sync for ``n``)."""
+    num_blocks = -(-ctx.meta.context_lens.long() // ctx.block_size)
+    return torch.arange(int(num_blocks.max()), device=num_blocks.device)[None, :] < num_blocks[:, None]
 
 
 def _keys_in_order(k_cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:

@@ -23,7 +23,8 @@ the page keeps one min/max per ``bound_size`` tokens and scores the largest of t
   (``ctx.attend_blocks``); the ``skip_layers`` are the policy's ``dense_layers``, whose KV the engine
   keeps resident on the GPU, so their whole history does not cross PCIe every step.
 - ``rescore`` above 1 keeps the bound as a first pass: it nominates ``rescore`` times the budget's pages,
-  whose keys' largest ``q . k`` then picks the budget (GPU cache only: refused at start with offload).
+  whose keys' largest ``q . k`` then picks the budget. The nominees' keys are read through
+  ``ctx.read_paged``: in place on the GPU cache, with offload only the nominated blocks' keys cross PCIe.
 - ``oracle=true`` (evaluation only) ranks pages by their exact attention mass instead of the bound, reading
   every history key each step, eagerly.
 """
@@ -67,14 +68,6 @@ class QuestPolicy(SparsePolicy):
         sparse_layers = max(0, num_layers - self.config.skip_layers)
         return sparse_layers * layout.bounds_per_page * num_kv_heads * 2 * head_dim * itemsize
 
-    def check_offload(self) -> None:
-        if self.config.rescore > 1:
-            raise ValueError(
-                f"quest: rescore={self.config.rescore} reads the nominated pages' keys from the GPU cache, "
-                "and KV offload keeps them in host memory; use rescore=1 with kv_offloading_size, or run "
-                "without offload"
-            )
-
     def dense_layers(self, num_layers: int) -> frozenset[int]:
         """The first ``skip_layers`` run dense: under offload their KV stays on the GPU."""
         return frozenset(range(min(self.config.skip_layers, num_layers)))
@@ -99,8 +92,7 @@ class QuestPolicy(SparsePolicy):
     # -- metadata ------------------------------------------------------------------------------------
 
     def on_kv_write(self, write: KVWrite) -> None:
-        """Also the offload path's update: the engine calls it in place of ``on_prefill_offload`` and
-        ``on_decode_offload``, while the new keys are still on the GPU, so the metadata stays there."""
+        """On either KV store: with offload the new keys are still on the GPU, so the metadata stays there."""
         layer = write.layer_id - self.config.skip_layers
         if layer >= 0:
             self.ops.update_metadata(self.metadata[layer], write.key, write.positions, self._page_rows(write),
@@ -155,9 +147,23 @@ class QuestPolicy(SparsePolicy):
                 self.block_size, self.page_size, cfg.group_reduction, self.keep_sink, self.recent_pages,
             )
             if cfg.rescore > 1:
-                return rescore_selection(self.ops, ctx.query, ctx.k_cache, ctx.meta.block_tables, lens,
+                keys, _, tables = self._nominee_keys(ctx, scores, lens)
+                return rescore_selection(self.ops, ctx.query, keys, tables, lens,
                                          scores, self.budget_pages, cfg.rescore, cfg.group_reduction)
         return self.ops.top_pages(scores, self.budget_pages, lens, self.block_size, self.page_size)
+
+    def _nominee_keys(self, ctx: PolicyContext, scores: torch.Tensor, lens: torch.Tensor):
+        """``ctx.read_paged`` of the keys of the pages ``rescore_selection`` nominates (read in place on the
+        GPU cache; with offload only theirs cross PCIe, a fixed number per sequence: no host sync)."""
+        rescore, width = self.config.rescore, ctx.meta.block_tables.shape[1]
+
+        def nominated() -> torch.Tensor:
+            nominees = self.ops.top_pages(scores, rescore * self.budget_pages, lens, self.block_size, self.block_size)
+            flat = nominees.reshape(nominees.shape[0], -1).long()
+            marks = torch.zeros(flat.shape[0], width + 1, dtype=torch.bool, device=flat.device)
+            return marks.scatter_(1, torch.where(flat >= 0, flat, width), True)[:, :width]
+
+        return ctx.read_paged(nominated, values=False, width=ctx.num_kv_heads * rescore * self.budget_pages)
 
     def compute_chunked_decode(self, q: torch.Tensor, ctx: PolicyContext) -> torch.Tensor:
         if self.is_dense(ctx):

@@ -10,8 +10,10 @@ Per layer and prefill chunk:
    grouped KV heads, on the paged cache, the chunk's own keys included (they are already there).
 
 A chunk longer than ``estimate_chunk`` queries runs the three steps slice by slice, so the scores never
-grow past ``estimate_chunk / block_size`` rows. With KV offload the estimate reads every key (no values)
-from the host pool, and the attention only the KV blocks some selection keeps. Chunks whose sequences are
+grow past ``estimate_chunk / block_size`` rows. Every read goes through the context's KV store
+(``ctx.read_paged``), one code path on both stores: on the GPU cache the kernels read the cache in place;
+with KV offload the estimate reads every key (no values) from the host pool, and the attention only the KV
+blocks some selection keeps. Chunks whose sequences are
 all shorter than ``dense_below``, and the first ``skip_layers`` layers, run dense.
 """
 
@@ -90,17 +92,16 @@ class XAttentionPolicy(SparsePolicy):
         if ctx.layer_id < cfg.skip_layers or meta.max_context_len < cfg.dense_below:
             return ctx.attend_all(q, k, v)
         block_scores, attend = _ops(q.device)
-        key_cache, key_tables = ctx.k_cache, meta.block_tables
-        if ctx.offload is not None:
-            key_cache, _, key_tables = ctx.read_paged(_blocks_up_to(meta.context_lens, ctx.block_size), values=False)
+        key_cache, _, key_tables = ctx.read_paged(lambda: _blocks_up_to(meta.context_lens, ctx.block_size),
+                                                  values=False)
         slices = chunk_slices(meta.cu_seqlens_q, meta.context_lens, meta.max_query_len, cfg.block_size,
                               cfg.estimate_chunk)
         masks = [self.select(q, ctx, part, key_cache, key_tables, block_scores) for part in slices]
         del key_cache
-        k_cache, v_cache, tables = ctx.k_cache, ctx.v_cache, meta.block_tables
-        if ctx.offload is not None:
-            touched = torch.stack([_touched(m, ctx.block_size, cfg.block_size, tables.shape[1]) for m in masks])
-            k_cache, v_cache, tables = ctx.read_paged(touched.any(0))
+        width = meta.block_tables.shape[1]
+        k_cache, v_cache, tables = ctx.read_paged(
+            lambda: torch.stack([_touched(m, ctx.block_size, cfg.block_size, width) for m in masks]).any(0)
+        )
         outs = []
         for part, mask in zip(slices, masks, strict=True):
             blocks, counts = block_lists(mask)

@@ -9,7 +9,6 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +31,9 @@ from nanovllm.distributed import (
     tp_size,
 )
 from nanovllm.engine.loader import load_weights
-from nanovllm.engine.offload import GraphUnsafe, HostPhase, OffloadEngine
+from nanovllm.engine.kv_allocation import allocate_kv_store
 from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
+from nanovllm.kv.offload import GraphUnsafe, HostPhase
 from nanovllm.layers import weight_prefetch
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import LogitsProcessing, PenaltyCounts, Sampler, TopLogprobs
@@ -41,7 +41,6 @@ from nanovllm.plugins import PluginSet
 from nanovllm.policy import PolicyHooks
 from nanovllm.selection import BackendChoice, PolicyPlan
 
-CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30
 AUTO_BACKENDS = ("triton", "torch")  # preference order for attention_backend="auto"
 
 
@@ -106,10 +105,6 @@ class PhaseArrays:
     block_tables: np.ndarray
     max_query_len: int
     max_context_len: int
-
-    def host_phase(self) -> HostPhase:
-        """The phase as the offload engine plans it (the padded block tables as they are)."""
-        return HostPhase(self.block_tables, np.diff(self.cu_seqlens_q).tolist(), self.context_lens.tolist())
 
 
 @attrs.define
@@ -259,37 +254,10 @@ class ModelRunner:
         self.hooks = self._make_policy_hooks(policy_plan, observers)
         for layer in self.attention_layers:
             layer.bind(self.backend, self.hooks)
-        self.offload: OffloadEngine | None = None
-        # under offload, the layers the policies run dense keep their KV here (on the GPU) instead of the pool
-        self.resident_layers: list[int] = []
-        self.resident_kv_cache: torch.Tensor | None = None
-        if config.kv_offloading_size is None:
-            # the CUDA memory profile runs the bound layers; every rank holds the blocks the scheduler plans
-            self.num_blocks = agree_min(self._num_kv_blocks())
-            self.kv_cache = torch.empty(
-                len(self.attention_layers), 2, self.num_blocks, self.block_size, self.num_kv_heads,
-                self.head_dim, dtype=self.dtype, device=self.device,
-            )
-            for i, layer in enumerate(self.attention_layers):
-                layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
-        else:
-            for policy in self.hooks.policies:  # before the pool: options that need the GPU cache fail now
-                policy.check_offload()
-            self.offload = self._make_offload_engine()
-            self.num_blocks = self.offload.num_blocks
-            for i, layer in enumerate(self.attention_layers):
-                if i in self.resident_layers:  # the paged GPU cache, exactly as without offload
-                    cache = self.resident_kv_cache[self.resident_layers.index(i)]
-                    layer.k_cache, layer.v_cache = cache[0], cache[1]
-                else:
-                    layer.k_cache, layer.v_cache = self.offload.cache(i)
-                    layer.offload = self.offload
-        for member in self.hooks.members:  # the policies, and observers that keep per-block state
-            if callable(getattr(member, "initialize", None)):
-                member.initialize(
-                    len(self.attention_layers), self.num_kv_heads, self.head_dim, self.num_blocks,
-                    self.block_size, self.dtype, self.device,
-                )
+        # the KV store sizing and allocation step: the paged GPU cache, or the host pool with GPU slots
+        self.kv = allocate_kv_store(config, self.model, self.attention_layers, self.hooks, max_model_len,
+                                    self.dtype, self.device, PROMPT_LOGPROB_ROWS)
+        self.num_blocks = self.kv.num_blocks
         self._last_sampled = torch.empty(0, dtype=torch.long, device=self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda":
@@ -342,125 +310,6 @@ class ModelRunner:
     def decode_policy(self):
         return self.hooks.decode.policy
 
-    def _block_bytes(self, num_layers: int | None = None) -> tuple[int, int]:
-        """(K and V of one block in ``num_layers`` layers (default: all), the per-block metadata the
-        policies will keep)."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        shape = (len(self.attention_layers), self.num_kv_heads, self.head_dim, self.block_size, self.dtype,
-                 self.device)
-        metadata = sum(p.metadata_bytes_per_block(*shape) for p in self.hooks.policies)
-        num_layers = len(self.attention_layers) if num_layers is None else num_layers
-        return 2 * num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize, metadata
-
-    def _resident_layers(self) -> list[int]:
-        """The layers the policies run dense, and the sliding-window layers (always dense over their
-        window), whose KV stays on the GPU under offload."""
-        num_layers = len(self.attention_layers)
-        resident = sorted(self.hooks.dense_layers(num_layers))
-        if any(not 0 <= i < num_layers for i in resident):
-            raise ValueError(
-                f"the policies' dense_layers {resident} are not all layers of this {num_layers}-layer model"
-            )
-        windowed = {i for i, layer in enumerate(self.attention_layers) if layer.sliding_window is not None}
-        resident = sorted(set(resident) | windowed)
-        if len(resident) == num_layers:
-            raise ValueError(
-                f"all {num_layers} layers dense (the policies' dense_layers and the sliding-window layers), so "
-                "their KV stays on the GPU and nothing is left to offload: drop kv_offloading_size, or make "
-                "fewer layers dense (e.g. a smaller skip_layers)"
-            )
-        return resident
-
-    def _make_offload_engine(self) -> OffloadEngine:
-        """KV of the offloaded layers in a host pool of ``kv_offloading_size`` GiB; the GPU keeps the load
-        slots, the policies' per-block metadata and the resident (dense) layers' paged cache for every pool
-        block, which must all fit what the memory profile leaves under the utilisation cap."""
-        self.resident_layers = self._resident_layers()
-        offloaded = [i for i in range(len(self.attention_layers)) if i not in self.resident_layers]
-        pool_bytes, metadata_bytes = self._block_bytes(len(offloaded))
-        resident_bytes, _ = self._block_bytes(len(self.resident_layers))
-        num_blocks = int(self.config.kv_offloading_size * 2**30 // pool_bytes)
-        if num_blocks * self.block_size < self.max_model_len:
-            raise ValueError(
-                f"kv_offloading_size={self.config.kv_offloading_size} GiB holds {num_blocks * self.block_size} "
-                f"tokens of KV, fewer than max_model_len={self.max_model_len}; raise it or lower max_model_len"
-            )
-        engine = OffloadEngine(
-            offloaded, num_blocks, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device,
-            int(self.config.kv_offloading_buffer_size * 2**30), self.config.max_num_seqs,
-            self.config.kv_offloading_reuse_selections,
-        )
-        metadata, resident = num_blocks * metadata_bytes, num_blocks * resident_bytes
-        if self.device.type == "cuda":
-            budget = self._profile_free_cuda_memory() + engine.gpu_bytes  # the slots exist already
-            if engine.gpu_bytes + metadata + resident > budget:
-                raise ValueError(
-                    f"with KV offload the GPU needs {engine.gpu_bytes / 2**20:.0f} MiB of load slots, "
-                    f"{metadata / 2**20:.0f} MiB of policy metadata and {resident / 2**20:.0f} MiB for the KV "
-                    f"of the {len(self.resident_layers)} dense layers it keeps resident, more than the "
-                    f"{budget / 2**20:.0f} MiB left under gpu_memory_utilization; raise it, lower "
-                    "kv_offloading_buffer_size, or lower kv_offloading_size (each pool block has its dense "
-                    "layers' KV on the GPU)"
-                )
-        # the dense layers' paged cache, allocated after the memory profile, which runs without a cache
-        self.resident_kv_cache = torch.empty(
-            len(self.resident_layers), 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
-            dtype=self.dtype, device=self.device,
-        )
-        return engine
-
-    def _num_kv_blocks(self) -> int:
-        per_block = sum(self._block_bytes())  # the metadata lives in the same budget
-        if self.config.kv_cache_memory is not None:
-            budget = self.config.kv_cache_memory
-        elif self.device.type == "cpu":
-            budget = CPU_DEFAULT_KV_CACHE_MEMORY
-        else:
-            budget = self._profile_free_cuda_memory()
-        num_blocks = int(budget // per_block)
-        if num_blocks * self.block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache budget ({budget / 2**20:.0f} MiB) holds {num_blocks * self.block_size} tokens, "
-                f"fewer than max_model_len={self.max_model_len}; raise "
-                f"{'kv_cache_memory' if self.device.type == 'cpu' else 'gpu_memory_utilization'} "
-                "or lower max_model_len"
-            )
-        return num_blocks
-
-    @torch.inference_mode()
-    def _profile_free_cuda_memory(self) -> int:
-        """Run the largest step once without a cache; what remains under the utilisation cap is for KV."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        num_tokens = min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.max_model_len)
-        lens = [self.max_model_len] * (num_tokens // self.max_model_len)
-        if num_tokens % self.max_model_len:
-            lens.append(num_tokens % self.max_model_len)
-        cu = torch.tensor(np.cumsum([0] + lens), dtype=torch.int32, device=self.device)
-        lens_t = torch.tensor(lens, dtype=torch.int32, device=self.device)
-        meta = StepMetadata(
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
-            positions=torch.zeros(num_tokens, dtype=torch.long, device=self.device),
-            num_decode_tokens=0,
-            decode=None,
-            prefill=PhaseMetadata(cu, lens_t, torch.empty(len(lens), 0, dtype=torch.int32, device=self.device),
-                                  max(lens), max(lens)),
-        )
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        with forward_context(meta):
-            hidden = self.model(ids, ids.clone())
-            self.model.compute_logits(hidden[cu[1:].long() - 1])
-            # the largest slice of prompt logprobs: its logits and (rank 0, which gets them) their log_softmax
-            rows = hidden[: min(PROMPT_LOGPROB_ROWS, num_tokens)]
-            logits = self.model.compute_logits(rows)
-            if logits is not None:
-                TopLogprobs.of(logits, ids[: rows.shape[0]], 1)
-        torch.cuda.synchronize()
-        free, total = torch.cuda.mem_get_info()
-        used = total - free
-        peak, current = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
-        return int(total * self.config.gpu_memory_utilization - used - (peak - current))
-
     @torch.inference_mode()
     def _warm_up(self) -> None:
         """Two mixed steps (one decode, two prefill chunks of long or short queries) that write nothing,
@@ -492,8 +341,7 @@ class ModelRunner:
             ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
             meta = StepMetadata(torch.full((num_tokens,), -1, dtype=torch.long, device=dev), ids, 1, phase([1]),
                                 phase(chunks, before))
-            if self.offload is not None:
-                self.offload.begin_step(host([1]), host(chunks, before))
+            self.kv.begin_step(host([1]), host(chunks, before))
             with forward_context(meta):
                 self.model.compute_logits(self.model(ids, ids.clone()))
         torch.cuda.synchronize()
@@ -503,8 +351,7 @@ class ModelRunner:
     def _use_cuda_graphs(self) -> bool:
         usable = (
             self.device.type == "cuda"
-            # under offload, dense reads are planned on the host each step: only device-made selections
-            and (self.offload is None or self.hooks.decode.select is not None)
+            and self.kv.can_capture_decode(self.hooks.decode.select is not None)
             and not self.config.enforce_eager
             and self.backend.supports_cuda_graphs
             and self.hooks.cuda_graph_safe
@@ -532,7 +379,7 @@ class ModelRunner:
         eagerly. A capture that hangs cannot be interrupted in its own process: past the time, each rank
         still in it warns, so that a hang says where it is."""
         try:
-            with self.offload.capturing() if self.offload is not None else nullcontext():
+            with self.kv.capturing():
                 self._prepare_decode_graphs()
         except GraphUnsafe:  # under offload, a decode step that still reads densely somewhere: stay eager
             return
@@ -578,8 +425,7 @@ class ModelRunner:
             "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
         }
         for bs in self.graph_sizes:
-            if self.offload is not None:  # a decode step (its dense reads raise GraphUnsafe here)
-                self.offload.begin_step(None, None)
+            self.kv.begin_step(None, None)  # a decode step (with offload, its dense reads raise GraphUnsafe)
             with forward_context(self._graph_metadata(bs)):
                 warm = self.model(self.graph_inputs["input_ids"][:bs], self.graph_inputs["positions"][:bs])
         self.graph_output = torch.empty(max_bs, *warm.shape[1:], dtype=warm.dtype, device=dev)
@@ -595,11 +441,9 @@ class ModelRunner:
                 graph = torch.cuda.CUDAGraph()
                 ids, pos = self.graph_inputs["input_ids"][:bs], self.graph_inputs["positions"][:bs]
                 with forward_context(self._graph_metadata(bs)), torch.cuda.graph(graph, pool):
-                    if self.offload is not None:
-                        self.offload.begin_capture()
+                    self.kv.begin_capture()
                     self.graph_output[:bs] = self.model(ids, pos)
-                    if self.offload is not None:
-                        self.offload.end_capture()
+                    self.kv.end_capture()
                 pool = graph.pool() if pool is None else pool
                 self.graphs[bs] = graph
         torch.cuda.synchronize()
@@ -631,11 +475,9 @@ class ModelRunner:
         tables = meta.decode.block_tables
         g["block_tables"][:graph_bs].fill_(0)
         g["block_tables"][:bs, : tables.shape[1]] = tables
-        if self.offload is not None:
-            self.offload.order_streams()
+        self.kv.order_streams()
         self.graphs[graph_bs].replay()
-        if self.offload is not None:
-            self.offload.order_streams()
+        self.kv.order_streams()
         return self.graph_output[:bs]
 
     # -- one step ---------------------------------------------------------------------------------
@@ -727,7 +569,7 @@ class ModelRunner:
             num_sampling=len(sampling),
             prompt_logprob_rows=prompt_rows,
             allocated_blocks=(np.asarray(allocated, dtype=np.int64) if allocated and (
-                self.hooks.blocks_allocated or (self.offload is not None and self.offload.reuse_selections))
+                self.hooks.blocks_allocated or self.kv.tracks_allocations)
                 else None),
         )
         return plan, sampling, prompt_targets
@@ -739,8 +581,7 @@ class ModelRunner:
             ids = self._to_device(plan.allocated_blocks)
             for on_blocks_allocated in self.hooks.blocks_allocated:
                 on_blocks_allocated(ids)
-            if self.offload is not None:  # and the offload engine's selection cache forgets them
-                self.offload.forget_blocks(ids)
+            self.kv.forget_blocks(ids)  # and the store's caches of what blocks held
         input_ids = self._to_device(plan.input_ids)
         if plan.placeholder_rows is not None:
             sources = self._to_device(plan.placeholder_sources)
@@ -752,8 +593,7 @@ class ModelRunner:
             decode=self._phase_metadata(plan.decode),
             prefill=self._phase_metadata(plan.prefill),
         )
-        if self.offload is not None:
-            self.offload.begin_step(*(phase and phase.host_phase() for phase in (plan.decode, plan.prefill)))
+        self.kv.begin_step(plan.decode, plan.prefill)
         if self.graphs and meta.prefill is None and input_ids.shape[0] <= self.graph_sizes[-1]:
             hidden = self._replay_decode(input_ids, meta.positions, meta)
         else:

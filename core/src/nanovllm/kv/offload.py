@@ -22,7 +22,7 @@ what the paged GPU cache would.
 **Selections** made on the device (``attend_selected``) become pieces on the device, without a host sync:
 one ``selected_piece`` kernel per piece (the head blocks to load, the piece's selection and lengths, the
 new tokens' slot rows) and one ``patch_slot`` kernel to write the new K/V in; a selection that fits a slot
-is one piece. Both are Triton kernels on CUDA (:mod:`nanovllm.engine.offload_kernels`) with their torch
+is one piece. Both are Triton kernels on CUDA (:mod:`nanovllm.kv.offload_kernels`) with their torch
 references here, which the CPU runs.
 
 **The selection cache.** Consecutive decode steps select mostly the same blocks (on SmolLM2, 78-83% of
@@ -66,6 +66,7 @@ import torch
 
 from nanovllm.attention.backend import selection_per_kv_head
 from nanovllm.attention.metadata import PhaseMetadata
+from nanovllm.kv.store import KVTransfer
 from nanovllm.layers.fused import use_fused
 
 NUM_SLOTS = 2  # double buffering: one slot loads while the other is attended to
@@ -136,7 +137,7 @@ class OffloadEngine:
         shape = (len(self.layers), num_blocks + 1, num_kv_heads, 2, block_size, head_dim)
         self.pool = torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
         self._pool = device_view(self.pool) if self.cuda else self.pool  # what kernels address
-        head_block_bytes = 2 * block_size * head_dim * self.pool.element_size()
+        self.head_block_bytes = head_block_bytes = 2 * block_size * head_dim * self.pool.element_size()
         # no more head blocks per slot than the pool holds, and enough for one block of every sequence's
         # every head in each piece
         self.capacity = min(int(buffer_bytes // NUM_SLOTS // head_block_bytes), num_blocks * num_kv_heads)
@@ -183,6 +184,8 @@ class OffloadEngine:
         self._capturing = False  # warming up and capturing decode graphs
         self._in_graph = False  # inside one capture
         self._forked: set = set()  # the side streams a capture has forked (they must join it)
+        # the on_decode_offload / on_prefill_offload hooks told of every load (set by the KV store)
+        self.load_hooks: tuple[tuple, tuple] = ((), ())
 
     # -- the pool as a paged cache -------------------------------------------------------------------
 
@@ -276,16 +279,17 @@ class OffloadEngine:
         # the prefetched first piece of the dense plan, unless this layer reads something else (a selection)
         held = self._prefetched.pop((ctx.layer_id, ctx.is_prefill), None)
         if piece is not None:
-            loaded = held[1] if held is not None and held[0] is piece else self._load(ctx.layer_id, piece)
+            loaded = (held[1] if held is not None and held[0] is piece
+                      else self._load(ctx.layer_id, piece, ctx.is_prefill))
         while piece is not None:
             index, ready = loaded
             following = next(pieces, None)
             if following is not None:
-                loaded = self._load(ctx.layer_id, following)
+                loaded = self._load(ctx.layer_id, following, ctx.is_prefill)
             elif next_layer is not None:
                 following_layer = self._following[ctx.layer_id]
                 self._prefetched[(following_layer, ctx.is_prefill)] = (
-                    next_layer, self._load(following_layer, next_layer)
+                    next_layer, self._load(following_layer, next_layer, ctx.is_prefill)
                 )
             if ready is not None:
                 torch.cuda.current_stream().wait_event(ready)
@@ -370,9 +374,12 @@ class OffloadEngine:
             tensor.record_stream(stream)
         return torch.cuda.stream(stream)
 
-    def _load(self, layer_id: int, piece: Piece) -> tuple[int | None, torch.cuda.Event | None]:
+    def _load(self, layer_id: int, piece: Piece, is_prefill: bool) -> tuple[int | None, torch.cuda.Event | None]:
         """Enqueue the piece's head blocks of a layer into the next slot: (slot index, the "slot ready"
-        event the compute stream waits for); a cached piece's go to its layer's cache region (index None)."""
+        event the compute stream waits for); a cached piece's go to its layer's cache region (index None).
+        The phase's offload hooks are told what is loaded."""
+        for hook in self.load_hooks[is_prefill]:
+            hook(KVTransfer(layer_id, is_prefill, "load", piece.ids, self.head_block_bytes))
         index = None
         if piece.base is None:  # the ring
             self.empty_cache()
@@ -552,8 +559,8 @@ class OffloadEngine:
 
 @functools.cache
 def _kernels() -> ModuleType:
-    """:mod:`nanovllm.engine.offload_kernels`, imported on first use (it imports Triton)."""
-    from nanovllm.engine import offload_kernels
+    """:mod:`nanovllm.kv.offload_kernels`, imported on first use (it imports Triton)."""
+    from nanovllm.kv import offload_kernels
 
     return offload_kernels
 

@@ -1,5 +1,5 @@
 """Triton kernels of the offload engine's per-layer bookkeeping on a selection, one launch each instead of
-the twenty-odd small torch ops of their references in :mod:`nanovllm.engine.offload` (offload decode is
+the twenty-odd small torch ops of their references in :mod:`nanovllm.kv.offload` (offload decode is
 host bound, so every op saved per layer counts).
 
 - ``selected_piece``: from a selection made on the device, one slot's piece: the head blocks to load, the
@@ -66,7 +66,7 @@ def selected_piece(
     sel: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, cu: torch.Tensor, positions: torch.Tensor,
     first: int, width: int, block_size: int, scratch_id: int, scratch_row: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See :func:`nanovllm.engine.offload.selected_piece_reference`."""
+    """See :func:`nanovllm.kv.offload.selected_piece_reference`."""
     num_seqs, num_kv_heads = sel.shape[:2]
     rows_v = num_kv_heads * num_seqs
     dev = sel.device
@@ -106,7 +106,7 @@ def _patch_slot_kernel(
 
 
 def patch_slot(slot: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """See :func:`nanovllm.engine.offload.patch_slot_reference`."""
+    """See :func:`nanovllm.kv.offload.patch_slot_reference`."""
     num_kv_heads, num_tokens = rows.shape
     if num_kv_heads * num_tokens == 0:
         return
@@ -170,7 +170,7 @@ def cached_piece(
     sel: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, cu: torch.Tensor, positions: torch.Tensor,
     held: torch.Tensor, base: int, first_block: int, block_size: int, scratch_row: int, counts: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """See :func:`nanovllm.engine.offload.cached_piece_reference`."""
+    """See :func:`nanovllm.kv.offload.cached_piece_reference`."""
     num_seqs, num_kv_heads, k = sel.shape
     n_rows = num_kv_heads * num_seqs
     dev = sel.device
@@ -203,7 +203,7 @@ def _load_misses_kernel(Pool, Flat, Loads, base, elems, BLOCK: tl.constexpr):
 
 
 def load_misses(pool: torch.Tensor, flat: torch.Tensor, loads: torch.Tensor, base: int) -> None:
-    """See :func:`nanovllm.engine.offload.load_misses`: ``pool`` and ``flat`` are contiguous head blocks."""
+    """See :func:`nanovllm.kv.offload.load_misses`: ``pool`` and ``flat`` are contiguous head blocks."""
     elems = flat[0].numel()
     if loads.shape[0]:
         block = triton.next_power_of_2(elems)

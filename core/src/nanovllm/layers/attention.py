@@ -1,5 +1,5 @@
-"""The attention layer every model uses: write new K/V to the paged cache, tell the KV-write hooks, then
-hand each phase to its policy (which calls the attention backend's kernels)."""
+"""The attention layer every model uses: write new K/V to the layer's KV store (which tells the KV-write
+hooks), then hand each phase to its policy (which reads the store through its context)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from torch import nn
 
 from nanovllm.attention.backend import AttentionBackend
 from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, get_forward_context
-from nanovllm.policy import KVWrite, PhaseHooks, PolicyContext, PolicyHooks, check_selection
+from nanovllm.kv.store import LayerKV
+from nanovllm.policy import PhaseHooks, PolicyContext, PolicyHooks, check_selection
 
 
 class Attention(nn.Module):
@@ -26,27 +27,24 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend: AttentionBackend | None = None
         self.hooks: PolicyHooks | None = None
-        self.offload = None  # the offload engine, when the KV cache lives in the host pool
+        self.kv: LayerKV | None = None  # this layer's KV store, once allocated
 
     def bind(self, backend: AttentionBackend, hooks: PolicyHooks) -> None:
         """Set once per engine by the model runner."""
         self.backend, self.hooks = backend, hooks
 
+    def bind_kv(self, kv: LayerKV) -> None:
+        """Set once per engine by the KV store's allocation; ``k_cache`` / ``v_cache`` are its paged view."""
+        self.kv = kv
+        self.k_cache, self.v_cache = kv.k_cache, kv.v_cache
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[T, H, D]``, k/v ``[T, Hkv, D]`` for the step's new tokens -> ``[T, H, D]``."""
         meta = get_forward_context()
-        if self.k_cache.numel() == 0:  # the memory-profiling run, before the cache exists
+        if self.kv is None:  # the memory-profiling run, before the store exists
             return self.backend.attend_chunk(q, k, v, meta.prefill, self.scale)[0]
         nd = meta.num_decode_tokens
-        if self.offload is None:
-            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            if self.hooks.kv_write:
-                write = KVWrite(self.layer_id, k, v, meta, self.k_cache, self.v_cache)
-                for on_kv_write in self.hooks.kv_write:
-                    on_kv_write(write)
-        else:
-            self.offload.store(self.layer_id, k, v, meta.slot_mapping)
-            self._offload_hooks(k, v, meta)
+        self.kv.write(k, v, meta, self.backend)
         if meta.prefill is None:
             return self._decode(q, k, v, meta)
         if meta.decode is None:
@@ -55,19 +53,6 @@ class Attention(nn.Module):
         out[:nd] = self._decode(q[:nd], k[:nd], v[:nd], meta)
         out[nd:] = self._prefill(q[nd:], k[nd:], v[nd:], meta)
         return out
-
-    def _offload_hooks(self, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata) -> None:
-        """``on_decode_offload`` / ``on_prefill_offload``, each with the rows of its phase."""
-        nd = meta.num_decode_tokens
-        for hooks, rows, phase in (
-            (self.hooks.decode_offload, slice(0, nd), StepMetadata.only_decode),
-            (self.hooks.prefill_offload, slice(nd, None), StepMetadata.only_prefill),
-        ):
-            part = phase(meta)
-            if hooks and part is not None:
-                write = KVWrite(self.layer_id, k[rows], v[rows], part, self.k_cache, self.v_cache)
-                for hook in hooks:
-                    hook(write)
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         if self.sliding_window is not None:
@@ -91,7 +76,7 @@ class Attention(nn.Module):
     ) -> PolicyContext:
         ctx = PolicyContext(
             self.layer_id, is_prefill, q, phase_meta, self.k_cache, self.v_cache, self.scale, self.backend,
-            None, k, v, positions, self.offload,
+            None, k, v, positions, self.kv,
         )
         if phase.select is not None:
             ctx.selected_blocks = phase.select(ctx)

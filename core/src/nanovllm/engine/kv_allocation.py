@@ -1,0 +1,194 @@
+"""The KV store sizing and allocation step of the model runner's set-up: the one place that picks where KV
+lives (:mod:`nanovllm.kv.store`), sizes it from the memory left after a profiled step, allocates it, binds it
+to the attention layers and the policies' hooks, and has the policies allocate their per-block metadata."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+import torch
+
+from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, forward_context
+from nanovllm.config import EngineConfig
+from nanovllm.distributed import agree_min
+from nanovllm.kv.offload import OffloadEngine
+from nanovllm.kv.store import HostKVStore, KVStore, PagedKVStore
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.sampler import TopLogprobs
+from nanovllm.policy import PolicyHooks
+
+CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30  # bytes of KV (and policy metadata) on the CPU device by default
+
+
+@attrs.frozen
+class KVShape:
+    """What one KV block of the model costs: its layers, heads, head size, tokens, dtype and device."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def kv_bytes(self, num_layers: int | None = None) -> int:
+        """Bytes of K and V of one block in ``num_layers`` layers (default: all)."""
+        num_layers = self.num_layers if num_layers is None else num_layers
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def metadata_bytes(self, hooks: PolicyHooks) -> int:
+        """Device bytes of the per-block metadata the policies will keep, per block."""
+        shape = (self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype, self.device)
+        return sum(p.metadata_bytes_per_block(*shape) for p in hooks.policies)
+
+    def empty_cache(self, num_layers: int, num_blocks: int) -> torch.Tensor:
+        """A paged cache ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+        return torch.empty(num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
+                           dtype=self.dtype, device=self.device)
+
+
+def allocate_kv_store(
+    config: EngineConfig, model: torch.nn.Module, layers: Sequence[Attention], hooks: PolicyHooks,
+    max_model_len: int, dtype: torch.dtype, device: torch.device, prompt_logprob_rows: int,
+) -> KVStore:
+    """The model's KV store: the paged GPU cache, or with ``kv_offloading_size`` the host pool with GPU
+    slots. Bound to ``layers`` and to the ``hooks`` it tells, with the hooks' members (policies,
+    observers) initialized for its blocks. On CUDA the budget is what a profiled largest step (with
+    ``prompt_logprob_rows`` rows of prompt logprobs) leaves under ``gpu_memory_utilization``; every
+    tensor-parallel rank holds the blocks the scheduler plans."""
+    first = layers[0]
+    shape = KVShape(len(layers), first.num_kv_heads, first.head_dim, config.block_size, dtype, device)
+
+    def free_memory() -> int:
+        return profile_free_cuda_memory(model, config, max_model_len, device, prompt_logprob_rows)
+
+    if config.kv_offloading_size is None:
+        store: KVStore = PagedKVStore(shape.empty_cache(
+            len(layers), agree_min(gpu_cache_blocks(config, shape, hooks, max_model_len, free_memory))))
+    else:
+        for policy in hooks.policies:  # before the pool: options that need the GPU cache fail now
+            policy.check_offload()
+        store = host_store(config, shape, layers, hooks, max_model_len, free_memory)
+    for layer, kv in zip(layers, store.layers, strict=True):
+        layer.bind_kv(kv)
+    store.bind(hooks.kv_write, hooks.decode_offload, hooks.prefill_offload)
+    for member in hooks.members:  # the policies, and observers that keep per-block state
+        if callable(getattr(member, "initialize", None)):
+            member.initialize(shape.num_layers, shape.num_kv_heads, shape.head_dim, store.num_blocks,
+                              shape.block_size, dtype, device)
+    return store
+
+
+def gpu_cache_blocks(config: EngineConfig, shape: KVShape, hooks: PolicyHooks, max_model_len: int,
+                     free_memory) -> int:
+    """Blocks of the paged GPU cache: ``kv_cache_memory`` bytes, else on the CPU
+    ``CPU_DEFAULT_KV_CACHE_MEMORY``, else what ``free_memory()`` profiles, each block with its metadata."""
+    per_block = shape.kv_bytes() + shape.metadata_bytes(hooks)  # the metadata lives in the same budget
+    if config.kv_cache_memory is not None:
+        budget = config.kv_cache_memory
+    elif shape.device.type == "cpu":
+        budget = CPU_DEFAULT_KV_CACHE_MEMORY
+    else:
+        budget = free_memory()
+    num_blocks = int(budget // per_block)
+    if num_blocks * shape.block_size < max_model_len:
+        raise ValueError(
+            f"the KV cache budget ({budget / 2**20:.0f} MiB) holds {num_blocks * shape.block_size} tokens, "
+            f"fewer than max_model_len={max_model_len}; raise "
+            f"{'kv_cache_memory' if shape.device.type == 'cpu' else 'gpu_memory_utilization'} "
+            "or lower max_model_len"
+        )
+    return num_blocks
+
+
+def resident_layers(layers: Sequence[Attention], hooks: PolicyHooks) -> list[int]:
+    """The layers the policies run dense, and the sliding-window layers (always dense over their
+    window), whose KV stays on the GPU under offload."""
+    num_layers = len(layers)
+    resident = sorted(hooks.dense_layers(num_layers))
+    if any(not 0 <= i < num_layers for i in resident):
+        raise ValueError(
+            f"the policies' dense_layers {resident} are not all layers of this {num_layers}-layer model"
+        )
+    windowed = {i for i, layer in enumerate(layers) if layer.sliding_window is not None}
+    resident = sorted(set(resident) | windowed)
+    if len(resident) == num_layers:
+        raise ValueError(
+            f"all {num_layers} layers dense (the policies' dense_layers and the sliding-window layers), so "
+            "their KV stays on the GPU and nothing is left to offload: drop kv_offloading_size, or make "
+            "fewer layers dense (e.g. a smaller skip_layers)"
+        )
+    return resident
+
+
+def host_store(config: EngineConfig, shape: KVShape, layers: Sequence[Attention], hooks: PolicyHooks,
+               max_model_len: int, free_memory) -> HostKVStore:
+    """KV of the offloaded layers in a host pool of ``kv_offloading_size`` GiB; the GPU keeps the load
+    slots (``kv_offloading_buffer_size`` GiB), the policies' per-block metadata and the resident (dense)
+    layers' paged cache for every pool block, which must all fit what the memory profile leaves under the
+    utilisation cap."""
+    resident = resident_layers(layers, hooks)
+    offloaded = [i for i in range(len(layers)) if i not in resident]
+    num_blocks = int(config.kv_offloading_size * 2**30 // shape.kv_bytes(len(offloaded)))
+    if num_blocks * shape.block_size < max_model_len:
+        raise ValueError(
+            f"kv_offloading_size={config.kv_offloading_size} GiB holds {num_blocks * shape.block_size} "
+            f"tokens of KV, fewer than max_model_len={max_model_len}; raise it or lower max_model_len"
+        )
+    engine = OffloadEngine(
+        offloaded, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim, shape.dtype, shape.device,
+        int(config.kv_offloading_buffer_size * 2**30), config.max_num_seqs, config.kv_offloading_reuse_selections,
+    )
+    metadata, resident_bytes = num_blocks * shape.metadata_bytes(hooks), num_blocks * shape.kv_bytes(len(resident))
+    if shape.device.type == "cuda":
+        budget = free_memory() + engine.gpu_bytes  # the slots exist already
+        if engine.gpu_bytes + metadata + resident_bytes > budget:
+            raise ValueError(
+                f"with KV offload the GPU needs {engine.gpu_bytes / 2**20:.0f} MiB of load slots, "
+                f"{metadata / 2**20:.0f} MiB of policy metadata and {resident_bytes / 2**20:.0f} MiB for the KV "
+                f"of the {len(resident)} dense layers it keeps resident, more than the "
+                f"{budget / 2**20:.0f} MiB left under gpu_memory_utilization; raise it, lower "
+                "kv_offloading_buffer_size, or lower kv_offloading_size (each pool block has its dense "
+                "layers' KV on the GPU)"
+            )
+    # the dense layers' paged cache, allocated after the memory profile, which runs without a cache
+    return HostKVStore(len(layers), engine, resident, shape.empty_cache(len(resident), num_blocks))
+
+
+@torch.inference_mode()
+def profile_free_cuda_memory(model: torch.nn.Module, config: EngineConfig, max_model_len: int,
+                             device: torch.device, prompt_logprob_rows: int) -> int:
+    """Run the largest step once without a cache; what remains under the utilisation cap is for KV."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * max_model_len)
+    lens = [max_model_len] * (num_tokens // max_model_len)
+    if num_tokens % max_model_len:
+        lens.append(num_tokens % max_model_len)
+    cu = torch.tensor(np.cumsum([0] + lens), dtype=torch.int32, device=device)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    meta = StepMetadata(
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=device),
+        positions=torch.zeros(num_tokens, dtype=torch.long, device=device),
+        num_decode_tokens=0,
+        decode=None,
+        prefill=PhaseMetadata(cu, lens_t, torch.empty(len(lens), 0, dtype=torch.int32, device=device),
+                              max(lens), max(lens)),
+    )
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    with forward_context(meta):
+        hidden = model(ids, ids.clone())
+        model.compute_logits(hidden[cu[1:].long() - 1])
+        # the largest slice of prompt logprobs: its logits and (rank 0, which gets them) their log_softmax
+        rows = hidden[: min(prompt_logprob_rows, num_tokens)]
+        logits = model.compute_logits(rows)
+        if logits is not None:
+            TopLogprobs.of(logits, ids[: rows.shape[0]], 1)
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    used = total - free
+    peak, current = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+    return int(total * config.gpu_memory_utilization - used - (peak - current))

@@ -1,0 +1,448 @@
+"""The KV store: one interface over where a model's keys and values live.
+
+The engine picks one store at start-up (:func:`nanovllm.engine.kv_allocation.allocate_kv_store`):
+
+- :class:`PagedKVStore`, the paged GPU cache of every layer;
+- :class:`HostKVStore`, the pinned host pool read through GPU load slots
+  (:class:`nanovllm.kv.offload.OffloadEngine`), with the layers the policies run dense kept in a paged GPU
+  cache of their own.
+
+A store is a list of per-layer handles (:class:`LayerKV`), each owning one layer's KV: its writes (which
+also keep the policies' per-block metadata, through ``on_kv_write``, on either store), and every read a
+policy makes through :class:`nanovllm.policy.PolicyContext` (attend to selected blocks, attend to the whole
+history, read blocks or keys, read a compact paged copy). A handle is one of two kinds, :class:`PagedLayerKV`
+and :class:`PooledLayerKV`, so a store can mix them layer by layer; a group of layers sharing one block
+table (sliding-window layers keeping only their window) fits the same shape as a handle kind of its own.
+The store itself adds the step's life cycle around the forward pass (``begin_step``, the CUDA-graph
+calls), which the paged cache leaves empty, so nothing above it asks where KV lives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Literal
+
+import attrs
+import numpy as np
+import torch
+
+from nanovllm.attention.metadata import PhaseMetadata, StepMetadata
+
+if TYPE_CHECKING:
+    from nanovllm.attention.backend import AttentionBackend
+    from nanovllm.kv.offload import HostPhase, OffloadEngine
+    from nanovllm.policy import PolicyContext
+
+Hook = Callable[..., None]
+
+
+# -- what the store tells policies and observers ---------------------------------------------------------
+
+
+@attrs.define(frozen=True, slots=True)
+class KVWrite:
+    """The new keys and values of one layer in one step, already in the layer's store.
+
+    Rows are the step's new tokens: decodes first (one per sequence), then the prefill chunks. A row
+    whose slot is -1 was not written (padding, warm-up) and must be ignored. ``key`` and ``value`` are on
+    the GPU on either store; ``k_cache`` / ``v_cache`` are the layer's paged view (the GPU cache, or the
+    host pool in the same layout).
+    """
+
+    layer_id: int
+    key: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor
+    step: StepMetadata
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim], this layer, after the write
+    v_cache: torch.Tensor
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """``[num_tokens]`` int64 cache slot of each row (``block * block_size + offset``), -1: skipped."""
+        return self.step.slot_mapping
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[num_tokens]`` position of each row's token in its sequence."""
+        return self.step.positions
+
+    @property
+    def block_size(self) -> int:
+        return self.k_cache.shape[1]
+
+    @property
+    def block_ids(self) -> torch.Tensor:
+        """``[num_tokens]`` physical block of each row, -1 where skipped."""
+        slots = self.slot_mapping
+        return torch.where(slots >= 0, slots // self.block_size, -1)
+
+    @classmethod
+    def of_blocks(
+        cls, layer_id: int, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: list[int],
+        counts: list[int], starts: list[int],
+    ) -> KVWrite:
+        """A write of what the cache already holds: the first ``counts[i]`` tokens of physical block
+        ``blocks[i]``, whose first token sits at position ``starts[i]`` (a multiple of the block size),
+        each block as one sequence's prefill chunk. Recomputes per-block metadata from the cache in one
+        call (the conformance kit, the quality harness)."""
+        dev, bs = k_cache.device, k_cache.shape[1]
+        slots = torch.tensor([b * bs + i for b, n in zip(blocks, counts, strict=True) for i in range(n)],
+                             dtype=torch.long, device=dev)
+        positions = torch.tensor([s + i for s, n in zip(starts, counts, strict=True) for i in range(n)],
+                                 dtype=torch.long, device=dev)
+        lens = torch.tensor(counts, dtype=torch.int32, device=dev)
+        ends = [s + n for s, n in zip(starts, counts, strict=True)]
+        tables = torch.full((len(blocks), max(starts) // bs + 1), -1, dtype=torch.int32)
+        tables[range(len(blocks)), [s // bs for s in starts]] = torch.tensor(blocks, dtype=torch.int32)
+        cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32)
+        ends_t = torch.tensor(ends, dtype=torch.int32, device=dev)
+        prefill = PhaseMetadata(cu, ends_t, tables.to(dev), max(counts), max(ends))
+        return cls._of_cache(layer_id, k_cache, v_cache, StepMetadata(slots, positions, 0, None, prefill))
+
+    @classmethod
+    def of_sequence(
+        cls, layer_id: int, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: list[int], num_tokens: int
+    ) -> KVWrite:
+        """A write of what the cache already holds: the first ``num_tokens`` tokens of one sequence through
+        its ``block_table`` (physical blocks), as one prefill chunk. Unlike :meth:`of_blocks`, the write
+        says which blocks form the sequence, which metadata spanning blocks (Quest's pages) needs."""
+        dev, bs = k_cache.device, k_cache.shape[1]
+        positions = torch.arange(num_tokens, dtype=torch.long, device=dev)
+        table = torch.tensor([block_table], dtype=torch.int32, device=dev)
+        slots = table[0, positions // bs].long() * bs + positions % bs
+        cu = torch.tensor([0, num_tokens], dtype=torch.int32, device=dev)
+        prefill = PhaseMetadata(cu, cu[1:], table, num_tokens, num_tokens)
+        return cls._of_cache(layer_id, k_cache, v_cache, StepMetadata(slots, positions, 0, None, prefill))
+
+    @classmethod
+    def _of_cache(
+        cls, layer_id: int, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepMetadata
+    ) -> KVWrite:
+        """The write of ``step``, its keys and values read back from the cache at its slots."""
+        slots = step.slot_mapping
+        flat_k, flat_v = (c.reshape(-1, *c.shape[2:]) for c in (k_cache, v_cache))
+        return cls(layer_id, flat_k[slots], flat_v[slots], step, k_cache, v_cache)
+
+    def block_fill(self) -> torch.Tensor:
+        """``[num_tokens]`` how many tokens the block of each row holds after this step."""
+        positions = self.positions
+        ends = positions + 1  # a decode row is its sequence's last token
+        prefill = self.step.prefill
+        if prefill is not None:
+            nd = self.step.num_decode_tokens
+            ends = ends.clone()
+            ends[nd:] = torch.repeat_interleave(
+                prefill.context_lens.long(), prefill.query_lens.long(), output_size=ends.shape[0] - nd
+            )
+        return (ends - (positions - positions % self.block_size)).clamp(max=self.block_size)
+
+
+@attrs.define(frozen=True, slots=True)
+class KVTransfer:
+    """KV the host store moved across PCIe for one layer and one phase: what ``on_prefill_offload`` and
+    ``on_decode_offload`` report. A notification only: no policy needs it to stay correct.
+
+    - ``kind="store"``: the phase's new keys and values went to the host pool, one entry of ``blocks`` per
+      token row (its pool block; padding rows go to the pool's scratch block, and cross PCIe too).
+    - ``kind="load"``: pool head blocks (``block * num_kv_heads + head``) were copied into a GPU slot, one
+      entry per slot head block; -1 where nothing was copied (a selection-cache hit).
+
+    ``blocks`` is on the device; ``unit_bytes`` is the bytes one entry moves.
+    """
+
+    layer_id: int
+    is_prefill: bool
+    kind: Literal["store", "load"]
+    blocks: torch.Tensor
+    unit_bytes: int
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes that crossed PCIe (reads ``blocks`` back: a host sync on the GPU)."""
+        return int((self.blocks >= 0).sum()) * self.unit_bytes
+
+
+# -- one layer's KV ----------------------------------------------------------------------------------------
+
+
+class LayerKV:
+    """One layer's keys and values, and every operation on them. ``k_cache`` / ``v_cache`` are the
+    layer's paged view ``[num_blocks, block_size, num_kv_heads, head_dim]`` (on the host store, the pool
+    in that layout: device-addressable, read across PCIe). ``kv_write`` holds the ``on_kv_write`` hooks
+    that :meth:`write` calls, set by :meth:`KVStore.bind`."""
+
+    def __init__(self, layer_id: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.layer_id = layer_id
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.kv_write: tuple[Hook, ...] = ()
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, step: StepMetadata, backend: AttentionBackend) -> None:
+        """Store the step's new keys and values ``[num_tokens, num_kv_heads, head_dim]`` at
+        ``step.slot_mapping`` (-1: skipped), then tell the ``on_kv_write`` hooks."""
+        raise NotImplementedError
+
+    def attend_blocks(
+        self, ctx: PolicyContext, q: torch.Tensor, block_indices: torch.Tensor, kv_lens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, lse) of ``q`` over the selected logical history blocks (see ``PolicyContext.attend_blocks``)."""
+        raise NotImplementedError
+
+    def attend_all(
+        self, ctx: PolicyContext, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Dense causal attention over the whole context (prefill: the history and the chunk ``k``/``v``)."""
+        raise NotImplementedError
+
+    def wait_writes(self) -> None:
+        """Make the current stream wait until this step's writes can be read through ``k_cache`` /
+        ``v_cache`` (for code that reads the paged view itself)."""
+
+    def read_blocks(
+        self, ctx: PolicyContext, block_indices: torch.Tensor, values: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Keys and (with ``values``) values ``[num_seqs, k, block_size, num_kv_heads, head_dim]`` of the
+        logical blocks ``[num_seqs, k]`` (-1: zeros), this step's tokens included, on the query's device."""
+        self.wait_writes()
+        physical = torch.gather(ctx.meta.block_tables, 1, block_indices.clamp(min=0).to(torch.int64)).long()
+        invalid = (block_indices < 0)[..., None, None, None]
+
+        def gather(cache: torch.Tensor) -> torch.Tensor:
+            return cache[physical].masked_fill(invalid, 0)
+
+        return gather(self.k_cache), gather(self.v_cache) if values else None
+
+    def read_paged(
+        self, ctx: PolicyContext, blocks: torch.Tensor | Callable[[], torch.Tensor], values: bool = True,
+        width: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """``(k_cache, v_cache, block_tables)`` through which the logical blocks marked in ``blocks`` can be
+        read (see ``PolicyContext.read_paged``)."""
+        raise NotImplementedError
+
+    def compact_copy(
+        self, ctx: PolicyContext, present: torch.Tensor, values: bool, width: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The logical blocks marked in ``present`` ``[num_seqs, n]`` read into a paged cache of their own,
+        ``width`` blocks a sequence (default: the most any sequence marks, read back with a host sync), and
+        block tables ``[num_seqs, n]`` addressing it by logical block (unmarked blocks map to block 0)."""
+        counts = present.sum(-1)
+        if width is None:
+            width = max(int(counts.max()), 1) if present.numel() else 1
+        width = max(min(width, present.shape[1]), 1)
+        logical = torch.arange(present.shape[1], device=present.device, dtype=torch.int32)
+        order = torch.where(present, logical, torch.iinfo(torch.int32).max).sort(-1).values[:, :width]
+        chosen = torch.where(torch.arange(width, device=present.device)[None, :] < counts[:, None], order, -1)
+        rank = present.long().cumsum(-1) - 1
+        seq = torch.arange(present.shape[0], device=present.device)[:, None]
+        tables = torch.where(present, seq * width + rank, 0).to(torch.int32)
+        keys, vals = self.read_blocks(ctx, chosen, values)
+        return keys.flatten(0, 1), None if vals is None else vals.flatten(0, 1), tables
+
+    def _tell_kv_write(self, key: torch.Tensor, value: torch.Tensor, step: StepMetadata) -> None:
+        write = KVWrite(self.layer_id, key, value, step, self.k_cache, self.v_cache)
+        for on_kv_write in self.kv_write:
+            on_kv_write(write)
+
+
+class PagedLayerKV(LayerKV):
+    """A layer's KV in a paged GPU cache, read in place by the attention backend's kernels."""
+
+    def write(self, key, value, step, backend) -> None:
+        backend.store_kv(key, value, self.k_cache, self.v_cache, step.slot_mapping)
+        if self.kv_write:
+            self._tell_kv_write(key, value, step)
+
+    def attend_blocks(self, ctx, q, block_indices, kv_lens):
+        return ctx.backend.attend_blocks(q, self.k_cache, self.v_cache, ctx.meta, block_indices, kv_lens, ctx.scale)
+
+    def attend_all(self, ctx, q, k, v):
+        if ctx.is_prefill:
+            return ctx.backend.prefill(q, k, v, self.k_cache, self.v_cache, ctx.meta, ctx.scale)
+        return ctx.backend.decode(q, self.k_cache, self.v_cache, ctx.meta, ctx.scale)
+
+    def read_paged(self, ctx, blocks, values=True, width=None):
+        """The cache itself and the phase's block tables: every block is readable, nothing is copied
+        (``blocks`` is not evaluated)."""
+        return self.k_cache, self.v_cache if values else None, ctx.meta.block_tables
+
+
+class PooledLayerKV(LayerKV):
+    """A layer's KV in the host pool of an :class:`~nanovllm.kv.offload.OffloadEngine`: writes go to the
+    pool on the store stream, reads stream what they need into GPU slots (only the selected blocks for
+    ``attend_blocks``). ``stored`` / ``loaded`` hold the ``on_*_offload`` hooks of each phase (index 0:
+    decode, 1: prefill), told what crosses PCIe."""
+
+    def __init__(self, layer_id: int, engine: OffloadEngine) -> None:
+        super().__init__(layer_id, *engine.cache(layer_id))
+        self.engine = engine
+        self.offload_hooks: tuple[tuple[Hook, ...], tuple[Hook, ...]] = ((), ())
+
+    def write(self, key, value, step, backend) -> None:
+        self.engine.store(self.layer_id, key, value, step.slot_mapping)
+        if self.kv_write:  # the new keys are on the GPU: the metadata stays there
+            self._tell_kv_write(key, value, step)
+        if self.offload_hooks[0] or self.offload_hooks[1]:
+            self._tell_stored(step)
+
+    def _tell_stored(self, step: StepMetadata) -> None:
+        engine, nd = self.engine, step.num_decode_tokens
+        slots = step.slot_mapping
+        blocks = torch.where(slots >= 0, slots // engine.block_size, engine.num_blocks)
+        unit = 2 * engine.num_kv_heads * engine.head_dim * engine.pool.element_size()
+        for is_prefill, rows, phase in ((False, slice(0, nd), step.decode), (True, slice(nd, None), step.prefill)):
+            if phase is not None:
+                transfer = KVTransfer(self.layer_id, is_prefill, "store", blocks[rows], unit)
+                for hook in self.offload_hooks[is_prefill]:
+                    hook(transfer)
+
+    def attend_blocks(self, ctx, q, block_indices, kv_lens):
+        return self.engine.attend_selected(ctx, q, block_indices, kv_lens)
+
+    def attend_all(self, ctx, q, k, v):
+        history = self.engine.attend_dense(ctx, q)
+        if not ctx.is_prefill:
+            return history[0]
+        chunk = ctx.backend.attend_chunk(q, k, v, ctx.meta, ctx.scale)
+        return chunk[0] if history is None else ctx.backend.merge(*history, *chunk)[0]
+
+    def wait_writes(self) -> None:
+        """The pool's writes run on the store stream: wait for this layer's."""
+        self.engine.wait_stored(self.layer_id)
+
+    def read_paged(self, ctx, blocks, values=True, width=None):
+        """Only the marked blocks cross PCIe, into a compact paged cache of their own."""
+        present = blocks() if callable(blocks) else blocks
+        return self.compact_copy(ctx, present, values, width)
+
+
+# -- the store: every layer, and the step's life cycle --------------------------------------------------
+
+
+class KVStore:
+    """Every attention layer's KV (``layers[i]`` is layer ``i``'s handle) in ``num_blocks`` blocks of
+    ``block_size`` tokens, and the calls the model runner makes around each forward pass. The base class
+    is the paged GPU cache's: every call around the step does nothing."""
+
+    def __init__(self, layers: Sequence[LayerKV], num_blocks: int, block_size: int) -> None:
+        self.layers = list(layers)
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    def bind(self, kv_write: Sequence[Hook], decode_offload: Sequence[Hook] = (),
+             prefill_offload: Sequence[Hook] = ()) -> None:
+        """The hooks the store tells: ``on_kv_write`` after every write, on every store; the offload
+        notifications where the store moves KV across PCIe."""
+        for layer in self.layers:
+            layer.kv_write = tuple(kv_write)
+
+    @property
+    def tracks_allocations(self) -> bool:
+        """Whether the store wants :meth:`forget_blocks` each step (it caches what blocks held)."""
+        return False
+
+    def forget_blocks(self, block_ids: torch.Tensor) -> None:
+        """Physical blocks handed out again since the last step (int64 on the device): their content is
+        about to change."""
+
+    def begin_step(self, decode: HostPhaseLike | None, prefill: HostPhaseLike | None) -> None:
+        """Before each forward pass: what the host knows of the step's phases (block tables and lengths)."""
+
+    def can_capture_decode(self, selects_on_device: bool) -> bool:
+        """Whether decode steps can be captured in CUDA graphs, given whether the decode policy selects
+        its blocks on the device (``requires_block_selection``) or reads every block."""
+        return True
+
+    def capturing(self) -> AbstractContextManager[None]:
+        """Around the decode graphs' warm-up and capture."""
+        return nullcontext()
+
+    def begin_capture(self) -> None:
+        """First thing inside each decode graph's capture."""
+
+    def end_capture(self) -> None:
+        """Last thing inside each decode graph's capture."""
+
+    def order_streams(self) -> None:
+        """Right before and right after each decode graph's replay."""
+
+
+class PagedKVStore(KVStore):
+    """Every layer in one paged GPU cache ``kv_cache`` ``[layers, 2, num_blocks, block_size, num_kv_heads,
+    head_dim]`` (``kv_cache[i, 0]`` is layer ``i``'s keys, ``kv_cache[i, 1]`` its values)."""
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        layers = [PagedLayerKV(i, kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
+        super().__init__(layers, kv_cache.shape[2], kv_cache.shape[3])
+        self.kv_cache = kv_cache
+
+
+class HostKVStore(KVStore):
+    """The offloaded layers' KV in the host pool of ``engine``; the ``resident_layers`` (the policies'
+    dense layers and the sliding-window layers) in a paged GPU cache ``resident_kv_cache`` ``[resident
+    layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` over the same block ids."""
+
+    def __init__(self, num_layers: int, engine: OffloadEngine, resident_layers: Sequence[int],
+                 resident_kv_cache: torch.Tensor) -> None:
+        self.engine = engine
+        self.resident_layers = list(resident_layers)
+        self.resident_kv_cache = resident_kv_cache
+        row = {layer_id: i for i, layer_id in enumerate(self.resident_layers)}
+        layers = [
+            PagedLayerKV(i, resident_kv_cache[row[i], 0], resident_kv_cache[row[i], 1]) if i in row
+            else PooledLayerKV(i, engine)
+            for i in range(num_layers)
+        ]
+        super().__init__(layers, engine.num_blocks, engine.block_size)
+
+    def bind(self, kv_write, decode_offload=(), prefill_offload=()) -> None:
+        super().bind(kv_write)
+        for layer in self.layers:
+            if isinstance(layer, PooledLayerKV):
+                layer.offload_hooks = (tuple(decode_offload), tuple(prefill_offload))
+        self.engine.load_hooks = (tuple(decode_offload), tuple(prefill_offload))
+
+    @property
+    def tracks_allocations(self) -> bool:
+        return self.engine.reuse_selections
+
+    def forget_blocks(self, block_ids):
+        self.engine.forget_blocks(block_ids)
+
+    def begin_step(self, decode, prefill):
+        self.engine.begin_step(*(None if p is None else host_phase(p) for p in (decode, prefill)))
+
+    def can_capture_decode(self, selects_on_device):
+        # dense reads are planned on the host each step: only selections made on the device are captured
+        return selects_on_device
+
+    def capturing(self):
+        return self.engine.capturing()
+
+    def begin_capture(self):
+        self.engine.begin_capture()
+
+    def end_capture(self):
+        self.engine.end_capture()
+
+    def order_streams(self):
+        self.engine.order_streams()
+
+
+class HostPhaseLike:
+    """What :meth:`KVStore.begin_step` takes for a phase: a :class:`~nanovllm.kv.offload.HostPhase`, or
+    host arrays ``block_tables`` ``[num_seqs, width]``, ``cu_seqlens_q`` ``[num_seqs + 1]`` and
+    ``context_lens`` ``[num_seqs]`` (the model runner's plan of the phase)."""
+
+    block_tables: np.ndarray
+    cu_seqlens_q: np.ndarray
+    context_lens: np.ndarray
+
+
+def host_phase(phase) -> HostPhase:
+    """``phase`` as a :class:`~nanovllm.kv.offload.HostPhase` (the offload engine's plan input)."""
+    from nanovllm.kv.offload import HostPhase
+
+    if isinstance(phase, HostPhase):
+        return phase
+    return HostPhase(phase.block_tables, np.diff(phase.cu_seqlens_q).tolist(), phase.context_lens.tolist())
+
