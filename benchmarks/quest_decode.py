@@ -22,6 +22,12 @@ Jobs, each in its own process (one engine's GPU memory never shrinks the next on
   run, the floors of the bytes each Quest step selects and of those it moves (the selection cache loads only
   the selected head blocks it lacks). Each of these policies also runs with its KV on the GPU: the offload's
   own time is the difference.
+- ``reuse`` (only when asked for: ``--only reuse``; it needs the built-in model's weights): how much of
+  Quest's decode selections the selection cache reuses on the real SmolLM2 (8K context) in the engine with
+  offload: a natural English text found on this machine (``REUSE_PROMPT_TOKENS`` tokens), then
+  ``REUSE_STEPS`` greedy decode steps, at each of ``--budgets``. That share is a property of the model's
+  attention, which random weights do not have; it says how many of the selected bytes a real model still
+  moves.
 
 Random weights give near-uniform attention: that changes what Quest selects, never what it costs. Quality
 is measured on a real model with ``nanovllm bench quality``.
@@ -45,6 +51,7 @@ from _jobs import job_main, jobs_of_kinds, run_jobs
 from nanovllm.bench import markdown_row
 
 PRESET = "llama-3.1-8b"
+REUSE_PROMPT_TOKENS, REUSE_STEPS = 7600, 96  # SmolLM2's 8,192 positions hold both
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 
 
@@ -247,7 +254,39 @@ def jobs(contexts: list[int], batches: list[int], budgets: list[int], budget: in
     return out
 
 
+def bench_reuse(budgets: list[int]) -> list[dict[str, Any]]:
+    """The ``reuse`` job: per budget, the selected head blocks the offload engine's cache loaded and reused
+    over ``REUSE_STEPS`` decode steps after a ``REUSE_PROMPT_TOKENS``-token natural text, on SmolLM2."""
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.quality.corpus import corpus_tokens
+
+    rows = []
+    for budget in budgets:
+        # a pool of 4 GiB, so that the load slots (capped at the pool's size) hold a 2,048-token selection of
+        # every offloaded layer in float32
+        llm = LLM("default", max_model_len=8192, kv_offloading_size=4.0, sparse_policy=f"quest:token_budget={budget}")
+        ids, text = corpus_tokens(llm.get_tokenizer(), REUSE_PROMPT_TOKENS)
+        prompt = [{"prompt_token_ids": ids}]
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # the prompt's KV
+        counts = llm.runner.offload.cache_counts
+        before = counts.tolist()
+        params = SamplingParams(temperature=0, max_tokens=REUSE_STEPS + 1, ignore_eos=True)
+        llm.generate(prompt, params, use_tqdm=False)  # a prefix-cache hit, then the decode steps
+        loaded, reused = (now - then for now, then in zip(counts.tolist(), before, strict=True))
+        if loaded + reused == 0:
+            raise RuntimeError(f"at budget {budget} the selections did not fit the load slots: no decode step "
+                               "went through the selection cache")
+        rows.append({"benchmark": "reuse", "budget": budget, "text": text.name, "prompt_tokens": len(ids),
+                     "decode_steps": REUSE_STEPS, "device": str(llm.runner.device), "dtype": str(llm.runner.dtype),
+                     "loaded_head_blocks": loaded, "reused_head_blocks": reused,
+                     "reused_share": reused / (loaded + reused)})
+        del llm
+    return rows
+
+
 def run_job(job: dict) -> list[dict[str, Any]]:
+    if job["kind"] == "reuse":
+        return bench_reuse(job["budgets"])
     if job["kind"] == "attention":
         return bench_attention(job["contexts"], job["batches"], job["budgets"], job.get("page_sizes", [BLOCK_SIZE]),
                                job.get("metadata_dtypes", ["auto"]), job.get("bound_sizes", []),
@@ -362,6 +401,15 @@ def markdown(payload: dict[str, Any], title: str) -> str:
                      f"{r['floor_ms']:.2f}" if "floor_ms" in r else "",
                      f"{r['vs_floor']:.2f}" if "vs_floor" in r else ""]
             lines.append(markdown_row(cells))
+    reuse = [r for r in payload["results"] if r["benchmark"] == "reuse"]
+    if reuse:
+        lines += ["", "## Selected head blocks the selection cache reuses (SmolLM2, KV offloaded)", "",
+                  "| budget | text | prompt tokens | decode steps | device, dtype | loaded | reused | reused share |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['budgets']} | {r['error']} | | | | | | |" if "error" in r else
+                  f"| {r['budget']} | {r['text']} | {r['prompt_tokens']} | {r['decode_steps']} | {r['device']}, "
+                  f"{r['dtype']} | {r['loaded_head_blocks']} | {r['reused_head_blocks']} | {r['reused_share']:.3f} |"
+                  for r in reuse]
     offload = [r for r in payload["results"] if "selected_floor_ms" in r]
     if offload:
         lines += ["", "## Quest under offload: the bytes selected and the bytes moved", "",
@@ -468,7 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, default=2048, help="token budget of the engine runs")
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--only", nargs="+", default=None,
-                        help="job kinds to run (attention, decode, offload; default: all)")
+                        help="job kinds to run (attention, decode, offload; default: these three; reuse only "
+                        "when named)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default="quest_decode")
     args = parser.parse_args(argv)
@@ -476,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
         return job_main(run_job, args.job)
     chosen = jobs_of_kinds(jobs(args.contexts, args.batches, args.budgets, args.budget, args.decode_steps,
                            args.page_sizes, args.metadata_dtypes, args.bound_sizes, args.rescores), args.only)
+    if args.only and "reuse" in args.only:
+        chosen.append({"kind": "reuse", "budgets": args.budgets})
     return run_jobs(chosen, __file__, Path(args.out), args.name, vars(args) | {"job": None},
                     with_ratios, markdown, chart)
 

@@ -351,6 +351,23 @@ def test_the_offload_job_times_each_offloaded_policy_with_its_kv_on_the_gpu_too(
     assert kinds == {"offload", "offload-copy", "offload-resident"}
 
 
+def test_reuse_jobs_join_only_when_asked_and_get_their_table(monkeypatch):
+    qd = script("quest_decode")
+    calls = []
+    monkeypatch.setattr(qd, "run_jobs", lambda jobs, *args: calls.append(jobs) or 0)
+    qd.main(["--contexts", "32768", "--batches", "8"])
+    qd.main(["--only", "reuse", "--budgets", "1024", "2048"])
+    assert "reuse" not in {j["kind"] for j in calls[0]}
+    assert calls[1] == [{"kind": "reuse", "budgets": [1024, 2048]}]
+    row = {"benchmark": "reuse", "budget": 1024, "text": "GPL-3", "prompt_tokens": 7600, "decode_steps": 96,
+           "device": "cpu", "dtype": "torch.bfloat16", "loaded_head_blocks": 100, "reused_head_blocks": 300,
+           "reused_share": 0.75}
+    failed = {"kind": "reuse", "benchmark": "reuse", "budgets": [2048], "error": "exit 1"}
+    text = qd.markdown({"environment": ENV, "results": qd.with_ratios([row, failed])}, "t")
+    assert "| 1024 | GPL-3 | 7600 | 96 | cpu, torch.bfloat16 | 100 | 300 | 0.750 |" in text
+    assert "| [2048] | exit 1 |" in text
+
+
 # -- minference_prefill.py ------------------------------------------------------------------------------------
 
 
