@@ -268,7 +268,7 @@ def bench_reuse(budgets: list[int]) -> list[dict[str, Any]]:
         ids, text = corpus_tokens(llm.get_tokenizer(), REUSE_PROMPT_TOKENS)
         prompt = [{"prompt_token_ids": ids}]
         llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # the prompt's KV
-        counts = llm.runner.offload.cache_counts
+        counts = llm.runner.kv.engine.cache_counts  # the host store's offload engine
         before = counts.tolist()
         params = SamplingParams(temperature=0, max_tokens=REUSE_STEPS + 1, ignore_eos=True)
         llm.generate(prompt, params, use_tqdm=False)  # a prefix-cache hit, then the decode steps

@@ -298,14 +298,21 @@ def _measure(llm, shape: ModelShape, batch: int, prompt_len: int, steps: int,
         out["ttft_s"] = statistics.median(out["ttft_rounds_s"])
     if llm.runner.device.type == "cuda":
         out["max_memory_allocated"] = torch.cuda.max_memory_allocated()
-    if llm.runner.offload is not None:
+    if (store := host_store(llm)) is not None:
         out["h2d_bytes_per_step"] = out["kv_tokens_per_step"] * shape.kv_bytes_per_token
         out["h2d_gbs"] = out["h2d_bytes_per_step"] / out["decode_ms_per_step"] / 1e6
         out["d2h_bytes_per_step"] = batch * shape.kv_bytes_per_token  # the new tokens' K/V to the pool
-        resident = llm.runner.resident_kv_cache
+        resident = store.resident_kv_cache
         # its load slots, and the KV of the layers the policy keeps resident
-        out["gpu_bytes"] = llm.runner.offload.gpu_bytes + resident.numel() * resident.element_size()
+        out["gpu_bytes"] = store.engine.gpu_bytes + resident.numel() * resident.element_size()
     return out
+
+
+def host_store(llm):
+    """The engine's :class:`~nanovllm.kv.store.HostKVStore` (KV in the host pool), or None (KV on the GPU)."""
+    from nanovllm.kv.store import HostKVStore
+
+    return llm.runner.kv if isinstance(llm.runner.kv, HostKVStore) else None
 
 
 def engine_option(options: dict[str, Any], name: str) -> Any:
@@ -350,8 +357,8 @@ def _prefill_then_decode(llm, prompts: list[list[int]], steps: int) -> dict[str,
     ttft, seqs = _time_to_first_tokens(llm, prompts)
     llm.step()  # untimed: kernels specialised on the full context's shape (split counts) compile here
     kv_tokens = 0  # each sequence's history read by the step, its new token included
-    offload = llm.runner.offload
-    counts = offload.cache_counts.tolist() if offload is not None else None
+    store = host_store(llm)
+    counts = store.engine.cache_counts.tolist() if store is not None else None
     start = time.perf_counter()
     for _ in range(steps):
         kv_tokens += sum(s.num_tokens for s in sched.running)
@@ -360,7 +367,7 @@ def _prefill_then_decode(llm, prompts: list[list[int]], steps: int) -> dict[str,
     decode = time.perf_counter() - start
     cache = {}
     if counts is not None:  # head blocks of the selections the cache loaded and reused, per step
-        loaded, reused = (now - then for now, then in zip(offload.cache_counts.tolist(), counts, strict=True))
+        loaded, reused = (now - then for now, then in zip(store.engine.cache_counts.tolist(), counts, strict=True))
         cache = {"cache_loaded_head_blocks_per_step": loaded / steps,
                  "cache_reused_head_blocks_per_step": reused / steps}
     if any(s.is_finished for s in seqs):
