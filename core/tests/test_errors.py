@@ -350,7 +350,7 @@ def test_generate_interrupted_between_steps_drops_only_its_own_requests(llm, ref
             raise KeyboardInterrupt
         return finished
 
-    monkeypatch.setattr(llm, "step", interrupted_after_step)
+    monkeypatch.setattr(llm.llm_engine, "step", interrupted_after_step)
     with pytest.raises(KeyboardInterrupt):
         llm.generate([GOOD_PROMPTS[0], [9, 8, 7, 6]], GREEDY, use_tqdm=False)
     monkeypatch.undo()

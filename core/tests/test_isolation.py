@@ -320,7 +320,7 @@ def test_a_failing_stop_check_ends_only_its_request(llm, reference, monkeypatch)
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
         return stop_reason(seq, token)
 
-    monkeypatch.setattr(llm, "_stop_reason", failing)
+    monkeypatch.setattr(llm.llm_engine, "_stop_reason", failing)
     outputs = llm.generate([*HEALTHY, POISONED], GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outputs[:-1]] == reference
     assert outputs[-1].finish_reason == "error" and len(outputs[-1].token_ids) == 1

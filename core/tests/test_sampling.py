@@ -194,7 +194,7 @@ def test_eos_stops_unless_ignore_eos(llm, monkeypatch):
     assert 2 in llm.eos_token_ids  # tok2 from the tokenizer and config.json
     tokens = greedy_tokens(llm, PROMPTS[3], 12)
     k = tokens.index(tokens[3]) + 1
-    monkeypatch.setattr(llm, "eos_token_ids", {tokens[3]})  # make a token this prompt produces the EOS
+    monkeypatch.setattr(llm.llm_engine, "eos_token_ids", {tokens[3]})  # a token this prompt produces is the EOS
     out = gen(llm, [PROMPTS[3]], SamplingParams(temperature=0, max_tokens=12))[0]
     assert out.token_ids == tokens[:k]
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason is None

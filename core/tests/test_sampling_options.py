@@ -281,7 +281,7 @@ def test_bad_words_never_appear(llm):
 def test_min_tokens_hold_back_eos_and_stop_strings(llm, monkeypatch):
     plain = run(llm, max_tokens=16).token_ids
     eos = plain[1]
-    monkeypatch.setattr(llm, "eos_token_ids", {eos})  # a token this prompt produces early is the EOS
+    monkeypatch.setattr(llm.llm_engine, "eos_token_ids", {eos})  # a token this prompt produces early is the EOS
     assert run(llm, max_tokens=16, ignore_eos=False).token_ids == plain[:2]
     out = run(llm, max_tokens=16, ignore_eos=False, min_tokens=6)
     assert len(out.token_ids) >= 6 and eos not in out.token_ids[:6]

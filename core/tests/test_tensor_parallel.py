@@ -64,7 +64,7 @@ class FailsOnWorkers:
             raise MemoryError("rank-local failure for the test")
 
 
-def pretend_to_capture(runner) -> None:
+def pretend_to_capture(graphs) -> None:
     """Decode graphs on the CPU for the capture tests: nothing is captured, the engine steps eagerly."""
 
 
@@ -73,22 +73,22 @@ class HangsInCaptureOnWorkers:
     in that capture (past any time box: the engine kills the worker)."""
 
     def initialize(self, *args) -> None:
-        from nanovllm.engine.model_runner import ModelRunner
+        from nanovllm.engine.cuda_graphs import CudaGraphRunner
 
         if tp_rank() != 0:
-            ModelRunner._use_cuda_graphs = lambda runner: not runner.config.enforce_eager
-            ModelRunner._capture_decode_graphs = lambda runner: time.sleep(600)
+            CudaGraphRunner.usable = lambda graphs: not graphs.config.enforce_eager
+            CudaGraphRunner._capture = lambda graphs: time.sleep(600)
 
 
 class CapturesOnWorkers:
     """An observer that, on every rank but 0, makes the runner capture decode graphs on the CPU at once."""
 
     def initialize(self, *args) -> None:
-        from nanovllm.engine.model_runner import ModelRunner
+        from nanovllm.engine.cuda_graphs import CudaGraphRunner
 
         if tp_rank() != 0:
-            ModelRunner._use_cuda_graphs = lambda runner: not runner.config.enforce_eager
-            ModelRunner._capture_decode_graphs = pretend_to_capture
+            CudaGraphRunner.usable = lambda graphs: not graphs.config.enforce_eager
+            CudaGraphRunner._capture = pretend_to_capture
 
 
 class HoldsALambda:
@@ -162,8 +162,8 @@ def test_two_ranks_generate_the_tokens_of_one(arch, tiny_model, one_thread, tmp_
     with LLM(path, tensor_parallel_size=2, observers=[AllocationRecorder(str(tmp_path))], **ENGINE) as two:
         assert len(children()) == len(before) + 1  # one worker, rank 1
         assert two.runner.kv.kv_cache.shape[4] == 1  # of the model's 2 KV heads, rank 0 holds one
-        assert nanovllm.distributed._control_channel is two._workers.channel  # steps go through it
-        assert channels == [two._workers.channel.name] and not in_shm(channels)  # mapped, and unlinked
+        assert nanovllm.distributed._control_channel is two.world.workers.channel  # steps go through it
+        assert channels == [two.world.workers.channel.name] and not in_shm(channels)  # mapped, and unlinked
         got = two.generate(PROMPTS, params(), use_tqdm=False)
     assert children() == before
     assert nanovllm.distributed._control_channel is None
@@ -193,7 +193,7 @@ def test_where_stores_may_be_reordered_steps_go_on_the_gloo_group(tiny_model, on
         expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, greedy, use_tqdm=False)]
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
     with LLM(path, tensor_parallel_size=2, **ENGINE) as two:
-        assert two._workers.channel is None and nanovllm.distributed._control_channel is None
+        assert two.world.workers.channel is None and nanovllm.distributed._control_channel is None
         assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, greedy, use_tqdm=False)] == expected
 
 
@@ -275,11 +275,11 @@ def test_an_observer_the_workers_cannot_get_is_refused_before_they_start(tiny_mo
 @pytest.fixture
 def rank_0_captures(monkeypatch) -> list[float]:
     """Rank 0 (this process) captures decode graphs on the CPU (nothing, at once); the times it did."""
-    from nanovllm.engine.model_runner import ModelRunner
+    from nanovllm.engine.cuda_graphs import CudaGraphRunner
 
     captures = []
-    monkeypatch.setattr(ModelRunner, "_use_cuda_graphs", lambda runner: not runner.config.enforce_eager)
-    monkeypatch.setattr(ModelRunner, "_capture_decode_graphs", lambda runner: captures.append(time.time()))
+    monkeypatch.setattr(CudaGraphRunner, "usable", lambda graphs: not graphs.config.enforce_eager)
+    monkeypatch.setattr(CudaGraphRunner, "_capture", lambda graphs: captures.append(time.time()))
     monkeypatch.setenv("NANOVLLM_CAPTURE_TIMEOUT", "1")
     return captures
 
@@ -310,9 +310,9 @@ def test_a_rank_0_capture_past_the_time_warns_but_keeps_the_graphs(tiny_model, o
                                                                   monkeypatch):
     """Rank 0 cannot interrupt its own capture: past the time it warns, and once every rank has captured
     the engine keeps its graphs."""
-    from nanovllm.engine.model_runner import ModelRunner
+    from nanovllm.engine.cuda_graphs import CudaGraphRunner
 
-    monkeypatch.setattr(ModelRunner, "_capture_decode_graphs", lambda runner: time.sleep(2))
+    monkeypatch.setattr(CudaGraphRunner, "_capture", lambda graphs: time.sleep(2))
     path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
     late = "rank 0 has not captured its decode CUDA graphs in 1 s"
     with pytest.warns(RuntimeWarning, match=late) as caught:
@@ -388,7 +388,7 @@ def test_workers_exit_when_the_engine_process_dies(tiny_model, tmp_path):
         if __name__ == "__main__":
             llm = LLM({path!r}, tensor_parallel_size=2, **{ENGINE!r})
             llm.generate([[5, 6, 7]], use_tqdm=False)
-            print(llm._workers.channel.name, *[p.pid for p in psutil.Process().children(recursive=True)],
+            print(llm.world.workers.channel.name, *[p.pid for p in psutil.Process().children(recursive=True)],
                   flush=True)
             os.kill(os.getpid(), 9)
     """)
@@ -600,7 +600,7 @@ def test_what_holds_the_communicator_is_released_before_the_world_is_left():
 
 
 def test_the_capture_time_box_must_be_seconds(monkeypatch):
-    from nanovllm.engine.model_runner import DEFAULT_CAPTURE_TIMEOUT, capture_timeout
+    from nanovllm.engine.cuda_graphs import DEFAULT_CAPTURE_TIMEOUT, capture_timeout
 
     monkeypatch.delenv("NANOVLLM_CAPTURE_TIMEOUT", raising=False)
     assert capture_timeout() == DEFAULT_CAPTURE_TIMEOUT

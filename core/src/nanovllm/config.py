@@ -1,8 +1,13 @@
-"""Engine configuration, with vLLM's names. Values are checked here, at the API boundary."""
+"""Engine configuration, with vLLM's names. Values are checked here, at the API boundary.
+
+:class:`EngineConfig` holds the options as given; :class:`ResolvedConfig` is the same options with what
+start-up derives from them (the model's directory and config, the length limit, the device and dtype),
+made once by the engine and handed down to the model runner and every tensor-parallel rank."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -156,3 +161,30 @@ class EngineConfig:
                 f"unknown engine option(s): {', '.join(unknown)}. Accepted: {', '.join(accepted)}"
             )
         return cls(model=model, **kwargs)
+
+
+@attrs.frozen
+class ModelConfig:
+    """Where the model is and what it is, as start-up found it."""
+
+    path: Path  # the Hugging Face-format directory the weights load from
+    tokenizer_path: Path  # the tokenizer's directory (the model's unless ``tokenizer=`` names another)
+    hf_config: Any  # transformers' config of the model, ``hf_overrides`` applied
+    architecture: str  # the ``architectures`` name of config.json that an installed plugin provides
+
+
+@attrs.define(kw_only=True)
+class ResolvedConfig(EngineConfig):
+    """The options with nothing left to derive: ``max_model_len`` is a number of tokens (default: the model's
+    ``max_position_embeddings``, else 4096), ``device`` is ``"cpu"`` or ``"cuda"``, ``dtype`` names a torch
+    dtype (``"auto"``: float32 on the CPU, else the model's float16 or bfloat16, else bfloat16). Made by
+    :func:`nanovllm.engine.model_loading.resolve_config`; the only later change is ``enforce_eager`` when a
+    tensor-parallel capture times out."""
+
+    model_config: ModelConfig
+    # as the engine was given them: selection strings or objects; each rank resolves them itself
+    observers: tuple[object, ...] = ()
+
+    @property
+    def hf_config(self) -> Any:
+        return self.model_config.hf_config

@@ -21,14 +21,11 @@ import sys
 import threading
 import time
 import traceback
-from pathlib import Path
-from typing import Any
 
-import attrs
 import torch
 import torch.distributed as dist
 
-from nanovllm.config import EngineConfig
+from nanovllm.config import ResolvedConfig
 from nanovllm.distributed import broadcast_control, destroy_tensor_parallel, init_tensor_parallel
 from nanovllm.shm_broadcast import ShmBroadcast, stores_stay_in_order
 
@@ -39,31 +36,13 @@ FAILURE_WAIT = 2.0  # seconds to wait for a worker's exit to show after it broke
 PARENT_POLL = 0.5  # seconds between a worker's checks that the engine's process is still there
 
 
-@attrs.define
-class RunnerSpec:
-    """What a rank needs to build its model runner; every process resolves the plugins itself."""
+def build_runner(config: ResolvedConfig):
+    """This rank's model runner; the worker loads the plugins and resolves the selections itself."""
+    from nanovllm.engine.model_loading import select_parts
+    from nanovllm.engine.model_runner import ModelRunner
+    from nanovllm.plugins import get_plugins
 
-    config: EngineConfig
-    hf_config: Any
-    model_path: Path
-    architecture: str
-    max_model_len: int
-    observers: tuple[object, ...]  # as the engine was given them: selection strings or objects
-
-    def build(self):
-        from nanovllm.engine.model_runner import ModelRunner
-        from nanovllm.plugins import get_plugins, load_registered
-        from nanovllm.selection import resolve_attention_backend, resolve_observer, resolve_policies
-
-        plugins = get_plugins()
-        family = plugins.registry.model_families[self.architecture]
-        model_cls = load_registered(family.target, family.dist, f"model family {self.architecture!r}")
-        return ModelRunner(
-            self.config, self.hf_config, self.model_path, model_cls, self.max_model_len, plugins,
-            resolve_policies(self.config.sparse_policy, plugins),
-            resolve_attention_backend(self.config.attention_backend, plugins),
-            tuple(resolve_observer(o, plugins) for o in self.observers),
-        )
+    return ModelRunner(config, select_parts(config, get_plugins(), config.observers))
 
 
 def check_observers_travel(observers: tuple[object, ...], world_size: int) -> None:
@@ -99,8 +78,8 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="nanovllm-parent-watch", daemon=True).start()
 
 
-def _worker_main(rank: int, world_size: int, port: int, channel_name: str | None, spec: RunnerSpec,
-                 device_type: str, parent_pid: int, num_threads: int) -> None:
+def _worker_main(rank: int, world_size: int, port: int, channel_name: str | None, config: ResolvedConfig,
+                 parent_pid: int, num_threads: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent(parent_pid)
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=START_TIMEOUT)
@@ -110,8 +89,8 @@ def _worker_main(rank: int, world_size: int, port: int, channel_name: str | None
         if channel_name is not None:
             channel = ShmBroadcast.attach(channel_name, world_size - 1, rank - 1)
         store.set(f"joining/{rank}", "1")  # attached: rank 0 may unlink the channel's name
-        init_tensor_parallel(rank, world_size, device_type, store, channel=channel)
-        spec.build().follow()
+        init_tensor_parallel(rank, world_size, config.device, store, channel=channel)
+        build_runner(config).follow()
         destroy_tensor_parallel()  # with rank 0, which told this rank to stop
     except BaseException:
         store.set(f"error/{rank}", traceback.format_exc())
@@ -125,7 +104,7 @@ def _worker_main(rank: int, world_size: int, port: int, channel_name: str | None
 class TPWorkers:
     """The engine's worker processes, ranks 1..world_size-1; rank 0 joins the world when they have."""
 
-    def __init__(self, spec: RunnerSpec, world_size: int, device_type: str) -> None:
+    def __init__(self, config: ResolvedConfig, world_size: int) -> None:
         self.world_size = world_size
         self.stopped = False
         self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
@@ -141,7 +120,7 @@ class TPWorkers:
         processes.extend(
             context.Process(
                 target=_worker_main, name=f"nanovllm-tp-rank{rank}", daemon=True,
-                args=(rank, world_size, self.store.port, channel_name, spec, device_type, os.getpid(),
+                args=(rank, world_size, self.store.port, channel_name, config, os.getpid(),
                       torch.get_num_threads()),
             )
             for rank in range(1, world_size)
@@ -153,7 +132,7 @@ class TPWorkers:
             self._wait_until_joining()
             if self.channel is not None:
                 self.channel.unlink()  # every worker has it mapped: no name is left to leak from here on
-            init_tensor_parallel(0, world_size, device_type, self.store, channel=self.channel)
+            init_tensor_parallel(0, world_size, config.device, self.store, channel=self.channel)
         except BaseException:
             self.stop(graceful=False)
             raise

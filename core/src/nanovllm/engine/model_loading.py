@@ -1,0 +1,303 @@
+"""Model loading: from the options to a model on the device.
+
+:func:`resolve_config` finds the model (a directory, a packaged model, a preset or a hub ID), its tokenizer,
+its config and architecture, and settles the length limit, device and dtype, once, into a
+:class:`~nanovllm.config.ResolvedConfig`. :func:`select_parts` resolves what the options select from the
+installed plugins (model class, sparse policies, attention backend, observers); every process does that itself.
+:func:`build_model` makes the model on the device and loads its weights."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from nanovllm.config import EngineConfig, ModelConfig, ResolvedConfig
+from nanovllm.default_model import is_packaged_model, packaged_model_dir
+from nanovllm.engine.loader import ModelDirectoryError, load_weights, read_config_json
+from nanovllm.hub import is_hub_id, resolve_hub_id
+from nanovllm.layers.attention import Attention
+from nanovllm.plugins import PluginSet, load_registered
+from nanovllm.policy import PolicyHooks
+from nanovllm.presets import is_preset, preset_dir
+from nanovllm.selection import (
+    BackendChoice,
+    PolicyPlan,
+    resolve_attention_backend,
+    resolve_observer,
+    resolve_policies,
+)
+
+
+def names_hub_model(model: str | None) -> bool:
+    """``model`` is looked up on the hub: not the built-in model, a preset or an existing directory."""
+    if is_packaged_model(model) or is_preset(model) or Path(model).expanduser().is_dir():
+        return False
+    return is_hub_id(model)
+
+
+def resolve_model_path(model: str | None, revision: str | None = None, download_dir: str | None = None) -> Path:
+    """A local directory, the built-in model or another packaged one (``"gemma-3-270m"``), a preset, or a
+    hub ID looked up in (or downloaded to) the Hugging Face cache (``download_dir``, default
+    ``HF_HUB_CACHE``) at ``revision``."""
+    hub = names_hub_model(model)
+    if revision is not None and not hub:
+        raise ValueError(f"revision={revision!r} applies to hub model IDs only; model {model!r} is not one, "
+                         "so leave revision unset")
+    if is_packaged_model(model):
+        return packaged_model_dir(model)
+    if is_preset(model):
+        return preset_dir(model)
+    if hub:
+        return resolve_hub_id(model, revision, download_dir)
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ModelDirectoryError(
+            f"model {model!r} is not a directory, nor a hub ID like 'Qwen/Qwen3-0.6B'. nanovllm loads Hugging "
+            "Face-format directories and hub models; leave model unset for the built-in SmolLM2-135M-Instruct"
+        )
+    return path
+
+
+def resolve_tokenizer_path(options: EngineConfig, model_path: Path) -> Path:
+    """``tokenizer=`` (a directory or hub ID, at ``tokenizer_revision``), else the model's directory."""
+    if options.tokenizer is None:
+        if options.tokenizer_revision is not None:
+            raise ValueError("tokenizer_revision applies to tokenizer=; without it use revision=")
+        return model_path
+    path = Path(options.tokenizer).expanduser()
+    if path.is_dir():
+        if options.tokenizer_revision is not None:
+            raise ValueError(f"tokenizer_revision applies to hub IDs; tokenizer {options.tokenizer!r} is a directory")
+        return path
+    if not is_hub_id(options.tokenizer):
+        raise ModelDirectoryError(f"tokenizer {options.tokenizer!r} is neither a directory nor a hub ID")
+    return resolve_hub_id(options.tokenizer, options.tokenizer_revision, options.download_dir)
+
+
+def load_tokenizer(path: Path):
+    """The Hugging Face tokenizer in ``path``; one shipped as code with the checkpoint fails: it is never run."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except Exception as exc:
+        raise ModelDirectoryError(
+            f"cannot load a tokenizer from {str(path)!r}: {exc}; pass tokenizer= (a directory or hub ID of one "
+            "transformers can load), or skip_tokenizer_init=True to run on token ids only"
+        ) from exc
+
+
+def find_architecture(path: Path, plugins: PluginSet) -> str:
+    """The first ``architectures`` name in ``path``'s config.json that an installed plugin provides."""
+    raw = read_config_json(path)
+    families = plugins.registry.model_families
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in families), None)
+    if arch is None and raw.get("auto_map"):
+        raise ModelDirectoryError(
+            f"{str(path)!r} needs the model code shipped with its checkpoint (auto_map in config.json, "
+            f"architecture {', '.join(archs) or '(none)'}); nanovllm never runs checkpoint code, with or without "
+            f"trust_remote_code. It runs the architectures its plugins provide: {', '.join(sorted(families)) or 'none'}"
+        )
+    if arch is None:
+        raise ModelDirectoryError(
+            f"no installed plugin provides architecture {', '.join(archs) or '(none in config.json)'}. "
+            f"Installed: {', '.join(sorted(families)) or 'none'} (e.g. pip install nanovllm-qwen3)"
+        )
+    return arch
+
+
+def override_config(hf_config: Any, overrides: dict[str, Any] | None) -> None:
+    """Replace fields of a model's config (``hf_overrides``); a name the config lacks is an error, since
+    setting it would change nothing."""
+    for name, value in (overrides or {}).items():
+        if not hasattr(hf_config, name):
+            raise ValueError(f"hf_overrides names {name!r}, which {type(hf_config).__name__} does not have; "
+                             "use a field name from the model's config.json")
+        setattr(hf_config, name, value)
+
+
+def load_hf_config(path: Path, overrides: dict[str, Any] | None) -> Any:
+    """transformers' config of the model in ``path``, with ``overrides`` applied."""
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except Exception as exc:
+        raise ModelDirectoryError(f"config.json in {str(path)!r} cannot be read: {exc}") from exc
+    override_config(hf_config, overrides)
+    return hf_config
+
+
+def resolve_max_model_len(wanted: int | None, hf_config: Any) -> int:
+    """``wanted``, at most the model's ``max_position_embeddings``; unset: that limit, else 4096."""
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if wanted is None:
+        return limit or 4096
+    if limit is not None and wanted > limit:
+        raise ValueError(f"max_model_len={wanted} exceeds the model's max_position_embeddings={limit}")
+    return wanted
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but PyTorch sees no CUDA device; use device='cpu'")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if device.type == "cpu":
+        return torch.float32
+    model_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(model_dtype, str):
+        model_dtype = getattr(torch, model_dtype, None)
+    return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def resolve_config(options: EngineConfig, plugins: PluginSet, observers: Sequence[object] = ()) -> ResolvedConfig:
+    """Find the model and settle every derived option; the checks that need the model run here."""
+    model_path = resolve_model_path(options.model, options.revision, options.download_dir)
+    tokenizer_path = resolve_tokenizer_path(options, model_path)
+    if options.download_dir is not None and not (
+        names_hub_model(options.model) or (options.tokenizer is not None and names_hub_model(options.tokenizer))
+    ):
+        raise ValueError(f"download_dir={options.download_dir!r} is where hub models are cached; neither the "
+                         "model nor the tokenizer is a hub ID, so leave it unset")
+    architecture = find_architecture(model_path, plugins)
+    hf_config = load_hf_config(model_path, options.hf_overrides)
+    max_model_len = resolve_max_model_len(options.max_model_len, hf_config)
+    if not options.enable_chunked_prefill and options.max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens={options.max_num_batched_tokens} is below max_model_len={max_model_len}; "
+            "with enable_chunked_prefill=False a whole prompt must fit one step"
+        )
+    device = resolve_device(options.device)
+    dtype = str(resolve_dtype(options.dtype, hf_config, device)).removeprefix("torch.")
+    return ResolvedConfig(
+        **{**attrs.asdict(options, recurse=False), "max_model_len": max_model_len, "device": device.type,
+           "dtype": dtype},
+        model_config=ModelConfig(model_path, tokenizer_path, hf_config, architecture),
+        observers=tuple(observers),
+    )
+
+
+def eos_token_ids(tokenizer: Any, config: ResolvedConfig) -> set[int]:
+    """Every end-of-sequence id the tokenizer, the model's config and its generation_config.json name."""
+    ids: set[int] = set()
+    sources = [getattr(tokenizer, "eos_token_id", None), getattr(config.hf_config, "eos_token_id", None)]
+    gen_file = config.model_config.path / "generation_config.json"
+    if gen_file.is_file():
+        sources.append(json.loads(gen_file.read_text()).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
+
+
+@attrs.frozen
+class EngineParts:
+    """What the options select from the installed plugins: the sparse policies, the attention backend and
+    the observers (objects)."""
+
+    plugins: PluginSet
+    policy_plan: PolicyPlan
+    backend_choice: BackendChoice
+    observers: tuple[object, ...]
+
+
+def select_parts(options: EngineConfig, plugins: PluginSet, observers: Sequence[object] = ()) -> EngineParts:
+    """Resolve the selections of ``options`` and the ``observers`` (objects, or selection strings of
+    registered ones) against ``plugins``: a bad name or option fails here, before any file is read."""
+    return EngineParts(
+        plugins, resolve_policies(options.sparse_policy, plugins),
+        resolve_attention_backend(options.attention_backend, plugins),
+        tuple(resolve_observer(o, plugins) for o in observers),
+    )
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module) -> None:
+    """Random weights for shape presets: small uniform values, norms left at one."""
+    for name, param in model.named_parameters():
+        if "norm" not in name:
+            param.uniform_(-1e-3, 1e-3)
+
+
+def build_model(config: ResolvedConfig, plugins: PluginSet) -> torch.nn.Module:
+    """The model of the plugin that provides ``config``'s architecture, in ``config.dtype`` on
+    ``config.device``, its weights loaded (random with ``load_format="dummy"``), in eval mode."""
+    architecture = config.model_config.architecture
+    family = plugins.registry.model_families[architecture]
+    model_cls = load_registered(family.target, family.dist, f"model family {architecture!r}")
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, config.dtype))
+    try:
+        with torch.device(config.device):
+            model = model_cls(config.hf_config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    if config.load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        load_weights(model, config.model_config.path)
+    return model.eval()
+
+
+# -- what the model's attention layers run with ----------------------------------------------------------
+
+AUTO_BACKENDS = ("triton", "torch")  # preference order for attention_backend="auto"
+
+
+def make_backend(choice: BackendChoice, plugins: PluginSet, device: torch.device, dtype: torch.dtype,
+                 head_dim: int, windowed: bool):
+    """The attention backend ``choice`` names (``auto``: the first of ``AUTO_BACKENDS`` that supports the
+    device, dtype and head size), checked against the model; ``windowed``: the model has sliding-window
+    layers, which need a backend whose prefill and decode take a window."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    if choice.info is None:
+        table = plugins.registry.attention_backends
+        usable = [name for name in AUTO_BACKENDS
+                  if name in table and table[name].supports(device.type, dtype_name, head_dim) is None]
+        if not usable:
+            raise ValueError(f"no installed attention backend among {', '.join(AUTO_BACKENDS)} supports device "
+                             f"{device.type}, dtype {dtype_name}, head size {head_dim}")
+        choice = BackendChoice(table[usable[0]])
+    reason = choice.info.supports(device.type, dtype_name, head_dim)
+    if reason is not None:
+        raise ValueError(f"attention backend {choice.info.name!r} cannot run this model: {reason}")
+    backend = choice.load()(choice.config)
+    ops = (backend.prefill, backend.decode)
+    if windowed and not all("window" in inspect.signature(op).parameters for op in ops):
+        raise ValueError(
+            f"attention backend {choice.info.name!r} takes no sliding window (its prefill and decode have "
+            "no window argument), and this model has sliding-window layers: choose "
+            "attention_backend='torch' or 'triton'"
+        )
+    return backend
+
+
+def bind_attention(layers: Sequence[Attention], parts: EngineParts, device: torch.device,
+                   dtype: torch.dtype) -> tuple[Any, PolicyHooks]:
+    """Make the attention backend and the policies' hooks (one policy object when prefill and decode select
+    the same) and bind both to every attention layer; returns them."""
+    windowed = any(layer.sliding_window is not None for layer in layers)
+    backend = make_backend(parts.backend_choice, parts.plugins, device, dtype, layers[0].head_dim, windowed)
+    plan = parts.policy_plan
+    prefill = plan.prefill.cls(plan.prefill.config)
+    decode = prefill if plan.decode is plan.prefill else plan.decode.cls(plan.decode.config)
+    hooks = PolicyHooks(prefill, decode, parts.observers)
+    for layer in layers:
+        layer.bind(backend, hooks)
+    return backend, hooks

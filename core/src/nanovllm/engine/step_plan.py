@@ -1,0 +1,79 @@
+"""One step's plan on the host: what every tensor-parallel rank needs to run the same forward pass and the
+same logits collectives. Rank 0's model runner makes it from the scheduled sequences
+(:meth:`~nanovllm.engine.model_runner.ModelRunner.prepare`) and broadcasts it."""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from nanovllm.engine.sequence import Sequence
+
+
+@attrs.define
+class PhaseArrays:
+    """A :class:`PhaseMetadata` on the host."""
+
+    cu_seqlens_q: np.ndarray
+    context_lens: np.ndarray
+    block_tables: np.ndarray
+    max_query_len: int
+    max_context_len: int
+
+
+@attrs.define
+class StepPlan:
+    """One step's inputs on the host: what every tensor-parallel rank needs to run the same forward pass
+    and the same logits collectives. Rank 0 makes it from the scheduled sequences and broadcasts it."""
+
+    input_ids: np.ndarray  # [num_tokens] int64; PLACEHOLDER where the token is still on the device
+    positions: np.ndarray  # [num_tokens] int64
+    slot_mapping: np.ndarray  # [num_tokens] int64
+    num_decode_tokens: int
+    decode: PhaseArrays | None
+    prefill: PhaseArrays | None
+    placeholder_rows: np.ndarray | None  # rows whose token is one sampled last step, not read back...
+    placeholder_sources: np.ndarray | None  # ...and its row among last step's sampled tokens
+    sample_rows: np.ndarray | None  # hidden-state rows that sample; None: every row, in order
+    num_sampling: int
+    prompt_logprob_rows: np.ndarray | None  # hidden-state rows followed by a prompt token, if any asked
+    allocated_blocks: np.ndarray | None  # blocks handed out since the last step, for the policies to reset
+
+
+@attrs.define
+class PromptTargets:
+    """Rank 0's part of the prompt logprobs of a step: the prompt token each row of
+    ``StepPlan.prompt_logprob_rows`` predicts, the spans they belong to, the most top tokens asked."""
+
+    targets: np.ndarray
+    spans: list[tuple[Sequence, int, int]]
+    k: int
+
+
+def phase_arrays(seqs: list[Sequence], q_lens: list[int], ctx_lens: list[int]) -> PhaseArrays | None:
+    """The phase of ``seqs`` (``None`` when empty): their block tables padded with -1, query and context
+    lengths in tokens."""
+    if not seqs:
+        return None
+    tables = np.full((len(seqs), max(len(s.block_table) for s in seqs)), -1, dtype=np.int32)
+    for i, s in enumerate(seqs):
+        tables[i, : len(s.block_table)] = s.block_table
+    return PhaseArrays(np.cumsum([0, *q_lens], dtype=np.int32), np.asarray(ctx_lens, dtype=np.int32), tables,
+                       max(q_lens), max(ctx_lens))
+
+
+def prompt_logprob_targets(scored: list[tuple[Sequence, int]]) -> tuple[np.ndarray | None, PromptTargets | None]:
+    """For the sequences that asked for prompt logprobs, each with its first hidden-state row in the step:
+    the rows followed by a prompt token, and what they predict (``None, None`` when no row is)."""
+    score_rows, targets, spans = [], [], []
+    for s, first_row in scored:
+        start = s.num_computed_tokens
+        n = min(s.num_scheduled_tokens, s.num_prompt_tokens - 1 - start)
+        if n > 0:
+            score_rows.extend(range(first_row, first_row + n))
+            targets.extend(s.token_ids[start + 1 : start + 1 + n])
+            spans.append((s, start + 1, n))
+    if not spans:
+        return None, None
+    k = max(s.sampling_params.prompt_logprobs for s, _, _ in spans)
+    return np.asarray(score_rows, dtype=np.int64), PromptTargets(np.asarray(targets, dtype=np.int64), spans, k)
