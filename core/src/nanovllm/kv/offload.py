@@ -1,4 +1,5 @@
-"""The KV offload engine: the only code that moves KV between the host pool and the GPU.
+"""The KV offload engine behind :class:`nanovllm.kv.HostKVStore`: the only code that moves KV between the
+host pool and the GPU.
 
 **Pool.** The KV of every offloaded layer (all but the policies' dense layers, which the model runner keeps
 resident on the GPU) lives in one pinned host tensor ``[layers, blocks + 1, kv_heads, 2, block_size,
@@ -6,10 +7,10 @@ head_dim]``: the K and V of one KV head of one block (a "head block") are one co
 run of consecutive blocks is one contiguous range. The last block is scratch: writes and loads that must
 go nowhere go there, which keeps every index computation on the device without a host sync.
 
-**Copies.** A contiguous run of at least ``MIN_COPY_BYTES`` is one DMA copy (the copy engines, 54-55 GB/s
-on an H100, no multiprocessor time). Anything scattered (per-head selections, fragmented blocks) is one
-gather kernel that reads the pinned memory directly through a device view of it: 50 GB/s of scattered
-pieces, where separate small copies would reach 4 GB/s, but it occupies multiprocessors while it waits.
+**Copies.** A contiguous run of at least ``MIN_COPY_BYTES`` is one DMA copy (the copy engines, no
+multiprocessor time). Anything scattered (per-head selections, fragmented blocks) is one gather kernel
+that reads the pinned memory directly through a device view of it: far faster than many small copies, but
+it occupies multiprocessors while it waits.
 
 **Slots.** A ring of GPU load slots, each holding up to ``capacity`` head blocks of K and of V. A layer's
 reads are cut into pieces that fit a slot. Loads run on their own stream and wait only for the slot to be
@@ -25,8 +26,7 @@ new tokens' slot rows) and one ``patch_slot`` kernel to write the new K/V in; a 
 is one piece. Both are Triton kernels on CUDA (:mod:`nanovllm.kv.offload_kernels`) with their torch
 references here, which the CPU runs.
 
-**The selection cache.** Consecutive decode steps select mostly the same blocks (on SmolLM2, 78-83% of
-Quest's head blocks at budgets of 1,024-2,048). When every offloaded layer's selection of every sequence of
+**The selection cache.** Consecutive decode steps select mostly the same blocks. When every offloaded layer's selection of every sequence of
 a decode step fits the slots' memory, that memory becomes one cache region per layer instead of the ring.
 Each (sequence, KV head) keeps the head blocks it loaded, keyed by pool id, and a step loads only the
 selected head blocks its region lacks (``cached_piece``, then ``load_misses``).
@@ -56,6 +56,7 @@ tests cover its logic.
 from __future__ import annotations
 
 import functools
+from importlib.util import find_spec
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from types import ModuleType
@@ -67,10 +68,15 @@ import torch
 from nanovllm.attention.backend import selection_per_kv_head
 from nanovllm.attention.metadata import PhaseMetadata
 from nanovllm.kv.store import KVTransfer
-from nanovllm.layers.fused import use_fused
 
+HAS_TRITON = find_spec("triton") is not None
 NUM_SLOTS = 2  # double buffering: one slot loads while the other is attended to
 MIN_COPY_BYTES = 2 << 20  # runs at least this long go to the copy engines; shorter ones to the gather kernel
+
+
+def use_fused(x: torch.Tensor) -> bool:
+    """Whether the bookkeeping of a piece runs as a Triton kernel (CUDA tensors, Triton installed)."""
+    return x.is_cuda and HAS_TRITON
 
 
 def device_view(host: torch.Tensor) -> torch.Tensor:
