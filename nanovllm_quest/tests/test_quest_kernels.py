@@ -140,7 +140,7 @@ def test_update_metadata_of_shared_pages(device, dtype, page, fp8):
 
 
 @cases
-@pytest.mark.parametrize("reduction", ["max", "sum"])
+@pytest.mark.parametrize("reduction", ["max", "sum", "mass"])
 @pytest.mark.parametrize("keep_sink", [False, True])
 @pytest.mark.parametrize(("per_page", "bounds"), [(1, 1), (3, 1), (1, 2)])
 @pytest.mark.parametrize("recent", [1, 4])
@@ -156,7 +156,7 @@ def test_page_scores(device, dtype, reduction, keep_sink, per_page, bounds, rece
     tables[1:, :] = torch.where(torch.arange(width) < ((lens[1:, None] + block - 1) // block), tables[1:], -1)
     n = (lens + page - 1) // page
     q = torch.randn(seqs, heads, d, generator=gen).to(dtype)
-    want = reference.page_scores(q, metadata, tables, lens, block, page, reduction, keep_sink, recent)
+    want = reference.page_scores(q, metadata, tables, lens, block, page, reduction, keep_sink, recent, d**-0.5)
     assert want.shape == (seqs, hkv, -(-width // per_page))
     # the newest pages (and the sink, when older than them) forced to +inf
     finite_pages = (n - recent).clamp(min=0) - (keep_sink & (n > recent)).int()
@@ -165,7 +165,7 @@ def test_page_scores(device, dtype, reduction, keep_sink, per_page, bounds, rece
     newest = (pages >= n[:, None] - recent) & (pages < n[:, None])
     assert torch.isposinf(want[newest[:, None].expand_as(want)]).all()
     got = kernels.page_scores(q.to(device), metadata.to(device), tables.to(device), lens.to(device), block, page,
-                              reduction, keep_sink, recent).cpu()
+                              reduction, keep_sink, recent, d**-0.5).cpu()
     assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got.sign(), want.sign())
     finite = torch.isfinite(want)
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-4)
@@ -275,7 +275,7 @@ def test_select_pages(device, dtype):
 
 
 @cases
-@pytest.mark.parametrize("reduction", ["max", "sum"])
+@pytest.mark.parametrize("reduction", ["max", "sum", "mass"])
 def test_rescore_pages(device, dtype, reduction, d=64):
     """Nominees' exact scores: a row with fewer valid pages than nominees (-1 padding: ``-inf``), a history
     ending inside its last page (keys past it left out), forced pages kept ``+inf``."""
@@ -290,11 +290,11 @@ def test_rescore_pages(device, dtype, reduction, d=64):
     scores[2, :, 6:] = float("-inf")  # past sequence 2's history
     nominees = reference.top_pages(scores, 12, lens, block, block)
     assert (nominees[2] == -1).any()
-    want = reference.rescore_pages(q, k_cache, tables, lens, nominees, scores, reduction)
+    want = reference.rescore_pages(q, k_cache, tables, lens, nominees, scores, reduction, d**-0.5)
     assert want.shape == nominees.shape and torch.equal(torch.isneginf(want), nominees < 0)
     assert torch.isposinf(want).sum() == 3 * 2  # the sink, nominated first in every row
     args = [t.to(device) for t in (q, k_cache, tables, lens, nominees, scores)]
-    got = kernels.rescore_pages(*args, reduction).cpu()
+    got = kernels.rescore_pages(*args, reduction, d**-0.5).cpu()
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     finite = torch.isfinite(want)
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-3)
@@ -331,8 +331,10 @@ def test_kernels_at_head_size_256(device, dtype, monkeypatch):
     for fp8 in (False, True):
         test_update_metadata(device, dtype, 16, 16, fp8, d=256)
     test_page_scores(device, dtype, "max", True, 1, 2, 1, d=256)
+    test_page_scores(device, dtype, "mass", True, 1, 2, 8, d=256)
     test_page_scores_with_fp8_bounds(device, dtype, 1, None, monkeypatch, d=256)
     test_rescore_pages(device, dtype, "max", d=256)
+    test_rescore_pages(device, dtype, "mass", d=256)
 
 
 def test_kernels_under_interpreter():
@@ -343,4 +345,4 @@ def test_kernels_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == 3 * 2 + 2 * 2 + 2 * 2 * 3 * 2 + 2 * 2 + 7 * 2 + 4 + 1 + 2 + 3 + 1, tail
+    assert passed == 3 * 2 + 2 * 2 + 3 * 2 * 3 * 2 + 2 * 2 + 7 * 2 + 4 + 1 + 3 + 3 + 1, tail

@@ -301,13 +301,14 @@ def test_the_newest_pages_are_kept_whatever_their_bounds(per_page):
     assert kept(1, keep_sink=True, recent_pages=8) == [pages - 1]  # one page: the one being written
 
 
-def test_a_budget_covering_every_block_is_dense_attention():
-    policy, ctx = decode_batch([3, 17, 40], token_budget=64 * BLOCK)
+@pytest.mark.parametrize("options", [{}, {"group_reduction": "mass"}, {"group_reduction": "mass", "rescore": 2}])
+def test_a_budget_covering_every_block_is_dense_attention(options):
+    policy, ctx = decode_batch([3, 17, 40], token_budget=64 * BLOCK, **options)
     dense = TorchBackend().decode(ctx.query, ctx.k_cache, ctx.v_cache, ctx.meta, ctx.scale)
     ctx.selected_blocks = policy.select_blocks(ctx)
     torch.testing.assert_close(policy.compute_chunked_decode(ctx.query, ctx), dense)
     # a sequence within the budget selects all its blocks while a longer one is sparse
-    policy, ctx = decode_batch([9, 60], token_budget=3 * BLOCK)
+    policy, ctx = decode_batch([9, 60], token_budget=3 * BLOCK, **options)
     sel = policy.select_blocks(ctx)
     assert sorted(set(sel[0].flatten().tolist())) == [0, 1, 2]
     ctx.selected_blocks = sel
@@ -402,6 +403,63 @@ def test_rescoring_every_page_keeps_those_whose_keys_score_highest(reduction):
         for h in range(2):
             chosen = sorted(b for b in sel[s, h].tolist() if b >= 0)
             ranked = exact[h, 1: pages - 1].argsort(descending=True)[:3] + 1  # besides sink and newest
+            assert chosen == sorted([0, pages - 1, *ranked.tolist()]), f"seq {s} KV head {h}"
+
+
+def test_mass_keeps_each_query_heads_own_pages_whatever_the_scale_of_its_logits():
+    """Two query heads on one KV head. Head 0's logits span a wide range: pages 1-3 score 30, the other
+    old pages 10; head 1's a narrow one: pages 4-6 score 3, the rest 0. The largest raw bound (``max``)
+    fills the budget from head 0's second tier; ``mass`` compares attention shares, where head 1's pages
+    hold far more of its attention than head 0's second tier holds of head 0's, and keeps them."""
+    dim, n = 16, 16 * BLOCK
+    keys = torch.zeros(1, n, 1, dim)
+    keys[0, :, 0, 0] = 1.0  # q0 . k = 10
+    keys[0, BLOCK: 4 * BLOCK, 0, 0] = 3.0  # pages 1-3: q0 . k = 30
+    keys[0, 4 * BLOCK: 7 * BLOCK, 0, 0] = 0.0
+    keys[0, 4 * BLOCK: 7 * BLOCK, 0, 1] = 3.0  # pages 4-6: q1 . k = 3
+    q = torch.zeros(1, 2, dim)
+    q[0, 0, 0], q[0, 1, 1] = 10.0, 1.0
+    values = torch.randn(keys.shape, generator=torch.Generator().manual_seed(0))
+    for reduction, kept in [("max", {1, 2, 3}), ("mass", {1, 2, 3, 4, 5, 6})]:
+        policy, ctx = paged_decode(keys, values, q, [n], token_budget=7 * BLOCK, keep_sink=False,
+                                   group_reduction=reduction)
+        chosen = set(policy.select_blocks(ctx)[0, 0].tolist()) - {15}  # the newest page, always kept
+        assert kept <= chosen and len(chosen) == 6, reduction
+        assert reduction == "mass" or not chosen & {4, 5, 6}
+
+
+def test_combined_shares_are_each_heads_softmax_summed():
+    """A head's constant shift changes nothing; with one head the order is its own; the shares of a
+    group sum to one per head; ``+inf`` (an unbounded page) and ``-inf`` (past the history) pass
+    through."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 3, 4, 20, generator=g) * torch.tensor([1.0, 5.0, 20.0, 0.1])[:, None]
+    logits[0, 0, :, 15:] = float("-inf")
+    got = reference.combine_shares(logits)
+    shifted = reference.combine_shares(logits + torch.randn(2, 3, 4, 1, generator=g) * 100)
+    torch.testing.assert_close(got, shifted, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.exp().sum(-1), torch.full((2, 3), 4.0))
+    assert torch.isneginf(got[0, 0, 15:]).all() and torch.isfinite(got[0, 0, :15]).all()
+    one = reference.combine_shares(logits[:, :, :1])
+    assert torch.equal(one.argsort(-1), logits[:, :, 0].argsort(-1))
+    logits[1, 2, 3, 7] = float("inf")
+    got = reference.combine_shares(logits)
+    assert torch.isposinf(got[1, 2, 7]) and torch.isfinite(got[1, 2, :7]).all()
+
+
+def test_rescoring_every_page_by_mass_keeps_the_oracles_pages():
+    """Nominating every page, ``mass`` ranks by each query head's exact attention share summed over the
+    group: the oracle's ranking (``page_masses`` summed)."""
+    lens = [150, 77]
+    policy, ctx = decode_batch(lens, seed=9, token_budget=5 * BLOCK, rescore=20, group_reduction="mass")
+    sel = policy.select_blocks(ctx)
+    keys = ctx.read_keys(ctx.all_history_blocks())
+    masses = reference.page_masses(ctx.query, keys, ctx.history_lens, BLOCK, ctx.scale, "sum")
+    for s, n in enumerate(lens):
+        pages = -(-n // BLOCK)
+        for h in range(2):
+            chosen = sorted(b for b in sel[s, h].tolist() if b >= 0)
+            ranked = masses[s, h, 1: pages - 1].argsort(descending=True)[:3] + 1  # besides sink and newest
             assert chosen == sorted([0, pages - 1, *ranked.tolist()]), f"seq {s} KV head {h}"
 
 

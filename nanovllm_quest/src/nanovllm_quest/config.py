@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-GROUP_REDUCTIONS = ("max", "sum")
+GROUP_REDUCTIONS = ("max", "sum", "mass")
 METADATA_DTYPES = ("auto", "kv", "fp8")
 
 
@@ -35,7 +35,12 @@ class QuestConfig:
       ``token_budget // page_size`` pages (at least one page's worth is required).
     - ``skip_layers``: the first layers stay dense (the paper's 2: their attention is not sparse).
     - ``group_reduction``: how the bounds of a GQA group's query heads combine into the score of their
-      shared KV head, ``max`` (a page matters if it matters to any head of the group) or ``sum``.
+      shared KV head: ``max`` (a page matters if it matters to any head of the group), ``sum``, or
+      ``mass``: each query head's softmax of its scaled bounds over the history pages, an estimate of the
+      share of its attention each page holds, summed over the group, so every head counts for one whole
+      attention distribution whatever the scale of its logits. With ``rescore``, ``max`` and ``sum`` rank
+      the nominees by their keys' largest ``q . k``; ``mass`` by each head's exact attention share among
+      the nominees (the softmax of its keys' scaled ``q . k``), summed over the group.
     - ``keep_sink``: always keep the first page (the attention sink) besides the newest one. On by
       default: on SmolLM2 it lowered Quest's perplexity at every budget measured (budget 1024: +3.9% of
       dense against +8.5% without it; 2048: +1.6% against +2.5%), for one ranked page less.

@@ -36,8 +36,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from nanovllm.attention.triton_kernels import num_sms
+from nanovllm.sparse import num_sms
 
+from nanovllm_quest import reference
 from nanovllm_quest.reference import PageRows
 
 # bounds per scoring program (16 KB of bf16 metadata at head size 128; pages of one bound by default).
@@ -58,6 +59,8 @@ SCORE_STEP = 64
 MAX_TOPK_TILE = 16384
 MAX_UPDATE_ROWS = 64  # new keys an update program folds at a time
 RESCORE_ROWS = 64  # keys a rescoring program reads (4 pages of 16)
+# a kernel's GQA group reduction: 0 the largest, 1 the sum, 2 none (each query head's row, for the shares)
+REDUCTIONS = {"max": 0, "sum": 1, "mass": 2}
 
 
 @triton.jit
@@ -183,13 +186,14 @@ def update_metadata(
 @triton.jit
 def _score_tile(
     tile_index, q_pos, q_neg, unscale, n, Meta, bt_row, Scores, width, kvh, stride_mb, stride_mh, stride_mm,
-    offs_d, d_ok, g_ok,
+    stride_sg, offs_d, d_ok, offs_g, g_ok,
     G_PAD: tl.constexpr, BLOCKS_PER_PAGE: tl.constexpr, BOUNDS: tl.constexpr, BOUNDS_PAD: tl.constexpr,
-    TILE: tl.constexpr, REDUCE_MAX: tl.constexpr, KEEP_SINK: tl.constexpr, RECENT_PAGES: tl.constexpr,
+    TILE: tl.constexpr, REDUCE: tl.constexpr, KEEP_SINK: tl.constexpr, RECENT_PAGES: tl.constexpr,
     FP32: tl.constexpr, FP8: tl.constexpr,
 ):
     """The scores of tile ``tile_index``'s ``TILE`` pages into ``Scores``, one sequence's row for one KV
-    head."""
+    head (``REDUCE`` 0: the group's largest bound, 1: their sum), or, with ``REDUCE`` 2, each query head's
+    bound into its row ``stride_sg`` apart, unforced."""
     offs_p = tile_index * TILE + tl.arange(0, TILE)
     valid = offs_p < n
     # one row per (page, bound): the tile's bounds in one dot, then each page's largest
@@ -225,24 +229,29 @@ def _score_tile(
     if BOUNDS_PAD > 1:
         bound = tl.where((bound_r < BOUNDS)[None, :], bound, float("-inf"))
         bound = tl.max(tl.reshape(bound, [G_PAD, TILE, BOUNDS_PAD]), 2)
-    if REDUCE_MAX:
-        score = tl.max(tl.where(g_ok[:, None], bound, float("-inf")), 0)
+    if REDUCE == 2:  # each query head's bounds, for the group's shares (reference.combine_shares)
+        bound = tl.where(valid[None, :], bound, float("-inf"))
+        tl.store(Scores + offs_g[:, None] * stride_sg + offs_p[None, :], bound,
+                 mask=g_ok[:, None] & (offs_p < width)[None, :])
     else:
-        score = tl.sum(tl.where(g_ok[:, None], bound, 0.0), 0)
-    forced = offs_p >= n - RECENT_PAGES  # the newest pages (pages past n are not valid)
-    if KEEP_SINK:
-        forced = forced | (offs_p == 0)
-    score = tl.where(valid, tl.where(forced, float("inf"), score), float("-inf"))
-    tl.store(Scores + offs_p, score, mask=offs_p < width)
+        if REDUCE == 0:
+            score = tl.max(tl.where(g_ok[:, None], bound, float("-inf")), 0)
+        else:
+            score = tl.sum(tl.where(g_ok[:, None], bound, 0.0), 0)
+        forced = offs_p >= n - RECENT_PAGES  # the newest pages (pages past n are not valid)
+        if KEEP_SINK:
+            forced = forced | (offs_p == 0)
+        score = tl.where(valid, tl.where(forced, float("inf"), score), float("-inf"))
+        tl.store(Scores + offs_p, score, mask=offs_p < width)
 
 
 @triton.jit
 def _score_kernel(
     Q, Meta, BlockTables, KVLens, Scores, width,
-    stride_qs, stride_qh, stride_mb, stride_mh, stride_mm, stride_bt, stride_ss, stride_sh,
+    stride_qs, stride_qh, stride_mb, stride_mh, stride_mm, stride_bt, stride_ss, stride_sh, stride_sg,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCKS_PER_PAGE: tl.constexpr, BOUNDS: tl.constexpr, BOUNDS_PAD: tl.constexpr,
-    TILE: tl.constexpr, STEPS: tl.constexpr, REDUCE_MAX: tl.constexpr, KEEP_SINK: tl.constexpr,
+    TILE: tl.constexpr, STEPS: tl.constexpr, REDUCE: tl.constexpr, OUT_ROWS: tl.constexpr, KEEP_SINK: tl.constexpr,
     RECENT_PAGES: tl.constexpr, FP32: tl.constexpr, FP8: tl.constexpr,
 ):
     s = tl.program_id(0)
@@ -250,11 +259,14 @@ def _score_kernel(
     n = tl.cdiv(tl.load(KVLens + s), PAGE_SIZE)  # history pages of this sequence
     scores = Scores + s * stride_ss + kvh * stride_sh
     first = tl.program_id(2) * (TILE * STEPS)
+    offs_g = tl.arange(0, G_PAD)
     if first >= n:  # past the history, as most of a block table wider than the context is: no bounds to read
         offs_p = first + tl.arange(0, TILE * STEPS)
-        tl.store(scores + offs_p, tl.full([TILE * STEPS], float("-inf"), tl.float32), mask=offs_p < width)
+        rows = offs_g < OUT_ROWS  # the one row, or each query head's
+        tl.store(scores + offs_g[:, None] * stride_sg + offs_p[None, :],
+                 tl.full([G_PAD, TILE * STEPS], float("-inf"), tl.float32),
+                 mask=rows[:, None] & (offs_p < width)[None, :])
         return
-    offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     g_ok = offs_g < GROUP
     d_ok = offs_d < HEAD_DIM
@@ -271,28 +283,30 @@ def _score_kernel(
     bt_row = BlockTables + s * stride_bt
     if STEPS == 1:
         _score_tile(tl.program_id(2), q_pos, q_neg, unscale, n, Meta, bt_row, scores, width, kvh, stride_mb,
-                    stride_mh, stride_mm, offs_d, d_ok, g_ok, G_PAD, BLOCKS_PER_PAGE, BOUNDS, BOUNDS_PAD,
-                    TILE, REDUCE_MAX, KEEP_SINK, RECENT_PAGES, FP32, FP8)
+                    stride_mh, stride_mm, stride_sg, offs_d, d_ok, offs_g, g_ok, G_PAD, BLOCKS_PER_PAGE, BOUNDS,
+                    BOUNDS_PAD, TILE, REDUCE, KEEP_SINK, RECENT_PAGES, FP32, FP8)
     else:  # several tiles, the next one's loads issued while this one is scored
         for i in tl.range(first // TILE, first // TILE + STEPS, num_stages=2):
             _score_tile(i, q_pos, q_neg, unscale, n, Meta, bt_row, scores, width, kvh, stride_mb, stride_mh,
-                        stride_mm, offs_d, d_ok, g_ok, G_PAD, BLOCKS_PER_PAGE, BOUNDS, BOUNDS_PAD, TILE,
-                        REDUCE_MAX, KEEP_SINK, RECENT_PAGES, FP32, FP8)
+                        stride_mm, stride_sg, offs_d, d_ok, offs_g, g_ok, G_PAD, BLOCKS_PER_PAGE, BOUNDS,
+                        BOUNDS_PAD, TILE, REDUCE, KEEP_SINK, RECENT_PAGES, FP32, FP8)
 
 
 def page_scores(
     q: torch.Tensor, metadata: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
     page_size: int, group_reduction: str = "max", keep_sink: bool = False, recent_pages: int = 1,
+    scale: float = 1.0,
 ) -> torch.Tensor:
-    num_seqs = q.shape[0]
+    num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = metadata.shape[1]
-    width = triton.cdiv(block_tables.shape[1], page_size // block_size)
-    scores = torch.empty(num_seqs, num_kv_heads, width, dtype=torch.float32, device=q.device)
-    if num_seqs == 0 or width == 0:
-        return scores
-    assert q.stride(-1) == 1 and metadata.stride(-1) == 1 and block_tables.stride(-1) == 1
-    num_heads, head_dim = q.shape[1:]
     group = num_heads // num_kv_heads
+    width = triton.cdiv(block_tables.shape[1], page_size // block_size)
+    per_head = group_reduction == "mass"  # each head's bounds, combined into shares below
+    scores = torch.empty(num_seqs, num_kv_heads, *((group,) if per_head else ()), width, dtype=torch.float32,
+                         device=q.device)
+    if num_seqs == 0 or width == 0:
+        return scores[:, :, 0] if per_head else scores
+    assert q.stride(-1) == 1 and metadata.stride(-1) == 1 and block_tables.stride(-1) == 1
     bounds = metadata.shape[2] // 2
     bounds_pad = triton.next_power_of_2(bounds)
     fp8 = metadata.dtype == torch.float8_e4m3fn
@@ -310,23 +324,26 @@ def page_scores(
     _score_kernel[grid](
         q, metadata, block_tables, kv_lens, scores, width,
         q.stride(0), q.stride(1), metadata.stride(0), metadata.stride(1), metadata.stride(2),
-        block_tables.stride(0), scores.stride(0), scores.stride(1),
+        block_tables.stride(0), scores.stride(0), scores.stride(1), width,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=page_size,
         BLOCKS_PER_PAGE=page_size // block_size, BOUNDS=bounds, BOUNDS_PAD=bounds_pad, TILE=tile,
-        STEPS=steps, REDUCE_MAX=group_reduction == "max", KEEP_SINK=keep_sink,
+        STEPS=steps, REDUCE=REDUCTIONS[group_reduction], OUT_ROWS=group if per_head else 1, KEEP_SINK=keep_sink,
         RECENT_PAGES=max(1, recent_pages), FP32=fp32, FP8=fp8, num_warps=4,
     )
+    if per_head:
+        return reference.force_pages(reference.combine_shares(scores * scale), kv_lens, page_size, keep_sink,
+                                     recent_pages)
     return scores
 
 
 @triton.jit
 def _rescore_kernel(
-    Q, K, BlockTables, KVLens, Nominees, Scores, Out, num_nominees,
+    Q, K, BlockTables, KVLens, Nominees, Scores, Out, num_nominees, scale,
     stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ns, stride_nh,
-    stride_ss, stride_sh, stride_os, stride_oh,
+    stride_ss, stride_sh, stride_os, stride_oh, stride_og,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BS_PAD: tl.constexpr, TILE: tl.constexpr, REDUCE_MAX: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BS_PAD: tl.constexpr, TILE: tl.constexpr, REDUCE: tl.constexpr,
     FP32: tl.constexpr,
 ):
     s = tl.program_id(0).to(tl.int64)
@@ -355,11 +372,18 @@ def _rescore_kernel(
         logits = tl.dot(q, tl.trans(k.to(q.dtype)))
     logits = tl.where(row_ok[None, :], logits, float("-inf"))
     best = tl.max(tl.reshape(logits, [G_PAD, TILE, BS_PAD]), 2)  # [G_PAD, TILE]: each page's best key
-    if REDUCE_MAX:
+    offs_c = tl.program_id(2) * TILE + tl.arange(0, TILE)
+    if REDUCE == 2:  # each query head's log page weight, logsumexp of its keys' scaled logits
+        top = best * scale
+        total = tl.sum(tl.exp(tl.reshape(logits * scale, [G_PAD, TILE, BS_PAD]) - top[:, :, None]), 2)
+        weight = tl.where(best > float("-inf"), top + tl.log(total), float("-inf"))
+        tl.store(Out + s * stride_os + kvh * stride_oh + offs_g[:, None] * stride_og + offs_c[None, :], weight,
+                 mask=g_ok[:, None] & (offs_c < num_nominees)[None, :])
+        return
+    if REDUCE == 0:
         score = tl.max(tl.where(g_ok[:, None], best, float("-inf")), 0)
     else:
         score = tl.sum(tl.where(g_ok[:, None], best, 0.0), 0)
-    offs_c = tl.program_id(2) * TILE + tl.arange(0, TILE)
     page = tl.load(nominees + offs_c, mask=offs_c < num_nominees, other=-1)
     live = page >= 0
     forced = tl.load(Scores + s * stride_ss + kvh * stride_sh + page, mask=live, other=0.0) == float("inf")
@@ -369,29 +393,33 @@ def _rescore_kernel(
 
 def rescore_pages(
     q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
-    nominees: torch.Tensor, scores: torch.Tensor, group_reduction: str = "max",
+    nominees: torch.Tensor, scores: torch.Tensor, group_reduction: str = "max", scale: float = 1.0,
 ) -> torch.Tensor:
     num_seqs, num_kv_heads, num_nominees = nominees.shape
-    out = torch.empty(nominees.shape, dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
-    assert scores.is_contiguous() and nominees.stride(-1) == 1
     num_heads, head_dim = q.shape[1:]
     group = num_heads // num_kv_heads
+    per_head = group_reduction == "mass"  # each head's page weights, combined into shares below
+    out = torch.empty(num_seqs, num_kv_heads, *((group,) if per_head else ()), num_nominees,
+                      dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out[:, :, 0] if per_head else out
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
+    assert scores.is_contiguous() and nominees.stride(-1) == 1
     block_size = k_cache.shape[1]
     bs_pad = triton.next_power_of_2(block_size)
     tile = max(1, RESCORE_ROWS // bs_pad)  # pages a program
     grid = (num_seqs, num_kv_heads, triton.cdiv(num_nominees, tile))
     _rescore_kernel[grid](
-        q, k_cache, block_tables, kv_lens, nominees, scores, out, num_nominees,
+        q, k_cache, block_tables, kv_lens, nominees, scores, out, num_nominees, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), nominees.stride(0), nominees.stride(1),
-        scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
+        scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), out.stride(-2),
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BS_PAD=bs_pad, TILE=tile,
-        REDUCE_MAX=group_reduction == "max", FP32=q.dtype == torch.float32 or not q.is_cuda, num_warps=4,
+        REDUCE=REDUCTIONS[group_reduction], FP32=q.dtype == torch.float32 or not q.is_cuda, num_warps=4,
     )
+    if per_head:
+        return reference.rescored(reference.combine_shares(out), nominees, scores)
     return out
 
 

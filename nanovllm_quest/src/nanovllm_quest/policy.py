@@ -34,8 +34,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from nanovllm.attention.metadata import StepMetadata
-from nanovllm.policy import KVWrite, PolicyContext, SparsePolicy
+from nanovllm.sparse import KVWrite, PolicyContext, SparsePolicy, StepMetadata
 
 from nanovllm_quest import reference
 from nanovllm_quest.config import QuestConfig
@@ -145,11 +144,12 @@ class QuestPolicy(SparsePolicy):
             scores = self.ops.page_scores(
                 ctx.query, self.metadata[ctx.layer_id - cfg.skip_layers], ctx.meta.block_tables, lens,
                 self.block_size, self.page_size, cfg.group_reduction, self.keep_sink, self.recent_pages,
+                ctx.scale,
             )
             if cfg.rescore > 1:
                 keys, _, tables = self._nominee_keys(ctx, scores, lens)
                 return rescore_selection(self.ops, ctx.query, keys, tables, lens,
-                                         scores, self.budget_pages, cfg.rescore, cfg.group_reduction)
+                                         scores, self.budget_pages, cfg.rescore, cfg.group_reduction, ctx.scale)
         return self.ops.top_pages(scores, self.budget_pages, lens, self.block_size, self.page_size)
 
     def _nominee_keys(self, ctx: PolicyContext, scores: torch.Tensor, lens: torch.Tensor):
@@ -173,13 +173,13 @@ class QuestPolicy(SparsePolicy):
 
 def rescore_selection(
     ops, q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
-    scores: torch.Tensor, budget_pages: int, rescore: int, group_reduction: str = "max",
+    scores: torch.Tensor, budget_pages: int, rescore: int, group_reduction: str = "max", scale: float = 1.0,
 ) -> torch.Tensor:
     """Pages of one block: the ``budget_pages`` best, by their keys' exact ``q . k``, of the ``rescore x
     budget_pages`` best by ``scores`` (the bound), with ``ops`` the kernels or the torch references."""
     block_size = k_cache.shape[1]
     nominees = ops.top_pages(scores, rescore * budget_pages, kv_lens, block_size, block_size)
-    exact = ops.rescore_pages(q, k_cache, block_tables, kv_lens, nominees, scores, group_reduction)
+    exact = ops.rescore_pages(q, k_cache, block_tables, kv_lens, nominees, scores, group_reduction, scale)
     return ops.pick_nominees(exact, nominees, budget_pages)
 
 

@@ -80,17 +80,29 @@ def round_fp8(x: torch.Tensor, up: bool) -> torch.Tensor:
 def page_scores(
     q: torch.Tensor, metadata: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
     page_size: int, group_reduction: str = "max", keep_sink: bool = False, recent_pages: int = 1,
+    scale: float = 1.0,
 ) -> torch.Tensor:
     """``[S, Hkv, P]`` float32 priority of each logical page (``P = ceil(W / (page_size / block_size))``,
     ``W`` the block-table width) for the decode queries ``q [S, H, D]`` over histories of ``kv_lens``
     tokens (``n = ceil(kv_lens / page_size)`` pages each).
 
     A bound for query head ``h`` is ``sum_i max(q_i * min_i, q_i * max_i)``, at least ``q . k`` for every
-    key it covers; a page's is the largest of its bounds, and the query heads of a GQA
-    group combine by ``group_reduction``. The
-    ``recent_pages`` newest pages (from ``n[s] - recent_pages``; at least the newest, ``n[s] - 1``), with
-    ``keep_sink`` page 0, and pages without a bound (NaN) get ``+inf``; pages at or past ``n[s]`` get
-    ``-inf``."""
+    key it covers; a page's is the largest of its bounds, and the query heads of a GQA group combine by
+    ``group_reduction`` (``mass``: :func:`combine_shares` of ``scale`` times the bounds, the attention
+    scale). The ``recent_pages`` newest pages (from ``n[s] - recent_pages``; at least the newest,
+    ``n[s] - 1``), with ``keep_sink`` page 0, and pages without a bound (NaN) get ``+inf``; pages at or
+    past ``n[s]`` get ``-inf``."""
+    bound = head_bounds(q, metadata, block_tables, kv_lens, block_size, page_size)
+    return force_pages(reduce_group(bound, group_reduction, scale), kv_lens, page_size, keep_sink,
+                        recent_pages)
+
+
+def head_bounds(
+    q: torch.Tensor, metadata: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
+    page_size: int,
+) -> torch.Tensor:
+    """``[S, Hkv, G, P]`` float32: each query head's page bound (:func:`page_scores`), ``+inf`` for a page
+    without a bound (NaN), ``-inf`` past the history; nothing forced."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = metadata.shape[1]
     anchors = block_tables[:, :: page_size // block_size]  # [S, P]: each page's first block
@@ -100,8 +112,32 @@ def page_scores(
         "shgd,swhbd->shgwb", qg.clamp(max=0), meta[..., MIN, :]
     )
     bound = torch.where(bound.isnan(), float("inf"), bound).amax(-1)  # NaN: an unbounded float8 bound
-    score = bound.amax(dim=2) if group_reduction == "max" else bound.sum(dim=2)
-    return _force_pages(score, kv_lens, page_size, keep_sink, recent_pages)
+    n = (kv_lens.long() + page_size - 1) // page_size
+    return bound.masked_fill(torch.arange(bound.shape[-1], device=q.device) >= n[:, None, None, None],
+                             float("-inf"))
+
+
+def reduce_group(per_head: torch.Tensor, group_reduction: str, scale: float = 1.0) -> torch.Tensor:
+    """``[S, Hkv, G, N]`` scores of each query head -> ``[S, Hkv, N]``: their largest (``max``), their sum
+    (``sum``), or :func:`combine_shares` of ``scale`` times them (``mass``)."""
+    if group_reduction == "max":
+        return per_head.amax(dim=2)
+    if group_reduction == "sum":
+        return per_head.sum(dim=2)
+    return combine_shares(per_head * scale)
+
+
+def combine_shares(logits: torch.Tensor) -> torch.Tensor:
+    """``[S, Hkv, G, N]`` float32 log-weights of ``N`` candidates for each query head of a GQA group ->
+    ``[S, Hkv, N]``: the log of the candidates' summed shares, each head's share being its softmax over the
+    finite candidates. Every head so counts for one whole attention distribution, whatever the scale of
+    its logits. ``+inf`` where any head has ``+inf``, ``-inf`` where every head has ``-inf``."""
+    finite = logits.isfinite()
+    z = logits.masked_fill(~finite, float("-inf"))
+    lse = z.logsumexp(-1, keepdim=True)
+    share = torch.where(finite, z - lse.masked_fill(lse.isneginf(), 0.0), float("-inf"))
+    combined = share.logsumexp(2)
+    return torch.where(logits.isposinf().any(2), float("inf"), combined)
 
 
 def page_masses(
@@ -123,18 +159,20 @@ def page_masses(
     probs = logits.masked_fill(past, float("-inf")).softmax(-1)
     mass = probs.view(*probs.shape[:3], num_pages, page_size).sum(-1)  # [S, Hkv, G, P]
     score = mass.amax(dim=2) if group_reduction == "max" else mass.sum(dim=2)
-    return _force_pages(score, kv_lens, page_size, keep_sink, recent_pages)
+    return force_pages(score, kv_lens, page_size, keep_sink, recent_pages)
 
 
 def rescore_pages(
     q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
-    nominees: torch.Tensor, scores: torch.Tensor, group_reduction: str = "max",
+    nominees: torch.Tensor, scores: torch.Tensor, group_reduction: str = "max", scale: float = 1.0,
 ) -> torch.Tensor:
     """``[S, Hkv, C]`` float32 exact scores of the nominated pages ``nominees [S, Hkv, C]`` (pages of one
     block as logical blocks, -1 padded; :func:`top_pages` of ``scores [S, Hkv, P]``): a nominee scores the
-    largest ``q . k`` of its keys for each query head (keys at or past ``kv_lens`` left out), its GQA
-    group's combined by ``group_reduction``; a page ``scores`` forces (``+inf``) stays ``+inf``, padding is
-    ``-inf``. It is the page bound taken over one key."""
+    largest ``q . k`` of its keys for each query head (keys at or past ``kv_lens`` left out), the page
+    bound taken over one key, its GQA group's combined by ``group_reduction``. With ``mass`` a head's
+    score is instead the log of the page's exact attention weight, ``logsumexp`` of ``scale * q . k`` over
+    its keys, and the group's combine by :func:`combine_shares` (shares of the nominees). A page ``scores``
+    forces (``+inf``) stays ``+inf``, padding is ``-inf``."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     valid = nominees >= 0
@@ -146,10 +184,19 @@ def rescore_pages(
     logits = torch.einsum("shgd,shcjd->shgcj", qg, keys)
     pos = pages[:, :, None, :, None] * block_size + torch.arange(block_size, device=q.device)
     logits = logits.masked_fill(pos >= kv_lens.long()[:, None, None, None, None], float("-inf"))
-    best = logits.amax(-1)  # [S, Hkv, G, C]
-    exact = best.amax(2) if group_reduction == "max" else best.sum(2)
-    exact = torch.where(scores.gather(-1, pages) == float("inf"), float("inf"), exact)
-    return torch.where(valid, exact, float("-inf"))
+    if group_reduction == "mass":
+        exact = combine_shares(torch.where(valid[:, :, None, :], (logits * scale).logsumexp(-1), float("-inf")))
+    else:
+        best = logits.amax(-1)  # [S, Hkv, G, C]
+        exact = best.amax(2) if group_reduction == "max" else best.sum(2)
+    return rescored(exact, nominees, scores)
+
+
+def rescored(exact: torch.Tensor, nominees: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """The nominees' scores ``exact [S, Hkv, C]`` with the pages ``scores`` forces ``+inf`` and padding
+    ``-inf``."""
+    forced = scores.gather(-1, nominees.clamp(min=0).long()) == float("inf")
+    return torch.where(nominees >= 0, torch.where(forced, float("inf"), exact), float("-inf"))
 
 
 def pick_nominees(exact: torch.Tensor, nominees: torch.Tensor, k: int) -> torch.Tensor:
@@ -161,7 +208,7 @@ def pick_nominees(exact: torch.Tensor, nominees: torch.Tensor, k: int) -> torch.
     return torch.where(picked >= 0, nominees.long().gather(-1, picked.clamp(min=0)), -1).to(torch.int32)
 
 
-def _force_pages(score: torch.Tensor, kv_lens: torch.Tensor, page_size: int, keep_sink: bool,
+def force_pages(score: torch.Tensor, kv_lens: torch.Tensor, page_size: int, keep_sink: bool,
                  recent_pages: int) -> torch.Tensor:
     """``score [S, Hkv, P]`` with the ``recent_pages`` newest pages (at least one) and page 0 with
     ``keep_sink`` ``+inf``, pages past the history ``-inf``."""
