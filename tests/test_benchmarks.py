@@ -114,26 +114,6 @@ def test_paired_ttft_engines_take_turns_in_one_process(tiny_model, one_thread, m
 # -- the scripts of the core's measurements --------------------------------------------------------------------
 
 
-def test_serve_ceiling_stand_in_runs_the_real_scheduler_and_paces_its_steps(tiny_model, one_thread):
-    """The stand-in model of ``serve_ceiling.py``: every request gets exactly its tokens through the real
-    engine, a step takes at least its set time, and the first steps' batches are logged."""
-    import functools
-    import time
-
-    ceiling = script("serve_ceiling")
-    STAND_IN_MODEL, offline, stand_in_engine = ceiling.STAND_IN_MODEL, ceiling.offline, ceiling.stand_in_engine
-
-    model = tiny_model(**STAND_IN_MODEL)
-    prompts, max_tokens = [[5] * 40, [9] * 300, [3] * 7], [4, 9, 1]
-    build = functools.partial(stand_in_engine, step_ms=2.0, prefill_us=0.0)
-    start = time.perf_counter()
-    r = offline(model, build, prompts, max_tokens)
-    steps = r["first_steps"]
-    assert r["output_tok_per_s"] * r["duration_s"] == pytest.approx(sum(max_tokens))
-    assert steps[0] == (3, 347) and all(n <= 3 for n, _ in steps) and len(steps) >= max(max_tokens)
-    assert time.perf_counter() - start >= 0.002 * len(steps)
-
-
 def test_allreduce_bench_on_the_cpu(tmp_path, monkeypatch):
     """The all-reduces of a decode step, the whole command on two gloo ranks (eager only: no CUDA graphs
     on the CPU): rows of the preset's shape in the results files. Checks the code, not the speed."""
@@ -188,17 +168,6 @@ def test_tp_summary_speedups_of_tp2_over_tp1(tmp_path):
     text = (tmp_path / "b6.md").read_text()
     assert "| latency | qwen3-8b | ms_per_token | 5.000 | 3.500 | 1.429x |" in text
     assert "Not in this run: latency llama-3.1-8b at TP2." in text
-
-
-def test_the_front_end_cost_measure_runs(capsys):
-    main, measure = script("frontend_cost").main, script("frontend_cost").measure
-
-    result = measure(num_streams=4, num_steps=3, prompt_len=8, tokenizer="none")
-    assert all(result[name] > 0 for name in ("transport_ms", "apply_ms", "deliver_ms", "total_ms", "per_stream_us"))
-    main(["--streams", "2", "--steps", "2", "--tokenizer", "none"])
-    assert "us per stream" in capsys.readouterr().out
-    behind = measure(num_streams=4, num_steps=5, prompt_len=8, tokenizer="none", behind=2)  # 2, 2, then 1 step
-    assert behind["total_ms"] > 0
 
 
 # -- quest_decode.py -----------------------------------------------------------------------------------------

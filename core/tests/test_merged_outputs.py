@@ -12,8 +12,8 @@ import itertools
 import attrs
 import pytest
 from merged_outputs import merged_like
-from nanovllm.testing import recording_front_end
-from nanovllm.engine.engine_core import SchedulerStats
+from nanovllm.engine.async_llm import AsyncLLM
+from nanovllm.engine.engine_core import EngineInfo, SchedulerStats
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 
 DELTA, CUMULATIVE, FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY
@@ -42,6 +42,34 @@ def byte_tokenizer(tmp_path_factory):
     path = tmp_path_factory.mktemp("byte_tokenizer")
     PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
     return str(path), lambda text: tok.encode(text).ids
+
+
+class RecordingCore:
+    """Stands in for ``AsyncLLM``'s engine core: records the commands it is sent and runs nothing; a test feeds
+    the front-end step messages itself (``llm._outputs.handle``)."""
+
+    def __init__(self, info) -> None:
+        self.info = info
+        self.commands: list[tuple] = []
+        self.post = None
+
+    def start(self, post) -> None:
+        self.post = post
+
+    def send(self, command: tuple) -> None:
+        self.commands.append(command)
+
+    def shutdown(self, timeout: float = 0.0) -> None:
+        pass
+
+
+def recording_front_end(tokenizer_path: str | None, vocab_size: int) -> tuple[AsyncLLM, RecordingCore]:
+    """An ``AsyncLLM`` over a :class:`RecordingCore` (no model, no engine process): its front-end alone, with
+    the tokenizer at ``tokenizer_path`` (None: token ids only). Returns ``(llm, core)``."""
+    core = RecordingCore(EngineInfo(tokenizer_path, vocab_size, max_model_len=1 << 20, max_logprobs=20))
+    llm = AsyncLLM.__new__(AsyncLLM)
+    llm._setup(core)
+    return llm, core
 
 
 def step_messages(encode) -> list[tuple]:

@@ -374,34 +374,3 @@ def assert_registration_imports_no_torch(architecture: str) -> None:
         "assert 'torch' not in sys.modules, 'registration imported torch'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
-
-
-class RecordingCore:
-    """Stands in for ``AsyncLLM``'s engine core: records the commands it is sent and runs nothing; a test feeds
-    the front-end step messages itself (``llm._outputs.handle``)."""
-
-    def __init__(self, info) -> None:
-        self.info = info
-        self.commands: list[tuple] = []
-        self.post = None
-
-    def start(self, post) -> None:
-        self.post = post
-
-    def send(self, command: tuple) -> None:
-        self.commands.append(command)
-
-    def shutdown(self, timeout: float = 0.0) -> None:
-        pass
-
-
-def recording_front_end(tokenizer_path: str | None, vocab_size: int):
-    """An ``AsyncLLM`` over a :class:`RecordingCore` (no model, no engine process): its front-end alone, with
-    the tokenizer at ``tokenizer_path`` (None: token ids only). Returns ``(llm, core)``."""
-    from nanovllm.engine.async_llm import AsyncLLM
-    from nanovllm.engine.engine_core import EngineInfo
-
-    core = RecordingCore(EngineInfo(tokenizer_path, vocab_size, max_model_len=1 << 20, max_logprobs=20))
-    llm = AsyncLLM.__new__(AsyncLLM)
-    llm._setup(core)
-    return llm, core
