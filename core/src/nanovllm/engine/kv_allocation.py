@@ -74,7 +74,7 @@ def allocate_kv_store(
         store = host_store(config, shape, layers, hooks, max_model_len, free_memory)
     for layer, kv in zip(layers, store.layers, strict=True):
         layer.bind_kv(kv)
-    store.bind(hooks.kv_write, hooks.decode_offload, hooks.prefill_offload)
+    store.bind(hooks.kv_write, hooks.blocks_allocated, hooks.decode_offload, hooks.prefill_offload)
     for member in hooks.members:  # the policies, and observers that keep per-block state
         if callable(getattr(member, "initialize", None)):
             member.initialize(shape.num_layers, shape.num_kv_heads, shape.head_dim, store.num_blocks,

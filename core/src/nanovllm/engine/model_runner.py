@@ -268,9 +268,8 @@ class ModelRunner:
             sample_rows=None if len(sample_rows) == row else np.asarray(sample_rows, dtype=np.int64),
             num_sampling=len(sampling),
             prompt_logprob_rows=prompt_rows,
-            allocated_blocks=(np.asarray(allocated, dtype=np.int64) if allocated and (
-                self.hooks.blocks_allocated or self.kv.tracks_allocations)
-                else None),
+            allocated_blocks=(np.asarray(allocated, dtype=np.int64) if allocated and self.kv.wants_allocations
+                              else None),
         )
         return plan, sampling, prompt_targets
 
@@ -278,10 +277,7 @@ class ModelRunner:
         """The step's inputs on the device and its forward pass (every rank): hidden states, input ids and
         the rows that sample (``None``: every row)."""
         if plan.allocated_blocks is not None:  # the policies reset their metadata before the step writes them
-            ids = self._to_device(plan.allocated_blocks)
-            for on_blocks_allocated in self.hooks.blocks_allocated:
-                on_blocks_allocated(ids)
-            self.kv.forget_blocks(ids)  # and the store's caches of what blocks held
+            self.kv.blocks_allocated(self._to_device(plan.allocated_blocks))
         input_ids = self._to_device(plan.input_ids)
         if plan.placeholder_rows is not None:
             sources = self._to_device(plan.placeholder_sources)

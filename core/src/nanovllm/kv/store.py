@@ -327,22 +327,29 @@ class KVStore:
     def __init__(self, layers: Sequence[LayerKV], num_blocks: int, block_size: int) -> None:
         self.layers = list(layers)
         self.num_blocks, self.block_size = num_blocks, block_size
+        self._blocks_allocated: tuple[Hook, ...] = ()
 
-    def bind(self, kv_write: Sequence[Hook], decode_offload: Sequence[Hook] = (),
-             prefill_offload: Sequence[Hook] = ()) -> None:
-        """The hooks the store tells: ``on_kv_write`` after every write, on every store; the offload
-        notifications where the store moves KV across PCIe."""
+    def bind(self, kv_write: Sequence[Hook], blocks_allocated: Sequence[Hook] = (),
+             decode_offload: Sequence[Hook] = (), prefill_offload: Sequence[Hook] = ()) -> None:
+        """The hooks the store tells: ``on_kv_write`` after every write and ``on_blocks_allocated`` when
+        blocks are handed out again, on every store (they keep the policies' per-block metadata); the
+        offload notifications where the store moves KV across PCIe."""
         for layer in self.layers:
             layer.kv_write = tuple(kv_write)
+        self._blocks_allocated = tuple(blocks_allocated)
 
     @property
-    def tracks_allocations(self) -> bool:
-        """Whether the store wants :meth:`forget_blocks` each step (it caches what blocks held)."""
-        return False
+    def wants_allocations(self) -> bool:
+        """Whether :meth:`blocks_allocated` has work to do (a hook resets metadata, or the store caches
+        what blocks held); when not, the runner need not send the blocks."""
+        return bool(self._blocks_allocated)
 
-    def forget_blocks(self, block_ids: torch.Tensor) -> None:
-        """Physical blocks handed out again since the last step (int64 on the device): their content is
-        about to change."""
+    def blocks_allocated(self, block_ids: torch.Tensor) -> None:
+        """Physical blocks handed out again since the last step (int64 on the device), before the step
+        writes them: the ``on_blocks_allocated`` hooks reset their metadata, and the store forgets what
+        they held."""
+        for on_blocks_allocated in self._blocks_allocated:
+            on_blocks_allocated(block_ids)
 
     def begin_step(self, decode: HostPhaseLike | None, prefill: HostPhaseLike | None) -> None:
         """Before each forward pass: what the host knows of the step's phases (block tables and lengths)."""
@@ -394,19 +401,20 @@ class HostKVStore(KVStore):
         ]
         super().__init__(layers, engine.num_blocks, engine.block_size)
 
-    def bind(self, kv_write, decode_offload=(), prefill_offload=()) -> None:
-        super().bind(kv_write)
+    def bind(self, kv_write, blocks_allocated=(), decode_offload=(), prefill_offload=()) -> None:
+        super().bind(kv_write, blocks_allocated)
         for layer in self.layers:
             if isinstance(layer, PooledLayerKV):
                 layer.offload_hooks = (tuple(decode_offload), tuple(prefill_offload))
         self.engine.load_hooks = (tuple(decode_offload), tuple(prefill_offload))
 
     @property
-    def tracks_allocations(self) -> bool:
-        return self.engine.reuse_selections
+    def wants_allocations(self) -> bool:
+        return super().wants_allocations or self.engine.reuse_selections
 
-    def forget_blocks(self, block_ids):
-        self.engine.forget_blocks(block_ids)
+    def blocks_allocated(self, block_ids):
+        super().blocks_allocated(block_ids)
+        self.engine.forget_blocks(block_ids)  # the selection cache
 
     def begin_step(self, decode, prefill):
         self.engine.begin_step(*(None if p is None else host_phase(p) for p in (decode, prefill)))
