@@ -10,10 +10,10 @@ import attrs
 import pytest
 import torch
 from nanovllm import SamplingParams
-from nanovllm.hookspecs import PolicySpec, RegistrationSpec, hookimpl
+from nanovllm.hookspecs import ObserverSpec, RegistrationSpec, hookimpl
 from nanovllm.plugins import SparsePolicyInfo, get_plugins, reload_plugins
 from nanovllm.policies.full import FullAttentionPolicy
-from nanovllm.policy import NOTIFICATION_HOOKS, POLICY_FLAGS, RUNTIME_HOOKS, SparsePolicy
+from nanovllm.sparse import POLICY_FLAGS, POLICY_METHODS, SparsePolicy
 
 README = (Path(__file__).resolve().parents[2] / "docs" / "writing-plugins.md").read_text()
 
@@ -22,7 +22,10 @@ def hook_names(spec: type) -> list[str]:
     return [n for n in vars(spec) if not n.startswith("_")]
 
 
-@pytest.mark.parametrize("name", hook_names(RegistrationSpec) + hook_names(PolicySpec) + list(POLICY_FLAGS))
+CONTRACT = list(POLICY_METHODS) + hook_names(ObserverSpec)  # what the engine calls on a policy or observer
+
+
+@pytest.mark.parametrize("name", hook_names(RegistrationSpec) + CONTRACT + list(POLICY_FLAGS))
 def test_readme_documents(name):
     assert re.search(rf"`{name}\b", README), f"README.md does not document {name!r}"
 
@@ -30,9 +33,12 @@ def test_readme_documents(name):
 def test_flags_are_declared_on_the_base_class():
     # every boolean class attribute of the base class is a documented, tested flag
     assert set(POLICY_FLAGS) == {n for n, v in vars(SparsePolicy).items() if isinstance(v, bool)}
-    assert set(NOTIFICATION_HOOKS) == {
+    assert set(hook_names(ObserverSpec)) == {
         "on_kv_write", "on_prefill_offload", "on_decode_offload", "on_blocks_allocated", "on_blocks_selected"
     }
+    # every per-layer method is a method of the base class, and none is also a pluggy hook
+    assert all(callable(getattr(SparsePolicy, name)) for name in POLICY_METHODS)
+    assert not set(POLICY_METHODS) & set(hook_names(ObserverSpec))
 
 
 CALLS: Counter = Counter()
@@ -62,13 +68,13 @@ class Recorder(SparsePolicy):
     def on_blocks_allocated(self, block_ids):
         CALLS["on_blocks_allocated"] += 1
 
-    def on_prefill_offload(self, write):
+    def on_prefill_offload(self, transfer):
         CALLS["on_prefill_offload"] += 1
-        assert write.step.decode is None
+        assert transfer.is_prefill
 
-    def on_decode_offload(self, write):
+    def on_decode_offload(self, transfer):
         CALLS["on_decode_offload"] += 1
-        assert write.step.prefill is None
+        assert not transfer.is_prefill
 
 
 class DecodeOnly(Recorder):
@@ -115,9 +121,9 @@ def test_every_runtime_hook_is_called_by_the_engine(make_llm):
     calls = run(make_llm("recorder", observers=[Observer()]))
     offloaded = run(make_llm("recorder", observers=[Observer()], offload=True))
     assert not calls["on_prefill_offload"] and not calls["on_decode_offload"]  # only with offload
-    assert not offloaded["on_kv_write"]  # with offload, the offload hooks replace it
+    assert offloaded["on_kv_write"]  # metadata is kept from on_kv_write on both stores
     calls.update(offloaded)
-    for hook in RUNTIME_HOOKS:
+    for hook in CONTRACT:
         assert any(key == hook or (isinstance(key, tuple) and key[0] == hook) for key in calls), hook
     assert calls["select_blocks", True] and calls["select_blocks", False]
 

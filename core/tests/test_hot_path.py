@@ -1,12 +1,11 @@
-"""The per-layer hot path pays a bound method call, not a pluggy dispatch.
+"""The per-layer hot path calls the policies' methods directly, never through pluggy.
 
-The engine registers the selected policies on a per-engine pluggy manager and resolves each runtime
-hook once (``nanovllm.policy.PolicyHooks``); the attention layers then call the policies' bound methods.
+The engine resolves once per engine what it calls (``nanovllm.policy.PolicyHooks``): each phase's policy,
+and the members that implement each notification hook; the attention layers then call bound methods.
 """
 
 from __future__ import annotations
 
-import timeit
 from collections import Counter
 from types import SimpleNamespace
 
@@ -15,7 +14,11 @@ import pytest
 from nanovllm import SamplingParams
 from nanovllm.plugins import SparsePolicyInfo, get_plugins
 from nanovllm.policies.full import FullAttentionPolicy
-from nanovllm.policy import RUNTIME_HOOKS, PolicyHooks, SparsePolicy
+from nanovllm.hookspecs import ObserverSpec
+from nanovllm.policy import PolicyHooks
+from nanovllm.sparse import POLICY_METHODS, SparsePolicy
+
+CONTRACT = {*POLICY_METHODS, *(n for n in vars(ObserverSpec) if not n.startswith("_"))}
 
 CALLS: list[tuple[str, int, bool]] = []  # (method, layer, is_prefill), appended by the probe policies
 
@@ -58,24 +61,16 @@ def probe_llm(tiny_model, monkeypatch):
 
 
 def spy(llm, monkeypatch):
-    """Count pluggy dispatches of the runtime hooks, and record the phases of every step."""
+    """Count pluggy dispatches of the contract's names, and record the phases of every step."""
     dispatched = Counter()
     real_call = pluggy.HookCaller.__call__
 
     def counting_call(self, *args, **kwargs):
-        if self.name in RUNTIME_HOOKS:
+        if self.name in CONTRACT:
             dispatched[self.name] += 1
         return real_call(self, *args, **kwargs)
 
     monkeypatch.setattr(pluggy.HookCaller, "__call__", counting_call)
-    pm = llm.runner.hooks.manager
-    real_exec = pm._inner_hookexec
-
-    def counting_exec(hook_name, *args, **kwargs):  # every dispatch through this manager, however made
-        dispatched["exec:" + hook_name] += 1
-        return real_exec(hook_name, *args, **kwargs)
-
-    monkeypatch.setattr(pm, "_inner_hookexec", counting_exec)
 
     steps: list[tuple[bool, bool]] = []  # (has decodes, has prefill chunks) of each step, in order
     real_prepare = llm.runner.prepare
@@ -143,10 +138,12 @@ def test_layers_call_bound_methods_not_pluggy(probe_llm, monkeypatch):
                 expected[("select_blocks", layer, False)] += 1
         assert Counter(calls) == expected
 
-    # The spies do see a pluggy dispatch when one happens.
-    fake_ctx = SimpleNamespace(layer_id=-1, is_prefill=False, all_history_blocks=lambda: "every block")
-    assert runner.hooks.manager.hook.select_blocks(ctx=fake_ctx) == "every block"
-    assert dispatched == Counter({"select_blocks": 1, "exec:select_blocks": 1})
+    # The spy does see a pluggy dispatch when one happens.
+    pm = pluggy.PluginManager("nanovllm")
+    pm.add_hookspecs(ObserverSpec)
+    pm.register(SimpleNamespace(on_blocks_allocated=lambda block_ids: None))
+    pm.hook.on_blocks_allocated(block_ids=None)
+    assert dispatched == Counter({"on_blocks_allocated": 1})
 
 
 def test_unsupported_phase_is_bound_to_full_attention(probe_llm, monkeypatch):
@@ -167,28 +164,29 @@ def test_unsupported_phase_is_bound_to_full_attention(probe_llm, monkeypatch):
     assert sum(name == "compute_chunked_decode" for name, _, _ in CALLS) == 3 * decode_steps
 
 
-class ConstantPolicy(SparsePolicy):
-    """Does no work, so that only the cost of reaching it is measured."""
+class Notified(SparsePolicy):
+    """Overrides one notification hook, and inherits the base class's no-op for the others."""
 
-    def select_blocks(self, ctx):
-        return ctx
+    def on_kv_write(self, write):
+        pass
 
 
-def test_bound_call_is_much_cheaper_than_a_pluggy_call(capsys):
-    policy = ConstantPolicy()
-    hooks = PolicyHooks(policy, policy)
-    select = hooks.decode.select
-    assert select.__self__ is policy and select.__func__ is ConstantPolicy.select_blocks
-    hook = hooks.manager.hook.select_blocks
-    assert hook(ctx=7) == 7 and select(7) == 7
+class Watcher:
+    """An observer: implements what it defines, whatever its class."""
 
-    n = 20_000
-    pluggy_s = min(timeit.repeat(lambda: hook(ctx=7), number=n, repeat=5)) / n
-    bound_s = min(timeit.repeat(lambda: select(7), number=n, repeat=5)) / n
-    with capsys.disabled():
-        print(f"\n  runtime hook: pluggy call {pluggy_s * 1e6:.2f} us, bound method {bound_s * 1e6:.3f} us "
-              f"({pluggy_s / bound_s:.1f}x)")
-    assert bound_s * 3 <= pluggy_s
+    def on_blocks_selected(self, ctx, block_indices):
+        pass
+
+
+def test_hooks_are_the_members_own_bound_methods():
+    policy, decode, watcher = Notified(), ProbePolicy(), Watcher()
+    hooks = PolicyHooks(policy, decode, [watcher])
+    assert hooks.prefill.compute == policy.compute_chunked_prefill and hooks.prefill.select == policy.select_blocks
+    assert hooks.decode.compute == decode.compute_chunked_decode and hooks.decode.policy is decode
+    assert hooks.kv_write == (policy.on_kv_write,) and hooks.blocks_selected == (watcher.on_blocks_selected,)
+    assert hooks.blocks_allocated == hooks.prefill_offload == hooks.decode_offload == ()  # the base's no-ops
+    assert hooks.members == [policy, decode, watcher] and hooks.policies == [policy, decode]
+    assert not any(isinstance(v, pluggy.PluginManager) for v in vars(hooks).values())
 
 
 def test_binding_rejects_a_policy_missing_a_hook():
@@ -203,10 +201,8 @@ def test_binding_rejects_a_policy_missing_a_hook():
         PolicyHooks(thing, thing)
 
 
-def test_runtime_hooks_are_the_specs():
-    from nanovllm.hookspecs import PolicySpec
-
-    assert set(RUNTIME_HOOKS) == {n for n in vars(PolicySpec) if not n.startswith("_")} == {
+def test_the_contract_is_the_per_layer_methods_and_the_notification_hooks():
+    assert CONTRACT == {
         "select_blocks", "compute_chunked_prefill", "compute_chunked_decode", "on_kv_write", "on_blocks_allocated",
         "on_blocks_selected", "on_prefill_offload", "on_decode_offload",
     }

@@ -239,7 +239,7 @@ def test_a_policy_hook_with_other_argument_names_fails_before_the_weights_load(s
         "sparse policy 'renamed' registered by distribution 'nanovllm-renamed' (fake_renamed:Policy): "
         "select_blocks takes 'context', which the hook does not pass; the hook's arguments are "
         "select_blocks(ctx); on_kv_write takes 'kv', which the hook does not pass; the hook's arguments are "
-        "on_kv_write(write); rename the method's arguments (nanovllm.hookspecs.PolicySpec)"
+        "on_kv_write(write); rename the method's arguments (nanovllm.sparse)"
     )
 
 

@@ -1,4 +1,4 @@
-"""The sparse-policy conformance kit: checks that a policy keeps the contract of :mod:`nanovllm.hookspecs`.
+"""The sparse-policy conformance kit: checks that a policy keeps the contract of :mod:`nanovllm.sparse`.
 
 Give it a selection whose budget covers every block (e.g. ``"window:sink_blocks=64,recent_blocks=64"``);
 with such options a policy must give exactly the ``full`` policy's greedy tokens and log-probabilities in

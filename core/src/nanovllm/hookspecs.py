@@ -1,20 +1,22 @@
-"""The hook specifications of nanovllm: the whole contract between the core and its plugins.
+"""The pluggy hook specifications of nanovllm, and the check of an implementation's argument names.
 
-Specs, and the check of an implementation's argument names against them. Two kinds of hooks, both under
-the pluggy project name ``"nanovllm"``:
+Two kinds of hooks, both under the pluggy project name ``"nanovllm"``:
 
 - Registration hooks (:class:`RegistrationSpec`), called once per process for every plugin module named
   by an entry point in the group ``nanovllm`` (discovery lives in :mod:`nanovllm.plugins`).
-- Runtime hooks (:class:`PolicySpec`), the sparse-policy contract, called by the engine for the selected
-  prefill and decode policies and for observers. The engine binds them once per engine
-  (:class:`nanovllm.policy.PolicyHooks`), so the per-layer hot path pays a bound call, never a pluggy
-  dispatch. Policies subclass :class:`nanovllm.policy.SparsePolicy`, whose methods already carry these
-  names; a method named like a runtime hook is an implementation without a decorator.
+- Notification hooks (:class:`ObserverSpec`), what the engine tells the selected policies and any
+  observers. A method named like one is an implementation without a decorator. The engine resolves the
+  implementers once per engine (:class:`nanovllm.policy.PolicyHooks`) and calls them directly, so the
+  per-layer hot path pays a method call, never a pluggy dispatch.
+
+The rest of the sparse-policy contract, the flags and the per-layer methods the engine calls, is
+:class:`nanovllm.sparse.SparsePolicy`; :mod:`nanovllm.sparse` is the whole public API of policy plugins.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import pluggy
@@ -61,42 +63,14 @@ class RegistrationSpec:
         ``LLM(..., observers=["name:key=value"])``: ``registry.add_observer(name, target, config=...)``."""
 
 
-class PolicySpec:
-    """The sparse-policy contract. Each call covers a whole batch: tensors in, tensors out, no Python
-    loop over sequences. Hooks called inside the forward pass (all but ``on_blocks_allocated``) are
-    captured in the decode CUDA graphs when every implementer declares ``cuda_graph_safe``: then they
-    must not synchronise with the host nor make shapes depend on device values.
+class ObserverSpec:
+    """The notification hooks: the engine calls them on the prefill policy, the decode policy and every
+    observer that implements them (a policy that leaves :class:`nanovllm.sparse.SparsePolicy`'s no-ops is
+    not called). Each call covers a whole batch: tensors in, no Python loop over sequences. Hooks called
+    inside the forward pass (all but ``on_blocks_allocated``) are captured in the decode CUDA graphs when
+    every implementer declares ``cuda_graph_safe``: then they must not synchronise with the host nor make
+    shapes depend on device values.
     """
-
-    @hookspec(firstresult=True)
-    def select_blocks(self, ctx: PolicyContext) -> torch.Tensor:
-        """The history blocks each sequence attends to, for one layer and one phase.
-
-        Called by the engine when the policy's ``requires_block_selection`` is true; the result goes to
-        ``ctx.selected_blocks`` before ``compute_chunked_*``. Logical block indices (block ``j`` holds
-        tokens ``[j * block_size, (j + 1) * block_size)``), int32, strictly ascending, padded with -1 at
-        the end, each below ``ctx.num_history_blocks``: ``[num_seqs, k]`` shared by all heads, or
-        ``[num_seqs, num_kv_heads, k]`` per KV head. The engine checks these rules outside CUDA graphs
-        (:func:`nanovllm.policy.check_selection`; ``NANOVLLM_CHECK_SELECTIONS=0`` turns it off).
-
-        The history is the sequence before this step's chunk in prefill (a prompt prefilled in one chunk,
-        without a prefix-cache hit, has none: nothing to choose), the whole sequence in decode. Sparsity
-        inside a prefill chunk belongs to ``compute_chunked_prefill``.
-        """
-
-    @hookspec(firstresult=True)
-    def compute_chunked_prefill(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PolicyContext
-    ) -> torch.Tensor:
-        """Attention output ``[num_tokens, num_heads, head_dim]`` of the batch's prefill chunks.
-
-        ``q``, ``k``, ``v`` are the chunks' new tokens (already in the cache); the history is in the cache.
-        """
-
-    @hookspec(firstresult=True)
-    def compute_chunked_decode(self, q: torch.Tensor, ctx: PolicyContext) -> torch.Tensor:
-        """Attention output ``[num_seqs, num_heads, head_dim]``: one query per sequence over its whole
-        history, the query's own key included."""
 
     @hookspec
     def on_kv_write(self, write: KVWrite) -> None:
@@ -146,13 +120,16 @@ def spec_signature(spec: type, hook: str) -> str:
     return f"{hook}({', '.join(_argument_names(getattr(spec, hook), True))})"
 
 
-def argument_problems(plugin: object, spec: type, marked_only: bool = False) -> list[str]:
+def argument_problems(
+    plugin: object, spec: type, hooks: Iterable[str] | None = None, marked_only: bool = False
+) -> list[str]:
     """One line for each hook implementation of ``plugin`` (a class, instance or module) whose argument
     names are not all among those ``spec`` declares for the hook: pluggy calls hooks by keyword, so such an
     implementation fails at its first call. Implementations are the callables named like a hook of
-    ``spec`` (with ``marked_only``, those marked ``@hookimpl`` alone)."""
+    ``spec`` (with ``marked_only``, those marked ``@hookimpl`` alone); ``hooks`` limits which (default:
+    every public name of ``spec``)."""
     problems = []
-    for hook in (name for name in vars(spec) if not name.startswith("_")):
+    for hook in hooks if hooks is not None else [name for name in vars(spec) if not name.startswith("_")]:
         func = getattr(plugin, hook, None)
         if not callable(func) or (marked_only and not hasattr(func, f"{PROJECT_NAME}_impl")):
             continue

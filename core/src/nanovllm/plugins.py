@@ -19,13 +19,8 @@ from typing import Any
 import attrs
 import pluggy
 
-from nanovllm.hookspecs import (
-    ENTRY_POINT_GROUP,
-    PROJECT_NAME,
-    PolicySpec,
-    RegistrationSpec,
-    argument_problems,
-)
+from nanovllm.hookspecs import ENTRY_POINT_GROUP, PROJECT_NAME, RegistrationSpec, argument_problems
+from nanovllm.sparse import check_api_version, contract_problems
 
 ALLOW_ENV = "NANOVLLM_PLUGINS"
 REGISTRATION_HOOKS = tuple(n for n in vars(RegistrationSpec) if n.startswith("register_"))
@@ -45,10 +40,11 @@ def load_target(target: str) -> Any:
     return obj
 
 
-def load_registered(target: str, dist: str, what: str, spec: type | None = None) -> Any:
+def load_registered(target: str, dist: str, what: str, policy: bool = False) -> Any:
     """:func:`load_target` for an entry a plugin registered; a bad target is a one-line error naming the
-    distribution, the entry and the target. With ``spec`` (a hookspec class), a hook method of the loaded
-    class whose argument names the spec does not pass is an error too, naming the hook."""
+    distribution, the entry and the target. With ``policy`` (a policy or observer), a method of the loaded
+    class named like a per-layer method or notification hook whose argument names the contract does not
+    pass is an error too, naming the method (:func:`nanovllm.sparse.contract_problems`)."""
     try:
         obj = load_target(target)
     except (ImportError, AttributeError) as exc:
@@ -57,11 +53,11 @@ def load_registered(target: str, dist: str, what: str, spec: type | None = None)
             f"{what} registered by distribution {dist!r} points at {target!r}, which cannot be loaded "
             f"({reason}); fix the target in its registration hook, or reinstall {dist}"
         ) from exc
-    problems = argument_problems(obj, spec) if spec is not None else []
+    problems = contract_problems(obj) if policy else []
     if problems:
         raise PluginError(
             f"{what} registered by distribution {dist!r} ({target}): {'; '.join(problems)}; rename the "
-            f"method's arguments (nanovllm.hookspecs.{spec.__name__})"
+            "method's arguments (nanovllm.sparse)"
         )
     return obj
 
@@ -178,13 +174,26 @@ class Registry:
         )
         self._add(self.attention_backends, name.lower(), info, "attention backend")
 
-    def add_observer(self, name: str, target: str, *, config: str | None = None) -> None:
+    def add_observer(
+        self, name: str, target: str, *, config: str | None = None, api_version: str | None = None
+    ) -> None:
+        """``api_version``: the policy API (``nanovllm.sparse.API_VERSION``) the observer is written for;
+        an incompatible one fails this plugin's registration, naming the fix. ``None``: not checked."""
+        self._check_api_version(api_version, f"observer {name.lower()!r}")
         info = ObserverInfo(name.lower(), target, self._dist, config)
         self._add(self.observers, name.lower(), info, "observer")
 
-    def add_sparse_policy(self, name: str, target: str, *, config: str | None = None) -> None:
+    def add_sparse_policy(
+        self, name: str, target: str, *, config: str | None = None, api_version: str | None = None
+    ) -> None:
+        """``api_version``: as for :meth:`add_observer`."""
+        self._check_api_version(api_version, f"sparse policy {name.lower()!r}")
         info = SparsePolicyInfo(name.lower(), target, self._dist, config)
         self._add(self.sparse_policies, name.lower(), info, "sparse policy")
+
+    def _check_api_version(self, api_version: str | None, what: str) -> None:
+        if api_version is not None:
+            check_api_version(api_version, f"{what} of distribution {self._dist!r}")
 
     def _add(self, table: dict, key: str, entry: Any, kind: str) -> None:
         if key in table:
@@ -248,10 +257,9 @@ class PluginSet:
             for name in plugin.registered:
                 kind, _, key = name.partition(":")
                 entry = tables[kind][key]
-                spec = PolicySpec if kind in ("sparse_policy", "observer") else None
                 what = f"{kind.replace('_', ' ')} {key!r}"
                 try:
-                    load_registered(entry.target, plugin.dist, what, spec)
+                    load_registered(entry.target, plugin.dist, what, kind in ("sparse_policy", "observer"))
                     if getattr(entry, "config", None) is not None:
                         load_registered(entry.config, plugin.dist, f"the config of {what}")
                 except PluginError as exc:

@@ -1,12 +1,9 @@
-"""Sparse-attention policies: the base class policies subclass, what they see, and how the engine binds them.
+"""The engine's side of sparse-attention policies: what a policy sees for one layer and phase
+(:class:`PolicyContext`), the check of its selections, and the policies and observers of one engine
+(:class:`PolicyHooks`), which the attention layers call directly.
 
-The contract (hook names and meaning) is :class:`nanovllm.hookspecs.PolicySpec`. Per layer and phase
-the engine builds a :class:`PolicyContext`, calls ``select_blocks`` when the policy
-``requires_block_selection`` (the result, checked by :func:`check_selection`, goes to
-``ctx.selected_blocks``), then ``compute_chunked_prefill`` or ``compute_chunked_decode``. The defaults
-here attend to the selected history blocks (prefill: plus the chunk itself, merged by log-sum-exp), so a
-policy that only chooses blocks overrides ``select_blocks`` alone. Per-block metadata is kept from
-``on_kv_write`` and reset in ``on_blocks_allocated``.
+Plugins reach these names through the public policy API, :mod:`nanovllm.sparse`, which also holds the
+base class :class:`nanovllm.sparse.SparsePolicy`.
 """
 
 from __future__ import annotations
@@ -16,19 +13,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
-import pluggy
 import torch
 
 from nanovllm.attention.backend import AttentionBackend
 from nanovllm.attention.metadata import PhaseMetadata, StepMetadata
-from nanovllm.hookspecs import PROJECT_NAME, PolicySpec, argument_problems
 from nanovllm.kv.store import KVTransfer, KVWrite, LayerKV, PagedLayerKV
-
-RUNTIME_HOOKS = tuple(name for name in vars(PolicySpec) if not name.startswith("_"))
-NOTIFICATION_HOOKS = (
-    "on_kv_write", "on_prefill_offload", "on_decode_offload", "on_blocks_allocated", "on_blocks_selected"
-)
-POLICY_FLAGS = ("supports_prefill", "supports_decode", "requires_block_selection", "cuda_graph_safe")
+from nanovllm.sparse import SparsePolicy, contract_problems
 
 
 @attrs.define(slots=True)
@@ -142,99 +132,8 @@ CHECK_SELECTIONS_ENV = "NANOVLLM_CHECK_SELECTIONS"
 _PAD_LAST = torch.iinfo(torch.int32).max  # -1 padding sorts after every block index
 
 
-class SparsePolicy:
-    """Base class of sparse-attention policies; subclass it and override what differs.
-
-    ``config`` is the policy's attrs config instance built from the selection string. The flags are
-    read by the engine:
-
-    - ``supports_prefill`` / ``supports_decode``: the phases it can run; a phase that no selected
-      policy covers runs ``full``.
-    - ``requires_block_selection``: the engine calls ``select_blocks`` before each ``compute_chunked_*``
-      and puts the result in ``ctx.selected_blocks`` (with offload, only those blocks are loaded).
-    - ``cuda_graph_safe``: decode, and the policy's ``on_kv_write``, may be captured in CUDA graphs
-      (no host sync, no data-dependent shapes). Off by default: an unsure policy runs eagerly.
-    """
-
-    supports_prefill: bool = True
-    supports_decode: bool = True
-    requires_block_selection: bool = True
-    cuda_graph_safe: bool = False
-
-    def __init__(self, config: Any = None) -> None:
-        self.config = config
-
-    def metadata_bytes_per_block(
-        self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-        device: torch.device,
-    ) -> int:
-        """Device bytes of the per-block metadata ``initialize`` will allocate, per KV block, on the same
-        ``device``. The engine sizes the KV cache with them, so metadata stays inside the memory budget."""
-        return 0
-
-    def dense_layers(self, num_layers: int) -> frozenset[int]:
-        """The layers this policy always attends to densely over the whole history (Quest's
-        ``skip_layers``). With KV offload the engine keeps their KV resident in a paged GPU cache, read and
-        written as without offload, so their whole history does not cross PCIe every step; the GPU memory
-        for it comes out of the same budget as the load slots."""
-        return frozenset()
-
-    def check_offload(self) -> None:
-        """Called at start when KV offload is on (``kv_offloading_size``), before the pool is allocated. A
-        policy whose options need every key on the GPU raises ``ValueError`` here, naming the fix, so
-        ``LLM(...)`` fails instead of a later step."""
-
-    def initialize(
-        self, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
-        dtype: torch.dtype, device: torch.device,
-    ) -> None:
-        """Called once the KV cache exists, before any step; allocate per-block metadata here."""
-
-    def select_blocks(self, ctx: PolicyContext) -> torch.Tensor:
-        return ctx.all_history_blocks()
-
-    def compute_chunked_prefill(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PolicyContext
-    ) -> torch.Tensor:
-        hist_out, hist_lse = ctx.attend_blocks(q, self._selection(ctx))
-        return ctx.merge(hist_out, hist_lse, *ctx.attend_chunk(q, k, v))[0]
-
-    def compute_chunked_decode(self, q: torch.Tensor, ctx: PolicyContext) -> torch.Tensor:
-        return ctx.attend_blocks(q, self._selection(ctx))[0]
-
-    def _selection(self, ctx: PolicyContext) -> torch.Tensor:
-        """The engine's selection, or this policy's own when called outside the engine."""
-        return ctx.selected_blocks if ctx.selected_blocks is not None else self.select_blocks(ctx)
-
-    # Notification hooks: a policy that keeps no metadata leaves them as they are, and then the engine
-    # does not call them at all.
-    def on_kv_write(self, write: KVWrite) -> None:
-        """See :meth:`nanovllm.hookspecs.PolicySpec.on_kv_write`."""
-
-    def on_prefill_offload(self, transfer: KVTransfer) -> None:
-        """See :meth:`nanovllm.hookspecs.PolicySpec.on_prefill_offload`."""
-
-    def on_decode_offload(self, transfer: KVTransfer) -> None:
-        """See :meth:`nanovllm.hookspecs.PolicySpec.on_decode_offload`."""
-
-    def on_blocks_allocated(self, block_ids: torch.Tensor) -> None:
-        """See :meth:`nanovllm.hookspecs.PolicySpec.on_blocks_allocated`."""
-
-    def block_metadata(self, layer_id: int, block_ids: torch.Tensor) -> torch.Tensor | None:
-        """The per-block metadata of physical ``block_ids`` at ``layer_id`` (first dimension follows
-        ``block_ids``), or ``None`` when the policy keeps none. The conformance kit compares it with the
-        metadata a fresh instance derives from the cache in one ``on_kv_write``."""
-        return None
-
-
-# -- the selection contract -----------------------------------------------------------------------------
-
-CHECK_SELECTIONS_ENV = "NANOVLLM_CHECK_SELECTIONS"
-_PAD_LAST = torch.iinfo(torch.int32).max  # -1 padding sorts after every block index
-
-
 class PolicyContractError(RuntimeError):
-    """A policy's hook returned what the contract (:mod:`nanovllm.hookspecs`) forbids."""
+    """A policy's method returned what the contract (:mod:`nanovllm.sparse`) forbids."""
 
 
 def selection_checks_enabled() -> bool:
@@ -302,92 +201,78 @@ def check_selection(policy: object, ctx: PolicyContext, blocks: object) -> None:
         raise PolicyContractError(
             f"{cls.__qualname__}.select_blocks ({cls.__module__}) broke the selection contract at layer "
             f"{ctx.layer_id}, {'prefill' if ctx.is_prefill else 'decode'}: {problem}. The rules are in "
-            "nanovllm.hookspecs.PolicySpec.select_blocks"
+            "nanovllm.sparse.SparsePolicy.select_blocks"
         )
 
 
-# -- binding --------------------------------------------------------------------------------------------
-
-
-def _is_base_noop(plugin: object, name: str) -> bool:
-    return name in NOTIFICATION_HOOKS and getattr(getattr(plugin, name), "__func__", None) is getattr(
-        SparsePolicy, name, None
-    )
+# -- the policies and observers of one engine ---------------------------------------------------------
 
 
 def check_hook_arguments(member: object, label: str) -> None:
-    """Raise ``TypeError`` naming ``label`` and the hook when a runtime hook method of ``member`` (a policy
-    or observer, class or instance) takes argument names the spec does not pass."""
-    problems = argument_problems(member, PolicySpec)
+    """Raise ``TypeError`` naming ``label`` and the method when a per-layer method or notification hook of
+    ``member`` (a policy or observer, class or instance) takes argument names the contract does not pass."""
+    problems = contract_problems(member)
     if problems:
-        raise TypeError(f"{label}: {'; '.join(problems)} (nanovllm.hookspecs.PolicySpec)")
+        raise TypeError(f"{label}: {'; '.join(problems)} (nanovllm.sparse)")
 
 
-class _RuntimeManager(pluggy.PluginManager):
-    """Methods named like a runtime hook are implementations, decorated or not, except the base
-    class's empty notification hooks, so a policy that keeps no metadata costs nothing per layer."""
-
-    def parse_hookimpl_opts(self, plugin: Any, name: str):  # type: ignore[override]
-        opts = super().parse_hookimpl_opts(plugin, name)
-        if opts is None and name in RUNTIME_HOOKS and callable(getattr(plugin, name, None)):
-            opts = {}
-        if opts is not None and _is_base_noop(plugin, name):
-            return None
-        return opts
+def implements(member: object, hook: str) -> bool:
+    """Whether ``member`` has a method ``hook`` of its own: an observer's, or a policy's override of
+    :class:`SparsePolicy`'s no-op (which the engine never calls, so a policy without metadata costs nothing
+    per layer)."""
+    method = getattr(member, hook, None)
+    return callable(method) and getattr(method, "__func__", None) is not getattr(SparsePolicy, hook, None)
 
 
 @attrs.define(frozen=True)
 class PhaseHooks:
-    """The bound calls of the policy that runs one phase."""
+    """The policy that runs one phase, and its methods the attention layers call."""
 
     policy: SparsePolicy
-    select: Callable | None  # select_blocks, when the policy requires_block_selection
-    compute: Callable
+    select: Callable | None  # its select_blocks, when it requires_block_selection
+    compute: Callable  # its compute_chunked_prefill or compute_chunked_decode
+
+    @classmethod
+    def of(cls, policy: SparsePolicy, compute: str) -> PhaseHooks:
+        wanted = ("select_blocks", compute) if policy.requires_block_selection else (compute,)
+        for name in wanted:
+            if not callable(getattr(policy, name, None)):
+                raise TypeError(f"policy {type(policy).__name__} does not implement {name}")
+        select = policy.select_blocks if policy.requires_block_selection else None
+        return cls(policy, select, getattr(policy, compute))
 
 
 class PolicyHooks:
-    """The runtime hooks of one engine: the prefill policy, the decode policy and observers, registered
-    on a per-engine pluggy manager and resolved once to bound methods (one for each phase's
-    ``select_blocks`` and ``compute_chunked_*``, a tuple for each notification hook)."""
+    """What one engine calls on its policies and observers, resolved once: the policy of each phase
+    (:class:`PhaseHooks`), and for each notification hook (:class:`nanovllm.hookspecs.ObserverSpec`) a
+    tuple of the bound methods of the members that implement it, in the order prefill policy, decode
+    policy, observers. ``check_selections`` (default: ``NANOVLLM_CHECK_SELECTIONS``) turns on the check of
+    every selection outside CUDA graphs (:func:`check_selection`)."""
 
     def __init__(
         self, prefill: SparsePolicy, decode: SparsePolicy, observers: Iterable[object] = (),
         check_selections: bool | None = None,
     ) -> None:
-        self.manager = _RuntimeManager(PROJECT_NAME)
-        self.manager.add_hookspecs(PolicySpec)
         self.members: list[object] = []
         for member in (prefill, decode, *observers):
             if not any(member is m for m in self.members):
-                label = f"{type(member).__module__}.{type(member).__qualname__}"
-                check_hook_arguments(member, label)
-                self.manager.register(member, name=f"{label}#{len(self.members)}")
+                check_hook_arguments(member, f"{type(member).__module__}.{type(member).__qualname__}")
                 self.members.append(member)
-        # select_blocks' results are checked outside CUDA graphs (see check_selection)
         self.check_selections = selection_checks_enabled() if check_selections is None else check_selections
-        self.prefill = self._phase(prefill, "compute_chunked_prefill")
-        self.decode = self._phase(decode, "compute_chunked_decode")
-        self.kv_write = self._all("on_kv_write")
-        self.prefill_offload = self._all("on_prefill_offload")
-        self.decode_offload = self._all("on_decode_offload")
-        self.blocks_allocated = self._all("on_blocks_allocated")
-        self.blocks_selected = self._all("on_blocks_selected")
+        self.prefill = PhaseHooks.of(prefill, "compute_chunked_prefill")
+        self.decode = PhaseHooks.of(decode, "compute_chunked_decode")
+        self.kv_write = self._calls("on_kv_write")
+        self.prefill_offload = self._calls("on_prefill_offload")
+        self.decode_offload = self._calls("on_decode_offload")
+        self.blocks_allocated = self._calls("on_blocks_allocated")
+        self.blocks_selected = self._calls("on_blocks_selected")
 
-    def _one(self, policy: SparsePolicy, name: str) -> Callable:
-        impls = [i for i in getattr(self.manager.hook, name).get_hookimpls() if i.plugin is policy]
-        if not impls:
-            raise TypeError(f"policy {type(policy).__name__} does not implement {name}")
-        return impls[0].function
+    def implementers(self, hook: str) -> list[object]:
+        """The members that implement notification hook ``hook``."""
+        return [m for m in self.members if implements(m, hook)]
 
-    def _phase(self, policy: SparsePolicy, compute: str) -> PhaseHooks:
-        select = self._one(policy, "select_blocks") if policy.requires_block_selection else None
-        return PhaseHooks(policy, select, self._one(policy, compute))
-
-    def _all(self, name: str) -> tuple[Callable, ...]:
-        return tuple(i.function for i in getattr(self.manager.hook, name).get_hookimpls())
-
-    def implementers(self, name: str) -> list[object]:
-        return [i.plugin for i in getattr(self.manager.hook, name).get_hookimpls()]
+    def _calls(self, hook: str) -> tuple[Callable, ...]:
+        return tuple(getattr(m, hook) for m in self.implementers(hook))
 
     @property
     def cuda_graph_safe(self) -> bool:

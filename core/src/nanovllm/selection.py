@@ -19,8 +19,8 @@ from typing import Any
 
 import attrs
 
-from nanovllm.hookspecs import PolicySpec, argument_problems
 from nanovllm.plugins import AttentionBackendInfo, PluginError, PluginSet, get_plugins, load_registered
+from nanovllm.sparse import contract_problems
 
 PHASES = ("prefill", "decode")
 # The first-party policy distributions: the only package names an error message may send users to.
@@ -212,7 +212,7 @@ def _load_named(sel: Selection, table: dict, kind: str, plugins: PluginSet) -> t
     info = table[sel.name]
     label = f"{kind} {sel.name!r}"
     config = make_config(info.config, sel.options, label, info.dist)
-    return load_registered(info.target, info.dist, label, PolicySpec), config
+    return load_registered(info.target, info.dist, label, policy=True), config
 
 
 def resolve_sparse_policy(spec: str | dict | Selection, plugins: PluginSet | None = None) -> ResolvedPolicy:
@@ -291,11 +291,10 @@ def resolve_observer(spec: object, plugins: PluginSet | None = None) -> object:
     """An observer instance: given as an object, or a registered observer's selection (``"name"``,
     ``"name:key=value"``, a dict), built with its checked config."""
     if not isinstance(spec, (str, dict, Selection)):
-        problems = argument_problems(spec, PolicySpec)
+        problems = contract_problems(spec)
         if problems:
             raise PluginError(f"observer {type(spec).__qualname__} ({type(spec).__module__}): "
-                              f"{'; '.join(problems)}; rename the method's arguments "
-                              "(nanovllm.hookspecs.PolicySpec)")
+                              f"{'; '.join(problems)}; rename the method's arguments (nanovllm.sparse)")
         return spec
     plugins = plugins or get_plugins()
     sel = parse_selection(spec, "observers")
