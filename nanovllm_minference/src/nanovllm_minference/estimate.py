@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 from nanovllm.attention.backend import check_paged_inputs
-from nanovllm.attention.triton_kernels import max_shared_memory, num_sms
+from nanovllm.sparse import max_shared_memory, num_sms
 
 LOG2E = 1.4426950408889634
 MAX_LAST_Q = 128  # rows per head held in one tile; MInference uses 64

@@ -11,12 +11,13 @@ Per layer and prefill chunk:
 4. **Attention**: one kernel over the index, causal, grouped KV heads, on the paged cache, the chunk's
    own keys included (they are already in the cache).
 
-Every read goes through the context's KV store (``ctx.read_paged``), one code path on both stores: on
-the GPU cache the kernels read the cache in place; with KV offload the estimate reads every key (no
-values) across PCIe, the density check comes before any value is read, and the attention reads only the
-KV blocks the index touches, into a compact buffer it addresses through a block table of its own. Chunks whose sequences are all shorter than ``dense_below``
-and the first ``skip_layers`` layers run dense, as does a chunk whose index would compute more than
-``dense_above`` of dense attention's work (a pattern that is not sparse).
+Every read goes through the context's KV store (``ctx.read_paged``), one code path on both stores: on the
+GPU cache the kernels read the cache in place; with KV offload the estimate reads every key (no values)
+across PCIe, the density check comes before any value is read, and the attention reads only the KV blocks
+the index touches, into a compact buffer it addresses through a block table of its own. Chunks whose
+sequences are all shorter than ``dense_below`` and the first ``skip_layers`` layers run dense, as does a
+chunk whose index would compute more than ``dense_above`` of dense attention's work (a pattern that is
+not sparse).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import NamedTuple
 
 import attrs
 import torch
-from nanovllm.policy import PolicyContext, SparsePolicy
+from nanovllm.sparse import PolicyContext, SparsePolicy
 
 from nanovllm_minference.config import MInferenceConfig
 from nanovllm_minference.head_config import HeadPattern, layer_heads, load_head_patterns

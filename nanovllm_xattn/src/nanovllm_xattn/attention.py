@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 from nanovllm.attention.backend import check_paged_inputs, prefill_kernel_outputs
-from nanovllm.attention.triton_kernels import online_softmax_step, tile_blocks
+from nanovllm.sparse import online_softmax_step, tile_blocks
 
 from nanovllm_xattn.layout import num_query_blocks
 

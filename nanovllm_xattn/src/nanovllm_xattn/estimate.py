@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 from nanovllm.attention.backend import check_paged_inputs
-from nanovllm.attention.triton_kernels import is_interpreted, max_shared_memory
+from nanovllm.sparse import is_interpreted, max_shared_memory
 
 from nanovllm_xattn.layout import num_key_blocks, num_query_blocks
 

@@ -23,7 +23,7 @@ import json
 
 import attrs
 import torch
-from nanovllm.policy import PolicyContext, SparsePolicy
+from nanovllm.sparse import PolicyContext, SparsePolicy
 
 from nanovllm_xattn.config import XAttentionConfig
 from nanovllm_xattn.oracle import keep_counts, per_selection_head, true_block_scores

@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from nanovllm.policy import PolicyContext, SparsePolicy
+from nanovllm.sparse import PolicyContext, SparsePolicy
 
 
 @attrs.define(frozen=True)

@@ -4,7 +4,7 @@ Registration only names lazy ``"module:Name"`` targets, so ``nanovllm plugins`` 
 plugin without importing torch.
 """
 
-from nanovllm.hookspecs import hookimpl
+from nanovllm.sparse import hookimpl
 
 
 @hookimpl
@@ -13,4 +13,5 @@ def register_sparse_policies(registry) -> None:
         "window",
         "nanovllm_window.policy:WindowPolicy",
         config="nanovllm_window.config:WindowConfig",
+        api_version="1.0",  # the policy API (nanovllm.sparse.API_VERSION) this plugin is written for
     )

@@ -1,7 +1,7 @@
 """The ``window`` policy: StreamingLLM-style attention to the first ``sink_blocks`` blocks plus the
 last ``recent_blocks`` history blocks of every sequence.
 
-Only ``select_blocks`` is overridden: :class:`nanovllm.policy.SparsePolicy` already attends to the
+Only ``select_blocks`` is overridden: :class:`nanovllm.sparse.SparsePolicy` already attends to the
 selected history blocks plus the current chunk (prefill) or over the selected blocks (decode, where
 the history includes the new token) and merges the partial results by log-sum-exp. The window thus
 applies in decode and to the history before each prefill chunk, never inside a chunk: a prompt
@@ -11,7 +11,7 @@ prefilled in one chunk has no history and is attended to densely.
 from __future__ import annotations
 
 import torch
-from nanovllm.policy import PolicyContext, SparsePolicy
+from nanovllm.sparse import PolicyContext, SparsePolicy
 
 from nanovllm_window.config import WindowConfig
 
