@@ -226,13 +226,13 @@ def test_a_registration_hook_with_other_argument_names_fails_at_discovery(site):
 
 
 def test_a_policy_hook_with_other_argument_names_fails_before_the_weights_load(site, tiny_model, monkeypatch):
-    import nanovllm.engine.model_runner as model_runner
+    import nanovllm.engine.model_loading as model_loading
     from nanovllm import LLM
 
     write_dist(site, "nanovllm-renamed", {"fake_renamed": WRONG_POLICY_ARGUMENTS},
                {"renamed": "fake_renamed"})
     reload_plugins()
-    monkeypatch.setattr(model_runner, "load_weights", lambda *a: pytest.fail("the weights were loaded"))
+    monkeypatch.setattr(model_loading, "load_weights", lambda *a: pytest.fail("the weights were loaded"))
     with pytest.raises(PluginError) as info:
         LLM(tiny_model(), kv_cache_memory=1 << 24, device="cpu", sparse_policy="renamed")
     assert str(info.value) == (

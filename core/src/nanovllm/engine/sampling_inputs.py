@@ -70,10 +70,15 @@ class SamplingInputs:
         top-p, generators, min-p, logits processing. ``input_ids`` and ``sample_rows``: the step's input ids
         and the rows that sample (``None``: every row), for multi-token bad words."""
         params = [s.sampling_params for s in seqs]
-        temperatures = self.to_device(np.array([p.temperature for p in params], dtype=np.float32))
-        top_ks = self._ints([p.top_k for p in params]) if any(p.top_k > 0 for p in params) else None
-        top_ps = self._floats([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None
-        min_ps = self._floats([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None
+        to_device = self.to_device
+        temperatures = to_device(np.array([p.temperature for p in params], dtype=np.float32))
+        top_ks = top_ps = min_ps = None
+        if any(p.top_k > 0 for p in params):
+            top_ks = to_device(np.array([p.top_k for p in params], dtype=np.int64))
+        if any(p.top_p < 1 for p in params):
+            top_ps = to_device(np.array([p.top_p for p in params], dtype=np.float32))
+        if any(p.min_p > 0 for p in params):
+            min_ps = to_device(np.array([p.min_p for p in params], dtype=np.float32))
         generators = []
         for s in seqs:
             if s.sampling_params.seed is not None and s.generator is None:
