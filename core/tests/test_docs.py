@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
 import re
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,7 +41,7 @@ def test_cited_files_exist():
             if any(t in cited for t in TEMPLATES) or cited.startswith(("http", "www.")):
                 continue
             if "/" in cited:  # a path: from the root, the citing file, or the example plugin (its layout)
-                bases = (ROOT, source.parent, ROOT / "core", ROOT / "examples" / "nanovllm-window")
+                bases = (ROOT, source.parent, ROOT / "core", ROOT / "docs", ROOT / "examples" / "nanovllm-window")
                 found = any((base / cited).exists() for base in bases)
             elif cited.endswith(".md") and "tests" not in source.parts:
                 found = cited in names  # a document named alone; tests name the scratch files they write
@@ -46,3 +50,136 @@ def test_cited_files_exist():
             if not found:
                 missing.append(f"{source.relative_to(ROOT)} cites {cited}")
     assert not missing, "\n".join(missing)
+
+
+# -- the user documentation: links, commands, generated tables -------------------------------------------------
+
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")  # [text](target), not images
+
+
+def user_docs() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+\s+(.*)$", re.sub(r"```.*?```", "", page.read_text(), flags=re.S), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_relative_links_resolve():
+    broken = []
+    for page in user_docs():
+        for target in LINK.findall(page.read_text()):
+            if re.match(r"[a-z]+:", target):  # a URL
+                continue
+            path, _, anchor = target.partition("#")
+            linked = page.parent / path if path else page
+            if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in anchors(linked)):
+                broken.append(f"{page.relative_to(ROOT)} links to {target}")
+    assert not broken, "\n".join(broken)
+
+
+def test_generated_option_tables_are_current():
+    script = ROOT / "scripts" / "gen_config_docs.py"
+    out = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def readme_blocks() -> tuple[list[str], list[str]]:
+    """The README's shell commands (indented or fenced lines starting with a program) and Python blocks."""
+    text = (ROOT / "README.md").read_text()
+    python = re.findall(r"```python\n(.*?)```", text, re.S)
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    commands = [line.strip() for line in text.splitlines() if line.startswith("    ") and line.strip()]
+    return commands, python
+
+
+def test_readme_commands_use_existing_options():
+    from nanovllm.cli import build_parser
+
+    commands, _ = readme_blocks()
+    assert commands, "the README shows no commands"
+    parser = build_parser()
+    make_targets = re.findall(r"^(\w+):", (ROOT / "Makefile").read_text(), re.M)
+    for line in commands:
+        words = shlex.split(line.split("  #")[0], comments=True)
+        if words[0] == "nanovllm":
+            try:
+                parser.parse_args(words[1:])
+            except SystemExit as exc:
+                pytest.fail(f"README: {line!r} is not a valid command line ({exc})")
+        elif words[0] == "make":
+            assert words[1] in make_targets, line
+        elif words[0] == "pip":
+            for path in (w.split("[")[0].strip('"') for w in words if w.startswith(("./", '"./'))):
+                assert (ROOT / path / "pyproject.toml").is_file(), f"README installs {path}, which is no distribution"
+        else:
+            pytest.fail(f"README: a command the test does not know how to check: {line!r}")
+
+
+def test_readme_cheap_commands_run():
+    for argv in (["plugins"], ["--version"]):
+        out = subprocess.run([sys.executable, "-m", "nanovllm.cli", *argv], capture_output=True, text=True, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+    listed = subprocess.run([sys.executable, "-m", "nanovllm.cli", "plugins"], capture_output=True, text=True).stdout
+    readme = (ROOT / "README.md").read_text()
+    for name in ("quest", "minference", "xattn", "LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"):
+        assert name in listed and f"`{name}" in readme, name
+
+
+def test_readme_python_uses_existing_options():
+    import attrs
+    from nanovllm.config import EngineConfig
+    from nanovllm.sampling_params import SamplingParams
+
+    accepted = {"LLM": {f.name for f in attrs.fields(EngineConfig)},
+                "SamplingParams": {f.name for f in attrs.fields(SamplingParams)}}
+    _, blocks = readme_blocks()
+    assert blocks
+    for block in blocks:
+        for node in ast.walk(ast.parse(block)):
+            if isinstance(node, ast.ImportFrom):
+                module = importlib.import_module(node.module)
+                assert all(hasattr(module, a.name) for a in node.names), ast.unparse(node)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in accepted:
+                unknown = {k.arg for k in node.keywords} - accepted[node.func.id]
+                assert not unknown, f"README: {node.func.id} has no option {unknown}"
+
+
+# -- docs/writing-plugins.md: one runnable example per hook, run in CI -------------------------------------
+
+PLUGIN_GUIDE = ROOT / "docs" / "writing-plugins.md"
+
+
+def guide_examples() -> list[str]:
+    """The guide's runnable examples: its Python blocks whose first line is ``# example: ...``."""
+    blocks = re.findall(r"```python\n(.*?)```", PLUGIN_GUIDE.read_text(), re.S)
+    return [b for b in blocks if b.startswith("# example:")]
+
+
+def test_every_hook_has_an_example():
+    from nanovllm.hookspecs import RegistrationSpec
+    from nanovllm.sparse import POLICY_METHODS, ObserverSpec
+
+    hooks = [n for spec in (RegistrationSpec, ObserverSpec) for n in vars(spec) if not n.startswith("_")]
+    defined = {node.name for block in guide_examples() for node in ast.walk(ast.parse(block))
+               if isinstance(node, ast.FunctionDef)}
+    missing = [h for h in [*hooks, *POLICY_METHODS] if h not in defined]
+    assert not missing, f"docs/writing-plugins.md has no runnable example of {missing}"
+
+
+@pytest.mark.slow
+def test_plugin_guide_examples_run(monkeypatch, tmp_path):
+    import types
+
+    from nanovllm.plugins import reload_plugins
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # the examples' model directories
+    module = types.ModuleType("writing_plugins_examples")  # registered targets name it: "module:Class"
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    try:
+        for index, block in enumerate(guide_examples()):
+            exec(compile(block, f"docs/writing-plugins.md example {index}", "exec"), module.__dict__)
+    finally:
+        reload_plugins()
