@@ -42,7 +42,7 @@ def profile_decode_step(preset: str, steps: int = 30, num_seqs: int = 256, tempe
         llm.step()
     sync()
     phases = {"schedule": (sched, "schedule"), "prepare": (runner, "prepare"), "sampler": (runner, "sampler"),
-              "wait_and_apply": (llm, "_apply_pending")}
+              "wait_and_apply": (llm.llm_engine, "_apply_pending")}
     result: dict[str, Any] = {"benchmark": "decode-profile", "preset": preset, "batch": len(sched.running),
                               "cuda_graphs": bool(runner.graphs)}
     for synced in (False, True):

@@ -135,7 +135,7 @@ def bench_ttft_text(
     """The ``text`` job: ``full`` and each policy paired on one natural-text prompt of ``context``
     tokens on real weights (see the module docstring); each policy's row also has ``index`` (what
     :func:`index_work` records for it)."""
-    from nanovllm.engine.llm_engine import load_tokenizer, resolve_model_path
+    from nanovllm.engine.model_loading import load_tokenizer, resolve_model_path
     from nanovllm.quality.corpus import joined_corpus_tokens
 
     ids, texts = joined_corpus_tokens(load_tokenizer(resolve_model_path(TEXT_MODEL)), context)

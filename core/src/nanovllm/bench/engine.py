@@ -35,15 +35,16 @@ def sync() -> None:
 
 
 class DecodeStepTimer:
-    """Wraps ``LLMEngine.step`` to time the steps in which every scheduled sequence decodes."""
+    """Wraps the ``step`` of ``llm``'s engine (what ``LLM.generate`` calls) to time the steps in which every
+    scheduled sequence decodes."""
 
     def __init__(self, llm) -> None:
-        self.llm, self.times, self.other_times = llm, [], []
-        self._step = llm.step
-        llm.step = self
+        self.engine, self.times, self.other_times = llm.llm_engine, [], []
+        self._step = self.engine.step
+        self.engine.step = self
 
     def __call__(self):
-        sched = self.llm.scheduler
+        sched = self.engine.scheduler
         decode_only = bool(sched.running) and not sched.waiting and all(
             s.num_computed_tokens == s.num_tokens - 1 for s in sched.running
         )

@@ -146,8 +146,7 @@ class ModelShape:
 def model_shape(model: str, engine_options: dict[str, Any]) -> ModelShape:
     from transformers import AutoConfig
 
-    from nanovllm.engine.llm_engine import override_config, resolve_model_path
-    from nanovllm.engine.model_runner import resolve_device, resolve_dtype
+    from nanovllm.engine.model_loading import override_config, resolve_device, resolve_dtype, resolve_model_path
 
     hf = AutoConfig.from_pretrained(resolve_model_path(model))
     override_config(hf, engine_options.get("hf_overrides"))
