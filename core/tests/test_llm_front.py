@@ -13,7 +13,7 @@ import pytest
 import torch
 from nanovllm import SamplingParams, TextPrompt, TokensPrompt
 from nanovllm.config import EngineConfig
-from nanovllm.engine.llm_engine import resolve_model_path
+from nanovllm.engine.model_loading import resolve_model_path
 from nanovllm.hub import HubError, is_hub_id
 from nanovllm.testing import hub_cache_entry
 
@@ -406,6 +406,26 @@ def test_llm_engine_is_the_engine_with_the_step_api(llm):
         finished.update({out.request_id: out for out in engine.step() if out.finished})
     assert list(finished) == ["kept"] and finished["kept"].outputs[0].token_ids == want
     assert_idle(llm)
+
+
+def test_llm_holds_its_engine_and_start_up_resolves_the_options_once(model):
+    from nanovllm import LLM
+    from nanovllm.config import ResolvedConfig
+    from nanovllm.engine.llm_engine import LLMEngine
+
+    llm = make_llm(model, max_model_len=None, dtype="auto")
+    engine = llm.llm_engine
+    assert not isinstance(llm, LLMEngine) and isinstance(engine, LLMEngine) and not isinstance(engine, LLM)
+    config = engine.config
+    # the options with nothing left to derive: the model's length limit, the CPU's dtype, a concrete device
+    assert isinstance(config, ResolvedConfig) and config.device == "cpu" and config.dtype == "float32"
+    assert config.max_model_len == engine.hf_config.max_position_embeddings == engine.max_model_len
+    assert config.model_config.path == engine.model_path and config.model_config.architecture == "LlamaForCausalLM"
+    # handed down as one object: the runner runs with the engine's
+    assert engine.runner.config is config
+    assert engine.runner.dtype == torch.float32 and engine.runner.max_model_len == config.max_model_len
+    # the engine's attributes read through the LLM, as when it was its own engine
+    assert llm.runner is engine.runner and llm.config is config
 
 
 def test_default_sampling_params_come_from_generation_config(model, tmp_path):

@@ -98,7 +98,7 @@ class TensorParallelWorld:
         warnings.warn(
             f"{late}, so the engine started its {self.size} ranks again without CUDA graphs (slower decoding). "
             f"Pass enforce_eager=True to skip the capture, or set {CAPTURE_TIMEOUT_VARIABLE} to more seconds if "
-            "it was only slow", RuntimeWarning, stacklevel=3,
+            "it was only slow", RuntimeWarning, stacklevel=4,  # the caller of LLM(...)
         )
         config = attrs.evolve(config, enforce_eager=True)
         gc.collect()  # the failed runner's model and cache, before the new one sizes its cache
