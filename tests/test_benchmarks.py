@@ -337,6 +337,21 @@ def test_reuse_jobs_join_only_when_asked_and_get_their_table(monkeypatch):
     assert "| [2048] | exit 1 |" in text
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_quest_decode_engine_jobs_run_on_the_gpu():
+    """The decode and offload jobs end to end at a short context (plumbing, not speed): rows with their
+    step time, and the selection cache's counts for Quest under offload."""
+    qd = script("quest_decode")
+    quest = "quest:token_budget=512"
+    [full] = qd.run_job({"kind": "decode", "context": 4096, "batch": 2, "policy": "full", "steps": 2})
+    [sparse] = qd.run_job({"kind": "decode", "context": 4096, "batch": 2, "policy": quest, "steps": 2})
+    [offload] = qd.run_job({"kind": "offload", "context": 4096, "batch": 1, "policy": quest, "steps": 2})
+    assert all(r["decode_ms_per_step"] > 0 for r in (full, sparse, offload))
+    assert full["kv_tokens_per_step"] == sparse["kv_tokens_per_step"]
+    assert offload["cache_loaded_head_blocks_per_step"] + offload["cache_reused_head_blocks_per_step"] > 0
+
+
 # -- minference_prefill.py ------------------------------------------------------------------------------------
 
 
