@@ -153,7 +153,7 @@ def configuration_page() -> str:
 
 ## Engine options
 
-`LLM(model, **options)`, `nanovllm generate|chat|serve --flag VALUE`, and `EngineArgs` take these
+`LLM(model, **options)`, `EngineArgs`, and `nanovllm generate`, `chat` and `serve` (as `--flag VALUE`) take these
 (`nanovllm.config.EngineConfig`). An unknown option is an error that lists the accepted ones. Boolean flags
 also have a `--no-` form.
 

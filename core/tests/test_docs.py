@@ -183,3 +183,39 @@ def test_plugin_guide_examples_run(monkeypatch, tmp_path):
             exec(compile(block, f"docs/writing-plugins.md example {index}", "exec"), module.__dict__)
     finally:
         reload_plugins()
+
+
+def doc_commands() -> list[tuple[Path, str]]:
+    """Commands quoted in backticks in the docs and the results README (wrapped lines joined)."""
+    pages = [*user_docs(), ROOT / "benchmarks" / "results" / "README.md"]
+    found = []
+    for page in pages:
+        for quoted in re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", page.read_text(), flags=re.S)):
+            command = " ".join(quoted.split())
+            if re.match(r"(nanovllm (generate|chat|serve|plugins|bench)|python benchmarks/)\b", command) and (
+                    "..." not in command and "NAME.py" not in command):  # prose, not a command
+                found.append((page, command))
+    return found
+
+
+def test_documented_commands_use_existing_options():
+    from nanovllm.cli import build_parser
+
+    parser = build_parser()
+    for page, command in doc_commands():
+        words = shlex.split(command)
+        where = f"{page.relative_to(ROOT)}: {command!r}"
+        if words[0] == "nanovllm" and len(words) == 2:  # a command named in prose: it must exist
+            assert words[1] in ("generate", "chat", "serve", "plugins", "bench"), where
+        elif words[0] == "nanovllm":  # placeholders (URL, FILE) parse as the values they stand for
+            try:
+                parser.parse_args(words[1:])
+            except SystemExit as exc:
+                assert exc.code == 0 and "--help" in words, f"{where} is not a valid command line"
+        else:  # python benchmarks/NAME.py --flag ...: the script exists and defines each flag
+            script = ROOT / words[1]
+            assert script.is_file(), f"{where}: no such script"
+            source = script.read_text() + "".join(
+                (ROOT / "core" / "src" / "nanovllm" / "quality" / name).read_text() for name in ("prefill.py",))
+            for flag in (w.split("=")[0] for w in words[2:] if w.startswith("--")):
+                assert f'"{flag}"' in source, f"{where}: {script.name} has no option {flag}"
