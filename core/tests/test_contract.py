@@ -146,7 +146,7 @@ def test_supports_flags_send_the_other_phase_to_full(make_llm):
 
 def test_requires_block_selection_decides_whether_the_engine_selects(make_llm):
     llm = make_llm("noselection")
-    assert llm.runner.hooks.decode.select is None
+    assert not llm.runner.decode_policy.requires_block_selection
     calls = run(llm)
     assert calls["selected_by_engine"] == 0 and calls["compute_chunked_decode"] > 0
     calls = run(make_llm("recorder"))

@@ -102,19 +102,16 @@ def generate(llm):
     return llm.generate(prompts, params, use_tqdm=False)
 
 
-def test_layers_call_bound_methods_not_pluggy(probe_llm, monkeypatch):
+def test_layers_call_the_policy_directly_not_pluggy(probe_llm, monkeypatch):
     llm = probe_llm("probe")
     runner = llm.runner
     policy = runner.prefill_policy
     assert type(policy) is ProbePolicy and runner.decode_policy is policy
     layers = runner.attention_layers
     assert len(layers) == 3
-    for layer in layers:  # bound once, at engine build
+    for layer in layers:  # resolved once, at engine build
         hooks = layer.hooks
-        assert hooks.prefill.compute.__self__ is policy and hooks.decode.compute.__self__ is policy
-        assert hooks.prefill.compute.__func__ is ProbePolicy.compute_chunked_prefill
-        assert hooks.decode.compute.__func__ is ProbePolicy.compute_chunked_decode
-        assert hooks.decode.select.__func__ is ProbePolicy.select_blocks
+        assert hooks is runner.hooks and hooks.prefill is policy and hooks.decode is policy
         assert hooks.kv_write == hooks.blocks_allocated == hooks.blocks_selected == ()  # none implemented
 
     dispatched, steps = spy(llm, monkeypatch)
@@ -152,8 +149,7 @@ def test_unsupported_phase_is_bound_to_full_attention(probe_llm, monkeypatch):
     assert type(runner.decode_policy) is DecodeOnlyProbe
     assert type(runner.prefill_policy) is FullAttentionPolicy
     for layer in runner.attention_layers:
-        assert layer.hooks.prefill.compute.__self__ is runner.prefill_policy
-        assert layer.hooks.decode.compute.__self__ is runner.decode_policy
+        assert layer.hooks.prefill is runner.prefill_policy and layer.hooks.decode is runner.decode_policy
     dispatched, steps = spy(llm, monkeypatch)
     CALLS.clear()
     generate(llm)
@@ -178,18 +174,17 @@ class Watcher:
         pass
 
 
-def test_hooks_are_the_members_own_bound_methods():
+def test_notification_hooks_are_the_members_own_bound_methods():
     policy, decode, watcher = Notified(), ProbePolicy(), Watcher()
     hooks = PolicyHooks(policy, decode, [watcher])
-    assert hooks.prefill.compute == policy.compute_chunked_prefill and hooks.prefill.select == policy.select_blocks
-    assert hooks.decode.compute == decode.compute_chunked_decode and hooks.decode.policy is decode
+    assert hooks.prefill is policy and hooks.decode is decode
     assert hooks.kv_write == (policy.on_kv_write,) and hooks.blocks_selected == (watcher.on_blocks_selected,)
     assert hooks.blocks_allocated == hooks.prefill_offload == hooks.decode_offload == ()  # the base's no-ops
     assert hooks.members == [policy, decode, watcher] and hooks.policies == [policy, decode]
     assert not any(isinstance(v, pluggy.PluginManager) for v in vars(hooks).values())
 
 
-def test_binding_rejects_a_policy_missing_a_hook():
+def test_a_policy_missing_a_method_is_refused_at_start():
     class NotAPolicy:
         requires_block_selection = True
 
@@ -203,6 +198,6 @@ def test_binding_rejects_a_policy_missing_a_hook():
 
 def test_the_contract_is_the_per_layer_methods_and_the_notification_hooks():
     assert CONTRACT == {
-        "select_blocks", "compute_chunked_prefill", "compute_chunked_decode", "on_kv_write", "on_blocks_allocated",
-        "on_blocks_selected", "on_prefill_offload", "on_decode_offload",
+        "select_blocks", "compute_chunked_prefill", "compute_chunked_decode", "on_kv_write",
+        "on_blocks_allocated", "on_blocks_selected", "on_prefill_offload", "on_decode_offload",
     }

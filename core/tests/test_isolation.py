@@ -71,15 +71,15 @@ def fail_steps(monkeypatch, llm, where: str = "launch", when=lambda seqs: any(ma
 def fail_decodes(monkeypatch, llm, longer_than: int = 0) -> None:
     """The decode policy raises in a step with a sequence longer than ``longer_than`` tokens, from inside the
     model's forward pass (after some layers wrote their keys and values)."""
-    hooks = llm.runner.hooks
-    compute = hooks.decode.compute
+    policy = llm.runner.decode_policy
+    compute = policy.compute_chunked_decode
 
     def failing(q, ctx):
         if ctx.layer_id == 1 and bool((ctx.meta.context_lens > longer_than).any()):
             raise ValueError("the policy failed")
         return compute(q, ctx)
 
-    monkeypatch.setattr(hooks, "decode", attrs.evolve(hooks.decode, compute=failing))
+    monkeypatch.setattr(policy, "compute_chunked_decode", failing)
 
 
 def assert_blocks_accounted(llm) -> None:

@@ -63,7 +63,8 @@ def test_the_scan_finds_every_form_of_import(tmp_path):
         def late():
             from nanovllm.sparse import SparsePolicy
     """))
-    assert nanovllm_imports(source) == [(2, "nanovllm.policy"), (3, "nanovllm.attention"), (8, "nanovllm.sparse")]
+    found = nanovllm_imports(source)
+    assert found == [(2, "nanovllm.policy"), (3, "nanovllm.attention"), (8, "nanovllm.sparse")]
 
 
 # -- what the module offers ----------------------------------------------------------------------------

@@ -346,8 +346,7 @@ def _check_selection_contract(case: Case, model_dir: str, policy: Any) -> None:
     want = _full_outputs(case.device, case.backend, model_dir, "mixed_lengths")
     compare_outputs("selection_contract", got, want)
     for phase in ("prefill", "decode"):
-        hooks = getattr(llm.runner.hooks, phase)
-        if hooks.select is not None:
+        if getattr(llm.runner.hooks, phase).requires_block_selection:
             assert checker.calls[phase] > 0, f"{phase}: select_blocks was never called"
         else:
             assert checker.calls[phase] == 0, f"{phase}: the policy selects nothing, yet selections were seen"
@@ -421,7 +420,7 @@ def _check_small_budget(case: Case, model_dir: str, policy: Any) -> None:
         raise unittest.SkipTest("the small-budget selection runs full attention in both phases")
     _generate(llm, _prompts(lengths, seed), _params(max_tokens, False))
     for phase in reference.phases:
-        if getattr(llm.runner.hooks, phase).select is not None:
+        if getattr(llm.runner.hooks, phase).requires_block_selection:
             assert selections.calls[phase] > 0, f"small_budget: {phase}: select_blocks was never called"
     assert reference.sparse_calls > 0, (
         f"small_budget: in {reference.calls} layer calls the policy's output equals dense attention: "
@@ -442,10 +441,10 @@ class AttentionReference:
         self.torch = TorchBackend()
         self.calls = self.sparse_calls = 0
         self.phases = [p for p in ("prefill", "decode")
-                       if not isinstance(getattr(hooks, p).policy, FullAttentionPolicy)]
-        for phase in self.phases:
-            hook = getattr(hooks, phase)
-            setattr(hooks, phase, attrs.evolve(hook, compute=self._wrap(hook.compute, type(hook.policy))))
+                       if not isinstance(getattr(hooks, p), FullAttentionPolicy)]
+        for phase in self.phases:  # the engine calls the policy's method: wrap it on the instance
+            policy, compute = getattr(hooks, phase), f"compute_chunked_{phase}"
+            setattr(policy, compute, self._wrap(getattr(policy, compute), type(policy)))
 
     def _wrap(self, compute, policy: type):
         def checked(*args):
@@ -513,7 +512,7 @@ def _check_cuda_graphs(case: Case, model_dir: str, policy: Any) -> None:
         raise unittest.SkipTest("CUDA graphs need a CUDA device")
     llm = _engine(case, model_dir, policy, enforce_eager=False)
     if not llm.runner.graphs:
-        if case.offload and llm.runner.hooks.decode.select is None:
+        if case.offload and not llm.runner.hooks.decode.requires_block_selection:
             raise unittest.SkipTest("under offload only decode steps that select on the device are captured")
         if llm.runner.hooks.cuda_graph_safe:
             raise AssertionError("the policy declares cuda_graph_safe, yet no decode graph was captured")

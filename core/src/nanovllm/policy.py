@@ -224,28 +224,20 @@ def implements(member: object, hook: str) -> bool:
     return callable(method) and getattr(method, "__func__", None) is not getattr(SparsePolicy, hook, None)
 
 
-@attrs.define(frozen=True)
-class PhaseHooks:
-    """The policy that runs one phase, and its methods the attention layers call."""
-
-    policy: SparsePolicy
-    select: Callable | None  # its select_blocks, when it requires_block_selection
-    compute: Callable  # its compute_chunked_prefill or compute_chunked_decode
-
-    @classmethod
-    def of(cls, policy: SparsePolicy, compute: str) -> PhaseHooks:
-        wanted = ("select_blocks", compute) if policy.requires_block_selection else (compute,)
-        for name in wanted:
-            if not callable(getattr(policy, name, None)):
-                raise TypeError(f"policy {type(policy).__name__} does not implement {name}")
-        select = policy.select_blocks if policy.requires_block_selection else None
-        return cls(policy, select, getattr(policy, compute))
+def _checked_phase(policy: SparsePolicy, compute: str) -> SparsePolicy:
+    """``policy``, once it has the methods the attention layers call for its phase."""
+    wanted = ("select_blocks", compute) if policy.requires_block_selection else (compute,)
+    for name in wanted:
+        if not callable(getattr(policy, name, None)):
+            raise TypeError(f"policy {type(policy).__name__} does not implement {name}")
+    return policy
 
 
 class PolicyHooks:
     """What one engine calls on its policies and observers, resolved once: the policy of each phase
-    (:class:`PhaseHooks`), and for each notification hook (:class:`nanovllm.hookspecs.ObserverSpec`) a
-    tuple of the bound methods of the members that implement it, in the order prefill policy, decode
+    (``prefill``, ``decode``: the same instance when one policy runs both), whose per-layer methods the
+    attention layers call directly, and for each notification hook (:class:`nanovllm.hookspecs.ObserverSpec`)
+    a tuple of the bound methods of the members that implement it, in the order prefill policy, decode
     policy, observers. ``check_selections`` (default: ``NANOVLLM_CHECK_SELECTIONS``) turns on the check of
     every selection outside CUDA graphs (:func:`check_selection`)."""
 
@@ -259,8 +251,8 @@ class PolicyHooks:
                 check_hook_arguments(member, f"{type(member).__module__}.{type(member).__qualname__}")
                 self.members.append(member)
         self.check_selections = selection_checks_enabled() if check_selections is None else check_selections
-        self.prefill = PhaseHooks.of(prefill, "compute_chunked_prefill")
-        self.decode = PhaseHooks.of(decode, "compute_chunked_decode")
+        self.prefill = _checked_phase(prefill, "compute_chunked_prefill")
+        self.decode = _checked_phase(decode, "compute_chunked_decode")
         self.kv_write = self._calls("on_kv_write")
         self.prefill_offload = self._calls("on_prefill_offload")
         self.decode_offload = self._calls("on_decode_offload")
@@ -279,7 +271,7 @@ class PolicyHooks:
         """The decode policy and everything called inside a decode forward pass can be captured."""
         inside = [m for name in ("on_kv_write", "on_blocks_selected", "on_decode_offload")
                   for m in self.implementers(name)]
-        return all(getattr(m, "cuda_graph_safe", False) for m in [self.decode.policy, *inside])
+        return all(getattr(m, "cuda_graph_safe", False) for m in [self.decode, *inside])
 
     def dense_layers(self, num_layers: int) -> frozenset[int]:
         """The layers a selected policy runs dense (``SparsePolicy.dense_layers``): resident under offload."""
@@ -288,5 +280,4 @@ class PolicyHooks:
     @property
     def policies(self) -> list[SparsePolicy]:
         """The distinct policy instances (one when a single policy runs both phases)."""
-        prefill, decode = self.prefill.policy, self.decode.policy
-        return [prefill] if prefill is decode else [prefill, decode]
+        return [self.prefill] if self.prefill is self.decode else [self.prefill, self.decode]

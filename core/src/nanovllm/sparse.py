@@ -13,8 +13,9 @@ A policy distribution imports from nanovllm only this module and the attention b
   policy or observer declares the API version it was written for there
   (``registry.add_sparse_policy(name, target, config=..., api_version="1.0")``).
 - What a policy sees: :class:`PolicyContext` (one layer and one phase of a step), :class:`KVWrite` (new
-  keys and values), :class:`KVTransfer` (what the host store moved), the step metadata types :class:`PhaseMetadata` and :class:`StepMetadata`, and the
-  selection contract (:func:`selection_problem`, :func:`check_selection`, :class:`PolicyContractError`).
+  keys and values), :class:`KVTransfer` (what the host store moved), the step metadata types
+  :class:`PhaseMetadata` and :class:`StepMetadata`, and the selection contract (:func:`selection_problem`,
+  :func:`check_selection`, :class:`PolicyContractError`).
 - Kernel helpers a plugin's Triton kernels may use: ``tile_blocks`` and ``online_softmax_step``
   (``@triton.jit`` functions), ``num_sms``, ``max_shared_memory`` and ``is_interpreted``.
 

@@ -82,7 +82,7 @@ class CudaGraphRunner:
         """This rank can capture; warns when only the environment (``capture_problem``) prevents it."""
         usable = (
             self.device.type == "cuda"
-            and self.kv_store.can_capture_decode(self.hooks.decode.select is not None)
+            and self.kv_store.can_capture_decode(self.hooks.decode.requires_block_selection)
             and not self.config.enforce_eager
             and self.backend.supports_cuda_graphs
             and self.hooks.cuda_graph_safe

@@ -159,11 +159,11 @@ class ModelRunner:
 
     @property
     def prefill_policy(self):
-        return self.hooks.prefill.policy
+        return self.hooks.prefill
 
     @property
     def decode_policy(self):
-        return self.hooks.decode.policy
+        return self.hooks.decode
 
     @torch.inference_mode()
     def _warm_up(self) -> None:

@@ -9,7 +9,8 @@ from torch import nn
 from nanovllm.attention.backend import AttentionBackend
 from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, get_forward_context
 from nanovllm.kv.store import LayerKV
-from nanovllm.policy import PhaseHooks, PolicyContext, PolicyHooks, check_selection
+from nanovllm.policy import PolicyContext, PolicyHooks, check_selection
+from nanovllm.sparse import SparsePolicy
 
 
 class Attention(nn.Module):
@@ -58,30 +59,32 @@ class Attention(nn.Module):
         if self.sliding_window is not None:
             return self.backend.decode(q, self.k_cache, self.v_cache, meta.decode, self.scale,
                                        self.sliding_window)
-        phase = self.hooks.decode
+        policy = self.hooks.decode
         rows = slice(0, meta.num_decode_tokens)
-        return phase.compute(q, self._context(phase, q, k, v, meta.decode, meta.positions[rows], False))
+        ctx = self._context(policy, q, k, v, meta.decode, meta.positions[rows], False)
+        return policy.compute_chunked_decode(q, ctx)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         if self.sliding_window is not None:
             return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, meta.prefill, self.scale,
                                         self.sliding_window)
-        phase = self.hooks.prefill
+        policy = self.hooks.prefill
         positions = meta.positions[meta.num_decode_tokens :]
-        return phase.compute(q, k, v, self._context(phase, q, k, v, meta.prefill, positions, True))
+        ctx = self._context(policy, q, k, v, meta.prefill, positions, True)
+        return policy.compute_chunked_prefill(q, k, v, ctx)
 
     def _context(
-        self, phase: PhaseHooks, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, phase_meta: PhaseMetadata,
-        positions: torch.Tensor, is_prefill: bool,
+        self, policy: SparsePolicy, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        phase_meta: PhaseMetadata, positions: torch.Tensor, is_prefill: bool,
     ) -> PolicyContext:
         ctx = PolicyContext(
             self.layer_id, is_prefill, q, phase_meta, self.k_cache, self.v_cache, self.scale, self.backend,
             None, k, v, positions, self.kv,
         )
-        if phase.select is not None:
-            ctx.selected_blocks = phase.select(ctx)
+        if policy.requires_block_selection:
+            ctx.selected_blocks = policy.select_blocks(ctx)
             if self.hooks.check_selections:
-                check_selection(phase.policy, ctx, ctx.selected_blocks)
+                check_selection(policy, ctx, ctx.selected_blocks)
             for on_blocks_selected in self.hooks.blocks_selected:
                 on_blocks_selected(ctx, ctx.selected_blocks)
         return ctx
