@@ -26,8 +26,6 @@ POLICY_SOURCES = [
     ROOT / "examples" / "nanovllm-window" / "src" / "nanovllm_window",
 ]
 ALLOWED = {"nanovllm.sparse", "nanovllm.attention.backend"}
-# Speed benchmarks and quality experiments are on their way out of the distributions, into benchmarks/.
-EXPERIMENTS = {"bench.py", "quality.py"}
 
 
 def nanovllm_imports(path: Path) -> list[tuple[int, str]]:
@@ -45,7 +43,7 @@ def nanovllm_imports(path: Path) -> list[tuple[int, str]]:
 
 
 def test_policy_plugins_import_only_the_policy_api_and_the_backend_api():
-    sources = [p for d in POLICY_SOURCES for p in sorted(d.rglob("*.py")) if p.name not in EXPERIMENTS]
+    sources = [p for d in POLICY_SOURCES for p in sorted(d.rglob("*.py"))]
     assert len(sources) > 20  # the scan sees the plugins
     bad = [f"{p.relative_to(ROOT)}:{line}: {module}" for p in sources for line, module in nanovllm_imports(p)
            if module not in ALLOWED]
