@@ -111,12 +111,13 @@ def test_page_bounds_hold_under_prefix_sharing_and_preemption(monkeypatch, optio
 def test_offload_gives_the_tokens_of_the_device_cache(device, monkeypatch):
     """The skip layer stays resident on the device under offload; the tokens are those of the device cache,
     and of the run that offloads every layer."""
+    from nanovllm.kv import PagedLayerKV
     from nanovllm_quest.policy import QuestPolicy
 
     want = generate(engine(device))
     llm = engine(device, offload=True)
     assert llm.runner.kv.resident_layers == [0] and llm.runner.kv.engine.layers == [1, 2]
-    assert llm.runner.attention_layers[0].offload is None
+    assert isinstance(llm.runner.attention_layers[0].kv, PagedLayerKV)  # the GPU cache, as without offload
     assert generate(llm) == want
     monkeypatch.setattr(QuestPolicy, "dense_layers", lambda self, num_layers: frozenset())
     llm = engine(device, offload=True)
