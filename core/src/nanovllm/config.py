@@ -136,7 +136,7 @@ class EngineConfig:
     kv_offloading_size: float | None = attrs.field(default=None, validator=_gib("kv_offloading_size"))
     kv_offloading_buffer_size: float = attrs.field(default=1.5, validator=_gib("kv_offloading_buffer_size"))
     # decode selections keep the head blocks they loaded in that buffer, one region per layer, and the next
-    # step loads only those it lacks (when every layer's selection of the batch fits; nanovllm.engine.offload)
+    # step loads only those it lacks (when every layer's selection of the batch fits; nanovllm.kv.offload)
     kv_offloading_reuse_selections: bool = True
     tensor_parallel_size: int = attrs.field(default=1, validator=_positive_int("tensor_parallel_size"))
     # "mp": the engine spawns its ranks; "external_launcher": every rank is a process torchrun started
