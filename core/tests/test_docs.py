@@ -99,6 +99,10 @@ def readme_blocks() -> tuple[list[str], list[str]]:
     return commands, python
 
 
+def test_readme_is_short():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250, "the README is a summary: move details to docs/"
+
+
 def test_readme_commands_use_existing_options():
     from nanovllm.cli import build_parser
 
