@@ -101,13 +101,21 @@ class MInferencePolicy(SparsePolicy):
             key_cache, _, key_tables = ctx.read_paged(lambda: _every_block(ctx), values=False)
         index = self.build_index(q, ctx, key_cache, key_tables, ops)
         del key_cache
-        # decided before any value is read (a host sync per chunk and layer; prefill is not captured)
-        if dense_above is not None and float(ops.density(index, meta.cu_seqlens_q, meta.context_lens,
-                                                         meta.max_query_len)) > dense_above:
-            return ctx.attend_all(q, k, v)
-        touched = ctx.read_paged(lambda: touched_blocks(index, meta.cu_seqlens_q, meta.context_lens, ctx.block_size,
-                                                        meta.block_tables.shape[1]))
-        return ops.attend(q, *touched, meta.cu_seqlens_q, meta.context_lens, index, ctx.scale, meta.max_query_len)[0]
+
+        def touched() -> torch.Tensor:
+            # for a store that copies: decided before any value is read (a host sync), nothing read when dense
+            marks = touched_blocks(index, meta.cu_seqlens_q, meta.context_lens, ctx.block_size,
+                                   meta.block_tables.shape[1])
+            if dense_above is not None and float(ops.density(index, meta.cu_seqlens_q, meta.context_lens,
+                                                             meta.max_query_len)) > dense_above:
+                return torch.zeros_like(marks)
+            return marks
+
+        # above dense_above the kernel computes nothing (None): it reads the decision back, a host sync per
+        # chunk and layer (prefill is not captured in graphs), once the kernel is queued
+        result = ops.attend(q, *ctx.read_paged(touched), meta.cu_seqlens_q, meta.context_lens, index, ctx.scale,
+                            meta.max_query_len, dense_above=dense_above)
+        return ctx.attend_all(q, k, v) if result is None else result[0]
 
     def build_index(self, q: torch.Tensor, ctx: PolicyContext, k_cache: torch.Tensor, tables: torch.Tensor,
                     ops: Ops) -> SparseIndex:
