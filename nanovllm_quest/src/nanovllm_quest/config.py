@@ -77,8 +77,8 @@ class QuestConfig:
     - ``rescore``: the bound nominates ``rescore`` times the budget's pages, and the largest exact ``q . k``
       of each nominee's keys ranks them for the budget (1, the default: off, the paper's selection). It
       reads the nominees' keys, ``rescore x token_budget`` keys per KV head, besides the bounds; it needs
-      pages of one KV block, and the GPU cache (not KV offload). Where a text repeats itself, many pages
-      have near-identical bounds that rank them alike, and the keys tell them apart
+      pages of one KV block (with KV offload, only the nominees' keys cross PCIe). Where a text repeats
+      itself, many pages have near-identical bounds that rank them alike, and the keys tell them apart
       (:file:`benchmarks/results/README.md`).
     - ``oracle``: an evaluation mode, slow, for quality measurements only: pages rank by their exact
       attention mass for the step's query (:func:`nanovllm_quest.reference.page_masses`, every history
