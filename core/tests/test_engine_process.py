@@ -206,11 +206,11 @@ def refuse_requests(engine) -> None:
     def refused(*args):
         raise RuntimeError("injected add failure")
 
-    engine._enqueue = refused
+    engine.enqueue = refused
 
 
 def accept_requests(engine) -> None:
-    del engine._enqueue
+    del engine.enqueue
 
 
 def test_a_failed_step_or_add_fails_its_requests_and_the_engine_goes_on(engine, run):

@@ -123,7 +123,7 @@ class LLM:
         engine = self.llm_engine
         requests = [engine.input_processor.process(prompt, params, i)
                     for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True))]
-        seqs = [engine._enqueue(t, ids, p) for (t, ids), p in zip(requests, sampling_params, strict=True)]
+        seqs = [engine.enqueue(t, ids, p) for (t, ids), p in zip(requests, sampling_params, strict=True)]
         return self._run(seqs, use_tqdm)
 
     def _run(self, seqs: list[Sequence], use_tqdm: bool) -> list[RequestOutput]:

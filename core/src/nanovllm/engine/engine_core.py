@@ -123,7 +123,7 @@ class EngineCore:
             errors = []
             for request_id, token_ids, params in command[1]:
                 try:
-                    seq = self.engine._enqueue(None, token_ids, params, request_id)
+                    seq = self.engine.enqueue(None, token_ids, params, request_id)
                 except Exception as exc:
                     errors.append(("error", [request_id], f"the engine could not queue request {request_id!r}: "
                                                           f"{exc!r}"))

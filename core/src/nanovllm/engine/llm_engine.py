@@ -104,7 +104,7 @@ class LLMEngine:
 
     def _add(self, prompt: Prompt, params: SamplingParams, request_id: str | None) -> Sequence:
         text, token_ids = self.input_processor.process(prompt, params)
-        return self._enqueue(text, token_ids, params, request_id)
+        return self.enqueue(text, token_ids, params, request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -118,10 +118,11 @@ class LLMEngine:
         for request_id in ids:
             self._streams.pop(request_id, None)
 
-    def _enqueue(
+    def enqueue(
         self, text: str | None, token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> Sequence:
-        """Queue a request; returns its first completion's sequence (``seq.group``: all ``n`` of them)."""
+        """Queue a request already checked and tokenized (``input_processor.process``; ``text`` is None for
+        token ids); returns its first completion's sequence (``seq.group``: all ``n`` of them)."""
         seq = Sequence(token_ids, params, request_id or str(self._next_request), text)
         self._next_request += 1
         prepare_request(seq, self.eos_token_ids, self.tokenizer, self.config.enable_prefix_caching)
