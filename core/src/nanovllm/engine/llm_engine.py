@@ -17,10 +17,9 @@ from typing import Any
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.input_processor import InputProcessor, Prompt
-from nanovllm.engine.model_loading import (  # noqa: F401 (override_config, resolve_model_path: imported from here)
+from nanovllm.engine.model_loading import (  # noqa: F401 (resolve_model_path: scripts import it from here)
     eos_token_ids,
     load_tokenizer,
-    override_config,
     resolve_config,
     resolve_model_path,
     select_parts,

@@ -23,13 +23,7 @@ from nanovllm.distributed import (
 )
 from nanovllm.engine.cuda_graphs import CudaGraphRunner
 from nanovllm.engine.kv_allocation import allocate_kv_store
-from nanovllm.engine.model_loading import (  # noqa: F401 (resolve_device, resolve_dtype: imported from here)
-    EngineParts,
-    bind_attention,
-    build_model,
-    resolve_device,
-    resolve_dtype,
-)
+from nanovllm.engine.model_loading import EngineParts, bind_attention, build_model
 from nanovllm.engine.sampling_inputs import SamplingInputs
 from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
 from nanovllm.engine.step_plan import (
