@@ -56,11 +56,12 @@ def main() -> None:
     llm = LLM(args.model, device=args.device, kv_offloading_size=args.kv_offloading_size, max_model_len=1024,
               observers=[counter])
     counter.clear()  # what the engine's start-up moved (its warm-up on a GPU) is not the prompts'
-    prompt = "The history of the printing press, in a few paragraphs: " * 20
-    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    prompt = "The history of the printing press, in a few paragraphs: " * 8
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     print(f"{'layer':>5} {'stored MiB':>11} {'loaded MiB':>11}")
     for layer in sorted(counter.stored.keys() | counter.loaded.keys()):
         print(f"{layer:>5} {counter.stored[layer] / 2**20:>11.3f} {counter.loaded[layer] / 2**20:>11.3f}")
+    print(f"{'all':>5} {sum(counter.stored.values()) / 2**20:>11.3f} {sum(counter.loaded.values()) / 2**20:>11.3f}")
 
 
 if __name__ == "__main__":
