@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import attrs
 import numpy as np
@@ -270,8 +270,8 @@ class PagedLayerKV(LayerKV):
 class PooledLayerKV(LayerKV):
     """A layer's KV in the host pool of an :class:`~nanovllm.kv.offload.OffloadEngine`: writes go to the
     pool on the store stream, reads stream what they need into GPU slots (only the selected blocks for
-    ``attend_blocks``). ``stored`` / ``loaded`` hold the ``on_*_offload`` hooks of each phase (index 0:
-    decode, 1: prefill), told what crosses PCIe."""
+    ``attend_blocks``). ``offload_hooks`` holds the ``on_decode_offload`` and ``on_prefill_offload`` hooks
+    (index 0 and 1), told of each store to the pool; the offload engine tells them of each load."""
 
     def __init__(self, layer_id: int, engine: OffloadEngine) -> None:
         super().__init__(layer_id, *engine.cache(layer_id))
@@ -436,17 +436,17 @@ class HostKVStore(KVStore):
         self.engine.order_streams()
 
 
-class HostPhaseLike:
-    """What :meth:`KVStore.begin_step` takes for a phase: a :class:`~nanovllm.kv.offload.HostPhase`, or
-    host arrays ``block_tables`` ``[num_seqs, width]``, ``cu_seqlens_q`` ``[num_seqs + 1]`` and
-    ``context_lens`` ``[num_seqs]`` (the model runner's plan of the phase)."""
+class HostPhaseLike(Protocol):
+    """A phase as :meth:`KVStore.begin_step` takes it besides a :class:`~nanovllm.kv.offload.HostPhase`:
+    the model runner's host arrays ``block_tables`` ``[num_seqs, width]``, ``cu_seqlens_q``
+    ``[num_seqs + 1]`` and ``context_lens`` ``[num_seqs]``."""
 
     block_tables: np.ndarray
     cu_seqlens_q: np.ndarray
     context_lens: np.ndarray
 
 
-def host_phase(phase) -> HostPhase:
+def host_phase(phase: HostPhase | HostPhaseLike) -> HostPhase:
     """``phase`` as a :class:`~nanovllm.kv.offload.HostPhase` (the offload engine's plan input)."""
     from nanovllm.kv.offload import HostPhase
 
