@@ -18,7 +18,7 @@ import argparse
 from collections import defaultdict
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.kv import KVTransfer
+from nanovllm.sparse import KVTransfer
 
 
 class PCIeBytes:
