@@ -101,12 +101,16 @@ def comments(cls: type) -> dict[str, str]:
 
 def docstring_bullets(cls: type) -> dict[str, str]:
     """The class docstring's ``- ``a`` / ``b``: text`` items, by each field they name; an item may also start
-    after a full stop inside a bullet."""
+    after a full stop inside a bullet, and may put its default in brackets: ``- ``a`` (default 1): text``
+    (other bracketed words lead the text)."""
     doc = " ".join((inspect.getdoc(cls) or "").split())
-    heads = list(re.finditer(r"(?:^|- |(?<=\. ))((?:``\w+``(?:\s*/\s*)?)+):\s", doc))
+    heads = list(re.finditer(r"(?:^|- |(?<=\. ))((?:``\w+``(?:\s*/\s*)?)+)(?:\s*\(([^()]*)\))?:\s", doc))
     out = {}
     for head, after in zip(heads, [*heads[1:], None]):
         text = doc[head.end(): after.start() if after else len(doc)].removesuffix("- ").strip()
+        bracket = head.group(2)
+        if bracket and not bracket.startswith("default"):
+            text = f"{bracket}: {text}"
         for name in re.findall(r"``(\w+)``", head.group(1)):
             out.setdefault(name, text)
     return out
