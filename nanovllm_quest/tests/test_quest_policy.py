@@ -7,7 +7,7 @@ import pytest
 import torch
 from nanovllm.attention.metadata import PhaseMetadata
 from nanovllm.attention.torch_backend import TorchBackend
-from nanovllm.conformance import policy_engine
+from nanovllm.kv import PagedLayerKV
 from nanovllm.plugins import get_plugins
 from nanovllm.policy import KVWrite, PolicyContext
 from nanovllm.quality import planted
@@ -468,6 +468,28 @@ def test_rescore_is_refused_with_pages_of_several_blocks():
                                          r"blocks of 16; leave page_size unset, or use rescore=1"):
         QuestPolicy(QuestConfig(rescore=2, page_size=32)).initialize(4, 2, 16, 10, 16, torch.float32,
                                                                      torch.device("cpu"))
+
+
+@pytest.mark.parametrize("reduction", ["max", "mass"])
+def test_rescore_reads_only_the_nominees_keys_from_a_store_that_copies(reduction):
+    """Through a store that copies what it reads (the host pool's way), rescore reads the nominated blocks'
+    keys alone, into a copy of a fixed size (no host sync), and selects what it selects on the GPU cache."""
+    lens = [150, 40, 90]
+    policy, ctx = decode_batch(lens, seed=9, token_budget=5 * BLOCK, rescore=3, group_reduction=reduction)
+    want = policy.select_blocks(ctx)
+    reads = []
+
+    class CompactReads(PagedLayerKV):
+        def read_paged(self, ctx, blocks, values=True, width=None):
+            present = blocks()
+            reads.append((int(present.sum(-1).max()), values, width))
+            return self.compact_copy(ctx, present, values, width)
+
+    ctx.kv = CompactReads(ctx.layer_id, ctx.k_cache, ctx.v_cache)
+    torch.testing.assert_close(policy.select_blocks(ctx), want)
+    [(most, values, width)] = reads
+    num_blocks = ctx.meta.block_tables.shape[1]
+    assert not values and width == ctx.num_kv_heads * 3 * 5 and most <= width < num_blocks
 
 
 def planted_capture(case: planted.PlantedAttention, num_layers: int = 1) -> Capture:
