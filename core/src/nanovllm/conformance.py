@@ -512,8 +512,8 @@ def _check_cuda_graphs(case: Case, model_dir: str, policy: Any) -> None:
         raise unittest.SkipTest("CUDA graphs need a CUDA device")
     llm = _engine(case, model_dir, policy, enforce_eager=False)
     if not llm.runner.graphs:
-        if case.offload and not llm.runner.hooks.decode.requires_block_selection:
-            raise unittest.SkipTest("under offload only decode steps that select on the device are captured")
+        if not llm.runner.kv.can_capture_decode(llm.runner.hooks.decode.requires_block_selection):
+            raise unittest.SkipTest("this KV store captures only decode steps that select on the device")
         if llm.runner.hooks.cuda_graph_safe:
             raise AssertionError("the policy declares cuda_graph_safe, yet no decode graph was captured")
         raise unittest.SkipTest("the policy is not cuda_graph_safe: decode runs eagerly")
