@@ -65,7 +65,7 @@ def test_threshold_one_keeps_every_causal_block(reduce):
 def test_selected_true_mass_reaches_the_threshold(threshold, reduce, forced):
     q, ctx = case_context(437)
     mask = select(q, ctx, threshold=threshold, oracle="mass", head_reduce=reduce, keep_sink=forced,
-                  keep_recent=forced)
+                  keep_recent=forced, dense_last_rows=int(forced))
     mass = per_selection_head(true_scores(q, ctx), mask.shape[1])
     total = mass.sum(-1)
     real = total > 0  # padding rows hold no queries

@@ -45,7 +45,7 @@ def test_planted_block_clusters_are_found():
     every row at or past them, stays sparse, and the output is close to dense's."""
     case = planted.block_clusters(num_tokens=1024, block_size=BLOCK, clusters_per_head=2, strength=8.0)
     q, ctx = prefill_context(case.q, case.k, case.v, 1024, case.scale)
-    policy = xattn(threshold=0.9, stride=8)
+    policy = xattn(threshold=0.9, stride=8, dense_last_rows=0)  # the threshold rule alone on every row
     masks = []
     original = policy.select
     policy.select = lambda *a: masks.append(original(*a)) or masks[-1]
@@ -59,6 +59,28 @@ def test_planted_block_clusters_are_found():
     # the first rows of a planted block see few of its keys, so some mass outside it is dropped there
     want = dense(q, ctx)
     assert (out - want).norm() / want.norm() < 0.05
+
+
+def test_a_late_question_reads_its_far_needle():
+    """Every query attends to the sink; only the chunk's last few queries (a question) attend to one far
+    key. Their share of their row's mass is small, so the threshold drops the far block unless the last
+    row reads every causal block: then the last block's outputs are exactly dense."""
+    num_tokens, question, needle_at = 1024, 4, 200
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(num_tokens, 2, 32, generator=gen) * 0.3
+    k = torch.randn(num_tokens, 1, 32, generator=gen) * 0.3
+    v = torch.randn(num_tokens, 1, 32, generator=gen)
+    k[0, :, 0] = 1.0
+    q[:, :, 0] = 40.0  # the sink
+    k[needle_at, :, 1] = 1.0
+    q[-question:, :, 1] = 60.0  # the question, past the sink
+    q_chunk, ctx = prefill_context(q, k, v, 512, 32**-0.5)
+    want = dense(q_chunk, ctx)
+    last_block = slice(-BLOCK, None)  # the chunk ends on a block boundary
+    dropped = run(xattn(threshold=0.9, dense_last_rows=0), q_chunk, ctx)
+    assert (dropped[-question:] - want[-question:]).abs().max() > 0.1, "the needle was kept anyway"
+    kept = run(xattn(threshold=0.9), q_chunk, ctx)
+    torch.testing.assert_close(kept[last_block], want[last_block], atol=1e-5, rtol=1e-5)
 
 
 def test_slices_give_the_output_of_one_estimate():

@@ -91,6 +91,25 @@ def test_recent_blocks_end_at_the_diagonal(phase):
         assert torch.nonzero(keep[s, 0, r]).flatten().tolist() == list(range(max(diagonal - 2, 0), diagonal + 1))
 
 
+@pytest.mark.parametrize("dense_last_rows", [1, 2])
+@pytest.mark.parametrize("ratio", [None, 0.25])
+def test_last_rows_read_every_causal_block(phase, dense_last_rows, ratio):
+    """Each sequence's last rows keep every causal block at a threshold that keeps almost nothing; the
+    other rows select as without them."""
+    cu, lens = phase
+    scores = _scores(cu, lens, 2)
+    tiny = torch.full((2,), 1e-6)
+    keep = select_blocks(scores, cu, lens, BLOCK, 1, "mean", tiny, ratio, dense_last_rows=dense_last_rows)
+    plain = select_blocks(scores, cu, lens, BLOCK, 1, "mean", tiny, ratio)
+    causal, _ = causal_blocks(scores, first_query_blocks(cu, lens, BLOCK), lens, BLOCK)
+    query_block = first_query_blocks(cu, lens, BLOCK)[:, None] + torch.arange(scores.shape[2])[None, :]
+    last = (query_block > ((lens.long() - 1) // BLOCK)[:, None] - dense_last_rows)[:, None, :, None] & causal
+    assert int(last.any(-1).sum()) == dense_last_rows * len(lens), "every sequence has its last rows here"
+    assert torch.equal(keep & last, last), "a last row dropped a causal block"
+    assert torch.equal(keep & ~last, plain & ~last), "a row before the last ones changed"
+    assert not torch.equal(plain & last, last), "the plain rule keeps every block anyway: the check is void"
+
+
 def test_ratio_keeps_a_fixed_share_of_each_row(phase):
     cu, lens = phase
     scores = _scores(cu, lens, 2)
@@ -192,6 +211,7 @@ def test_slices_cover_every_row_once_at_block_boundaries(phase, estimate_chunk):
 def test_config_checks_its_options():
     XAttentionConfig(threshold=1, stride=16)
     for bad in (dict(threshold=0), dict(threshold=1.5), dict(stride=3), dict(stride=128), dict(block_size=32),
-                dict(head_reduce="vote"), dict(ratio=0), dict(keep_sink=1), dict(threshold_path="")):
+                dict(head_reduce="vote"), dict(ratio=0), dict(keep_sink=1), dict(threshold_path=""),
+                dict(dense_last_rows=-1), dict(dense_last_rows=True)):
         with pytest.raises(ValueError):
             XAttentionConfig(**bad)

@@ -70,6 +70,11 @@ class XAttentionConfig:
       the threshold). ``recent_blocks``: with ``keep_recent``, the blocks ending at the diagonal kept
       (1: the diagonal alone, the paper's; 2 adds the block before, the local context of a block's first
       rows).
+    - ``dense_last_rows``: the last query-block rows of each sequence's chunk (of each slice, when
+      ``estimate_chunk`` cuts the chunk) that read every causal block (1: the block holding the last
+      query; 0: none). A row's score sums its block's queries, so a few late queries that attend far
+      back, such as a question at the prompt's end whose answer is the first sampled token, weigh too
+      little in their row to pass the threshold; these rows cost one row of dense work per chunk.
     - ``head_reduce``: how the query heads of a GQA group share one selection per KV head: ``mean`` of
       their block scores (the default), ``max``, the ``union`` or the
       ``majority`` of their own selections; ``global_majority`` keeps what most of all the layer's
@@ -92,6 +97,7 @@ class XAttentionConfig:
     keep_sink: bool = attrs.field(default=True, validator=_bool)
     keep_recent: bool = attrs.field(default=True, validator=_bool)
     recent_blocks: int = attrs.field(default=1, validator=_int_at_least(1))
+    dense_last_rows: int = attrs.field(default=1, validator=_int_at_least(0))
     head_reduce: str = attrs.field(default="mean", validator=_head_reduce)
     estimate_chunk: int = attrs.field(default=16384, validator=_int_at_least(1))
     threshold_path: str | None = attrs.field(default=None, validator=_path_or_none)

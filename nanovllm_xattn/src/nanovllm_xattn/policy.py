@@ -5,7 +5,8 @@ Per layer and prefill chunk:
 1. **Estimate** (:mod:`nanovllm_xattn.estimate`): every query head scores every (query block, key
    block) pair of the chunk against all keys so far, from the sums of strided antidiagonals.
 2. **Selection** (:mod:`nanovllm_xattn.selection`): per query-block row, the fewest key blocks that
-   reach ``threshold`` of the row's estimated mass, one selection per KV head (``head_reduce``).
+   reach ``threshold`` of the row's estimated mass, one selection per KV head (``head_reduce``); the
+   last ``dense_last_rows`` rows of each sequence read every causal block.
 3. **Attention** (:mod:`nanovllm_xattn.attention`): one kernel over the selected blocks, causal,
    grouped KV heads, on the paged cache, the chunk's own keys included (they are already there).
 
@@ -131,10 +132,11 @@ class XAttentionPolicy(SparsePolicy):
                                   cfg.stride, cfg.block_size, part.max_query_len, ctx.meta.max_context_len)
         mask = select_blocks(scores, part.cu_seqlens_q, part.context_lens, cfg.block_size, ctx.num_kv_heads,
                              cfg.head_reduce, self.thresholds(ctx.layer_id, q.shape[1], q.device), cfg.ratio,
-                             cfg.keep_sink, cfg.keep_recent, cfg.recent_blocks)
+                             cfg.keep_sink, cfg.keep_recent, cfg.recent_blocks, cfg.dense_last_rows)
         if cfg.oracle == "counts":
             causal, forced = allowed_and_forced(scores, part.cu_seqlens_q, part.context_lens, cfg.block_size,
-                                                cfg.keep_sink, cfg.keep_recent, cfg.recent_blocks)
+                                                cfg.keep_sink, cfg.keep_recent, cfg.recent_blocks,
+                                                cfg.dense_last_rows)
             mask = keep_counts(per_selection_head(true_scores, mask.shape[1]), mask.sum(-1), causal, forced)
         return mask
 

@@ -4,7 +4,10 @@ attention kernel reads.
 Per query-block row (see :mod:`nanovllm_xattn.layout`) the forced blocks (key block 0 with
 ``keep_sink``, the diagonal, or the ``recent_blocks`` ending at it, with ``keep_recent``) come first, then the others by score, best first; the
 row keeps every block up to and including the one whose cumulative score reaches ``threshold`` times the
-row's total. Blocks right of the diagonal are never kept, and a threshold of 1 keeps every causal block.
+row's total. The last ``dense_last_rows`` rows of each sequence's chunk force every causal block: a row
+sums the mass of its block's queries, so a few late queries that attend far back (the prompt's end, the
+question whose answer is the first sampled token) hold too small a share of their row's mass to survive
+the threshold. Blocks right of the diagonal are never kept, and a threshold of 1 keeps every causal block.
 """
 
 from __future__ import annotations
@@ -54,11 +57,11 @@ def threshold_mask(scores: torch.Tensor, causal: torch.Tensor, forced: torch.Ten
 
 
 def allowed_and_forced(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                       block: int, keep_sink: bool, keep_recent: bool,
-                       recent_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+                       block: int, keep_sink: bool, keep_recent: bool, recent_blocks: int,
+                       dense_last_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(causal, forced)``, each ``[S, 1, R, N]`` bool: the blocks each row may read, and those it always
     keeps (key block 0 with ``keep_sink``, the ``recent_blocks`` ending at the diagonal with
-    ``keep_recent``)."""
+    ``keep_recent``, every causal block of each sequence's last ``dense_last_rows`` rows)."""
     first = first_query_blocks(cu_seqlens_q, context_lens, block)
     causal, recent = causal_blocks(scores, first, context_lens, block, recent_blocks)
     forced = torch.zeros_like(causal)
@@ -66,19 +69,24 @@ def allowed_and_forced(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, context
         forced[..., 0] = True
     if keep_recent:
         forced |= recent
+    if dense_last_rows:
+        query_block = first[:, None] + torch.arange(scores.shape[-2], device=scores.device)[None, :]  # [S, R]
+        last_block = (context_lens.long()[:, None] - 1) // block
+        forced |= (query_block > last_block - dense_last_rows)[:, None, :, None] & causal
     return causal, forced
 
 
 def select_blocks(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block: int,
                   num_kv_heads: int, head_reduce: str, threshold: torch.Tensor, ratio: float | None = None,
-                  keep_sink: bool = True, keep_recent: bool = True, recent_blocks: int = 1) -> torch.Tensor:
+                  keep_sink: bool = True, keep_recent: bool = True, recent_blocks: int = 1,
+                  dense_last_rows: int = 0) -> torch.Tensor:
     """``[S, Hs, R, N]`` bool, the kept blocks: per KV head (``Hs = num_kv_heads``) or, with ``head_reduce
     = "none"``, per query head. ``scores`` is ``[S, H, R, N]`` and ``threshold`` ``[H]`` per query head; a
     reduction over a group uses the largest threshold of its heads."""
     num_seqs, num_heads, rows, cols = scores.shape
     group = num_heads // num_kv_heads
     causal, forced = allowed_and_forced(scores, cu_seqlens_q, context_lens, block, keep_sink, keep_recent,
-                                        recent_blocks)
+                                        recent_blocks, dense_last_rows)
     if head_reduce == "none":
         return threshold_mask(scores, causal, forced, threshold, ratio)
     grouped = scores.view(num_seqs, num_kv_heads, group, rows, cols)
