@@ -107,12 +107,13 @@ def test_short_chunks_and_skipped_layers_run_dense(monkeypatch):
 
 
 @pytest.mark.parametrize("options", [dict(threshold=0.5), dict(ratio=0.1, estimate_chunk=64)])
-def test_offload_reads_the_keys_the_resident_path_reads(monkeypatch, options):
-    """The offload path (every key for the estimate, then only the kept blocks' values) gives the
-    resident path's output; here the 'pool' is the same cache read through ``read_paged``."""
+def test_offload_reads_the_keys_the_resident_path_reads(options):
+    """Through a store that copies what it reads (the host pool's way), the policy reads every key (no
+    values) for the estimate, then only the kept blocks' values, and gives the GPU cache's output. No row
+    is forced dense here (``dense_last_rows=0``), so some blocks go unread."""
     case = planted.block_clusters(num_tokens=900, block_size=BLOCK, clusters_per_head=2, strength=8.0)
     q, ctx = prefill_context(case.q, case.k, case.v, 160, case.scale)
-    policy = xattn(**options)
+    policy = xattn(**options, dense_last_rows=0)
     resident = run(policy, q, ctx)
 
     reads = []
