@@ -227,3 +227,56 @@ def test_documented_commands_use_existing_options():
                 (ROOT / "core" / "src" / "nanovllm" / "quality" / name).read_text() for name in ("prefill.py",))
             for flag in (w.split("=")[0] for w in words[2:] if w.startswith("--")):
                 assert f'"{flag}"' in source, f"{where}: {script.name} has no option {flag}"
+
+
+# -- docs/architecture.md: its floors are the imports' ----------------------------------------------------
+
+PACKAGE = ROOT / "core" / "src" / "nanovllm"
+
+
+def architecture_floors() -> dict[str, int]:
+    """Top-level module or package of nanovllm -> its floor in the architecture picture (the numbered lines
+    and the lines under them, up to the next number or a ruled line)."""
+    picture = re.search(r"## The shape.*?```\n(.*?)```", (ROOT / "docs" / "architecture.md").read_text(), re.S)
+    floors, floor = {}, None
+    for line in picture.group(1).splitlines():
+        numbered = re.match(r"\s?(\d)\s\s", line)
+        if numbered:
+            floor = int(numbered.group(1))
+        elif line.strip().startswith("---") or not line.strip():
+            floor = None
+        if floor is None:
+            continue
+        for name in re.findall(r"(?<![\w/.])([a-z_]+)(?:\.py\b|/(?![\w.]))", line):  # engine/, llm.py; not paths
+            if (PACKAGE / f"{name}.py").is_file() or (PACKAGE / name).is_dir():
+                floors.setdefault(name, floor)
+    return floors
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """The nanovllm top-level names a module imports when it runs (TYPE_CHECKING blocks left out)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in
+                   ast.unparse(node.test) for n in ast.walk(node)}
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        modules = ([node.module] if isinstance(node, ast.ImportFrom) and node.module else
+                   [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        names |= {m.split(".")[1] for m in modules if m.startswith("nanovllm.")}
+    return names
+
+
+def test_architecture_floors_match_the_imports():
+    floors = architecture_floors()
+    upward = []
+    for path in PACKAGE.rglob("*.py"):
+        top = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+        if top in ("__init__", "__main__"):
+            continue
+        assert top in floors, f"docs/architecture.md does not place {top} on a floor"
+        for name in runtime_imports(path):
+            if floors.get(name, 0) > floors[top]:
+                upward.append(f"{path.relative_to(PACKAGE)} (floor {floors[top]}) imports {name} (floor {floors[name]})")
+    assert not upward, "\n".join(upward)
