@@ -61,10 +61,12 @@ def test_planted_block_clusters_are_found():
     assert (out - want).norm() / want.norm() < 0.05
 
 
-def test_a_late_question_reads_its_far_needle():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_late_question_reads_its_far_needle(device):
     """Every query attends to the sink; only the chunk's last few queries (a question) attend to one far
     key. Their share of their row's mass is small, so the threshold drops the far block unless the last
-    row reads every causal block: then the last block's outputs are exactly dense."""
+    row reads every causal block: then the last block's outputs are dense's (on the GPU up to the Triton
+    kernels' float32 dots)."""
     num_tokens, question, needle_at = 1024, 4, 200
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(num_tokens, 2, 32, generator=gen) * 0.3
@@ -74,13 +76,14 @@ def test_a_late_question_reads_its_far_needle():
     q[:, :, 0] = 40.0  # the sink
     k[needle_at, :, 1] = 1.0
     q[-question:, :, 1] = 60.0  # the question, past the sink
-    q_chunk, ctx = prefill_context(q, k, v, 512, 32**-0.5)
+    q_chunk, ctx = prefill_context(q, k, v, 512, 32**-0.5, device=device)
     want = dense(q_chunk, ctx)
     last_block = slice(-BLOCK, None)  # the chunk ends on a block boundary
     dropped = run(xattn(threshold=0.9, dense_last_rows=0), q_chunk, ctx)
     assert (dropped[-question:] - want[-question:]).abs().max() > 0.1, "the needle was kept anyway"
     kept = run(xattn(threshold=0.9), q_chunk, ctx)
-    torch.testing.assert_close(kept[last_block], want[last_block], atol=1e-5, rtol=1e-5)
+    tolerance = 1e-5 if device == "cpu" else 1e-2
+    torch.testing.assert_close(kept[last_block], want[last_block], atol=tolerance, rtol=tolerance)
 
 
 def test_slices_give_the_output_of_one_estimate():
