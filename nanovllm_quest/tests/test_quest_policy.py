@@ -40,13 +40,14 @@ def paged_decode(keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, lens
     """Sequence ``s`` holds ``keys[s, :lens[s]]`` in physical blocks numbered in reverse, written through
     ``on_kv_write`` as one prefill each; ``q [S, H, D]`` is the decode step's queries. Pages are one block
     unless ``page_size`` says otherwise, and only the newest page is forced (the paper's selection, which
-    these tests rank) unless ``recent_pages`` says otherwise."""
+    these tests rank, by the bound alone) unless ``recent_pages`` and ``rescore`` say otherwise."""
     num_seqs, _, kv_heads, dim = keys.shape
     width = max(-(-n // block) for n in lens)
     k_cache = torch.zeros(num_seqs * width, block, kv_heads, dim)
     v_cache = torch.zeros_like(k_cache)
     tables = torch.full((num_seqs, width), -1, dtype=torch.int32)
-    policy = QuestPolicy(QuestConfig(**{"skip_layers": 0, "page_size": block, "recent_pages": 1, **config}))
+    policy = QuestPolicy(QuestConfig(**{"skip_layers": 0, "page_size": block, "recent_pages": 1, "rescore": 1,
+                                        **config}))
     policy.initialize(1, kv_heads, dim, num_seqs * width, block, torch.float32, torch.device("cpu"))
     for s, n in enumerate(lens):
         used = -(-n // block)
@@ -66,7 +67,7 @@ def test_config_is_checked_at_the_selection():
     resolved = resolve_sparse_policy("quest:token_budget=1024,group_reduction=sum,keep_sink=true")
     assert resolved.cls is QuestPolicy
     # page: a block
-    assert resolved.config == QuestConfig(1024, 2, "sum", True, 8, None, None, "auto", 1, False)
+    assert resolved.config == QuestConfig(1024, 2, "sum", True, 8, None, None, "auto", None, False)
     assert resolve_sparse_policy("quest:recent_pages=1").config.recent_pages == 1
     assert resolve_sparse_policy("quest:metadata_dtype=fp8").config.metadata_dtype == "fp8"
     assert resolve_sparse_policy("quest:page_size=64").config.page_size == 64
@@ -176,7 +177,7 @@ def test_bounds_over_part_of_a_page_are_tighter(metadata_dtype):
     of the halves' min/max), and less wherever the halves' keys differ; the policy selects by the halves."""
     lens = [37, 64, 5]
     policy, ctx = decode_batch(lens, seed=4, bound_size=BLOCK // 2, metadata_dtype=metadata_dtype,
-                               token_budget=4 * BLOCK)
+                               token_budget=4 * BLOCK, group_reduction="max")
     halves = policy.metadata[0].float()  # [blocks, Hkv, min|max of each half, D]
     whole = torch.stack([halves[:, :, reference.MIN::2].amin(2), halves[:, :, reference.MAX::2].amax(2)], 2)
     args = (ctx.meta.block_tables, ctx.history_lens, BLOCK, BLOCK, "max", False)
@@ -326,7 +327,7 @@ def test_the_selected_pages_are_the_top_bounds(page):
     assert sel.shape == (1, 2, 5 * per_page)
     cfg = policy.config
     scores = reference.page_scores(ctx.query, policy.metadata[0], ctx.meta.block_tables, ctx.history_lens,
-                                   BLOCK, page, cfg.group_reduction, cfg.keep_sink)
+                                   BLOCK, page, cfg.group_reduction, cfg.keep_sink, policy.recent_pages, ctx.scale)
     pages = -(-62 // page)
     for h in range(2):
         chosen = sorted({b // per_page for b in sel[0, h].tolist() if b >= 0})
@@ -461,6 +462,17 @@ def test_rescoring_every_page_by_mass_keeps_the_oracles_pages():
             chosen = sorted(b for b in sel[s, h].tolist() if b >= 0)
             ranked = masses[s, h, 1: pages - 1].argsort(descending=True)[:3] + 1  # besides sink and newest
             assert chosen == sorted([0, pages - 1, *ranked.tolist()]), f"seq {s} KV head {h}"
+
+
+@pytest.mark.parametrize(("options", "block", "want"), [
+    ({}, 16, 2), ({"page_size": 16}, 16, 2), ({"page_size": 32}, 16, 1), ({"oracle": True}, 16, 1),
+    ({"rescore": 1}, 16, 1), ({"rescore": 4, "page_size": 8}, 8, 4)])
+def test_unset_rescore_rescores_pages_of_one_block(options, block, want):
+    """Unset, ``rescore`` is 2 with pages of one KV block, and 1 where it cannot run (larger pages) or has
+    nothing to refine (the oracle); set, it is what was set."""
+    policy = QuestPolicy(QuestConfig(**options))
+    policy.initialize(4, 2, 16, 10, block, torch.float32, torch.device("cpu"))
+    assert policy.rescore == want
 
 
 def test_rescore_is_refused_with_pages_of_several_blocks():

@@ -21,6 +21,9 @@
   dot with the GQA group's queries, each page's largest logit per head, the group's reduced; forced pages
   stay ``+inf``. ``pick_nominees`` is ``top_pages``' selection over those scores, written as the nominees'
   pages.
+- ``group_reduction=mass``: ``page_scores`` and ``rescore_pages`` write each query head's row (its bounds,
+  or its log page weights) instead of the group's, and :func:`reference.combine_shares` turns them into
+  the group's summed shares: a head's softmax needs its whole row, which spans many programs.
 Scoring and top-K stay two launches: a kernel doing both in one program per (sequence, KV head) was
 slower on the H100 in every case measured (at pages of 64, 32K, batch 1: 19.6 against 12.9 us), and one whose
 last scoring program of a row selects it was level at 32K batch 1 and 7-49% slower elsewhere

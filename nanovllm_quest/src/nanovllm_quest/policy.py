@@ -22,8 +22,11 @@ the page keeps one min/max per ``bound_size`` tokens and scores the largest of t
 - With offload, the metadata stays on the GPU and only the selected head blocks cross PCIe
   (``ctx.attend_blocks``); the ``skip_layers`` are the policy's ``dense_layers``, whose KV the engine
   keeps resident on the GPU, so their whole history does not cross PCIe every step.
-- ``rescore`` above 1 keeps the bound as a first pass: it nominates ``rescore`` times the budget's pages,
-  whose keys' largest ``q . k`` then picks the budget. The nominees' keys are read through
+- The query heads of a GQA group share their KV head's selection; by default (``group_reduction=mass``)
+  each head's bounds become its estimated attention shares over the pages, summed over the group.
+- ``rescore`` above 1 (2 by default with pages of one block) keeps the bound as a first pass: it nominates
+  ``rescore`` times the budget's pages, whose keys then pick the budget (by default each head's exact
+  attention share among the nominees). The nominees' keys are read through
   ``ctx.read_paged``: in place on the GPU cache, with offload only the nominated blocks' keys cross PCIe.
 - ``oracle=true`` (evaluation only) ranks pages by their exact attention mass instead of the bound, reading
   every history key each step, eagerly.
@@ -78,6 +81,7 @@ class QuestPolicy(SparsePolicy):
         self.blocks_per_page = layout.page_size // block_size
         self.bounds_per_page = layout.bounds_per_page
         self.budget_pages = self.config.token_budget // layout.page_size
+        self.rescore = self.config.rescore_factor(layout.page_size, block_size)
         # the forced pages fit the budget, the newest first: a one-page budget keeps the page being written
         self.keep_sink = self.config.keep_sink and self.budget_pages > 1
         self.recent_pages = max(1, min(self.config.recent_pages, self.budget_pages - self.keep_sink))
@@ -146,16 +150,16 @@ class QuestPolicy(SparsePolicy):
                 self.block_size, self.page_size, cfg.group_reduction, self.keep_sink, self.recent_pages,
                 ctx.scale,
             )
-            if cfg.rescore > 1:
+            if self.rescore > 1:
                 keys, _, tables = self._nominee_keys(ctx, scores, lens)
                 return rescore_selection(self.ops, ctx.query, keys, tables, lens,
-                                         scores, self.budget_pages, cfg.rescore, cfg.group_reduction, ctx.scale)
+                                         scores, self.budget_pages, self.rescore, cfg.group_reduction, ctx.scale)
         return self.ops.top_pages(scores, self.budget_pages, lens, self.block_size, self.page_size)
 
     def _nominee_keys(self, ctx: PolicyContext, scores: torch.Tensor, lens: torch.Tensor):
         """``ctx.read_paged`` of the keys of the pages ``rescore_selection`` nominates (read in place on the
         GPU cache; with offload only theirs cross PCIe, a fixed number per sequence: no host sync)."""
-        rescore, width = self.config.rescore, ctx.meta.block_tables.shape[1]
+        rescore, width = self.rescore, ctx.meta.block_tables.shape[1]
 
         def nominated() -> torch.Tensor:
             nominees = self.ops.top_pages(scores, rescore * self.budget_pages, lens, self.block_size, self.block_size)
@@ -216,7 +220,7 @@ def bound_layout(config: QuestConfig, block_size: int, device: torch.device) -> 
             f"quest: token_budget={config.token_budget} is less than one page (page_size={page}, block_size="
             f"{block_size}); use token_budget >= {page}, e.g. sparse_policy='quest:token_budget={64 * page}'"
         )
-    if config.rescore > 1 and page != block_size:
+    if (config.rescore or 1) > 1 and page != block_size:
         raise ValueError(
             f"quest: rescore={config.rescore} ranks pages of one KV block, but page_size={page} holds "
             f"{page // block_size} blocks of {block_size}; leave page_size unset, or use rescore=1"
