@@ -254,7 +254,8 @@ def _score_kernel(
     stride_qs, stride_qh, stride_mb, stride_mh, stride_mm, stride_bt, stride_ss, stride_sh, stride_sg,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCKS_PER_PAGE: tl.constexpr, BOUNDS: tl.constexpr, BOUNDS_PAD: tl.constexpr,
-    TILE: tl.constexpr, STEPS: tl.constexpr, REDUCE: tl.constexpr, OUT_ROWS: tl.constexpr, KEEP_SINK: tl.constexpr,
+    TILE: tl.constexpr, STEPS: tl.constexpr, REDUCE: tl.constexpr, OUT_ROWS: tl.constexpr,
+    KEEP_SINK: tl.constexpr,
     RECENT_PAGES: tl.constexpr, FP32: tl.constexpr, FP8: tl.constexpr,
 ):
     s = tl.program_id(0)
@@ -286,8 +287,8 @@ def _score_kernel(
     bt_row = BlockTables + s * stride_bt
     if STEPS == 1:
         _score_tile(tl.program_id(2), q_pos, q_neg, unscale, n, Meta, bt_row, scores, width, kvh, stride_mb,
-                    stride_mh, stride_mm, stride_sg, offs_d, d_ok, offs_g, g_ok, G_PAD, BLOCKS_PER_PAGE, BOUNDS,
-                    BOUNDS_PAD, TILE, REDUCE, KEEP_SINK, RECENT_PAGES, FP32, FP8)
+                    stride_mh, stride_mm, stride_sg, offs_d, d_ok, offs_g, g_ok, G_PAD, BLOCKS_PER_PAGE,
+                    BOUNDS, BOUNDS_PAD, TILE, REDUCE, KEEP_SINK, RECENT_PAGES, FP32, FP8)
     else:  # several tiles, the next one's loads issued while this one is scored
         for i in tl.range(first // TILE, first // TILE + STEPS, num_stages=2):
             _score_tile(i, q_pos, q_neg, unscale, n, Meta, bt_row, scores, width, kvh, stride_mb, stride_mh,
@@ -331,7 +332,8 @@ def page_scores(
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=page_size,
         BLOCKS_PER_PAGE=page_size // block_size, BOUNDS=bounds, BOUNDS_PAD=bounds_pad, TILE=tile,
-        STEPS=steps, REDUCE=REDUCTIONS[group_reduction], OUT_ROWS=group if per_head else 1, KEEP_SINK=keep_sink,
+        STEPS=steps, REDUCE=REDUCTIONS[group_reduction], OUT_ROWS=group if per_head else 1,
+        KEEP_SINK=keep_sink,
         RECENT_PAGES=max(1, recent_pages), FP32=fp32, FP8=fp8, num_warps=4,
     )
     if per_head:
@@ -380,8 +382,8 @@ def _rescore_kernel(
         top = best * scale
         total = tl.sum(tl.exp(tl.reshape(logits * scale, [G_PAD, TILE, BS_PAD]) - top[:, :, None]), 2)
         weight = tl.where(best > float("-inf"), top + tl.log(total), float("-inf"))
-        tl.store(Out + s * stride_os + kvh * stride_oh + offs_g[:, None] * stride_og + offs_c[None, :], weight,
-                 mask=g_ok[:, None] & (offs_c < num_nominees)[None, :])
+        out = Out + s * stride_os + kvh * stride_oh + offs_g[:, None] * stride_og + offs_c[None, :]
+        tl.store(out, weight, mask=g_ok[:, None] & (offs_c < num_nominees)[None, :])
         return
     if REDUCE == 0:
         score = tl.max(tl.where(g_ok[:, None], best, float("-inf")), 0)
