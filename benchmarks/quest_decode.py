@@ -228,8 +228,8 @@ def bench_engine(
 
 def jobs(contexts: list[int], batches: list[int], budgets: list[int], budget: int, steps: int,
          page_sizes: list[int] = (16,), metadata_dtypes: list[str] = ("auto",),
-         bound_sizes: list[int] = (), rescores: list[int] = ()) -> list[dict]:
-    quest = f"quest:token_budget={budget}"
+         bound_sizes: list[int] = (), rescores: list[int] = (), quest_options: str = "") -> list[dict]:
+    quest = f"quest:token_budget={budget}" + (f",{quest_options}" if quest_options else "")
     # the engine at larger pages, other metadata dtypes and smaller bounds too
     variants = [f"{quest},page_size={p}" for p in page_sizes if p != BLOCK_SIZE]
     variants += [f"{quest},metadata_dtype={kind}" for kind in metadata_dtypes if kind != "auto"]
@@ -515,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
                         "of the decode job's Quest rows")
     parser.add_argument("--budget", type=int, default=2048, help="token budget of the engine runs")
     parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--quest-options", default="",
+                        help="more Quest options of the engine runs, e.g. 'group_reduction=max,rescore=1'")
     parser.add_argument("--only", nargs="+", default=None,
                         help="job kinds to run (attention, decode, offload; default: these three; reuse only "
                         "when named)")
@@ -524,7 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.job:
         return job_main(run_job, args.job)
     chosen = jobs_of_kinds(jobs(args.contexts, args.batches, args.budgets, args.budget, args.decode_steps,
-                           args.page_sizes, args.metadata_dtypes, args.bound_sizes, args.rescores), args.only)
+                           args.page_sizes, args.metadata_dtypes, args.bound_sizes, args.rescores,
+                                args.quest_options), args.only)
     if args.only and "reuse" in args.only:
         chosen.append({"kind": "reuse", "budgets": args.budgets})
     return run_jobs(chosen, __file__, Path(args.out), args.name, vars(args) | {"job": None},
