@@ -285,8 +285,8 @@ def sparse_attention(
     share of dense causal work (:func:`~nanovllm_minference.index.computed_density`), compute nothing and
     return ``None``. The comparison is made on the GPU and its copy to the host queued, then the kernel,
     guarded by it (its programs return at once when it holds); the host waits for the copy alone, so the GPU
-    does not idle through the host's launch of this kernel (128 us of its arguments on the H100 machine's
-    CPU). ``config`` overrides ``(num_warps, num_stages)`` (benchmarks)."""
+    does not idle through the host's launch of this kernel (the launch of its many arguments takes the host
+    longer than the comparison). ``config`` overrides ``(num_warps, num_stages)`` (benchmarks)."""
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, index)
     if index.blocks is not None and index.blocks.shape[2] < triton.cdiv(max_query_len, TILE):
         raise ValueError(

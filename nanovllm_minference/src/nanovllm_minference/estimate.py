@@ -272,9 +272,8 @@ def _slices(width: int, block_n: int, programs: int, device: torch.device) -> tu
 def _sums_heads(group: int, rows: int, block_d: int, itemsize: int, budget: int, stages: int) -> int:
     """Query heads per pass-2 program: the most (a power of two) that divide the group, stack at most 128
     rows, and fit ``budget`` bytes of shared memory: their queries, ``stages`` stages of the key tile and
-    ``tl.gather``'s float32 probability tile. (H100, 64 rows a head, group 4: two heads and four warps ran
-    the pass 25% faster than four heads and eight warps, at 32K and 128K keys; the row sums of the larger
-    tile cost more than its shared key reads save.)"""
+    ``tl.gather``'s float32 probability tile. Fewer heads a program can be faster: the row sums of a larger
+    tile cost more than its shared key reads save."""
     tile_k = rows * block_d * itemsize
     fits = [
         heads for heads in range(1, group + 1)
@@ -333,7 +332,7 @@ def estimate(
         q, k_cache, cu_seqlens_q, context_lens, block_tables, part_m, part_l,
         scale_log2, last_q, per_slice1, *strides,
         GROUP=group, NUM_SUB=num_sub, HEADS=heads, ROWS=rows, BLOCK_N=block_n1, **common,
-        num_warps=4,  # H100, 256 rows x 64 keys: 204 us against 230 with 8 warps (128K keys), 64 and 70 (32K)
+        num_warps=4,  # faster than 8 at 256 rows x 64 keys, measured at 32K and 128K keys
     )
     row_max = part_m.amax(2)
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
