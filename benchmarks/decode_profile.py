@@ -44,7 +44,7 @@ def profile_decode_step(preset: str, steps: int = 30, num_seqs: int = 256, tempe
     phases = {"schedule": (sched, "schedule"), "prepare": (runner, "prepare"), "sampler": (runner, "sampler"),
               "wait_and_apply": (llm.llm_engine, "_apply_pending")}
     result: dict[str, Any] = {"benchmark": "decode-profile", "preset": preset, "batch": len(sched.running),
-                              "cuda_graphs": bool(runner.graphs)}
+                              "cuda_graphs": bool(runner.cuda_graphs.graphs)}
     for synced in (False, True):
         spent = dict.fromkeys(phases, 0.0)
         originals = {name: getattr(obj, attr) for name, (obj, attr) in phases.items()}

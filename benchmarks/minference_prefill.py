@@ -161,7 +161,7 @@ def index_work(model: str, prompt: list[int], policy: str, settings: dict[str, A
     from nanovllm_minference.index import computed_density
 
     llm = LLM(model, **settings, sparse_policy=policy)
-    chosen = llm.runner.prefill_policy
+    chosen = llm.runner.hooks.prefill
     built, recorded = chosen.build_index, []
 
     def recording(q, ctx, *args, **kwargs):

@@ -344,7 +344,7 @@ def test_triton_engine_on_cuda_matches_hf(model_paths, hf_reference, model):
     llm = nanovllm.LLM(model_paths(model), device="cuda", dtype="float32", attention_backend="triton",
                        max_model_len=MAX_MODEL_LEN, block_size=16, max_num_batched_tokens=48,
                        kv_cache_memory=1 << 27, skip_tokenizer_init=True)
-    assert llm.runner.graphs, "decode should run in CUDA graphs"
+    assert llm.runner.cuda_graphs.graphs, "decode should run in CUDA graphs"
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     first = _prompts(PROMPT_LENS, seed=7)
     prompts = first + _second_round(first, [ref(p)[0] for p in first])

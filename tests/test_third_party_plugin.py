@@ -113,7 +113,7 @@ GENERATE = textwrap.dedent("""
         # applies to the history of prefill chunks as well as to decode.
         llm = LLM(path, device="cpu", kv_cache_memory=1 << 24, block_size=4, max_num_batched_tokens=16,
                   sparse_policy=policy, max_logprobs=-1)
-        assert type(llm.runner.prefill_policy).__name__ == ("WindowPolicy" if policy != "full" else
+        assert type(llm.runner.hooks.prefill).__name__ == ("WindowPolicy" if policy != "full" else
                                                             "FullAttentionPolicy")
         vocab = llm.vocab_size  # logprobs of the whole vocabulary: each generated token's distribution
         params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=vocab)

@@ -130,8 +130,8 @@ def test_every_runtime_hook_is_called_by_the_engine(make_llm):
 
 def test_supports_flags_send_the_other_phase_to_full(make_llm):
     llm = make_llm("decodeonly")
-    assert type(llm.runner.prefill_policy) is FullAttentionPolicy
-    assert type(llm.runner.decode_policy) is DecodeOnly
+    assert type(llm.runner.hooks.prefill) is FullAttentionPolicy
+    assert type(llm.runner.hooks.decode) is DecodeOnly
     calls = run(llm)
     assert calls["compute_chunked_prefill"] == 0 and calls["compute_chunked_decode"] > 0
     # The decode-only policy still sees the prefill keys: on_kv_write runs in every step, once per layer,
@@ -139,14 +139,14 @@ def test_supports_flags_send_the_other_phase_to_full(make_llm):
     assert calls["on_kv_write"] > calls["compute_chunked_decode"]
     assert calls["prefill_rows_written"] == 2 * (27 + 3)
     llm = make_llm("prefillonly")
-    assert type(llm.runner.decode_policy) is FullAttentionPolicy
+    assert type(llm.runner.hooks.decode) is FullAttentionPolicy
     calls = run(llm)
     assert calls["compute_chunked_decode"] == 0 and calls["compute_chunked_prefill"] > 0
 
 
 def test_requires_block_selection_decides_whether_the_engine_selects(make_llm):
     llm = make_llm("noselection")
-    assert not llm.runner.decode_policy.requires_block_selection
+    assert not llm.runner.hooks.decode.requires_block_selection
     calls = run(llm)
     assert calls["selected_by_engine"] == 0 and calls["compute_chunked_decode"] > 0
     calls = run(make_llm("recorder"))
@@ -166,14 +166,14 @@ def test_base_noop_notification_hooks_cost_nothing(make_llm):
 
 def test_one_prefill_policy_and_one_decode_policy(make_llm):
     llm = make_llm("prefill=recorder;decode=decodeonly")
-    assert type(llm.runner.prefill_policy) is Recorder and type(llm.runner.decode_policy) is DecodeOnly
+    assert type(llm.runner.hooks.prefill) is Recorder and type(llm.runner.hooks.decode) is DecodeOnly
     calls = run(llm)
     assert calls["compute_chunked_prefill"] and calls["compute_chunked_decode"]
     llm = make_llm({"decode": "recorder"})
-    assert type(llm.runner.prefill_policy) is FullAttentionPolicy
-    assert type(llm.runner.decode_policy) is Recorder
+    assert type(llm.runner.hooks.prefill) is FullAttentionPolicy
+    assert type(llm.runner.hooks.decode) is Recorder
     llm = make_llm("prefillonly;decodeonly")  # each takes the phase it supports
-    assert type(llm.runner.prefill_policy) is PrefillOnly and type(llm.runner.decode_policy) is DecodeOnly
+    assert type(llm.runner.hooks.prefill) is PrefillOnly and type(llm.runner.hooks.decode) is DecodeOnly
 
 
 @pytest.mark.parametrize(

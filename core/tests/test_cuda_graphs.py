@@ -32,7 +32,7 @@ def test_the_cpu_decodes_eagerly(tiny_model):
     from nanovllm import LLM
 
     llm = LLM(tiny_model(), device="cpu", kv_cache_memory=1 << 24, max_model_len=64)
-    assert not llm.runner.cuda_graphs.usable() and llm.runner.graphs == {}
+    assert not llm.runner.cuda_graphs.usable() and llm.runner.cuda_graphs.graphs == {}
 
 
 @pytest.mark.gpu
@@ -52,10 +52,10 @@ def test_decode_steps_replay_the_graphs_and_give_the_eager_tokens(tiny_model, mo
 
     monkeypatch.setattr(CudaGraphRunner, "replay", counted)
     graphs = LLM(path, **options)
-    assert sorted(graphs.runner.graphs) == graphs.runner.cuda_graphs.sizes == [1, 2, 4, 8]
+    assert sorted(graphs.runner.cuda_graphs.graphs) == graphs.runner.cuda_graphs.sizes == [1, 2, 4, 8]
     with_graphs = [o.token_ids for o in graphs.generate(prompts, params, use_tqdm=False)]
     assert replays and max(replays) == len(prompts)  # the decode steps of all five ran in the bucket of 8
     eager = LLM(path, enforce_eager=True, **options)
-    assert eager.runner.graphs == {}
+    assert eager.runner.cuda_graphs.graphs == {}
     assert [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)] == with_graphs
     torch.cuda.synchronize()

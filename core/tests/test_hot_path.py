@@ -105,8 +105,8 @@ def generate(llm):
 def test_layers_call_the_policy_directly_not_pluggy(probe_llm, monkeypatch):
     llm = probe_llm("probe")
     runner = llm.runner
-    policy = runner.prefill_policy
-    assert type(policy) is ProbePolicy and runner.decode_policy is policy
+    policy = runner.hooks.prefill
+    assert type(policy) is ProbePolicy and runner.hooks.decode is policy
     layers = runner.attention_layers
     assert len(layers) == 3
     for layer in layers:  # resolved once, at engine build
@@ -146,10 +146,10 @@ def test_layers_call_the_policy_directly_not_pluggy(probe_llm, monkeypatch):
 def test_unsupported_phase_is_bound_to_full_attention(probe_llm, monkeypatch):
     llm = probe_llm("probe_decode")
     runner = llm.runner
-    assert type(runner.decode_policy) is DecodeOnlyProbe
-    assert type(runner.prefill_policy) is FullAttentionPolicy
+    assert type(runner.hooks.decode) is DecodeOnlyProbe
+    assert type(runner.hooks.prefill) is FullAttentionPolicy
     for layer in runner.attention_layers:
-        assert layer.hooks.prefill is runner.prefill_policy and layer.hooks.decode is runner.decode_policy
+        assert layer.hooks.prefill is runner.hooks.prefill and layer.hooks.decode is runner.hooks.decode
     dispatched, steps = spy(llm, monkeypatch)
     CALLS.clear()
     generate(llm)

@@ -71,7 +71,7 @@ def fail_steps(monkeypatch, llm, where: str = "launch", when=lambda seqs: any(ma
 def fail_decodes(monkeypatch, llm, longer_than: int = 0) -> None:
     """The decode policy raises in a step with a sequence longer than ``longer_than`` tokens, from inside the
     model's forward pass (after some layers wrote their keys and values)."""
-    policy = llm.runner.decode_policy
+    policy = llm.runner.hooks.decode
     compute = policy.compute_chunked_decode
 
     def failing(q, ctx):

@@ -38,7 +38,7 @@ def test_the_pcie_byte_counter_sees_every_store_and_load_per_layer(tiny_model, d
     want = LLM(tiny_model(num_hidden_layers=3), **options).generate([{"prompt_token_ids": prompt}], params,
                                                                    use_tqdm=False)
     llm = LLM(tiny_model(num_hidden_layers=3), observers=[counter], **options)
-    assert not llm.runner.graphs  # the counter reads sizes back: it is not cuda_graph_safe
+    assert not llm.runner.cuda_graphs.graphs  # the counter reads sizes back: it is not cuda_graph_safe
     counter.clear()  # the warm-up on CUDA
     got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids

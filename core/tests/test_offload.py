@@ -468,7 +468,7 @@ def test_gpu_selection_cache_under_cuda_graphs_gives_the_ring_tokens(tiny_model)
     options = dict(device="cuda", attention_backend="triton", offload_buffer=1.0, sparse_policy=policy)
     want = _engine(model, **options, kv_offloading_reuse_selections=False).generate(prompts, params, use_tqdm=False)
     llm = _engine(model, **options, enforce_eager=False)
-    assert llm.runner.graphs
+    assert llm.runner.cuda_graphs.graphs
     _same_outputs(llm.generate(prompts, params, use_tqdm=False), want)
     loaded, reused = llm.runner.kv.engine.cache_counts.tolist()
     assert reused > 0.2 * (loaded + reused), (loaded, reused)

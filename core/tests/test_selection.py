@@ -259,7 +259,7 @@ def test_engine_options_use_the_same_grammar(tiny_model):
     path = tiny_model()
     common = dict(kv_cache_memory=1 << 24, device="cpu")
     llm = LLM(path, sparse_policy="FULL", attention_backend="Torch", **common)
-    assert type(llm.runner.decode_policy).__name__ == "FullAttentionPolicy"
+    assert type(llm.runner.hooks.decode).__name__ == "FullAttentionPolicy"
     assert llm.runner.backend.name == "torch"
     llm = LLM(path, sparse_policy={"name": "full"}, attention_backend={"name": "torch"}, **common)
     assert llm.runner.backend.name == "torch"

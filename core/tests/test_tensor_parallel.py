@@ -338,7 +338,7 @@ def test_ranks_capture_decode_graphs_together_or_not_at_all(tiny_model, one_thre
         if __name__ == "__main__":
             with LLM({path!r}, tensor_parallel_size=2, observers=[CapturesOnWorkers()], **{ENGINE!r}) as llm:
                 outputs = llm.generate({PROMPTS!r}, SamplingParams(**{greedy!r}), use_tqdm=False)
-                print(len(llm.runner.graphs), [o.outputs[0].token_ids for o in outputs])
+                print(len(llm.runner.cuda_graphs.graphs), [o.outputs[0].token_ids for o in outputs])
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)

@@ -511,7 +511,7 @@ def _check_cuda_graphs(case: Case, model_dir: str, policy: Any) -> None:
     if case.device != "cuda":
         raise unittest.SkipTest("CUDA graphs need a CUDA device")
     llm = _engine(case, model_dir, policy, enforce_eager=False)
-    if not llm.runner.graphs:
+    if not llm.runner.cuda_graphs.graphs:
         if not llm.runner.kv.can_capture_decode(llm.runner.hooks.decode.requires_block_selection):
             raise unittest.SkipTest("this KV store captures only decode steps that select on the device")
         if llm.runner.hooks.cuda_graph_safe:
@@ -532,7 +532,7 @@ def _check_no_host_sync(case: Case, model_dir: str, policy: Any) -> None:
     if case.device != "cuda":
         raise unittest.SkipTest("CUDA graphs need a CUDA device")
     llm = _engine(case, model_dir, policy, enforce_eager=False)
-    if not llm.runner.graphs:
+    if not llm.runner.cuda_graphs.graphs:
         raise unittest.SkipTest("no decode graph was captured: decode runs eagerly (the cuda_graphs check)")
     params = _params(8 * BLOCK_SIZE, prompt_logprobs=False)
     seqs = [llm.add_request(prompt, params) for prompt in _prompts([3, 40, 97, 12], 10)]

@@ -146,19 +146,6 @@ class ModelRunner:
 
     # -- set-up -----------------------------------------------------------------------------------
 
-    @property
-    def graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
-        """The decode graphs by batch size (empty: decode runs eagerly)."""
-        return self.cuda_graphs.graphs
-
-    @property
-    def prefill_policy(self):
-        return self.hooks.prefill
-
-    @property
-    def decode_policy(self):
-        return self.hooks.decode
-
     @torch.inference_mode()
     def _warm_up(self) -> None:
         """Two mixed steps (one decode, two prefill chunks of long or short queries) that write nothing,
