@@ -264,7 +264,7 @@ def run(settings: SpeedSettings, say: Callable[[str], None] = lambda line: None,
     """Every runner of ``settings``; the results as one JSON-ready dict. Raises ``ValueError`` on an
     unknown selection before any model loads. ``checkpoint`` gets the results after every runner."""
     from nanovllm.bench import environment
-    from nanovllm.engine.llm_engine import load_tokenizer, resolve_model_path
+    from nanovllm.engine.model_loading import load_tokenizer, resolve_model_path
     from nanovllm.quality.passkey import bos_ids
 
     phases = check_policies(settings.policies)

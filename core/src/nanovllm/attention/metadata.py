@@ -46,20 +46,6 @@ class StepMetadata:
     decode: PhaseMetadata | None
     prefill: PhaseMetadata | None
 
-    def only_decode(self) -> StepMetadata | None:
-        """This step restricted to its decode rows (None if it has none)."""
-        nd = self.num_decode_tokens
-        if self.decode is None:
-            return None
-        return StepMetadata(self.slot_mapping[:nd], self.positions[:nd], nd, self.decode, None)
-
-    def only_prefill(self) -> StepMetadata | None:
-        """This step restricted to its prefill rows (None if it has none)."""
-        nd = self.num_decode_tokens
-        if self.prefill is None:
-            return None
-        return StepMetadata(self.slot_mapping[nd:], self.positions[nd:], 0, None, self.prefill)
-
 
 _context: StepMetadata | None = None
 

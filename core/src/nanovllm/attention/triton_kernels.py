@@ -31,7 +31,6 @@ import triton.language as tl
 from nanovllm.attention.backend import selection_per_kv_head
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 # ---------------------------------------------------------------------------------------------

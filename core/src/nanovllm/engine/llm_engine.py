@@ -17,13 +17,7 @@ from typing import Any
 
 from nanovllm.config import EngineConfig
 from nanovllm.engine.input_processor import InputProcessor, Prompt
-from nanovllm.engine.model_loading import (  # noqa: F401 (resolve_model_path: scripts import it from here)
-    eos_token_ids,
-    load_tokenizer,
-    resolve_config,
-    resolve_model_path,
-    select_parts,
-)
+from nanovllm.engine.model_loading import eos_token_ids, load_tokenizer, resolve_config, select_parts
 from nanovllm.engine.model_runner import LaunchedStep
 from nanovllm.engine.output_stream import OutputBuilder, OutputStream
 from nanovllm.engine.sampling_inputs import prepare_request

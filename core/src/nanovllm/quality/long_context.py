@@ -382,7 +382,7 @@ def run(settings: LongContextSettings, say: Callable[[str], None] | None = None,
     ``say`` gets progress lines; ``checkpoint`` gets the results so far after every phase (so a run
     stopped early leaves what it measured)."""
     from nanovllm.bench import environment
-    from nanovllm.engine.llm_engine import load_tokenizer, resolve_model_path
+    from nanovllm.engine.model_loading import load_tokenizer, resolve_model_path
 
     run_ = Run(settings, say)
     model_dir = resolve_model_path(settings.model)
