@@ -56,7 +56,6 @@ tests cover its logic.
 from __future__ import annotations
 
 import functools
-from importlib.util import find_spec
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from types import ModuleType
@@ -68,15 +67,10 @@ import torch
 from nanovllm.attention.backend import selection_per_kv_head
 from nanovllm.attention.metadata import PhaseMetadata
 from nanovllm.kv.store import KVTransfer
+from nanovllm.layers.fused import use_fused
 
-HAS_TRITON = find_spec("triton") is not None
 NUM_SLOTS = 2  # double buffering: one slot loads while the other is attended to
 MIN_COPY_BYTES = 2 << 20  # runs at least this long go to the copy engines; shorter ones to the gather kernel
-
-
-def use_fused(x: torch.Tensor) -> bool:
-    """Whether the bookkeeping of a piece runs as a Triton kernel (CUDA tensors, Triton installed)."""
-    return x.is_cuda and HAS_TRITON
 
 
 def device_view(host: torch.Tensor) -> torch.Tensor:
@@ -576,11 +570,8 @@ def selected_piece(
     first: int, width: int, block_size: int, scratch_id: int, scratch_row: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One piece of a selection: see :func:`selected_piece_reference`."""
-    if use_fused(sel):
-        return _kernels().selected_piece(sel, tables, lens, cu, positions, first, width, block_size, scratch_id,
-                                         scratch_row)
-    return selected_piece_reference(sel, tables, lens, cu, positions, first, width, block_size, scratch_id,
-                                    scratch_row)
+    piece = _kernels().selected_piece if use_fused(sel) else selected_piece_reference
+    return piece(sel, tables, lens, cu, positions, first, width, block_size, scratch_id, scratch_row)
 
 
 def cached_piece(
