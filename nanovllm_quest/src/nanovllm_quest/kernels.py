@@ -15,8 +15,6 @@
   unsearched), then the chosen pages are compacted in ascending order with a prefix sum and written as
   their blocks. Ties at the k-th score go to the lower index; they are ranked only in a row where more than
   k scores reach it.
-  Searching two bits a pass (three candidates counted in one reduction) was no faster at 2K pages and 12%
-  slower at 8K on the H100 (``benchmarks/results/h100_quest_topk_digits.md``).
 - ``rescore_pages``: one program per (sequence, KV head, tile of nominated pages): the tile's keys in one
   dot with the GQA group's queries, each page's largest logit per head, the group's reduced; forced pages
   stay ``+inf``. ``pick_nominees`` is ``top_pages``' selection over those scores, written as the nominees'
@@ -24,10 +22,7 @@
 - ``group_reduction=mass``: ``page_scores`` and ``rescore_pages`` write each query head's row (its bounds,
   or its log page weights) instead of the group's, and :func:`reference.combine_shares` turns them into
   the group's summed shares: a head's softmax needs its whole row, which spans many programs.
-Scoring and top-K stay two launches: a kernel doing both in one program per (sequence, KV head) was
-slower on the H100 in every case measured (at pages of 64, 32K, batch 1: 19.6 against 12.9 us), and one whose
-last scoring program of a row selects it was level at 32K batch 1 and 7-49% slower elsewhere
-(``benchmarks/results/h100_quest_score_select_probe.md``).
+Scoring and top-K stay two launches (the fused alternatives measured slower: docs/design-notes.md).
 
 No host synchronisation and no data-dependent shape: all are captured in the decode CUDA graphs.
 On CPU tensors they run under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is first
@@ -44,21 +39,17 @@ from nanovllm.sparse import num_sms
 from nanovllm_quest import reference
 from nanovllm_quest.reference import PageRows
 
-# bounds per scoring program (16 KB of bf16 metadata at head size 128; pages of one bound by default).
-# H100, pages of 16, 4 warps: 32 took 7.4 / 16.3 us at 32K / 128K, batch 1, against 8.2 / 17.4 at 64 and
-# 8.3 / 17.4 at 128
+# bounds per scoring program (16 KB of bf16 metadata at head size 128; pages of one bound by default);
+# the fastest of 32, 64 and 128 measured
 SCORE_TILE = 32
 # float8 bounds in float16 dots: up to 128 a program (32 KB), halved while the grid has fewer than two
-# programs per multiprocessor. H100, float8 halves, budget 2048, the layer against 32 bounds in bfloat16:
-# 154.5 / 166.5 us at 8 x 128K, 68.9 / 72.2 at 8 x 32K, 40.6 / 41.6 at 128K batch 1, and at 64 bounds
-# 24.0 / 24.8 at 32K batch 1 (benchmarks/results/h100_quest_score_fp16_probe.md)
+# programs per multiprocessor
 SCORE_TILE_FP8 = 128
 # bounds scored at a time: a program of more takes them in steps, the next step's loads issued before this
-# step's dots. H100, float8 halves, 128 bounds in two steps against one: 28.4 / 30.5 us at 8 x 32K, 99.3 /
-# 107.2 at 8 x 128K, 16.8 / 17.8 at 128K batch 1 (benchmarks/results/h100_quest_score_steps_probe.md)
+# step's dots (two steps of 64 measured faster than one of 128)
 SCORE_STEP = 64
 # a row of up to this many pages (256K tokens at pages of 16) stays in registers; wider rows are read
-# again each pass. H100, batch 1, 8 warps: 16K pages took 23 us in one tile against 53 in two of 8K
+# again each pass, about twice as slow
 MAX_TOPK_TILE = 16384
 MAX_UPDATE_ROWS = 64  # new keys an update program folds at a time
 RESCORE_ROWS = 64  # keys a rescoring program reads (4 pages of 16)
@@ -125,7 +116,7 @@ def _update_kernel(
 @triton.jit
 def _to_float32(x, FP8: tl.constexpr):
     """Metadata as float32; float8's NaN stays NaN (Triton's interpreter reads it as 480). Scoring in 16
-    bits converts float8 directly instead: a test and a select per value cost it 3-4 us at 128K (H100)."""
+    bits converts float8 directly instead, sparing a test and a select per value."""
     if FP8:
         return tl.where((x.to(tl.int8, bitcast=True) & 0x7F) == 0x7F, float("nan"), x.to(tl.float32))
     return x.to(tl.float32)
@@ -431,8 +422,7 @@ def rescore_pages(
 @triton.jit
 def _order_keys(scores):
     """Float32 -> uint32 with the floats' order; ``-inf``, NaN and padding -> 0 (never chosen). 32-bit
-    keys: the counting passes ran about 10% faster than on int64 keys (H100: 8.9 against 9.9 us at 2K
-    blocks, 17.5 against 19.6 us at 8K)."""
+    keys: the counting passes run faster than on int64 keys."""
     bits = tl.where(scores == 0.0, 0, scores.to(tl.int32, bitcast=True))  # -0.0 ties with 0.0, as in torch
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: larger magnitude, smaller key
     keys = (ordered ^ (-2147483648)).to(tl.uint32, bitcast=True)  # flip the sign bit: unsigned order
