@@ -56,6 +56,7 @@ tests cover its logic.
 from __future__ import annotations
 
 import functools
+from importlib.util import find_spec
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from types import ModuleType
@@ -67,10 +68,16 @@ import torch
 from nanovllm.attention.backend import selection_per_kv_head
 from nanovllm.attention.metadata import PhaseMetadata
 from nanovllm.kv.store import KVTransfer
-from nanovllm.layers.fused import use_fused
 
+HAS_TRITON = find_spec("triton") is not None
 NUM_SLOTS = 2  # double buffering: one slot loads while the other is attended to
 MIN_COPY_BYTES = 2 << 20  # runs at least this long go to the copy engines; shorter ones to the gather kernel
+
+
+def use_fused(x: torch.Tensor) -> bool:
+    """Whether the bookkeeping of a piece runs as a Triton kernel (CUDA tensors, Triton installed); the
+    same test as :func:`nanovllm.layers.fused.use_fused`, which this floor may not import."""
+    return x.is_cuda and HAS_TRITON
 
 
 def device_view(host: torch.Tensor) -> torch.Tensor:
