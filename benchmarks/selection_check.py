@@ -14,7 +14,8 @@ import time
 import torch
 from nanovllm.attention.metadata import PhaseMetadata
 from nanovllm.attention.torch_backend import TorchBackend
-from nanovllm.policy import PolicyContext, SparsePolicy, check_selection
+from nanovllm.policy import PolicyContext, check_selection
+from nanovllm.sparse import SparsePolicy
 
 BLOCK, HEADS, KV_HEADS, DIM = 16, 9, 3, 64
 

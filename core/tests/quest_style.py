@@ -13,7 +13,9 @@ from __future__ import annotations
 import attrs
 import torch
 from nanovllm.hookspecs import hookimpl
-from nanovllm.policy import KVWrite, PolicyContext, SparsePolicy
+from nanovllm.kv import KVWrite
+from nanovllm.policy import PolicyContext
+from nanovllm.sparse import SparsePolicy
 
 
 @attrs.define(frozen=True)

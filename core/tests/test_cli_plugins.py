@@ -161,7 +161,7 @@ def test_a_typo_in_a_lazy_target_is_one_line_naming_plugin_and_target(site, tiny
 
 WRONG_ARGUMENTS = """
 from nanovllm.hookspecs import hookimpl
-from nanovllm.policy import SparsePolicy
+from nanovllm.sparse import SparsePolicy
 
 class Policy(SparsePolicy):
     def select_blocks(self, context):  # the spec passes ctx

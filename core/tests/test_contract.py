@@ -196,7 +196,7 @@ def test_phase_selection_errors(make_llm, spec, message):
 
 def test_a_write_of_whole_blocks_describes_them():
     import torch
-    from nanovllm.policy import KVWrite
+    from nanovllm.kv import KVWrite
 
     cache = torch.randn(6, 4, 2, 8)  # 6 blocks of 4 tokens, 2 KV heads
     write = KVWrite.of_blocks(3, cache, -cache, blocks=[5, 1], counts=[4, 2], starts=[8, 12])
@@ -208,7 +208,7 @@ def test_a_write_of_whole_blocks_describes_them():
 
 def test_kv_write_of_a_sequence_is_its_prefill_through_its_block_table():
     import torch
-    from nanovllm.policy import KVWrite
+    from nanovllm.kv import KVWrite
 
     cache = torch.randn(6, 4, 2, 8)
     write = KVWrite.of_sequence(1, cache, -cache, block_table=[5, 1, 3], num_tokens=10)

@@ -16,7 +16,8 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.kv.offload import HostPhase, OffloadEngine
 from nanovllm.plugins import get_plugins, reload_plugins
 from nanovllm.kv import KVTransfer, KVWrite, PagedLayerKV
-from nanovllm.policy import PolicyContext, SparsePolicy
+from nanovllm.policy import PolicyContext
+from nanovllm.sparse import SparsePolicy
 from quest_style import Plugin
 
 HEAD_BLOCK_BYTES = 2 * 16 * 32 * 4  # K and V of one KV head of one 16-token block, head size 32, float32

@@ -198,7 +198,7 @@ def register_sparse_policies(reg):  # the spec passes registry
 
 WRONG_POLICY_ARGUMENTS = """
 from nanovllm.hookspecs import hookimpl
-from nanovllm.policy import SparsePolicy
+from nanovllm.sparse import SparsePolicy
 
 class Policy(SparsePolicy):
     def select_blocks(self, context):  # the spec passes ctx

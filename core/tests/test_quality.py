@@ -10,8 +10,9 @@ import pytest
 import torch
 from nanovllm.attention.torch_backend import TorchBackend
 from nanovllm.hookspecs import hookimpl
+from nanovllm.kv import KVWrite
 from nanovllm.plugins import get_plugins, reload_plugins
-from nanovllm.policy import KVWrite, PolicyContext, SparsePolicy
+from nanovllm.policy import PolicyContext
 from nanovllm.quality import corpus, planted
 from nanovllm.quality.capture import Capture, LayerActivations
 from nanovllm.quality.evaluate import decode_positions, evaluate_policy, mean_over_layers
@@ -24,6 +25,7 @@ from nanovllm.quality.metrics import (
     random_selection,
     selection_quality,
 )
+from nanovllm.sparse import SparsePolicy
 
 ALL_POSITIONS = None  # every query position of a planted case
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 from nanovllm.attention.metadata import PhaseMetadata
 from nanovllm.attention.torch_backend import TorchBackend
-from nanovllm.policy import PolicyContext, SparsePolicy
+from nanovllm.policy import PolicyContext
+from nanovllm.sparse import SparsePolicy
 
 CUDA = torch.cuda.is_available()
 # Interpreter mode: this file re-run by ``test_kernels_under_interpreter`` in a subprocess whose

@@ -37,8 +37,9 @@ import attrs
 import torch
 
 from nanovllm.attention.torch_backend import TorchBackend
+from nanovllm.kv import KVWrite
 from nanovllm.policies.full import FullAttentionPolicy
-from nanovllm.policy import KVWrite, PolicyContext, PolicyContractError, PolicyHooks, selection_problem
+from nanovllm.policy import PolicyContext, PolicyContractError, PolicyHooks, selection_problem
 
 CHECKS = (
     "prefill",

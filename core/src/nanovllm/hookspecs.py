@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
     from nanovllm.plugins import Registry
     from nanovllm.kv.store import KVTransfer
-    from nanovllm.policy import KVWrite, PolicyContext
+    from nanovllm.kv import KVWrite
+    from nanovllm.policy import PolicyContext
 
 PROJECT_NAME = "nanovllm"
 ENTRY_POINT_GROUP = "nanovllm"

@@ -38,16 +38,8 @@ from nanovllm.hookspecs import ObserverSpec, argument_problems, hookimpl
 if TYPE_CHECKING:
     import torch
 
-    from nanovllm.attention.metadata import PhaseMetadata, StepMetadata
-    from nanovllm.attention.triton_kernels import (
-        is_interpreted,
-        max_shared_memory,
-        num_sms,
-        online_softmax_step,
-        tile_blocks,
-    )
     from nanovllm.kv.store import KVTransfer, KVWrite
-    from nanovllm.policy import PolicyContext, PolicyContractError, check_selection, selection_problem
+    from nanovllm.policy import PolicyContext
 
 API_VERSION = "1.0"
 

@@ -17,10 +17,12 @@ from typing import Any
 import torch
 
 from nanovllm.attention.metadata import PhaseMetadata
-from nanovllm.policy import KVWrite, PolicyContext, SparsePolicy
+from nanovllm.kv import KVWrite
+from nanovllm.policy import PolicyContext
 from nanovllm.quality.capture import Capture, LayerActivations
 from nanovllm.quality.metrics import compare_selection, dense_attention
 from nanovllm.selection import resolve_policies
+from nanovllm.sparse import SparsePolicy
 
 
 def decode_positions(num_tokens: int, num_queries: int, block_size: int) -> list[int]:
