@@ -70,9 +70,8 @@ class XAttentionConfig:
       the threshold). ``recent_blocks``: with ``keep_recent``, the blocks ending at the diagonal kept
       (1: the diagonal alone, the paper's; 2 adds the block before, the local context of a block's first
       rows).
-    - ``dense_last_rows``: the last query-block rows of each sequence's chunk (of each slice, when
-      ``estimate_chunk`` cuts the chunk) that read every causal block (1: the block holding the last
-      query; 0: none). A row's score sums its block's queries, so a few late queries that attend far
+    - ``dense_last_rows``: the last query-block rows of each sequence's chunk that read every causal
+      block (1: the block holding the last query; 0: none), whatever ``estimate_chunk`` does. A row's score sums its block's queries, so a few late queries that attend far
       back, such as a question at the prompt's end whose answer is the first sampled token, weigh too
       little in their row to pass the threshold; these rows cost one row of dense work per chunk.
     - ``head_reduce``: how the query heads of a GQA group share one selection per KV head: ``mean`` of

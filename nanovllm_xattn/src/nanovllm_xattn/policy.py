@@ -132,11 +132,12 @@ class XAttentionPolicy(SparsePolicy):
                                   cfg.stride, cfg.block_size, part.max_query_len, ctx.meta.max_context_len)
         mask = select_blocks(scores, part.cu_seqlens_q, part.context_lens, cfg.block_size, ctx.num_kv_heads,
                              cfg.head_reduce, self.thresholds(ctx.layer_id, q.shape[1], q.device), cfg.ratio,
-                             cfg.keep_sink, cfg.keep_recent, cfg.recent_blocks, cfg.dense_last_rows)
+                             cfg.keep_sink, cfg.keep_recent, cfg.recent_blocks, cfg.dense_last_rows,
+                             ctx.meta.context_lens)
         if cfg.oracle == "counts":
             causal, forced = allowed_and_forced(scores, part.cu_seqlens_q, part.context_lens, cfg.block_size,
                                                 cfg.keep_sink, cfg.keep_recent, cfg.recent_blocks,
-                                                cfg.dense_last_rows)
+                                                cfg.dense_last_rows, ctx.meta.context_lens)
             mask = keep_counts(per_selection_head(true_scores, mask.shape[1]), mask.sum(-1), causal, forced)
         return mask
 

@@ -58,10 +58,13 @@ def threshold_mask(scores: torch.Tensor, causal: torch.Tensor, forced: torch.Ten
 
 def allowed_and_forced(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                        block: int, keep_sink: bool, keep_recent: bool, recent_blocks: int,
-                       dense_last_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                       dense_last_rows: int = 0, chunk_context_lens: torch.Tensor | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(causal, forced)``, each ``[S, 1, R, N]`` bool: the blocks each row may read, and those it always
     keeps (key block 0 with ``keep_sink``, the ``recent_blocks`` ending at the diagonal with
-    ``keep_recent``, every causal block of each sequence's last ``dense_last_rows`` rows)."""
+    ``keep_recent``, every causal block of each sequence's last ``dense_last_rows`` rows). The last rows
+    are counted from ``chunk_context_lens`` (default ``context_lens``): the whole chunk's ends when these
+    rows are a slice of it, so that slicing does not change the selection."""
     first = first_query_blocks(cu_seqlens_q, context_lens, block)
     causal, recent = causal_blocks(scores, first, context_lens, block, recent_blocks)
     forced = torch.zeros_like(causal)
@@ -71,7 +74,8 @@ def allowed_and_forced(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, context
         forced |= recent
     if dense_last_rows:
         query_block = first[:, None] + torch.arange(scores.shape[-2], device=scores.device)[None, :]  # [S, R]
-        last_block = (context_lens.long()[:, None] - 1) // block
+        ends = context_lens if chunk_context_lens is None else chunk_context_lens
+        last_block = (ends.long()[:, None] - 1) // block
         forced |= (query_block > last_block - dense_last_rows)[:, None, :, None] & causal
     return causal, forced
 
@@ -79,14 +83,14 @@ def allowed_and_forced(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, context
 def select_blocks(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block: int,
                   num_kv_heads: int, head_reduce: str, threshold: torch.Tensor, ratio: float | None = None,
                   keep_sink: bool = True, keep_recent: bool = True, recent_blocks: int = 1,
-                  dense_last_rows: int = 0) -> torch.Tensor:
+                  dense_last_rows: int = 0, chunk_context_lens: torch.Tensor | None = None) -> torch.Tensor:
     """``[S, Hs, R, N]`` bool, the kept blocks: per KV head (``Hs = num_kv_heads``) or, with ``head_reduce
     = "none"``, per query head. ``scores`` is ``[S, H, R, N]`` and ``threshold`` ``[H]`` per query head; a
     reduction over a group uses the largest threshold of its heads."""
     num_seqs, num_heads, rows, cols = scores.shape
     group = num_heads // num_kv_heads
     causal, forced = allowed_and_forced(scores, cu_seqlens_q, context_lens, block, keep_sink, keep_recent,
-                                        recent_blocks, dense_last_rows)
+                                        recent_blocks, dense_last_rows, chunk_context_lens)
     if head_reduce == "none":
         return threshold_mask(scores, causal, forced, threshold, ratio)
     grouped = scores.view(num_seqs, num_kv_heads, group, rows, cols)
