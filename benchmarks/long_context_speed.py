@@ -370,13 +370,7 @@ def markdown(result: dict[str, Any], title: str) -> str:
             lines.append(markdown_row([*cells, target_of(result, runner, length)]))
             failed += [f"- {runner}, batch {b}: {v['error']}" for b, v in by.items() if "error" in v]
         lines += ["", *failed, ""] if failed else [""]
-    lines += ["## Phases", "", markdown_row(["runner", "seconds", "ok"]), markdown_row(["---"] * 3)]
-    lines += [markdown_row([p["name"], p["seconds"], p["ok"]]) for p in result["phases"]]
-    for name, error in result["errors"].items():
-        lines.append(f"\n- error in {name}: {error}")
-    for note in result["notes"]:
-        lines.append(f"\n- {note}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + lc.run_log(result, "runner")) + "\n"
 
 
 def _cell(v: float | None, ratio: bool = False) -> str:

@@ -485,6 +485,16 @@ def _cell(v: Any) -> str:
     return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
+def run_log(result: dict[str, Any], label: str) -> list[str]:
+    """Markdown lines of a run's phases (``label`` heads their column), errors and notes."""
+    from nanovllm.bench import markdown_row
+
+    lines = ["## Phases", "", markdown_row([label, "seconds", "ok"]), markdown_row(["---"] * 3)]
+    lines += [markdown_row([p["name"], p["seconds"], p["ok"]]) for p in result["phases"]]
+    lines += [f"\n- error in {name}: {error}" for name, error in result["errors"].items()]
+    return lines + [f"\n- {note}" for note in result["notes"]]
+
+
 def markdown(result: dict[str, Any], title: str) -> str:
     from nanovllm.bench import markdown_row
 
@@ -537,13 +547,7 @@ def markdown(result: dict[str, Any], title: str) -> str:
                     x["mass_recall"], x["oracle_mass_recall"], x["gap"], x["worst_head_mass_recall"],
                     x["worst_head_share_of_oracle"], x["density"]))]))
         lines.append("")
-    lines += ["## Phases", "", markdown_row(["phase", "seconds", "ok"]), markdown_row(["---"] * 3)]
-    lines += [markdown_row([p["name"], p["seconds"], p["ok"]]) for p in result["phases"]]
-    for name, error in result["errors"].items():
-        lines.append(f"\n- error in {name}: {error}")
-    for note in result["notes"]:
-        lines.append(f"\n- {note}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + run_log(result, "phase")) + "\n"
 
 
 def plot(result: dict[str, Any], path: Path) -> bool:
