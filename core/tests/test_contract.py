@@ -153,10 +153,30 @@ def test_requires_block_selection_decides_whether_the_engine_selects(make_llm):
     assert calls["selected_by_engine"] == calls["compute_chunked_decode"] > 0
 
 
+def graph_safe(llm) -> bool:
+    return llm.runner.hooks.cuda_graph_safe_on(llm.runner.kv)
+
+
 def test_cuda_graph_safety_is_read_from_the_policy_and_every_observer(make_llm):
-    assert make_llm("full").runner.hooks.cuda_graph_safe
-    assert not make_llm("recorder").runner.hooks.cuda_graph_safe  # the default is off
-    assert not make_llm("full", observers=[Observer()]).runner.hooks.cuda_graph_safe
+    assert graph_safe(make_llm("full"))
+    assert not graph_safe(make_llm("recorder"))  # the default is off
+    assert not graph_safe(make_llm("full", observers=[Observer()]))
+
+
+class OffloadCounter:
+    """An observer of the offload notifications alone, not declared graph-safe."""
+
+    def on_decode_offload(self, transfer):
+        CALLS["on_decode_offload"] += 1
+
+
+def test_offload_observers_count_for_graph_safety_only_where_the_store_calls_them(make_llm):
+    paged = make_llm("full", observers=[OffloadCounter()])
+    assert graph_safe(paged)  # the paged GPU cache never notifies: the observer costs the graphs nothing
+    assert not run(paged)["on_decode_offload"]
+    pooled = make_llm("full", observers=[OffloadCounter()], offload=True)
+    assert not graph_safe(pooled)  # the host store calls it inside the decode forward pass
+    assert run(pooled)["on_decode_offload"]
 
 
 def test_base_noop_notification_hooks_cost_nothing(make_llm):

@@ -515,7 +515,7 @@ def _check_cuda_graphs(case: Case, model_dir: str, policy: Any) -> None:
     if not llm.runner.cuda_graphs.graphs:
         if not llm.runner.kv.can_capture_decode(llm.runner.hooks.decode.requires_block_selection):
             raise unittest.SkipTest("this KV store captures only decode steps that select on the device")
-        if llm.runner.hooks.cuda_graph_safe:
+        if llm.runner.hooks.cuda_graph_safe_on(llm.runner.kv):
             raise AssertionError("the policy declares cuda_graph_safe, yet no decode graph was captured")
         raise unittest.SkipTest("the policy is not cuda_graph_safe: decode runs eagerly")
     prompts = _prompts([3, 40, 97, 12], 8)

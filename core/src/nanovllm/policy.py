@@ -16,7 +16,7 @@ import torch
 
 from nanovllm.attention.backend import AttentionBackend
 from nanovllm.attention.metadata import PhaseMetadata
-from nanovllm.kv.store import KVWrite, LayerKV, PagedLayerKV  # noqa: F401 (KVWrite: Quest's tests import it here)
+from nanovllm.kv.store import KVStore, KVWrite, LayerKV, PagedLayerKV  # noqa: F401 (KVWrite: Quest's tests import it here)
 from nanovllm.sparse import SparsePolicy, contract_problems
 
 
@@ -265,12 +265,13 @@ class PolicyHooks:
     def _calls(self, hook: str) -> tuple[Callable, ...]:
         return tuple(getattr(m, hook) for m in self.implementers(hook))
 
-    @property
-    def cuda_graph_safe(self) -> bool:
-        """The decode policy and everything called inside a decode forward pass can be captured."""
-        inside = [m for name in ("on_kv_write", "on_blocks_selected", "on_decode_offload")
-                  for m in self.implementers(name)]
-        return all(getattr(m, "cuda_graph_safe", False) for m in [self.decode, *inside])
+    def cuda_graph_safe_on(self, store: KVStore) -> bool:
+        """Whether the decode policy and every implementer of a hook that ``store`` calls inside a decode
+        forward pass declare ``cuda_graph_safe``: the offload notifications count only on a store that
+        calls them (a paged GPU cache never does)."""
+        inside = ["on_kv_write", "on_blocks_selected"] + ["on_decode_offload"] * store.notifies_offload
+        members = [self.decode, *(m for name in inside for m in self.implementers(name))]
+        return all(getattr(m, "cuda_graph_safe", False) for m in members)
 
     def dense_layers(self, num_layers: int) -> frozenset[int]:
         """The layers a selected policy runs dense (``SparsePolicy.dense_layers``): resident under offload."""

@@ -85,7 +85,7 @@ class CudaGraphRunner:
             and self.kv_store.can_capture_decode(self.hooks.decode.requires_block_selection)
             and not self.config.enforce_eager
             and self.backend.supports_cuda_graphs
-            and self.hooks.cuda_graph_safe
+            and self.hooks.cuda_graph_safe_on(self.kv_store)
         )
         problem = capture_problem() if usable else None
         if problem is not None:

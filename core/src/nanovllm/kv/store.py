@@ -324,6 +324,10 @@ class KVStore:
     ``block_size`` tokens, and the calls the model runner makes around each forward pass. The base class
     is the paged GPU cache's: every call around the step does nothing."""
 
+    # Whether the store calls the offload notifications (``on_decode_offload`` / ``on_prefill_offload``):
+    # only a store that moves KV across PCIe has anything to tell.
+    notifies_offload: bool = False
+
     def __init__(self, layers: Sequence[LayerKV], num_blocks: int, block_size: int) -> None:
         self.layers = list(layers)
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -387,6 +391,8 @@ class HostKVStore(KVStore):
     """The offloaded layers' KV in the host pool of ``engine``; the ``resident_layers`` (the policies'
     dense layers and the sliding-window layers) in a paged GPU cache ``resident_kv_cache`` ``[resident
     layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` over the same block ids."""
+
+    notifies_offload = True
 
     def __init__(self, num_layers: int, engine: OffloadEngine, resident_layers: Sequence[int],
                  resident_kv_cache: torch.Tensor) -> None:
