@@ -3,7 +3,10 @@ inputs of attention kernels with the checks their tests share.
 
 ``tiny_model_dir(path, "Qwen3ForCausalLM")`` writes config.json, model.safetensors (random weights
 from transformers' own initialisation, seeded) and a word-level tokenizer whose vocabulary is
-``tok0 ... tokN``, so text and token-id prompts both work without any download.
+``tok0 ... tokN``, so text and token-id prompts both work without any download. Besides Llama and Qwen3,
+two models with sliding-window layers for hybrid KV: ``Gemma3ForCausalLM`` (four of six layers slide over a
+window of ``HYBRID_WINDOW`` tokens, two attend globally) and ``MistralForCausalLM`` (the window on every layer);
+run them at ``block_size=HYBRID_BLOCK_SIZE``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,32 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
     ),
 }
+
+# Hybrid KV: a window of HYBRID_WINDOW tokens, two blocks of HYBRID_BLOCK_SIZE, so prompts of a few hundred
+# tokens cross it many times and a window group holds a handful of blocks per sequence.
+HYBRID_WINDOW = 32
+HYBRID_BLOCK_SIZE = 16
+_HYBRID_BASE = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    sliding_window=HYBRID_WINDOW,
+    initializer_range=0.3,  # transformers' default 0.02 makes a tiny model repeat one token
+)
+TINY_CONFIGS |= {
+    # Gemma 3 in small: most layers slide over the window, two attend globally (the 270M has 15 and 3)
+    "Gemma3ForCausalLM": dict(
+        _HYBRID_BASE, num_hidden_layers=6, query_pre_attn_scalar=32, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        },
+    ),
+    # Mistral: the window on every layer, nothing attends globally
+    "MistralForCausalLM": dict(_HYBRID_BASE, num_hidden_layers=3, tie_word_embeddings=False),
+}
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3_text",
+               "MistralForCausalLM": "mistral"}
 
 
 def _tokenizer(vocab_size: int):
@@ -50,15 +79,17 @@ def tiny_model_dir(path: str | Path, architecture: str = "LlamaForCausalLM", see
 
     path = Path(path)
     settings = {**TINY_CONFIGS[architecture], **overrides}
-    model_type = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}[architecture]
-    config = transformers.AutoConfig.for_model(model_type, **settings)
+    config = transformers.AutoConfig.for_model(MODEL_TYPES[architecture], **settings)
     config.architectures = [architecture]
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).float().eval()
+    gemma = architecture.startswith("Gemma")
     with torch.no_grad():  # transformers initialises norms to ones; perturb them so parity checks see them
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1)
+            if gemma and ".post_" in name:  # Gemma's post-norms scale each block's output: without this the
+                param.add_(10.0)  # scaled tied embedding outweighs them and greedy decoding repeats a token
     model.save_pretrained(path, safe_serialization=True)
     _tokenizer(config.vocab_size).save_pretrained(path)
     return path
