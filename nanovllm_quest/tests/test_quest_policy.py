@@ -9,11 +9,11 @@ from nanovllm.attention.metadata import PhaseMetadata
 from nanovllm.attention.torch_backend import TorchBackend
 from nanovllm.kv import PagedLayerKV
 from nanovllm.plugins import get_plugins
-from nanovllm.policy import KVWrite, PolicyContext
 from nanovllm.quality import planted
 from nanovllm.quality.capture import Capture, LayerActivations
 from nanovllm.quality.evaluate import evaluate_policy
 from nanovllm.selection import SelectionError, resolve_sparse_policy
+from nanovllm.sparse import KVWrite, PolicyContext
 from nanovllm_quest import reference
 from nanovllm_quest.config import QuestConfig
 from nanovllm_quest.policy import QuestPolicy, bound_layout

@@ -16,7 +16,7 @@ import torch
 
 from nanovllm.attention.backend import AttentionBackend
 from nanovllm.attention.metadata import PhaseMetadata
-from nanovllm.kv.store import KVStore, KVWrite, LayerKV, PagedLayerKV  # noqa: F401 (KVWrite: Quest's tests import it here)
+from nanovllm.kv.store import KVStore, LayerKV, PagedLayerKV
 from nanovllm.sparse import SparsePolicy, contract_problems
 
 
