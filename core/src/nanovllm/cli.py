@@ -108,6 +108,10 @@ def _plugins(args: argparse.Namespace) -> int:
             print(f"    WARNING: {p.warning}")
         for entry in p.registered:
             print(f"    {entry}")
+            kind, _, key = entry.partition(":")
+            backend = plugin_set.registry.attention_backends.get(key) if kind == "attention_backend" else None
+            if backend is not None and backend.unavailable is not None:
+                print(f"        unavailable: {backend.unavailable}")
             if p.problems and entry in p.problems:
                 print(f"        FAILED: {p.problems[entry]}")
     if not args.check:

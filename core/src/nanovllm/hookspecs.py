@@ -51,7 +51,9 @@ class RegistrationSpec:
         """Add attention backends with what they support.
 
         ``registry.add_attention_backend("torch", "pkg.mod:Backend", devices=("cpu", "cuda"),
-        dtypes=("float32", "bfloat16"), head_sizes=None)``; ``None`` means any.
+        dtypes=("float32", "bfloat16"), head_sizes=None)``; ``None`` means any. A backend that cannot run on
+        this machine (a missing wheel, no suitable GPU) passes ``unavailable="why, and the fix"``: it is listed
+        with the reason and selecting it raises it.
         """
 
     @hookspec

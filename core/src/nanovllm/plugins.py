@@ -78,9 +78,13 @@ class AttentionBackendInfo:
     dtypes: tuple[str, ...] | None = None
     head_sizes: tuple[int, ...] | None = None
     config: str | None = None
+    # why the backend cannot run on this machine at all (a missing wheel, no suitable GPU), with the fix
+    unavailable: str | None = None
 
     def supports(self, device: str, dtype: str, head_size: int) -> str | None:
         """``None`` when the backend supports the combination, else the reason it does not."""
+        if self.unavailable is not None:
+            return f"unavailable on this machine: {self.unavailable}"
         for what, value, allowed in (
             ("device", device, self.devices),
             ("dtype", dtype, self.dtypes),
@@ -162,7 +166,11 @@ class Registry:
         dtypes: Iterable[str] | None = None,
         head_sizes: Iterable[int] | None = None,
         config: str | None = None,
+        unavailable: str | None = None,
     ) -> None:
+        """``unavailable``: why the backend cannot run on this machine, naming the fix; it is still listed
+        (``nanovllm plugins`` shows the reason), ``auto`` passes it over and selecting it raises the reason.
+        Find it without importing heavy modules: listing plugins imports no torch."""
         info = AttentionBackendInfo(
             name.lower(),
             target,
@@ -171,6 +179,7 @@ class Registry:
             tuple(dtypes) if dtypes is not None else None,
             tuple(head_sizes) if head_sizes is not None else None,
             config,
+            unavailable,
         )
         self._add(self.attention_backends, name.lower(), info, "attention backend")
 

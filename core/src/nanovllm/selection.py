@@ -334,4 +334,6 @@ def resolve_attention_backend(
         raise _unknown_name(sel.name, list(table), "attention backend", plugins)
     info = table[sel.name]
     label = f"attention backend {sel.name!r}"
+    if info.unavailable is not None:
+        raise PluginError(f"{label} (distribution {info.dist}) is unavailable on this machine: {info.unavailable}")
     return BackendChoice(info, make_config(info.config, sel.options, label, info.dist))
