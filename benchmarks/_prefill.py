@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from _plot import save, subplots
 from nanovllm.bench import markdown_row, offload
 
 
@@ -208,13 +209,8 @@ def ttft_model(row: dict[str, Any]) -> str:
 def density_chart(payload: dict[str, Any], path: Path, name: str, xlabel: str, ylabel: str) -> None:
     """Kernel rows (``density``, ``ratio``), one line per context, and the line of time proportional to
     density."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     kernel = [r for r in payload["results"] if r["benchmark"] == "kernel" and "ratio" in r]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = subplots(figsize=(7, 4.5))
     for n in sorted({r["context"] for r in kernel}):
         pts = sorted((r["density"], r["ratio"]) for r in kernel if r["context"] == n)
         ax.plot(*zip(*pts, strict=True), marker="o", label=f"{n // 1024}K")
@@ -222,15 +218,5 @@ def density_chart(payload: dict[str, Any], path: Path, name: str, xlabel: str, y
     ax.plot(xs, xs, "r--", label="time proportional to density")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    save_chart(fig, ax, path, name, payload["environment"])
-
-
-def save_chart(fig, ax, path: Path, name: str, env: dict[str, Any], legend_size: int = 8) -> None:
-    """A one-panel chart's legend and title (``name``, the device, date and commit), saved and closed."""
-    import matplotlib.pyplot as plt
-
-    ax.legend(fontsize=legend_size)
-    ax.set_title(f"{name} - {env['device']} - {env['date']} - {env['commit']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    ax.legend(fontsize=8)
+    save(fig, path, name, payload["environment"])

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _jobs import job_main, run_jobs
+from _plot import save, subplots
 from nanovllm.distributed import (
     all_reduce,
     all_reduce_rms_norm,
@@ -195,25 +196,16 @@ def markdown(payload: dict[str, Any], title: str) -> str:
 
 
 def chart(payload: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in payload["results"] if "error" not in r]
     if not rows:
         return
-    fig, ax = plt.subplots(figsize=(10, 0.3 * len(rows) + 1.5))
+    fig, ax = subplots(figsize=(10, 0.3 * len(rows) + 1.5))
     ax.barh([f"{r['preset']} {r['path']} {r['mode']} batch {r['batch']}" for r in rows],
             [r["us_per_allreduce"] for r in rows], color="tab:blue")
     ax.set_xlabel("us per all-reduce of a decode step")
     ax.tick_params(axis="y", labelsize=7)
     ax.invert_yaxis()
-    env = payload["environment"]
-    ax.set_title(f"allreduce - {env['device']} - {env['date']} - {env['commit']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, "allreduce", payload["environment"])
 
 
 def run_job(job: dict) -> list[dict[str, Any]]:

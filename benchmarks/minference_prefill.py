@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from _jobs import job_main, jobs_of_kinds, run_jobs
+from _plot import save, subplots
 from _prefill import (
     bench_paired_ttft,
     bench_ttft,
@@ -44,7 +45,6 @@ from _prefill import (
     density_chart,
     kernel_ms,
     paged_prompt,
-    save_chart,
     ttft_model,
     ttft_table,
     with_ratios,
@@ -275,19 +275,15 @@ def chart(payload: dict[str, Any], path: Path) -> None:
     if any(r["benchmark"] == "kernel" and "ratio" in r for r in payload["results"]):
         density_chart(payload, path, "minference_prefill", "computed density", "sparse / dense Triton kernel time")
         return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     points = [r for r in payload["results"] if isinstance(r.get("index"), dict) and "speedup" in r]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = subplots(figsize=(7, 4.5))
     for r in points:
         label = f"{r['context'] // 1024}K {r['policy']} ({ttft_model(r)})"
         ax.plot(r["index"]["work"], r["speedup"], marker="o", linestyle="", label=label)
     ax.set_xlabel("share of dense causal attention computed")
     ax.set_ylabel("TTFT speedup over full")
-    save_chart(fig, ax, path, "minference_prefill", payload["environment"], legend_size=7)
+    ax.legend(fontsize=7)
+    save(fig, path, "minference_prefill", payload["environment"])
 
 
 def main(argv: list[str] | None = None) -> int:

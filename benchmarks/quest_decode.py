@@ -48,6 +48,7 @@ from typing import Any, NamedTuple
 
 import torch
 from _jobs import job_main, jobs_of_kinds, run_jobs
+from _plot import save, subplots
 from nanovllm.bench import markdown_row
 
 PRESET = "llama-3.1-8b"
@@ -461,15 +462,10 @@ def page_label(row: dict[str, Any]) -> str:
 
 
 def chart(payload: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     att = [r for r in payload["results"] if r["benchmark"] == "attention"]
     eng = [r for r in payload["results"] if "speedup" in r and r["benchmark"] != "attention"]
     # an engine-only run gets no attention panel
-    fig, axes = plt.subplots(2 if att else 1, 1, figsize=(10, 7 if att else 3.8), squeeze=False)
+    fig, axes = subplots(2 if att else 1, 1, figsize=(10, 7 if att else 3.8), squeeze=False)
     axes = list(axes[:, 0])
     if att:
         labels = [f"{r['context'] // 1024}K x{r['batch']} b{r['budget']} p{page_label(r)}" for r in att]
@@ -487,11 +483,7 @@ def chart(payload: dict[str, Any], path: Path) -> None:
     for ax in axes:
         ax.tick_params(axis="y", labelsize=7)
         ax.invert_yaxis()
-    env = payload["environment"]
-    fig.suptitle(f"quest_decode - {env['device']} - {env['date']} - {env['commit']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, "quest_decode", payload["environment"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from _plot import save, subplots
+
 METRICS = {"latency": "ms_per_token", "throughput": "output_tok_per_s"}  # lower, higher is better
 
 
@@ -62,26 +64,18 @@ def markdown(summary: dict[str, Any], title: str) -> str:
 
 
 def chart(summary: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
     rows = summary["rows"]
     if not rows:
         return False
-    fig, ax = plt.subplots(figsize=(8, 0.6 * len(rows) + 1.2))
+    try:
+        fig, ax = subplots(figsize=(8, 0.6 * len(rows) + 1.2))
+    except ImportError:
+        return False
     labels = [f"{r['benchmark']} {r['preset']}" for r in rows]
     ax.barh(labels, [r["speedup"] for r in rows], color="tab:blue")
     ax.invert_yaxis()
     ax.set_xlabel("TP2 speedup over TP1")
-    env = summary["environment"] or {}
-    ax.set_title(f"tensor parallel - {env.get('device', '?')} - {env.get('commit', '?')}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, "tensor parallel", summary["environment"])
     return True
 
 

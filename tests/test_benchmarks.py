@@ -47,6 +47,57 @@ def test_jobs_write_after_each_job_and_report_failures(tmp_path):
 
 
 
+KERNEL_ROW = {"benchmark": "kernel", "context": 1024, "density": 0.2, "ratio": 0.3}
+CHARTS = {  # script: results enough for its chart
+    "allreduce": [{"preset": "qwen3-0.6b", "path": "nccl", "mode": "graph", "batch": 1, "us_per_allreduce": 9.0}],
+    "quest_decode": [
+        {"benchmark": "attention", "context": 32768, "batch": 1, "budget": 2048, "speedup": 3.0, "ceiling": 8.0},
+        {"benchmark": "offload", "context": 131072, "batch": 1, "policy": "quest", "speedup": 20.0},
+    ],
+    "minference_prefill": [KERNEL_ROW],
+    "xattn_prefill": [KERNEL_ROW],
+}
+
+
+@pytest.fixture
+def saved_figures(monkeypatch) -> dict:
+    """Each figure a chart saves: path -> its title."""
+    from matplotlib.figure import Figure
+
+    saved, savefig = {}, Figure.savefig
+
+    def record(fig, path, **kwargs):
+        saved[Path(path)] = fig.get_suptitle()
+        savefig(fig, path, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    return saved
+
+
+def test_a_chart_is_titled_with_its_run_and_saved(tmp_path, saved_figures):
+    plot = script("_plot")
+    fig, ax = plot.subplots()
+    ax.plot([0, 1], [1, 0])
+    plot.save(fig, tmp_path / "c.png", "c", {"device": "gpu", "commit": "abc"})  # no date: left out
+    assert saved_figures == {tmp_path / "c.png": "c - gpu - abc"}
+    assert (tmp_path / "c.png").read_bytes().startswith(b"\x89PNG")
+    import matplotlib.pyplot as plt
+
+    assert not plt.get_fignums()  # closed
+
+
+@pytest.mark.parametrize("name", CHARTS)
+def test_every_script_charts_through_the_shared_helper(name, tmp_path, saved_figures):
+    script(name).chart({"environment": ENV, "results": CHARTS[name]}, tmp_path / f"{name}.png")
+    assert saved_figures == {tmp_path / f"{name}.png": f"{name} - test - today - abc"}
+
+
+def test_minference_charts_its_ttft_rows_when_it_has_no_kernel_rows(tmp_path, saved_figures):
+    row = {"benchmark": "ttft", "context": 1024, "policy": "minference", "speedup": 2.0, "index": {"work": 0.45}}
+    script("minference_prefill").chart({"environment": ENV, "results": [row]}, tmp_path / "m.png")
+    assert saved_figures == {tmp_path / "m.png": "minference_prefill - test - today - abc"}
+
+
 def test_paged_prompt_caches_hold_the_prompt_through_its_table():
     """The sparse-prefill benchmarks' inputs: reading the caches through the shuffled table gives k and v, and
     the metadata describes one fresh prompt (the torch backend's paged prefill of its last rows, behind the
@@ -168,6 +219,7 @@ def test_tp_summary_speedups_of_tp2_over_tp1(tmp_path):
     text = (tmp_path / "b6.md").read_text()
     assert "| latency | qwen3-8b | ms_per_token | 5.000 | 3.500 | 1.429x |" in text
     assert "Not in this run: latency llama-3.1-8b at TP2." in text
+    assert (tmp_path / "b6.png").read_bytes().startswith(b"\x89PNG")
 
 
 # -- quest_decode.py -----------------------------------------------------------------------------------------
