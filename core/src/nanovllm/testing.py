@@ -95,6 +95,28 @@ def tiny_model_dir(path: str | Path, architecture: str = "LlamaForCausalLM", see
     return path
 
 
+def tiny_kv_bytes(architecture: str, num_tokens: int, max_chunk: int, hybrid: bool = True,
+                  block_size: int = HYBRID_BLOCK_SIZE) -> int:
+    """Float32 KV bytes one sequence of ``num_tokens`` tokens of the tiny ``architecture`` holds at most when
+    computed in chunks of up to ``max_chunk`` tokens: every block of every layer in the uniform layout; with
+    ``hybrid``, each KV cache group's most blocks (a window group: its window and the chunk), in pool blocks
+    of the largest group's size. For sizing ``kv_cache_memory`` to a number of sequences."""
+    from types import SimpleNamespace
+
+    from nanovllm.layers.decoder import sliding_window_of
+
+    config = TINY_CONFIGS[architecture]
+    layers = config["num_hidden_layers"]
+    layer_token_bytes = 2 * config["num_key_value_heads"] * config["head_dim"] * 4
+    if not hybrid:
+        return -(-num_tokens // block_size) * block_size * layers * layer_token_bytes
+    from nanovllm.kv.groups import blocks_per_sequence, kv_cache_groups, num_slots
+
+    groups = kv_cache_groups([sliding_window_of(SimpleNamespace(**config), i) for i in range(layers)])
+    blocks = blocks_per_sequence(groups, num_tokens, block_size, max_chunk)
+    return blocks * block_size * num_slots(groups) * layer_token_bytes
+
+
 def hub_cache_entry(cache_dir: str | Path, repo_id: str, model_dir: str | Path, revision: str = "main",
                     commit: str | None = None) -> Path:
     """Put a copy of ``model_dir`` into a Hugging Face hub cache folder (``HF_HUB_CACHE`` layout) as
