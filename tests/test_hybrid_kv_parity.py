@@ -30,10 +30,8 @@ MAX_MODEL_LEN = 320
 PROMPT_LENS = (45, 130, 230)
 # (max_num_batched_tokens, KV budget in sequences of MAX_MODEL_LEN tokens)
 SETTINGS = {"chunked": (40, 8.0), "preempt": (24, 1.5)}
-LAYOUTS = [
-    pytest.param(False, id="hybrid", marks=pytest.mark.skipif(not HYBRID, reason="the engine has one KV layout")),
-    pytest.param(True, id="uniform"),
-]
+ONE_LAYOUT = pytest.mark.skipif(not HYBRID, reason="the engine has one KV layout")
+LAYOUTS = [pytest.param(False, id="hybrid", marks=ONE_LAYOUT), pytest.param(True, id="uniform")]
 
 
 def layout(uniform: bool) -> dict:
@@ -71,7 +69,8 @@ def hf_greedy(model_dir):
 
     def get(architecture: str, prompt: list[int]) -> list[int]:
         if architecture not in models:
-            model = transformers.AutoModelForCausalLM.from_pretrained(model_dir(architecture), dtype=torch.float32)
+            path = model_dir(architecture)
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
             model.generation_config.eos_token_id = None
             models[architecture] = model.eval()
         key = (architecture, tuple(prompt))
@@ -97,22 +96,25 @@ def runs(model_dir, hf_greedy):
 
             chunk, sequences = SETTINGS[setting]
             kv_bytes = int(sequences * tiny_kv_bytes(architecture, MAX_MODEL_LEN, chunk, hybrid=not uniform))
-            llm = LLM(model_dir(architecture), device="cpu", block_size=HYBRID_BLOCK_SIZE, kv_cache_memory=kv_bytes,
-                      max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=chunk, skip_tokenizer_init=True,
-                      **layout(uniform))
+            llm = LLM(model_dir(architecture), device="cpu", block_size=HYBRID_BLOCK_SIZE,
+                      kv_cache_memory=kv_bytes, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=chunk,
+                      skip_tokenizer_init=True, **layout(uniform))
             params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
             first = prompts(PROMPT_LENS, seed=7)
             again = second_round(first, [hf_greedy(architecture, p) for p in first])
-            outputs = llm.generate(first, params, use_tqdm=False) + llm.generate(again, params, use_tqdm=False)
+            outputs = [*llm.generate(first, params, use_tqdm=False),
+                       *llm.generate(again, params, use_tqdm=False)]
             bm = llm.scheduler.block_manager
-            done[key] = dict(prompts=first + again, outputs=outputs, preemptions=llm.scheduler.num_preemptions,
-                             all_free=bm.num_free_blocks == len(bm.blocks))
+            all_free = bm.num_free_blocks == len(bm.blocks)
+            done[key] = dict(prompts=first + again, outputs=outputs, all_free=all_free,
+                             preemptions=llm.scheduler.num_preemptions)
         return done[key]
 
     return get
 
 
-CASES = [pytest.param(a, s, id=f"{a.removesuffix('ForCausalLM').lower()}-{s}") for a in MODELS for s in SETTINGS]
+CASES = [pytest.param(a, s, id=f"{a.removesuffix('ForCausalLM').lower()}-{s}")
+         for a in MODELS for s in SETTINGS]
 
 
 @pytest.mark.parametrize("uniform", LAYOUTS)

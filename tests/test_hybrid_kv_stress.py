@@ -34,10 +34,8 @@ def layout(uniform: bool) -> dict:
     return {"disable_hybrid_kv_cache_manager": uniform} if HYBRID else {}
 
 
-LAYOUTS = [
-    pytest.param(False, id="hybrid", marks=pytest.mark.skipif(not HYBRID, reason="the engine has one KV layout")),
-    pytest.param(True, id="uniform"),
-]
+ONE_LAYOUT = pytest.mark.skipif(not HYBRID, reason="the engine has one KV layout")
+LAYOUTS = [pytest.param(False, id="hybrid", marks=ONE_LAYOUT), pytest.param(True, id="uniform")]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +58,7 @@ class Request:
 
 
 def workload(seed: int) -> list[Request]:
-    """24 requests: a third fresh, the rest a shared stem (40-150 tokens, past the window) and their own tail."""
+    """24 requests: a third fresh, the others a shared stem (40-150 tokens, past the window) and a tail."""
     rng = random.Random(seed)
     stems = [[rng.randrange(3, 256) for _ in range(rng.randrange(40, 150))] for _ in range(3)]
     requests = []
@@ -70,7 +68,8 @@ def workload(seed: int) -> list[Request]:
         else:
             prompt = rng.choice(stems) + [rng.randrange(3, 256) for _ in range(rng.randrange(0, 60))]
         abort_after = rng.randrange(1, 30) if rng.random() < 0.2 else None
-        requests.append(Request(f"r{i}", prompt, rng.randrange(1, MAX_NEW + 1), rng.randrange(60), abort_after))
+        max_tokens, arrival = rng.randrange(1, MAX_NEW + 1), rng.randrange(60)
+        requests.append(Request(f"r{i}", prompt, max_tokens, arrival, abort_after))
     return sorted(requests, key=lambda r: r.arrival)
 
 
@@ -129,16 +128,16 @@ def run_workload(llm, requests: list[Request]) -> dict[str, object]:
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    """A roomy engine's greedy tokens for every prompt, ``MAX_NEW`` of them (a shorter request's are a prefix)."""
+    """A roomy engine's greedy tokens for every prompt, ``MAX_NEW`` of them (a shorter request: a prefix)."""
     from nanovllm import LLM
 
     made: dict[tuple[str, int], dict[tuple[int, ...], list[int]]] = {}
 
     def get(architecture: str, seed: int) -> dict[tuple[int, ...], list[int]]:
         if (architecture, seed) not in made:
-            llm = LLM(model_dir(architecture), device="cpu", block_size=HYBRID_BLOCK_SIZE, kv_cache_memory=ROOMY,
-                      max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False, skip_tokenizer_init=True,
-                      **layout(True))
+            llm = LLM(model_dir(architecture), device="cpu", block_size=HYBRID_BLOCK_SIZE,
+                      kv_cache_memory=ROOMY, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False,
+                      skip_tokenizer_init=True, **layout(True))
             prompts = [r.prompt for r in workload(seed)]
             outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
                                 use_tqdm=False)
@@ -152,8 +151,9 @@ def reference(model_dir):
 @pytest.mark.parametrize("uniform", LAYOUTS)
 @pytest.mark.parametrize("architecture", MODELS)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_random_workload_gives_the_roomy_tokens_and_frees_every_block(model_dir, reference, architecture, seed,
-                                                                      uniform):
+def test_random_workload_gives_the_roomy_tokens_and_frees_every_block(
+    model_dir, reference, architecture, seed, uniform
+):
     from nanovllm import LLM
 
     rng = random.Random(seed)

@@ -4,9 +4,9 @@ inputs of attention kernels with the checks their tests share.
 ``tiny_model_dir(path, "Qwen3ForCausalLM")`` writes config.json, model.safetensors (random weights
 from transformers' own initialisation, seeded) and a word-level tokenizer whose vocabulary is
 ``tok0 ... tokN``, so text and token-id prompts both work without any download. Besides Llama and Qwen3,
-two models with sliding-window layers for hybrid KV: ``Gemma3ForCausalLM`` (four of six layers slide over a
-window of ``HYBRID_WINDOW`` tokens, two attend globally) and ``MistralForCausalLM`` (the window on every layer);
-run them at ``block_size=HYBRID_BLOCK_SIZE``.
+two models with sliding-window layers for hybrid KV: ``Gemma3ForCausalLM`` (four of six layers slide over
+a window of ``HYBRID_WINDOW`` tokens, two attend globally) and ``MistralForCausalLM`` (the window on every
+layer); run them at ``block_size=HYBRID_BLOCK_SIZE``.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ HYBRID_WINDOW = 32
 HYBRID_BLOCK_SIZE = 16
 _HYBRID_BASE = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=32, max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    sliding_window=HYBRID_WINDOW,
+    head_dim=32, max_position_embeddings=1024, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+    pad_token_id=0, sliding_window=HYBRID_WINDOW,
     initializer_range=0.3,  # transformers' default 0.02 makes a tiny model repeat one token
 )
 TINY_CONFIGS |= {
