@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import ast
 import importlib
+import io
 import re
 import shlex
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -280,3 +282,31 @@ def test_architecture_floors_match_the_imports():
             if floors.get(name, 0) > floors[top]:
                 upward.append(f"{path.relative_to(PACKAGE)} (floor {floors[top]}) imports {name} (floor {floors[name]})")
     assert not upward, "\n".join(upward)
+
+
+# -- the installed code's comments and docstrings state behaviour, not one machine's timings -------------
+
+# a time ("7.3 us"), a speed-up in percent, or a GPU model introducing figures ("H100: ...", "(H100, ...")
+TIMING = re.compile(r"\d(?:\.\d+)?\s?(?:ns|us|µs|ms)\b|\d%\s+(?:faster|slower)|\b[ABH]\d00\b\s*[(:,]")
+
+
+def prose(path: Path):
+    """(line, text) of every comment and docstring of ``path``."""
+    text = path.read_text()
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type == tokenize.COMMENT:
+            yield token.start[0], token.string
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                yield node.body[0].lineno, doc
+
+
+def test_installed_code_quotes_no_timings():
+    installed = [p for p in tracked() if p.suffix == ".py" and "src" in p.relative_to(ROOT).parts]
+    assert any("nanovllm_quest" in p.parts for p in installed)  # the scan sees the plugins
+    found = [f"{path.relative_to(ROOT)}:{line}: {match.group(0)!r}" for path in installed
+             for line, text in prose(path) for match in TIMING.finditer(text)]
+    assert not found, ("say why, not what one machine measured (the numbers belong in benchmarks/results):\n"
+                       + "\n".join(found))

@@ -22,7 +22,7 @@
 - ``group_reduction=mass``: ``page_scores`` and ``rescore_pages`` write each query head's row (its bounds,
   or its log page weights) instead of the group's, and :func:`reference.combine_shares` turns them into
   the group's summed shares: a head's softmax needs its whole row, which spans many programs.
-Scoring and top-K stay two launches (the fused alternatives measured slower: docs/design-notes.md).
+Scoring and top-K stay two launches: why the fused alternatives were not kept is in docs/design-notes.md.
 
 No host synchronisation and no data-dependent shape: all are captured in the decode CUDA graphs.
 On CPU tensors they run under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is first
@@ -39,17 +39,17 @@ from nanovllm.sparse import num_sms
 from nanovllm_quest import reference
 from nanovllm_quest.reference import PageRows
 
-# bounds per scoring program (16 KB of bf16 metadata at head size 128; pages of one bound by default);
-# the fastest of 32, 64 and 128 measured
+# bounds per scoring program (16 KB of bf16 metadata at head size 128; pages of one bound by default):
+# small tiles make many programs, so that a short batch still spreads over every multiprocessor
 SCORE_TILE = 32
 # float8 bounds in float16 dots: up to 128 a program (32 KB), halved while the grid has fewer than two
 # programs per multiprocessor
 SCORE_TILE_FP8 = 128
 # bounds scored at a time: a program of more takes them in steps, the next step's loads issued before this
-# step's dots (two steps of 64 measured faster than one of 128)
+# step's dots, so that reading the metadata overlaps the arithmetic
 SCORE_STEP = 64
 # a row of up to this many pages (256K tokens at pages of 16) stays in registers; wider rows are read
-# again each pass, about twice as slow
+# again from memory on each pass of the search
 MAX_TOPK_TILE = 16384
 MAX_UPDATE_ROWS = 64  # new keys an update program folds at a time
 RESCORE_ROWS = 64  # keys a rescoring program reads (4 pages of 16)
@@ -209,7 +209,7 @@ def _score_tile(
     if FP8 and FP32:  # on the GPU a 16-bit conversion keeps float8's NaN; the interpreter's needs help
         kmin, kmax = _to_float32(kmin, True), _to_float32(kmax, True)
     if FP8 and not FP32:  # float16 operands: float8 converts to float16 in one instruction a pair, to
-        # bfloat16 in several (H100: scoring 10% faster at 8 x 128K, bit-identical scores)
+        # bfloat16 in several; float16 holds every float8 value exactly, so the scores do not change
         kmin, kmax = kmin.to(tl.float16), kmax.to(tl.float16)
     if FP32:  # float32 inputs or the interpreter: exact float32 products
         bound = tl.dot(q_pos.to(tl.float32), tl.trans(kmax.to(tl.float32)), input_precision="ieee")
@@ -422,7 +422,7 @@ def rescore_pages(
 @triton.jit
 def _order_keys(scores):
     """Float32 -> uint32 with the floats' order; ``-inf``, NaN and padding -> 0 (never chosen). 32-bit
-    keys: the counting passes run faster than on int64 keys."""
+    keys: the counting passes move and compare half the bytes of int64 keys."""
     bits = tl.where(scores == 0.0, 0, scores.to(tl.int32, bitcast=True))  # -0.0 ties with 0.0, as in torch
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # negative floats: larger magnitude, smaller key
     keys = (ordered ^ (-2147483648)).to(tl.uint32, bitcast=True)  # flip the sign bit: unsigned order
@@ -476,10 +476,10 @@ def _select_row(
     ``NAMED``: entry ``i`` of the row is page ``names[i]`` (ascending), not page ``i``."""
     offs = tl.arange(0, TILE)
     # the K-th largest key, bit by bit from the top: the largest t with at least K keys >= t. A candidate
-    # with exactly K keys at or above it selects the same K keys and ends the search: on the H100 that
-    # took a fifth off the kernel's time (9.3 -> 7.3 us at 2K pages, 17.4 -> 14.3 us at 8K, batch 1)
-    if NUM_TILES == 1:  # a row in registers, searched from below the bits its finite keys share (H100,
-        # batch 1: 7.4 -> 6.0 us at 2K pages, 12.9 -> 10.7 us at 8K)
+    # with exactly K keys at or above it selects the same K keys and ends the search early, saving the
+    # passes over the remaining bits
+    if NUM_TILES == 1:  # a row in registers, searched from below the bits its finite keys share: the bits
+        # above are the same in every key, so they need no pass
         keys = _tile_keys(row, 0, offs, width, TILE)
         t, bit = _search_start(keys, K)
     else:

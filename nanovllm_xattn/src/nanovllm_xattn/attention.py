@@ -172,8 +172,8 @@ def attention_config(head_dim: int, dtype: torch.dtype, device: torch.device, bl
         return min(16, block), min(16, block), 1, 1  # the interpreter: small tiles
     if dtype == torch.float32 or head_dim > 128:  # keep the K/V stages within shared memory
         return min(64, block), min(32, block), 4, 2
-    # H100, 128K, 32q/8kv heads, d=128, bf16, KV blocks of 16, random blocks at density 0.2 (sparse / dense
-    # Triton): 128x128 8 warps 3 stages 0.263; 128x64 0.293; 128x64 2 stages 0.306; 64x64 4 warps 0.327
+    # 16-bit: large tiles (``block`` caps them), so each program reads long runs of a selected block;
+    # three stages overlap the next tiles' loads with this tile's math (``config`` overrides it, for tuning)
     if head_dim <= 64:
         return min(128, block), min(64, block), 8, 3
     return min(128, block), min(128, block), 8, 3

@@ -270,8 +270,8 @@ def _config(dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, in
         return 32, 32, 1, 1
     if dtype == torch.float32:
         return 64, 32, 4, 2
-    # H100, 128K, 32q/8kv heads, d=128, bf16 (share of dense Triton attention), stride 8 / 16:
-    # 64x128 4 warps 0.100 / 0.059; 128x128 8 warps 0.122 / 0.066; 128x64 8 warps 0.123 / 0.097
+    # 16-bit: wide key tiles, so that a long context is few tiles and each GEMM is large (``config``
+    # overrides it, for tuning)
     return 64, 128, 4, 3
 
 
