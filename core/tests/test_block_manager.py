@@ -15,8 +15,8 @@ def seq_of(tokens) -> Sequence:
     return Sequence(list(tokens), SamplingParams())
 
 
-def admit(bm: BlockManager, seq: Sequence, num_tokens: int | None = None) -> list[int]:
-    """Admit ``seq`` as the scheduler does (prefix hits first); returns the hits."""
+def admit(bm: BlockManager, seq: Sequence, num_tokens: int | None = None) -> list[list[int]]:
+    """Admit ``seq`` as the scheduler does (prefix hits first); returns the hits (one list per group)."""
     num_tokens = seq.num_tokens if num_tokens is None else num_tokens
     hits = bm.find_cached_prefix(seq)
     assert bm.can_allocate(seq, hits, num_tokens)
@@ -47,7 +47,7 @@ def assert_all_free(bm: BlockManager) -> None:
 def test_allocate_and_free_return_every_block():
     bm = BlockManager(8, BS)
     a = seq_of(range(10, 20))  # 10 tokens -> 3 blocks
-    assert admit(bm, a) == []
+    assert admit(bm, a)[0] == []
     assert len(a.block_table) == 3 and len(set(a.block_table)) == 3
     assert refs(bm, a) == [1, 1, 1]
     assert bm.num_free_blocks == 5
@@ -77,7 +77,7 @@ def test_shared_prefix_blocks_are_reference_counted():
     admit(bm, a)
     compute(bm, a)
     b = seq_of(list(range(100, 108)) + [7, 7, 7])
-    hits = admit(bm, b)
+    (hits,) = admit(bm, b)
     assert hits == a.block_table[:2]
     assert b.num_cached_tokens == b.num_computed_tokens == 8
     assert refs(bm, a) == [2, 2, 1]
@@ -97,7 +97,7 @@ def test_can_allocate_counts_reused_free_blocks():
     bm.free(a)
     b = seq_of(list(range(8)) + [50, 51, 52, 53])  # 2 cached blocks (free, ref 0) + 1 new block
     hits = bm.find_cached_prefix(b)
-    assert hits == a.block_table[:2] or len(hits) == 2
+    assert len(hits[0]) == 2
     assert bm.can_allocate(b, hits, 12)
     assert not bm.can_allocate(b, hits, 13)  # would need a 4th block
     bm.allocate(b, hits, 12)
@@ -130,7 +130,7 @@ def test_blocks_with_nothing_cached_are_handed_out_again_first():
     b = seq_of(range(50, 53))
     admit(bm, b)
     assert b.block_table == table[2:]  # the partial block, not a fresh one nor a cached one
-    assert bm.find_cached_prefix(seq_of(range(1, 11))) == table[:2]
+    assert bm.find_cached_prefix(seq_of(range(1, 11)))[0] == table[:2]
 
 # -- the prefix cache -------------------------------------------------------------------------------
 
@@ -142,12 +142,12 @@ def test_hit_on_shared_prefix_and_none_after_a_differing_token():
     admit(bm, a)
     compute(bm, a)
 
-    assert bm.find_cached_prefix(seq_of(base[:12] + [99])) == a.block_table[:3]
+    assert bm.find_cached_prefix(seq_of(base[:12] + [99]))[0] == a.block_table[:3]
     diverge_in_block_1 = base[:5] + [99] + base[6:]
-    assert bm.find_cached_prefix(seq_of(diverge_in_block_1)) == a.block_table[:1]
-    assert bm.find_cached_prefix(seq_of([99] + base[1:])) == []
+    assert bm.find_cached_prefix(seq_of(diverge_in_block_1))[0] == a.block_table[:1]
+    assert bm.find_cached_prefix(seq_of([99] + base[1:]))[0] == []
     # Same block contents at a different position is not a prefix hit (the hash is chained).
-    assert bm.find_cached_prefix(seq_of(base[4:8] + base[4:8] + [1])) == []
+    assert bm.find_cached_prefix(seq_of(base[4:8] + base[4:8] + [1]))[0] == []
 
 
 def test_hash_is_chained():
@@ -164,7 +164,7 @@ def test_at_least_one_token_is_left_to_compute(length, expected_hits):
     admit(bm, a)
     compute(bm, a)
     b = seq_of(range(1, 1 + length))
-    hits = bm.find_cached_prefix(b)
+    hits = bm.find_cached_prefix(b)[0]
     assert len(hits) == expected_hits
     assert len(hits) * BS < b.num_tokens
 
@@ -174,9 +174,9 @@ def test_partial_blocks_are_not_published():
     a = seq_of(range(1, 11))
     admit(bm, a)
     compute(bm, a, 7)  # one full block, one partial
-    assert len(bm.hash_to_block) == 1
+    assert len(bm.hash_to_block[0]) == 1
     compute(bm, a, 10)
-    assert len(bm.hash_to_block) == 2
+    assert len(bm.hash_to_block[0]) == 2
     assert bm.blocks[a.block_table[2]].hash is None
 
 
@@ -191,21 +191,21 @@ def test_freed_blocks_stay_reusable_until_overwritten():
 
     # Still cached while free: a later request with the same prefix takes the blocks back.
     b = seq_of(list(range(1, 9)) + [40])
-    assert admit(bm, b) == prefix_blocks
+    assert admit(bm, b)[0] == prefix_blocks
     bm.free(b)
 
     # The free queue hands out never-used blocks, then the tail of a freed sequence, before its head.
     c = seq_of(range(60, 68))  # 2 blocks
     admit(bm, c)
     assert not set(c.block_table) & set(prefix_blocks)
-    assert bm.find_cached_prefix(seq_of(list(range(1, 9)) + [40])) == prefix_blocks
+    assert bm.find_cached_prefix(seq_of(list(range(1, 9)) + [40]))[0] == prefix_blocks
 
     d = seq_of(range(70, 74))  # one more block: the prefix's second block goes first (tail first)
     admit(bm, d)
-    assert bm.find_cached_prefix(seq_of(list(range(1, 9)) + [40])) == prefix_blocks[:1]
+    assert bm.find_cached_prefix(seq_of(list(range(1, 9)) + [40]))[0] == prefix_blocks[:1]
     e = seq_of(range(80, 84))  # and then its first block
     admit(bm, e)
-    assert bm.find_cached_prefix(seq_of(list(range(1, 9)) + [40])) == []
+    assert bm.find_cached_prefix(seq_of(list(range(1, 9)) + [40]))[0] == []
     for s in (c, d, e):
         bm.free(s)
     assert_all_free(bm)
@@ -216,8 +216,8 @@ def test_prefix_caching_disabled_never_hits():
     a = seq_of(range(1, 14))
     admit(bm, a)
     compute(bm, a)
-    assert bm.hash_to_block == {}
-    assert bm.find_cached_prefix(seq_of(range(1, 14))) == []
+    assert bm.hash_to_block[0] == {}
+    assert bm.find_cached_prefix(seq_of(range(1, 14)))[0] == []
 
 
 def test_duplicate_prefix_computed_together_is_shared_and_stays_findable():
@@ -236,7 +236,7 @@ def test_duplicate_prefix_computed_together_is_shared_and_stays_findable():
     assert refs(bm, a)[:2] == [2, 2]
     assert bm.num_free_blocks == 16 - 6  # b's duplicate copies went back
     c = seq_of(shared + [30, 31, 32, 33, 99])
-    assert bm.find_cached_prefix(c) == b.block_table[:3]
+    assert bm.find_cached_prefix(c)[0] == b.block_table[:3]
     for s in (a, b):
         bm.free(s)
     assert_all_free(bm)
@@ -251,8 +251,8 @@ def test_colliding_hash_with_different_tokens_is_no_hit(monkeypatch):
     a = seq_of(range(1, 10))
     admit(bm, a)
     compute(bm, a)
-    assert bm.find_cached_prefix(seq_of([9, 9, 9, 9, 9])) == []
-    assert bm.find_cached_prefix(seq_of(range(1, 10))) == a.block_table[:1]  # a real hit still works
+    assert bm.find_cached_prefix(seq_of([9, 9, 9, 9, 9]))[0] == []
+    assert bm.find_cached_prefix(seq_of(range(1, 10)))[0] == a.block_table[:1]  # a real hit still works
 
 
 def test_collision_cannot_hand_out_a_block_computed_after_another_prefix(monkeypatch):
@@ -266,13 +266,13 @@ def test_collision_cannot_hand_out_a_block_computed_after_another_prefix(monkeyp
     bm.free(r)
 
     s = seq_of([5, 6, 1, 2, 9])
-    assert admit(bm, s, 2) == []
+    assert admit(bm, s, 2)[0] == []
     compute(bm, s, 2)  # [5, 6] collides with the cached [1, 2]: stays unpublished
     assert bm.append_slots(s, 5)  # takes the last free blocks, overwriting r's cached block
     compute(bm, s, 5)  # now [1, 2] (after [5, 6]) is published under 42
-    assert 42 in bm.hash_to_block and bm.hash_to_block[42] == s.block_table[1]
+    assert 42 in bm.hash_to_block[0] and bm.hash_to_block[0][42] == s.block_table[1]
 
-    assert bm.find_cached_prefix(seq_of([1, 2, 4])) == []
+    assert bm.find_cached_prefix(seq_of([1, 2, 4]))[0] == []
 
 
 def test_collision_cannot_chain_a_block_to_a_different_parent(monkeypatch):
@@ -285,7 +285,7 @@ def test_collision_cannot_chain_a_block_to_a_different_parent(monkeypatch):
     other = seq_of([7, 8, 3, 4, 0])
     admit(bm, other)
     compute(bm, other)  # publishes [3, 4] with parent [7, 8]
-    hits = bm.find_cached_prefix(seq_of([1, 2, 3, 4, 0]))
+    hits = bm.find_cached_prefix(seq_of([1, 2, 3, 4, 0]))[0]
     assert hits == first.block_table[:1]
 
 
@@ -306,12 +306,12 @@ def test_collision_cannot_reach_a_block_whose_parent_was_overwritten(monkeypatch
     bm.free_blocks.move_to_end(spare, last=False)  # queue: spare, parent, ..., child
 
     s = seq_of([5, 6, 1, 2, 9])
-    assert admit(bm, s) == []
+    assert admit(bm, s)[0] == []
     assert s.block_table[:2] == [spare, parent]  # parent's block now holds [1, 2] after [5, 6]
     compute(bm, s)
     assert bm.blocks[child].hash is not None  # the old child is still cached
 
-    assert bm.find_cached_prefix(seq_of([5, 6, 1, 2, 3, 4, 0])) == [spare, parent]
+    assert bm.find_cached_prefix(seq_of([5, 6, 1, 2, 3, 4, 0]))[0] == [spare, parent]
 
 
 # -- the allocation notice the policies reset their metadata from ----------------------------------------
@@ -335,7 +335,7 @@ def test_every_handed_out_block_is_reported_once_and_hits_are_not():
     assert bm.take_newly_allocated() == []  # the dedupe hands nothing out
     c = seq_of(shared + [40])
     hits = admit(bm, c)
-    assert hits == a.block_table[:2]
+    assert hits == [a.block_table[:2]]
     taken = bm.take_newly_allocated()
     assert taken == c.block_table[2:]  # the hits are not reallocated
     d = seq_of(range(50, 62))  # three blocks: the given-back copies come first in the free queue

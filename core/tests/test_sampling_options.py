@@ -335,7 +335,7 @@ def test_n_completions_are_the_seeds_in_turn_and_share_the_prompt_blocks(llm, mo
     allocate = llm.scheduler.block_manager.allocate
 
     def record(seq, cached, num_tokens):
-        hits.append(len(cached))
+        hits.append(len(cached[0]))  # the first KV cache group's blocks
         return allocate(seq, cached, num_tokens)
 
     monkeypatch.setattr(llm.scheduler.block_manager, "allocate", record)

@@ -10,6 +10,7 @@ import pytest
 from nanovllm.config import EngineConfig
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.kv.groups import KVCacheGroup
 from nanovllm.plugins import get_plugins
 from nanovllm.sampling_params import SamplingParams
 
@@ -173,21 +174,36 @@ def check_block_accounting(sched: Scheduler) -> None:
     bm = sched.block_manager
     users: dict[int, int] = {}
     for seq in sched.running:
-        for b in seq.block_table:
-            users[b] = users.get(b, 0) + 1
+        for table in seq.block_tables:
+            for b in table:
+                if b != bm.null_block:
+                    users[b] = users.get(b, 0) + 1
     for block in bm.blocks:
         assert block.ref_count == users.get(block.block_id, 0)
         assert (block.block_id in bm.free_blocks) == (block.ref_count == 0)
-    for h, b in bm.hash_to_block.items():
-        assert bm.blocks[b].hash == h
+    for g, cache in enumerate(bm.hash_to_block):
+        for h, b in cache.items():
+            assert bm.blocks[b].hash == h and bm.blocks[b].group == g
 
 
+# KV cache groups of the random workload: one full-attention group (every model without windows), a full
+# group with two window groups (a hybrid model, as Gemma 3), and one window group (Mistral)
+LAYOUTS = {
+    "uniform": None,
+    "hybrid": (KVCacheGroup((0,), None), KVCacheGroup((1,), 5), KVCacheGroup((2,), 3)),
+    "windows": (KVCacheGroup((0,), 6),),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("hashing", ["xxhash", "colliding"])
-def test_random_workload_keeps_every_invariant(seed, hashing, monkeypatch):
+def test_random_workload_keeps_every_invariant(seed, hashing, layout, monkeypatch):
     """Random arrivals, shared prefixes, tight memory. A fake KV cache stores, per slot, the prefix that
     wrote it; every scheduled sequence must read exactly its own prefix back (so a wrong prefix hit, a
-    block shared while written, or a lost block shows up), and the accounting must hold at every step."""
+    block shared while written, or a lost block shows up), and the accounting must hold at every step.
+    Window groups read only their window, hold at most what it and the chunk span, and never write the
+    null block."""
     import random
 
     from nanovllm.engine import block_manager
@@ -198,10 +214,11 @@ def test_random_workload_keeps_every_invariant(seed, hashing, monkeypatch):
     bs = rng.choice([2, 4])
     chunked = seed % 3 != 0
     budget = rng.choice([8, 13, 32]) if chunked else 40
-    sched = make(
-        num_blocks=rng.choice([16, 24, 40]), block_size=bs, max_num_batched_tokens=budget,
-        max_num_seqs=rng.choice([2, 4, 8]), enable_chunked_prefill=chunked, enable_prefix_caching=seed != 5,
-    )
+    groups = LAYOUTS[layout] or (KVCacheGroup((0,)),)
+    config = dict(block_size=bs, max_num_batched_tokens=budget, max_num_seqs=rng.choice([2, 4, 8]),
+                  enable_chunked_prefill=chunked, enable_prefix_caching=seed != 5)
+    num_blocks = rng.choice([16, 24, 40]) * len(groups) + 1  # as tight for each group, and a null block
+    sched = Scheduler(EngineConfig(**config), num_blocks, groups=groups)
     stems = [[rng.randrange(3) for _ in range(rng.randrange(1, 12))] for _ in range(3)]
     pending = []
     for _ in range(24):
@@ -214,7 +231,7 @@ def test_random_workload_keeps_every_invariant(seed, hashing, monkeypatch):
     def next_token(tokens: list[int]) -> int:  # deterministic, so equal prefixes continue alike
         return hash(tuple(tokens)) % 3
 
-    cache: dict[int, tuple[int, ...]] = {}
+    cache: dict[tuple[int, int], tuple[int, ...]] = {}  # (group, slot) -> the prefix that wrote it
     for step_no in range(2000):
         while pending and pending[0][0] <= step_no:
             sched.add(pending.pop(0)[1])
@@ -225,18 +242,27 @@ def test_random_workload_keeps_every_invariant(seed, hashing, monkeypatch):
         assert len(sched.running) <= sched.max_num_seqs
         check_block_accounting(sched)
 
-        def slot(seq: Sequence, pos: int) -> int:
-            return seq.block_table[pos // bs] * bs + pos % bs
+        def slot(seq: Sequence, g: int, pos: int) -> tuple[int, int]:
+            block = seq.block_tables[g][pos // bs]
+            return g, block * bs + pos % bs
 
         for seq in scheduled:  # every layer first stores the step's keys ...
             start = seq.num_computed_tokens
             if not chunked and start == seq.num_cached_tokens:
                 assert seq.num_scheduled_tokens == seq.num_tokens - start  # whole prompt, never split
-            for pos in range(start, start + seq.num_scheduled_tokens):
-                cache[slot(seq, pos)] = tuple(seq.token_ids[: pos + 1])
-        for seq in scheduled:  # ... then attends over everything up to its last scheduled token
-            for pos in range(seq.num_computed_tokens + seq.num_scheduled_tokens):
-                assert cache.get(slot(seq, pos)) == tuple(seq.token_ids[: pos + 1])
+            for g, group in enumerate(groups):
+                held = sum(b != sched.block_manager.null_block for b in seq.block_tables[g])
+                assert held <= group.max_blocks(seq.num_tokens, bs, budget)
+                for pos in range(start, start + seq.num_scheduled_tokens):
+                    assert seq.block_tables[g][pos // bs] != sched.block_manager.null_block
+                    cache[slot(seq, g, pos)] = tuple(seq.token_ids[: pos + 1])
+        for seq in scheduled:  # ... then attends over its window up to each scheduled token
+            first = seq.num_computed_tokens
+            end = first + seq.num_scheduled_tokens
+            for g, group in enumerate(groups):
+                window = group.sliding_window or end
+                for pos in range(max(0, first - window + 1), end):
+                    assert cache.get(slot(seq, g, pos)) == tuple(seq.token_ids[: pos + 1])
         sampling = [s for s in scheduled if s.samples_this_step]
         sched.advance(scheduled)
         for seq in sampling:

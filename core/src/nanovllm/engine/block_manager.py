@@ -1,4 +1,4 @@
-"""Paged KV blocks: allocation, reference counts, and the prefix cache.
+"""Paged KV blocks: allocation, reference counts, and the prefix cache, for every KV cache group.
 
 A block holds ``block_size`` consecutive tokens of one or more sequences. A full block is named by a
 chained hash: ``xxh64(hash of the previous block, its token ids)``, so equal hashes mean equal
@@ -10,16 +10,27 @@ with the same prefix can take it back until it is handed out again and overwritt
 to keep (prefix caching off, a partial block) goes to the front and is handed out next: the engine then
 writes only as many blocks as it ever holds at once, and on the CPU, where the cache's pages become
 resident when first written, the process does not grow towards the whole cache's size.
+
+Hybrid models (:mod:`nanovllm.kv.groups`): every group takes blocks from the one pool and keeps a block
+table per sequence (``Sequence.block_tables[g]``); the prefix cache is per group, under the same hashes.
+A sliding-window group frees the blocks its window has left as the sequence advances, and its table names
+them by the null block, which no one writes and every kernel may read harmlessly (it is zeroed). A cached
+prefix is a hit only as far as every group has what the next token reads: a full-attention group every
+block before it, a window group the blocks its window reaches; otherwise it is computed again, as vLLM does.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence as SequenceABC
 
 import numpy as np
 import xxhash
 
 from nanovllm.engine.sequence import Sequence
+from nanovllm.kv.groups import KVCacheGroup, needs_null_block
+
+FULL_ATTENTION = (KVCacheGroup((), None),)  # the one group of a model without windows
 
 
 def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
@@ -31,7 +42,7 @@ def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "parent", "generation")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "parent", "generation", "group")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -40,24 +51,49 @@ class Block:
         self.token_ids: tuple[int, ...] | None = None
         self.parent: tuple[int, int] | None = None  # (block id, generation) of the block before it
         self.generation = 0  # bumped each time the block is handed out (its content is overwritten)
+        self.group = 0  # the KV cache group it was last handed to (whose prefix cache may name it)
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    """``num_blocks`` blocks of ``block_size`` tokens shared by the KV cache ``groups`` (default: one
+    full-attention group). Where a group has a window, the last block id (``null_block``) is kept back as
+    the null block and ``blocks`` holds the others."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 groups: SequenceABC[KVCacheGroup] = FULL_ATTENTION) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
-        self.hash_to_block: dict[int, int] = {}
+        self.groups = tuple(groups)
+        # the last id: the managed blocks stay 0..n-1, all free when num_free_blocks == len(blocks)
+        self.null_block = num_blocks - 1 if needs_null_block(self.groups) else None
+        num_managed = num_blocks - (self.null_block is not None)
+        self.blocks = [Block(i) for i in range(num_managed)]
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_managed))  # oldest first
+        self.hash_to_block: list[dict[int, int]] = [{} for _ in self.groups]  # per group
+        # the first full-attention group: a window group's block records its parent there (see _cached_blocks)
+        self.anchor = next((g for g, group in enumerate(self.groups) if group.sliding_window is None), None)
+        if self.anchor not in (None, 0):
+            raise ValueError("the full-attention KV cache groups come first (see nanovllm.kv.groups)")
         self.newly_allocated: list[int] = []  # handed out since take_newly_allocated (policies reset them)
 
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
 
+    def _new_entries(self, seq_tables: list[list[int]], num_computed: int, num_tokens: int) -> list[int]:
+        """Per group, the blocks to hand out so that tables of ``seq_tables``' lengths cover ``num_tokens``
+        tokens, when the next token to compute is at ``num_computed`` (a window group skips the blocks its
+        window no longer reaches)."""
+        bs, total = self.block_size, -(-num_tokens // self.block_size)
+        return [
+            max(0, total - max(len(table), group.first_needed_block(num_computed, bs)))
+            for group, table in zip(self.groups, seq_tables, strict=True)
+        ]
+
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks ``seq`` needs so that its first ``num_tokens`` tokens have slots."""
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+        tables = seq.block_tables or [[] for _ in self.groups]
+        return sum(self._new_entries(tables, seq.num_computed_tokens, num_tokens))
 
     def _block_hash(self, seq: Sequence, index: int) -> int:
         """Chained hash of the ``index``-th full block of ``seq`` (cached on the sequence)."""
@@ -68,67 +104,124 @@ class BlockManager:
             seq.block_hashes.append(chain_hash(prev, tokens))
         return seq.block_hashes[index]
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding a prefix of ``seq``; at least one token is always left to compute."""
+    def find_cached_prefix(self, seq: Sequence) -> list[list[int]]:
+        """Per group, the block ids holding a prefix of ``seq`` (a window group's table names the blocks
+        before its window by the null block); at least one token is always left to compute. The prefix is
+        the longest whose every group has what the next token reads."""
         if not self.enable_prefix_caching:
-            return []
-        hits: list[int] = []
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+            return self.no_prefix()
+        bs = self.block_size
+        num_hits = (seq.num_tokens - 1) // bs
+        # the chains first (full attention, or windows without an anchor): they bound how far windows look
+        order = sorted(range(len(self.groups)), key=lambda g: self._anchored(g))
+        found: list[list[int | None]] = [[] for _ in self.groups]
+        for g in order:
+            found[g] = self._cached_blocks(seq, g, num_hits, found[self.anchor] if self._anchored(g) else None)
+            num_hits = min(num_hits, len(found[g]))
+        while num_hits and not all(
+            None not in blocks[group.first_needed_block(num_hits * bs, bs) : num_hits]
+            for group, blocks in zip(self.groups, found, strict=True)
+        ):
+            num_hits -= 1
+        return [
+            [b if i >= group.first_needed_block(num_hits * bs, bs) else self.null_block
+             for i, b in enumerate(blocks[:num_hits])]
+            for group, blocks in zip(self.groups, found, strict=True)
+        ]
+
+    def no_prefix(self) -> list[list[int]]:
+        """No cached prefix, in ``find_cached_prefix``'s form (a request that computes every token)."""
+        return [[] for _ in self.groups]
+
+    def _anchored(self, g: int) -> bool:
+        """Whether group ``g``'s blocks record their parent in the anchor group (a window group of a model
+        with a full-attention group) rather than in their own table."""
+        return self.anchor is not None and self.groups[g].sliding_window is not None
+
+    def _cached_blocks(self, seq: Sequence, g: int, max_blocks: int,
+                       anchor: list[int | None] | None) -> list[int | None]:
+        """Group ``g``'s cached copies of the first ``max_blocks`` blocks of ``seq``, each holding the same
+        tokens after the same parent. Without an ``anchor`` (the anchor group's found blocks) the chain from
+        the first block, up to the first miss; with one every block, None where missing: each is verified by
+        its parent in the anchor group, whose chain is verified, so a window group need not keep the blocks
+        before its window to prove what its later blocks follow."""
+        cache = self.hash_to_block[g]
+        found: list[int | None] = []
         for i in range(max_blocks):
-            block_id = self.hash_to_block.get(self._block_hash(seq, i))
-            if block_id is None:
+            block_id = cache.get(self._block_hash(seq, i))
+            if block_id is not None:
+                tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+                before = (anchor if anchor is not None else found)[i - 1] if i else None
+                if not self._same_content(self.blocks[block_id], tokens, self._parent_key(before)):
+                    block_id = None  # a hash collision, not a hit
+            if block_id is None and anchor is None:
                 break
-            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            parent = self._parent_key(hits[-1] if hits else None)
-            if not self._same_content(self.blocks[block_id], tokens, parent):
-                break  # a hash collision, not a hit
-            hits.append(block_id)
-        return hits
+            found.append(block_id)
+        return found
 
     def _parent_key(self, parent_id: int | None) -> tuple[int, int] | None:
-        """What a block after block ``parent_id`` records as its parent (``None``: it starts a sequence)."""
-        if parent_id is None:
+        """What a block after block ``parent_id`` records as its parent (``None``: it starts a sequence, or
+        follows the null block, which proves nothing)."""
+        if parent_id is None or parent_id == self.null_block:
             return None
         return parent_id, self.blocks[parent_id].generation
 
-    @staticmethod
-    def _same_content(block: Block, tokens: tuple[int, ...], parent: tuple[int, int] | None) -> bool:
-        return block.token_ids == tokens and block.parent == parent
-
-    def can_allocate(self, seq: Sequence, hits: list[int], num_tokens: int) -> bool:
-        reused_free = sum(1 for b in hits if b in self.free_blocks)
-        new = max(0, -(-num_tokens // self.block_size) - len(hits))
+    def can_allocate(self, seq: Sequence, hits: list[list[int]], num_tokens: int) -> bool:
+        held = {b for blocks in hits for b in blocks if b != self.null_block}
+        reused_free = sum(1 for b in held if b in self.free_blocks)
+        new = sum(self._new_entries(hits, len(hits[0]) * self.block_size, num_tokens))
         return new + reused_free <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, hits: list[int], num_tokens: int) -> None:
-        """Admit ``seq``: share the cached prefix ``hits`` and give it slots up to ``num_tokens``."""
-        assert not seq.block_table
-        for block_id in hits:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free_blocks[block_id]
-            block.ref_count += 1
-        seq.block_table = list(hits)
-        seq.num_committed_blocks = len(hits)
-        seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_size
+    def allocate(self, seq: Sequence, hits: list[list[int]], num_tokens: int) -> None:
+        """Admit ``seq``: share the cached prefix ``hits`` (one list per group, as ``find_cached_prefix``
+        gives it) and give it slots up to ``num_tokens``."""
+        assert not seq.block_tables
+        for blocks in hits:
+            for block_id in blocks:
+                if block_id == self.null_block:
+                    continue
+                block = self.blocks[block_id]
+                if block.ref_count == 0:
+                    del self.free_blocks[block_id]
+                block.ref_count += 1
+        seq.block_tables = [list(blocks) for blocks in hits]
+        seq.num_committed_blocks = len(hits[0])
+        seq.num_computed_tokens = seq.num_cached_tokens = len(hits[0]) * self.block_size
         assert self.append_slots(seq, num_tokens)
 
     def append_slots(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grow ``seq`` to ``num_tokens`` slots; ``False`` (and no change) if blocks run out."""
-        needed = self.blocks_needed(seq, num_tokens)
-        if needed > self.num_free_blocks:
+        """Free the blocks that ``seq``'s windows have left, then grow it to ``num_tokens`` slots; ``False``
+        (and no other change) if blocks run out."""
+        if self.null_block is not None:
+            self._free_left_behind(seq)
+        entries = self._new_entries(seq.block_tables, seq.num_computed_tokens, num_tokens)
+        if sum(entries) > self.num_free_blocks:
             return False
-        for _ in range(needed):
-            seq.block_table.append(self._take_free_block())
+        total = -(-num_tokens // self.block_size)
+        for g, (table, new) in enumerate(zip(seq.block_tables, entries, strict=True)):
+            table.extend([self.null_block] * (total - new - len(table)))  # before a window: nothing to hold
+            table.extend(self._take_free_block(g) for _ in range(new))
         return True
 
-    def _take_free_block(self) -> int:
+    def _free_left_behind(self, seq: Sequence) -> None:
+        """Give back the blocks of ``seq``'s window groups that no token still to compute reads; their
+        entries become the null block (the tail first, as ``free`` does)."""
+        for group, table in zip(self.groups, seq.block_tables, strict=True):
+            first = group.first_needed_block(seq.num_computed_tokens, self.block_size)
+            for i in reversed(range(min(first, len(table)))):
+                if table[i] == self.null_block:
+                    break  # the blocks before it went earlier
+                self._release(table[i])
+                table[i] = self.null_block
+
+    def _take_free_block(self, group: int) -> int:
         block_id, _ = self.free_blocks.popitem(last=False)
         block = self.blocks[block_id]
-        if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
-            del self.hash_to_block[block.hash]  # its content is about to be overwritten
+        if block.hash is not None and self.hash_to_block[block.group].get(block.hash) == block_id:
+            del self.hash_to_block[block.group][block.hash]  # its content is about to be overwritten
         block.hash, block.token_ids, block.parent, block.ref_count = None, None, None, 1
         block.generation += 1
+        block.group = group
         self.newly_allocated.append(block_id)
         return block_id
 
@@ -142,38 +235,51 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = seq.num_computed_tokens // self.block_size
-        for i in range(seq.num_committed_blocks, full):
-            block = self.blocks[seq.block_table[i]]
-            h = self._block_hash(seq, i)
-            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            parent = self._parent_key(seq.block_table[i - 1] if i else None)
-            cached_id = self.hash_to_block.get(h)
-            if cached_id is None:
-                block.hash, block.token_ids, block.parent = h, tokens, parent
-                self.hash_to_block[h] = block.block_id
-            elif cached_id != block.block_id and self._same_content(self.blocks[cached_id], tokens, parent):
-                # Requests admitted together computed the same prefix twice: share the published copy, so
-                # the blocks after it chain to it and stay findable, and return this one.
-                cached = self.blocks[cached_id]
-                if cached.ref_count == 0:
-                    del self.free_blocks[cached_id]
-                cached.ref_count += 1
-                seq.block_table[i] = cached_id
-                block.ref_count -= 1
-                if block.ref_count == 0:
-                    self.free_blocks[block.block_id] = None
-                    self.free_blocks.move_to_end(block.block_id, last=False)  # nothing worth keeping
-            # else: a different block under the same hash (a collision); this one stays unpublished
+        for g, table in enumerate(seq.block_tables):  # the anchor (group 0) first: others name its blocks
+            cache = self.hash_to_block[g]
+            parents = seq.block_tables[self.anchor] if self._anchored(g) else table
+            for i in range(seq.num_committed_blocks, full):
+                if table[i] == self.null_block:  # left behind by its window: nothing to publish
+                    continue
+                block = self.blocks[table[i]]
+                h = self._block_hash(seq, i)
+                tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+                parent = self._parent_key(parents[i - 1] if i else None)
+                cached_id = cache.get(h)
+                if cached_id is None:
+                    block.hash, block.token_ids, block.parent = h, tokens, parent
+                    cache[h] = block.block_id
+                elif cached_id != block.block_id and self._same_content(self.blocks[cached_id], tokens, parent):
+                    # Requests admitted together computed the same prefix twice: share the published copy,
+                    # so the blocks after it chain to it and stay findable, and return this one.
+                    cached = self.blocks[cached_id]
+                    if cached.ref_count == 0:
+                        del self.free_blocks[cached_id]
+                    cached.ref_count += 1
+                    table[i] = cached_id
+                    self._release(block.block_id)
+                # else: a different block under the same hash (a collision); this one stays unpublished
         seq.num_committed_blocks = max(seq.num_committed_blocks, full)
+
+    @staticmethod
+    def _same_content(block: Block, tokens: tuple[int, ...], parent: tuple[int, int] | None) -> bool:
+        return block.token_ids == tokens and block.parent == parent
+
+    def _release(self, block_id: int) -> None:
+        """Drop one reference; a block no one holds goes to the back of the free queue when it is cached
+        (reused last), to the front when not (reused first)."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_blocks[block_id] = None
+            if block.hash is None:
+                self.free_blocks.move_to_end(block_id, last=False)
 
     def free(self, seq: Sequence) -> None:
         """Release the blocks of ``seq``. Cached blocks go to the back of the free queue, the tail first so
         the prefix lasts longer; blocks with nothing cached go to the front, to be reused first."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_blocks[block_id] = None
-                if block.hash is None:
-                    self.free_blocks.move_to_end(block_id, last=False)
-        seq.block_table = []
+        for table in seq.block_tables:
+            for block_id in reversed(table):
+                if block_id != self.null_block:
+                    self._release(block_id)
+        seq.block_tables = []

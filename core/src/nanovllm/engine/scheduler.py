@@ -19,21 +19,25 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence as SequenceABC
 
 from nanovllm.config import EngineConfig
-from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.block_manager import FULL_ATTENTION, BlockManager
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from nanovllm.kv.groups import KVCacheGroup
 
 SOLO_STEPS = 2  # sampling steps a suspect passes alone: its recompute's prefill, then a decode
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int | None = None,
+                 groups: SequenceABC[KVCacheGroup] = FULL_ATTENTION) -> None:
+        """``num_blocks`` of the KV cache shared by its ``groups`` (default: one full-attention group)."""
         self.max_model_len = max_model_len
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.enable_chunked_prefill = config.enable_chunked_prefill
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, groups)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -94,14 +98,15 @@ class Scheduler:
         change) when the chunk or its blocks do not fit."""
         # a cached prefix has no logits, so a request that wants prompt logprobs computes it again
         wants_logits = seq.sampling_params.prompt_logprobs is not None
-        hits = [] if wants_logits else self.block_manager.find_cached_prefix(seq)
-        remaining = seq.num_tokens - len(hits) * self.block_manager.block_size
+        blocks = self.block_manager
+        hits = blocks.no_prefix() if wants_logits else blocks.find_cached_prefix(seq)
+        remaining = seq.num_tokens - len(hits[0]) * blocks.block_size
         num_new = min(remaining, budget)
         if num_new < remaining and not self.enable_chunked_prefill:
             return False
-        if not self.block_manager.can_allocate(seq, hits, seq.num_tokens - remaining + num_new):
+        if not blocks.can_allocate(seq, hits, seq.num_tokens - remaining + num_new):
             return False
-        self.block_manager.allocate(seq, hits, seq.num_tokens - remaining + num_new)
+        blocks.allocate(seq, hits, seq.num_tokens - remaining + num_new)
         seq.status = SequenceStatus.RUNNING
         seq.num_scheduled_tokens = num_new
         self.running.append(seq)

@@ -36,7 +36,8 @@ class Sequence:
         self.num_prompt_tokens = len(token_ids)
         self.sampling_params = sampling_params
         self.status = SequenceStatus.WAITING
-        self.block_table: list[int] = []
+        # one block table per KV cache group (empty while it holds no blocks); see ``block_table``
+        self.block_tables: list[list[int]] = []
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks, in order
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache at admission
@@ -79,6 +80,12 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def block_table(self) -> list[int]:
+        """The first KV cache group's block table (the full-attention layers' where the model has any, see
+        :mod:`nanovllm.kv.groups`; every layer's without windows)."""
+        return self.block_tables[0] if self.block_tables else []
+
+    @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
@@ -110,7 +117,7 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """After preemption: drop the KV, keep the tokens; the whole sequence is prefilled again."""
         self.status = SequenceStatus.WAITING
-        self.block_table = []
+        self.block_tables = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0

@@ -1,0 +1,196 @@
+"""BlockManager with KV cache groups: window groups keep only their window, prefix hits need every group."""
+
+from __future__ import annotations
+
+import pytest
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence
+from nanovllm.kv.groups import (
+    KVCacheGroup,
+    blocks_per_sequence,
+    kv_cache_groups,
+    layer_places,
+    needs_null_block,
+    num_slots,
+)
+from nanovllm.sampling_params import SamplingParams
+
+BS = 4
+WINDOW = 6  # the token at position p reads p-5 .. p: at most 3 blocks of 4 in decode
+HYBRID = (KVCacheGroup((0,), None), KVCacheGroup((1,), WINDOW))
+
+
+def seq_of(tokens) -> Sequence:
+    return Sequence(list(tokens), SamplingParams())
+
+
+def admit(bm: BlockManager, seq: Sequence, num_tokens: int | None = None) -> list[list[int]]:
+    num_tokens = seq.num_tokens if num_tokens is None else num_tokens
+    hits = bm.find_cached_prefix(seq)
+    assert bm.can_allocate(seq, hits, num_tokens)
+    bm.allocate(seq, hits, num_tokens)
+    return hits
+
+
+def compute(bm: BlockManager, seq: Sequence, upto: int) -> None:
+    """The model wrote the KV up to ``upto`` tokens (slots first, as the scheduler gives them)."""
+    assert bm.append_slots(seq, upto)
+    seq.num_computed_tokens = upto
+    bm.commit_full_blocks(seq)
+
+
+def held(bm: BlockManager, table: list[int]) -> list[int]:
+    return [b for b in table if b != bm.null_block]
+
+
+def assert_all_free(bm: BlockManager) -> None:
+    assert bm.num_free_blocks == len(bm.blocks)
+    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert bm.null_block not in bm.free_blocks
+
+
+# -- the groups -------------------------------------------------------------------------------------
+
+
+def test_groups_of_gemma3_270m_and_of_models_without_windows():
+    windows = [None if i % 6 == 5 else 512 for i in range(18)]  # layers 5, 11, 17 attend globally
+    groups = kv_cache_groups(windows)
+    assert [g.sliding_window for g in groups] == [None] + [512] * 5
+    assert groups[0].layer_ids == (5, 11, 17) and all(len(g.layer_ids) == 3 for g in groups)
+    assert sorted(i for g in groups for i in g.layer_ids) == list(range(18))
+    places = layer_places(groups)
+    assert places[5] == (0, 0) and places[17] == (0, 2) and num_slots(groups) == 3
+    # no windows, or disabled: one group of every layer, each its own slot, as the uniform cache
+    for uniform in (kv_cache_groups([None] * 4), kv_cache_groups(windows, hybrid=False)):
+        assert len(uniform) == 1 and uniform[0].sliding_window is None and not needs_null_block(uniform)
+    assert kv_cache_groups([4096] * 3) == (KVCacheGroup((0, 1, 2), 4096),)  # Mistral: one window group
+    # counts that do not divide: groups of the fewer layers, the last one smaller (its slots padded)
+    sizes = [len(g.layer_ids) for g in kv_cache_groups([None if i % 6 == 5 else 512 for i in range(26)])]
+    assert sizes == [4, 4, 4, 4, 4, 4, 2]
+
+
+def test_a_long_sequence_needs_about_the_full_layers_blocks():
+    groups = kv_cache_groups([None if i % 6 == 5 else 512 for i in range(18)])
+    full = 32768 // 16
+    decode = blocks_per_sequence(groups, 32768, 16, max_chunk=1)
+    assert full < decode <= 1.1 * full  # each window group holds its window and one block
+    assert blocks_per_sequence(groups, 100, 16, 8192) == 6 * 7  # shorter than the window: every block
+
+
+# -- window groups free what their window left -----------------------------------------------------
+
+
+def test_window_group_keeps_only_its_window_and_frees_the_rest():
+    bm = BlockManager(40, BS, groups=HYBRID)
+    assert bm.null_block == 39 and len(bm.blocks) == 39
+    s = seq_of(range(100, 103))
+    admit(bm, s)
+    compute(bm, s, 3)
+    for n in range(4, 40):  # decode one token at a time
+        s.token_ids.append(n)
+        compute(bm, s, n)
+        full, window = s.block_tables
+        assert len(full) == len(window) == -(-n // BS) and bm.null_block not in full
+        first = max(0, n - WINDOW) // BS  # the block of the first key the next token reads
+        assert all(b == bm.null_block for b in window[:first])
+        assert bm.null_block not in window[first:]
+        assert len(held(bm, window)) <= -(-WINDOW // BS) + 1
+    assert bm.num_free_blocks == len(bm.blocks) - len(s.block_tables[0]) - len(held(bm, s.block_tables[1]))
+    bm.free(s)
+    assert_all_free(bm)
+
+
+def test_chunked_prefill_holds_the_window_and_the_chunk():
+    bm = BlockManager(40, BS, groups=HYBRID)
+    s = seq_of(range(40))
+    admit(bm, s, 8)
+    for end in (16, 24, 32, 40):
+        compute(bm, s, end - 8)
+        assert bm.append_slots(s, end)
+        window = s.block_tables[1]
+        first = (end - 8 - WINDOW + 1) // BS  # the window of the chunk's first token
+        assert window[:first] == [bm.null_block] * first and bm.null_block not in window[first:]
+    bm.free(s)
+    assert_all_free(bm)
+
+
+def test_out_of_blocks_fails_without_change_and_admission_counts_each_group():
+    bm = BlockManager(8, BS, groups=HYBRID)  # 7 blocks and the null
+    s = seq_of(range(12))
+    assert bm.blocks_needed(s, 12) == 6  # 3 full + 3 window
+    admit(bm, s)
+    assert bm.num_free_blocks == 1
+    compute(bm, s, 12)
+    s.token_ids.append(1)
+    assert bm.append_slots(s, 13)  # a block more in each group: the window left block 0, which one takes
+    assert len(held(bm, s.block_tables[1])) == 3 and len(s.block_tables[0]) == 4
+    assert bm.num_free_blocks == 0
+    before = [list(t) for t in s.block_tables]
+    assert not bm.append_slots(s, 17)  # a full block more and a window block more: none is free
+    assert s.block_tables == before
+    bm.free(s)
+    assert_all_free(bm)
+
+
+# -- prefix hits ------------------------------------------------------------------------------------
+
+
+def test_hit_takes_the_window_blocks_and_not_those_before_it():
+    bm = BlockManager(40, BS, groups=HYBRID)
+    a = seq_of(range(100, 120))  # 5 full blocks
+    admit(bm, a)
+    compute(bm, a, 20)
+    b = seq_of(list(range(100, 117)) + [7])  # 4 cached blocks, then its own tokens
+    hits = admit(bm, b)
+    full, window = hits
+    assert full == a.block_tables[0][:4]
+    first = (16 - WINDOW + 1) // BS  # the window of the token at 16 reaches back to block 2
+    assert window[:first] == [bm.null_block] * first and window[first:] == a.block_tables[1][first:4]
+    assert b.num_cached_tokens == 16
+    bm.free(a)
+    bm.free(b)
+    assert_all_free(bm)
+
+
+def test_no_hit_where_the_window_blocks_are_gone():
+    """A prefix whose full-attention blocks are cached but whose window blocks were freed and overwritten
+    is a hit only up to where the window has what it needs, else nothing (it is computed again)."""
+    bm = BlockManager(40, BS, groups=HYBRID)
+    a = seq_of(range(100, 130))
+    admit(bm, a, 4)
+    for end in range(8, 32, 4):  # chunks of 4: the window group frees its old blocks as it goes
+        compute(bm, a, end - 4)
+        assert bm.append_slots(a, min(end, 30))
+    compute(bm, a, 28)
+    assert bm.null_block in a.block_tables[1]
+    freed = [b for b in range(len(bm.blocks)) if b in bm.free_blocks and bm.blocks[b].hash is not None]
+    assert freed  # the window's old blocks: cached while free
+    filler = seq_of(range(500, 500 + 4 * (bm.num_free_blocks // 2)))  # takes every free block, cached ones too
+    admit(bm, filler)
+    # the full group still has blocks 0..6 of a; the window group only its last blocks of a
+    b = seq_of(list(range(100, 116)) + [1])  # wants 4 blocks: block 2 and 3 of the window are gone
+    hits = bm.find_cached_prefix(b)
+    assert hits == [[], []]
+    c = seq_of(list(range(100, 129)))  # 7 blocks: the window of the token at 28 reads blocks 5, 6
+    full, window = bm.find_cached_prefix(c)
+    assert full == a.block_tables[0][:7] and window[5:] == a.block_tables[1][5:7]
+    for s in (a, filler):
+        bm.free(s)
+    assert_all_free(bm)
+
+
+@pytest.mark.parametrize("groups", [HYBRID, (KVCacheGroup((0,), WINDOW),)], ids=["hybrid", "windows"])
+def test_collisions_never_give_a_window_hit(groups, monkeypatch):
+    """Under a hash that collides, a window block with the right tokens after another prefix is no hit."""
+    from nanovllm.engine import block_manager
+
+    monkeypatch.setattr(block_manager, "chain_hash", lambda prev, tokens: sum(tokens))  # ignores the chain
+    bm = BlockManager(40, BS, groups=groups)
+    a = seq_of([1, 1, 1, 1, 2, 2, 2, 2, 5, 5, 5, 5, 9])
+    admit(bm, a)
+    compute(bm, a, 13)
+    b = seq_of([3, 3, 3, 3, 2, 2, 2, 2, 5, 5, 5, 5, 9])  # the same last blocks after another first block
+    assert [len(h) for h in bm.find_cached_prefix(b)] == [0] * len(groups)
+    assert [len(h) for h in bm.find_cached_prefix(seq_of(a.token_ids))] == [3] * len(groups)
+    bm.free(a)
+    assert_all_free(bm)
