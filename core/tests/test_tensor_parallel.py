@@ -153,13 +153,17 @@ def params() -> list[SamplingParams]:
             SamplingParams(**greedy)]
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
-def test_two_ranks_generate_the_tokens_of_one(arch, tiny_model, one_thread, tmp_path, channels):
+@pytest.mark.parametrize("arch, load_format", [("LlamaForCausalLM", "auto"), ("Qwen3ForCausalLM", "auto"),
+                                                ("LlamaForCausalLM", "dummy")])
+def test_two_ranks_generate_the_tokens_of_one(arch, load_format, tiny_model, one_thread, tmp_path, channels):
+    """Random weights too (``load_format="dummy"``, as the shape presets load): each rank makes only its shard
+    of them, and the shards are those of one rank's model."""
     path = tiny_model(arch, initializer_range=INIT)
-    with LLM(path, **ENGINE) as one:
+    engine = {**ENGINE, "load_format": load_format}
+    with LLM(path, **engine) as one:
         expected = one.generate(PROMPTS, params(), use_tqdm=False)
     before = children()
-    with LLM(path, tensor_parallel_size=2, observers=[AllocationRecorder(str(tmp_path))], **ENGINE) as two:
+    with LLM(path, tensor_parallel_size=2, observers=[AllocationRecorder(str(tmp_path))], **engine) as two:
         assert len(children()) == len(before) + 1  # one worker, rank 1
         assert two.runner.kv.kv_cache.shape[4] == 1  # of the model's 2 KV heads, rank 0 holds one
         assert nanovllm.distributed._control_channel is two.world.workers.channel  # steps go through it
@@ -475,7 +479,9 @@ def test_only_rank_0_gets_the_logits_of_the_whole_vocabulary(one_thread, tmp_pat
 def test_each_rank_reads_only_its_shard_of_each_weight(tiny_model, tmp_path):
     """Two gloo ranks (torchrun) load Llama with biases on every projection and a vocabulary that does not
     split evenly (the last rank pads), and Qwen3 with tied embeddings: every parameter is the checkpoint's
-    narrowed by hand, and each rank read from the file exactly the elements it holds, one read per tensor."""
+    narrowed by hand, and each rank read from the file exactly the elements it holds, one read per tensor.
+    With random weights, each rank makes exactly the elements it holds, never a whole sharded tensor, and
+    they are the random checkpoint's (made whole in the check) narrowed the same way."""
     models = {
         "LlamaForCausalLM": tiny_model("LlamaForCausalLM", vocab_size=251, attention_bias=True, mlp_bias=True),
         "Qwen3ForCausalLM": tiny_model("Qwen3ForCausalLM"),
@@ -490,12 +496,36 @@ def test_each_rank_reads_only_its_shard_of_each_weight(tiny_model, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert results.keys() == models.keys()
+        assert results.keys() == {f"{arch}{kind}" for arch in models for kind in ("", " random")}
         for arch, result in results.items():
             assert result["differ"] == [], (rank, arch)
             assert result["read"] == result["held"], (rank, arch)  # not a whole tensor then narrowed
             assert result["read"] < 0.7 * result["checkpoint"], (rank, arch)  # the model is mostly sharded
             assert result["reads_per_tensor"] == [1], (rank, arch)
+
+
+def test_random_weights_are_one_model_made_a_slice_at_a_time(monkeypatch):
+    """A random checkpoint tensor made in parts (and in chunks of rows) equals the same tensor made whole:
+    each element depends on the tensor's name and its position only. Weights are small and centred, norms
+    one; another name gives other values."""
+    import torch
+    from nanovllm.engine.model_loading import RandomTensor
+
+    def made(name, shape, index=...):
+        return RandomTensor(name, torch.Size(shape), torch.float32, torch.device("cpu"))[index]
+
+    whole = made("model.layers.0.mlp.down_proj.weight", (64, 96))
+    assert torch.equal(made("model.layers.0.mlp.down_proj.weight", (64, 96), (slice(None), slice(48, 96))),
+                       whole[:, 48:])
+    monkeypatch.setattr(RandomTensor, "CHUNK", 100)  # one row of 96 a chunk
+    assert torch.equal(made("model.layers.0.mlp.down_proj.weight", (64, 96), (slice(8, 40),)), whole[8:40])
+    assert whole.abs().max() <= 1e-3 and abs(whole.mean()) < 1e-4 and whole.std() > 5e-4
+    assert whole.unique().numel() > 0.99 * whole.numel()
+    other = made("model.layers.1.mlp.down_proj.weight", (64, 96))
+    assert (other == whole).float().mean() < 0.01
+    assert torch.equal(made("model.norm.weight", (96,), (slice(10, 20),)), torch.ones(10))
+    with pytest.raises(TypeError, match="contiguous slices"):
+        made("model.norm.weight", (96,), (slice(0, 10, 2),))
 
 
 def test_a_checkpoint_that_does_not_match_its_config_is_named(tiny_model, tmp_path):

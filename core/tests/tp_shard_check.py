@@ -1,9 +1,10 @@
 """Run by test_tensor_parallel.py under ``torchrun --nproc-per-node 2`` (gloo): each rank builds the given
 tiny models on its shard and loads them with every read from the checkpoint recorded, then writes, per model,
 the parameters that differ from the full checkpoint tensor narrowed here by hand, and the elements it read
-against the elements its parameters hold.
+against the elements its parameters hold. The same again with random weights (``load_format="dummy"``):
+there the "checkpoint" is the random one made whole, and a read is what a rank made of it.
 
-Usage: tp_shard_check.py OUT_DIR ARCH=MODEL_DIR [ARCH=MODEL_DIR ...]
+Usage: tp_shard_check.py OUT_DIR ARCH=MODEL_DIR [ARCH=MODEL_DIR ...]; results per ARCH and "ARCH random".
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import nanovllm.engine.loader as loader
 import torch
+from nanovllm.engine.model_loading import RandomTensor, random_checkpoint
 from nanovllm.distributed import destroy_tensor_parallel, init_tensor_parallel, tp_rank, tp_size
 from nanovllm.plugins import get_plugins, load_registered
 from safetensors import safe_open
@@ -79,18 +81,34 @@ def expected(checkpoint: dict[str, torch.Tensor], name: str, vocab_size: int) ->
     return checkpoint[name]  # replicated: norms, and the biases of row-parallel layers
 
 
-def check(architecture: str, path: Path) -> dict:
+def check(architecture: str, path: Path, random: bool) -> dict:
     hf_config = AutoConfig.from_pretrained(path)
     family = get_plugins().registry.model_families[architecture]
     model = load_registered(family.target, family.dist, architecture)(hf_config)
     reads: dict[str, list[int]] = {}
-    original = loader.safe_open
-    loader.safe_open = lambda file, framework: RecordingFile(file, framework, reads)
-    try:
-        loader.load_weights(model, path)
-    finally:
-        loader.safe_open = original
-    checkpoint = load_file(path / "model.safetensors")
+    if random:
+        tensors = random_checkpoint(hf_config, architecture, torch.float32, torch.device("cpu"))
+        checkpoint = {name: tensor[...] for name, _, tensor in tensors}  # whole: only here, to compare with
+        make = RandomTensor.__getitem__
+
+        def recorded(tensor: RandomTensor, index) -> torch.Tensor:
+            part = make(tensor, index)
+            reads.setdefault(tensor.name, []).append(part.numel())
+            return part
+
+        RandomTensor.__getitem__ = recorded
+        try:
+            loader.load_tensors(model, tensors, "random")
+        finally:
+            RandomTensor.__getitem__ = make
+    else:
+        original = loader.safe_open
+        loader.safe_open = lambda file, framework: RecordingFile(file, framework, reads)
+        try:
+            loader.load_weights(model, path)
+        finally:
+            loader.safe_open = original
+        checkpoint = load_file(path / "model.safetensors")
     params = dict(model.named_parameters())
     vocab = hf_config.vocab_size
     padding = params["model.embed_tokens.weight"].shape[0] * tp_size() - vocab  # zero rows of the last rank
@@ -111,7 +129,9 @@ if __name__ == "__main__":
     init_tensor_parallel(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "cpu")
     try:
         out = Path(sys.argv[1])
-        results = {arch: check(arch, Path(path)) for arch, path in (a.split("=", 1) for a in sys.argv[2:])}
+        models = [a.split("=", 1) for a in sys.argv[2:]]
+        results = {f"{arch}{' random' * random}": check(arch, Path(path), random)
+                   for arch, path in models for random in (False, True)}
         (out / f"rank{tp_rank()}.json").write_text(json.dumps(results))
     finally:
         destroy_tensor_parallel()

@@ -6,7 +6,9 @@ tensor-parallel rank reads only its own shard of a sharded weight from the file,
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -68,32 +70,42 @@ class LazyTensor:
         return self._part[index]
 
 
-@torch.no_grad()
 def load_weights(model: nn.Module, path: Path) -> None:
-    """Copy every checkpoint tensor into ``model``; packed projections take their shard via the
-    model's ``packed_modules_mapping`` (checkpoint name -> (parameter name, shard id))."""
+    """Copy every checkpoint tensor of the safetensors files in ``path`` into ``model``."""
+
+    def tensors():
+        for file in safetensors_files(path):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, file.name, LazyTensor(f.get_slice(name))
+
+    load_tensors(model, tensors(), f"checkpoint in {str(path)!r}")
+
+
+@torch.no_grad()
+def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, str, Any]], source: str) -> None:
+    """Copy each ``(checkpoint name, where it is, tensor or lazy tensor)`` into ``model``; packed projections
+    take their shard via the model's ``packed_modules_mapping`` (checkpoint name -> (parameter name, shard
+    id)). ``source`` names the checkpoint in the error about weights it lacks."""
     packed = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue
-                target, shard = name, None
-                for ckpt_key, (packed_name, shard_id) in packed.items():
-                    if f".{ckpt_key}." in name:
-                        target, shard = name.replace(f".{ckpt_key}.", f".{packed_name}."), shard_id
-                        break
-                param = params.get(target)
-                if param is None:
-                    if name == "lm_head.weight":  # tied embeddings: the embedding already holds it
-                        continue
-                    raise ModelDirectoryError(f"checkpoint tensor {name!r} in {file.name} has no place in the model")
-                loader = getattr(param, "weight_loader", default_weight_loader)
-                tensor = LazyTensor(f.get_slice(name))
-                loader(param, tensor) if shard is None else loader(param, tensor, shard)
-                loaded.add(target)
+    for name, where, tensor in tensors:
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        target, shard = name, None
+        for ckpt_key, (packed_name, shard_id) in packed.items():
+            if f".{ckpt_key}." in name:
+                target, shard = name.replace(f".{ckpt_key}.", f".{packed_name}."), shard_id
+                break
+        param = params.get(target)
+        if param is None:
+            if name == "lm_head.weight":  # tied embeddings: the embedding already holds it
+                continue
+            raise ModelDirectoryError(f"checkpoint tensor {name!r} in {where} has no place in the model")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader(param, tensor) if shard is None else loader(param, tensor, shard)
+        loaded.add(target)
     missing = sorted(set(params) - loaded)
     if missing:
-        raise ModelDirectoryError(f"checkpoint in {str(path)!r} lacks weights for: {', '.join(missing[:8])}")
+        raise ModelDirectoryError(f"{source} lacks weights for: {', '.join(missing[:8])}")

@@ -8,8 +8,11 @@ installed plugins (model class, sparse policies, attention backend, observers); 
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
+import math
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,7 @@ import torch
 
 from nanovllm.config import EngineConfig, ModelConfig, ResolvedConfig
 from nanovllm.default_model import is_packaged_model, packaged_model_dir
-from nanovllm.engine.loader import ModelDirectoryError, load_weights, read_config_json
+from nanovllm.engine.loader import ModelDirectoryError, load_tensors, load_weights, read_config_json
 from nanovllm.hub import is_hub_id, resolve_hub_id
 from nanovllm.layers.attention import Attention
 from nanovllm.plugins import PluginSet, load_registered
@@ -227,17 +230,82 @@ def select_parts(options: EngineConfig, plugins: PluginSet, observers: Sequence[
     )
 
 
-@torch.no_grad()
-def init_dummy_weights(model: torch.nn.Module) -> None:
-    """Random weights for shape presets: small uniform values, norms left at one."""
-    for name, param in model.named_parameters():
-        if "norm" not in name:
-            param.uniform_(-1e-3, 1e-3)
+class RandomTensor:
+    """A checkpoint tensor of random weights that exists only where it is read: ``shape`` as a tensor's, and
+    ``tensor[index]`` makes just the indexed part, on ``device`` in ``dtype``. Each element is a fixed
+    function of the tensor's name and the element's position (a counter-based hash), so the shards of any
+    number of ranks are slices of one model, and no rank ever holds more than its own shard of a tensor.
+    Norm weights are one, other weights uniform in ``[-scale, scale)``."""
+
+    CHUNK = 1 << 24  # elements made at once: bounds the int64 scratch of the hash (128 MiB)
+    # splitmix64's constants as signed 64-bit integers (torch's int64 products wrap around)
+    GOLDEN, MIX1, MIX2 = -7046029254386353131, -4658895280553007687, -7723592293110705685
+
+    def __init__(self, name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+                 scale: float = 1e-3) -> None:
+        self.name, self.shape, self.dtype, self.device, self.scale = name, torch.Size(shape), dtype, device, scale
+        self.seed = (zlib.crc32(name.encode()) & 0x7FFFFFFF) << 32  # the same in every process
+
+    def __getitem__(self, index) -> torch.Tensor:
+        ranges = self._ranges(index)
+        out = torch.empty([len(r) for r in ranges], dtype=self.dtype, device=self.device)
+        if "norm" in self.name:
+            return out.fill_(1.0)
+        flat = out.view(-1) if out.dim() else out.view(1)
+        strides = [math.prod(self.shape[d + 1 :]) for d in range(len(self.shape))]
+        row_len = math.prod(len(r) for r in ranges[1:])
+        rows = max(1, self.CHUNK // max(1, row_len))
+        first = ranges[0] if ranges else range(1)
+        for start in range(0, len(first), rows):  # a chunk of rows along the first dimension at a time
+            position = torch.zeros((), dtype=torch.int64, device=self.device)
+            for d, r in enumerate(ranges):
+                r = r[start : start + rows] if d == 0 else r
+                axis = torch.arange(r.start, r.stop, dtype=torch.int64, device=self.device) * strides[d]
+                position = position.unsqueeze(-1) + axis
+            chunk = flat[start * row_len : (start + rows) * row_len]
+            chunk.copy_(self._uniform(position.view(-1)))
+        return out
+
+    def _ranges(self, index) -> list[range]:
+        """The element positions ``index`` selects per dimension: ``...`` or a tuple of contiguous slices
+        (what the weight loaders index with)."""
+        if index is Ellipsis:
+            index = ()
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) > len(self.shape) or not all(isinstance(i, slice) and i.step in (None, 1) for i in index):
+            raise TypeError(f"random weights take contiguous slices, not {index!r}")
+        full = [slice(None)] * (len(self.shape) - len(index))
+        return [range(*s.indices(n)) for s, n in zip((*index, *full), self.shape, strict=True)]
+
+    def _uniform(self, position: torch.Tensor) -> torch.Tensor:
+        x = (position + self.seed).mul_(self.GOLDEN)
+        x.bitwise_xor_(x >> 30).mul_(self.MIX1)
+        x.bitwise_xor_(x >> 27).mul_(self.MIX2)
+        x.bitwise_xor_(x >> 31)
+        unit = ((x >> 39) & 0xFFFFFF).to(torch.float32).mul_(2.0**-24)  # 24 random bits: [0, 1)
+        return unit.mul_(2 * self.scale).sub_(self.scale)
+
+
+def random_checkpoint(hf_config: Any, architecture: str, dtype: torch.dtype, device: torch.device
+                      ) -> list[tuple[str, str, RandomTensor]]:
+    """The tensors a checkpoint of the model would hold (transformers' model of ``architecture`` built on the
+    meta device gives their names and full shapes, allocating nothing), as :class:`RandomTensor`\s."""
+    import transformers
+
+    model_cls = getattr(transformers, architecture, None)
+    if model_cls is None:
+        raise ValueError(f"load_format='dummy' takes the checkpoint's tensor names and shapes from transformers, "
+                         f"which has no model class {architecture!r}; load real weights instead")
+    with torch.device("meta"):
+        reference = model_cls(copy.deepcopy(hf_config))  # a copy: transformers may set fields of its config
+    return [(name, "random weights", RandomTensor(name, param.shape, dtype, device))
+            for name, param in reference.named_parameters()]
 
 
 def build_model(config: ResolvedConfig, plugins: PluginSet) -> torch.nn.Module:
     """The model of the plugin that provides ``config``'s architecture, in ``config.dtype`` on
-    ``config.device``, its weights loaded (random with ``load_format="dummy"``), in eval mode."""
+    ``config.device``, its weights loaded (random with ``load_format="dummy"``: :class:`RandomTensor`), in
+    eval mode. Each tensor-parallel rank makes only its own shard of each weight, on its device."""
     architecture = config.model_config.architecture
     family = plugins.registry.model_families[architecture]
     model_cls = load_registered(family.target, family.dist, f"model family {architecture!r}")
@@ -249,7 +317,9 @@ def build_model(config: ResolvedConfig, plugins: PluginSet) -> torch.nn.Module:
     finally:
         torch.set_default_dtype(default_dtype)
     if config.load_format == "dummy":
-        init_dummy_weights(model)
+        checkpoint = random_checkpoint(config.hf_config, architecture, getattr(torch, config.dtype),
+                                       torch.device(config.device))
+        load_tensors(model, checkpoint, "the random checkpoint")
     else:
         load_weights(model, config.model_config.path)
     return model.eval()
