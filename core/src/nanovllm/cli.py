@@ -171,12 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     plug.set_defaults(func=_plugins)
     bench = sub.add_parser("bench", help="benchmarks on shape presets with random weights (GPU), and the "
                            "attention quality of sparse policies on the built-in model (CPU or GPU)")
-    bench.add_argument("benchmark", choices=("throughput", "latency", "kernels", "all", "offload", "quality", "render",
-                                             "serve"),
+    bench.add_argument("benchmark", choices=("throughput", "latency", "kernels", "all", "offload", "kv", "quality",
+                                             "render", "serve"),
                        help="throughput (nano-vLLM's bench.py workload), latency (batch 1), kernels (attention "
-                       "kernels; all: these three); offload (KV in pinned host memory); quality of sparse "
-                       "policies; serve: the throughput prompts against a live server; render FILE.json redoes "
-                       "a results file's table and chart")
+                       "kernels; all: these three); offload (KV in pinned host memory); kv: KV bytes per token "
+                       "per KV cache group, from the config, nothing run; quality of sparse policies; serve: the "
+                       "throughput prompts against a live server; render FILE.json redoes a results file's table "
+                       "and chart")
     bench.add_argument("file", nargs="?", help="results JSON (for render)")
     bench.add_argument("--presets", nargs="+", default=None,
                        help="qwen3-0.6b, qwen3-8b, llama-3.1-8b (default: qwen3-0.6b; llama-3.1-8b for offload)")
@@ -219,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="size of each pinned copy of the copy rate (256 or more to reach the PCIe rate)")
     offload.add_argument("--small-kv-gib", type=float, default=4.0,
                          help="GiB left for KV after the weights on the GPU made small")
+    kv = bench.add_argument_group("kv (models: --presets and --model, any preset, packaged model or directory; "
+                                  "--dtype and --device as the engine takes them)")
+    kv.add_argument("--context", type=int, default=32768,
+                    help="tokens of the one sequence whose KV bytes are counted")
     load = bench.add_argument_group("serve (a live server: nanovllm serve MODEL)")
     load.add_argument("--base-url", default="http://127.0.0.1:8000")
     load.add_argument("--request-rates", nargs="+", default=["inf"],

@@ -2,7 +2,8 @@
 
 ``throughput`` (nano-vLLM's bench.py workload, optionally with transformers on the same prompts),
 ``latency`` (batch-1 decode, eager and with CUDA graphs), ``kernels`` (the attention kernels' table),
-``all`` (those three), ``offload`` (the KV offload engine, :mod:`nanovllm.bench.offload`), ``quality``
+``all`` (those three), ``offload`` (the KV offload engine, :mod:`nanovllm.bench.offload`), ``kv`` (a model's
+KV layout: bytes per token per KV cache group, read off its config, :mod:`nanovllm.bench.kv`), ``quality``
 (attention quality of sparse policies on a real model, :mod:`nanovllm.bench.quality`) and ``serve`` (a
 load generator against a live server, :mod:`nanovllm.bench.serve`). Every measurement runs in its own
 Python process, so the GPU memory of one engine never shrinks the next one's KV cache. Results go to
@@ -120,7 +121,7 @@ def markdown_row(cells: Iterable[object]) -> str:
 
 
 def markdown(payload: dict[str, Any], title: str) -> str:
-    from nanovllm.bench import offload, quality
+    from nanovllm.bench import kv, offload, quality
 
     if quality.is_quality(payload):
         return quality.markdown(payload, title)
@@ -141,6 +142,7 @@ def markdown(payload: dict[str, Any], title: str) -> str:
             lines += [markdown_row(map(fmt, [k["kind"], k["name"], k["ms"], k["value"], k["unit"], k["note"]]))
                       for k in r["rows"]]
     lines += offload.markdown_lines(payload["results"])
+    lines += kv.markdown_lines(payload["results"])
     return "\n".join(lines) + "\n"
 
 
@@ -243,6 +245,8 @@ def main(args) -> int:
         return 0
     if args.benchmark == "quality":
         return main_quality(args)
+    if args.benchmark == "kv":
+        return main_kv(args)
     options = engine_options(args)
     if args.benchmark == "offload":
         from nanovllm.bench import offload
@@ -265,6 +269,19 @@ def main(args) -> int:
     path = write_results(results, Path(args.out), name, settings)
     print(path.with_suffix(".md").read_text())
     return 1 if any("error" in r for r in results) else 0
+
+
+def main_kv(args) -> int:
+    """``nanovllm bench kv``: each model's KV layout, computed here from its config (nothing runs)."""
+    from nanovllm.bench.kv import kv_layout
+
+    models = [*(args.presets or []), *([args.model] if args.model else [])] or ["qwen3-0.6b"]
+    options = {"dtype": args.dtype, "device": args.device}
+    results = [kv_layout(model, args.context, **options) for model in models]
+    settings = {"benchmark": "kv", "presets": models, "context": args.context, **options}
+    path = write_results(results, Path(args.out), args.name or "kv", settings)
+    print(path.with_suffix(".md").read_text())
+    return 0
 
 
 def main_quality(args) -> int:
