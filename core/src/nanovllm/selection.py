@@ -335,5 +335,7 @@ def resolve_attention_backend(
     info = table[sel.name]
     label = f"attention backend {sel.name!r}"
     if info.unavailable is not None:
-        raise PluginError(f"{label} (distribution {info.dist}) is unavailable on this machine: {info.unavailable}")
+        raise PluginError(
+            f"{label} (distribution {info.dist}) is unavailable on this machine: {info.unavailable}"
+        )
     return BackendChoice(info, make_config(info.config, sel.options, label, info.dist))

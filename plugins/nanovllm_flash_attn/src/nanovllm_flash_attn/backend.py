@@ -1,0 +1,112 @@
+"""The ``flash_attn`` attention backend: FlashAttention-4 where it has the path, the ``triton`` backend's
+kernels where it has not, chosen per call from shapes alone (:mod:`nanovllm_flash_attn.dispatch`).
+
+- ``prefill``: FA4, causal over each sequence's paged context (prefix-cache hits, chunks with history,
+  grouped KV heads, sliding windows, soft-cap). A single sequence with nothing cached before it attends over
+  its new keys and values directly, without a page table.
+- ``decode``: FA4 when the batch fills the GPU, else the Triton split-KV decode (``decode`` option of
+  :class:`~nanovllm_flash_attn.config.FlashAttnConfig`): FA4 has no split-KV on SM 9.x.
+- ``attend_chunk``: FA4, with log-sum-exp.
+- ``attend_blocks``: Triton. FA4's KV gather (``gather_kv_indices``) is for MLA on SM 10.x only, and its
+  block sparsity masks (query tile, key tile) pairs, not per-sequence lists of cache blocks.
+- ``store_kv``: Triton (FA4 writes no cache).
+- A GPU, dtype or head dim FA4 refuses (:func:`~nanovllm_flash_attn.dispatch.fa4_refusal`): Triton, except
+  with ``softcap``, which only FA4 applies: that raises.
+
+``softcap`` (Gemma 2's tanh cap on the scaled scores) is a keyword of ``prefill`` and ``decode`` beyond the
+base interface; the engine's attention layers do not pass it yet. Decode launches no host synchronisation
+and no data-dependent shapes on either path, so it can be captured in a CUDA graph; FA4 compiles a kernel
+on its first call of each kind (seconds), which the graph runner's warm-up does outside the capture.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from nanovllm.attention.backend import AttentionBackend
+from nanovllm.attention.metadata import PhaseMetadata
+from nanovllm_flash_attn.config import FlashAttnConfig
+from nanovllm_flash_attn.dispatch import decode_on_fa4, dense_args, fa4_refusal, paged_args
+
+
+def load_fa4() -> Callable:
+    """FA4's ``flash_attn_varlen_func``, or an error that names the fix."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError as exc:
+        raise ImportError(
+            f"attention_backend='flash_attn' needs FlashAttention-4 ({exc}): pip install "
+            "'nanovllm-flash-attn[fa4]' (flash-attn-4[cu13] under a CUDA 13 PyTorch; installed with pip "
+            "--target, put nvidia_cutlass_dsl/dsl_packages on PYTHONPATH too), or choose "
+            "attention_backend='triton'"
+        ) from exc
+    return flash_attn_varlen_func
+
+
+@functools.lru_cache(maxsize=None)
+def device_facts(index: int) -> tuple[tuple[int, int], int]:
+    """(compute capability, number of SMs) of CUDA device ``index``."""
+    props = torch.cuda.get_device_properties(index)
+    return (props.major, props.minor), props.multi_processor_count
+
+
+class FlashAttnBackend(AttentionBackend):
+    name = "flash_attn"
+    supports_cuda_graphs = True
+
+    def __init__(self, config: FlashAttnConfig | None = None) -> None:
+        from nanovllm.attention.triton_backend import TritonBackend
+
+        super().__init__(config if config is not None else FlashAttnConfig())
+        self.fa4 = load_fa4()
+        self.fallback = TritonBackend()
+
+    def refusal(self, q: torch.Tensor) -> str | None:
+        """Why FA4 does not take a call with queries ``q`` (its device, dtype and head dim), else None."""
+        if q.device.type != "cuda":
+            return f"device {q.device}: FA4 runs on CUDA devices"
+        return fa4_refusal(device_facts(q.device.index)[0], str(q.dtype).removeprefix("torch."), q.shape[-1])
+
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
+        self.fallback.store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def prefill(
+        self, q, k, v, k_cache, v_cache, meta: PhaseMetadata, scale: float, window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        if self._on_triton(q, softcap):
+            return self.fallback.prefill(q, k, v, k_cache, v_cache, meta, scale, window)
+        if meta.num_seqs == 1 and meta.max_context_len == meta.max_query_len:  # nothing cached before it
+            return self.fa4(q, k, v, **dense_args(meta, scale, window, softcap))[0]
+        return self.fa4(q, k_cache, v_cache, **paged_args(meta, scale, window, softcap))[0]
+
+    def decode(
+        self, q, k_cache, v_cache, meta: PhaseMetadata, scale: float, window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        if self._on_triton(q, softcap) or (softcap is None and not self._decode_on_fa4(q, k_cache, meta)):
+            return self.fallback.decode(q, k_cache, v_cache, meta, scale, window)
+        return self.fa4(q, k_cache, v_cache, **paged_args(meta, scale, window, softcap))[0]
+
+    def attend_blocks(self, q, k_cache, v_cache, meta, block_indices, kv_lens, scale):
+        return self.fallback.attend_blocks(q, k_cache, v_cache, meta, block_indices, kv_lens, scale)
+
+    def attend_chunk(self, q, k, v, meta: PhaseMetadata, scale: float):
+        if self._on_triton(q, None):
+            return self.fallback.attend_chunk(q, k, v, meta, scale)
+        out, lse = self.fa4(q, k, v, **dense_args(meta, scale, return_lse=True))
+        return out, lse.t().contiguous()  # FA4's varlen lse is [H, T]
+
+    def _on_triton(self, q: torch.Tensor, softcap: float | None) -> bool:
+        """A call FA4 refuses runs the Triton backend, which has no soft-cap."""
+        reason = self.refusal(q)
+        if reason is not None and softcap:
+            raise ValueError(f"softcap={softcap} needs FA4, which cannot run this call: {reason}")
+        return reason is not None
+
+    def _decode_on_fa4(self, q: torch.Tensor, k_cache: torch.Tensor, meta: PhaseMetadata) -> bool:
+        num_sms = device_facts(q.device.index)[1]
+        return decode_on_fa4(self.config.decode, meta.num_seqs, k_cache.shape[2], num_sms)
