@@ -1,15 +1,16 @@
 """Tensor parallelism on the CPU: two ranks over gloo, rank 0 in the test's process, one spawned worker.
 
 We check that two ranks generate the greedy tokens of one rank (and the same logprobs, to float32
-rounding) for Llama and Qwen3, in steps that mix prefill chunks with decodes and ask for prompt logprobs;
-that each rank's KV cache holds its own KV heads and its policies hear of the same block allocations as
-rank 0; that only rank 0 gets the logits of the whole vocabulary; that the engine leaves no child process
-behind when closed or garbage-collected; that a killed worker, a worker that fails while building its
-runner, and the death of the engine's process are each noticed (a clear error in the engine; workers that
-exit by themselves); that a worker that hangs in its CUDA graph capture (simulated) leaves an engine that
-decodes eagerly and says so. The engine's ranks take their steps from a shared-memory channel whose name
-is gone from /dev/shm once the workers have started, whatever happens next; ranks started by torchrun keep
-the gloo control group.
+rounding) for Llama and Qwen3, and on random weights, in steps that mix prefill chunks with decodes and ask
+for prompt logprobs; that each rank's KV cache holds its own KV heads and its policies hear of the same
+block allocations as rank 0; that only rank 0 gets the logits of the whole vocabulary; that the engine
+leaves no child process behind when closed or garbage-collected; that a killed worker (between steps or
+inside one), a worker that fails while building its runner, and the death of the engine's process are
+each noticed (a clear error in the engine; workers that exit by themselves); that a worker that hangs in
+its CUDA graph capture (simulated) leaves an engine that decodes eagerly and says so. The engine's ranks
+take their steps from a shared-memory channel whose name is gone from /dev/shm once the workers have
+started, whatever happens next; ranks started by torchrun (one node, or two nodes on this host) keep the
+gloo control group.
 """
 
 from __future__ import annotations
@@ -89,6 +90,19 @@ class CapturesOnWorkers:
         if tp_rank() != 0:
             CudaGraphRunner.usable = lambda graphs: not graphs.config.enforce_eager
             CudaGraphRunner._capture = pretend_to_capture
+
+
+class DiesInAStepOnWorkers:
+    """An observer that, on every rank but 0, kills its own process (SIGKILL) when a step tells it of the
+    second block allocation: a worker that dies inside a step, after earlier steps ran."""
+
+    def __init__(self) -> None:
+        self.allocations = 0
+
+    def on_blocks_allocated(self, block_ids) -> None:
+        self.allocations += 1
+        if tp_rank() != 0 and self.allocations == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class HoldsALambda:
@@ -236,6 +250,21 @@ def test_a_killed_worker_is_reported_and_the_engine_stops(tiny_model, one_thread
         llm.generate(PROMPTS, params(), use_tqdm=False)
     del llm
     gc.collect()
+    assert children() == before
+    assert channels and not in_shm(channels)
+
+
+def test_a_worker_killed_inside_a_step_is_reported_and_the_engine_stops(tiny_model, one_thread, channels):
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    before = children()
+    llm = LLM(path, tensor_parallel_size=2, observers=[DiesInAStepOnWorkers()], **ENGINE)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) was killed by signal SIGKILL"):
+        llm.generate(PROMPTS, params(), use_tqdm=False)
+    assert time.monotonic() - start < 60  # rank 0's collective failed at once, not at its time-out
+    with pytest.raises(RuntimeError, match="create a new engine"):
+        llm.generate(PROMPTS, params(), use_tqdm=False)
+    llm.close()
     assert children() == before
     assert channels and not in_shm(channels)
 
@@ -592,6 +621,44 @@ def test_torchrun_ranks_return_the_tokens_of_one_rank_on_every_rank(tiny_model, 
         assert result["gloo"]
     assert "outside the vocabulary" in results[0]["error"]
     assert "rank 0 raised" in results[1]["error"] and "outside the vocabulary" in results[1]["error"]
+
+
+def test_torchrun_nodes_on_one_host_give_the_tokens_of_one_rank(tiny_model, one_thread, tmp_path):
+    """Two torchrun nodes of one rank each (scripts/torchrun_nodes.sh: each its own agent, meeting at
+    127.0.0.1 as across hosts) run examples/torchrun_generate.py: every rank returns one rank's tokens."""
+    root = Path(__file__).resolve().parents[2]
+    path = tiny_model("LlamaForCausalLM", initializer_range=INIT)
+    with LLM(path, **ENGINE) as one:
+        greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, greedy, use_tqdm=False)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", str(root / "scripts" / "torchrun_nodes.sh"), "2", "1", str(root / "examples" / "torchrun_generate.py"),
+         path, "--prompts", json.dumps(PROMPTS), "--engine", json.dumps(ENGINE), "--out", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == expected  # rank 0 prints them
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"world_size": 2, "tokens": expected}
+
+
+def test_symmetric_memory_needs_every_rank_s_gpu_in_reach(monkeypatch):
+    """torchrun nodes on one host see one host name, but each only its own GPUs: no symmetric memory then,
+    as across hosts. GPUs are told apart by UUID, which CUDA_VISIBLE_DEVICES does not renumber."""
+    import torch
+    from nanovllm.distributed import peer_problem
+
+    visible = ["GPU-a", "GPU-b"]  # this process's GPUs 0 and 1
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(visible))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(nanovllm.distributed, "gpu_uuid", lambda index: visible[index])
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda here, there: True)
+    assert peer_problem([("host", "GPU-a"), ("host", "GPU-b")]) is None
+    assert "not visible" in peer_problem([("host", "GPU-a"), ("host", "GPU-c")])  # GPU-c: the other node's
+    assert "several hosts" in peer_problem([("host", "GPU-a"), ("other", "GPU-b")])
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda here, there: False)
+    assert "no peer access" in peer_problem([("host", "GPU-a"), ("host", "GPU-b")])
 
 
 def test_external_launcher_needs_torchrun_and_a_matching_world(tiny_model, monkeypatch):

@@ -139,17 +139,13 @@ def enable_symmetric_all_reduce(dtype: torch.dtype, device: torch.device) -> str
     if tp_size() == 1 or device.type != "cuda":
         return "one rank" if tp_size() == 1 else f"on {device.type}, not CUDA"
     places: list[Any] = [None] * tp_size()
-    dist.all_gather_object(places, (socket.gethostname(), torch.cuda.current_device(), _rendezvous_count),
-                           group=_control_group)
-    here = torch.cuda.current_device()
-    reason = None
+    here = (socket.gethostname(), gpu_uuid(torch.cuda.current_device()), _rendezvous_count)
+    dist.all_gather_object(places, here, group=_control_group)
     if os.environ.get(SYMMETRIC_VARIABLE, "1") == "0":
         reason = f"{SYMMETRIC_VARIABLE}=0"
-    elif len({host for host, _, _ in places}) > 1:
-        reason = "the ranks are on several hosts"
-    elif not all(gpu == here or torch.cuda.can_device_access_peer(here, gpu) for _, gpu, _ in places):
-        reason = "the GPUs have no peer access to each other"
-    elif any(count for _, _, count in places):
+    else:
+        reason = peer_problem([(host, gpu) for host, gpu, _ in places])
+    if reason is None and any(count for _, _, count in places):
         # PyTorch numbers a process's rendezvous, not a group's (pytorch#196082): a later engine's fresh
         # workers would wait on keys rank 0 never writes. Only processes new to it take part.
         reason = "an earlier tensor-parallel engine in this process used symmetric memory (pytorch#196082)"
@@ -181,6 +177,26 @@ def enable_symmetric_all_reduce(dtype: torch.dtype, device: torch.device) -> str
     if reason is not None:
         _symmetric = None
     return reason
+
+
+def gpu_uuid(index: int) -> str:
+    """The GPU's UUID: the same GPU has it in every process, whatever CUDA_VISIBLE_DEVICES numbers it."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def peer_problem(places: list[tuple[str, str]]) -> str | None:
+    """Why this process cannot map the memory of the ranks' GPUs (``(host, GPU UUID)`` per rank), or None.
+    torchrun nodes on one host, each with its own CUDA_VISIBLE_DEVICES, see one host but not each other's
+    GPUs, as if on several hosts."""
+    if len({host for host, _ in places}) > 1:
+        return "the ranks are on several hosts"
+    visible = {gpu_uuid(i): i for i in range(torch.cuda.device_count())}
+    if any(gpu not in visible for _, gpu in places):
+        return "some ranks' GPUs are not visible to the others (CUDA_VISIBLE_DEVICES differs between them)"
+    here = torch.cuda.current_device()
+    if not all(visible[gpu] == here or torch.cuda.can_device_access_peer(here, visible[gpu]) for _, gpu in places):
+        return "the GPUs have no peer access to each other"
+    return None
 
 
 def init_tensor_parallel(rank: int, world_size: int, device_type: str, store: dist.Store | None = None,
