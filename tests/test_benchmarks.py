@@ -10,7 +10,9 @@ import sys
 from functools import cache
 from pathlib import Path
 
+import attrs
 import pytest
+from nanovllm.config import EngineConfig
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 ENV = {"device": "test", "date": "today", "commit": "abc", "torch": "2.11"}
@@ -521,3 +523,60 @@ def test_xattn_jobs_cover_every_policy_at_every_context():
     assert jobs[0] == {"kind": "kernel", "contexts": [1024], "densities": [0.2], "stride": 8}
     assert [(j["context"], j["policy"], j["rounds"]) for j in jobs[1:]] == [
         (c, p, 2) for c in (2048, 4096) for p in xattn.TTFT_POLICIES]
+
+
+# -- hybrid_kv.py ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif("disable_hybrid_kv_cache_manager" not in attrs.fields_dict(EngineConfig),
+                    reason="the engine has one KV layout")
+def test_hybrid_kv_jobs_on_a_tiny_model(tiny_model, one_thread, tmp_path):
+    """Both jobs in both layouts, here, on the tiny Gemma 3 (a 32-token window) on the CPU: on one budget the
+    hybrid layout holds more sequences at once, each in fewer bytes; the ratios, table and chart. Checks the
+    code, not the speed."""
+    hybrid_kv = script("hybrid_kv")
+    args = hybrid_kv.parser().parse_args([
+        "--model", tiny_model("Gemma3ForCausalLM"), "--device", "cpu", "--context", "200",
+        "--capacity-seqs", "8", "--kv-budget-gib", "0.002", "--max-num-batched-tokens", "64",
+        "--serve-seqs", "3", "--serve-context", "100", "--serve-tokens", "8"])
+    jobs = hybrid_kv.jobs(args)
+    assert [(j["kind"], j["options"]["layout"]) for j in jobs] == [
+        ("capacity", "hybrid"), ("capacity", "uniform"), ("serve", "hybrid"), ("serve", "uniform")]
+    hybrid, uniform, serve_hybrid, serve_uniform = hybrid_kv.with_ratios(
+        [row for job in jobs for row in hybrid_kv.run_job(job)])
+    assert 1 <= uniform["max_decoding"] < hybrid["max_decoding"] <= hybrid["max_running"] <= 8
+    assert hybrid["vs_uniform"] == hybrid["max_decoding"] / uniform["max_decoding"]
+    for row in (hybrid, uniform):  # what a sequence held, at most what its layout counts for the longest one
+        measured = row["measured_bytes_per_sequence"]
+        assert 0 < measured <= row["bytes_per_sequence"]
+        assert row["vs_full_attention"] == measured / row["full_attention_bytes_per_sequence"]
+    assert hybrid["bytes_per_sequence"] < uniform["bytes_per_sequence"]
+    assert serve_hybrid["output_tokens"] == serve_uniform["output_tokens"] == 3 * 8
+    assert serve_hybrid["vs_uniform"] == serve_hybrid["output_tok_per_s"] / serve_uniform["output_tok_per_s"]
+    assert "vs_uniform" not in uniform and "vs_uniform" not in serve_uniform
+    payload = {"environment": ENV, "results": [hybrid, uniform, serve_hybrid, serve_uniform]}
+    table = hybrid_kv.markdown(payload, "t")
+    assert f"| hybrid | {hybrid['max_decoding']} | {hybrid['max_running']} | {hybrid['vs_uniform']:.2f}x |" in (
+        table)
+    assert f"| uniform | {uniform['max_decoding']} | {uniform['max_running']} | - |" in table
+    assert "Serving 3 concurrent 100-token requests" in table and "| serve" not in table
+    pytest.importorskip("matplotlib")
+    hybrid_kv.chart(payload, tmp_path / "t.png")
+    assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_hybrid_kv_falls_back_to_gemma3_270ms_shape(monkeypatch):
+    """Without Gemma 3 270M's packages: random weights of its shape, whose 32K sequence the hybrid layout
+    keeps in at most 1.25 times its global layers' own bytes (the uniform layout: 576 MiB, six times them)."""
+    from nanovllm import default_model
+    from nanovllm.bench.kv import kv_layout
+
+    hybrid_kv = script("hybrid_kv")
+    monkeypatch.setattr(default_model, "gemma3_is_available", lambda: False)
+    path, options, weights = hybrid_kv.model_source("gemma-3-270m")
+    assert options == {"load_format": "dummy", "skip_tokenizer_init": True} and weights.startswith("random")
+    layout = kv_layout(path, 32768, dtype="bfloat16", device="cpu")
+    assert layout["uniform_bytes_per_sequence"] == 576 * 2**20
+    assert layout["full_attention_bytes_per_sequence"] == 96 * 2**20
+    assert layout["bytes_per_sequence"] <= hybrid_kv.BYTES_TARGET * layout["full_attention_bytes_per_sequence"]
+    assert hybrid_kv.model_source("some/other-model") == ("some/other-model", {}, "as given")
