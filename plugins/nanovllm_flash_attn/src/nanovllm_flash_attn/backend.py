@@ -87,9 +87,20 @@ class FlashAttnBackend(AttentionBackend):
         self, q, k_cache, v_cache, meta: PhaseMetadata, scale: float, window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        if self._on_triton(q, softcap) or (softcap is None and not self._decode_on_fa4(q, k_cache, meta)):
+        if not self.decode_runs_fa4(q, k_cache, meta, softcap):
             return self.fallback.decode(q, k_cache, v_cache, meta, scale, window)
         return self.fa4(q, k_cache, v_cache, **paged_args(meta, scale, window, softcap))[0]
+
+    def decode_runs_fa4(
+        self, q: torch.Tensor, k_cache: torch.Tensor, meta: PhaseMetadata, softcap: float | None = None
+    ) -> bool:
+        """Whether ``decode`` of this call's shapes runs FA4 (else the Triton split-KV kernel)."""
+        if self._on_triton(q, softcap):
+            return False
+        if softcap:  # only FA4 caps
+            return True
+        num_sms = device_facts(q.device.index)[1]
+        return decode_on_fa4(self.config.decode, meta.num_seqs, k_cache.shape[2], num_sms)
 
     def attend_blocks(self, q, k_cache, v_cache, meta, block_indices, kv_lens, scale):
         return self.fallback.attend_blocks(q, k_cache, v_cache, meta, block_indices, kv_lens, scale)
@@ -106,7 +117,3 @@ class FlashAttnBackend(AttentionBackend):
         if reason is not None and softcap:
             raise ValueError(f"softcap={softcap} needs FA4, which cannot run this call: {reason}")
         return reason is not None
-
-    def _decode_on_fa4(self, q: torch.Tensor, k_cache: torch.Tensor, meta: PhaseMetadata) -> bool:
-        num_sms = device_facts(q.device.index)[1]
-        return decode_on_fa4(self.config.decode, meta.num_seqs, k_cache.shape[2], num_sms)
