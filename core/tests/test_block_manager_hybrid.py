@@ -165,7 +165,7 @@ def test_no_hit_where_the_window_blocks_are_gone():
     assert bm.null_block in a.block_tables[1]
     freed = [b for b in range(len(bm.blocks)) if b in bm.free_blocks and bm.blocks[b].hash is not None]
     assert freed  # the window's old blocks: cached while free
-    filler = seq_of(range(500, 500 + 4 * (bm.num_free_blocks // 2)))  # takes every free block, cached ones too
+    filler = seq_of(range(500, 500 + 4 * (bm.num_free_blocks // 2)))  # every free block, cached ones too
     admit(bm, filler)
     # the full group still has blocks 0..6 of a; the window group only its last blocks of a
     b = seq_of(list(range(100, 116)) + [1])  # wants 4 blocks: block 2 and 3 of the window are gone

@@ -15,6 +15,7 @@ FLAGS = {  # a value for every engine option, as a user would type it, and what 
     "--max-num-batched-tokens": ("256", 256), "--gpu-memory-utilization": ("0.5", 0.5),
     "--kv-cache-memory": ("1048576", 1 << 20), "--block-size": ("8", 8), "--no-enable-prefix-caching": (None, False),
     "--no-enable-chunked-prefill": (None, False), "--enforce-eager": (None, True),
+    "--disable-hybrid-kv-cache-manager": (None, True),
     "--no-async-scheduling": (None, False), "--kv-offloading-size": ("2.5", 2.5),
     "--kv-offloading-buffer-size": ("0.5", 0.5), "--no-kv-offloading-reuse-selections": (None, False),
     "--tensor-parallel-size": ("2", 2),

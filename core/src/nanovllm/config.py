@@ -126,6 +126,9 @@ class EngineConfig:
     kv_cache_memory: int | None = attrs.field(default=None, validator=_positive_int("kv_cache_memory"))
     block_size: int = attrs.field(default=16, validator=_positive_int("block_size"))
     enable_prefix_caching: bool = True
+    # keep every token of every layer (one KV cache group), as models without sliding windows do; by default a
+    # sliding-window layer keeps only the blocks its window reaches (vLLM's hybrid KV cache manager)
+    disable_hybrid_kv_cache_manager: bool = attrs.field(default=False, validator=_bool)
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
     # schedule and launch step N+1 before reading step N's tokens back, so host work overlaps the GPU

@@ -45,6 +45,13 @@ class StepMetadata:
     num_decode_tokens: int
     decode: PhaseMetadata | None
     prefill: PhaseMetadata | None
+    # with several KV cache groups (hybrid KV, see nanovllm.kv.groups): the step as the layers of groups 1, 2,
+    # ... see it, their own slots and block tables (this object is group 0's); empty with one group
+    other_groups: tuple[StepMetadata, ...] = ()
+
+    def of_group(self, group: int) -> StepMetadata:
+        """The step as the layers of KV cache group ``group`` see it."""
+        return self if group == 0 else self.other_groups[group - 1]
 
 
 _context: StepMetadata | None = None

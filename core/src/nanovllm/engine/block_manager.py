@@ -41,6 +41,16 @@ def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
     return h.intdigest()
 
 
+def check_hash(prev_hash: int | None, token_ids: list[int]) -> int:
+    """A second chained hash, independent of ``chain_hash`` (another function): what a window group of a
+    model without full attention checks a cached block's prefix by, where the blocks before it are gone."""
+    h = xxhash.xxh3_64(seed=0x9E3779B9)
+    if prev_hash is not None:
+        h.update(prev_hash.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
 class Block:
     __slots__ = ("block_id", "ref_count", "hash", "token_ids", "parent", "generation", "group")
 
@@ -112,11 +122,11 @@ class BlockManager:
             return self.no_prefix()
         bs = self.block_size
         num_hits = (seq.num_tokens - 1) // bs
-        # the chains first (full attention, or windows without an anchor): they bound how far windows look
-        order = sorted(range(len(self.groups)), key=lambda g: self._anchored(g))
         found: list[list[int | None]] = [[] for _ in self.groups]
-        for g in order:
-            found[g] = self._cached_blocks(seq, g, num_hits, found[self.anchor] if self._anchored(g) else None)
+        # full attention first: its verified chain bounds how far a window group need look, and anchors it
+        for g in sorted(range(len(self.groups)), key=lambda g: self.groups[g].sliding_window is not None):
+            anchor = found[self.anchor] if self.anchor is not None else []
+            found[g] = self._cached_blocks(seq, g, num_hits, anchor)
             num_hits = min(num_hits, len(found[g]))
         while num_hits and not all(
             None not in blocks[group.first_needed_block(num_hits * bs, bs) : num_hits]
@@ -133,31 +143,50 @@ class BlockManager:
         """No cached prefix, in ``find_cached_prefix``'s form (a request that computes every token)."""
         return [[] for _ in self.groups]
 
-    def _anchored(self, g: int) -> bool:
-        """Whether group ``g``'s blocks record their parent in the anchor group (a window group of a model
-        with a full-attention group) rather than in their own table."""
-        return self.anchor is not None and self.groups[g].sliding_window is not None
-
-    def _cached_blocks(self, seq: Sequence, g: int, max_blocks: int,
-                       anchor: list[int | None] | None) -> list[int | None]:
+    def _cached_blocks(
+        self, seq: Sequence, g: int, max_blocks: int, anchor: list[int | None]
+    ) -> list[int | None]:
         """Group ``g``'s cached copies of the first ``max_blocks`` blocks of ``seq``, each holding the same
-        tokens after the same parent. Without an ``anchor`` (the anchor group's found blocks) the chain from
-        the first block, up to the first miss; with one every block, None where missing: each is verified by
-        its parent in the anchor group, whose chain is verified, so a window group need not keep the blocks
-        before its window to prove what its later blocks follow."""
-        cache = self.hash_to_block[g]
+        tokens after the same prefix (``_parent_of``; ``anchor``: the anchor group's blocks found so far). For
+        full attention the chain from the first block up to the first miss; for a window every block, None
+        where missing, since it need not keep the blocks before its window."""
+        cache, chain = self.hash_to_block[g], self.groups[g].sliding_window is None
         found: list[int | None] = []
         for i in range(max_blocks):
             block_id = cache.get(self._block_hash(seq, i))
             if block_id is not None:
                 tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-                before = (anchor if anchor is not None else found)[i - 1] if i else None
-                if not self._same_content(self.blocks[block_id], tokens, self._parent_key(before)):
+                parent = self._parent_of(seq, g, i, found, anchor)
+                if not self._same_content(self.blocks[block_id], tokens, parent):
                     block_id = None  # a hash collision, not a hit
-            if block_id is None and anchor is None:
+            if block_id is None and chain:
                 break
             found.append(block_id)
         return found
+
+    def _parent_of(self, seq: Sequence, g: int, i: int, table: SequenceABC[int | None],
+                   anchor: SequenceABC[int | None]) -> tuple[int, int] | None:
+        """What proves the prefix before block ``i`` of ``seq`` in group ``g`` (``table``: its blocks,
+        ``anchor``: the anchor group's): the block before it (id and generation) in a full-attention group;
+        in a window group, which may have freed that block, the anchor group's block before it, or without
+        an anchor (every layer has a window) ``(-1, check_hash of the prefix)``, a second chained hash
+        independent of the first."""
+        if not i:
+            return None
+        if self.groups[g].sliding_window is None:
+            return self._parent_key(table[i - 1])
+        if self.anchor is not None:
+            return self._parent_key(anchor[i - 1])
+        return -1, self._check_hash(seq, i - 1)
+
+    def _check_hash(self, seq: Sequence, index: int) -> int:
+        """``check_hash`` chained over the first ``index + 1`` blocks of ``seq`` (cached on the sequence)."""
+        while len(seq.block_checks) <= index:
+            i = len(seq.block_checks)
+            prev = seq.block_checks[i - 1] if i else None
+            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
+            seq.block_checks.append(check_hash(prev, tokens))
+        return seq.block_checks[index]
 
     def _parent_key(self, parent_id: int | None) -> tuple[int, int] | None:
         """What a block after block ``parent_id`` records as its parent (``None``: it starts a sequence, or
@@ -235,16 +264,16 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = seq.num_computed_tokens // self.block_size
+        anchor = seq.block_tables[self.anchor] if self.anchor is not None else []
         for g, table in enumerate(seq.block_tables):  # the anchor (group 0) first: others name its blocks
             cache = self.hash_to_block[g]
-            parents = seq.block_tables[self.anchor] if self._anchored(g) else table
             for i in range(seq.num_committed_blocks, full):
                 if table[i] == self.null_block:  # left behind by its window: nothing to publish
                     continue
                 block = self.blocks[table[i]]
                 h = self._block_hash(seq, i)
                 tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-                parent = self._parent_key(parents[i - 1] if i else None)
+                parent = self._parent_of(seq, g, i, table, anchor)
                 cached_id = cache.get(h)
                 if cached_id is None:
                     block.hash, block.token_ids, block.parent = h, tokens, parent

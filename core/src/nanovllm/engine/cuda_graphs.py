@@ -148,6 +148,12 @@ class CudaGraphRunner:
             "block_tables": torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev),
             "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
         }
+        # KV cache groups after the first (hybrid KV): their own slots and block tables
+        self.group_inputs = [
+            {"slot_mapping": torch.full((max_bs,), -1, dtype=torch.long, device=dev),
+             "block_tables": torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev)}
+            for _ in self.kv_store.groups[1:]
+        ]
         for bs in self.sizes:
             self.kv_store.begin_step(None, None)  # a decode step (its dense reads raise GraphUnsafe here)
             with forward_context(self._metadata(bs)):
@@ -181,10 +187,13 @@ class CudaGraphRunner:
 
     def _metadata(self, bs: int) -> StepMetadata:
         g = self.inputs
-        decode = PhaseMetadata(
-            g["cu_seqlens_q"][: bs + 1], g["context_lens"][:bs], g["block_tables"][:bs], 1, self.config.max_model_len
-        )
-        return StepMetadata(g["slot_mapping"][:bs], g["positions"][:bs], bs, decode, None)
+
+        def step(own: dict[str, torch.Tensor], other_groups: tuple[StepMetadata, ...] = ()) -> StepMetadata:
+            decode = PhaseMetadata(g["cu_seqlens_q"][: bs + 1], g["context_lens"][:bs],
+                                   own["block_tables"][:bs], 1, self.config.max_model_len)
+            return StepMetadata(own["slot_mapping"][:bs], g["positions"][:bs], bs, decode, None, other_groups)
+
+        return step(g, tuple(step(own) for own in self.group_inputs))
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         """The hidden states of a decode-only step of at most ``max_batch`` sequences: its inputs copied into
@@ -194,13 +203,14 @@ class CudaGraphRunner:
         g = self.inputs
         g["input_ids"][:bs] = input_ids
         g["positions"][:bs] = positions
-        g["slot_mapping"][:graph_bs].fill_(-1)
-        g["slot_mapping"][:bs] = meta.slot_mapping
         g["context_lens"][:graph_bs].fill_(1)
         g["context_lens"][:bs] = meta.decode.context_lens
-        tables = meta.decode.block_tables
-        g["block_tables"][:graph_bs].fill_(0)
-        g["block_tables"][:bs, : tables.shape[1]] = tables
+        for own, group in zip((g, *self.group_inputs), (meta, *meta.other_groups), strict=True):
+            own["slot_mapping"][:graph_bs].fill_(-1)
+            own["slot_mapping"][:bs] = group.slot_mapping
+            tables = group.decode.block_tables
+            own["block_tables"][:graph_bs].fill_(0)
+            own["block_tables"][:bs, : tables.shape[1]] = tables
         self.kv_store.order_streams()
         self.graphs[graph_bs].replay()
         self.kv_store.order_streams()

@@ -4,6 +4,7 @@ to the attention layers and the policies' hooks, and has the policies allocate t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import attrs
@@ -13,6 +14,7 @@ import torch
 from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, forward_context
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import agree_min
+from nanovllm.kv.groups import KVCacheGroup, blocks_per_sequence, kv_cache_groups, needs_null_block, num_slots
 from nanovllm.kv.offload import OffloadEngine
 from nanovllm.kv.store import HostKVStore, KVStore, PagedKVStore
 from nanovllm.layers.attention import Attention
@@ -20,6 +22,8 @@ from nanovllm.layers.sampler import TopLogprobs
 from nanovllm.policy import PolicyHooks
 
 CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30  # bytes of KV (and policy metadata) on the CPU device by default
+
+_log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -66,8 +70,9 @@ def allocate_kv_store(
         return profile_free_cuda_memory(model, config, max_model_len, device, prompt_logprob_rows)
 
     if config.kv_offloading_size is None:
-        store: KVStore = PagedKVStore(shape.empty_cache(
-            len(layers), agree_min(gpu_cache_blocks(config, shape, hooks, max_model_len, free_memory))))
+        groups = layer_groups(config, layers)
+        num_blocks = agree_min(gpu_cache_blocks(config, shape, hooks, max_model_len, free_memory, groups))
+        store: KVStore = PagedKVStore(shape.empty_cache(num_slots(groups), num_blocks), groups)
     else:
         for policy in hooks.policies:  # before the pool: options that need the GPU cache fail now
             policy.check_offload()
@@ -82,11 +87,27 @@ def allocate_kv_store(
     return store
 
 
+def layer_groups(config: EngineConfig, layers: Sequence[Attention]) -> tuple[KVCacheGroup, ...]:
+    """The KV cache groups of the model's attention ``layers``: by their windows (hybrid KV), or one group of
+    every layer with ``disable_hybrid_kv_cache_manager`` or KV offload (whose host pool holds every block of
+    the offloaded layers, and whose GPU cache keeps the window layers resident in the uniform layout)."""
+    windows = [layer.sliding_window for layer in layers]
+    hybrid = not config.disable_hybrid_kv_cache_manager
+    if hybrid and config.kv_offloading_size is not None and any(w is not None for w in windows):
+        _log.info("KV offload keeps the uniform KV layout (every layer keeps every token): the hybrid KV "
+                  "cache manager does not run with kv_offloading_size yet")
+        hybrid = False
+    return kv_cache_groups(windows, hybrid)
+
+
 def gpu_cache_blocks(config: EngineConfig, shape: KVShape, hooks: PolicyHooks, max_model_len: int,
-                     free_memory) -> int:
+                     free_memory, groups: Sequence[KVCacheGroup] | None = None) -> int:
     """Blocks of the paged GPU cache: ``kv_cache_memory`` bytes, else on the CPU
-    ``CPU_DEFAULT_KV_CACHE_MEMORY``, else what ``free_memory()`` profiles, each block with its metadata."""
-    per_block = shape.kv_bytes() + shape.metadata_bytes(hooks)  # the metadata lives in the same budget
+    ``CPU_DEFAULT_KV_CACHE_MEMORY``, else what ``free_memory()`` profiles, each block with its metadata. A
+    block holds one layer slot per layer of the largest KV cache group of ``groups`` (default: one group,
+    every layer); one sequence of ``max_model_len`` tokens must fit, each group counting what it keeps."""
+    groups = groups or (KVCacheGroup(tuple(range(shape.num_layers))),)
+    per_block = shape.kv_bytes(num_slots(groups)) + shape.metadata_bytes(hooks)  # metadata: the same budget
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
     elif shape.device.type == "cpu":
@@ -94,10 +115,16 @@ def gpu_cache_blocks(config: EngineConfig, shape: KVShape, hooks: PolicyHooks, m
     else:
         budget = free_memory()
     num_blocks = int(budget // per_block)
-    if num_blocks * shape.block_size < max_model_len:
+    null = int(needs_null_block(groups))
+    chunk = config.max_num_batched_tokens
+    needed = blocks_per_sequence(groups, max_model_len, shape.block_size, chunk) + null
+    if num_blocks < needed:
+        short = (f"{num_blocks * shape.block_size} tokens, fewer than max_model_len={max_model_len}"
+                 if len(groups) == 1 and not null else
+                 f"{num_blocks} blocks of {shape.block_size} tokens, fewer than the {needed} that one sequence "
+                 f"of max_model_len={max_model_len} tokens needs in its {len(groups)} KV cache groups")
         raise ValueError(
-            f"the KV cache budget ({budget / 2**20:.0f} MiB) holds {num_blocks * shape.block_size} tokens, "
-            f"fewer than max_model_len={max_model_len}; raise "
+            f"the KV cache budget ({budget / 2**20:.0f} MiB) holds {short}; raise "
             f"{'kv_cache_memory' if shape.device.type == 'cpu' else 'gpu_memory_utilization'} "
             "or lower max_model_len"
         )

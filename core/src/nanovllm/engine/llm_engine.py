@@ -57,7 +57,12 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, config.max_logprobs)
         self.output_builder = OutputBuilder(self.tokenizer)
         self.runner, self.config = self.world.start(config, parts)
-        self.scheduler = Scheduler(self.config, self.runner.num_blocks, self.max_model_len)
+        # layers sharing a block table (sliding-window layers keep only their window; see nanovllm.kv.groups),
+        # and the KV bytes one token costs in each group's blocks
+        self.kv_cache_groups = self.runner.kv_cache_groups
+        self.kv_cache_group_bytes_per_token = self.runner.kv_cache_group_bytes_per_token
+        self.scheduler = Scheduler(self.config, self.runner.num_blocks, self.max_model_len,
+                                   self.kv_cache_groups)
         self._pending: LaunchedStep | None = None  # the step in flight, its tokens not yet applied
         self._next_request = 0
         self._streams: dict[str, OutputStream] = {}  # requests of add_request(request_id, ...), unfinished

@@ -27,12 +27,16 @@ from nanovllm.engine.model_loading import EngineParts, bind_attention, build_mod
 from nanovllm.engine.sampling_inputs import SamplingInputs
 from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
 from nanovllm.engine.step_plan import (
+    GroupArrays,
     PhaseArrays,
     PromptTargets,
     StepPlan,
+    block_tables,
     phase_arrays,
     prompt_logprob_targets,
+    slot_mapping,
 )
+from nanovllm.kv.groups import kv_bytes_per_token
 from nanovllm.kv.offload import HostPhase
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler, TopLogprobs
@@ -137,6 +141,9 @@ class ModelRunner:
         self.kv = allocate_kv_store(config, self.model, self.attention_layers, self.hooks, self.max_model_len,
                                     self.dtype, self.device, PROMPT_LOGPROB_ROWS)
         self.num_blocks = self.kv.num_blocks
+        self.kv_cache_groups = self.kv.groups  # the layers that share a block table (hybrid KV)
+        layer_bytes = 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize  # K and V of a token, a layer
+        self.kv_cache_group_bytes_per_token = kv_bytes_per_token(self.kv_cache_groups, layer_bytes)
         self._last_sampled = torch.empty(0, dtype=torch.long, device=self.device)
         self.cuda_graphs = CudaGraphRunner(self.model, config, self.kv, self.backend, self.hooks)
         if self.device.type == "cuda":
@@ -177,6 +184,7 @@ class ModelRunner:
             ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
             meta = StepMetadata(torch.full((num_tokens,), -1, dtype=torch.long, device=dev), ids, 1, phase([1]),
                                 phase(chunks, before))
+            meta = attrs.evolve(meta, other_groups=(meta,) * (len(self.kv_cache_groups) - 1))  # no writes
             self.kv.begin_step(host([1]), host(chunks, before))
             with forward_context(meta):
                 self.model.compute_logits(self.model(ids, ids.clone()))
@@ -197,6 +205,17 @@ class ModelRunner:
         return PhaseMetadata(self._to_device(phase.cu_seqlens_q), self._to_device(phase.context_lens),
                              self._to_device(phase.block_tables), phase.max_query_len, phase.max_context_len)
 
+    def _group_metadata(self, meta: StepMetadata, group: GroupArrays) -> StepMetadata:
+        """The step ``meta`` (group 0's) as the layers of a later KV cache group see it: their own slots and
+        block tables."""
+
+        def phase(phase: PhaseMetadata | None, tables: np.ndarray | None) -> PhaseMetadata | None:
+            return None if phase is None else attrs.evolve(phase, block_tables=self._to_device(tables))
+
+        decode, prefill = phase(meta.decode, group.decode_tables), phase(meta.prefill, group.prefill_tables)
+        return StepMetadata(self._to_device(group.slot_mapping), meta.positions, meta.num_decode_tokens, decode,
+                            prefill)
+
     def prepare(
         self, seqs: list[Sequence], allocated: list[int] | None = None
     ) -> tuple[StepPlan, list[Sequence], PromptTargets | None]:
@@ -209,19 +228,15 @@ class ModelRunner:
         # decodes: one token each, plain integers; one that is a prompt token samples only if it is the last
         positions = [s.num_computed_tokens for s in decodes]
         ids = [s.token_ids[p] for s, p in zip(decodes, positions, strict=True)]
-        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(decodes, positions, strict=True)]
-        pos_parts, slot_parts = [np.asarray(positions, dtype=np.int64)], [np.asarray(slots, dtype=np.int64)]
+        pos_parts = [np.asarray(positions, dtype=np.int64)]
         sample_rows = [i for i, s in enumerate(decodes) if s.samples_this_step]
         sampling = [decodes[i] for i in sample_rows]
         scored = [(s, i) for i, s in enumerate(decodes) if s.prompt_logprobs is not None]  # (seq, first row)
         row = len(decodes)
         for s in prefills:
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens
-            pos = np.arange(start, end)
-            table = np.asarray(s.block_table, dtype=np.int64)
             ids.extend(s.token_ids[start:end])
-            pos_parts.append(pos)
-            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            pos_parts.append(np.arange(start, end))
             if s.prompt_logprobs is not None:
                 scored.append((s, row))
             row += end - start
@@ -235,7 +250,7 @@ class ModelRunner:
         plan = StepPlan(
             input_ids=np.asarray(ids, dtype=np.int64),
             positions=np.concatenate(pos_parts),
-            slot_mapping=np.concatenate(slot_parts),
+            slot_mapping=slot_mapping(decodes, prefills, bs, 0),
             num_decode_tokens=len(decodes),
             decode=phase_arrays(decodes, [1] * len(decodes), [p + 1 for p in positions]),
             prefill=phase_arrays(
@@ -251,6 +266,11 @@ class ModelRunner:
             prompt_logprob_rows=prompt_rows,
             allocated_blocks=(np.asarray(allocated, dtype=np.int64) if allocated and self.kv.wants_allocations
                               else None),
+            other_groups=[
+                GroupArrays(slot_mapping(decodes, prefills, bs, g), block_tables(decodes, g),
+                            block_tables(prefills, g))
+                for g in range(1, len(self.kv_cache_groups))
+            ],
         )
         return plan, sampling, prompt_targets
 
@@ -270,6 +290,9 @@ class ModelRunner:
             decode=self._phase_metadata(plan.decode),
             prefill=self._phase_metadata(plan.prefill),
         )
+        if plan.other_groups:
+            groups = tuple(self._group_metadata(meta, g) for g in plan.other_groups)
+            meta = attrs.evolve(meta, other_groups=groups)
         self.kv.begin_step(plan.decode, plan.prefill)
         graphs = self.cuda_graphs
         if graphs.graphs and meta.prefill is None and input_ids.shape[0] <= graphs.max_batch:

@@ -39,6 +39,7 @@ class Sequence:
         # one block table per KV cache group (empty while it holds no blocks); see ``block_table``
         self.block_tables: list[list[int]] = []
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks, in order
+        self.block_checks: list[int] = []  # their second hashes, where a window group needs them
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache at admission
         self.num_scheduled_tokens = 0  # tokens to compute in the current step

@@ -22,6 +22,16 @@ class PhaseArrays:
 
 
 @attrs.define
+class GroupArrays:
+    """What the layers of a KV cache group after the first read differently in a step (hybrid KV): their
+    slots and the block tables of each phase, as :func:`slot_mapping` and :func:`block_tables` make them."""
+
+    slot_mapping: np.ndarray  # [num_tokens] int64
+    decode_tables: np.ndarray | None
+    prefill_tables: np.ndarray | None
+
+
+@attrs.define
 class StepPlan:
     """One step's inputs on the host: what every tensor-parallel rank needs to run the same forward pass
     and the same logits collectives. Rank 0 makes it from the scheduled sequences and broadcasts it."""
@@ -38,6 +48,7 @@ class StepPlan:
     num_sampling: int
     prompt_logprob_rows: np.ndarray | None  # hidden-state rows followed by a prompt token, if any asked
     allocated_blocks: np.ndarray | None  # blocks handed out since the last step, for the policies to reset
+    other_groups: list[GroupArrays] = attrs.Factory(list)  # KV cache groups 1, 2, ... (the fields above: 0)
 
 
 @attrs.define
@@ -51,15 +62,37 @@ class PromptTargets:
 
 
 def phase_arrays(seqs: list[Sequence], q_lens: list[int], ctx_lens: list[int]) -> PhaseArrays | None:
-    """The phase of ``seqs`` (``None`` when empty): their block tables padded with -1, query and context
-    lengths in tokens."""
+    """The phase of ``seqs`` (``None`` when empty): their first KV cache group's block tables padded with -1,
+    query and context lengths in tokens."""
     if not seqs:
         return None
-    tables = np.full((len(seqs), max(len(s.block_table) for s in seqs)), -1, dtype=np.int32)
+    return PhaseArrays(np.cumsum([0, *q_lens], dtype=np.int32), np.asarray(ctx_lens, dtype=np.int32),
+                       block_tables(seqs, 0), max(q_lens), max(ctx_lens))
+
+
+def block_tables(seqs: list[Sequence], group: int) -> np.ndarray | None:
+    """``[num_seqs, width]`` int32: KV cache group ``group``'s block table of each of ``seqs``, padded with -1
+    (``None`` without sequences)."""
+    if not seqs:
+        return None
+    tables = np.full((len(seqs), max(len(s.block_tables[group]) for s in seqs)), -1, dtype=np.int32)
     for i, s in enumerate(seqs):
-        tables[i, : len(s.block_table)] = s.block_table
-    return PhaseArrays(np.cumsum([0, *q_lens], dtype=np.int32), np.asarray(ctx_lens, dtype=np.int32), tables,
-                       max(q_lens), max(ctx_lens))
+        tables[i, : len(s.block_tables[group])] = s.block_tables[group]
+    return tables
+
+
+def slot_mapping(
+    decodes: list[Sequence], prefills: list[Sequence], block_size: int, group: int
+) -> np.ndarray:
+    """``[num_tokens]`` int64: the cache slot of each token of a step (decodes' one token each, then the
+    prefill chunks) in KV cache group ``group``'s blocks."""
+    bs = block_size
+    parts = [np.asarray([s.block_tables[group][p // bs] * bs + p % bs
+                         for s in decodes for p in [s.num_computed_tokens]], dtype=np.int64)]
+    for s in prefills:
+        pos = np.arange(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens)
+        parts.append(np.asarray(s.block_tables[group], dtype=np.int64)[pos // bs] * bs + pos % bs)
+    return np.concatenate(parts)
 
 
 def prompt_logprob_targets(scored: list[tuple[Sequence, int]]) -> tuple[np.ndarray | None, PromptTargets | None]:

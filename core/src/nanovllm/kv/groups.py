@@ -73,7 +73,8 @@ def num_slots(groups: Sequence[KVCacheGroup]) -> int:
 
 def layer_places(groups: Sequence[KVCacheGroup]) -> list[tuple[int, int]]:
     """``(group, slot)`` of each layer, in layer order."""
-    places = {layer: (g, slot) for g, group in enumerate(groups) for slot, layer in enumerate(group.layer_ids)}
+    places = {layer: (g, slot) for g, group in enumerate(groups)
+              for slot, layer in enumerate(group.layer_ids)}
     return [places[layer] for layer in range(len(places))]
 
 
@@ -82,7 +83,9 @@ def needs_null_block(groups: Sequence[KVCacheGroup]) -> bool:
     return any(g.sliding_window is not None for g in groups)
 
 
-def blocks_per_sequence(groups: Sequence[KVCacheGroup], num_tokens: int, block_size: int, max_chunk: int) -> int:
+def blocks_per_sequence(
+    groups: Sequence[KVCacheGroup], num_tokens: int, block_size: int, max_chunk: int
+) -> int:
     """Pool blocks one sequence of ``num_tokens`` tokens needs at most, over every group."""
     return sum(g.max_blocks(num_tokens, block_size, max_chunk) for g in groups)
 

@@ -11,8 +11,9 @@ A store is a list of per-layer handles (:class:`LayerKV`), each owning one layer
 also keep the policies' per-block metadata, through ``on_kv_write``, on either store), and every read a
 policy makes through :class:`nanovllm.policy.PolicyContext` (attend to selected blocks, attend to the whole
 history, read blocks or keys, read a compact paged copy). A handle is one of two kinds, :class:`PagedLayerKV`
-and :class:`PooledLayerKV`, so a store can mix them layer by layer; a group of layers sharing one block
-table (sliding-window layers keeping only their window) fits the same shape as a handle kind of its own.
+and :class:`PooledLayerKV`, so a store can mix them layer by layer. Layers sharing one block table form a
+KV cache group (:mod:`nanovllm.kv.groups`: sliding-window layers keeping only their window); a handle knows
+its group, whose slots and block tables the step gives it (``StepMetadata.of_group``).
 The store itself adds the step's life cycle around the forward pass (``begin_step``, the CUDA-graph
 calls), which the paged cache leaves empty, so nothing above it asks where KV lives.
 """
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from nanovllm.attention.metadata import PhaseMetadata, StepMetadata
+from nanovllm.kv.groups import KVCacheGroup, layer_places, needs_null_block
 
 if TYPE_CHECKING:
     from nanovllm.attention.backend import AttentionBackend
@@ -176,6 +178,7 @@ class LayerKV:
         self.layer_id = layer_id
         self.k_cache, self.v_cache = k_cache, v_cache
         self.kv_write: tuple[Hook, ...] = ()
+        self.group = 0  # its KV cache group (set by the store): whose slots and block tables it reads
 
     def write(self, key: torch.Tensor, value: torch.Tensor, step: StepMetadata, backend: AttentionBackend) -> None:
         """Store the step's new keys and values ``[num_tokens, num_kv_heads, head_dim]`` at
@@ -328,9 +331,12 @@ class KVStore:
     # only a store that moves KV across PCIe has anything to tell.
     notifies_offload: bool = False
 
-    def __init__(self, layers: Sequence[LayerKV], num_blocks: int, block_size: int) -> None:
+    def __init__(self, layers: Sequence[LayerKV], num_blocks: int, block_size: int,
+                 groups: Sequence[KVCacheGroup] | None = None) -> None:
         self.layers = list(layers)
         self.num_blocks, self.block_size = num_blocks, block_size
+        # the KV cache groups whose block tables the scheduler keeps (default: one, every layer)
+        self.groups = tuple(groups or (KVCacheGroup(tuple(range(len(self.layers)))),))
         self._blocks_allocated: tuple[Hook, ...] = ()
 
     def bind(self, kv_write: Sequence[Hook], blocks_allocated: Sequence[Hook] = (),
@@ -378,13 +384,22 @@ class KVStore:
 
 
 class PagedKVStore(KVStore):
-    """Every layer in one paged GPU cache ``kv_cache`` ``[layers, 2, num_blocks, block_size, num_kv_heads,
-    head_dim]`` (``kv_cache[i, 0]`` is layer ``i``'s keys, ``kv_cache[i, 1]`` its values)."""
+    """Every layer in one paged GPU cache ``kv_cache`` ``[slots, 2, num_blocks, block_size, num_kv_heads,
+    head_dim]``. With one KV cache group (default) slot ``i`` is layer ``i`` (``kv_cache[i, 0]`` its keys,
+    ``kv_cache[i, 1]`` its values); with ``groups`` the ``i``-th layer of every group has slot ``i``, in the
+    blocks its group holds (:mod:`nanovllm.kv.groups`), and where a group has a window the last block is
+    the null block, zeroed: kernels read it (masked) where a window group's table names it, never write it."""
 
-    def __init__(self, kv_cache: torch.Tensor) -> None:
-        layers = [PagedLayerKV(i, kv_cache[i, 0], kv_cache[i, 1]) for i in range(kv_cache.shape[0])]
-        super().__init__(layers, kv_cache.shape[2], kv_cache.shape[3])
+    def __init__(self, kv_cache: torch.Tensor, groups: Sequence[KVCacheGroup] | None = None) -> None:
+        groups = groups or (KVCacheGroup(tuple(range(kv_cache.shape[0]))),)
+        layers = []
+        for layer_id, (group, slot) in enumerate(layer_places(groups)):
+            layers.append(PagedLayerKV(layer_id, kv_cache[slot, 0], kv_cache[slot, 1]))
+            layers[-1].group = group
+        super().__init__(layers, kv_cache.shape[2], kv_cache.shape[3], groups)
         self.kv_cache = kv_cache
+        if needs_null_block(groups):
+            kv_cache[:, :, -1].zero_()
 
 
 class HostKVStore(KVStore):

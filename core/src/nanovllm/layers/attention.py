@@ -29,6 +29,7 @@ class Attention(nn.Module):
         self.backend: AttentionBackend | None = None
         self.hooks: PolicyHooks | None = None
         self.kv: LayerKV | None = None  # this layer's KV store, once allocated
+        self.kv_group = 0  # its KV cache group: whose slots and block tables it reads (StepMetadata.of_group)
 
     def bind(self, backend: AttentionBackend, hooks: PolicyHooks) -> None:
         """Set once per engine by the model runner."""
@@ -38,12 +39,15 @@ class Attention(nn.Module):
         """Set once per engine by the KV store's allocation; ``k_cache`` / ``v_cache`` are its paged view."""
         self.kv = kv
         self.k_cache, self.v_cache = kv.k_cache, kv.v_cache
+        self.kv_group = kv.group
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q ``[T, H, D]``, k/v ``[T, Hkv, D]`` for the step's new tokens -> ``[T, H, D]``."""
         meta = get_forward_context()
         if self.kv is None:  # the memory-profiling run, before the store exists
             return self.backend.attend_chunk(q, k, v, meta.prefill, self.scale)[0]
+        if self.kv_group:
+            meta = meta.of_group(self.kv_group)
         nd = meta.num_decode_tokens
         self.kv.write(k, v, meta, self.backend)
         if meta.prefill is None:
