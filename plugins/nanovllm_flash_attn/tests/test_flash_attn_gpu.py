@@ -72,7 +72,7 @@ def batch(lens, case, gen, kv_heads=2) -> PagedBatch:
 
 
 def _tile_n(head_dim: int) -> int:
-    """FA4's key tile on SM 9.x for a causal, windowless call (flash_attn/cute/interface.py)."""
+    """FA4's key tile on SM 9.x for a causal, windowless call (its interface's _tile_size_fwd_sm90)."""
     return 128 if head_dim <= 192 else 80
 
 
