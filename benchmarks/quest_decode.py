@@ -509,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--quest-options", default="",
                         help="more Quest options of the engine runs, e.g. 'group_reduction=max,rescore=1'")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks of the engine runs (decode, offload), one GPU each")
     parser.add_argument("--only", nargs="+", default=None,
                         help="job kinds to run (attention, decode, offload; default: these three; reuse only "
                         "when named)")
@@ -522,6 +524,10 @@ def main(argv: list[str] | None = None) -> int:
                                 args.quest_options), args.only)
     if args.only and "reuse" in args.only:
         chosen.append({"kind": "reuse", "budgets": args.budgets})
+    if args.tensor_parallel_size > 1:  # the engine runs; the attention job times one GPU's kernels
+        for job in chosen:
+            if job["kind"] in ("decode", "offload", "offload-resident"):
+                job["options"] = {**job.get("options", {}), "tensor_parallel_size": args.tensor_parallel_size}
     return run_jobs(chosen, __file__, Path(args.out), args.name, vars(args) | {"job": None},
                     with_ratios, markdown, chart)
 

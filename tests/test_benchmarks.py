@@ -190,38 +190,69 @@ def test_allreduce_bench_on_the_cpu(tmp_path, monkeypatch):
         allreduce.main(["--tensor-parallel-size", "1"])
 
 
-def test_tp_summary_speedups_of_tp2_over_tp1(tmp_path):
+def test_tp_summary_sets_tpn_against_tp1_and_the_targets(tmp_path):
+    """One run's files, read together: TPn over TP1 per benchmark and preset (lower ms/token, higher tok/s
+    is better), the large preset alone against its bound, Quest's and the all-reduce rows; what lacks a
+    partner, was not measured or failed is said so."""
     tp_summary = script("tp_summary")
 
-    env = {"device": "NVIDIA H200", "date": "2026-11-24 00:00 UTC", "commit": "abc", "torch": "2.11"}
-
     def write(name, results):
-        payload = {"environment": env, "settings": {}, "results": results}
-        (tmp_path / f"{name}.json").write_text(json.dumps(payload))
+        (tmp_path / f"{name}.json").write_text(json.dumps({"environment": ENV, "settings": {}, "results": results}))
 
-    def latency(preset, ms):
-        return {"benchmark": "latency", "preset": preset, "ms_per_token": ms, "metric": "ms_per_token"}
+    def row(benchmark, preset, tp, value):
+        metric = {"latency": "ms_per_token", "throughput": "output_tok_per_s", "ttft": "ttft_s"}[benchmark]
+        return {"benchmark": benchmark, "preset": preset, "tensor_parallel_size": tp, metric: value}
 
-    def throughput(preset, tok_s):
-        return {"benchmark": "throughput", "preset": preset, "output_tok_per_s": tok_s,
-                "metric": "output_tok_per_s"}
+    write("tp_bench", [
+        row("latency", "qwen3-8b", 1, 5.0), row("latency", "qwen3-8b", 4, 2.0), row("latency", "llama-3.1-8b", 1, 4.8),
+        row("throughput", "qwen3-8b", 1, 9000.0), row("throughput", "qwen3-8b", 4, 24_000.0),
+        row("latency", "llama-3.1-70b", 4, 12.5), row("ttft", "llama-3.1-70b", 4, 2.5),
+        {"benchmark": "large-throughput", "preset": "llama-3.1-70b", "error": "exit 1"},
+    ])
+    write("quest", [{"benchmark": "decode", "context": 32768, "batch": 8, "policy": "full", "decode_ms_per_step": 9.0,
+                     "settings": {"tensor_parallel_size": 4}},
+                    {"benchmark": "decode", "context": 32768, "batch": 8, "policy": "quest", "decode_ms_per_step": 4.5,
+                     "speedup": 2.0, "settings": {"tensor_parallel_size": 4}}])
+    write("allreduce", [{"benchmark": "allreduce", "preset": "qwen3-8b", "path": "nccl", "mode": "graph", "batch": b,
+                         "world_size": 4, "us_per_allreduce": 9.0 * b} for b in (1, 8)])
+    tp_summary.main([str(tmp_path), "--name", "s"])
+    summary = json.loads((tmp_path / "s.json").read_text())
+    speedups = {(r["benchmark"], r["preset"], r["tp"]): r["speedup"] for r in summary["speedups"]}
+    assert speedups == {("latency", "qwen3-8b", 4): pytest.approx(2.5), ("throughput", "qwen3-8b", 4): pytest.approx(24 / 9)}
+    assert {(r["benchmark"], r["value"]) for r in summary["alone"]} == {("latency", 12.5), ("ttft", 2.5)}
+    assert [r["tp"] for r in summary["quest"]] == [4, 4] and len(summary["allreduce"]) == 1
+    met = {(t["benchmark"], t["preset"], t["tp"]): t["met"] for t in summary["targets"]}
+    assert met["latency", "qwen3-8b", 4] is True and met["throughput", "qwen3-8b", 4] is True
+    assert met["latency", "llama-3.1-70b", 4] is False  # 12.5 ms against at most 11
+    assert met["latency", "qwen3-8b", 2] is None  # no TP2 in this run
+    assert summary["missing"] == ["latency llama-3.1-8b: TP1 without a TPn row"]
+    text = (tmp_path / "s.md").read_text()
+    assert "| latency | qwen3-8b | ms_per_token | 5.000 | 2.000 | 4 | 2.500x |" in text
+    assert "| latency llama-3.1-70b TP4 ms_per_token | <= 11.0 | 12.500 | NO |" in text
+    assert "large-throughput llama-3.1-70b (tp_bench): exit 1" in text
+    assert "| 4 | 32768 | 8 | quest | 4.50 | 2.00x |" in text
 
-    eager = {"benchmark": "latency-eager", "preset": "qwen3-8b", "ms_per_token": 20.0}
-    write("b6_latency_tp1", [eager, latency("qwen3-8b", 5.0), latency("llama-3.1-8b", 4.8)])
-    write("b6_latency_tp2", [latency("qwen3-8b", 3.5)])
-    write("b6_throughput_tp1", [throughput("qwen3-8b", 9000.0)])
-    write("b6_throughput_tp2", [throughput("qwen3-8b", 14_500.0)])
-    tp_summary.main([str(tmp_path), "--name", "b6"])
-    summary = json.loads((tmp_path / "b6.json").read_text())
-    rows = {(r["benchmark"], r["preset"]): r for r in summary["rows"]}
-    assert set(rows) == {("latency", "qwen3-8b"), ("throughput", "qwen3-8b")}
-    assert rows["latency", "qwen3-8b"]["speedup"] == pytest.approx(5.0 / 3.5)  # lower is better
-    assert rows["throughput", "qwen3-8b"]["speedup"] == pytest.approx(14_500 / 9000)
-    assert summary["missing"] == ["latency llama-3.1-8b at TP2"]
-    text = (tmp_path / "b6.md").read_text()
-    assert "| latency | qwen3-8b | ms_per_token | 5.000 | 3.500 | 1.429x |" in text
-    assert "Not in this run: latency llama-3.1-8b at TP2." in text
-    assert (tmp_path / "b6.png").read_bytes().startswith(b"\x89PNG")
+
+def test_tp_bench_pairs_tp1_with_tpn_and_marks_each_row(monkeypatch):
+    """Latency and throughput at TP1 and TPn per preset, the large preset at TPn alone; a row comes back
+    marked with its size, the large preset's long prompt as ``ttft``."""
+    tp_bench = script("tp_bench")
+    jobs = tp_bench.jobs(4, ["qwen3-8b", "llama-3.1-8b"], "llama-3.1-70b", 32768, 16)
+    sizes = [(j["kind"], j["preset"], j["options"]["tensor_parallel_size"]) for j in jobs]
+    assert sizes[:4] == [("latency", "qwen3-8b", 1), ("latency", "qwen3-8b", 4), ("latency", "llama-3.1-8b", 1),
+                         ("latency", "llama-3.1-8b", 4)]
+    assert [s for s in sizes if s[1] == "llama-3.1-70b"] == [
+        ("large-latency", "llama-3.1-70b", 4), ("large-throughput", "llama-3.1-70b", 4), ("large-ttft", "llama-3.1-70b", 4)]
+    assert all(not j["options"].get("eager", False) for j in jobs)  # batch-1 decode with CUDA graphs
+    with pytest.raises(ValueError, match="give 2 or more"):
+        tp_bench.jobs(1, ["qwen3-8b"], "llama-3.1-70b", 32768, 16)
+    import nanovllm.bench
+
+    ran = []
+    monkeypatch.setattr(nanovllm.bench, "run_job", lambda job: ran.append(job) or [{"benchmark": "offload-resident"}])
+    ttft = next(j for j in jobs if j["kind"] == "large-ttft")
+    assert tp_bench.run_job(ttft) == [{"benchmark": "ttft", "tensor_parallel_size": 4}]
+    assert ran[0]["kind"] == "offload-resident" and ran[0]["options"]["context"] == 32768
 
 
 # -- quest_decode.py -----------------------------------------------------------------------------------------
