@@ -42,7 +42,7 @@ def gen():
     return torch.Generator().manual_seed(0)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def flash():
     from nanovllm_flash_attn.backend import FlashAttnBackend
 
