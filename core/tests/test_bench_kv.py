@@ -71,3 +71,18 @@ def test_the_command_writes_the_groups_and_totals(tiny_model, tmp_path, capsys):
     assert f"| {gemma} | 300 | 16 | 0.39 | 0.89 | 0.30 | 1.32x |" in md
     with pytest.raises(ValueError, match="context must be at least 1"):
         kv_layout(llama, 0)
+
+
+@pytest.mark.parametrize("architecture", ["Gemma3ForCausalLM", "MistralForCausalLM", "LlamaForCausalLM"])
+def test_the_layout_is_the_one_the_engine_builds(tiny_model, architecture):
+    """What ``bench kv`` reads off the config is what an engine makes of the model: the same groups, each
+    with the same KV bytes per token (as the engine benchmarks' results record them)."""
+    from nanovllm import LLM
+    from nanovllm.bench.kv import engine_groups
+
+    model = tiny_model(architecture)
+    llm = LLM(model, device="cpu", dtype="float32", block_size=BLOCK, kv_cache_memory=1 << 22, max_model_len=256,
+              skip_tokenizer_init=True)
+    layout = kv_layout(model, 256, dtype="float32", device="cpu", block_size=BLOCK)
+    assert engine_groups(llm) == [
+        {k: g[k] for k in ("layers", "sliding_window", "kv_bytes_per_token")} for g in layout["groups"]]

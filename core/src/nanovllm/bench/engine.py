@@ -8,7 +8,8 @@
   with CUDA graphs.
 
 Each function builds one engine; :mod:`nanovllm.bench` runs each in its own process, so one run's GPU
-memory never shapes the next one's KV cache.
+memory never shapes the next one's KV cache. A result's settings record the engine's KV cache groups: each
+one's layers, window and KV bytes per token.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import random
 import time
 from typing import Any
+
+from nanovllm.bench.kv import engine_groups
 
 
 def throughput_workload(seed: int = 0, num_seqs: int = 256) -> tuple[list[list[int]], list[int]]:
@@ -82,7 +85,7 @@ def bench_throughput(preset: str, **engine_options: Any) -> dict[str, Any]:
         "settings": {**options, "num_seqs": len(prompts), "temperature": 0.6, "ignore_eos": True,
                      "kv_cache_tokens": llm.runner.num_blocks * llm.runner.block_size,
                      "attention_backend": llm.runner.backend.name,
-                     "cuda_graphs": bool(llm.runner.cuda_graphs.graphs)},
+                     "cuda_graphs": bool(llm.runner.cuda_graphs.graphs), "kv_cache_groups": engine_groups(llm)},
         "output_tokens": produced,
         "seconds": elapsed,
         "output_tok_per_s": produced / elapsed,
@@ -146,7 +149,7 @@ def bench_latency(preset: str, eager: bool, **engine_options: Any) -> dict[str, 
         "benchmark": "latency-eager" if eager else "latency",
         "preset": preset,
         "settings": {**options, "prompt_len": 128, "output_len": 512,
-                     "cuda_graphs": bool(llm.runner.cuda_graphs.graphs)},
+                     "cuda_graphs": bool(llm.runner.cuda_graphs.graphs), "kv_cache_groups": engine_groups(llm)},
         "ms_per_token": timer.median_ms(),
         "mean_ms_per_token": timer.mean_ms(),
     }

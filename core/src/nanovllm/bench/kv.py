@@ -50,6 +50,13 @@ def kv_layout(model: str, context: int = DEFAULT_CONTEXT, **engine_options: Any)
     }
 
 
+def engine_groups(llm) -> list[dict[str, Any]]:
+    """The KV cache groups a running engine (``LLM`` or ``LLMEngine``) built: each one's layers, window and
+    KV bytes per token, as the results of the engine benchmarks record them."""
+    return [{"layers": list(group.layer_ids), "sliding_window": group.sliding_window, "kv_bytes_per_token": size}
+            for group, size in zip(llm.kv_cache_groups, llm.kv_cache_group_bytes_per_token, strict=True)]
+
+
 def is_kv(row: dict[str, Any]) -> bool:
     return row.get("benchmark") == "kv" and "error" not in row
 
