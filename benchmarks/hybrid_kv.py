@@ -77,7 +77,7 @@ def held_blocks(seq, null_block: int | None) -> int:
 def bench_capacity(model: str, layout: str, context: int, num_seqs: int, kv_budget_gib: float,
                    max_num_batched_tokens: int, **engine_options: Any) -> dict[str, Any]:
     from nanovllm import LLM, SamplingParams
-    from nanovllm.bench.kv import kv_layout
+    from nanovllm.bench.kv import engine_groups, kv_layout
 
     path, needs, weights = model_source(model)
     # the first request decodes until every prefill could have been scheduled, and a margin
@@ -112,13 +112,8 @@ def bench_capacity(model: str, layout: str, context: int, num_seqs: int, kv_budg
     longest = options["max_model_len"]
     kv = kv_layout(path, longest, dtype=llm.config.dtype, device=llm.config.device,
                    block_size=llm.config.block_size)
-    padded = -(-longest // kv["block_size"]) * kv["block_size"]
-    # a pool block: one block of tokens in each layer slot (every layer in the uniform layout)
-    if LAYOUTS[layout]:
-        per_token = kv["uniform_bytes_per_sequence"] // padded
-    else:
-        per_token = kv["groups"][0]["kv_bytes_per_token"]
-    block_bytes = kv["block_size"] * per_token
+    # a pool block holds one block of tokens in each of its layer slots, whatever group it serves
+    block_bytes = llm.config.block_size * max(llm.llm_engine.kv_cache_group_bytes_per_token)
     return {
         "benchmark": "capacity", "layout": layout, "model": model, "weights": weights, "context": context,
         "kv_budget_bytes": options["kv_cache_memory"], "num_blocks": llm.runner.num_blocks,
@@ -128,7 +123,7 @@ def bench_capacity(model: str, layout: str, context: int, num_seqs: int, kv_budg
         "counted_at_tokens": longest,
         "bytes_per_sequence": kv["uniform_bytes_per_sequence" if LAYOUTS[layout] else "bytes_per_sequence"],
         "full_attention_bytes_per_sequence": kv["full_attention_bytes_per_sequence"],
-        "settings": {k: v for k, v in options.items() if k != "kv_cache_memory"},
+        "kv_cache_groups": engine_groups(llm), "settings": {k: v for k, v in options.items() if k != "kv_cache_memory"},
     }
 
 
