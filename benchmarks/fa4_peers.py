@@ -138,8 +138,25 @@ def main() -> None:
     gen = torch.Generator(device=DEV).manual_seed(0)
     flash = FlashAttnBackend()
     copy_tbps = copy_bandwidth() / 1e3
-    prefill(fa4, flash, gen)
-    decode(fa4, flash, gen, copy_tbps)
+    device = "cpu (dry run)" if DRY else torch.cuda.get_device_name()
+    result = dict(device=device, torch=torch.__version__, fa4=md.version("flash-attn-4"),
+                  commit=os.environ.get("NANOVLLM_COMMIT"), heads=H, kv_heads=HKV, head_dim=D, dtype="bfloat16",
+                  copy_tbps=round(copy_tbps, 3), rows=rows)
+    path = Path(args.out) / f"{args.name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for phase in (lambda: prefill(fa4, flash, gen), lambda: decode(fa4, flash, gen, copy_tbps)):
+        phase()
+        rank_rows()
+        path.write_text(json.dumps(result, indent=2))  # after each phase: a run cut short keeps the first
+    print(f"{device}, torch {result['torch']}, FA4 {result['fa4']}, copy {copy_tbps:.2f} TB/s")
+    for r in rows:
+        value = "-" if r["value"] is None else f"{r['value']:8.3f} {r['unit']}"
+        print(f"{r['kind']:8} {r['shape']:24} {r['peer']:30} {value:>16} {r['of_best'] or '':>6} "
+              f"{'' if r['err'] is None else 'err ' + str(r['err'])} {r['note']}")
+
+
+def rank_rows() -> None:
+    """Each row's ratio to the best peer of its shape."""
     best: dict[tuple, float] = {}
     for r in rows:
         if r["value"] is not None:
@@ -148,19 +165,6 @@ def main() -> None:
     for r in rows:
         top = best.get((r["kind"], r["shape"]))
         r["of_best"] = round(r["value"] / top, 3) if r["value"] is not None and top else None
-    device = "cpu (dry run)" if DRY else torch.cuda.get_device_name()
-    result = dict(device=device, torch=torch.__version__, fa4=md.version("flash-attn-4"),
-                  commit=os.environ.get("NANOVLLM_COMMIT"), heads=H, kv_heads=HKV, head_dim=D, dtype="bfloat16",
-                  copy_tbps=round(copy_tbps, 3), rows=rows)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(result, indent=2))
-    print(f"{result['device']}, torch {result['torch']}, FA4 {result['fa4']}, copy {copy_tbps:.2f} TB/s")
-    for r in rows:
-        value = "-" if r["value"] is None else f"{r['value']:8.3f} {r['unit']}"
-        print(f"{r['kind']:8} {r['shape']:24} {r['peer']:30} {value:>16} {r['of_best'] or '':>6} "
-              f"{'' if r['err'] is None else 'err ' + str(r['err'])} {r['note']}")
-
 
 if __name__ == "__main__":
     main()
