@@ -25,6 +25,7 @@ import uvicorn  # noqa: E402
 from nanovllm.testing import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM's finished_reason values
 
 MODEL = "tiny"
 # the context: the tiny model's positions stretched, so that a request may outlast a client's patience
@@ -449,7 +450,7 @@ def test_a_word_level_tokenizer_proves_no_bound(model_dir):
 def test_a_client_that_leaves_is_a_quiet_499_and_its_request_is_aborted(server, logged, path, stream):
     body = {**(COMPLETION if path == C else CHAT_BODY), "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True,
             "stream": stream}
-    before = metrics(server).get("nanovllm:e2e_request_latency_seconds_count", 0)
+    before = metrics(server)
     logged.records.clear()
     if stream:
         with httpx.stream("POST", f"{server}{path}", json=body, timeout=TIMEOUT) as response:
@@ -458,7 +459,12 @@ def test_a_client_that_leaves_is_a_quiet_499_and_its_request_is_aborted(server, 
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
             httpx.post(f"{server}{path}", json=body, timeout=httpx.Timeout(TIMEOUT, read=0.3))
     wait_idle(server)
-    assert metrics(server).get("nanovllm:e2e_request_latency_seconds_count", 0) == before, "it ran to its end"
+    after = metrics(server)
+    latencies = "nanovllm:e2e_request_latency_seconds_count"
+    assert after.get(latencies, 0) == before.get(latencies, 0), "it ran to its end"
+    for reason in FINISH_REASONS:  # counted once, as aborted (vLLM's "abort": aborted by the client)
+        key = f'vllm:request_success_total{{finished_reason="{reason}",model_name="{MODEL}"}}'
+        assert after[key] - before[key] == (reason == "abort"), reason
     time.sleep(0.2)  # what the server logs as the handler ends
     assert not logged.tracebacks()
 
@@ -495,10 +501,98 @@ def test_vllm_named_metrics_match_ours(server):
     assert after["nanovllm:generation_tokens_total"] - before.get("nanovllm:generation_tokens_total", 0) == 4
     generated = after["nanovllm:request_generation_tokens_sum"] - before.get("nanovllm:request_generation_tokens_sum", 0)
     assert generated == 4 and after['nanovllm:request_generation_tokens_bucket{le="5.0"}'] >= 2
-    for reason in ("length", "stop"):
+    for reason in FINISH_REASONS:  # every reason's series is there, at 0 until one ends so
         key = f'vllm:request_success_total{{finished_reason="{reason}",{label}}}'
-        assert after[key] - before.get(key, 0) == 1, reason
+        assert after[key] - before[key] == (reason in ("length", "stop")), reason
         assert after[f'nanovllm:request_success_total{{finished_reason="{reason}"}}'] == after[key]
+
+
+# -- a dead engine ----------------------------------------------------------------------------------
+
+
+SMALL_ENGINE = dict(device="cpu", max_model_len=512, kv_cache_memory=1 << 24)
+
+
+def injected_failure(engine) -> None:
+    """From now on a step raises, as a tensor-parallel step does once the ranks may be out of step."""
+
+    def fail() -> None:
+        raise RuntimeError("injected step failure")
+
+    engine.step = fail
+
+
+async def dead_engine_answers(engine, app) -> dict:
+    """What the app answers while the engine lives, and once a step has ended its loop."""
+    transport = httpx.ASGITransport(app=app)
+    answers = {}
+    async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=TIMEOUT) as client:
+        answers["health alive"] = (await client.get("/health")).status_code
+        await engine.call(injected_failure)
+        answers["in flight"] = await client.post(C, json=COMPLETION)
+        answers["health dead"] = (await client.get("/health")).status_code
+        answers["ping dead"] = (await client.get("/ping")).status_code
+        start = time.monotonic()
+        answers["after"] = await client.post(CHAT, json={**CHAT_BODY, "stream": True})
+        answers["after_s"] = time.monotonic() - start
+        answers["metrics"] = (await client.get("/metrics")).text
+    return answers
+
+
+def test_a_dead_engine_makes_health_503_and_requests_fail_at_once(model_dir):
+    import asyncio
+
+    from nanovllm import AsyncLLM
+    from nanovllm.entrypoints.openai_server import build_app
+
+    engine = AsyncLLM(model_dir, engine_process=False, **SMALL_ENGINE)
+    app = build_app(engine, MODEL)
+    try:
+        answers = asyncio.run(asyncio.wait_for(dead_engine_answers(engine, app), TIMEOUT))
+    finally:
+        app.state.preprocessor.close()
+        engine.shutdown()
+    assert answers["health alive"] == 200
+    assert answers["health dead"] == answers["ping dead"] == 503  # vLLM's answer for a dead engine
+    for name in ("in flight", "after"):  # vLLM's 500, saying what happened and what to do
+        response = answers[name]
+        assert response.status_code == 500, (name, response.text)
+        message = response.json()["error"]["message"]
+        assert "engine has stopped" in message and "restart the server" in message, message
+        assert "RuntimeError: injected step failure" in message, message
+    assert answers["after_s"] < 1.0  # at once, not after a wait
+    errors = f'vllm:request_success_total{{finished_reason="error",model_name="{MODEL}"}} 1.0'
+    assert errors in answers["metrics"]  # the request in flight
+
+
+def test_a_dead_tensor_parallel_worker_makes_health_503_while_idle(model_dir):
+    from nanovllm import AsyncLLM
+    from nanovllm.entrypoints.openai_server import build_app
+
+    engine = AsyncLLM(model_dir, engine_process=False, tensor_parallel_size=2, **SMALL_ENGINE)
+    app = build_app(engine, MODEL)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        assert wait_until(lambda: srv.started, TIMEOUT)
+        assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200  # the engine's loop runs
+        (worker,) = engine.engine.world.workers.processes
+        os.kill(worker.pid, signal.SIGKILL)
+        assert wait_until(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 503, 10), \
+            "the idle engine did not notice"
+        response = httpx.post(f"{url}{C}", json=COMPLETION, timeout=5)
+        assert response.status_code == 500
+        assert "worker rank 1" in response.json()["error"]["message"], response.text
+    finally:
+        srv.should_exit = True
+        thread.join(TIMEOUT)
+        app.state.preprocessor.close()
+        engine.shutdown()
+        sock.close()
 
 
 # -- SIGTERM -----------------------------------------------------------------------------------------

@@ -35,6 +35,11 @@ T = TypeVar("T")
 ENGINE_PROCESS_ENV = "NANOVLLM_ENGINE_PROCESS"  # "0": AsyncLLM runs the engine on a thread of this process
 
 
+class EngineDeadError(RuntimeError):
+    """The engine has stopped for good (it failed, a tensor-parallel worker died, or it was shut down): every
+    request fails with this, at once. Make a new ``AsyncLLM`` (vLLM's name)."""
+
+
 def engine_process_default() -> bool:
     """Whether ``AsyncLLM`` runs its engine in a process of its own when not told: yes, unless
     ``NANOVLLM_ENGINE_PROCESS=0``."""
@@ -100,11 +105,11 @@ class OutputProcessor:
         elif kind == "closed":
             self.closed = message[1]
             for request in self.requests.values():
-                request.error = RuntimeError(self.closed)
+                request.error = EngineDeadError(self.closed)
                 request.wake()
             for future in self.calls.values():
                 if not future.done():
-                    future.set_exception(RuntimeError(self.closed))
+                    future.set_exception(EngineDeadError(self.closed))
             self.calls.clear()
 
     def _apply(self, updates: list[tuple]) -> None:
@@ -225,6 +230,17 @@ class AsyncLLM:
         return self._core.engine
 
     @property
+    def errored(self) -> bool:
+        """Whether the engine has stopped (failed, lost a tensor-parallel worker, or was shut down): every
+        request would fail with :class:`EngineDeadError`."""
+        return self._outputs.closed is not None or not self._finalizer.alive
+
+    async def check_health(self) -> None:
+        """Raise :class:`EngineDeadError`, saying why, once the engine has stopped (vLLM's health check). The
+        first call starts the engine's loop, which from then on checks, while idle, that it can still step."""
+        self._start()
+
+    @property
     def stats(self) -> SchedulerStats:
         """Running and waiting requests and KV cache usage, as of the engine's latest step."""
         return self._outputs.stats
@@ -234,9 +250,9 @@ class AsyncLLM:
     def _start(self) -> None:
         loop = asyncio.get_running_loop()
         if self._outputs.closed is not None:
-            raise RuntimeError(self._outputs.closed)
+            raise EngineDeadError(self._outputs.closed)
         if not self._finalizer.alive:
-            raise RuntimeError("this AsyncLLM was shut down; make a new one")
+            raise EngineDeadError("this AsyncLLM was shut down; make a new one")
         if self._loop is None:
             self._loop = loop
             handle = self._outputs.handle  # the engine's threads hold these, never self (garbage collection)

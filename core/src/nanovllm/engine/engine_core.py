@@ -15,7 +15,7 @@ Commands (tuples, their kind first):
     ("shutdown",)                            abort what is left and stop (the end of the pipe does the same)
 Messages:
     ("step", updates, stats)                 after each turn of the loop: what advanced, SchedulerStats
-    ("error", request_ids, message)          those requests were dropped: their add or a step failed
+    ("error", request_ids, message)          those requests were dropped: their add failed
     ("result", call_id, value, error)        a call's return value, or the exception it raised
     ("closed", reason)                       the loop ended (shutdown, or a failure: then the reason says so)
 An update is one completion that produced tokens or finished:
@@ -24,7 +24,9 @@ An update is one completion that produced tokens or finished:
 
 A step that fails ends only the requests it is to blame on (the engine finishes them with reason "error" and
 the exception's text as ``error``; see ``LLMEngine.step``); the others go on. An "error" message is for a
-request the engine could not queue, or for every request when a step raised nonetheless (tensor parallelism).
+request the engine could not queue. A step that raises nonetheless (tensor parallelism: the ranks may be out
+of step), or a tensor-parallel worker that dies while the engine is idle, ends the loop: the engine can no
+longer step, and "closed" says why.
 
 Stop strings stay the engine's: it checks them on its own tokenizer's text after every token (as the step
 API does), so a sequence stops, and frees its blocks, on the step that completes one; the update carries the
@@ -34,11 +36,11 @@ stop string as ``stop_reason``, where the front-end cuts its text.
 from __future__ import annotations
 
 import atexit
+import logging
 import pickle
 import queue
 import signal
 import threading
-import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -50,7 +52,9 @@ from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.sequence import PLACEHOLDER, Sequence
 from nanovllm.sampling_params import RequestOutputKind
 
+logger = logging.getLogger(__name__)
 STOP_TIMEOUT = 30.0  # seconds the engine may take to stop when told to, before it is killed
+IDLE_CHECK_INTERVAL = 1.0  # seconds between an idle engine's checks that it can still step
 
 
 @attrs.frozen
@@ -91,30 +95,47 @@ class EngineCore:
         self.engine = engine
         self.requests: dict[str, list[_Progress]] = {}  # live requests: one entry per completion
 
-    def run(self, receive: Callable[[bool], list[tuple]], send: Callable[[tuple], None]) -> None:
-        """Until told to shut down: take the commands that arrived (``receive(True)`` waits for one, when
-        there is nothing to step), step once, report: the step, then the answers to the commands, so that an
-        answer finds the front-end's stats as recent as itself."""
+    def run(self, receive: Callable[[float], list[tuple]], send: Callable[[tuple], None]) -> None:
+        """Until told to shut down, or until the engine can no longer step: take the commands that arrived
+        (``receive(timeout)`` waits up to ``timeout`` seconds for one; 0 while there is something to step),
+        step once, report: the step, then the answers to the commands, so that an answer finds the
+        front-end's stats as recent as itself. An idle engine checks every ``IDLE_CHECK_INTERVAL`` seconds
+        that it can still step (:meth:`check_alive`). A step that raises (with tensor parallelism: the engine
+        stopped, see ``LLMEngine.step``) or a failed check ends the loop with that exception, and with it
+        every request."""
         engine = self.engine
         while True:
             answers = []
-            for command in receive(not engine.has_unfinished_requests()):
+            commands = receive(0.0 if engine.has_unfinished_requests() else IDLE_CHECK_INTERVAL)
+            for command in commands:
                 if command[0] == "shutdown":
                     self.abort(list(self.requests))
                     return
                 answers += self.handle(command)
-            if engine.has_unfinished_requests():
-                try:
+            failure = None
+            try:
+                if engine.has_unfinished_requests():
                     engine.step()
-                except Exception as exc:  # tensor parallelism: the engine aborted everything and stopped
-                    failed, self.requests = list(self.requests), {}
-                    answers.append(("error", failed, f"the engine step failed: {exc!r}"))
+                elif not commands:
+                    self.check_alive()
+            except Exception as exc:  # its requests end with the loop: the front-end fails them with exc
+                failure, self.requests = exc, {}
             send(("step", self.updates(), self.stats()))
             for answer in answers:
                 try:
                     send(answer)
                 except (pickle.PicklingError, TypeError, AttributeError) as exc:  # raised before anything is sent
                     send(("result", answer[1], None, TypeError(f"call() returned what cannot be sent back: {exc}")))
+            if failure is not None:
+                raise failure
+
+    def check_alive(self) -> None:
+        """Raise when the engine can no longer step although no step failed: a tensor-parallel worker exited
+        or failed while the engine was idle. That stops the engine's world, as a failed step does."""
+        world = self.engine.world
+        failure = None if world.workers is None else world.workers.worker_failure(wait=0)
+        if failure is not None:
+            raise world.step_failed(failure)
 
     def handle(self, command: tuple) -> list[tuple]:
         """Run one command; its answers (an error, a call's result)."""
@@ -182,6 +203,13 @@ class EngineCore:
                               1 - blocks.num_free_blocks / len(blocks.blocks))
 
 
+def _failure(where: str, exc: BaseException) -> str:
+    """Why the core's loop in the engine's ``where`` ("thread", "process") ended with ``exc``, for the
+    front-end; the traceback goes to the log."""
+    logger.error("the engine %s failed", where, exc_info=exc)
+    return f"the engine {where} failed ({type(exc).__name__}: {exc}); make a new AsyncLLM"
+
+
 # -- the engine on a thread of this process -----------------------------------------------------------
 
 
@@ -202,8 +230,11 @@ class EngineThread:
     def send(self, command: tuple) -> None:
         self._commands.put(command)
 
-    def _receive(self, wait: bool) -> list[tuple]:
-        commands = [self._commands.get()] if wait else []
+    def _receive(self, timeout: float) -> list[tuple]:
+        try:
+            commands = [self._commands.get(timeout=timeout)] if timeout else []
+        except queue.Empty:
+            return []
         while not self._commands.empty():
             commands.append(self._commands.get())
         return commands
@@ -212,8 +243,8 @@ class EngineThread:
         reason = "this AsyncLLM was shut down; make a new one"
         try:
             EngineCore(self.engine).run(self._receive, post)
-        except BaseException:
-            reason = f"the engine thread failed; make a new AsyncLLM. Its error:\n{traceback.format_exc()}"
+        except BaseException as exc:
+            reason = _failure("thread", exc)
         post(("closed", reason))
 
     def shutdown(self, timeout: float = STOP_TIMEOUT) -> None:
@@ -251,11 +282,13 @@ def _engine_process_main(model: str | None, kwargs: dict[str, Any], commands: Co
         messages.send(("failed", _picklable(exc)))
         return
 
-    def receive(wait: bool) -> list[tuple]:
+    def receive(timeout: float) -> list[tuple]:
+        received = []
         try:
-            received = [commands.recv()] if wait else []
-            while commands.poll():
+            if commands.poll(timeout):
                 received.append(commands.recv())
+                while commands.poll():
+                    received.append(commands.recv())
         except (EOFError, OSError):  # the front-end is gone
             received.append(("shutdown",))
         return received
@@ -266,8 +299,8 @@ def _engine_process_main(model: str | None, kwargs: dict[str, Any], commands: Co
         reason = "this AsyncLLM was shut down; make a new one"
     except (BrokenPipeError, EOFError):  # the front-end is gone: nobody to tell
         return
-    except BaseException:
-        reason = f"the engine process failed; make a new AsyncLLM. Its error:\n{traceback.format_exc()}"
+    except BaseException as exc:
+        reason = _failure("process", exc)
     finally:
         engine.close()
     try:
