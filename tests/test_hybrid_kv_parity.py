@@ -107,7 +107,8 @@ def runs(model_dir, hf_greedy):
             bm = llm.scheduler.block_manager
             all_free = bm.num_free_blocks == len(bm.blocks)
             done[key] = dict(prompts=first + again, outputs=outputs, all_free=all_free,
-                             preemptions=llm.scheduler.num_preemptions)
+                             preemptions=llm.scheduler.num_preemptions,
+                             windows=[g.sliding_window for g in getattr(llm, "kv_cache_groups", ())])
         return done[key]
 
     return get
@@ -130,6 +131,8 @@ def test_tokens_equal_transformers(runs, hf_greedy, architecture, setting, unifo
 @pytest.mark.parametrize(("architecture", "setting"), CASES)
 def test_setting_exercised_what_it_is_for(runs, architecture, setting, uniform):
     run = runs(architecture, setting, uniform)
+    if HYBRID:  # the layout asked for: window groups, or one group keeping every token
+        assert (run["windows"] == [None]) if uniform else HYBRID_WINDOW in run["windows"]
     cached = [o.num_cached_tokens for o in run["outputs"][len(PROMPT_LENS):]]
     assert max(cached) > 2 * HYBRID_WINDOW, "the second round should hit the prefix cache past the window"
     if setting == "preempt":

@@ -4,7 +4,8 @@ Each workload mixes arrivals over time, prompts sharing long prefixes (prefix-ca
 the window), aborts, a KV budget so tight that the scheduler preempts, and a token budget that is no
 multiple of the block size, so prefill chunks end inside the window. Every step the block accounting must
 hold (a block's reference count is its users among the running sequences, in every KV group; a block is
-free exactly when unused; waiting sequences hold nothing); at the end no block is held, every finished
+free exactly when unused; waiting sequences hold nothing; a decoding sequence holds at most
+``ceil(window / block_size) + 1`` blocks in a sliding-window group); at the end no block is held, every finished
 request's greedy tokens equal a roomy engine's (a big cache, no prefix caching, no preemption) and an
 aborted request's tokens are a prefix of them. Runs in both KV layouts where the engine has both.
 """
@@ -95,6 +96,24 @@ def assert_blocks_accounted(scheduler) -> None:
         assert (block.block_id in bm.free_blocks) == (block.ref_count == 0), f"block {block.block_id}"
 
 
+def watch_window_blocks(llm) -> list[int]:
+    """As each step launches, the blocks each decoding sequence holds in each sliding-window group, checked
+    against the window: at most ``ceil(window / block_size) + 1``, the blocks that the window of the token
+    being computed reaches. Returns the list the counts go to."""
+    bm, held, launch = llm.scheduler.block_manager, [], llm.runner.launch
+    windows = [(g, group.sliding_window) for g, group in enumerate(llm.kv_cache_groups) if group.sliding_window]
+
+    def checking(seqs, *rest):
+        for seq in (s for s in seqs if s.is_decode):
+            for g, window in windows:
+                held.append(sum(b != bm.null_block for b in seq.block_tables[g]))
+                assert held[-1] <= -(-window // bm.block_size) + 1, (seq.request_id, seq.block_tables[g])
+        return launch(seqs, *rest)
+
+    llm.runner.launch = checking
+    return held
+
+
 def assert_nothing_held(llm) -> None:
     bm = llm.scheduler.block_manager
     assert not llm.has_unfinished_requests()
@@ -164,6 +183,7 @@ def test_random_workload_gives_the_roomy_tokens_and_frees_every_block(
               max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=budget, max_num_seqs=8,
               skip_tokenizer_init=True, **layout(uniform))
     requests = workload(seed)
+    window_blocks = watch_window_blocks(llm) if not uniform else []
     outputs = run_workload(llm, requests)
     expected = reference(architecture, seed)
 
@@ -182,3 +202,5 @@ def test_random_workload_gives_the_roomy_tokens_and_frees_every_block(
     assert llm.scheduler.num_preemptions > 0, "the tight KV budget should force preemption"
     hits = [o.num_cached_tokens for o in outputs.values()]
     assert max(hits) > HYBRID_WINDOW, "prefix-cache hits should reach past the window"
+    if not uniform:  # sequences past the window decoded holding only their windows
+        assert window_blocks and max(window_blocks) == HYBRID_WINDOW // HYBRID_BLOCK_SIZE + 1
