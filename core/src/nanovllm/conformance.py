@@ -17,11 +17,13 @@ distribution's own tests::
 
 ``cases()`` lists every check for the CPU with the ``torch`` backend, and with ``triton`` when CUDA is
 there, each with the KV cache on the device and again offloaded to host memory (the same policy code must
-give the same results on both). A check that does not apply (CUDA graphs on the CPU, metadata of a policy
+give the same results on both), and the scheduling checks again on a hybrid model (sliding-window layers
+beside global ones, each keeping only its window: the policy runs on the global layers). A check that does not apply (CUDA graphs on the CPU, metadata of a policy
 that keeps none, ``small_budget`` without a small-budget selection) raises :class:`unittest.SkipTest`, which
 pytest reports as skipped. A broken rule raises ``AssertionError`` naming the scenario, the request and
 what differs. The kit builds a tiny random Llama model once per
-process (no download) unless ``model_dir`` is given.
+process (no download) unless ``model_dir`` is given, and for the hybrid cases a tiny random Gemma 3 (the
+``nanovllm-gemma3`` plugin; skipped without it).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ ATOL = 2e-4  # float32 everywhere: the policy's kernels and the dense ones diffe
 # are cut into several pieces; few sequences at once, so that every piece holds a block of each.
 OFFLOAD_SLOT_HEAD_BLOCKS = 24
 OFFLOAD_MAX_NUM_SEQS = 8
+# The checks run again on the hybrid model: those whose scheduling moves a window group's blocks
+HYBRID_CHECKS = ("decode", "chunked_prefill", "prefix_cache", "preemption", "small_budget", "cuda_graphs")
 
 
 @attrs.define(frozen=True)
@@ -70,18 +74,21 @@ class Case:
     device: str
     backend: str
     offload: bool = False  # KV in the host pool, streamed through the offload engine's load slots
+    hybrid: bool = False  # on the hybrid model (hybrid_model), not the tiny Llama
 
     def __str__(self) -> str:
-        return f"{self.check}-{self.device}-{self.backend}" + ("-offload" if self.offload else "")
+        return (f"{self.check}-{self.device}-{self.backend}" + ("-offload" if self.offload else "")
+                + ("-hybrid" if self.hybrid else ""))
 
 
 def cases() -> list[Case]:
     """Every check on the CPU with ``torch``, and on CUDA with ``triton`` when a GPU is there; each again
-    with KV offload."""
+    with KV offload; and ``HYBRID_CHECKS`` on the hybrid model (listed first)."""
     envs = [("cpu", "torch")]
     if torch.cuda.is_available():
         envs.append(("cuda", "triton"))
-    return [
+    hybrid = [Case(check, device, backend, hybrid=True) for device, backend in envs for check in HYBRID_CHECKS]
+    return hybrid + [
         Case(check, device, backend, offload)
         for device, backend in envs
         for offload in (False, True)
@@ -98,6 +105,18 @@ def tiny_model() -> str:
     path = tempfile.mkdtemp(prefix="nanovllm-conformance-")
     return str(tiny_model_dir(path, "LlamaForCausalLM", num_hidden_layers=3, hidden_size=128,
                               intermediate_size=256))
+
+
+@functools.cache
+def hybrid_model() -> str:
+    """A tiny random Gemma 3 (``nanovllm.testing``'s: four of six layers slide over a window of 32 tokens,
+    two attend globally), written once per process; skips the test without the Gemma 3 plugin."""
+    from nanovllm.plugins import get_plugins
+    from nanovllm.testing import tiny_model_dir
+
+    if "Gemma3ForCausalLM" not in get_plugins().registry.model_families:
+        raise unittest.SkipTest("the hybrid model needs the nanovllm-gemma3 plugin")
+    return str(tiny_model_dir(tempfile.mkdtemp(prefix="nanovllm-conformance-"), "Gemma3ForCausalLM"))
 
 
 def policy_engine(policy: str, device: str, block_size: int, offload: bool = False, **options: Any):
@@ -186,6 +205,9 @@ SCENARIOS: dict[str, tuple[dict, list[tuple[list[int], int, int, bool]]]] = {
                    [([30, 45, 60, 25], 30, 5, True)]),
     "mixed_lengths": ({"max_num_batched_tokens": 48}, [([3, 17, 64, 130, 1, 33], 12, 6, True)]),
 }
+# On the hybrid model (KV budgets in tokens of every layer): window groups need less, so the same requests
+# preempt one another in a smaller budget that still holds one sequence of every group
+HYBRID_OVERRIDES = {"preemption": {"kv_cache_tokens": 144, "max_num_batched_tokens": 16}}
 
 
 def _generate(llm: Any, prompts: list[list[int]], params: Any) -> list:
@@ -201,6 +223,8 @@ def _generate(llm: Any, prompts: list[list[int]], params: Any) -> list:
 
 def _run_scenario(case: Case, model_dir: str, policy: Any, scenario: str, observers=()) -> tuple[list, Any]:
     overrides, calls = SCENARIOS[scenario]
+    if case.hybrid:
+        overrides = overrides | HYBRID_OVERRIDES.get(scenario, {})
     llm = _engine(case, model_dir, policy, observers, **overrides)
     outputs = []
     for lengths, max_tokens, seed, prompt_lp in calls:
@@ -221,9 +245,9 @@ def _prefix_prompts(lengths: list[int], seed: int) -> list[list[int]]:
 
 
 @functools.cache
-def _full_outputs(device: str, backend: str, model_dir: str, scenario: str) -> list:
+def _full_outputs(device: str, backend: str, model_dir: str, scenario: str, hybrid: bool = False) -> list:
     """The ``full`` policy's outputs of a scenario, once per process."""
-    return _run_scenario(Case(scenario, device, backend), model_dir, "full", scenario)[0]
+    return _run_scenario(Case(scenario, device, backend, hybrid=hybrid), model_dir, "full", scenario)[0]
 
 
 def _close(a: float, b: float) -> bool:
@@ -284,25 +308,27 @@ class SelectionChecker:
 
 
 class FillRecorder:
-    """How many tokens each physical block holds and the position of its first token, from the KV-write
-    hook (reset on reallocation)."""
+    """How many tokens each physical block holds, the position of its first token and the layers that wrote
+    it (on a hybrid model, those of the KV cache group holding it), from the KV-write hook (reset on
+    reallocation)."""
 
     def __init__(self) -> None:
         self.fill: dict[int, int] = {}
         self.start: dict[int, int] = {}
+        self.layers: dict[int, set[int]] = {}
 
     def on_blocks_allocated(self, block_ids: torch.Tensor) -> None:
         for b in block_ids.tolist():
             self.fill[b] = 0
+            self.layers[b] = set()
 
     def on_kv_write(self, write: KVWrite) -> None:
-        if write.layer_id != 0:
-            return
         rows = (write.block_ids.tolist(), write.block_fill().tolist(), write.positions.tolist())
         for b, n, pos in zip(*rows, strict=True):
             if b >= 0:
                 self.fill[b] = max(self.fill.get(b, 0), n)
                 self.start[b] = pos - pos % write.block_size
+                self.layers.setdefault(b, set()).add(write.layer_id)
 
 
 # -- the checks -----------------------------------------------------------------------------------------
@@ -316,13 +342,14 @@ def run_case(
     blocks: a few blocks, and options that keep every layer sparse) and skips without it."""
     if case.device == "cuda" and not torch.cuda.is_available():
         raise unittest.SkipTest("needs a CUDA device")
-    model_dir = model_dir or tiny_model()
+    model_dir = model_dir or (hybrid_model() if case.hybrid else tiny_model())
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model's work is too small to share: more threads only spin
     try:
         if case.check in SCENARIOS:
             got, _ = _run_scenario(case, model_dir, policy, case.check)
-            compare_outputs(case.check, got, _full_outputs(case.device, case.backend, model_dir, case.check))
+            compare_outputs(case.check, got, _full_outputs(case.device, case.backend, model_dir, case.check,
+                                                          case.hybrid))
         elif case.check == "selection_contract":
             _check_selection_contract(case, model_dir, policy)
         elif case.check == "metadata":
@@ -344,7 +371,7 @@ def run_case(
 def _check_selection_contract(case: Case, model_dir: str, policy: Any) -> None:
     checker = SelectionChecker()
     got, llm = _run_scenario(case, model_dir, policy, "mixed_lengths", observers=[checker])
-    want = _full_outputs(case.device, case.backend, model_dir, "mixed_lengths")
+    want = _full_outputs(case.device, case.backend, model_dir, "mixed_lengths", case.hybrid)
     compare_outputs("selection_contract", got, want)
     for phase in ("prefill", "decode"):
         if getattr(llm.runner.hooks, phase).requires_block_selection:
@@ -375,6 +402,10 @@ def _compare_metadata(check: str, llm: Any, fills: FillRecorder) -> int:
     runner = llm.runner
     blocks = sorted(b for b, n in fills.fill.items() if n > 0)
     ids = torch.tensor(blocks, dtype=torch.long, device=runner.device)
+
+    def written_by(layer_id: int) -> list[int]:  # a hybrid model's layers write only their group's blocks
+        return [b for b in blocks if layer_id in fills.layers.get(b, ())]
+
     checked = 0
     for policy_obj in runner.hooks.policies:
         if policy_obj.block_metadata(0, ids) is None:
@@ -383,14 +414,16 @@ def _compare_metadata(check: str, llm: Any, fills: FillRecorder) -> int:
         twin.initialize(len(runner.attention_layers), runner.num_kv_heads, runner.head_dim, runner.num_blocks,
                         runner.block_size, runner.dtype, runner.device)
         twin.on_blocks_allocated(ids)
-        counts, starts = [fills.fill[b] for b in blocks], [fills.start[b] for b in blocks]
         for layer in runner.attention_layers:
+            mine = written_by(layer.layer_id)
+            counts, starts = [fills.fill[b] for b in mine], [fills.start[b] for b in mine]
             caches = (layer.k_cache, layer.v_cache)
-            twin.on_kv_write(KVWrite.of_blocks(layer.layer_id, *caches, blocks, counts, starts))
+            twin.on_kv_write(KVWrite.of_blocks(layer.layer_id, *caches, mine, counts, starts))
         for layer in runner.attention_layers:
+            mine = torch.tensor(written_by(layer.layer_id), dtype=torch.long, device=runner.device)
             # compared as float32: metadata of any dtype (float8 has no arithmetic on the CPU)
-            kept = policy_obj.block_metadata(layer.layer_id, ids).float()
-            fresh = twin.block_metadata(layer.layer_id, ids).float()
+            kept = policy_obj.block_metadata(layer.layer_id, mine).float()
+            fresh = twin.block_metadata(layer.layer_id, mine).float()
             same = torch.allclose(kept, fresh, rtol=1e-5, atol=1e-6, equal_nan=True)
             assert same, (
                 f"{check}: layer {layer.layer_id}: the metadata {type(policy_obj).__name__} kept through "
