@@ -557,6 +557,19 @@ def test_random_weights_are_one_model_made_a_slice_at_a_time(monkeypatch):
         made("model.norm.weight", (96,), (slice(0, 10, 2),))
 
 
+def test_the_70b_preset_has_llama_3_1_70b_s_shape():
+    """Counted on the meta device: nothing is allocated. Four ranks share its heads, KV heads and MLP."""
+    from nanovllm.bench.offload import model_shape, weight_bytes
+
+    shape = model_shape("llama-3.1-70b", {"device": "cpu", "dtype": "bfloat16"})
+    hf = shape.hf_config
+    assert (hf.num_hidden_layers, hf.hidden_size, hf.intermediate_size) == (80, 8192, 28672)
+    assert (hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.vocab_size) == (64, 8, 128, 128256)
+    assert hf.rope_scaling["rope_type"] == "llama3" and hf.max_position_embeddings == 131072
+    assert 70.5e9 < weight_bytes(shape) / 2 < 70.6e9  # parameters, bfloat16
+    assert shape.kv_bytes_per_token == 2 * 80 * 8 * 128 * 2
+
+
 def test_a_checkpoint_that_does_not_match_its_config_is_named(tiny_model, tmp_path):
     """The vocabulary (sharded by rows even on one rank) is checked against config.json before it is read."""
     import shutil
