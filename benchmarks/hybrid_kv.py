@@ -6,13 +6,13 @@ Each job runs in a process of its own, once per layout: ``hybrid`` (the default,
 their window) and ``uniform`` (``disable_hybrid_kv_cache_manager=True``, every layer keeps every token).
 
 - ``capacity``: a fixed KV budget (``--kv-budget-gib``, the engine's ``kv_cache_memory``) and
-  ``--capacity-seqs`` requests of ``--context`` random token ids, greedy, each decoding long enough that the
-  first is still decoding when the last could have been prefilled. After every step the engine's scheduler
-  is read: the most sequences decoding at once with their whole prompt in the cache (``max_decoding``: how
-  many ``--context``-token sequences the budget holds), the most running at all, and the most blocks a
-  sequence holds past its first decode, as bytes per sequence; the run stops when the first request finishes. Beside them
-  the layout's bytes per sequence as ``nanovllm bench kv`` counts them, and the full-attention layers' own,
-  at the longest a sequence gets (``--context`` and its decoded tokens).
+  ``--capacity-seqs`` greedy requests of random token ids that reach ``--context`` tokens (the
+  ``max_model_len``): each decodes long enough that the first is still decoding when the last could have been
+  prefilled (:func:`capacity_lengths`). After every step the engine's scheduler is read: the most sequences
+  decoding at once with their whole prompt in the cache (``max_decoding``: how many such sequences the budget
+  holds), the most running at all, and the most blocks a sequence holds past its first decode, as bytes per
+  sequence; the run stops when the first request finishes. Beside them the layout's bytes per sequence of
+  ``--context`` tokens as ``nanovllm bench kv`` counts them, and the full-attention layers' own.
 - ``serve``: ``--serve-seqs`` requests of ``--serve-context`` tokens submitted at once, ``--serve-tokens``
   greedy output tokens each, the engine's default memory; output tokens per second of wall time after a
   warm-up.
@@ -74,16 +74,26 @@ def held_blocks(seq, null_block: int | None) -> int:
     return sum(1 for table in seq.block_tables for b in table if b != null_block)
 
 
+def capacity_lengths(context: int, num_seqs: int, max_num_batched_tokens: int) -> tuple[int, int]:
+    """(prompt tokens, tokens decoded) of a capacity request that reaches ``context`` tokens: it decodes until
+    every request's prompt could have been prefilled (a quarter more, and 32), so the first request still
+    decodes while the last one's prefill is scheduled."""
+    decode = -(-num_seqs * context // max_num_batched_tokens) * 5 // 4 + 32
+    if decode >= context:
+        raise ValueError(f"--context {context} leaves no prompt: the capacity requests decode {decode} tokens "
+                         "each; raise --context or --max-num-batched-tokens, or lower --capacity-seqs")
+    return context - decode, decode
+
+
 def bench_capacity(model: str, layout: str, context: int, num_seqs: int, kv_budget_gib: float,
                    max_num_batched_tokens: int, **engine_options: Any) -> dict[str, Any]:
     from nanovllm import LLM, SamplingParams
     from nanovllm.bench.kv import engine_groups, kv_layout
 
     path, needs, weights = model_source(model)
-    # the first request decodes until every prefill could have been scheduled, and a margin
-    decode = -(-num_seqs * context // max_num_batched_tokens) * 5 // 4 + 32
+    prompt_len, decode = capacity_lengths(context, num_seqs, max_num_batched_tokens)
     options = {**needs, **engine_options, "kv_cache_memory": int(kv_budget_gib * 2**30),
-               "max_model_len": context + decode, "max_num_batched_tokens": max_num_batched_tokens,
+               "max_model_len": context, "max_num_batched_tokens": max_num_batched_tokens,
                "max_num_seqs": max(num_seqs, 1), "disable_hybrid_kv_cache_manager": LAYOUTS[layout]}
     llm = LLM(path, **options)
     sched = llm.scheduler
@@ -91,7 +101,7 @@ def bench_capacity(model: str, layout: str, context: int, num_seqs: int, kv_budg
     null = getattr(bm, "null_block", None)
     params = SamplingParams(temperature=0, max_tokens=decode, ignore_eos=True)
     ids = [f"c{i}" for i in range(num_seqs)]
-    for request_id, prompt in zip(ids, random_prompts(num_seqs, context, llm.vocab_size), strict=True):
+    for request_id, prompt in zip(ids, random_prompts(num_seqs, prompt_len, llm.vocab_size), strict=True):
         llm.add_request(request_id, prompt, params)
     max_running = max_decoding = max_blocks = steps = 0
     start = time.perf_counter()
@@ -108,9 +118,7 @@ def bench_capacity(model: str, layout: str, context: int, num_seqs: int, kv_budg
             break
     seconds = time.perf_counter() - start
     llm.abort_request(ids)
-    # counted at the longest a sequence gets, as the measured blocks are
-    longest = options["max_model_len"]
-    kv = kv_layout(path, longest, dtype=llm.config.dtype, device=llm.config.device,
+    kv = kv_layout(path, context, dtype=llm.config.dtype, device=llm.config.device,
                    block_size=llm.config.block_size)
     # a pool block holds one block of tokens in each of its layer slots, whatever group it serves
     block_bytes = llm.config.block_size * max(llm.llm_engine.kv_cache_group_bytes_per_token)
@@ -120,7 +128,7 @@ def bench_capacity(model: str, layout: str, context: int, num_seqs: int, kv_budg
         "requests": num_seqs, "max_decoding": max_decoding, "max_running": max_running, "steps": steps,
         "seconds": seconds, "preemptions": sched.num_preemptions,
         "measured_bytes_per_sequence": max_blocks * block_bytes,
-        "counted_at_tokens": longest,
+        "prompt_tokens": prompt_len,
         "bytes_per_sequence": kv["uniform_bytes_per_sequence" if LAYOUTS[layout] else "bytes_per_sequence"],
         "full_attention_bytes_per_sequence": kv["full_attention_bytes_per_sequence"],
         "kv_cache_groups": engine_groups(llm), "settings": {k: v for k, v in options.items() if k != "kv_cache_memory"},
@@ -187,9 +195,9 @@ def markdown(payload: dict[str, Any], title: str) -> str:
         first = capacity[0]
         lines += ["", f"Concurrent {first['context']:,}-token sequences on "
                   f"{first['kv_budget_bytes'] / 2**20:,.0f} MiB of KV, {first['model']} (weights: "
-                  f"{first['weights']}); bytes per sequence at {first['counted_at_tokens']:,} tokens, the longest "
-                  f"a sequence gets. Target: hybrid at least {CAPACITY_TARGET:g}x uniform; bytes per sequence at "
-                  f"most {BYTES_TARGET:g}x the full-attention layers' own.", "",
+                  f"{first['weights']}; prompts of {first['prompt_tokens']:,} tokens). Target: hybrid at least "
+                  f"{CAPACITY_TARGET:g}x uniform; bytes per sequence at most {BYTES_TARGET:g}x the full-attention "
+                  "layers' own.", "",
                   "| layout | max decoding | max running | vs uniform | MiB per sequence (measured) | "
                   "MiB per sequence (counted) | full-attention MiB | measured / full-attention |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -256,7 +264,8 @@ def parser() -> argparse.ArgumentParser:
                    "shape where its packages are not installed)")
     p.add_argument("--only", nargs="+", choices=("capacity", "serve"), default=None,
                    help="run only these jobs")
-    p.add_argument("--context", type=int, default=32768, help="prompt tokens of each capacity request")
+    p.add_argument("--context", type=int, default=32768,
+                   help="tokens each capacity request reaches, prompt and decoded tokens")
     p.add_argument("--capacity-seqs", type=int, default=48,
                    help="capacity requests, more than the budget holds in the hybrid layout")
     p.add_argument("--kv-budget-gib", type=float, default=4.0,
@@ -282,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
             parser().error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.kv_budget_gib <= 0:
         parser().error(f"--kv-budget-gib must be positive, got {args.kv_budget_gib}")
+    try:
+        capacity_lengths(args.context, args.capacity_seqs, args.max_num_batched_tokens)
+    except ValueError as exc:
+        parser().error(str(exc))
     return run_jobs(jobs(args), __file__, Path(args.out), args.name, vars(args) | {"job": None}, with_ratios,
                     markdown, chart)
 

@@ -596,6 +596,19 @@ def test_hybrid_kv_jobs_on_a_tiny_model(tiny_model, one_thread, tmp_path):
     assert (tmp_path / "t.png").stat().st_size > 0
 
 
+def test_hybrid_kv_capacity_requests_reach_the_context(capsys):
+    """The first request still decodes when the last prompt could have been prefilled; a context that
+    leaves no prompt is refused before anything runs."""
+    hybrid_kv = script("hybrid_kv")
+    prompt, decode = hybrid_kv.capacity_lengths(32768, 48, 8192)
+    assert prompt + decode == 32768 and decode > 48 * 32768 // 8192
+    with pytest.raises(ValueError, match="--context 100 leaves no prompt"):
+        hybrid_kv.capacity_lengths(100, 48, 64)
+    with pytest.raises(SystemExit):
+        hybrid_kv.main(["--context", "100", "--capacity-seqs", "48", "--max-num-batched-tokens", "64"])
+    assert "leaves no prompt" in capsys.readouterr().err
+
+
 def test_hybrid_kv_falls_back_to_gemma3_270ms_shape(monkeypatch):
     """Without Gemma 3 270M's packages: random weights of its shape, whose 32K sequence the hybrid layout
     keeps in at most 1.25 times its global layers' own bytes (the uniform layout: 576 MiB, six times them)."""
