@@ -289,7 +289,7 @@ class RandomTensor:
 def random_checkpoint(hf_config: Any, architecture: str, dtype: torch.dtype, device: torch.device
                       ) -> list[tuple[str, str, RandomTensor]]:
     """The tensors a checkpoint of the model would hold (transformers' model of ``architecture`` built on the
-    meta device gives their names and full shapes, allocating nothing), as :class:`RandomTensor`\s."""
+    meta device gives their names and full shapes, allocating nothing), each a :class:`RandomTensor`."""
     import transformers
 
     model_cls = getattr(transformers, architecture, None)
