@@ -66,8 +66,9 @@ GPU_MODELS = {
 SETTINGS = {
     "onestep-bs16": dict(block_size=16, kv_blocks=64),
     "chunked-bs8": dict(block_size=8, max_num_batched_tokens=32, kv_blocks=160),
-    # 24 blocks of 12 tokens for ~800 tokens of work: the scheduler must preempt and recompute
-    "preempt-bs12": dict(block_size=12, max_num_batched_tokens=32, kv_blocks=24),
+    # the blocks of one sequence (kv_blocks None) for ~800 tokens of work: the scheduler must preempt and
+    # recompute
+    "preempt-bs12": dict(block_size=12, max_num_batched_tokens=32, kv_blocks=None),
 }
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -160,8 +161,17 @@ def _engine(path: str, ref: HFReference, setting: dict):
     opts = dict(setting)
     cfg = ref.model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_block = 2 * cfg.num_hidden_layers * opts["block_size"] * cfg.num_key_value_heads * head_dim * 4
-    opts["kv_cache_memory"] = opts.pop("kv_blocks") * per_block
+    # hybrid KV: a block holds one slot per layer of the largest KV cache group, and the cache holds at
+    # least one sequence of MAX_MODEL_LEN tokens in every group
+    from nanovllm.kv.groups import blocks_per_sequence, kv_cache_groups, num_slots
+    from nanovllm.layers.decoder import sliding_window_of
+
+    groups = kv_cache_groups([sliding_window_of(cfg, i) for i in range(cfg.num_hidden_layers)])
+    per_block = 2 * num_slots(groups) * opts["block_size"] * cfg.num_key_value_heads * head_dim * 4
+    chunk = opts.get("max_num_batched_tokens", 8192)
+    one_sequence = blocks_per_sequence(groups, MAX_MODEL_LEN, opts["block_size"], chunk) + 1  # the null block
+    kv_blocks = opts.pop("kv_blocks")
+    opts["kv_cache_memory"] = (one_sequence if kv_blocks is None else max(kv_blocks, one_sequence)) * per_block
     llm = nanovllm.LLM(path, device="cpu", max_logprobs=-1, max_model_len=MAX_MODEL_LEN,
                        skip_tokenizer_init=True, **opts)
     llm.runner.kv.kv_cache.fill_(float("nan"))  # a slot no step wrote must show in the logprobs
