@@ -5,9 +5,9 @@ the window), aborts, a KV budget so tight that the scheduler preempts, and a tok
 multiple of the block size, so prefill chunks end inside the window. Every step the block accounting must
 hold (a block's reference count is its users among the running sequences, in every KV group; a block is
 free exactly when unused; waiting sequences hold nothing; a decoding sequence holds at most
-``ceil(window / block_size) + 1`` blocks in a sliding-window group); at the end no block is held, every finished
-request's greedy tokens equal a roomy engine's (a big cache, no prefix caching, no preemption) and an
-aborted request's tokens are a prefix of them. Runs in both KV layouts where the engine has both, once
+``ceil(window / block_size) + 1`` blocks in a sliding-window group); at the end no block is held, every
+finished request's greedy tokens equal a roomy engine's (a big cache, no prefix caching, no preemption) and
+an aborted request's tokens are a prefix of them. Runs in both KV layouts where the engine has both, once
 with block hashes that collide all the time, so that a prefix hit the block manager does not verify shows.
 """
 
@@ -102,7 +102,8 @@ def watch_window_blocks(llm) -> list[int]:
     against the window: at most ``ceil(window / block_size) + 1``, the blocks that the window of the token
     being computed reaches. Returns the list the counts go to."""
     bm, held, launch = llm.scheduler.block_manager, [], llm.runner.launch
-    windows = [(g, group.sliding_window) for g, group in enumerate(llm.kv_cache_groups) if group.sliding_window]
+    windows = [(g, group.sliding_window) for g, group in enumerate(llm.kv_cache_groups)
+               if group.sliding_window is not None]
 
     def checking(seqs, *rest):
         for seq in (s for s in seqs if s.is_decode):
