@@ -69,8 +69,8 @@ def allocate_kv_store(
     def free_memory() -> int:
         return profile_free_cuda_memory(model, config, max_model_len, device, prompt_logprob_rows)
 
+    groups = layer_groups(config, layers)
     if config.kv_offloading_size is None:
-        groups = layer_groups(config, layers)
         num_blocks = agree_min(gpu_cache_blocks(config, shape, hooks, max_model_len, free_memory, groups))
         store: KVStore = PagedKVStore(shape.empty_cache(num_slots(groups), num_blocks), groups)
     else:
