@@ -104,16 +104,19 @@ def bench_capacity(model: str, layout: str, context: int, num_seqs: int, kv_budg
     for request_id, prompt in zip(ids, random_prompts(num_seqs, prompt_len, llm.vocab_size), strict=True):
         llm.add_request(request_id, prompt, params)
     max_running = max_decoding = max_blocks = steps = 0
+    was_decoding: set[int] = set()
     start = time.perf_counter()
     while llm.has_unfinished_requests():
         outputs = llm.step()
         steps += 1
-        decoding = [s for s in sched.running if s.num_computed_tokens >= s.num_prompt_tokens]
+        # all but the token being sampled in the cache (a prefill or a recompute has ended)
+        decoding = [s for s in sched.running if s.num_computed_tokens >= s.num_tokens - 1]
         max_running = max(max_running, len(sched.running))
         max_decoding = max(max_decoding, len(decoding))
-        # past its first decode: a window group has given back what its last prefill chunk spanned
-        settled = [s for s in decoding if s.num_computed_tokens > s.num_prompt_tokens]
+        # decoding at the step before too: its window groups have given back what its last chunk spanned
+        settled = [s for s in decoding if s.seq_id in was_decoding]
         max_blocks = max([max_blocks, *(held_blocks(s, null) for s in settled)])
+        was_decoding = {s.seq_id for s in decoding}
         if any(o.finished for o in outputs):
             break
     seconds = time.perf_counter() - start
@@ -131,7 +134,8 @@ def bench_capacity(model: str, layout: str, context: int, num_seqs: int, kv_budg
         "prompt_tokens": prompt_len,
         "bytes_per_sequence": kv["uniform_bytes_per_sequence" if LAYOUTS[layout] else "bytes_per_sequence"],
         "full_attention_bytes_per_sequence": kv["full_attention_bytes_per_sequence"],
-        "kv_cache_groups": engine_groups(llm), "settings": {k: v for k, v in options.items() if k != "kv_cache_memory"},
+        "kv_cache_groups": engine_groups(llm),
+        "settings": {k: v for k, v in options.items() if k != "kv_cache_memory"},
     }
 
 
