@@ -15,17 +15,26 @@ next, then transformers) and per prompt length:
   ``N`` is ``--decode-tokens``: the time the ``N`` decode steps add to the prefill (at batch > 1 the
   engine decodes the first prompts while it prefills the later ones, in chunks: the difference counts what
   those decode tokens add to the mixed steps). The median over ``--repeats`` pairs of runs (each pair
-  run back to back). The engine's own request metrics
-  (``RequestOutput.metrics``) of every run are recorded beside the wall times, and at batch 1 the TTFT
-  and decode tokens/s they give (``engine_ttft_ms``, ``engine_decode_tok_s``: the decode steps alone).
+  run back to back).
+- the engine's decode steps alone (``engine_decode_tok_s``, every batch size): the tokens of the steps after
+  every prompt is prefilled over the time from the last prompt's first token to the last token (the
+  engine's request metrics, ``RequestOutput.metrics``); at batch 1 that is ``N`` tokens. At batch 1 also
+  the engine's own TTFT (``engine_ttft_ms``).
+- per run, the engine's steps: how many prefill only, mixed (decode rows and a prefill chunk) and decode
+  only, the mean prefill tokens of a step, the decode row counts of the mixed steps, the preemptions, and
+  the Triton kernels compiled while it was timed (where Triton has a compile hook): a timed run should
+  compile none, and the table names the runs that did or that preempted.
 - transformers: the same token ids through ``AutoModelForCausalLM.generate`` (greedy, ``min_new_tokens``
   = ``max_new_tokens``, the model's dtype as the engine's, bfloat16 on CUDA by default); a batch size that
   runs out of memory is recorded as such.
 
 Prompts are natural text (``--text-file``): prompt ``i`` of a batch is the text rotated by ``i`` times
 ``1/max batch`` of its length, cut to the prompt length after the tokenizer's BOS, so the prompts differ
-while drawing on one text. Every runner is warmed up (one ``generate`` per batch size, two output
-tokens) before it is timed. The engines run without prefix caching, so every repeat prefills in full.
+while drawing on one text. Before an engine times a batch size, it runs that batch's two runs
+(``max_tokens`` 1 and ``1 + N``) once untimed: it schedules the same steps every time, so every kernel
+variant the timed runs need (a mixed step's decode kernels depend on its number of decode rows) is compiled
+by then. Transformers is warmed up with one ``generate`` of two tokens. The engines run without prefix
+caching, so every repeat prefills in full.
 
 Writes OUT/NAME.json (device, date, commit, settings, every number and every repeat), OUT/NAME.md (the
 table, next to the targets) and, with matplotlib, OUT/NAME.png; prints the table. The JSON is written after
@@ -41,7 +50,8 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -123,20 +133,97 @@ def batch_prompts(bos: list[int], text: list[int], length: int, batch: int) -> l
 
 
 def summarize(runs: list[dict[str, Any]], batch: int, decode_tokens: int) -> dict[str, Any]:
-    """Per repeat, the decode tokens/s of one pair of runs; their median; at batch 1 the median TTFT, and
-    the same two from the engine's request metrics where the runs have them."""
+    """Per repeat, the decode tokens/s of one pair of runs; their median; at batch 1 the median TTFT; the
+    engine's decode steps alone (and at batch 1 its TTFT) where the runs have its request metrics."""
     for run in runs:
         run["decode_tok_s"] = batch * decode_tokens / (run["t_n_s"] - run["t_1_s"])
     out = {"decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs), "repeats": runs}
     if batch == 1:
         out["ttft_ms"] = 1000 * statistics.median(r["t_1_s"] for r in runs)
-        timed = [r for r in runs if r.get("engine_metrics_1") and r.get("engine_metrics_n")]
-        if timed:  # the engine's own clock: its first token, and the decode steps alone
+    timed = [r for r in runs if r.get("engine_metrics_1") and r.get("engine_metrics_n")]
+    if timed:  # the engine's own clock: its first token, and the decode steps after every prompt is prefilled
+        rates = []
+        for r in timed:
+            metrics = r["engine_metrics_n"]
+            rates.append(r["engine_steps_n"]["decode_tokens_after_prefill"]
+                         / (metrics["last_token_s"] - metrics["first_token_s"]))
+        out["engine_decode_tok_s"] = statistics.median(rates)
+        if batch == 1:
             firsts = [r["engine_metrics_1"]["first_token_s"] for r in timed]
-            spans = [m["last_token_s"] - m["first_token_s"] for m in (r["engine_metrics_n"] for r in timed)]
             out["engine_ttft_ms"] = 1000 * statistics.median(firsts)
-            out["engine_decode_tok_s"] = statistics.median(decode_tokens / span for span in spans)
     return out
+
+
+def step_stats(steps: list[tuple[int, int]]) -> dict[str, Any]:
+    """What the engine scheduled in the steps of one ``generate``, each ``(decode rows, prefill tokens)``
+    (:class:`StepLog`): the counts of steps by kind, the mean prefill tokens of a step with any, the decode
+    row counts of the mixed steps, and the decode tokens of the steps after the last prefill chunk."""
+    steps = [s for s in steps if s != (0, 0)]  # a step that only reads the last tokens back
+    chunks = [p for _, p in steps if p]
+    last_prefill = max((i for i, (_, p) in enumerate(steps) if p), default=-1)
+    return {
+        "steps": len(steps),
+        "prefill_only_steps": sum(1 for d, p in steps if p and not d),
+        "mixed_steps": sum(1 for d, p in steps if p and d),
+        "decode_only_steps": sum(1 for d, p in steps if d and not p),
+        "mean_prefill_tokens": statistics.mean(chunks) if chunks else 0.0,
+        "decode_rows_with_prefill": sorted({d for d, p in steps if p and d}),
+        "decode_tokens_after_prefill": sum(d for d, _ in steps[last_prefill + 1:]),
+    }
+
+
+class StepLog:
+    """Records, per step of ``llm``'s engine, the decode rows (sequences past their prompt, one token each)
+    and the prefill tokens (prompt chunks, recomputes after preemption) its scheduler hands out, by wrapping
+    the scheduler's ``schedule``."""
+
+    def __init__(self, llm: Any) -> None:
+        self.scheduler = llm.llm_engine.scheduler
+        self.steps: list[tuple[int, int]] = []
+        schedule = self.scheduler.schedule
+
+        def logged() -> list[Any]:
+            seqs = schedule()
+            decodes = sum(1 for s in seqs if s.num_computed_tokens >= s.num_prompt_tokens)
+            self.steps.append((decodes, sum(s.num_scheduled_tokens for s in seqs) - decodes))
+            return seqs
+
+        self.scheduler.schedule = logged
+
+    @contextmanager
+    def run(self) -> Iterator[dict[str, Any]]:
+        """The steps of the block: after it, the dict holds :func:`step_stats`, ``preemptions`` and
+        ``triton_compiles`` (see :func:`triton_compiles`)."""
+        first, preempted = len(self.steps), self.scheduler.num_preemptions
+        stats: dict[str, Any] = {}
+        with triton_compiles() as compiled:
+            yield stats
+        stats.update(step_stats(self.steps[first:]), preemptions=self.scheduler.num_preemptions - preempted,
+                     triton_compiles=compiled)
+
+
+@contextmanager
+def triton_compiles() -> Iterator[list[str] | None]:
+    """The names of the Triton kernels compiled in the block (loaded from Triton's disk cache included), one
+    entry per compiled variant; ``None`` when Triton is absent or has no compile hook (before 3.4)."""
+    try:
+        from triton import knobs
+
+        previous = knobs.runtime.jit_post_compile_hook
+    except (ImportError, AttributeError):
+        yield None
+        return
+    names: list[str] = []
+
+    def hook(*args: Any, **kwargs: Any) -> Any:  # Triton passes keywords, ``fn`` a JitFunctionInfo
+        names.append(getattr(kwargs.get("fn"), "name", "?"))
+        return previous(*args, **kwargs) if previous is not None else None
+
+    knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield names
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
 
 
 def _sync() -> None:
@@ -169,27 +256,32 @@ def engine_speed(settings: SpeedSettings, policy: str, prompts: dict[int, list[l
     llm = LLM(settings.model, sparse_policy=lc.selection_of(policy), max_num_seqs=batch,
               max_num_batched_tokens=settings.max_num_batched_tokens, kv_cache_memory=cache,
               **lc.engine_options(settings, config, longest + n + 1))
+    log = StepLog(llm)
     try:
-        def generate(ids: list[list[int]], max_tokens: int) -> tuple[float, dict[str, float]]:
+        def generate(ids: list[list[int]], max_tokens: int) -> tuple[float, dict[str, float], dict[str, Any]]:
+            """One ``generate`` of ``ids``: its wall time, the engine's request metrics and its steps."""
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-            seconds, outs = _timed(lambda: llm.generate([{"prompt_token_ids": p} for p in ids], params,
-                                                        use_tqdm=False))
+            with log.run() as steps:
+                seconds, outs = _timed(lambda: llm.generate([{"prompt_token_ids": p} for p in ids], params,
+                                                            use_tqdm=False))
             got = {len(o.outputs[0].token_ids) for o in outs}
             if got != {max_tokens}:
                 raise RuntimeError(f"asked for {max_tokens} tokens per request, got {sorted(got)}")
-            return seconds, request_metrics(outs)
+            return seconds, request_metrics(outs), steps
+
+        def pair(ids: list[list[int]]) -> dict[str, Any]:
+            """The runs with 1 and ``1 + n`` tokens, back to back."""
+            (t_1, metrics_1, steps_1), (t_n, metrics_n, steps_n) = generate(ids, 1), generate(ids, 1 + n)
+            return {"t_1_s": t_1, "t_n_s": t_n, "engine_metrics_1": metrics_1, "engine_metrics_n": metrics_n,
+                    "engine_steps_1": steps_1, "engine_steps_n": steps_n}
 
         out: dict[int, dict[int, Any]] = {}
         for length, texts in sorted(prompts.items()):
             out[length] = {}
             for b in settings.timed_batch_sizes:
-                generate(texts[:b], 2)  # warm-up: kernels compiled and tuned for these shapes
-                runs = []
-                for _ in range(settings.repeats):
-                    (t_1, metrics_1), (t_n, metrics_n) = generate(texts[:b], 1), generate(texts[:b], 1 + n)
-                    runs.append({"t_1_s": t_1, "t_n_s": t_n, "engine_metrics_1": metrics_1,
-                                 "engine_metrics_n": metrics_n})
-                out[length][b] = summarize(runs, b, n)
+                warmup = pair(texts[:b])  # compiles the timed runs' kernels: the same steps, the same shapes
+                out[length][b] = summarize([pair(texts[:b]) for _ in range(settings.repeats)], b, n)
+                out[length][b]["warmup_steps"] = {k: warmup[f"engine_steps_{k}"] for k in ("1", "n")}
                 say(f"  {policy} {length} tokens batch {b}: {_line(out[length][b])}")
         return out
     finally:
@@ -210,7 +302,26 @@ def request_metrics(outs: list[Any]) -> dict[str, float]:
 
 def _line(summary: dict[str, Any]) -> str:
     ttft = f"TTFT {summary['ttft_ms']:.1f} ms, " if "ttft_ms" in summary else ""
-    return f"{ttft}decode {summary['decode_tok_s']:.1f} tok/s"
+    alone = (f" (decode steps alone {summary['engine_decode_tok_s']:.1f})" if "engine_decode_tok_s" in summary
+             else "")
+    return f"{ttft}decode {summary['decode_tok_s']:.1f} tok/s{alone}"
+
+
+def timing_notes(runner: str, by_batch: dict[str, Any]) -> list[str]:
+    """Markdown lines for the timed runs of ``runner`` that compiled Triton kernels or preempted."""
+    lines = []
+    for b, summary in by_batch.items():
+        steps = [r[key] for r in summary.get("repeats", []) for key in ("engine_steps_1", "engine_steps_n")
+                 if key in r]
+        compiled = [name for st in steps for name in st.get("triton_compiles") or []]
+        preempted = sum(st["preemptions"] for st in steps)
+        if compiled:
+            lines.append(f"- {runner}, batch {b}: {len(compiled)} Triton kernel variants compiled while "
+                         f"timed ({', '.join(sorted(set(compiled)))}): its times include compiling")
+        if preempted:
+            lines.append(f"- {runner}, batch {b}: {preempted} preemptions while timed: its times include "
+                         "recomputing")
+    return lines
 
 
 # ------------------------------------------------------------------------------------------ transformers
@@ -341,19 +452,22 @@ def markdown(result: dict[str, Any], title: str) -> str:
              f"prefill chunk {s['max_num_batched_tokens']}, "
              f"{s['decode_tokens']} decode tokens, median of {s['repeats']} repeats; natural text: "
              f"{s['natural_text']}.",
-             "TTFT in ms (lower is better); Bn: decode tokens/s at batch n (higher is better); x / y: the "
-             f"ratio of the two. Targets are set at {TARGET_LENGTH} tokens: "
+             "TTFT in ms (lower is better); Bn tok/s: decode tokens/s at batch n from the wall time the "
+             "decode tokens add; Bn steps tok/s: the engine's decode steps alone, after every prompt is "
+             "prefilled (higher is better); x / y: the ratio of the two. "
+             f"Targets are set at {TARGET_LENGTH} tokens: "
              f"{' and '.join(SPARSE_PREFILL)} TTFT no slower than {DENSE}; {DENSE} B1 at least "
              f"{DENSE_DECODE_VS_HF:g}x {HF}'.", ""]
     if "transformers" in result:
         t = result["transformers"]
         lines += [f"{HF} {t['transformers']}, {t['dtype']}, attention {t['attn_implementation']}.", ""]
     refs = [r for r in (DENSE, HF) if r in result["runners"]]
-    header = ["runner", "TTFT ms", *(f"B{b} tok/s" for b in batches)]
+    header = ["runner", "TTFT ms", *(f"B{b} tok/s" for b in batches), *(f"B{b} steps tok/s" for b in batches)]
     header += [f"{m} / {ref}" for ref in refs for m, _, _ in metrics] + ["target"]
     for length in map(str, s["lengths"]):
         lines += [f"## {length} tokens", "", markdown_row(header), markdown_row(["---"] * len(header))]
-        failed = []  # batch sizes a runner could not run (transformers out of memory), below the table
+        failed = []  # below the table: batch sizes a runner could not run (transformers out of memory), and
+        # timed runs that compiled kernels or preempted
         for runner in result["runners"]:
             by = result["speed"].get(runner, {}).get(length)
             if by is None:
@@ -361,7 +475,8 @@ def markdown(result: dict[str, Any], title: str) -> str:
                                            *[""] * (len(header) - 2)]))
                 continue
             values = [by.get(b, {}).get(key) for _, b, key in metrics]
-            cells = [runner, *map(_cell, values)]
+            alone = [by.get(b, {}).get("engine_decode_tok_s") for b in batches]
+            cells = [runner, *map(_cell, values), *map(_cell, alone)]
             for ref in refs:
                 ref_by = result["speed"].get(ref, {}).get(length, {})
                 for (_, b, key), v in zip(metrics, values, strict=True):
@@ -369,6 +484,7 @@ def markdown(result: dict[str, Any], title: str) -> str:
                     cells.append(_cell(v / r if v is not None and r else None, ratio=True))
             lines.append(markdown_row([*cells, target_of(result, runner, length)]))
             failed += [f"- {runner}, batch {b}: {v['error']}" for b, v in by.items() if "error" in v]
+            failed += timing_notes(runner, by)
         lines += ["", *failed, ""] if failed else [""]
     return "\n".join(lines + lc.run_log(result, "runner")) + "\n"
 

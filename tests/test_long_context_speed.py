@@ -50,19 +50,47 @@ def test_every_policy_and_batch_size_is_measured(tmp_path, tiny_model, one_threa
             by_batch = result["speed"][policy][length]
             assert set(by_batch) == {"1", "3"}
             assert by_batch["1"]["ttft_ms"] > 0 and by_batch["1"]["engine_ttft_ms"] > 0
-            assert by_batch["1"]["engine_decode_tok_s"] > 0
             for batch, m in by_batch.items():
                 assert len(m["repeats"]) == 2
+                alone = []
                 for r in m["repeats"]:  # wall times of both runs, and the engine's clock of its decode steps
                     assert r["t_n_s"] > 0 and r["t_1_s"] > 0
                     assert r["decode_tok_s"] == pytest.approx(int(batch) * 8 / (r["t_n_s"] - r["t_1_s"]))
-                    assert 0 < r["engine_metrics_n"]["first_token_s"] < r["engine_metrics_n"]["last_token_s"]
-                assert min(r["decode_tok_s"] for r in m["repeats"]) <= m["decode_tok_s"]
-                assert m["decode_tok_s"] <= max(r["decode_tok_s"] for r in m["repeats"])
+                    metrics, steps = r["engine_metrics_n"], r["engine_steps_n"]
+                    assert 0 < metrics["first_token_s"] < metrics["last_token_s"]
+                    # the last prompt decodes its 8 tokens after every prompt is prefilled, the others fewer
+                    assert 8 <= steps["decode_tokens_after_prefill"] <= int(batch) * 8
+                    alone.append(steps["decode_tokens_after_prefill"]
+                                 / (metrics["last_token_s"] - metrics["first_token_s"]))
+                    check_steps(r["engine_steps_1"], r["engine_steps_n"], int(batch), 64, 64)
+                    for key in ("1", "n"):  # the warm-up ran the same steps, so it compiled what they need
+                        timed = {k: v for k, v in r[f"engine_steps_{key}"].items() if k != "triton_compiles"}
+                        assert timed == {k: v for k, v in m["warmup_steps"][key].items() if k in timed}
+                for key, values in (("decode_tok_s", [r["decode_tok_s"] for r in m["repeats"]]),
+                                    ("engine_decode_tok_s", alone)):
+                    assert min(values) <= m[key] <= max(values)
     table = (tmp_path / "tiny.md").read_text()
     for policy in policies:
         assert f"| {policy} |" in table
     assert "TTFT / full" in table and "TTFT <= full" in table  # xattn's target is reported next to it
+
+
+def check_steps(one: dict, more: dict, batch: int, length: int, chunk: int) -> None:
+    """The steps of a run with one token and of one with more: ``batch`` prompts of ``length`` tokens in
+    chunks of ``chunk`` (the token budget of a step). Nothing is preempted; each prompt is prefilled once;
+    the decode rows of a mixed step take one token each of the budget and the prefill chunk the rest, so
+    decoding adds no more prefill steps than it takes budget."""
+    for run in (one, more):
+        assert run["preemptions"] == 0 and run["triton_compiles"] in (None, [])  # CPU: Triton interprets
+        prefill_steps = run["prefill_only_steps"] + run["mixed_steps"]
+        assert run["mean_prefill_tokens"] * prefill_steps == batch * length
+    assert one["mixed_steps"] == one["decode_only_steps"] == one["decode_tokens_after_prefill"] == 0
+    assert one["prefill_only_steps"] == -(-batch * length // chunk)
+    rows = more["decode_rows_with_prefill"]  # the first prompts decode while the later ones prefill
+    assert (more["mixed_steps"] > 0) == (batch > 1) and all(1 <= n < batch for n in rows)
+    assert more["decode_only_steps"] > 0
+    most_prefill_steps = -(-batch * length // (chunk - max(rows, default=0)))
+    assert more["prefill_only_steps"] + more["mixed_steps"] <= most_prefill_steps
 
 
 def test_prompts_differ_and_have_the_length(tmp_path):
@@ -94,3 +122,38 @@ def test_targets_compare_with_dense_and_transformers():
     assert script.target_of(result, "full", "32768").endswith("MISSED")
     assert script.target_of(result, "xattn", "32768").endswith("met")
     assert script.target_of(result, "transformers", "32768") == ""
+
+
+def test_step_stats_count_what_each_step_scheduled():
+    # (decode rows, prefill tokens) per step: two prompts of 6 tokens in a budget of 4, then decoding
+    steps = [(0, 4), (0, 4), (1, 3), (0, 0), (2, 0), (1, 0)]
+    stats = _script().step_stats(steps)
+    assert stats["steps"] == 5  # the empty step only read tokens back
+    assert (stats["prefill_only_steps"], stats["mixed_steps"], stats["decode_only_steps"]) == (2, 1, 2)
+    assert stats["mean_prefill_tokens"] == pytest.approx(11 / 3)
+    assert stats["decode_rows_with_prefill"] == [1]
+    assert stats["decode_tokens_after_prefill"] == 3
+    assert _script().step_stats([(0, 8)])["decode_tokens_after_prefill"] == 0
+
+
+def test_triton_compiles_are_counted_and_the_hook_restored():
+    knobs = pytest.importorskip("triton").knobs
+    if not hasattr(knobs.runtime, "jit_post_compile_hook"):
+        pytest.skip("this Triton has no compile hook")
+    from types import SimpleNamespace
+
+    seen = []
+    previous = knobs.runtime.jit_post_compile_hook
+
+    def outer(**kwargs):  # a hook someone else set: still called
+        seen.append(kwargs["fn"].name)
+
+    knobs.runtime.jit_post_compile_hook = outer
+    try:
+        with _script().triton_compiles() as names:
+            knobs.runtime.jit_post_compile_hook(key=1, fn=SimpleNamespace(name="_decode_kernel"))
+            knobs.runtime.jit_post_compile_hook(key=2, fn=SimpleNamespace(name="_reduce_kernel"))
+        assert names == ["_decode_kernel", "_reduce_kernel"] and seen == names
+        assert knobs.runtime.jit_post_compile_hook is outer
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
