@@ -17,11 +17,15 @@ A sliding-window group frees the blocks its window has left as the sequence adva
 them by the null block, which no one writes and every kernel may read harmlessly (it is zeroed). A cached
 prefix is a hit only as far as every group has what the next token reads: a full-attention group every
 block before it, a window group the blocks its window reaches; otherwise it is computed again, as vLLM does.
+
+Under KV offload the window groups take their blocks from a pool of their own (``KVCacheGroup.pool`` 1, the
+GPU's), numbered after the host pool's; each pool has its free queue and counts its own blocks.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import ChainMap, OrderedDict
+from collections.abc import Mapping
 from collections.abc import Sequence as SequenceABC
 
 import numpy as np
@@ -52,10 +56,11 @@ def check_hash(prev_hash: int | None, token_ids: list[int]) -> int:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "parent", "generation", "group")
+    __slots__ = ("block_id", "pool", "ref_count", "hash", "token_ids", "parent", "generation", "group")
 
-    def __init__(self, block_id: int) -> None:
+    def __init__(self, block_id: int, pool: int = 0) -> None:
         self.block_id = block_id
+        self.pool = pool  # the pool it belongs to (KVCacheGroup.pool of the groups it is handed to)
         self.ref_count = 0
         self.hash: int | None = None
         self.token_ids: tuple[int, ...] | None = None
@@ -66,19 +71,27 @@ class Block:
 
 class BlockManager:
     """``num_blocks`` blocks of ``block_size`` tokens shared by the KV cache ``groups`` (default: one
-    full-attention group). Where a group has a window, the last block id (``null_block``) is kept back as
-    the null block and ``blocks`` holds the others."""
+    full-attention group); with ``num_window_blocks``, the groups of pool 1 (KV offload's window groups)
+    take theirs from that many more, ids ``num_blocks`` on. Where a group has a window, the last block id
+    (``null_block``) is kept back as the null block and ``blocks`` holds the others."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 groups: SequenceABC[KVCacheGroup] = FULL_ATTENTION) -> None:
+                 groups: SequenceABC[KVCacheGroup] = FULL_ATTENTION, num_window_blocks: int = 0) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.groups = tuple(groups)
+        if any(g.pool for g in self.groups) != bool(num_window_blocks):
+            raise ValueError("num_window_blocks sizes the pool of the KV cache groups of pool 1, and only it")
         # the last id: the managed blocks stay 0..n-1, all free when num_free_blocks == len(blocks)
-        self.null_block = num_blocks - 1 if needs_null_block(self.groups) else None
-        num_managed = num_blocks - (self.null_block is not None)
-        self.blocks = [Block(i) for i in range(num_managed)]
-        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_managed))  # oldest first
+        total = num_blocks + num_window_blocks
+        self.null_block = total - 1 if needs_null_block(self.groups) else None
+        num_managed = total - (self.null_block is not None)
+        self.blocks = [Block(i, int(i >= num_blocks)) for i in range(num_managed)]
+        # per pool, oldest first
+        self.free_queues: list[OrderedDict[int, None]] = [
+            OrderedDict.fromkeys(range(min(num_blocks, num_managed)))]
+        if num_window_blocks:
+            self.free_queues.append(OrderedDict.fromkeys(range(num_blocks, num_managed)))
         self.hash_to_block: list[dict[int, int]] = [{} for _ in self.groups]  # per group
         # the first full-attention group: a window group's block records its parent there (see _cached_blocks)
         self.anchor = next((g for g, group in enumerate(self.groups) if group.sliding_window is None), None)
@@ -87,8 +100,32 @@ class BlockManager:
         self.newly_allocated: list[int] = []  # handed out since take_newly_allocated (policies reset them)
 
     @property
+    def free_blocks(self) -> Mapping[int, None]:
+        """The free blocks, oldest first: the one pool's free queue, or a view over every pool's (read it,
+        never change it)."""
+        return self.free_queues[0] if len(self.free_queues) == 1 else ChainMap(*self.free_queues)
+
+    @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        """Free blocks, over every pool."""
+        return sum(map(len, self.free_queues))
+
+    def _fits(self, entries: list[int], reused: SequenceABC[int] = ()) -> bool:
+        """Whether each pool has the blocks to hand out ``entries[g]`` new ones to each group ``g`` and to
+        take back the free cached blocks ``reused``."""
+        need = [0] * len(self.free_queues)
+        for group, n in zip(self.groups, entries, strict=True):
+            need[group.pool] += n
+        for block_id in reused:
+            need[self.blocks[block_id].pool] += 1
+        return all(n <= len(queue) for n, queue in zip(need, self.free_queues, strict=True))
+
+    def _take_back(self, block_id: int) -> None:
+        """One more user of ``block_id``, which leaves its free queue if it was there."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_queues[block.pool][block_id]
+        block.ref_count += 1
 
     def _new_entries(self, seq_tables: list[list[int]], num_computed: int, num_tokens: int) -> list[int]:
         """Per group, the blocks to hand out so that tables of ``seq_tables``' lengths cover ``num_tokens``
@@ -197,9 +234,8 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence, hits: list[list[int]], num_tokens: int) -> bool:
         held = {b for blocks in hits for b in blocks if b != self.null_block}
-        reused_free = sum(1 for b in held if b in self.free_blocks)
-        new = sum(self._new_entries(hits, len(hits[0]) * self.block_size, num_tokens))
-        return new + reused_free <= self.num_free_blocks
+        reused_free = [b for b in held if self.blocks[b].ref_count == 0]
+        return self._fits(self._new_entries(hits, len(hits[0]) * self.block_size, num_tokens), reused_free)
 
     def allocate(self, seq: Sequence, hits: list[list[int]], num_tokens: int) -> None:
         """Admit ``seq``: share the cached prefix ``hits`` (one list per group, as ``find_cached_prefix``
@@ -207,12 +243,8 @@ class BlockManager:
         assert not seq.block_tables
         for blocks in hits:
             for block_id in blocks:
-                if block_id == self.null_block:
-                    continue
-                block = self.blocks[block_id]
-                if block.ref_count == 0:
-                    del self.free_blocks[block_id]
-                block.ref_count += 1
+                if block_id != self.null_block:
+                    self._take_back(block_id)
         seq.block_tables = [list(blocks) for blocks in hits]
         seq.num_committed_blocks = len(hits[0])
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits[0]) * self.block_size
@@ -224,7 +256,7 @@ class BlockManager:
         if self.null_block is not None:
             self._free_left_behind(seq)
         entries = self._new_entries(seq.block_tables, seq.num_computed_tokens, num_tokens)
-        if sum(entries) > self.num_free_blocks:
+        if not self._fits(entries):
             return False
         total = -(-num_tokens // self.block_size)
         for g, (table, new) in enumerate(zip(seq.block_tables, entries, strict=True)):
@@ -244,7 +276,7 @@ class BlockManager:
                 table[i] = self.null_block
 
     def _take_free_block(self, group: int) -> int:
-        block_id, _ = self.free_blocks.popitem(last=False)
+        block_id, _ = self.free_queues[self.groups[group].pool].popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None and self.hash_to_block[block.group].get(block.hash) == block_id:
             del self.hash_to_block[block.group][block.hash]  # its content is about to be overwritten
@@ -281,10 +313,7 @@ class BlockManager:
                 elif cached_id != block.block_id and self._same_content(self.blocks[cached_id], tokens, parent):
                     # Requests admitted together computed the same prefix twice: share the published copy,
                     # so the blocks after it chain to it and stay findable, and return this one.
-                    cached = self.blocks[cached_id]
-                    if cached.ref_count == 0:
-                        del self.free_blocks[cached_id]
-                    cached.ref_count += 1
+                    self._take_back(cached_id)
                     table[i] = cached_id
                     self._release(block.block_id)
                 # else: a different block under the same hash (a collision); this one stays unpublished
@@ -300,9 +329,10 @@ class BlockManager:
         block = self.blocks[block_id]
         block.ref_count -= 1
         if block.ref_count == 0:
-            self.free_blocks[block_id] = None
+            queue = self.free_queues[block.pool]
+            queue[block_id] = None
             if block.hash is None:
-                self.free_blocks.move_to_end(block_id, last=False)
+                queue.move_to_end(block_id, last=False)
 
     def free(self, seq: Sequence) -> None:
         """Release the blocks of ``seq``. Cached blocks go to the back of the free queue, the tail first so

@@ -4,7 +4,6 @@ to the attention layers and the policies' hooks, and has the policies allocate t
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import attrs
@@ -14,7 +13,14 @@ import torch
 from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, forward_context
 from nanovllm.config import EngineConfig
 from nanovllm.distributed import agree_min
-from nanovllm.kv.groups import KVCacheGroup, blocks_per_sequence, kv_cache_groups, needs_null_block, num_slots
+from nanovllm.kv.groups import (
+    KVCacheGroup,
+    blocks_per_sequence,
+    kv_cache_groups,
+    needs_null_block,
+    num_slots,
+    offload_groups,
+)
 from nanovllm.kv.offload import OffloadEngine
 from nanovllm.kv.store import HostKVStore, KVStore, PagedKVStore
 from nanovllm.layers.attention import Attention
@@ -22,8 +28,6 @@ from nanovllm.layers.sampler import TopLogprobs
 from nanovllm.policy import PolicyHooks
 
 CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30  # bytes of KV (and policy metadata) on the CPU device by default
-
-_log = logging.getLogger(__name__)
 
 
 @attrs.frozen
@@ -59,10 +63,11 @@ def allocate_kv_store(
     max_model_len: int, dtype: torch.dtype, device: torch.device, prompt_logprob_rows: int,
 ) -> KVStore:
     """The model's KV store: the paged GPU cache, or with ``kv_offloading_size`` the host pool with GPU
-    slots. Bound to ``layers`` and to the ``hooks`` it tells, with the hooks' members (policies,
-    observers) initialized for its blocks. On CUDA the budget is what a profiled largest step (with
-    ``prompt_logprob_rows`` rows of prompt logprobs) leaves under ``gpu_memory_utilization``; every
-    tensor-parallel rank holds the blocks the scheduler plans."""
+    slots (the sliding-window layers' windows in a GPU pool of their own). Bound to ``layers`` and to the
+    ``hooks`` it tells, with the hooks' members (policies, observers) initialized for its blocks. On CUDA
+    the budget is what a profiled largest step (with ``prompt_logprob_rows`` rows of prompt logprobs)
+    leaves under ``gpu_memory_utilization``; every tensor-parallel rank holds the blocks the scheduler
+    plans."""
     first = layers[0]
     shape = KVShape(len(layers), first.num_kv_heads, first.head_dim, config.block_size, dtype, device)
 
@@ -76,7 +81,7 @@ def allocate_kv_store(
     else:
         for policy in hooks.policies:  # before the pool: options that need the GPU cache fail now
             policy.check_offload()
-        store = host_store(config, shape, layers, hooks, max_model_len, free_memory)
+        store = host_store(config, shape, layers, hooks, max_model_len, free_memory, groups)
     for layer, kv in zip(layers, store.layers, strict=True):
         layer.bind_kv(kv)
     store.bind(hooks.kv_write, hooks.blocks_allocated, hooks.decode_offload, hooks.prefill_offload)
@@ -88,26 +93,29 @@ def allocate_kv_store(
 
 
 def layer_groups(config: EngineConfig, layers: Sequence[Attention]) -> tuple[KVCacheGroup, ...]:
-    """The KV cache groups of the model's attention ``layers``: by their windows (hybrid KV), or one group of
-    every layer with ``disable_hybrid_kv_cache_manager`` or KV offload (whose host pool holds every block of
-    the offloaded layers, and whose GPU cache keeps the window layers resident in the uniform layout)."""
+    """The KV cache groups of the model's attention ``layers``: by their windows (hybrid KV; under KV offload
+    the full-attention layers in one group, over the host pool, and the window groups in a GPU pool of their
+    own), or one group of every layer with ``disable_hybrid_kv_cache_manager``."""
     windows = [layer.sliding_window for layer in layers]
-    hybrid = not config.disable_hybrid_kv_cache_manager
-    if hybrid and config.kv_offloading_size is not None and any(w is not None for w in windows):
-        _log.info("KV offload keeps the uniform KV layout (every layer keeps every token): the hybrid KV "
-                  "cache manager does not run with kv_offloading_size yet")
-        hybrid = False
-    return kv_cache_groups(windows, hybrid)
+    if config.disable_hybrid_kv_cache_manager:
+        return kv_cache_groups(windows, hybrid=False)
+    if config.kv_offloading_size is not None and any(w is None for w in windows):
+        return offload_groups(windows)
+    return kv_cache_groups(windows)
 
 
 def gpu_cache_blocks(config: EngineConfig, shape: KVShape, hooks: PolicyHooks, max_model_len: int,
-                     free_memory, groups: Sequence[KVCacheGroup] | None = None) -> int:
+                     free_memory, groups: Sequence[KVCacheGroup] | None = None, pool: int = 0) -> int:
     """Blocks of the paged GPU cache: ``kv_cache_memory`` bytes, else on the CPU
     ``CPU_DEFAULT_KV_CACHE_MEMORY``, else what ``free_memory()`` profiles, each block with its metadata. A
     block holds one layer slot per layer of the largest KV cache group of ``groups`` (default: one group,
-    every layer); one sequence of ``max_model_len`` tokens must fit, each group counting what it keeps."""
-    groups = groups or (KVCacheGroup(tuple(range(shape.num_layers))),)
-    per_block = shape.kv_bytes(num_slots(groups)) + shape.metadata_bytes(hooks)  # metadata: the same budget
+    every layer) in ``pool`` (1: the window groups' own pool under KV offload, whose blocks keep no policy
+    metadata); one sequence of ``max_model_len`` tokens must fit, each of those groups counting what it
+    keeps."""
+    groups = [g for g in groups or (KVCacheGroup(tuple(range(shape.num_layers))),) if g.pool == pool]
+    per_block = shape.kv_bytes(num_slots(groups, pool))
+    if not pool:
+        per_block += shape.metadata_bytes(hooks)  # metadata: the same budget
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
     elif shape.device.type == "cpu":
@@ -123,10 +131,11 @@ def gpu_cache_blocks(config: EngineConfig, shape: KVShape, hooks: PolicyHooks, m
                  if len(groups) == 1 and not null else
                  f"{num_blocks} blocks of {shape.block_size} tokens, fewer than the {needed} that one sequence "
                  f"of max_model_len={max_model_len} tokens needs in its {len(groups)} KV cache groups")
+        what = "the sliding-window layers' GPU KV budget under offload" if pool else "the KV cache budget"
         raise ValueError(
-            f"the KV cache budget ({budget / 2**20:.0f} MiB) holds {short}; raise "
+            f"{what} ({budget / 2**20:.0f} MiB) holds {short}; raise "
             f"{'kv_cache_memory' if shape.device.type == 'cpu' else 'gpu_memory_utilization'} "
-            "or lower max_model_len"
+            f"{'or lower kv_offloading_buffer_size ' if pool else ''}or lower max_model_len"
         )
     return num_blocks
 
@@ -152,12 +161,16 @@ def resident_layers(layers: Sequence[Attention], hooks: PolicyHooks) -> list[int
 
 
 def host_store(config: EngineConfig, shape: KVShape, layers: Sequence[Attention], hooks: PolicyHooks,
-               max_model_len: int, free_memory) -> HostKVStore:
+               max_model_len: int, free_memory, groups: Sequence[KVCacheGroup]) -> HostKVStore:
     """KV of the offloaded layers in a host pool of ``kv_offloading_size`` GiB; the GPU keeps the load
-    slots (``kv_offloading_buffer_size`` GiB), the policies' per-block metadata and the resident (dense)
-    layers' paged cache for every pool block, which must all fit what the memory profile leaves under the
-    utilisation cap."""
+    slots (``kv_offloading_buffer_size`` GiB), the policies' per-block metadata and the paged cache of the
+    layers resident over the pool's blocks (the dense ones; in the uniform layout the sliding-window ones
+    too) for every pool block, which must all fit what the memory profile leaves under the utilisation cap.
+    With hybrid ``groups`` the window groups' pool (1) takes what is left of it, or ``kv_cache_memory``, or
+    on the CPU ``CPU_DEFAULT_KV_CACHE_MEMORY`` (:func:`gpu_cache_blocks`)."""
     resident = resident_layers(layers, hooks)
+    windowed = {i for group in groups if group.pool for i in group.layer_ids}
+    over_pool = [i for i in resident if i not in windowed]
     offloaded = [i for i in range(len(layers)) if i not in resident]
     num_blocks = int(config.kv_offloading_size * 2**30 // shape.kv_bytes(len(offloaded)))
     if num_blocks * shape.block_size < max_model_len:
@@ -169,20 +182,29 @@ def host_store(config: EngineConfig, shape: KVShape, layers: Sequence[Attention]
         offloaded, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim, shape.dtype, shape.device,
         int(config.kv_offloading_buffer_size * 2**30), config.max_num_seqs, config.kv_offloading_reuse_selections,
     )
-    metadata, resident_bytes = num_blocks * shape.metadata_bytes(hooks), num_blocks * shape.kv_bytes(len(resident))
+    metadata = num_blocks * shape.metadata_bytes(hooks)
+    resident_bytes = num_blocks * shape.kv_bytes(len(over_pool))
+    fixed, left = engine.gpu_bytes + metadata + resident_bytes, None
     if shape.device.type == "cuda":
         budget = free_memory() + engine.gpu_bytes  # the slots exist already
-        if engine.gpu_bytes + metadata + resident_bytes > budget:
+        left = budget - fixed
+        if left < 0:
             raise ValueError(
                 f"with KV offload the GPU needs {engine.gpu_bytes / 2**20:.0f} MiB of load slots, "
                 f"{metadata / 2**20:.0f} MiB of policy metadata and {resident_bytes / 2**20:.0f} MiB for the KV "
-                f"of the {len(resident)} dense layers it keeps resident, more than the "
+                f"of the {len(over_pool)} dense layers it keeps resident, more than the "
                 f"{budget / 2**20:.0f} MiB left under gpu_memory_utilization; raise it, lower "
                 "kv_offloading_buffer_size, or lower kv_offloading_size (each pool block has its dense "
                 "layers' KV on the GPU)"
             )
-    # the dense layers' paged cache, allocated after the memory profile, which runs without a cache
-    return HostKVStore(len(layers), engine, resident, shape.empty_cache(len(resident), num_blocks))
+    window_kv_cache = None
+    if windowed:  # what the GPU has left goes to the window groups' blocks
+        num_window_blocks = agree_min(
+            gpu_cache_blocks(config, shape, hooks, max_model_len, lambda: left, groups, pool=1))
+        window_kv_cache = shape.empty_cache(num_slots(groups, pool=1), num_window_blocks)
+    # the resident layers' paged caches, allocated after the memory profile, which runs without a cache
+    return HostKVStore(len(layers), engine, over_pool, shape.empty_cache(len(over_pool), num_blocks), groups,
+                       window_kv_cache)
 
 
 @torch.inference_mode()

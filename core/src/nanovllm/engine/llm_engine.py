@@ -62,7 +62,7 @@ class LLMEngine:
         self.kv_cache_groups = self.runner.kv_cache_groups
         self.kv_cache_group_bytes_per_token = self.runner.kv_cache_group_bytes_per_token
         self.scheduler = Scheduler(self.config, self.runner.num_blocks, self.max_model_len,
-                                   self.kv_cache_groups)
+                                   self.kv_cache_groups, self.runner.num_window_blocks)
         self._pending: LaunchedStep | None = None  # the step in flight, its tokens not yet applied
         self._next_request = 0
         self._streams: dict[str, OutputStream] = {}  # requests of add_request(request_id, ...), unfinished

@@ -141,6 +141,7 @@ class ModelRunner:
         self.kv = allocate_kv_store(config, self.model, self.attention_layers, self.hooks, self.max_model_len,
                                     self.dtype, self.device, PROMPT_LOGPROB_ROWS)
         self.num_blocks = self.kv.num_blocks
+        self.num_window_blocks = self.kv.num_window_blocks  # the window groups' own pool under KV offload
         self.kv_cache_groups = self.kv.groups  # the layers that share a block table (hybrid KV)
         layer_bytes = 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize  # K and V of a token, a layer
         self.kv_cache_group_bytes_per_token = kv_bytes_per_token(self.kv_cache_groups, layer_bytes)
@@ -221,8 +222,11 @@ class ModelRunner:
     ) -> tuple[StepPlan, list[Sequence], PromptTargets | None]:
         """The host side of one step (decodes, one token each, first; then prefill chunks): its plan, the
         sequences that sample in it in row order, and the targets of its prompt logprobs (``None``: none).
-        ``allocated``: the blocks handed out since the last step."""
+        ``allocated``: the blocks handed out since the last step (those of pool 1, which keeps no per-block
+        metadata, are left out)."""
         bs = self.block_size
+        if allocated and self.num_window_blocks:
+            allocated = [b for b in allocated if b < self.num_blocks]
         decodes = [s for s in seqs if s.is_decode]
         prefills = [s for s in seqs if not s.is_decode]
         # decodes: one token each, plain integers; one that is a prompt token samples only if it is the last
@@ -267,9 +271,9 @@ class ModelRunner:
             allocated_blocks=(np.asarray(allocated, dtype=np.int64) if allocated and self.kv.wants_allocations
                               else None),
             other_groups=[
-                GroupArrays(slot_mapping(decodes, prefills, bs, g), block_tables(decodes, g),
-                            block_tables(prefills, g))
-                for g in range(1, len(self.kv_cache_groups))
+                GroupArrays(slot_mapping(decodes, prefills, bs, g, offset), block_tables(decodes, g, offset),
+                            block_tables(prefills, g, offset))
+                for g in range(1, len(self.kv_cache_groups)) for offset in [self.kv.block_offset(g)]
             ],
         )
         return plan, sampling, prompt_targets

@@ -31,13 +31,15 @@ SOLO_STEPS = 2  # sampling steps a suspect passes alone: its recompute's prefill
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int | None = None,
-                 groups: SequenceABC[KVCacheGroup] = FULL_ATTENTION) -> None:
-        """``num_blocks`` of the KV cache shared by its ``groups`` (default: one full-attention group)."""
+                 groups: SequenceABC[KVCacheGroup] = FULL_ATTENTION, num_window_blocks: int = 0) -> None:
+        """``num_blocks`` of the KV cache shared by its ``groups`` (default: one full-attention group), and
+        ``num_window_blocks`` of the window groups' own pool under KV offload (see ``BlockManager``)."""
         self.max_model_len = max_model_len
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.enable_chunked_prefill = config.enable_chunked_prefill
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, groups)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, groups,
+                                          num_window_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0

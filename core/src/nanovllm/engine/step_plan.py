@@ -70,28 +70,30 @@ def phase_arrays(seqs: list[Sequence], q_lens: list[int], ctx_lens: list[int]) -
                        block_tables(seqs, 0), max(q_lens), max(ctx_lens))
 
 
-def block_tables(seqs: list[Sequence], group: int) -> np.ndarray | None:
-    """``[num_seqs, width]`` int32: KV cache group ``group``'s block table of each of ``seqs``, padded with -1
-    (``None`` without sequences)."""
+def block_tables(seqs: list[Sequence], group: int, offset: int = 0) -> np.ndarray | None:
+    """``[num_seqs, width]`` int32: KV cache group ``group``'s block table of each of ``seqs``, less
+    ``offset`` (where its pool's ids start, ``KVStore.block_offset``), padded with -1 (``None`` without
+    sequences)."""
     if not seqs:
         return None
     tables = np.full((len(seqs), max(len(s.block_tables[group]) for s in seqs)), -1, dtype=np.int32)
     for i, s in enumerate(seqs):
-        tables[i, : len(s.block_tables[group])] = s.block_tables[group]
+        tables[i, : len(s.block_tables[group])] = np.asarray(s.block_tables[group]) - offset
     return tables
 
 
 def slot_mapping(
-    decodes: list[Sequence], prefills: list[Sequence], block_size: int, group: int
+    decodes: list[Sequence], prefills: list[Sequence], block_size: int, group: int, offset: int = 0
 ) -> np.ndarray:
     """``[num_tokens]`` int64: the cache slot of each token of a step (decodes' one token each, then the
-    prefill chunks) in KV cache group ``group``'s blocks."""
+    prefill chunks) in KV cache group ``group``'s blocks, their ids less ``offset``."""
     bs = block_size
-    parts = [np.asarray([s.block_tables[group][p // bs] * bs + p % bs
+    parts = [np.asarray([(s.block_tables[group][p // bs] - offset) * bs + p % bs
                          for s in decodes for p in [s.num_computed_tokens]], dtype=np.int64)]
     for s in prefills:
         pos = np.arange(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens)
-        parts.append(np.asarray(s.block_tables[group], dtype=np.int64)[pos // bs] * bs + pos % bs)
+        table = np.asarray(s.block_tables[group], dtype=np.int64) - offset
+        parts.append(table[pos // bs] * bs + pos % bs)
     return np.concatenate(parts)
 
 

@@ -7,6 +7,10 @@ reaches, and the blocks before it are freed (their entries in the table become t
 All groups take their blocks from one pool. A pool block has one slot per layer of the largest group: the
 ``i``-th layer of every group reads and writes slot ``i``, so a block handed to a group holds one block of
 tokens for each of its layers. Groups are therefore made of equal size (see :func:`kv_cache_groups`).
+
+Under KV offload there are two pools (:func:`offload_groups`): the host pool, whose block holds every
+full-attention layer (one group), and a GPU pool of the sliding-window groups' own (``pool=1``), whose
+block has one slot per layer of its largest group. The block manager numbers pool 1's blocks after pool 0's.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ import attrs
 @attrs.frozen
 class KVCacheGroup:
     """Layers (ids in model order) that share a block table; ``sliding_window`` (tokens, the query's own
-    included) for sliding-window layers, None for full attention."""
+    included) for sliding-window layers, None for full attention; ``pool``: the block pool its blocks come
+    from (0, or 1 for the sliding-window groups' own pool under KV offload)."""
 
     layer_ids: tuple[int, ...]
     sliding_window: int | None = None
+    pool: int = 0
 
     def first_needed_block(self, num_computed_tokens: int, block_size: int) -> int:
         """The first block that the window of the token at position ``num_computed_tokens`` (the next one to
@@ -66,9 +72,23 @@ def kv_cache_groups(windows: Sequence[int | None], hybrid: bool = True) -> tuple
     )
 
 
-def num_slots(groups: Sequence[KVCacheGroup]) -> int:
-    """Layer slots of one pool block: the size of the largest group."""
-    return max(len(g.layer_ids) for g in groups)
+def offload_groups(windows: Sequence[int | None]) -> tuple[KVCacheGroup, ...]:
+    """The groups of a model whose full-attention layers live in the host pool (KV offload; ``windows`` as
+    :func:`kv_cache_groups` takes them): every full-attention layer in one group, since a host pool block
+    holds each of them, then the sliding-window layers grouped among themselves as :func:`kv_cache_groups`
+    groups them, in a GPU pool of their own (``pool=1``)."""
+    full = tuple(i for i, w in enumerate(windows) if w is None)
+    windowed = [i for i, w in enumerate(windows) if w is not None]
+    groups = (KVCacheGroup(full),) if full else ()
+    if windowed:
+        groups += tuple(KVCacheGroup(tuple(windowed[i] for i in g.layer_ids), g.sliding_window, pool=1)
+                        for g in kv_cache_groups([windows[i] for i in windowed]))
+    return groups
+
+
+def num_slots(groups: Sequence[KVCacheGroup], pool: int = 0) -> int:
+    """Layer slots of one block of ``pool``: the size of its largest group (0 without groups there)."""
+    return max((len(g.layer_ids) for g in groups if g.pool == pool), default=0)
 
 
 def layer_places(groups: Sequence[KVCacheGroup]) -> list[tuple[int, int]]:
@@ -79,23 +99,23 @@ def layer_places(groups: Sequence[KVCacheGroup]) -> list[tuple[int, int]]:
 
 
 def needs_null_block(groups: Sequence[KVCacheGroup]) -> bool:
-    """Whether some group frees blocks that leave its window, which its table then names by the null block."""
+    """Whether some group frees blocks that leave its window, which its table then names by the null block
+    (the last block of the window groups' pool)."""
     return any(g.sliding_window is not None for g in groups)
 
 
 def blocks_per_sequence(
     groups: Sequence[KVCacheGroup], num_tokens: int, block_size: int, max_chunk: int
 ) -> int:
-    """Pool blocks one sequence of ``num_tokens`` tokens needs at most, over every group."""
+    """Pool blocks one sequence of ``num_tokens`` tokens needs at most, over every group of ``groups``."""
     return sum(g.max_blocks(num_tokens, block_size, max_chunk) for g in groups)
 
 
 def kv_bytes_per_token(groups: Sequence[KVCacheGroup], layer_bytes_per_token: int) -> tuple[int, ...]:
-    """Bytes of KV each group holds per token it keeps: its blocks' slots (padding included) times
-    ``layer_bytes_per_token`` (K and V of one token in one layer)."""
-    slots = num_slots(groups)
-    return tuple(slots * layer_bytes_per_token for _ in groups)
+    """Bytes of KV each group holds per token it keeps: the slots of its pool's blocks (padding included)
+    times ``layer_bytes_per_token`` (K and V of one token in one layer)."""
+    return tuple(num_slots(groups, g.pool) * layer_bytes_per_token for g in groups)
 
 
 __all__ = ["KVCacheGroup", "blocks_per_sequence", "kv_bytes_per_token", "kv_cache_groups", "layer_places",
-           "needs_null_block", "num_slots"]
+           "needs_null_block", "num_slots", "offload_groups"]

@@ -3,9 +3,10 @@
 The engine picks one store at start-up (:func:`nanovllm.engine.kv_allocation.allocate_kv_store`):
 
 - :class:`PagedKVStore`, the paged GPU cache of every layer;
-- :class:`HostKVStore`, the pinned host pool read through GPU load slots
+- :class:`HostKVStore`, the pinned host pool of the full-attention layers read through GPU load slots
   (:class:`nanovllm.kv.offload.OffloadEngine`), with the layers the policies run dense kept in a paged GPU
-  cache of their own.
+  cache over the pool's blocks, and the sliding-window layers in a paged GPU cache of their own, which
+  holds only their windows (hybrid KV).
 
 A store is a list of per-layer handles (:class:`LayerKV`), each owning one layer's KV: its writes (which
 also keep the policies' per-block metadata, through ``on_kv_write``, on either store), and every read a
@@ -332,12 +333,20 @@ class KVStore:
     notifies_offload: bool = False
 
     def __init__(self, layers: Sequence[LayerKV], num_blocks: int, block_size: int,
-                 groups: Sequence[KVCacheGroup] | None = None) -> None:
+                 groups: Sequence[KVCacheGroup] | None = None, num_window_blocks: int = 0) -> None:
         self.layers = list(layers)
         self.num_blocks, self.block_size = num_blocks, block_size
         # the KV cache groups whose block tables the scheduler keeps (default: one, every layer)
         self.groups = tuple(groups or (KVCacheGroup(tuple(range(len(self.layers)))),))
+        # blocks of the pool of the groups of pool 1 (the window groups' own under offload), which the block
+        # manager numbers from num_blocks on and their layers' caches from 0 (block_offset)
+        self.num_window_blocks = num_window_blocks
         self._blocks_allocated: tuple[Hook, ...] = ()
+
+    def block_offset(self, group: int) -> int:
+        """What the block manager's block ids of KV cache group ``group`` exceed the ids its layers' caches
+        are indexed by: ``num_blocks`` for a group of pool 1, else 0."""
+        return self.num_blocks if self.groups[group].pool else 0
 
     def bind(self, kv_write: Sequence[Hook], blocks_allocated: Sequence[Hook] = (),
              decode_offload: Sequence[Hook] = (), prefill_offload: Sequence[Hook] = ()) -> None:
@@ -355,9 +364,9 @@ class KVStore:
         return bool(self._blocks_allocated)
 
     def blocks_allocated(self, block_ids: torch.Tensor) -> None:
-        """Physical blocks handed out again since the last step (int64 on the device), before the step
-        writes them: the ``on_blocks_allocated`` hooks reset their metadata, and the store forgets what
-        they held."""
+        """Physical blocks handed out again since the last step (int64 on the device, ids below
+        ``num_blocks``: pool 1 keeps no per-block metadata), before the step writes them: the
+        ``on_blocks_allocated`` hooks reset their metadata, and the store forgets what they held."""
         for on_blocks_allocated in self._blocks_allocated:
             on_blocks_allocated(block_ids)
 
@@ -403,28 +412,54 @@ class PagedKVStore(KVStore):
 
 
 class HostKVStore(KVStore):
-    """The offloaded layers' KV in the host pool of ``engine``; the ``resident_layers`` (the policies'
-    dense layers and the sliding-window layers) in a paged GPU cache ``resident_kv_cache`` ``[resident
-    layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` over the same block ids."""
+    """The offloaded layers' KV in the host pool of ``engine``, and on the GPU the rest:
+
+    - the ``pool_resident_layers`` in a paged cache ``resident_kv_cache`` ``[those layers, 2, num_blocks,
+      block_size, num_kv_heads, head_dim]`` over the pool's block ids: the policies' dense layers, and in the
+      uniform layout (one KV cache group) the sliding-window layers;
+    - with hybrid ``groups`` (:func:`nanovllm.kv.groups.offload_groups`: the full-attention layers in group
+      0, the window groups in pool 1), the sliding-window layers in a paged cache ``window_kv_cache``
+      ``[slots, 2, window blocks, ...]`` of their own, the ``i``-th layer of each window group in slot
+      ``i``, the last block the null block (zeroed); its block ids are the block manager's less
+      ``num_blocks``.
+
+    ``resident_layers`` lists every layer whose KV is on the GPU. The KV-write and allocation hooks see the
+    pool's blocks only: the window layers (which no policy runs on) tell no one, since their block ids name
+    other blocks; the offload hooks see the pool's transfers."""
 
     notifies_offload = True
 
-    def __init__(self, num_layers: int, engine: OffloadEngine, resident_layers: Sequence[int],
-                 resident_kv_cache: torch.Tensor) -> None:
+    def __init__(self, num_layers: int, engine: OffloadEngine, pool_resident_layers: Sequence[int],
+                 resident_kv_cache: torch.Tensor, groups: Sequence[KVCacheGroup] | None = None,
+                 window_kv_cache: torch.Tensor | None = None) -> None:
         self.engine = engine
-        self.resident_layers = list(resident_layers)
-        self.resident_kv_cache = resident_kv_cache
-        row = {layer_id: i for i, layer_id in enumerate(self.resident_layers)}
-        layers = [
-            PagedLayerKV(i, resident_kv_cache[row[i], 0], resident_kv_cache[row[i], 1]) if i in row
-            else PooledLayerKV(i, engine)
-            for i in range(num_layers)
-        ]
-        super().__init__(layers, engine.num_blocks, engine.block_size)
+        self.resident_kv_cache, self.window_kv_cache = resident_kv_cache, window_kv_cache
+        groups = tuple(groups or (KVCacheGroup(tuple(range(num_layers))),))
+        if any(g.pool for g in groups) != (window_kv_cache is not None):
+            raise ValueError("window_kv_cache holds the KV cache groups of pool 1, and only those")
+        row = {layer_id: i for i, layer_id in enumerate(pool_resident_layers)}
+        layers: list[LayerKV] = []
+        for i, (g, slot) in enumerate(layer_places(groups)):
+            if groups[g].pool:
+                layers.append(PagedLayerKV(i, window_kv_cache[slot, 0], window_kv_cache[slot, 1]))
+            elif g:  # the offload engine plans its dense reads from group 0's block tables
+                raise ValueError("under KV offload the host pool's layers form KV cache group 0")
+            elif i in row:
+                layers.append(PagedLayerKV(i, resident_kv_cache[row[i], 0], resident_kv_cache[row[i], 1]))
+            else:
+                layers.append(PooledLayerKV(i, engine))
+            layers[-1].group = g
+        num_window_blocks = 0 if window_kv_cache is None else window_kv_cache.shape[2]
+        super().__init__(layers, engine.num_blocks, engine.block_size, groups, num_window_blocks)
+        self.resident_layers = [i for i, layer in enumerate(layers) if isinstance(layer, PagedLayerKV)]
+        if window_kv_cache is not None:
+            window_kv_cache[:, :, -1].zero_()
 
     def bind(self, kv_write, blocks_allocated=(), decode_offload=(), prefill_offload=()) -> None:
         super().bind(kv_write, blocks_allocated)
         for layer in self.layers:
+            if self.groups[layer.group].pool:
+                layer.kv_write = ()
             if isinstance(layer, PooledLayerKV):
                 layer.offload_hooks = (tuple(decode_offload), tuple(prefill_offload))
         self.engine.load_hooks = (tuple(decode_offload), tuple(prefill_offload))
