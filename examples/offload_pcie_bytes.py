@@ -5,6 +5,8 @@ engine stores the new keys and values to the pool and loads the blocks attention
 ``on_prefill_offload`` and ``on_decode_offload`` report each of those transfers (a
 :class:`nanovllm.kv.KVTransfer`: the layer, the phase, ``kind`` "store" or "load", and the bytes moved).
 They are notifications: a policy stays correct without them. Pass an observer to ``LLM(observers=[...])``.
+Only the pool's layers move KV: the layers a policy runs dense stay on the GPU, and so do a hybrid model's
+sliding-window layers (Gemma 3's), which keep only their windows there, so their rows never appear.
 
 Run it (the built-in model unless ``--model`` names another; ``--device cpu`` runs the same offload path
 with host copies)::

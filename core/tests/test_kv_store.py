@@ -54,6 +54,33 @@ def test_the_pcie_byte_counter_sees_every_store_and_load_per_layer(tiny_model, d
     }
 
 
+def test_the_pcie_byte_counter_counts_only_the_global_layers_of_a_hybrid_model(tiny_model):
+    """Gemma 3 in small: the sliding-window layers keep their windows on the GPU, so only the global layers'
+    stores and loads cross PCIe, the same bytes per layer as a model of those layers alone."""
+    from nanovllm.plugins import get_plugins
+    from nanovllm.testing import HYBRID_BLOCK_SIZE, TINY_CONFIGS
+
+    if "Gemma3ForCausalLM" not in get_plugins().registry.model_families:
+        pytest.skip("needs the nanovllm-gemma3 plugin")
+    counter = _example().PCIeBytes()
+    prompt, max_tokens = list(range(3, 3 + 90)), 6  # past the window of 32 tokens
+    llm = LLM(tiny_model("Gemma3ForCausalLM"), observers=[counter], device="cpu", dtype="float32",
+              block_size=HYBRID_BLOCK_SIZE, max_model_len=256, max_num_seqs=4, kv_offloading_size=0.01,
+              kv_offloading_buffer_size=0.01, kv_cache_memory=1 << 22, skip_tokenizer_init=True)
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                 use_tqdm=False)
+    engine = llm.runner.kv.engine
+    kinds = TINY_CONFIGS["Gemma3ForCausalLM"]["layer_types"]
+    assert engine.layers == [i for i, kind in enumerate(kinds) if kind == "full_attention"]
+    token_bytes = 2 * engine.num_kv_heads * engine.head_dim * engine.pool.element_size()
+    written = len(prompt) + max_tokens - 1
+    history_blocks = sum(-(-(len(prompt) + step) // engine.block_size) for step in range(1, max_tokens))
+    assert dict(counter.stored) == {layer: written * token_bytes for layer in engine.layers}
+    assert dict(counter.loaded) == {
+        layer: history_blocks * engine.num_kv_heads * engine.head_block_bytes for layer in engine.layers
+    }
+
+
 def test_the_pcie_byte_counter_counts_nothing_without_offload(tiny_model):
     counter = _example().PCIeBytes()
     llm = LLM(tiny_model(), device="cpu", dtype="float32", kv_cache_memory=16 << 20, observers=[counter])

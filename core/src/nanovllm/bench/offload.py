@@ -8,9 +8,10 @@ Jobs, each in its own process:
 - ``offload-decode``: the offload engine at one context and batch. The prompts are prefilled (TTFT: until
   every sequence has its first token), then ``steps`` decode steps are timed. A dense decode step reads
   every sequence's whole history from the pool, ``kv_tokens x kv_bytes_per_token`` host-to-device bytes
-  (``kv_bytes_per_token = 2 x layers x kv_heads x head_dim x itemsize``); its floor is those bytes at the
-  measured host-to-device copy rate. The new tokens' K/V go the other way, ``batch x kv_bytes_per_token``.
-  A row whose pool would take more than ``HOST_MEMORY_FRACTION`` of the host's RAM is skipped, with that
+  (``kv_bytes_per_token = 2 x layers x kv_heads x head_dim x itemsize``; ``h2d_bytes_per_step`` counts the
+  layers in the pool only, not those a policy runs dense nor a hybrid model's sliding-window layers); its
+  floor is those bytes at the measured host-to-device copy rate. The new tokens' K/V go the other way,
+  ``batch x kv_bytes_per_token``. A row whose pool would take more than ``HOST_MEMORY_FRACTION`` of the host's RAM is skipped, with that
   reason.
 - ``offload-resident``: the same measurement with the KV cache on the GPU (batch 1): the TTFT that
   offload's is held against, and the decode step from HBM.
@@ -298,12 +299,14 @@ def _measure(llm, shape: ModelShape, batch: int, prompt_len: int, steps: int,
     if llm.runner.device.type == "cuda":
         out["max_memory_allocated"] = torch.cuda.max_memory_allocated()
     if (store := host_store(llm)) is not None:
-        out["h2d_bytes_per_step"] = out["kv_tokens_per_step"] * shape.kv_bytes_per_token
+        # only the pool's layers cross PCIe: not those kept on the GPU (dense, or a hybrid model's windows)
+        pooled = shape.kv_bytes_per_token * len(store.engine.layers) // len(store.layers)
+        out["h2d_bytes_per_step"] = out["kv_tokens_per_step"] * pooled
         out["h2d_gbs"] = out["h2d_bytes_per_step"] / out["decode_ms_per_step"] / 1e6
-        out["d2h_bytes_per_step"] = batch * shape.kv_bytes_per_token  # the new tokens' K/V to the pool
-        resident = store.resident_kv_cache
-        # its load slots, and the KV of the layers the policy keeps resident
-        out["gpu_bytes"] = store.engine.gpu_bytes + resident.numel() * resident.element_size()
+        out["d2h_bytes_per_step"] = batch * pooled  # the new tokens' K/V to the pool
+        # its load slots, and the KV of the layers kept on the GPU
+        caches = (c for c in (store.resident_kv_cache, store.window_kv_cache) if c is not None)
+        out["gpu_bytes"] = store.engine.gpu_bytes + sum(c.numel() * c.element_size() for c in caches)
     return out
 
 
