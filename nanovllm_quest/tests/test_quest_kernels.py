@@ -258,28 +258,38 @@ def test_top_pages_on_skewed_rows(device, dtype, shape):
 
 
 @cases
-def test_select_pages(device, dtype):
+@pytest.mark.parametrize("reduction", ["max", "mass"])
+@pytest.mark.parametrize(("per_page", "tile"), [(1, None), (3, None), (1, 16)])
+def test_select_pages(device, dtype, reduction, per_page, tile, monkeypatch):
+    """Scores and their ``k`` best pages' blocks in one call (with ``mass`` the shares and the selection in
+    one launch): the scores as ``page_scores``, the blocks as ``top_pages`` selects from them. ``tile``: rows
+    longer than a tile, for both passes of the shares and for the selection."""
+    if tile is not None:
+        monkeypatch.setattr(kernels, "SHARES_TILE", 4 * tile)  # 4 query heads a KV head
+        monkeypatch.setattr(kernels, "MAX_TOPK_TILE", tile)
     gen = torch.Generator().manual_seed(11)
-    seqs, heads, hkv, d, width, block, page = 3, 8, 2, 32, 40, 4, 16
+    seqs, heads, hkv, d, width, block, k = 3, 8, 2, 32, 40, 4, 6
+    page = block * per_page
     metadata = torch.randn(seqs * width, hkv, 2, d, generator=gen)
     metadata = torch.stack([metadata.amin(2), metadata.amax(2)], dim=2).to(dtype)
     tables = torch.randperm(seqs * width, generator=gen).view(seqs, width).int()
-    lens = torch.tensor([width * block, 37, 3], dtype=torch.int32)
+    lens = torch.tensor([width * block - 1, 37, 3], dtype=torch.int32)
     q = torch.randn(seqs, heads, d, generator=gen).to(dtype)
-    ref_scores = reference.page_scores(q, metadata, tables, lens, block, page, "max", True)
-    want = reference.top_pages(ref_scores, 4, lens, block, page)
+    options = (k, reduction, True, 2, d**-0.5)
+    want_scores, want = reference.select_pages(q, metadata, tables, lens, block, page, *options)
     args = [t.to(device) for t in (q, metadata, tables, lens)]
-    scores = kernels.page_scores(*args, block, page, "max", True)
-    got = kernels.top_pages(scores, 4, args[3], block, page).cpu()
+    scores, got = kernels.select_pages(*args, block, page, *options)
+    scores, got = scores.cpu(), got.cpu()
+    assert torch.equal(torch.isinf(scores), torch.isinf(want_scores))
+    finite = torch.isfinite(want_scores)
+    torch.testing.assert_close(scores[finite], want_scores[finite], rtol=1e-5, atol=1e-4)
+    assert torch.equal(got, reference.top_pages(scores, k, lens, block, page))
     assert torch.equal(got, want)
 
 
-@cases
-@pytest.mark.parametrize("reduction", ["max", "sum", "mass"])
-def test_rescore_pages(device, dtype, reduction, d=64):
-    """Nominees' exact scores: a row with fewer valid pages than nominees (-1 padding: ``-inf``), a history
-    ending inside its last page (keys past it left out), forced pages kept ``+inf``."""
-    gen = torch.Generator().manual_seed(13)
+def rescore_case(gen, dtype, d: int, num_nominees: int = 12):
+    """``(q, k_cache, tables, lens, nominees, scores)``: nominees of three sequences, one with fewer valid
+    pages than nominees (-1 padding), one whose history ends inside its last page, the sink forced."""
     seqs, heads, hkv, width, block = 3, 8, 2, 30, 16
     k_cache = torch.randn(seqs * width, block, hkv, d, generator=gen).to(dtype)
     tables = torch.randperm(seqs * width, generator=gen).view(seqs, width).int()
@@ -288,17 +298,71 @@ def test_rescore_pages(device, dtype, reduction, d=64):
     scores = torch.randn(seqs, hkv, width, generator=gen)
     scores[:, :, 0] = float("inf")  # the sink
     scores[2, :, 6:] = float("-inf")  # past sequence 2's history
-    nominees = reference.top_pages(scores, 12, lens, block, block)
+    nominees = reference.top_pages(scores, num_nominees, lens, block, block)
     assert (nominees[2] == -1).any()
-    want = reference.rescore_pages(q, k_cache, tables, lens, nominees, scores, reduction, d**-0.5)
+    return q, k_cache, tables, lens, nominees, scores
+
+
+@cases
+@pytest.mark.parametrize("reduction", ["max", "sum", "mass"])
+def test_rescore_pages(device, dtype, reduction, d=64):
+    """Nominees' exact scores: a row with fewer valid pages than nominees (-1 padding: ``-inf``), a history
+    ending inside its last page (keys past it left out), forced pages kept ``+inf``."""
+    case = rescore_case(torch.Generator().manual_seed(13), dtype, d)
+    nominees = case[4]
+    want = reference.rescore_pages(*case, reduction, d**-0.5)
     assert want.shape == nominees.shape and torch.equal(torch.isneginf(want), nominees < 0)
     assert torch.isposinf(want).sum() == 3 * 2  # the sink, nominated first in every row
-    args = [t.to(device) for t in (q, k_cache, tables, lens, nominees, scores)]
-    got = kernels.rescore_pages(*args, reduction, d**-0.5).cpu()
+    got = kernels.rescore_pages(*[t.to(device) for t in case], reduction, d**-0.5).cpu()
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     finite = torch.isfinite(want)
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-3)
     assert torch.equal(got[~finite], want[~finite])
+
+
+@cases
+@pytest.mark.parametrize("reduction", ["max", "mass"])
+def test_pick_by_keys(device, dtype, reduction, d=32):
+    """The nominees' rescoring and the pick in one call (with ``mass`` the shares and the pick in one
+    launch): ``pick_nominees`` of ``rescore_pages``."""
+    case = rescore_case(torch.Generator().manual_seed(17), dtype, d, num_nominees=20)
+    nominees = case[4]
+    want = reference.pick_by_keys(*case, 7, reduction, d**-0.5)
+    args = [t.to(device) for t in case]
+    got = kernels.pick_by_keys(*args, 7, reduction, d**-0.5).cpu()
+    exact = kernels.rescore_pages(*args, reduction, d**-0.5).cpu()
+    assert torch.equal(got, reference.pick_nominees(exact, nominees, 7))
+    assert torch.equal(got, want)
+
+
+@cases
+@pytest.mark.parametrize("reduction", ["max", "mass"])
+def test_the_policy_selects_on_the_kernels_what_it_selects_on_the_references(device, dtype, reduction):
+    """``select_blocks`` end to end, bound alone and rescored: the kernels' launches give the references'
+    selection (float8 bounds where the device has them, as the policy's default)."""
+    from nanovllm.attention.torch_backend import TorchBackend
+    from nanovllm.sparse import KVWrite, PolicyContext
+    from nanovllm_quest.config import QuestConfig
+    from nanovllm_quest.policy import QuestPolicy
+
+    gen = torch.Generator().manual_seed(19)
+    lens, heads, hkv, d, block, width = [150, 77, 40], 8, 2, 32, 4, 40
+    k_cache = torch.randn(len(lens) * width, block, hkv, d, generator=gen).to(dtype).to(device)
+    tables = torch.randperm(len(lens) * width, generator=gen).view(len(lens), width).int().to(device)
+    q = torch.randn(len(lens), heads, d, generator=gen).to(dtype).to(device)
+    meta = PhaseMetadata(torch.arange(len(lens) + 1, dtype=torch.int32, device=device),
+                         torch.tensor(lens, dtype=torch.int32, device=device), tables, 1, max(lens))
+    ctx = PolicyContext(0, False, q, meta, k_cache, k_cache, d**-0.5, TorchBackend())
+    for rescore in (1, 2):
+        policy = QuestPolicy(QuestConfig(token_budget=6 * block, skip_layers=0, group_reduction=reduction,
+                                         rescore=rescore))
+        policy.initialize(1, hkv, d, k_cache.shape[0], block, dtype, torch.device(device))
+        for s, n in enumerate(lens):
+            policy.on_kv_write(KVWrite.of_sequence(0, k_cache, k_cache, tables[s].tolist(), n))
+        policy.ops = reference
+        want = policy.select_blocks(ctx).cpu()
+        policy.ops = kernels
+        assert torch.equal(policy.select_blocks(ctx).cpu(), want), f"rescore={rescore}"
 
 
 @cases
@@ -335,6 +399,7 @@ def test_kernels_at_head_size_256(device, dtype, monkeypatch):
     test_page_scores_with_fp8_bounds(device, dtype, 1, None, monkeypatch, d=256)
     test_rescore_pages(device, dtype, "max", d=256)
     test_rescore_pages(device, dtype, "mass", d=256)
+    test_pick_by_keys(device, dtype, "mass", d=256)
 
 
 def test_kernels_under_interpreter():
@@ -345,4 +410,4 @@ def test_kernels_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == 3 * 2 + 2 * 2 + 3 * 2 * 3 * 2 + 2 * 2 + 7 * 2 + 4 + 1 + 3 + 3 + 1, tail
+    assert passed == 3 * 2 + 2 * 2 + 3 * 2 * 3 * 2 + 2 * 2 + 7 * 2 + 4 + 2 * 3 + 3 + 2 + 2 + 3 + 1, tail

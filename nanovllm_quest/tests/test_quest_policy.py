@@ -16,7 +16,7 @@ from nanovllm.selection import SelectionError, resolve_sparse_policy
 from nanovllm.sparse import KVWrite, PolicyContext
 from nanovllm_quest import reference
 from nanovllm_quest.config import QuestConfig
-from nanovllm_quest.policy import QuestPolicy, bound_layout
+from nanovllm_quest.policy import QuestPolicy, bound_layout, nominee_marks
 
 BLOCK = 4
 
@@ -502,6 +502,15 @@ def test_rescore_reads_only_the_nominees_keys_from_a_store_that_copies(reduction
     [(most, values, width)] = reads
     num_blocks = ctx.meta.block_tables.shape[1]
     assert not values and width == ctx.num_kv_heads * 3 * 5 and most <= width < num_blocks
+
+
+def test_nominee_marks_are_the_blocks_any_kv_head_nominates():
+    """The blocks a store that copies reads: every KV head's nominees, -1 padding none (not the last)."""
+    nominees = torch.tensor([[[3, 5, -1], [0, 5, 7]], [[-1, -1, -1], [2, 3, 8]]], dtype=torch.int32)
+    marks = nominee_marks(nominees, 9)
+    assert marks.shape == (2, 9) and marks.dtype == torch.bool
+    for s in range(2):
+        assert set(marks[s].nonzero().flatten().tolist()) == {b for b in nominees[s].flatten().tolist() if b >= 0}
 
 
 def planted_capture(case: planted.PlantedAttention, num_layers: int = 1) -> Capture:

@@ -20,8 +20,11 @@
   stay ``+inf``. ``pick_nominees`` is ``top_pages``' selection over those scores, written as the nominees'
   pages.
 - ``group_reduction=mass``: ``page_scores`` and ``rescore_pages`` write each query head's row (its bounds,
-  or its log page weights) instead of the group's, and :func:`reference.combine_shares` turns them into
-  the group's summed shares: a head's softmax needs its whole row, which spans many programs.
+  or its log page weights) instead of the group's, since a head's softmax needs its whole row, which spans
+  many programs. One program per (sequence, KV head) then turns its heads' rows into the group's summed
+  shares (``_shares_kernel``: each head's log-sum-exp, then the shares, forced and padded) and, in
+  ``select_pages`` and ``pick_by_keys``, selects from them with ``top_pages``' selection: so a Quest layer
+  is two launches with any reduction, four with ``rescore``, each small torch op a launch saved.
 Scoring and top-K stay two launches: why the fused alternatives were not kept is in docs/design-notes.md.
 
 No host synchronisation and no data-dependent shape: all are captured in the decode CUDA graphs.
@@ -36,7 +39,6 @@ import triton
 import triton.language as tl
 from nanovllm.sparse import num_sms
 
-from nanovllm_quest import reference
 from nanovllm_quest.reference import PageRows
 
 # bounds per scoring program (16 KB of bf16 metadata at head size 128; pages of one bound by default):
@@ -53,6 +55,9 @@ SCORE_STEP = 64
 MAX_TOPK_TILE = 16384
 MAX_UPDATE_ROWS = 64  # new keys an update program folds at a time
 RESCORE_ROWS = 64  # keys a rescoring program reads (4 pages of 16)
+# logits a shares program holds at a time (its query heads' rows, padded): a row of up to this many stays in
+# registers between the two passes, wider ones are read again
+SHARES_TILE = 8192
 # a kernel's GQA group reduction: 0 the largest, 1 the sum, 2 none (each query head's row, for the shares)
 REDUCTIONS = {"max": 0, "sum": 1, "mass": 2}
 
@@ -292,15 +297,42 @@ def page_scores(
     page_size: int, group_reduction: str = "max", keep_sink: bool = False, recent_pages: int = 1,
     scale: float = 1.0,
 ) -> torch.Tensor:
+    scores = _bounds(q, metadata, block_tables, kv_lens, block_size, page_size, group_reduction, keep_sink,
+                     recent_pages)
+    if group_reduction != "mass":
+        return scores
+    return _shares(scores, scale, kv_lens=kv_lens, page_size=page_size, keep_sink=keep_sink,
+                   recent_pages=recent_pages)[0]
+
+
+def select_pages(
+    q: torch.Tensor, metadata: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
+    block_size: int, page_size: int, k: int, group_reduction: str = "max", keep_sink: bool = False,
+    recent_pages: int = 1, scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = _bounds(q, metadata, block_tables, kv_lens, block_size, page_size, group_reduction, keep_sink,
+                     recent_pages)
+    if group_reduction != "mass":
+        return scores, top_pages(scores, k, kv_lens, block_size, page_size)
+    return _shares(scores, scale, k, kv_lens=kv_lens, block_size=block_size, page_size=page_size,
+                   keep_sink=keep_sink, recent_pages=recent_pages)
+
+
+def _bounds(
+    q: torch.Tensor, metadata: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
+    block_size: int, page_size: int, group_reduction: str, keep_sink: bool, recent_pages: int,
+) -> torch.Tensor:
+    """The scoring kernel's scores ``[S, Hkv, P]``, or with ``mass`` each query head's bounds ``[S, Hkv, G,
+    P]``, unforced."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = metadata.shape[1]
     group = num_heads // num_kv_heads
     width = triton.cdiv(block_tables.shape[1], page_size // block_size)
-    per_head = group_reduction == "mass"  # each head's bounds, combined into shares below
+    per_head = group_reduction == "mass"  # each head's bounds, combined into shares by _shares
     scores = torch.empty(num_seqs, num_kv_heads, *((group,) if per_head else ()), width, dtype=torch.float32,
                          device=q.device)
     if num_seqs == 0 or width == 0:
-        return scores[:, :, 0] if per_head else scores
+        return scores
     assert q.stride(-1) == 1 and metadata.stride(-1) == 1 and block_tables.stride(-1) == 1
     bounds = metadata.shape[2] // 2
     bounds_pad = triton.next_power_of_2(bounds)
@@ -327,9 +359,6 @@ def page_scores(
         KEEP_SINK=keep_sink,
         RECENT_PAGES=max(1, recent_pages), FP32=fp32, FP8=fp8, num_warps=4,
     )
-    if per_head:
-        return reference.force_pages(reference.combine_shares(scores * scale), kv_lens, page_size, keep_sink,
-                                     recent_pages)
     return scores
 
 
@@ -391,14 +420,36 @@ def rescore_pages(
     q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
     nominees: torch.Tensor, scores: torch.Tensor, group_reduction: str = "max", scale: float = 1.0,
 ) -> torch.Tensor:
+    exact = _rescore(q, k_cache, block_tables, kv_lens, nominees, scores, group_reduction, scale)
+    if group_reduction != "mass":
+        return exact
+    return _shares(exact, 1.0, nominees=nominees, scores=scores)[0]
+
+
+def pick_by_keys(
+    q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
+    nominees: torch.Tensor, scores: torch.Tensor, k: int, group_reduction: str = "max", scale: float = 1.0,
+) -> torch.Tensor:
+    exact = _rescore(q, k_cache, block_tables, kv_lens, nominees, scores, group_reduction, scale)
+    if group_reduction != "mass":
+        return pick_nominees(exact, nominees, k)
+    return _shares(exact, 1.0, k, nominees=nominees, scores=scores)[1]
+
+
+def _rescore(
+    q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
+    nominees: torch.Tensor, scores: torch.Tensor, group_reduction: str, scale: float,
+) -> torch.Tensor:
+    """The rescoring kernel's scores ``[S, Hkv, C]`` (forced ``+inf``, padding ``-inf``), or with ``mass``
+    each query head's log page weights ``[S, Hkv, G, C]``."""
     num_seqs, num_kv_heads, num_nominees = nominees.shape
     num_heads, head_dim = q.shape[1:]
     group = num_heads // num_kv_heads
-    per_head = group_reduction == "mass"  # each head's page weights, combined into shares below
+    per_head = group_reduction == "mass"  # each head's page weights, combined into shares by _shares
     out = torch.empty(num_seqs, num_kv_heads, *((group,) if per_head else ()), num_nominees,
                       dtype=torch.float32, device=q.device)
     if out.numel() == 0:
-        return out[:, :, 0] if per_head else out
+        return out
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
     assert scores.is_contiguous() and nominees.stride(-1) == 1
     block_size = k_cache.shape[1]
@@ -414,8 +465,6 @@ def rescore_pages(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BS_PAD=bs_pad, TILE=tile,
         REDUCE=REDUCTIONS[group_reduction], FP32=q.dtype == torch.float32 or not q.is_cuda, num_warps=4,
     )
-    if per_head:
-        return reference.rescored(reference.combine_shares(out), nominees, scores)
     return out
 
 
@@ -594,3 +643,137 @@ def top_pages(scores: torch.Tensor, k: int, kv_lens: torch.Tensor, block_size: i
     )
     return out
 
+
+@triton.jit
+def _head_logits(row, i, offs_g, g_ok, offs, width, stride_lg, scale, TILE: tl.constexpr):
+    """Tile ``i`` of each query head's logits times ``scale``, ``[G_PAD, TILE]``; ``-inf`` past ``width`` and
+    for the padding heads."""
+    cols = i * TILE + offs
+    x = tl.load(row + offs_g[:, None] * stride_lg + cols[None, :],
+                mask=g_ok[:, None] & (cols < width)[None, :], other=float("-inf"))
+    return x * scale
+
+
+@triton.jit
+def _head_lse(x, top, total):
+    """The running log-sum-exp of each head's finite logits (its largest ``top`` and the sum ``total`` of
+    exponentials below it) with the tile ``x`` added. ``-inf`` and padding have no weight; a largest of
+    ``-inf`` is taken as 0, as torch's ``logsumexp`` does, so that no ``inf - inf`` is formed."""
+    z = tl.where((x > float("-inf")) & (x < float("inf")), x, float("-inf"))
+    new = tl.maximum(top, tl.max(z, 1))
+    base = tl.where(new == float("-inf"), 0.0, new)
+    total = total * tl.exp(top - base) + tl.sum(tl.exp(z - base[:, None]), 1)
+    return new, total
+
+
+@triton.jit
+def _store_shares(
+    x, lse, i, offs, width, r, Names, Scores, KVLens, Out, stride_nr, stride_sr, stride_or,
+    TILE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, NOMINEES: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    KEEP_SINK: tl.constexpr, RECENT_PAGES: tl.constexpr,
+):
+    """Tile ``i`` of the group's shares from its heads' logits ``x`` and log-sum-exps ``lse`` (0 for a head
+    without finite logits): :func:`reference.combine_shares`, then forced and padded as
+    :func:`reference.force_pages` (pages by position) or :func:`reference.rescored` (``NOMINEES``)."""
+    finite = (x > float("-inf")) & (x < float("inf"))
+    share = tl.where(finite, x - lse[:, None], float("-inf"))
+    top = tl.max(share, 0)
+    base = tl.where(top == float("-inf"), 0.0, top)
+    combined = tl.log(tl.sum(tl.exp(share - base[None, :]), 0)) + base
+    combined = tl.where(tl.max((x == float("inf")).to(tl.int32), 0) > 0, float("inf"), combined)
+    cols = i * TILE + offs
+    if NOMINEES:
+        page = tl.load(Names + r * stride_nr + cols, mask=cols < width, other=-1)
+        live = page >= 0
+        forced = tl.load(Scores + r * stride_sr + page, mask=live, other=0.0) == float("inf")
+        score = tl.where(live, tl.where(forced, float("inf"), combined), float("-inf"))
+    else:
+        n = tl.cdiv(tl.load(KVLens + r // NUM_KV_HEADS), PAGE_SIZE)
+        forced = cols >= n - RECENT_PAGES
+        if KEEP_SINK:
+            forced = forced | (cols == 0)
+        score = tl.where(cols < n, tl.where(forced, float("inf"), combined), float("-inf"))
+    tl.store(Out + r * stride_or + cols, score, mask=cols < width)
+
+
+@triton.jit
+def _shares_kernel(
+    Logits, Names, Scores, KVLens, Out, Selected, width, scale,
+    stride_lr, stride_lg, stride_nr, stride_sr, stride_or, stride_selr,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, TILE: tl.constexpr,
+    NUM_TILES: tl.constexpr, NOMINEES: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    KEEP_SINK: tl.constexpr, RECENT_PAGES: tl.constexpr, K: tl.constexpr, OUT_PAD: tl.constexpr,
+    SELECT_TILE: tl.constexpr, SELECT_TILES: tl.constexpr, BLOCKS_PER_PAGE: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    row = Logits + r * stride_lr
+    offs_g = tl.arange(0, G_PAD)
+    g_ok = offs_g < GROUP
+    offs = tl.arange(0, TILE)
+    top = tl.full([G_PAD], float("-inf"), tl.float32)
+    total = tl.zeros([G_PAD], tl.float32)
+    if NUM_TILES == 1:  # the row stays in registers for the shares
+        x = _head_logits(row, 0, offs_g, g_ok, offs, width, stride_lg, scale, TILE)
+        top, total = _head_lse(x, top, total)
+    else:
+        for i in range(NUM_TILES):
+            x = _head_logits(row, i, offs_g, g_ok, offs, width, stride_lg, scale, TILE)
+            top, total = _head_lse(x, top, total)
+    lse = tl.log(total) + tl.where(top == float("-inf"), 0.0, top)
+    lse = tl.where(lse == float("-inf"), 0.0, lse)  # a head without finite logits has no shares
+    if NUM_TILES == 1:
+        _store_shares(x, lse, 0, offs, width, r, Names, Scores, KVLens, Out, stride_nr, stride_sr, stride_or,
+                      TILE, NUM_KV_HEADS, NOMINEES, PAGE_SIZE, KEEP_SINK, RECENT_PAGES)
+    else:
+        for i in range(NUM_TILES):
+            x = _head_logits(row, i, offs_g, g_ok, offs, width, stride_lg, scale, TILE)
+            _store_shares(x, lse, i, offs, width, r, Names, Scores, KVLens, Out, stride_nr, stride_sr,
+                          stride_or, TILE, NUM_KV_HEADS, NOMINEES, PAGE_SIZE, KEEP_SINK, RECENT_PAGES)
+    if K > 0:
+        tl.debug_barrier()  # the selection reads the row back in another layout: other threads' stores
+        out, selected = Out + r * stride_or, Selected + r * stride_selr
+        if NOMINEES:
+            _select_row(out, selected, width, 2147483647, Names + r * stride_nr, K, OUT_PAD, SELECT_TILE,
+                        SELECT_TILES, 1, True)
+        else:
+            history_blocks = tl.cdiv(tl.load(KVLens + r // NUM_KV_HEADS), BLOCK_SIZE)
+            _select_row(out, selected, width, history_blocks, out, K, OUT_PAD, SELECT_TILE, SELECT_TILES,
+                        BLOCKS_PER_PAGE, False)
+
+
+def _shares(
+    logits: torch.Tensor, scale: float, k: int = 0, *, kv_lens: torch.Tensor | None = None,
+    nominees: torch.Tensor | None = None, scores: torch.Tensor | None = None, block_size: int = 1,
+    page_size: int = 1, keep_sink: bool = False, recent_pages: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``group_reduction=mass`` in one launch: each query head's log-weights ``logits [S, Hkv, G, W]`` times
+    ``scale`` combined into the group's shares, forced and padded, ``[S, Hkv, W]``; with ``k`` also the
+    ``k`` best, as :func:`top_pages` selects them. The candidates are history pages (forced by position, as
+    :func:`page_scores`; ``kv_lens`` the histories), or with ``nominees`` the nominated pages, forced where
+    ``scores`` is ``+inf`` and selected as :func:`pick_nominees` does."""
+    num_seqs, num_kv_heads, group, width = logits.shape
+    per_page = page_size // block_size
+    out = torch.empty(num_seqs, num_kv_heads, width, dtype=torch.float32, device=logits.device)
+    selected = torch.empty(num_seqs, num_kv_heads, k * per_page, dtype=torch.int32, device=logits.device)
+    if out.shape[0] * out.shape[1] == 0:
+        return out, selected if k else None
+    assert logits.is_contiguous()
+    named = nominees is not None
+    if named:
+        assert nominees.is_contiguous() and scores.is_contiguous()
+    g_pad = max(2, triton.next_power_of_2(group))
+    tile = min(triton.next_power_of_2(max(width, 16)), max(16, SHARES_TILE // g_pad))
+    select_tile = min(triton.next_power_of_2(max(width, 16)), MAX_TOPK_TILE)
+    _shares_kernel[(num_seqs * num_kv_heads,)](
+        # the arguments of the other kind of candidates are not read: any tensor fills them
+        logits, nominees if named else logits, scores if named else logits, logits if named else kv_lens, out,
+        selected if k else out, width, scale,
+        logits.stride(1), logits.stride(2), width if named else 0, scores.shape[-1] if named else 0, width,
+        selected.shape[-1],
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad, TILE=tile, NUM_TILES=triton.cdiv(width, tile),
+        NOMINEES=named, BLOCK_SIZE=block_size, PAGE_SIZE=page_size, KEEP_SINK=keep_sink,
+        RECENT_PAGES=max(1, recent_pages), K=k, OUT_PAD=triton.next_power_of_2(max(k * per_page, 1)),
+        SELECT_TILE=select_tile, SELECT_TILES=triton.cdiv(width, select_tile), BLOCKS_PER_PAGE=per_page,
+        num_warps=8 if max(select_tile, g_pad * tile) >= 4096 else 4,
+    )
+    return out, selected if k else None

@@ -34,6 +34,7 @@ the page keeps one min/max per ``bound_size`` tokens and scores the largest of t
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -139,35 +140,27 @@ class QuestPolicy(SparsePolicy):
     def select_blocks(self, ctx: PolicyContext) -> torch.Tensor:
         if self.is_dense(ctx):
             return ctx.all_history_blocks()
-        lens, cfg = ctx.history_lens, self.config
+        lens, cfg, tables = ctx.history_lens, self.config, ctx.meta.block_tables
         if cfg.oracle:
             keys = ctx.read_keys(ctx.all_history_blocks())
             scores = reference.page_masses(ctx.query, keys, lens, self.page_size, ctx.scale,
                                            cfg.group_reduction, self.keep_sink, self.recent_pages)
-        else:
-            scores = self.ops.page_scores(
-                ctx.query, self.metadata[ctx.layer_id - cfg.skip_layers], ctx.meta.block_tables, lens,
-                self.block_size, self.page_size, cfg.group_reduction, self.keep_sink, self.recent_pages,
-                ctx.scale,
-            )
-            if self.rescore > 1:
-                keys, _, tables = self._nominee_keys(ctx, scores, lens)
-                return rescore_selection(self.ops, ctx.query, keys, tables, lens,
-                                         scores, self.budget_pages, self.rescore, cfg.group_reduction, ctx.scale)
-        return self.ops.top_pages(scores, self.budget_pages, lens, self.block_size, self.page_size)
-
-    def _nominee_keys(self, ctx: PolicyContext, scores: torch.Tensor, lens: torch.Tensor):
-        """``ctx.read_paged`` of the keys of the pages ``rescore_selection`` nominates (read in place on the
-        GPU cache; with offload only theirs cross PCIe, a fixed number per sequence: no host sync)."""
-        rescore, width = self.rescore, ctx.meta.block_tables.shape[1]
-
-        def nominated() -> torch.Tensor:
-            nominees = self.ops.top_pages(scores, rescore * self.budget_pages, lens, self.block_size, self.block_size)
-            flat = nominees.reshape(nominees.shape[0], -1).long()
-            marks = torch.zeros(flat.shape[0], width + 1, dtype=torch.bool, device=flat.device)
-            return marks.scatter_(1, torch.where(flat >= 0, flat, width), True)[:, :width]
-
-        return ctx.read_paged(nominated, values=False, width=ctx.num_kv_heads * rescore * self.budget_pages)
+            return self.ops.top_pages(scores, self.budget_pages, lens, self.block_size, self.page_size)
+        # with rescore, the bound nominates rescore x the budget's pages (of one block), and their keys
+        # pick the budget among them
+        scores, pages = self.ops.select_pages(
+            ctx.query, self.metadata[ctx.layer_id - cfg.skip_layers], tables, lens, self.block_size,
+            self.page_size, self.rescore * self.budget_pages, cfg.group_reduction, self.keep_sink,
+            self.recent_pages, ctx.scale,
+        )
+        if self.rescore == 1:
+            return pages
+        # in place on the GPU cache (the marks are not made); with offload only the nominees' keys cross PCIe,
+        # a fixed number per sequence: no host sync
+        keys, _, key_tables = ctx.read_paged(partial(nominee_marks, pages, tables.shape[1]), values=False,
+                                             width=ctx.num_kv_heads * pages.shape[-1])
+        return self.ops.pick_by_keys(ctx.query, keys, key_tables, lens, pages, scores, self.budget_pages,
+                                     cfg.group_reduction, ctx.scale)
 
     def compute_chunked_decode(self, q: torch.Tensor, ctx: PolicyContext) -> torch.Tensor:
         if self.is_dense(ctx):
@@ -180,11 +173,21 @@ def rescore_selection(
     scores: torch.Tensor, budget_pages: int, rescore: int, group_reduction: str = "max", scale: float = 1.0,
 ) -> torch.Tensor:
     """Pages of one block: the ``budget_pages`` best, by their keys' exact ``q . k``, of the ``rescore x
-    budget_pages`` best by ``scores`` (the bound), with ``ops`` the kernels or the torch references."""
+    budget_pages`` best by ``scores`` (the bound), with ``ops`` the kernels or the torch references; the
+    selection of ``select_blocks`` from scores already computed."""
     block_size = k_cache.shape[1]
     nominees = ops.top_pages(scores, rescore * budget_pages, kv_lens, block_size, block_size)
-    exact = ops.rescore_pages(q, k_cache, block_tables, kv_lens, nominees, scores, group_reduction, scale)
-    return ops.pick_nominees(exact, nominees, budget_pages)
+    return ops.pick_by_keys(q, k_cache, block_tables, kv_lens, nominees, scores, budget_pages,
+                            group_reduction, scale)
+
+
+def nominee_marks(nominees: torch.Tensor, width: int) -> torch.Tensor:
+    """``[S, width]`` bool: the logical blocks that any KV head of a sequence nominates (``nominees [S, Hkv,
+    C]``, -1 padded), for ``ctx.read_paged``."""
+    flat = nominees.flatten(1)
+    marks = torch.zeros(flat.shape[0], width + 1, dtype=torch.bool, device=flat.device)
+    marks[torch.arange(flat.shape[0], device=flat.device)[:, None], flat] = True  # -1 marks the spare column
+    return marks[:, :width]
 
 
 class BoundLayout(NamedTuple):

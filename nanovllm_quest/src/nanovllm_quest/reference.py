@@ -97,6 +97,18 @@ def page_scores(
                         recent_pages)
 
 
+def select_pages(
+    q: torch.Tensor, metadata: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
+    block_size: int, page_size: int, k: int, group_reduction: str = "max", keep_sink: bool = False,
+    recent_pages: int = 1, scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scores, blocks)``: :func:`page_scores` and the blocks of the ``k`` best pages, :func:`top_pages`
+    of them. The kernels take it in two launches whatever the ``group_reduction``."""
+    scores = page_scores(q, metadata, block_tables, kv_lens, block_size, page_size, group_reduction,
+                         keep_sink, recent_pages, scale)
+    return scores, top_pages(scores, k, kv_lens, block_size, page_size)
+
+
 def head_bounds(
     q: torch.Tensor, metadata: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
     page_size: int,
@@ -190,6 +202,16 @@ def rescore_pages(
         best = logits.amax(-1)  # [S, Hkv, G, C]
         exact = best.amax(2) if group_reduction == "max" else best.sum(2)
     return rescored(exact, nominees, scores)
+
+
+def pick_by_keys(
+    q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
+    nominees: torch.Tensor, scores: torch.Tensor, k: int, group_reduction: str = "max", scale: float = 1.0,
+) -> torch.Tensor:
+    """``[S, Hkv, k]`` int32 pages: :func:`pick_nominees` by the nominees' :func:`rescore_pages`. The kernels
+    take it in two launches whatever the ``group_reduction``."""
+    exact = rescore_pages(q, k_cache, block_tables, kv_lens, nominees, scores, group_reduction, scale)
+    return pick_nominees(exact, nominees, k)
 
 
 def rescored(exact: torch.Tensor, nominees: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
