@@ -11,8 +11,8 @@ Jobs, each in its own process:
   (``kv_bytes_per_token = 2 x layers x kv_heads x head_dim x itemsize``; ``h2d_bytes_per_step`` counts the
   layers in the pool only, not those a policy runs dense nor a hybrid model's sliding-window layers); its
   floor is those bytes at the measured host-to-device copy rate. The new tokens' K/V go the other way,
-  ``batch x kv_bytes_per_token``. A row whose pool would take more than ``HOST_MEMORY_FRACTION`` of the host's RAM is skipped, with that
-  reason.
+  ``batch x kv_bytes_per_token``. A row whose pool would take more than ``HOST_MEMORY_FRACTION`` of the
+  host's RAM is skipped, with that reason.
 - ``offload-resident``: the same measurement with the KV cache on the GPU (batch 1): the TTFT that
   offload's is held against, and the decode step from HBM.
 - ``offload-small``: a GPU made small: ``gpu_memory_utilization`` leaves at most ``small_kv_gib`` GiB for KV
