@@ -18,7 +18,8 @@ distribution's own tests::
 ``cases()`` lists every check for the CPU with the ``torch`` backend, and with ``triton`` when CUDA is
 there, each with the KV cache on the device and again offloaded to host memory (the same policy code must
 give the same results on both), and the scheduling checks again on a hybrid model (sliding-window layers
-beside global ones, each keeping only its window: the policy runs on the global layers). A check that does not apply (CUDA graphs on the CPU, metadata of a policy
+beside global ones, each keeping only its window: the policy runs on the global layers), on the device and
+offloaded (the global layers in the host pool, the windows in a GPU pool of their own). A check that does not apply (CUDA graphs on the CPU, metadata of a policy
 that keeps none, ``small_budget`` without a small-budget selection) raises :class:`unittest.SkipTest`, which
 pytest reports as skipped. A broken rule raises ``AssertionError`` naming the scenario, the request and
 what differs. The kit builds a tiny random Llama model once per
@@ -83,11 +84,12 @@ class Case:
 
 def cases() -> list[Case]:
     """Every check on the CPU with ``torch``, and on CUDA with ``triton`` when a GPU is there; each again
-    with KV offload; and ``HYBRID_CHECKS`` on the hybrid model (listed first)."""
+    with KV offload; and ``HYBRID_CHECKS`` on the hybrid model, with and without offload (listed first)."""
     envs = [("cpu", "torch")]
     if torch.cuda.is_available():
         envs.append(("cuda", "triton"))
-    hybrid = [Case(check, device, backend, hybrid=True) for device, backend in envs for check in HYBRID_CHECKS]
+    hybrid = [Case(check, device, backend, offload, hybrid=True)
+              for device, backend in envs for offload in (False, True) for check in HYBRID_CHECKS]
     return hybrid + [
         Case(check, device, backend, offload)
         for device, backend in envs
@@ -159,9 +161,16 @@ def _kv_shape(model_dir: str) -> tuple[int, int, int]:
     return cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads), head_dim
 
 
-def _kv_bytes(model_dir: str, tokens: int) -> int:
-    """``kv_cache_memory`` that holds ``tokens`` tokens of the model's KV in float32."""
+def _kv_bytes(model_dir: str, tokens: int, global_only: bool = False) -> int:
+    """``kv_cache_memory`` that holds ``tokens`` tokens of the model's KV in float32 (with ``global_only``,
+    of its full-attention layers alone: what a hybrid model keeps in the host pool under offload)."""
+    import json
+    from pathlib import Path
+
     layers, kv_heads, head_dim = _kv_shape(model_dir)
+    kinds = json.loads((Path(model_dir) / "config.json").read_text()).get("layer_types")
+    if global_only and kinds:
+        layers = kinds.count("full_attention")
     return tokens * 2 * layers * kv_heads * head_dim * 4
 
 
@@ -173,11 +182,15 @@ def _engine(case: Case, model_dir: str, policy: Any, observers=(), **overrides):
         max_model_len=512, kv_cache_tokens=4096, max_num_batched_tokens=512, enforce_eager=True,
     )
     options.update(overrides)
-    kv_bytes = _kv_bytes(model_dir, options.pop("kv_cache_tokens"))
+    tokens = options.pop("kv_cache_tokens")
+    kv_bytes = _kv_bytes(model_dir, tokens)
     if case.offload:  # the same KV budget, in the host pool
         head_block_bytes = 2 * BLOCK_SIZE * _kv_shape(model_dir)[2] * 4
         options.update(kv_offloading_size=kv_bytes / 2**30, max_num_seqs=OFFLOAD_MAX_NUM_SEQS,
                        kv_offloading_buffer_size=2 * OFFLOAD_SLOT_HEAD_BLOCKS * head_block_bytes / 2**30)
+        if case.hybrid:  # as many tokens of the global layers in the pool; the windows' pool on the device
+            options.update(kv_offloading_size=_kv_bytes(model_dir, tokens, global_only=True) / 2**30,
+                           kv_cache_memory=kv_bytes)
     else:
         options["kv_cache_memory"] = kv_bytes
     return LLM(model_dir, sparse_policy=policy, observers=observers, **options)
@@ -406,6 +419,9 @@ def _compare_metadata(check: str, llm: Any, fills: FillRecorder) -> int:
     def written_by(layer_id: int) -> list[int]:  # a hybrid model's layers write only their group's blocks
         return [b for b in blocks if layer_id in fills.layers.get(b, ())]
 
+    # under offload a hybrid model's window layers keep their KV in a pool no hook sees: nothing to compare
+    layers = [layer for layer in runner.attention_layers if written_by(layer.layer_id)]
+
     checked = 0
     for policy_obj in runner.hooks.policies:
         if policy_obj.block_metadata(0, ids) is None:
@@ -414,12 +430,12 @@ def _compare_metadata(check: str, llm: Any, fills: FillRecorder) -> int:
         twin.initialize(len(runner.attention_layers), runner.num_kv_heads, runner.head_dim, runner.num_blocks,
                         runner.block_size, runner.dtype, runner.device)
         twin.on_blocks_allocated(ids)
-        for layer in runner.attention_layers:
+        for layer in layers:
             mine = written_by(layer.layer_id)
             counts, starts = [fills.fill[b] for b in mine], [fills.start[b] for b in mine]
             caches = (layer.k_cache, layer.v_cache)
             twin.on_kv_write(KVWrite.of_blocks(layer.layer_id, *caches, mine, counts, starts))
-        for layer in runner.attention_layers:
+        for layer in layers:
             mine = torch.tensor(written_by(layer.layer_id), dtype=torch.long, device=runner.device)
             # compared as float32: metadata of any dtype (float8 has no arithmetic on the CPU)
             kept = policy_obj.block_metadata(layer.layer_id, mine).float()
