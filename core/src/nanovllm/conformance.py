@@ -19,11 +19,11 @@ distribution's own tests::
 there, each with the KV cache on the device and again offloaded to host memory (the same policy code must
 give the same results on both), and the scheduling checks again on a hybrid model (sliding-window layers
 beside global ones, each keeping only its window: the policy runs on the global layers), on the device and
-offloaded (the global layers in the host pool, the windows in a GPU pool of their own). A check that does not apply (CUDA graphs on the CPU, metadata of a policy
-that keeps none, ``small_budget`` without a small-budget selection) raises :class:`unittest.SkipTest`, which
-pytest reports as skipped. A broken rule raises ``AssertionError`` naming the scenario, the request and
-what differs. The kit builds a tiny random Llama model once per
-process (no download) unless ``model_dir`` is given, and for the hybrid cases a tiny random Gemma 3 (the
+offloaded (the global layers in the host pool, the windows in a GPU pool of their own). A check that does
+not apply (CUDA graphs on the CPU, metadata of a policy that keeps none, ``small_budget`` without a
+small-budget selection) raises :class:`unittest.SkipTest`, which pytest reports as skipped. A broken rule
+raises ``AssertionError`` naming the scenario, the request and what differs. The kit builds a tiny random
+Llama model once per process (no download) unless ``model_dir`` is given, and for the hybrid cases a tiny random Gemma 3 (the
 ``nanovllm-gemma3`` plugin; skipped without it).
 """
 
