@@ -23,8 +23,8 @@ offloaded (the global layers in the host pool, the windows in a GPU pool of thei
 not apply (CUDA graphs on the CPU, metadata of a policy that keeps none, ``small_budget`` without a
 small-budget selection) raises :class:`unittest.SkipTest`, which pytest reports as skipped. A broken rule
 raises ``AssertionError`` naming the scenario, the request and what differs. The kit builds a tiny random
-Llama model once per process (no download) unless ``model_dir`` is given, and for the hybrid cases a tiny random Gemma 3 (the
-``nanovllm-gemma3`` plugin; skipped without it).
+Llama model once per process (no download) unless ``model_dir`` is given, and for the hybrid cases a tiny
+random Gemma 3 (the ``nanovllm-gemma3`` plugin; skipped without it).
 """
 
 from __future__ import annotations
