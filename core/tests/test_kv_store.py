@@ -54,7 +54,8 @@ def test_the_pcie_byte_counter_sees_every_store_and_load_per_layer(tiny_model, d
     }
 
 
-def test_the_pcie_byte_counter_counts_only_the_global_layers_of_a_hybrid_model(tiny_model):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_pcie_byte_counter_counts_only_the_global_layers_of_a_hybrid_model(tiny_model, device):
     """Gemma 3 in small: the sliding-window layers keep their windows on the GPU, so only the global layers'
     stores and loads cross PCIe, the same bytes per layer as a model of those layers alone."""
     from nanovllm.plugins import get_plugins
@@ -64,9 +65,10 @@ def test_the_pcie_byte_counter_counts_only_the_global_layers_of_a_hybrid_model(t
         pytest.skip("needs the nanovllm-gemma3 plugin")
     counter = _example().PCIeBytes()
     prompt, max_tokens = list(range(3, 3 + 90)), 6  # past the window of 32 tokens
-    llm = LLM(tiny_model("Gemma3ForCausalLM"), observers=[counter], device="cpu", dtype="float32",
+    llm = LLM(tiny_model("Gemma3ForCausalLM"), observers=[counter], device=device, dtype="float32",
               block_size=HYBRID_BLOCK_SIZE, max_model_len=256, max_num_seqs=4, kv_offloading_size=0.01,
               kv_offloading_buffer_size=0.01, kv_cache_memory=1 << 22, skip_tokenizer_init=True)
+    counter.clear()  # the warm-up on CUDA
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                  use_tqdm=False)
     engine = llm.runner.kv.engine
