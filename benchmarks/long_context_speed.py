@@ -205,7 +205,7 @@ class StepLog:
 @contextmanager
 def triton_compiles() -> Iterator[list[str] | None]:
     """The names of the Triton kernels compiled in the block (loaded from Triton's disk cache included), one
-    entry per compiled variant; ``None`` when Triton is absent or has no compile hook (before 3.4)."""
+    entry per compiled variant; ``None`` when Triton is absent or has no compile hook (``triton.knobs``)."""
     try:
         from triton import knobs
 
@@ -466,8 +466,8 @@ def markdown(result: dict[str, Any], title: str) -> str:
     header += [f"{m} / {ref}" for ref in refs for m, _, _ in metrics] + ["target"]
     for length in map(str, s["lengths"]):
         lines += [f"## {length} tokens", "", markdown_row(header), markdown_row(["---"] * len(header))]
-        failed = []  # below the table: batch sizes a runner could not run (transformers out of memory), and
-        # timed runs that compiled kernels or preempted
+        below = []  # batch sizes a runner could not run (transformers out of memory), timed runs that
+        # compiled kernels or preempted
         for runner in result["runners"]:
             by = result["speed"].get(runner, {}).get(length)
             if by is None:
@@ -483,9 +483,9 @@ def markdown(result: dict[str, Any], title: str) -> str:
                     r = ref_by.get(b, {}).get(key)
                     cells.append(_cell(v / r if v is not None and r else None, ratio=True))
             lines.append(markdown_row([*cells, target_of(result, runner, length)]))
-            failed += [f"- {runner}, batch {b}: {v['error']}" for b, v in by.items() if "error" in v]
-            failed += timing_notes(runner, by)
-        lines += ["", *failed, ""] if failed else [""]
+            below += [f"- {runner}, batch {b}: {v['error']}" for b, v in by.items() if "error" in v]
+            below += timing_notes(runner, by)
+        lines += ["", *below, ""] if below else [""]
     return "\n".join(lines + lc.run_log(result, "runner")) + "\n"
 
 

@@ -187,3 +187,15 @@ def test_timed_runs_compile_nothing_on_the_gpu(tmp_path, tiny_model):
             assert r["engine_steps_n"]["triton_compiles"] == []  # this Triton has the compile hook
         assert m["engine_decode_tok_s"] > 0
     assert "compiled while timed" not in (tmp_path / "gpu.md").read_text()
+
+
+def test_timed_runs_that_compiled_or_preempted_are_named():
+    def steps(compiles, preemptions=0):
+        return {"triton_compiles": compiles, "preemptions": preemptions}
+
+    clean = {"repeats": [{"engine_steps_1": steps([]), "engine_steps_n": steps(None)}]}
+    dirty = {"repeats": [{"engine_steps_1": steps([]), "engine_steps_n": steps(["_decode_kernel"] * 2, 3)}]}
+    notes = _script().timing_notes("full", {"1": clean, "8": dirty, "16": {"error": "out of memory"}})
+    assert len(notes) == 2 and all(n.startswith("- full, batch 8: ") for n in notes)
+    assert "2 Triton kernel variants compiled while timed (_decode_kernel)" in notes[0]
+    assert "3 preemptions while timed" in notes[1]
