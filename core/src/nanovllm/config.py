@@ -120,7 +120,8 @@ class EngineConfig:
     max_num_seqs: int = attrs.field(default=256, validator=_positive_int("max_num_seqs"))
     max_num_batched_tokens: int = attrs.field(default=8192, validator=_positive_int("max_num_batched_tokens"))
     gpu_memory_utilization: float = attrs.field(default=0.9, validator=_fraction)
-    # bytes of KV cache (default: 2 GiB on the CPU, what gpu_memory_utilization leaves on CUDA). On the CPU a
+    # bytes of KV cache (default: 2 GiB on the CPU, what gpu_memory_utilization leaves on CUDA; with
+    # kv_offloading_size, of a hybrid model's sliding-window layers, which stay on the device). On the CPU a
     # block's pages become resident when it is first written; the prefix cache keeps finished requests' blocks
     # until the cache is full, so with it on the process grows towards this size, and stays there
     kv_cache_memory: int | None = attrs.field(default=None, validator=_positive_int("kv_cache_memory"))
