@@ -8,10 +8,12 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.kv.groups import (
     KVCacheGroup,
     blocks_per_sequence,
+    kv_bytes_per_token,
     kv_cache_groups,
     layer_places,
     needs_null_block,
     num_slots,
+    offload_groups,
 )
 from nanovllm.sampling_params import SamplingParams
 
@@ -194,3 +196,49 @@ def test_collisions_never_give_a_window_hit(groups, monkeypatch):
     assert [len(h) for h in bm.find_cached_prefix(seq_of(a.token_ids))] == [3] * len(groups)
     bm.free(a)
     assert_all_free(bm)
+
+
+# -- two pools (KV offload: the full-attention group in the host pool, the windows on the GPU) -----------
+
+
+OFFLOAD = (KVCacheGroup((0,), None), KVCacheGroup((1,), WINDOW, pool=1))
+
+
+def test_offload_groups_put_every_global_layer_in_one_group_and_the_windows_in_pool_1():
+    windows = [None if i % 6 == 5 else 512 for i in range(18)]  # Gemma 3 270M
+    groups = offload_groups(windows)
+    assert groups[0] == KVCacheGroup((5, 11, 17), None, pool=0)
+    assert groups[1:] == (KVCacheGroup(tuple(i for i in range(18) if i % 6 != 5), 512, pool=1),)
+    assert num_slots(groups, pool=0) == 3 and num_slots(groups, pool=1) == 15
+    assert kv_bytes_per_token(groups, 1024) == (3 * 1024, 15 * 1024)  # each pool's own block
+    # more windows: grouped among themselves as kv_cache_groups groups them; no window: one group
+    mixed = offload_groups([None, 4, 4, 8, 8, None])
+    assert mixed == (KVCacheGroup((0, 5)), KVCacheGroup((1, 2), 4, 1), KVCacheGroup((3, 4), 8, 1))
+    assert offload_groups([None] * 3) == kv_cache_groups([None] * 3)
+
+
+def test_two_pools_are_counted_apart_and_the_window_pool_holds_the_null_block():
+    bm = BlockManager(6, BS, groups=OFFLOAD, num_window_blocks=4)  # window pool: ids 6..8, null 9
+    assert bm.null_block == 9 and len(bm.blocks) == 9
+    assert list(bm.free_queues[0]) == list(range(6)) and list(bm.free_queues[1]) == [6, 7, 8]
+    s = seq_of(range(12))
+    admit(bm, s)
+    assert all(b < 6 for b in s.block_tables[0]) and all(6 <= b < 9 for b in s.block_tables[1])
+    compute(bm, s, 12)
+    s.token_ids.extend([1, 1, 1, 1, 1])
+    assert bm.append_slots(s, 13)  # the window left block 0: its pool has the block again
+    assert len(bm.free_queues[0]) == 2 and len(bm.free_queues[1]) == 0
+    other = seq_of(range(100, 104))  # one block in each pool: the host pool has two, the window pool none
+    assert bm.num_free_blocks == 2 and not bm.can_allocate(other, bm.find_cached_prefix(other), 4)
+    compute(bm, s, 13)
+    assert bm.append_slots(s, 17)  # the window moved on: a window block is free for the new one
+    bm.free(s)
+    assert_all_free(bm)
+    assert len(bm.free_queues[0]) == 6 and len(bm.free_queues[1]) == 3
+
+
+def test_the_window_pool_needs_window_groups_and_they_need_it():
+    with pytest.raises(ValueError, match="num_window_blocks"):
+        BlockManager(6, BS, groups=HYBRID, num_window_blocks=4)
+    with pytest.raises(ValueError, match="num_window_blocks"):
+        BlockManager(6, BS, groups=OFFLOAD)
