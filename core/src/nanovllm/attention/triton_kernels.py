@@ -343,7 +343,9 @@ def _prefill_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["stride_bt", "stride_bi", "stride_bh", "num_sel"])
+# the number of splits follows the batch and the longest context, so it is a runtime argument: as a
+# constexpr, the decode rows of mixed steps (eager) compiled a variant for each new count mid-run
+@triton.jit(do_not_specialize=["stride_bt", "stride_bi", "stride_bh", "num_sel", "num_splits"])
 def _decode_kernel(
     Q, K, V, PartO, PartL, Out, Lse,
     lens, block_tables, block_idx,
@@ -352,9 +354,9 @@ def _decode_kernel(
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_ot, stride_oh, stride_od,
     stride_lt, stride_lh,
-    stride_bt, stride_bi, stride_bh, num_sel, window,
+    stride_bt, stride_bi, stride_bh, num_sel, window, num_splits,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     HAS_INDICES: tl.constexpr, WRITE_LSE: tl.constexpr, FP32: tl.constexpr, SKIP_DEAD: tl.constexpr,
     READ_AHEAD: tl.constexpr, SLIDING: tl.constexpr,
 ):
@@ -371,7 +373,7 @@ def _decode_kernel(
     base = 0
     if SLIDING:
         base = (tl.maximum(kv_len - window, 0) // BLOCK_N) * BLOCK_N
-    per_split = tl.cdiv(tl.cdiv(n_keys - base, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(n_keys - base, num_splits), BLOCK_N) * BLOCK_N
     start = base + split * per_split
     end = tl.minimum(start + per_split, n_keys)
 
@@ -430,7 +432,7 @@ def _decode_kernel(
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse2 = m_i + tl.math.log2(l_i)  # base 2; -inf for an empty slice
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(
             Out + s64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
             out.to(Out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :],
@@ -438,17 +440,17 @@ def _decode_kernel(
         if WRITE_LSE:
             tl.store(Lse + s64 * stride_lt + heads * stride_lh, lse2 * 0.6931471805599453, mask=g_ok)
     else:
-        # partials: PartO [S, H, NUM_SPLITS, BLOCK_D] and PartL [S, H, NUM_SPLITS], contiguous
-        row = (s64 * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+        # partials: PartO [S, H, num_splits, BLOCK_D] and PartL [S, H, num_splits], contiguous
+        row = (s64 * (tl.num_programs(1) * GROUP) + heads) * num_splits + split
         tl.store(PartO + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=g_ok[:, None])
         tl.store(PartL + row, lse2, mask=g_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(
     PartO, PartL, Out, Lse,
-    stride_ot, stride_oh, stride_od, stride_lt, stride_lh,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_ot, stride_oh, stride_od, stride_lt, stride_lh, num_splits,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
     s = tl.program_id(0).to(tl.int64)
@@ -456,13 +458,13 @@ def _reduce_kernel(
     row = s * tl.num_programs(1) + h
     offs_p = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, BLOCK_D)
-    p_ok = offs_p < NUM_SPLITS
-    lse = tl.load(PartL + row * NUM_SPLITS + offs_p, mask=p_ok, other=float("-inf"))
+    p_ok = offs_p < num_splits
+    lse = tl.load(PartL + row * num_splits + offs_p, mask=p_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     m_use = tl.where(m == float("-inf"), 0.0, m)
     w = tl.math.exp2(lse - m_use)
     denom = tl.sum(w, 0)
-    o = tl.load(PartO + (row * NUM_SPLITS + offs_p)[:, None] * BLOCK_D + offs_d[None, :], mask=p_ok[:, None],
+    o = tl.load(PartO + (row * num_splits + offs_p)[:, None] * BLOCK_D + offs_d[None, :], mask=p_ok[:, None],
                 other=0.0)
     out = tl.sum(o * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(Out + s * stride_ot + h * stride_oh + offs_d * stride_od, out.to(Out.dtype.element_ty),
@@ -675,9 +677,9 @@ def attention_decode(
         lens, block_tables, bi,
         scale * LOG2E,
         *q.stride(), *k_cache.stride(), *out.stride(), *lse_strides,
-        block_tables.stride(0), stride_bi, stride_bh, num_sel, window or 0,
+        block_tables.stride(0), stride_bi, stride_bh, num_sel, window or 0, num_splits,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, BLOCK_N=bn, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, BLOCK_N=bn, SPLIT=num_splits > 1,
         HAS_INDICES=has_idx, WRITE_LSE=write_lse, FP32=_dot_fp32(q),
         SKIP_DEAD=skip_dead,
         READ_AHEAD=_read_ahead(has_idx and not skip_dead, num_seqs * num_kv_heads, q.device),
@@ -686,8 +688,8 @@ def attention_decode(
     )
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
-            part_o, part_l, out, lse_t, *out.stride(), *lse_strides,
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            part_o, part_l, out, lse_t, *out.stride(), *lse_strides, num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, BLOCK_D=block_d, WRITE_LSE=write_lse,
             num_warps=4 if head_dim >= 128 else 2,
         )
