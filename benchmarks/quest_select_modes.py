@@ -41,9 +41,11 @@ def layer_contexts(context: int, batch: int, layers: int, device):
         v_cache = torch.randn(shape, generator=gen, device=device).to(torch.bfloat16)
         tables = torch.randperm(batch * width, generator=gen, device=device).view(batch, width).int()
         lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-        meta = PhaseMetadata(torch.arange(batch + 1, dtype=torch.int32, device=device), lens, tables, 1, context)
+        starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        meta = PhaseMetadata(starts, lens, tables, 1, context)
         q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
-        contexts.append(PolicyContext(layer, False, q, meta, k_cache, v_cache, HEAD_DIM**-0.5, TritonBackend()))
+        contexts.append(PolicyContext(layer, False, q, meta, k_cache, v_cache, HEAD_DIM**-0.5,
+                                      TritonBackend()))
     return contexts
 
 
@@ -59,19 +61,20 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from nanovllm.bench.kernels import DEV, DRY, graph_ms
     from nanovllm.sparse import KVWrite
-
-    from nanovllm_quest import kernels
     from nanovllm_quest.config import QuestConfig
     from nanovllm_quest.policy import QuestPolicy
 
+    from nanovllm_quest import kernels
+
     device = torch.device(DEV)
-    print("| context | batch | group_reduction | rescore | select us | select + attend us | dense us | vs_bound |")
+    print("| context | batch | group_reduction | rescore | select us | select + attend us | dense us "
+          "| vs_bound |")
     print("|---|---|---|---|---|---|---|---|")
     for context in args.contexts:
         for batch in args.batches:
             ctxs = layer_contexts(context, batch, args.layers, device)
-            dense_us = 1000 * graph_ms([partial(c.backend.decode, c.query, c.k_cache, c.v_cache, c.meta, c.scale)
-                                        for c in ctxs])
+            dense_us = 1000 * graph_ms([partial(c.backend.decode, c.query, c.k_cache, c.v_cache, c.meta,
+                                                c.scale) for c in ctxs])
             metadata, bound_us = None, None
             for reduction, rescore in MODES:
                 policy = QuestPolicy(QuestConfig(token_budget=args.budget, skip_layers=0,
