@@ -113,6 +113,8 @@ class BlockManager:
     def _fits(self, entries: list[int], reused: SequenceABC[int] = ()) -> bool:
         """Whether each pool has the blocks to hand out ``entries[g]`` new ones to each group ``g`` and to
         take back the free cached blocks ``reused``."""
+        if len(self.free_queues) == 1:  # the common case, once per running sequence and step
+            return sum(entries) + len(reused) <= len(self.free_queues[0])
         need = [0] * len(self.free_queues)
         for group, n in zip(self.groups, entries, strict=True):
             need[group.pool] += n

@@ -78,7 +78,9 @@ def block_tables(seqs: list[Sequence], group: int, offset: int = 0) -> np.ndarra
         return None
     tables = np.full((len(seqs), max(len(s.block_tables[group]) for s in seqs)), -1, dtype=np.int32)
     for i, s in enumerate(seqs):
-        tables[i, : len(s.block_tables[group])] = np.asarray(s.block_tables[group]) - offset
+        tables[i, : len(s.block_tables[group])] = s.block_tables[group]
+    if offset:
+        tables[tables >= 0] -= offset
     return tables
 
 
@@ -88,13 +90,15 @@ def slot_mapping(
     """``[num_tokens]`` int64: the cache slot of each token of a step (decodes' one token each, then the
     prefill chunks) in KV cache group ``group``'s blocks, their ids less ``offset``."""
     bs = block_size
-    parts = [np.asarray([(s.block_tables[group][p // bs] - offset) * bs + p % bs
+    parts = [np.asarray([s.block_tables[group][p // bs] * bs + p % bs
                          for s in decodes for p in [s.num_computed_tokens]], dtype=np.int64)]
     for s in prefills:
         pos = np.arange(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens)
-        table = np.asarray(s.block_tables[group], dtype=np.int64) - offset
-        parts.append(table[pos // bs] * bs + pos % bs)
-    return np.concatenate(parts)
+        parts.append(np.asarray(s.block_tables[group], dtype=np.int64)[pos // bs] * bs + pos % bs)
+    slots = np.concatenate(parts)
+    if offset:  # every token has a slot: no padding to keep
+        slots -= offset * bs
+    return slots
 
 
 def prompt_logprob_targets(scored: list[tuple[Sequence, int]]) -> tuple[np.ndarray | None, PromptTargets | None]:
