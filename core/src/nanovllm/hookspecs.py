@@ -80,7 +80,8 @@ class ObserverSpec:
         """New keys and values of one layer have landed in its KV store, the paged GPU cache or the host
         pool (every sequence of the step, prefill and decode; the keys are on the GPU either way). Called for the prefill policy, the decode policy and observers alike,
         whichever phase each runs, at a cost proportional to the new tokens. Per-block metadata (Quest's
-        key min/max) is kept up to date here."""
+        key min/max) is kept up to date here. Under KV offload a hybrid model's sliding-window layers, whose
+        windows stay on the GPU in a pool of their own (no policy runs on them), do not call it."""
 
     @hookspec
     def on_prefill_offload(self, transfer: KVTransfer) -> None:
@@ -100,7 +101,8 @@ class ObserverSpec:
         graph. Queue the reset without a host sync: ``m.index_fill_(1, block_ids, 0.0)``, not
         ``m[:, block_ids] = 0.0``, which copies the scalar from pageable memory and waits for the GPU (the
         conformance kit's ``no_host_sync`` check). A block shared through the prefix cache is not reallocated,
-        so its metadata stays."""
+        so its metadata stays. Under KV offload only the host pool's blocks are reported (see
+        ``on_kv_write``)."""
 
     @hookspec
     def on_blocks_selected(self, ctx: PolicyContext, block_indices: torch.Tensor) -> None:
