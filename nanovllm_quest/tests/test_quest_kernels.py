@@ -322,9 +322,14 @@ def test_rescore_pages(device, dtype, reduction, d=64):
 
 @cases
 @pytest.mark.parametrize("reduction", ["max", "mass"])
-def test_pick_by_keys(device, dtype, reduction, d=32):
+@pytest.mark.parametrize("tile", [None, 16])
+def test_pick_by_keys(device, dtype, reduction, tile, monkeypatch, d=32):
     """The nominees' rescoring and the pick in one call (with ``mass`` the shares and the pick in one
-    launch): ``pick_nominees`` of ``rescore_pages``."""
+    launch): ``pick_nominees`` of ``rescore_pages``. ``tile``: 20 nominees are two tiles, for both passes
+    of the shares and for the pick."""
+    if tile is not None:
+        monkeypatch.setattr(kernels, "SHARES_TILE", 4 * tile)  # 4 query heads a KV head
+        monkeypatch.setattr(kernels, "MAX_TOPK_TILE", tile)
     case = rescore_case(torch.Generator().manual_seed(17), dtype, d, num_nominees=20)
     nominees = case[4]
     want = reference.pick_by_keys(*case, 7, reduction, d**-0.5)
@@ -399,7 +404,7 @@ def test_kernels_at_head_size_256(device, dtype, monkeypatch):
     test_page_scores_with_fp8_bounds(device, dtype, 1, None, monkeypatch, d=256)
     test_rescore_pages(device, dtype, "max", d=256)
     test_rescore_pages(device, dtype, "mass", d=256)
-    test_pick_by_keys(device, dtype, "mass", d=256)
+    test_pick_by_keys(device, dtype, "mass", None, monkeypatch, d=256)
 
 
 def test_kernels_under_interpreter():
@@ -410,4 +415,4 @@ def test_kernels_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == 3 * 2 + 2 * 2 + 3 * 2 * 3 * 2 + 2 * 2 + 7 * 2 + 4 + 2 * 3 + 3 + 2 + 2 + 3 + 1, tail
+    assert passed == 3 * 2 + 2 * 2 + 3 * 2 * 3 * 2 + 2 * 2 + 7 * 2 + 4 + 2 * 3 + 3 + 2 * 2 + 2 + 3 + 1, tail
