@@ -4,7 +4,8 @@ layers' KV in the host pool, the window layers' windows in a GPU pool of their o
 Greedy tokens equal a roomy GPU-cache engine's on prompts that cross the window many times, in chunks whose
 boundaries fall inside it, with prefix hits past the window and preemption by either pool; no block of
 either pool stays held; a decoding sequence holds at most ``ceil(window / block) + 1`` window blocks; the
-per-block hooks see the host pool's blocks only, and a sparse policy gives the GPU cache's tokens.
+per-block hooks see the host pool's blocks only; a sparse policy gives the GPU cache's tokens; random arrivals
+and aborts leave the accounting of both pools right at every step.
 """
 
 from __future__ import annotations
@@ -142,6 +143,62 @@ def test_prefix_hits_reach_past_the_window(model, roomy_tokens):
     assert max(o.num_cached_tokens for o in out) > 2 * HYBRID_WINDOW
     assert [o.outputs[0].token_ids for o in out] == roomy_tokens[len(first):]
     assert_nothing_held(llm)
+
+
+def assert_blocks_accounted(llm: LLM) -> None:
+    """Each block's reference count is its users among the running sequences, in either pool; a block is in
+    its pool's free queue exactly when no one uses it."""
+    bm, users = llm.scheduler.block_manager, {}
+    for seq in llm.scheduler.running:
+        for table in seq.block_tables:
+            for b in table:
+                if b != bm.null_block:
+                    users[b] = users.get(b, 0) + 1
+    for block in bm.blocks:
+        assert block.ref_count == users.get(block.block_id, 0), block.block_id
+        assert (block.block_id in bm.free_queues[block.pool]) == (block.ref_count == 0), block.block_id
+
+
+@pytest.mark.parametrize("setting", ["host-tight", "window-tight"])
+def test_random_arrivals_and_aborts_free_every_block_of_both_pools(model, setting):
+    """Requests arrive over time, share long prefixes, and a fifth are aborted: every step the accounting
+    holds in both pools; finished requests' tokens are a fresh engine's; nothing stays held."""
+    rng = random.Random(11)
+    stems = [[rng.randrange(3, 250) for _ in range(rng.randrange(40, 150))] for _ in range(2)]
+    requests = []  # (id, prompt, max_tokens, arrival step, steps before an abort or None)
+    for i in range(14):
+        tail = [rng.randrange(3, 250) for _ in range(rng.randrange(1, 80))]
+        prompt = tail if i % 3 == 0 else rng.choice(stems) + tail
+        abort = rng.randrange(1, 20) if rng.random() < 0.2 else None
+        requests.append((f"r{i}", prompt, rng.randrange(1, MAX_NEW), rng.randrange(15), abort))
+    llm, outputs, live, aborted = offload_engine(model, setting), {}, {}, []
+    for step in range(3000):
+        for rid, prompt, max_tokens, arrival, abort in requests:
+            if arrival == step:
+                params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+                llm.add_request(rid, prompt, params)
+                live[rid] = step + abort if abort is not None else None
+        for rid in [r for r, at in live.items() if at == step]:
+            llm.abort_request(rid)
+            del live[rid]
+            aborted.append(rid)
+        if step >= 15 and not llm.has_unfinished_requests():
+            break
+        for out in llm.step():
+            outputs[out.request_id] = out
+            if out.finished:
+                live.pop(out.request_id, None)
+        assert_blocks_accounted(llm)
+    assert_nothing_held(llm)
+    assert llm.scheduler.num_preemptions > 0 and aborted, "the workload should preempt and abort"
+    fresh = engine(model, kv_cache_memory=64 << 20, enable_prefix_caching=False)
+    done = [(rid, prompt, n) for rid, prompt, n, _, _ in requests
+            if rid in outputs and outputs[rid].finish_reason == "length"]
+    assert len(done) >= len(requests) // 2
+    want = fresh.generate([p for _, p, _ in done], SamplingParams(temperature=0, max_tokens=MAX_NEW,
+                                                                  ignore_eos=True), use_tqdm=False)
+    for (rid, _, n), w in zip(done, want, strict=True):
+        assert outputs[rid].token_ids == w.outputs[0].token_ids[:n], rid
 
 
 class HookRecorder:
