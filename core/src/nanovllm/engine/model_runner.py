@@ -206,16 +206,22 @@ class ModelRunner:
         return PhaseMetadata(self._to_device(phase.cu_seqlens_q), self._to_device(phase.context_lens),
                              self._to_device(phase.block_tables), phase.max_query_len, phase.max_context_len)
 
-    def _group_metadata(self, meta: StepMetadata, group: GroupArrays) -> StepMetadata:
-        """The step ``meta`` (group 0's) as the layers of a later KV cache group see it: their own slots and
-        block tables."""
+    def _step_metadata(self, plan: StepPlan) -> StepMetadata:
+        """The step on the device as its layers read it: group 0's view, holding each later KV cache group's
+        (its own slots and block tables). Every view is made once here, so a layer only looks its own up."""
+        positions = self._to_device(plan.positions)
+        decode, prefill = self._phase_metadata(plan.decode), self._phase_metadata(plan.prefill)
 
-        def phase(phase: PhaseMetadata | None, tables: np.ndarray | None) -> PhaseMetadata | None:
-            return None if phase is None else attrs.evolve(phase, block_tables=self._to_device(tables))
+        def tables(phase: PhaseMetadata | None, group_tables: np.ndarray | None) -> PhaseMetadata | None:
+            return None if phase is None else attrs.evolve(phase, block_tables=self._to_device(group_tables))
 
-        decode, prefill = phase(meta.decode, group.decode_tables), phase(meta.prefill, group.prefill_tables)
-        return StepMetadata(self._to_device(group.slot_mapping), meta.positions, meta.num_decode_tokens, decode,
-                            prefill)
+        others = tuple(
+            StepMetadata(self._to_device(g.slot_mapping), positions, plan.num_decode_tokens,
+                         tables(decode, g.decode_tables), tables(prefill, g.prefill_tables))
+            for g in plan.other_groups
+        )
+        return StepMetadata(self._to_device(plan.slot_mapping), positions, plan.num_decode_tokens, decode, prefill,
+                            others)
 
     def prepare(
         self, seqs: list[Sequence], allocated: list[int] | None = None
@@ -287,16 +293,7 @@ class ModelRunner:
         if plan.placeholder_rows is not None:
             sources = self._to_device(plan.placeholder_sources)
             input_ids[self._to_device(plan.placeholder_rows)] = self._last_sampled[sources]
-        meta = StepMetadata(
-            slot_mapping=self._to_device(plan.slot_mapping),
-            positions=self._to_device(plan.positions),
-            num_decode_tokens=plan.num_decode_tokens,
-            decode=self._phase_metadata(plan.decode),
-            prefill=self._phase_metadata(plan.prefill),
-        )
-        if plan.other_groups:
-            groups = tuple(self._group_metadata(meta, g) for g in plan.other_groups)
-            meta = attrs.evolve(meta, other_groups=groups)
+        meta = self._step_metadata(plan)
         self.kv.begin_step(plan.decode, plan.prefill)
         graphs = self.cuda_graphs
         if graphs.graphs and meta.prefill is None and input_ids.shape[0] <= graphs.max_batch:
