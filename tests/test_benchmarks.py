@@ -58,6 +58,9 @@ CHARTS = {  # script: results enough for its chart
     ],
     "minference_prefill": [KERNEL_ROW],
     "xattn_prefill": [KERNEL_ROW],
+    "prefill_breakdown": [{"benchmark": "chunk", "shape": "4x1x256", "planted_density": 0.36, "history": 8192,
+                           "policy": "xattn", "ms": 2.0, "ceiling_ms": 0.5,
+                           "pieces": {"estimate": {"ms": 0.3}, "select": {"ms": 0.2}, "attention": {"ms": 1.0}}}],
 }
 
 
@@ -624,3 +627,149 @@ def test_hybrid_kv_falls_back_to_gemma3_270ms_shape(monkeypatch):
     assert layout["full_attention_bytes_per_sequence"] == 96 * 2**20
     assert layout["bytes_per_sequence"] <= hybrid_kv.BYTES_TARGET * layout["full_attention_bytes_per_sequence"]
     assert hybrid_kv.model_source("some/other-model") == ("some/other-model", {}, "as given")
+
+
+# -- prefill_breakdown.py ------------------------------------------------------------------------------------
+
+
+def breakdown_job(**changes) -> dict:
+    """A tiny job of ``prefill_breakdown.py``: two chunks of 256 tokens, small budgets, XAttention dense on
+    the first chunk (``dense_below``) and sparse on the second."""
+    policies = {"full": "full",
+                "minference": "minference:dense_below=0,vertical_size=16,slash_size=64,last_q=16,"
+                              "num_sink_tokens=4,num_recent_diags=8",
+                "xattn": "xattn:threshold=0.9,block_size=64,dense_below=300"}
+    return {"kind": "breakdown", "shape": [2, 1, 32], "density": 0.36, "context": 512, "chunk": 256,
+            "block_size": 16, "dtype": "float32", "device": "cpu", "backend": "auto", "policies": policies,
+            "repeats": 1, "warmup": 0, "planted_block": 64, "seed": 0, **changes}
+
+
+def test_prefill_breakdown_times_each_policy_and_its_pieces_per_chunk(one_thread, tmp_path):
+    """Every chunk: the dense call and each policy as the engine calls it, the pieces of a sparse call, the
+    density it selected (XAttention's: the blocks its own selection keeps) and the ceiling; the per-prompt
+    sums, the tables and the chart. Checks the code on the CPU (torch backend and references), not the
+    speed."""
+    import torch
+    from nanovllm.attention.metadata import PhaseMetadata
+    from nanovllm.attention.torch_backend import TorchBackend
+    from nanovllm.policy import PolicyContext
+    from nanovllm_xattn.selection import causal_density
+
+    pb = script("prefill_breakdown")
+    rows = pb.bench_breakdown(breakdown_job())
+    assert [(r["history"], r["policy"]) for r in rows] == [(h, p) for h in (0, 256) for p in pb.POLICIES]
+    assert all(r["backend"] == "torch" and r["ms"] > 0 and r["queued_ms"] > 0 for r in rows)
+    full, minference, xattn_dense, _, _, xattn = rows
+    assert (full["path"], full["density"], full["vs_dense"]) == ("dense", 1.0, 1.0)
+    assert full["ceiling_ms"] == full["ms"]
+    assert xattn_dense["path"] == "dense" and "pieces" not in xattn_dense  # 256 tokens: below dense_below
+    assert xattn["path"] == "sparse" and 0 < xattn["density"] < 1
+    assert xattn["ceiling_ms"] == pytest.approx(rows[3]["ms"] * xattn["density"])
+    for r in (minference, xattn):
+        assert set(r["pieces"]) == set(pb.PIECE_NAMES) and all(p["ms"] > 0 for p in r["pieces"].values())
+    assert minference["path"] in ("sparse", "dense (dense_above)") and minference["density"] > 0
+
+    # XAttention's density is that of the blocks its own selection keeps for this chunk
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = pb.planted_qkv(512, 2, 1, 32, 0.36, 64, gen, "cpu", torch.float32)
+    table = torch.randperm(32, generator=gen).int()
+    k_cache, v_cache = torch.empty(32, 16, 1, 32), torch.empty(32, 16, 1, 32)
+    k_cache[table.long()], v_cache[table.long()] = k.view(32, 16, 1, 32), v.view(32, 16, 1, 32)
+    cu, lens = torch.tensor([0, 256], dtype=torch.int32), torch.tensor([512], dtype=torch.int32)
+    ctx = PolicyContext(0, True, q[256:], PhaseMetadata(cu, lens, table[None], 256, 512), k_cache, v_cache,
+                        32**-0.5, TorchBackend())
+    policy = pb.make_policy(breakdown_job()["policies"]["xattn"], 1, 32, 32, 16, torch.float32, "cpu")
+    from nanovllm_xattn.policy import _ops, chunk_slices
+
+    (part,) = chunk_slices(cu, lens, 256, 64, 16384)
+    mask = policy.select(q[256:], ctx, part, k_cache, table[None], _ops(q.device)[0])
+    assert xattn["density"] == pytest.approx(causal_density(mask, cu, lens, 64))
+
+    results = pb.with_totals(rows + [{"kind": "breakdown", "benchmark": "breakdown", "shape": [4, 1, 8],
+                                      "density": 0.1, "error": "exit 1"}])
+    prompts = {r["policy"]: r for r in results if r["benchmark"] == "prompt"}
+    assert prompts["xattn"]["sparse_chunks"] == 1 and prompts["full"]["extra_ms"] == 0
+    assert prompts["xattn"]["ms"] == pytest.approx(xattn_dense["ms"] + xattn["ms"])
+    assert prompts["xattn"]["extra_ms"] == pytest.approx(prompts["xattn"]["ms"] - prompts["full"]["ms"])
+    settings = {"context": 512, "chunk": 256, "block_size": 16, "dtype": "float32", "full_layers": 3}
+    payload = {"environment": ENV, "settings": settings, "results": results}
+    text = pb.markdown(payload, "t")
+    assert f"| 2x1x32 | 0.36 | 256 | xattn | sparse | {xattn['density']:.3f} | {xattn['ms']:.3f} |" in text
+    assert "| 2x1x32 | 0.36 | xattn | 1/2 |" in text and "exit 1" in text
+    assert f"| {prompts['xattn']['extra_ms'] * 3:.3f} |" in text
+    pytest.importorskip("matplotlib")
+    pb.chart(payload, tmp_path / "b.png")
+    assert (tmp_path / "b.png").stat().st_size > 0
+
+
+def test_planted_prompt_sets_the_share_of_blocks_xattention_keeps():
+    """Planted structure: XAttention at threshold 0.9 keeps about the planted share of the blocks, more for a
+    larger share; plain random inputs (None) make it keep nearly every block."""
+    import torch
+    from nanovllm_xattn.estimate import block_scores_reference
+    from nanovllm_xattn.selection import causal_density, select_blocks
+
+    pb = script("prefill_breakdown")
+    n, chunk, block = 8192, 1024, 128
+    cu, lens = torch.tensor([0, chunk], dtype=torch.int32), torch.tensor([n], dtype=torch.int32)
+    kept = {}
+    for share in (0.1, 0.3, None):
+        q, k, _ = pb.planted_qkv(n, 2, 1, 64, share, block, torch.Generator().manual_seed(0), "cpu",
+                                 torch.float32)
+        tables = torch.arange(n // 16, dtype=torch.int32)[None]
+        keys = k.view(n // 16, 16, 1, 64)
+        scores = block_scores_reference(q[n - chunk:], keys, tables, cu, lens, 64**-0.5, 8, block, chunk, n)
+        mask = select_blocks(scores, cu, lens, block, 1, "mean", torch.full((2,), 0.9), dense_last_rows=0)
+        kept[share] = causal_density(mask, cu, lens, block)
+    assert abs(kept[0.1] - 0.1) < 0.05 and abs(kept[0.3] - 0.3) < 0.1 and kept[0.1] < kept[0.3]
+    assert kept[None] > 0.8
+    with pytest.raises(ValueError, match="share of the key blocks"):
+        pb.planted_qkv(64, 2, 1, 8, 1.0, 16, torch.Generator(), "cpu")
+
+
+def test_prefill_breakdown_jobs_and_the_launch_tally(monkeypatch):
+    """One job per shape (Gemma 3 270M's, then the compared ones) and planted share; a profile's GPU
+    operations, their time and the host's waits are counted (the final device synchronise is not a wait)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    pb = script("prefill_breakdown")
+    calls = []
+    monkeypatch.setattr(pb, "run_jobs", lambda jobs, *args: calls.append(jobs) or 0)
+    pb.main(["--densities", "0.2", "0.4", "--device", "cpu"])
+    pb.main(["--compare", "--random", "--heads", "8", "--kv-heads", "2", "--device", "cpu"])
+    assert [(j["shape"], j["density"]) for j in calls[0]] == [
+        ([4, 1, 256], 0.2), ([4, 1, 256], 0.4), ([32, 8, 128], 0.2), ([32, 8, 128], 0.4)]
+    assert [(j["shape"], j["density"]) for j in calls[1]] == [([8, 2, 256], None)]
+    job = calls[0][0]
+    assert (job["context"], job["chunk"], job["block_size"], job["dtype"]) == (32768, 8192, 16, "bfloat16")
+    assert job["policies"] == {"full": "full", "minference": "minference:dense_below=0",
+                               "xattn": "xattn:threshold=0.9"}
+    with pytest.raises(SystemExit):
+        pb.main(["--compare", "32,5,128"])
+
+    def event(key, device, count, us=0.0):
+        return SimpleNamespace(key=key, device_type=device, count=count, self_device_time_total=us)
+
+    gpu, host = DeviceType.CUDA, DeviceType.CPU
+    events = [event("_sparse_prefill_kernel", gpu, 2, 1500.0), event("Memset (Device)", gpu, 1, 2.0),
+              event("cudaLaunchKernel", host, 3), event("cudaEventSynchronize", host, 1),
+              event("cudaStreamSynchronize", host, 2), event("cudaDeviceSynchronize", host, 1)]
+    assert pb.tally(events) == {"launches": 3, "busy_ms": pytest.approx(1.502), "syncs": 3}
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_prefill_breakdown_counts_launches_and_waits_on_the_gpu():
+    """On CUDA, small: every call is profiled; MInference's attention waits on its ``dense_above`` decision,
+    XAttention's selection on the length of its block lists."""
+    pb = script("prefill_breakdown")
+    policies = {"full": "full", "minference": "minference:dense_below=0", "xattn": "xattn:dense_below=0"}
+    rows = pb.bench_breakdown(breakdown_job(shape=[4, 1, 256], context=4096, chunk=1024, dtype="bfloat16",
+                                            device="cuda", policies=policies, planted_block=128, repeats=2))
+    assert len(rows) == 12 and all(r["launches"] > 0 and r["busy_ms"] > 0 for r in rows)
+    minference = [r for r in rows if r["policy"] == "minference"]
+    xattn = [r for r in rows if r["policy"] == "xattn"]
+    assert all(r["pieces"]["attention"]["syncs"] >= 1 for r in minference)
+    assert all(r["path"] == "sparse" and r["pieces"]["select"]["syncs"] >= 1 for r in xattn)
