@@ -76,9 +76,10 @@ def block_tables(seqs: list[Sequence], group: int, offset: int = 0) -> np.ndarra
     sequences)."""
     if not seqs:
         return None
-    tables = np.full((len(seqs), max(len(s.block_tables[group]) for s in seqs)), -1, dtype=np.int32)
-    for i, s in enumerate(seqs):
-        tables[i, : len(s.block_tables[group])] = s.block_tables[group]
+    own = [s.block_tables[group] for s in seqs]
+    tables = np.full((len(seqs), max(map(len, own))), -1, dtype=np.int32)
+    for i, table in enumerate(own):
+        tables[i, : len(table)] = table
     if offset:
         tables[tables >= 0] -= offset
     return tables
