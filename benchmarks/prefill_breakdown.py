@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import statistics
 import sys
 import time
@@ -123,7 +124,7 @@ class Recorder:
 
     def canned(self) -> Callable:
         """A stand-in for ``fn`` that returns the recorded results in turn, computing nothing."""
-        results = iter([out for _, _, out in self.calls] * 1_000_000)
+        results = itertools.cycle([out for _, _, out in self.calls])
         return lambda *args, **kwargs: next(results)
 
 
@@ -150,8 +151,9 @@ def sync(device) -> None:
 
 
 def time_ms(fn: Callable[[], Any], device, repeats: int, warmup: int) -> dict[str, float]:
-    """``ms``: median time of one call of ``fn`` started on an idle device; ``queued_ms``: ``repeats`` calls
-    back to back, per call. CUDA events on the GPU, the host's clock on the CPU. ``warmup`` calls first."""
+    """``ms``: median time of one call of ``fn`` started on an idle device; ``host_ms``: the host's time to
+    make that call (its launches and waits, to its return); ``queued_ms``: ``repeats`` calls back to back,
+    per call. CUDA events on the GPU, the host's clock on the CPU. ``warmup`` calls first."""
     import torch
 
     for _ in range(warmup):
@@ -166,14 +168,17 @@ def time_ms(fn: Callable[[], Any], device, repeats: int, warmup: int) -> dict[st
         start = time.perf_counter()
         for _ in range(repeats):
             fn()
-        return {"ms": statistics.median(once), "queued_ms": 1e3 * (time.perf_counter() - start) / repeats}
-    pairs = []
+        ms = statistics.median(once)
+        return {"ms": ms, "host_ms": ms, "queued_ms": 1e3 * (time.perf_counter() - start) / repeats}
+    pairs, host = [], []
     for _ in range(repeats):
         torch.cuda.synchronize(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began = time.perf_counter()
         start.record()
         fn()
         end.record()
+        host.append(1e3 * (time.perf_counter() - began))
         pairs.append((start, end))
     torch.cuda.synchronize(device)
     once = [s.elapsed_time(e) for s, e in pairs]
@@ -183,7 +188,8 @@ def time_ms(fn: Callable[[], Any], device, repeats: int, warmup: int) -> dict[st
         fn()
     end.record()
     torch.cuda.synchronize(device)
-    return {"ms": statistics.median(once), "queued_ms": start.elapsed_time(end) / repeats}
+    return {"ms": statistics.median(once), "host_ms": statistics.median(host),
+            "queued_ms": start.elapsed_time(end) / repeats}
 
 
 def gpu_activity(fn: Callable[[], Any], device) -> dict[str, float]:
@@ -235,8 +241,8 @@ def minference_pieces(policy, q, k, v, ctx) -> tuple[dict[str, Callable], dict[s
     from nanovllm_minference.index import computed_density
 
     ops = module._ops(q.device)
-    estimate, index, attend = Recorder(ops.estimate), Recorder(ops.index), Recorder(ops.attend)
-    recorded = ops._replace(estimate=estimate, index=index, attend=attend)
+    estimate, attend = Recorder(ops.estimate), Recorder(ops.attend)
+    recorded = ops._replace(estimate=estimate, attend=attend)
     build = Recorder(policy.build_index)
     with replaced(module, "_ops", lambda device: recorded), replaced(policy, "build_index", build):
         policy.compute_chunked_prefill(q, k, v, ctx)
@@ -418,14 +424,15 @@ def markdown(payload: dict[str, Any], title: str) -> str:
     legend = ("ms: one call from an idle GPU (CUDA events, median); queued: per call of several back to "
               "back; density: what the policy selected; ceiling: dense ms x density (x 1 where the policy "
               "ran dense); estimate, select (MInference: the index), attention: the policy's own calls timed "
-              "alone; busy: GPU time of one profiled call; launches and syncs: its GPU operations and host "
-              "waits (whole call, then estimate / select / attention).")
+              "alone; busy: GPU time of one profiled call; host: the host's time to make a call (launches "
+              "and waits; above busy, the GPU waits on the host); launches and syncs: the GPU operations and "
+              "host waits of one call (whole call, then estimate / select / attention).")
     lines = [f"# {title}", "",
              f"{env['device']}, {env['date']}, commit {env['commit']}, torch {env['torch']}.",
              intro, "", "## Per chunk (ms)", "", legend, "",
              "| shape | planted | history | policy | path | density | ms | vs dense | queued | ceiling | "
-             "over ceiling | estimate | select | attention | busy | launches | syncs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "over ceiling | estimate | select | attention | busy | host | launches | syncs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["results"]:
         if "error" in r:
             lines.append(markdown_row([r.get("shape", "-"), r.get("density", "-"), "-", "-", r["error"]]))
@@ -444,7 +451,7 @@ def markdown(payload: dict[str, Any], title: str) -> str:
             cell(r["density"]), cell(r["ms"]), cell(r["vs_dense"], 2), cell(r["queued_ms"]),
             cell(r["ceiling_ms"]),
             cell(r["ms"] - r["ceiling_ms"]), *(piece_cell(r, p) for p in PIECE_NAMES), cell(r.get("busy_ms")),
-            with_pieces("launches"), with_pieces("syncs")]))
+            cell(r["host_ms"]), with_pieces("launches"), with_pieces("syncs")]))
     lines += ["", "## Per prompt: the chunks summed (ms, one layer)", "",
               f"Extra: the policy's time over dense's; x {layers} layers: what the policy adds to the TTFT "
               f"of a model with {layers} such layers (Gemma 3 270M: 3 full-attention layers).", "",
