@@ -220,8 +220,8 @@ class ModelRunner:
                          tables(decode, g.decode_tables), tables(prefill, g.prefill_tables))
             for g in plan.other_groups
         )
-        return StepMetadata(self._to_device(plan.slot_mapping), positions, plan.num_decode_tokens, decode, prefill,
-                            others)
+        return StepMetadata(self._to_device(plan.slot_mapping), positions, plan.num_decode_tokens, decode,
+                            prefill, others)
 
     def prepare(
         self, seqs: list[Sequence], allocated: list[int] | None = None
