@@ -175,3 +175,19 @@ def test_policy_metadata_counts_against_the_kv_budget():
     metadata = 2 * layers * kv_heads * head_dim * 4  # the policy's float32 min and max per block
     assert dense.num_blocks == (1 << 20) // kv
     assert quest.num_blocks == (1 << 20) // (kv + metadata) < dense.num_blocks
+
+
+def test_the_kit_fails_a_store_that_hands_policies_another_pools_blocks(monkeypatch):
+    """Under KV offload a hybrid model's window layers keep their KV in a GPU pool of their own, whose block
+    ids name other blocks of the policies' metadata: a store that told the per-block hooks of their writes
+    is caught by the kit's block-id check (a policy's metadata write there would land past its end)."""
+    from nanovllm.kv.store import HostKVStore, KVStore
+
+    def bind_every_layer(store, kv_write, blocks_allocated=(), decode_offload=(), prefill_offload=()):
+        KVStore.bind(store, kv_write, blocks_allocated)  # the window layers' writes reach the hooks too
+
+    case = Case("decode", "cpu", "torch", offload=True, hybrid=True)
+    run_case(case, "full")  # the store as it is: passes
+    monkeypatch.setattr(HostKVStore, "bind", bind_every_layer)
+    with pytest.raises(AssertionError, match=r"on_kv_write \(layer \d\): .* are not blocks of the store"):
+        run_case(case, "full")

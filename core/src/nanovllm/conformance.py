@@ -19,12 +19,14 @@ distribution's own tests::
 there, each with the KV cache on the device and again offloaded to host memory (the same policy code must
 give the same results on both), and the scheduling checks again on a hybrid model (sliding-window layers
 beside global ones, each keeping only its window: the policy runs on the global layers), on the device and
-offloaded (the global layers in the host pool, the windows in a GPU pool of their own). A check that does
-not apply (CUDA graphs on the CPU, metadata of a policy that keeps none, ``small_budget`` without a
-small-budget selection) raises :class:`unittest.SkipTest`, which pytest reports as skipped. A broken rule
-raises ``AssertionError`` naming the scenario, the request and what differs. The kit builds a tiny random
-Llama model once per process (no download) unless ``model_dir`` is given, and for the hybrid cases a tiny
-random Gemma 3 (the ``nanovllm-gemma3`` plugin; skipped without it).
+offloaded (the global layers in the host pool, the windows in a GPU pool of their own). The scenario,
+``metadata`` and ``small_budget`` checks also check every block id the per-block hooks and the selections'
+contexts hand a policy (:class:`BlockIdChecker`): a block of the store its metadata is sized for, never the
+null block. A check that does not apply (CUDA graphs on the CPU, metadata of a policy that keeps none,
+``small_budget`` without a small-budget selection) raises :class:`unittest.SkipTest`, which pytest reports
+as skipped. A broken rule raises ``AssertionError`` naming the scenario, the request and what differs. The
+kit builds a tiny random Llama model once per process (no download) unless ``model_dir`` is given, and for
+the hybrid cases a tiny random Gemma 3 (the ``nanovllm-gemma3`` plugin; skipped without it).
 """
 
 from __future__ import annotations
@@ -238,7 +240,9 @@ def _run_scenario(case: Case, model_dir: str, policy: Any, scenario: str, observ
     overrides, calls = SCENARIOS[scenario]
     if case.hybrid:
         overrides = overrides | HYBRID_OVERRIDES.get(scenario, {})
-    llm = _engine(case, model_dir, policy, observers, **overrides)
+    ids = BlockIdChecker()
+    llm = _engine(case, model_dir, policy, [*observers, ids], **overrides)
+    ids.null_block = llm.scheduler.block_manager.null_block
     outputs = []
     for lengths, max_tokens, seed, prompt_lp in calls:
         prompts = _prompts(lengths, seed) if scenario != "prefix_cache" else _prefix_prompts(lengths, seed)
@@ -320,6 +324,49 @@ class SelectionChecker:
         self.calls[phase] += 1
 
 
+class BlockIdChecker:
+    """An observer that checks every block id the per-block hooks hand a policy: those of
+    ``on_blocks_allocated``, the written rows' blocks and the step's block tables in ``on_kv_write``, and the
+    history's blocks in each selection's context. Each must name a block of the store whose ``num_blocks``
+    the policies' metadata is sized for (``initialize``), and none the null block (``null_block``: the kit
+    sets it once the engine is built), which no policy layer reads or writes. A block id of another pool
+    would update or read another block's metadata: on the GPU, past the end of it. It reads the ids on the
+    host, so an engine with it decodes eagerly."""
+
+    def __init__(self) -> None:
+        self.num_blocks: int | None = None
+        self.null_block: int | None = None
+
+    def initialize(self, num_layers, num_kv_heads, head_dim, num_blocks, block_size, dtype, device) -> None:
+        self.num_blocks = num_blocks
+
+    def _check(self, where: str, ids: torch.Tensor) -> None:
+        ids = ids.flatten().tolist()
+        bad = sorted({b for b in ids if not 0 <= b < self.num_blocks or b == self.null_block})
+        assert not bad, (f"{where}: block ids {bad[:8]} are not blocks of the store's {self.num_blocks} (the "
+                         f"policies' metadata rows; null block {self.null_block})")
+
+    def on_blocks_allocated(self, block_ids: torch.Tensor) -> None:
+        self._check("on_blocks_allocated", block_ids)
+
+    def on_kv_write(self, write: KVWrite) -> None:
+        where = f"on_kv_write (layer {write.layer_id})"
+        slots = write.slot_mapping
+        self._check(f"{where}: the rows' blocks", slots[slots >= 0] // write.block_size)
+        for name, phase in (("decode", write.step.decode), ("prefill", write.step.prefill)):
+            if phase is not None:  # a row's table: -1 padded; the null block only past a window
+                tables = phase.block_tables
+                named = tables[(tables >= 0) & (tables != self.null_block)]
+                self._check(f"{where}: the {name} block tables", named)
+                assert bool((tables >= -1).all()), f"{where}: the {name} block tables hold ids below -1"
+
+    def on_blocks_selected(self, ctx: PolicyContext, block_indices: torch.Tensor) -> None:
+        tables = ctx.meta.block_tables
+        logical = torch.arange(tables.shape[1], device=tables.device)
+        history = logical[None, :] < ctx.num_history_blocks[:, None]
+        self._check(f"the history blocks of the context of layer {ctx.layer_id}", tables[history])
+
+
 class FillRecorder:
     """How many tokens each physical block holds, the position of its first token and the layers that wrote
     it (on a hybrid model, those of the KV cache group holding it), from the KV-write hook (reset on
@@ -397,8 +444,9 @@ def _check_selection_contract(case: Case, model_dir: str, policy: Any) -> None:
 
 def _check_metadata(case: Case, model_dir: str, policy: Any) -> None:
     """Metadata kept step by step (prefix hits, preemption, reallocation) equals one pass over the cache."""
-    fills = FillRecorder()
-    llm = _engine(case, model_dir, policy, [fills], **SCENARIOS["preemption"][0])
+    fills, ids = FillRecorder(), BlockIdChecker()
+    llm = _engine(case, model_dir, policy, [fills, ids], **SCENARIOS["preemption"][0])
+    ids.null_block = llm.scheduler.block_manager.null_block
     _generate(llm, _prompts([30, 45, 60, 25], 5), _params(30, False))
     assert llm.scheduler.num_preemptions > 0, "the metadata workload did not preempt"
     _generate(llm, _prefix_prompts([40], 7), _params(10, False))
@@ -463,7 +511,9 @@ def _check_small_budget(case: Case, model_dir: str, policy: Any) -> None:
                                 "a budget of a few blocks to run the policy's sparse code")
     selections, fills = SelectionChecker(), FillRecorder()
     overrides, (lengths, max_tokens, seed) = SMALL_BUDGET_SCENARIO
-    llm = _engine(case, model_dir, policy, [selections, fills], **overrides)
+    ids = BlockIdChecker()
+    llm = _engine(case, model_dir, policy, [selections, fills, ids], **overrides)
+    ids.null_block = llm.scheduler.block_manager.null_block
     llm.runner.hooks.check_selections = True
     reference = AttentionReference(llm.runner.hooks)
     if not reference.phases:
