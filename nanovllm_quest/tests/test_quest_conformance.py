@@ -9,7 +9,7 @@ check runs the same options at a budget of 4 pages, one of them recent (every la
 compares each decode with attention over exactly the pages selected."""
 
 import pytest
-from nanovllm.conformance import cases, run_case
+from nanovllm.conformance import Case, cases, run_case
 from nanovllm.plugins import get_plugins
 
 SELECTION = "quest:token_budget=400,skip_layers=0"
@@ -24,3 +24,17 @@ def test_conformance(case, options):
         pytest.skip("the entry point is registered only once the distribution is installed")
     page = 16 if "page_size=16" in options else 4
     run_case(case, f"{SELECTION},{options}", small_budget=f"{SMALL_BUDGET.format(4 * page)},{options}")
+
+
+# The decode graphs on the hybrid model under KV offload, with Quest's rescoring (compact copies of the
+# nominees' keys from the host pool) and its split bounds (several bounds a page, reset on reallocation)
+# each on its own: which of the two the graphs of the page_size=4 options above depend on.
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", ["rescore=1,metadata_dtype=kv", "rescore=2,metadata_dtype=kv",
+                                     "rescore=1,metadata_dtype=fp8,bound_size=2",
+                                     "rescore=1,metadata_dtype=fp8,bound_size=4"])
+def test_decode_graphs_under_hybrid_offload(options):
+    if "quest" not in get_plugins().registry.sparse_policies:
+        pytest.skip("the entry point is registered only once the distribution is installed")
+    case = Case("cuda_graphs", "cuda", "triton", offload=True, hybrid=True)
+    run_case(case, f"{SELECTION},page_size=4,{options}")
