@@ -7,10 +7,13 @@ With tensor parallelism every rank captures or none does (they agree first), and
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -61,6 +64,19 @@ def every_rank_captures(this_rank_can: bool) -> bool:
         warnings.warn(f"tensor-parallel rank {tp_rank()} decodes eagerly (no CUDA graphs): another rank "
                       "cannot capture its decode graphs", RuntimeWarning, stacklevel=3)
     return every_rank_can
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cycle collector run once, then paused until the block ends."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class CudaGraphRunner:
@@ -162,11 +178,15 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        """One graph per batch-size bucket, sharing a memory pool and the static buffers."""
+        """One graph per batch-size bucket, sharing a memory pool and the static buffers. Python's cycle
+        collector runs once first and is paused while capturing: an engine dropped earlier (its runner and
+        graphs are reference cycles) finalized inside a capture resets its CUDA graphs there, which a
+        capture forbids, and the capture fails."""
         if tp_size() > 1:  # the graphs hold the NCCL communicator: they must go before it does
             release_before_destroy(self.release)
         pool = None
-        with weight_prefetch.capturing(self.device):  # the graphs read each next matmul's weights into L2
+        # the prefetch: the graphs read each next matmul's weights into L2
+        with collector_paused(), weight_prefetch.capturing(self.device):
             for bs in reversed(self.sizes):
                 graph = torch.cuda.CUDAGraph()
                 ids, pos = self.inputs["input_ids"][:bs], self.inputs["positions"][:bs]
