@@ -255,6 +255,13 @@ class BlockManager:
     def append_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Free the blocks that ``seq``'s windows have left, then grow it to ``num_tokens`` slots; ``False``
         (and no other change) if blocks run out."""
+        if self.null_block is None and len(self.groups) == 1:  # one full-attention group: every step's case
+            table = seq.block_tables[0]
+            needed = -(-num_tokens // self.block_size) - len(table)
+            if needed > len(self.free_queues[0]):
+                return False
+            table.extend(self._take_free_block(0) for _ in range(needed))
+            return True
         if self.null_block is not None:
             self._free_left_behind(seq)
         entries = self._new_entries(seq.block_tables, seq.num_computed_tokens, num_tokens)
