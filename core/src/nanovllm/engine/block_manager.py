@@ -25,7 +25,7 @@ GPU's), numbered after the host pool's; each pool has its free queue and counts 
 from __future__ import annotations
 
 from collections import ChainMap, OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SequenceABC
 
 import numpy as np
@@ -146,12 +146,17 @@ class BlockManager:
 
     def _block_hash(self, seq: Sequence, index: int) -> int:
         """Chained hash of the ``index``-th full block of ``seq`` (cached on the sequence)."""
-        while len(seq.block_hashes) <= index:
-            i = len(seq.block_hashes)
-            prev = seq.block_hashes[i - 1] if i else None
+        return self._chained(seq, seq.block_hashes, chain_hash, index)
+
+    def _chained(self, seq: Sequence, chain: list[int], hash_fn: Callable[[int | None, list[int]], int],
+                 index: int) -> int:
+        """``hash_fn`` chained over ``seq``'s full blocks up to the ``index``-th, extending ``chain`` (the
+        sequence's cache of that chain) as far as needed."""
+        while len(chain) <= index:
+            i = len(chain)
             tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            seq.block_hashes.append(chain_hash(prev, tokens))
-        return seq.block_hashes[index]
+            chain.append(hash_fn(chain[i - 1] if i else None, tokens))
+        return chain[index]
 
     def find_cached_prefix(self, seq: Sequence) -> list[list[int]]:
         """Per group, the block ids holding a prefix of ``seq`` (a window group's table names the blocks
@@ -220,12 +225,7 @@ class BlockManager:
 
     def _check_hash(self, seq: Sequence, index: int) -> int:
         """``check_hash`` chained over the first ``index + 1`` blocks of ``seq`` (cached on the sequence)."""
-        while len(seq.block_checks) <= index:
-            i = len(seq.block_checks)
-            prev = seq.block_checks[i - 1] if i else None
-            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            seq.block_checks.append(check_hash(prev, tokens))
-        return seq.block_checks[index]
+        return self._chained(seq, seq.block_checks, check_hash, index)
 
     def _parent_key(self, parent_id: int | None) -> tuple[int, int] | None:
         """What a block after block ``parent_id`` records as its parent (``None``: it starts a sequence, or
