@@ -68,8 +68,8 @@ def paged_args(meta: Any, scale: float, window: int | None = None, softcap: floa
     each sequence's new queries over its whole paged context (prefill chunks with history, and decode).
 
     ``meta`` is a :class:`nanovllm.attention.PhaseMetadata`. With a ``window`` the block tables' -1 entries
-    (blocks a sliding-window group no longer keeps) become block 0: FA4's cp.async page loads read the
-    table for every key of a tile, before the window's mask applies."""
+    (the padding past a sequence's blocks) become block 0: FA4's cp.async page loads read the table for
+    every key of a tile, before the window's mask applies."""
     tables = meta.block_tables if window is None else meta.block_tables.clamp(min=0)
     return dict(
         cu_seqlens_q=meta.cu_seqlens_q,
