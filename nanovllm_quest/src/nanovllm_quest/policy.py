@@ -184,9 +184,11 @@ def rescore_selection(
 def nominee_marks(nominees: torch.Tensor, width: int) -> torch.Tensor:
     """``[S, width]`` bool: the logical blocks that any KV head of a sequence nominates (``nominees [S, Hkv,
     C]``, -1 padded), for ``ctx.read_paged``."""
-    flat = nominees.flatten(1)
+    flat = nominees.flatten(1).long()
     marks = torch.zeros(flat.shape[0], width + 1, dtype=torch.bool, device=flat.device)
-    marks[torch.arange(flat.shape[0], device=flat.device)[:, None], flat] = True  # -1 marks the spare column
+    # -1 marks the spare column; a scatter of a scalar, since indexed assignment of True copies a host
+    # tensor, which a CUDA graph capture forbids
+    marks.scatter_(1, torch.where(flat < 0, width, flat), True)
     return marks[:, :width]
 
 
