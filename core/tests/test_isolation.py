@@ -362,50 +362,34 @@ def test_async_llm_ends_only_the_poisoned_stream(llm, reference, monkeypatch):
 def test_over_http_a_poisoned_request_ends_only_its_own_stream(model, monkeypatch):
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")
-    import socket
-    import threading
-    import time
-
-    import uvicorn
     from nanovllm import LLM, AsyncLLM
     from nanovllm.entrypoints.openai_server import build_app
+    from nanovllm.testing import local_server
 
     llm = LLM(model, kv_cache_memory=1 << 24, device="cpu", max_model_len=64, block_size=4)
     prompts = [p for p in HEALTHY if isinstance(p, list)]
     expected = [o.text for o in llm.generate(prompts, GREEDY, use_tqdm=False)]  # offline, without the poisoned
     fail_steps(monkeypatch, llm)
     engine = AsyncLLM.from_engine(llm)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny"), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
 
-    async def stream(client, prompt) -> list:
+    async def stream(client, url, prompt) -> list:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
                 "stream": True}
         async with client.stream("POST", url, json=body) as response:
             assert response.status_code == 200
             return [line[6:] async for line in response.aiter_lines() if line.startswith("data: ")]
 
-    async def clients():
+    async def clients(url):
         async with httpx.AsyncClient(timeout=60) as client:
-            events = await asyncio.gather(*(stream(client, p) for p in [*prompts[:1], POISONED, *prompts[1:]]))
+            events = await asyncio.gather(*(stream(client, url, p) for p in [*prompts[:1], POISONED, *prompts[1:]]))
             body = {"model": "tiny", "prompt": POISONED, "max_tokens": 8}
             return events, await client.post(url, json=body)
 
     try:
-        events, unstreamed = asyncio.run(clients())
+        with local_server(build_app(engine, "tiny")) as served:
+            events, unstreamed = asyncio.run(clients(f"{served.url}/v1/completions"))
     finally:
-        server.should_exit = True
-        thread.join(60)
         engine.shutdown()
-        sock.close()
     poisoned = events.pop(1)
     for healthy, text in zip(events, expected, strict=True):  # every healthy client: its whole text, then [DONE]
         assert healthy[-1] == "[DONE]"

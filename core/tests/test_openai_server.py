@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
 
 import attrs
@@ -16,9 +15,8 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 import httpx  # noqa: E402
-import uvicorn  # noqa: E402
 from nanovllm import SamplingParams  # noqa: E402
-from nanovllm.testing import wait_until  # noqa: E402
+from nanovllm.testing import local_server, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,21 +44,11 @@ def server(llm, reference):
     from nanovllm.entrypoints.openai_server import build_app
 
     engine = AsyncLLM(max_model_len=256, device="cpu", kv_cache_memory=1 << 26)  # the same engine as llm's
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, MODEL), log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + TIMEOUT
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(TIMEOUT)
-    engine.shutdown()
-    sock.close()
+    try:
+        with local_server(build_app(engine, MODEL), timeout=TIMEOUT) as served:
+            yield served.url
+    finally:
+        engine.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
-import threading
 import time
 
 import pytest
@@ -16,8 +14,7 @@ import torch
 pytest.importorskip("fastapi")
 import httpx  # noqa: E402
 import psutil  # noqa: E402
-import uvicorn  # noqa: E402
-from nanovllm.testing import wait_until  # noqa: E402
+from nanovllm.testing import local_server, wait_until  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,36 +36,28 @@ def test_a_worker_killed_mid_generation_fails_the_stream_and_health(tiny_model):
     engine = AsyncLLM(path, tensor_parallel_size=2, kv_cache_memory=1 << 26, max_model_len=MAX_MODEL_LEN,
                       hf_overrides={"max_position_embeddings": MAX_MODEL_LEN})
     app = build_app(engine, MODEL)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
     body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True,
             "stream": True}
     events: list = []
     try:
-        assert wait_until(lambda: srv.started, 60)
-        (worker,) = [p for p in psutil.Process(engine._core.process.pid).children()
-                     if not any("resource_tracker" in part for part in p.cmdline())]
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=BOUND)) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line.removeprefix("data: ")
-                events.append(data if data == "[DONE]" else json.loads(data))
-                if len(events) == 2:  # generating: kill the worker in the middle of the steps
-                    worker.send_signal(signal.SIGKILL)
-                    killed = time.monotonic()
-        ended = time.monotonic() - killed
-        assert events[-1] == "[DONE]" and "error" in events[-2], events[-2:]
-        assert events[-2]["error"]["code"] == 500 and "restart the server" in events[-2]["error"]["message"]
-        assert ended < BOUND
-        assert wait_until(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 503, 10)
+        with local_server(app) as served:
+            url = served.url
+            (worker,) = [p for p in psutil.Process(engine._core.process.pid).children()
+                         if not any("resource_tracker" in part for part in p.cmdline())]
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=BOUND)) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line.removeprefix("data: ")
+                    events.append(data if data == "[DONE]" else json.loads(data))
+                    if len(events) == 2:  # generating: kill the worker in the middle of the steps
+                        worker.send_signal(signal.SIGKILL)
+                        killed = time.monotonic()
+            ended = time.monotonic() - killed
+            assert events[-1] == "[DONE]" and "error" in events[-2], events[-2:]
+            assert events[-2]["error"]["code"] == 500 and "restart the server" in events[-2]["error"]["message"]
+            assert ended < BOUND
+            assert wait_until(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 503, 10)
     finally:
-        srv.should_exit = True
-        thread.join(60)
         app.state.preprocessor.close()
         engine.shutdown(10.0)  # kills an engine process stuck in a collective
-        sock.close()

@@ -21,8 +21,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 import httpx  # noqa: E402
-import uvicorn  # noqa: E402
-from nanovllm.testing import wait_until  # noqa: E402
+from nanovllm.testing import local_server, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM's finished_reason values
@@ -79,18 +78,12 @@ def server(model_dir):
     engine = AsyncLLM(model_dir, engine_process=False, device="cpu", max_model_len=MAX_MODEL_LEN,
                       hf_overrides={"max_position_embeddings": MAX_MODEL_LEN}, kv_cache_memory=1 << 26)
     app = build_app(engine, MODEL, max_json_body_size=BODY_LIMIT)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    assert wait_until(lambda: srv.started or not thread.is_alive(), TIMEOUT) and srv.started, "no server"
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    srv.should_exit = True
-    thread.join(TIMEOUT)
-    app.state.preprocessor.close()
-    engine.shutdown()
-    sock.close()
+    try:
+        with local_server(app, timeout=TIMEOUT) as served:
+            yield served.url
+    finally:
+        app.state.preprocessor.close()
+        engine.shutdown()
 
 
 def metrics(server) -> dict[str, float]:
@@ -571,28 +564,20 @@ def test_a_dead_tensor_parallel_worker_makes_health_503_while_idle(model_dir):
 
     engine = AsyncLLM(model_dir, engine_process=False, tensor_parallel_size=2, **SMALL_ENGINE)
     app = build_app(engine, MODEL)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
     try:
-        assert wait_until(lambda: srv.started, TIMEOUT)
-        assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200  # the engine's loop runs
-        (worker,) = engine.engine.world.workers.processes
-        os.kill(worker.pid, signal.SIGKILL)
-        assert wait_until(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 503, 10), \
-            "the idle engine did not notice"
-        response = httpx.post(f"{url}{C}", json=COMPLETION, timeout=5)
-        assert response.status_code == 500
-        assert "worker rank 1" in response.json()["error"]["message"], response.text
+        with local_server(app, timeout=TIMEOUT) as served:
+            url = served.url
+            assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200  # the engine's loop runs
+            (worker,) = engine.engine.world.workers.processes
+            os.kill(worker.pid, signal.SIGKILL)
+            assert wait_until(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 503, 10), \
+                "the idle engine did not notice"
+            response = httpx.post(f"{url}{C}", json=COMPLETION, timeout=5)
+            assert response.status_code == 500
+            assert "worker rank 1" in response.json()["error"]["message"], response.text
     finally:
-        srv.should_exit = True
-        thread.join(TIMEOUT)
         app.state.preprocessor.close()
         engine.shutdown()
-        sock.close()
 
 
 # -- SIGTERM -----------------------------------------------------------------------------------------
@@ -708,30 +693,25 @@ def test_a_second_signal_stops_at_once(model_dir):
 
     engine = AsyncLLM(model_dir, engine_process=False, device="cpu", max_model_len=512, kv_cache_memory=1 << 24)
     app = build_app(engine, MODEL)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    srv = DrainingServer(uvicorn.Config(app, log_level="warning"), app.state.drain, shutdown_timeout=600)
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
     try:
-        assert wait_until(lambda: srv.started, TIMEOUT)
-        client = Client(url, stream=True, max_tokens=500)
-        client.start()
-        assert wait_until(lambda: len(client.events) > 1, TIMEOUT)
-        srv.handle_exit(signal.SIGTERM, None)
-        assert wait_until(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 503, 5)
-        assert httpx.post(f"{url}{C}", json=COMPLETION, timeout=5).status_code == 503
-        assert "nanovllm:num_requests_running" in httpx.get(f"{url}/metrics", timeout=5).text  # still scraped
-        assert not any("error" in event for event in client.events if isinstance(event, dict)), \
-            "the drain stopped the stream in flight"
-        srv.handle_exit(signal.SIGTERM, None)
-        signalled = time.monotonic()
-        thread.join(10)
-        assert not thread.is_alive() and time.monotonic() - signalled < 5
+        with local_server(app, DrainingServer, TIMEOUT, drain=app.state.drain, shutdown_timeout=600) as served:
+            url, srv, thread = served
+            try:
+                client = Client(url, stream=True, max_tokens=500)
+                client.start()
+                assert wait_until(lambda: len(client.events) > 1, TIMEOUT)
+                srv.handle_exit(signal.SIGTERM, None)
+                assert wait_until(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 503, 5)
+                assert httpx.post(f"{url}{C}", json=COMPLETION, timeout=5).status_code == 503
+                assert "nanovllm:num_requests_running" in httpx.get(f"{url}/metrics", timeout=5).text  # still scraped
+                assert not any("error" in event for event in client.events if isinstance(event, dict)), \
+                    "the drain stopped the stream in flight"
+                srv.handle_exit(signal.SIGTERM, None)
+                signalled = time.monotonic()
+                thread.join(10)
+                assert not thread.is_alive() and time.monotonic() - signalled < 5
+            finally:  # a failed check must not leave the drain waiting on the stream
+                srv.force_exit = True
     finally:
-        srv.should_exit = srv.force_exit = True
-        thread.join(TIMEOUT)
         app.state.preprocessor.close()
         engine.shutdown()
-        sock.close()

@@ -11,9 +11,11 @@ layer); run them at ``block_size=HYBRID_BLOCK_SIZE``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": dict(
@@ -146,6 +148,39 @@ def wait_until(condition, timeout: float, poll: float = 0.05) -> bool:
             return False
         time.sleep(poll)
     return True
+
+
+class LocalServer(NamedTuple):
+    """A server run by :func:`local_server`: its base URL (``http://127.0.0.1:PORT``), the uvicorn server
+    object and the thread it runs in."""
+    url: str
+    server: Any
+    thread: threading.Thread
+
+
+@contextmanager
+def local_server(app, server_class=None, timeout: float = 60.0, **server_options: Any) -> Iterator[LocalServer]:
+    """Serve the ASGI ``app`` with uvicorn (``server_class(config, **server_options)``, default
+    ``uvicorn.Server``) in a daemon thread on a free local port. Yields once the server accepts connections
+    (``AssertionError`` if it has not after ``timeout`` seconds); on exit asks it to stop and waits for the
+    thread. Closing the engine behind ``app`` stays the caller's job."""
+    import socket
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = (server_class or uvicorn.Server)(uvicorn.Config(app, log_level="warning"), **server_options)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        assert wait_until(lambda: server.started or not thread.is_alive(), timeout) and server.started, \
+            "the server did not start"
+        yield LocalServer(f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread)
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
+        sock.close()
 
 
 def settled_rss() -> int:
