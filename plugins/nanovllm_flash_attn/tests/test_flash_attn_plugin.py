@@ -158,11 +158,26 @@ def test_fa4_refusals():
         assert dispatch.fa4_refusal(arch, "bfloat16", dim) is None, "every registered head size runs on FA4"
 
 
-@pytest.mark.parametrize("num_seqs, kv_heads, expected", [(1, 8, False), (8, 8, False), (16, 8, False),
-                                                          (17, 8, True), (64, 8, True), (132, 1, True)])
-def test_auto_decode_runs_fa4_once_the_batch_fills_the_sms(num_seqs, kv_heads, expected):
-    assert dispatch.decode_on_fa4("auto", num_seqs, kv_heads, num_sms=132) is expected
-    assert dispatch.decode_on_fa4("fa4", num_seqs, kv_heads, 132) and not dispatch.decode_on_fa4("triton", 999, 8, 132)
+# the peer table's decode shapes (H200: 132 SMs; 8 KV heads of 128): FA4 runs only where it kept up
+@pytest.mark.parametrize("num_seqs, block_size, expected", [(1, 16, False), (1, 128, False), (8, 16, False),
+                                                            (8, 128, False), (64, 16, False), (64, 128, True)])
+def test_auto_decode_runs_fa4_only_where_the_peer_table_has_it_level(num_seqs, block_size, expected):
+    assert dispatch.decode_on_fa4("auto", num_seqs, 8, block_size, 128, num_sms=132) is expected
+
+
+def test_auto_decode_needs_tma_pages_and_several_waves_of_tiles():
+    waves = dispatch.FA4_DECODE_WAVES
+    assert dispatch.decode_on_fa4("auto", waves * 66, 2, 128, 128, 132)  # exactly the waves
+    assert not dispatch.decode_on_fa4("auto", waves * 66 - 1, 2, 128, 128, 132)  # a tile short
+    assert dispatch.decode_on_fa4("auto", 1000, 8, 128, 64, 132)  # 128 keys are one tile at head dims <= 128
+    for block_size, head_dim in [(16, 128), (64, 128), (256, 128), (128, 256)]:  # pages load by cp.async
+        assert not dispatch.tma_pages(block_size, head_dim)
+        assert not dispatch.decode_on_fa4("auto", 1000, 8, block_size, head_dim, 132)
+
+
+def test_decode_option_overrides_the_rule():
+    assert dispatch.decode_on_fa4("fa4", 1, 1, 16, 256, 132)
+    assert not dispatch.decode_on_fa4("triton", 1000, 8, 128, 128, 132)
 
 
 def test_window_mapping():
@@ -343,22 +358,22 @@ def test_softcap_caps_the_scaled_scores(fa):
     assert not torch.allclose(capped, plain, atol=1e-3)
 
 
-def test_decode_batches_that_fill_the_gpu_run_fa4_the_rest_triton(fa):
+def test_auto_decode_runs_fa4_for_many_waves_of_tma_pages_the_rest_triton(fa, monkeypatch):
+    monkeypatch.setattr(backend, "device_facts", lambda index: ((9, 0), 4))  # small batches fill 4 SMs
     flash = fa()
-    small = _batch([(1, n) for n in (5, 77, 16)], seed=1)  # 3 seqs x 2 KV heads < 132 SMs
-    meta = _phase(small)
-    ref = TorchBackend().decode(small.q, small.k_cache, small.v_cache, meta, small.scale, 9)
-    out = flash.decode(small.q, small.k_cache, small.v_cache, meta, small.scale, 9)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    assert flash.fallback.calls == ["decode"] and fake_varlen.calls == 0
-
-    large = _batch([(1, 1 + n % 37) for n in range(66)], seed=2)  # 66 x 2 KV heads = 132
-    meta = _phase(large)
-    for window in (None, 5):
-        ref = TorchBackend().decode(large.q, large.k_cache, large.v_cache, meta, large.scale, window)
-        out = flash.decode(large.q, large.k_cache, large.v_cache, meta, large.scale, window)
-        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    assert flash.fallback.calls == ["decode"] and fake_varlen.calls == 2
+    tiles = dispatch.FA4_DECODE_WAVES * 4  # query tiles (sequences x 2 KV heads) that make the waves
+    cases = [(tiles // 2 - 1, 128, False), (tiles // 2, 16, False), (tiles // 2, 128, True)]
+    for seed, (num_seqs, block_size, on_fa4) in enumerate(cases):
+        b = _batch([(1, 1 + (37 * n) % 300) for n in range(num_seqs)], block_size=block_size, seed=seed)
+        meta = _phase(b)
+        assert flash.decode_runs_fa4(b.q, b.k_cache, meta) is on_fa4
+        for window in (None, 5):
+            calls = fake_varlen.calls, len(flash.fallback.calls)
+            ref = TorchBackend().decode(b.q, b.k_cache, b.v_cache, meta, b.scale, window)
+            out = flash.decode(b.q, b.k_cache, b.v_cache, meta, b.scale, window)
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+            ran = (fake_varlen.calls - calls[0], len(flash.fallback.calls) - calls[1])
+            assert ran == (on_fa4, not on_fa4)
 
 
 def test_decode_option_and_softcap_override_the_batch_rule(fa):

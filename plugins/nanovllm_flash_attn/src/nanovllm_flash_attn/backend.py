@@ -4,8 +4,9 @@ kernels where it has not, chosen per call from shapes alone (:mod:`nanovllm_flas
 - ``prefill``: FA4, causal over each sequence's paged context (prefix-cache hits, chunks with history,
   grouped KV heads, sliding windows, soft-cap). A single sequence with nothing cached before it attends over
   its new keys and values directly, without a page table.
-- ``decode``: FA4 when the batch fills the GPU, else the Triton split-KV decode (``decode`` option of
-  :class:`~nanovllm_flash_attn.config.FlashAttnConfig`): FA4 has no split-KV on SM 9.x.
+- ``decode``: the Triton split-KV decode, and FA4 only for batches of several waves of query tiles over
+  128-key pages (:func:`~nanovllm_flash_attn.dispatch.decode_on_fa4`; the ``decode`` option of
+  :class:`~nanovllm_flash_attn.config.FlashAttnConfig` overrides it): FA4 has no split-KV on SM 9.x.
 - ``attend_chunk``: FA4, with log-sum-exp.
 - ``attend_blocks``: Triton. FA4's KV gather (``gather_kv_indices``) is for MLA on SM 10.x only, and its
   block sparsity masks (query tile, key tile) pairs, not per-sequence lists of cache blocks.
@@ -100,7 +101,8 @@ class FlashAttnBackend(AttentionBackend):
         if softcap:  # only FA4 caps
             return True
         num_sms = device_facts(q.device.index)[1]
-        return decode_on_fa4(self.config.decode, meta.num_seqs, k_cache.shape[2], num_sms)
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        return decode_on_fa4(self.config.decode, meta.num_seqs, num_kv_heads, block_size, head_dim, num_sms)
 
     def attend_blocks(self, q, k_cache, v_cache, meta, block_indices, kv_lens, scale):
         return self.fallback.attend_blocks(q, k_cache, v_cache, meta, block_indices, kv_lens, scale)
