@@ -1,7 +1,8 @@
 """The ``flash_attn`` backend without FA4 or a GPU: registration and listing, the unavailable reason, the
 selection error, the rules that pick FA4 or Triton, and the argument mapping, checked end to end against
 the ``torch`` reference through a stand-in for ``flash_attn_varlen_func`` written from FA4's documented
-semantics. ``test_flash_attn_gpu.py`` checks the real kernels."""
+semantics, on kernel inputs and inside the engine (hybrid KV, chunked prefill, batched decodes).
+``test_flash_attn_gpu.py`` checks the real kernels."""
 
 from __future__ import annotations
 
@@ -230,6 +231,7 @@ def fake_varlen(q, k, v, *, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_sc
     (left, right) around that diagonal; scores ``softcap * tanh(s / softcap)``; lse ``[H, total_q]``."""
     assert causal and num_splits == 1 and (page_table is None) == (seqused_k is None) != (cu_seqlens_k is None)
     fake_varlen.calls += 1
+    fake_varlen.pages.append(None if page_table is None else (page_table, seqused_k, k.shape[0] - 1))
     out = torch.zeros(q.shape, dtype=torch.float64)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float64)
     group = q.shape[1] // k.shape[-2]
@@ -279,7 +281,7 @@ class TritonSpy:
 @pytest.fixture
 def fa(monkeypatch):
     """The backend on the CPU with the stand-in as FA4, on a 132-SM GPU that FA4 takes."""
-    fake_varlen.calls = 0
+    fake_varlen.calls, fake_varlen.pages = 0, []
     monkeypatch.setattr(backend, "load_fa4", lambda: fake_varlen)
     monkeypatch.setattr(backend.FlashAttnBackend, "refusal", lambda self, q: None)
     monkeypatch.setattr(backend, "device_facts", lambda index: ((9, 0), 132))
@@ -438,3 +440,34 @@ def test_refusal_reads_the_device_dtype_and_head_dim(monkeypatch):
     assert "head dim 72" in refusal(None, cuda_like)
     cuda_like.shape = (3, 4, 128)
     assert refusal(None, cuda_like) is None
+
+
+@pytest.mark.parametrize("architecture", ["MistralForCausalLM", "Gemma3ForCausalLM"])
+def test_engine_through_the_fa4_mapping_matches_the_torch_backend(fa, tiny_model, one_thread, architecture):
+    """The engine's own metadata through the backend's FA4 mapping (the stand-in as FA4, float32, decode
+    forced onto it): hybrid KV, whose window groups name the blocks that left their window by the null block
+    and pad their tables with -1, prompts prefilled in chunks over their history, and decodes batched over
+    sequences of different lengths give the torch backend's prompt logprobs and greedy tokens."""
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.testing import HYBRID_BLOCK_SIZE, HYBRID_WINDOW, prompt_logprobs
+
+    path = tiny_model(architecture)
+    options = dict(device="cpu", dtype="float32", attention_backend="torch", block_size=HYBRID_BLOCK_SIZE,
+                   kv_cache_memory=1 << 24, max_num_seqs=4, max_model_len=256, max_num_batched_tokens=48)
+    reference, engine = LLM(path, **options), LLM(path, **options)
+    flash = fa(decode="fa4")
+    for layer in engine.runner.attention_layers:
+        layer.bind(flash, layer.hooks)
+    prompt = [(7 * i + 3) % 250 + 3 for i in range(150)]  # chunks of 48: the window crossed many times
+    ours, theirs = prompt_logprobs(engine, prompt), prompt_logprobs(reference, prompt)
+    assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-4
+    params = SamplingParams(temperature=0, max_tokens=2 * HYBRID_WINDOW, ignore_eos=True)
+    prompts = [prompt[: 10 + 37 * i] for i in range(4)]
+    calls = fake_varlen.calls
+    assert ([o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+            == [o.token_ids for o in reference.generate(prompts, params, use_tqdm=False)])
+    assert fake_varlen.calls - calls > 2 * HYBRID_WINDOW and set(flash.fallback.calls) == {"store_kv"}
+    paged = [p for p in fake_varlen.pages if p is not None]
+    assert any((table == null).any() for table, _, null in paged), "no window group freed a block"
+    pages_used = [(-(-used // HYBRID_BLOCK_SIZE)).tolist() for _, used, _ in paged]
+    assert any(max(n) > min(n) for n in pages_used), "no table had padding"
