@@ -14,6 +14,12 @@ Four kernels:
   ``num_splits`` slices of the keys (split-KV, "flash decoding"); ``_reduce_kernel`` merges the
   slices by log-sum-exp. With one split the decode kernel writes the output directly.
 
+Knobs that change speed, never results (:class:`PrefillConfig`, :class:`DecodeConfig`): tiles, warps,
+pipeline stages, the split count's target, and structural options (TMA loads of the unmasked key tiles, a
+heads-first prefill grid, decode tiles read unmasked with their pages a tile ahead). A small rule
+(``_prefill_config``, ``_decode_config``) picks them from the module's defaults, which
+``benchmarks/kernel_sweep.py`` measures against the alternatives on a GPU.
+
 Every wrapper takes its grid sizes from host integers (``max_query_len``, the batch, head counts,
 ``max_context_len``) and never reads device values back, so decode can be captured in a CUDA graph.
 On CPU tensors the kernels run under Triton's interpreter (``TRITON_INTERPRET=1`` set before this
@@ -23,6 +29,7 @@ module is imported), with small tiles.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -210,7 +217,7 @@ def _masked_tile(
 # 0 for a selection shared by the heads: one compiled kernel for all of them
 @triton.jit(do_not_specialize=["stride_bt", "stride_bi", "stride_bh", "num_sel"])
 def _prefill_kernel(
-    Q, K, V, Out, Lse,
+    Q, K, V, Out, Lse, desc_k, desc_v,
     cu_q, lens, block_tables, block_idx,
     scale_log2,
     stride_qt, stride_qh, stride_qd,
@@ -222,10 +229,16 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, HAS_INDICES: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
     FP32: tl.constexpr, SKIP_DEAD: tl.constexpr, SLIDING: tl.constexpr,
+    TMA: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
-    # heaviest (last) query tiles first: under a causal mask they have the most keys
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    h = tl.program_id(1)
+    # heaviest (last) query tiles first: under a causal mask they have the most keys. HEADS_FIRST: the
+    # grid is (heads, query tiles), so the heaviest tiles of every head start before any lighter one
+    if HEADS_FIRST:
+        h = tl.program_id(0)
+        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    else:
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        h = tl.program_id(1)
     s = tl.program_id(2)
     q_start = tl.load(cu_q + s)
     q_len = tl.load(cu_q + s + 1) - q_start
@@ -296,16 +309,25 @@ def _prefill_kernel(
         if PAGED:
             blocks = next_blocks
             next_blocks = tile_blocks(bt_row, start_n + BLOCK_N, lo, BLOCK_N, BLOCK_SIZE)
-            rows = blocks.to(tl.int64) * stride_kb + ((start_n + offs_t) % BLOCK_SIZE) * stride_ks
+        if TMA:  # tensor-memory loads of the rows [row0, row0 + BLOCK_N) of 2-D [rows, Hkv * D] views
+            if PAGED:  # a tile lies in one page (BLOCK_N divides BLOCK_SIZE): ``blocks`` is a scalar
+                row0 = blocks * BLOCK_SIZE + start_n % BLOCK_SIZE
+            else:
+                row0 = q_start + start_n
+            k = desc_k.load([row0, kvh * HEAD_DIM])
+            v = desc_v.load([row0, kvh * HEAD_DIM])
         else:
-            rows = (q_start + start_n + offs_t).to(tl.int64) * stride_ks
-        kv_ptrs = (rows + kvh * stride_kh)[:, None] + offs_d[None, :] * stride_kd
-        if BLOCK_D == HEAD_DIM:
-            k = tl.load(K + kv_ptrs)
-            v = tl.load(V + kv_ptrs)
-        else:
-            k = tl.load(K + kv_ptrs, mask=d_ok[None, :], other=0.0)
-            v = tl.load(V + kv_ptrs, mask=d_ok[None, :], other=0.0)
+            if PAGED:
+                rows = blocks.to(tl.int64) * stride_kb + ((start_n + offs_t) % BLOCK_SIZE) * stride_ks
+            else:
+                rows = (q_start + start_n + offs_t).to(tl.int64) * stride_ks
+            kv_ptrs = (rows + kvh * stride_kh)[:, None] + offs_d[None, :] * stride_kd
+            if BLOCK_D == HEAD_DIM:
+                k = tl.load(K + kv_ptrs)
+                v = tl.load(V + kv_ptrs)
+            else:
+                k = tl.load(K + kv_ptrs, mask=d_ok[None, :], other=0.0)
+                v = tl.load(V + kv_ptrs, mask=d_ok[None, :], other=0.0)
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
 
     # the diagonal band, the ragged end and selected blocks: masked
@@ -358,7 +380,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     HAS_INDICES: tl.constexpr, WRITE_LSE: tl.constexpr, FP32: tl.constexpr, SKIP_DEAD: tl.constexpr,
-    READ_AHEAD: tl.constexpr, SLIDING: tl.constexpr,
+    READ_AHEAD: tl.constexpr, SLIDING: tl.constexpr, PAGE_AHEAD: tl.constexpr,
 ):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -410,6 +432,32 @@ def _decode_kernel(
             v = tl.load(V + kv_ptrs, mask=ld_mask, other=0.0)
             acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, valid[None, :], scale_log2, True,
                                                 FP32)
+    elif PAGE_AHEAD:
+        # whole contexts: the tiles that end within the context unmasked, their block-table entries read
+        # a tile ahead (so their key loads wait on no load of their own iteration); then the context's
+        # last, partial tile with masks, in the split that holds it
+        full_end = tl.minimum(end, (n_keys // BLOCK_N) * BLOCK_N)
+        offs_t = tl.arange(0, BLOCK_N)
+        bt_row = block_tables + s * stride_bt
+        next_blocks = tile_blocks(bt_row, start, full_end, BLOCK_N, BLOCK_SIZE)
+        for start_n in range(start, full_end, BLOCK_N):
+            blocks = next_blocks
+            next_blocks = tile_blocks(bt_row, start_n + BLOCK_N, full_end, BLOCK_N, BLOCK_SIZE)
+            rows = blocks.to(tl.int64) * stride_kb + ((start_n + offs_t) % BLOCK_SIZE) * stride_ks
+            kv_ptrs = (rows + kvh * stride_kh)[:, None] + offs_d[None, :] * stride_kd
+            if BLOCK_D == HEAD_DIM:
+                k = tl.load(K + kv_ptrs)
+                v = tl.load(V + kv_ptrs)
+            else:
+                k = tl.load(K + kv_ptrs, mask=d_ok[None, :], other=0.0)
+                v = tl.load(V + kv_ptrs, mask=d_ok[None, :], other=0.0)
+            acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
+        for start_n in range(tl.maximum(full_end, start), end, BLOCK_N):
+            acc, l_i, m_i = _masked_tile(
+                acc, l_i, m_i, q, K, V, start_n, s, kvh, 0, end, kv_len, block_tables,
+                sel, stride_bt, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
+                offs_d, d_ok, q_pos, window, scale_log2, BLOCK_N, BLOCK_SIZE, True, False, False, FP32, False,
+            )
     else:
         for start_n in range(start, end, BLOCK_N):
             if SKIP_DEAD:
@@ -502,22 +550,62 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, max_query_len: int):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages)."""
+class PrefillConfig(NamedTuple):
+    """The prefill kernel's tuning knobs; none changes a result beyond float rounding.
+
+    ``block_m`` query rows and ``block_n`` keys a tile, ``num_warps``, ``num_stages`` (Triton's software
+    pipeline depth). ``tma``: the unmasked key tiles through tensor-memory-accelerator loads (Hopper and
+    later, head dim a power of two, packed keys or pages of at least ``block_n`` keys; elsewhere it is
+    ignored). ``heads_first``: the grid runs the heaviest query tile of every head before any lighter
+    one, instead of every tile of one head before the next head."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    tma: bool = False
+    heads_first: bool = False
+
+
+class DecodeConfig(NamedTuple):
+    """The split-KV decode kernel's tuning knobs; none changes a result beyond float rounding.
+
+    ``block_n`` keys a step (several pages when pages are smaller), ``num_warps``, ``num_stages``.
+    ``programs_per_sm``: the split count aims at this many programs per multiprocessor, at most
+    ``max_splits`` splits per sequence and KV head. ``page_ahead``: over whole contexts, the key tiles
+    that end within the context run unmasked with their block-table entries read a tile ahead."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int = 2
+    max_splits: int = 64
+    page_ahead: bool = False
+
+
+# The defaults for 16-bit inputs on CUDA, head dim <= 128 (GQA 32q/8kv, d=128 measured): the values that
+# benchmarks/kernel_sweep.py reports as best are pasted here.
+PREFILL_LONG = PrefillConfig(128, 128, 8, 3)  # chunks of more than 64 queries, packed keys
+PREFILL_LONG_PAGED = PrefillConfig(128, 128, 8, 3)  # the same through the paged cache
+PREFILL_SHORT = PrefillConfig(64, 64, 4, 3)  # chunks of at most 64 queries: no large query tile to waste
+DECODE = DecodeConfig(64, 4, 3)  # pages of fewer than 64 tokens: a key step spans several pages
+DECODE_LARGE_PAGES = DecodeConfig(64, 4, 3)  # pages of 64 tokens or more
+
+
+def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, max_query_len: int,
+                    paged: bool = False) -> PrefillConfig:
+    """The prefill kernel's knobs for a launch: by device, dtype, head dim, chunk length and key source."""
     if device.type != "cuda":
-        return 16, 16, 1, 1
+        return PrefillConfig(16, 16, 1, 1)
     if dtype == torch.float32:
-        return 32, 32, 4, 2
-    # the fastest tiles of `nanovllm bench kernels`' sweep (16K causal, 32q/8kv heads), dense and paged
+        return PrefillConfig(32, 32, 4, 2)
+    if head_dim > 128:
+        return PrefillConfig(64, 32, 4, 2)
+    if max_query_len <= 64:
+        return PREFILL_SHORT
     if head_dim <= 64:
-        bm, bn, warps, stages = 128, 64, 8, 3
-    elif head_dim <= 128:
-        bm, bn, warps, stages = 128, 128, 8, 3
-    else:
-        bm, bn, warps, stages = 64, 32, 4, 2
-    if max_query_len <= 64 and head_dim <= 128:  # short chunks: do not waste a large query tile
-        bm, bn, warps, stages = 64, 64, 4, 3
-    return bm, bn, warps, stages
+        return PrefillConfig(128, 64, 8, 3)
+    return PREFILL_LONG_PAGED if paged else PREFILL_LONG
 
 
 def _dot_fp32(q: torch.Tensor) -> bool:
@@ -565,9 +653,46 @@ def _selection_args(block_indices: torch.Tensor | None, num_kv_heads: int, like:
     return sel, sel.stride(0), sel.stride(1), sel.shape[2]
 
 
+@functools.cache
+def _tma_capable(device_index: int) -> bool:
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, paged: bool, block_n: int):
+    """Tensor-memory descriptors of ``k`` and ``v`` as 2-D ``[rows, Hkv * D]`` views (a key tile is
+    ``block_n`` rows at column ``kvh * D``), or None where they cannot serve: a GPU before Hopper, a head
+    dim that is not a power of two, pages smaller than (or not a multiple of) the tile, or a layout whose
+    rows are not evenly strided, 16-byte aligned runs."""
+    if k.device.type == "cuda":
+        if not _tma_capable(k.device.index if k.device.index is not None else torch.cuda.current_device()):
+            return None
+    elif not is_interpreted():
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    head_dim, num_kv_heads = k.shape[-1], k.shape[-2]
+    if head_dim & (head_dim - 1) or k.stride(-1) != 1 or k.stride(-2) != head_dim:
+        return None
+    if paged:
+        num_blocks, block_size = k.shape[:2]
+        if block_size % block_n or k.stride(0) != block_size * k.stride(1):
+            return None
+        rows, row_stride = num_blocks * block_size, k.stride(1)
+    else:
+        rows, row_stride = k.shape[0], k.stride(0)
+    if rows == 0 or (row_stride * k.element_size()) % 16 or any(t.data_ptr() % 16 for t in (k, v)):
+        return None
+    return tuple(TensorDescriptor(t, [rows, num_kv_heads * head_dim], [row_stride, 1], [block_n, head_dim])
+                 for t in (k, v))
+
+
 def attention_rows(
     q, k, v, out, lse, cu_seqlens_q, lens, block_tables, block_indices, max_query_len, scale,
-    *, paged: bool, causal: bool, config: tuple[int, int, int, int] | None = None, window: int | None = None,
+    *, paged: bool, causal: bool, config: PrefillConfig | tuple | None = None, window: int | None = None,
 ) -> None:
     """Launch ``_prefill_kernel``: many query rows per sequence.
 
@@ -576,14 +701,18 @@ def attention_rows(
     are dense ``[num_tokens, Hkv, D]`` rows laid out like ``q`` (``lens`` unused). ``block_indices``:
     None, or a selection ``[num_seqs, k]`` or ``[num_seqs, Hkv, k]`` (see ``attend_blocks``). ``window``
     (causal, no selection): each query sees the last ``window`` positions up to its own, and tiles before
-    them are not read. ``config`` overrides the tile choice ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``
-    (benchmarks)."""
+    them are not read. ``config`` (a :class:`PrefillConfig` or its leading fields) overrides the rule's
+    knobs (benchmarks, tests)."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0:
         return
     num_kv_heads = k.shape[-2]
-    bm, bn, warps, stages = config or _prefill_config(head_dim, q.dtype, q.device, max_query_len)
+    if config:
+        cfg = PrefillConfig(*config)
+    else:
+        cfg = _prefill_config(head_dim, q.dtype, q.device, max_query_len, paged)
+    bm, bn = cfg.block_m, cfg.block_n
     if paged:
         block_size = k.shape[1]
         kstrides = k.stride()
@@ -599,9 +728,11 @@ def attention_rows(
     write_lse = lse is not None
     lse_t = lse if write_lse else _dummy(out).float()
     lse_strides = lse.stride() if write_lse else (0, 0)
-    grid = (triton.cdiv(max_query_len, bm), num_heads, num_seqs)
+    descs = _kv_descriptors(k, v, paged, bn) if cfg.tma and not has_idx else None
+    m_tiles = triton.cdiv(max_query_len, bm)
+    grid = (num_heads, m_tiles, num_seqs) if cfg.heads_first else (m_tiles, num_heads, num_seqs)
     _prefill_kernel[grid](
-        q, k, v, out, lse_t,
+        q, k, v, out, lse_t, *(descs or (k, v)),
         cu_seqlens_q, lens if lens is not None else cu_seqlens_q, bt, bi,
         scale * LOG2E,
         *q.stride(), *kstrides, *out.stride(), *lse_strides,
@@ -610,35 +741,40 @@ def attention_rows(
         BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn,
         PAGED=paged, HAS_INDICES=has_idx, CAUSAL=causal, WRITE_LSE=write_lse,
         FP32=_dot_fp32(q), SKIP_DEAD=_skip_dead(has_idx, bn, block_size), SLIDING=window is not None,
-        num_warps=warps, num_stages=stages,
+        TMA=descs is not None, HEADS_FIRST=cfg.heads_first,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
-def _decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, block_size: int):
-    """(BLOCK_N, num_warps, num_stages): the fastest of `nanovllm bench kernels`' sweep of paged decode
-    (d=128, 32q/8kv, bf16)."""
+def _decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, block_size: int) -> DecodeConfig:
+    """The decode kernel's knobs: by device, dtype and head dim. Its compiled parts must not follow the
+    batch or the context length (an eager decode step would compile a variant mid-run); the split count,
+    which does, is a runtime argument."""
     if device.type != "cuda":
-        return 16, 1, 1
+        return DecodeConfig(16, 1, 1)
     if dtype == torch.float32:
-        return 32, 4, 2
-    bn = 64 if head_dim <= 128 else 32
-    return bn, 4, 3
+        return DecodeConfig(32, 4, 2)
+    cfg = DECODE_LARGE_PAGES if block_size >= 64 else DECODE
+    return cfg._replace(block_n=32) if head_dim > 128 else cfg
 
 
-def num_decode_splits(num_seqs: int, num_kv_heads: int, max_keys: int, block_n: int, device) -> int:
-    """Split the keys so that about two programs run per multiprocessor; at least 2 tiles a split."""
+def num_decode_splits(num_seqs: int, num_kv_heads: int, max_keys: int, block_n: int, device,
+                      programs_per_sm: int = DECODE.programs_per_sm,
+                      max_splits: int = DECODE.max_splits) -> int:
+    """Split the keys so that about ``programs_per_sm`` programs run per multiprocessor; at least 2 tiles
+    a split, at most ``max_splits`` splits."""
     programs = max(1, num_seqs * num_kv_heads)
     # at least two splits: with contexts of mixed lengths the finer slices balance the multiprocessors
-    want = max(2, triton.cdiv(2 * num_sms(device), programs))
+    want = max(2, triton.cdiv(programs_per_sm * num_sms(device), programs))
     # at least 2 tiles a split, not more: a short selection (a sequence's few thousand selected keys per
     # KV head) runs faster in more, shorter splits; long contexts are bounded by ``want`` anyway
     by_len = max(1, triton.cdiv(max_keys, 2 * block_n))
-    return max(1, min(want, by_len, 64))
+    return max(1, min(want, by_len, max_splits))
 
 
 def attention_decode(
     q, k_cache, v_cache, out, lse, lens, block_tables, block_indices, max_keys, scale,
-    num_splits: int | None = None, config: tuple[int, int, int] | None = None, window: int | None = None,
+    num_splits: int | None = None, config: DecodeConfig | tuple | None = None, window: int | None = None,
 ) -> None:
     """Launch ``_decode_kernel`` (+ ``_reduce_kernel``): one query row per sequence, paged KV.
 
@@ -646,7 +782,8 @@ def attention_decode(
     (see ``attend_blocks``); each program reads only its KV head's list. ``max_keys`` (a host int)
     bounds the keys of any sequence; it sets the number of splits only, never the result. ``window``
     (no selection): each sequence attends to its last ``window`` keys, and the splits read only the tiles
-    that hold them. ``config`` overrides ``(BLOCK_N, num_warps, num_stages)`` (benchmarks)."""
+    that hold them. ``config`` (a :class:`DecodeConfig` or its leading fields) overrides the rule's knobs
+    (benchmarks, tests); ``num_splits`` overrides the split count."""
     num_seqs, num_heads, head_dim = q.shape
     if num_seqs == 0:
         return
@@ -654,12 +791,14 @@ def attention_decode(
     block_size = k_cache.shape[1]
     assert k_cache.stride() == v_cache.stride(), "k and v caches must share one layout"
     group = num_heads // num_kv_heads
-    bn, warps, stages = config or _decode_config(head_dim, q.dtype, q.device, block_size)
+    cfg = DecodeConfig(*config) if config else _decode_config(head_dim, q.dtype, q.device, block_size)
+    bn = cfg.block_n
     _check_window(window, block_indices is None)
     if window is not None:  # the keys any split may read: the window and one partial tile before it
         max_keys = min(max_keys, window + bn)
     if num_splits is None:
-        num_splits = num_decode_splits(num_seqs, num_kv_heads, max_keys, bn, q.device)
+        num_splits = num_decode_splits(num_seqs, num_kv_heads, max_keys, bn, q.device, cfg.programs_per_sm,
+                                       cfg.max_splits)
     block_d = triton.next_power_of_2(head_dim)
     has_idx = block_indices is not None
     skip_dead = _skip_dead(has_idx, bn, block_size)
@@ -683,8 +822,8 @@ def attention_decode(
         HAS_INDICES=has_idx, WRITE_LSE=write_lse, FP32=_dot_fp32(q),
         SKIP_DEAD=skip_dead,
         READ_AHEAD=_read_ahead(has_idx and not skip_dead, num_seqs * num_kv_heads, q.device),
-        SLIDING=window is not None,
-        num_warps=warps, num_stages=stages,
+        SLIDING=window is not None, PAGE_AHEAD=cfg.page_ahead and not has_idx and window is None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
@@ -702,5 +841,5 @@ def is_interpreted() -> bool:
 
 __all__ = [
     "store_kv", "attention_rows", "attention_decode", "num_decode_splits", "is_interpreted", "max_shared_memory",
-    "num_sms",
+    "num_sms", "PrefillConfig", "DecodeConfig",
 ]

@@ -1,0 +1,404 @@
+"""Our Triton attention kernels over a focused grid of their knobs, next to a device copy and cuDNN SDPA
+measured in the same run, to choose the defaults in ``nanovllm/attention/triton_kernels.py``.
+
+GQA 32 query / 8 KV heads, head dim 128, bf16, on one GPU:
+
+- paged decode, batch 1 at 128K, 8 at 16K and 64 at 4K, pages of 16 and 128: TB/s of KV read (each call
+  captured in a CUDA graph, as the engine runs decode) and its ratio to the copy (bytes read + written);
+- causal prefill over a 16K context, packed keys and through the paged cache (pages of 16 and 128; the whole
+  prompt, and a 4K chunk behind 12K of history): TFLOP/s (4 * heads * head_dim * visible query-key pairs)
+  and its ratio to cuDNN SDPA on the packed prompt of that context; with ``--long`` the packed 128K prompt.
+
+Each knob setting (a :class:`DecodeConfig` / :class:`PrefillConfig`) differs from the default in one or two
+knobs; its output is checked against the default's (decode, paged prefill) or cuDNN's (packed prefill), and a
+setting off by more than 2e-2 is marked wrong and never best. The variants compile first in parallel worker
+processes (Triton's disk cache then serves the timed process); the run stops timing when ``--budget`` seconds
+have passed, keeping what it measured. Writes ``OUT/NAME.json`` and ``OUT/NAME.md``: every row, the best
+setting per shape, and the defaults to paste (one decode setting per page size, because the decode kernel's
+compiled knobs must not follow the batch; prefill settings for packed and paged keys).
+
+    python benchmarks/kernel_sweep.py --out OUT [--name kernel_sweep] [--budget 80] [--long]
+    TRITON_INTERPRET=1 python benchmarks/kernel_sweep.py --out OUT   # dry: tiny sizes on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from nanovllm.attention import triton_kernels as tk
+from nanovllm.attention.triton_backend import _sdpa_causal
+from nanovllm.bench import environment
+from nanovllm.bench.kernels import (DEV, DRY, copy_bandwidth, graph_ms, ms, paged_cache, paged_decode_inputs,
+                                    randn, rel)
+
+H, HKV, D = (4, 2, 32) if DRY else (32, 8, 128)
+SCALE = D**-0.5
+WRONG = 2e-2  # relative error against the reference beyond which a setting is wrong
+# (batch, context) of decode; (queries, context) of prefill; page sizes
+DECODE_SHAPES = ((2, 70),) if DRY else ((1, 131072), (8, 16384), (64, 4096))
+PREFILL_PROMPT = 48 if DRY else 16384
+PREFILL_CHUNK = 16 if DRY else 4096
+LONG_PROMPT = 131072
+PAGES = (16,) if DRY else (16, 128)  # dry: pages as large as the interpreter's key tile (TMA applies)
+
+# Decode settings: knobs that differ from the default (fields of DecodeConfig). The first is the default.
+DECODE_VARIANTS = {
+    "default": {},
+    "1 program/SM": dict(programs_per_sm=1),
+    "3 programs/SM": dict(programs_per_sm=3),
+    "4 programs/SM, 128 splits": dict(programs_per_sm=4, max_splits=128),
+    "8 programs/SM, 256 splits": dict(programs_per_sm=8, max_splits=256),
+    "page ahead": dict(page_ahead=True),
+    "page ahead, 4 programs/SM": dict(page_ahead=True, programs_per_sm=4, max_splits=128),
+    "block_n 32": dict(block_n=32),
+    "block_n 128": dict(block_n=128),
+    "8 warps": dict(num_warps=8),
+    "2 stages": dict(num_stages=2),
+    "4 stages": dict(num_stages=4),
+    "4 stages, 1 program/SM": dict(num_stages=4, programs_per_sm=1),
+    "page ahead, 4 stages, 1 program/SM": dict(page_ahead=True, num_stages=4, programs_per_sm=1),
+    "block_n 128, 8 warps, 2 stages": dict(block_n=128, num_warps=8, num_stages=2),
+    "block_n 32, 4 programs/SM, 128 splits": dict(block_n=32, programs_per_sm=4, max_splits=128),
+}
+# Prefill settings (fields of PrefillConfig); TMA only where the keys allow it (packed, or pages >= block_n).
+PREFILL_VARIANTS = {
+    "default": {},
+    "tma": dict(tma=True),
+    "heads first": dict(heads_first=True),
+    "tma, heads first": dict(tma=True, heads_first=True),
+    "128x64, 4 warps": dict(block_m=128, block_n=64, num_warps=4),
+    "128x64, 8 warps": dict(block_m=128, block_n=64, num_warps=8),
+    "2 stages": dict(num_stages=2),
+    "64x128, 4 warps": dict(block_m=64, block_n=128, num_warps=4),
+    "tma, 128x64, 4 warps": dict(tma=True, block_m=128, block_n=64, num_warps=4),
+    "tma, 2 stages": dict(tma=True, num_stages=2),
+}
+if DRY:  # the interpreter is slow: a few settings that go through every kernel path
+    DECODE_VARIANTS = {k: DECODE_VARIANTS[k] for k in ("default", "page ahead, 4 programs/SM")}
+    PREFILL_VARIANTS = {k: PREFILL_VARIANTS[k] for k in ("default", "tma, heads first")}
+
+
+def decode_config(variant: str, block_size: int) -> tk.DecodeConfig:
+    base = tk._decode_config(D, torch.bfloat16, torch.device(DEV), block_size)
+    return base._replace(**DECODE_VARIANTS[variant])
+
+
+def prefill_config(variant: str, paged: bool) -> tk.PrefillConfig:
+    base = tk._prefill_config(D, torch.bfloat16, torch.device(DEV), PREFILL_PROMPT, paged)
+    return base._replace(**PREFILL_VARIANTS[variant])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the shapes: each builds its inputs and returns {variant: call}, calls returning their output
+# ----------------------------------------------------------------------------------------------------------
+
+
+def decode_shape(batch: int, ctx: int, block_size: int, gen):
+    kc, vc, tables, lens, q, _ = paged_decode_inputs(batch, ctx, block_size, H, HKV, D, gen)
+
+    def call(variant):
+        out = torch.empty_like(q)
+
+        def run():
+            tk.attention_decode(q, kc, vc, out, None, lens, tables, None, ctx, SCALE,
+                                config=decode_config(variant, block_size))
+            return out
+        return run
+    return {v: call(v) for v in DECODE_VARIANTS}
+
+
+def prefill_shape(q_len: int, ctx: int, block_size: int | None, gen):
+    """``block_size`` None: packed keys (then ``q_len == ctx``)."""
+    k_all, v_all = randn(ctx, HKV, D, gen=gen), randn(ctx, HKV, D, gen=gen)
+    q = randn(q_len, H, D, gen=gen)
+    cu = torch.tensor([0, q_len], dtype=torch.int32, device=DEV)
+    lens = torch.tensor([ctx], dtype=torch.int32, device=DEV)
+    if block_size is not None:
+        kc, vc, table = paged_cache(k_all, v_all, block_size, gen)
+
+    def call(variant):
+        out = torch.empty_like(q)
+        cfg = prefill_config(variant, block_size is not None)
+
+        def run():
+            if block_size is None:
+                tk.attention_rows(q, k_all, v_all, out, None, cu, None, None, None, q_len, SCALE, paged=False,
+                                  causal=True, config=cfg)
+            else:
+                tk.attention_rows(q, kc, vc, out, None, cu, lens, table, None, q_len, SCALE, paged=True,
+                                  causal=True, config=cfg)
+            return out
+        return run
+    sdpa_mode = "plain" if DRY else "cudnn"  # dry: the CPU's SDPA stands in
+    calls = {v: call(v) for v in PREFILL_VARIANTS}
+    if block_size is None:
+        return {"cudnn sdpa": lambda: _sdpa_causal(q, k_all, v_all, SCALE, sdpa_mode)} | calls
+    return calls
+
+
+def shapes(long: bool) -> list[dict]:
+    """Every shape of the sweep: kind, label, its work per call (bytes or FLOPs), and how to build it."""
+    out = []
+    for batch, ctx in DECODE_SHAPES:
+        for bs in PAGES:
+            out.append(dict(kind="decode", label=f"b={batch} ctx={ctx} bs={bs}", unit="TB/s",
+                            work=2 * batch * ctx * HKV * D * 2, build=(decode_shape, batch, ctx, bs),
+                            variants=list(DECODE_VARIANTS)))
+    prefills = [(PREFILL_PROMPT, PREFILL_PROMPT, None)]
+    prefills += [(PREFILL_PROMPT, PREFILL_PROMPT, bs) for bs in PAGES]
+    prefills += [(PREFILL_CHUNK, PREFILL_PROMPT, bs) for bs in PAGES]
+    if long and not DRY:
+        prefills.append((LONG_PROMPT, LONG_PROMPT, None))
+    for q_len, ctx, bs in prefills:
+        pairs = q_len * (ctx - q_len) + q_len * (q_len + 1) / 2
+        keys = "packed" if bs is None else f"paged bs={bs}"
+        out.append(dict(kind="prefill", label=f"q={q_len} ctx={ctx} {keys}", unit="TFLOP/s",
+                        work=4 * H * D * pairs, build=(prefill_shape, q_len, ctx, bs),
+                        variants=list(PREFILL_VARIANTS), long=q_len == LONG_PROMPT))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# compiling ahead, in parallel
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _compile_key(shape: dict, variant: str) -> tuple:
+    """What Triton compiles a variant for: the kind, the page size (None: packed keys) and the compiled knobs
+    (the split count is a runtime argument). Shapes and variants of one key share the compiled kernel, the
+    decode reduce aside (its split count's power of two is compiled in: whichever worker meets it)."""
+    block_size = shape["build"][3]
+    if shape["kind"] == "decode":
+        cfg = decode_config(variant, block_size)._replace(programs_per_sm=0, max_splits=0)
+    elif variant == "cudnn sdpa":
+        return "cudnn", block_size
+    else:
+        cfg = prefill_config(variant, block_size is not None)
+    return shape["kind"], block_size, tuple(cfg)
+
+
+def _compile_part(args: tuple[int, int, bool]) -> int:
+    """Worker: run once every (shape, variant) whose compile key falls to this worker, so that Triton compiles
+    it into its disk cache. Returns how many calls ran."""
+    index, workers, long = args
+    every = shapes(long)
+    keys = sorted({_compile_key(sh, v) for sh in every for v in sh["variants"]}, key=str)
+    mine = {key for i, key in enumerate(keys) if i % workers == index}
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    done = 0
+    for shape in every:
+        todo = [v for v in shape["variants"] if _compile_key(shape, v) in mine]
+        if not todo:
+            continue
+        fn, *build_args = shape["build"]
+        calls = fn(*build_args, gen)
+        for variant in todo:
+            try:
+                calls[variant]()
+                done += 1
+            except Exception:  # noqa: BLE001 - the timed run records why
+                pass
+        del calls
+        torch.cuda.synchronize()
+    return done
+
+
+def compile_ahead(workers: int, timeout: float, long: bool) -> str:
+    """Compile every variant in ``workers`` processes; whatever is not done by ``timeout`` seconds compiles in
+    the timed process instead."""
+    import multiprocessing as mp
+
+    start = time.perf_counter()
+    pool = mp.get_context("spawn").Pool(workers)
+    try:
+        done = sum(pool.map_async(_compile_part, [(i, workers, long) for i in range(workers)]).get(timeout))
+        note = f"{done} kernels run by {workers} compile workers in {time.perf_counter() - start:.1f} s"
+    except Exception as e:  # noqa: BLE001 - a timeout or a worker's failure only costs compile time later
+        note = f"compile workers stopped after {time.perf_counter() - start:.1f} s ({type(e).__name__})"
+    finally:
+        pool.terminate()
+        pool.join()
+    return note
+
+
+# ----------------------------------------------------------------------------------------------------------
+# timing, ranking, output
+# ----------------------------------------------------------------------------------------------------------
+
+
+def measure(shape: dict, gen, deadline: float, copy_tbps: float, anchors: dict) -> list[dict]:
+    """Time every variant of one shape (cuDNN first where it runs: its output is then the reference, else the
+    default's is)."""
+    fn, *build_args = shape["build"]
+    block_size = build_args[2]
+    calls = fn(*build_args, gen)
+    rows, ref = [], None
+    for variant, call in calls.items():
+        row = dict(kind=shape["kind"], shape=shape["label"], variant=variant, ms=None, value=None,
+                   unit=shape["unit"], err=None, note="")
+        if variant != "cudnn sdpa":
+            cfg = (decode_config(variant, block_size) if shape["kind"] == "decode"
+                   else prefill_config(variant, block_size is not None))
+            row["config"] = cfg._asdict()
+            if shape["kind"] == "prefill" and cfg.tma and block_size is not None and block_size % cfg.block_n:
+                row["note"] = "pages smaller than the key tile: plain loads"
+        rows.append(row)
+        if time.perf_counter() > deadline:
+            row["note"] = "skipped: out of time"
+            continue
+        try:
+            out = call()
+            if ref is None:
+                ref = out.clone()
+            row["err"] = float(f"{rel(out, ref):.2e}")
+            t = graph_ms([call]) if shape["kind"] == "decode" else ms(call)
+        except Exception as e:  # noqa: BLE001 - a setting that cannot run: its row says why
+            row["note"] = f"{type(e).__name__}: {str(e)[:160]}"
+            continue
+        row["ms"] = round(t, 4)
+        row["value"] = float(f"{shape['work'] / t / 1e9:.4g}")
+        if row["err"] > WRONG:
+            row["note"] = "wrong: off the reference"
+    # the packed prompt's cuDNN rate anchors every prefill row of that context
+    context = shape["label"].split()[1]
+    cudnn = next((r for r in rows if r["variant"] == "cudnn sdpa"), None)
+    if cudnn is not None and cudnn["value"]:
+        anchors[context] = cudnn["value"]
+    default = next((r for r in rows if r["variant"] == "default" and r["value"]), None)
+    for r in rows:
+        if r["value"] is None:
+            continue
+        if shape["kind"] == "decode":
+            r["of_copy"] = float(f"{r['value'] / copy_tbps:.3g}")
+        elif context in anchors:
+            r["of_cudnn"] = float(f"{r['value'] / anchors[context]:.3g}")
+        if default:
+            r["vs_default"] = float(f"{r['value'] / default['value']:.3g}")
+    del calls
+    return rows
+
+
+def _good(r: dict) -> bool:
+    return r["value"] is not None and not r["note"].startswith("wrong") and r["variant"] != "cudnn sdpa"
+
+
+def best_per_shape(rows: list[dict]) -> dict[str, dict]:
+    best: dict[str, dict] = {}
+    for r in rows:
+        if _good(r) and (r["shape"] not in best or r["value"] > best[r["shape"]]["value"]):
+            best[r["shape"]] = r
+    return {shape: dict(variant=r["variant"], value=r["value"], unit=r["unit"],
+                        vs_default=r.get("vs_default"), config=r.get("config")) for shape, r in best.items()}
+
+
+def _geomean_choice(rows: list[dict], shapes_of_group: set[str]) -> dict | None:
+    """The variant with the best geometric mean of ``vs_default`` over a group of shapes; only variants that
+    ran right on every shape of the group."""
+    scores: dict[str, list[float]] = {}
+    for r in rows:
+        if r["shape"] in shapes_of_group and _good(r) and r.get("vs_default"):
+            scores.setdefault(r["variant"], []).append(r["vs_default"])
+    full = {v: s for v, s in scores.items() if len(s) == len(shapes_of_group)}
+    if not full:
+        return None
+    variant = max(full, key=lambda v: sum(map(math.log, full[v])))
+    config = next(r["config"] for r in rows if r["variant"] == variant and r["shape"] in shapes_of_group)
+    return dict(variant=variant, geomean_vs_default=round(math.exp(sum(map(math.log, full[variant]))
+                                                                   / len(full[variant])), 3), config=config)
+
+
+def recommend(rows: list[dict]) -> dict[str, dict]:
+    """The defaults to paste: decode per page size over its batches (the kernel's compiled knobs must not
+    follow the batch), prefill for packed keys and for paged keys (both page sizes, with and without
+    history)."""
+    decode = {r["shape"] for r in rows if r["kind"] == "decode"}
+    prefill = {r["shape"] for r in rows if r["kind"] == "prefill"}
+    groups = {f"{'DECODE_LARGE_PAGES' if bs >= 64 else 'DECODE'} (bs={bs})":
+              {s for s in decode if s.endswith(f" bs={bs}")} for bs in PAGES}
+    groups["PREFILL_LONG (packed)"] = {s for s in prefill if s.endswith("packed")
+                                       and not s.startswith(f"q={LONG_PROMPT}")}
+    groups["PREFILL_LONG_PAGED"] = {s for s in prefill if "paged" in s}
+    out = {}
+    for name, group in groups.items():
+        choice = _geomean_choice(rows, group) if group else None
+        if choice:
+            cls = "DecodeConfig" if name.startswith("DECODE") else "PrefillConfig"
+            fields = ", ".join(f"{k}={v}" for k, v in choice["config"].items())
+            choice["paste"] = f"{cls}({fields})"
+            out[name] = choice
+    return out
+
+
+def markdown(result: dict, name: str) -> str:
+    env = result["environment"]
+    lines = [f"# {name}", "",
+             f"{env['device']}, {env['date']}, commit {env['commit']}, torch {env['torch']}, triton "
+             f"{result['triton']}. GQA {H}q/{HKV}kv, d={D}, bf16. Copy {result['copy_tbps']} TB/s. "
+             f"{result['compile']}; {result['wall_s']} s in all.", "",
+             "## Defaults to paste (best geometric mean over the group's shapes)", "",
+             "| group | variant | vs default | setting |", "|---|---|---|---|"]
+    for group, c in result["recommended"].items():
+        lines.append(f"| {group} | {c['variant']} | {c['geomean_vs_default']} | `{c['paste']}` |")
+    lines += ["", "## Best per shape", "", "| shape | variant | value | vs default |", "|---|---|---|---|"]
+    for shape, b in result["best"].items():
+        lines.append(f"| {shape} | {b['variant']} | {b['value']} {b['unit']} | {b['vs_default']} |")
+    lines += ["", "## Every row", "",
+              "| kind | shape | variant | ms | value | of copy / of cuDNN | vs default | err | note |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        ratio = r.get("of_copy", r.get("of_cudnn", ""))
+        value = "-" if r["value"] is None else f"{r['value']} {r['unit']}"
+        t = "-" if r["ms"] is None else r["ms"]
+        err = "" if r["err"] is None else r["err"]
+        lines.append(f"| {r['kind']} | {r['shape']} | {r['variant']} | {t} | {value} | {ratio} | "
+                     f"{r.get('vs_default', '')} | {err} | {r['note']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import triton
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--name", default="kernel_sweep")
+    parser.add_argument("--budget", type=float, default=80.0, help="seconds of wall time, compiling included")
+    parser.add_argument("--workers", type=int, default=min(8, max(1, (os.cpu_count() or 2) - 2)),
+                        help="processes that compile the variants first (0: compile while timing)")
+    parser.add_argument("--long", action="store_true", help="also the packed 128K prompt (about 10 s more)")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    deadline = start + args.budget - 3  # the last writes
+    args.out.mkdir(parents=True, exist_ok=True)
+    compile_note = "no compile workers"
+    if not DRY and args.workers > 0:
+        compile_note = compile_ahead(args.workers, 0.45 * args.budget, args.long)
+        print(compile_note, file=sys.stderr, flush=True)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    copy_tbps = copy_bandwidth() / 1e3
+    result = dict(environment=environment(), triton=triton.__version__, heads=H, kv_heads=HKV, head_dim=D,
+                  copy_tbps=round(copy_tbps, 3), compile=compile_note, dry=DRY, rows=[])
+    anchors: dict[str, float] = {}
+    ordered = sorted(shapes(args.long), key=lambda s: (s["kind"] != "prefill", s.get("long", False)))
+    for shape in ordered:  # prefill first: the packed prompt's cuDNN rate anchors the paged rows
+        print(f"{time.perf_counter() - start:5.1f} s {shape['kind']} {shape['label']}", file=sys.stderr,
+              flush=True)
+        result["rows"] += measure(shape, gen, deadline, copy_tbps, anchors)
+        result["best"] = best_per_shape(result["rows"])
+        result["recommended"] = recommend(result["rows"])
+        result["wall_s"] = round(time.perf_counter() - start, 1)
+        (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+        (args.out / f"{args.name}.md").write_text(markdown(result, args.name))
+    print(markdown(result, args.name))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

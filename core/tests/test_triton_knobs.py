@@ -1,0 +1,203 @@
+"""The Triton kernels' tuning knobs (``DecodeConfig``, ``PrefillConfig``) change no result: every setting the
+kernel sweep tries against the ``torch`` reference, under Triton's interpreter at small sizes (in a subprocess,
+as in test_triton_backend.py; on CUDA the same cases run on the GPU), and the sweep's dry run."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from nanovllm.attention.metadata import PhaseMetadata
+from nanovllm.attention.torch_backend import TorchBackend
+
+CUDA = torch.cuda.is_available()
+INTERP = (not CUDA) and os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if CUDA else "cpu"
+KERNELS = pytest.mark.skipif(not (CUDA or INTERP), reason="runs on CUDA, or in the interpreter's subprocess")
+
+pytest.importorskip("triton")
+
+from nanovllm.attention import triton_kernels as tk  # noqa: E402
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+TOL = 2e-2  # bfloat16 inputs
+
+
+def paged_case(q_lens, ctx_lens, block_size, gen, kv_heads=2, group=2, head_dim=32):
+    """Random bf16 KV scattered over shuffled cache blocks; q ``[sum(q_lens), H, D]``; the metadata."""
+    nblk = [-(-c // block_size) for c in ctx_lens]
+    pool = sum(nblk) + 2
+    perm = torch.randperm(pool, generator=gen)
+    tables = torch.full((len(ctx_lens), max(nblk)), -1, dtype=torch.int32)
+    used = 0
+    for j, n in enumerate(nblk):
+        tables[j, :n] = perm[used:used + n].int()
+        used += n
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16).to(DEVICE)
+
+    k_cache, v_cache = rnd(pool, block_size, kv_heads, head_dim), rnd(pool, block_size, kv_heads, head_dim)
+    q = rnd(sum(q_lens), kv_heads * group, head_dim)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    meta = PhaseMetadata(cu, torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE), tables.to(DEVICE),
+                         max(q_lens), max(ctx_lens))
+    return q, k_cache, v_cache, meta
+
+
+def rel(a, b) -> float:
+    assert torch.isfinite(a).all(), "unwritten or non-finite output"
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+
+
+DECODE_KNOBS = [
+    dict(page_ahead=True),  # tiles of one page
+    dict(page_ahead=True, block_n=32),  # tiles over two pages
+    dict(programs_per_sm=4, max_splits=3),
+]
+
+
+@KERNELS
+@pytest.mark.parametrize("knobs", DECODE_KNOBS, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()))
+def test_interp_decode_knobs(knobs, gen):
+    # contexts ending inside a tile, on a tile boundary, within the first tile, and a single key
+    ctx = [70, 32, 9, 1] if INTERP else [4097, 1024, 9, 1]
+    q, k_cache, v_cache, meta = paged_case([1] * len(ctx), ctx, 16, gen)
+    scale = q.shape[-1] ** -0.5
+    ref = TorchBackend().decode(q, k_cache, v_cache, meta, scale)
+    cfg = tk._decode_config(q.shape[-1], q.dtype, q.device, 16)._replace(**knobs)
+    for splits in (None, 1, 3):  # the rule's count, the direct path, splits ending mid-context
+        out = torch.full_like(q, float("nan"))
+        tk.attention_decode(q, k_cache, v_cache, out, None, meta.context_lens, meta.block_tables, None,
+                            meta.max_context_len, scale, num_splits=splits, config=cfg)
+        assert rel(out, ref) < TOL, f"decode {knobs}, {splits} splits (seed {gen.initial_seed()})"
+
+
+@KERNELS
+@pytest.mark.parametrize("block_n", [8, 16, 32], ids=lambda n: f"bn{n}")  # pages of 16: TMA for 8 and 16
+def test_interp_prefill_knobs_paged(block_n, gen):
+    # a fresh prompt, and chunks behind a history of several unmasked tiles
+    lens = [(20, 20), (9, 100), (17, 50)] if INTERP else [(300, 300), (77, 1000), (129, 385)]
+    q, k_cache, v_cache, meta = paged_case([a for a, _ in lens], [b for _, b in lens], 16, gen)
+    scale = q.shape[-1] ** -0.5
+    empty = q.new_empty(q.shape[0], k_cache.shape[2], q.shape[-1])
+    ref = TorchBackend().prefill(q, empty, empty, k_cache, v_cache, meta, scale)
+    cfg = tk._prefill_config(q.shape[-1], q.dtype, q.device, meta.max_query_len, True)
+    cfg = cfg._replace(block_m=16, block_n=block_n, tma=True, heads_first=block_n != 16)
+    out = torch.full_like(q, float("nan"))
+    tk.attention_rows(q, k_cache, v_cache, out, None, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
+                      None, meta.max_query_len, scale, paged=True, causal=True, config=cfg)
+    assert rel(out, ref) < TOL, f"paged prefill {cfg} (seed {gen.initial_seed()})"
+    if INTERP:
+        tma = tk._kv_descriptors(k_cache, v_cache, True, block_n) is not None
+        assert tma == (16 % block_n == 0), "TMA serves pages of at least one key tile, and only those"
+
+
+@KERNELS
+def test_interp_prefill_knobs_packed(gen):
+    """Packed keys as the models pass them: views into one fused projection output."""
+    n, kv_heads, group, d = (45, 2, 2, 32) if INTERP else (700, 2, 4, 128)
+    qkv = torch.randn(n, kv_heads * (group + 2), d, generator=gen).to(torch.bfloat16).to(DEVICE)
+    q, k, v = qkv[:, :kv_heads * group], qkv[:, kv_heads * group:-kv_heads], qkv[:, -kv_heads:]
+    scale = d**-0.5
+    cu = torch.tensor([0, n], dtype=torch.int32, device=DEVICE)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(t.float().transpose(0, 1) for t in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))),
+        is_causal=True, scale=scale).transpose(0, 1)
+    cfg = tk._prefill_config(d, q.dtype, q.device, n)._replace(tma=True, heads_first=True)
+    out = torch.full_like(q, float("nan"))
+    tk.attention_rows(q, k, v, out, None, cu, None, None, None, n, scale, paged=False, causal=True, config=cfg)
+    assert rel(out, ref) < TOL, f"packed prefill {cfg} (seed {gen.initial_seed()})"
+    if INTERP:
+        assert tk._kv_descriptors(k, v, False, cfg.block_n) is not None, "packed views take TMA loads"
+
+
+@pytest.mark.skipif(not INTERP, reason="the dry run: CPU under the interpreter only")
+def test_interp_kernel_sweep_dry_run(tmp_path):
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import kernel_sweep
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    assert kernel_sweep.main(["--out", str(tmp_path), "--name", "dry"]) == 0
+    result = json.loads((tmp_path / "dry.json").read_text())
+    assert (tmp_path / "dry.md").read_text().startswith("# dry")
+    timed = [r for r in result["rows"] if r["variant"] != "cudnn sdpa"]
+    shapes = {r["shape"] for r in timed}
+    assert len(timed) == sum(len(s["variants"]) for s in kernel_sweep.shapes(False)) and len(shapes) >= 4
+    assert all(r["value"] and r["err"] is not None and r["err"] < kernel_sweep.WRONG for r in timed), timed
+    assert set(result["best"]) == shapes
+    assert {"DECODE (bs=16)", "PREFILL_LONG (packed)", "PREFILL_LONG_PAGED"} <= set(result["recommended"])
+    paste = result["recommended"]["PREFILL_LONG_PAGED"]["paste"]
+    assert eval(paste, {"PrefillConfig": tk.PrefillConfig}) == tk.PrefillConfig(  # noqa: S307 - our own output
+        **result["recommended"]["PREFILL_LONG_PAGED"]["config"])
+
+
+# --- no kernel runs below: the rules ---
+
+
+def test_split_count_follows_programs_per_sm_and_caps(monkeypatch):
+    monkeypatch.setattr(tk, "num_sms", lambda device: 132)
+    dev = torch.device("cuda")
+    assert tk.num_decode_splits(1, 8, 131072, 64, dev) == 33  # 2 programs per multiprocessor
+    assert tk.num_decode_splits(1, 8, 131072, 64, dev, programs_per_sm=4) == 64  # capped
+    assert tk.num_decode_splits(1, 8, 131072, 64, dev, programs_per_sm=4, max_splits=128) == 66
+    assert tk.num_decode_splits(1, 8, 1024, 64, dev, programs_per_sm=8, max_splits=256) == 8  # 2 tiles a split
+    assert tk.num_decode_splits(64, 8, 4096, 64, dev, programs_per_sm=1) == 2  # never fewer than two
+
+
+def test_decode_rule_follows_page_size_not_batch():
+    for bs, default in ((16, tk.DECODE), (128, tk.DECODE_LARGE_PAGES)):
+        assert tk._decode_config(128, torch.bfloat16, torch.device("cuda"), bs) == default
+    assert tk._decode_config(256, torch.bfloat16, torch.device("cuda"), 16).block_n == 32
+
+
+def test_prefill_rule_and_tuple_configs():
+    cuda = torch.device("cuda")
+    assert tk._prefill_config(128, torch.bfloat16, cuda, 16384) == tk.PREFILL_LONG
+    assert tk._prefill_config(128, torch.bfloat16, cuda, 16384, paged=True) == tk.PREFILL_LONG_PAGED
+    assert tk._prefill_config(128, torch.bfloat16, cuda, 64, paged=True) == tk.PREFILL_SHORT
+    # the leading fields alone (benchmarks pass 4-tuples) leave the structural knobs off
+    assert tk.PrefillConfig(*(64, 128, 4, 3)) == tk.PrefillConfig(64, 128, 4, 3, tma=False, heads_first=False)
+
+
+@pytest.mark.skipif(INTERP or CUDA, reason="plain CPU: the interpreter is off")
+def test_no_tma_descriptors_without_a_kernel_to_take_them():
+    k = torch.zeros(4, 16, 2, 32, dtype=torch.bfloat16)
+    assert tk._kv_descriptors(k, k, True, 16) is None
+
+
+def test_sweep_compiles_runtime_only_settings_once():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import kernel_sweep
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    decode = next(s for s in kernel_sweep.shapes(False) if s["kind"] == "decode")
+    keys = {kernel_sweep._compile_key(decode, v) for v in kernel_sweep.DECODE_VARIANTS}
+    runtime_only = [v for v, knobs in kernel_sweep.DECODE_VARIANTS.items()
+                    if set(knobs) <= {"programs_per_sm", "max_splits"}]
+    assert len(runtime_only) > 1
+    assert len({kernel_sweep._compile_key(decode, v) for v in runtime_only}) == 1
+    compiled = {frozenset((k, v) for k, v in knobs.items() if k not in ("programs_per_sm", "max_splits"))
+                for knobs in kernel_sweep.DECODE_VARIANTS.values()}
+    assert len(keys) == len(compiled)
+
+
+@pytest.mark.skipif(CUDA or INTERP, reason="CUDA runs the cases; the subprocess, the interpreter's")
+def test_knobs_under_interpreter():
+    """Every ``interp`` case of this file under Triton's interpreter on the CPU, in a fresh process."""
+    from nanovllm.testing import run_under_interpreter
+
+    returncode, tail, passed = run_under_interpreter(__file__)
+    assert returncode == 0, tail
+    assert passed == len(DECODE_KNOBS) + 3 + 1 + 1, tail
