@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import logging
 import math
 import zlib
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from nanovllm.default_model import is_packaged_model, packaged_model_dir
 from nanovllm.engine.loader import ModelDirectoryError, load_tensors, load_weights, read_config_json
 from nanovllm.hub import is_hub_id, resolve_hub_id
 from nanovllm.layers.attention import Attention
-from nanovllm.plugins import PluginSet, load_registered
+from nanovllm.plugins import PluginError, PluginSet, load_registered
 from nanovllm.policy import PolicyHooks
 from nanovllm.presets import is_preset, preset_dir
 from nanovllm.selection import (
@@ -35,6 +36,8 @@ from nanovllm.selection import (
     resolve_observer,
     resolve_policies,
 )
+
+_log = logging.getLogger(__name__)
 
 
 def names_hub_model(model: str | None) -> bool:
@@ -327,35 +330,128 @@ def build_model(config: ResolvedConfig, plugins: PluginSet) -> torch.nn.Module:
 
 # -- what the model's attention layers run with ----------------------------------------------------------
 
-AUTO_BACKENDS = ("triton", "torch")  # preference order for attention_backend="auto"
+AUTO_BACKENDS = ("triton", "torch")  # auto's order where no measurement ranks the backends (the CPU, new GPUs)
+BACKEND_OPERATIONS = ("store_kv", "prefill", "decode", "attend_blocks", "attend_chunk")
+
+
+@attrs.frozen
+class BackendNeeds:
+    """What the model and the engine need of an attention backend."""
+
+    device: torch.device
+    dtype: torch.dtype
+    head_dim: int
+    windowed: bool = False  # the model has sliding-window layers: prefill and decode take a window
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def takes_window(cls: type) -> bool:
+    """Whether backend class ``cls``'s prefill and decode take a sliding ``window``."""
+    return all("window" in inspect.signature(op).parameters for op in (cls.prefill, cls.decode))
+
+
+def missing_features(cls: type, needs: BackendNeeds) -> list[str]:
+    """What backend class ``cls`` lacks that the engine may call for: a window for a windowed model, and
+    every operation (sparse policies and KV offload call ``attend_blocks`` and ``attend_chunk``)."""
+    from nanovllm.attention.backend import AttentionBackend
+
+    missing = []
+    if needs.windowed and not takes_window(cls):
+        missing.append("a sliding window, which this model's sliding-window layers need")
+    absent = [op for op in BACKEND_OPERATIONS if getattr(cls, op) is getattr(AttentionBackend, op)]
+    if absent:
+        missing.append(f"{', '.join(absent)} (sparse policies and KV offload call them)")
+    return missing
+
+
+def auto_order(device: torch.device) -> tuple[tuple[str, ...], str]:
+    """The backends ``auto`` tries on ``device``, in order, and the device's family: for a family in
+    :data:`~nanovllm.engine.backend_table.MEASURED`, its backends by the number of measured shapes where
+    they were among the fastest, then :data:`AUTO_BACKENDS`; for any other device, :data:`AUTO_BACKENDS`."""
+    from nanovllm.engine.backend_table import MEASURED, device_family
+
+    family = device_family(*torch.cuda.get_device_capability(device)) if device.type == "cuda" else device.type
+    ranked = MEASURED[family].ranking() if family in MEASURED else ()
+    return ranked + tuple(n for n in AUTO_BACKENDS if n not in ranked), family
+
+
+def usable_backends(plugins: PluginSet, needs: BackendNeeds) -> tuple[list[tuple[str, type]], list[str]]:
+    """The backends of :func:`auto_order` that are installed, run on this device, dtype and head size and
+    lack nothing of :func:`missing_features`, in ``auto``'s order (on a CUDA device those that capture decode
+    in CUDA graphs first), and why each of the others was passed over."""
+    table = plugins.registry.attention_backends
+    usable: list[tuple[str, type]] = []
+    passed: list[str] = []
+    for name in auto_order(needs.device)[0]:
+        info = table.get(name)
+        reason = "not installed" if info is None else info.supports(needs.device.type, needs.dtype_name,
+                                                                    needs.head_dim)
+        if reason is None:
+            try:
+                cls = BackendChoice(info).load()
+            except PluginError as exc:
+                reason = str(exc)
+            else:
+                missing = missing_features(cls, needs)
+                reason = f"lacks {'; '.join(missing)}" if missing else None
+        if reason is None:
+            usable.append((name, cls))
+        else:
+            passed.append(f"{name}: {reason}")
+    if needs.device.type == "cuda":  # eager decode only where nothing captures
+        usable.sort(key=lambda entry: not entry[1].supports_cuda_graphs)
+    return usable, passed
+
+
+def make_auto_backend(plugins: PluginSet, needs: BackendNeeds):
+    """The first of :func:`usable_backends` that can be made (a backend whose kernels fail to import is passed
+    over too); logs which, why, and the backends passed over."""
+    from nanovllm.engine.backend_table import MEASURED
+
+    usable, passed = usable_backends(plugins, needs)
+    for name, cls in usable:
+        try:
+            backend = cls(None)
+        except ImportError as exc:
+            passed.append(f"{name}: {exc}")
+            continue
+        family = auto_order(needs.device)[1]
+        measured = MEASURED.get(family)
+        why = (f"among the fastest in {measured.wins(name)} of the {len(measured.fastest)} shapes measured on "
+               f"{family} ({measured.results})" if measured else
+               f"nothing measured on {family}, so the first usable of {', '.join(AUTO_BACKENDS)}")
+        _log.info("attention_backend='auto' chose %r: %s%s", name, why,
+                  f"; passed over {'; '.join(passed)}" if passed else "")
+        return backend
+    raise ValueError(
+        f"attention_backend='auto' found no usable backend for device {needs.device.type}, dtype "
+        f"{needs.dtype_name}, head size {needs.head_dim}: {'; '.join(passed)}. Install one that runs there, "
+        "or name one with attention_backend="
+    )
 
 
 def make_backend(choice: BackendChoice, plugins: PluginSet, device: torch.device, dtype: torch.dtype,
                  head_dim: int, windowed: bool):
-    """The attention backend ``choice`` names (``auto``: the first of ``AUTO_BACKENDS`` that supports the
-    device, dtype and head size), checked against the model; ``windowed``: the model has sliding-window
-    layers, which need a backend whose prefill and decode take a window."""
-    dtype_name = str(dtype).removeprefix("torch.")
+    """The attention backend ``choice`` names (``auto``: :func:`make_auto_backend`), checked against the
+    model; ``windowed``: the model has sliding-window layers, which need a backend whose prefill and decode
+    take a window."""
+    needs = BackendNeeds(device, dtype, head_dim, windowed)
     if choice.info is None:
-        table = plugins.registry.attention_backends
-        usable = [name for name in AUTO_BACKENDS
-                  if name in table and table[name].supports(device.type, dtype_name, head_dim) is None]
-        if not usable:
-            raise ValueError(f"no installed attention backend among {', '.join(AUTO_BACKENDS)} supports device "
-                             f"{device.type}, dtype {dtype_name}, head size {head_dim}")
-        choice = BackendChoice(table[usable[0]])
-    reason = choice.info.supports(device.type, dtype_name, head_dim)
+        return make_auto_backend(plugins, needs)
+    reason = choice.info.supports(device.type, needs.dtype_name, head_dim)
     if reason is not None:
         raise ValueError(f"attention backend {choice.info.name!r} cannot run this model: {reason}")
-    backend = choice.load()(choice.config)
-    ops = (backend.prefill, backend.decode)
-    if windowed and not all("window" in inspect.signature(op).parameters for op in ops):
+    cls = choice.load()
+    if windowed and not takes_window(cls):
         raise ValueError(
             f"attention backend {choice.info.name!r} takes no sliding window (its prefill and decode have "
             "no window argument), and this model has sliding-window layers: choose "
             "attention_backend='torch' or 'triton'"
         )
-    return backend
+    return cls(choice.config)
 
 
 def bind_attention(layers: Sequence[Attention], parts: EngineParts, device: torch.device,
