@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The flash_attn backend on the lent GPU machine, which has no network: install FlashAttention-4 from its
 # wheels, the repo's distributions, run the plugin's GPU tests and the peer table (FA4 vs our Triton
-# backend vs SDPA/cuDNN, benchmarks/fa4_peers.py). Results and logs go to $OUT (or ./gpu_out).
+# backend vs SDPA/cuDNN: nanovllm bench kernels). Results and logs go to $OUT (or ./gpu_out).
 #   FA4_PARTS=DIR      holds part00, part01, part02: the pieces of .whl/fa4 (below), each carried to the
 #                      machine by a call of its own that copies it to DIR while the machine stays warm
 #   TESTS=0            skip the GPU tests; PYTEST_ARGS="..." extra pytest arguments
-#   BENCH=0            skip the peer table; BENCH_NAME=name its file under $OUT (default fa4_peers)
+#   BENCH=0            skip the peer table; BENCH_NAME=name its file under $OUT (default kernel_peers)
 #   FA4_CACHE=0        do not keep FA4's compiled kernels in /tmp between the processes of this machine
 #   NANOVLLM_COMMIT=$(git rev-parse --short HEAD), set in the command sent: the peer table records it
 # The parts are made on a machine with network, in .whl/fa4 (git-ignored):
@@ -57,7 +57,8 @@ if [ "${TESTS:-1}" != 0 ]; then
   status=${PIPESTATUS[0]}
 fi
 if [ "${BENCH:-1}" != 0 ]; then
-  python3 benchmarks/fa4_peers.py --out "$OUT" --name "${BENCH_NAME:-fa4_peers}" 2>"$OUT/fa4_bench_stderr.log" || status=1
+  python3 -m nanovllm.cli bench kernels --out "$OUT" --name "${BENCH_NAME:-kernel_peers}" 2>"$OUT/fa4_bench_stderr.log" \
+    || status=1
   tail -c 3000 "$OUT/fa4_bench_stderr.log" | tr '\r' '\n' | grep -v '^\s*$' | tail -15
 fi
 exit "$status"

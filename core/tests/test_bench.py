@@ -47,6 +47,11 @@ def test_kernels_dry_run_and_results_files(tmp_path, monkeypatch):
     assert kinds == {"copy", "prefill", "decode"}
     triton_prefill = [r for r in kernels["rows"] if r["kind"] == "prefill" and "triton" in r["name"]]
     assert triton_prefill and all(float(r["note"].split()[1]) < 1e-2 for r in triton_prefill)
+    peers = [r for r in kernels["rows"] if "peer" in r]  # the peer table: our kernels and backends, dense and paged
+    assert {(r["kind"], r["backend"]) for r in peers} >= {("prefill", "triton"), ("decode", "triton"), ("prefill", None)}
+    assert all(r["of_best"] == 1.0 for r in peers)  # every dry timing is the same
+    [absent] = [r for r in kernels["rows"] if r["name"] == "fa4 and the flash_attn backend: not measured"]
+    assert absent["note"]  # why: FA4 is not installed, or no GPU
 
     throughput = {"benchmark": "throughput", "preset": "qwen3-0.6b", "output_tok_per_s": 9000.0, "settings": {}}
     latency = {"benchmark": "latency", "preset": "qwen3-8b", "ms_per_token": 7.5, "settings": {}}

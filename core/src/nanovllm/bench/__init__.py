@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import math
 import os
 import platform
 import subprocess
@@ -138,9 +137,9 @@ def markdown(payload: dict[str, Any], title: str) -> str:
         lines += ["", "| benchmark | preset | metric | measured |", "|---|---|---|---|", *table]
     for r in payload["results"]:
         if r["benchmark"] == "kernels" and "rows" in r:
-            lines += ["", "| kernel | case | ms | value | unit | note |", "|---|---|---|---|---|---|"]
-            lines += [markdown_row(map(fmt, [k["kind"], k["name"], k["ms"], k["value"], k["unit"], k["note"]]))
-                      for k in r["rows"]]
+            lines += ["", "| kernel | case | ms | value | unit | of best | note |", "|---|---|---|---|---|---|---|"]
+            lines += [markdown_row(map(fmt, [k["kind"], k["name"], k["ms"], k["value"], k["unit"],
+                                             k.get("of_best", ""), k["note"]])) for k in r["rows"]]
     lines += offload.markdown_lines(payload["results"])
     lines += kv.markdown_lines(payload["results"])
     return "\n".join(lines) + "\n"
@@ -170,16 +169,17 @@ def chart(payload: dict[str, Any], path: Path) -> bool:
         panels.append(("batch-1 ms/token", [(f"{r['preset']}\n{'eager' if 'eager' in r['benchmark'] else 'graphs'}",
                                              r["ms_per_token"], None) for r in lat]))
     for r in results:
-        if r["benchmark"] == "kernels":
-            ok = [k for k in r["rows"] if math.isfinite(k["value"])]
-            pre = [k for k in ok if k["kind"] == "prefill" and k["name"].startswith("d=128")]
-            dec = [k for k in ok if k["kind"] == "copy" or (k["kind"] == "decode" and "default" in k["name"])]
-            panels.append(("prefill 16K TFLOP/s", [(k["name"].removeprefix("d=128 "), k["value"], None) for k in pre]))
-            panels.append(("decode GB/s of KV", [(k["name"].split(" default")[0], k["value"], None) for k in dec]))
+        if r["benchmark"] == "kernels":  # the peer table: each row's ratio to the best peer of its shape
+            for kind in ("prefill", "decode"):
+                bars = [(k["name"], k["of_best"], None) for k in r["rows"] if k["kind"] == kind and "of_best" in k]
+                if bars:
+                    panels.append((f"{kind}: ratio to the best peer of the shape", bars))
     panels += offload.chart_panels(results)
     if not panels:
         return False
-    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.2 * len(panels)), squeeze=False)
+    heights = [max(3.2, 0.14 * len(bars)) for _, bars in panels]  # a long table's bars keep readable labels
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
     for ax, (title, bars) in zip(axes[:, 0], panels, strict=True):
         ax.barh([b[0] for b in bars], [b[1] for b in bars], color="tab:blue")
         for i, b in enumerate(bars):  # a reference value of the same run, where the panel has one

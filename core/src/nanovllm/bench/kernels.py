@@ -1,24 +1,31 @@
-"""``nanovllm bench kernels``: the attention kernels' table.
+"""``nanovllm bench kernels``: the attention kernels next to their peers, on the same inputs in one run.
 
-- Prefill: causal, 16K tokens, d=128, 32 query / 8 KV heads, bf16. TFLOP/s (causal FLOPs =
-  2 * q_heads * head_dim * S^2) of the triton backend's kernel (dense new k/v, and through the paged
-  cache) next to torch SDPA's cuDNN and flash backends on the same inputs.
-- Decode: one query per sequence, batch x context >= 128K tokens, paged KV (block sizes 16 and 256).
-  GB/s of KV read next to a large device-to-device copy measured in the same run (bytes read +
-  written), and SDPA on contiguous KV for one shape.
+GQA 32 query / 8 KV heads, head dim 128, bf16; each row's ratio to the best peer of its shape (``of_best``).
+
+- Prefill, causal: a fresh prompt of 4K, 16K and 128K tokens (dense: packed keys and values), and a chunk
+  with history, 1K over 4K and 4K over 16K and 128K (paged, blocks of 16 and 128). TFLOP/s (4 * heads *
+  head_dim * visible query-key pairs) of FlashAttention-4 (where importable), torch SDPA's cuDNN and flash
+  kernels (fresh prompts), our Triton kernel, and the ``triton`` and ``flash_attn`` backends' ``prefill``
+  (what ``attention_backend`` runs, e.g. the ``triton`` backend hands a fresh prompt to cuDNN). Each row's
+  relative error against SDPA (cuDNN where it runs).
+- Paged decode, batch 1, 8 and 64 over 4K, 16K and 128K, blocks of 16 and 128: TB/s of KV read by FA4 and
+  the ``triton`` and ``flash_attn`` backends' ``decode`` (naming the kernel the latter chose), each captured
+  in a CUDA graph as the engine runs decode, next to a device-to-device copy measured in the same run.
 - Selected decode: the decode kernel over per-KV-head selections (``attend_blocks``' launch) of 128
   blocks of 16 tokens per KV head, contexts 32K and 128K, batch 1 and 8. GB/s of the bytes it reads
   (the selected K/V blocks, q and out) next to the dense decode kernel's GB/s over the whole context
   in the same run, and the speedup in time over dense.
 
-Medians of triton.testing.do_bench.
-``dry``: tiny sizes on the CPU under Triton's interpreter (``TRITON_INTERPRET=1`` must be set before
-triton is first imported), which checks this code, not the speed.
+A peer that cannot run a shape is a row with the reason. Medians of triton.testing.do_bench (a call longer
+than ``LONG_MS``: the median of three). ``dry``: tiny sizes on the CPU under Triton's interpreter
+(``TRITON_INTERPRET=1`` must be set before triton is first imported), which checks this code, not the speed.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import statistics
 
 import torch
 
@@ -33,6 +40,12 @@ from nanovllm.attention.torch_backend import TorchBackend  # noqa: E402
 
 DEV = "cpu" if DRY else "cuda"
 SCALE = 64 if DRY else 1  # sizes are divided by this in a dry run
+H, HKV, D = (4, 1, 128) if DRY else (32, 8, 128)
+PREFILL_LENGTHS = (128,) if DRY else (4096, 16384, 131072)  # and a chunk of a quarter, at most 4K, over each
+DECODE_SHAPES = ((1, 300), (3, 40)) if DRY else tuple(
+    (b, c) for b in (1, 8, 64) for c in (4096, 16384, 131072))
+BLOCK_SIZES = (16,) if DRY else (16, 128)
+LONG_MS = 50.0  # calls longer than this are timed three times: do_bench would take seconds each
 rows: list[dict] = []  # this process's results; the bench runs it once per process
 
 
@@ -40,6 +53,17 @@ def ms(fn) -> float:
     if DRY:
         fn()
         return 1.0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def once() -> float:
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    if once() > LONG_MS:
+        return statistics.median(once() for _ in range(3))
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
@@ -66,7 +90,7 @@ def graph_ms(calls: list) -> float:
 
 
 def randn(*shape, gen):
-    return torch.randn(*shape, generator=gen, device=DEV).to(torch.bfloat16)
+    return torch.randn(*shape, generator=gen, device=DEV, dtype=torch.bfloat16)
 
 
 def rel(a, b) -> float:
@@ -117,99 +141,169 @@ def paged_cache(k, v, block_size, gen):
     return kc, vc, perm.int()[None, :]
 
 
-def prefill(gen, d: int = 128) -> None:
+# -- the peer table ------------------------------------------------------------------------------------------
+
+
+def tokens_label(n: int) -> str:
+    """``4096`` -> ``"4K"``; counts that are not whole K as they are."""
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def peer(kind: str, shape: str, name: str, fn, work: float, unit: str, ref=None, timer=ms,
+         backend: str | None = None) -> None:
+    """Time ``fn`` and record ``work`` (FLOPs or bytes) per second, in T; ``backend``: the attention backend
+    whose operation ``fn`` is. A peer that fails is a row with why."""
+    row = dict(kind=kind, name=f"{shape} {name}", ms=float("nan"), value=float("nan"), unit=unit, note="",
+               shape=shape, peer=name, backend=backend)
+    rows.append(row)
+    try:
+        out = fn()
+        err = rel(out, ref) if ref is not None else None
+        t = timer(fn)
+    except Exception as e:  # a peer that cannot run this shape (FA4's limits, memory): its row says why
+        row["note"] = _why(e)
+        return
+    # work per ms -> per s, in T
+    row.update(ms=round(t, 4), value=float(f"{work / t / 1e9:.4g}"), note="" if err is None else f"err {err:.1e}")
+
+
+def flash_attn_peers():
+    """(FA4's ``flash_attn_varlen_func``, the ``flash_attn`` backend), or (None, None) and a row saying why
+    not: the backend is listed as unavailable, or its plugin is not installed."""
+    from nanovllm.plugins import get_plugins
+
+    info = get_plugins().registry.attention_backends.get("flash_attn")
+    why = ("the nanovllm-flash-attn plugin is not installed" if info is None else info.unavailable)
+    if why is None:
+        try:
+            from flash_attn.cute import flash_attn_varlen_func
+            from nanovllm_flash_attn.backend import FlashAttnBackend
+
+            return flash_attn_varlen_func, FlashAttnBackend()
+        except Exception as e:
+            why = _why(e)
+    record("prefill", "fa4 and the flash_attn backend: not measured", float("nan"), float("nan"), "", why)
+    return None, None
+
+
+def peer_prefill(fa4, flash, gen) -> None:
+    """Fresh prompts (dense) and chunks with history (paged) of each length, every peer on the same inputs."""
+    triton = tb.TritonBackend()
+    scale = D**-0.5
+    for length in PREFILL_LENGTHS:
+        q_all, k_all, v_all = (randn(length, n, D, gen=gen) for n in (H, HKV, HKV))
+        if DRY:
+            ref_all = tb._sdpa_causal(q_all.float(), k_all.float(), v_all.float(), scale).to(q_all.dtype)
+        else:
+            ref_all = tb._sdpa_causal(q_all, k_all, v_all, scale, "priority")  # cuDNN where it runs
+        for q_len in (length, min(4096, length // 4)):
+            q, k, v, ref = q_all[-q_len:], k_all[-q_len:], v_all[-q_len:], ref_all[-q_len:]
+            flops = 4 * H * D * (q_len * (length - q_len) + q_len * (q_len + 1) / 2)
+            cu = torch.tensor([0, q_len], dtype=torch.int32, device=DEV)
+            lens = torch.tensor([length], dtype=torch.int32, device=DEV)
+            if q_len == length:
+                shape = tokens_label(length)
+                no_table = torch.zeros(1, 1, dtype=torch.int32, device=DEV)
+                meta = PhaseMetadata(cu, lens, no_table, q_len, length)
+                fresh_prefill(shape, q, k, v, ref, meta, flops, fa4, flash)
+                continue
+            for bs in BLOCK_SIZES:
+                shape = f"{tokens_label(q_len)} over {tokens_label(length)}, blocks of {bs}"
+                kc, vc, table = paged_cache(k_all, v_all, bs, gen)
+                meta = PhaseMetadata(cu, lens, table, q_len, length)
+                out = torch.empty_like(q)
+
+                def kernel(kc=kc, vc=vc, table=table, out=out):
+                    tk.attention_rows(q, kc, vc, out, None, cu, lens, table, None, q_len, scale, paged=True,
+                                      causal=True)
+                    return out
+                peers = [("triton", kernel, None),
+                         ("triton backend", lambda c=(kc, vc, meta): triton.prefill(q, k, v, *c, scale),
+                          "triton")]
+                if fa4 is not None:
+                    peers[:0] = [("fa4", lambda kc=kc, vc=vc, table=table: fa4(
+                        q, kc, vc, cu_seqlens_q=cu, seqused_k=lens, page_table=table, max_seqlen_q=q_len,
+                        max_seqlen_k=length, softmax_scale=scale, causal=True)[0], None)]
+                    peers.append(("flash_attn backend",
+                                  lambda c=(kc, vc, meta): flash.prefill(q, k, v, *c, scale), "flash_attn"))
+                for name, fn, backend in peers:
+                    peer("prefill", shape, name, fn, flops, "TFLOP/s", ref, backend=backend)
+                del kc, vc
+
+
+def fresh_prefill(shape, q, k, v, ref, meta, flops, fa4, flash) -> None:
+    """One prompt with nothing cached: the peers over its packed keys and values."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    s, h, hkv = (128, 4, 1) if DRY else (16384, 32, 8)  # dry: less than one KV block of 256
-    flops = 2 * h * d * s * s
-    q, k, v = randn(s, h, d, gen=gen), randn(s, hkv, d, gen=gen), randn(s, hkv, d, gen=gen)
-    scale = d**-0.5
-    cu = torch.tensor([0, s], dtype=torch.int32, device=DEV)
-    lens = torch.tensor([s], dtype=torch.int32, device=DEV)
+    triton = tb.TritonBackend()
+    scale = D**-0.5
+    q_len = q.shape[0]
+    cu = meta.cu_seqlens_q
     out = torch.empty_like(q)
 
-    def tflops(t):
-        return flops / t / 1e9
-
-    ref = tb._sdpa_causal(q.float(), k.float(), v.float(), scale) if DRY else tb._sdpa_causal(q, k, v, scale)
-
-    def dense():
-        tk.attention_rows(q, k, v, out, None, cu, None, None, None, s, scale, paged=False, causal=True)
-
-    try:
-        dense()
-        err = rel(out, ref)
-        t = ms(dense)
-        record("prefill", f"d={d} triton dense default", t, tflops(t), "TFLOP/s", f"err {err:.1e}")
-    except Exception as e:  # a kernel that does not fit this GPU (shared memory) is a row with the reason
-        record("prefill", f"d={d} triton dense default", float("nan"), float("nan"), "", _why(e))
-    for bs in (16, 256):
-        kc, vc, table = paged_cache(k, v, bs, gen)
-
-        def paged(kc=kc, vc=vc, table=table):
-            tk.attention_rows(q, kc, vc, out, None, cu, lens, table, None, s, scale, paged=True, causal=True)
-        try:
-            paged()
-            err = rel(out, ref)
-            t = ms(paged)
-            record("prefill", f"d={d} triton paged bs={bs} default", t, tflops(t), "TFLOP/s", f"err {err:.1e}")
-        except Exception as e:
-            record("prefill", f"d={d} triton paged bs={bs} default", float("nan"), float("nan"), "", _why(e))
-        del kc, vc
-
-    qh = q.transpose(0, 1).unsqueeze(0)
-    kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (k, v))
-    kx, vx = (t.repeat_interleave(h // hkv, dim=1) for t in (kh, vh))
-    if DRY:
-        return
-    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-        for label, kk, vv, gqa in (("enable_gqa", kh, vh, True), ("pre-expanded kv", kx, vx, False)):
-            def run(kk=kk, vv=vv, gqa=gqa, backend=backend):
+    def kernel():
+        tk.attention_rows(q, k, v, out, None, cu, None, None, None, q_len, scale, paged=False, causal=True)
+        return out
+    peers = [("triton", kernel, None),
+             ("triton backend", lambda: triton.prefill(q, k, v, k, v, meta, scale), "triton")]
+    if not DRY:  # SDPA's fused kernels run on CUDA only
+        for name, kind in (("cudnn sdpa", SDPBackend.CUDNN_ATTENTION),
+                           ("flash sdpa", SDPBackend.FLASH_ATTENTION)):
+            def sdpa(backend=kind):
                 with sdpa_kernel([backend]):
-                    return torch.nn.functional.scaled_dot_product_attention(
-                        qh, kk, vv, is_causal=True, scale=scale, enable_gqa=gqa)
+                    return tb._sdpa_causal(q, k, v, scale, "plain")
+            peers.insert(0, (name, sdpa, None))
+    if fa4 is not None:
+        peers.insert(0, ("fa4", lambda: fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=q_len,
+                                            max_seqlen_k=q_len, softmax_scale=scale, causal=True)[0], None))
+        peers.append(("flash_attn backend", lambda: flash.prefill(q, k, v, k, v, meta, scale), "flash_attn"))
+    for name, fn, backend in peers:
+        peer("prefill", shape, name, fn, flops, "TFLOP/s", ref, backend=backend)
+
+
+def peer_decode(fa4, flash, gen, copy_gbs: float) -> None:
+    """Paged decode of every shape and block size: FA4 and the backends' decode, each in a CUDA graph."""
+    triton = tb.TritonBackend()
+    scale = D**-0.5
+    for batch, ctx in DECODE_SHAPES:
+        for bs in BLOCK_SIZES:
+            shape = f"batch {batch} at {tokens_label(ctx)}, blocks of {bs}"
             try:
-                o = run()
-                err = rel(o.squeeze(0).transpose(0, 1), ref)
-                t = ms(run)
-                record("prefill", f"d={d} sdpa {name} {label}", t, tflops(t), "TFLOP/s", f"err {err:.1e}")
-            except Exception as e:
-                record("prefill", f"d={d} sdpa {name} {label}", float("nan"), float("nan"), "",
-                       f"{type(e).__name__}: {str(e)[:60]}")
+                kc, vc, tables, lens, q, _ = paged_decode_inputs(batch, ctx, bs, H, HKV, D, gen)
+            except torch.OutOfMemoryError as e:
+                record("decode", f"{shape}: not measured", float("nan"), float("nan"), "", _why(e))
+                continue
+            cu = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+            meta = PhaseMetadata(cu, lens, tables, 1, ctx)
+            kv_bytes = 2 * batch * ctx * HKV * D * q.element_size()
+            ref = (TorchBackend() if DRY else triton).decode(q, kc, vc, meta, scale)
+            peers = [("triton backend", lambda: triton.decode(q, kc, vc, meta, scale), "triton")]
+            if fa4 is not None:
+                kernel = "fa4" if flash.decode_runs_fa4(q, kc, meta) else "triton"
+                peers[:0] = [("fa4", lambda: fa4(
+                    q, kc, vc, cu_seqlens_q=cu, seqused_k=lens, page_table=tables, max_seqlen_q=1, max_seqlen_k=ctx,
+                    softmax_scale=scale, causal=True)[0], None)]
+                peers.append((f"flash_attn backend ({kernel})", lambda: flash.decode(q, kc, vc, meta, scale),
+                              "flash_attn"))
+            for name, fn, backend in peers:
+                peer("decode", shape, name, fn, kv_bytes, "TB/s", ref, timer=lambda fn: graph_ms([fn]),
+                     backend=backend)
+                if math.isfinite(rows[-1]["value"]):
+                    rows[-1]["note"] += f", {rows[-1]['value'] * 1e3 / copy_gbs:.2f} of the copy"
+            del kc, vc, tables, q, peers
 
 
-def decode(gen, copy_gbs: float) -> None:
-    h, hkv, d = (4, 1, 128) if DRY else (32, 8, 128)
-    scale = d**-0.5
-    shapes = [(1, 131072), (8, 16384), (64, 2048), (256, 512)]
-    if DRY:
-        shapes = [(b, c // SCALE) for b, c in shapes[:2]]
-    for batch, ctx in shapes:
-        for bs in (16, 256):
-            kc, vc, tables, lens, q, out = paged_decode_inputs(batch, ctx, bs, h, hkv, d, gen)
-            kv_bytes = 2 * batch * ctx * hkv * d * 2
-
-            def run(q=q, kc=kc, vc=vc, out=out, lens=lens, tables=tables, ctx=ctx):
-                tk.attention_decode(q, kc, vc, out, None, lens, tables, None, ctx, scale)
-            try:
-                t = ms(run)
-                n = tk.num_decode_splits(batch, hkv, ctx, 64, q.device)
-                gbs = kv_bytes / t / 1e6
-                record("decode", f"b={batch} ctx={ctx} bs={bs} default splits={n}", t, gbs, "GB/s",
-                       f"{gbs / copy_gbs:.0%} of copy")
-            except Exception as e:
-                record("decode", f"b={batch} ctx={ctx} bs={bs} default", float("nan"), float("nan"), "", _why(e))
-            del kc, vc, run
-    if DRY:
-        return
-    # SDPA on contiguous KV, one shape, as a peer
-    batch, ctx = 8, 16384
-    q = randn(batch, h, 1, d, gen=gen)
-    k, v = randn(batch, hkv, ctx, d, gen=gen), randn(batch, hkv, ctx, d, gen=gen)
-    t = ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True))
-    gbs = 2 * batch * ctx * hkv * d * 2 / t / 1e6
-    record("decode", f"sdpa contiguous b={batch} ctx={ctx} enable_gqa", t, gbs, "GB/s",
-           f"{gbs / copy_gbs:.0%} of copy")
+def rank_rows(kernel_rows: list[dict]) -> None:
+    """Each peer row's ratio to the best of its kind and shape (``of_best``)."""
+    best: dict[tuple, float] = {}
+    for r in kernel_rows:
+        if "shape" in r and math.isfinite(r["value"]):
+            key = (r["kind"], r["shape"])
+            best[key] = max(best.get(key, 0.0), r["value"])
+    for r in kernel_rows:
+        top = best.get((r.get("kind"), r.get("shape")))
+        if top is not None and top > 0 and math.isfinite(r["value"]):
+            r["of_best"] = round(r["value"] / top, 3)
 
 
 def random_head_selection(batch: int, num_kv_heads: int, num_blocks: int, num_selected: int, gen,
@@ -308,16 +402,19 @@ def selected_decode(gen) -> None:
 
 
 def run() -> list[dict]:
-    """Every measurement, as rows ``{kind, name, ms, value, unit, note}``."""
+    """Every measurement, as rows ``{kind, name, ms, value, unit, note}``; the peer table's rows also have
+    ``shape``, ``peer``, ``backend`` (the attention backend measured, else None) and ``of_best``."""
     from tqdm.auto import tqdm
 
     gen = torch.Generator(device=DEV).manual_seed(0)
     with tqdm(total=4, desc="kernels", unit="part") as bar:
         copy_gbs = copy_bandwidth()
+        fa4, flash = flash_attn_peers()
         bar.update()
-        prefill(gen)
+        peer_prefill(fa4, flash, gen)
         bar.update()
-        decode(gen, copy_gbs)
+        peer_decode(fa4, flash, gen, copy_gbs)
+        rank_rows(rows)
         bar.update()
         selected_decode(gen)
         bar.update()
