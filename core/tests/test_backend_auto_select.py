@@ -15,7 +15,8 @@ from nanovllm.attention.backend import AttentionBackend
 from nanovllm.attention.torch_backend import TorchBackend
 from nanovllm.engine import backend_table
 from nanovllm.engine.backend_table import MEASURED, TIE, MeasuredFamily, fastest
-from nanovllm.engine.model_loading import AUTO_BACKENDS, BackendNeeds, make_auto_backend, make_backend
+from nanovllm.engine.model_loading import (AUTO_BACKENDS, BackendNeeds, auto_order, make_auto_backend, make_backend,
+                                          usable_backends)
 from nanovllm.plugins import AttentionBackendInfo, reload_plugins
 from nanovllm.selection import BackendChoice
 
@@ -155,6 +156,19 @@ def test_no_usable_backend_names_every_reason(plugins):
     with pytest.raises(ValueError, match=r"found no usable backend for device cpu, dtype float32, head size 64: "
                                          r"triton: device cpu is not among cuda; torch: not installed"):
         make_auto_backend(plugins, BackendNeeds(torch.device("cpu"), torch.float32, 64))
+
+
+@pytest.mark.gpu
+def test_on_this_gpu_auto_makes_the_first_usable_backend_of_the_table(plugins, caplog):
+    """With FA4 installed on an SM 9.0 GPU that is ``flash_attn``; else ``triton``."""
+    needs = BackendNeeds(CUDA, torch.bfloat16, 128)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        backend = make_auto_backend(plugins, needs)
+    info = plugins.registry.attention_backends.get("flash_attn")
+    fa4_ready = info is not None and info.unavailable is None
+    expected = "flash_attn" if fa4_ready and auto_order(CUDA)[1] == "sm_90" else "triton"
+    assert backend.name == expected == usable_backends(plugins, needs)[0][0][0]
+    print(caplog.text)  # the choice and what was passed over, for the run's log
 
 
 # -- the table ------------------------------------------------------------------------------------------------
