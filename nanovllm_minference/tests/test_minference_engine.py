@@ -59,11 +59,12 @@ def test_the_kernels_compile_at_start_not_in_the_first_prompt(offload, decision)
     """The engine's warm-up prefills after a history as long as ``max_model_len`` (512 here), past
     ``dense_below``: the estimate and the sparse kernel compile at start, and a first prompt compiles none.
     With offload the history is read from the pool, as a prompt's would be. With the ``dense_above``
-    decision its density kernel compiles at start too; the sparse kernel is queued whatever the decision
-    says (guarded on the GPU), so it does as well."""
-    from nanovllm_minference import attention, estimate
+    decision its density kernel compiles at start too; on the GPU cache the sparse kernel decides itself,
+    so it compiles whatever the decision says."""
+    from nanovllm_minference import attention, estimate, index
 
-    kernels = [attention._sparse_prefill_kernel, estimate._row_stats_kernel, estimate._sums_kernel]
+    kernels = [attention._sparse_prefill_kernel, estimate._row_stats_kernel, estimate._sums_kernel,
+               index._select_kernel]
     policy = SPARSE.replace("dense_below=0", "dense_below=256")
     if decision:
         kernels.append(attention._density_kernel)

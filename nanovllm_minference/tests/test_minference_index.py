@@ -22,6 +22,8 @@ from nanovllm_minference.index import (
     lines_to_index_reference,
     ranked_lines,
     ranked_lines_reference,
+    select_index,
+    select_index_reference,
     top_lines,
 )
 from nanovllm_minference.policy import touched_blocks
@@ -169,9 +171,39 @@ def test_ranking_kernel_gives_the_reference_scores(device, forced):
         assert a.dtype == b.dtype and torch.equal(a.cpu(), b), f"{name} differs"
 
 
+# (vertical sizes, slash sizes, adaptive budget, forced columns, forced diagonals): budgets per head some
+# above the shorter contexts, the adaptive rule, forced lines past the budgets
+SELECT_CASES = [((5, 40, 500), (7, 100, 3), None, 4, 30), ((1, 1, 1), (1, 1, 1), 0.3, 30, 200),
+                ((3000, 1, 2), (2, 3000, 1), None, 0, 1)]
+SELECT_PARAMS = [
+    pytest.param("cuda", c, id=f"gpu-select-{i}", marks=pytest.mark.gpu) for i, c in enumerate(SELECT_CASES)
+] + [pytest.param("cpu", c, id=f"interp-select-{i}") for i, c in enumerate(SELECT_CASES if INTERP else [])]
+
+
+@pytest.mark.parametrize("device, case", SELECT_PARAMS)
+def test_select_kernel_gives_the_reference_index(device, case):
+    """Random scores (no ties) of sequences of several lengths, chunks at unaligned starts: the one-launch
+    selection gives the index of ranking, top lines and the index builder, tensor for tensor."""
+    vertical_sizes, slash_sizes, adaptive, sinks, recent = case
+    q_lens, lens, cu = batch([*SHAPES, (300, 2100)])
+    longest = int(lens.max())
+    g = torch.Generator().manual_seed(sum(vertical_sizes))
+    vertical, slash = torch.rand(2, len(lens), 3, longest + 5, generator=g)
+    sizes = torch.tensor(vertical_sizes), torch.tensor(slash_sizes)
+    bounds = (max(vertical_sizes), max(slash_sizes))
+    if adaptive is not None:
+        bounds = max(1, int(longest * adaptive * 0.2)), max(1, int(longest * adaptive * 0.8))
+    args = vertical, slash, cu.int(), lens.int(), *sizes
+    want = select_index_reference(*args, sinks, recent, bounds, longest, adaptive)
+    got = select_index(*(t.to(device) for t in args), sinks, recent, bounds, longest, adaptive)
+    for name in ("columns", "column_counts", "slash_tiles", "slash_counts", "slash_cover"):
+        a, b = getattr(got, name).cpu(), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{name} differs"
+
+
 def test_index_kernels_under_interpreter():
     """Every ``interp`` case of this file under Triton's interpreter on the CPU, in a fresh process."""
-    assert_interpreter_cases_pass(__file__, len(KERNEL_WIDTHS) + len(RANK_FORCED))
+    assert_interpreter_cases_pass(__file__, len(KERNEL_WIDTHS) + len(RANK_FORCED) + len(SELECT_CASES))
 
 
 def test_top_lines_keep_forced_lines_best_first_within_budget():

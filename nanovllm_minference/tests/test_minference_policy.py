@@ -135,18 +135,25 @@ def test_offload_reads_the_keys_the_resident_path_reads(monkeypatch, options):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("offload", [False, True])
-def test_a_pattern_that_is_not_sparse_runs_dense(monkeypatch, offload, device):
-    """An index computing more than ``dense_above`` of dense work runs dense attention (after the estimate,
-    before any value is read: with a store that copies, no touched block is read); one below it runs the
-    sparse kernel. On the GPU the density is the Triton one, on both paths."""
+def test_a_pattern_that_is_not_sparse_runs_dense(offload, device):
+    """An index computing more than ``dense_above`` of dense work gives dense attention, one below it the
+    sparse output. With a store that copies the decision comes after the estimate and before any value is
+    read (a dense chunk streams the history, no touched block is read); on the GPU cache the kernel takes
+    it itself, on the GPU."""
     case = planted.slash_diagonals(num_tokens=480, offsets=(0, 100, 300))
     q, ctx = prefill_context(case.q, case.k, case.v, 480, case.scale, device=device)
-    want = ctx.attend_all(q, ctx.new_keys, ctx.new_values)
-    dense_streams = []
+    dense = ctx.attend_all(q, ctx.new_keys, ctx.new_values)
+    budget = dict(vertical_size=4, slash_size=40, dense_below=0)
+    sparse = run(MInferencePolicy(MInferenceConfig(**budget, dense_above=None)), q, ctx)
+    assert not torch.allclose(sparse, dense, atol=1e-3)  # the index leaves keys out
+    dense_streams, value_reads = [], []
     if offload:
         class DenseStreams(PagedLayerKV):  # the paged cache, read as the host store reads it
             def read_paged(self, ctx, blocks, values=True, width=None):
-                return self.compact_copy(ctx, blocks() if callable(blocks) else blocks, values, width)
+                present = blocks() if callable(blocks) else blocks
+                if values:
+                    value_reads.append(int(present.sum()))
+                return self.compact_copy(ctx, present, values, width)
 
             def attend_all(self, ctx, q, k, v):
                 dense_streams.append(1)
@@ -155,31 +162,32 @@ def test_a_pattern_that_is_not_sparse_runs_dense(monkeypatch, offload, device):
         ctx.kv = DenseStreams(ctx.layer_id, ctx.k_cache, ctx.v_cache)
     import nanovllm_minference.policy as module
 
-    ops = module._ops(q.device)
-    sparse_calls = []
-
-    def counting_attend(*args, **kwargs):
-        result = ops.attend(*args, **kwargs)
-        if result is not None:  # None: the index was too dense, the guarded kernel computed nothing
-            sparse_calls.append(1)
-        return result
-
-    monkeypatch.setattr(module, "_ops", lambda device: ops._replace(attend=counting_attend))
-    everything = dict(vertical_size=480, slash_size=480, dense_below=0)
-    index = MInferencePolicy(MInferenceConfig(**everything)).build_index(q, ctx, ctx.k_cache,
-                                                                         ctx.meta.block_tables, ops)
+    policy = MInferencePolicy(MInferenceConfig(**budget))
+    index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, module._ops(q.device))
     density = module.computed_density(index, ctx.meta.cu_seqlens_q, ctx.meta.context_lens)
-    assert density > 0.8
-    for limit, sparse in ((0.8, False), (density - 0.01, False), (density + 0.01, True), (None, True)):
-        sparse_calls.clear()
+    assert 0.05 < density < 0.8
+    for limit, want in ((density - 0.01, dense), (density + 0.01, sparse), (None, sparse), (0.8, sparse)):
         dense_streams.clear()
-        got = run(MInferencePolicy(MInferenceConfig(**everything, dense_above=limit)), q, ctx)
-        assert bool(sparse_calls) == sparse and bool(dense_streams) == (offload and not sparse)
+        value_reads.clear()
+        got = run(MInferencePolicy(MInferenceConfig(**budget, dense_above=limit)), q, ctx)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    # a sparse pattern stays sparse under the default limit
-    sparse_calls.clear()
-    run(MInferencePolicy(MInferenceConfig(vertical_size=4, slash_size=40, dense_below=0)), q, ctx)
-    assert sparse_calls
+        if offload:
+            assert bool(dense_streams) == (want is dense)
+            assert value_reads == [0] if want is dense else value_reads[0] > 0
+
+
+def test_a_budget_keeping_every_diagonal_runs_dense_without_estimating(monkeypatch):
+    """Every head keeping every diagonal of the context reads every key: dense, known before estimating."""
+    case = planted.needles(num_tokens=200)
+    q, ctx = prefill_context(case.q, case.k, case.v, 120, case.scale)
+    import nanovllm_minference.policy as module
+
+    want = ctx.attend_all(q, ctx.new_keys, ctx.new_values)
+    monkeypatch.setattr(module, "_ops", lambda device: pytest.fail("a dense chunk must not estimate"))
+    got = run(MInferencePolicy(MInferenceConfig(vertical_size=1, slash_size=200, dense_below=0)), q, ctx)
+    torch.testing.assert_close(got, want)
+    with pytest.raises(pytest.fail.Exception):  # one diagonal fewer: the estimate decides
+        run(MInferencePolicy(MInferenceConfig(vertical_size=1, slash_size=199, dense_below=0)), q, ctx)
 
 
 @pytest.mark.parametrize("options, match", [

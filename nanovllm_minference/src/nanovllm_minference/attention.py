@@ -6,24 +6,24 @@ and return ``(out [T, H, D] in q's dtype, lse [T, H] float32)``; ``lse`` is the 
 ``exp(scale * q.k)`` over the keys read. A row that reads no key gets out 0 and lse -inf.
 
 The kernel runs one program per (query tile, head, sequence) and feeds one online softmax (base 2)
-from three loops:
+from three loops, each reading ``KEYS`` keys a step (64, or 32 over head size 128):
 
 1. the head's slash tiles, key tile ``base + offset``: tiles wholly below every row of the query tile
    (and so inside the context) without masks, the tiles on the diagonal with the causal mask;
-2. the head's columns, 64 gathered keys at a time, minus those whose tile is a slash tile (slash_cover),
-   with the causal mask;
+2. the head's columns, gathered, minus those whose tile is a slash tile (slash_cover), with the causal
+   mask;
 3. (only for an index with blocks) the key tiles listed for the query tile, split like loop 1.
 
 The ascending lists are first counted against the tile's bounds (tiles below 0, tiles wholly below the
 rows, tiles past the last row), so every loop runs over exactly the entries it needs, without branches.
+With ``dense_above`` every program first reads the index's work against dense work (computed on the GPU
+by the launch before) and, where the index is the denser, runs the loops of dense causal attention
+instead: the fallback needs no host sync.
 On CPU tensors the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is
 imported) with float32 dots: the interpreter's bfloat16 dot is wrong.
 """
 
 from __future__ import annotations
-
-import threading
-from collections.abc import Callable
 
 import attrs
 import torch
@@ -59,20 +59,82 @@ def _count_at_most(entries, n, bound_a, bound_b, bound_c, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _tile_slots(bt_row, t, last_pos, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr):
-    """Physical blocks, slots in them and positions of the keys of key tile ``t`` (start <= ``last_pos``);
-    keys past ``last_pos`` do not read the block table."""
-    pos = t * TILE + tl.arange(0, TILE)
-    phys = tile_blocks(bt_row, t * TILE, last_pos + 1, TILE, BLOCK_SIZE).to(tl.int64)
-    return phys, pos % BLOCK_SIZE, pos
+def _key_rows(bt_row, start, end, stride_kb, stride_ks, KEYS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Row offsets (into the K/V head) and positions of keys ``start .. start + KEYS - 1``; keys at or past
+    ``end`` do not read the block table (offset 0)."""
+    pos = start + tl.arange(0, KEYS)
+    phys = tile_blocks(bt_row, start, end, KEYS, BLOCK_SIZE).to(tl.int64)
+    return phys * stride_kb + (pos % BLOCK_SIZE) * stride_ks, pos
+
+
+@triton.jit
+def _whole_tiles(
+    acc, l_i, m_i, q, K, V, bt_row, entries, n_lo, n_hi, shift, last_pos,
+    stride_kb, stride_ks, stride_kd, offs_d, d_ok, scale_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+    KEYS: tl.constexpr, LISTED: tl.constexpr, FP32: tl.constexpr,
+):
+    """Attend without masks to key tiles ``shift + e`` for list entries ``e`` number ``n_lo .. n_hi - 1``
+    (``LISTED``; else the entries are the numbers themselves), ``KEYS`` keys a step. The next step's list
+    entry and block-table entries are read a step ahead: Triton pipelines a key load whose address waits on
+    a load of its own iteration 2 deep, not 3."""
+    SUB: tl.constexpr = TILE // KEYS
+    if LISTED:
+        t_next = shift + tl.load(entries + n_lo, mask=n_lo < n_hi, other=-shift)  # past the list: tile 0
+    else:
+        t_next = shift + n_lo
+    rows_next, _ = _key_rows(bt_row, t_next * TILE, last_pos + 1, stride_kb, stride_ks, KEYS, BLOCK_SIZE)
+    for i in range(n_lo * SUB, n_hi * SUB):
+        rows = rows_next
+        step = i + 1
+        if LISTED:
+            t_next = shift + tl.load(entries + step // SUB, mask=step < n_hi * SUB, other=-shift)
+        else:
+            t_next = shift + step // SUB
+        rows_next, _ = _key_rows(bt_row, t_next * TILE + (step % SUB) * KEYS, last_pos + 1, stride_kb,
+                                 stride_ks, KEYS, BLOCK_SIZE)
+        if BLOCK_D == HEAD_DIM:
+            k = tl.load(K + rows[:, None] + offs_d[None, :] * stride_kd)
+            v = tl.load(V + rows[:, None] + offs_d[None, :] * stride_kd)
+        else:
+            k = tl.load(K + rows[:, None] + offs_d[None, :] * stride_kd, mask=d_ok[None, :], other=0.0)
+            v = tl.load(V + rows[:, None] + offs_d[None, :] * stride_kd, mask=d_ok[None, :],
+                        other=0.0)
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _diagonal_tiles(
+    acc, l_i, m_i, q, q_pos, K, V, bt_row, entries, n_lo, n_hi, shift, last_pos,
+    stride_kb, stride_ks, stride_kd, offs_d, d_ok, scale_log2,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, KEYS: tl.constexpr, LISTED: tl.constexpr,
+    FP32: tl.constexpr,
+):
+    """As :func:`_whole_tiles`, for tiles that reach the query rows: the causal mask, nothing past
+    ``last_pos`` read."""
+    SUB: tl.constexpr = TILE // KEYS
+    for i in range(n_lo * SUB, n_hi * SUB):
+        if LISTED:
+            t = shift + tl.load(entries + i // SUB)
+        else:
+            t = shift + i // SUB
+        rows, pos = _key_rows(bt_row, t * TILE + (i % SUB) * KEYS, last_pos + 1, stride_kb, stride_ks, KEYS,
+                              BLOCK_SIZE)
+        ld = (pos <= last_pos)[:, None] & d_ok[None, :]
+        k = tl.load(K + rows[:, None] + offs_d[None, :] * stride_kd, mask=ld, other=0.0)
+        v = tl.load(V + rows[:, None] + offs_d[None, :] * stride_kd, mask=ld, other=0.0)
+        keep = pos[None, :] <= q_pos[:, None]
+        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, keep, scale_log2, True, FP32)
+    return acc, l_i, m_i
 
 
 @triton.jit
 def _listed_tiles(
     acc, l_i, m_i, q, q_pos, first_pos, last_pos, K, V, bt_row, entries, n_entries, shift,
-    stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_ok, scale_log2,
+    stride_kb, stride_ks, stride_kd, offs_d, d_ok, scale_log2,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-    CHUNK: tl.constexpr, FP32: tl.constexpr, SAME_LAYOUT: tl.constexpr,
+    KEYS: tl.constexpr, CHUNK: tl.constexpr, FP32: tl.constexpr,
 ):
     """Attend to the key tiles ``shift + e`` for the entries ``e`` of an ascending list (slash offsets
     with shift = base tile, or listed key tiles with shift = 0). ``K``/``V`` point at the KV head."""
@@ -80,36 +142,18 @@ def _listed_tiles(
     last_tile = last_pos // TILE  # tiles past it hold no key any row reads
     j_lo, j_full, j_hi = _count_at_most(entries, n_entries, -1 - shift, full_tile - shift, last_tile - shift,
                                         CHUNK)
-    # below every row and inside the context: no masks. The next tile's entry and block-table entries are read
-    # a tile ahead: Triton pipelines a key load whose address waits on a load of its own iteration 2 deep, not 3
-    t_next = shift + tl.load(entries + j_lo, mask=j_lo < j_full, other=-shift)  # past the list: tile 0
-    phys_next, _, _ = _tile_slots(bt_row, t_next, last_pos, BLOCK_SIZE, TILE)
-    for j in range(j_lo, j_full):
-        t = t_next
-        phys = phys_next
-        t_next = shift + tl.load(entries + j + 1, mask=j + 1 < j_full, other=-shift)
-        phys_next, _, _ = _tile_slots(bt_row, t_next, last_pos, BLOCK_SIZE, TILE)
-        slot = (t * TILE + tl.arange(0, TILE)) % BLOCK_SIZE
-        k_rows = phys * stride_kb + slot * stride_ks
-        v_rows = k_rows if SAME_LAYOUT else phys * stride_vb + slot * stride_vs
-        if BLOCK_D == HEAD_DIM:
-            k = tl.load(K + k_rows[:, None] + offs_d[None, :] * stride_kd)
-            v = tl.load(V + v_rows[:, None] + offs_d[None, :] * stride_vd)
-        else:
-            k = tl.load(K + k_rows[:, None] + offs_d[None, :] * stride_kd, mask=d_ok[None, :], other=0.0)
-            v = tl.load(V + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=d_ok[None, :], other=0.0)
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
-    for j in range(tl.maximum(j_lo, j_full), j_hi):  # the diagonal: causal mask, nothing past last_pos read
-        t = shift + tl.load(entries + j)
-        phys, slot, pos = _tile_slots(bt_row, t, last_pos, BLOCK_SIZE, TILE)
-        k_rows = phys * stride_kb + slot * stride_ks
-        v_rows = k_rows if SAME_LAYOUT else phys * stride_vb + slot * stride_vs
-        ld = (pos <= last_pos)[:, None] & d_ok[None, :]
-        k = tl.load(K + k_rows[:, None] + offs_d[None, :] * stride_kd, mask=ld, other=0.0)
-        v = tl.load(V + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=ld, other=0.0)
-        keep = pos[None, :] <= q_pos[:, None]
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, keep, scale_log2, True, FP32)
-    return acc, l_i, m_i
+    # below every row and inside the context: no masks
+    acc, l_i, m_i = _whole_tiles(
+        acc, l_i, m_i, q, K, V, bt_row, entries, j_lo, tl.maximum(j_lo, j_full), shift, last_pos,
+        stride_kb, stride_ks, stride_kd, offs_d, d_ok, scale_log2,
+        HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, KEYS, True, FP32,
+    )
+    # the diagonal: causal mask
+    return _diagonal_tiles(
+        acc, l_i, m_i, q, q_pos, K, V, bt_row, entries, tl.maximum(j_lo, j_full), j_hi, shift, last_pos,
+        stride_kb, stride_ks, stride_kd, offs_d, d_ok, scale_log2,
+        BLOCK_SIZE, TILE, KEYS, True, FP32,
+    )
 
 
 # list widths and strides change from step to step: one compiled kernel for all of them
@@ -117,21 +161,17 @@ def _listed_tiles(
 def _sparse_prefill_kernel(
     Q, K, V, Out, Lse,
     cu_q, ctx_lens, block_tables,
-    columns, column_counts, slash_tiles, slash_counts, slash_cover, blocks, block_counts, too_dense,
-    scale_log2,
+    columns, column_counts, slash_tiles, slash_counts, slash_cover, blocks, block_counts, totals,
+    scale_log2, dense_above,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
     stride_lt, stride_lh,
     stride_bt, num_cols, num_slash, cover_r, num_qtiles, num_blocks,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    TILE: tl.constexpr, CHUNK: tl.constexpr, HAS_BLOCKS: tl.constexpr, FP32: tl.constexpr,
-    SAME_LAYOUT: tl.constexpr, GUARDED: tl.constexpr,
+    TILE: tl.constexpr, KEYS: tl.constexpr, CHUNK: tl.constexpr, HAS_BLOCKS: tl.constexpr,
+    FP32: tl.constexpr, GUARDED: tl.constexpr,
 ):
-    if GUARDED:  # the index's work is above dense_above: the caller runs dense attention instead
-        if tl.load(too_dense) != 0:
-            return
     # last query tiles first: under a causal mask they have the most keys
     m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -157,51 +197,67 @@ def _sparse_prefill_kernel(
                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     q_pos = q_start + offs_m
     K += kvh * stride_kh
-    V += kvh * stride_vh
+    V += kvh * stride_kh
     bt_row = block_tables + s * stride_bt
 
     m_i = tl.full([TILE], float("-inf"), tl.float32)
     l_i = tl.zeros([TILE], tl.float32)
     acc = tl.zeros([TILE, BLOCK_D], tl.float32)
 
-    # 1. slash tiles: key tile base + offset
-    acc, l_i, m_i = _listed_tiles(
-        acc, l_i, m_i, q, q_pos, first_pos, last_pos, K, V, bt_row,
-        slash_tiles + head * num_slash, tl.load(slash_counts + head), base,
-        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_ok, scale_log2,
-        HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, CHUNK, FP32, SAME_LAYOUT,
-    )
-
-    # 2. columns up to the last row's position, TILE at a time, minus those in slash tiles
-    cols = columns + head * num_cols
-    _, _, live_cols = _count_at_most(cols, tl.load(column_counts + head), last_pos, last_pos, last_pos, CHUNK)
-    cover = slash_cover + head * (cover_r + 2) + cover_r  # cover[d]: 1 when tile offset d is a slash tile
-    for j0 in range(0, live_cols, TILE):
-        offs_j = j0 + tl.arange(0, TILE)
-        live = offs_j < live_cols
-        c = tl.load(cols + offs_j, mask=live, other=0)
-        d = c // TILE - base
-        covered = tl.load(cover + d, mask=live & (d >= -cover_r) & (d <= 1), other=0)
-        use = live & (covered == 0)
-        phys = tl.load(bt_row + c // BLOCK_SIZE, mask=use, other=0).to(tl.int64)
-        slot = c % BLOCK_SIZE
-        ld = use[:, None] & d_ok[None, :]
-        k_rows = phys * stride_kb + slot * stride_ks
-        v_rows = k_rows if SAME_LAYOUT else phys * stride_vb + slot * stride_vs
-        k = tl.load(K + k_rows[:, None] + offs_d[None, :] * stride_kd, mask=ld, other=0.0)
-        v = tl.load(V + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=ld, other=0.0)
-        keep = use[None, :] & (c[None, :] <= q_pos[:, None])
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, keep, scale_log2, True, FP32)
-
-    # 3. block-sparse heads: the key tiles listed for this query tile
-    if HAS_BLOCKS:
-        tile_row = head * num_qtiles + m
+    dense = False
+    if GUARDED:  # totals: the index's work and dense causal work (index_density's); above the share, dense
+        dense = tl.load(totals).to(tl.float64) > dense_above * tl.load(totals + 1).to(tl.float64)
+    if dense:
+        # every key up to the row: the tiles below every row whole, then the diagonal
+        full = (first_pos + 1) // TILE
+        acc, l_i, m_i = _whole_tiles(
+            acc, l_i, m_i, q, K, V, bt_row, slash_tiles, 0, full, 0, last_pos,
+            stride_kb, stride_ks, stride_kd, offs_d, d_ok, scale_log2,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, KEYS, False, FP32,
+        )
+        acc, l_i, m_i = _diagonal_tiles(
+            acc, l_i, m_i, q, q_pos, K, V, bt_row, slash_tiles, full, last_pos // TILE + 1, 0, last_pos,
+            stride_kb, stride_ks, stride_kd, offs_d, d_ok, scale_log2,
+            BLOCK_SIZE, TILE, KEYS, False, FP32,
+        )
+    else:
+        # 1. slash tiles: key tile base + offset
         acc, l_i, m_i = _listed_tiles(
             acc, l_i, m_i, q, q_pos, first_pos, last_pos, K, V, bt_row,
-            blocks + tile_row * num_blocks, tl.load(block_counts + tile_row), 0,
-            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, offs_d, d_ok, scale_log2,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, CHUNK, FP32, SAME_LAYOUT,
+            slash_tiles + head * num_slash, tl.load(slash_counts + head), base,
+            stride_kb, stride_ks, stride_kd, offs_d, d_ok, scale_log2,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, KEYS, CHUNK, FP32,
         )
+
+        # 2. columns up to the last row's position, KEYS at a time, minus those in slash tiles
+        cols = columns + head * num_cols
+        _, _, live_cols = _count_at_most(cols, tl.load(column_counts + head), last_pos, last_pos, last_pos,
+                                         CHUNK)
+        cover = slash_cover + head * (cover_r + 2) + cover_r  # cover[d]: 1 when tile offset d is a slash tile
+        for j0 in range(0, live_cols, KEYS):
+            offs_j = j0 + tl.arange(0, KEYS)
+            live = offs_j < live_cols
+            c = tl.load(cols + offs_j, mask=live, other=0)
+            d = c // TILE - base
+            covered = tl.load(cover + d, mask=live & (d >= -cover_r) & (d <= 1), other=0)
+            use = live & (covered == 0)
+            phys = tl.load(bt_row + c // BLOCK_SIZE, mask=use, other=0).to(tl.int64)
+            rows = phys * stride_kb + (c % BLOCK_SIZE) * stride_ks
+            ld = use[:, None] & d_ok[None, :]
+            k = tl.load(K + rows[:, None] + offs_d[None, :] * stride_kd, mask=ld, other=0.0)
+            v = tl.load(V + rows[:, None] + offs_d[None, :] * stride_kd, mask=ld, other=0.0)
+            keep = use[None, :] & (c[None, :] <= q_pos[:, None])
+            acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, keep, scale_log2, True, FP32)
+
+        # 3. block-sparse heads: the key tiles listed for this query tile
+        if HAS_BLOCKS:
+            tile_row = head * num_qtiles + m
+            acc, l_i, m_i = _listed_tiles(
+                acc, l_i, m_i, q, q_pos, first_pos, last_pos, K, V, bt_row,
+                blocks + tile_row * num_blocks, tl.load(block_counts + tile_row), 0,
+                stride_kb, stride_ks, stride_kd, offs_d, d_ok, scale_log2,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, KEYS, CHUNK, FP32,
+            )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     tl.store(Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
@@ -245,10 +301,9 @@ def _density_kernel(
         tl.atomic_add(totals, work)
 
 
-def index_density(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                  max_query_len: int) -> torch.Tensor:
-    """:func:`~nanovllm_minference.index.computed_density` (its torch reference) as a float64 device scalar,
-    from one launch instead of the torch version's fifty-odd small kernels."""
+def _density_totals(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                    max_query_len: int) -> torch.Tensor:
+    """``[2]`` int64 on the device: the index's work and dense causal work (a fill and one launch)."""
     num_seqs, num_heads = index.columns.shape[:2]
     totals = torch.zeros(2, dtype=torch.int64, device=context_lens.device)
     has_blocks = index.blocks is not None
@@ -262,31 +317,40 @@ def index_density(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: 
             columns.shape[2], slash.shape[2], block_counts.shape[2] if has_blocks else 0,
             TILE=TILE, CHUNK=LIST_CHUNK, HAS_BLOCKS=has_blocks,
         )
+    return totals
+
+
+def index_density(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                  max_query_len: int) -> torch.Tensor:
+    """:func:`~nanovllm_minference.index.computed_density` (its torch reference) as a float64 device scalar,
+    from one launch instead of the torch version's fifty-odd small kernels."""
+    totals = _density_totals(index, cu_seqlens_q, context_lens, max_query_len)
     return totals[0].double() / totals[1].double()
 
 
-def _launch_config(q: torch.Tensor, head_dim: int) -> tuple[int, int]:
-    """(num_warps, num_stages)."""
+def _launch_config(q: torch.Tensor, head_dim: int) -> tuple[int, int, int]:
+    """(keys a step, num_warps, num_stages). Over head size 128 a step reads 32 keys, as the dense paged
+    kernel's tiles at that size: a 64-key step's K and V stages fill shared memory, one program a
+    multiprocessor."""
     if q.device.type != "cuda":
-        return 1, 1
+        return TILE, 1, 1
     if q.dtype == torch.float32 or head_dim > 128:  # keep the K/V stages within shared memory
-        return 4, 2
-    return 4, 3
+        return TILE // 2, 4, 2
+    return TILE, 4, 3
 
 
 def sparse_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, index: SparseIndex, scale: float,
-    max_query_len: int, *, dense_above: float | None = None, config: tuple[int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+    max_query_len: int, *, dense_above: float | None = None, config: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse prefill attention (Triton): ``(out [T, H, D] in q's dtype, lse [T, H] float32)``.
 
     ``max_query_len`` (a host int) sizes the grid. ``dense_above``: when the index computes more than this
-    share of dense causal work (:func:`~nanovllm_minference.index.computed_density`), compute nothing and
-    return ``None``. The comparison is made on the GPU and its copy to the host queued, then the kernel,
-    guarded by it (its programs return at once when it holds); the host waits for the copy alone, so the GPU
-    does not idle through the host's launch of this kernel (the launch of its many arguments takes the host
-    longer than the comparison). ``config`` overrides ``(num_warps, num_stages)`` (benchmarks)."""
+    share of dense causal work (:func:`~nanovllm_minference.index.computed_density`), the kernel attends to
+    every key up to each row instead (dense causal attention). The share is computed on the GPU (a fill and
+    one launch) and the kernel reads it there: nothing waits on the host. ``config`` overrides ``(keys a
+    step, num_warps, num_stages)`` (benchmarks)."""
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, index)
     if index.blocks is not None and index.blocks.shape[2] < triton.cdiv(max_query_len, TILE):
         raise ValueError(
@@ -300,10 +364,9 @@ def sparse_attention(
     )
     if not launch:
         return out, lse
-    too_dense = answer = None
+    totals = None
     if dense_above is not None:
-        too_dense = index_density(index, cu_seqlens_q, context_lens, max_query_len) > dense_above
-        answer = _read_back_ahead(too_dense)
+        totals = _density_totals(index, cu_seqlens_q, context_lens, max_query_len)
     num_heads, head_dim = q.shape[1:]
     has_blocks = index.blocks is not None
     columns, slash = index.columns.contiguous(), index.slash_tiles.contiguous()
@@ -313,52 +376,23 @@ def sparse_attention(
         blocks, block_counts = index.blocks.contiguous(), index.block_counts.contiguous()
     else:
         blocks, block_counts = column_counts, column_counts  # never read
-    warps, stages = config or _launch_config(q, head_dim)
+    keys, warps, stages = config or _launch_config(q, head_dim)
     grid = (triton.cdiv(max_query_len, TILE), num_heads, cu_seqlens_q.shape[0] - 1)
     _sparse_prefill_kernel[grid](
         q, k_cache, v_cache, out, lse,
         cu_seqlens_q, context_lens, block_tables,
         columns, column_counts, slash, slash_counts, cover, blocks, block_counts,
-        column_counts if too_dense is None else too_dense,  # never read unguarded
-        scale * LOG2E,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *lse.stride(),
+        column_counts if totals is None else totals,  # never read unguarded
+        scale * LOG2E, 0.0 if dense_above is None else dense_above,
+        *q.stride(), *k_cache.stride(), *out.stride(), *lse.stride(),
         block_tables.stride(0), columns.shape[2], slash.shape[2], index.cover_offset,
         blocks.shape[2] if has_blocks else 0, blocks.shape[3] if has_blocks else 0,
         GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=k_cache.shape[1], TILE=TILE, CHUNK=LIST_CHUNK, HAS_BLOCKS=has_blocks,
+        BLOCK_SIZE=k_cache.shape[1], TILE=TILE, KEYS=keys, CHUNK=LIST_CHUNK, HAS_BLOCKS=has_blocks,
         FP32=q.dtype == torch.float32 or q.device.type != "cuda",  # the interpreter's bfloat16 dot is wrong
-        SAME_LAYOUT=k_cache.stride() == v_cache.stride(),  # the engine's caches: one address computation
-        GUARDED=too_dense is not None, num_warps=warps, num_stages=stages,
+        GUARDED=totals is not None, num_warps=warps, num_stages=stages,
     )
-    if answer is not None and answer():  # a host sync per chunk and layer, on the decision alone
-        return None
     return out, lse
-
-
-_READ_BACK = threading.local()  # per thread: {device: (pinned bool, event)}
-
-
-def _read_back_ahead(flag: torch.Tensor) -> Callable[[], bool]:
-    """Start copying a device bool to the host; the call returned waits for that copy, not for the work
-    queued after it (a plain read would wait for the guarded kernel too, and the GPU would then idle for
-    the host's next launches). One pinned buffer per thread and device (pinning one per call cost more than
-    the sync saved): a thread reads each answer before it queues the next copy, and engines stepping in
-    other threads of the process have buffers of their own."""
-    if flag.device.type != "cuda":
-        return lambda: bool(flag)
-    buffers = _READ_BACK.__dict__.setdefault("buffers", {})
-    if flag.device not in buffers:
-        with torch.inference_mode(False):  # an inference tensor could not be written outside inference mode
-            buffers[flag.device] = torch.empty((), dtype=torch.bool, pin_memory=True), torch.cuda.Event()
-    host, copied = buffers[flag.device]
-    host.copy_(flag, non_blocking=True)
-    copied.record(torch.cuda.current_stream(flag.device))
-
-    def answer() -> bool:
-        copied.synchronize()
-        return bool(host)
-
-    return answer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,6 +402,10 @@ def _read_back_ahead(flag: torch.Tensor) -> Callable[[], bool]:
 
 def _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, index: SparseIndex) -> None:
     check_paged_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError(f"k_cache strides {tuple(k_cache.stride())} and v_cache strides "
+                         f"{tuple(v_cache.stride())}: the kernel reads both through one layout; pass "
+                         "contiguous caches of one shape")
     num_seqs, num_heads = cu_seqlens_q.shape[0] - 1, q.shape[1]
     heads = (num_seqs, num_heads)
     for name in ("columns", "slash_tiles", "slash_cover"):
@@ -437,13 +475,12 @@ def sparse_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, index: SparseIndex, scale: float,
     max_query_len: int, *, dense_above: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse prefill attention (torch, any device; the oracle): a dense mask per sequence, float32 softmax.
     Same arguments and results as :func:`sparse_attention`."""
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, index)
-    if dense_above is not None:
-        if computed_density(index, cu_seqlens_q, context_lens, max_query_len) > dense_above:
-            return None
+    dense = dense_above is not None and computed_density(index, cu_seqlens_q, context_lens,
+                                                         max_query_len) > dense_above
     num_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1:3]
     group = num_heads // num_kv_heads
@@ -460,6 +497,9 @@ def sparse_attention_reference(
         k = k_cache[phys, pos % block_size].float().repeat_interleave(group, dim=1)  # [C, H, D]
         v = v_cache[phys, pos % block_size].float().repeat_interleave(group, dim=1)
         mask = _dense_mask(index, s, ctx[s] - query_len, query_len, ctx[s]).to(q.device)
+        if dense:  # every key up to the row
+            row_pos = ctx[s] - query_len + torch.arange(query_len, device=q.device)
+            mask = (pos[None, :] <= row_pos[:, None])[None].expand_as(mask)
         scores = torch.einsum("qhd,khd->hqk", q[rows].float(), k) * scale
         scores = scores.masked_fill(~mask, float("-inf"))
         row_lse = torch.logsumexp(scores, dim=-1)  # -inf for a row that reads nothing

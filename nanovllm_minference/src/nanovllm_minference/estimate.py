@@ -13,9 +13,11 @@ both ``[S, H, L]`` float32 with ``L`` the longest context; entries at or past a 
 (each pass reads a key once for the stacked rows of several of its GQA group's heads: up to 256 rows in
 pass 1, 128 in pass 2):
 
-1. row statistics: the running max and sum of ``exp2`` of every row's scores, one partial per slice;
-   torch folds the partials into each row's max and ``1 / sum``.
-2. sums: the scores again, normalised; column sums are stored (each column has one owner). Diagonal
+1. row statistics: the running max and sum of ``exp2`` of every row's scores, one partial per slice. It
+   also zeroes the outputs over its slice of positions (the diagonal sums are added to; both are 0 past a
+   context), so no fill is launched.
+2. sums: each program first folds its rows' partials into their max and ``1 / sum``, then reads the
+   scores again, normalised; column sums are stored (each column has one owner). Diagonal
    sums are skewed in registers (``tl.gather`` rotates row ``j`` by ``j``) so a column of the skewed
    tile holds two diagonals, one on each side of the rotation, then added to ``slash`` with atomics. Key
    tiles are square (as many keys as rows), so each diagonal gets one part from each of at most two
@@ -130,10 +132,10 @@ def _scores(q, k, scale_log2, FP32: tl.constexpr):
     return qk * scale_log2
 
 
-@triton.jit(do_not_specialize=["stride_bt", "tiles_per_split", "last_q"])
+@triton.jit(do_not_specialize=["stride_bt", "tiles_per_split", "last_q", "width"])
 def _row_stats_kernel(
-    Q, K, cu_q, context_lens, block_tables, PartM, PartL,
-    scale_log2, last_q, tiles_per_split,
+    Q, K, cu_q, context_lens, block_tables, PartM, PartL, Vertical, Slash,
+    scale_log2, last_q, tiles_per_split, width,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd, stride_bt,
     GROUP: tl.constexpr, NUM_SUB: tl.constexpr, HEADS: tl.constexpr, ROWS: tl.constexpr,
@@ -141,11 +143,21 @@ def _row_stats_kernel(
     FP32: tl.constexpr,
 ):
     """Pass 1: per (key slice, KV head and sub-group of HEADS of its query heads, sequence), every row's
-    max and sum of exp2 over the slice's keys (max -inf, sum 0 where the slice has none for it)."""
+    max and sum of exp2 over the slice's keys (max -inf, sum 0 where the slice has none for it); and zeros
+    in both outputs over the slice's positions for those heads."""
     split = tl.program_id(0)
     kvh = tl.program_id(1) // NUM_SUB
     sub = tl.program_id(1) % NUM_SUB
     s = tl.program_id(2)
+    start = split * tiles_per_split * BLOCK_N
+    heads_here = sub * HEADS + tl.arange(0, HEADS)
+    rows_out = (s * (tl.num_programs(1) // NUM_SUB) * GROUP + kvh * GROUP + heads_here).to(tl.int64) * width
+    for c0 in range(start, tl.minimum(start + tiles_per_split * BLOCK_N, width), BLOCK_N):
+        c = c0 + tl.arange(0, BLOCK_N)
+        where = rows_out[:, None] + c[None, :]
+        zero_ok = (heads_here < GROUP)[:, None] & (c < width)[None, :]
+        tl.store(Vertical + where, tl.zeros([HEADS, BLOCK_N], tl.float32), mask=zero_ok)
+        tl.store(Slash + where, tl.zeros([HEADS, BLOCK_N], tl.float32), mask=zero_ok)
     ctx = tl.load(context_lens + s)
     q_end = tl.load(cu_q + s + 1)
     n = tl.minimum(q_end - tl.load(cu_q + s), last_q)
@@ -167,7 +179,6 @@ def _row_stats_kernel(
 
     m_i = tl.full([HEADS * ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([HEADS * ROWS], tl.float32)
-    start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, ctx)
     end = tl.where(n > 0, end, start)
     for c0 in range(start, end, BLOCK_N):
@@ -186,18 +197,19 @@ def _row_stats_kernel(
     tl.store(PartL + out, l_i, mask=head_ok)
 
 
-@triton.jit(do_not_specialize=["stride_bt", "tiles_per_split", "last_q", "width"])
+@triton.jit(do_not_specialize=["stride_bt", "tiles_per_split", "last_q", "width", "num_parts"])
 def _sums_kernel(
-    Q, K, cu_q, context_lens, block_tables, RowM, RowInvL, Vertical, Slash,
-    scale_log2, last_q, tiles_per_split, width,
+    Q, K, cu_q, context_lens, block_tables, PartM, PartL, Vertical, Slash,
+    scale_log2, last_q, tiles_per_split, width, num_parts,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd, stride_bt,
     GROUP: tl.constexpr, HEADS: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP32: tl.constexpr,
 ):
-    """Pass 2: per (key slice, block of HEADS query heads of one GQA group, sequence), the normalised
-    probabilities of the block's stacked rows on each square key tile (ROWS keys): column sums stored per
-    head, diagonal sums atomically added."""
+    """Pass 2: per (key slice, block of HEADS query heads of one GQA group, sequence), its rows' partials
+    from pass 1 folded into each row's max and 1 / sum, then the normalised probabilities of the block's
+    stacked rows on each square key tile (ROWS keys): column sums stored per head, diagonal sums atomically
+    added."""
     split = tl.program_id(0)
     first_head = tl.program_id(1) * HEADS  # HEADS divides GROUP: the block reads one KV head
     kvh = first_head // GROUP
@@ -218,9 +230,19 @@ def _sums_kernel(
     d_ok = offs_d < HEAD_DIM
     q = tl.load(Q + (q_end - n + j).to(tl.int64)[:, None] * stride_qt + h[:, None] * stride_qh
                 + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    stats = (s * num_heads + h) * ROWS + j
-    m = tl.load(RowM + stats)
-    inv_l = tl.load(RowInvL + stats)
+    # PartM, PartL: [S, H, num_parts, ROWS]
+    parts = (s * num_heads + h).to(tl.int64) * num_parts * ROWS + j
+    m = tl.full([HEADS * ROWS], float("-inf"), tl.float32)
+    l_sum = tl.zeros([HEADS * ROWS], tl.float32)
+    for part in range(0, num_parts):
+        m_part = tl.load(PartM + parts + part * ROWS)
+        m_new = tl.maximum(m, m_part)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep exp2 finite
+        l_part = tl.load(PartL + parts + part * ROWS)
+        l_sum = l_sum * tl.math.exp2(m - m_use) + l_part * tl.math.exp2(m_part - m_use)
+        m = m_new
+    m = tl.where(m == float("-inf"), 0.0, m)
+    inv_l = tl.where(l_sum > 0, 1.0 / l_sum, 0.0)
     # skew: column u of row j holds key c0 + (j - u) mod ROWS, on the diagonal of offset
     # p_j - c = (ctx - n - c0) + u where u <= j ("lower"), and that minus ROWS where u > j
     u = tl.arange(0, ROWS)
@@ -292,8 +314,9 @@ def estimate(
     q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor, scale: float, last_q: int = 64, max_context_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(vertical, slash)`` as :func:`estimate_reference`, by two Triton passes. Pass ``max_context_len``
-    (a host int, at least every context length) to avoid reading the lengths back to the host."""
+    """``(vertical, slash)`` as :func:`estimate_reference`, by two Triton launches and nothing else. Pass
+    ``max_context_len`` (a host int, at least every context length) to avoid reading the lengths back to
+    the host. The two results are views of one allocation (``[2, S, H, L]``)."""
     _check_args(q, k_cache, block_tables, cu_seqlens_q, context_lens, last_q)
     num_seqs = context_lens.shape[0]
     _, num_heads, head_dim = q.shape
@@ -302,10 +325,11 @@ def estimate(
     if max_context_len is None:
         max_context_len = int(context_lens.max()) if num_seqs else 0
     width = max_context_len
-    vertical = torch.zeros(num_seqs, num_heads, width, dtype=torch.float32, device=q.device)
-    slash = torch.zeros_like(vertical)
     if num_seqs == 0 or width == 0 or q.shape[0] == 0:
-        return vertical, slash
+        vertical = torch.zeros(num_seqs, num_heads, width, dtype=torch.float32, device=q.device)
+        return vertical, torch.zeros_like(vertical)
+    # pass 1 zeroes both: no fill is launched
+    vertical, slash = torch.empty(2, num_seqs, num_heads, width, dtype=torch.float32, device=q.device)
 
     gpu = q.device.type == "cuda"
     # pass 2 tiles keys in squares of the rows; on the GPU at least 64 (masked rows past last_q)
@@ -329,16 +353,11 @@ def estimate(
     part_m = torch.empty(num_seqs, num_heads, slices1, rows, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     _row_stats_kernel[(slices1, num_kv_heads * num_sub, num_seqs)](
-        q, k_cache, cu_seqlens_q, context_lens, block_tables, part_m, part_l,
-        scale_log2, last_q, per_slice1, *strides,
+        q, k_cache, cu_seqlens_q, context_lens, block_tables, part_m, part_l, vertical, slash,
+        scale_log2, last_q, per_slice1, width, *strides,
         GROUP=group, NUM_SUB=num_sub, HEADS=heads, ROWS=rows, BLOCK_N=block_n1, **common,
         num_warps=4,  # faster than 8 at 256 rows x 64 keys, measured at 32K and 128K keys
     )
-    row_max = part_m.amax(2)
-    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
-    row_sum = (part_l * torch.exp2(part_m - row_max[:, :, None])).sum(2)
-    inv_sum = torch.where(row_sum > 0, 1.0 / row_sum, 0.0)
-
     # pass 2: square tiles (each diagonal then gets parts from at most two tiles), as many query heads of
     # a group per program as shared memory holds (the CPU interpreter has no limit)
     budget = max_shared_memory(q.device) if gpu else 1 << 30
@@ -346,8 +365,8 @@ def estimate(
     heads2 = _sums_heads(group, rows, block_d, q.element_size(), budget, stages2)
     slices2, per_slice2 = _slices(width, rows, num_seqs * num_heads // heads2, q.device)
     _sums_kernel[(slices2, num_heads // heads2, num_seqs)](
-        q, k_cache, cu_seqlens_q, context_lens, block_tables, row_max.contiguous(), inv_sum.contiguous(),
-        vertical, slash, scale_log2, last_q, per_slice2, width, *strides,
+        q, k_cache, cu_seqlens_q, context_lens, block_tables, part_m, part_l,
+        vertical, slash, scale_log2, last_q, per_slice2, width, slices1, *strides,
         GROUP=group, HEADS=heads2, ROWS=rows, **common, num_warps=4, num_stages=stages2,
     )
     return vertical, slash

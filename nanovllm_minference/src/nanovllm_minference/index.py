@@ -20,6 +20,8 @@ interpreter); :func:`lines_to_index_reference` is the same in torch, the CPU pat
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 import torch
 import triton
@@ -255,6 +257,179 @@ def top_lines(
             valid &= torch.arange(k, device=values.device) < kind_sizes[..., None]
         lines += [indices, valid]
     return tuple(lines)
+
+
+def select_index_reference(
+    vertical: torch.Tensor, slash: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+    vertical_sizes: torch.Tensor, slash_sizes: torch.Tensor, num_sink_tokens: int, num_recent_diags: int,
+    max_sizes: tuple[int, int], max_context_len: int, adaptive_budget: float | None = None,
+) -> SparseIndex:
+    """The index of every head's best lines (:func:`top_lines`, then :func:`lines_to_index_reference`) from
+    the estimate ``vertical``, ``slash`` ``[S, H, L]``. ``*_sizes``: ``[H]`` int64, the lines each head
+    keeps in every sequence; with ``adaptive_budget`` they are ignored and each sequence keeps that fraction
+    of its context, 20% as columns and 80% as diagonals (the seed fork's rule). ``max_sizes``: host ints at
+    least every size."""
+    lens = context_lens.long()
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    num_seqs, num_heads = vertical.shape[:2]
+    sizes = [t[None, :].expand(num_seqs, num_heads) for t in (vertical_sizes, slash_sizes)]
+    if adaptive_budget is not None:
+        budget = (lens.double() * adaptive_budget)[:, None].expand(-1, num_heads)
+        sizes = [(budget * share).long().clamp(min=1) for share in (0.2, 0.8)]
+    lines = top_lines(vertical, slash, context_lens, *sizes, num_sink_tokens, num_recent_diags, max_sizes)
+    return lines_to_index_reference(*lines, lens - q_lens, max_context_len)
+
+
+@triton.jit
+def _line_keys(row, c, ctx, forced, FORCED: tl.constexpr):
+    """The ranking of lines ``c`` (:func:`ranked_lines_reference`) as int32 keys that order as the scores
+    do (the scores are >= 0), and whether each line lies inside the context (the others are never kept)."""
+    inside = c < ctx
+    score = tl.load(row + c, mask=inside, other=0.0)
+    score = tl.where(c < forced, FORCED - c.to(tl.float32), score)
+    return tl.maximum(score.to(tl.int32, bitcast=True), 0), inside  # -0.0 as 0
+
+
+@triton.jit
+def _kth_key(row, ctx, n, forced, FORCED: tl.constexpr, CHUNK: tl.constexpr):
+    """``(key, ties)``: the ``n``-th largest key of a row's lines inside the context, and how many lines of
+    that key are kept (the first ones) along with every larger one. A radix selection: four passes of
+    eight bits, each a histogram of the lines that match the key's bits found so far."""
+    prefix = tl.full([], 0, tl.int32)
+    remaining = n
+    bins = tl.arange(0, 512)
+    for level in tl.static_range(4):
+        shift = 24 - 8 * level
+        counts = tl.zeros([512], tl.int32)
+        for c0 in range(0, ctx, CHUNK):
+            key, inside = _line_keys(row, c0 + tl.arange(0, CHUNK), ctx, forced, FORCED)
+            match = inside
+            if level > 0:
+                match = match & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+            counts += tl.histogram(tl.where(match, (key >> shift) & 255, 256), 512)  # 256: not counted
+        counts = tl.where(bins < 256, counts, 0)
+        at_least = tl.sum(counts, 0) - tl.cumsum(counts, 0) + counts  # lines whose digit is >= the bin's
+        digit = tl.max(tl.where((at_least >= remaining) & (bins < 256), bins, 0), 0)
+        remaining -= tl.sum(tl.where(bins > digit, counts, 0), 0)
+        prefix = prefix | (digit << shift)
+    return prefix, remaining
+
+
+@triton.jit(do_not_specialize=["num_heads", "width", "num_columns", "reach", "num_sink_tokens",
+                               "num_recent_diags"])
+def _select_kernel(
+    vertical, slash, cu_q, context_lens, vertical_sizes, slash_sizes,
+    columns, column_counts, slash_tiles, slash_counts, cover,
+    num_heads, width, num_columns, reach, num_sink_tokens, num_recent_diags, adaptive,
+    ADAPTIVE: tl.constexpr, FORCED: tl.constexpr, TILE: tl.constexpr, PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """One program per (sequence and head, kind of line): program 0 of the second axis keeps the head's
+    best columns and lists them ascending; program 1 keeps its best diagonals and marks the slash tiles
+    they cross (as ``_lines_kernel``)."""
+    row = tl.program_id(0).to(tl.int64)
+    s = row // num_heads
+    ctx = tl.load(context_lens + s)
+    if tl.program_id(1) == 0:
+        if ADAPTIVE:  # the seed fork's rule: 20% of the budget as columns, in float64 as the reference
+            size = tl.maximum((ctx.to(tl.float64) * tl.load(adaptive) * 0.2).to(tl.int64), 1)
+        else:
+            size = tl.load(vertical_sizes + row % num_heads)
+        n = tl.minimum(size, ctx).to(tl.int32)
+        scores = vertical + row * width
+        key, ties = _kth_key(scores, ctx, n, num_sink_tokens, FORCED, CHUNK)
+        out = columns + row * num_columns
+        count = tl.full([], 0, tl.int32)
+        tied = tl.full([], 0, tl.int32)
+        for c0 in range(0, tl.where(n > 0, ctx, 0), CHUNK):  # none kept: no line read
+            c = c0 + tl.arange(0, CHUNK)
+            k, inside = _line_keys(scores, c, ctx, num_sink_tokens, FORCED)
+            equal = inside & (k == key)
+            keep = inside & ((k > key) | (equal & (tied + tl.cumsum(equal.to(tl.int32), 0) <= ties)))
+            rank = tl.cumsum(keep.to(tl.int32), 0)
+            tl.store(out + count + rank - 1, c, mask=keep)
+            count += tl.sum(keep.to(tl.int32), 0)
+            tied += tl.sum(equal.to(tl.int32), 0)
+        for j0 in range(0, num_columns, CHUNK):
+            j = j0 + tl.arange(0, CHUNK)
+            tl.store(out + j, tl.full([CHUNK], PAD, tl.int32), mask=(j >= count) & (j < num_columns))
+        tl.store(column_counts + row, count)
+    else:
+        if ADAPTIVE:  # and 80% as diagonals
+            size = tl.maximum((ctx.to(tl.float64) * tl.load(adaptive) * 0.8).to(tl.int64), 1)
+        else:
+            size = tl.load(slash_sizes + row % num_heads)
+        n = tl.minimum(size, ctx).to(tl.int32)
+        scores = slash + row * width
+        key, ties = _kth_key(scores, ctx, n, num_recent_diags, FORCED, CHUNK)
+        cover_width = reach + 2
+        cover_row = cover + row * cover_width
+        for j0 in range(0, cover_width, CHUNK):
+            j = j0 + tl.arange(0, CHUNK)
+            tl.store(cover_row + j, tl.zeros([CHUNK], tl.int8), mask=j < cover_width)
+        tl.debug_barrier()  # zeroed before any mark
+        # a diagonal at offset o crosses the rows of a query tile in the key tiles of its first and last
+        # row: offsets floor((phase + edge - o) / TILE) from the base tile, shifted by reach (>= 0)
+        phase = (ctx - (tl.load(cu_q + s + 1) - tl.load(cu_q + s))).to(tl.int64) % TILE
+        tied = tl.full([], 0, tl.int32)
+        for o0 in range(0, tl.where(n > 0, ctx, 0), CHUNK):  # none kept: no line read
+            o = o0 + tl.arange(0, CHUNK)
+            k, inside = _line_keys(scores, o, ctx, num_recent_diags, FORCED)
+            equal = inside & (k == key)
+            keep = inside & ((k > key) | (equal & (tied + tl.cumsum(equal.to(tl.int32), 0) <= ties)))
+            tied += tl.sum(equal.to(tl.int32), 0)
+            for edge in tl.static_range(2):
+                at = (phase + edge * (TILE - 1) - o + reach * TILE) // TILE
+                tl.store(cover_row + at, tl.full([CHUNK], 1, tl.int8),
+                         mask=keep & (at >= 0) & (at < cover_width))
+        tl.debug_barrier()  # every mark is made before any is read
+        tiles_row = slash_tiles + row * cover_width
+        count = tl.full([], 0, tl.int32)
+        for j0 in range(0, cover_width, CHUNK):
+            j = j0 + tl.arange(0, CHUNK)
+            present = tl.load(cover_row + j, mask=j < cover_width, other=0).to(tl.int32)
+            rank = tl.cumsum(present, 0)
+            tl.store(tiles_row + count + rank - 1, (j - reach).to(tl.int32), mask=present != 0)
+            count += tl.sum(present, 0)
+        for j0 in range(0, cover_width, CHUNK):
+            j = j0 + tl.arange(0, CHUNK)
+            tl.store(tiles_row + j, tl.full([CHUNK], PAD, tl.int32), mask=(j >= count) & (j < cover_width))
+        tl.store(slash_counts + row, count)
+
+
+def select_index(
+    vertical: torch.Tensor, slash: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+    vertical_sizes: torch.Tensor, slash_sizes: torch.Tensor, num_sink_tokens: int, num_recent_diags: int,
+    max_sizes: tuple[int, int], max_context_len: int, adaptive_budget: float | None = None,
+) -> SparseIndex:
+    """:func:`select_index_reference` in one Triton launch and no torch op, where ranking, ``topk`` and the
+    index take some twenty launches. Of lines with equal scores the first are kept (``torch.topk`` leaves
+    the choice open)."""
+    num_seqs, num_heads, width = vertical.shape
+    device = vertical.device
+    reach = -(-max_context_len // TILE) + 1
+    num_columns = max(1, min(max_sizes[0], width))
+    columns = torch.empty(num_seqs, num_heads, num_columns, dtype=torch.int32, device=device)
+    tiles = torch.empty(num_seqs, num_heads, reach + 2, dtype=torch.int32, device=device)
+    cover = torch.empty(num_seqs, num_heads, reach + 2, dtype=torch.int8, device=device)
+    column_counts, tile_counts = torch.empty(2, num_seqs, num_heads, dtype=torch.int32, device=device)
+    if num_seqs * num_heads > 0:
+        _select_kernel[(num_seqs * num_heads, 2)](
+            vertical.contiguous(), slash.contiguous(), cu_seqlens_q, context_lens, vertical_sizes,
+            slash_sizes,
+            columns, column_counts, tiles, tile_counts, cover,
+            num_heads, width, num_columns, reach, num_sink_tokens, num_recent_diags,
+            vertical_sizes if adaptive_budget is None else _float64_scalar(adaptive_budget, device),
+            ADAPTIVE=adaptive_budget is not None, FORCED=FORCED, TILE=TILE, PAD=PAD, CHUNK=2048,
+            num_warps=8,
+        )
+    return SparseIndex(columns, column_counts, tiles, tile_counts, cover)
+
+
+@functools.cache
+def _float64_scalar(value: float, device: torch.device) -> torch.Tensor:
+    """``value`` as a float64 device tensor, made once: a Triton float argument is float32."""
+    return torch.tensor([value], dtype=torch.float64, device=device)
 
 
 def block_sparse_index(

@@ -5,11 +5,13 @@ Per layer and prefill chunk:
 1. **Patterns.** Every query head has one: ``vertical_slash`` (the default), ``a_shape`` or
    ``block_sparse``, from the config or a per-head JSON file.
 2. **Estimation** (vertical-slash heads): the softmax of the chunk's last ``last_q`` queries over every
-   key so far; column sums rank the vertical lines, diagonal sums the slash lines. One kernel for all
+   key so far; column sums rank the vertical lines, diagonal sums the slash lines. Two launches for all
    heads of all sequences.
-3. **Index** (:mod:`nanovllm_minference.index`): the best lines become slash tiles and gathered columns.
+3. **Index** (:mod:`nanovllm_minference.index`): the best lines become slash tiles and gathered columns
+   (a vertical-slash layer: ranking, selection and index in one launch).
 4. **Attention**: one kernel over the index, causal, grouped KV heads, on the paged cache, the chunk's
-   own keys included (they are already in the cache).
+   own keys included (they are already in the cache); with ``dense_above``, a launch before it measures
+   the index's work, and the kernel runs dense where that is above the limit, without a host sync.
 
 Every read goes through the context's KV store (``ctx.read_paged``), one code path on both stores: on the
 GPU cache the kernels read the cache in place; with KV offload the estimate reads every key (no values)
@@ -37,6 +39,7 @@ from nanovllm_minference.index import (
     block_sparse_index,
     computed_density,
     lines_to_index_reference,
+    select_index_reference,
     top_lines,
 )
 
@@ -50,6 +53,7 @@ class LayerPlan:
     slash: torch.Tensor  # int64 [H]: diagonals (a_shape: n_local)
     masks: dict[str, torch.Tensor]  # bool [H] per pattern the layer uses, made once
     max_sizes: tuple[int, int]  # the largest vertical and slash sizes, on the host
+    min_sizes: tuple[int, int]  # the smallest
     same_sizes: bool  # every head has the largest sizes
 
     def heads(self, kind: str) -> torch.Tensor:
@@ -57,6 +61,10 @@ class LayerPlan:
 
     def uses(self, kind: str) -> bool:
         return kind in self.masks
+
+    def only(self, kind: str) -> bool:
+        """Every head has this pattern."""
+        return set(self.masks) == {kind}
 
     @property
     def reads_keys(self) -> bool:
@@ -89,33 +97,45 @@ class MInferencePolicy(SparsePolicy):
     # -- the prefill phase ----------------------------------------------------------------------------
 
     def compute_chunked_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: PolicyContext):
-        cfg = self.config
-        if ctx.layer_id < cfg.skip_layers or ctx.meta.max_context_len < cfg.dense_below:
+        cfg, meta = self.config, ctx.meta
+        if ctx.layer_id < cfg.skip_layers or meta.max_context_len < cfg.dense_below:
+            return ctx.attend_all(q, k, v)
+        plan = self._plan(ctx.layer_id, q.shape[1], q.device)
+        if self._dense_by_budget(plan, meta.max_context_len):
             return ctx.attend_all(q, k, v)
         ops = _ops(q.device)
-        meta, dense_above = ctx.meta, cfg.dense_above
         # keys are read only for what the index scores with (A-shape needs none)
-        plan = self._plan(ctx.layer_id, q.shape[1], q.device)
         key_cache, key_tables = ctx.k_cache, meta.block_tables
         if plan.reads_keys:
             key_cache, _, key_tables = ctx.read_paged(lambda: _every_block(ctx), values=False)
         index = self.build_index(q, ctx, key_cache, key_tables, ops)
         del key_cache
+        dense_above, decided = cfg.dense_above, []
 
         def touched() -> torch.Tensor:
-            # for a store that copies: decided before any value is read (a host sync), nothing read when dense
+            # called only by a store that copies: the density is read back (a host sync) before any value
+            # is read, and when dense nothing is
             marks = touched_blocks(index, meta.cu_seqlens_q, meta.context_lens, ctx.block_size,
                                    meta.block_tables.shape[1])
-            if dense_above is not None and float(ops.density(index, meta.cu_seqlens_q, meta.context_lens,
-                                                             meta.max_query_len)) > dense_above:
-                return torch.zeros_like(marks)
-            return marks
+            decided.append(dense_above is not None and float(ops.density(
+                index, meta.cu_seqlens_q, meta.context_lens, meta.max_query_len)) > dense_above)
+            return torch.zeros_like(marks) if decided[0] else marks
 
-        # above dense_above the kernel computes nothing (None): it reads the decision back, a host sync per
-        # chunk and layer (prefill is not captured in graphs), once the kernel is queued
-        result = ops.attend(q, *ctx.read_paged(touched), meta.cu_seqlens_q, meta.context_lens, index, ctx.scale,
-                            meta.max_query_len, dense_above=dense_above)
-        return ctx.attend_all(q, k, v) if result is None else result[0]
+        paged = ctx.read_paged(touched)
+        if decided and decided[0]:
+            return ctx.attend_all(q, k, v)
+        # on the GPU cache the kernel itself runs dense above dense_above (decided on the GPU, no sync)
+        return ops.attend(q, *paged, meta.cu_seqlens_q, meta.context_lens, index, ctx.scale,
+                          meta.max_query_len,
+                          dense_above=None if decided else dense_above)[0]
+
+    def _dense_by_budget(self, plan: LayerPlan, max_context_len: int) -> bool:
+        """Whether the chunk runs dense before any estimate: every head of a vertical-slash layer keeps every
+        diagonal of the longest context, so its index covers every key (density of at least 1) and
+        ``dense_above`` below 1 rejects it whatever the estimate says."""
+        cfg = self.config
+        return (cfg.dense_above is not None and cfg.dense_above < 1 and plan.only("vertical_slash")
+                and cfg.adaptive_budget is None and plan.min_sizes[1] >= max_context_len)
 
     def build_index(self, q: torch.Tensor, ctx: PolicyContext, k_cache: torch.Tensor, tables: torch.Tensor,
                     ops: Ops) -> SparseIndex:
@@ -123,26 +143,35 @@ class MInferencePolicy(SparsePolicy):
         ``tables``."""
         cfg, meta = self.config, ctx.meta
         plan = self._plan(ctx.layer_id, q.shape[1], q.device)
-        lens = meta.context_lens.long()
-        num_seqs, num_heads = lens.shape[0], q.shape[1]
-        q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).long()
-        vertical = plan.vertical[None, :].expand(num_seqs, -1)
-        slash = plan.slash[None, :].expand(num_seqs, -1)
-        max_sizes, sizes_equal = plan.max_sizes, plan.same_sizes
+        max_sizes = plan.max_sizes
         if cfg.adaptive_budget is not None and cfg.config_path is None:
-            budget = (lens.double() * cfg.adaptive_budget)[:, None].expand(-1, num_heads)
-            vertical, slash = (budget * 0.2).long().clamp(min=1), (budget * 0.8).long().clamp(min=1)
             longest = meta.max_context_len * cfg.adaptive_budget
             max_sizes = max(1, int(longest * 0.2)), max(1, int(longest * 0.8))
-            sizes_equal = num_seqs == 1  # the one sequence is the longest
-        empty = torch.zeros(num_seqs, num_heads, 1, dtype=torch.long, device=q.device)
-        none = torch.zeros(num_seqs, num_heads, 1, dtype=torch.bool, device=q.device)
-        columns, column_valid, offsets, offset_valid = empty, none, empty, none
+        adaptive = cfg.adaptive_budget if cfg.config_path is None else None
+        scores = None
         if plan.uses("vertical_slash"):
             scores = ops.estimate(q, k_cache, tables, meta.cu_seqlens_q, meta.context_lens, ctx.scale,
                                   cfg.last_q, meta.max_context_len)
+        if plan.only("vertical_slash"):  # the common case: ranking, top lines and index in one launch
+            return ops.select(*scores, meta.cu_seqlens_q, meta.context_lens, plan.vertical, plan.slash,
+                              cfg.num_sink_tokens, cfg.num_recent_diags, max_sizes, meta.max_context_len,
+                              adaptive)
+        return self._mixed_index(q, meta, plan, scores, k_cache, tables, ops)
+
+    def _mixed_index(self, q, meta, plan: LayerPlan, scores, k_cache, tables, ops: Ops) -> SparseIndex:
+        """The index of a layer whose heads mix patterns (a per-head file, or A-shape / block-sparse)."""
+        cfg = self.config
+        lens = meta.context_lens.long()
+        num_seqs, num_heads = lens.shape[0], q.shape[1]
+        q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).long()
+        empty = torch.zeros(num_seqs, num_heads, 1, dtype=torch.long, device=q.device)
+        none = torch.zeros(num_seqs, num_heads, 1, dtype=torch.bool, device=q.device)
+        columns, column_valid, offsets, offset_valid = empty, none, empty, none
+        if scores is not None:
+            vertical = plan.vertical[None, :].expand(num_seqs, -1)
+            slash = plan.slash[None, :].expand(num_seqs, -1)
             lines = top_lines(*scores, meta.context_lens, vertical, slash, cfg.num_sink_tokens,
-                              cfg.num_recent_diags, max_sizes, sizes_equal)
+                              cfg.num_recent_diags, plan.max_sizes, plan.same_sizes)
             columns, column_valid, offsets, offset_valid = _only(plan.heads("vertical_slash"), *lines)
         if plan.uses("a_shape"):
             fixed = _a_shape_lines(plan, lens)
@@ -174,8 +203,10 @@ class MInferencePolicy(SparsePolicy):
             kinds = tuple(h.pattern for h in heads)
             masks = {kind: torch.tensor([k == kind for k in kinds], device=device) for kind in set(kinds)}
             max_sizes = max(h.vertical_size for h in heads), max(h.slash_size for h in heads)
+            min_sizes = min(h.vertical_size for h in heads), min(h.slash_size for h in heads)
             same_sizes = all((h.vertical_size, h.slash_size) == max_sizes for h in heads)
-            self._plans[key] = LayerPlan(kinds, sizes[:, 0], sizes[:, 1], masks, max_sizes, same_sizes)
+            self._plans[key] = LayerPlan(kinds, sizes[:, 0].contiguous(), sizes[:, 1].contiguous(), masks,
+                                         max_sizes, min_sizes, same_sizes)
         return self._plans[key]
 
 def touched_blocks(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_size: int,
@@ -212,9 +243,10 @@ def touched_blocks(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens:
 
 
 def _every_block(ctx: PolicyContext) -> torch.Tensor:
-    """``[S, n]`` bool: every KV block of each sequence's context (a host sync for ``n``)."""
+    """``[S, n]`` bool: every KV block of each sequence's context (``n`` from the host's longest context)."""
     num_blocks = -(-ctx.meta.context_lens.long() // ctx.block_size)
-    return torch.arange(int(num_blocks.max()), device=num_blocks.device)[None, :] < num_blocks[:, None]
+    width = -(-ctx.meta.max_context_len // ctx.block_size)
+    return torch.arange(width, device=num_blocks.device)[None, :] < num_blocks[:, None]
 
 
 def _keys_in_order(k_cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
@@ -252,7 +284,8 @@ def _either(heads: torch.Tensor, chosen, other):
 
 class Ops(NamedTuple):
     estimate: Callable
-    index: Callable  # lines to a SparseIndex
+    select: Callable  # the estimate to a SparseIndex (a vertical-slash layer)
+    index: Callable  # lines to a SparseIndex (a layer of mixed patterns)
     attend: Callable
     density: Callable  # the index's computed density (a float, or a device scalar)
 
@@ -262,10 +295,11 @@ def _ops(device: torch.device) -> Ops:
     if device.type == "cuda":
         from nanovllm_minference.attention import index_density, sparse_attention
         from nanovllm_minference.estimate import estimate
-        from nanovllm_minference.index import lines_to_index
+        from nanovllm_minference.index import lines_to_index, select_index
 
-        return Ops(estimate, lines_to_index, sparse_attention, index_density)
+        return Ops(estimate, select_index, lines_to_index, sparse_attention, index_density)
     from nanovllm_minference.attention import sparse_attention_reference
     from nanovllm_minference.estimate import estimate_reference
 
-    return Ops(estimate_reference, lines_to_index_reference, sparse_attention_reference, computed_density)
+    return Ops(estimate_reference, select_index_reference, lines_to_index_reference,
+               sparse_attention_reference, computed_density)
