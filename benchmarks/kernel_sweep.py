@@ -56,6 +56,9 @@ DECODE_VARIANTS = {
     "3 programs/SM": dict(programs_per_sm=3),
     "4 programs/SM, 128 splits": dict(programs_per_sm=4, max_splits=128),
     "8 programs/SM, 256 splits": dict(programs_per_sm=8, max_splits=256),
+    "wave fit": dict(wave_fit=True),
+    "wave fit, 3 programs/SM, 128 splits": dict(wave_fit=True, programs_per_sm=3, max_splits=128),
+    "wave fit, 4 programs/SM, 128 splits": dict(wave_fit=True, programs_per_sm=4, max_splits=128),
     "page ahead": dict(page_ahead=True),
     "page ahead, 4 programs/SM": dict(page_ahead=True, programs_per_sm=4, max_splits=128),
     "block_n 32": dict(block_n=32),
@@ -81,6 +84,7 @@ PREFILL_VARIANTS = {
     "tma, 128x64, 4 warps": dict(tma=True, block_m=128, block_n=64, num_warps=4),
     "tma, 2 stages": dict(tma=True, num_stages=2),
 }
+LONG_VARIANTS = ("default", "tma", "tma, heads first")  # 128K: a third of a second a call
 if DRY:  # the interpreter is slow: a few settings that go through every kernel path
     DECODE_VARIANTS = {k: DECODE_VARIANTS[k] for k in ("default", "page ahead, 4 programs/SM")}
     PREFILL_VARIANTS = {k: PREFILL_VARIANTS[k] for k in ("default", "tma, heads first")}
@@ -162,7 +166,8 @@ def shapes(long: bool) -> list[dict]:
         keys = "packed" if bs is None else f"paged bs={bs}"
         out.append(dict(kind="prefill", label=f"q={q_len} ctx={ctx} {keys}", unit="TFLOP/s",
                         work=4 * H * D * pairs, build=(prefill_shape, q_len, ctx, bs),
-                        variants=list(PREFILL_VARIANTS), long=q_len == LONG_PROMPT))
+                        variants=list(LONG_VARIANTS if q_len == LONG_PROMPT else PREFILL_VARIANTS),
+                        long=q_len == LONG_PROMPT))
     return out
 
 
@@ -185,9 +190,19 @@ def _compile_key(shape: dict, variant: str) -> tuple:
     return shape["kind"], block_size, tuple(cfg)
 
 
-def _compile_part(args: tuple[int, int, bool]) -> int:
+def cuda_alive() -> bool:
+    """False once a kernel has broken this process's CUDA context (every later call would fail)."""
+    try:
+        torch.cuda.synchronize()
+        return torch.ones(1, device=DEV).add_(1).item() == 2
+    except Exception:  # noqa: BLE001 - a sticky CUDA error
+        return False
+
+
+def _compile_part(args: tuple[int, int, bool]) -> dict:
     """Worker: run once every (shape, variant) whose compile key falls to this worker, so that Triton compiles
-    it into its disk cache. Returns how many calls ran."""
+    it into its disk cache. Returns how many ran, and the compile key that broke the worker's CUDA context
+    (the worker stops there), if one did."""
     index, workers, long = args
     every = shapes(long)
     keys = sorted({_compile_key(sh, v) for sh in every for v in sh["variants"]}, key=str)
@@ -203,30 +218,42 @@ def _compile_part(args: tuple[int, int, bool]) -> int:
         for variant in todo:
             try:
                 calls[variant]()
+                torch.cuda.synchronize()
                 done += 1
-            except Exception:  # noqa: BLE001 - the timed run records why
-                pass
+            except Exception as e:  # noqa: BLE001 - the timed run records why, unless the context broke
+                if not cuda_alive():
+                    why = f"{type(e).__name__}: {e}"[:160]
+                    return dict(done=done, fatal=(_compile_key(shape, variant), why))
         del calls
-        torch.cuda.synchronize()
-    return done
+    return dict(done=done, fatal=None)
 
 
-def compile_ahead(workers: int, timeout: float, long: bool) -> str:
+def compile_ahead(workers: int, timeout: float, long: bool) -> tuple[str, dict]:
     """Compile every variant in ``workers`` processes; whatever is not done by ``timeout`` seconds compiles in
-    the timed process instead."""
+    the timed process instead. Returns a note and ``{compile key: why}`` of the keys that broke a worker's
+    CUDA context, which the timed process must not run."""
     import multiprocessing as mp
 
     start = time.perf_counter()
+    done, fatal, finished = 0, {}, 0
     pool = mp.get_context("spawn").Pool(workers)
     try:
-        done = sum(pool.map_async(_compile_part, [(i, workers, long) for i in range(workers)]).get(timeout))
-        note = f"{done} kernels run by {workers} compile workers in {time.perf_counter() - start:.1f} s"
-    except Exception as e:  # noqa: BLE001 - a timeout or a worker's failure only costs compile time later
-        note = f"compile workers stopped after {time.perf_counter() - start:.1f} s ({type(e).__name__})"
+        results = pool.imap_unordered(_compile_part, [(i, workers, long) for i in range(workers)])
+        for _ in range(workers):
+            part = results.next(max(0.1, start + timeout - time.perf_counter()))
+            done += part["done"]
+            finished += 1
+            if part["fatal"]:
+                fatal[part["fatal"][0]] = part["fatal"][1]
+    except Exception as e:  # noqa: BLE001 - a timeout or a lost worker only costs compile time later
+        print(f"compile workers: {type(e).__name__} {e}", file=sys.stderr, flush=True)
     finally:
         pool.terminate()
         pool.join()
-    return note
+    note = (f"{done} kernel runs compiled by {finished} of {workers} workers in "
+            f"{time.perf_counter() - start:.1f} s"
+            + (f"; {len(fatal)} settings broke a CUDA context and were not timed" if fatal else ""))
+    return note, fatal
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -234,23 +261,51 @@ def compile_ahead(workers: int, timeout: float, long: bool) -> str:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def measure(shape: dict, gen, deadline: float, copy_tbps: float, anchors: dict) -> list[dict]:
+def empty_row(shape: dict, variant: str, note: str = "") -> dict:
+    """A row of ``shape`` and ``variant``, with its setting, not measured yet."""
+    row = dict(kind=shape["kind"], shape=shape["label"], variant=variant, ms=None, value=None,
+               unit=shape["unit"], err=None, note=note)
+    if variant != "cudnn sdpa":
+        block_size = shape["build"][3]
+        if shape["kind"] == "decode":
+            cfg = decode_config(variant, block_size)
+        else:
+            cfg = prefill_config(variant, block_size is not None)
+            if cfg.tma and block_size is not None and block_size % cfg.block_n and not note:
+                row["note"] = "pages smaller than the key tile: plain loads"
+        row["config"] = cfg._asdict()
+    return row
+
+
+def in_turn(every: list[dict]) -> list[dict]:
+    """The order of measuring: the targets' first shapes early (a run cut short keeps them), and each
+    context's packed prefill (whose cuDNN rate anchors its paged rows) before its paged ones."""
+    def rank(shape: dict) -> tuple:
+        label = shape["label"]
+        if shape["kind"] == "decode":
+            return (int(label.split()[0][2:]) // 8 * 2, label)  # batch 1: 0, batch 8: 2, batch 64: 16
+        step = 1 if label.endswith("packed") else 3 if label.startswith(f"q={PREFILL_PROMPT}") else 17
+        return (step + (100 if shape.get("long") else 0), label)
+    return sorted(every, key=rank)
+
+
+class ContextLost(RuntimeError):
+    """A kernel broke the CUDA context: nothing more can run in this process."""
+
+
+def measure(shape: dict, gen, deadline: float, copy_tbps: float, anchors: dict, fatal: dict) -> list[dict]:
     """Time every variant of one shape (cuDNN first where it runs: its output is then the reference, else the
-    default's is)."""
+    default's is). ``fatal``: compile keys not to run, with why."""
     fn, *build_args = shape["build"]
-    block_size = build_args[2]
-    calls = fn(*build_args, gen)
+    calls = {v: c for v, c in fn(*build_args, gen).items() if v in shape["variants"] or v == "cudnn sdpa"}
     rows, ref = [], None
     for variant, call in calls.items():
-        row = dict(kind=shape["kind"], shape=shape["label"], variant=variant, ms=None, value=None,
-                   unit=shape["unit"], err=None, note="")
-        if variant != "cudnn sdpa":
-            cfg = (decode_config(variant, block_size) if shape["kind"] == "decode"
-                   else prefill_config(variant, block_size is not None))
-            row["config"] = cfg._asdict()
-            if shape["kind"] == "prefill" and cfg.tma and block_size is not None and block_size % cfg.block_n:
-                row["note"] = "pages smaller than the key tile: plain loads"
+        row = empty_row(shape, variant)
         rows.append(row)
+        why_not = fatal.get(_compile_key(shape, variant))
+        if why_not:
+            row["note"] = f"not run: it broke a compile worker's CUDA context ({why_not})"
+            continue
         if time.perf_counter() > deadline:
             row["note"] = "skipped: out of time"
             continue
@@ -262,6 +317,10 @@ def measure(shape: dict, gen, deadline: float, copy_tbps: float, anchors: dict) 
             t = graph_ms([call]) if shape["kind"] == "decode" else ms(call)
         except Exception as e:  # noqa: BLE001 - a setting that cannot run: its row says why
             row["note"] = f"{type(e).__name__}: {str(e)[:160]}"
+            if not DRY and not cuda_alive():
+                rest = list(calls)[list(calls).index(variant) + 1:]
+                rows += [empty_row(shape, v, "not run: the CUDA context was lost") for v in rest]
+                raise ContextLost(rows) from e
             continue
         row["ms"] = round(t, 4)
         row["value"] = float(f"{shape['work'] / t / 1e9:.4g}")
@@ -290,13 +349,30 @@ def _good(r: dict) -> bool:
     return r["value"] is not None and not r["note"].startswith("wrong") and r["variant"] != "cudnn sdpa"
 
 
+def target(shape: str) -> float:
+    """The issue's target for a shape: decode as a share of the copy (batch 1: 0.85, larger: 0.92), prefill
+    as a share of cuDNN on the packed prompt (0.9)."""
+    if shape.startswith("b="):
+        return 0.85 if shape.startswith("b=1 ") else 0.92
+    return 0.9
+
+
 def best_per_shape(rows: list[dict]) -> dict[str, dict]:
+    """Per shape, the fastest setting that ran right, with the default's and the best's share of the anchor
+    (copy or cuDNN) next to the target."""
     best: dict[str, dict] = {}
     for r in rows:
         if _good(r) and (r["shape"] not in best or r["value"] > best[r["shape"]]["value"]):
             best[r["shape"]] = r
-    return {shape: dict(variant=r["variant"], value=r["value"], unit=r["unit"],
-                        vs_default=r.get("vs_default"), config=r.get("config")) for shape, r in best.items()}
+    out = {}
+    for shape, r in best.items():
+        default = next((d for d in rows if d["shape"] == shape and d["variant"] == "default" and _good(d)),
+                       {})
+        anchor = "of_copy" if r["kind"] == "decode" else "of_cudnn"
+        out[shape] = dict(variant=r["variant"], value=r["value"], unit=r["unit"],
+                          vs_default=r.get("vs_default"), default_of_anchor=default.get(anchor),
+                          best_of_anchor=r.get(anchor), target=target(shape), config=r.get("config"))
+    return out
 
 
 def _geomean_choice(rows: list[dict], shapes_of_group: set[str]) -> dict | None:
@@ -347,9 +423,13 @@ def markdown(result: dict, name: str) -> str:
              "| group | variant | vs default | setting |", "|---|---|---|---|"]
     for group, c in result["recommended"].items():
         lines.append(f"| {group} | {c['variant']} | {c['geomean_vs_default']} | `{c['paste']}` |")
-    lines += ["", "## Best per shape", "", "| shape | variant | value | vs default |", "|---|---|---|---|"]
+    lines += ["", "## Best per shape", "",
+              "Share: of the copy (decode) or of cuDNN on the packed prompt of the context (prefill).", "",
+              "| shape | best variant | value | vs default | default's share | best's share | target |",
+              "|---|---|---|---|---|---|---|"]
     for shape, b in result["best"].items():
-        lines.append(f"| {shape} | {b['variant']} | {b['value']} {b['unit']} | {b['vs_default']} |")
+        lines.append(f"| {shape} | {b['variant']} | {b['value']} {b['unit']} | {b['vs_default']} | "
+                     f"{b['default_of_anchor'] or ''} | {b['best_of_anchor'] or ''} | {b['target']} |")
     lines += ["", "## Every row", "",
               "| kind | shape | variant | ms | value | of copy / of cuDNN | vs default | err | note |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -377,20 +457,28 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     deadline = start + args.budget - 3  # the last writes
     args.out.mkdir(parents=True, exist_ok=True)
-    compile_note = "no compile workers"
+    compile_note, fatal = "no compile workers", {}
     if not DRY and args.workers > 0:
-        compile_note = compile_ahead(args.workers, 0.45 * args.budget, args.long)
+        compile_note, fatal = compile_ahead(args.workers, 0.45 * args.budget, args.long)
         print(compile_note, file=sys.stderr, flush=True)
     gen = torch.Generator(device=DEV).manual_seed(0)
     copy_tbps = copy_bandwidth() / 1e3
     result = dict(environment=environment(), triton=triton.__version__, heads=H, kv_heads=HKV, head_dim=D,
                   copy_tbps=round(copy_tbps, 3), compile=compile_note, dry=DRY, rows=[])
     anchors: dict[str, float] = {}
-    ordered = sorted(shapes(args.long), key=lambda s: (s["kind"] != "prefill", s.get("long", False)))
-    for shape in ordered:  # prefill first: the packed prompt's cuDNN rate anchors the paged rows
+    lost = False
+    for shape in in_turn(shapes(args.long)):
         print(f"{time.perf_counter() - start:5.1f} s {shape['kind']} {shape['label']}", file=sys.stderr,
               flush=True)
-        result["rows"] += measure(shape, gen, deadline, copy_tbps, anchors)
+        if lost:
+            result["rows"] += [empty_row(shape, v, "not run: the CUDA context was lost")
+                               for v in shape["variants"]]
+        else:
+            try:
+                result["rows"] += measure(shape, gen, deadline, copy_tbps, anchors, fatal)
+            except ContextLost as e:
+                result["rows"] += e.args[0]
+                lost = True
         result["best"] = best_per_shape(result["rows"])
         result["recommended"] = recommend(result["rows"])
         result["wall_s"] = round(time.perf_counter() - start, 1)

@@ -1,6 +1,7 @@
-"""The Triton kernels' tuning knobs (``DecodeConfig``, ``PrefillConfig``) change no result: every setting the
-kernel sweep tries against the ``torch`` reference, under Triton's interpreter at small sizes (in a subprocess,
-as in test_triton_backend.py; on CUDA the same cases run on the GPU), and the sweep's dry run."""
+"""The Triton kernels' tuning knobs (``DecodeConfig``, ``PrefillConfig``) change no result: the settings the
+kernel sweep tries, against the ``torch`` reference, under Triton's interpreter at small sizes (in a
+subprocess, as in test_triton_backend.py; on CUDA the same cases run on the GPU); the sweep's dry run; the
+split-count and knob rules."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from nanovllm.attention.torch_backend import TorchBackend
 CUDA = torch.cuda.is_available()
 INTERP = (not CUDA) and os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if CUDA else "cpu"
-KERNELS = pytest.mark.skipif(not (CUDA or INTERP), reason="runs on CUDA, or in the interpreter's subprocess")
+# the kernel cases: GPU tests on CUDA; on the CPU only inside the interpreter's subprocess
+KERNELS = pytest.mark.gpu if CUDA else pytest.mark.skipif(not INTERP, reason="in the interpreter's run")
 
 pytest.importorskip("triton")
 
@@ -110,12 +112,14 @@ def test_interp_prefill_knobs_packed(gen):
     q, k, v = qkv[:, :kv_heads * group], qkv[:, kv_heads * group:-kv_heads], qkv[:, -kv_heads:]
     scale = d**-0.5
     cu = torch.tensor([0, n], dtype=torch.int32, device=DEVICE)
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        *(t.float().transpose(0, 1) for t in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))),
-        is_causal=True, scale=scale).transpose(0, 1)
+    qh, kh, vh = (t.float().transpose(0, 1) for t in (q, k.repeat_interleave(group, 1),
+                                                       v.repeat_interleave(group, 1)))
+    ref = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    ref = ref.transpose(0, 1)
     cfg = tk._prefill_config(d, q.dtype, q.device, n)._replace(tma=True, heads_first=True)
     out = torch.full_like(q, float("nan"))
-    tk.attention_rows(q, k, v, out, None, cu, None, None, None, n, scale, paged=False, causal=True, config=cfg)
+    tk.attention_rows(q, k, v, out, None, cu, None, None, None, n, scale, paged=False, causal=True,
+                      config=cfg)
     assert rel(out, ref) < TOL, f"packed prefill {cfg} (seed {gen.initial_seed()})"
     if INTERP:
         assert tk._kv_descriptors(k, v, False, cfg.block_n) is not None, "packed views take TMA loads"
@@ -137,9 +141,8 @@ def test_interp_kernel_sweep_dry_run(tmp_path):
     assert all(r["value"] and r["err"] is not None and r["err"] < kernel_sweep.WRONG for r in timed), timed
     assert set(result["best"]) == shapes
     assert {"DECODE (bs=16)", "PREFILL_LONG (packed)", "PREFILL_LONG_PAGED"} <= set(result["recommended"])
-    paste = result["recommended"]["PREFILL_LONG_PAGED"]["paste"]
-    assert eval(paste, {"PrefillConfig": tk.PrefillConfig}) == tk.PrefillConfig(  # noqa: S307 - our own output
-        **result["recommended"]["PREFILL_LONG_PAGED"]["config"])
+    paged = result["recommended"]["PREFILL_LONG_PAGED"]
+    assert eval(paged["paste"], {"PrefillConfig": tk.PrefillConfig}) == tk.PrefillConfig(**paged["config"])
 
 
 # --- no kernel runs below: the rules ---
@@ -151,8 +154,25 @@ def test_split_count_follows_programs_per_sm_and_caps(monkeypatch):
     assert tk.num_decode_splits(1, 8, 131072, 64, dev) == 33  # 2 programs per multiprocessor
     assert tk.num_decode_splits(1, 8, 131072, 64, dev, programs_per_sm=4) == 64  # capped
     assert tk.num_decode_splits(1, 8, 131072, 64, dev, programs_per_sm=4, max_splits=128) == 66
-    assert tk.num_decode_splits(1, 8, 1024, 64, dev, programs_per_sm=8, max_splits=256) == 8  # 2 tiles a split
+    assert tk.num_decode_splits(1, 8, 1024, 64, dev, programs_per_sm=8, max_splits=256) == 8  # 2 tiles each
     assert tk.num_decode_splits(64, 8, 4096, 64, dev, programs_per_sm=1) == 2  # never fewer than two
+
+
+@pytest.mark.parametrize("programs_per_sm", [1, 2, 3, 4])
+@pytest.mark.parametrize("batch", [1, 3, 8, 13, 64, 256])
+def test_wave_fit_splits_end_in_whole_waves(batch, programs_per_sm, monkeypatch):
+    """With ``wave_fit`` the programs fill their last wave at least as well as the plain rule's, within the
+    same caps, and take no longer in the model it minimises (waves / splits)."""
+    monkeypatch.setattr(tk, "num_sms", lambda device: 132)
+    dev, groups, slots = torch.device("cuda"), batch * 8, programs_per_sm * 132
+
+    def model_time(n):
+        return -(-groups * n // slots) / n
+
+    plain = tk.num_decode_splits(batch, 8, 16384, 64, dev, programs_per_sm, 128)
+    fit = tk.num_decode_splits(batch, 8, 16384, 64, dev, programs_per_sm, 128, wave_fit=True)
+    assert 2 <= fit <= 128
+    assert model_time(fit) <= model_time(plain) + 1e-9
 
 
 def test_decode_rule_follows_page_size_not_batch():

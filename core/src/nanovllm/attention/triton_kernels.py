@@ -572,8 +572,10 @@ class DecodeConfig(NamedTuple):
 
     ``block_n`` keys a step (several pages when pages are smaller), ``num_warps``, ``num_stages``.
     ``programs_per_sm``: the split count aims at this many programs per multiprocessor, at most
-    ``max_splits`` splits per sequence and KV head. ``page_ahead``: over whole contexts, the key tiles
-    that end within the context run unmasked with their block-table entries read a tile ahead."""
+    ``max_splits`` splits per sequence and KV head; with ``wave_fit`` it is taken as the programs a
+    multiprocessor holds at once, and the split count is the one that ends soonest in whole waves of
+    them. ``page_ahead``: over whole contexts, the key tiles that end within the context run unmasked
+    with their block-table entries read a tile ahead."""
 
     block_n: int
     num_warps: int
@@ -581,6 +583,7 @@ class DecodeConfig(NamedTuple):
     programs_per_sm: int = 2
     max_splits: int = 64
     page_ahead: bool = False
+    wave_fit: bool = False
 
 
 # The defaults for 16-bit inputs on CUDA, head dim <= 128 (GQA 32q/8kv, d=128 measured): the values that
@@ -759,17 +762,28 @@ def _decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, bloc
 
 
 def num_decode_splits(num_seqs: int, num_kv_heads: int, max_keys: int, block_n: int, device,
-                      programs_per_sm: int = DECODE.programs_per_sm,
-                      max_splits: int = DECODE.max_splits) -> int:
+                      programs_per_sm: int = DECODE.programs_per_sm, max_splits: int = DECODE.max_splits,
+                      wave_fit: bool = DECODE.wave_fit) -> int:
     """Split the keys so that about ``programs_per_sm`` programs run per multiprocessor; at least 2 tiles
-    a split, at most ``max_splits`` splits."""
-    programs = max(1, num_seqs * num_kv_heads)
-    # at least two splits: with contexts of mixed lengths the finer slices balance the multiprocessors
-    want = max(2, triton.cdiv(programs_per_sm * num_sms(device), programs))
+    a split, at most ``max_splits`` splits. ``wave_fit``: see :class:`DecodeConfig`."""
+    groups = max(1, num_seqs * num_kv_heads)
+    slots = programs_per_sm * num_sms(device)
     # at least 2 tiles a split, not more: a short selection (a sequence's few thousand selected keys per
     # KV head) runs faster in more, shorter splits; long contexts are bounded by ``want`` anyway
-    by_len = max(1, triton.cdiv(max_keys, 2 * block_n))
-    return max(1, min(want, by_len, max_splits))
+    cap = max(1, min(triton.cdiv(max_keys, 2 * block_n), max_splits))
+    if wave_fit:
+        # k waves of ``slots`` programs hold at most k * slots // groups splits each; a program's share of
+        # the keys shrinks with the splits: the time is about k / splits. A few waves are enough to compare.
+        best, best_time = 1, float("inf")
+        for waves in range(1, 9):
+            splits = min(max(waves * slots // groups, 1), cap)
+            t = triton.cdiv(groups * splits, slots) / splits
+            if t < best_time * 0.95:  # more waves only for a clear gain: each split costs a reduce
+                best, best_time = splits, t
+        return max(1, min(max(2, best), cap))
+    # at least two splits: with contexts of mixed lengths the finer slices balance the multiprocessors
+    want = max(2, triton.cdiv(slots, groups))
+    return max(1, min(want, cap))
 
 
 def attention_decode(
@@ -798,7 +812,7 @@ def attention_decode(
         max_keys = min(max_keys, window + bn)
     if num_splits is None:
         num_splits = num_decode_splits(num_seqs, num_kv_heads, max_keys, bn, q.device, cfg.programs_per_sm,
-                                       cfg.max_splits)
+                                       cfg.max_splits, cfg.wave_fit)
     block_d = triton.next_power_of_2(head_dim)
     has_idx = block_indices is not None
     skip_dead = _skip_dead(has_idx, bn, block_size)
