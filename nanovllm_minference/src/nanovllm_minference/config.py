@@ -61,11 +61,9 @@ class MInferenceConfig:
       and tiles cost more than they save. At the default a prompt of up to 32K tokens runs entirely dense:
       pass 0 to run the sparse path at any length (quality evaluations at 32K and below).
     - ``dense_above``: a chunk whose index would compute more than this share of dense causal attention
-      runs dense instead (``null``: never). A tile of the sparse kernel costs more than one of the dense
-      kernel, so a nearly dense index is faster run dense; a model whose attention is not sparse then pays
-      only the estimate. On the GPU cache the sparse kernel reads the share on the GPU and attends to every
-      key itself (no host sync); with KV offload the share is read back before any value crosses PCIe.
-      A layer whose heads all keep every diagonal of the context runs dense before estimating.
+      runs the dense kernel instead (``null``: never). A tile of the sparse kernel costs more than one of
+      the dense kernel, so a nearly dense index is faster run dense; a model whose attention is not sparse
+      then pays only the estimate.
     """
 
     pattern: str = attrs.field(default="vertical_slash", validator=_pattern)
