@@ -213,3 +213,15 @@ def test_sm_90_entries_are_those_of_their_run():
                                                                                "triton": value[shape, "triton backend"]}
     assert dict(measured.fastest) == {key: fastest(values) for key, values in derived.items()}
     assert measured.ranking()[0] == "flash_attn" and set(AUTO_BACKENDS) <= {"triton", "torch"}
+
+
+def test_peer_rows_are_ranked_against_the_best_of_their_shape():
+    pytest.importorskip("triton")
+    from nanovllm.bench.kernels import rank_rows
+
+    def row(shape, value, kind="prefill"):
+        return {"kind": kind, "shape": shape, "value": value}
+    rows = [row("4K", 500.0), row("4K", 250.0), row("16K", 600.0), row("16K", float("nan")), row("4K", 1.0, "decode"),
+            {"kind": "copy", "value": 4000.0}]
+    rank_rows(rows)
+    assert [r.get("of_best") for r in rows] == [1.0, 0.5, 1.0, None, 1.0, None]
