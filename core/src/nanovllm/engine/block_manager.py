@@ -95,6 +95,7 @@ class BlockManager:
         self.hash_to_block: list[dict[int, int]] = [{} for _ in self.groups]  # per group
         # the first full-attention group: a window group's block records its parent there (see _cached_blocks)
         self.anchor = next((g for g, group in enumerate(self.groups) if group.sliding_window is None), None)
+        self.window_groups = [(g, group) for g, group in enumerate(self.groups) if group.sliding_window is not None]
         if self.anchor not in (None, 0):
             raise ValueError("the full-attention KV cache groups come first (see nanovllm.kv.groups)")
         self.newly_allocated: list[int] = []  # handed out since take_newly_allocated (policies reset them)
@@ -255,45 +256,58 @@ class BlockManager:
     def append_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Free the blocks that ``seq``'s windows have left, then grow it to ``num_tokens`` slots; ``False``
         (and no other change) if blocks run out."""
+        total = -(-num_tokens // self.block_size)
         if self.null_block is None and len(self.groups) == 1:  # one full-attention group: every step's case
             table = seq.block_tables[0]
-            needed = -(-num_tokens // self.block_size) - len(table)
+            needed = total - len(table)
             if needed > len(self.free_queues[0]):
                 return False
-            table.extend(self._take_free_block(0) for _ in range(needed))
+            if needed > 0:
+                table += self._take_free_blocks(0, needed)
             return True
         if self.null_block is not None:
             self._free_left_behind(seq)
+        if min(map(len, seq.block_tables)) >= total:  # most decode steps: every group has its slots
+            return True
         entries = self._new_entries(seq.block_tables, seq.num_computed_tokens, num_tokens)
         if not self._fits(entries):
             return False
-        total = -(-num_tokens // self.block_size)
         for g, (table, new) in enumerate(zip(seq.block_tables, entries, strict=True)):
             table.extend([self.null_block] * (total - new - len(table)))  # before a window: nothing to hold
-            table.extend(self._take_free_block(g) for _ in range(new))
+            table += self._take_free_blocks(g, new)
         return True
 
     def _free_left_behind(self, seq: Sequence) -> None:
         """Give back the blocks of ``seq``'s window groups that no token still to compute reads; their
         entries become the null block (the tail first, as ``free`` does)."""
-        for group, table in zip(self.groups, seq.block_tables, strict=True):
-            first = group.first_needed_block(seq.num_computed_tokens, self.block_size)
-            for i in reversed(range(min(first, len(table)))):
-                if table[i] == self.null_block:
-                    break  # the blocks before it went earlier
+        null = self.null_block
+        for g, group in self.window_groups:
+            table = seq.block_tables[g]
+            i = min(group.first_needed_block(seq.num_computed_tokens, self.block_size), len(table)) - 1
+            if i < 0 or table[i] == null:
+                continue  # nothing new behind the window (the blocks before a null block went earlier)
+            while i >= 0 and table[i] != null:
                 self._release(table[i])
-                table[i] = self.null_block
+                table[i] = null
+                i -= 1
+            seq.rewrote_block(g, i + 1)
 
-    def _take_free_block(self, group: int) -> int:
-        block_id, _ = self.free_queues[self.groups[group].pool].popitem(last=False)
-        block = self.blocks[block_id]
-        if block.hash is not None and self.hash_to_block[block.group].get(block.hash) == block_id:
-            del self.hash_to_block[block.group][block.hash]  # its content is about to be overwritten
-        block.hash, block.token_ids, block.parent, block.ref_count = None, None, None, 1
-        block.generation += 1
-        block.group = group
-        self.newly_allocated.append(block_id)
-        return block_id
+    def _take_free_blocks(self, group: int, n: int) -> list[int]:
+        """``n`` blocks from the front of group ``group``'s free queue, handed to it (to be overwritten)."""
+        if n <= 0:
+            return []
+        queue, caches = self.free_queues[self.groups[group].pool], self.hash_to_block
+        taken = [queue.popitem(last=False)[0] for _ in range(n)]
+        for block_id in taken:
+            block = self.blocks[block_id]
+            if block.hash is not None and caches[block.group].get(block.hash) == block_id:
+                del caches[block.group][block.hash]  # its content is about to be overwritten
+            block.hash = block.token_ids = block.parent = None
+            block.ref_count = 1
+            block.generation += 1
+            block.group = group
+        self.newly_allocated += taken
+        return taken
 
     def take_newly_allocated(self) -> list[int]:
         """Blocks handed out (to be overwritten) since the last call."""
@@ -302,19 +316,21 @@ class BlockManager:
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Publish the blocks that the last step filled, so later requests can share them."""
-        if not self.enable_prefix_caching:
-            return
         full = seq.num_computed_tokens // self.block_size
-        anchor = seq.block_tables[self.anchor] if self.anchor is not None else []
-        for g, table in enumerate(seq.block_tables):  # the anchor (group 0) first: others name its blocks
-            cache = self.hash_to_block[g]
-            for i in range(seq.num_committed_blocks, full):
+        if not self.enable_prefix_caching or full <= seq.num_committed_blocks:
+            return
+        bs, tables = self.block_size, seq.block_tables
+        anchor = tables[self.anchor] if self.anchor is not None else []
+        # block by block, every group's copy (the anchor, group 0, first: the others name its blocks)
+        for i in range(seq.num_committed_blocks, full):
+            h = self._block_hash(seq, i)
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            for g, table in enumerate(tables):
                 if table[i] == self.null_block:  # left behind by its window: nothing to publish
                     continue
                 block = self.blocks[table[i]]
-                h = self._block_hash(seq, i)
-                tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
                 parent = self._parent_of(seq, g, i, table, anchor)
+                cache = self.hash_to_block[g]
                 cached_id = cache.get(h)
                 if cached_id is None:
                     block.hash, block.token_ids, block.parent = h, tokens, parent
@@ -324,9 +340,10 @@ class BlockManager:
                     # so the blocks after it chain to it and stay findable, and return this one.
                     self._take_back(cached_id)
                     table[i] = cached_id
+                    seq.rewrote_block(g, i)
                     self._release(block.block_id)
                 # else: a different block under the same hash (a collision); this one stays unpublished
-        seq.num_committed_blocks = max(seq.num_committed_blocks, full)
+        seq.num_committed_blocks = full
 
     @staticmethod
     def _same_content(block: Block, tokens: tuple[int, ...], parent: tuple[int, int] | None) -> bool:

@@ -70,13 +70,53 @@ def phase_arrays(seqs: list[Sequence], q_lens: list[int], ctx_lens: list[int]) -
                        block_tables(seqs, 0), max(q_lens), max(ctx_lens))
 
 
+class TableCopy:
+    """One KV cache group's block table of a sequence (``source``, a list the block manager keeps) as an int32
+    array that steps read without converting the whole list again: a refresh copies the entries appended since
+    the last one and those from ``stale_from`` on, which the block manager lowers when it rewrites an entry
+    (``Sequence.rewrote_block``). A step's host work then grows with the blocks that changed, not with the
+    context times the KV cache groups."""
+
+    __slots__ = ("source", "array", "length", "stale_from")
+
+    def __init__(self, source: list[int]) -> None:
+        self.source = source
+        self.array = np.empty(max(16, 2 * len(source)), dtype=np.int32)
+        self.length = 0
+        self.stale_from = 0
+
+    def refresh(self) -> np.ndarray:
+        """The table as it is now (a view, valid until the next refresh)."""
+        table, n = self.source, len(self.source)
+        start = min(self.stale_from, self.length, n)
+        if n > len(self.array):
+            grown = np.empty(2 * n, dtype=np.int32)
+            grown[:start] = self.array[:start]
+            self.array = grown
+        self.array[start:n] = table[start:]
+        self.length, self.stale_from = n, n
+        return self.array[:n]
+
+
+def table_array(seq: Sequence, group: int) -> np.ndarray:
+    """KV cache group ``group``'s block table of ``seq`` as int32, through its ``TableCopy`` (made again when
+    the block manager has given the sequence a new list)."""
+    copies = seq.table_copies
+    if len(copies) != len(seq.block_tables):
+        copies[:] = [None] * len(seq.block_tables)
+    copy = copies[group]
+    if copy is None or copy.source is not seq.block_tables[group]:
+        copy = copies[group] = TableCopy(seq.block_tables[group])
+    return copy.refresh()
+
+
 def block_tables(seqs: list[Sequence], group: int, offset: int = 0) -> np.ndarray | None:
     """``[num_seqs, width]`` int32: KV cache group ``group``'s block table of each of ``seqs``, less
     ``offset`` (where its pool's ids start, ``KVStore.block_offset``), padded with -1 (``None`` without
     sequences)."""
     if not seqs:
         return None
-    own = [s.block_tables[group] for s in seqs]
+    own = [table_array(s, group) for s in seqs]
     tables = np.full((len(seqs), max(map(len, own))), -1, dtype=np.int32)
     for i, table in enumerate(own):
         tables[i, : len(table)] = table
@@ -95,7 +135,7 @@ def slot_mapping(
                          for s in decodes for p in [s.num_computed_tokens]], dtype=np.int64)]
     for s in prefills:
         pos = np.arange(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens)
-        parts.append(np.asarray(s.block_tables[group], dtype=np.int64)[pos // bs] * bs + pos % bs)
+        parts.append(table_array(s, group)[pos // bs].astype(np.int64) * bs + pos % bs)
     slots = np.concatenate(parts)
     if offset:  # every token has a slot: no padding to keep
         slots -= offset * bs
