@@ -83,11 +83,14 @@ PREFILL_VARIANTS = {
     "64x128, 4 warps": dict(block_m=64, block_n=128, num_warps=4),
     "tma, 128x64, 4 warps": dict(tma=True, block_m=128, block_n=64, num_warps=4),
     "tma, 2 stages": dict(tma=True, num_stages=2),
+    "fused scale": dict(fused_scale=True),
+    "tma, fused scale": dict(tma=True, fused_scale=True),
+    "tma, fused scale, heads first": dict(tma=True, fused_scale=True, heads_first=True),
 }
-LONG_VARIANTS = ("default", "tma", "tma, heads first")  # 128K: a third of a second a call
+LONG_VARIANTS = ("default", "tma", "tma, fused scale, heads first")  # 128K: a third of a second a call
 if DRY:  # the interpreter is slow: a few settings that go through every kernel path
     DECODE_VARIANTS = {k: DECODE_VARIANTS[k] for k in ("default", "page ahead, 4 programs/SM")}
-    PREFILL_VARIANTS = {k: PREFILL_VARIANTS[k] for k in ("default", "tma, heads first")}
+    PREFILL_VARIANTS = {k: PREFILL_VARIANTS[k] for k in ("default", "tma, fused scale, heads first")}
 
 
 def decode_config(variant: str, block_size: int) -> tk.DecodeConfig:

@@ -85,6 +85,25 @@ def test_interp_decode_knobs(knobs, gen):
 
 
 @KERNELS
+def test_interp_decode_reduces_many_splits_in_chunks(gen):
+    """More splits than ``REDUCE_CHUNK``: the reduce merges them a chunk at a time, to the same output and
+    log-sum-exp as a reduce over few splits (empty splits included)."""
+    ctx = [300, 70] if INTERP else [20000, 700]
+    q, k_cache, v_cache, meta = paged_case([1] * len(ctx), ctx, 16, gen)
+    scale = q.shape[-1] ** -0.5
+    ref = TorchBackend().decode(q, k_cache, v_cache, meta, scale)
+    lse_few = None
+    for splits in (3, tk.REDUCE_CHUNK + 1, 2 * tk.REDUCE_CHUNK + 5):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full(q.shape[:2], float("nan"), device=q.device)
+        tk.attention_decode(q, k_cache, v_cache, out, lse, meta.context_lens, meta.block_tables, None,
+                            meta.max_context_len, scale, num_splits=splits)
+        assert rel(out, ref) < TOL, f"decode in {splits} splits (seed {gen.initial_seed()})"
+        lse_few = lse if lse_few is None else lse_few
+        assert (lse - lse_few).abs().max().item() < 1e-3, f"lse over {splits} splits"
+
+
+@KERNELS
 @pytest.mark.parametrize("block_n", [8, 16, 32], ids=lambda n: f"bn{n}")  # pages of 16: TMA for 8 and 16
 def test_interp_prefill_knobs_paged(block_n, gen):
     # a fresh prompt, and chunks behind a history of several unmasked tiles
@@ -94,7 +113,8 @@ def test_interp_prefill_knobs_paged(block_n, gen):
     empty = q.new_empty(q.shape[0], k_cache.shape[2], q.shape[-1])
     ref = TorchBackend().prefill(q, empty, empty, k_cache, v_cache, meta, scale)
     cfg = tk._prefill_config(q.shape[-1], q.dtype, q.device, meta.max_query_len, True)
-    cfg = cfg._replace(block_m=16, block_n=block_n, tma=True, heads_first=block_n != 16)
+    cfg = cfg._replace(block_m=16, block_n=block_n, tma=True, heads_first=block_n != 16,
+                       fused_scale=block_n < 32)
     out = torch.full_like(q, float("nan"))
     tk.attention_rows(q, k_cache, v_cache, out, None, meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
                       None, meta.max_query_len, scale, paged=True, causal=True, config=cfg)
@@ -116,7 +136,7 @@ def test_interp_prefill_knobs_packed(gen):
                                                        v.repeat_interleave(group, 1)))
     ref = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     ref = ref.transpose(0, 1)
-    cfg = tk._prefill_config(d, q.dtype, q.device, n)._replace(tma=True, heads_first=True)
+    cfg = tk._prefill_config(d, q.dtype, q.device, n)._replace(tma=True, heads_first=True, fused_scale=True)
     out = torch.full_like(q, float("nan"))
     tk.attention_rows(q, k, v, out, None, cu, None, None, None, n, scale, paged=False, causal=True,
                       config=cfg)
@@ -187,7 +207,7 @@ def test_prefill_rule_and_tuple_configs():
     assert tk._prefill_config(128, torch.bfloat16, cuda, 16384, paged=True) == tk.PREFILL_LONG_PAGED
     assert tk._prefill_config(128, torch.bfloat16, cuda, 64, paged=True) == tk.PREFILL_SHORT
     # the leading fields alone (benchmarks pass 4-tuples) leave the structural knobs off
-    assert tk.PrefillConfig(*(64, 128, 4, 3)) == tk.PrefillConfig(64, 128, 4, 3, tma=False, heads_first=False)
+    assert tk.PrefillConfig(*(64, 128, 4, 3)) == tk.PrefillConfig(64, 128, 4, 3, False, False, False)
 
 
 @pytest.mark.skipif(INTERP or CUDA, reason="plain CPU: the interpreter is off")
@@ -220,4 +240,4 @@ def test_knobs_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == len(DECODE_KNOBS) + 3 + 1 + 1, tail
+    assert passed == len(DECODE_KNOBS) + 1 + 3 + 1 + 1, tail

@@ -184,6 +184,27 @@ def online_softmax_step(
 
 
 @triton.jit
+def _unmasked_step_fused_scale(acc, l_i, m_i, q, k, v, scale_log2, FP32: tl.constexpr):
+    """``online_softmax_step`` of a tile without masks, the scale applied inside the exponent's
+    multiply-add (one float operation a score fewer): the row maximum is taken before scaling, which is
+    the same for a positive scale."""
+    if FP32:
+        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(qk * scale_log2 - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if FP32:
+        acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _masked_tile(
     acc, l_i, m_i, q, K, V, start_n, s, kvh, q_start, n_keys, kv_len, block_tables, sel,
     stride_bt, num_sel, stride_kb, stride_ks, stride_kh, stride_kd, offs_d, d_ok, q_pos, window,
@@ -229,7 +250,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, HAS_INDICES: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
     FP32: tl.constexpr, SKIP_DEAD: tl.constexpr, SLIDING: tl.constexpr,
-    TMA: tl.constexpr, HEADS_FIRST: tl.constexpr,
+    TMA: tl.constexpr, HEADS_FIRST: tl.constexpr, FUSED_SCALE: tl.constexpr,
 ):
     # heaviest (last) query tiles first: under a causal mask they have the most keys. HEADS_FIRST: the
     # grid is (heads, query tiles), so the heaviest tiles of every head start before any lighter one
@@ -328,7 +349,10 @@ def _prefill_kernel(
             else:
                 k = tl.load(K + kv_ptrs, mask=d_ok[None, :], other=0.0)
                 v = tl.load(V + kv_ptrs, mask=d_ok[None, :], other=0.0)
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
+        if FUSED_SCALE:
+            acc, l_i, m_i = _unmasked_step_fused_scale(acc, l_i, m_i, q, k, v, scale_log2, FP32)
+        else:
+            acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
 
     # the diagonal band, the ragged end and selected blocks: masked
     for start_n in range(lo, hi, BLOCK_N):
@@ -499,7 +523,7 @@ def _reduce_kernel(
     PartO, PartL, Out, Lse,
     stride_ot, stride_oh, stride_od, stride_lt, stride_lh, num_splits,
     SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
+    WRITE_LSE: tl.constexpr, CHUNK: tl.constexpr,
 ):
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -512,9 +536,21 @@ def _reduce_kernel(
     m_use = tl.where(m == float("-inf"), 0.0, m)
     w = tl.math.exp2(lse - m_use)
     denom = tl.sum(w, 0)
-    o = tl.load(PartO + (row * num_splits + offs_p)[:, None] * BLOCK_D + offs_d[None, :], mask=p_ok[:, None],
-                other=0.0)
-    out = tl.sum(o * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    if CHUNK >= SPLITS_PAD:
+        o = tl.load(PartO + (row * num_splits + offs_p)[:, None] * BLOCK_D + offs_d[None, :],
+                    mask=p_ok[:, None], other=0.0)
+        acc = tl.sum(o * w[:, None], 0)
+    else:  # many splits: their partial outputs CHUNK at a time, so that they stay in registers
+        offs_c = tl.arange(0, CHUNK)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for c in range(0, num_splits, CHUNK):
+            c_ok = c + offs_c < num_splits
+            w_c = tl.math.exp2(tl.load(PartL + row * num_splits + c + offs_c, mask=c_ok, other=float("-inf"))
+                               - m_use)
+            o = tl.load(PartO + (row * num_splits + c + offs_c)[:, None] * BLOCK_D + offs_d[None, :],
+                        mask=c_ok[:, None], other=0.0)
+            acc += tl.sum(o * w_c[:, None], 0)
+    out = acc / tl.where(denom == 0.0, 1.0, denom)
     tl.store(Out + s * stride_ot + h * stride_oh + offs_d * stride_od, out.to(Out.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
     if WRITE_LSE:
@@ -557,7 +593,8 @@ class PrefillConfig(NamedTuple):
     pipeline depth). ``tma``: the unmasked key tiles through tensor-memory-accelerator loads (Hopper and
     later, head dim a power of two, packed keys or pages of at least ``block_n`` keys; elsewhere it is
     ignored). ``heads_first``: the grid runs the heaviest query tile of every head before any lighter
-    one, instead of every tile of one head before the next head."""
+    one, instead of every tile of one head before the next head. ``fused_scale``: the unmasked tiles
+    apply the softmax scale inside the exponent's multiply-add (rounding differs in the last bits)."""
 
     block_m: int
     block_n: int
@@ -565,6 +602,7 @@ class PrefillConfig(NamedTuple):
     num_stages: int
     tma: bool = False
     heads_first: bool = False
+    fused_scale: bool = False
 
 
 class DecodeConfig(NamedTuple):
@@ -593,6 +631,7 @@ PREFILL_LONG_PAGED = PrefillConfig(128, 128, 8, 3)  # the same through the paged
 PREFILL_SHORT = PrefillConfig(64, 64, 4, 3)  # chunks of at most 64 queries: no large query tile to waste
 DECODE = DecodeConfig(64, 4, 3)  # pages of fewer than 64 tokens: a key step spans several pages
 DECODE_LARGE_PAGES = DecodeConfig(64, 4, 3)  # pages of 64 tokens or more
+REDUCE_CHUNK = 64  # the split reduce merges more splits than this a chunk at a time
 
 
 def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, max_query_len: int,
@@ -744,7 +783,7 @@ def attention_rows(
         BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn,
         PAGED=paged, HAS_INDICES=has_idx, CAUSAL=causal, WRITE_LSE=write_lse,
         FP32=_dot_fp32(q), SKIP_DEAD=_skip_dead(has_idx, bn, block_size), SLIDING=window is not None,
-        TMA=descs is not None, HEADS_FIRST=cfg.heads_first,
+        TMA=descs is not None, HEADS_FIRST=cfg.heads_first, FUSED_SCALE=cfg.fused_scale,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -843,7 +882,7 @@ def attention_decode(
         _reduce_kernel[(num_seqs, num_heads)](
             part_o, part_l, out, lse_t, *out.stride(), *lse_strides, num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, WRITE_LSE=write_lse,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, WRITE_LSE=write_lse, CHUNK=REDUCE_CHUNK,
             num_warps=4 if head_dim >= 128 else 2,
         )
 
