@@ -15,7 +15,9 @@ their window) and ``uniform`` (``disable_hybrid_kv_cache_manager=True``, every l
   ``--context`` tokens as ``nanovllm bench kv`` counts them, and the full-attention layers' own.
 - ``serve``: ``--serve-seqs`` requests of ``--serve-context`` tokens submitted at once, ``--serve-tokens``
   greedy output tokens each, the engine's default memory; output tokens per second of wall time after a
-  warm-up.
+  warm-up, and where the time went (:class:`StepRecorder`): the steps of each kind (prefill-only, mixed,
+  decode-only), the wall seconds of the steps with prompt tokens and of the decode-only ones, and the host
+  milliseconds per step of scheduling and planning.
 
 The hybrid rows get the ratios to the uniform ones of the same run, next to the targets: at least
 ``CAPACITY_TARGET`` times as many concurrent sequences, and bytes per sequence at most
@@ -139,6 +141,65 @@ def bench_capacity(model: str, layout: str, context: int, num_seqs: int, kv_budg
     }
 
 
+class StepRecorder:
+    """Wraps the engine's ``step`` (what ``LLM.generate`` calls), the scheduler's ``schedule`` and ``advance`` and
+    the runner's ``prepare`` of ``llm``: per kind of step (``prefill_only``, ``mixed`` or ``decode_only``, by
+    what it scheduled), how many ran, their wall seconds, and the host seconds spent scheduling and planning
+    them (``schedule``, ``prepare``, ``advance``)."""
+
+    KINDS = ("prefill_only", "mixed", "decode_only")
+
+    def __init__(self, llm) -> None:
+        engine = llm.llm_engine
+        self.steps = dict.fromkeys(self.KINDS, 0)
+        self.seconds = dict.fromkeys(self.KINDS, 0.0)
+        self.host_seconds = dict.fromkeys(self.KINDS, 0.0)
+        self._kind: str | None = None
+        self._host = 0.0
+        engine.step = self._timed(engine.step, self._end_step)
+        sched, runner = engine.scheduler, engine.runner
+        sched.schedule = self._timed(sched.schedule, self._scheduled)
+        runner.prepare = self._timed(runner.prepare)
+        sched.advance = self._timed(sched.advance)
+
+    def _timed(self, fn, then=None):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            seconds = time.perf_counter() - start
+            if then is None:
+                self._host += seconds
+            else:
+                then(out, seconds)
+            return out
+
+        return wrapper
+
+    def _scheduled(self, seqs, seconds: float) -> None:
+        self._host += seconds
+        prefills = sum(1 for s in seqs if not s.is_decode)
+        self._kind = None if not seqs else (
+            "decode_only" if not prefills else "prefill_only" if prefills == len(seqs) else "mixed")
+
+    def _end_step(self, _, seconds: float) -> None:
+        if self._kind is not None:
+            self.steps[self._kind] += 1
+            self.seconds[self._kind] += seconds
+            self.host_seconds[self._kind] += self._host
+        self._kind, self._host = None, 0.0
+
+    def summary(self) -> dict[str, Any]:
+        decodes = self.steps["decode_only"]
+        return {
+            **{f"steps_{k}": n for k, n in self.steps.items()},
+            "prefill_seconds": self.seconds["prefill_only"] + self.seconds["mixed"],  # steps with prompt tokens
+            "decode_seconds": self.seconds["decode_only"],
+            "host_ms_per_decode_step": 1000 * self.host_seconds["decode_only"] / max(decodes, 1),
+            "host_ms_per_prefill_step": 1000 * (self.host_seconds["prefill_only"] + self.host_seconds["mixed"])
+            / max(self.steps["prefill_only"] + self.steps["mixed"], 1),
+        }
+
+
 def bench_serve(model: str, layout: str, context: int, num_seqs: int, output_tokens: int,
                 **engine_options: Any) -> dict[str, Any]:
     from nanovllm import LLM, SamplingParams
@@ -151,6 +212,7 @@ def bench_serve(model: str, layout: str, context: int, num_seqs: int, output_tok
     prompts = random_prompts(num_seqs, context, llm.vocab_size, seed=1)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
+    recorder = StepRecorder(llm)
     sync()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -161,6 +223,7 @@ def bench_serve(model: str, layout: str, context: int, num_seqs: int, output_tok
         "benchmark": "serve", "layout": layout, "model": model, "weights": weights, "context": context,
         "requests": num_seqs, "output_tokens": produced, "seconds": seconds,
         "output_tok_per_s": produced / seconds, "preemptions": llm.scheduler.num_preemptions,
+        **recorder.summary(), "cuda_graphs": bool(llm.runner.cuda_graphs.graphs),
         "kv_cache_tokens": llm.runner.num_blocks * llm.runner.block_size, "settings": options,
     }
 
@@ -217,10 +280,16 @@ def markdown(payload: dict[str, Any], title: str) -> str:
         first = serve[0]
         lines += ["", f"Serving {first['requests']} concurrent {first['context']:,}-token requests, greedy.",
                   "",
-                  "| layout | output tok/s | vs uniform | output tokens | seconds | preemptions |",
-                  "|---|---|---|---|---|---|"]
+                  "| layout | output tok/s | vs uniform | output tokens | seconds | preemptions | steps "
+                  "(prefill / mixed / decode) | prefill s | decode s | host ms per prefill / decode step |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['layout']} | {r['output_tok_per_s']:,.0f} | {_ratio(r.get('vs_uniform'))} | "
-                  f"{r['output_tokens']:,} | {r['seconds']:.2f} | {r['preemptions']} |" for r in serve]
+                  f"{r['output_tokens']:,} | {r['seconds']:.2f} | {r['preemptions']} | "
+                  f"{r.get('steps_prefill_only', '-')} / {r.get('steps_mixed', '-')} / "
+                  f"{r.get('steps_decode_only', '-')} | {r.get('prefill_seconds', float('nan')):.2f} | "
+                  f"{r.get('decode_seconds', float('nan')):.2f} | "
+                  f"{r.get('host_ms_per_prefill_step', float('nan')):.2f} / "
+                  f"{r.get('host_ms_per_decode_step', float('nan')):.2f} |" for r in serve]
     return "\n".join(lines) + "\n"
 
 
