@@ -8,10 +8,10 @@ head ``h // (H // Hs)``. The query at position ``p`` attends with softmax to the
 ``lse`` is the natural log of the sum of ``exp(scale * q.k)`` over the keys read. A row that reads no key
 gets out 0 and lse -inf.
 
-The kernel runs one program per (query tile, head, sequence). Query tiles are aligned to absolute
-positions (tile ``m`` of a sequence starts at ``(q0 // BLOCK_M + m) * BLOCK_M``, rows outside the chunk
-masked), so a tile lies in one query block and reads one list. It feeds one online softmax (base 2, the
-core's ``online_softmax_step``) from two loops:
+The kernel runs one program per (head, query tile, sequence), heads fastest and the last tiles first.
+Query tiles are aligned to absolute positions (tile ``m`` of a sequence starts at ``(q0 // BLOCK_M + m) *
+BLOCK_M``, rows outside the chunk masked), so a tile lies in one query block and reads one list. It feeds
+one online softmax (base 2, the core's ``online_softmax_step``) from two loops:
 
 1. without masks: every key tile of the blocks below the diagonal (every row of the tile sees every key of
    them), then the key tiles of the diagonal block that end before the tile's first row. The loop is
@@ -82,9 +82,10 @@ def _block_sparse_kernel(
     KV_BLOCK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     FP32: tl.constexpr, SAME_LAYOUT: tl.constexpr,
 ):
-    # last query tiles first: under a causal mask they tend to have the most keys
-    m = tl.num_programs(0) - 1 - tl.program_id(0)
-    h = tl.program_id(1)
+    # heads fastest, last query tiles first: every head's longest programs (the latest rows, and the last rows
+    # that read every causal block) start in the first wave, not after another head's lighter tiles
+    h = tl.program_id(0)
+    m = tl.num_programs(1) - 1 - tl.program_id(1)
     s = tl.program_id(2).to(tl.int64)
     row0 = tl.load(cu_q + s)
     q_len = tl.load(cu_q + s + 1) - row0
@@ -209,7 +210,7 @@ def block_sparse_attention(
             f"block {block}"
         )
     # a chunk's tiles start at the tile holding its first query: one more than its length needs, at most
-    grid = (triton.cdiv(max_query_len + block_m - 1, block_m), num_heads, cu_seqlens_q.shape[0] - 1)
+    grid = (num_heads, triton.cdiv(max_query_len + block_m - 1, block_m), cu_seqlens_q.shape[0] - 1)
     _block_sparse_kernel[grid](
         q, k_cache, v_cache, out, lse,
         cu_seqlens_q, context_lens, block_tables, blocks, block_counts,

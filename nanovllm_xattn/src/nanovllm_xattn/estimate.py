@@ -229,13 +229,15 @@ def _block_sums_kernel(
     STRIDE: tl.constexpr, PER_BLOCK: tl.constexpr, BLOCK_KB: tl.constexpr,
 ):
     """Pass 2: per (head, query block row, sequence), each row's total log2-sum-exp2 over its key blocks,
-    then ``P`` summed per key block over the row's taking-part reshaped rows: ``exp2(lse - total)``."""
+    then ``P`` summed per key block over the row's taking-part reshaped rows: ``exp2(lse - total)``. Every
+    element of ``Scores`` is written (0 past the diagonal and in padding rows): no fill before it."""
     h = tl.program_id(0)
     r = tl.program_id(1)
     s = tl.program_id(2)
     ctx = tl.load(context_lens + s)
     q0 = ctx - (tl.load(cu_q + s + 1) - tl.load(cu_q + s))
     b = q0 // (STRIDE * PER_BLOCK) + r  # the row's query block, its diagonal key block
+    out = ((s * tl.num_programs(0) + h).to(tl.int64) * num_q_blocks + r) * num_k_blocks
     if (q0 < ctx) & (b * STRIDE * PER_BLOCK < ctx):
         i = b * PER_BLOCK + tl.arange(0, PER_BLOCK)
         row_ok = (i >= q0 // STRIDE) & (i <= (ctx - 1) // STRIDE)
@@ -250,12 +252,15 @@ def _block_sums_kernel(
             l_i = l_i * tl.math.exp2(m_i - m_new) + tl.sum(tl.math.exp2(lse - m_new[:, None]), 1)
             m_i = m_new
         total = m_i + tl.math.log2(l_i)
-        out = ((s * tl.num_programs(0) + h).to(tl.int64) * num_q_blocks + r) * num_k_blocks
-        for kb0 in range(0, b + 1, BLOCK_KB):
+        for kb0 in range(0, num_k_blocks, BLOCK_KB):  # past the diagonal: exp2(-inf) = 0
             kb = kb0 + tl.arange(0, BLOCK_KB)
             lse = tl.load(Lse + rows[:, None] + kb[None, :], mask=(kb <= b)[None, :], other=float("-inf"))
             p = tl.where(row_ok[:, None], tl.math.exp2(lse - total[:, None]), 0.0)
-            tl.store(Scores + out + kb, tl.sum(p, 0), mask=kb <= b)
+            tl.store(Scores + out + kb, tl.sum(p, 0), mask=kb < num_k_blocks)
+    else:  # a padding row
+        for kb0 in range(0, num_k_blocks, BLOCK_KB):
+            kb = kb0 + tl.arange(0, BLOCK_KB)
+            tl.store(Scores + out + kb, tl.zeros([BLOCK_KB], tl.float32), mask=kb < num_k_blocks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,10 +314,10 @@ def block_scores(
     num_seqs, num_heads, head_dim = context_lens.shape[0], q.shape[1], q.shape[2]
     num_q_blocks = num_query_blocks(max_query_len, block)
     num_k_blocks = num_key_blocks(max_context_len, block)
-    scores = torch.zeros(num_seqs, num_heads, num_q_blocks, num_k_blocks, dtype=torch.float32,
-                         device=q.device)
+    shape = (num_seqs, num_heads, num_q_blocks, num_k_blocks)
     if num_seqs == 0 or max_query_len == 0 or q.shape[0] == 0:
-        return scores
+        return torch.zeros(shape, dtype=torch.float32, device=q.device)
+    scores = torch.empty(shape, dtype=torch.float32, device=q.device)
 
     rows, block_n, warps, stages = config or _config(q.dtype, q.device)
     if not all(_is_power_of_two(v) for v in (rows, block_n)):

@@ -8,6 +8,10 @@ row's total. The last ``dense_last_rows`` rows of each sequence's chunk force ev
 sums the mass of its block's queries, so a few late queries that attend far back (the prompt's end, the
 question whose answer is the first sampled token) hold too small a share of their row's mass to survive
 the threshold. Blocks right of the diagonal are never kept, and a threshold of 1 keeps every causal block.
+
+:func:`select_blocks` and :func:`block_lists` run Triton kernels on CUDA tensors
+(:mod:`nanovllm_xattn.selection_kernels`: one launch each, nothing read back to the host) and their torch
+references, :func:`select_blocks_reference` and :func:`block_lists_reference`, elsewhere.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ def threshold_mask(scores: torch.Tensor, causal: torch.Tensor, forced: torch.Ten
     scores = scores.float().masked_fill(~causal, 0.0)
     # forced blocks first, then the others by score, blocks past the diagonal last
     priority = torch.where(forced, float("inf"), scores).masked_fill(~causal, -1.0)
-    order = priority.argsort(-1, descending=True)
+    order = priority.argsort(dim=-1, descending=True, stable=True)  # ties: the lower block first
     ranked = scores.gather(-1, order)
     if ratio is None:
         total = ranked.sum(-1, keepdim=True)
@@ -80,10 +84,32 @@ def allowed_and_forced(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, context
     return causal, forced
 
 
+def _on_triton(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels serve ``t``'s device (CUDA); the torch references serve the others."""
+    return t.is_cuda
+
+
 def select_blocks(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block: int,
                   num_kv_heads: int, head_reduce: str, threshold: torch.Tensor, ratio: float | None = None,
                   keep_sink: bool = True, keep_recent: bool = True, recent_blocks: int = 1,
                   dense_last_rows: int = 0, chunk_context_lens: torch.Tensor | None = None) -> torch.Tensor:
+    """``[S, Hs, R, N]`` bool, the kept blocks (:func:`select_blocks_reference`): on CUDA one Triton launch
+    (:func:`~nanovllm_xattn.selection_kernels.select_mask`, equal up to the rounding of a row's sums)."""
+    args = (scores, cu_seqlens_q, context_lens, block, num_kv_heads, head_reduce, threshold, ratio, keep_sink,
+            keep_recent, recent_blocks, dense_last_rows, chunk_context_lens)
+    if _on_triton(scores):
+        from nanovllm_xattn.selection_kernels import MAX_KEY_BLOCKS, select_mask
+
+        if scores.shape[-1] <= MAX_KEY_BLOCKS:
+            return select_mask(*args)
+    return select_blocks_reference(*args)
+
+
+def select_blocks_reference(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                            block: int, num_kv_heads: int, head_reduce: str, threshold: torch.Tensor,
+                            ratio: float | None = None, keep_sink: bool = True, keep_recent: bool = True,
+                            recent_blocks: int = 1, dense_last_rows: int = 0,
+                            chunk_context_lens: torch.Tensor | None = None) -> torch.Tensor:
     """``[S, Hs, R, N]`` bool, the kept blocks: per KV head (``Hs = num_kv_heads``) or, with ``head_reduce
     = "none"``, per query head. ``scores`` is ``[S, H, R, N]`` and ``threshold`` ``[H]`` per query head; a
     reduction over a group uses the largest threshold of its heads."""
@@ -111,7 +137,18 @@ def select_blocks(scores: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens
 
 def block_lists(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(blocks [S, Hs, R, W] int32, counts [S, Hs, R] int32)``: each row's kept key blocks in ascending
-    order, ``W`` the longest list (padding past a row's count is never read)."""
+    order, ``W`` at least the longest list (padding past a row's count is never read). On CUDA one Triton
+    launch and ``W = N`` (:func:`~nanovllm_xattn.selection_kernels.list_blocks`: no host read); elsewhere
+    :func:`block_lists_reference`."""
+    if _on_triton(mask):
+        from nanovllm_xattn.selection_kernels import list_blocks
+
+        return list_blocks(mask)
+    return block_lists_reference(mask)
+
+
+def block_lists_reference(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`block_lists` in torch, ``W`` the longest list (read back to the host)."""
     counts = mask.sum(-1)
     width = max(int(counts.max()), 1) if mask.numel() else 1
     cols = torch.arange(mask.shape[-1], device=mask.device, dtype=torch.int32)
