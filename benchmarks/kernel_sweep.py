@@ -53,7 +53,6 @@ PAGES = (16,) if DRY else (16, 128)  # dry: pages as large as the interpreter's 
 DECODE_VARIANTS = {
     "default": {},
     "1 program/SM": dict(programs_per_sm=1),
-    "3 programs/SM": dict(programs_per_sm=3),
     "4 programs/SM, 128 splits": dict(programs_per_sm=4, max_splits=128),
     "8 programs/SM, 256 splits": dict(programs_per_sm=8, max_splits=256),
     "wave fit": dict(wave_fit=True),
@@ -67,9 +66,7 @@ DECODE_VARIANTS = {
     "2 stages": dict(num_stages=2),
     "4 stages": dict(num_stages=4),
     "4 stages, 1 program/SM": dict(num_stages=4, programs_per_sm=1),
-    "page ahead, 4 stages, 1 program/SM": dict(page_ahead=True, num_stages=4, programs_per_sm=1),
     "block_n 128, 8 warps, 2 stages": dict(block_n=128, num_warps=8, num_stages=2),
-    "block_n 32, 4 programs/SM, 128 splits": dict(block_n=32, programs_per_sm=4, max_splits=128),
 }
 # Prefill settings (fields of PrefillConfig); TMA only where the keys allow it (packed, or pages >= block_n).
 PREFILL_VARIANTS = {
@@ -78,11 +75,8 @@ PREFILL_VARIANTS = {
     "heads first": dict(heads_first=True),
     "tma, heads first": dict(tma=True, heads_first=True),
     "128x64, 4 warps": dict(block_m=128, block_n=64, num_warps=4),
-    "128x64, 8 warps": dict(block_m=128, block_n=64, num_warps=8),
     "2 stages": dict(num_stages=2),
-    "64x128, 4 warps": dict(block_m=64, block_n=128, num_warps=4),
     "tma, 128x64, 4 warps": dict(tma=True, block_m=128, block_n=64, num_warps=4),
-    "tma, 2 stages": dict(tma=True, num_stages=2),
     "fused scale": dict(fused_scale=True),
     "tma, fused scale": dict(tma=True, fused_scale=True),
     "tma, fused scale, heads first": dict(tma=True, fused_scale=True, heads_first=True),
@@ -380,12 +374,12 @@ def best_per_shape(rows: list[dict]) -> dict[str, dict]:
 
 def _geomean_choice(rows: list[dict], shapes_of_group: set[str]) -> dict | None:
     """The variant with the best geometric mean of ``vs_default`` over a group of shapes; only variants that
-    ran right on every shape of the group."""
-    scores: dict[str, list[float]] = {}
+    ran right on every shape of the group (a shape measured twice counts its last row)."""
+    scores: dict[str, dict[str, float]] = {}
     for r in rows:
         if r["shape"] in shapes_of_group and _good(r) and r.get("vs_default"):
-            scores.setdefault(r["variant"], []).append(r["vs_default"])
-    full = {v: s for v, s in scores.items() if len(s) == len(shapes_of_group)}
+            scores.setdefault(r["variant"], {})[r["shape"]] = r["vs_default"]
+    full = {v: list(by_shape.values()) for v, by_shape in scores.items() if set(by_shape) == shapes_of_group}
     if not full:
         return None
     variant = max(full, key=lambda v: sum(map(math.log, full[v])))
@@ -394,9 +388,9 @@ def _geomean_choice(rows: list[dict], shapes_of_group: set[str]) -> dict | None:
                                                                    / len(full[variant])), 3), config=config)
 
 
-def recommend(rows: list[dict]) -> dict[str, dict]:
-    """The defaults to paste: decode per page size over its batches (the kernel's compiled knobs must not
-    follow the batch), prefill for packed keys and for paged keys (both page sizes, with and without
+def groups_of(rows: list[dict]) -> dict[str, set[str]]:
+    """The shapes that share one default: decode per page size (the kernel's compiled knobs must not follow
+    the batch), prefill over packed keys, prefill over paged keys (both page sizes, with and without
     history)."""
     decode = {r["shape"] for r in rows if r["kind"] == "decode"}
     prefill = {r["shape"] for r in rows if r["kind"] == "prefill"}
@@ -405,9 +399,41 @@ def recommend(rows: list[dict]) -> dict[str, dict]:
     groups["PREFILL_LONG (packed)"] = {s for s in prefill if s.endswith("packed")
                                        and not s.startswith(f"q={LONG_PROMPT}")}
     groups["PREFILL_LONG_PAGED"] = {s for s in prefill if "paged" in s}
+    return {name: group for name, group in groups.items() if group}
+
+
+# each kind's knobs on two axes, whose best settings the combined pass puts together
+AXES = {"decode": ({"block_n", "num_warps", "num_stages", "page_ahead"},
+                   {"programs_per_sm", "max_splits", "wave_fit"}),
+        "prefill": ({"block_m", "block_n", "num_warps", "num_stages"}, {"tma", "heads_first", "fused_scale"})}
+
+
+def combined_variants(rows: list[dict]) -> dict[str, tuple[str, dict]]:
+    """Per group, the best variant of each knob axis put together (when both beat the default and the union
+    is not a variant already): ``{group: (name, knobs)}``."""
     out = {}
-    for name, group in groups.items():
-        choice = _geomean_choice(rows, group) if group else None
+    for group_name, group in groups_of(rows).items():
+        kind = "decode" if group_name.startswith("DECODE") else "prefill"
+        variants = DECODE_VARIANTS if kind == "decode" else PREFILL_VARIANTS
+        best = []
+        for axis in AXES[kind]:
+            on_axis = [r for r in rows if r["variant"] == "default"
+                       or (r["variant"] in variants and variants[r["variant"]].keys() <= axis)]
+            choice = _geomean_choice(on_axis, group)
+            if choice and choice["variant"] != "default" and choice["geomean_vs_default"] > 1.0:
+                best.append(choice["variant"])
+        if len(best) == 2:
+            knobs = variants[best[0]] | variants[best[1]]
+            if knobs not in variants.values():
+                out[group_name] = (f"{best[0]} + {best[1]}", knobs)
+    return out
+
+
+def recommend(rows: list[dict]) -> dict[str, dict]:
+    """The defaults to paste, per group of :func:`groups_of`."""
+    out = {}
+    for name, group in groups_of(rows).items():
+        choice = _geomean_choice(rows, group)
         if choice:
             cls = "DecodeConfig" if name.startswith("DECODE") else "PrefillConfig"
             fields = ", ".join(f"{k}={v}" for k, v in choice["config"].items())
@@ -470,9 +496,11 @@ def main(argv: list[str] | None = None) -> int:
                   copy_tbps=round(copy_tbps, 3), compile=compile_note, dry=DRY, rows=[])
     anchors: dict[str, float] = {}
     lost = False
-    for shape in in_turn(shapes(args.long)):
-        print(f"{time.perf_counter() - start:5.1f} s {shape['kind']} {shape['label']}", file=sys.stderr,
-              flush=True)
+
+    def run(shape: dict) -> None:
+        nonlocal lost
+        print(f"{time.perf_counter() - start:5.1f} s {shape['kind']} {shape['label']}: "
+              f"{len(shape['variants'])} settings", file=sys.stderr, flush=True)
         if lost:
             result["rows"] += [empty_row(shape, v, "not run: the CUDA context was lost")
                                for v in shape["variants"]]
@@ -487,6 +515,21 @@ def main(argv: list[str] | None = None) -> int:
         result["wall_s"] = round(time.perf_counter() - start, 1)
         (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
         (args.out / f"{args.name}.md").write_text(markdown(result, args.name))
+
+    every = in_turn(shapes(args.long))
+    for shape in every:
+        if not shape.get("long"):
+            run(shape)
+    # the best of each knob axis together, against the default again, on the shapes of its group
+    for group_name, (name, knobs) in combined_variants(result["rows"]).items():
+        (DECODE_VARIANTS if group_name.startswith("DECODE") else PREFILL_VARIANTS)[name] = knobs
+        group = groups_of(result["rows"])[group_name]
+        for shape in every:
+            if shape["label"] in group:
+                run(dict(shape, variants=["default", name]))
+    for shape in every:
+        if shape.get("long"):
+            run(shape)
     print(markdown(result, args.name))
     return 0
 

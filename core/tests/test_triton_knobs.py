@@ -241,3 +241,26 @@ def test_knobs_under_interpreter():
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
     assert passed == len(DECODE_KNOBS) + 1 + 3 + 1 + 1, tail
+
+
+def test_sweep_combines_the_best_of_each_axis_and_recommends_by_group():
+    """On made-up rates: the combined pass joins the best kernel knob and the best split knob of a group,
+    skips a union that is a variant already, and the recommendation is the best geometric mean."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import kernel_sweep as ks
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    faster = {"page ahead": 1.05, "wave fit": 1.03, "tma": 1.04, "128x64, 4 warps": 1.02}
+    rows = []
+    for shape in ks.shapes(False):
+        for variant in shape["variants"]:
+            rate = faster.get(variant, 0.99 if variant != "default" else 1.0)
+            rows.append(ks.empty_row(shape, variant) | dict(value=rate, vs_default=rate, err=0.0))
+    combined = ks.combined_variants(rows)
+    assert combined["DECODE (bs=16)"] == ("page ahead + wave fit", dict(page_ahead=True, wave_fit=True))
+    assert "PREFILL_LONG (packed)" not in combined  # "tma, 128x64, 4 warps" is a variant already
+    recommended = ks.recommend(rows)
+    assert recommended["DECODE (bs=16)"]["variant"] == "page ahead"
+    assert recommended["PREFILL_LONG_PAGED"]["variant"] == "tma"
+    assert recommended["PREFILL_LONG_PAGED"]["paste"].startswith("PrefillConfig(block_m=128")
