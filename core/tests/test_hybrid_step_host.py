@@ -1,0 +1,137 @@
+"""Host work of hybrid KV steps: the scheduler, the block manager and the step plan, without a model.
+
+A decode step's host work must not grow with the context: the step plan keeps int32 copies of the block
+tables and copies only what changed (``step_plan.TableCopy``), so 6 KV cache groups of long sequences cost
+about what short ones do. The copies must always equal the block manager's lists, through window frees,
+prefix-cache sharing, preemption and recompute. And the layout must not change how steps are scheduled:
+the same prefill-only, mixed and decode-only steps in both layouts.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_plan import block_tables, slot_mapping
+from nanovllm.kv.groups import blocks_per_sequence, kv_cache_groups
+from nanovllm.sampling_params import SamplingParams
+
+BLOCK_SIZE = 16
+WINDOW = 64
+# Gemma 3 270M's layers: 15 of 18 slide over the window, every sixth attends globally (6 KV cache groups)
+WINDOWS = [None if (i + 1) % 6 == 0 else WINDOW for i in range(18)]
+
+
+def config(max_num_batched_tokens: int = 8192) -> SimpleNamespace:
+    return SimpleNamespace(max_num_seqs=256, max_num_batched_tokens=max_num_batched_tokens,
+                           enable_chunked_prefill=True, block_size=BLOCK_SIZE, enable_prefix_caching=True)
+
+
+def plan_steps(groups, num_blocks: int) -> SimpleNamespace:
+    """What ``ModelRunner.prepare`` reads of its runner, for a paged cache of ``num_blocks`` blocks."""
+    kv = SimpleNamespace(block_offset=lambda group: 0, wants_allocations=False)
+    return SimpleNamespace(block_size=BLOCK_SIZE, num_window_blocks=0, kv=kv, kv_cache_groups=groups,
+                           num_blocks=num_blocks)
+
+
+def serve(groups, prompts: list[list[int]], output_tokens: int, num_blocks: int | None = None,
+          max_num_batched_tokens: int = 8192, on_step=None) -> dict[str, list[float]]:
+    """Run ``prompts`` greedily for ``output_tokens`` each through the scheduler and the step plans (each
+    sampled token is 5); per kind of step, the host seconds of each (schedule, prepare, advance)."""
+    max_len = max(map(len, prompts)) + output_tokens
+    if num_blocks is None:
+        num_blocks = len(prompts) * blocks_per_sequence(groups, max_len, BLOCK_SIZE, max_num_batched_tokens) + 1
+    scheduler = Scheduler(config(max_num_batched_tokens), num_blocks, max_len, groups)
+    runner = plan_steps(groups, num_blocks)
+    params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
+    for prompt in prompts:
+        scheduler.add(Sequence(prompt, params))
+    times: dict[str, list[float]] = {"prefill_only": [], "mixed": [], "decode_only": []}
+    while scheduler.has_unfinished():
+        start = time.perf_counter()
+        seqs = scheduler.schedule()
+        scheduler.block_manager.take_newly_allocated()
+        _, sampling, _ = ModelRunner.prepare(runner, seqs)
+        prefills = sum(1 for s in seqs if not s.is_decode)
+        if on_step is not None:
+            on_step(scheduler, seqs)
+        scheduler.advance(seqs)
+        seconds = time.perf_counter() - start
+        times["decode_only" if not prefills else "prefill_only" if prefills == len(seqs) else "mixed"].append(seconds)
+        for seq in sampling:
+            seq.token_ids.append(5)
+        for seq in [s for s in scheduler.running if s.num_completion_tokens >= output_tokens]:
+            scheduler.finish(seq, "length")
+    return times
+
+
+def random_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(length)] for _ in range(num)]
+
+
+def test_decode_host_work_does_not_grow_with_the_context():
+    """32 sequences in 6 KV cache groups: a decode step at 8K tokens of context costs the host about what it
+    costs at 256 (converting every whole table each step made it several times as much)."""
+    groups = kv_cache_groups(WINDOWS)
+    assert len(groups) == 6
+
+    def decode_ms(context: int) -> float:
+        times = serve(groups, random_prompts(32, context), output_tokens=40)
+        return 1000 * statistics.median(times["decode_only"])
+
+    decode_ms(256)  # warm-up
+    short, long = min(decode_ms(256) for _ in range(2)), min(decode_ms(8192) for _ in range(2))
+    assert long < 1.8 * short + 0.05, f"host ms per decode step: {long:.3f} at 8K tokens, {short:.3f} at 256"
+
+
+def test_step_kinds_match_between_layouts():
+    """The hybrid layout schedules the same prefill-only, mixed and decode-only steps as the uniform one."""
+    prompts = random_prompts(12, 700, seed=1)
+    kinds = {}
+    for hybrid in (True, False):
+        times = serve(kv_cache_groups(WINDOWS, hybrid=hybrid), prompts, output_tokens=20,
+                      max_num_batched_tokens=2048)
+        kinds[hybrid] = {kind: len(steps) for kind, steps in times.items()}
+    assert kinds[True] == kinds[False]
+    assert kinds[True]["mixed"] and kinds[True]["decode_only"]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_step_tables_equal_the_block_managers(seed):
+    """Every step, each group's block tables and slots in the step plan equal those made from the block
+    manager's lists, through window frees, prefix-cache sharing (prompts sharing stems, admitted together),
+    preemption (a pool too small for all at once) and recompute."""
+    rng = random.Random(seed)
+    stems = random_prompts(2, 150, seed=seed)
+    prompts = [rng.choice(stems)[: rng.randrange(20, 150)] + random_prompts(1, rng.randrange(1, 90), seed + i)[0]
+               for i in range(14)]
+    groups = kv_cache_groups(WINDOWS)
+    checked = []
+
+    def check(scheduler, seqs):
+        decodes = [s for s in seqs if s.is_decode]
+        prefills = [s for s in seqs if not s.is_decode]
+        for g in range(len(groups)):
+            for phase in (decodes, prefills):
+                if not phase:
+                    continue
+                expected = np.full((len(phase), max(len(s.block_tables[g]) for s in phase)), -1, dtype=np.int32)
+                for i, s in enumerate(phase):
+                    expected[i, : len(s.block_tables[g])] = s.block_tables[g]
+                np.testing.assert_array_equal(block_tables(phase, g), expected)
+            slots = [s.block_tables[g][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                     for s in [*decodes, *prefills]
+                     for p in range(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens)]
+            np.testing.assert_array_equal(slot_mapping(decodes, prefills, BLOCK_SIZE, g), slots)
+        checked.append(scheduler.num_preemptions)
+
+    serve(groups, prompts, output_tokens=30, num_blocks=260, max_num_batched_tokens=200, on_step=check)
+    assert checked and checked[-1] > 0  # the pool was small enough to preempt
