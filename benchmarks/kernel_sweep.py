@@ -9,13 +9,15 @@ GQA 32 query / 8 KV heads, head dim 128, bf16, on one GPU:
   prompt, and a 4K chunk behind 12K of history): TFLOP/s (4 * heads * head_dim * visible query-key pairs)
   and its ratio to cuDNN SDPA on the packed prompt of that context; with ``--long`` the packed 128K prompt.
 
-Each knob setting (a :class:`DecodeConfig` / :class:`PrefillConfig`) differs from the default in one or two
-knobs; its output is checked against the default's (decode, paged prefill) or cuDNN's (packed prefill), and a
-setting off by more than 2e-2 is marked wrong and never best. The variants compile first in parallel worker
-processes (Triton's disk cache then serves the timed process); the run stops timing when ``--budget`` seconds
-have passed, keeping what it measured. Writes ``OUT/NAME.json`` and ``OUT/NAME.md``: every row, the best
-setting per shape, and the defaults to paste (one decode setting per page size, because the decode kernel's
-compiled knobs must not follow the batch; prefill settings for packed and paged keys).
+Each knob setting (a :class:`DecodeConfig` / :class:`PrefillConfig`) differs from the default in one or
+two knobs; its output is checked against the default's (decode, paged prefill) or cuDNN's (packed prefill),
+and a setting off by more than 2e-2 is marked wrong and never best. The variants compile first in parallel
+worker processes (Triton's disk cache then serves the timed process). After the main pass, each group's best
+settings of two knob axes (decode: kernel and splits; prefill: tiles and structure) are timed together
+against the default again. The run stops timing when ``--budget`` seconds have passed, keeping what it
+measured. Writes ``OUT/NAME.json`` and ``OUT/NAME.md``: every row, the best setting per shape, and the
+defaults to paste (one decode setting per page size, because the decode kernel's compiled knobs must not
+follow the batch; prefill settings for packed and paged keys).
 
     python benchmarks/kernel_sweep.py --out OUT [--name kernel_sweep] [--budget 80] [--long]
     TRITON_INTERPRET=1 python benchmarks/kernel_sweep.py --out OUT   # dry: tiny sizes on the CPU
@@ -479,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--name", default="kernel_sweep")
     parser.add_argument("--budget", type=float, default=80.0, help="seconds of wall time, compiling included")
-    parser.add_argument("--workers", type=int, default=min(8, max(1, (os.cpu_count() or 2) - 2)),
+    parser.add_argument("--workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
                         help="processes that compile the variants first (0: compile while timing)")
     parser.add_argument("--long", action="store_true", help="also the packed 128K prompt (about 10 s more)")
     args = parser.parse_args(argv)
