@@ -95,7 +95,8 @@ class BlockManager:
         self.hash_to_block: list[dict[int, int]] = [{} for _ in self.groups]  # per group
         # the first full-attention group: a window group's block records its parent there (see _cached_blocks)
         self.anchor = next((g for g, group in enumerate(self.groups) if group.sliding_window is None), None)
-        self.window_groups = [(g, group) for g, group in enumerate(self.groups) if group.sliding_window is not None]
+        self.windowed = [group.sliding_window is not None for group in self.groups]
+        self.window_groups = [(g, group) for g, group in enumerate(self.groups) if self.windowed[g]]
         if self.anchor not in (None, 0):
             raise ValueError("the full-attention KV cache groups come first (see nanovllm.kv.groups)")
         self.newly_allocated: list[int] = []  # handed out since take_newly_allocated (policies reset them)
@@ -322,14 +323,17 @@ class BlockManager:
         bs, tables = self.block_size, seq.block_tables
         anchor = tables[self.anchor] if self.anchor is not None else []
         # block by block, every group's copy (the anchor, group 0, first: the others name its blocks)
+        first_window = self.window_groups[0][0] if self.window_groups else None
         for i in range(seq.num_committed_blocks, full):
             h = self._block_hash(seq, i)
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            # every window group's block records the same parent (the anchor's block before it, or the check)
+            window_parent = None if first_window is None else self._parent_of(seq, first_window, i, (), anchor)
             for g, table in enumerate(tables):
                 if table[i] == self.null_block:  # left behind by its window: nothing to publish
                     continue
                 block = self.blocks[table[i]]
-                parent = self._parent_of(seq, g, i, table, anchor)
+                parent = window_parent if self.windowed[g] else self._parent_of(seq, g, i, table, anchor)
                 cache = self.hash_to_block[g]
                 cached_id = cache.get(h)
                 if cached_id is None:

@@ -88,6 +88,8 @@ class TableCopy:
     def refresh(self) -> np.ndarray:
         """The table as it is now (a view, valid until the next refresh)."""
         table, n = self.source, len(self.source)
+        if n == self.length == self.stale_from:  # most decode steps: nothing changed
+            return self.array[:n]
         start = min(self.stale_from, self.length, n)
         if n > len(self.array):
             grown = np.empty(2 * n, dtype=np.int32)
@@ -117,9 +119,13 @@ def block_tables(seqs: list[Sequence], group: int, offset: int = 0) -> np.ndarra
     if not seqs:
         return None
     own = [table_array(s, group) for s in seqs]
-    tables = np.full((len(seqs), max(map(len, own))), -1, dtype=np.int32)
-    for i, table in enumerate(own):
-        tables[i, : len(table)] = table
+    width = max(map(len, own))
+    if all(len(table) == width for table in own):
+        tables = np.stack(own)
+    else:
+        tables = np.full((len(seqs), width), -1, dtype=np.int32)
+        for i, table in enumerate(own):
+            tables[i, : len(table)] = table
     if offset:
         tables[tables >= 0] -= offset
     return tables
