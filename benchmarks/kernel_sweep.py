@@ -60,14 +60,16 @@ DECODE_VARIANTS = {
     "wave fit": dict(wave_fit=True),
     "wave fit, 3 programs/SM, 128 splits": dict(wave_fit=True, programs_per_sm=3, max_splits=128),
     "wave fit, 4 programs/SM, 128 splits": dict(wave_fit=True, programs_per_sm=4, max_splits=128),
+    "wave fit, 5 programs/SM, 128 splits": dict(wave_fit=True, programs_per_sm=5, max_splits=128),
     "page ahead": dict(page_ahead=True),
-    "page ahead, 4 programs/SM": dict(page_ahead=True, programs_per_sm=4, max_splits=128),
+    "page ahead, 3 programs/SM, 128 splits": dict(page_ahead=True, programs_per_sm=3, max_splits=128),
+    "page ahead, wave fit, 3 programs/SM, 128 splits": dict(page_ahead=True, wave_fit=True, programs_per_sm=3,
+                                                            max_splits=128),
     "block_n 32": dict(block_n=32),
     "block_n 128": dict(block_n=128),
     "8 warps": dict(num_warps=8),
     "2 stages": dict(num_stages=2),
     "4 stages": dict(num_stages=4),
-    "4 stages, 1 program/SM": dict(num_stages=4, programs_per_sm=1),
     "block_n 128, 8 warps, 2 stages": dict(block_n=128, num_warps=8, num_stages=2),
 }
 # Prefill settings (fields of PrefillConfig); TMA only where the keys allow it (packed, or pages >= block_n).
@@ -85,7 +87,8 @@ PREFILL_VARIANTS = {
 }
 LONG_VARIANTS = ("default", "tma", "tma, fused scale, heads first")  # 128K: a third of a second a call
 if DRY:  # the interpreter is slow: a few settings that go through every kernel path
-    DECODE_VARIANTS = {k: DECODE_VARIANTS[k] for k in ("default", "page ahead, 4 programs/SM")}
+    DECODE_VARIANTS = {k: DECODE_VARIANTS[k]
+                       for k in ("default", "page ahead, wave fit, 3 programs/SM, 128 splits")}
     PREFILL_VARIANTS = {k: PREFILL_VARIANTS[k] for k in ("default", "tma, fused scale, heads first")}
 
 
