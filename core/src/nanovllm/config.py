@@ -134,6 +134,9 @@ class EngineConfig:
     enforce_eager: bool = False
     # schedule and launch step N+1 before reading step N's tokens back, so host work overlaps the GPU
     async_scheduling: bool = True
+    # matmuls of at most 16 tokens (decode steps) in the linear layers and the LM head run nanovllm's Triton
+    # GEMV kernel (nanovllm.layers.gemv), which streams the weights near HBM bandwidth, instead of cuBLAS
+    enable_triton_gemv: bool = attrs.field(default=False, validator=_bool)
     # KV offload: every layer's KV cache lives in a pinned host pool of this many GiB, and attention streams
     # what each layer reads through a ring of GPU load slots (``kv_offloading_buffer_size`` GiB in all).
     # vLLM's option of this name sizes a host tier for prefix reuse; here it is where attention reads KV from.

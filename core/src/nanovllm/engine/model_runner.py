@@ -39,6 +39,7 @@ from nanovllm.engine.step_plan import (
 from nanovllm.kv.groups import kv_bytes_per_token
 from nanovllm.kv.offload import HostPhase
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.gemv import route_small_batches
 from nanovllm.layers.sampler import Sampler, TopLogprobs
 
 # Prompt rows whose logits are computed at once for prompt logprobs: a whole 8K-token chunk of a
@@ -128,6 +129,8 @@ class ModelRunner:
         self.sends_steps = tp_size() > 1 and tp_rank() == 0
         torch.manual_seed(config.seed)
         self.model = build_model(config, parts.plugins)
+        if config.enable_triton_gemv:
+            route_small_batches(self.model)
         barrier()  # a rank that failed to build or load its shard is reported here, not in a collective
         # why small all-reduces stay on NCCL (None: they go peer to peer through symmetric memory)
         self.symmetric_all_reduce_off = enable_symmetric_all_reduce(self.dtype, self.device)

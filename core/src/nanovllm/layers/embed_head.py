@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed import all_reduce, tp_rank, tp_size
+from nanovllm.layers import gemv
 from nanovllm.layers.linear import default_weight_loader, shard
 
 
@@ -45,8 +46,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     Only rank 0 samples, so each rank sends its slice of the logits to rank 0 alone: the other ranks get
     None and never hold the whole vocabulary's logits."""
 
+    use_triton_gemv = False  # as the linear layers'
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(hidden, self.weight)
+        logits = (gemv.linear if self.use_triton_gemv else F.linear)(hidden, self.weight)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
             dist.gather(logits, parts, dst=0)

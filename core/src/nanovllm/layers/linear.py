@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.distributed import all_reduce, tp_rank, tp_size
+from nanovllm.layers import gemv
 
 
 def _divide(a: int, b: int) -> int:
@@ -37,6 +38,9 @@ def shard(loaded: torch.Tensor, dim: int, full_size: int, start: int, size: int)
 
 
 class LinearBase(nn.Module):
+    # small batches through the Triton GEMV (engine option enable_triton_gemv: gemv.route_small_batches)
+    use_triton_gemv = False
+
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None) -> None:
         super().__init__()
         self.tp_dim, self.tp_rank, self.tp_size = tp_dim, tp_rank(), tp_size()
@@ -54,8 +58,11 @@ class LinearBase(nn.Module):
             loaded = shard(loaded, self.tp_dim, size * self.tp_size, self.tp_rank * size, size)
         default_weight_loader(param, loaded)
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return (gemv.linear if self.use_triton_gemv else F.linear)(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -115,5 +122,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        out = F.linear(x, self.weight, bias)
+        out = self.matmul(x, bias)
         return all_reduce(out) if self.reduce_results else out

@@ -1,0 +1,152 @@
+"""The small-batch matmul path of the linear layers (engine option ``enable_triton_gemv``).
+
+A decode step multiplies a few rows of activations by every weight of the model, so its matmuls are bound
+by reading the weights from HBM. cuBLAS picks split-K GEMMs there that reach about three quarters of the
+bandwidth; :mod:`nanovllm.layers.gemv_kernels` streams the weights instead. :func:`linear` is
+``F.linear`` with that kernel for CUDA inputs of at most :data:`MAX_ROWS` rows, each shape run with its
+entry of :data:`TUNED` (measured by ``benchmarks/gemv_sweep.py``) or else :func:`default_config`. It
+allocates only its output (and, with split-K, a float32 workspace) from the current stream's pool and never
+synchronises, so the decode CUDA graphs capture it. Imports no Triton until a CUDA input comes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.layers.fused import use_fused
+
+MAX_ROWS = 16  # rows of x up to which linear() runs the kernel; larger batches read weights fast in cuBLAS
+
+
+def _power_of_two(_inst, attr, value) -> None:
+    if not (isinstance(value, int) and value > 0 and value & (value - 1) == 0):
+        raise ValueError(f"GemvConfig.{attr.name} must be a power of two, got {value!r}")
+
+
+def _positive(_inst, attr, value) -> None:
+    if not (isinstance(value, int) and value > 0):
+        raise ValueError(f"GemvConfig.{attr.name} must be a positive int, got {value!r}")
+
+
+@attrs.frozen
+class GemvConfig:
+    """One launch's knobs: output features per program (``block_n``), elements of K per load
+    (``block_k``), programs per output slab that share K (``split_k``, >1 adds a reduce kernel), tensor
+    cores (``dot``: x's rows padded to 16) or registers, and Triton's ``num_warps`` and ``num_stages``."""
+
+    block_n: int = attrs.field(validator=_power_of_two)
+    block_k: int = attrs.field(validator=_power_of_two)
+    split_k: int = attrs.field(default=1, validator=_positive)
+    dot: bool = False
+    num_warps: int = attrs.field(default=4, validator=_power_of_two)
+    num_stages: int = attrs.field(default=3, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.dot and (self.block_n < 16 or self.block_k < 16):
+            raise ValueError(f"{self}: dot=True needs block_n and block_k of at least 16 (tl.dot's smallest "
+                             "tile); use dot=False for narrower blocks")
+
+    def knobs(self) -> dict[str, int | bool]:
+        return attrs.asdict(self)
+
+
+def row_bucket(rows: int) -> int:
+    """The power of two at or above ``rows``: configurations are per bucket of rows (1, 2, 4, 8, 16)."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+# (N, K, row bucket) -> the fastest configuration measured on the H200 by benchmarks/gemv_sweep.py (its
+# --out folder's tuned_table.py); shapes not listed get default_config
+TUNED: dict[tuple[int, int, int], GemvConfig] = {}
+
+
+def default_config(n: int, k: int, rows: int, sms: int) -> GemvConfig:
+    """A configuration for ``[rows, k] @ [n, k].T`` on a device of ``sms`` multiprocessors, untuned: one row
+    in registers, more on the tensor cores; slabs narrow enough for about two programs a multiprocessor,
+    and split-K (its extra launch costs about as much as a small matmul's tail) only where even the
+    narrowest slabs leave multiprocessors idle."""
+    if rows <= 2:
+        block_n, block_k, dot = 8, 512 // rows, False
+    else:
+        block_n, block_k, dot = 16, 256, True
+    k_tile = min(block_k, max(16, 1 << (k - 1).bit_length()))
+    split_k = 1
+    while -(-n // block_n) * split_k < sms and k // (2 * split_k) >= 4 * k_tile:
+        split_k *= 2
+    return GemvConfig(block_n=block_n, block_k=k_tile, split_k=split_k, dot=dot, num_warps=4, num_stages=3)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def config_for(n: int, k: int, rows: int, device: torch.device) -> GemvConfig:
+    """The :data:`TUNED` entry of the shape, else :func:`default_config` for ``device``."""
+    bucket = row_bucket(rows)
+    tuned = TUNED.get((n, k, bucket))
+    if tuned is not None:
+        return tuned
+    sms = _multiprocessors(device) if device.type == "cuda" else 132
+    return default_config(n, k, bucket, sms)
+
+
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` summed in float32 and rounded once to ``x``'s dtype: the kernel's oracle."""
+    y = x.float() @ weight.float().t()
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` through the Triton kernel, for ``x [M, K]`` (``1 <= M <= MAX_ROWS``, unit
+    stride along K) and contiguous ``weight [N, K]`` and ``bias [N]`` of ``x``'s dtype, on CUDA (or on the
+    CPU under ``TRITON_INTERPRET=1``); ``config`` defaults to :func:`config_for` the shape."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"gemv multiplies x [M, K] by weight [N, K]; got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"gemv takes 1 to {MAX_ROWS} rows of x, got {x.shape[0]}: use F.linear for more")
+    if x.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError("gemv needs x with unit stride along K and a contiguous weight")
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"gemv needs x, weight and bias of one dtype; got {x.dtype}, {weight.dtype}, "
+                         f"{None if bias is None else bias.dtype}")
+    if config is None:
+        config = config_for(weight.shape[0], x.shape[1], x.shape[0], x.device)
+    from nanovllm.layers.gemv_kernels import gemv as launch
+
+    return launch(x, weight, None if bias is None else bias.contiguous(), **config.knobs())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through :func:`gemv` where it applies: a CUDA matrix ``x`` of 1 to
+    :data:`MAX_ROWS` rows, unit stride along K, a contiguous weight, one dtype throughout."""
+    if (
+        use_fused(x) and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.stride(1) == 1
+        and weight.dtype == x.dtype and weight.is_contiguous() and (bias is None or bias.dtype == x.dtype)
+    ):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def route_small_batches(model: nn.Module) -> int:
+    """Send the small-batch matmuls of every layer of ``model`` that has the path (``use_triton_gemv``:
+    the linear layers and the LM head) through :func:`linear`; returns how many layers switched."""
+    switched = 0
+    for module in model.modules():
+        if hasattr(module, "use_triton_gemv"):
+            module.use_triton_gemv = True
+            switched += 1
+    return switched
+
+
+__all__ = ["MAX_ROWS", "TUNED", "GemvConfig", "config_for", "default_config", "gemv", "gemv_reference",
+           "linear", "route_small_batches", "row_bucket"]

@@ -1,0 +1,128 @@
+"""The small-batch matmul's Triton kernels: ``y = x @ w.T (+ bias)`` for ``x [M, K]`` with few rows (a
+decode step's tokens) and ``w [N, K]`` row-major (``nn.Linear``'s layout), accumulated in float32.
+
+At a few rows the matmul reads ``w`` once and does almost no arithmetic, so it is bound by HBM: each
+program streams a ``BLOCK_N x K`` slab of ``w`` (or its ``1 / SPLIT_K`` slice of K) in ``BLOCK_K``-wide
+loads along K, which are contiguous in memory, marked evict-first (each byte is read once; what stays in
+L2 is ``x``, read by every program, and the next matmul's prefetched weights). Consecutive programs read
+consecutive bytes of ``w``, so the first ones find the part the weight prefetch put in L2.
+
+``DOT``: the rows of ``x`` padded to 16 and multiplied on the tensor cores (``tl.dot``), where the loads go
+through shared memory and ``num_stages`` keeps that many tiles in flight; else a broadcast multiply and
+sum in registers, better at one row (no padding to 16).
+
+``SPLIT_K > 1`` adds a second, deterministic pass rather than float32 atomics: each program writes its
+partial sums to a float32 workspace ``[SPLIT_K, M, N]`` and a small kernel adds the splits in a fixed
+order and rounds once. Atomics would need a zeroed float32 buffer and a rounding pass anyway (two extra
+launches, not one), and their order of addition changes between runs, so the same prompt could decode
+differently. On CPU tensors the kernels run under Triton's interpreter (tests only).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gemv_kernel(
+    X, W, B, Y, P, M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = pid % SPLIT_K  # a slab's splits are neighbours: programs in launch order read w in memory order
+    pid_n = pid // SPLIT_K
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features: rows of w
+    ms = tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < N
+    m_ok = ms < M
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    w_ptrs = W + rows[:, None].to(tl.int64) * stride_wn + (k_start + ks)[None, :]
+    x_ptrs = X + ms[:, None] * stride_xm + (k_start + ks)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0, eviction_policy="evict_last")
+        else:
+            k_ok = (k0 + ks) < k_end
+            w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_last")
+        if DOT and FP32_DOT:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        elif DOT:
+            acc = tl.dot(x, tl.trans(w), acc)
+        else:
+            acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    ok = m_ok[:, None] & row_ok[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + ms[:, None] * stride_ym + rows[None, :], acc.to(Y.dtype.element_ty), mask=ok)
+    else:
+        tl.store(P + (pid_k * M + ms[:, None]).to(tl.int64) * N + rows[None, :], acc, mask=ok)
+
+
+@triton.jit
+def _split_k_sum_kernel(P, B, Y, M, N, stride_ym, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = tl.program_id(1)
+    ok = cols < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):  # a fixed order: the same sums every run
+        acc += tl.load(P + (s * M + m).to(tl.int64) * N + cols, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(B + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + m * stride_ym + cols, acc.to(Y.dtype.element_ty), mask=ok)
+
+
+_SUM_BLOCK = 1024
+DOT_ROWS = 16  # tl.dot's smallest M: the rows of x the DOT path pads to
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *, block_n: int, block_k: int,
+         split_k: int, dot: bool, num_warps: int, num_stages: int,
+         compile_only: bool = False) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` in ``x``'s dtype, accumulated in float32, for ``x [M, K]`` (unit stride along K,
+    ``M <= 16``) and ``w [N, K]`` contiguous of the same dtype. The caller checks the shapes and knobs
+    (:func:`nanovllm.layers.gemv.gemv`); one launch, two with ``split_k > 1``. ``compile_only``: compile
+    the kernels for these arguments and launch nothing (the output is then uninitialised)."""
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    # a split covers whole BLOCK_K tiles, so only the last one may end inside a tile
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    partials = y if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    b = bias if bias is not None else y
+    launches = [(_gemv_kernel, (triton.cdiv(n, block_n) * split_k,), (
+        x, w, b, y, partials, m, n, k, k_per_split, x.stride(0), w.stride(0), y.stride(0),
+    ), dict(
+        BLOCK_M=DOT_ROWS if dot else triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+        SPLIT_K=split_k, DOT=dot, EVEN_K=k == k_per_split * split_k,  # every split whole tiles: no K mask
+        HAS_BIAS=bias is not None,
+        # float32 products for float32 inputs (not TF32), and in the interpreter, whose 16-bit dot is wrong
+        FP32_DOT=x.dtype == torch.float32 or not x.is_cuda,
+        num_warps=num_warps, num_stages=num_stages,
+    ))]
+    if split_k > 1:
+        launches.append((_split_k_sum_kernel, (triton.cdiv(n, _SUM_BLOCK), m), (
+            partials, b, y, m, n, y.stride(0),
+        ), dict(SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=_SUM_BLOCK, num_warps=4)))
+    for kernel, grid, args, kwargs in launches:
+        if compile_only:
+            kernel.warmup(*args, grid=grid, **kwargs)
+        else:
+            kernel[grid](*args, **kwargs)
+    return y
+
+
+__all__ = ["DOT_ROWS", "gemv"]

@@ -1,0 +1,208 @@
+"""The small-batch matmul kernel (``nanovllm.layers.gemv``) against its torch reference: on CUDA (``gpu``),
+and at small sizes under Triton's interpreter in a subprocess on machines without CUDA. Shapes are not
+multiples of the blocks; every path (registers, tensor cores, split-K) and 1 to 16 rows."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+CUDA = torch.cuda.is_available()
+INTERP = (not CUDA) and os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if CUDA else "cpu"
+
+pytest.importorskip("triton")
+
+from nanovllm.layers.gemv import (  # noqa: E402
+    MAX_ROWS,
+    TUNED,
+    GemvConfig,
+    config_for,
+    default_config,
+    gemv,
+    gemv_reference,
+    linear,
+    route_small_batches,
+    row_bucket,
+)
+
+# kernel cases run on CUDA, or in the interpreter subprocess; the rest run everywhere
+kernel = pytest.mark.skipif(not (CUDA or INTERP), reason="runs on CUDA, or under TRITON_INTERPRET=1")
+CONFIGS = {
+    "registers": GemvConfig(block_n=8, block_k=16),
+    "registers-split3": GemvConfig(block_n=4, block_k=16, split_k=3),
+    "dot": GemvConfig(block_n=16, block_k=32, dot=True, num_stages=2),
+    "dot-split2": GemvConfig(block_n=16, block_k=16, split_k=2, dot=True),
+}
+configs = pytest.mark.parametrize("config", list(CONFIGS.values()), ids=list(CONFIGS))
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+
+
+def _ints(gen, *shape, dtype):
+    """Small integers: every product and sum is exact in float32, whatever the order of addition."""
+    return torch.randint(-4, 5, shape, generator=gen).to(dtype).to(DEVICE)
+
+
+@kernel
+@configs
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+def test_interp_float32_is_exact(config, rows, gen):
+    x, w, b = _ints(gen, rows, 100, dtype=torch.float32), _ints(gen, 37, 100, dtype=torch.float32), None
+    if rows == 3:
+        b = _ints(gen, 37, dtype=torch.float32)
+    out = gemv(x, w, b, config)
+    assert out.shape == (rows, 37) and out.dtype == torch.float32
+    assert torch.equal(out.cpu(), gemv_reference(x, w, b).cpu()), f"seed {gen.initial_seed()}"
+
+
+@kernel
+@configs
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_interp_16_bit_within_one_rounding(config, dtype, rows, gen):
+    """Random values: the kernel and the reference sum the same float32 products in different orders, then
+    round once, so they differ by at most an ulp of the result (two in the interpreter, which rounds
+    toward zero), plus the float32 order's error on results near zero."""
+    x = torch.randn(rows, 72, generator=gen).to(dtype).to(DEVICE)
+    w = torch.randn(45, 72, generator=gen).to(dtype).to(DEVICE)
+    b = torch.randn(45, generator=gen).to(dtype).to(DEVICE)
+    out, ref = gemv(x, w, b, config).float().cpu(), gemv_reference(x, w, b).float().cpu()
+    ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype] * (2 if INTERP else 1)
+    magnitude = x.float().abs().cpu() @ w.float().abs().cpu().t() + b.float().abs().cpu()
+    assert (out - ref).abs().le(ulp * ref.abs() + 1e-5 * magnitude).all(), f"seed {gen.initial_seed()}"
+
+
+@kernel
+def test_interp_uneven_splits_and_tiny_k(gen):
+    """Splits that end inside a tile, an empty last split, and K smaller than a tile."""
+    for k, config in [(50, GemvConfig(block_n=4, block_k=16, split_k=3)),  # 16+16+18: split 2 short
+                      (33, GemvConfig(block_n=4, block_k=16, split_k=4)),  # 16+16+1+0: the last one empty
+                      (5, GemvConfig(block_n=8, block_k=16))]:
+        x, w = _ints(gen, 2, k, dtype=torch.float32), _ints(gen, 9, k, dtype=torch.float32)
+        assert torch.equal(gemv(x, w, None, config).cpu(), gemv_reference(x, w).cpu()), (k, config)
+
+
+@kernel
+def test_interp_default_configs_run(gen):
+    """The configuration each row count gets by default computes the right thing (rows padded to a bucket)."""
+    w = _ints(gen, 40, 96, dtype=torch.float32)
+    for rows in range(1, MAX_ROWS + 1, 3):
+        x = _ints(gen, rows, 96, dtype=torch.float32)
+        assert torch.equal(gemv(x, w).cpu(), gemv_reference(x, w).cpu()), rows
+
+
+@kernel
+def test_interp_strided_rows_of_x(gen):
+    """x may be a row slice of a wider matrix (unit stride along K only)."""
+    wide = _ints(gen, 3, 80, dtype=torch.float32)
+    x, w = wide[:, 10:74], _ints(gen, 20, 64, dtype=torch.float32)
+    assert torch.equal(gemv(x, w, None, CONFIGS["dot"]).cpu(), gemv_reference(x, w).cpu())
+
+
+def test_gemv_refuses_what_it_cannot_run():
+    w = torch.zeros(8, 16)
+    with pytest.raises(ValueError, match="1 to 16 rows"):
+        gemv(torch.zeros(17, 16), w)
+    with pytest.raises(ValueError, match="one dtype"):
+        gemv(torch.zeros(1, 16, dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match=r"x \[M, K\] by weight \[N, K\]"):
+        gemv(torch.zeros(1, 15), w)
+    with pytest.raises(ValueError, match="unit stride"):
+        gemv(torch.zeros(16, 2).t()[:1], w)
+
+
+def test_config_checks_its_knobs():
+    with pytest.raises(ValueError, match="dot=True needs block_n and block_k of at least 16"):
+        GemvConfig(block_n=8, block_k=64, dot=True)
+    with pytest.raises(ValueError, match="block_k must be a power of two"):
+        GemvConfig(block_n=8, block_k=96)
+    with pytest.raises(ValueError, match="split_k must be a positive int"):
+        GemvConfig(block_n=8, block_k=64, split_k=0)
+
+
+def test_row_buckets():
+    assert [row_bucket(m) for m in range(1, 17)] == [1, 2, 4, 4] + [8] * 4 + [16] * 8
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 12288), (1536, 4096), (151936, 4096), (40, 24)])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 16])
+def test_default_configs_fill_the_device(n, k, rows):
+    """Valid for every row count; enough programs for the multiprocessors where K allows split-K, and no
+    split beyond what K holds (each split at least a few tiles)."""
+    sms = 132
+    config = default_config(n, k, rows, sms)
+    programs = -(-n // config.block_n) * config.split_k
+    assert config.dot == (rows > 2)
+    assert programs >= sms or k // config.split_k < 8 * config.block_k
+    assert config.split_k == 1 or k // config.split_k >= 4 * config.block_k
+
+
+def test_tuned_entries_win(monkeypatch):
+    tuned = GemvConfig(block_n=32, block_k=128, split_k=2, dot=True)
+    monkeypatch.setitem(TUNED, (512, 256, 4), tuned)
+    assert config_for(512, 256, 3, torch.device("cpu")) is tuned
+    assert config_for(512, 256, 5, torch.device("cpu")) == default_config(512, 256, 8, 132)
+
+
+def test_linear_is_f_linear_off_cuda(gen):
+    """On CPU tensors (and for more rows than the kernel takes) the path is F.linear itself."""
+    x, w = torch.randn(3, 24, generator=gen), torch.randn(10, 24, generator=gen)
+    b = torch.randn(10, generator=gen)
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+
+
+def test_route_small_batches_switches_the_linear_layers_and_lm_head():
+    from nanovllm.layers import (
+        MergedColumnParallelLinear,
+        ParallelLMHead,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
+
+    model = torch.nn.ModuleList([
+        QKVParallelLinear(32, 8, 4, 2), MergedColumnParallelLinear(32, [64, 64]), RowParallelLinear(64, 32),
+        ParallelLMHead(100, 32), torch.nn.LayerNorm(32),
+    ])
+    for module in model:
+        torch.nn.init.normal_(module.weight)
+    x, wide = torch.randn(2, 32), torch.randn(2, 64)
+    before = [model[0](x), model[1](x), model[2](wide), model[3](x)]
+    assert route_small_batches(model) == 4
+    assert all(m.use_triton_gemv for m in model[:4]) and not hasattr(model[4], "use_triton_gemv")
+    after = [model[0](x), model[1](x), model[2](wide), model[3](x)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # CPU: F.linear either way
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_linear_in_a_cuda_graph(dtype, gen):
+    """The routed path captures into a CUDA graph (split-K's workspace included) and replays on new inputs;
+    the qwen3-8b o_proj shape, split-K and not, against cuBLAS within one rounding."""
+    w = torch.randn(4096, 4096, generator=gen).to(dtype).cuda() / 64
+    for rows, config in [(1, None), (4, GemvConfig(block_n=16, block_k=256, split_k=4, dot=True))]:
+        x = torch.randn(rows, 4096, generator=gen).to(dtype).cuda()
+        gemv(x, w, None, config)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = gemv(x, w, None, config)
+        x.copy_(torch.randn(rows, 4096, generator=gen).to(dtype))
+        graph.replay()
+        ref = gemv_reference(x, w)
+        assert torch.allclose(out.float(), ref.float(), rtol=2**-7, atol=1e-3), (rows, config)
+        assert torch.allclose(out.float(), F.linear(x, w).float(), rtol=2**-6, atol=1e-2), (rows, config)
+
+
+@pytest.mark.skipif(CUDA or INTERP, reason="CUDA runs the kernel cases; the subprocess, the interp cases")
+def test_gemv_kernels_under_interpreter():
+    from nanovllm.testing import run_under_interpreter
+
+    returncode, tail, passed = run_under_interpreter(__file__)
+    assert returncode == 0, tail
+    assert passed == len(CONFIGS) * 4 + len(CONFIGS) * 2 * 2 + 3, tail
