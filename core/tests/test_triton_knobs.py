@@ -268,3 +268,64 @@ def test_sweep_combines_the_best_of_each_axis_and_recommends_by_group():
     assert recommended["DECODE (bs=16)"]["variant"] == "page ahead"
     assert recommended["PREFILL_LONG_PAGED"]["variant"] == "tma"
     assert recommended["PREFILL_LONG_PAGED"]["paste"].startswith("PrefillConfig(block_m=128")
+
+
+HOPPER_COMPILE = r'''
+import functools, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+
+
+class HopperWithoutGpu:  # what Triton asks its driver while it compiles: an sm_90 target
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+
+
+triton.runtime.driver.set_active(HopperWithoutGpu())
+from nanovllm.attention import triton_kernels as tk
+
+tk._dot_fp32 = lambda q: q.dtype == torch.float32  # the GPU's bf16 dots, not the interpreter's stand-in
+tk._tma_capable = lambda index: True
+tk.is_interpreted = lambda: True  # descriptors over CPU tensors
+for kernel in (tk._prefill_kernel, tk._decode_kernel, tk._reduce_kernel):  # compile, never launch
+    kernel.run = functools.partial(lambda run, *a, **kw: run(*a, **{**kw, "warmup": True}), kernel.run)
+H, HKV, D, N, bf = 32, 8, 128, 1024, torch.bfloat16
+q1, q = torch.empty(2, H, D, dtype=bf), torch.empty(N, H, D, dtype=bf)
+cu, lens = torch.tensor([0, N], dtype=torch.int32), torch.tensor([N], dtype=torch.int32)
+for bs in (16, 128):
+    cache, table = torch.empty(N // bs, bs, HKV, D, dtype=bf), torch.zeros(2, N // bs, dtype=torch.int32)
+    tk.attention_decode(q1, cache, cache, torch.empty_like(q1), torch.empty(2, H), lens.repeat(2), table, None,
+                        N, 0.1, num_splits=tk.REDUCE_CHUNK + 1, config=tk.DECODE._replace(page_ahead=True))
+    if bs == 128:
+        cfg = tk.PREFILL_LONG._replace(tma=True, fused_scale=True)
+        tk.attention_rows(q, cache, cache, torch.empty_like(q), None, cu, lens, table[:1], None, N, 0.1,
+                          paged=True, causal=True, config=cfg)
+packed = torch.empty(N, HKV, D, dtype=bf)
+tk.attention_rows(q, packed, packed, torch.empty_like(q), None, cu, None, None, None, N, 0.1, paged=False,
+                  causal=True, config=tk.PREFILL_LONG._replace(tma=True, heads_first=True))
+tma = [k for k in tk._prefill_kernel.device_caches[0][0].values() if "cp.async.bulk.tensor" in k.asm["ptx"]]
+print("compiled", sum(len(k.device_caches[0][0]) for k in (tk._prefill_kernel, tk._decode_kernel,
+                                                        tk._reduce_kernel)), "tma", len(tma))
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CUDA or INTERP, reason="CUDA compiles for itself; the interpreter compiles nothing")
+def test_structural_knobs_compile_for_hopper(tmp_path):
+    """The new kernel paths (decode pages read ahead, the chunked split reduce, TMA prefill over packed and
+    paged keys, heads first, the fused scale) compile for sm_90 with the bundled ptxas, no GPU needed; the TMA
+    settings use tensor-memory loads."""
+    import subprocess
+
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas").exists():
+        pytest.skip("this Triton has no bundled ptxas")
+    script = tmp_path / "compile_for_hopper.py"
+    script.write_text(HOPPER_COMPILE)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"PYTHONWARNINGS": "ignore", "TRITON_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "compiled 5 tma 2" in proc.stdout, proc.stdout
