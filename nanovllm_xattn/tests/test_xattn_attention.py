@@ -183,7 +183,7 @@ def test_reference_hand_written_key_sets():
 @pytest.mark.parametrize(
     "device,dtype,head_dim,num_kv_heads,group,kv_block_size,per_query_head,block,config", PARAMS)
 def test_kernel_matches_reference(device, dtype, head_dim, num_kv_heads, group, kv_block_size, per_query_head,
-                                  block, config):
+                                  block, config, splits=None):
     seed = int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator().manual_seed(seed)
     if device == "cuda":
@@ -193,14 +193,27 @@ def test_kernel_matches_reference(device, dtype, head_dim, num_kv_heads, group, 
     c = Case(lens, num_kv_heads, group, head_dim, kv_block_size, dtype, device, gen)
     num_sel = num_kv_heads * group if per_query_head else num_kv_heads
     args = c.args(*pack_lists(random_lists(lens, num_sel, block, gen), block, c.max_query_len, gen), block)
-    out, lse = block_sparse_attention(*args, config=config)
+    out, lse = block_sparse_attention(*args, config=config, splits=splits)
     ref_out, ref_lse = block_sparse_attention_reference(*args)
     assert_kernel_matches_reference(out, lse, ref_out, ref_lse, f"seed {seed}")
 
 
+# (config, splits): each query tile's list read by several programs and merged, splits that divide the lists
+# unevenly and more splits than a short list has tiles
+SPLIT_PARAMS = [pytest.param("cuda", GPU_CONFIGS[i], n, id=f"gpu-{_cfg_id(GPU_CONFIGS[i])}-splits{n}",
+                             marks=pytest.mark.gpu) for i, n in ((7, 4), (7, 3), (0, 4), (8, 2))]
+SPLIT_PARAMS += [pytest.param("cpu", INTERP_CONFIGS[1], 3, id=f"interp-{_cfg_id(INTERP_CONFIGS[1])}-splits3")
+                 ] if INTERP else []
+
+
+@pytest.mark.parametrize("device,config,splits", SPLIT_PARAMS)
+def test_split_lists_match_reference(device, config, splits):
+    test_kernel_matches_reference(device, *config, splits=splits)
+
+
 def test_kernel_under_interpreter():
     """Every ``interp`` case of this file under Triton's interpreter on the CPU, in a fresh process."""
-    assert_interpreter_cases_pass(__file__, len(INTERP_CONFIGS))
+    assert_interpreter_cases_pass(__file__, len(INTERP_CONFIGS) + 1)
 
 
 def test_bad_inputs_are_refused_up_front():

@@ -31,6 +31,7 @@ from nanovllm_xattn.policy import XAttentionPolicy  # noqa: E402
 ALLOCATIONS = {"empty.memory_format", "empty_strided.default", "new_empty.default", "empty_like.default"}
 
 # Triton launches of one chunk-layer: the estimate's two passes, the selection's mask and lists, the attention
+# (and the merge of its splits, when it splits the lists: kv_splits)
 LAUNCHES = 5
 
 
@@ -72,9 +73,10 @@ def chunk_context(num_heads: int = 4, num_kv_heads: int = 1, head_dim: int = 256
                                  head_dim**-0.5, TorchBackend(), None, new_kv, new_kv)
 
 
-def chunk_launches(monkeypatch, **config) -> tuple[Counter, Counter]:
-    """``(triton kernels, torch ops)`` of one sparse ``compute_chunked_prefill`` on the Triton path, each by
-    name, after a first call (per-layer state made once, such as the thresholds, is not counted)."""
+def chunk_launches(monkeypatch, splits: int = 1, **config) -> tuple[Counter, Counter]:
+    """``(triton kernels, torch ops)`` of one sparse ``compute_chunked_prefill`` on the Triton path, the
+    attention's lists in ``splits``, each by name, after a first call (per-layer state made once, such as the
+    thresholds, is not counted)."""
     from triton.runtime.jit import JITFunction
 
     launched = Counter()
@@ -92,6 +94,7 @@ def chunk_launches(monkeypatch, **config) -> tuple[Counter, Counter]:
     monkeypatch.setattr(estimate, "is_interpreted", lambda: True)
     monkeypatch.setattr(attention, "prefill_kernel_outputs", outputs)
     monkeypatch.setattr(selection, "_on_triton", lambda t: True)
+    monkeypatch.setattr(attention, "kv_splits", lambda num_programs, device: splits)
     policy, ctx = chunk_context(**config)
     policy.compute_chunked_prefill(ctx.query, ctx.new_keys, ctx.new_values, ctx)
     launched.clear()
@@ -101,16 +104,19 @@ def chunk_launches(monkeypatch, **config) -> tuple[Counter, Counter]:
     return launched, Counter(ops.names)
 
 
-MODES = [dict(), dict(head_reduce="none", num_heads=8, num_kv_heads=2, head_dim=128),
+MODES = [dict(), dict(splits=4), dict(head_reduce="none", num_heads=8, num_kv_heads=2, head_dim=128),
          dict(head_reduce="majority", ratio=0.3), dict(threshold=1.0, dense_last_rows=0)]
 
 
 @pytest.mark.parametrize("config", MODES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "-")
 def test_a_sparse_chunk_launches_five_kernels_and_no_torch_op(monkeypatch, config):
-    """No host sync (the meta tensors would raise), the five Triton launches, nothing between them."""
+    """No host sync (the meta tensors would raise), five Triton launches (six with split lists), nothing
+    between them."""
     launched, ops = chunk_launches(monkeypatch, **config)
-    assert sum(launched.values()) == LAUNCHES and not ops, (launched, ops)
+    split = config.get("splits", 1) > 1
+    assert sum(launched.values()) == LAUNCHES + split and not ops, (launched, ops)
     assert launched["_select_kernel"] == 1 and launched["_lists_kernel"] == 1, launched
+    assert launched["_merge_splits_kernel"] == split, launched
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 from nanovllm.attention.backend import check_paged_inputs, prefill_kernel_outputs
-from nanovllm.sparse import online_softmax_step, tile_blocks
+from nanovllm.sparse import num_sms, online_softmax_step, tile_blocks
 
 from nanovllm_xattn.layout import num_query_blocks
 
@@ -73,20 +73,21 @@ def _block_sparse_kernel(
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_ot, stride_oh, stride_od,
-    stride_lt, stride_lh,
+    stride_ot, stride_oh, stride_od, stride_osplit,
+    stride_lt, stride_lh, stride_lsplit,
     stride_bt,
     stride_ls, stride_lg, stride_lr, stride_le,
     stride_cs, stride_cg, stride_cr,
     GROUP: tl.constexpr, SEL_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     KV_BLOCK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP32: tl.constexpr, SAME_LAYOUT: tl.constexpr,
+    FP32: tl.constexpr, SAME_LAYOUT: tl.constexpr, SPLITS: tl.constexpr,
 ):
     # heads fastest, last query tiles first: every head's longest programs (the latest rows, and the last rows
     # that read every causal block) start in the first wave, not after another head's lighter tiles
     h = tl.program_id(0)
     m = tl.num_programs(1) - 1 - tl.program_id(1)
-    s = tl.program_id(2).to(tl.int64)
+    s = (tl.program_id(2) // SPLITS).to(tl.int64)
+    split = tl.program_id(2) % SPLITS
     row0 = tl.load(cu_q + s)
     q_len = tl.load(cu_q + s + 1) - row0
     ctx = tl.load(ctx_lens + s)
@@ -103,9 +104,13 @@ def _block_sparse_kernel(
     has_diag = last_entry == query_block
     # the diagonal block: its key tiles before diag_lo are below every row of the tile, the rest masked
     diag_lo = (tile_start // BLOCK_N) * BLOCK_N
-    diag_hi = tl.where(has_diag, last_pos + 1, diag_lo)
+    diag_hi = tl.where(has_diag & (split == SPLITS - 1), last_pos + 1, diag_lo)  # in the last split
     num_unmasked = (count - has_diag.to(tl.int32)) * (BLOCK // BLOCK_N)
     num_unmasked += tl.where(has_diag, (diag_lo - query_block * BLOCK) // BLOCK_N, 0)
+    # this split's share of the unmasked tiles: a long list is read by SPLITS programs at once
+    per_split = tl.cdiv(num_unmasked, SPLITS)
+    it_lo = split * per_split
+    it_hi = tl.minimum(it_lo + per_split, num_unmasked)
 
     offs_m = tile_start + tl.arange(0, BLOCK_M)  # positions of the tile's rows
     offs_d = tl.arange(0, BLOCK_D)
@@ -125,9 +130,9 @@ def _block_sparse_kernel(
     # 1. key tiles every row sees in full, (entry, tile in block) flattened; the diagonal's prefix at the end.
     # The next tile's list entry and block-table entries are read a tile ahead: Triton pipelines a key load
     # whose address waits on a load of its own iteration 2 deep, not 3
-    start_next = _listed_tile_start(entries, 0, num_unmasked, stride_le, BLOCK, BLOCK_N)
+    start_next = _listed_tile_start(entries, it_lo, num_unmasked, stride_le, BLOCK, BLOCK_N)
     phys_next, _, _ = _key_slots(bt_row, start_next, last_pos, BLOCK_N, KV_BLOCK)
-    for it in range(0, num_unmasked):
+    for it in range(it_lo, it_hi):
         start_n = start_next
         phys = phys_next
         start_next = _listed_tile_start(entries, it + 1, num_unmasked, stride_le, BLOCK, BLOCK_N)
@@ -158,12 +163,47 @@ def _block_sparse_kernel(
         keep = pos[None, :] <= offs_m[:, None]
         acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, keep, scale_log2, True, FP32)
 
+    # with SPLITS > 1, each split's own (out, lse) in float32, for _merge_splits_kernel
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    tl.store(Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
+    out_rows = split * stride_osplit + q_rows * stride_ot + h * stride_oh
+    tl.store(Out + out_rows[:, None] + offs_d[None, :] * stride_od,
              (acc / l_safe[:, None]).to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
     # natural log; -inf for a row that read nothing (m_i = -inf, l_i = 0)
-    tl.store(Lse + q_rows * stride_lt + h * stride_lh, (m_i + tl.math.log2(l_i)) * 0.6931471805599453,
-             mask=m_ok)
+    tl.store(Lse + split * stride_lsplit + q_rows * stride_lt + h * stride_lh,
+             (m_i + tl.math.log2(l_i)) * 0.6931471805599453, mask=m_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    Part, PartLse, Out, Lse, num_rows,
+    stride_psplit, stride_pt, stride_ph, stride_lsplit, stride_lt, stride_ot, stride_oh, stride_olt,
+    SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Program (rows ``BLOCK_T``, head ``h``): the splits' outputs weighted by their share of each row's
+    softmax, ``exp(lse_k - lse)``; a row that read nothing keeps out 0, lse -inf."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    t_ok = t < num_rows
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = t_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    for k in tl.static_range(SPLITS):
+        m = tl.maximum(m, tl.load(PartLse + k * stride_lsplit + t * stride_lt + h, mask=t_ok,
+                                  other=float("-inf")))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([BLOCK_T], tl.float32)
+    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    for k in tl.static_range(SPLITS):
+        w = tl.exp(tl.load(PartLse + k * stride_lsplit + t * stride_lt + h, mask=t_ok, other=float("-inf"))
+                   - m_safe)
+        part = tl.load(Part + k * stride_psplit + (t * stride_pt + h * stride_ph)[:, None] + offs_d[None, :],
+                       mask=ok, other=0.0)
+        total += w
+        acc += w[:, None] * part
+    total_safe = tl.where(total == 0.0, 1.0, total)
+    tl.store(Out + (t * stride_ot + h * stride_oh)[:, None] + offs_d[None, :],
+             (acc / total_safe[:, None]).to(Out.dtype.element_ty), mask=ok)
+    tl.store(Lse + t * stride_olt + h, m + tl.log(total), mask=t_ok)
 
 
 def attention_config(head_dim: int, dtype: torch.dtype, device: torch.device, block: int):
@@ -180,6 +220,17 @@ def attention_config(head_dim: int, dtype: torch.dtype, device: torch.device, bl
     return min(128, block), min(128, block), 8, 3
 
 
+def kv_splits(num_programs: int, device: torch.device) -> int:
+    """Programs that share each query tile's list: 4 when the launch has fewer than 8 programs a
+    multiprocessor, else 1. A program reads its list's tiles one after another, so with few programs the
+    longest list sets the kernel's time (a last row that reads every causal block, while the other rows read
+    a share): split, it takes a quarter of that. With many programs the long lists overlap the others'
+    work, and splitting would only add the merge. 1 off CUDA."""
+    if device.type != "cuda":
+        return 1
+    return 4 if num_programs < 8 * num_sms(device) else 1
+
+
 def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -188,11 +239,15 @@ def block_sparse_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, blocks: torch.Tensor, block_counts: torch.Tensor,
     block: int, scale: float, max_query_len: int, *, config: tuple[int, int, int, int] | None = None,
+    splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse prefill attention (Triton): ``(out [T, H, D] in q's dtype, lse [T, H] float32)``.
 
     ``max_query_len`` (a host int) sizes the grid; nothing is read back from the device. ``config``
-    overrides :func:`attention_config`'s ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (tuning, tests)."""
+    overrides :func:`attention_config`'s ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` and ``splits``
+    :func:`kv_splits` (tuning, tests). With more than one split, each query tile's list is read by that many
+    programs, each into a float32 buffer of its own, and a second launch merges them by their
+    log-sum-exp."""
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, blocks, block_counts, block,
                   max_query_len)
     out, lse, launch = prefill_kernel_outputs(
@@ -210,20 +265,38 @@ def block_sparse_attention(
             f"block {block}"
         )
     # a chunk's tiles start at the tile holding its first query: one more than its length needs, at most
-    grid = (num_heads, triton.cdiv(max_query_len + block_m - 1, block_m), cu_seqlens_q.shape[0] - 1)
-    _block_sparse_kernel[grid](
-        q, k_cache, v_cache, out, lse,
+    num_seqs, m_tiles = cu_seqlens_q.shape[0] - 1, triton.cdiv(max_query_len + block_m - 1, block_m)
+    splits = splits or kv_splits(num_heads * m_tiles * num_seqs, q.device)
+    if splits < 1:
+        raise ValueError(f"splits={splits}: give at least 1")
+    part, part_lse = out, lse
+    if splits > 1:
+        part = torch.empty(splits, *q.shape, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(splits, *lse.shape, dtype=torch.float32, device=q.device)
+    _block_sparse_kernel[(num_heads, m_tiles, num_seqs * splits)](
+        q, k_cache, v_cache, part, part_lse,
         cu_seqlens_q, context_lens, block_tables, blocks, block_counts,
         scale * LOG2E,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *lse.stride(),
+        *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        *part.stride()[-3:], part.stride(0) if splits > 1 else 0,
+        *part_lse.stride()[-2:], part_lse.stride(0) if splits > 1 else 0,
         block_tables.stride(0), *blocks.stride(), *block_counts.stride(),
         GROUP=num_heads // k_cache.shape[2], SEL_GROUP=num_heads // blocks.shape[1], HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), KV_BLOCK=k_cache.shape[1], BLOCK=block,
         BLOCK_M=block_m, BLOCK_N=block_n,
         FP32=q.dtype == torch.float32 or q.device.type != "cuda",  # the interpreter's bfloat16 dot is wrong
-        SAME_LAYOUT=k_cache.stride() == v_cache.stride(),
+        SAME_LAYOUT=k_cache.stride() == v_cache.stride(), SPLITS=splits,
         num_warps=warps, num_stages=stages,
     )
+    if splits > 1:
+        rows = 16
+        _merge_splits_kernel[(triton.cdiv(q.shape[0], rows), num_heads)](
+            part, part_lse, out, lse, q.shape[0],
+            part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0),
+            SPLITS=splits, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_T=rows,
+            num_warps=4 if q.device.type == "cuda" else 1,
+        )
     return out, lse
 
 

@@ -8,7 +8,11 @@ Per layer and prefill chunk:
    reach ``threshold`` of the row's estimated mass, one selection per KV head (``head_reduce``); the
    last ``dense_last_rows`` rows of each sequence read every causal block.
 3. **Attention** (:mod:`nanovllm_xattn.attention`): one kernel over the selected blocks, causal,
-   grouped KV heads, on the paged cache, the chunk's own keys included (they are already there).
+   grouped KV heads, on the paged cache, the chunk's own keys included (they are already there); when the
+   launch has few programs, each list is read by several and a second launch merges them.
+
+On the GPU the chunk-layer is five or six Triton launches (two for the estimate, two for the selection, one
+or two for the attention) and reads nothing back to the host.
 
 A chunk longer than ``estimate_chunk`` queries runs the three steps slice by slice, so the scores never
 grow past ``estimate_chunk / block_size`` rows. Every read goes through the context's KV store
