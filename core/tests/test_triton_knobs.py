@@ -295,8 +295,9 @@ q1, q = torch.empty(2, H, D, dtype=bf), torch.empty(N, H, D, dtype=bf)
 cu, lens = torch.tensor([0, N], dtype=torch.int32), torch.tensor([N], dtype=torch.int32)
 for bs in (16, 128):
     cache, table = torch.empty(N // bs, bs, HKV, D, dtype=bf), torch.zeros(2, N // bs, dtype=torch.int32)
+    ahead = tk.DECODE._replace(page_ahead=True)
     tk.attention_decode(q1, cache, cache, torch.empty_like(q1), torch.empty(2, H), lens.repeat(2), table,
-                        None, N, 0.1, num_splits=tk.REDUCE_CHUNK + 1, config=tk.DECODE._replace(page_ahead=True))
+                        None, N, 0.1, num_splits=tk.REDUCE_CHUNK + 1, config=ahead)
     if bs == 128:
         cfg = tk.PREFILL_LONG._replace(tma=True, fused_scale=True)
         tk.attention_rows(q, cache, cache, torch.empty_like(q), None, cu, lens, table[:1], None, N, 0.1,
