@@ -103,11 +103,12 @@ def prefill_config(variant: str, paged: bool) -> tk.PrefillConfig:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the shapes: each builds its inputs and returns {variant: call}, calls returning their output
+# the shapes: each builds its inputs and returns {variant: call} for the variants asked, calls returning their
+# output (each variant has its own output buffer, allocated here)
 # ----------------------------------------------------------------------------------------------------------
 
 
-def decode_shape(batch: int, ctx: int, block_size: int, gen):
+def decode_shape(batch: int, ctx: int, block_size: int, gen, variants: list[str]):
     kc, vc, tables, lens, q, _ = paged_decode_inputs(batch, ctx, block_size, H, HKV, D, gen)
 
     def call(variant):
@@ -118,10 +119,10 @@ def decode_shape(batch: int, ctx: int, block_size: int, gen):
                                 config=decode_config(variant, block_size))
             return out
         return run
-    return {v: call(v) for v in DECODE_VARIANTS}
+    return {v: call(v) for v in variants}
 
 
-def prefill_shape(q_len: int, ctx: int, block_size: int | None, gen):
+def prefill_shape(q_len: int, ctx: int, block_size: int | None, gen, variants: list[str]):
     """``block_size`` None: packed keys (then ``q_len == ctx``)."""
     k_all, v_all = randn(ctx, HKV, D, gen=gen), randn(ctx, HKV, D, gen=gen)
     q = randn(q_len, H, D, gen=gen)
@@ -144,7 +145,7 @@ def prefill_shape(q_len: int, ctx: int, block_size: int | None, gen):
             return out
         return run
     sdpa_mode = "plain" if DRY else "cudnn"  # dry: the CPU's SDPA stands in
-    calls = {v: call(v) for v in PREFILL_VARIANTS}
+    calls = {v: call(v) for v in variants}
     if block_size is None:
         return {"cudnn sdpa": lambda: _sdpa_causal(q, k_all, v_all, SCALE, sdpa_mode)} | calls
     return calls
@@ -216,7 +217,7 @@ def _compile_part(args: tuple[int, int, bool]) -> dict:
         if not todo:
             continue
         fn, *build_args = shape["build"]
-        calls = fn(*build_args, gen)
+        calls = fn(*build_args, gen, todo)
         for variant in todo:
             try:
                 calls[variant]()
@@ -299,7 +300,7 @@ def measure(shape: dict, gen, deadline: float, copy_tbps: float, anchors: dict, 
     """Time every variant of one shape (cuDNN first where it runs: its output is then the reference, else the
     default's is). ``fatal``: compile keys not to run, with why."""
     fn, *build_args = shape["build"]
-    calls = {v: c for v, c in fn(*build_args, gen).items() if v in shape["variants"] or v == "cudnn sdpa"}
+    calls = fn(*build_args, gen, shape["variants"])
     rows, ref = [], None
     for variant, call in calls.items():
         row = empty_row(shape, variant)
