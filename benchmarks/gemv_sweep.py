@@ -280,9 +280,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               file=sys.stderr)
     settings = dict(preset="dry" if dry else args.preset, dtype=args.dtype, tp=args.tp, rows=args.rows,
                     budget_s=args.budget_s)
-    return dict(settings=settings,
+    return dict(settings=settings, steps=step_totals(results, config.get("num_hidden_layers", 1)),
                 copy_bandwidth_gbs=bandwidth / 1e9, multiprocessors=sms, l2_bytes=l2, compile_s=compile_s,
                 configs_skipped_for_budget=skipped, wall_s=time.monotonic() - started, results=results)
+
+
+def step_totals(results: list[dict[str, Any]], layers: int) -> list[dict[str, Any]]:
+    """The matmuls of one decode step (every layer's four and the LM head), per TP size and row count, in
+    ms: cuBLAS, our best per shape, the faster of the two per shape, and the floor (of the layers swept)."""
+    totals: dict[tuple[int, int], dict[str, Any]] = {}
+    for r in results:
+        times = {"cublas_ms": r["torch"].get("cublas") or float("nan"),
+                 "ours_ms": r["best"]["us"] if r.get("best") else float("nan"), "floor_ms": r["floor_us"]}
+        times["faster_ms"] = min(times["cublas_ms"], times["ours_ms"])
+        total = totals.setdefault((r["tp"], r["rows"]), {"tp": r["tp"], "rows": r["rows"],
+                                                        **dict.fromkeys(times, 0.0)})
+        count = 1 if r["layer"] == "lm_head" else layers
+        for key, us in times.items():
+            total[key] += count * us / 1e3
+    return list(totals.values())
 
 
 def tuned_table(payload: dict[str, Any]) -> str:
@@ -325,10 +341,16 @@ def markdown(payload: dict[str, Any]) -> str:
         config = ", ".join(f"{k}={v}" for k, v in best["config"].items()) if best else "none correct"
         lines.append(
             f"| {r['tp']} | {r['layer']} | {r['n']} x {r['k']} | {r['rows']} | {r['floor_us']:.1f} | "
-            f"{cublas:.1f} | {path} {us:.1f} | {best['us'] if best else float('nan'):.1f} | "
+            f"{cublas or float('nan'):.1f} | {path} {us:.1f} | {best['us'] if best else float('nan'):.1f} | "
             f"{r.get('best_of_floor', float('nan')):.2f} | "
             f"{r.get('speedup_vs_cublas') or float('nan'):.2f}x | "
             f"{config} |")
+    lines += ["", "Matmuls of one decode step (every layer's and the LM head's), ms:", "",
+              "| TP | rows | floor | cuBLAS | ours | faster of the two per shape |",
+              "|---|---|---|---|---|---|"]
+    for t in payload["steps"]:
+        lines.append(f"| {t['tp']} | {t['rows']} | {t['floor_ms']:.3f} | {t['cublas_ms']:.3f} | "
+                     f"{t['ours_ms']:.3f} | {t['faster_ms']:.3f} |")
     wrong = [(r["tp"], r["layer"], r["rows"], o["config"]) for r in payload["results"] for o in r["ours"]
              if not o["correct"]]
     if wrong:

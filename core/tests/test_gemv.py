@@ -199,6 +199,41 @@ def test_gpu_linear_in_a_cuda_graph(dtype, gen):
         assert torch.allclose(out.float(), F.linear(x, w).float(), rtol=2**-6, atol=1e-2), (rows, config)
 
 
+def test_engine_option_routes_the_model(tiny_model, one_thread):
+    """``enable_triton_gemv`` reaches every linear layer and the LM head; on the CPU they still compute
+    with F.linear, so the tokens are those of the option off."""
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.layers.linear import LinearBase
+
+    path = tiny_model("Qwen3ForCausalLM")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    options = dict(device="cpu", kv_cache_memory=1 << 22, max_model_len=64, max_num_seqs=2)
+    routed, plain = LLM(path, enable_triton_gemv=True, **options), LLM(path, **options)
+    linears = [m for m in routed.runner.model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.use_triton_gemv for m in linears) and routed.runner.model.lm_head.use_triton_gemv
+    assert not any(m.use_triton_gemv for m in plain.runner.model.modules() if isinstance(m, LinearBase))
+    prompts = [[3, 9, 4], [7, 1]]
+    assert ([o.token_ids for o in routed.generate(prompts, params, use_tqdm=False)]
+            == [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)])
+
+
+@pytest.mark.gpu
+def test_gpu_engine_decodes_the_same_tokens_through_the_kernel(tiny_model):
+    """On CUDA the decode graphs capture the kernel; float32 greedy tokens equal cuBLAS's."""
+    from nanovllm import LLM, SamplingParams
+
+    path = tiny_model("Qwen3ForCausalLM")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    options = dict(device="cuda", dtype="float32", kv_cache_memory=1 << 26, max_num_seqs=8)
+    prompts = [[5 + i, 17, 3 * i + 1] for i in range(5)]
+    routed = LLM(path, enable_triton_gemv=True, **options)
+    assert sorted(routed.runner.cuda_graphs.graphs) == [1, 2, 4, 8]
+    tokens = [o.token_ids for o in routed.generate(prompts, params, use_tqdm=False)]
+    del routed
+    plain = LLM(path, **options)
+    assert [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)] == tokens
+
+
 @pytest.mark.skipif(CUDA or INTERP, reason="CUDA runs the kernel cases; the subprocess, the interp cases")
 def test_gemv_kernels_under_interpreter():
     from nanovllm.testing import run_under_interpreter

@@ -12,6 +12,7 @@ synchronises, so the decode CUDA graphs capture it. Imports no Triton until a CU
 from __future__ import annotations
 
 import functools
+from types import ModuleType
 
 import attrs
 import torch
@@ -65,6 +66,7 @@ def row_bucket(rows: int) -> int:
 TUNED: dict[tuple[int, int, int], GemvConfig] = {}
 
 
+@functools.cache
 def default_config(n: int, k: int, rows: int, sms: int) -> GemvConfig:
     """A configuration for ``[rows, k] @ [n, k].T`` on a device of ``sms`` multiprocessors, untuned: one row
     in registers, more on the tensor cores; slabs narrow enough for about two programs a multiprocessor,
@@ -96,6 +98,14 @@ def config_for(n: int, k: int, rows: int, device: torch.device) -> GemvConfig:
     return default_config(n, k, bucket, sms)
 
 
+@functools.cache
+def _kernels() -> ModuleType:
+    """:mod:`nanovllm.layers.gemv_kernels`, imported on first use (it imports Triton)."""
+    from nanovllm.layers import gemv_kernels
+
+    return gemv_kernels
+
+
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` summed in float32 and rounded once to ``x``'s dtype: the kernel's oracle."""
     y = x.float() @ weight.float().t()
@@ -121,9 +131,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          f"{None if bias is None else bias.dtype}")
     if config is None:
         config = config_for(weight.shape[0], x.shape[1], x.shape[0], x.device)
-    from nanovllm.layers.gemv_kernels import gemv as launch
-
-    return launch(x, weight, None if bias is None else bias.contiguous(), **config.knobs())
+    return _kernels().gemv(x, weight, None if bias is None else bias.contiguous(), **config.knobs())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
