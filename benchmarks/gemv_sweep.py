@@ -201,7 +201,9 @@ def compile_in_workers(args: argparse.Namespace, items: int) -> None:
             proc.kill()
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> None:
+    """The sweep; ``save`` gets the payload so far after each case (a run cut short keeps what it
+    measured)."""
     from nanovllm.layers.gemv import gemv, gemv_reference
     from nanovllm.presets import PRESETS
 
@@ -234,7 +236,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     compile_s = time.monotonic() - compile_started
 
     results, skipped = [], 0
-    for case in cases:
+    settings = dict(preset="dry" if dry else args.preset, dtype=args.dtype, tp=args.tp, rows=args.rows,
+                    budget_s=args.budget_s)
+    for index, case in enumerate(cases):
+        # each case's share of the time left: a budget cut skips configurations evenly, not the last cases
+        case_end = time.monotonic() + (started + args.budget_s - time.monotonic()) / (len(cases) - index)
         n, k, rows = case["n"], case["k"], case["rows"]
         ws = weights(n, k)
         x = torch.randn(rows, k, generator=gen, device=device).to(dtype)
@@ -257,7 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             finally:
                 torch.backends.cuda.preferred_blas_library(previous)
         for c in case["configs"]:
-            if time.monotonic() - started > args.budget_s and c is not case["configs"][0]:
+            if time.monotonic() > case_end and c is not case["configs"][0]:
                 skipped += 1
                 continue
             out = gemv(x, ws[0], None, c)
@@ -275,14 +281,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row["speedup_vs_cublas"] = cublas / best["us"] if cublas else None
         row["cublas_of_floor"] = floor_us / cublas if cublas else None
         results.append(row)
+        save(dict(settings=settings, steps=step_totals(results, config.get("num_hidden_layers", 1)),
+                  copy_bandwidth_gbs=bandwidth / 1e9, multiprocessors=sms, l2_bytes=l2, compile_s=compile_s,
+                  configs_skipped_for_budget=skipped, wall_s=time.monotonic() - started, results=results))
         print(f"tp{row['tp']} {row['layer']:8} rows={rows} floor {floor_us:8.1f} us  cublas "
               f"{cublas or float('nan'):8.1f}  ours {best['us'] if best else float('nan'):8.1f}",
               file=sys.stderr)
-    settings = dict(preset="dry" if dry else args.preset, dtype=args.dtype, tp=args.tp, rows=args.rows,
-                    budget_s=args.budget_s)
-    return dict(settings=settings, steps=step_totals(results, config.get("num_hidden_layers", 1)),
-                copy_bandwidth_gbs=bandwidth / 1e9, multiprocessors=sms, l2_bytes=l2, compile_s=compile_s,
-                configs_skipped_for_budget=skipped, wall_s=time.monotonic() - started, results=results)
 
 
 def step_totals(results: list[dict[str, Any]], layers: int) -> list[dict[str, Any]]:
@@ -370,8 +374,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="rows of x (default 1 2 4 8)")
     parser.add_argument("--layers", nargs="+", choices=("qkv", "o", "gate_up", "down", "lm_head"),
                         help="only these matmuls (default all)")
-    parser.add_argument("--budget-s", type=float, default=75.0,
-                        help="stop trying further configurations after this many seconds (default 75)")
+    parser.add_argument("--budget-s", type=float, default=60.0,
+                        help="seconds for the compiles and the sweep; each case gets its share of what is "
+                             "left and skips the configurations past it (default 60)")
     parser.add_argument("--dry-run", action="store_true",
                         help="tiny shapes on the CPU under TRITON_INTERPRET=1 (set it before running)")
     parser.add_argument("--compile-share", type=int, nargs=2, metavar=("I", "OF"), help=argparse.SUPPRESS)
@@ -391,12 +396,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from nanovllm.bench import environment
 
-    payload = {"environment": environment(), **run(args)}
+    env = environment()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{NAME}.json").write_text(json.dumps(payload, indent=1))
-    (args.out / f"{NAME}.md").write_text(markdown(payload))
-    (args.out / "tuned_table.py").write_text(tuned_table(payload))
-    print(markdown(payload))
+    written: list[dict[str, Any]] = []
+
+    def save(partial: dict[str, Any]) -> None:
+        payload = {"environment": env, **partial}
+        (args.out / f"{NAME}.json").write_text(json.dumps(payload, indent=1))
+        (args.out / f"{NAME}.md").write_text(markdown(payload))
+        (args.out / "tuned_table.py").write_text(tuned_table(payload))
+        written[:] = [payload]
+
+    run(args, save)
+    if written:
+        print(markdown(written[0]))
     return 0
 
 
