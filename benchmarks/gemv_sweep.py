@@ -306,21 +306,21 @@ def step_totals(results: list[dict[str, Any]], layers: int) -> list[dict[str, An
 
 
 def tuned_table(payload: dict[str, Any]) -> str:
-    """Python source of the TUNED entries: the best correct configuration of each (N, K, row bucket) that
-    beats cuBLAS (a shape where cuBLAS wins gets none: its default stays)."""
+    """Python source of the TUNED entries: the best correct configuration of each (N, K, row bucket) where it
+    beats cuBLAS, else None (linear() keeps F.linear there)."""
     from nanovllm.layers.gemv import row_bucket
 
     lines = [f"# from benchmarks/gemv_sweep.py, {payload['environment'].get('device', '?')}, "
              f"{payload['environment'].get('date', '?')}: (N, K, row bucket) -> fastest configuration",
              "TUNED = {"]
     for r in payload["results"]:
-        best = r.get("best")
+        best, key = r.get("best"), f"({r['n']}, {r['k']}, {row_bucket(r['rows'])})"
         if best is None or not r.get("speedup_vs_cublas") or r["speedup_vs_cublas"] <= 1.0:
+            lines.append(f"    {key}: None,  # tp{r['tp']} {r['layer']}: cuBLAS is faster")
             continue
-        knobs = ", ".join(f"{key}={value!r}" for key, value in best["config"].items())
-        lines.append(f"    ({r['n']}, {r['k']}, {row_bucket(r['rows'])}): GemvConfig({knobs}),"
-                     f"  # tp{r['tp']} {r['layer']}: {r['speedup_vs_cublas']:.2f}x cuBLAS, "
-                     f"{r['best_of_floor']:.2f} of the floor")
+        knobs = ", ".join(f"{name}={value!r}" for name, value in best["config"].items())
+        lines.append(f"    {key}: GemvConfig({knobs}),  # tp{r['tp']} {r['layer']}: "
+                     f"{r['speedup_vs_cublas']:.2f}x cuBLAS, {r['best_of_floor']:.2f} of the floor")
     return "\n".join([*lines, "}"]) + "\n"
 
 

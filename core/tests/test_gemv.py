@@ -99,6 +99,13 @@ def test_interp_default_configs_run(gen):
 
 
 @kernel
+def test_interp_gemv_runs_its_default_where_the_table_keeps_cublas(gen, monkeypatch):
+    x, w = _ints(gen, 2, 48, dtype=torch.float32), _ints(gen, 24, 48, dtype=torch.float32)
+    monkeypatch.setitem(TUNED, (24, 48, 2), None)
+    assert torch.equal(gemv(x, w).cpu(), gemv_reference(x, w).cpu())
+
+
+@kernel
 def test_interp_strided_rows_of_x(gen):
     """x may be a row slice of a wider matrix (unit stride along K only)."""
     wide = _ints(gen, 3, 80, dtype=torch.float32)
@@ -149,6 +156,8 @@ def test_tuned_entries_win(monkeypatch):
     monkeypatch.setitem(TUNED, (512, 256, 4), tuned)
     assert config_for(512, 256, 3, torch.device("cpu")) is tuned
     assert config_for(512, 256, 5, torch.device("cpu")) == default_config(512, 256, 8, 132)
+    monkeypatch.setitem(TUNED, (512, 256, 8), None)  # cuBLAS measured faster: linear() keeps F.linear
+    assert config_for(512, 256, 5, torch.device("cpu")) is None
 
 
 def test_linear_is_f_linear_off_cuda(gen):
@@ -240,4 +249,4 @@ def test_gemv_kernels_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == len(CONFIGS) * 4 + len(CONFIGS) * 2 * 2 + 3, tail
+    assert passed == len(CONFIGS) * 4 + len(CONFIGS) * 2 * 2 + 4, tail

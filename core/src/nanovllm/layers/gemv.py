@@ -4,7 +4,8 @@ A decode step multiplies a few rows of activations by every weight of the model,
 by reading the weights from HBM. cuBLAS picks split-K GEMMs there that reach about three quarters of the
 bandwidth; :mod:`nanovllm.layers.gemv_kernels` streams the weights instead. :func:`linear` is
 ``F.linear`` with that kernel for CUDA inputs of at most :data:`MAX_ROWS` rows, each shape run with its
-entry of :data:`TUNED` (measured by ``benchmarks/gemv_sweep.py``) or else :func:`default_config`. It
+entry of :data:`TUNED` (measured by ``benchmarks/gemv_sweep.py``; an entry may keep cuBLAS for a shape) or
+else :func:`default_config`. It
 allocates only its output (and, with split-K, a float32 workspace) from the current stream's pool and never
 synchronises, so the decode CUDA graphs capture it. Imports no Triton until a CUDA input comes.
 """
@@ -61,9 +62,10 @@ def row_bucket(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
-# (N, K, row bucket) -> the fastest configuration measured on the H200 by benchmarks/gemv_sweep.py (its
-# --out folder's tuned_table.py); shapes not listed get default_config
-TUNED: dict[tuple[int, int, int], GemvConfig] = {}
+# (N, K, row bucket) -> the fastest configuration measured on the H200 by benchmarks/gemv_sweep.py (the
+# tuned_table.py it writes), or None where cuBLAS measured faster (linear() runs F.linear there); shapes not
+# listed get default_config
+TUNED: dict[tuple[int, int, int], GemvConfig | None] = {}
 
 
 @functools.cache
@@ -88,14 +90,16 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def config_for(n: int, k: int, rows: int, device: torch.device) -> GemvConfig:
-    """The :data:`TUNED` entry of the shape, else :func:`default_config` for ``device``."""
-    bucket = row_bucket(rows)
-    tuned = TUNED.get((n, k, bucket))
-    if tuned is not None:
-        return tuned
+def _default_for(n: int, k: int, rows: int, device: torch.device) -> GemvConfig:
     sms = _multiprocessors(device) if device.type == "cuda" else 132
-    return default_config(n, k, bucket, sms)
+    return default_config(n, k, row_bucket(rows), sms)
+
+
+def config_for(n: int, k: int, rows: int, device: torch.device) -> GemvConfig | None:
+    """The :data:`TUNED` entry of the shape (None: cuBLAS is faster there), else :func:`default_config` for
+    ``device``."""
+    key = (n, k, row_bucket(rows))
+    return TUNED[key] if key in TUNED else _default_for(n, k, rows, device)
 
 
 @functools.cache
@@ -118,7 +122,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          config: GemvConfig | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` through the Triton kernel, for ``x [M, K]`` (``1 <= M <= MAX_ROWS``, unit
     stride along K) and contiguous ``weight [N, K]`` and ``bias [N]`` of ``x``'s dtype, on CUDA (or on the
-    CPU under ``TRITON_INTERPRET=1``); ``config`` defaults to :func:`config_for` the shape."""
+    CPU under ``TRITON_INTERPRET=1``); ``config`` defaults to :func:`config_for` the shape (its default
+    where the table keeps cuBLAS)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv multiplies x [M, K] by weight [N, K]; got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -131,17 +136,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          f"{None if bias is None else bias.dtype}")
     if config is None:
         config = config_for(weight.shape[0], x.shape[1], x.shape[0], x.device)
+    if config is None:
+        config = _default_for(weight.shape[0], x.shape[1], x.shape[0], x.device)
     return _kernels().gemv(x, weight, None if bias is None else bias.contiguous(), **config.knobs())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through :func:`gemv` where it applies: a CUDA matrix ``x`` of 1 to
-    :data:`MAX_ROWS` rows, unit stride along K, a contiguous weight, one dtype throughout."""
+    :data:`MAX_ROWS` rows, unit stride along K, a contiguous weight, one dtype throughout, and a shape
+    that :data:`TUNED` does not keep on cuBLAS."""
     if (
         use_fused(x) and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.stride(1) == 1
         and weight.dtype == x.dtype and weight.is_contiguous() and (bias is None or bias.dtype == x.dtype)
     ):
-        return gemv(x, weight, bias)
+        config = config_for(weight.shape[0], x.shape[1], x.shape[0], x.device)
+        if config is not None:
+            return gemv(x, weight, bias, config)
     return F.linear(x, weight, bias)
 
 
