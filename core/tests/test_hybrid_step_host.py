@@ -19,7 +19,7 @@ import pytest
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_plan import block_tables, slot_mapping
+from nanovllm.engine.step_plan import group_slots, group_tables
 from nanovllm.kv.groups import blocks_per_sequence, kv_cache_groups
 from nanovllm.sampling_params import SamplingParams
 
@@ -119,18 +119,24 @@ def test_step_tables_equal_the_block_managers(seed):
     def check(scheduler, seqs):
         decodes = [s for s in seqs if s.is_decode]
         prefills = [s for s in seqs if not s.is_decode]
-        for g in range(len(groups)):
-            for phase in (decodes, prefills):
-                if not phase:
-                    continue
-                expected = np.full((len(phase), max(len(s.block_tables[g]) for s in phase)), -1, dtype=np.int32)
+        offsets = [0] * len(groups)
+        decode_tables = group_tables(decodes, offsets)
+        slots = group_slots(decodes, decode_tables, prefills, BLOCK_SIZE, offsets)
+        for phase, tables in ((decodes, decode_tables), (prefills, group_tables(prefills, offsets))):
+            if not phase:
+                assert tables is None
+                continue
+            width = max(len(t) for s in phase for t in s.block_tables)
+            expected = np.full((len(groups), len(phase), width), -1, dtype=np.int32)
+            for g in range(len(groups)):
                 for i, s in enumerate(phase):
-                    expected[i, : len(s.block_tables[g])] = s.block_tables[g]
-                np.testing.assert_array_equal(block_tables(phase, g), expected)
-            slots = [s.block_tables[g][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-                     for s in [*decodes, *prefills]
-                     for p in range(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens)]
-            np.testing.assert_array_equal(slot_mapping(decodes, prefills, BLOCK_SIZE, g), slots)
+                    expected[g, i, : len(s.block_tables[g])] = s.block_tables[g]
+            np.testing.assert_array_equal(tables, expected)
+        for g in range(len(groups)):
+            expected_slots = [s.block_tables[g][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                              for s in [*decodes, *prefills]
+                              for p in range(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens)]
+            np.testing.assert_array_equal(slots[g], expected_slots)
         checked.append(scheduler.num_preemptions)
 
     serve(groups, prompts, output_tokens=30, num_blocks=260, max_num_batched_tokens=200, on_step=check)

@@ -264,6 +264,7 @@ class BlockManager:
             if needed > len(self.free_queues[0]):
                 return False
             if needed > 0:
+                seq.changed_blocks(0, len(table))
                 table += self._take_free_blocks(0, needed)
             return True
         if self.null_block is not None:
@@ -274,6 +275,7 @@ class BlockManager:
         if not self._fits(entries):
             return False
         for g, (table, new) in enumerate(zip(seq.block_tables, entries, strict=True)):
+            seq.changed_blocks(g, len(table))
             table.extend([self.null_block] * (total - new - len(table)))  # before a window: nothing to hold
             table += self._take_free_blocks(g, new)
         return True
@@ -291,7 +293,7 @@ class BlockManager:
                 self._release(table[i])
                 table[i] = null
                 i -= 1
-            seq.rewrote_block(g, i + 1)
+            seq.changed_blocks(g, i + 1)
 
     def _take_free_blocks(self, group: int, n: int) -> list[int]:
         """``n`` blocks from the front of group ``group``'s free queue, handed to it (to be overwritten)."""
@@ -344,7 +346,7 @@ class BlockManager:
                     # so the blocks after it chain to it and stay findable, and return this one.
                     self._take_back(cached_id)
                     table[i] = cached_id
-                    seq.rewrote_block(g, i)
+                    seq.changed_blocks(g, i)
                     self._release(block.block_id)
                 # else: a different block under the same hash (a collision); this one stays unpublished
         seq.num_committed_blocks = full

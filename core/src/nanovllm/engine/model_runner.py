@@ -27,14 +27,13 @@ from nanovllm.engine.model_loading import EngineParts, bind_attention, build_mod
 from nanovllm.engine.sampling_inputs import SamplingInputs
 from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
 from nanovllm.engine.step_plan import (
-    GroupArrays,
     PhaseArrays,
     PromptTargets,
     StepPlan,
-    block_tables,
+    group_slots,
+    group_tables,
     phase_arrays,
     prompt_logprob_targets,
-    slot_mapping,
 )
 from nanovllm.kv.groups import kv_bytes_per_token
 from nanovllm.kv.offload import HostPhase
@@ -203,28 +202,24 @@ class ModelRunner:
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    def _phase_metadata(self, phase: PhaseArrays | None) -> PhaseMetadata | None:
+    def _phase_metadata(self, phase: PhaseArrays | None) -> list[PhaseMetadata | None]:
+        """Each KV cache group's view of ``phase`` (``None`` for each where there is no such phase), from one
+        transfer of every group's block tables."""
         if phase is None:
-            return None
-        return PhaseMetadata(self._to_device(phase.cu_seqlens_q), self._to_device(phase.context_lens),
-                             self._to_device(phase.block_tables), phase.max_query_len, phase.max_context_len)
+            return [None] * len(self.kv_cache_groups)
+        cu, lens = self._to_device(phase.cu_seqlens_q), self._to_device(phase.context_lens)
+        return [PhaseMetadata(cu, lens, tables, phase.max_query_len, phase.max_context_len)
+                for tables in self._to_device(phase.group_tables)]
 
     def _step_metadata(self, plan: StepPlan) -> StepMetadata:
         """The step on the device as its layers read it: group 0's view, holding each later KV cache group's
         (its own slots and block tables). Every view is made once here, so a layer only looks its own up."""
         positions = self._to_device(plan.positions)
-        decode, prefill = self._phase_metadata(plan.decode), self._phase_metadata(plan.prefill)
-
-        def tables(phase: PhaseMetadata | None, group_tables: np.ndarray | None) -> PhaseMetadata | None:
-            return None if phase is None else attrs.evolve(phase, block_tables=self._to_device(group_tables))
-
-        others = tuple(
-            StepMetadata(self._to_device(g.slot_mapping), positions, plan.num_decode_tokens,
-                         tables(decode, g.decode_tables), tables(prefill, g.prefill_tables))
-            for g in plan.other_groups
-        )
-        return StepMetadata(self._to_device(plan.slot_mapping), positions, plan.num_decode_tokens, decode,
-                            prefill, others)
+        views = [StepMetadata(slots, positions, plan.num_decode_tokens, decode, prefill)
+                 for slots, decode, prefill in zip(self._to_device(plan.group_slots),
+                                                   self._phase_metadata(plan.decode),
+                                                   self._phase_metadata(plan.prefill), strict=True)]
+        return attrs.evolve(views[0], other_groups=tuple(views[1:]))
 
     def prepare(
         self, seqs: list[Sequence], allocated: list[int] | None = None
@@ -260,16 +255,19 @@ class ModelRunner:
         prompt_rows = prompt_targets = None
         if scored:  # rows followed by a prompt token: each predicts that token
             prompt_rows, prompt_targets = prompt_logprob_targets(scored)
+        # every KV cache group's block tables and slots at once (hybrid KV: several)
+        offsets = [self.kv.block_offset(g) for g in range(len(self.kv_cache_groups))]
+        decode_tables = group_tables(decodes, offsets)
         plan = StepPlan(
             input_ids=np.asarray(ids, dtype=np.int64),
             positions=np.concatenate(pos_parts),
-            slot_mapping=slot_mapping(decodes, prefills, bs, 0),
+            group_slots=group_slots(decodes, decode_tables, prefills, bs, offsets),
             num_decode_tokens=len(decodes),
-            decode=phase_arrays(decodes, [1] * len(decodes), [p + 1 for p in positions]),
+            decode=phase_arrays([1] * len(decodes), [p + 1 for p in positions], decode_tables),
             prefill=phase_arrays(
-                prefills,
                 [s.num_scheduled_tokens for s in prefills],
                 [s.num_computed_tokens + s.num_scheduled_tokens for s in prefills],
+                group_tables(prefills, offsets),
             ),
             placeholder_rows=np.asarray(on_device, dtype=np.int64) if on_device else None,
             placeholder_sources=(np.asarray([decodes[i].sample_row for i in on_device], dtype=np.int64)
@@ -279,11 +277,6 @@ class ModelRunner:
             prompt_logprob_rows=prompt_rows,
             allocated_blocks=(np.asarray(allocated, dtype=np.int64) if allocated and self.kv.wants_allocations
                               else None),
-            other_groups=[
-                GroupArrays(slot_mapping(decodes, prefills, bs, g, offset), block_tables(decodes, g, offset),
-                            block_tables(prefills, g, offset))
-                for g in range(1, len(self.kv_cache_groups)) for offset in [self.kv.block_offset(g)]
-            ],
         )
         return plan, sampling, prompt_targets
 

@@ -38,7 +38,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         # one block table per KV cache group (empty while it holds no blocks); see ``block_table``
         self.block_tables: list[list[int]] = []
-        self.table_copies: list = []  # their int32 copies for the steps (nanovllm.engine.step_plan.TableCopy)
+        self.table_copy = None  # their int32 copy for the steps (nanovllm.engine.step_plan.TableCopy)
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks, in order
         self.block_checks: list[int] = []  # their second hashes, where a window group needs them
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
@@ -87,11 +87,11 @@ class Sequence:
         :mod:`nanovllm.kv.groups`; every layer's without windows)."""
         return self.block_tables[0] if self.block_tables else []
 
-    def rewrote_block(self, group: int, index: int) -> None:
-        """The block manager replaced entry ``index`` of KV cache group ``group``'s block table in place, which
-        the step plan's copy of it must take again."""
-        if group < len(self.table_copies) and (copy := self.table_copies[group]) is not None:
-            copy.stale_from = min(copy.stale_from, index)
+    def changed_blocks(self, group: int, index: int) -> None:
+        """The block manager changed KV cache group ``group``'s block table from entry ``index`` on (appended
+        or replaced entries), which the step plan's copy of it must take again."""
+        if self.table_copy is not None:
+            self.table_copy.changed(group, index)
 
     @property
     def completion_token_ids(self) -> list[int]:

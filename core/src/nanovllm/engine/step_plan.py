@@ -12,23 +12,18 @@ from nanovllm.engine.sequence import Sequence
 
 @attrs.define
 class PhaseArrays:
-    """A :class:`PhaseMetadata` on the host."""
+    """A :class:`PhaseMetadata` on the host, for every KV cache group."""
 
     cu_seqlens_q: np.ndarray
     context_lens: np.ndarray
-    block_tables: np.ndarray
+    group_tables: np.ndarray  # [groups, num_seqs, width] int32, padded with -1 (see group_tables)
     max_query_len: int
     max_context_len: int
 
-
-@attrs.define
-class GroupArrays:
-    """What the layers of a KV cache group after the first read differently in a step (hybrid KV): their
-    slots and the block tables of each phase, as :func:`slot_mapping` and :func:`block_tables` make them."""
-
-    slot_mapping: np.ndarray  # [num_tokens] int64
-    decode_tables: np.ndarray | None
-    prefill_tables: np.ndarray | None
+    @property
+    def block_tables(self) -> np.ndarray:
+        """The first KV cache group's ``[num_seqs, width]``."""
+        return self.group_tables[0]
 
 
 @attrs.define
@@ -38,7 +33,7 @@ class StepPlan:
 
     input_ids: np.ndarray  # [num_tokens] int64; PLACEHOLDER where the token is still on the device
     positions: np.ndarray  # [num_tokens] int64
-    slot_mapping: np.ndarray  # [num_tokens] int64
+    group_slots: np.ndarray  # [groups, num_tokens] int64: each KV cache group's slots (see group_slots)
     num_decode_tokens: int
     decode: PhaseArrays | None
     prefill: PhaseArrays | None
@@ -48,7 +43,11 @@ class StepPlan:
     num_sampling: int
     prompt_logprob_rows: np.ndarray | None  # hidden-state rows followed by a prompt token, if any asked
     allocated_blocks: np.ndarray | None  # blocks handed out since the last step, for the policies to reset
-    other_groups: list[GroupArrays] = attrs.Factory(list)  # KV cache groups 1, 2, ... (the fields above: 0)
+
+    @property
+    def slot_mapping(self) -> np.ndarray:
+        """The first KV cache group's slots."""
+        return self.group_slots[0]
 
 
 @attrs.define
@@ -61,91 +60,96 @@ class PromptTargets:
     k: int
 
 
-def phase_arrays(seqs: list[Sequence], q_lens: list[int], ctx_lens: list[int]) -> PhaseArrays | None:
-    """The phase of ``seqs`` (``None`` when empty): their first KV cache group's block tables padded with -1,
+def phase_arrays(q_lens: list[int], ctx_lens: list[int], tables: np.ndarray | None) -> PhaseArrays | None:
+    """The phase of the sequences of ``tables`` (their :func:`group_tables`; ``None`` when there are none):
     query and context lengths in tokens."""
-    if not seqs:
+    if tables is None:
         return None
-    return PhaseArrays(np.cumsum([0, *q_lens], dtype=np.int32), np.asarray(ctx_lens, dtype=np.int32),
-                       block_tables(seqs, 0), max(q_lens), max(ctx_lens))
+    return PhaseArrays(np.cumsum([0, *q_lens], dtype=np.int32), np.asarray(ctx_lens, dtype=np.int32), tables,
+                       max(q_lens), max(ctx_lens))
 
 
 class TableCopy:
-    """One KV cache group's block table of a sequence (``source``, a list the block manager keeps) as an int32
-    array that steps read without converting the whole list again: a refresh copies the entries appended since
-    the last one and those from ``stale_from`` on, which the block manager lowers when it rewrites an entry
-    (``Sequence.rewrote_block``). A step's host work then grows with the blocks that changed, not with the
-    context times the KV cache groups."""
+    """A sequence's block tables (``source``: ``Sequence.block_tables``, one list per KV cache group) as one int32
+    array ``[groups, capacity]``, -1 past each table's end, that steps read without converting the lists
+    again: a refresh copies only the entries the block manager changed since the last one (appended, or
+    rewritten in place), which it reports through ``Sequence.changed_blocks``. A step's host work then grows
+    with the sequences and the blocks that changed, not with the context times the KV cache groups."""
 
-    __slots__ = ("source", "array", "length", "stale_from")
+    __slots__ = ("source", "array", "lengths", "stale_from")
 
-    def __init__(self, source: list[int]) -> None:
+    def __init__(self, source: list[list[int]]) -> None:
         self.source = source
-        self.array = np.empty(max(16, 2 * len(source)), dtype=np.int32)
-        self.length = 0
-        self.stale_from = 0
+        self.array = np.full((len(source), 16), -1, dtype=np.int32)
+        self.lengths = [0] * len(source)
+        self.stale_from: list[int] | None = [0] * len(source)  # per group; None: nothing changed
 
-    def refresh(self) -> np.ndarray:
-        """The table as it is now (a view, valid until the next refresh)."""
-        table, n = self.source, len(self.source)
-        if n == self.length == self.stale_from:  # most decode steps: nothing changed
-            return self.array[:n]
-        start = min(self.stale_from, self.length, n)
-        if n > len(self.array):
-            grown = np.empty(2 * n, dtype=np.int32)
-            grown[:start] = self.array[:start]
+    def changed(self, group: int, index: int) -> None:
+        """Entries of group ``group``'s table from ``index`` on changed."""
+        if self.stale_from is None:
+            self.stale_from = list(self.lengths)
+        self.stale_from[group] = min(self.stale_from[group], index)
+
+    def refresh(self, width: int = 0) -> np.ndarray:
+        """The tables as they are now, at least ``width`` entries wide (a view, valid until the next refresh)."""
+        width = max(width, *map(len, self.source)) if self.stale_from is not None else width
+        if width > self.array.shape[1]:
+            grown = np.full((len(self.source), 2 * width), -1, dtype=np.int32)
+            grown[:, : self.array.shape[1]] = self.array
             self.array = grown
-        self.array[start:n] = table[start:]
-        self.length, self.stale_from = n, n
-        return self.array[:n]
+        if self.stale_from is not None:
+            for g, (table, start) in enumerate(zip(self.source, self.stale_from, strict=True)):
+                start = min(start, self.lengths[g], len(table))
+                self.array[g, start : len(table)] = table[start:]
+                self.array[g, len(table) : self.lengths[g]] = -1
+                self.lengths[g] = len(table)
+            self.stale_from = None
+        return self.array
+
+    @property
+    def width(self) -> int:
+        return max(self.lengths)
 
 
-def table_array(seq: Sequence, group: int) -> np.ndarray:
-    """KV cache group ``group``'s block table of ``seq`` as int32, through its ``TableCopy`` (made again when
-    the block manager has given the sequence a new list)."""
-    copies = seq.table_copies
-    if len(copies) != len(seq.block_tables):
-        copies[:] = [None] * len(seq.block_tables)
-    copy = copies[group]
-    if copy is None or copy.source is not seq.block_tables[group]:
-        copy = copies[group] = TableCopy(seq.block_tables[group])
-    return copy.refresh()
+def table_copy(seq: Sequence) -> TableCopy:
+    """``seq``'s ``TableCopy``, made again when the block manager has given the sequence new tables."""
+    copy = seq.table_copy
+    if copy is None or copy.source is not seq.block_tables:
+        copy = seq.table_copy = TableCopy(seq.block_tables)
+    copy.refresh()
+    return copy
 
 
-def block_tables(seqs: list[Sequence], group: int, offset: int = 0) -> np.ndarray | None:
-    """``[num_seqs, width]`` int32: KV cache group ``group``'s block table of each of ``seqs``, less
-    ``offset`` (where its pool's ids start, ``KVStore.block_offset``), padded with -1 (``None`` without
-    sequences)."""
+def group_tables(seqs: list[Sequence], offsets: list[int]) -> np.ndarray | None:
+    """``[groups, num_seqs, width]`` int32: each KV cache group's block table of each of ``seqs``, less the
+    group's offset (``offsets[g]``: where its pool's ids start, ``KVStore.block_offset``), padded with -1
+    (``None`` without sequences)."""
     if not seqs:
         return None
-    own = [table_array(s, group) for s in seqs]
-    width = max(map(len, own))
-    if all(len(table) == width for table in own):
-        tables = np.stack(own)
-    else:
-        tables = np.full((len(seqs), width), -1, dtype=np.int32)
-        for i, table in enumerate(own):
-            tables[i, : len(table)] = table
-    if offset:
-        tables[tables >= 0] -= offset
+    copies = [table_copy(s) for s in seqs]
+    width = max(c.width for c in copies)
+    tables = np.stack([c.refresh(width)[:, :width] for c in copies], axis=1)
+    for g, offset in enumerate(offsets):
+        if offset:
+            tables[g][tables[g] >= 0] -= offset
     return tables
 
 
-def slot_mapping(
-    decodes: list[Sequence], prefills: list[Sequence], block_size: int, group: int, offset: int = 0
-) -> np.ndarray:
-    """``[num_tokens]`` int64: the cache slot of each token of a step (decodes' one token each, then the
-    prefill chunks) in KV cache group ``group``'s blocks, their ids less ``offset``."""
+def group_slots(decodes: list[Sequence], decode_tables: np.ndarray | None, prefills: list[Sequence],
+                block_size: int, offsets: list[int]) -> np.ndarray:
+    """``[groups, num_tokens]`` int64: each KV cache group's cache slot of each token of a step (decodes' one
+    token each, then the prefill chunks), its block ids less ``offsets[g]``; ``decode_tables``: the decodes'
+    :func:`group_tables` (less the offsets already)."""
     bs = block_size
-    parts = [np.asarray([s.block_tables[group][p // bs] * bs + p % bs
-                         for s in decodes for p in [s.num_computed_tokens]], dtype=np.int64)]
+    shift = np.asarray(offsets, dtype=np.int64)[:, None] * bs
+    parts = [np.empty((len(offsets), 0), dtype=np.int64)]
+    if decodes:
+        pos = np.asarray([s.num_computed_tokens for s in decodes], dtype=np.int64)
+        parts.append(decode_tables[:, np.arange(len(decodes)), pos // bs].astype(np.int64) * bs + pos % bs)
     for s in prefills:
         pos = np.arange(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens)
-        parts.append(table_array(s, group)[pos // bs].astype(np.int64) * bs + pos % bs)
-    slots = np.concatenate(parts)
-    if offset:  # every token has a slot: no padding to keep
-        slots -= offset * bs
-    return slots
+        parts.append(table_copy(s).array[:, pos // bs].astype(np.int64) * bs + pos % bs - shift)
+    return np.concatenate(parts, axis=1)
 
 
 def prompt_logprob_targets(scored: list[tuple[Sequence, int]]) -> tuple[np.ndarray | None, PromptTargets | None]:
