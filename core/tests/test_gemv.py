@@ -113,6 +113,36 @@ def test_interp_strided_rows_of_x(gen):
     assert torch.equal(gemv(x, w, None, CONFIGS["dot"]).cpu(), gemv_reference(x, w).cpu())
 
 
+@pytest.mark.skipif(INTERP, reason="compiles for the GPU")
+@pytest.mark.parametrize("dot,stages", [(False, 1), (False, 3), (True, 4)])
+def test_kernel_compiles_for_hopper_streaming_the_weights(dot, stages):
+    """Without a GPU: Triton compiles the kernel for sm_90 (the H200). The weight loads are 16-byte vectors
+    marked evict-first, or with ``num_stages > 1`` asynchronous copies that many tiles ahead."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nanovllm.layers import gemv_kernels as gk
+
+    pointers = {"X", "W", "B", "Y", "P"}
+    constexprs = dict(M=1, BLOCK_M=16 if dot else 1, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, DOT=dot, EVEN_K=True,
+                      HAS_BIAS=False, FP32_DOT=False, STAGES=stages)
+    names = gk._gemv_kernel.arg_names
+    signature = {name: "*bf16" if name in pointers else "constexpr" if name in constexprs else "i32"
+                 for name in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name not in constexprs}
+    source = ASTSource(fn=gk._gemv_kernel, signature=signature, constexprs=constexprs, attrs=aligned)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 4, "num_stages": stages}).asm["ptx"]
+    if stages > 1:
+        assert "cp.async" in ptx
+    else:
+        assert re.search(r"ld\.global\.L1::evict_first\S*\.v4\.b32", ptx)
+    assert ("mma.sync" in ptx) == dot
+
+
 def test_gemv_refuses_what_it_cannot_run():
     w = torch.zeros(8, 16)
     with pytest.raises(ValueError, match="1 to 16 rows"):

@@ -31,6 +31,7 @@ def _gemv_kernel(
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = pid % SPLIT_K  # a slab's splits are neighbours: programs in launch order read w in memory order
@@ -44,8 +45,13 @@ def _gemv_kernel(
     k_end = tl.minimum(K, k_start + k_per_split)
     w_ptrs = W + rows[:, None].to(tl.int64) * stride_wn + (k_start + ks)[None, :]
     x_ptrs = X + ms[:, None] * stride_xm + (k_start + ks)[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(k_start, k_end, BLOCK_K):
+    if DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:  # products summed along K once, after the loop: no shuffles inside it
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    # STAGES > 1: the loop's loads go through shared memory, that many tiles in flight (the launch's
+    # num_stages alone pipelines only loads that feed a dot)
+    for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
         if EVEN_K:
             w = tl.load(w_ptrs, mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0, eviction_policy="evict_last")
@@ -59,9 +65,11 @@ def _gemv_kernel(
         elif DOT:
             acc = tl.dot(x, tl.trans(w), acc)
         else:
-            acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
+            acc3 += x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if not DOT:
+        acc = tl.sum(acc3, axis=2)
     ok = m_ok[:, None] & row_ok[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -110,7 +118,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *, block_n
         SPLIT_K=split_k, DOT=dot, EVEN_K=k == k_per_split * split_k,  # every split whole tiles: no K mask
         HAS_BIAS=bias is not None,
         # float32 products for float32 inputs (not TF32), and in the interpreter, whose 16-bit dot is wrong
-        FP32_DOT=x.dtype == torch.float32 or not x.is_cuda,
+        FP32_DOT=x.dtype == torch.float32 or not x.is_cuda, STAGES=num_stages,
         num_warps=num_warps, num_stages=num_stages,
     ))]
     if split_k > 1:
