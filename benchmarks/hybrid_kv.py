@@ -142,10 +142,10 @@ def bench_capacity(model: str, layout: str, context: int, num_seqs: int, kv_budg
 
 
 class StepRecorder:
-    """Wraps the engine's ``step`` (what ``LLM.generate`` calls), the scheduler's ``schedule`` and ``advance`` and
-    the runner's ``prepare`` of ``llm``: per kind of step (``prefill_only``, ``mixed`` or ``decode_only``, by
-    what it scheduled), how many ran, their wall seconds, and the host seconds spent scheduling and planning
-    them (``schedule``, ``prepare``, ``advance``)."""
+    """Wraps the engine's ``step`` (what ``LLM.generate`` calls), the scheduler's ``schedule`` and
+    ``advance`` and the runner's ``prepare`` of ``llm``: per kind of step (``prefill_only``, ``mixed`` or
+    ``decode_only``, by what it scheduled), how many ran, their wall seconds, and the host seconds spent
+    scheduling and planning them (``schedule``, ``prepare``, ``advance``)."""
 
     KINDS = ("prefill_only", "mixed", "decode_only")
 
@@ -189,14 +189,15 @@ class StepRecorder:
         self._kind, self._host = None, 0.0
 
     def summary(self) -> dict[str, Any]:
-        decodes = self.steps["decode_only"]
+        decodes, prefills = self.steps["decode_only"], self.steps["prefill_only"] + self.steps["mixed"]
         return {
             **{f"steps_{k}": n for k, n in self.steps.items()},
-            "prefill_seconds": self.seconds["prefill_only"] + self.seconds["mixed"],  # steps with prompt tokens
+            # the steps with prompt tokens, then the others
+            "prefill_seconds": self.seconds["prefill_only"] + self.seconds["mixed"],
             "decode_seconds": self.seconds["decode_only"],
             "host_ms_per_decode_step": 1000 * self.host_seconds["decode_only"] / max(decodes, 1),
-            "host_ms_per_prefill_step": 1000 * (self.host_seconds["prefill_only"] + self.host_seconds["mixed"])
-            / max(self.steps["prefill_only"] + self.steps["mixed"], 1),
+            "host_ms_per_prefill_step":
+                1000 * (self.host_seconds["prefill_only"] + self.host_seconds["mixed"]) / max(prefills, 1),
         }
 
 

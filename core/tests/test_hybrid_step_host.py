@@ -47,7 +47,8 @@ def serve(groups, prompts: list[list[int]], output_tokens: int, num_blocks: int 
     sampled token is 5); per kind of step, the host seconds of each (schedule, prepare, advance)."""
     max_len = max(map(len, prompts)) + output_tokens
     if num_blocks is None:
-        num_blocks = len(prompts) * blocks_per_sequence(groups, max_len, BLOCK_SIZE, max_num_batched_tokens) + 1
+        per_seq = blocks_per_sequence(groups, max_len, BLOCK_SIZE, max_num_batched_tokens)
+        num_blocks = len(prompts) * per_seq + 1
     scheduler = Scheduler(config(max_num_batched_tokens), num_blocks, max_len, groups)
     runner = plan_steps(groups, num_blocks)
     params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
@@ -64,7 +65,8 @@ def serve(groups, prompts: list[list[int]], output_tokens: int, num_blocks: int 
             on_step(scheduler, seqs)
         scheduler.advance(seqs)
         seconds = time.perf_counter() - start
-        times["decode_only" if not prefills else "prefill_only" if prefills == len(seqs) else "mixed"].append(seconds)
+        kind = "decode_only" if not prefills else "prefill_only" if prefills == len(seqs) else "mixed"
+        times[kind].append(seconds)
         for seq in sampling:
             seq.token_ids.append(5)
         for seq in [s for s in scheduler.running if s.num_completion_tokens >= output_tokens]:
@@ -111,8 +113,8 @@ def test_step_tables_equal_the_block_managers(seed):
     preemption (a pool too small for all at once) and recompute."""
     rng = random.Random(seed)
     stems = random_prompts(2, 150, seed=seed)
-    prompts = [rng.choice(stems)[: rng.randrange(20, 150)] + random_prompts(1, rng.randrange(1, 90), seed + i)[0]
-               for i in range(14)]
+    prompts = [rng.choice(stems)[: rng.randrange(20, 150)]
+               + random_prompts(1, rng.randrange(1, 90), seed + i)[0] for i in range(14)]
     groups = kv_cache_groups(WINDOWS)
     checked = []
 
@@ -135,7 +137,8 @@ def test_step_tables_equal_the_block_managers(seed):
         for g in range(len(groups)):
             expected_slots = [s.block_tables[g][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
                               for s in [*decodes, *prefills]
-                              for p in range(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens)]
+                              for p in range(s.num_computed_tokens,
+                                             s.num_computed_tokens + s.num_scheduled_tokens)]
             np.testing.assert_array_equal(slots[g], expected_slots)
         checked.append(scheduler.num_preemptions)
 

@@ -330,7 +330,8 @@ class BlockManager:
             h = self._block_hash(seq, i)
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             # every window group's block records the same parent (the anchor's block before it, or the check)
-            window_parent = None if first_window is None else self._parent_of(seq, first_window, i, (), anchor)
+            window_parent = (None if first_window is None
+                             else self._parent_of(seq, first_window, i, (), anchor))
             for g, table in enumerate(tables):
                 if table[i] == self.null_block:  # left behind by its window: nothing to publish
                     continue

@@ -70,9 +70,9 @@ def phase_arrays(q_lens: list[int], ctx_lens: list[int], tables: np.ndarray | No
 
 
 class TableCopy:
-    """A sequence's block tables (``source``: ``Sequence.block_tables``, one list per KV cache group) as one int32
-    array ``[groups, capacity]``, -1 past each table's end, that steps read without converting the lists
-    again: a refresh copies only the entries the block manager changed since the last one (appended, or
+    """A sequence's block tables (``source``: ``Sequence.block_tables``, one list per KV cache group) as
+    one int32 array ``[groups, capacity]``, -1 past each table's end, that steps read without converting
+    the lists again: a refresh copies only the entries the block manager changed since the last one (appended, or
     rewritten in place), which it reports through ``Sequence.changed_blocks``. A step's host work then grows
     with the sequences and the blocks that changed, not with the context times the KV cache groups."""
 
@@ -91,7 +91,7 @@ class TableCopy:
         self.stale_from[group] = min(self.stale_from[group], index)
 
     def refresh(self, width: int = 0) -> np.ndarray:
-        """The tables as they are now, at least ``width`` entries wide (a view, valid until the next refresh)."""
+        """The tables as they are now, at least ``width`` entries wide (valid until the next refresh)."""
         width = max(width, *map(len, self.source)) if self.stale_from is not None else width
         if width > self.array.shape[1]:
             grown = np.full((len(self.source), 2 * width), -1, dtype=np.int32)
