@@ -237,6 +237,7 @@ def test_sweep_compiles_runtime_only_settings_once():
     assert len(keys) == len(compiled)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(CUDA or INTERP, reason="CUDA runs the cases; the subprocess, the interpreter's")
 def test_knobs_under_interpreter():
     """Every ``interp`` case of this file under Triton's interpreter on the CPU, in a fresh process."""
