@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
@@ -144,3 +145,18 @@ def test_step_tables_equal_the_block_managers(seed):
 
     serve(groups, prompts, output_tokens=30, num_blocks=260, max_num_batched_tokens=200, on_step=check)
     assert checked and checked[-1] > 0  # the pool was small enough to preempt
+
+
+@pytest.mark.parametrize("shape", [(6, 3, 5), (6, 7), (1, 3, 5), (4, 2, 8)])
+def test_group_parts_start_aligned_on_the_device(shape):
+    """The runner sends every KV cache group's slots or tables in one transfer and splits it on the device:
+    each group's part equals its own array and starts 16-byte aligned, as one sent alone does (Triton
+    compiles its kernels again for a pointer that is not)."""
+    runner = SimpleNamespace(device=torch.device("cpu"))
+    runner._to_device = lambda array: ModelRunner._to_device(runner, array)
+    stacked = np.arange(np.prod(shape), dtype=np.int64 if len(shape) == 2 else np.int32).reshape(shape)
+    parts = ModelRunner._groups_to_device(runner, stacked)
+    assert len(parts) == shape[0]
+    for g, part in enumerate(parts):
+        np.testing.assert_array_equal(part.numpy(), stacked[g])
+        assert part.is_contiguous() and part.storage_offset() * part.element_size() % 16 == 0

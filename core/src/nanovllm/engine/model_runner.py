@@ -209,14 +209,29 @@ class ModelRunner:
             return [None] * len(self.kv_cache_groups)
         cu, lens = self._to_device(phase.cu_seqlens_q), self._to_device(phase.context_lens)
         return [PhaseMetadata(cu, lens, tables, phase.max_query_len, phase.max_context_len)
-                for tables in self._to_device(phase.group_tables)]
+                for tables in self._groups_to_device(phase.group_tables)]
+
+    def _groups_to_device(self, stacked: np.ndarray) -> list[torch.Tensor]:
+        """Each KV cache group's part ``stacked[g]`` on the device, from one transfer. Every part starts
+        16-byte aligned, as an array sent alone does: Triton compiles a kernel again for a pointer that is
+        not, which the warm-up would have missed."""
+        groups, n = stacked.shape[:2]
+        part_bytes = stacked[0, :1].nbytes  # of a row of a part
+        rows = n
+        while groups > 1 and rows * part_bytes % 16:
+            rows += 1
+        if rows != n:
+            padded = np.zeros((groups, rows, *stacked.shape[2:]), dtype=stacked.dtype)
+            padded[:, :n] = stacked
+            stacked = padded
+        return [part[:n] for part in self._to_device(stacked)]
 
     def _step_metadata(self, plan: StepPlan) -> StepMetadata:
         """The step on the device as its layers read it: group 0's view, holding each later KV cache group's
         (its own slots and block tables). Every view is made once here, so a layer only looks its own up."""
         positions = self._to_device(plan.positions)
         views = [StepMetadata(slots, positions, plan.num_decode_tokens, decode, prefill)
-                 for slots, decode, prefill in zip(self._to_device(plan.group_slots),
+                 for slots, decode, prefill in zip(self._groups_to_device(plan.group_slots),
                                                    self._phase_metadata(plan.decode),
                                                    self._phase_metadata(plan.prefill), strict=True)]
         return attrs.evolve(views[0], other_groups=tuple(views[1:]))
