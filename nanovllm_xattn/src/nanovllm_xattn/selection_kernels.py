@@ -122,7 +122,7 @@ def _select_kernel(
         last_row = qb > (tl.load(chunk_context_lens + s) - 1) // BLOCK - DENSE_LAST
     cols = tl.arange(0, BLOCK_N)
     votes = tl.zeros([BLOCK_N], tl.int32)
-    for v in tl.static_range(VOTERS):
+    for v in range(VOTERS):  # a loop, not unrolled: one sort in the code however many voters
         head = g * SEL_STEP + v
         row = s * stride_ss + head * stride_sh + r * stride_sr
         votes += _keep(Scores, Thresholds, row, head, stride_sh, cols, num_cols, qb, real, last_row, ratio,
