@@ -1,5 +1,5 @@
 """Our Triton attention kernels over a focused grid of their knobs, next to a device copy and cuDNN SDPA
-measured in the same run, to choose the defaults in ``nanovllm/attention/triton_kernels.py``.
+measured in the same run, to choose the defaults in ``core/src/nanovllm/attention/triton_kernels.py``.
 
 GQA 32 query / 8 KV heads, head dim 128, bf16, on one GPU:
 

@@ -64,7 +64,7 @@ def decode_on_fa4(mode: str, num_seqs: int, num_kv_heads: int, block_size: int, 
       Under a wave of tiles most SMs idle (a single long sequence runs on a handful of SMs), and the last,
       partial wave idles some; several full waves amortise it. Triton splits each context across SMs.
 
-    Everything else runs Triton. The peer table (``benchmarks/fa4_peers.py``) is the evidence: on SM 9.x
+    Everything else runs Triton. The peer table (``nanovllm bench kernels``) is the evidence: on SM 9.x
     FA4's decode is level with Triton's only at a batch of several waves with 128-key pages, and behind at
     every other shape it measures."""
     if mode != "auto":
