@@ -626,11 +626,15 @@ class DecodeConfig(NamedTuple):
 
 # The defaults for 16-bit inputs on CUDA, head dim <= 128 (GQA 32q/8kv, d=128 measured): the values that
 # benchmarks/kernel_sweep.py reports as best are pasted here.
-PREFILL_LONG = PrefillConfig(128, 128, 8, 3)  # chunks of more than 64 queries, packed keys
-PREFILL_LONG_PAGED = PrefillConfig(128, 128, 8, 3)  # the same through the paged cache
+# chunks of more than 64 queries, packed keys
+PREFILL_LONG = PrefillConfig(128, 128, 8, 3, tma=True, fused_scale=True)
+# the same through the paged cache (TMA only where a page holds a whole key tile)
+PREFILL_LONG_PAGED = PrefillConfig(128, 128, 8, 3, tma=True, fused_scale=True)
 PREFILL_SHORT = PrefillConfig(64, 64, 4, 3)  # chunks of at most 64 queries: no large query tile to waste
-DECODE = DecodeConfig(64, 4, 3)  # pages of fewer than 64 tokens: a key step spans several pages
-DECODE_LARGE_PAGES = DecodeConfig(64, 4, 3)  # pages of 64 tokens or more
+# pages of fewer than 64 tokens: a key step spans several pages
+DECODE = DecodeConfig(64, 4, 3, programs_per_sm=3, max_splits=128, wave_fit=True)
+# pages of 64 tokens or more
+DECODE_LARGE_PAGES = DecodeConfig(64, 4, 4, programs_per_sm=2, max_splits=64, page_ahead=True, wave_fit=True)
 REDUCE_CHUNK = 64  # the split reduce merges more splits than this a chunk at a time
 
 
