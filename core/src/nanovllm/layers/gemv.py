@@ -65,7 +65,60 @@ def row_bucket(rows: int) -> int:
 # (N, K, row bucket) -> the fastest configuration measured on the H200 by benchmarks/gemv_sweep.py (the
 # tuned_table.py it writes), or None where cuBLAS measured faster (linear() runs F.linear there); shapes not
 # listed get default_config
-TUNED: dict[tuple[int, int, int], GemvConfig | None] = {}
+_cfg = GemvConfig  # short, for the table's lines
+TUNED: dict[tuple[int, int, int], GemvConfig | None] = {
+    # qwen3-8b TP 1 qkv
+    (6144, 4096, 1): _cfg(block_n=8, block_k=512, split_k=1, dot=False, num_warps=4, num_stages=3),
+    (6144, 4096, 2): _cfg(block_n=32, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=6),
+    (6144, 4096, 4): _cfg(block_n=32, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=6),
+    (6144, 4096, 8): _cfg(block_n=32, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=6),
+    # qwen3-8b TP 1 o
+    (4096, 4096, 1): _cfg(block_n=8, block_k=512, split_k=1, dot=False, num_warps=4, num_stages=3),
+    (4096, 4096, 2): _cfg(block_n=8, block_k=512, split_k=1, dot=False, num_warps=4, num_stages=3),
+    (4096, 4096, 4): _cfg(block_n=32, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=6),
+    (4096, 4096, 8): _cfg(block_n=32, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=6),
+    # qwen3-8b TP 1 gate_up
+    (24576, 4096, 1): _cfg(block_n=8, block_k=512, split_k=1, dot=False, num_warps=4, num_stages=3),
+    (24576, 4096, 2): None,
+    (24576, 4096, 4): _cfg(block_n=64, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=4),
+    (24576, 4096, 8): _cfg(block_n=64, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=4),
+    # qwen3-8b TP 1 down
+    (4096, 12288, 1): _cfg(block_n=8, block_k=512, split_k=1, dot=False, num_warps=4, num_stages=3),
+    (4096, 12288, 2): _cfg(block_n=8, block_k=512, split_k=1, dot=False, num_warps=4, num_stages=3),
+    (4096, 12288, 4): _cfg(block_n=64, block_k=128, split_k=4, dot=True, num_warps=4, num_stages=4),
+    (4096, 12288, 8): _cfg(block_n=32, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=6),
+    # qwen3-8b TP 1 lm_head
+    (151936, 4096, 1): _cfg(block_n=32, block_k=256, split_k=1, dot=True, num_warps=4, num_stages=4),
+    (151936, 4096, 2): _cfg(block_n=32, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=6),
+    (151936, 4096, 4): _cfg(block_n=32, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=6),
+    (151936, 4096, 8): _cfg(block_n=64, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=4),
+    # qwen3-8b TP 2 qkv
+    (3072, 4096, 1): _cfg(block_n=8, block_k=512, split_k=1, dot=False, num_warps=4, num_stages=3),
+    (3072, 4096, 2): _cfg(block_n=8, block_k=512, split_k=1, dot=False, num_warps=4, num_stages=3),
+    (3072, 4096, 4): _cfg(block_n=32, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=6),
+    (3072, 4096, 8): _cfg(block_n=32, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=6),
+    # qwen3-8b TP 2 o
+    (4096, 2048, 1): _cfg(block_n=4, block_k=512, split_k=1, dot=False, num_warps=4, num_stages=1),
+    (4096, 2048, 2): _cfg(block_n=32, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=6),
+    (4096, 2048, 4): _cfg(block_n=32, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=6),
+    (4096, 2048, 8): _cfg(block_n=32, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=6),
+    # qwen3-8b TP 2 gate_up
+    (12288, 4096, 1): _cfg(block_n=32, block_k=256, split_k=1, dot=True, num_warps=4, num_stages=4),
+    (12288, 4096, 2): _cfg(block_n=32, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=6),
+    (12288, 4096, 4): _cfg(block_n=64, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=4),
+    (12288, 4096, 8): _cfg(block_n=64, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=4),
+    # qwen3-8b TP 2 down
+    (4096, 6144, 1): _cfg(block_n=8, block_k=512, split_k=1, dot=False, num_warps=4, num_stages=3),
+    (4096, 6144, 2): _cfg(block_n=8, block_k=512, split_k=1, dot=False, num_warps=4, num_stages=3),
+    (4096, 6144, 4): _cfg(block_n=32, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=6),
+    (4096, 6144, 8): _cfg(block_n=32, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=6),
+    # qwen3-8b TP 2 lm_head
+    (75968, 4096, 1): _cfg(block_n=32, block_k=256, split_k=1, dot=True, num_warps=4, num_stages=4),
+    (75968, 4096, 2): _cfg(block_n=32, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=6),
+    (75968, 4096, 4): _cfg(block_n=64, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=4),
+    (75968, 4096, 8): _cfg(block_n=64, block_k=128, split_k=1, dot=True, num_warps=4, num_stages=4),
+}
+del _cfg
 
 
 @functools.cache
