@@ -58,7 +58,7 @@ class MInferenceConfig:
       configs; a head it omits gets ``vertical_slash`` (1000, 6096).
     - ``skip_layers``: the first layers run dense.
     - ``dense_below``: chunks whose sequences all hold fewer tokens than this run dense, where estimation
-      and tiles cost more than they save. At the default a prompt of up to 32K tokens runs entirely dense:
+      and tiles cost more than they save. At the default a prompt of fewer than 32,768 tokens runs dense:
       pass 0 to run the sparse path at any length (quality evaluations at 32K and below).
     - ``dense_above``: a chunk whose index would compute more than this share of dense causal attention
       runs the dense kernel instead (``null``: never). A tile of the sparse kernel costs more than one of
