@@ -300,10 +300,13 @@ def test_collision_cannot_reach_a_block_whose_parent_was_overwritten(monkeypatch
     compute(bm, a)
     _, parent, child, _ = a.block_table
     bm.free(a)
-    spare = next(b for b in bm.free_blocks if b not in a.block_table)
-    bm.free_blocks.move_to_end(child)  # evicted last
-    bm.free_blocks.move_to_end(parent, last=False)
-    bm.free_blocks.move_to_end(spare, last=False)  # queue: spare, parent, ..., child
+    queue = bm.free_queues[0]
+    spare, *others = queue.uncached[::-1]  # never handed out, nothing cached
+    queue.uncached[:] = [spare]
+    queue.cached.update(dict.fromkeys(others))
+    queue.cached.move_to_end(child)  # evicted last
+    queue.cached.move_to_end(parent, last=False)
+    assert list(queue)[:2] == [spare, parent] and list(queue)[-1] == child
 
     s = seq_of([5, 6, 1, 2, 9])
     assert admit(bm, s)[0] == []

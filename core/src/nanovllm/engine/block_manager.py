@@ -25,7 +25,7 @@ GPU's), numbered after the host pool's; each pool has its free queue and counts 
 from __future__ import annotations
 
 from collections import ChainMap, OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from collections.abc import Sequence as SequenceABC
 
 import numpy as np
@@ -66,7 +66,37 @@ class Block:
         self.token_ids: tuple[int, ...] | None = None
         self.parent: tuple[int, int] | None = None  # (block id, generation) of the block before it
         self.generation = 0  # bumped each time the block is handed out (its content is overwritten)
-        self.group = 0  # the KV cache group it was last handed to (whose prefix cache may name it)
+        self.group = 0  # the KV cache group whose prefix cache names it, while it has a hash
+
+
+class FreeQueue:
+    """One pool's free blocks, in the order they are handed out: first the ones with nothing cached (a stack,
+    the last given back first), then the cached ones, oldest first. Lists and slices let a run of blocks
+    come and go at once."""
+
+    __slots__ = ("uncached", "cached")
+
+    def __init__(self, block_ids: Iterable[int]) -> None:
+        self.uncached: list[int] = list(block_ids)[::-1]  # handed out from the end
+        self.cached: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.uncached) + len(self.cached)
+
+    def __iter__(self) -> Iterator[int]:
+        yield from reversed(self.uncached)
+        yield from self.cached
+
+    def __contains__(self, block_id: object) -> bool:
+        return block_id in self.cached or block_id in self.uncached
+
+    def take(self, n: int) -> list[int]:
+        """The first ``n`` blocks (there must be as many)."""
+        taken = self.uncached[: -n - 1 : -1]
+        del self.uncached[len(self.uncached) - len(taken) :]
+        cached = self.cached
+        taken += [cached.popitem(last=False)[0] for _ in range(n - len(taken))]
+        return taken
 
 
 class BlockManager:
@@ -88,10 +118,9 @@ class BlockManager:
         num_managed = total - (self.null_block is not None)
         self.blocks = [Block(i, int(i >= num_blocks)) for i in range(num_managed)]
         # per pool, oldest first
-        self.free_queues: list[OrderedDict[int, None]] = [
-            OrderedDict.fromkeys(range(min(num_blocks, num_managed)))]
+        self.free_queues = [FreeQueue(range(min(num_blocks, num_managed)))]
         if num_window_blocks:
-            self.free_queues.append(OrderedDict.fromkeys(range(num_blocks, num_managed)))
+            self.free_queues.append(FreeQueue(range(num_blocks, num_managed)))
         self.hash_to_block: list[dict[int, int]] = [{} for _ in self.groups]  # per group
         # the first full-attention group: a window group's block records its parent there (see _cached_blocks)
         self.anchor = next((g for g, group in enumerate(self.groups) if group.sliding_window is None), None)
@@ -102,7 +131,7 @@ class BlockManager:
         self.newly_allocated: list[int] = []  # handed out since take_newly_allocated (policies reset them)
 
     @property
-    def free_blocks(self) -> Mapping[int, None]:
+    def free_blocks(self) -> FreeQueue | Mapping[int, None]:
         """The free blocks, oldest first: the one pool's free queue, or a view over every pool's (read it,
         never change it)."""
         return self.free_queues[0] if len(self.free_queues) == 1 else ChainMap(*self.free_queues)
@@ -128,7 +157,7 @@ class BlockManager:
         """One more user of ``block_id``, which leaves its free queue if it was there."""
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self.free_queues[block.pool][block_id]
+            del self.free_queues[block.pool].cached[block_id]  # a block with something to share is cached
         block.ref_count += 1
 
     def _new_entries(self, seq_tables: list[list[int]], num_computed: int, num_tokens: int) -> list[int]:
@@ -289,26 +318,27 @@ class BlockManager:
             i = min(group.first_needed_block(seq.num_computed_tokens, self.block_size), len(table)) - 1
             if i < 0 or table[i] == null:
                 continue  # nothing new behind the window (the blocks before a null block went earlier)
-            while i >= 0 and table[i] != null:
-                self._release(table[i])
-                table[i] = null
-                i -= 1
-            seq.changed_blocks(g, i + 1)
+            start = i  # the table is null blocks, then held ones: free the held ones up to i
+            while start and table[start - 1] != null:
+                start -= 1
+            self._release_all(table[i : start - 1 if start else None : -1])
+            table[start : i + 1] = [null] * (i + 1 - start)
+            seq.changed_blocks(g, start)
 
     def _take_free_blocks(self, group: int, n: int) -> list[int]:
         """``n`` blocks from the front of group ``group``'s free queue, handed to it (to be overwritten)."""
         if n <= 0:
             return []
-        queue, caches = self.free_queues[self.groups[group].pool], self.hash_to_block
-        taken = [queue.popitem(last=False)[0] for _ in range(n)]
+        caches, blocks = self.hash_to_block, self.blocks
+        taken = self.free_queues[self.groups[group].pool].take(n)
         for block_id in taken:
-            block = self.blocks[block_id]
-            if block.hash is not None and caches[block.group].get(block.hash) == block_id:
-                del caches[block.group][block.hash]  # its content is about to be overwritten
-            block.hash = block.token_ids = block.parent = None
+            block = blocks[block_id]
+            if block.hash is not None:
+                if caches[block.group].get(block.hash) == block_id:
+                    del caches[block.group][block.hash]  # its content is about to be overwritten
+                block.hash = block.token_ids = block.parent = None
             block.ref_count = 1
             block.generation += 1
-            block.group = group
         self.newly_allocated += taken
         return taken
 
@@ -322,35 +352,60 @@ class BlockManager:
         full = seq.num_computed_tokens // self.block_size
         if not self.enable_prefix_caching or full <= seq.num_committed_blocks:
             return
-        bs, tables = self.block_size, seq.block_tables
+        bs, tables, first = self.block_size, seq.block_tables, seq.num_committed_blocks
         anchor = tables[self.anchor] if self.anchor is not None else []
-        # block by block, every group's copy (the anchor, group 0, first: the others name its blocks)
-        first_window = self.window_groups[0][0] if self.window_groups else None
-        for i in range(seq.num_committed_blocks, full):
-            h = self._block_hash(seq, i)
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            # every window group's block records the same parent (the anchor's block before it, or the check)
-            window_parent = (None if first_window is None
-                             else self._parent_of(seq, first_window, i, (), anchor))
-            for g, table in enumerate(tables):
-                if table[i] == self.null_block:  # left behind by its window: nothing to publish
-                    continue
-                block = self.blocks[table[i]]
-                parent = window_parent if self.windowed[g] else self._parent_of(seq, g, i, table, anchor)
-                cache = self.hash_to_block[g]
-                cached_id = cache.get(h)
-                if cached_id is None:
-                    block.hash, block.token_ids, block.parent = h, tokens, parent
-                    cache[h] = block.block_id
-                elif cached_id != block.block_id and self._same_content(self.blocks[cached_id], tokens, parent):
-                    # Requests admitted together computed the same prefix twice: share the published copy,
-                    # so the blocks after it chain to it and stay findable, and return this one.
-                    self._take_back(cached_id)
-                    table[i] = cached_id
-                    seq.changed_blocks(g, i)
-                    self._release(block.block_id)
-                # else: a different block under the same hash (a collision); this one stays unpublished
+        hashes = [self._block_hash(seq, i) for i in range(first, full)]
+        tokens = [tuple(seq.token_ids[i * bs : (i + 1) * bs]) for i in range(first, full)]
+        # group by group, the full-attention ones first (the anchor, group 0, first of all): a window group's
+        # block records the anchor's block before it as its parent, as the anchor's own does (or without an
+        # anchor, the check hash), the same in every window group
+        parents: list[tuple[int, int] | None] = []
+        for g, table in enumerate(tables):
+            if not self.windowed[g]:
+                for i in range(first, full):
+                    parent = self._parent_of(seq, g, i, table, anchor)
+                    if g == self.anchor:
+                        parents.append(parent)
+                    self._publish(seq, g, i, hashes[i - first], tokens[i - first], parent)
+        if not self.window_groups:
+            seq.num_committed_blocks = full
+            return
+        null, blocks = self.null_block, self.blocks
+        if self.anchor is None:
+            parents = [self._parent_of(seq, self.window_groups[0][0], i, (), anchor) for i in range(first, full)]
+        distinct = len(set(hashes)) == len(hashes)
+        for g, _ in self.window_groups:
+            table, cache = tables[g], self.hash_to_block[g]
+            ids = table[first:full]
+            if distinct and null not in ids and cache.keys().isdisjoint(hashes):
+                # the common case, a run of new blocks none of which is cached yet: publish them at once
+                for block_id, h, t, parent in zip(ids, hashes, tokens, parents):
+                    block = blocks[block_id]
+                    block.hash, block.token_ids, block.parent, block.group = h, t, parent, g
+                cache.update(zip(hashes, ids))
+                continue
+            for i in range(first, full):
+                if table[i] != null:  # else left behind by its window: nothing to publish
+                    self._publish(seq, g, i, hashes[i - first], tokens[i - first], parents[i - first])
         seq.num_committed_blocks = full
+
+    def _publish(self, seq: Sequence, g: int, i: int, h: int, tokens: tuple[int, ...],
+                 parent: tuple[int, int] | None) -> None:
+        """Publish block ``i`` of ``seq``'s group ``g`` under hash ``h``, or share the copy already there."""
+        table, cache = seq.block_tables[g], self.hash_to_block[g]
+        block = self.blocks[table[i]]
+        cached_id = cache.get(h)
+        if cached_id is None:
+            block.hash, block.token_ids, block.parent, block.group = h, tokens, parent, g
+            cache[h] = block.block_id
+        elif cached_id != block.block_id and self._same_content(self.blocks[cached_id], tokens, parent):
+            # Requests admitted together computed the same prefix twice: share the published copy, so the
+            # blocks after it chain to it and stay findable, and return this one.
+            self._take_back(cached_id)
+            table[i] = cached_id
+            seq.changed_blocks(g, i)
+            self._release(block.block_id)
+        # else: a different block under the same hash (a collision); this one stays unpublished
 
     @staticmethod
     def _same_content(block: Block, tokens: tuple[int, ...], parent: tuple[int, int] | None) -> bool:
@@ -363,15 +418,31 @@ class BlockManager:
         block.ref_count -= 1
         if block.ref_count == 0:
             queue = self.free_queues[block.pool]
-            queue[block_id] = None
             if block.hash is None:
-                queue.move_to_end(block_id, last=False)
+                queue.uncached.append(block_id)
+            else:
+                queue.cached[block_id] = None
+
+    def _release_all(self, block_ids: list[int]) -> None:
+        """``_release`` each of ``block_ids`` (blocks of one pool), in order."""
+        if not block_ids:
+            return
+        blocks = self.blocks
+        queue = self.free_queues[blocks[block_ids[0]].pool]
+        uncached, cached = queue.uncached, queue.cached
+        for block_id in block_ids:
+            block = blocks[block_id]
+            block.ref_count -= 1
+            if not block.ref_count:
+                if block.hash is None:
+                    uncached.append(block_id)
+                else:
+                    cached[block_id] = None
 
     def free(self, seq: Sequence) -> None:
         """Release the blocks of ``seq``. Cached blocks go to the back of the free queue, the tail first so
         the prefix lasts longer; blocks with nothing cached go to the front, to be reused first."""
+        null = self.null_block
         for table in seq.block_tables:
-            for block_id in reversed(table):
-                if block_id != self.null_block:
-                    self._release(block_id)
+            self._release_all([b for b in reversed(table) if b != null])
         seq.block_tables = []

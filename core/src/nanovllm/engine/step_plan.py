@@ -146,9 +146,14 @@ def group_slots(decodes: list[Sequence], decode_tables: np.ndarray | None, prefi
     if decodes:
         pos = np.asarray([s.num_computed_tokens for s in decodes], dtype=np.int64)
         parts.append(decode_tables[:, np.arange(len(decodes)), pos // bs].astype(np.int64) * bs + pos % bs)
+    in_block = np.arange(bs)
     for s in prefills:
-        pos = np.arange(s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens)
-        parts.append(table_copy(s).array[:, pos // bs].astype(np.int64) * bs + pos % bs - shift)
+        # block by block: a chunk's slots are whole runs of each block's, cut to the chunk's tokens
+        start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens
+        first = start // bs
+        blocks = table_copy(s).array[:, first : -(-end // bs)].astype(np.int64) * bs - shift
+        slots = (blocks[:, :, None] + in_block).reshape(len(offsets), -1)
+        parts.append(slots[:, start - first * bs : end - first * bs])
     return np.concatenate(parts, axis=1)
 
 
