@@ -112,7 +112,7 @@ def test_offload_marks_the_nominees_without_nominating_again(monkeypatch, reduct
     """The marks of the blocks to read from the host pool come from the nominees already selected."""
     launched, ops = select_launches(monkeypatch, CopyingStore, group_reduction=reduction, rescore=2)
     assert sum(launched.values()) == LAUNCHES[reduction, 2], launched
-    assert sum(ops.values()) <= 3, ops
+    assert sum(ops.values()) <= 4, ops  # the marks: zeros, the ids cast and shifted past the spare, a scatter
 
 
 if __name__ == "__main__":

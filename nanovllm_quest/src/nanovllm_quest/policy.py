@@ -184,12 +184,11 @@ def rescore_selection(
 def nominee_marks(nominees: torch.Tensor, width: int) -> torch.Tensor:
     """``[S, width]`` bool: the logical blocks that any KV head of a sequence nominates (``nominees [S, Hkv,
     C]``, -1 padded), for ``ctx.read_paged``."""
-    flat = nominees.flatten(1).long()
-    marks = torch.zeros(flat.shape[0], width + 1, dtype=torch.bool, device=flat.device)
-    # -1 marks the spare column; a scatter of a scalar, since indexed assignment of True copies a host
-    # tensor, which a CUDA graph capture forbids
-    marks.scatter_(1, torch.where(flat < 0, width, flat), True)
-    return marks[:, :width]
+    # column 0 is the spare that -1 marks; a scatter of a scalar, since indexed assignment of True copies a
+    # host tensor, which a CUDA graph capture forbids
+    marks = torch.zeros(nominees.shape[0], width + 1, dtype=torch.bool, device=nominees.device)
+    marks.scatter_(1, nominees.flatten(1).long() + 1, True)
+    return marks[:, 1:]
 
 
 class BoundLayout(NamedTuple):

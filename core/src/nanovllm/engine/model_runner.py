@@ -230,11 +230,12 @@ class ModelRunner:
         """The step on the device as its layers read it: group 0's view, holding each later KV cache group's
         (its own slots and block tables). Every view is made once here, so a layer only looks its own up."""
         positions = self._to_device(plan.positions)
-        views = [StepMetadata(slots, positions, plan.num_decode_tokens, decode, prefill)
-                 for slots, decode, prefill in zip(self._groups_to_device(plan.group_slots),
-                                                   self._phase_metadata(plan.decode),
-                                                   self._phase_metadata(plan.prefill), strict=True)]
-        return attrs.evolve(views[0], other_groups=tuple(views[1:]))
+        n = plan.num_decode_tokens
+        (slots, decode, prefill), *rest = zip(self._groups_to_device(plan.group_slots),
+                                              self._phase_metadata(plan.decode),
+                                              self._phase_metadata(plan.prefill), strict=True)
+        later = tuple(StepMetadata(s, positions, n, d, p) for s, d, p in rest)
+        return StepMetadata(slots, positions, n, decode, prefill, later)
 
     def prepare(
         self, seqs: list[Sequence], allocated: list[int] | None = None
