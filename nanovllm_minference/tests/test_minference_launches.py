@@ -11,39 +11,18 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
 import nanovllm_minference.attention as attention_module  # noqa: E402
 import nanovllm_minference.policy as policy_module  # noqa: E402
 from nanovllm.kv import PagedLayerKV  # noqa: E402
-from nanovllm.testing import prefill_context  # noqa: E402
+from nanovllm.testing import counting_torch_ops, prefill_context  # noqa: E402
 from nanovllm_minference import estimate  # noqa: E402
 from nanovllm_minference.config import MInferenceConfig  # noqa: E402
 from nanovllm_minference.policy import MInferencePolicy  # noqa: E402
 
-ALLOCATIONS = {"empty.memory_format", "empty_strided", "new_empty", "empty_like"}
 SYNCS = {"_local_scalar_dense", "nonzero", "item"}
-
-
-class TorchOps(TorchDispatchMode):
-    """Names of the torch ops that reach a device: views and bare allocations left out. New integer
-    tensors are filled with -1 and float ones with 0, so that what the launches not run leave unwritten is
-    a definite value."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.name().removeprefix("aten::").removesuffix(".default")
-        if not func.is_view and name not in ALLOCATIONS:
-            self.names.append(name)
-        out = func(*args, **(kwargs or {}))
-        if name in ALLOCATIONS:
-            out.fill_(0 if out.is_floating_point() else -1)
-        return out
 
 
 class CopyingStore(PagedLayerKV):
@@ -78,12 +57,12 @@ def chunk_launches(monkeypatch, store: type[PagedLayerKV] = PagedLayerKV, **conf
     monkeypatch.setattr(attention_module, "prefill_kernel_outputs", outputs)
     gpu_ops = policy_module._ops(torch.device("cuda"))  # the Triton path, on CPU tensors
     monkeypatch.setattr(policy_module, "_ops", lambda device: gpu_ops)
-    with TorchOps():
+    with counting_torch_ops():
         policy.compute_chunked_prefill(rows, ctx.new_keys, ctx.new_values, ctx)
     launched.clear()
-    with TorchOps() as ops:
+    with counting_torch_ops() as ops:
         policy.compute_chunked_prefill(rows, ctx.new_keys, ctx.new_values, ctx)
-    return launched, Counter(ops.names)
+    return launched, Counter(ops)
 
 
 # a vertical-slash chunk on the GPU cache: the estimate's two passes, the selection (ranking, top lines and

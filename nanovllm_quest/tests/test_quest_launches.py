@@ -11,7 +11,6 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
@@ -19,29 +18,10 @@ from nanovllm.attention.metadata import PhaseMetadata  # noqa: E402
 from nanovllm.attention.torch_backend import TorchBackend  # noqa: E402
 from nanovllm.kv import PagedLayerKV  # noqa: E402
 from nanovllm.sparse import PolicyContext  # noqa: E402
+from nanovllm.testing import counting_torch_ops  # noqa: E402
 from nanovllm_quest import kernels  # noqa: E402
 from nanovllm_quest.config import QuestConfig  # noqa: E402
 from nanovllm_quest.policy import QuestPolicy  # noqa: E402
-
-ALLOCATIONS = {"empty.memory_format", "empty_strided.default", "new_empty.default", "empty_like.default"}
-
-
-class TorchOps(TorchDispatchMode):
-    """Names of the torch ops that reach a device: views and bare allocations left out. New integer
-    tensors are filled with -1, so that the unwritten outputs of the launches not run index in range."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.name().removeprefix("aten::")
-        if not func.is_view and name not in ALLOCATIONS:
-            self.names.append(name)
-        out = func(*args, **(kwargs or {}))
-        if name in ALLOCATIONS and not out.is_floating_point():
-            out.fill_(-1)
-        return out
 
 
 class CopyingStore(PagedLayerKV):
@@ -79,9 +59,9 @@ def select_launches(monkeypatch, store: type[PagedLayerKV] = PagedLayerKV, **con
         launched[self.fn.__name__] += 1
 
     monkeypatch.setattr(type(kernels._topk_kernel), "run", run)
-    with TorchOps() as ops:
+    with counting_torch_ops() as ops:
         policy.select_blocks(ctx)
-    return launched, Counter(ops.names)
+    return launched, Counter(ops)
 
 
 # Triton launches of one select_blocks call per (group_reduction, rescore), and no torch op between them:

@@ -15,7 +15,6 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton")
 
@@ -23,30 +22,16 @@ from nanovllm.attention import backend as core_backend  # noqa: E402
 from nanovllm.attention.metadata import PhaseMetadata  # noqa: E402
 from nanovllm.attention.torch_backend import TorchBackend  # noqa: E402
 from nanovllm.sparse import PolicyContext  # noqa: E402
+from nanovllm.testing import counting_torch_ops  # noqa: E402
 from nanovllm_xattn import attention, estimate, selection  # noqa: E402
 from nanovllm_xattn import policy as policy_module  # noqa: E402
 from nanovllm_xattn.config import XAttentionConfig  # noqa: E402
 from nanovllm_xattn.policy import XAttentionPolicy  # noqa: E402
 
-ALLOCATIONS = {"empty.memory_format", "empty_strided.default", "new_empty.default", "empty_like.default"}
 
 # Triton launches of one chunk-layer: the estimate's two passes, the selection's mask and lists, the attention
 # (and the merge of its splits, when it splits the lists: kv_splits)
 LAUNCHES = 5
-
-
-class TorchOps(TorchDispatchMode):
-    """Names of the torch ops that reach a device, views and bare allocations left out."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.name().removeprefix("aten::")
-        if not func.is_view and name not in ALLOCATIONS:
-            self.names.append(name)
-        return func(*args, **(kwargs or {}))
 
 
 class InterpretedFunction:
@@ -98,10 +83,10 @@ def chunk_launches(monkeypatch, splits: int = 1, **config) -> tuple[Counter, Cou
     policy, ctx = chunk_context(**config)
     policy.compute_chunked_prefill(ctx.query, ctx.new_keys, ctx.new_values, ctx)
     launched.clear()
-    with TorchOps() as ops:
+    with counting_torch_ops() as ops:
         out = policy.compute_chunked_prefill(ctx.query, ctx.new_keys, ctx.new_values, ctx)
     assert out.shape == ctx.query.shape
-    return launched, Counter(ops.names)
+    return launched, Counter(ops)
 
 
 MODES = [dict(), dict(splits=4), dict(head_reduce="none", num_heads=8, num_kv_heads=2, head_dim=128),

@@ -150,6 +150,32 @@ def wait_until(condition, timeout: float, poll: float = 0.05) -> bool:
     return True
 
 
+_ALLOCATIONS = {"empty.memory_format", "empty_strided", "new_empty", "empty_like"}
+
+
+@contextmanager
+def counting_torch_ops() -> Iterator[list[str]]:
+    """The names of the torch ops that reach a device inside the block (``aten::`` and a ``.default``
+    overload dropped), in order; views and bare allocations are left out. Each new tensor is filled (floats
+    with 0, integers with -1), so that what kernels counted but not run leave unwritten holds a definite
+    value: for tests that count a policy's launches and ops without running its kernels."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    names: list[str] = []
+
+    class Counting(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.name().removeprefix("aten::").removesuffix(".default")
+            if not func.is_view and name not in _ALLOCATIONS:
+                names.append(name)
+            out = func(*args, **(kwargs or {}))
+            if name in _ALLOCATIONS:
+                out.fill_(0 if out.is_floating_point() else -1)
+            return out
+
+    with Counting():
+        yield names
+
 class LocalServer(NamedTuple):
     """A server run by :func:`local_server`: its base URL (``http://127.0.0.1:PORT``), the uvicorn server
     object and the thread it runs in."""
