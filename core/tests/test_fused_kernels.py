@@ -142,6 +142,64 @@ def test_rope_in_place(device, dtype, head_dim, heads, kv_heads, qk_norm, gen):
 
 
 @cases
+@pytest.mark.parametrize("head_dim,heads,kv_heads,qk_norm", [(128, 16, 8, True), (64, 6, 2, False)])
+def test_rope_stores_the_rotated_keys_and_the_values(device, dtype, head_dim, heads, kv_heads, qk_norm, gen):
+    """With ``store``, RoPE's kernel also writes each token's rotated keys and its values to its slot of the
+    paged caches, as the torch path's :class:`~nanovllm.kv.store.CacheSlots` write does: tokens in shuffled
+    slots of several blocks, two of them with slot -1 (not written). The caches start NaN-poisoned."""
+    from nanovllm.kv.store import CacheSlots
+
+    rope = RotaryEmbedding(head_dim, 4096, 1_000_000.0)
+    t, block_size, num_blocks = 23, 16, 3
+    qkv = _rand(gen, t, heads + 2 * kv_heads, head_dim, dtype=dtype, device="cpu")
+    positions = torch.randint(0, 4096, (t,), generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]
+    slots[torch.randperm(t, generator=gen)[:2]] = -1
+    norms = (None, None)
+    if qk_norm:
+        norms = tuple(RMSNorm(head_dim, eps=1e-6).to(dtype) for _ in range(2))
+        with torch.no_grad():
+            for n in norms:
+                n.weight.copy_(1 + 0.1 * torch.randn(head_dim, generator=gen))
+
+    def caches(on):
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        poison = torch.full(shape, float("nan"), dtype=dtype, device=on)
+        return CacheSlots(poison, poison.clone(), slots.to(on))
+
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=1)
+    ref = caches("cpu")
+    ref_q, ref_k = rope(positions, q.clone(), k.clone(), *norms, v, ref)  # CPU tensors: the torch code
+
+    dev_qkv = qkv.to(device)
+    dq, dk, dv = dev_qkv.split([heads, kv_heads, kv_heads], dim=1)
+    dev_norms = (None, None)
+    if qk_norm:
+        dev_norms = tuple((n.weight.detach().to(device), n.eps) for n in norms)
+    got = caches(device)
+    out_q, out_k = fk.rope_(dq, dk, positions.to(device), rope.cos_sin.to(device), *dev_norms,
+                            (dv, got.k_cache, got.v_cache, got.slot_mapping))
+    _close(out_q, ref_q, gen, "rope q", _pair_norm(ref_q))
+    _close(out_k, ref_k, gen, "rope k", _pair_norm(ref_k))
+    written = slots >= 0
+    flat_k, flat_v = (c.view(-1, kv_heads, head_dim).cpu() for c in (got.k_cache, got.v_cache))
+    assert torch.equal(flat_k[slots[written]], out_k[written].cpu()), "the rotated keys, at their slots"
+    assert torch.equal(flat_v[slots[written]], v[written]), "the values as they are, at their slots"
+    unwritten = torch.ones(flat_k.shape[0], dtype=torch.bool)
+    unwritten[slots[written]] = False
+    assert flat_k[unwritten].isnan().all() and flat_v[unwritten].isnan().all(), "nothing else written"
+    ref_flat = ref.k_cache.view(-1, kv_heads, head_dim)
+    assert torch.equal(ref_flat.isnan(), flat_k.isnan()), "the torch write fills the same slots"
+    if device == "cuda":  # the layer takes the kernel: the same bits
+        layer_cache = caches(device)
+        lq, lk, lv = qkv.to(device).split([heads, kv_heads, kv_heads], dim=1)
+        layer_norms = tuple(n.to(device) if n else n for n in norms)
+        rope.to(device)(positions.to(device), lq, lk, *layer_norms, lv, layer_cache)
+        assert torch.equal(layer_cache.k_cache.nan_to_num(), got.k_cache.nan_to_num())
+        assert torch.equal(layer_cache.v_cache.nan_to_num(), got.v_cache.nan_to_num())
+
+
+@cases
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_all_reduce_rms_norm(device, dtype, world, with_residual, gen):
@@ -308,4 +366,4 @@ def test_fused_kernels_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == len(DTYPES) * (4 + 2 + 1 + 4 + 4 + 1), tail
+    assert passed == len(DTYPES) * (4 + 2 + 1 + 4 + 2 + 4 + 1), tail

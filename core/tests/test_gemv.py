@@ -113,9 +113,62 @@ def test_interp_strided_rows_of_x(gen):
     assert torch.equal(gemv(x, w, None, CONFIGS["dot"]).cpu(), gemv_reference(x, w).cpu())
 
 
+@kernel
+@configs
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_interp_silu_and_mul_is_the_activation_of_the_plain_output(config, dtype, rows, gen):
+    """``silu_and_mul=True`` on a weight of gate rows over up rows: the same bits as the plain kernel's output
+    through the activation's kernel (on small integers the matmul is exact whatever its order), a bias
+    included on half the cases; and within float32 rounding of torch's SiLU."""
+    from nanovllm.layers import SiluAndMul
+    from nanovllm.layers import fused_kernels as fk
+
+    x, w = _ints(gen, rows, 100, dtype=dtype), _ints(gen, 2 * 37, 100, dtype=dtype)
+    b = _ints(gen, 2 * 37, dtype=dtype) if rows == 5 else None
+    out = gemv(x, w, b, config, silu_and_mul=True)
+    assert out.shape == (rows, 37) and out.dtype == dtype
+    assert torch.equal(out.cpu(), fk.silu_and_mul(gemv(x, w, b, config)).cpu()), f"seed {gen.initial_seed()}"
+    ref = SiluAndMul()(gemv_reference(x, w, b).cpu())
+    assert torch.allclose(out.cpu().float(), ref.float(), rtol=2**-6 if dtype != torch.float32 else 1e-6)
+
+
+@kernel
+@pytest.mark.parametrize("table", [
+    GemvConfig(block_n=8, block_k=32), GemvConfig(block_n=32, block_k=16, dot=True),
+    GemvConfig(block_n=16, block_k=16, split_k=2, dot=True),
+], ids=["registers", "dot", "dot-split2"])
+def test_interp_silu_and_mul_linear_runs_the_tables_configuration(table, gen, monkeypatch):
+    """Where linear() would run the kernel, one launch applies the activation too, with the whole matrix's
+    configuration (half its output features a program, at least a tensor-core tile); None where linear()
+    keeps F.linear. ``use_fused`` forced on: the interpreter's CPU tensors stand in for CUDA ones."""
+    from nanovllm.layers import fused_kernels as fk
+    from nanovllm.layers import gemv as gemv_module
+
+    monkeypatch.setattr(gemv_module, "use_fused", lambda x: True)
+    x, w = _ints(gen, 3, 64, dtype=torch.float32), _ints(gen, 2 * 40, 64, dtype=torch.float32)
+    monkeypatch.setitem(TUNED, (80, 64, 4), table)
+    launched = []
+    run = type(fk._silu_and_mul_kernel).run
+
+    def counting(self, *args, **kwargs):
+        launched.append((self.fn.__name__, kwargs["BLOCK_N"] if "BLOCK_N" in kwargs else None))
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(fk._silu_and_mul_kernel), "run", counting)
+    out = gemv_module.silu_and_mul_linear(x, w)
+    assert torch.equal(out, fk.silu_and_mul(linear(x, w)))
+    block_n = max(table.block_n // 2, 16 if table.dot else 1)
+    fused_launches = [("_gemv_kernel", block_n)] + [("_split_k_sum_kernel", None)] * (table.split_k > 1)
+    assert launched[: len(fused_launches)] == fused_launches
+    monkeypatch.setitem(TUNED, (80, 64, 4), None)  # cuBLAS measured faster: no fused launch
+    assert gemv_module.silu_and_mul_linear(x, w) is None
+
+
 @pytest.mark.skipif(INTERP, reason="compiles for the GPU")
-@pytest.mark.parametrize("dot,stages", [(False, 1), (False, 3), (True, 4)])
-def test_kernel_compiles_for_hopper_streaming_the_weights(dot, stages):
+@pytest.mark.parametrize("dot,stages,silu", [(False, 1, False), (False, 3, False), (True, 4, False),
+                                             (False, 3, True), (True, 4, True)])
+def test_kernel_compiles_for_hopper_streaming_the_weights(dot, stages, silu):
     """Without a GPU: Triton compiles the kernel for sm_90 (the H200). The weight loads are 16-byte vectors
     marked evict-first, or with ``num_stages > 1`` asynchronous copies that many tiles ahead."""
     import re
@@ -128,7 +181,7 @@ def test_kernel_compiles_for_hopper_streaming_the_weights(dot, stages):
 
     pointers = {"X", "W", "B", "Y", "P"}
     constexprs = dict(M=1, BLOCK_M=16 if dot else 1, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, DOT=dot, EVEN_K=True,
-                      HAS_BIAS=False, FP32_DOT=False, STAGES=stages)
+                      HAS_BIAS=False, FP32_DOT=False, STAGES=stages, SILU_AND_MUL=silu)
     names = gk._gemv_kernel.arg_names
     signature = {name: "*bf16" if name in pointers else "constexpr" if name in constexprs else "i32"
                  for name in names}
@@ -238,6 +291,29 @@ def test_gpu_linear_in_a_cuda_graph(dtype, gen):
         assert torch.allclose(out.float(), F.linear(x, w).float(), rtol=2**-6, atol=1e-2), (rows, config)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_gpu_silu_and_mul_linear_at_qwen3_8b_gate_up(rows, gen):
+    """qwen3-8b's gate/up shape with its table configuration: one launch gives what the plain kernel and the
+    activation's kernel give, to the bit in nearly every element (the halved slabs sum each output in the
+    same order on the register path; the tensor-core path may round a few differently), all within an
+    ulp."""
+    from nanovllm.layers import fused_kernels as fk
+    from nanovllm.layers import gemv as gemv_module
+
+    x = torch.randn(rows, 4096, generator=gen).to(torch.bfloat16).cuda()
+    w = (torch.randn(2 * 12288, 4096, generator=gen) / 64).to(torch.bfloat16).cuda()
+    config = config_for(w.shape[0], 4096, rows, x.device)
+    if config is None:
+        pytest.skip("the table keeps cuBLAS for this shape")
+    out = gemv_module.silu_and_mul_linear(x, w)
+    two = fk.silu_and_mul(gemv(x, w, None, config))
+    assert out.shape == two.shape == (rows, 12288)
+    diff = (out.float() - two.float()).abs()
+    assert (diff <= 2**-7 * two.float().abs() + 1e-6).all(), f"max diff {diff.max():.3g}"
+    assert (diff == 0).float().mean() > 0.99
+
+
 def test_engine_option_routes_the_model(tiny_model, one_thread):
     """``enable_triton_gemv`` reaches every linear layer and the LM head; on the CPU they still compute
     with F.linear, so the tokens are those of the option off."""
@@ -279,4 +355,4 @@ def test_gemv_kernels_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == len(CONFIGS) * 4 + len(CONFIGS) * 2 * 2 + 4, tail
+    assert passed == len(CONFIGS) * 4 + len(CONFIGS) * 2 * 2 + 4 + len(CONFIGS) * 2 * 2 + 3, tail

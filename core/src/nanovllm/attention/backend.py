@@ -20,6 +20,9 @@ class AttentionBackend:
     name = "base"
     # Decode launches no host synchronisation and no data-dependent shapes, so it can be captured.
     supports_cuda_graphs = False
+    # True where ``store_kv`` only writes the new rows to their slots: the kernel that makes the keys (RoPE's)
+    # may then write them in its own launch. The torch backend, the reference, writes them itself.
+    kv_write_fusable = False
 
     def __init__(self, config: object | None = None) -> None:
         self.config = config

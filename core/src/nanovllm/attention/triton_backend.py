@@ -1,6 +1,7 @@
 """The ``triton`` attention backend: Triton kernels over the paged KV cache, same semantics as ``torch``.
 
-- ``store_kv``: one program per new token.
+- ``store_kv``: one program per new token. Over the paged GPU cache the model's RoPE kernel writes the keys
+  and values instead (``kv_write_fusable``), one launch fewer a layer.
 - ``prefill``: varlen causal FlashAttention over each sequence's whole context, read through the
   block table (prefix-cache hits and chunked prefill). A single sequence with no cached prefix goes
   to torch SDPA (cuDNN / flash) on the new keys and values when ``sdpa_prefill`` is on.
@@ -30,6 +31,7 @@ from nanovllm.attention.metadata import PhaseMetadata
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
+    kv_write_fusable = True
     # Single-sequence prefill without a cached prefix through torch SDPA's cuDNN kernel instead of the
     # Triton one: cuDNN is faster on a fresh causal prompt at every length (`nanovllm bench kernels`).
     # Several sequences, or a cached prefix: Triton.

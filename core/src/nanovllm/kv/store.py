@@ -169,6 +169,23 @@ class KVTransfer:
 # -- one layer's KV ----------------------------------------------------------------------------------------
 
 
+@attrs.define(frozen=True, slots=True)
+class CacheSlots:
+    """Where one layer's new keys and values of a step go in its paged GPU cache: for a kernel that makes the
+    keys (RoPE's) to write them and the values itself, as the attention backend's ``store_kv`` would."""
+
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1: not written
+
+    def write(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The write in torch (the fused kernels' reference): ``key``/``value`` ``[num_tokens, Hkv, D]``."""
+        written = self.slot_mapping >= 0
+        slots = self.slot_mapping[written]
+        self.k_cache.view(-1, *self.k_cache.shape[2:])[slots] = key[written].to(self.k_cache.dtype)
+        self.v_cache.view(-1, *self.v_cache.shape[2:])[slots] = value[written].to(self.v_cache.dtype)
+
+
 class LayerKV:
     """One layer's keys and values, and every operation on them. ``k_cache`` / ``v_cache`` are the
     layer's paged view ``[num_blocks, block_size, num_kv_heads, head_dim]`` (on the host store, the pool
@@ -181,10 +198,17 @@ class LayerKV:
         self.kv_write: tuple[Hook, ...] = ()
         self.group = 0  # its KV cache group (set by the store): whose slots and block tables it reads
 
-    def write(self, key: torch.Tensor, value: torch.Tensor, step: StepMetadata, backend: AttentionBackend) -> None:
+    def write(self, key: torch.Tensor, value: torch.Tensor, step: StepMetadata, backend: AttentionBackend,
+              stored: bool = False) -> None:
         """Store the step's new keys and values ``[num_tokens, num_kv_heads, head_dim]`` at
-        ``step.slot_mapping`` (-1: skipped), then tell the ``on_kv_write`` hooks."""
+        ``step.slot_mapping`` (-1: skipped), then tell the ``on_kv_write`` hooks. ``stored``: a kernel has
+        already written them through :meth:`cache_slots`; only tell the hooks."""
         raise NotImplementedError
+
+    def cache_slots(self, step: StepMetadata) -> CacheSlots | None:
+        """Where a kernel that makes the step's keys may write them and the values itself (then
+        ``write(..., stored=True)``); None where only :meth:`write` can (the host pool)."""
+        return None
 
     def attend_blocks(
         self, ctx: PolicyContext, q: torch.Tensor, block_indices: torch.Tensor, kv_lens: torch.Tensor
@@ -252,10 +276,14 @@ class LayerKV:
 class PagedLayerKV(LayerKV):
     """A layer's KV in a paged GPU cache, read in place by the attention backend's kernels."""
 
-    def write(self, key, value, step, backend) -> None:
-        backend.store_kv(key, value, self.k_cache, self.v_cache, step.slot_mapping)
+    def write(self, key, value, step, backend, stored=False) -> None:
+        if not stored:
+            backend.store_kv(key, value, self.k_cache, self.v_cache, step.slot_mapping)
         if self.kv_write:
             self._tell_kv_write(key, value, step)
+
+    def cache_slots(self, step):
+        return CacheSlots(self.k_cache, self.v_cache, step.slot_mapping)
 
     def attend_blocks(self, ctx, q, block_indices, kv_lens):
         return ctx.backend.attend_blocks(q, self.k_cache, self.v_cache, ctx.meta, block_indices, kv_lens, ctx.scale)
@@ -282,8 +310,8 @@ class PooledLayerKV(LayerKV):
         self.engine = engine
         self.offload_hooks: tuple[tuple[Hook, ...], tuple[Hook, ...]] = ((), ())
 
-    def write(self, key, value, step, backend) -> None:
-        self.engine.store(self.layer_id, key, value, step.slot_mapping)
+    def write(self, key, value, step, backend, stored=False) -> None:
+        self.engine.store(self.layer_id, key, value, step.slot_mapping)  # never stored: no cache_slots
         if self.kv_write:  # the new keys are on the GPU: the metadata stays there
             self._tell_kv_write(key, value, step)
         if self.offload_hooks[0] or self.offload_hooks[1]:

@@ -1,6 +1,6 @@
 """Building blocks for model plugins: tensor-parallel linears, embeddings, norms, RoPE, attention."""
 
-from nanovllm.layers.activation import GatedMLP, GeluTanhAndMul, SiluAndMul
+from nanovllm.layers.activation import GatedActivation, GatedMLP, GeluTanhAndMul, SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import GemmaRMSNorm, RMSNorm
@@ -17,6 +17,7 @@ from nanovllm.layers.rotary_embedding import RotaryEmbedding, rope_from_config
 __all__ = [
     "Attention",
     "ColumnParallelLinear",
+    "GatedActivation",
     "GatedMLP",
     "GeluTanhAndMul",
     "GemmaRMSNorm",

@@ -4,11 +4,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers import gemv
 from nanovllm.layers.fused import kernels, use_fused
-from nanovllm.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from nanovllm.layers.linear import LinearBase, MergedColumnParallelLinear, RowParallelLinear
 
 
-class SiluAndMul(nn.Module):
+class GatedActivation(nn.Module):
+    """An activation of the gate half of the last dimension times the up half."""
+
+    def of_projection(self, proj: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        """``self(proj(x))`` for the projection ``proj`` whose output halves are gate and up."""
+        return self(proj(x))
+
+
+class SiluAndMul(GatedActivation):
     """``silu(gate) * up`` for the gate/up halves of the last dimension."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -17,8 +26,17 @@ class SiluAndMul(nn.Module):
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def of_projection(self, proj: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        """Where the projection's small batches run the Triton GEMV, its kernel applies the activation to
+        what it computes (one launch, the same bits as the two)."""
+        if proj.use_triton_gemv:
+            out = gemv.silu_and_mul_linear(x, proj.weight, proj.bias)
+            if out is not None:
+                return out
+        return self(proj(x))
 
-class GeluTanhAndMul(nn.Module):
+
+class GeluTanhAndMul(GatedActivation):
     """``gelu(gate, approximate="tanh") * up`` for the gate/up halves of the last dimension (Gemma)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,4 +65,4 @@ class GatedMLP(nn.Module):
         self.act_fn = GATED_ACTIVATIONS[activation]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.act_fn.of_projection(self.gate_up_proj, x))

@@ -1,5 +1,6 @@
 """The attention layer every model uses: write new K/V to the layer's KV store (which tells the KV-write
-hooks), then hand each phase to its policy (which reads the store through its context)."""
+hooks), unless RoPE's kernel wrote them already (:meth:`Attention.cache_slots`), then hand each phase to its
+policy (which reads the store through its context)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from torch import nn
 
 from nanovllm.attention.backend import AttentionBackend
 from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, get_forward_context
-from nanovllm.kv.store import LayerKV
+from nanovllm.kv.store import CacheSlots, LayerKV
 from nanovllm.policy import PolicyContext, PolicyHooks, check_selection
 from nanovllm.sparse import SparsePolicy
 
@@ -41,15 +42,28 @@ class Attention(nn.Module):
         self.k_cache, self.v_cache = kv.k_cache, kv.v_cache
         self.kv_group = kv.group
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q ``[T, H, D]``, k/v ``[T, Hkv, D]`` for the step's new tokens -> ``[T, H, D]``."""
+    def cache_slots(self) -> CacheSlots | None:
+        """Where this step's new keys and values go, for the kernel that makes the keys (RoPE's) to write them
+        on the way, saving the backend's store its launch (then ``forward(..., kv_written=True)``). None
+        where :meth:`forward` writes them: a backend that stores its own way (torch, the reference), a store
+        that is not the paged GPU cache (the host pool), or none yet (the memory-profiling run)."""
+        if self.kv is None or not self.backend.kv_write_fusable:
+            return None
+        meta = get_forward_context()
+        return self.kv.cache_slots(meta.of_group(self.kv_group) if self.kv_group else meta)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_written: bool = False
+    ) -> torch.Tensor:
+        """q ``[T, H, D]``, k/v ``[T, Hkv, D]`` for the step's new tokens -> ``[T, H, D]``. ``kv_written``: k
+        and v are already in :meth:`cache_slots`."""
         meta = get_forward_context()
         if self.kv is None:  # the memory-profiling run, before the store exists
             return self.backend.attend_chunk(q, k, v, meta.prefill, self.scale)[0]
         if self.kv_group:
             meta = meta.of_group(self.kv_group)
         nd = meta.num_decode_tokens
-        self.kv.write(k, v, meta, self.backend)
+        self.kv.write(k, v, meta, self.backend, kv_written)
         if meta.prefill is None:
             return self._decode(q, k, v, meta)
         if meta.decode is None:

@@ -88,8 +88,9 @@ class SelfAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
-        return self.o_proj(self.attn(q, k, v).flatten(1))
+        cache = self.attn.cache_slots()  # RoPE writes k and v to the KV cache too, where it can
+        q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm, v, cache)
+        return self.o_proj(self.attn(q, k, v, kv_written=cache is not None).flatten(1))
 
 
 def mlp_from_config(config) -> GatedMLP:

@@ -5,7 +5,8 @@ five to ten elementwise kernels of the torch code they replace (decode steps are
   ``unit_offset`` scales by ``1 + weight`` in float32 (Gemma's norm).
 - ``silu_and_mul``: ``silu(gate) * up`` over the two halves of each row.
 - ``rope_``: neox-style rotary embedding of q and k in place, optionally RMS-normalising each head
-  first (Qwen3's q/k norms).
+  first (Qwen3's q/k norms), and optionally writing the rotated keys and the values to their paged-cache
+  slots (the attention backend's KV store, in the same launch).
 - ``all_reduce_rms_norm``: under tensor parallelism, the sum over the ranks of each rank's share (a
   row-parallel layer's output), then ``rms_norm``, in one kernel: the ranks exchange their shares through
   symmetric memory (:class:`nanovllm.distributed.SymmetricAllReduce`).
@@ -194,14 +195,22 @@ def all_reduce_rms_norm(
 
 
 @triton.jit
+def silu_mul(gate, up, Out):
+    """``silu(gate) * up`` for float32 ``gate`` and ``up`` already rounded to ``Out``'s dtype, rounded as
+    :class:`~nanovllm.layers.SiluAndMul`'s torch code rounds: after SiLU and after the product (the GEMV
+    kernel applies it to its output too)."""
+    act = (gate / (1.0 + tl.exp(-gate))).to(Out.dtype.element_ty).to(tl.float32)
+    return (act * up).to(Out.dtype.element_ty)
+
+
+@triton.jit
 def _silu_and_mul_kernel(X, Out, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
     gate = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(X + row * stride_x + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(Out.dtype.element_ty).to(tl.float32)
-    tl.store(Out + row * stride_o + cols, (act * up).to(Out.dtype.element_ty), mask=ok)
+    tl.store(Out + row * stride_o + cols, silu_mul(gate, up, Out), mask=ok)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -221,10 +230,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rotate_heads(
-    X, stride_h, W, cos, sin, eps,
+    X, stride_h, W, cos, sin, eps, Cache, slot, stride_cb, stride_cs, stride_ch,
     NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-    NORM: tl.constexpr,
+    NORM: tl.constexpr, BLOCK_SIZE: tl.constexpr, STORE: tl.constexpr,
 ):
+    """Rotate one token's heads of ``X`` in place (RMS-normalised first with ``NORM``); with ``STORE``
+    also write them to cache slot ``slot`` (none when it is negative)."""
     heads = tl.arange(0, HEADS_PAD)
     dims = tl.arange(0, HALF_PAD)
     d_ok = dims < HALF
@@ -239,16 +250,33 @@ def _rotate_heads(
         w2 = tl.load(W + HALF + dims, mask=d_ok, other=0.0).to(tl.float32)[None, :]
         x1 = ((x1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
         x2 = ((x2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-    tl.store(ptr, (x1 * cos - x2 * sin).to(X.dtype.element_ty), mask=ok)
-    tl.store(ptr + HALF, (x2 * cos + x1 * sin).to(X.dtype.element_ty), mask=ok)
+    y1 = (x1 * cos - x2 * sin).to(X.dtype.element_ty)
+    y2 = (x2 * cos + x1 * sin).to(X.dtype.element_ty)
+    tl.store(ptr, y1, mask=ok)
+    tl.store(ptr + HALF, y2, mask=ok)
+    if STORE:
+        _store_heads(y1, y2, Cache, slot, stride_cb, stride_cs, stride_ch, heads, dims, ok, HALF, BLOCK_SIZE)
+
+
+@triton.jit
+def _store_heads(x1, x2, Cache, slot, stride_cb, stride_cs, stride_ch, heads, dims, ok, HALF: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr):
+    """One token's heads (their two halves) into paged-cache slot ``slot``, unless it is negative."""
+    if slot >= 0:
+        dst = Cache + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+        dst += heads[:, None] * stride_ch + dims[None, :]
+        tl.store(dst, x1.to(Cache.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, x2.to(Cache.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _rope_kernel(
-    Q, K, QW, KW, CosSin, Pos, eps_q, eps_k,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+    Q, K, V, QW, KW, CosSin, Pos, Slots, KC, VC, eps_q, eps_k,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+    stride_cb, stride_cslot, stride_ch,
     HQ: tl.constexpr, HQ_PAD: tl.constexpr, HK: tl.constexpr, HK_PAD: tl.constexpr,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t).to(tl.int64)
@@ -256,30 +284,54 @@ def _rope_kernel(
     d_ok = dims < HALF
     cos = tl.load(CosSin + pos * stride_cs + dims, mask=d_ok, other=0.0)[None, :]
     sin = tl.load(CosSin + pos * stride_cs + HALF + dims, mask=d_ok, other=0.0)[None, :]
-    _rotate_heads(Q + t * stride_qt, stride_qh, QW, cos, sin, eps_q, HQ, HQ_PAD, HALF, HALF_PAD, NORM)
-    _rotate_heads(K + t * stride_kt, stride_kh, KW, cos, sin, eps_k, HK, HK_PAD, HALF, HALF_PAD, NORM)
+    slot = tl.load(Slots + t).to(tl.int64) if STORE else -1
+    _rotate_heads(Q + t * stride_qt, stride_qh, QW, cos, sin, eps_q, KC, -1, 0, 0, 0,
+                  HQ, HQ_PAD, HALF, HALF_PAD, NORM, BLOCK_SIZE, False)
+    _rotate_heads(K + t * stride_kt, stride_kh, KW, cos, sin, eps_k, KC, slot, stride_cb, stride_cslot,
+                  stride_ch, HK, HK_PAD, HALF, HALF_PAD, NORM, BLOCK_SIZE, STORE)
+    if STORE:  # the values as they are
+        heads = tl.arange(0, HK_PAD)
+        ok = (heads < HK)[:, None] & d_ok[None, :]
+        ptr = V + t * stride_vt + heads[:, None] * stride_vh + dims[None, :]
+        v1 = tl.load(ptr, mask=ok, other=0.0)
+        v2 = tl.load(ptr + HALF, mask=ok, other=0.0)
+        _store_heads(v1, v2, VC, slot, stride_cb, stride_cslot, stride_ch, heads, dims, ok, HALF, BLOCK_SIZE)
 
 
 def rope_(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
     q_norm: tuple[torch.Tensor, float] | None = None, k_norm: tuple[torch.Tensor, float] | None = None,
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` in place (rows may be strided views of one qkv
     tensor; the head dim must be contiguous). ``cos_sin [max_pos, D]`` float32 holds cos then sin of
-    each frequency. ``q_norm``/``k_norm``: ``(weight, eps)`` of a per-head RMSNorm applied first."""
+    each frequency. ``q_norm``/``k_norm``: ``(weight, eps)`` of a per-head RMSNorm applied first.
+    ``store``: ``(v [T, Hkv, D], k_cache, v_cache, slot_mapping [T])`` to also write each token's rotated
+    keys and its values to its slot of the paged caches ``[num_blocks, block_size, Hkv, D]`` (as the
+    attention backend's ``store_kv`` does; slot -1: not written)."""
     n_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert q.stride(2) == 1 and k.stride(2) == 1, "rope_ needs a contiguous head dim"
     norm = q_norm is not None
     (qw, eps_q), (kw, eps_k) = (q_norm, k_norm) if norm else ((q, 0.0), (k, 0.0))
+    if store is not None:
+        v, k_cache, v_cache, slots = store
+        assert v.shape == k.shape and v.stride(2) == 1, "rope_ stores v [T, Hkv, D], its head dim contiguous"
+        assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, \
+            "k and v caches must share one layout, the head dim contiguous"
+    else:
+        v, k_cache, v_cache, slots = k, k, k, positions
     if n_tokens:
         half = head_dim // 2
+        cache_strides = k_cache.stride()[:3] if store is not None else (0, 0, 0)
         _rope_kernel[(n_tokens,)](
-            q, k, qw, kw, cos_sin, positions, eps_q, eps_k,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
+            q, k, v, qw, kw, cos_sin, positions, slots, k_cache, v_cache, eps_q, eps_k,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
+            *cache_strides,
             HQ=num_heads, HQ_PAD=triton.next_power_of_2(num_heads),
             HK=num_kv_heads, HK_PAD=triton.next_power_of_2(num_kv_heads),
-            HALF=half, HALF_PAD=triton.next_power_of_2(half), NORM=norm, num_warps=4,
+            HALF=half, HALF_PAD=triton.next_power_of_2(half), NORM=norm,
+            BLOCK_SIZE=k_cache.shape[1] if store is not None else 1, STORE=store is not None, num_warps=4,
         )
     return q, k
 
@@ -306,4 +358,4 @@ def l2_prefetch(x: torch.Tensor, n_bytes: int, sink: torch.Tensor) -> None:
         _l2_prefetch_kernel[(grid,)](words, sink, words.numel(), BLOCK=_PREFETCH_BLOCK)
 
 
-__all__ = ["all_reduce_rms_norm", "l2_prefetch", "rms_norm", "rope_", "silu_and_mul"]
+__all__ = ["all_reduce_rms_norm", "l2_prefetch", "rms_norm", "rope_", "silu_and_mul", "silu_mul"]

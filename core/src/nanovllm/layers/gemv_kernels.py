@@ -15,7 +15,12 @@ sum in registers, better at one row (no padding to 16).
 partial sums to a float32 workspace ``[SPLIT_K, M, N]`` and a small kernel adds the splits in a fixed
 order and rounds once. Atomics would need a zeroed float32 buffer and a rounding pass anyway (two extra
 launches, not one), and their order of addition changes between runs, so the same prompt could decode
-differently. On CPU tensors the kernels run under Triton's interpreter (tests only).
+differently.
+
+``SILU_AND_MUL``: the gate and up projections of a gated MLP in one matrix (gate rows, then as many up
+rows), each program reading its gate rows and the matching up rows and writing ``silu(gate) * up``: the
+activation costs no launch of its own, and half the output is written. With split-K the summing kernel
+applies it. On CPU tensors the kernels run under Triton's interpreter (tests only).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.layers.fused_kernels import silu_mul
+
 
 @triton.jit
 def _gemv_kernel(
@@ -31,12 +38,12 @@ def _gemv_kernel(
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, SILU_AND_MUL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = pid % SPLIT_K  # a slab's splits are neighbours: programs in launch order read w in memory order
     pid_n = pid // SPLIT_K
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features: rows of w
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features: rows of w (gate rows with SILU_AND_MUL)
     ms = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < N
@@ -45,52 +52,95 @@ def _gemv_kernel(
     k_end = tl.minimum(K, k_start + k_per_split)
     w_ptrs = W + rows[:, None].to(tl.int64) * stride_wn + (k_start + ks)[None, :]
     x_ptrs = X + ms[:, None] * stride_xm + (k_start + ks)[None, :]
+    if SILU_AND_MUL:  # the matching up rows, N further down
+        u_ptrs = W + (rows[:, None].to(tl.int64) + N) * stride_wn + (k_start + ks)[None, :]
     if DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if SILU_AND_MUL:
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:  # products summed along K once, after the loop: no shuffles inside it
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if SILU_AND_MUL:
+            acc3_u = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     # STAGES > 1: the loop's loads go through shared memory, that many tiles in flight (the launch's
     # num_stages alone pipelines only loads that feed a dot)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
         if EVEN_K:
-            w = tl.load(w_ptrs, mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0, eviction_policy="evict_last")
+            w_mask = row_ok[:, None]
+            x_mask = m_ok[:, None]
         else:
             k_ok = (k0 + ks) < k_end
-            w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0,
-                        eviction_policy="evict_first")
-            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_last")
+            w_mask = row_ok[:, None] & k_ok[None, :]
+            x_mask = m_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last")
+        if SILU_AND_MUL:
+            u = tl.load(u_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
         if DOT and FP32_DOT:
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            if SILU_AND_MUL:
+                acc_u = tl.dot(x.to(tl.float32), tl.trans(u.to(tl.float32)), acc_u, input_precision="ieee")
         elif DOT:
             acc = tl.dot(x, tl.trans(w), acc)
+            if SILU_AND_MUL:
+                acc_u = tl.dot(x, tl.trans(u), acc_u)
         else:
             acc3 += x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32)
+            if SILU_AND_MUL:
+                acc3_u += x[:, None, :].to(tl.float32) * u[None, :, :].to(tl.float32)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+        if SILU_AND_MUL:
+            u_ptrs += BLOCK_K
     if not DOT:
         acc = tl.sum(acc3, axis=2)
+        if SILU_AND_MUL:
+            acc_u = tl.sum(acc3_u, axis=2)
     ok = m_ok[:, None] & row_ok[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + ms[:, None] * stride_ym + rows[None, :], acc.to(Y.dtype.element_ty), mask=ok)
-    else:
-        tl.store(P + (pid_k * M + ms[:, None]).to(tl.int64) * N + rows[None, :], acc, mask=ok)
+            if SILU_AND_MUL:
+                acc_u += tl.load(B + N + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+        if SILU_AND_MUL:  # gate and up rounded as the plain output would be, then as the activation rounds
+            dt = Y.dtype.element_ty
+            y = silu_mul(acc.to(dt).to(tl.float32), acc_u.to(dt).to(tl.float32), Y)
+        else:
+            y = acc.to(Y.dtype.element_ty)
+        tl.store(Y + ms[:, None] * stride_ym + rows[None, :], y, mask=ok)
+    else:  # partials [SPLIT_K, M, N], or with SILU_AND_MUL [SPLIT_K, M, 2N]: gate then up
+        width = 2 * N if SILU_AND_MUL else N
+        partial = P + (pid_k * M + ms[:, None]).to(tl.int64) * width + rows[None, :]
+        tl.store(partial, acc, mask=ok)
+        if SILU_AND_MUL:
+            tl.store(partial + N, acc_u, mask=ok)
 
 
 @triton.jit
 def _split_k_sum_kernel(P, B, Y, M, N, stride_ym, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BLOCK: tl.constexpr, SILU_AND_MUL: tl.constexpr):
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = tl.program_id(1)
     ok = cols < N
+    width = 2 * N if SILU_AND_MUL else N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
+    if SILU_AND_MUL:
+        acc_u = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):  # a fixed order: the same sums every run
-        acc += tl.load(P + (s * M + m).to(tl.int64) * N + cols, mask=ok, other=0.0)
+        partial = P + (s * M + m).to(tl.int64) * width + cols
+        acc += tl.load(partial, mask=ok, other=0.0)
+        if SILU_AND_MUL:
+            acc_u += tl.load(partial + N, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(B + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Y + m * stride_ym + cols, acc.to(Y.dtype.element_ty), mask=ok)
+        if SILU_AND_MUL:
+            acc_u += tl.load(B + N + cols, mask=ok, other=0.0).to(tl.float32)
+    if SILU_AND_MUL:
+        dt = Y.dtype.element_ty
+        y = silu_mul(acc.to(dt).to(tl.float32), acc_u.to(dt).to(tl.float32), Y)
+    else:
+        y = acc.to(Y.dtype.element_ty)
+    tl.store(Y + m * stride_ym + cols, y, mask=ok)
 
 
 _SUM_BLOCK = 1024
@@ -98,18 +148,21 @@ DOT_ROWS = 16  # tl.dot's smallest M: the rows of x the DOT path pads to
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *, block_n: int, block_k: int,
-         split_k: int, dot: bool, num_warps: int, num_stages: int,
+         split_k: int, dot: bool, num_warps: int, num_stages: int, silu_and_mul: bool = False,
          compile_only: bool = False) -> torch.Tensor:
     """``x @ w.T (+ bias)`` in ``x``'s dtype, accumulated in float32, for ``x [M, K]`` (unit stride along K,
-    ``M <= 16``) and ``w [N, K]`` contiguous of the same dtype. The caller checks the shapes and knobs
-    (:func:`nanovllm.layers.gemv.gemv`); one launch, two with ``split_k > 1``. ``compile_only``: compile
-    the kernels for these arguments and launch nothing (the output is then uninitialised)."""
+    ``M <= 16``) and ``w [N, K]`` contiguous of the same dtype. ``silu_and_mul``: ``w`` stacks gate rows over
+    as many up rows, and the output is ``silu(gate) * up`` ``[M, N / 2]``, ``block_n`` of its features a
+    program. The caller checks the shapes and knobs (:func:`nanovllm.layers.gemv.gemv`); one launch, two
+    with ``split_k > 1``. ``compile_only``: compile the kernels for these arguments and launch nothing (the
+    output is then uninitialised)."""
     m, k = x.shape
-    n = w.shape[0]
+    n = w.shape[0] // 2 if silu_and_mul else w.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     # a split covers whole BLOCK_K tiles, so only the last one may end inside a tile
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    partials = y if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    width = 2 * n if silu_and_mul else n
+    partials = y if split_k == 1 else torch.empty(split_k, m, width, dtype=torch.float32, device=x.device)
     b = bias if bias is not None else y
     launches = [(_gemv_kernel, (triton.cdiv(n, block_n) * split_k,), (
         x, w, b, y, partials, m, n, k, k_per_split, x.stride(0), w.stride(0), y.stride(0),
@@ -118,13 +171,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *, block_n
         SPLIT_K=split_k, DOT=dot, EVEN_K=k == k_per_split * split_k,  # every split whole tiles: no K mask
         HAS_BIAS=bias is not None,
         # float32 products for float32 inputs (not TF32), and in the interpreter, whose 16-bit dot is wrong
-        FP32_DOT=x.dtype == torch.float32 or not x.is_cuda, STAGES=num_stages,
+        FP32_DOT=x.dtype == torch.float32 or not x.is_cuda, STAGES=num_stages, SILU_AND_MUL=silu_and_mul,
         num_warps=num_warps, num_stages=num_stages,
     ))]
     if split_k > 1:
         launches.append((_split_k_sum_kernel, (triton.cdiv(n, _SUM_BLOCK), m), (
             partials, b, y, m, n, y.stride(0),
-        ), dict(SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=_SUM_BLOCK, num_warps=4)))
+        ), dict(SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=_SUM_BLOCK, SILU_AND_MUL=silu_and_mul,
+                num_warps=4)))
     for kernel, grid, args, kwargs in launches:
         if compile_only:
             kernel.warmup(*args, grid=grid, **kwargs)

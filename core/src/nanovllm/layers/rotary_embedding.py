@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nanovllm.kv.store import CacheSlots
 from nanovllm.layers.fused import kernels, use_fused
 from nanovllm.layers.layernorm import RMSNorm
 
@@ -48,19 +49,26 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
+        v: torch.Tensor | None = None, cache: CacheSlots | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[T, H, D]``, k ``[T, Hkv, D]`` rotated at ``positions`` ``[T]``, after the optional
-        per-head RMSNorms ``q_norm``/``k_norm`` (Qwen3). On CUDA one fused kernel, in place; a norm of
-        another kind (Gemma's) runs before it."""
+        per-head RMSNorms ``q_norm``/``k_norm`` (Qwen3). With ``cache``, the rotated keys and the values
+        ``v [T, Hkv, D]`` are also written to their slots there. On CUDA one fused kernel, in place; a norm
+        of another kind (Gemma's) runs before it."""
         if q_norm is not None and type(q_norm) is not RMSNorm:  # the fused kernel knows plain RMSNorm only
             q, k, q_norm, k_norm = q_norm(q), k_norm(k), None, None
-        if use_fused(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+        unit_strides = q.stride(-1) == 1 and k.stride(-1) == 1 and (cache is None or v.stride(-1) == 1)
+        if use_fused(q) and unit_strides:
             norms = ((q_norm.weight, q_norm.eps), (k_norm.weight, k_norm.eps)) if q_norm is not None else (None, None)
-            return kernels().rope_(q, k, positions, self.cos_sin, *norms)
+            store = None if cache is None else (v, cache.k_cache, cache.v_cache, cache.slot_mapping)
+            return kernels().rope_(q, k, positions, self.cos_sin, *norms, store)
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        if cache is not None:
+            cache.write(k, v)
+        return q, k
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
