@@ -17,9 +17,11 @@ settings of two knob axes (decode: kernel and splits; prefill: tiles and structu
 against the default again. The run stops timing when ``--budget`` seconds have passed, keeping what it
 measured. Writes ``OUT/NAME.json`` and ``OUT/NAME.md``: every row, the best setting per shape, and the
 defaults to paste (one decode setting per page size, because the decode kernel's compiled knobs must not
-follow the batch; prefill settings for packed and paged keys).
+follow the batch; prefill settings for packed and paged keys). ``--kinds`` and ``--pages`` narrow the grid
+(the packed prompt stays with any prefill: its cuDNN rate anchors the paged rows).
 
     python benchmarks/kernel_sweep.py --out OUT [--name kernel_sweep] [--budget 80] [--long]
+        [--kinds decode prefill] [--pages 16 128]
     TRITON_INTERPRET=1 python benchmarks/kernel_sweep.py --out OUT   # dry: tiny sizes on the CPU
 """
 
@@ -86,12 +88,20 @@ PREFILL_VARIANTS = {
     "fused scale": dict(fused_scale=True),
     "tma, fused scale": dict(tma=True, fused_scale=True),
     "tma, fused scale, heads first": dict(tma=True, fused_scale=True, heads_first=True),
+    # pages smaller than the key tile (no TMA gather on Hopper): a box load per page, three ways
+    "page boxes join": dict(tma=True, page_boxes="join"),
+    "page boxes dots": dict(tma=True, page_boxes="dots"),
+    "page boxes values": dict(tma=True, page_boxes="values"),
+    "page boxes values, 128x64, 4 stages": dict(tma=True, page_boxes="values", block_n=64, num_stages=4),
+    # plain loads, whose pages are read a tile ahead, with a deeper pipeline (128x128 has no room for 4)
+    "128x64, 4 stages": dict(block_m=128, block_n=64, num_stages=4),
 }
 LONG_VARIANTS = ("default", "tma", "tma, fused scale, heads first")  # 128K: a third of a second a call
 if DRY:  # the interpreter is slow: a few settings that go through every kernel path
     DECODE_VARIANTS = {k: DECODE_VARIANTS[k]
                        for k in ("default", "page ahead, wave fit, 3 programs/SM, 128 splits")}
     PREFILL_VARIANTS = {k: PREFILL_VARIANTS[k] for k in ("default", "tma, fused scale, heads first")}
+    PREFILL_VARIANTS["page boxes values, 2 pages a tile"] = dict(tma=True, page_boxes="values", block_n=32)
 
 
 def decode_config(variant: str, block_size: int) -> tk.DecodeConfig:
@@ -153,17 +163,20 @@ def prefill_shape(q_len: int, ctx: int, block_size: int | None, gen, variants: l
     return calls
 
 
-def shapes(long: bool) -> list[dict]:
-    """Every shape of the sweep: kind, label, its work per call (bytes or FLOPs), and how to build it."""
+def shapes(long: bool, kinds=("decode", "prefill"), pages=PAGES) -> list[dict]:
+    """Every shape of the sweep (of ``kinds``, paged ones over ``pages``): kind, label, its work per call
+    (bytes or FLOPs), and how to build it."""
     out = []
-    for batch, ctx in DECODE_SHAPES:
-        for bs in PAGES:
+    for batch, ctx in DECODE_SHAPES if "decode" in kinds else ():
+        for bs in pages:
             out.append(dict(kind="decode", label=f"b={batch} ctx={ctx} bs={bs}", unit="TB/s",
                             work=2 * batch * ctx * HKV * D * 2, build=(decode_shape, batch, ctx, bs),
                             variants=list(DECODE_VARIANTS)))
+    if "prefill" not in kinds:
+        return out
     prefills = [(PREFILL_PROMPT, PREFILL_PROMPT, None)]
-    prefills += [(PREFILL_PROMPT, PREFILL_PROMPT, bs) for bs in PAGES]
-    prefills += [(PREFILL_CHUNK, PREFILL_PROMPT, bs) for bs in PAGES]
+    prefills += [(PREFILL_PROMPT, PREFILL_PROMPT, bs) for bs in pages]
+    prefills += [(PREFILL_CHUNK, PREFILL_PROMPT, bs) for bs in pages]
     if long and not DRY:
         prefills.append((LONG_PROMPT, LONG_PROMPT, None))
     for q_len, ctx, bs in prefills:
@@ -204,12 +217,12 @@ def cuda_alive() -> bool:
         return False
 
 
-def _compile_part(args: tuple[int, int, bool]) -> dict:
+def _compile_part(args: tuple) -> dict:
     """Worker: run once every (shape, variant) whose compile key falls to this worker, so that Triton compiles
     it into its disk cache. Returns how many ran, and the compile key that broke the worker's CUDA context
     (the worker stops there), if one did."""
-    index, workers, long = args
-    every = shapes(long)
+    index, workers, long, kinds, pages = args
+    every = shapes(long, kinds, pages)
     keys = sorted({_compile_key(sh, v) for sh in every for v in sh["variants"]}, key=str)
     mine = {key for i, key in enumerate(keys) if i % workers == index}
     gen = torch.Generator(device=DEV).manual_seed(0)
@@ -233,7 +246,8 @@ def _compile_part(args: tuple[int, int, bool]) -> dict:
     return dict(done=done, fatal=None)
 
 
-def compile_ahead(workers: int, timeout: float, long: bool) -> tuple[str, dict]:
+def compile_ahead(workers: int, timeout: float, long: bool, kinds=("decode", "prefill"),
+                  pages=PAGES) -> tuple[str, dict]:
     """Compile every variant in ``workers`` processes; whatever is not done by ``timeout`` seconds compiles in
     the timed process instead. Returns a note and ``{compile key: why}`` of the keys that broke a worker's
     CUDA context, which the timed process must not run."""
@@ -243,7 +257,7 @@ def compile_ahead(workers: int, timeout: float, long: bool) -> tuple[str, dict]:
     done, fatal, finished = 0, {}, 0
     pool = mp.get_context("spawn").Pool(workers)
     try:
-        results = pool.imap_unordered(_compile_part, [(i, workers, long) for i in range(workers)])
+        results = pool.imap_unordered(_compile_part, [(i, workers, long, kinds, pages) for i in range(workers)])
         for _ in range(workers):
             part = results.next(max(0.1, start + timeout - time.perf_counter()))
             done += part["done"]
@@ -276,7 +290,8 @@ def empty_row(shape: dict, variant: str, note: str = "") -> dict:
             cfg = decode_config(variant, block_size)
         else:
             cfg = prefill_config(variant, block_size is not None)
-            if cfg.tma and block_size is not None and block_size % cfg.block_n and not note:
+            if (cfg.tma and block_size is not None and block_size % cfg.block_n and not note
+                    and not tk._page_boxes_fit(cfg.page_boxes, block_size, cfg.block_n)):
                 row["note"] = "pages smaller than the key tile: plain loads"
         row["config"] = cfg._asdict()
     return row
@@ -413,7 +428,8 @@ def groups_of(rows: list[dict]) -> dict[str, set[str]]:
 # each kind's knobs on two axes, whose best settings the combined pass puts together
 AXES = {"decode": ({"block_n", "num_warps", "num_stages", "page_ahead"},
                    {"programs_per_sm", "max_splits", "wave_fit"}),
-        "prefill": ({"block_m", "block_n", "num_warps", "num_stages"}, {"tma", "heads_first", "fused_scale"})}
+        "prefill": ({"block_m", "block_n", "num_warps", "num_stages"},
+                    {"tma", "heads_first", "fused_scale", "page_boxes"})}
 
 
 def combined_variants(rows: list[dict]) -> dict[str, tuple[str, dict]]:
@@ -444,7 +460,7 @@ def recommend(rows: list[dict]) -> dict[str, dict]:
         choice = _geomean_choice(rows, group)
         if choice:
             cls = "DecodeConfig" if name.startswith("DECODE") else "PrefillConfig"
-            fields = ", ".join(f"{k}={v}" for k, v in choice["config"].items())
+            fields = ", ".join(f"{k}={v!r}" for k, v in choice["config"].items())
             choice["paste"] = f"{cls}({fields})"
             out[name] = choice
     return out
@@ -490,13 +506,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
                         help="processes that compile the variants first (0: compile while timing)")
     parser.add_argument("--long", action="store_true", help="also the packed 128K prompt (about 10 s more)")
+    parser.add_argument("--kinds", nargs="+", choices=("decode", "prefill"), default=("decode", "prefill"),
+                        help="only these kernels' shapes")
+    parser.add_argument("--pages", nargs="+", type=int, default=PAGES,
+                        help="only paged shapes over these page sizes (any prefill keeps the packed prompt)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     deadline = start + args.budget - 3  # the last writes
     args.out.mkdir(parents=True, exist_ok=True)
     compile_note, fatal = "no compile workers", {}
     if not DRY and args.workers > 0:
-        compile_note, fatal = compile_ahead(args.workers, 0.45 * args.budget, args.long)
+        compile_note, fatal = compile_ahead(args.workers, 0.45 * args.budget, args.long, tuple(args.kinds),
+                                            tuple(args.pages))
         print(compile_note, file=sys.stderr, flush=True)
     gen = torch.Generator(device=DEV).manual_seed(0)
     copy_tbps = copy_bandwidth() / 1e3
@@ -524,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
         (args.out / f"{args.name}.md").write_text(markdown(result, args.name))
 
-    every = in_turn(shapes(args.long))
+    every = in_turn(shapes(args.long, tuple(args.kinds), tuple(args.pages)))
     for shape in every:
         if not shape.get("long"):
             run(shape)
