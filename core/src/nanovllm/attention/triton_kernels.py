@@ -835,9 +835,8 @@ def _check_window(window: int | None, allowed: bool) -> None:
         raise ValueError(f"window={window}: a sliding window holds at least one token")
 
 
-def _dummy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A one-element stand-in for an argument a launch does not read: an allocation, never a kernel."""
-    return t.new_empty(1, dtype=dtype)
+def _dummy(t: torch.Tensor) -> torch.Tensor:
+    return t.new_empty(1)
 
 
 def _selection_args(block_indices: torch.Tensor | None, num_kv_heads: int, like: torch.Tensor):
@@ -948,10 +947,11 @@ def attention_rows(
     _check_window(window, causal and not has_idx)
     bi, stride_bi, stride_bh, num_sel = _selection_args(block_indices, num_kv_heads, cu_seqlens_q)
     write_lse = lse is not None
-    lse_t = lse if write_lse else _dummy(out, torch.float32)
+    lse_t = lse if write_lse else _dummy(out).float()
     lse_strides = lse.stride() if write_lse else (0, 0)
     descs = _kv_descriptors(k, v, paged, bn, cfg.page_boxes) if cfg.tma and not has_idx else None
-    page_keys, page_values = PAGE_BOX_MODES.get(cfg.page_boxes, (0, 0)) if descs else (0, 0)
+    boxes = descs is not None and paged and block_size < bn  # else page_boxes plays no part: one kernel
+    page_keys, page_values = PAGE_BOX_MODES[cfg.page_boxes] if boxes else (0, 0)
     m_tiles = triton.cdiv(max_query_len, bm)
     grid = (num_heads, m_tiles, num_seqs) if cfg.heads_first else (m_tiles, num_heads, num_seqs)
     _prefill_kernel[grid](
@@ -1039,13 +1039,13 @@ def attention_decode(
     skip_dead = _skip_dead(has_idx, bn, block_size)
     bi, stride_bi, stride_bh, num_sel = _selection_args(block_indices, num_kv_heads, lens)
     write_lse = lse is not None
-    lse_t = lse if write_lse else _dummy(out, torch.float32)
+    lse_t = lse if write_lse else _dummy(out).float()
     lse_strides = lse.stride() if write_lse else (0, 0)
     if num_splits > 1:
         part_o = torch.empty(num_seqs, num_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
         part_l = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
-        part_o = part_l = _dummy(out, torch.float32)
+        part_o = part_l = _dummy(out).float()
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, part_o, part_l, out, lse_t,
         lens, block_tables, bi,
