@@ -835,8 +835,9 @@ def _check_window(window: int | None, allowed: bool) -> None:
         raise ValueError(f"window={window}: a sliding window holds at least one token")
 
 
-def _dummy(t: torch.Tensor) -> torch.Tensor:
-    return t.new_empty(1)
+def _dummy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A one-element stand-in for an argument a launch does not read: an allocation, never a kernel."""
+    return t.new_empty(1, dtype=dtype)
 
 
 def _selection_args(block_indices: torch.Tensor | None, num_kv_heads: int, like: torch.Tensor):
@@ -947,7 +948,7 @@ def attention_rows(
     _check_window(window, causal and not has_idx)
     bi, stride_bi, stride_bh, num_sel = _selection_args(block_indices, num_kv_heads, cu_seqlens_q)
     write_lse = lse is not None
-    lse_t = lse if write_lse else _dummy(out).float()
+    lse_t = lse if write_lse else _dummy(out, torch.float32)
     lse_strides = lse.stride() if write_lse else (0, 0)
     descs = _kv_descriptors(k, v, paged, bn, cfg.page_boxes) if cfg.tma and not has_idx else None
     boxes = descs is not None and paged and block_size < bn  # else page_boxes plays no part: one kernel
@@ -1039,13 +1040,13 @@ def attention_decode(
     skip_dead = _skip_dead(has_idx, bn, block_size)
     bi, stride_bi, stride_bh, num_sel = _selection_args(block_indices, num_kv_heads, lens)
     write_lse = lse is not None
-    lse_t = lse if write_lse else _dummy(out).float()
+    lse_t = lse if write_lse else _dummy(out, torch.float32)
     lse_strides = lse.stride() if write_lse else (0, 0)
     if num_splits > 1:
         part_o = torch.empty(num_seqs, num_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
         part_l = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
-        part_o = part_l = _dummy(out).float()
+        part_o = part_l = _dummy(out, torch.float32)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, part_o, part_l, out, lse_t,
         lens, block_tables, bi,
