@@ -178,8 +178,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     stride along K) and contiguous ``weight [N, K]`` and ``bias [N]`` of ``x``'s dtype, on CUDA (or on the
     CPU under ``TRITON_INTERPRET=1``); ``config`` defaults to :func:`config_for` the shape (its default
     where the table keeps cuBLAS). ``silu_and_mul``: ``weight`` stacks a gated MLP's gate rows over its up
-    rows, and the result is ``silu(gate) * up`` ``[M, N / 2]`` (:class:`~nanovllm.layers.SiluAndMul` of the
-    plain result, to the same bits), ``config.block_n`` of its features a program."""
+    rows, and the result is ``silu(gate) * up`` ``[M, N / 2]``, rounded as the activation's own kernel rounds
+    the plain result, ``config.block_n`` of its features a program."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv multiplies x [M, K] by weight [N, K]; got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
