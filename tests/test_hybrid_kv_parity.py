@@ -108,7 +108,7 @@ def runs(model_dir, hf_greedy):
             outputs = [*llm.generate(first, params, use_tqdm=False),
                        *llm.generate(again, params, use_tqdm=False)]
             bm = llm.scheduler.block_manager
-            all_free = bm.num_free_blocks == len(bm.blocks)
+            all_free = bm.num_free_blocks == bm.num_usable_blocks
             done[key] = dict(prompts=first + again, outputs=outputs, all_free=all_free,
                              preemptions=llm.scheduler.num_preemptions,
                              windows=[g.sliding_window for g in getattr(llm, "kv_cache_groups", ())])

@@ -92,9 +92,9 @@ def assert_blocks_accounted(scheduler) -> None:
                 if b != null:
                     users[b] = users.get(b, 0) + 1
     assert all(not any(block_tables(s)) for s in scheduler.waiting if s not in scheduler.running)
-    for block in bm.blocks:
-        assert block.ref_count == users.get(block.block_id, 0), f"block {block.block_id}"
-        assert (block.block_id in bm.free_blocks) == (block.ref_count == 0), f"block {block.block_id}"
+    for b, ref_count in enumerate(bm.ref_counts.tolist()):
+        assert ref_count == users.get(b, 0), f"block {b}"
+        assert (b in bm.free_blocks) == (ref_count == 0), f"block {b}"
 
 
 def watch_window_blocks(llm) -> list[int]:
@@ -119,8 +119,9 @@ def watch_window_blocks(llm) -> list[int]:
 def assert_nothing_held(llm) -> None:
     bm = llm.scheduler.block_manager
     assert not llm.has_unfinished_requests()
-    assert bm.num_free_blocks == len(bm.blocks), f"{len(bm.blocks) - bm.num_free_blocks} blocks leaked"
-    assert all(b.ref_count == 0 for b in bm.blocks)
+    leaked = bm.num_usable_blocks - bm.num_free_blocks
+    assert not leaked, f"{leaked} blocks leaked"
+    assert not bm.ref_counts.any()
 
 
 def run_workload(llm, requests: list[Request]) -> dict[str, object]:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import random
+import time
+
+import numpy as np
 import pytest
 from nanovllm.engine import block_manager as bm_module
-from nanovllm.engine.block_manager import BlockManager, chain_hash
+from nanovllm.engine.block_manager import BlockManager, FreeQueue, chain_hash
 from nanovllm.engine.sequence import Sequence
+from nanovllm.kv.groups import KVCacheGroup
 from nanovllm.sampling_params import SamplingParams
 
 BS = 4  # block size used throughout
@@ -33,12 +38,12 @@ def compute(bm: BlockManager, seq: Sequence, upto: int | None = None) -> None:
 
 
 def refs(bm: BlockManager, seq: Sequence) -> list[int]:
-    return [bm.blocks[b].ref_count for b in seq.block_table]
+    return bm.ref_counts[seq.block_table].tolist()
 
 
 def assert_all_free(bm: BlockManager) -> None:
-    assert bm.num_free_blocks == len(bm.blocks)
-    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert bm.num_free_blocks == bm.num_usable_blocks
+    assert not bm.ref_counts.any()
 
 
 # -- allocation and reference counts ---------------------------------------------------------------
@@ -132,6 +137,59 @@ def test_blocks_with_nothing_cached_are_handed_out_again_first():
     assert b.block_table == table[2:]  # the partial block, not a fresh one nor a cached one
     assert bm.find_cached_prefix(seq_of(range(1, 11)))[0] == table[:2]
 
+def test_a_pool_of_millions_of_blocks_is_made_at_once():
+    """Per-block state lives in arrays made in a few operations: a manager of an H200's 2.5 million blocks,
+    one pool or two (KV offload's window pool), takes well under half a second of CPU time (one Python
+    object per block took seconds), and works."""
+    offload_groups = (KVCacheGroup((0,)), KVCacheGroup((1,), 512, pool=1))
+    for make in (lambda: BlockManager(2_500_000, 16),
+                 lambda: BlockManager(2_000_000, 16, groups=offload_groups, num_window_blocks=500_000)):
+        start = time.thread_time()
+        bm = make()
+        seconds = time.thread_time() - start
+        assert seconds < 0.5, f"{seconds:.2f} s to make a BlockManager of 2.5 million blocks"
+        s = seq_of(range(1000))
+        admit(bm, s)
+        compute(bm, s)
+        assert bm.num_free_blocks == bm.num_usable_blocks - sum(len(bm._held(t)) for t in s.block_tables)
+        bm.free(s)
+        assert bm.num_free_blocks == bm.num_usable_blocks and not bm.ref_counts.any()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_free_queue_is_a_stack_of_uncached_blocks_then_the_cached_oldest_first(seed):
+    """The array-backed free queue against a plain model of its order (a stack handed out from its end, then
+    a queue from its start) through random takes, give-backs and take-backs of cached blocks, enough to
+    wrap its log many times."""
+    rng = random.Random(seed)
+    first, size = 5, 12
+    queue = FreeQueue(first, first + size)
+    stack, cached, held = list(range(first + size - 1, first - 1, -1)), [], []
+    for _ in range(2000):
+        op = rng.random()
+        if op < 0.4 and len(queue):
+            n = rng.randint(1, len(queue))
+            k = min(n, len(stack))
+            expected = stack[len(stack) - k :][::-1] + cached[: n - k]
+            del stack[len(stack) - k :], cached[: n - k]
+            assert queue.take(n).tolist() == expected
+            held += expected
+        elif op < 0.8 and held:
+            rng.shuffle(held)
+            n = rng.randint(1, len(held))
+            back, held, to_cache = held[:n], held[n:], [rng.random() < 0.5 for _ in range(n)]
+            queue.put_back(np.array(back), np.array(to_cache))
+            stack += [b for b, c in zip(back, to_cache) if not c]
+            cached += [b for b, c in zip(back, to_cache) if c]
+        elif cached:  # prefix-cache hits on free blocks
+            hits = rng.sample(cached, rng.randint(1, len(cached)))
+            queue.remove(np.array(hits))
+            cached = [b for b in cached if b not in hits]
+            held += hits
+        assert list(queue) == stack[::-1] + cached and len(queue) == len(stack) + len(cached)
+        assert [b for b in range(first - 1, first + size + 1) if b in queue] == sorted(stack + cached)
+
+
 # -- the prefix cache -------------------------------------------------------------------------------
 
 
@@ -177,7 +235,7 @@ def test_partial_blocks_are_not_published():
     assert len(bm.hash_to_block[0]) == 1
     compute(bm, a, 10)
     assert len(bm.hash_to_block[0]) == 2
-    assert bm.blocks[a.block_table[2]].hash is None
+    assert bm.cache_groups[a.block_table[2]] == -1  # unpublished
 
 
 def test_freed_blocks_stay_reusable_until_overwritten():
@@ -301,18 +359,17 @@ def test_collision_cannot_reach_a_block_whose_parent_was_overwritten(monkeypatch
     _, parent, child, _ = a.block_table
     bm.free(a)
     queue = bm.free_queues[0]
-    spare, *others = queue.uncached[::-1]  # never handed out, nothing cached
-    queue.uncached[:] = [spare]
-    queue.cached.update(dict.fromkeys(others))
-    queue.cached.move_to_end(child)  # evicted last
-    queue.cached.move_to_end(parent, last=False)
+    free = queue.take(len(queue)).tolist()
+    spare = free[0]  # never handed out, nothing cached
+    order = [parent, *(b for b in free if b not in (spare, parent, child)), child]  # the child evicted last
+    queue.put_back(np.array([spare, *order]), np.array([False] + [True] * len(order)))
     assert list(queue)[:2] == [spare, parent] and list(queue)[-1] == child
 
     s = seq_of([5, 6, 1, 2, 9])
     assert admit(bm, s)[0] == []
     assert s.block_table[:2] == [spare, parent]  # parent's block now holds [1, 2] after [5, 6]
     compute(bm, s)
-    assert bm.blocks[child].hash is not None  # the old child is still cached
+    assert bm.cache_groups[child] == 0  # the old child is still cached
 
     assert bm.find_cached_prefix(seq_of([5, 6, 1, 2, 3, 4, 0]))[0] == [spare, parent]
 
@@ -334,7 +391,7 @@ def test_every_handed_out_block_is_reported_once_and_hits_are_not():
     given_back = b.block_table[:2]  # b's own copies of the shared blocks
     compute(bm, a)
     compute(bm, b)  # ... go back to the free queue, b now shares a's
-    assert b.block_table[:2] == a.block_table[:2] and all(bm.blocks[x].ref_count == 0 for x in given_back)
+    assert b.block_table[:2] == a.block_table[:2] and not bm.ref_counts[given_back].any()
     assert bm.take_newly_allocated() == []  # the dedupe hands nothing out
     c = seq_of(shared + [40])
     hits = admit(bm, c)
@@ -346,4 +403,4 @@ def test_every_handed_out_block_is_reported_once_and_hits_are_not():
     assert bm.take_newly_allocated() == d.block_table
     taken += d.block_table
     assert set(given_back) <= set(taken)  # reported when handed out again
-    assert all(bm.blocks[x].generation == 2 for x in given_back)
+    assert (bm.generations[given_back] == 2).all()

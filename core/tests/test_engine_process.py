@@ -164,7 +164,7 @@ def test_bad_requests_raise_in_the_front_end_as_llm_raises_them(model, engine, r
 
 def has_no_request_and_no_block(engine) -> bool:
     blocks = engine.scheduler.block_manager
-    return not engine.has_unfinished_requests() and blocks.num_free_blocks == len(blocks.blocks)
+    return not engine.has_unfinished_requests() and blocks.num_free_blocks == blocks.num_usable_blocks
 
 
 def test_abort_frees_blocks_and_ends_the_generator(engine, run):

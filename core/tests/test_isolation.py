@@ -91,15 +91,15 @@ def assert_blocks_accounted(llm) -> None:
         for b in seq.block_table:
             users[b] = users.get(b, 0) + 1
     assert all(not s.block_table for s in sched.waiting)
-    for block in bm.blocks:
-        assert block.ref_count == users.get(block.block_id, 0)
-        assert (block.block_id in bm.free_blocks) == (block.ref_count == 0)
+    for b, ref_count in enumerate(bm.ref_counts.tolist()):
+        assert ref_count == users.get(b, 0)
+        assert (b in bm.free_blocks) == (ref_count == 0)
 
 
 def assert_idle(llm) -> None:
     bm = llm.scheduler.block_manager
     assert not llm.has_unfinished_requests() and not llm._streams and not llm.scheduler.suspects
-    assert bm.num_free_blocks == len(bm.blocks)
+    assert bm.num_free_blocks == bm.num_usable_blocks
 
 
 def run_step_api(llm, prompts: dict[str, object], params=GREEDY) -> dict[str, list]:

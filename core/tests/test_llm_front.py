@@ -76,7 +76,7 @@ def run(llm, prompts, params=GREEDY):
 def assert_idle(llm) -> None:
     sched = llm.scheduler
     assert not sched.waiting and not sched.running
-    assert sched.block_manager.num_free_blocks == len(sched.block_manager.blocks)
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_usable_blocks
 
 
 # -- engine options --------------------------------------------------------------------------------

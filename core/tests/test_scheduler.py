@@ -52,8 +52,8 @@ def run(sched: Scheduler, max_steps: int = 1000) -> list[list[tuple[Sequence, in
 
 def assert_all_blocks_free(sched: Scheduler) -> None:
     bm = sched.block_manager
-    assert bm.num_free_blocks == len(bm.blocks)
-    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert bm.num_free_blocks == bm.num_usable_blocks
+    assert not bm.ref_counts.any()
 
 
 def test_token_budget_is_respected_and_long_prompts_are_chunked():
@@ -178,12 +178,12 @@ def check_block_accounting(sched: Scheduler) -> None:
             for b in table:
                 if b != bm.null_block:
                     users[b] = users.get(b, 0) + 1
-    for block in bm.blocks:
-        assert block.ref_count == users.get(block.block_id, 0)
-        assert (block.block_id in bm.free_blocks) == (block.ref_count == 0)
+    for b, ref_count in enumerate(bm.ref_counts.tolist()):
+        assert ref_count == users.get(b, 0)
+        assert (b in bm.free_blocks) == (ref_count == 0)
     for g, cache in enumerate(bm.hash_to_block):
         for h, b in cache.items():
-            assert bm.blocks[b].hash == h and bm.blocks[b].group == g
+            assert bm.contents[b][0] == h and bm.cache_groups[b] == g
 
 
 # KV cache groups of the random workload: one full-attention group (every model without windows), a full
@@ -339,7 +339,7 @@ def spy_steps(llm) -> list[list[tuple[int, bool]]]:
 
 def engine_blocks_all_free(llm) -> bool:
     bm = llm.scheduler.block_manager
-    return bm.num_free_blocks == len(bm.blocks) and not llm.scheduler.has_unfinished()
+    return bm.num_free_blocks == bm.num_usable_blocks and not llm.scheduler.has_unfinished()
 
 
 @needs_llama

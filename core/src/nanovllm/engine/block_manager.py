@@ -11,6 +11,10 @@ to keep (prefix caching off, a partial block) goes to the front and is handed ou
 writes only as many blocks as it ever holds at once, and on the CPU, where the cache's pages become
 resident when first written, the process does not grow towards the whole cache's size.
 
+Per-block state lives in flat arrays indexed by block id, and the published blocks' contents in one dict, so
+a pool of millions of blocks is made in a few operations, and a run of blocks (a prompt chunk's) is handed
+out, published and given back in a few numpy operations rather than one Python step per block.
+
 Hybrid models (:mod:`nanovllm.kv.groups`): every group takes blocks from the one pool and keeps a block
 table per sequence (``Sequence.block_tables[g]``); the prefix cache is per group, under the same hashes.
 A sliding-window group frees the blocks its window has left as the sequence advances, and its table names
@@ -24,8 +28,9 @@ GPU's), numbered after the host pool's; each pool has its free queue and counts 
 
 from __future__ import annotations
 
-from collections import ChainMap, OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from bisect import bisect_left
+from collections import ChainMap
+from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Sequence as SequenceABC
 
 import numpy as np
@@ -35,6 +40,10 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.kv.groups import KVCacheGroup, needs_null_block
 
 FULL_ATTENTION = (KVCacheGroup((), None),)  # the one group of a model without windows
+
+# What a published block holds: (hash, token ids, parent), the parent being what proves the prefix before it
+# (see BlockManager._parent_of)
+Content = tuple[int, tuple[int, ...], tuple[int, int] | None]
 
 
 def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
@@ -55,55 +64,89 @@ def check_hash(prev_hash: int | None, token_ids: list[int]) -> int:
     return h.intdigest()
 
 
-class Block:
-    __slots__ = ("block_id", "pool", "ref_count", "hash", "token_ids", "parent", "generation", "group")
-
-    def __init__(self, block_id: int, pool: int = 0) -> None:
-        self.block_id = block_id
-        self.pool = pool  # the pool it belongs to (KVCacheGroup.pool of the groups it is handed to)
-        self.ref_count = 0
-        self.hash: int | None = None
-        self.token_ids: tuple[int, ...] | None = None
-        self.parent: tuple[int, int] | None = None  # (block id, generation) of the block before it
-        self.generation = 0  # bumped each time the block is handed out (its content is overwritten)
-        self.group = 0  # the KV cache group whose prefix cache names it, while it has a hash
-
-
 class FreeQueue:
-    """One pool's free blocks, in the order they are handed out: first the ones with nothing cached (a stack,
-    the last given back first), then the cached ones, oldest first. Lists and slices let a run of blocks
-    come and go at once."""
+    """The free blocks of one pool (ids ``start`` to ``stop - 1``, all free at first), in the order they are
+    handed out: first the ones with nothing cached (a stack, the last given back first), then the cached
+    ones, oldest first. Both live in arrays made once, so a run of blocks comes and goes in a few numpy
+    operations."""
 
-    __slots__ = ("uncached", "cached")
-
-    def __init__(self, block_ids: Iterable[int]) -> None:
-        self.uncached: list[int] = list(block_ids)[::-1]  # handed out from the end
-        self.cached: OrderedDict[int, None] = OrderedDict()
+    def __init__(self, start: int, stop: int) -> None:
+        size = stop - start
+        self.start = start
+        self.stack = np.arange(stop - 1, start - 1, -1)  # the uncached ones: stack[:num_uncached], top last
+        self.num_uncached = size
+        # The cached ones, oldest first, are the current entries of log[head:tail]: those whose position (per
+        # block, from ``start``; -1 if none) is their index. A block taken back out leaves a stale entry.
+        self.log = np.empty(2 * size, np.int64)
+        self.position = np.full(size, -1, np.int64)
+        self.head = self.tail = self.num_cached = 0
 
     def __len__(self) -> int:
-        return len(self.uncached) + len(self.cached)
+        return self.num_uncached + self.num_cached
 
     def __iter__(self) -> Iterator[int]:
-        yield from reversed(self.uncached)
-        yield from self.cached
+        yield from self.stack[: self.num_uncached][::-1].tolist()
+        yield from self._current(self.tail).tolist()
 
-    def __contains__(self, block_id: object) -> bool:
-        return block_id in self.cached or block_id in self.uncached
+    def __contains__(self, block_id: int) -> bool:
+        i = block_id - self.start
+        return 0 <= i < len(self.position) and (
+            self.position[i] >= 0 or block_id in self.stack[: self.num_uncached])
 
-    def take(self, n: int) -> list[int]:
-        """The first ``n`` blocks (there must be as many)."""
-        taken = self.uncached[: -n - 1 : -1]
-        del self.uncached[len(self.uncached) - len(taken) :]
-        cached = self.cached
-        taken += [cached.popitem(last=False)[0] for _ in range(n - len(taken))]
-        return taken
+    def _current(self, end: int) -> np.ndarray:
+        """The current entries of ``log[head:end]``, in order."""
+        entries = self.log[self.head : end]
+        return entries[self.position[entries - self.start] == np.arange(self.head, end)]
+
+    def take(self, n: int) -> np.ndarray:
+        """Take out the first ``n`` blocks."""
+        assert n <= len(self), "more blocks taken than the queue holds"
+        k = min(n, self.num_uncached)
+        self.num_uncached -= k
+        taken = self.stack[self.num_uncached : self.num_uncached + k][::-1].copy()
+        if k == n:
+            return taken
+        parts, n = [taken], n - k
+        while n:  # n entries hold at most n current ones: read on past the stale ones until there are n
+            cached = self._current(self.head + n)
+            self.head += n
+            self.position[cached - self.start] = -1
+            self.num_cached -= len(cached)
+            n -= len(cached)
+            parts.append(cached)
+        if not self.num_cached:  # nothing current is left in the log: start it again
+            self.head = self.tail = 0
+        return np.concatenate(parts)
+
+    def put_back(self, block_ids: np.ndarray, cached: np.ndarray) -> None:
+        """Give back ``block_ids`` in order: where ``cached``, to the back (handed out last); the others to
+        the front (handed out next)."""
+        uncached = block_ids[~cached]
+        self.stack[self.num_uncached : self.num_uncached + len(uncached)] = uncached
+        self.num_uncached += len(uncached)
+        block_ids = block_ids[cached]
+        n = len(block_ids)
+        if self.tail + n > len(self.log):  # move the current entries to the start: a pool's worth fits after
+            current = self._current(self.tail)
+            self.head, self.tail = 0, len(current)
+            self.log[: self.tail] = current
+            self.position[current - self.start] = np.arange(self.tail)
+        self.log[self.tail : self.tail + n] = block_ids
+        self.position[block_ids - self.start] = np.arange(self.tail, self.tail + n)
+        self.tail += n
+        self.num_cached += n
+
+    def remove(self, block_ids: np.ndarray) -> None:
+        """Take the cached blocks ``block_ids`` out of the queue (they are in use again)."""
+        self.position[block_ids - self.start] = -1
+        self.num_cached -= len(block_ids)
 
 
 class BlockManager:
     """``num_blocks`` blocks of ``block_size`` tokens shared by the KV cache ``groups`` (default: one
     full-attention group); with ``num_window_blocks``, the groups of pool 1 (KV offload's window groups)
     take theirs from that many more, ids ``num_blocks`` on. Where a group has a window, the last block id
-    (``null_block``) is kept back as the null block and ``blocks`` holds the others."""
+    (``null_block``) is kept back as the null block; the others (``num_usable_blocks``) are handed out."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  groups: SequenceABC[KVCacheGroup] = FULL_ATTENTION, num_window_blocks: int = 0) -> None:
@@ -112,20 +155,27 @@ class BlockManager:
         self.groups = tuple(groups)
         if any(g.pool for g in self.groups) != bool(num_window_blocks):
             raise ValueError("num_window_blocks sizes the pool of the KV cache groups of pool 1, and only it")
-        # the last id: the managed blocks stay 0..n-1, all free when num_free_blocks == len(blocks)
+        # the last id: the usable blocks stay 0..n-1, all free when num_free_blocks == num_usable_blocks
         total = num_blocks + num_window_blocks
         self.null_block = total - 1 if needs_null_block(self.groups) else None
-        num_managed = total - (self.null_block is not None)
-        self.blocks = [Block(i, int(i >= num_blocks)) for i in range(num_managed)]
-        # per pool, oldest first
-        self.free_queues = [FreeQueue(range(min(num_blocks, num_managed)))]
+        n = self.num_usable_blocks = total - (self.null_block is not None)
+        self.free_queues = [FreeQueue(0, min(num_blocks, n))]  # per pool
         if num_window_blocks:
-            self.free_queues.append(FreeQueue(range(num_blocks, num_managed)))
+            self.free_queues.append(FreeQueue(num_blocks, n))
+        # per block: its users; its hand-outs (what its content is named by, with its id); the group whose
+        # prefix cache publishes it (-1: none), in whose hash_to_block its hash then names it
+        self.ref_counts = np.zeros(n, np.int32)
+        self.generations = np.zeros(n, np.int64)
+        self.cache_groups = np.full(n, -1, np.int16)
+        self.contents: dict[int, Content] = {}  # the published blocks'
         self.hash_to_block: list[dict[int, int]] = [{} for _ in self.groups]  # per group
         # the first full-attention group: a window group's block records its parent there (see _cached_blocks)
         self.anchor = next((g for g, group in enumerate(self.groups) if group.sliding_window is None), None)
         self.windowed = [group.sliding_window is not None for group in self.groups]
+        self.full_groups = [g for g in range(len(self.groups)) if not self.windowed[g]]
         self.window_groups = [(g, group) for g, group in enumerate(self.groups) if self.windowed[g]]
+        self.pool_groups = [[g for g, group in enumerate(self.groups) if group.pool == pool]
+                            for pool in range(len(self.free_queues))]
         if self.anchor not in (None, 0):
             raise ValueError("the full-attention KV cache groups come first (see nanovllm.kv.groups)")
         self.newly_allocated: list[int] = []  # handed out since take_newly_allocated (policies reset them)
@@ -141,24 +191,34 @@ class BlockManager:
         """Free blocks, over every pool."""
         return sum(map(len, self.free_queues))
 
-    def _fits(self, entries: list[int], reused: SequenceABC[int] = ()) -> bool:
-        """Whether each pool has the blocks to hand out ``entries[g]`` new ones to each group ``g`` and to
-        take back the free cached blocks ``reused``."""
+    def _fits(self, takes: list[int]) -> bool:
+        """Whether each pool has the free blocks for each group ``g`` to take ``takes[g]`` of them."""
         if len(self.free_queues) == 1:  # the common case, once per running sequence and step
-            return sum(entries) + len(reused) <= len(self.free_queues[0])
+            return sum(takes) <= len(self.free_queues[0])
         need = [0] * len(self.free_queues)
-        for group, n in zip(self.groups, entries, strict=True):
+        for group, n in zip(self.groups, takes, strict=True):
             need[group.pool] += n
-        for block_id in reused:
-            need[self.blocks[block_id].pool] += 1
         return all(n <= len(queue) for n, queue in zip(need, self.free_queues, strict=True))
 
-    def _take_back(self, block_id: int) -> None:
-        """One more user of ``block_id``, which leaves its free queue if it was there."""
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self.free_queues[block.pool].cached[block_id]  # a block with something to share is cached
-        block.ref_count += 1
+    def _held(self, block_ids: list[int]) -> np.ndarray:
+        """``block_ids`` but the null block, in order."""
+        ids = np.array(block_ids, dtype=np.int64)
+        return ids if self.null_block is None else ids[ids != self.null_block]
+
+    def _hold(self, block_ids: np.ndarray, pool: int) -> None:
+        """One more user of each of ``block_ids`` (distinct blocks of pool ``pool``); the free ones, cached
+        since they have something to share, leave the free queue."""
+        self.free_queues[pool].remove(block_ids[self.ref_counts[block_ids] == 0])
+        self.ref_counts[block_ids] += 1
+
+    def _release(self, block_ids: np.ndarray, pool: int) -> None:
+        """One user fewer of each of ``block_ids`` (distinct blocks of pool ``pool``: a table never names a
+        block twice), in order; a block no one holds goes to the back of the free queue when it is published
+        (reused last), to the front when not (reused first)."""
+        counts = self.ref_counts[block_ids] - 1
+        self.ref_counts[block_ids] = counts
+        freed = block_ids[counts == 0]
+        self.free_queues[pool].put_back(freed, self.cache_groups[freed] >= 0)
 
     def _new_entries(self, seq_tables: list[list[int]], num_computed: int, num_tokens: int) -> list[int]:
         """Per group, the blocks to hand out so that tables of ``seq_tables``' lengths cover ``num_tokens``
@@ -199,7 +259,7 @@ class BlockManager:
         num_hits = (seq.num_tokens - 1) // bs
         found: list[list[int | None]] = [[] for _ in self.groups]
         # full attention first: its verified chain bounds how far a window group need look, and anchors it
-        for g in sorted(range(len(self.groups)), key=lambda g: self.groups[g].sliding_window is not None):
+        for g in sorted(range(len(self.groups)), key=lambda g: self.windowed[g]):
             anchor = found[self.anchor] if self.anchor is not None else []
             found[g] = self._cached_blocks(seq, g, num_hits, anchor)
             num_hits = min(num_hits, len(found[g]))
@@ -225,14 +285,14 @@ class BlockManager:
         tokens after the same prefix (``_parent_of``; ``anchor``: the anchor group's blocks found so far). For
         full attention the chain from the first block up to the first miss; for a window every block, None
         where missing, since it need not keep the blocks before its window."""
-        cache, chain = self.hash_to_block[g], self.groups[g].sliding_window is None
+        cache, chain = self.hash_to_block[g], not self.windowed[g]
         found: list[int | None] = []
         for i in range(max_blocks):
             block_id = cache.get(self._block_hash(seq, i))
             if block_id is not None:
-                tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-                parent = self._parent_of(seq, g, i, found, anchor)
-                if not self._same_content(self.blocks[block_id], tokens, parent):
+                _, tokens, parent = self.contents[block_id]
+                if (tokens != tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+                        or parent != self._parent_of(seq, g, i, found, anchor)):
                     block_id = None  # a hash collision, not a hit
             if block_id is None and chain:
                 break
@@ -248,36 +308,37 @@ class BlockManager:
         independent of the first."""
         if not i:
             return None
-        if self.groups[g].sliding_window is None:
+        if not self.windowed[g]:
             return self._parent_key(table[i - 1])
         if self.anchor is not None:
             return self._parent_key(anchor[i - 1])
-        return -1, self._check_hash(seq, i - 1)
-
-    def _check_hash(self, seq: Sequence, index: int) -> int:
-        """``check_hash`` chained over the first ``index + 1`` blocks of ``seq`` (cached on the sequence)."""
-        return self._chained(seq, seq.block_checks, check_hash, index)
+        return -1, self._chained(seq, seq.block_checks, check_hash, i - 1)
 
     def _parent_key(self, parent_id: int | None) -> tuple[int, int] | None:
         """What a block after block ``parent_id`` records as its parent (``None``: it starts a sequence, or
         follows the null block, which proves nothing)."""
         if parent_id is None or parent_id == self.null_block:
             return None
-        return parent_id, self.blocks[parent_id].generation
+        return parent_id, int(self.generations[parent_id])
+
+    def _parent_keys(self, table: list[int], first: int, stop: int) -> list[tuple[int, int] | None]:
+        """``_parent_key`` of the block before each of blocks ``first`` to ``stop - 1`` of a full-attention
+        ``table``."""
+        before = table[max(first - 1, 0) : stop - 1]
+        keys = list(zip(before, self.generations[before].tolist()))
+        return [None, *keys] if not first else keys
 
     def can_allocate(self, seq: Sequence, hits: list[list[int]], num_tokens: int) -> bool:
-        held = {b for blocks in hits for b in blocks if b != self.null_block}
-        reused_free = [b for b in held if self.blocks[b].ref_count == 0]
-        return self._fits(self._new_entries(hits, len(hits[0]) * self.block_size, num_tokens), reused_free)
+        new = self._new_entries(hits, len(hits[0]) * self.block_size, num_tokens)
+        reused_free = [np.count_nonzero(self.ref_counts[self._held(blocks)] == 0) for blocks in hits]
+        return self._fits([a + b for a, b in zip(new, reused_free)])
 
     def allocate(self, seq: Sequence, hits: list[list[int]], num_tokens: int) -> None:
         """Admit ``seq``: share the cached prefix ``hits`` (one list per group, as ``find_cached_prefix``
         gives it) and give it slots up to ``num_tokens``."""
         assert not seq.block_tables
-        for blocks in hits:
-            for block_id in blocks:
-                if block_id != self.null_block:
-                    self._take_back(block_id)
+        for group, blocks in zip(self.groups, hits, strict=True):
+            self._hold(self._held(blocks), group.pool)
         seq.block_tables = [list(blocks) for blocks in hits]
         seq.num_committed_blocks = len(hits[0])
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits[0]) * self.block_size
@@ -294,7 +355,7 @@ class BlockManager:
                 return False
             if needed > 0:
                 seq.changed_blocks(0, len(table))
-                table += self._take_free_blocks(0, needed)
+                table += self._take_free_blocks([needed])[0]
             return True
         if self.null_block is not None:
             self._free_left_behind(seq)
@@ -303,44 +364,55 @@ class BlockManager:
         entries = self._new_entries(seq.block_tables, seq.num_computed_tokens, num_tokens)
         if not self._fits(entries):
             return False
-        for g, (table, new) in enumerate(zip(seq.block_tables, entries, strict=True)):
+        taken = self._take_free_blocks(entries)
+        for g, (table, new) in enumerate(zip(seq.block_tables, taken, strict=True)):
             seq.changed_blocks(g, len(table))
-            table.extend([self.null_block] * (total - new - len(table)))  # before a window: nothing to hold
-            table += self._take_free_blocks(g, new)
+            table.extend([self.null_block] * (total - len(new) - len(table)))  # before a window: none held
+            table += new
         return True
 
     def _free_left_behind(self, seq: Sequence) -> None:
         """Give back the blocks of ``seq``'s window groups that no token still to compute reads; their
         entries become the null block (the tail first, as ``free`` does)."""
-        null = self.null_block
+        null, left = self.null_block, []
         for g, group in self.window_groups:
             table = seq.block_tables[g]
             i = min(group.first_needed_block(seq.num_computed_tokens, self.block_size), len(table)) - 1
             if i < 0 or table[i] == null:
                 continue  # nothing new behind the window (the blocks before a null block went earlier)
-            start = i  # the table is null blocks, then held ones: free the held ones up to i
-            while start and table[start - 1] != null:
-                start -= 1
-            self._release_all(table[i : start - 1 if start else None : -1])
+            # the table is null blocks, then held ones: free the held ones up to i
+            start = bisect_left(range(i), True, key=lambda j: table[j] != null)
+            left += table[i : start - 1 if start else None : -1]
             table[start : i + 1] = [null] * (i + 1 - start)
             seq.changed_blocks(g, start)
+        if left:  # the window groups share a pool
+            self._release(np.array(left, dtype=np.int64), self.window_groups[0][1].pool)
 
-    def _take_free_blocks(self, group: int, n: int) -> list[int]:
-        """``n`` blocks from the front of group ``group``'s free queue, handed to it (to be overwritten)."""
-        if n <= 0:
-            return []
-        caches, blocks = self.hash_to_block, self.blocks
-        taken = self.free_queues[self.groups[group].pool].take(n)
-        for block_id in taken:
-            block = blocks[block_id]
-            if block.hash is not None:
-                if caches[block.group].get(block.hash) == block_id:
-                    del caches[block.group][block.hash]  # its content is about to be overwritten
-                block.hash = block.token_ids = block.parent = None
-            block.ref_count = 1
-            block.generation += 1
-        self.newly_allocated += taken
+    def _take_free_blocks(self, counts: list[int]) -> list[list[int]]:
+        """For each group ``g``, ``counts[g]`` blocks from the front of its pool's free queue, handed to it
+        (to be overwritten)."""
+        taken: list[list[int]] = [[] for _ in counts]
+        for queue, groups in zip(self.free_queues, self.pool_groups):
+            n = sum(counts[g] for g in groups)
+            if n <= 0:
+                continue
+            block_ids = queue.take(n)
+            self._unpublish(block_ids[self.cache_groups[block_ids] >= 0])
+            self.ref_counts[block_ids] = 1
+            self.generations[block_ids] += 1
+            handed_out = block_ids.tolist()
+            self.newly_allocated += handed_out
+            end = 0
+            for g in groups:
+                taken[g] = handed_out[end : end + counts[g]]
+                end += counts[g]
         return taken
+
+    def _unpublish(self, block_ids: np.ndarray) -> None:
+        """Take the published ``block_ids`` out of the prefix cache (they are about to be overwritten)."""
+        for block_id, g in zip(block_ids.tolist(), self.cache_groups[block_ids].tolist(), strict=True):
+            del self.hash_to_block[g][self.contents.pop(block_id)[0]]
+        self.cache_groups[block_ids] = -1
 
     def take_newly_allocated(self) -> list[int]:
         """Blocks handed out (to be overwritten) since the last call."""
@@ -349,100 +421,77 @@ class BlockManager:
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """Publish the blocks that the last step filled, so later requests can share them."""
-        full = seq.num_computed_tokens // self.block_size
-        if not self.enable_prefix_caching or full <= seq.num_committed_blocks:
+        full, first = seq.num_computed_tokens // self.block_size, seq.num_committed_blocks
+        if not self.enable_prefix_caching or full <= first:
             return
-        bs, tables, first = self.block_size, seq.block_tables, seq.num_committed_blocks
-        anchor = tables[self.anchor] if self.anchor is not None else []
+        bs, tables = self.block_size, seq.block_tables
         hashes = [self._block_hash(seq, i) for i in range(first, full)]
         tokens = [tuple(seq.token_ids[i * bs : (i + 1) * bs]) for i in range(first, full)]
-        # group by group, the full-attention ones first (the anchor, group 0, first of all): a window group's
-        # block records the anchor's block before it as its parent, as the anchor's own does (or without an
-        # anchor, the check hash), the same in every window group
-        parents: list[tuple[int, int] | None] = []
-        for g, table in enumerate(tables):
-            if not self.windowed[g]:
-                for i in range(first, full):
-                    parent = self._parent_of(seq, g, i, table, anchor)
-                    if g == self.anchor:
-                        parents.append(parent)
-                    self._publish(seq, g, i, hashes[i - first], tokens[i - first], parent)
-        if not self.window_groups:
-            seq.num_committed_blocks = full
-            return
-        null, blocks = self.null_block, self.blocks
-        if self.anchor is None:
-            parents = [self._parent_of(seq, self.window_groups[0][0], i, (), anchor) for i in range(first, full)]
         distinct = len(set(hashes)) == len(hashes)
-        for g, _ in self.window_groups:
-            table, cache = tables[g], self.hash_to_block[g]
-            ids = table[first:full]
-            if distinct and null not in ids and cache.keys().isdisjoint(hashes):
-                # the common case, a run of new blocks none of which is cached yet: publish them at once
-                for block_id, h, t, parent in zip(ids, hashes, tokens, parents):
-                    block = blocks[block_id]
-                    block.hash, block.token_ids, block.parent, block.group = h, t, parent, g
-                cache.update(zip(hashes, ids))
-                continue
-            for i in range(first, full):
-                if table[i] != null:  # else left behind by its window: nothing to publish
-                    self._publish(seq, g, i, hashes[i - first], tokens[i - first], parents[i - first])
+        # a window group's block records what the anchor's does, the anchor's block before it, as its parent
+        # (or without an anchor, the check hash of the prefix): the contents are the same in every group
+        contents: list[Content] | None = None
+        for g in self.full_groups:  # which come first, the anchor first of all
+            run = list(zip(hashes, tokens, self._parent_keys(tables[g], first, full)))
+            run = self._publish_run(seq, g, first, hashes, run, distinct)
+            if g == self.anchor:
+                contents = run
+        if self.window_groups:
+            if contents is None:
+                g = self.window_groups[0][0]
+                contents = [(h, t, self._parent_of(seq, g, i, (), ()))
+                            for i, h, t in zip(range(first, full), hashes, tokens)]
+            for g, _ in self.window_groups:
+                self._publish_run(seq, g, first, hashes, contents, distinct)
         seq.num_committed_blocks = full
 
-    def _publish(self, seq: Sequence, g: int, i: int, h: int, tokens: tuple[int, ...],
-                 parent: tuple[int, int] | None) -> None:
-        """Publish block ``i`` of ``seq``'s group ``g`` under hash ``h``, or share the copy already there."""
+    def _publish_run(self, seq: Sequence, g: int, first: int, hashes: list[int], contents: list[Content],
+                     distinct: bool) -> list[Content]:
+        """Publish the blocks of ``seq``'s group ``g`` from the ``first`` on, under ``hashes`` (``distinct``:
+        no two equal), holding ``contents`` (for full attention, as its table stands before the first is
+        published). Returns the contents as published: a shared copy may replace a full-attention block,
+        which changes the parent of the block after it."""
         table, cache = seq.block_tables[g], self.hash_to_block[g]
-        block = self.blocks[table[i]]
+        block_ids = table[first : first + len(hashes)]
+        # the common case: a run of new blocks none of which is cached yet (a table is null blocks, then held
+        # ones), published at once
+        if distinct and block_ids[0] != self.null_block and cache.keys().isdisjoint(hashes):
+            cache.update(zip(hashes, block_ids))
+            self.contents.update(zip(block_ids, contents))
+            self.cache_groups[np.array(block_ids, dtype=np.int64)] = g
+            return contents
+        published = []
+        for i, content in enumerate(contents, first):
+            if not self.windowed[g]:
+                content = (*content[:2], self._parent_key(table[i - 1]) if i else None)
+            published.append(content)
+            if table[i] != self.null_block:  # else left behind by its window: nothing to publish
+                self._publish(seq, g, i, content)
+        return published
+
+    def _publish(self, seq: Sequence, g: int, i: int, content: Content) -> None:
+        """Publish block ``i`` of ``seq``'s group ``g`` holding ``content``, or share the copy already
+        there."""
+        table, cache = seq.block_tables[g], self.hash_to_block[g]
+        block_id, h = table[i], content[0]
         cached_id = cache.get(h)
         if cached_id is None:
-            block.hash, block.token_ids, block.parent, block.group = h, tokens, parent, g
-            cache[h] = block.block_id
-        elif cached_id != block.block_id and self._same_content(self.blocks[cached_id], tokens, parent):
+            cache[h] = block_id
+            self.contents[block_id] = content
+            self.cache_groups[block_id] = g
+        elif cached_id != block_id and self.contents[cached_id] == content:
             # Requests admitted together computed the same prefix twice: share the published copy, so the
             # blocks after it chain to it and stay findable, and return this one.
-            self._take_back(cached_id)
+            pool = self.groups[g].pool
+            self._hold(np.array([cached_id]), pool)
             table[i] = cached_id
             seq.changed_blocks(g, i)
-            self._release(block.block_id)
+            self._release(np.array([block_id]), pool)
         # else: a different block under the same hash (a collision); this one stays unpublished
-
-    @staticmethod
-    def _same_content(block: Block, tokens: tuple[int, ...], parent: tuple[int, int] | None) -> bool:
-        return block.token_ids == tokens and block.parent == parent
-
-    def _release(self, block_id: int) -> None:
-        """Drop one reference; a block no one holds goes to the back of the free queue when it is cached
-        (reused last), to the front when not (reused first)."""
-        block = self.blocks[block_id]
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            queue = self.free_queues[block.pool]
-            if block.hash is None:
-                queue.uncached.append(block_id)
-            else:
-                queue.cached[block_id] = None
-
-    def _release_all(self, block_ids: list[int]) -> None:
-        """``_release`` each of ``block_ids`` (blocks of one pool), in order."""
-        if not block_ids:
-            return
-        blocks = self.blocks
-        queue = self.free_queues[blocks[block_ids[0]].pool]
-        uncached, cached = queue.uncached, queue.cached
-        for block_id in block_ids:
-            block = blocks[block_id]
-            block.ref_count -= 1
-            if not block.ref_count:
-                if block.hash is None:
-                    uncached.append(block_id)
-                else:
-                    cached[block_id] = None
 
     def free(self, seq: Sequence) -> None:
         """Release the blocks of ``seq``. Cached blocks go to the back of the free queue, the tail first so
         the prefix lasts longer; blocks with nothing cached go to the front, to be reused first."""
-        null = self.null_block
-        for table in seq.block_tables:
-            self._release_all([b for b in reversed(table) if b != null])
+        for group, table in zip(self.groups, seq.block_tables):
+            self._release(self._held(table[::-1]), group.pool)
         seq.block_tables = []

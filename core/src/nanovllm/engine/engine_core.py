@@ -200,7 +200,7 @@ class EngineCore:
         scheduler = self.engine.scheduler
         blocks = scheduler.block_manager
         return SchedulerStats(len(scheduler.running), len(scheduler.waiting),
-                              1 - blocks.num_free_blocks / len(blocks.blocks))
+                              1 - blocks.num_free_blocks / blocks.num_usable_blocks)
 
 
 def _failure(where: str, exc: BaseException) -> str:
