@@ -71,7 +71,7 @@ def config(q, meta, block_n, **knobs) -> tk.PrefillConfig:
 
 # (page size, pages a key tile, head dim, group, dtype, page_boxes, windowed): every page size and tile width,
 # every way of taking the pages, each head size and dtype, GQA and windows
-CASES = [
+INTERP_CASES = [
     (16, 2, 64, 2, torch.bfloat16, "join", False),
     (16, 2, 64, 2, torch.bfloat16, "dots", False),
     (16, 4, 128, 4, torch.bfloat16, "values", False),
@@ -82,12 +82,17 @@ CASES = [
     (16, 2, 128, 2, torch.float32, "join", True),
     (16, 4, 64, 2, torch.bfloat16, "values", True),
     (16, 2, 64, 1, torch.float32, "values", False),
-] + ([] if INTERP else [
-    (16, 8, 128, 4, torch.bfloat16, "join", False),  # the engine's pages under 128-key tiles
+]
+# on the GPU, few compiles: the engine's pages under the sweep's 128-key tiles, and the other axes once each
+GPU_CASES = [
+    (16, 8, 128, 4, torch.bfloat16, "join", False),
     (16, 8, 128, 4, torch.bfloat16, "dots", False),
     (16, 8, 128, 4, torch.bfloat16, "values", False),
     (32, 4, 128, 8, torch.bfloat16, "dots", True),
-])
+    (32, 2, 256, 2, torch.bfloat16, "values", False),
+    (16, 4, 64, 2, torch.float32, "join", True),
+]
+CASES = GPU_CASES if CUDA else INTERP_CASES
 
 
 def _case_id(c) -> str:

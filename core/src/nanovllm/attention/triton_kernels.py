@@ -15,8 +15,9 @@ Four kernels:
   slices by log-sum-exp. With one split the decode kernel writes the output directly.
 
 Knobs that change speed, never results (:class:`PrefillConfig`, :class:`DecodeConfig`): tiles, warps,
-pipeline stages, the split count's target, and structural options (TMA loads of the unmasked key tiles, a
-heads-first prefill grid, decode tiles read unmasked with their pages a tile ahead). A small rule
+pipeline stages, the split count's target, and structural options (TMA loads of the unmasked key tiles, over
+pages smaller than a tile a box load per page, a heads-first prefill grid, decode tiles read unmasked with their
+pages a tile ahead). A small rule
 (``_prefill_config``, ``_decode_config``) picks them from the module's defaults, which
 ``benchmarks/kernel_sweep.py`` measures against the alternatives on a GPU.
 
