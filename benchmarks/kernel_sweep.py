@@ -257,7 +257,8 @@ def compile_ahead(workers: int, timeout: float, long: bool, kinds=("decode", "pr
     done, fatal, finished = 0, {}, 0
     pool = mp.get_context("spawn").Pool(workers)
     try:
-        results = pool.imap_unordered(_compile_part, [(i, workers, long, kinds, pages) for i in range(workers)])
+        parts = [(i, workers, long, kinds, pages) for i in range(workers)]
+        results = pool.imap_unordered(_compile_part, parts)
         for _ in range(workers):
             part = results.next(max(0.1, start + timeout - time.perf_counter()))
             done += part["done"]

@@ -1,10 +1,10 @@
 """Paged prefill through tensor-memory box loads, one per page (``PrefillConfig.page_boxes``: joined into the
-key and value tiles, a dot a page for both, or plain key loads and a dot a page for the values): the same results as the ``torch`` reference over pages
-smaller than the key tile, chunks with history, GQA, head sizes 64/128/256, sliding windows, selections (which
-keep the plain loads), float32 and bfloat16. Under Triton's interpreter on the CPU (in a subprocess, as in
-test_triton_backend.py; the interpreter runs tensor descriptors over CPU tensors) at small sizes; on CUDA the
-same cases at GPU sizes (``gpu`` marker). A sm_90 compile (no GPU needed) checks that the variants build and
-use tensor-memory loads."""
+key and value tiles, a dot a page for both, or plain key loads and a dot a page for the values): the same
+results as the ``torch`` reference over pages smaller than the key tile, chunks with history, GQA, head sizes
+64/128/256, sliding windows, selections (which keep the plain loads), float32 and bfloat16. Under Triton's
+interpreter on the CPU (in a subprocess, as in test_triton_backend.py; the interpreter runs tensor
+descriptors over CPU tensors) at small sizes; on CUDA a few cases at GPU sizes (``gpu`` marker). A sm_90
+compile (no GPU needed) checks that the modes build and use tensor-memory loads."""
 
 from __future__ import annotations
 
@@ -97,11 +97,13 @@ CASES = GPU_CASES if CUDA else INTERP_CASES
 
 def _case_id(c) -> str:
     bs, pages, d, g, dt, mode, windowed = c
-    return f"bs{bs}-x{pages}-d{d}-g{g}-{str(dt).removeprefix('torch.')}-{mode}" + ("-window" if windowed else "")
+    name = f"bs{bs}-x{pages}-d{d}-g{g}-{str(dt).removeprefix('torch.')}-{mode}"
+    return name + ("-window" if windowed else "")
 
 
 @KERNELS
-@pytest.mark.parametrize("block_size,pages,head_dim,group,dtype,mode,windowed", CASES, ids=map(_case_id, CASES))
+@pytest.mark.parametrize("block_size,pages,head_dim,group,dtype,mode,windowed", CASES,
+                         ids=map(_case_id, CASES))
 def test_interp_prefill_page_boxes(block_size, pages, head_dim, group, dtype, mode, windowed, gen):
     """A fresh prompt, chunks behind history (one starting mid-page), a single query over a long prefix; a
     window wide enough that some key tiles lie wholly inside every row's window (those take the boxes)."""
@@ -168,8 +170,9 @@ def test_unknown_page_boxes_mode_is_refused():
     cache = torch.zeros(2, 16, 1, 32)
     cu, lens, table = torch.tensor([0, 4]), torch.tensor([4]), torch.zeros(1, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="page_boxes='gather'.*dots"):
-        tk.attention_rows(q, cache, cache, torch.empty_like(q), None, cu, lens, table, None, 4, 1.0, paged=True,
-                          causal=True, config=tk.PrefillConfig(16, 32, 1, 1, tma=True, page_boxes="gather"))
+        tk.attention_rows(q, cache, cache, torch.empty_like(q), None, cu, lens, table, None, 4, 1.0,
+                          paged=True, causal=True,
+                          config=tk.PrefillConfig(16, 32, 1, 1, tma=True, page_boxes="gather"))
 
 
 @pytest.mark.skipif(CUDA or INTERP, reason="CUDA runs the cases; the subprocess, the interpreter's")

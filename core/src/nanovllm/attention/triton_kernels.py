@@ -15,9 +15,9 @@ Four kernels:
   slices by log-sum-exp. With one split the decode kernel writes the output directly.
 
 Knobs that change speed, never results (:class:`PrefillConfig`, :class:`DecodeConfig`): tiles, warps,
-pipeline stages, the split count's target, and structural options (TMA loads of the unmasked key tiles, over
-pages smaller than a tile a box load per page, a heads-first prefill grid, decode tiles read unmasked with their
-pages a tile ahead). A small rule
+pipeline stages, the split count's target, and structural options (TMA loads of the unmasked key tiles, a
+box load per page over pages smaller than a tile, a heads-first prefill grid, decode tiles read unmasked with
+their pages a tile ahead). A small rule
 (``_prefill_config``, ``_decode_config``) picks them from the module's defaults, which
 ``benchmarks/kernel_sweep.py`` measures against the alternatives on a GPU.
 
@@ -249,8 +249,8 @@ def _rows_cat(a, b):
 
 @triton.jit
 def _page_boxes_tile(desc, pages, col, PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """A key tile assembled from one tensor-memory box load per page (rows ``[page * BLOCK_SIZE, + BLOCK_SIZE)``
-    at column ``col``), joined pairwise in page order."""
+    """A key tile assembled from one tensor-memory box load per page (rows ``page * BLOCK_SIZE`` onwards,
+    ``BLOCK_SIZE`` of them, at column ``col``), joined pairwise in page order."""
     parts = ()
     for j in tl.static_range(PAGES):
         parts = parts + (desc.load([pages[j] * BLOCK_SIZE, col]),)
@@ -264,8 +264,8 @@ def _page_boxes_tile(desc, pages, col, PAGES: tl.constexpr, BLOCK_SIZE: tl.const
 
 
 @triton.jit
-def _page_dots_step(acc, l_i, m_i, q, desc_k, desc_v, pages, col, scale_log2,
-                    PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP32: tl.constexpr, FUSED_SCALE: tl.constexpr):
+def _page_dots_step(acc, l_i, m_i, q, desc_k, desc_v, pages, col, scale_log2, PAGES: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, FP32: tl.constexpr, FUSED_SCALE: tl.constexpr):
     """An unmasked key tile of ``PAGES`` pages without assembling it: the scores and the value products are
     taken a page at a time on each page's box load, under one softmax update for the whole tile (the same
     sums as ``online_softmax_step`` in another order)."""
@@ -323,8 +323,8 @@ def _col_pieces(p, PIECES: tl.constexpr):
 
 
 @triton.jit
-def _page_values_step(acc, l_i, m_i, q, k, desc_v, pages, col, scale_log2,
-                      PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP32: tl.constexpr, FUSED_SCALE: tl.constexpr):
+def _page_values_step(acc, l_i, m_i, q, k, desc_v, pages, col, scale_log2, PAGES: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, FP32: tl.constexpr, FUSED_SCALE: tl.constexpr):
     """An unmasked key tile whose values stay in their pages' box loads: the scores over the whole tile
     ``k``, then the value products a page at a time (the same sums as ``online_softmax_step``)."""
     if FP32:
@@ -935,7 +935,8 @@ def attention_rows(
         cfg = _prefill_config(head_dim, q.dtype, q.device, max_query_len, paged)
     bm, bn = cfg.block_m, cfg.block_n
     if cfg.page_boxes and cfg.page_boxes not in PAGE_BOX_MODES:
-        raise ValueError(f"page_boxes={cfg.page_boxes!r}: choose one of {sorted(PAGE_BOX_MODES)}, or '' for none")
+        raise ValueError(f"page_boxes={cfg.page_boxes!r}: choose one of {sorted(PAGE_BOX_MODES)}, "
+                         "or '' for none")
     if paged:
         block_size = k.shape[1]
         kstrides = k.stride()
