@@ -49,14 +49,16 @@ def kernels(monkeypatch):
 
 
 def decode(num_seqs: int, context: int, max_keys: int, heads: int = 4, kv_heads: int = 1, head_dim: int = 256,
-           block_size: int = 16, window: int | None = None) -> int:
+           block_size: int = 16, window: int | None = None, fused_reduce: bool = True) -> int:
     """One launch of ``attention_decode`` as a Gemma 3 270M layer makes it (4 query heads, 1 KV head of
     256); its number of splits."""
     k = torch.empty(1, block_size, kv_heads, head_dim)  # nothing reads the tensors: their shapes count
     q = torch.empty(num_seqs, heads, head_dim)
     lens = torch.full((num_seqs,), context, dtype=torch.int32)
     tables = torch.empty(num_seqs, -(-max_keys // block_size), dtype=torch.int32)
-    tk.attention_decode(q, k, k, torch.empty_like(q), None, lens, tables, None, max_keys, 1.0, window=window)
+    cfg = tk._decode_config(head_dim, q.dtype, q.device, block_size)._replace(fused_reduce=fused_reduce)
+    tk.attention_decode(q, k, k, torch.empty_like(q), None, lens, tables, None, max_keys, 1.0, window=window,
+                        config=cfg)
     keys = min(max_keys, window + 16) if window else max_keys  # the CPU's BLOCK_N is 16
     return tk.num_decode_splits(num_seqs, kv_heads, keys, 16, q.device)
 
@@ -75,14 +77,11 @@ def test_eager_decode_rows_of_mixed_steps_need_no_kernel_the_graph_capture_did_n
         assert kernel.keys == before, "an eager decode step compiles a kernel variant of its own"
 
 
-def test_decode_kernels_compile_a_few_variants_whatever_the_batch_and_context(kernels):
-    splits = {decode(num_seqs, context, context)
+@pytest.mark.parametrize("fused_reduce", [True, False], ids=["fused-reduce", "separate-reduce"])
+def test_decode_kernels_compile_a_few_variants_whatever_the_batch_and_context(kernels, fused_reduce):
+    splits = {decode(num_seqs, context, context, fused_reduce=fused_reduce)
               for num_seqs in range(1, 65) for context in range(16, 70000, 997)}
     assert len(splits) > 20
     decode_kernel, reduce_kernel = kernels
     assert len(decode_kernel.keys) <= 2  # with splits and without
-    assert len(reduce_kernel.keys) <= len({triton_pow2(n) for n in splits if n > 1})
-
-
-def triton_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+    assert len(reduce_kernel.keys) == (0 if fused_reduce else 1)

@@ -298,7 +298,7 @@ q1, q = torch.empty(2, H, D, dtype=bf), torch.empty(N, H, D, dtype=bf)
 cu, lens = torch.tensor([0, N], dtype=torch.int32), torch.tensor([N], dtype=torch.int32)
 for bs in (16, 128):
     cache, table = torch.empty(N // bs, bs, HKV, D, dtype=bf), torch.zeros(2, N // bs, dtype=torch.int32)
-    ahead = tk.DECODE._replace(page_ahead=True)
+    ahead = tk.DECODE._replace(page_ahead=True, fused_reduce=bs == 16)  # the split reduce both ways
     tk.attention_decode(q1, cache, cache, torch.empty_like(q1), torch.empty(2, H), lens.repeat(2), table,
                         None, N, 0.1, num_splits=tk.REDUCE_CHUNK + 1, config=ahead)
     if bs == 128:
@@ -317,9 +317,9 @@ print("compiled", sum(len(k.device_caches[0][0]) for k in (tk._prefill_kernel, t
 @pytest.mark.slow
 @pytest.mark.skipif(CUDA or INTERP, reason="CUDA compiles for itself; the interpreter compiles nothing")
 def test_structural_knobs_compile_for_hopper(tmp_path):
-    """The new kernel paths (decode pages read ahead, the chunked split reduce, TMA prefill over packed and
-    paged keys, heads first, the fused scale) compile for sm_90 with the bundled ptxas, no GPU needed; the TMA
-    settings use tensor-memory loads."""
+    """The new kernel paths (decode pages read ahead, the chunked split reduce fused and separate, TMA prefill
+    over packed and paged keys, heads first, the fused scale) compile for sm_90 with the bundled ptxas, no GPU
+    needed; the TMA settings use tensor-memory loads."""
     import subprocess
 
     import triton

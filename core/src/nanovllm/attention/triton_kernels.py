@@ -11,8 +11,9 @@ Four kernels:
   rest with masks.
 - ``_decode_kernel``: one query token per sequence. A program owns one KV head of one sequence and
   all the query heads of its GQA group (so each K/V tile is read once for the group), and one of
-  ``num_splits`` slices of the keys (split-KV, "flash decoding"); ``_reduce_kernel`` merges the
-  slices by log-sum-exp. With one split the decode kernel writes the output directly.
+  ``num_splits`` slices of the keys (split-KV, "flash decoding"); the slices are merged by log-sum-exp,
+  by default inside the decode kernel (the last split of a sequence and KV head to finish merges them),
+  else by ``_reduce_kernel``. With one split the decode kernel writes the output directly.
 
 Knobs that change speed, never results (:class:`PrefillConfig`, :class:`DecodeConfig`): tiles, warps,
 pipeline stages, the split count's target, and structural options (TMA loads of the unmasked key tiles, a
@@ -542,7 +543,7 @@ def _prefill_kernel(
 # constexpr, the decode rows of mixed steps (eager) compiled a variant for each new count mid-run
 @triton.jit(do_not_specialize=["stride_bt", "stride_bi", "stride_bh", "num_sel", "num_splits"])
 def _decode_kernel(
-    Q, K, V, PartO, PartL, Out, Lse,
+    Q, K, V, PartO, PartL, Out, Lse, Tickets,
     lens, block_tables, block_idx,
     scale_log2,
     stride_qt, stride_qh, stride_qd,
@@ -554,6 +555,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     HAS_INDICES: tl.constexpr, WRITE_LSE: tl.constexpr, FP32: tl.constexpr, SKIP_DEAD: tl.constexpr,
     READ_AHEAD: tl.constexpr, SLIDING: tl.constexpr, PAGE_AHEAD: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
 ):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -661,49 +663,80 @@ def _decode_kernel(
         if WRITE_LSE:
             tl.store(Lse + s64 * stride_lt + heads * stride_lh, lse2 * 0.6931471805599453, mask=g_ok)
     else:
-        # partials: PartO [S, H, num_splits, BLOCK_D] and PartL [S, H, num_splits], contiguous
-        row = (s64 * (tl.num_programs(1) * GROUP) + heads) * num_splits + split
+        # partials: PartO [S, num_splits, H, BLOCK_D] and PartL [S, num_splits, H], contiguous
+        num_heads = tl.num_programs(1) * GROUP
+        row = (s64 * num_splits + split) * num_heads + heads
         tl.store(PartO + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=g_ok[:, None])
         tl.store(PartL + row, lse2, mask=g_ok)
+        if FUSED_REDUCE:
+            # a ticket per split of this sequence and KV head: the last one merges them all. Its release
+            # publishes this program's partials (the barrier first: every thread's stores, not only those
+            # of the thread that takes the ticket), its acquire makes the others' visible to the last.
+            tl.debug_barrier()
+            counter = Tickets + s * tl.num_programs(1) + kvh
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                offs_r = tl.arange(0, MERGE_ROWS)
+                r_ok = offs_r < GROUP
+                merged, merged_lse2 = _merge_splits(PartO, PartL, s64, kvh * GROUP + offs_r, r_ok, num_heads,
+                                                    num_splits, MERGE_ROWS, MERGE_CHUNK, BLOCK_D)
+                _store_rows(Out, Lse, merged, merged_lse2, s64, kvh * GROUP + offs_r, r_ok, offs_d, d_ok,
+                            stride_ot, stride_oh, stride_od, stride_lt, stride_lh, WRITE_LSE)
+                tl.store(counter, 0)  # every split has taken its ticket: zero for the next launch
+
+
+@triton.jit
+def _merge_splits(PartO, PartL, s64, heads, h_ok, num_heads, num_splits, ROWS: tl.constexpr,
+                  CHUNK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The split-KV partials of sequence ``s64``'s ``heads`` merged by log-sum-exp: (output
+    ``[ROWS, BLOCK_D]`` float32, base-2 log-sum-exp ``[ROWS]``, -inf where no split saw a key). ``CHUNK``
+    splits at a time, rescaled online, so that any number of splits fits in registers; a split's heads lie
+    side by side (``PartO [S, num_splits, H, BLOCK_D]``), so the sum over splits stays within a thread."""
+    offs_c = tl.arange(0, CHUNK)
+    offs_d = tl.arange(0, BLOCK_D)
+    first = s64 * num_splits * num_heads
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    denom = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for c in range(0, num_splits, CHUNK):
+        ok = (c + offs_c < num_splits)[:, None] & h_ok[None, :]
+        part = first + (c + offs_c)[:, None] * num_heads + heads[None, :]  # [CHUNK, ROWS]
+        lse = tl.load(PartL + part, mask=ok, other=float("-inf"))
+        o = tl.load(PartO + part[:, :, None] * BLOCK_D + offs_d[None, None, :], mask=ok[:, :, None],
+                    other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m - m_use)
+        w = tl.math.exp2(lse - m_use[None, :])
+        denom = denom * alpha + tl.sum(w, 0)
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 0)
+        m = m_new
+    return acc / tl.where(denom == 0.0, 1.0, denom)[:, None], m + tl.math.log2(denom)
+
+
+@triton.jit
+def _store_rows(Out, Lse, out, lse2, s64, heads, h_ok, offs_d, d_ok,
+                stride_ot, stride_oh, stride_od, stride_lt, stride_lh, WRITE_LSE: tl.constexpr):
+    """Merged rows of sequence ``s64``: the output, and with ``WRITE_LSE`` the natural-log log-sum-exp."""
+    tl.store(Out + s64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+             out.to(Out.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+    if WRITE_LSE:
+        tl.store(Lse + s64 * stride_lt + heads * stride_lh, lse2 * 0.6931471805599453, mask=h_ok)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(
     PartO, PartL, Out, Lse,
     stride_ot, stride_oh, stride_od, stride_lt, stride_lh, num_splits,
-    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    WRITE_LSE: tl.constexpr, CHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr, CHUNK: tl.constexpr,
 ):
+    """The split reduce as a kernel of its own: one program per (sequence, head)."""
     s = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    row = s * tl.num_programs(1) + h
-    offs_p = tl.arange(0, SPLITS_PAD)
+    h = tl.program_id(1) + tl.arange(0, 1)
     offs_d = tl.arange(0, BLOCK_D)
-    p_ok = offs_p < num_splits
-    lse = tl.load(PartL + row * num_splits + offs_p, mask=p_ok, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.math.exp2(lse - m_use)
-    denom = tl.sum(w, 0)
-    if CHUNK >= SPLITS_PAD:
-        o = tl.load(PartO + (row * num_splits + offs_p)[:, None] * BLOCK_D + offs_d[None, :],
-                    mask=p_ok[:, None], other=0.0)
-        acc = tl.sum(o * w[:, None], 0)
-    else:  # many splits: their partial outputs CHUNK at a time, so that they stay in registers
-        offs_c = tl.arange(0, CHUNK)
-        acc = tl.zeros([BLOCK_D], tl.float32)
-        for c in range(0, num_splits, CHUNK):
-            c_ok = c + offs_c < num_splits
-            w_c = tl.math.exp2(tl.load(PartL + row * num_splits + c + offs_c, mask=c_ok, other=float("-inf"))
-                               - m_use)
-            o = tl.load(PartO + (row * num_splits + c + offs_c)[:, None] * BLOCK_D + offs_d[None, :],
-                        mask=c_ok[:, None], other=0.0)
-            acc += tl.sum(o * w_c[:, None], 0)
-    out = acc / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(Out + s * stride_ot + h * stride_oh + offs_d * stride_od, out.to(Out.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
-    if WRITE_LSE:
-        tl.store(Lse + s * stride_lt + h * stride_lh, (m + tl.math.log2(denom)) * 0.6931471805599453)
+    h_ok = h < tl.num_programs(1)
+    out, lse2 = _merge_splits(PartO, PartL, s, h, h_ok, tl.num_programs(1), num_splits, 1, CHUNK, BLOCK_D)
+    _store_rows(Out, Lse, out, lse2, s, h, h_ok, offs_d, offs_d < HEAD_DIM,
+                stride_ot, stride_oh, stride_od, stride_lt, stride_lh, WRITE_LSE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -768,7 +801,9 @@ class DecodeConfig(NamedTuple):
     ``max_splits`` splits per sequence and KV head; with ``wave_fit`` it is taken as the programs a
     multiprocessor holds at once, and the split count is the one that ends soonest in whole waves of
     them. ``page_ahead``: over whole contexts, the key tiles that end within the context run unmasked
-    with their block-table entries read a tile ahead."""
+    with their block-table entries read a tile ahead. ``fused_reduce``: the splits are merged inside the
+    decode kernel, by the last split of each sequence and KV head to finish, instead of by a second
+    kernel."""
 
     block_n: int
     num_warps: int
@@ -777,6 +812,7 @@ class DecodeConfig(NamedTuple):
     max_splits: int = 64
     page_ahead: bool = False
     wave_fit: bool = False
+    fused_reduce: bool = True
 
 
 # The defaults for 16-bit inputs on CUDA, head dim <= 128 (GQA 32q/8kv, d=128 measured): the values that
@@ -791,6 +827,9 @@ DECODE = DecodeConfig(64, 4, 3, programs_per_sm=3, max_splits=128, wave_fit=True
 # pages of 64 tokens or more
 DECODE_LARGE_PAGES = DecodeConfig(64, 4, 4, programs_per_sm=2, max_splits=64, page_ahead=True, wave_fit=True)
 REDUCE_CHUNK = 64  # the split reduce merges more splits than this a chunk at a time
+# the fused reduce loads this many (split, head) rows of partials at once per warp: a quarter of the head
+# dim a thread, which needs no more registers than the key loop (more would cost the loop occupancy)
+MERGE_ROWS_PER_WARP = 8
 
 
 def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, max_query_len: int,
@@ -985,6 +1024,28 @@ def _decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, bloc
     return cfg._replace(block_n=32) if head_dim > 128 else cfg
 
 
+# The fused reduce's tickets: an int32 counter per (sequence, KV head), zero between launches (the last
+# split of each resets its own). One buffer per device serves every launch, so a CUDA graph replays on
+# the buffer its capture saw; a buffer outgrown stays alive, since a graph captured on it may replay.
+MIN_TICKETS = 4096
+_tickets: dict[torch.device, torch.Tensor] = {}
+_outgrown_tickets: list[torch.Tensor] = []
+
+
+def decode_tickets(device: torch.device, count: int = 0) -> torch.Tensor | None:
+    """The device's ticket counters for the fused split reduce, at least ``count`` of them, grown (zeroed)
+    when needed; None when they would have to grow inside a CUDA graph capture (the caller then reduces with
+    the separate kernel). Launches that use them must not overlap in time (one stream per device)."""
+    buf = _tickets.get(device)
+    if buf is None or buf.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        if buf is not None:
+            _outgrown_tickets.append(buf)
+        buf = _tickets[device] = torch.zeros(max(count, MIN_TICKETS), dtype=torch.int32, device=device)
+    return buf
+
+
 def num_decode_splits(num_seqs: int, num_kv_heads: int, max_keys: int, block_n: int, device,
                       programs_per_sm: int = DECODE.programs_per_sm, max_splits: int = DECODE.max_splits,
                       wave_fit: bool = DECODE.wave_fit) -> int:
@@ -1014,7 +1075,8 @@ def attention_decode(
     q, k_cache, v_cache, out, lse, lens, block_tables, block_indices, max_keys, scale,
     num_splits: int | None = None, config: DecodeConfig | tuple | None = None, window: int | None = None,
 ) -> None:
-    """Launch ``_decode_kernel`` (+ ``_reduce_kernel``): one query row per sequence, paged KV.
+    """Launch ``_decode_kernel`` (+ ``_reduce_kernel`` unless the reduce is fused): one query row per
+    sequence, paged KV.
 
     ``block_indices``: None (whole contexts), or a selection ``[num_seqs, k]`` or ``[num_seqs, Hkv, k]``
     (see ``attend_blocks``); each program reads only its KV head's list. ``max_keys`` (a host int)
@@ -1044,13 +1106,19 @@ def attention_decode(
     write_lse = lse is not None
     lse_t = lse if write_lse else _dummy(out, torch.float32)
     lse_strides = lse.stride() if write_lse else (0, 0)
+    tickets = None
     if num_splits > 1:
-        part_o = torch.empty(num_seqs, num_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
-        part_l = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_o = torch.empty(num_seqs, num_splits, num_heads, block_d, dtype=torch.float32, device=q.device)
+        part_l = torch.empty(num_seqs, num_splits, num_heads, dtype=torch.float32, device=q.device)
+        if cfg.fused_reduce:
+            tickets = decode_tickets(q.device, num_seqs * num_kv_heads)
     else:
         part_o = part_l = _dummy(out, torch.float32)
+    merge_rows = triton.next_power_of_2(group)
+    merge_chunk = triton.next_power_of_2(max(1, MERGE_ROWS_PER_WARP * cfg.num_warps // merge_rows))
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, part_o, part_l, out, lse_t,
+        lens if tickets is None else tickets,  # lens: a stand-in, unread without the fused reduce
         lens, block_tables, bi,
         scale * LOG2E,
         *q.stride(), *k_cache.stride(), *out.stride(), *lse_strides,
@@ -1061,12 +1129,12 @@ def attention_decode(
         SKIP_DEAD=skip_dead,
         READ_AHEAD=_read_ahead(has_idx and not skip_dead, num_seqs * num_kv_heads, q.device),
         SLIDING=window is not None, PAGE_AHEAD=cfg.page_ahead and not has_idx and window is None,
+        FUSED_REDUCE=tickets is not None, MERGE_ROWS=merge_rows, MERGE_CHUNK=merge_chunk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and tickets is None:
         _reduce_kernel[(num_seqs, num_heads)](
             part_o, part_l, out, lse_t, *out.stride(), *lse_strides, num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, BLOCK_D=block_d, WRITE_LSE=write_lse, CHUNK=REDUCE_CHUNK,
             num_warps=4 if head_dim >= 128 else 2,
         )
