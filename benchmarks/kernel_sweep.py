@@ -17,11 +17,12 @@ settings of two knob axes (decode: kernel and splits; prefill: tiles and structu
 against the default again. The run stops timing when ``--budget`` seconds have passed, keeping what it
 measured. Writes ``OUT/NAME.json`` and ``OUT/NAME.md``: every row, the best setting per shape, and the
 defaults to paste (one decode setting per page size, because the decode kernel's compiled knobs must not
-follow the batch; prefill settings for packed and paged keys). ``--kinds`` and ``--pages`` narrow the grid
-(the packed prompt stays with any prefill: its cuDNN rate anchors the paged rows).
+follow the batch; prefill settings for packed and paged keys). ``--kinds``, ``--pages`` and ``--variants``
+narrow the grid (the packed prompt stays with any prefill: its cuDNN rate anchors the paged rows; the default
+setting stays with any variants: the others' ratios are to it).
 
     python benchmarks/kernel_sweep.py --out OUT [--name kernel_sweep] [--budget 80] [--long]
-        [--kinds decode prefill] [--pages 16 128]
+        [--kinds decode prefill] [--pages 16 128] [--variants "separate reduce" ...]
     TRITON_INTERPRET=1 python benchmarks/kernel_sweep.py --out OUT   # dry: tiny sizes on the CPU
 """
 
@@ -75,6 +76,8 @@ DECODE_VARIANTS = {
     "block_n 128": dict(block_n=128),
     "8 warps": dict(num_warps=8),
     "block_n 128, 8 warps, 2 stages": dict(block_n=128, num_warps=8, num_stages=2),
+    # the splits merged by a second kernel instead of by the last split of each sequence and KV head
+    "separate reduce": dict(fused_reduce=False),
 }
 # Prefill settings (fields of PrefillConfig); TMA only where the keys allow it (packed, or pages >= block_n).
 PREFILL_VARIANTS = {
@@ -98,8 +101,8 @@ PREFILL_VARIANTS = {
 }
 LONG_VARIANTS = ("default", "tma", "tma, fused scale, heads first")  # 128K: a third of a second a call
 if DRY:  # the interpreter is slow: a few settings that go through every kernel path
-    DECODE_VARIANTS = {k: DECODE_VARIANTS[k]
-                       for k in ("default", "page ahead, wave fit, 3 programs/SM, 128 splits")}
+    DECODE_VARIANTS = {k: DECODE_VARIANTS[k] for k in
+                       ("default", "page ahead, wave fit, 3 programs/SM, 128 splits", "separate reduce")}
     PREFILL_VARIANTS = {k: PREFILL_VARIANTS[k] for k in ("default", "tma, fused scale, heads first")}
     PREFILL_VARIANTS["page boxes values, 2 pages a tile"] = dict(tma=True, page_boxes="values", block_n=32)
 
@@ -163,15 +166,18 @@ def prefill_shape(q_len: int, ctx: int, block_size: int | None, gen, variants: l
     return calls
 
 
-def shapes(long: bool, kinds=("decode", "prefill"), pages=PAGES) -> list[dict]:
-    """Every shape of the sweep (of ``kinds``, paged ones over ``pages``): kind, label, its work per call
-    (bytes or FLOPs), and how to build it."""
+def shapes(long: bool, kinds=("decode", "prefill"), pages=PAGES, only=None) -> list[dict]:
+    """Every shape of the sweep (of ``kinds``, paged ones over ``pages``; with ``only``, just those variants
+    and the default): kind, label, its work per call (bytes or FLOPs), and how to build it."""
+    def chosen(variants) -> list[str]:
+        return [v for v in variants if only is None or v == "default" or v in only]
+
     out = []
     for batch, ctx in DECODE_SHAPES if "decode" in kinds else ():
         for bs in pages:
             out.append(dict(kind="decode", label=f"b={batch} ctx={ctx} bs={bs}", unit="TB/s",
                             work=2 * batch * ctx * HKV * D * 2, build=(decode_shape, batch, ctx, bs),
-                            variants=list(DECODE_VARIANTS)))
+                            variants=chosen(DECODE_VARIANTS)))
     if "prefill" not in kinds:
         return out
     prefills = [(PREFILL_PROMPT, PREFILL_PROMPT, None)]
@@ -184,7 +190,7 @@ def shapes(long: bool, kinds=("decode", "prefill"), pages=PAGES) -> list[dict]:
         keys = "packed" if bs is None else f"paged bs={bs}"
         out.append(dict(kind="prefill", label=f"q={q_len} ctx={ctx} {keys}", unit="TFLOP/s",
                         work=4 * H * D * pairs, build=(prefill_shape, q_len, ctx, bs),
-                        variants=list(LONG_VARIANTS if q_len == LONG_PROMPT else PREFILL_VARIANTS),
+                        variants=chosen(LONG_VARIANTS if q_len == LONG_PROMPT else PREFILL_VARIANTS),
                         long=q_len == LONG_PROMPT))
     return out
 
@@ -196,8 +202,7 @@ def shapes(long: bool, kinds=("decode", "prefill"), pages=PAGES) -> list[dict]:
 
 def _compile_key(shape: dict, variant: str) -> tuple:
     """What Triton compiles a variant for: the kind, the page size (None: packed keys) and the compiled knobs
-    (the split count is a runtime argument). Shapes and variants of one key share the compiled kernel, the
-    decode reduce aside (its split count's power of two is compiled in: whichever worker meets it)."""
+    (the split count is a runtime argument). Shapes and variants of one key share the compiled kernels."""
     block_size = shape["build"][3]
     if shape["kind"] == "decode":
         cfg = decode_config(variant, block_size)._replace(programs_per_sm=0, max_splits=0)
@@ -221,8 +226,8 @@ def _compile_part(args: tuple) -> dict:
     """Worker: run once every (shape, variant) whose compile key falls to this worker, so that Triton compiles
     it into its disk cache. Returns how many ran, and the compile key that broke the worker's CUDA context
     (the worker stops there), if one did."""
-    index, workers, long, kinds, pages = args
-    every = shapes(long, kinds, pages)
+    index, workers, long, kinds, pages, only = args
+    every = shapes(long, kinds, pages, only)
     keys = sorted({_compile_key(sh, v) for sh in every for v in sh["variants"]}, key=str)
     mine = {key for i, key in enumerate(keys) if i % workers == index}
     gen = torch.Generator(device=DEV).manual_seed(0)
@@ -247,7 +252,7 @@ def _compile_part(args: tuple) -> dict:
 
 
 def compile_ahead(workers: int, timeout: float, long: bool, kinds=("decode", "prefill"),
-                  pages=PAGES) -> tuple[str, dict]:
+                  pages=PAGES, only=None) -> tuple[str, dict]:
     """Compile every variant in ``workers`` processes; whatever is not done by ``timeout`` seconds compiles in
     the timed process instead. Returns a note and ``{compile key: why}`` of the keys that broke a worker's
     CUDA context, which the timed process must not run."""
@@ -257,7 +262,7 @@ def compile_ahead(workers: int, timeout: float, long: bool, kinds=("decode", "pr
     done, fatal, finished = 0, {}, 0
     pool = mp.get_context("spawn").Pool(workers)
     try:
-        parts = [(i, workers, long, kinds, pages) for i in range(workers)]
+        parts = [(i, workers, long, kinds, pages, only) for i in range(workers)]
         results = pool.imap_unordered(_compile_part, parts)
         for _ in range(workers):
             part = results.next(max(0.1, start + timeout - time.perf_counter()))
@@ -428,7 +433,7 @@ def groups_of(rows: list[dict]) -> dict[str, set[str]]:
 
 # each kind's knobs on two axes, whose best settings the combined pass puts together
 AXES = {"decode": ({"block_n", "num_warps", "num_stages", "page_ahead"},
-                   {"programs_per_sm", "max_splits", "wave_fit"}),
+                   {"programs_per_sm", "max_splits", "wave_fit", "fused_reduce"}),
         "prefill": ({"block_m", "block_n", "num_warps", "num_stages"},
                     {"tma", "heads_first", "fused_scale", "page_boxes"})}
 
@@ -511,14 +516,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="only these kernels' shapes")
     parser.add_argument("--pages", nargs="+", type=int, default=PAGES,
                         help="only paged shapes over these page sizes (any prefill keeps the packed prompt)")
+    parser.add_argument("--variants", nargs="+", metavar="NAME",
+                        help="only these settings (DECODE_VARIANTS, PREFILL_VARIANTS names) and the default")
     args = parser.parse_args(argv)
+    only = None if args.variants is None else tuple(args.variants)
+    unknown = sorted(set(only or ()) - set(DECODE_VARIANTS) - set(PREFILL_VARIANTS))
+    if unknown:
+        parser.error(f"--variants {unknown}: not a setting of this sweep; choose from "
+                     f"{sorted(set(DECODE_VARIANTS) | set(PREFILL_VARIANTS))}")
     start = time.perf_counter()
     deadline = start + args.budget - 3  # the last writes
     args.out.mkdir(parents=True, exist_ok=True)
     compile_note, fatal = "no compile workers", {}
     if not DRY and args.workers > 0:
         compile_note, fatal = compile_ahead(args.workers, 0.45 * args.budget, args.long, tuple(args.kinds),
-                                            tuple(args.pages))
+                                            tuple(args.pages), only)
         print(compile_note, file=sys.stderr, flush=True)
     gen = torch.Generator(device=DEV).manual_seed(0)
     copy_tbps = copy_bandwidth() / 1e3
@@ -546,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
         (args.out / f"{args.name}.md").write_text(markdown(result, args.name))
 
-    every = in_turn(shapes(args.long, tuple(args.kinds), tuple(args.pages)))
+    every = in_turn(shapes(args.long, tuple(args.kinds), tuple(args.pages), only))
     for shape in every:
         if not shape.get("long"):
             run(shape)

@@ -239,6 +239,21 @@ def test_sweep_compiles_runtime_only_settings_once():
     assert len(keys) > 1  # the compiled knobs do make kernels of their own
 
 
+def test_sweep_narrows_to_the_variants_asked():
+    """``--variants``: the settings named and the default, on every shape of the kinds asked; the fused and
+    the separate split reduce compile kernels of their own."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import kernel_sweep
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    decode = kernel_sweep.shapes(False, ("decode",), kernel_sweep.PAGES, ("separate reduce",))
+    assert len(decode) == len(kernel_sweep.DECODE_SHAPES) * len(kernel_sweep.PAGES)
+    assert all(s["kind"] == "decode" and s["variants"] == ["default", "separate reduce"] for s in decode)
+    fused, separate = (kernel_sweep._compile_key(decode[0], v) for v in ("default", "separate reduce"))
+    assert fused != separate
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(CUDA or INTERP, reason="CUDA runs the cases; the subprocess, the interpreter's")
 def test_knobs_under_interpreter():
