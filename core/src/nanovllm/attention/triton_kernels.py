@@ -152,6 +152,30 @@ def _key_offsets(
 
 
 @triton.jit
+def _scores(q, k, FP32: tl.constexpr):
+    """``q @ k^T`` in float32: with ``FP32``, of float32 products (float32 inputs, or the interpreter, whose
+    bfloat16 dot is wrong)."""
+    if FP32:
+        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    return qk
+
+
+@triton.jit
+def _accumulate(acc, l_i, p, alpha, v, FP32: tl.constexpr):
+    """The end of an online softmax step, once a tile's probabilities ``p`` and the factor ``alpha`` that
+    rescales the running sums are known: returns the updated (acc, l_i)."""
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if FP32:
+        acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i
+
+
+@triton.jit
 def online_softmax_step(
     acc, l_i, m_i, q, k, v, score_mask,
     scale_log2, MASKED: tl.constexpr, FP32: tl.constexpr,
@@ -162,11 +186,7 @@ def online_softmax_step(
     kept in that base-2 unit. ``score_mask`` [rows, keys] is read only when ``MASKED``; a row with
     nothing unmasked so far keeps ``m_i = -inf`` and adds nothing. ``FP32``: float32 products (float32
     inputs, or the interpreter, whose bfloat16 dot is wrong)."""
-    if FP32:  # float32 inputs, or the interpreter (whose bfloat16 dot is wrong): float32 products
-        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        qk = tl.dot(q, tl.trans(k))
-    qk = qk * scale_log2
+    qk = _scores(q, k, FP32) * scale_log2
     if MASKED:
         qk = tl.where(score_mask, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -175,13 +195,7 @@ def online_softmax_step(
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_use = m_new
     alpha = tl.math.exp2(m_i - m_use)
-    p = tl.math.exp2(qk - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if FP32:
-        acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc)
+    acc, l_i = _accumulate(acc, l_i, tl.math.exp2(qk - m_use[:, None]), alpha, v, FP32)
     return acc, l_i, m_new
 
 
@@ -190,19 +204,10 @@ def _unmasked_step_fused_scale(acc, l_i, m_i, q, k, v, scale_log2, FP32: tl.cons
     """``online_softmax_step`` of a tile without masks, the scale applied inside the exponent's
     multiply-add (one float operation a score fewer): the row maximum is taken before scaling, which is
     the same for a positive scale."""
-    if FP32:
-        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        qk = tl.dot(q, tl.trans(k))
+    qk = _scores(q, k, FP32)
     m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
     alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(qk * scale_log2 - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if FP32:
-        acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc)
+    acc, l_i = _accumulate(acc, l_i, tl.math.exp2(qk * scale_log2 - m_new[:, None]), alpha, v, FP32)
     return acc, l_i, m_new
 
 
