@@ -661,12 +661,8 @@ def _decode_kernel(
     out = acc / l_safe[:, None]
     lse2 = m_i + tl.math.log2(l_i)  # base 2; -inf for an empty slice
     if not SPLIT:
-        tl.store(
-            Out + s64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
-            out.to(Out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :],
-        )
-        if WRITE_LSE:
-            tl.store(Lse + s64 * stride_lt + heads * stride_lh, lse2 * 0.6931471805599453, mask=g_ok)
+        _store_rows(Out, Lse, out, lse2, s64, heads, g_ok, offs_d, d_ok,
+                    stride_ot, stride_oh, stride_od, stride_lt, stride_lh, WRITE_LSE)
     else:
         # partials: PartO [S, num_splits, H, BLOCK_D] and PartL [S, num_splits, H], contiguous
         num_heads = tl.num_programs(1) * GROUP
@@ -1032,7 +1028,7 @@ def _decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, bloc
 # The fused reduce's tickets: an int32 counter per (sequence, KV head), zero between launches (the last
 # split of each resets its own). One buffer per device serves every launch, so a CUDA graph replays on
 # the buffer its capture saw; a buffer outgrown stays alive, since a graph captured on it may replay.
-MIN_TICKETS = 4096
+MIN_TICKETS = 4096  # the largest decode graph (512 sequences) of 8 KV heads fits without growing
 _tickets: dict[torch.device, torch.Tensor] = {}
 _outgrown_tickets: list[torch.Tensor] = []
 
