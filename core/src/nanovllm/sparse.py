@@ -16,8 +16,9 @@ A policy distribution imports from nanovllm only this module and the attention b
   keys and values), :class:`KVTransfer` (what the host store moved), the step metadata types
   :class:`PhaseMetadata` and :class:`StepMetadata`, and the selection contract (:func:`selection_problem`,
   :func:`check_selection`, :class:`PolicyContractError`).
-- Kernel helpers a plugin's Triton kernels may use: ``tile_blocks`` and ``online_softmax_step``
-  (``@triton.jit`` functions), ``num_sms``, ``max_shared_memory`` and ``is_interpreted``.
+- Kernel helpers a plugin's Triton kernels may use: ``tile_blocks``, ``online_softmax_step`` and
+  ``online_softmax_step_fused_scale`` (``@triton.jit`` functions), ``num_sms``, ``max_shared_memory``,
+  ``is_interpreted`` and :func:`paged_kv_descriptors`.
 
 Importing this module imports no torch: the names that need it (the context, the types and the kernel
 helpers) are loaded on first use. A plugin's registration module can therefore import :data:`hookimpl`
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from nanovllm.kv.store import KVTransfer, KVWrite
     from nanovllm.policy import PolicyContext
 
-API_VERSION = "1.0"
+API_VERSION = "1.1"
 
 POLICY_FLAGS = ("supports_prefill", "supports_decode", "requires_block_selection", "cuda_graph_safe")
 POLICY_METHODS = ("select_blocks", "compute_chunked_prefill", "compute_chunked_decode")
@@ -205,8 +206,42 @@ def contract_problems(member: object) -> list[str]:
     return argument_problems(member, SparsePolicy, POLICY_METHODS) + argument_problems(member, ObserverSpec)
 
 
+def paged_kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, box_rows: int) -> tuple | None:
+    """Tensor-memory-accelerator (TMA) descriptors of paged caches ``[num_blocks, block_size, Hkv, D]``, seen
+    as 2-D ``[num_blocks * block_size, Hkv * D]``: a kernel loads the ``box_rows`` keys of one KV head from
+    row ``block * block_size + slot``, column ``kv_head * D``, with ``desc.load([row, col])``. None where they
+    cannot serve (then load through pointers): a GPU before Hopper, CPU tensors outside Triton's
+    interpreter, a head size that is not a power of two, pages that do not hold whole boxes
+    (``block_size % box_rows``), or a layout whose rows are not evenly strided, 16-byte aligned runs."""
+    import torch
+
+    from nanovllm.attention.triton_kernels import is_interpreted
+
+    if k_cache.device.type == "cuda":
+        if torch.cuda.get_device_capability(k_cache.device)[0] < 9:
+            return None
+    elif not is_interpreted():
+        return None
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    row_stride = k_cache.stride(1)
+    rows_even = k_cache.stride(0) == block_size * row_stride and k_cache.stride() == v_cache.stride()
+    heads_packed = k_cache.stride(3) == 1 and k_cache.stride(2) == head_dim
+    aligned = (row_stride * k_cache.element_size()) % 16 == 0 and all(t.data_ptr() % 16 == 0
+                                                                     for t in (k_cache, v_cache))
+    if head_dim & (head_dim - 1) or block_size % box_rows or num_blocks == 0 or not (
+            rows_even and heads_packed and aligned):
+        return None
+    return tuple(TensorDescriptor(t, [num_blocks * block_size, num_kv_heads * head_dim], [row_stride, 1],
+                                  [box_rows, head_dim]) for t in (k_cache, v_cache))
+
+
 # -- names that need torch, loaded on first use ---------------------------------------------------------
 
+# name -> module, or (module, the name there)
 _LAZY = {
     "PolicyContext": "nanovllm.policy",
     "KVWrite": "nanovllm.kv.store",
@@ -218,6 +253,7 @@ _LAZY = {
     "StepMetadata": "nanovllm.attention.metadata",
     "tile_blocks": "nanovllm.attention.triton_kernels",
     "online_softmax_step": "nanovllm.attention.triton_kernels",
+    "online_softmax_step_fused_scale": ("nanovllm.attention.triton_kernels", "_unmasked_step_fused_scale"),
     "num_sms": "nanovllm.attention.triton_kernels",
     "max_shared_memory": "nanovllm.attention.triton_kernels",
     "is_interpreted": "nanovllm.attention.triton_kernels",
@@ -225,10 +261,11 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
+    target = _LAZY.get(name)
+    if target is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    module, attr = target if isinstance(target, tuple) else (target, name)
+    value = getattr(importlib.import_module(module), attr)
     globals()[name] = value  # later lookups skip this function
     return value
 
@@ -239,5 +276,5 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "API_VERSION", "APIVersionError", "check_api_version", "hookimpl", "ObserverSpec", "SparsePolicy",
-    "POLICY_FLAGS", "POLICY_METHODS", "contract_problems", *_LAZY,
+    "POLICY_FLAGS", "POLICY_METHODS", "contract_problems", "paged_kv_descriptors", *_LAZY,
 ]
