@@ -20,8 +20,13 @@ import torch
 
 pytest.importorskip("triton")
 
+from nanovllm.sparse import paged_kv_descriptors  # noqa: E402
 from nanovllm.testing import PagedBatch, assert_interpreter_cases_pass, assert_kernel_matches_reference  # noqa: E402
-from nanovllm_xattn.attention import block_sparse_attention, block_sparse_attention_reference  # noqa: E402
+from nanovllm_xattn.attention import (  # noqa: E402
+    BlockSparseConfig,
+    block_sparse_attention,
+    block_sparse_attention_reference,
+)
 from nanovllm_xattn.layout import num_query_blocks  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -41,12 +46,20 @@ GPU_CONFIGS = [
     (torch.bfloat16, 128, 2, 4, 16, False, 128, (64, 128, 4, 3)),  # key tiles larger than query tiles
     (torch.bfloat16, 256, 1, 4, 16, False, 128, None),  # Gemma 3
     (torch.float32, 256, 1, 4, 16, True, 128, None),
+    # pages of whole key tiles: the defaults' TMA loads; the same without the knobs; head size 256 with TMA
+    (torch.bfloat16, 128, 8, 4, 128, False, 128, None),
+    (torch.bfloat16, 128, 2, 4, 128, True, 128, BlockSparseConfig(128, 128, 8, 3)),
+    (torch.bfloat16, 256, 1, 4, 128, False, 128, BlockSparseConfig(64, 32, 4, 2, fused_scale=True, tma=True)),
 ]
 INTERP_CONFIGS = [
     (torch.bfloat16, 64, 1, 4, 16, False, 64, None),
     (torch.float16, 32, 2, 2, 256, True, 64, (32, 64, 1, 1)),  # key tiles larger than query tiles
     (torch.float32, 48, 2, 1, 4, False, 128, (16, 32, 1, 1)),  # key tiles span several cache blocks
     (torch.bfloat16, 256, 1, 4, 16, False, 64, None),
+    # the knobs: TMA loads from pages of 128 and of 16 keys (head sizes 128, 256), the fused scale alone
+    (torch.bfloat16, 128, 1, 2, 128, False, 64, BlockSparseConfig(32, 32, 1, 1, fused_scale=True, tma=True)),
+    (torch.bfloat16, 256, 1, 2, 16, True, 64, BlockSparseConfig(16, 16, 1, 1, fused_scale=True, tma=True)),
+    (torch.float16, 128, 2, 1, 16, False, 128, BlockSparseConfig(32, 32, 1, 1, fused_scale=True)),
 ]
 # (query length, context length) per sequence: a fresh prompt, a chunk starting off the block grid, one row
 # over a long prefix, a chunk on the block grid, a sequence with no query in this phase
@@ -58,7 +71,12 @@ INTERP_LENS = [(100, 100), (70, 250), (1, 130), (64, 192), (0, 40)]
 def _cfg_id(c) -> str:
     dt, d, hkv, g, kvbs, per_q, block, config = c
     name = f"{str(dt).removeprefix('torch.')}-d{d}-kv{hkv}-g{g}-kvbs{kvbs}-B{block}"
-    return name + ("-perq" if per_q else "") + (f"-tiles{config[0]}x{config[1]}" if config else "")
+    name += "-perq" if per_q else ""
+    if config is None:
+        return name
+    cfg = config if isinstance(config, BlockSparseConfig) else BlockSparseConfig(*config)
+    knobs = "".join(f"-{k}" for k in ("fused_scale", "tma") if getattr(cfg, k))
+    return name + f"-tiles{cfg.block_m}x{cfg.block_n}-w{cfg.num_warps}s{cfg.num_stages}" + knobs
 
 
 PARAMS = [pytest.param("cuda", *c, id="gpu-" + _cfg_id(c), marks=pytest.mark.gpu) for c in GPU_CONFIGS] + [
@@ -192,6 +210,10 @@ def test_kernel_matches_reference(device, dtype, head_dim, num_kv_heads, group, 
         lens = INTERP_LENS
     c = Case(lens, num_kv_heads, group, head_dim, kv_block_size, dtype, device, gen)
     num_sel = num_kv_heads * group if per_query_head else num_kv_heads
+    if isinstance(config, BlockSparseConfig) and config.tma:  # the engine's caches: each a contiguous tensor
+        c.k_cache, c.v_cache = c.k_cache.contiguous(), c.v_cache.contiguous()
+        if kv_block_size % config.block_n == 0:
+            assert paged_kv_descriptors(c.k_cache, c.v_cache, config.block_n) is not None, "no TMA loads"
     args = c.args(*pack_lists(random_lists(lens, num_sel, block, gen), block, c.max_query_len, gen), block)
     out, lse = block_sparse_attention(*args, config=config, splits=splits)
     ref_out, ref_lse = block_sparse_attention_reference(*args)

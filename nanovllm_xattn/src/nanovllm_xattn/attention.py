@@ -21,20 +21,29 @@ one online softmax (base 2, the core's ``online_softmax_step``) from two loops:
    (nothing past the last row is read). Only when the list ends with the diagonal block.
 
 Keys are read through the block table with per-key addresses, so the cache block size may be smaller or
-larger than a key tile. Entries past a list's count, and block-table entries past a sequence's context,
-are never read. On CPU tensors the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1`` set
-before triton is imported) with float32 dots: the interpreter's bfloat16 dot is wrong.
+larger than a key tile; with :class:`BlockSparseConfig`'s ``tma`` and pages that hold whole key tiles, the
+unmasked tiles come through tensor-memory loads instead. Entries past a list's count, and block-table
+entries past a sequence's context, are never read. On CPU tensors the kernel runs under Triton's
+interpreter (``TRITON_INTERPRET=1`` set before triton is imported) with float32 dots: the interpreter's
+bfloat16 dot is wrong.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import attrs
 import torch
 import triton
 import triton.language as tl
 from nanovllm.attention.backend import check_paged_inputs, prefill_kernel_outputs
-from nanovllm.sparse import num_sms, online_softmax_step, tile_blocks
+from nanovllm.sparse import (
+    num_sms,
+    online_softmax_step,
+    online_softmax_step_fused_scale,
+    paged_kv_descriptors,
+    tile_blocks,
+)
 
 from nanovllm_xattn.layout import num_query_blocks
 
@@ -67,7 +76,7 @@ def _listed_tile_start(entries, it, count, stride_le, BLOCK: tl.constexpr, BLOCK
 # list strides change with the selection's width and the block tables' width: one compiled kernel for all
 @triton.jit(do_not_specialize=["stride_bt", "stride_ls", "stride_lg", "stride_lr", "stride_cs", "stride_cg"])
 def _block_sparse_kernel(
-    Q, K, V, Out, Lse,
+    Q, K, V, Out, Lse, desc_k, desc_v,
     cu_q, ctx_lens, block_tables, blocks, block_counts,
     scale_log2,
     stride_qt, stride_qh, stride_qd,
@@ -80,7 +89,8 @@ def _block_sparse_kernel(
     stride_cs, stride_cg, stride_cr,
     GROUP: tl.constexpr, SEL_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     KV_BLOCK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP32: tl.constexpr, SAME_LAYOUT: tl.constexpr, SPLITS: tl.constexpr,
+    FP32: tl.constexpr, SAME_LAYOUT: tl.constexpr, SPLITS: tl.constexpr, TMA: tl.constexpr,
+    FUSED_SCALE: tl.constexpr,
 ):
     # heads fastest, last query tiles first: every head's longest programs (the latest rows, and the last rows
     # that read every causal block) start in the first wave, not after another head's lighter tiles
@@ -114,13 +124,15 @@ def _block_sparse_kernel(
 
     offs_m = tile_start + tl.arange(0, BLOCK_M)  # positions of the tile's rows
     offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
     m_ok = (offs_m >= q0) & (offs_m < ctx)
     d_ok = offs_d < HEAD_DIM
     q_rows = (row0 + offs_m - q0).to(tl.int64)
     q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd,
                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    K += (h // GROUP) * stride_kh
-    V += (h // GROUP) * stride_vh
+    kvh = h // GROUP
+    K += kvh * stride_kh
+    V += kvh * stride_vh
     bt_row = block_tables + s * stride_bt
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -137,20 +149,32 @@ def _block_sparse_kernel(
         phys = phys_next
         start_next = _listed_tile_start(entries, it + 1, num_unmasked, stride_le, BLOCK, BLOCK_N)
         phys_next, _, _ = _key_slots(bt_row, start_next, last_pos, BLOCK_N, KV_BLOCK)
-        slot = (start_n + tl.arange(0, BLOCK_N)) % KV_BLOCK
-        k_off = (phys * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :] * stride_kd
-        k_ptrs = K + k_off
-        if SAME_LAYOUT:  # the engine's K and V caches: one address computation for both
-            v_ptrs = V + k_off
+        if TMA:  # a page holds the whole tile (BLOCK_N divides KV_BLOCK): ``phys`` is a scalar
+            row = (phys * KV_BLOCK + start_n % KV_BLOCK).to(tl.int32)  # descriptor offsets are int32
+            k = desc_k.load([row, kvh * HEAD_DIM])
+            v = desc_v.load([row, kvh * HEAD_DIM])
         else:
-            v_ptrs = V + (phys * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :] * stride_vd
-        if BLOCK_D == HEAD_DIM:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+            if BLOCK_N <= KV_BLOCK:  # one page: one scalar address plus the slots
+                k_rows = phys * stride_kb + (start_n % KV_BLOCK + offs_n) * stride_ks
+            else:
+                k_rows = phys * stride_kb + ((start_n + offs_n) % KV_BLOCK) * stride_ks
+            k_off = k_rows[:, None] + offs_d[None, :] * stride_kd
+            k_ptrs = K + k_off
+            if SAME_LAYOUT:  # the engine's K and V caches: one address computation for both
+                v_ptrs = V + k_off
+            else:
+                slot = (start_n + offs_n) % KV_BLOCK
+                v_ptrs = V + (phys * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :] * stride_vd
+            if BLOCK_D == HEAD_DIM:
+                k = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+                v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        if FUSED_SCALE:
+            acc, l_i, m_i = online_softmax_step_fused_scale(acc, l_i, m_i, q, k, v, scale_log2, FP32)
         else:
-            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
+            acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
 
     # 2. the diagonal block from the tile's first row to its last: causal mask
     for start_n in range(diag_lo, diag_hi, BLOCK_N):
@@ -206,18 +230,38 @@ def _merge_splits_kernel(
     tl.store(Lse + t * stride_olt + h, m + tl.log(total), mask=t_ok)
 
 
-def attention_config(head_dim: int, dtype: torch.dtype, device: torch.device, block: int):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Both tiles are powers of two no larger than ``block``,
-    so a query tile lies in one query block and a key tile in one key block."""
+@attrs.frozen
+class BlockSparseConfig:
+    """The block-sparse kernel's knobs; none changes a result beyond float rounding.
+
+    ``block_m`` query rows a program and ``block_n`` keys a step: powers of two no larger than the selection
+    block, so a query tile lies in one query block and a key tile in one key block. ``num_warps``;
+    ``num_stages``, Triton's software pipeline depth. ``fused_scale``: the unmasked tiles apply the softmax
+    scale inside the exponent's multiply-add, one float operation a score fewer (rounding differs in the last
+    bits). ``tma``: the unmasked key tiles come through tensor-memory (TMA) loads where a KV page holds whole
+    key tiles (pages of ``block_n`` keys or a multiple; Hopper and later, or the interpreter; a head size that
+    is a power of two); elsewhere it is ignored."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    fused_scale: bool = False
+    tma: bool = False
+
+
+def attention_config(head_dim: int, dtype: torch.dtype, device: torch.device,
+                     block: int) -> BlockSparseConfig:
+    """The kernel's knobs for a launch, by device, dtype and head size (``block`` caps the tiles): small tiles
+    and plain loads off CUDA (the interpreter); on CUDA the dense prefill kernel's long-prompt choices."""
     if device.type != "cuda":
-        return min(16, block), min(16, block), 1, 1  # the interpreter: small tiles
+        return BlockSparseConfig(min(16, block), min(16, block), 1, 1)
     if dtype == torch.float32 or head_dim > 128:  # keep the K/V stages within shared memory
-        return min(64, block), min(32, block), 4, 2
+        return BlockSparseConfig(min(64, block), min(32, block), 4, 2, fused_scale=True)
     # 16-bit: large tiles (``block`` caps them), so each program reads long runs of a selected block;
-    # three stages overlap the next tiles' loads with this tile's math (``config`` overrides it, for tuning)
-    if head_dim <= 64:
-        return min(128, block), min(64, block), 8, 3
-    return min(128, block), min(128, block), 8, 3
+    # three stages overlap the next tiles' loads with this tile's math
+    return BlockSparseConfig(min(128, block), min(64 if head_dim <= 64 else 128, block), 8, 3,
+                             fused_scale=True, tma=True)
 
 
 def kv_splits(num_programs: int, device: torch.device) -> int:
@@ -231,6 +275,11 @@ def kv_splits(num_programs: int, device: torch.device) -> int:
     return 4 if num_programs < 8 * num_sms(device) else 1
 
 
+def _dot_fp32(q: torch.Tensor) -> bool:
+    """float32 products: float32 inputs, or the interpreter, whose bfloat16 dot is wrong."""
+    return q.dtype == torch.float32 or q.device.type != "cuda"
+
+
 def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -238,13 +287,13 @@ def _is_power_of_two(n: int) -> bool:
 def block_sparse_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, blocks: torch.Tensor, block_counts: torch.Tensor,
-    block: int, scale: float, max_query_len: int, *, config: tuple[int, int, int, int] | None = None,
+    block: int, scale: float, max_query_len: int, *, config: BlockSparseConfig | tuple | None = None,
     splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse prefill attention (Triton): ``(out [T, H, D] in q's dtype, lse [T, H] float32)``.
 
-    ``max_query_len`` (a host int) sizes the grid; nothing is read back from the device. ``config``
-    overrides :func:`attention_config`'s ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` and ``splits``
+    ``max_query_len`` (a host int) sizes the grid; nothing is read back from the device. ``config`` (a
+    :class:`BlockSparseConfig` or its leading fields) overrides :func:`attention_config` and ``splits``
     :func:`kv_splits` (tuning, tests). With more than one split, each query tile's list is read by that many
     programs, each into a float32 buffer of its own, and a second launch merges them by their
     log-sum-exp."""
@@ -258,7 +307,11 @@ def block_sparse_attention(
     if not launch:
         return out, lse
     num_heads, head_dim = q.shape[1:]
-    block_m, block_n, warps, stages = config or attention_config(head_dim, q.dtype, q.device, block)
+    if config is None:
+        cfg = attention_config(head_dim, q.dtype, q.device, block)
+    else:
+        cfg = config if isinstance(config, BlockSparseConfig) else BlockSparseConfig(*config)
+    block_m, block_n = cfg.block_m, cfg.block_n
     if not all(_is_power_of_two(tile) and tile <= block for tile in (block_m, block_n)):
         raise ValueError(
             f"config tiles BLOCK_M {block_m}, BLOCK_N {block_n}: both must be powers of two no larger than "
@@ -273,8 +326,9 @@ def block_sparse_attention(
     if splits > 1:
         part = torch.empty(splits, *q.shape, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(splits, *lse.shape, dtype=torch.float32, device=q.device)
+    descs = paged_kv_descriptors(k_cache, v_cache, block_n) if cfg.tma else None
     _block_sparse_kernel[(num_heads, m_tiles, num_seqs * splits)](
-        q, k_cache, v_cache, part, part_lse,
+        q, k_cache, v_cache, part, part_lse, *(descs or (k_cache, v_cache)),
         cu_seqlens_q, context_lens, block_tables, blocks, block_counts,
         scale * LOG2E,
         *q.stride(), *k_cache.stride(), *v_cache.stride(),
@@ -284,9 +338,9 @@ def block_sparse_attention(
         GROUP=num_heads // k_cache.shape[2], SEL_GROUP=num_heads // blocks.shape[1], HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim), KV_BLOCK=k_cache.shape[1], BLOCK=block,
         BLOCK_M=block_m, BLOCK_N=block_n,
-        FP32=q.dtype == torch.float32 or q.device.type != "cuda",  # the interpreter's bfloat16 dot is wrong
-        SAME_LAYOUT=k_cache.stride() == v_cache.stride(), SPLITS=splits,
-        num_warps=warps, num_stages=stages,
+        FP32=_dot_fp32(q), SAME_LAYOUT=k_cache.stride() == v_cache.stride(), SPLITS=splits,
+        TMA=descs is not None, FUSED_SCALE=cfg.fused_scale,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
         rows = 16
@@ -425,5 +479,6 @@ def block_sparse_attention_reference(
     return out, lse
 
 
-__all__ = ["block_sparse_attention", "block_sparse_attention_reference", "attention_config", "context_rows",
+__all__ = ["block_sparse_attention", "block_sparse_attention_reference", "attention_config",
+           "BlockSparseConfig", "context_rows",
            "query_chunks", "rows_per_slice"]
