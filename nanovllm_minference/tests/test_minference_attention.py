@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import os
 
+import attrs
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from nanovllm.sparse import paged_kv_descriptors  # noqa: E402
 from nanovllm.testing import PagedBatch, assert_interpreter_cases_pass, assert_kernel_matches_reference  # noqa: E402
 from nanovllm_minference.attention import (  # noqa: E402
-    _launch_config,
+    SparseKernelConfig,
     index_density,
+    kernel_config,
     sparse_attention,
     sparse_attention_reference,
 )
@@ -261,8 +264,8 @@ def test_kernel_matches_reference(device, dtype, head_dim, num_kv_heads, group, 
     if device != "cuda" and dtype != torch.float32:  # the interpreter: the variants on one config only
         return
     # 32 keys a step (the kernel's steps over head size 128): the same keys, the same results
-    _, warps, stages = _launch_config(c.q, head_dim)
-    half = sparse_attention(*c.args(index), config=(TILE // 2, warps, stages))
+    half = sparse_attention(*c.args(index), config=attrs.evolve(kernel_config(head_dim, dtype, c.q.device),
+                                                                keys=TILE // 2))
     assert_kernel_matches_reference(*half, ref_out, ref_lse, f"seed {seed}, 32 keys a step")
     # the density the kernel's dense_above reads, from its own kernel: the reference's to the last bit
     density = computed_density(index, c.cu, c.ctx, c.max_query_len)
@@ -280,9 +283,82 @@ def test_kernel_matches_reference(device, dtype, head_dim, num_kv_heads, group, 
         assert torch.equal(attend(*c.args(index), dense_above=density * 1.01)[0], want)
 
 
+# the knobs, each config with (dtype, head_dim, num_kv_heads, group, block_size, with_blocks): two
+# query tiles a program, TMA loads from pages of 128 and of 16 keys, key steps of a quarter and a half
+# tile, head sizes 128 and 256
+KNOBS = {"fused_scale": True, "tma": True}
+GPU_KNOBS = [
+    (torch.bfloat16, 128, 8, 4, 16, True, SparseKernelConfig(TILE, TILE, 4, 3)),  # the former defaults
+    (torch.bfloat16, 128, 2, 4, 128, True, SparseKernelConfig(2 * TILE, TILE, 8, 3, **KNOBS)),
+    (torch.bfloat16, 128, 2, 4, 16, True, SparseKernelConfig(2 * TILE, TILE, 8, 3, fused_scale=True)),
+    (torch.bfloat16, 256, 1, 4, 128, True, SparseKernelConfig(2 * TILE, 32, 8, 2, **KNOBS)),
+]
+INTERP_KNOBS = [
+    (torch.bfloat16, 128, 1, 2, 128, True, SparseKernelConfig(2 * TILE, TILE, 1, 1, **KNOBS)),
+    (torch.bfloat16, 256, 1, 2, 16, True, SparseKernelConfig(2 * TILE, 16, 1, 1, **KNOBS)),
+    (torch.float16, 128, 2, 1, 16, False, SparseKernelConfig(2 * TILE, 32, 1, 1)),
+    (torch.bfloat16, 128, 1, 2, 128, False, SparseKernelConfig(TILE, TILE, 1, 1, **KNOBS)),
+]
+
+
+# a chunk whose programs of two query tiles read key tiles below all their rows, and others as INTERP_LENS
+KNOB_INTERP_LENS = [(200, 460), (70, 250), (1, 130)]
+
+
+def _knob_id(c) -> str:
+    cfg = c[-1]
+    knobs = "".join(f"-{k}" for k in ("fused_scale", "tma") if getattr(cfg, k))
+    return _cfg_id(c[:-1]) + f"-m{cfg.block_m}-keys{cfg.keys}-w{cfg.num_warps}s{cfg.num_stages}" + knobs
+
+
+KNOB_PARAMS = [pytest.param("cuda", *c, id="gpu-" + _knob_id(c), marks=pytest.mark.gpu) for c in GPU_KNOBS]
+KNOB_PARAMS += [pytest.param("cpu", *c, id="interp-" + _knob_id(c)) for c in (INTERP_KNOBS if INTERP else [])]
+
+
+@pytest.mark.parametrize("device,dtype,head_dim,num_kv_heads,group,block_size,with_blocks,config",
+                         KNOB_PARAMS)
+def test_kernel_knobs_match_reference(device, dtype, head_dim, num_kv_heads, group, block_size, with_blocks,
+                                      config):
+    """Each knob of :class:`SparseKernelConfig` over the sparse loops and the dense fallback, on the engine's
+    layout (each cache a contiguous tensor, which TMA loads need)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator().manual_seed(seed)
+    lens = GPU_LENS if device == "cuda" else KNOB_INTERP_LENS
+    c = Case(lens, num_kv_heads, group, head_dim, block_size, dtype, device, gen)
+    c.k_cache, c.v_cache = c.k_cache.contiguous(), c.v_cache.contiguous()
+    hopper = device == "cpu" or torch.cuda.get_device_capability()[0] >= 9  # the interpreter, or TMA
+    if config.tma and block_size % config.keys == 0 and hopper:
+        assert paged_kv_descriptors(c.k_cache, c.v_cache, config.keys) is not None, "no TMA loads"
+    index = _index_to(random_index(lens, num_kv_heads * group, with_blocks, gen), device)
+    ref_out, ref_lse = sparse_attention_reference(*c.args(index))
+    out, lse = sparse_attention(*c.args(index), config=config)
+    assert_kernel_matches_reference(out, lse, ref_out, ref_lse, f"seed {seed}")
+    density = computed_density(index, c.cu, c.ctx, c.max_query_len)
+    dense_out, dense_lse = sparse_attention_reference(*c.args(index), dense_above=density * 0.99)
+    got_out, got_lse = sparse_attention(*c.args(index), dense_above=density * 0.99, config=config)
+    err = ((got_out.float() - dense_out.float()).norm() / dense_out.float().norm()).item()
+    assert err < {torch.bfloat16: 2e-2, torch.float16: 5e-3}[dtype], f"seed {seed}: {err}"
+    torch.testing.assert_close(got_lse, dense_lse, atol=2e-3, rtol=0, msg=f"seed {seed}: dense lse")
+
+
+def test_bad_kernel_config_is_refused():
+    c = Case([(70, 70)], 1, 2, 16, 16, torch.float32, "cpu", torch.Generator().manual_seed(3))
+    index = make_index([[[0], [0]]], [[[], []]], None, 3, torch.Generator().manual_seed(3))
+    for config, match in (((96, TILE, 1, 1), "block_m=96"), ((TILE, 48, 1, 1), "keys=48")):
+        with pytest.raises(ValueError, match=match):
+            sparse_attention(*c.args(index), config=config)
+
+
 def test_kernel_under_interpreter():
-    """Every ``interp`` case of this file under Triton's interpreter on the CPU, in a fresh process."""
-    assert_interpreter_cases_pass(__file__, len(INTERP_CONFIGS))
+    """Every ``interp`` case of this file but the knobs' under Triton's interpreter on the CPU, in a fresh
+    process."""
+    assert_interpreter_cases_pass(__file__, len(INTERP_CONFIGS), "interp and not knobs")
+
+
+@pytest.mark.slow
+def test_knobs_under_interpreter():
+    """The knobs' ``interp`` cases under Triton's interpreter on the CPU, in a fresh process."""
+    assert_interpreter_cases_pass(__file__, len(INTERP_KNOBS), "interp and knobs")
 
 
 def test_bad_inputs_are_refused_up_front():

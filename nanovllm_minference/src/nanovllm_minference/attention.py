@@ -5,17 +5,22 @@ row reads under a :class:`~nanovllm_minference.index.SparseIndex` (see :mod:`nan
 and return ``(out [T, H, D] in q's dtype, lse [T, H] float32)``; ``lse`` is the natural log of the sum of
 ``exp(scale * q.k)`` over the keys read. A row that reads no key gets out 0 and lse -inf.
 
-The kernel runs one program per (query tile, head, sequence) and feeds one online softmax (base 2)
-from three loops, each reading ``KEYS`` keys a step (64, or 32 over head size 128):
+The kernel runs one program per (query rows, head, sequence): one query tile of the index, or two (the
+knob ``block_m`` of :class:`SparseKernelConfig`), and feeds one online softmax (base 2) from three loops,
+each reading ``keys`` keys a step:
 
-1. the head's slash tiles, key tile ``base + offset``: tiles wholly below every row of the query tile
-   (and so inside the context) without masks, the tiles on the diagonal with the causal mask;
-2. the head's columns, gathered, minus those whose tile is a slash tile (slash_cover), with the causal
-   mask;
-3. (only for an index with blocks) the key tiles listed for the query tile, split like loop 1.
+1. the head's slash tiles, key tile ``base + offset`` for the rows of a query tile with base ``base``
+   (two query tiles: bases ``b`` and ``b + 1``, and each key tile of the union of their tiles loaded once,
+   the rows of the query tile that does not read it left out at a few operations a row): tiles wholly
+   below every row (and so inside the context) without masks, their keys loaded as dense prefill loads
+   them (through TMA where a page holds a whole step), then the tiles on the diagonal with the causal mask;
+2. the head's columns, gathered, minus those whose tile is a slash tile of the row's query tile
+   (slash_cover), with the causal mask;
+3. (only for an index with blocks) the key tiles listed for each query tile, split like loop 1.
 
-The ascending lists are first counted against the tile's bounds (tiles below 0, tiles wholly below the
-rows, tiles past the last row), so every loop runs over exactly the entries it needs, without branches.
+The ascending lists are first counted against the tiles' bounds (tiles below 0, tiles wholly below the
+rows, tiles past the last row), so every loop runs over exactly the tiles it needs, without branches; the
+next step's list entries and block-table entries are read a step ahead.
 With ``dense_above`` every program first reads the index's work against dense work (computed on the GPU
 by the launch before) and, where the index is the denser, runs the loops of dense causal attention
 instead: the fallback needs no host sync.
@@ -30,12 +35,18 @@ import torch
 import triton
 import triton.language as tl
 from nanovllm.attention.backend import check_paged_inputs, prefill_kernel_outputs
-from nanovllm.sparse import online_softmax_step, tile_blocks
+from nanovllm.sparse import (
+    online_softmax_step,
+    online_softmax_step_fused_scale,
+    paged_kv_descriptors,
+    tile_blocks,
+)
 
 from nanovllm_minference.index import TILE, SparseIndex, computed_density
 
 LOG2E = 1.4426950408889634
 LIST_CHUNK = 1024  # list entries counted per step of the pre-scans: most lists take one step
+PAST = tl.constexpr(1 << 24)  # a key tile past every list (its first key still fits an int32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,107 +70,142 @@ def _count_at_most(entries, n, bound_a, bound_b, bound_c, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _key_rows(bt_row, start, end, stride_kb, stride_ks, KEYS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Row offsets (into the K/V head) and positions of keys ``start .. start + KEYS - 1``; keys at or past
-    ``end`` do not read the block table (offset 0)."""
-    pos = start + tl.arange(0, KEYS)
-    phys = tile_blocks(bt_row, start, end, KEYS, BLOCK_SIZE).to(tl.int64)
-    return phys * stride_kb + (pos % BLOCK_SIZE) * stride_ks, pos
+def _count_adjacent(entries, lo, hi, cover, cover_r, CHUNK: tl.constexpr):
+    """How many slash offsets ``e``, list entries number ``lo .. hi - 1``, have ``e - 1`` among the offsets
+    too (``cover[e - 1]``)."""
+    count = tl.full([], 0, tl.int32)
+    for j0 in range(lo, hi, CHUNK):
+        offs = j0 + tl.arange(0, CHUNK)
+        ok = offs < hi
+        prev = tl.load(entries + offs, mask=ok, other=0) - 1
+        adjacent = tl.load(cover + prev, mask=ok & (prev >= -cover_r) & (prev <= 1), other=0)
+        count += tl.sum(adjacent.to(tl.int32), 0)
+    return count
 
 
 @triton.jit
-def _whole_tiles(
-    acc, l_i, m_i, q, K, V, bt_row, entries, n_lo, n_hi, shift, last_pos,
-    stride_kb, stride_ks, stride_kd, offs_d, d_ok, scale_log2,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-    KEYS: tl.constexpr, LISTED: tl.constexpr, FP32: tl.constexpr,
-):
-    """Attend without masks to key tiles ``shift + e`` for list entries ``e`` number ``n_lo .. n_hi - 1``
-    (``LISTED``; else the entries are the numbers themselves), ``KEYS`` keys a step. The next step's list
-    entry and block-table entries are read a step ahead: Triton pipelines a key load whose address waits on
-    a load of its own iteration 2 deep, not 3."""
-    SUB: tl.constexpr = TILE // KEYS
+def _union_next(list_a, ia, a_hi, shift_a, list_b, ib, b_hi, shift_b, LISTED: tl.constexpr,
+                TWO: tl.constexpr):
+    """The next key tile of the ascending union of tiles ``shift_a + a`` (entries ``a`` of ``list_a`` number
+    ``ia .. a_hi - 1``; not ``LISTED``: the numbers themselves) and, with ``TWO``, ``shift_b + b`` (of
+    ``list_b``): ``(tile, list a has it, list b has it, ia, ib)`` past it. Past both lists: tile 0 (a tile
+    every sequence has), neither list."""
     if LISTED:
-        t_next = shift + tl.load(entries + n_lo, mask=n_lo < n_hi, other=-shift)  # past the list: tile 0
+        ta = shift_a + tl.load(list_a + ia, mask=ia < a_hi, other=PAST)
     else:
-        t_next = shift + n_lo
-    rows_next, _ = _key_rows(bt_row, t_next * TILE, last_pos + 1, stride_kb, stride_ks, KEYS, BLOCK_SIZE)
-    for i in range(n_lo * SUB, n_hi * SUB):
-        rows = rows_next
-        step = i + 1
-        if LISTED:
-            t_next = shift + tl.load(entries + step // SUB, mask=step < n_hi * SUB, other=-shift)
-        else:
-            t_next = shift + step // SUB
-        rows_next, _ = _key_rows(bt_row, t_next * TILE + (step % SUB) * KEYS, last_pos + 1, stride_kb,
-                                 stride_ks, KEYS, BLOCK_SIZE)
-        if BLOCK_D == HEAD_DIM:
-            k = tl.load(K + rows[:, None] + offs_d[None, :] * stride_kd)
-            v = tl.load(V + rows[:, None] + offs_d[None, :] * stride_kd)
-        else:
-            k = tl.load(K + rows[:, None] + offs_d[None, :] * stride_kd, mask=d_ok[None, :], other=0.0)
-            v = tl.load(V + rows[:, None] + offs_d[None, :] * stride_kd, mask=d_ok[None, :],
-                        other=0.0)
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
-    return acc, l_i, m_i
+        ta = shift_a + tl.where(ia < a_hi, ia, PAST)
+    if TWO:
+        tb = shift_b + tl.load(list_b + ib, mask=ib < b_hi, other=PAST)
+    else:
+        tb = shift_b + PAST
+    t = tl.minimum(ta, tb)
+    in_a = (ta == t) & (t < PAST)
+    in_b = (tb == t) & (t < PAST)
+    return tl.where(t < PAST, t, 0), in_a, in_b, ia + in_a.to(tl.int32), ib + in_b.to(tl.int32)
 
 
 @triton.jit
-def _diagonal_tiles(
-    acc, l_i, m_i, q, q_pos, K, V, bt_row, entries, n_lo, n_hi, shift, last_pos,
-    stride_kb, stride_ks, stride_kd, offs_d, d_ok, scale_log2,
-    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, KEYS: tl.constexpr, LISTED: tl.constexpr,
-    FP32: tl.constexpr,
-):
-    """As :func:`_whole_tiles`, for tiles that reach the query rows: the causal mask, nothing past
-    ``last_pos`` read."""
-    SUB: tl.constexpr = TILE // KEYS
-    for i in range(n_lo * SUB, n_hi * SUB):
-        if LISTED:
-            t = shift + tl.load(entries + i // SUB)
-        else:
-            t = shift + i // SUB
-        rows, pos = _key_rows(bt_row, t * TILE + (i % SUB) * KEYS, last_pos + 1, stride_kb, stride_ks, KEYS,
-                              BLOCK_SIZE)
-        ld = (pos <= last_pos)[:, None] & d_ok[None, :]
-        k = tl.load(K + rows[:, None] + offs_d[None, :] * stride_kd, mask=ld, other=0.0)
-        v = tl.load(V + rows[:, None] + offs_d[None, :] * stride_kd, mask=ld, other=0.0)
-        keep = pos[None, :] <= q_pos[:, None]
-        acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, keep, scale_log2, True, FP32)
-    return acc, l_i, m_i
+def _rows_step(acc, l_i, m_i, q, k, v, row_ok, scale_log2, FUSED_SCALE: tl.constexpr, FP32: tl.constexpr):
+    """One key tile of the online softmax (base 2) that only the rows ``row_ok`` read, every key of it: the
+    other rows keep their state, at the cost of a few operations a row, none a score. ``FUSED_SCALE``: the
+    scale applied inside the exponent (the row maximum taken before scaling; the same for a positive
+    scale)."""
+    if FP32:
+        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    if FUSED_SCALE:
+        m_tile = tl.max(qk, 1) * scale_log2
+    else:
+        qk = qk * scale_log2
+        m_tile = tl.max(qk, 1)
+    m_new = tl.where(row_ok, tl.maximum(m_i, m_tile), m_i)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)
+    m_sub = tl.where(row_ok, m_use, float("inf"))  # the other rows: exp2(-inf) = 0
+    if FUSED_SCALE:
+        p = tl.math.exp2(qk * scale_log2 - m_sub[:, None])
+    else:
+        p = tl.math.exp2(qk - m_sub[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if FP32:
+        acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
 
 
 @triton.jit
-def _listed_tiles(
-    acc, l_i, m_i, q, q_pos, first_pos, last_pos, K, V, bt_row, entries, n_entries, shift,
+def _key_tiles(
+    acc, l_i, m_i, q, q_pos, rows_b, K, V, desc_k, desc_v, kv_col, bt_row,
+    list_a, a_lo, a_hi, shift_a, list_b, b_lo, b_hi, shift_b, num_tiles, last_pos,
     stride_kb, stride_ks, stride_kd, offs_d, d_ok, scale_log2,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-    KEYS: tl.constexpr, CHUNK: tl.constexpr, FP32: tl.constexpr,
+    KEYS: tl.constexpr, LISTED: tl.constexpr, TWO: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr,
+    FUSED_SCALE: tl.constexpr, FP32: tl.constexpr,
 ):
-    """Attend to the key tiles ``shift + e`` for the entries ``e`` of an ascending list (slash offsets
-    with shift = base tile, or listed key tiles with shift = 0). ``K``/``V`` point at the KV head."""
-    full_tile = (first_pos + 1) // TILE - 1  # the last tile every row of the query tile reads whole
-    last_tile = last_pos // TILE  # tiles past it hold no key any row reads
-    j_lo, j_full, j_hi = _count_at_most(entries, n_entries, -1 - shift, full_tile - shift, last_tile - shift,
-                                        CHUNK)
-    # below every row and inside the context: no masks
-    acc, l_i, m_i = _whole_tiles(
-        acc, l_i, m_i, q, K, V, bt_row, entries, j_lo, tl.maximum(j_lo, j_full), shift, last_pos,
-        stride_kb, stride_ks, stride_kd, offs_d, d_ok, scale_log2,
-        HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, KEYS, True, FP32,
-    )
-    # the diagonal: causal mask
-    return _diagonal_tiles(
-        acc, l_i, m_i, q, q_pos, K, V, bt_row, entries, tl.maximum(j_lo, j_full), j_hi, shift, last_pos,
-        stride_kb, stride_ks, stride_kd, offs_d, d_ok, scale_log2,
-        BLOCK_SIZE, TILE, KEYS, True, FP32,
-    )
+    """Attend to ``num_tiles`` key tiles, the union of two lists' tiles (:func:`_union_next`), ``KEYS`` keys a
+    step. With ``TWO`` the rows ``rows_b`` read the tiles of list b only, the others those of list a only;
+    without, every row reads every tile. ``MASKED``: the causal mask, no key past ``last_pos`` read; else the
+    tiles lie below every row (TMA loads with ``TMA``). The next step's list entries and block-table entries
+    are read a step ahead: Triton pipelines a key load whose address waits on a load of its own iteration 2
+    deep, not 3."""
+    SUB: tl.constexpr = TILE // KEYS
+    offs_k = tl.arange(0, KEYS)
+    t, in_a, in_b, ia, ib = _union_next(list_a, a_lo, a_hi, shift_a, list_b, b_lo, b_hi, shift_b, LISTED, TWO)
+    start_next = t * TILE
+    phys_next = tile_blocks(bt_row, start_next, last_pos + 1, KEYS, BLOCK_SIZE).to(tl.int64)
+    for i in range(0, num_tiles * SUB):
+        start, phys, a_cur, b_cur = start_next, phys_next, in_a, in_b
+        # the next step: the tile's next KEYS keys, or the union's next tile
+        t, a2, b2, ia2, ib2 = _union_next(list_a, ia, a_hi, shift_a, list_b, ib, b_hi, shift_b, LISTED, TWO)
+        new_tile = (i + 1) % SUB == 0
+        start_next = tl.where(new_tile, t * TILE, start + KEYS)
+        in_a = tl.where(new_tile, a2, a_cur)
+        in_b = tl.where(new_tile, b2, b_cur)
+        ia = tl.where(new_tile, ia2, ia)
+        ib = tl.where(new_tile, ib2, ib)
+        phys_next = tile_blocks(bt_row, start_next, last_pos + 1, KEYS, BLOCK_SIZE).to(tl.int64)
+        if KEYS <= BLOCK_SIZE:  # one page: a scalar block plus the slots
+            rows = phys * stride_kb + (start % BLOCK_SIZE + offs_k) * stride_ks
+        else:
+            rows = phys * stride_kb + ((start + offs_k) % BLOCK_SIZE) * stride_ks
+        kv_ptrs = rows[:, None] + offs_d[None, :] * stride_kd
+        if MASKED:
+            pos = start + offs_k
+            ld = (pos <= last_pos)[:, None] & d_ok[None, :]
+            k = tl.load(K + kv_ptrs, mask=ld, other=0.0)
+            v = tl.load(V + kv_ptrs, mask=ld, other=0.0)
+            keep = pos[None, :] <= q_pos[:, None]
+            if TWO:
+                keep = keep & tl.where(rows_b, b_cur, a_cur)[:, None]
+            acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, keep, scale_log2, True, FP32)
+        else:
+            if TMA:  # a page holds the step's keys (KEYS divides BLOCK_SIZE)
+                row = (phys * BLOCK_SIZE + start % BLOCK_SIZE).to(tl.int32)  # descriptor offsets are int32
+                k = desc_k.load([row, kv_col])
+                v = desc_v.load([row, kv_col])
+            elif BLOCK_D == HEAD_DIM:
+                k = tl.load(K + kv_ptrs)
+                v = tl.load(V + kv_ptrs)
+            else:
+                k = tl.load(K + kv_ptrs, mask=d_ok[None, :], other=0.0)
+                v = tl.load(V + kv_ptrs, mask=d_ok[None, :], other=0.0)
+            if TWO:
+                acc, l_i, m_i = _rows_step(acc, l_i, m_i, q, k, v, tl.where(rows_b, b_cur, a_cur), scale_log2,
+                                           FUSED_SCALE, FP32)
+            elif FUSED_SCALE:
+                acc, l_i, m_i = online_softmax_step_fused_scale(acc, l_i, m_i, q, k, v, scale_log2, FP32)
+            else:
+                acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
+    return acc, l_i, m_i
 
 
 # list widths and strides change from step to step: one compiled kernel for all of them
 @triton.jit(do_not_specialize=["stride_bt", "num_cols", "num_slash", "cover_r", "num_qtiles", "num_blocks"])
 def _sparse_prefill_kernel(
-    Q, K, V, Out, Lse,
+    Q, K, V, Out, Lse, desc_k, desc_v,
     cu_q, ctx_lens, block_tables,
     columns, column_counts, slash_tiles, slash_counts, slash_cover, blocks, block_counts, totals,
     scale_log2, dense_above,
@@ -169,26 +215,32 @@ def _sparse_prefill_kernel(
     stride_lt, stride_lh,
     stride_bt, num_cols, num_slash, cover_r, num_qtiles, num_blocks,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    TILE: tl.constexpr, KEYS: tl.constexpr, CHUNK: tl.constexpr, HAS_BLOCKS: tl.constexpr,
-    FP32: tl.constexpr, GUARDED: tl.constexpr,
+    TILE: tl.constexpr, BLOCK_M: tl.constexpr, KEYS: tl.constexpr, CHUNK: tl.constexpr,
+    HAS_BLOCKS: tl.constexpr, FP32: tl.constexpr, GUARDED: tl.constexpr, TMA: tl.constexpr,
+    FUSED_SCALE: tl.constexpr,
 ):
+    PAIR: tl.constexpr = BLOCK_M // TILE  # query tiles of the index a program computes: 1 or 2
+    TWO: tl.constexpr = PAIR == 2
     # last query tiles first: under a causal mask they have the most keys
-    m = tl.num_programs(0) - 1 - tl.program_id(0)
+    m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * PAIR
     h = tl.program_id(1)
     s = tl.program_id(2).to(tl.int64)
     row0 = tl.load(cu_q + s)
     q_len = tl.load(cu_q + s + 1) - row0
-    if m * TILE >= q_len:
+    if m0 * TILE >= q_len:
         return
     ctx_len = tl.load(ctx_lens + s)
     q_start = ctx_len - q_len  # position of the chunk's first row
-    first_pos = q_start + m * TILE
-    last_pos = q_start + tl.minimum(m * TILE + TILE, q_len) - 1
-    base = first_pos // TILE
+    first_pos = q_start + m0 * TILE
+    last_pos = q_start + tl.minimum(m0 * TILE + BLOCK_M, q_len) - 1
+    base = first_pos // TILE  # query tile m0's base key tile; m0 + 1's is base + 1
+    full_tile = (first_pos + 1) // TILE - 1  # the last key tile every row reads whole
+    last_tile = last_pos // TILE  # tiles past it hold no key any row reads
     kvh = h // GROUP
     head = s * tl.num_programs(1) + h  # (sequence, head) row of the index
 
-    offs_m = m * TILE + tl.arange(0, TILE)
+    offs_m = m0 * TILE + tl.arange(0, BLOCK_M)
+    rows_b = tl.arange(0, BLOCK_M) >= TILE  # the rows of query tile m0 + 1
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < q_len
     d_ok = offs_d < HEAD_DIM
@@ -198,66 +250,113 @@ def _sparse_prefill_kernel(
     q_pos = q_start + offs_m
     K += kvh * stride_kh
     V += kvh * stride_kh
+    kv_col = kvh * HEAD_DIM
     bt_row = block_tables + s * stride_bt
 
-    m_i = tl.full([TILE], float("-inf"), tl.float32)
-    l_i = tl.zeros([TILE], tl.float32)
-    acc = tl.zeros([TILE, BLOCK_D], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     dense = False
     if GUARDED:  # totals: the index's work and dense causal work (index_density's); above the share, dense
         dense = tl.load(totals).to(tl.float64) > dense_above * tl.load(totals + 1).to(tl.float64)
     if dense:
         # every key up to the row: the tiles below every row whole, then the diagonal
-        full = (first_pos + 1) // TILE
-        acc, l_i, m_i = _whole_tiles(
-            acc, l_i, m_i, q, K, V, bt_row, slash_tiles, 0, full, 0, last_pos,
+        acc, l_i, m_i = _key_tiles(
+            acc, l_i, m_i, q, q_pos, rows_b, K, V, desc_k, desc_v, kv_col, bt_row,
+            slash_tiles, 0, full_tile + 1, 0, slash_tiles, 0, 0, 0, full_tile + 1, last_pos,
             stride_kb, stride_ks, stride_kd, offs_d, d_ok, scale_log2,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, KEYS, False, FP32,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, KEYS, False, False, False, TMA, FUSED_SCALE, FP32,
         )
-        acc, l_i, m_i = _diagonal_tiles(
-            acc, l_i, m_i, q, q_pos, K, V, bt_row, slash_tiles, full, last_pos // TILE + 1, 0, last_pos,
+        acc, l_i, m_i = _key_tiles(
+            acc, l_i, m_i, q, q_pos, rows_b, K, V, desc_k, desc_v, kv_col, bt_row,
+            slash_tiles, full_tile + 1, last_tile + 1, 0, slash_tiles, 0, 0, 0, last_tile - full_tile,
+            last_pos,
             stride_kb, stride_ks, stride_kd, offs_d, d_ok, scale_log2,
-            BLOCK_SIZE, TILE, KEYS, False, FP32,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, KEYS, False, False, True, False, FUSED_SCALE, FP32,
         )
     else:
-        # 1. slash tiles: key tile base + offset
-        acc, l_i, m_i = _listed_tiles(
-            acc, l_i, m_i, q, q_pos, first_pos, last_pos, K, V, bt_row,
-            slash_tiles + head * num_slash, tl.load(slash_counts + head), base,
+        # 1. slash tiles: key tile base + offset for the rows of query tile m0, and (TWO) base + 1 + offset
+        # for those of m0 + 1; a tile both read is read once. The ascending list is counted against the bounds
+        # first (tiles below 0, tiles wholly below the rows, tiles past the last row): no branch in the loops
+        slash = slash_tiles + head * num_slash
+        num = tl.load(slash_counts + head)
+        cover = slash_cover + head * (cover_r + 2) + cover_r  # cover[d]: 1 when tile offset d is a slash tile
+        a_lo, a_full, a_hi = _count_at_most(slash, num, -1 - base, full_tile - base, last_tile - base, CHUNK)
+        b_lo, b_full, b_hi = a_lo, a_lo, a_lo
+        both_whole, both_diag = 0, 0
+        if TWO:
+            b_lo, b_full, b_hi = _count_at_most(slash, num, -2 - base, full_tile - base - 1,
+                                                last_tile - base - 1, CHUNK)
+            both_whole = _count_adjacent(slash, a_lo, a_full, cover, cover_r, CHUNK)
+            both_diag = _count_adjacent(slash, a_full, a_hi, cover, cover_r, CHUNK)
+        acc, l_i, m_i = _key_tiles(
+            acc, l_i, m_i, q, q_pos, rows_b, K, V, desc_k, desc_v, kv_col, bt_row,
+            slash, a_lo, a_full, base, slash, b_lo, b_full, base + 1,
+            (a_full - a_lo) + (b_full - b_lo) - both_whole, last_pos,
             stride_kb, stride_ks, stride_kd, offs_d, d_ok, scale_log2,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, KEYS, CHUNK, FP32,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, KEYS, True, TWO, False, TMA, FUSED_SCALE, FP32,
+        )
+        acc, l_i, m_i = _key_tiles(
+            acc, l_i, m_i, q, q_pos, rows_b, K, V, desc_k, desc_v, kv_col, bt_row,
+            slash, a_full, a_hi, base, slash, b_full, b_hi, base + 1,
+            (a_hi - a_full) + (b_hi - b_full) - both_diag, last_pos,
+            stride_kb, stride_ks, stride_kd, offs_d, d_ok, scale_log2,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, KEYS, True, TWO, True, False, FUSED_SCALE, FP32,
         )
 
-        # 2. columns up to the last row's position, KEYS at a time, minus those in slash tiles
+        # 2. columns up to the last row's position, KEYS at a time, minus those in a slash tile of the row's
+        # query tile: gathered
         cols = columns + head * num_cols
         _, _, live_cols = _count_at_most(cols, tl.load(column_counts + head), last_pos, last_pos, last_pos,
                                          CHUNK)
-        cover = slash_cover + head * (cover_r + 2) + cover_r  # cover[d]: 1 when tile offset d is a slash tile
         for j0 in range(0, live_cols, KEYS):
             offs_j = j0 + tl.arange(0, KEYS)
             live = offs_j < live_cols
             c = tl.load(cols + offs_j, mask=live, other=0)
             d = c // TILE - base
-            covered = tl.load(cover + d, mask=live & (d >= -cover_r) & (d <= 1), other=0)
-            use = live & (covered == 0)
+            use = live & (tl.load(cover + d, mask=live & (d >= -cover_r) & (d <= 1), other=0) == 0)
+            keep = use[None, :] & (c[None, :] <= q_pos[:, None])
+            if TWO:
+                covered_b = tl.load(cover + d - 1, mask=live & (d - 1 >= -cover_r) & (d <= 2), other=0)
+                use_b = live & (covered_b == 0)
+                keep = tl.where(rows_b[:, None], use_b[None, :], use[None, :])
+                keep = keep & (c[None, :] <= q_pos[:, None])
+                use = use | use_b
             phys = tl.load(bt_row + c // BLOCK_SIZE, mask=use, other=0).to(tl.int64)
             rows = phys * stride_kb + (c % BLOCK_SIZE) * stride_ks
             ld = use[:, None] & d_ok[None, :]
             k = tl.load(K + rows[:, None] + offs_d[None, :] * stride_kd, mask=ld, other=0.0)
             v = tl.load(V + rows[:, None] + offs_d[None, :] * stride_kd, mask=ld, other=0.0)
-            keep = use[None, :] & (c[None, :] <= q_pos[:, None])
             acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, keep, scale_log2, True, FP32)
 
-        # 3. block-sparse heads: the key tiles listed for this query tile
+        # 3. block-sparse heads: the key tiles listed for each query tile, read by its rows (with TWO: as
+        # list b, list a empty)
         if HAS_BLOCKS:
-            tile_row = head * num_qtiles + m
-            acc, l_i, m_i = _listed_tiles(
-                acc, l_i, m_i, q, q_pos, first_pos, last_pos, K, V, bt_row,
-                blocks + tile_row * num_blocks, tl.load(block_counts + tile_row), 0,
-                stride_kb, stride_ks, stride_kd, offs_d, d_ok, scale_log2,
-                HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, KEYS, CHUNK, FP32,
-            )
+            for p in tl.static_range(PAIR):
+                first_p = first_pos + p * TILE
+                if first_p <= last_pos:
+                    last_p = tl.minimum(first_p + TILE - 1, last_pos)
+                    tile_row = head * num_qtiles + m0 + p
+                    listed = blocks + tile_row * num_blocks
+                    lo, full, hi = _count_at_most(listed, tl.load(block_counts + tile_row), -1,
+                                                  (first_p + 1) // TILE - 1, last_p // TILE, CHUNK)
+                    rows_p = tl.arange(0, BLOCK_M) // TILE == p
+                    a_full, a_hi = full, hi  # list a's ends: without TWO, the list; with, nothing
+                    if TWO:
+                        a_full, a_hi = lo, full
+                    acc, l_i, m_i = _key_tiles(
+                        acc, l_i, m_i, q, q_pos, rows_p, K, V, desc_k, desc_v, kv_col, bt_row,
+                        listed, lo, a_full, 0, listed, lo, full, 0, full - lo, last_p,
+                        stride_kb, stride_ks, stride_kd, offs_d, d_ok, scale_log2,
+                        HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, KEYS, True, TWO, False, TMA, FUSED_SCALE, FP32,
+                    )
+                    acc, l_i, m_i = _key_tiles(
+                        acc, l_i, m_i, q, q_pos, rows_p, K, V, desc_k, desc_v, kv_col, bt_row,
+                        listed, full, a_hi, 0, listed, full, hi, 0, hi - full, last_p,
+                        stride_kb, stride_ks, stride_kd, offs_d, d_ok, scale_log2,
+                        HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, KEYS, True, TWO, True, False, FUSED_SCALE, FP32,
+                    )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     tl.store(Out + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
@@ -328,30 +427,66 @@ def index_density(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: 
     return totals[0].double() / totals[1].double()
 
 
-def _launch_config(q: torch.Tensor, head_dim: int) -> tuple[int, int, int]:
-    """(keys a step, num_warps, num_stages). Over head size 128 a step reads 32 keys, as the dense paged
-    kernel's tiles at that size: a 64-key step's K and V stages fill shared memory, one program a
-    multiprocessor."""
-    if q.device.type != "cuda":
-        return TILE, 1, 1
-    if q.dtype == torch.float32 or head_dim > 128:  # keep the K/V stages within shared memory
-        return TILE // 2, 4, 2
-    return TILE, 4, 3
+@attrs.frozen
+class SparseKernelConfig:
+    """The sparse kernel's knobs; none changes a result beyond float rounding.
+
+    ``block_m`` query rows a program: ``TILE`` (one query tile of the index) or ``2 * TILE`` (two, each
+    reading its own tiles, a key tile both read loaded once). ``keys`` a step: ``TILE``, or a half or a
+    quarter of it (at least 16). ``num_warps``; ``num_stages``, Triton's software pipeline depth.
+    ``fused_scale``: tiles below every row apply the softmax scale inside the exponent's multiply-add, one
+    float operation a score fewer (rounding differs in the last bits). ``tma``: those tiles come through
+    tensor-memory (TMA) loads where a KV page holds whole steps (pages of ``keys`` keys or a multiple; Hopper
+    and later, or the interpreter; a head size that is a power of two); elsewhere it is ignored."""
+
+    block_m: int
+    keys: int
+    num_warps: int
+    num_stages: int
+    fused_scale: bool = False
+    tma: bool = False
+
+    def problem(self) -> str | None:
+        """What makes this configuration unusable, or None."""
+        if self.block_m not in (TILE, 2 * TILE):
+            return f"block_m={self.block_m}: use {TILE} or {2 * TILE} (one or two of the index's query tiles)"
+        if self.keys not in (TILE, TILE // 2, TILE // 4):
+            return f"keys={self.keys}: use {TILE}, {TILE // 2} or {TILE // 4} (a key tile or a part of it)"
+        return None
+
+
+def kernel_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> SparseKernelConfig:
+    """The kernel's knobs for a launch, by device, dtype and head size: one query tile a program and plain
+    loads off CUDA (the interpreter); on CUDA, 16-bit and head size up to 128, the dense prefill kernel's
+    long-prompt choices (128 query rows a program over 8 warps, the fused scale, TMA loads). Over head size
+    128 or in float32 a step reads 32 keys, to keep the K/V stages within shared memory."""
+    if device.type != "cuda":
+        return SparseKernelConfig(TILE, TILE, 1, 1)
+    if dtype == torch.float32 or head_dim > 128:
+        return SparseKernelConfig(TILE, TILE // 2, 4, 2, fused_scale=True)
+    return SparseKernelConfig(2 * TILE, TILE, 8, 3, fused_scale=True, tma=True)
 
 
 def sparse_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, index: SparseIndex, scale: float,
-    max_query_len: int, *, dense_above: float | None = None, config: tuple[int, int, int] | None = None,
+    max_query_len: int, *, dense_above: float | None = None, config: SparseKernelConfig | tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse prefill attention (Triton): ``(out [T, H, D] in q's dtype, lse [T, H] float32)``.
 
     ``max_query_len`` (a host int) sizes the grid. ``dense_above``: when the index computes more than this
     share of dense causal work (:func:`~nanovllm_minference.index.computed_density`), the kernel attends to
     every key up to each row instead (dense causal attention). The share is computed on the GPU (a fill and
-    one launch) and the kernel reads it there: nothing waits on the host. ``config`` overrides ``(keys a
-    step, num_warps, num_stages)`` (benchmarks)."""
+    one launch) and the kernel reads it there: nothing waits on the host. ``config`` (a
+    :class:`SparseKernelConfig` or its leading fields) overrides :func:`kernel_config` (benchmarks, tests)."""
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, index)
+    num_heads, head_dim = q.shape[1:]
+    if config is None:
+        cfg = kernel_config(head_dim, q.dtype, q.device)
+    else:
+        cfg = config if isinstance(config, SparseKernelConfig) else SparseKernelConfig(*config)
+    if (problem := cfg.problem()) is not None:
+        raise ValueError(f"config {cfg}: {problem}")
     if index.blocks is not None and index.blocks.shape[2] < triton.cdiv(max_query_len, TILE):
         raise ValueError(
             f"index.blocks lists {index.blocks.shape[2]} query tiles but max_query_len {max_query_len} makes "
@@ -367,7 +502,6 @@ def sparse_attention(
     totals = None
     if dense_above is not None:
         totals = _density_totals(index, cu_seqlens_q, context_lens, max_query_len)
-    num_heads, head_dim = q.shape[1:]
     has_blocks = index.blocks is not None
     columns, slash = index.columns.contiguous(), index.slash_tiles.contiguous()
     column_counts, slash_counts = index.column_counts.contiguous(), index.slash_counts.contiguous()
@@ -376,10 +510,10 @@ def sparse_attention(
         blocks, block_counts = index.blocks.contiguous(), index.block_counts.contiguous()
     else:
         blocks, block_counts = column_counts, column_counts  # never read
-    keys, warps, stages = config or _launch_config(q, head_dim)
-    grid = (triton.cdiv(max_query_len, TILE), num_heads, cu_seqlens_q.shape[0] - 1)
+    descs = paged_kv_descriptors(k_cache, v_cache, cfg.keys) if cfg.tma else None
+    grid = (triton.cdiv(max_query_len, cfg.block_m), num_heads, cu_seqlens_q.shape[0] - 1)
     _sparse_prefill_kernel[grid](
-        q, k_cache, v_cache, out, lse,
+        q, k_cache, v_cache, out, lse, *(descs or (k_cache, v_cache)),
         cu_seqlens_q, context_lens, block_tables,
         columns, column_counts, slash, slash_counts, cover, blocks, block_counts,
         column_counts if totals is None else totals,  # never read unguarded
@@ -388,9 +522,11 @@ def sparse_attention(
         block_tables.stride(0), columns.shape[2], slash.shape[2], index.cover_offset,
         blocks.shape[2] if has_blocks else 0, blocks.shape[3] if has_blocks else 0,
         GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=k_cache.shape[1], TILE=TILE, KEYS=keys, CHUNK=LIST_CHUNK, HAS_BLOCKS=has_blocks,
+        BLOCK_SIZE=k_cache.shape[1], TILE=TILE, BLOCK_M=cfg.block_m, KEYS=cfg.keys, CHUNK=LIST_CHUNK,
+        HAS_BLOCKS=has_blocks,
         FP32=q.dtype == torch.float32 or q.device.type != "cuda",  # the interpreter's bfloat16 dot is wrong
-        GUARDED=totals is not None, num_warps=warps, num_stages=stages,
+        GUARDED=totals is not None, TMA=descs is not None, FUSED_SCALE=cfg.fused_scale,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
@@ -509,4 +645,4 @@ def sparse_attention_reference(
     return out, lse
 
 
-__all__ = ["sparse_attention", "sparse_attention_reference"]
+__all__ = ["sparse_attention", "sparse_attention_reference", "SparseKernelConfig", "kernel_config"]
