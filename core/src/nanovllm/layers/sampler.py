@@ -3,15 +3,22 @@ token masks; and log-probabilities."""
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
+
 import attrs
 import torch
 from torch import nn
+
+from nanovllm.layers.fused import use_fused
 
 
 class Sampler(nn.Module):
     """Samples with the exponential race (argmax of p / E with E ~ Exp(1)), which needs no sort or cumsum
     beyond top-p and no host sync. Rows with temperature 0 take the argmax. ``processing`` (penalties,
-    biases, masks) and ``min_ps`` are ``None`` when no row uses them, which adds no work."""
+    biases, masks) and ``min_ps`` are ``None`` when no row uses them, which adds no work. On CUDA, a step
+    with temperatures only (no option, no seeded row) runs one Triton kernel that reads the logits once
+    (:mod:`nanovllm.layers.sampler_kernels`); everything else, and the CPU, runs the torch code here."""
 
     def forward(
         self,
@@ -23,6 +30,9 @@ class Sampler(nn.Module):
         min_ps: torch.Tensor | None = None,
         processing: LogitsProcessing | None = None,
     ) -> torch.Tensor:
+        plain = processing is None and min_ps is None and top_ks is None and top_ps is None
+        if plain and use_fused(logits) and not any(gen is not None for gen in generators or ()):
+            return _kernels().sample(logits, temperatures)
         logits = logits.float()
         if processing is not None:  # before the argmax: greedy rows obey penalties and masks too
             logits = processing.apply(logits)
@@ -44,6 +54,14 @@ class Sampler(nn.Module):
         if processing is not None:
             processing.record(sampled)
         return sampled
+
+
+@functools.cache
+def _kernels() -> ModuleType:
+    """:mod:`nanovllm.layers.sampler_kernels`, imported on first use (it imports Triton)."""
+    from nanovllm.layers import sampler_kernels
+
+    return sampler_kernels
 
 
 def _apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
