@@ -64,10 +64,12 @@ def kernel_ms(fn: Callable[[], Any], min_runs: int = 10) -> float:
     return do_bench(fn, warmup=3, rep=max(20.0, min_runs * once), return_mode="median")
 
 
-def dense_prefill_ms(prompt: PagedPrompt, scale: float, history: int = 64) -> dict[str, float]:
-    """The dense Triton prefill kernel on ``prompt``: ``dense_ms`` reads the fresh prompt's contiguous keys;
-    ``dense_paged_ms`` is the same prompt behind a ``history``-token prefix, the paged kernel that every chunk
-    after the first runs (the cache reads of a sparse kernel; ``history`` fewer query rows)."""
+def dense_prefill_ms(prompt: PagedPrompt, scale: float, history: int = 64,
+                     contiguous: bool = True) -> dict[str, float]:
+    """The dense Triton prefill kernel on ``prompt``: ``dense_ms`` reads the fresh prompt's contiguous keys
+    (left out without ``contiguous``: it does not depend on the cache's block size); ``dense_paged_ms`` is
+    the same prompt behind a ``history``-token prefix, the paged kernel that every chunk after the first runs
+    (the cache reads of a sparse kernel; ``history`` fewer query rows)."""
     import torch
 
     from nanovllm.attention.metadata import PhaseMetadata
@@ -76,12 +78,16 @@ def dense_prefill_ms(prompt: PagedPrompt, scale: float, history: int = 64) -> di
     p, n = prompt, prompt.q.shape[0]
     dense = TritonBackend()
     dense.sdpa_prefill = False
-    dense_ms = kernel_ms(lambda: dense.prefill(p.q, p.k, p.v, p.k_cache, p.v_cache, p.meta, scale))
+    times = {}
+    if contiguous:
+        times["dense_ms"] = kernel_ms(lambda: dense.prefill(p.q, p.k, p.v, p.k_cache, p.v_cache, p.meta,
+                                                            scale))
     chunk_cu = torch.tensor([0, n - history], dtype=torch.int32, device=p.q.device)
     chunk = PhaseMetadata(chunk_cu, p.context_lens, p.tables, n - history, n)
     new = slice(history, None)
-    paged_ms = kernel_ms(lambda: dense.prefill(p.q[new], p.k[new], p.v[new], p.k_cache, p.v_cache, chunk, scale))
-    return {"dense_ms": dense_ms, "dense_paged_ms": paged_ms}
+    times["dense_paged_ms"] = kernel_ms(lambda: dense.prefill(p.q[new], p.k[new], p.v[new], p.k_cache,
+                                                             p.v_cache, chunk, scale))
+    return times
 
 
 def bench_ttft(preset: str, context: int, policy: str, rounds: int = 1) -> list[dict[str, Any]]:
@@ -207,13 +213,19 @@ def ttft_model(row: dict[str, Any]) -> str:
 
 
 def density_chart(payload: dict[str, Any], path: Path, name: str, xlabel: str, ylabel: str) -> None:
-    """Kernel rows (``density``, ``ratio``), one line per context, and the line of time proportional to
-    density."""
+    """Kernel rows (``density``, ``ratio``), one line per context (and KV block size and kernel config where
+    rows name them), and the line of time proportional to density."""
     kernel = [r for r in payload["results"] if r["benchmark"] == "kernel" and "ratio" in r]
     fig, ax = subplots(figsize=(7, 4.5))
-    for n in sorted({r["context"] for r in kernel}):
-        pts = sorted((r["density"], r["ratio"]) for r in kernel if r["context"] == n)
-        ax.plot(*zip(*pts, strict=True), marker="o", label=f"{n // 1024}K")
+
+    def line(r):  # one line per context, and per KV block size and kernel config where rows name them
+        return r["context"], r.get("kv_block_size", 0), r.get("config", "")
+
+    for key in sorted({line(r) for r in kernel}):
+        n, block_size, config = key
+        pts = sorted((r["density"], r["ratio"]) for r in kernel if line(r) == key)
+        label = " ".join([f"{n // 1024}K", *([f"blocks of {block_size}"] if block_size else []), config])
+        ax.plot(*zip(*pts, strict=True), marker="o", label=label.strip())
     xs = [0, max((r["density"] for r in kernel), default=1)]
     ax.plot(xs, xs, "r--", label="time proportional to density")
     ax.set_xlabel(xlabel)

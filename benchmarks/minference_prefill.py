@@ -4,10 +4,12 @@ dense in the same run.
 Jobs, each in its own process (one engine's GPU memory never shrinks the next one's KV cache):
 
 - ``kernel``: one layer's prefill attention of one prompt on llama-3.1-8b shapes (32 query heads, 8 KV
-  heads, head size 128, bfloat16, blocks of 16): the dense Triton prefill kernel (and cuDNN's, the
-  engine's dense path for a fresh prompt), against the sparse kernel over (a) the index the estimate
-  builds with the default budgets, (b) fixed indices (1000 sink columns and a band of diagonals) at set
-  densities. Also the estimate and the index building, as a share of dense attention.
+  heads, head size 128, bfloat16): the dense Triton prefill kernel (and cuDNN's, the engine's dense path
+  for a fresh prompt), against the sparse kernel over (a) the index the estimate builds with the default
+  budgets (unless ``--fixed-only``), (b) fixed indices (1000 sink columns and a band of diagonals) at set
+  densities. Also the estimate and the index building, as a share of dense attention. For each KV block
+  size of ``--block-sizes`` (16 by default) the dense paged kernel and the sparse kernel read a cache of
+  that block size; ``--configs`` names the sparse kernel's configurations to time (``CONFIGS``).
 - ``ttft``: the engine end to end: the time to the first token of one prompt, ``full`` against
   MInference (default budgets; A-shape; and each of ``--ttft-policies``), KV on the GPU. With
   ``--ttft-paired``, ``ttft-paired`` jobs instead: each policy in one process with ``full``, the two engines
@@ -53,9 +55,29 @@ from nanovllm.bench import markdown_row
 
 PRESET = "llama-3.1-8b"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+CONFIGS = ("default", "old", "block_m=64", "no-tma", "no-fused-scale")  # kernel_configs' names
 
 
-def bench_kernel(contexts: list[int], densities: list[float]) -> list[dict[str, Any]]:
+def kernel_configs():
+    """The sparse kernel's configurations by the names of ``CONFIGS``: ``default`` (the kernel's own rule),
+    ``old`` (64-row programs over 4 warps, no fused scale, no TMA: the kernel before its knobs), and
+    ``default`` less one knob each."""
+    import attrs
+    import torch
+
+    from nanovllm_minference.attention import kernel_config
+
+    best = kernel_config(HEAD_DIM, torch.bfloat16, torch.device("cuda"))
+    return {"default": best, "old": attrs.evolve(best, block_m=64, num_warps=4, fused_scale=False, tma=False),
+            "block_m=64": attrs.evolve(best, block_m=64, num_warps=4),
+            "no-tma": attrs.evolve(best, tma=False), "no-fused-scale": attrs.evolve(best, fused_scale=False)}
+
+
+def bench_kernel(contexts: list[int], densities: list[float], block_sizes: list[int] = (BLOCK_SIZE,),
+                 configs: list[str] = ("default",), fixed_only: bool = False) -> list[dict[str, Any]]:
+    """The ``kernel`` job: per context, the dense kernels over contiguous keys once, then per KV block size
+    the dense paged kernel and the sparse kernel in each of ``configs`` (names of :func:`kernel_configs`)
+    over the estimated index (unless ``fixed_only``) and the fixed indices at ``densities``."""
     import torch
     from nanovllm.attention.triton_backend import TritonBackend
 
@@ -65,47 +87,55 @@ def bench_kernel(contexts: list[int], densities: list[float]) -> list[dict[str, 
     from nanovllm_minference.index import computed_density, lines_to_index, top_lines
 
     cfg, scale, rows = MInferenceConfig(), HEAD_DIM**-0.5, []
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    named = kernel_configs()
     dev = "cuda"
     for n in contexts:
-        p = paged_prompt(n, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, gen, dev)
-        q, k_cache, v_cache, tables = p.q, p.k_cache, p.v_cache, p.tables
-        cu, lens = p.cu_seqlens_q, p.context_lens
-        dense = dense_prefill_ms(p, scale)
-        cudnn = TritonBackend()  # the engine's dense path for a fresh prompt
-        cudnn_ms = kernel_ms(lambda: cudnn.prefill(q, p.k, p.v, k_cache, v_cache, p.meta, scale))
-        base = {"benchmark": "kernel", "context": n, **dense, "cudnn_ms": cudnn_ms}
-        dense_ms = dense["dense_ms"]
+        contiguous = None
+        for block_size in block_sizes:
+            # the same q, k and v at every block size (the generator starts over); the pages' order differs
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            p = paged_prompt(n, HEADS, KV_HEADS, HEAD_DIM, block_size, gen, dev)
+            q, k_cache, v_cache, tables = p.q, p.k_cache, p.v_cache, p.tables
+            cu, lens = p.cu_seqlens_q, p.context_lens
+            paged = dense_prefill_ms(p, scale, contiguous=contiguous is None)
+            if contiguous is None:  # keys read from the fresh prompt's tensors: the block size does not enter
+                cudnn = TritonBackend()  # the engine's dense path for a fresh prompt
+                contiguous = {"dense_ms": paged.pop("dense_ms"),
+                              "cudnn_ms": kernel_ms(lambda: cudnn.prefill(q, p.k, p.v, k_cache, v_cache, p.meta,
+                                                                          scale))}
+            base = {"benchmark": "kernel", "context": n, "kv_block_size": block_size, **contiguous, **paged}
+            dense_ms = contiguous["dense_ms"]
 
-        def sparse(index):
-            return sparse_attention(q, k_cache, v_cache, tables, cu, lens, index, scale, n)
+            def sparse(index, config):
+                return sparse_attention(q, k_cache, v_cache, tables, cu, lens, index, scale, n, config=config)
 
-        sizes = torch.full((1, HEADS), cfg.vertical_size, device=dev), torch.full((1, HEADS), cfg.slash_size, device=dev)
+            indices = []
+            if not fixed_only:
+                sizes = (torch.full((1, HEADS), cfg.vertical_size, device=dev),
+                         torch.full((1, HEADS), cfg.slash_size, device=dev))
 
-        def build():
-            scores = estimate(q, k_cache, tables, cu, lens, scale, cfg.last_q, n)
-            lines = top_lines(*scores, lens, *sizes, cfg.num_sink_tokens, cfg.num_recent_diags,
-                              (cfg.vertical_size, cfg.slash_size), sizes_equal=True)
-            return lines_to_index(*lines, lens - n, n)
+                def build():
+                    scores = estimate(q, k_cache, tables, cu, lens, scale, cfg.last_q, n)
+                    lines = top_lines(*scores, lens, *sizes, cfg.num_sink_tokens, cfg.num_recent_diags,
+                                      (cfg.vertical_size, cfg.slash_size), sizes_equal=True)
+                    return lines_to_index(*lines, lens - n, n)
 
-        estimate_ms = kernel_ms(lambda: estimate(q, k_cache, tables, cu, lens, scale, cfg.last_q, n))
-        build_ms = kernel_ms(build)
-        index = build()
-        density = computed_density(index, cu, lens)
-        sparse_ms = kernel_ms(lambda: sparse(index))
-        rows.append({**base, "index": "estimated, default budgets", "density": density, "sparse_ms": sparse_ms,
-                     "estimate_ms": estimate_ms, "index_ms": build_ms - estimate_ms, "build_ms": build_ms,
-                     "estimate_share": build_ms / dense_ms, "ratio": sparse_ms / dense_ms})
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-        for target in densities:
-            index = fixed_index(n, target, cfg.vertical_size, dev)
-            density = computed_density(index, cu, lens)
-            sparse_ms = kernel_ms(lambda index=index: sparse(index))
-            rows.append({**base, "index": f"fixed, {cfg.vertical_size} columns + band", "density": density,
-                         "sparse_ms": sparse_ms, "ratio": sparse_ms / dense_ms})
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-        del p, q, k_cache, v_cache
-        torch.cuda.empty_cache()
+                estimate_ms = kernel_ms(lambda: estimate(q, k_cache, tables, cu, lens, scale, cfg.last_q, n))
+                build_ms = kernel_ms(build)
+                indices.append((build(), "estimated, default budgets",
+                                {"estimate_ms": estimate_ms, "index_ms": build_ms - estimate_ms,
+                                 "build_ms": build_ms, "estimate_share": build_ms / dense_ms}))
+            indices += [(fixed_index(n, target, cfg.vertical_size, dev),
+                         f"fixed, {cfg.vertical_size} columns + band", {}) for target in densities]
+            for index, name, extra in indices:
+                density = computed_density(index, cu, lens)
+                for config in configs:
+                    sparse_ms = kernel_ms(lambda index=index, config=config: sparse(index, named[config]))
+                    rows.append({**base, "index": name, "config": config, "density": density,
+                                 "sparse_ms": sparse_ms, **extra, "ratio": sparse_ms / dense_ms})
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            del p, q, k_cache, v_cache, indices
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -190,11 +220,13 @@ def index_work(model: str, prompt: list[int], policy: str, settings: dict[str, A
 
 def jobs(contexts: list[int], ttft_contexts: list[int], densities: list[float],
          ttft_policies: list[str] = (), ttft_rounds: int = 1, ttft_paired: bool = False,
-         default_policies: bool = True, text_contexts: list[int] = ()) -> list[dict]:
+         default_policies: bool = True, text_contexts: list[int] = (), block_sizes: list[int] = (BLOCK_SIZE,),
+         configs: list[str] = ("default",), fixed_only: bool = False) -> list[dict]:
     """``ttft_paired``: each policy's TTFT in one process with ``full``'s, the two engines taking turns on
     each round's prompt (two 8B engines with KV for 128K fit an 80 GB GPU; more do not).
     ``default_policies`` False: the TTFT jobs time ``full`` and ``ttft_policies`` only."""
-    out: list[dict] = [{"kind": "kernel", "contexts": contexts, "densities": densities}]
+    out: list[dict] = [{"kind": "kernel", "contexts": contexts, "densities": densities,
+                        "block_sizes": list(block_sizes), "configs": list(configs), "fixed_only": fixed_only}]
     defaults = TTFT_POLICIES if default_policies else TTFT_POLICIES[:1]
     policies = list(dict.fromkeys([*defaults, *ttft_policies]))
     for context in ttft_contexts:
@@ -212,7 +244,8 @@ def jobs(contexts: list[int], ttft_contexts: list[int], densities: list[float],
 
 def run_job(job: dict) -> list[dict[str, Any]]:
     if job["kind"] == "kernel":
-        return bench_kernel(job["contexts"], job["densities"])
+        return bench_kernel(job["contexts"], job["densities"], job["block_sizes"], job["configs"],
+                            job["fixed_only"])
     if job["kind"] == "text":
         return bench_ttft_text(job["context"], job["policies"], job["rounds"])
     if job["kind"] == "ttft-paired":  # and what MInference's index computed, on a random prompt as long
@@ -231,18 +264,20 @@ def run_job(job: dict) -> list[dict[str, Any]]:
 def markdown(payload: dict[str, Any], title: str) -> str:
     env = payload["environment"]
     lines = [f"# {title}", "", f"{env['device']}, {env['date']}, commit {env['commit']}, torch {env['torch']}.",
-             f"Preset {PRESET} shapes (random weights), blocks of {BLOCK_SIZE}, bfloat16. Rows on natural "
+             f"Preset {PRESET} shapes (random weights), bfloat16. Rows on natural "
              "text: the built-in SmolLM2-135M-Instruct (real weights, `hf_overrides` past its 8K).", "",
              "## Prefill attention of one prompt, one layer (ms)", "",
              "Density: the work the sparse kernel does over dense causal attention's.", "",
              "Dense Triton reads a fresh prompt's contiguous keys; dense paged is the same kernel through the block "
-             "table, as for every chunk after the first and as the sparse kernel reads.", "",
-             "| context | index | density | dense Triton | dense paged | dense cuDNN | sparse | sparse / dense | "
-             "sparse / paged | estimate | index | share of dense |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "table of the row's KV block size, as for every chunk after the first and as the sparse kernel reads. "
+             "Config: the sparse kernel's (`kernel_configs` in the script).", "",
+             "| context | KV block | index | config | density | dense Triton | dense paged | dense cuDNN | sparse | "
+             "sparse / dense | sparse / paged | estimate | index | share of dense |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["results"]:
         if r["benchmark"] == "kernel" and "ratio" in r:
-            cells = [r["context"], r["index"], f"{r['density']:.3f}", f"{r['dense_ms']:.2f}",
+            cells = [r["context"], r.get("kv_block_size", BLOCK_SIZE), r["index"], r.get("config", "default"),
+                     f"{r['density']:.3f}", f"{r['dense_ms']:.2f}",
                      f"{r['dense_paged_ms']:.2f}" if "dense_paged_ms" in r else "", f"{r['cudnn_ms']:.2f}",
                      f"{r['sparse_ms']:.2f}", f"{r['ratio']:.3f}",
                      f"{r['ratio_paged']:.3f}" if "ratio_paged" in r else "",
@@ -291,6 +326,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768, 131072])
     parser.add_argument("--densities", nargs="+", type=float, default=[0.05, 0.1, 0.2, 0.4])
+    parser.add_argument("--block-sizes", nargs="+", type=int, default=[BLOCK_SIZE],
+                        help="KV cache block sizes of the kernel job (each with its dense paged time)")
+    parser.add_argument("--configs", nargs="+", default=["default"],
+                        choices=CONFIGS,
+                        help="sparse kernel configurations the kernel job times (kernel_configs)")
+    parser.add_argument("--fixed-only", action="store_true",
+                        help="the kernel job times the fixed indices only, not the estimated one")
     parser.add_argument("--ttft-contexts", nargs="+", type=int, default=[32768, 131072])
     parser.add_argument("--ttft-rounds", type=int, default=1,
                         help="prompts timed one after another per ttft job; TTFT is their median")
@@ -313,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.job:
         return job_main(run_job, args.job)
     all_jobs = jobs(args.contexts, args.ttft_contexts, args.densities, args.ttft_policies, args.ttft_rounds,
-                    args.ttft_paired, args.default_policies, args.text_contexts)
+                    args.ttft_paired, args.default_policies, args.text_contexts, args.block_sizes, args.configs,
+                    args.fixed_only)
     return run_jobs(jobs_of_kinds(all_jobs, args.only or ["kernel", "ttft"]), __file__, Path(args.out), args.name,
                     vars(args) | {"job": None}, with_ratios, markdown, chart)
 

@@ -4,10 +4,13 @@ in the same run.
 Jobs, each in its own process (one engine's GPU memory never shrinks the next one's KV cache):
 
 - ``kernel``: one layer's prefill attention of one prompt on llama-3.1-8b shapes (32 query heads, 8 KV
-  heads, head size 128, bfloat16, KV blocks of 16): the dense Triton prefill (a fresh prompt's contiguous
-  keys, and the paged kernel behind a 64-token history, which reads the cache as the sparse kernel does),
-  the estimate and the selection as a share of dense, and the block-sparse kernel over selections at set
-  densities (``ratio``: each row's best blocks by the estimate) and at ``threshold=0.9``.
+  heads, head size 128, bfloat16): the dense Triton prefill (a fresh prompt's contiguous keys, and the
+  paged kernel behind a 64-token history, which reads the cache as the sparse kernel does), the estimate
+  and the selection as a share of dense, and the block-sparse kernel over selections at set densities
+  (``ratio``: each row's best blocks by the estimate) and at ``threshold=0.9`` (unless ``--fixed-only``).
+  For each KV block size of ``--block-sizes`` (16 by default) the dense paged kernel and the sparse kernel
+  read a cache of that block size; ``--configs`` names the sparse kernel's configurations to time
+  (``CONFIGS``).
 - ``ttft``: the engine end to end: time to the first token of one prompt, ``full`` against XAttention at
   a fixed 20% density (``ratio=0.2``) and at ``threshold=0.9``, KV on the GPU.
 
@@ -30,9 +33,29 @@ from nanovllm.bench import markdown_row
 
 PRESET = "llama-3.1-8b"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+CONFIGS = ("default", "old", "no-tma", "no-fused-scale")  # kernel_configs' names
 
 
-def bench_kernel(contexts: list[int], densities: list[float], stride: int) -> list[dict[str, Any]]:
+def kernel_configs():
+    """The block-sparse kernel's configurations by the names of ``CONFIGS``: ``default`` (the kernel's own
+    rule), ``old`` (the same tiles, no fused scale, no TMA: the kernel before its knobs), and ``default``
+    less one knob each."""
+    import attrs
+    import torch
+
+    from nanovllm_xattn.attention import attention_config
+
+    best = attention_config(HEAD_DIM, torch.bfloat16, torch.device("cuda"), 128)
+    return {"default": best, "old": attrs.evolve(best, fused_scale=False, tma=False),
+            "no-tma": attrs.evolve(best, tma=False), "no-fused-scale": attrs.evolve(best, fused_scale=False)}
+
+
+def bench_kernel(contexts: list[int], densities: list[float], stride: int,
+                 block_sizes: list[int] = (BLOCK_SIZE,), configs: list[str] = ("default",), fixed_only: bool = False) -> list[dict[str, Any]]:
+    """The ``kernel`` job: per context, the dense kernel over contiguous keys once, the estimate and the
+    selection, then per KV block size the dense paged kernel and the block-sparse kernel in each of
+    ``configs`` (names of :func:`kernel_configs`) over the selections at ``densities`` and (unless
+    ``fixed_only``) at the threshold."""
     import torch
 
     from nanovllm_xattn.attention import block_sparse_attention
@@ -42,38 +65,50 @@ def bench_kernel(contexts: list[int], densities: list[float], stride: int) -> li
 
     cfg, scale, rows, dev = XAttentionConfig(stride=stride), HEAD_DIM**-0.5, [], "cuda"
     block = cfg.block_size
-    gen = torch.Generator(device=dev).manual_seed(0)
+    named = kernel_configs()
     for n in contexts:
-        p = paged_prompt(n, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, gen, dev)
-        q, k_cache, v_cache, tables = p.q, p.k_cache, p.v_cache, p.tables
-        cu, lens = p.cu_seqlens_q, p.context_lens
-        dense = dense_prefill_ms(p, scale)
-        dense_ms, paged_ms = dense["dense_ms"], dense["dense_paged_ms"]
-        thresholds = torch.full((HEADS,), cfg.threshold, device=dev)
+        contiguous = None
+        for block_size in block_sizes:
+            # the same q, k and v at every block size (the generator starts over); the pages' order differs
+            gen = torch.Generator(device=dev).manual_seed(0)
+            p = paged_prompt(n, HEADS, KV_HEADS, HEAD_DIM, block_size, gen, dev)
+            q, k_cache, v_cache, tables = p.q, p.k_cache, p.v_cache, p.tables
+            cu, lens = p.cu_seqlens_q, p.context_lens
+            paged = dense_prefill_ms(p, scale, contiguous=contiguous is None)
+            thresholds = torch.full((HEADS,), cfg.threshold, device=dev)
 
-        def scores():
-            return block_scores(q, k_cache, tables, cu, lens, scale, cfg.stride, block, n, n)
+            def scores():
+                return block_scores(q, k_cache, tables, cu, lens, scale, cfg.stride, block, n, n)
 
-        def select(s, ratio=None):
-            return select_blocks(s, cu, lens, block, KV_HEADS, cfg.head_reduce, thresholds, ratio)
+            def select(s, ratio=None):
+                return select_blocks(s, cu, lens, block, KV_HEADS, cfg.head_reduce, thresholds, ratio)
 
-        estimate_ms = kernel_ms(scores)
-        s = scores()
-        select_ms = kernel_ms(lambda: block_lists(select(s)))
-        base = {"benchmark": "kernel", "context": n, "stride": cfg.stride, "block_size": block, **dense,
-                "estimate_ms": estimate_ms, "select_ms": select_ms,
-                "estimate_share": estimate_ms / dense_ms, "select_share": select_ms / dense_ms}
-        for ratio in [*densities, None]:
-            mask = select(s, ratio)
-            blocks, counts = block_lists(mask)
-            sparse_ms = kernel_ms(lambda blocks=blocks, counts=counts: block_sparse_attention(
-                q, k_cache, v_cache, tables, cu, lens, blocks, counts, block, scale, n))
-            rows.append({**base, "selection": f"ratio={ratio}" if ratio else f"threshold={cfg.threshold}",
-                         "density": causal_density(mask, cu, lens, block), "sparse_ms": sparse_ms,
-                         "ratio": sparse_ms / dense_ms, "ratio_paged": sparse_ms / paged_ms})
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-        del p, q, k_cache, v_cache, s
-        torch.cuda.empty_cache()
+            if contiguous is None:
+                contiguous = {"dense_ms": paged.pop("dense_ms")}
+            dense_ms = contiguous["dense_ms"]
+            estimate_ms = kernel_ms(scores)
+            s = scores()
+            select_ms = kernel_ms(lambda: block_lists(select(s)))
+            base = {"benchmark": "kernel", "context": n, "stride": cfg.stride, "block_size": block,
+                    "kv_block_size": block_size, **contiguous, **paged, "estimate_ms": estimate_ms,
+                    "select_ms": select_ms, "estimate_share": estimate_ms / dense_ms,
+                    "select_share": select_ms / dense_ms}
+            for ratio in [*densities, *([] if fixed_only else [None])]:
+                mask = select(s, ratio)
+                blocks, counts = block_lists(mask)
+                selection = f"ratio={ratio}" if ratio else f"threshold={cfg.threshold}"
+                for config in configs:
+                    def sparse(blocks=blocks, counts=counts, config=config):
+                        return block_sparse_attention(q, k_cache, v_cache, tables, cu, lens, blocks, counts, block,
+                                                      scale, n, config=named[config])
+
+                    sparse_ms = kernel_ms(sparse)
+                    rows.append({**base, "selection": selection, "config": config, "density": causal_density(mask, cu, lens, block),
+                                 "sparse_ms": sparse_ms, "ratio": sparse_ms / dense_ms,
+                                 "ratio_paged": sparse_ms / paged["dense_paged_ms"]})
+                    print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            del p, q, k_cache, v_cache, s
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -81,8 +116,10 @@ TTFT_POLICIES = ("full", "xattn:ratio=0.2,dense_below=0", "xattn:threshold=0.9,d
 
 
 def jobs(contexts: list[int], ttft_contexts: list[int], densities: list[float], stride: int,
-         ttft_rounds: int = 1) -> list[dict]:
-    out: list[dict] = [{"kind": "kernel", "contexts": contexts, "densities": densities, "stride": stride}]
+         ttft_rounds: int = 1, block_sizes: list[int] = (BLOCK_SIZE,), configs: list[str] = ("default",),
+         fixed_only: bool = False) -> list[dict]:
+    out: list[dict] = [{"kind": "kernel", "contexts": contexts, "densities": densities, "stride": stride,
+                        "block_sizes": list(block_sizes), "configs": list(configs), "fixed_only": fixed_only}]
     for context in ttft_contexts:
         out += [{"kind": "ttft", "context": context, "policy": p, "rounds": ttft_rounds}
                 for p in TTFT_POLICIES]
@@ -91,7 +128,8 @@ def jobs(contexts: list[int], ttft_contexts: list[int], densities: list[float], 
 
 def run_job(job: dict) -> list[dict[str, Any]]:
     if job["kind"] == "kernel":
-        return bench_kernel(job["contexts"], job["densities"], job["stride"])
+        return bench_kernel(job["contexts"], job["densities"], job["stride"], job["block_sizes"], job["configs"],
+                            job["fixed_only"])
     return bench_ttft(PRESET, job["context"], job["policy"], job["rounds"])
 
 
@@ -101,16 +139,18 @@ def run_job(job: dict) -> list[dict[str, Any]]:
 def markdown(payload: dict[str, Any], title: str) -> str:
     env = payload["environment"]
     lines = [f"# {title}", "", f"{env['device']}, {env['date']}, commit {env['commit']}, torch {env['torch']}.",
-             f"Preset {PRESET} shapes (random weights), KV blocks of {BLOCK_SIZE}, bfloat16.", "",
+             f"Preset {PRESET} shapes (random weights), bfloat16.", "",
              "## Prefill attention of one prompt, one layer (ms)", "",
              "Density: kept blocks over causal blocks. Dense Triton reads a fresh prompt's contiguous keys; "
-             "dense paged is the same kernel through the block table, as the sparse kernel reads.", "",
-             "| context | stride | selection | density | dense Triton | dense paged | sparse | sparse / dense | "
-             "sparse / paged | estimate | estimate / dense | selection / dense |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "dense paged is the same kernel through the block table of the row's KV block size, as the sparse "
+             "kernel reads. Config: the sparse kernel's (`kernel_configs` in the script).", "",
+             "| context | KV block | stride | selection | config | density | dense Triton | dense paged | sparse | "
+             "sparse / dense | sparse / paged | estimate | estimate / dense | selection / dense |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["results"]:
         if r["benchmark"] == "kernel" and "ratio" in r:
-            cells = [r["context"], r["stride"], r["selection"], f"{r['density']:.3f}", f"{r['dense_ms']:.2f}",
+            cells = [r["context"], r.get("kv_block_size", BLOCK_SIZE), r["stride"], r["selection"],
+                     r.get("config", "default"), f"{r['density']:.3f}", f"{r['dense_ms']:.2f}",
                      f"{r['dense_paged_ms']:.2f}", f"{r['sparse_ms']:.2f}", f"{r['ratio']:.3f}",
                      f"{r['ratio_paged']:.3f}", f"{r['estimate_ms']:.2f}",
                      f"{r['estimate_share']:.3f}", f"{r['select_share']:.3f}"]
@@ -129,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072])
     parser.add_argument("--densities", nargs="+", type=float, default=[0.1, 0.2, 0.4])
     parser.add_argument("--stride", type=int, default=8)
+    parser.add_argument("--block-sizes", nargs="+", type=int, default=[BLOCK_SIZE],
+                        help="KV cache block sizes of the kernel job (each with its dense paged time)")
+    parser.add_argument("--configs", nargs="+", default=["default"], choices=CONFIGS,
+                        help="block-sparse kernel configurations the kernel job times (kernel_configs)")
+    parser.add_argument("--fixed-only", action="store_true",
+                        help="the kernel job times the set densities only, not the threshold selection")
     parser.add_argument("--ttft-contexts", nargs="+", type=int, default=[32768, 131072])
     parser.add_argument("--ttft-rounds", type=int, default=1,
                         help="prompts timed one after another per ttft job; TTFT is their median")
@@ -138,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.job:
         return job_main(run_job, args.job)
-    all_jobs = jobs(args.contexts, args.ttft_contexts, args.densities, args.stride, args.ttft_rounds)
+    all_jobs = jobs(args.contexts, args.ttft_contexts, args.densities, args.stride, args.ttft_rounds,
+                    args.block_sizes, args.configs, args.fixed_only)
     return run_jobs(jobs_of_kinds(all_jobs, args.only), __file__, Path(args.out), args.name,
                     vars(args) | {"job": None}, with_ratios, markdown, chart)
 
