@@ -51,7 +51,8 @@ def kernel_configs():
 
 
 def bench_kernel(contexts: list[int], densities: list[float], stride: int,
-                 block_sizes: list[int] = (BLOCK_SIZE,), configs: list[str] = ("default",), fixed_only: bool = False) -> list[dict[str, Any]]:
+                 block_sizes: list[int] = (BLOCK_SIZE,), configs: list[str] = ("default",),
+                 fixed_only: bool = False) -> list[dict[str, Any]]:
     """The ``kernel`` job: per context, the dense kernel over contiguous keys once, the estimate and the
     selection, then per KV block size the dense paged kernel and the block-sparse kernel in each of
     ``configs`` (names of :func:`kernel_configs`) over the selections at ``densities`` and (unless
@@ -97,13 +98,14 @@ def bench_kernel(contexts: list[int], densities: list[float], stride: int,
                 mask = select(s, ratio)
                 blocks, counts = block_lists(mask)
                 selection = f"ratio={ratio}" if ratio else f"threshold={cfg.threshold}"
+                density = causal_density(mask, cu, lens, block)
                 for config in configs:
                     def sparse(blocks=blocks, counts=counts, config=config):
                         return block_sparse_attention(q, k_cache, v_cache, tables, cu, lens, blocks, counts, block,
                                                       scale, n, config=named[config])
 
                     sparse_ms = kernel_ms(sparse)
-                    rows.append({**base, "selection": selection, "config": config, "density": causal_density(mask, cu, lens, block),
+                    rows.append({**base, "selection": selection, "config": config, "density": density,
                                  "sparse_ms": sparse_ms, "ratio": sparse_ms / dense_ms,
                                  "ratio_paged": sparse_ms / paged["dense_paged_ms"]})
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
