@@ -84,7 +84,7 @@ def test_draws_follow_the_softmax_at_each_rows_temperature(device, dtype):
     temperatures = torch.tensor([0.5, 2.0]).repeat_interleave(draws)
     temperatures[::10] = 0.0
     torch.manual_seed(0)
-    tokens = sk.sample(row.expand(2 * draws, -1).to(device), temperatures.to(device)).cpu()
+    tokens = sk.sample(row.to(device).expand(2 * draws, -1), temperatures.to(device)).cpu()  # row stride 0
     assert (tokens[::10] == 2).all(), "greedy rows"
     for t in (0.5, 2.0):
         drawn = tokens[temperatures == t]
@@ -102,7 +102,7 @@ def test_draws_follow_the_softmax_across_tiles(device):
     row[cols] = torch.tensor([0.0, 0.5, 1.0, -0.5, 0.2])
     draws = DRAWS[device] * 2 // 3
     torch.manual_seed(0)
-    tokens = sk.sample(row.expand(draws, -1).to(device), torch.ones(draws, device=device)).cpu()
+    tokens = sk.sample(row.to(device).expand(draws, -1), torch.ones(draws, device=device)).cpu()
     assert set(tokens.tolist()) <= set(cols)
     index = torch.tensor([cols.index(t) for t in tokens.tolist()])
     chi2 = _chi_square(index, torch.softmax(row[cols], dim=-1))
