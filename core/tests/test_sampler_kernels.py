@@ -124,6 +124,7 @@ def test_each_call_draws_anew_and_a_torch_seed_repeats_a_call(device):
 def test_the_split_of_a_row_never_changes_the_draw(device):
     vocab = VOCAB[device]
     logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(4)).to(device)
+    logits[2] = float("-inf")  # all masked at a temperature: token 0 too
     temperatures = torch.tensor([1.0, 0.0, 0.7, 1.3, 0.0], device=device)
     drawn = []
     for splits in (1, 2, 3):
@@ -131,6 +132,7 @@ def test_the_split_of_a_row_never_changes_the_draw(device):
         drawn.append(sk.sample(logits, temperatures, splits))
     assert torch.equal(drawn[0], drawn[1]) and torch.equal(drawn[0], drawn[2])
     assert torch.equal(drawn[0][[1, 4]], logits[[1, 4]].argmax(-1))
+    assert drawn[0][2] == 0
 
 
 @on_devices
