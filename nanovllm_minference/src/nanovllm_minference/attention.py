@@ -342,18 +342,18 @@ def _sparse_prefill_kernel(
                     lo, full, hi = _count_at_most(listed, tl.load(block_counts + tile_row), -1,
                                                   (first_p + 1) // TILE - 1, last_p // TILE, CHUNK)
                     rows_p = tl.arange(0, BLOCK_M) // TILE == p
-                    a_full, a_hi = full, hi  # list a's ends: without TWO, the list; with, nothing
+                    whole_end, diag_end = full, hi  # list a's: without TWO, the list; with, nothing
                     if TWO:
-                        a_full, a_hi = lo, full
+                        whole_end, diag_end = lo, full
                     acc, l_i, m_i = _key_tiles(
                         acc, l_i, m_i, q, q_pos, rows_p, K, V, desc_k, desc_v, kv_col, bt_row,
-                        listed, lo, a_full, 0, listed, lo, full, 0, full - lo, last_p,
+                        listed, lo, whole_end, 0, listed, lo, full, 0, full - lo, last_p,
                         stride_kb, stride_ks, stride_kd, offs_d, d_ok, scale_log2,
                         HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, KEYS, True, TWO, False, TMA, FUSED_SCALE, FP32,
                     )
                     acc, l_i, m_i = _key_tiles(
                         acc, l_i, m_i, q, q_pos, rows_p, K, V, desc_k, desc_v, kv_col, bt_row,
-                        listed, full, a_hi, 0, listed, full, hi, 0, hi - full, last_p,
+                        listed, full, diag_end, 0, listed, full, hi, 0, hi - full, last_p,
                         stride_kb, stride_ks, stride_kd, offs_d, d_ok, scale_log2,
                         HEAD_DIM, BLOCK_D, BLOCK_SIZE, TILE, KEYS, True, TWO, True, False, FUSED_SCALE, FP32,
                     )
