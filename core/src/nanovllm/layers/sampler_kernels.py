@@ -25,8 +25,8 @@ import triton.language as tl
 from nanovllm.attention.triton_kernels import num_sms
 
 MAX_LANES = 1024  # a tile is four sub-tiles of this many columns, one per Philox output
-MIN_TILES_PER_SPLIT = 4  # a split shorter than this costs more in its merge than it gains
-PROGRAMS_PER_SM = 4  # the rows are split until about this many programs share each multiprocessor
+MIN_TILES_PER_SPLIT = 2  # a split shorter than this costs more in its merge than it gains
+PROGRAMS_PER_SM = 2  # rows are split until about this many programs share each multiprocessor
 _NO_INDEX = 2**31 - 1
 
 
