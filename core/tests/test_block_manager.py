@@ -356,13 +356,13 @@ def test_collision_cannot_reach_a_block_whose_parent_was_overwritten(monkeypatch
     a = seq_of([7, 8, 1, 2, 3, 4, 0])
     admit(bm, a)
     compute(bm, a)
-    _, parent, child, _ = a.block_table
+    first, parent, child, _ = a.block_table
     bm.free(a)
     queue = bm.free_queues[0]
-    free = queue.take(len(queue)).tolist()
-    spare = free[0]  # never handed out, nothing cached
-    order = [parent, *(b for b in free if b not in (spare, parent, child)), child]  # the child evicted last
-    queue.put_back(np.array([spare, *order]), np.array([False] + [True] * len(order)))
+    free = queue.take(len(queue)).tolist()  # the unpublished ones first, the spare among them
+    spare = free[0]
+    order = [parent, first, child]  # the cached ones, the child evicted last (the others stay out)
+    queue.put_back(np.array([spare, *order]), np.array([False, True, True, True]))
     assert list(queue)[:2] == [spare, parent] and list(queue)[-1] == child
 
     s = seq_of([5, 6, 1, 2, 9])
@@ -389,11 +389,13 @@ def test_every_handed_out_block_is_reported_once_and_hits_are_not():
     assert sorted(bm.take_newly_allocated()) == sorted(a.block_table + b.block_table)
     assert bm.take_newly_allocated() == []
     given_back = b.block_table[:2]  # b's own copies of the shared blocks
+    first_generations = bm.generations[given_back].copy()
     compute(bm, a)
     compute(bm, b)  # ... go back to the free queue, b now shares a's
     assert b.block_table[:2] == a.block_table[:2] and not bm.ref_counts[given_back].any()
     assert bm.take_newly_allocated() == []  # the dedupe hands nothing out
     c = seq_of(shared + [40])
+    shared_generations = bm.generations[a.block_table[:2]].copy()
     hits = admit(bm, c)
     assert hits == [a.block_table[:2]]
     taken = bm.take_newly_allocated()
@@ -403,4 +405,5 @@ def test_every_handed_out_block_is_reported_once_and_hits_are_not():
     assert bm.take_newly_allocated() == d.block_table
     taken += d.block_table
     assert set(given_back) <= set(taken)  # reported when handed out again
-    assert (bm.generations[given_back] == 2).all()
+    assert (bm.generations[given_back] != first_generations).all()  # a new generation at each hand-out
+    assert (bm.generations[hits[0]] == shared_generations).all()  # none at a hit

@@ -3,7 +3,7 @@
 A block holds ``block_size`` consecutive tokens of one or more sequences. A full block is named by a
 chained hash: ``xxh64(hash of the previous block, its token ids)``, so equal hashes mean equal
 prefixes. A hit is verified before it is shared, without trusting the hash: the block must hold the
-same token ids and follow the same parent block (block id and generation, bumped whenever a block is
+same token ids and follow the same parent block (block id and generation, renewed whenever a block is
 handed out again), so a hash collision can only cost a hit, never give a wrong one. A block whose last
 user is gone goes to the back of the free queue but keeps its content and hash, so a later request
 with the same prefix can take it back until it is handed out again and overwritten. A block with nothing
@@ -100,7 +100,7 @@ class FreeQueue:
 
     def take(self, n: int) -> np.ndarray:
         """Take out the first ``n`` blocks."""
-        assert n <= len(self), "more blocks taken than the queue holds"
+        assert n <= self.num_uncached + self.num_cached, "more blocks taken than the queue holds"
         k = min(n, self.num_uncached)
         self.num_uncached -= k
         taken = self.stack[self.num_uncached : self.num_uncached + k][::-1].copy()
@@ -126,6 +126,8 @@ class FreeQueue:
         self.num_uncached += len(uncached)
         block_ids = block_ids[cached]
         n = len(block_ids)
+        if not n:
+            return
         if self.tail + n > len(self.log):  # move the current entries to the start: a pool's worth fits after
             current = self._current(self.tail)
             self.head, self.tail = 0, len(current)
@@ -162,10 +164,12 @@ class BlockManager:
         self.free_queues = [FreeQueue(0, min(num_blocks, n))]  # per pool
         if num_window_blocks:
             self.free_queues.append(FreeQueue(num_blocks, n))
-        # per block: its users; its hand-outs (what its content is named by, with its id); the group whose
-        # prefix cache publishes it (-1: none), in whose hash_to_block its hash then names it
+        # per block: its users; its generation, the hand-out that last gave it out (counted over the manager:
+        # what its content is named by, with its id); the group whose prefix cache publishes it (-1: none), in
+        # whose hash_to_block its hash then names it
         self.ref_counts = np.zeros(n, np.int32)
         self.generations = np.zeros(n, np.int64)
+        self.num_handouts = 0
         self.cache_groups = np.full(n, -1, np.int16)
         self.contents: dict[int, Content] = {}  # the published blocks'
         self.hash_to_block: list[dict[int, int]] = [{} for _ in self.groups]  # per group
@@ -325,7 +329,7 @@ class BlockManager:
         """``_parent_key`` of the block before each of blocks ``first`` to ``stop - 1`` of a full-attention
         ``table``."""
         before = table[max(first - 1, 0) : stop - 1]
-        keys = list(zip(before, self.generations[before].tolist()))
+        keys = list(zip(before, self.generations.take(before).tolist()))
         return [None, *keys] if not first else keys
 
     def can_allocate(self, seq: Sequence, hits: list[list[int]], num_tokens: int) -> bool:
@@ -355,7 +359,7 @@ class BlockManager:
                 return False
             if needed > 0:
                 seq.changed_blocks(0, len(table))
-                table += self._take_free_blocks([needed])[0]
+                table += self._take(0, needed)
             return True
         if self.null_block is not None:
             self._free_left_behind(seq)
@@ -392,20 +396,28 @@ class BlockManager:
         """For each group ``g``, ``counts[g]`` blocks from the front of its pool's free queue, handed to it
         (to be overwritten)."""
         taken: list[list[int]] = [[] for _ in counts]
-        for queue, groups in zip(self.free_queues, self.pool_groups):
-            n = sum(counts[g] for g in groups)
-            if n <= 0:
-                continue
-            block_ids = queue.take(n)
-            self._unpublish(block_ids[self.cache_groups[block_ids] >= 0])
-            self.ref_counts[block_ids] = 1
-            self.generations[block_ids] += 1
-            handed_out = block_ids.tolist()
-            self.newly_allocated += handed_out
+        for pool, groups in enumerate(self.pool_groups):
+            handed_out = self._take(pool, sum([counts[g] for g in groups]))
             end = 0
             for g in groups:
                 taken[g] = handed_out[end : end + counts[g]]
                 end += counts[g]
+        return taken
+
+    def _take(self, pool: int, n: int) -> list[int]:
+        """``n`` blocks from the front of pool ``pool``'s free queue, handed out (to be overwritten)."""
+        if n <= 0:
+            return []
+        queue = self.free_queues[pool]
+        num_cached = n - min(n, queue.num_uncached)  # they come last, and every cached block is published
+        block_ids = queue.take(n)
+        if num_cached:
+            self._unpublish(block_ids[n - num_cached :])
+        self.ref_counts[block_ids] = 1
+        self.num_handouts += 1
+        self.generations[block_ids] = self.num_handouts
+        taken = block_ids.tolist()
+        self.newly_allocated += taken
         return taken
 
     def _unpublish(self, block_ids: np.ndarray) -> None:
@@ -458,7 +470,7 @@ class BlockManager:
         if distinct and block_ids[0] != self.null_block and cache.keys().isdisjoint(hashes):
             cache.update(zip(hashes, block_ids))
             self.contents.update(zip(block_ids, contents))
-            self.cache_groups[np.array(block_ids, dtype=np.int64)] = g
+            self.cache_groups.put(block_ids, g)
             return contents
         published = []
         for i, content in enumerate(contents, first):
