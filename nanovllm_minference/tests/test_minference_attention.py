@@ -325,8 +325,10 @@ def test_kernel_knobs_match_reference(device, dtype, head_dim, num_kv_heads, gro
     gen = torch.Generator().manual_seed(seed)
     lens = GPU_LENS if device == "cuda" else KNOB_INTERP_LENS
     c = Case(lens, num_kv_heads, group, head_dim, block_size, dtype, device, gen)
-    c.k_cache, c.v_cache = c.k_cache.contiguous(), c.v_cache.contiguous()
     hopper = device == "cpu" or torch.cuda.get_device_capability()[0] >= 9  # the interpreter, or TMA
+    # K and V blocks interleaved in one tensor: rows not evenly strided, no descriptors (pointer loads)
+    assert paged_kv_descriptors(c.k_cache, c.v_cache, config.keys) is None
+    c.k_cache, c.v_cache = c.k_cache.contiguous(), c.v_cache.contiguous()
     if config.tma and block_size % config.keys == 0 and hopper:
         assert paged_kv_descriptors(c.k_cache, c.v_cache, config.keys) is not None, "no TMA loads"
     index = _index_to(random_index(lens, num_kv_heads * group, with_blocks, gen), device)
