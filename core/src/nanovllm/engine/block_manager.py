@@ -121,10 +121,11 @@ class FreeQueue:
     def put_back(self, block_ids: np.ndarray, cached: np.ndarray) -> None:
         """Give back ``block_ids`` in order: where ``cached``, to the back (handed out last); the others to
         the front (handed out next)."""
-        uncached = block_ids[~cached]
-        self.stack[self.num_uncached : self.num_uncached + len(uncached)] = uncached
-        self.num_uncached += len(uncached)
-        block_ids = block_ids[cached]
+        if not cached.all():
+            uncached = block_ids[~cached]
+            self.stack[self.num_uncached : self.num_uncached + len(uncached)] = uncached
+            self.num_uncached += len(uncached)
+            block_ids = block_ids[cached]
         n = len(block_ids)
         if not n:
             return
@@ -384,8 +385,9 @@ class BlockManager:
             i = min(group.first_needed_block(seq.num_computed_tokens, self.block_size), len(table)) - 1
             if i < 0 or table[i] == null:
                 continue  # nothing new behind the window (the blocks before a null block went earlier)
-            # the table is null blocks, then held ones: free the held ones up to i
-            start = bisect_left(range(i), True, key=lambda j: table[j] != null)
+            start = i  # the table is null blocks, then held ones: free the held ones up to i
+            if i and table[i - 1] != null:  # more than block i (a decode step frees that one alone)
+                start = bisect_left(range(i), True, key=lambda j: table[j] != null)
             left += table[i : start - 1 if start else None : -1]
             table[start : i + 1] = [null] * (i + 1 - start)
             seq.changed_blocks(g, start)
