@@ -69,7 +69,7 @@ CHI2_4_DOF = 37.0
 
 
 # the interpreter draws a few hundred times (one program a draw, ~15 ms each), a GPU thousands
-DRAWS = {"cuda": 4000, "cpu": 150}
+DRAWS = {"cuda": 4000, "cpu": 120}
 
 
 @pytest.mark.parametrize("device,dtype", [
@@ -145,28 +145,54 @@ def test_strided_rows_and_an_empty_batch(device):
 
 
 @triton.jit
-def _exponential_kernel(Bits, Out, n, BLOCK: tl.constexpr):
+def _exponential_kernel(Bits, Out, n, BLOCK: tl.constexpr, FAST_LOG: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     bits = tl.load(Bits + offs, mask=offs < n, other=0).to(tl.uint32)
-    tl.store(Out + offs, sk._exponential_log2e(bits), mask=offs < n)
+    tl.store(Out + offs, sk._exponential_log2e(bits, FAST_LOG), mask=offs < n)
 
 
 @on_devices
 def test_the_noise_is_exponential_to_float_precision_near_zero_too(device):
-    """``E = -ln(1 - w)`` for the kernel's ``w`` from given bits, to a relative 1e-5: also for the smallest
-    ``E`` (``w`` near 0), which decide the race where they fall, and never 0."""
+    """``E = -ln(1 - w)`` for the kernel's ``w`` from given bits, to a relative 1e-4 (the GPU's approximate
+    log): also for the smallest ``E`` (``w`` near 0), which decide the race where they fall, and never 0."""
     edges = [0, 1, 2, 3, 2**25 - 2, 2**25 - 1, 2**25, 2**25 + 1, 2**31, 2**32 - 2, 2**32 - 1]
     drawn = torch.randint(0, 2**32, (4000,), generator=torch.Generator().manual_seed(10))
     bits = torch.cat([torch.tensor(edges), drawn])
     out = torch.empty(bits.numel(), device=device)
-    _exponential_kernel[(triton.cdiv(bits.numel(), 1024),)](bits.to(device), out, bits.numel(), BLOCK=1024)
+    grid = (triton.cdiv(bits.numel(), 1024),)
+    _exponential_kernel[grid](bits.to(device), out, bits.numel(), BLOCK=1024, FAST_LOG=device == "cuda")
     w = ((bits >> 1).float() + 0.5) * 2.0**-31  # as the kernel rounds it
     expected = -torch.log1p(-w.double()) / math.log(2)
     out = out.cpu().double()
     assert (out > 0).all()
     finite = torch.isfinite(expected)
     assert torch.equal(torch.isfinite(out), finite)  # w rounded to 1: E = inf, a token that cannot win
-    assert torch.allclose(out[finite], expected[finite], rtol=1e-5, atol=0), (out - expected).abs().max()
+    assert torch.allclose(out[finite], expected[finite], rtol=1e-4, atol=0), (out - expected).abs().max()
+
+
+@pytest.mark.skipif(INTERP, reason="compiles for the GPU")
+def test_the_kernels_compile_for_hopper():
+    """Without a GPU: Triton compiles both kernels for sm_90 (the H200; the interpreter accepts code the
+    compiler refuses). Float32 logits load as 16-byte vectors, and the logs are the approximate one."""
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def ptx(kernel, pointers: dict, constexprs: dict, aligned: tuple = (), num_warps: int = 1) -> str:
+        names = kernel.arg_names
+        signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned}
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+        options = {"num_warps": num_warps}
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+    pointers = {"Logits": "*fp32", "Temperatures": "*fp32", "Seed": "*i64", "Out": "*i64",
+                "PartBest": "*fp32", "PartIdx": "*i32"}
+    code = ptx(sk._sample_kernel, pointers, dict(LANES=1024, SPLIT=True, FAST_LOG=True),
+               ("Logits", "n_cols", "stride_row"), num_warps=8)
+    assert re.search(r"ld\.global\S*\.v4\.b32", code) and "lg2.approx" in code
+    ptx(sk._merge_kernel, {"PartBest": "*fp32", "PartIdx": "*i32", "Out": "*i64"}, dict(SPLITS_PAD=4))
 
 
 # -- where the sampler takes the kernel ----------------------------------------------------------------------

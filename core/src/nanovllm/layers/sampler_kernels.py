@@ -21,40 +21,51 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from nanovllm.attention.triton_kernels import num_sms
 
 MAX_LANES = 1024  # a tile is four sub-tiles of this many columns, one per Philox output
 MIN_TILES_PER_SPLIT = 2  # a split shorter than this costs more in its merge than it gains
-PROGRAMS_PER_SM = 2  # rows are split until about this many programs share each multiprocessor
-_NO_INDEX = 2**31 - 1
+# rows are split until about this many programs share each multiprocessor: four of eight warps fit one
+# (about 60 registers a thread on sm_90)
+PROGRAMS_PER_SM = 4
+_NO_INDEX = tl.constexpr(2**31 - 1)  # above any column: loses every tie
 
 
 @triton.jit
-def _exponential_log2e(bits):
+def _log2(x, FAST: tl.constexpr):
+    if FAST:  # the GPU's approximate lg2: one instruction, absolute error about 2**-22 (no interpreter)
+        return libdevice.fast_log2f(x)
+    return tl.log2(x)
+
+
+@triton.jit
+def _exponential_log2e(bits, FAST_LOG: tl.constexpr):
     """``E * log2(e)`` with ``E ~ Exp(1)``, from 32 random bits. ``E = -ln(1 - w)``, ``w`` uniform in (0, 1),
     is taken from its series where ``w`` is small: there ``E`` is small, the noise favours the token most,
-    and the fast GPU log of ``1 - w`` would be off by more than ``E`` itself. ``w`` never 0: ``E = 0``
+    and an approximate log of ``1 - w`` would be off by more than ``E`` itself. ``w`` never 0: ``E = 0``
     would make its token win whatever its logit."""
     w = ((bits >> 1).to(tl.float32) + 0.5) * 4.656612873077393e-10  # 31 bits over 2**31
     series = w * (1.0 + w * (0.5 + w * 0.3333333333333333)) * 1.4426950408889634
-    return tl.where(w < 0.015625, series, -tl.log2(1.0 - w))
+    return tl.where(w < 0.015625, series, -_log2(1.0 - w, FAST_LOG))
 
 
 @triton.jit
-def _keep_better(X, cols, n_cols, best, best_idx, scale, bits, NOISE: tl.constexpr):
+def _keep_better(X, cols, n_cols, best, best_idx, scale, bits, NOISE: tl.constexpr, FAST_LOG: tl.constexpr):
     """The running best per lane after the sub-tile ``cols``: strictly better only, so each lane keeps the
     first column of its maximum. With ``NOISE`` the score is ``(logit / T - ln E) * log2(e)`` (``scale`` is
     ``log2(e) / T``), up to a constant: the race's order in base 2."""
     score = tl.load(X + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
     if NOISE:
-        score = score * scale - tl.log2(_exponential_log2e(bits))
+        score = score * scale - _log2(_exponential_log2e(bits, FAST_LOG), FAST_LOG)
     better = score > best
     return tl.where(better, score, best), tl.where(better, cols, best_idx)
 
 
 @triton.jit
-def _best_in_tiles(X, row, first, last, n_cols, scale, seed, LANES: tl.constexpr, NOISE: tl.constexpr):
+def _best_in_tiles(X, row, first, last, n_cols, scale, seed, LANES: tl.constexpr, NOISE: tl.constexpr,
+                   FAST_LOG: tl.constexpr):
     """(best score, its first column) over tiles ``first`` to ``last`` of one row."""
     lanes = tl.arange(0, LANES)
     best = tl.full([LANES], float("-inf"), tl.float32)
@@ -65,10 +76,11 @@ def _best_in_tiles(X, row, first, last, n_cols, scale, seed, LANES: tl.constexpr
             r0, r1, r2, r3 = tl.randint4x(seed, (row.to(tl.int64) << 32) | (tile * LANES + lanes))
         else:  # unread
             r0, r1, r2, r3 = lanes, lanes, lanes, lanes
-        best, best_idx = _keep_better(X, start + lanes, n_cols, best, best_idx, scale, r0, NOISE)
-        best, best_idx = _keep_better(X, start + LANES + lanes, n_cols, best, best_idx, scale, r1, NOISE)
-        best, best_idx = _keep_better(X, start + 2 * LANES + lanes, n_cols, best, best_idx, scale, r2, NOISE)
-        best, best_idx = _keep_better(X, start + 3 * LANES + lanes, n_cols, best, best_idx, scale, r3, NOISE)
+        cols = start + lanes
+        best, best_idx = _keep_better(X, cols, n_cols, best, best_idx, scale, r0, NOISE, FAST_LOG)
+        best, best_idx = _keep_better(X, cols + LANES, n_cols, best, best_idx, scale, r1, NOISE, FAST_LOG)
+        best, best_idx = _keep_better(X, cols + 2 * LANES, n_cols, best, best_idx, scale, r2, NOISE, FAST_LOG)
+        best, best_idx = _keep_better(X, cols + 3 * LANES, n_cols, best, best_idx, scale, r3, NOISE, FAST_LOG)
     top = tl.max(best, 0)
     return top, tl.min(tl.where(best == top, best_idx, _NO_INDEX), 0)
 
@@ -76,7 +88,7 @@ def _best_in_tiles(X, row, first, last, n_cols, scale, seed, LANES: tl.constexpr
 @triton.jit
 def _sample_kernel(
     Logits, Temperatures, Seed, Out, PartBest, PartIdx, n_cols, stride_row, tiles_per_split, n_tiles,
-    LANES: tl.constexpr, SPLIT: tl.constexpr,
+    LANES: tl.constexpr, SPLIT: tl.constexpr, FAST_LOG: tl.constexpr,
 ):
     """Program (row, split): the row's sampled token (or, with ``SPLIT``, this split's best and column)."""
     row = tl.program_id(0)
@@ -87,9 +99,9 @@ def _sample_kernel(
     t = tl.load(Temperatures + row).to(tl.float32)
     if t > 0:
         scale = 1.4426950408889634 / t
-        top, idx = _best_in_tiles(X, row, first, last, n_cols, scale, tl.load(Seed), LANES, True)
+        top, idx = _best_in_tiles(X, row, first, last, n_cols, scale, tl.load(Seed), LANES, True, FAST_LOG)
     else:
-        top, idx = _best_in_tiles(X, row, first, last, n_cols, 1.0, 0, LANES, False)
+        top, idx = _best_in_tiles(X, row, first, last, n_cols, 1.0, 0, LANES, False, FAST_LOG)
     if SPLIT:
         part = row * tl.num_programs(1) + split
         tl.store(PartBest + part, top)
@@ -133,7 +145,7 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, splits: int | None 
     _sample_kernel[(rows, splits)](
         logits, temperatures, seed, out, part_best, part_idx, n_cols, logits.stride(0), tiles_per_split,
         n_tiles,
-        LANES=lanes, SPLIT=splits > 1, num_warps=max(1, min(8, lanes // 128)),
+        LANES=lanes, SPLIT=splits > 1, FAST_LOG=logits.is_cuda, num_warps=max(1, min(8, lanes // 128)),
     )
     if splits > 1:
         _merge_kernel[(rows,)](part_best, part_idx, out, splits, SPLITS_PAD=triton.next_power_of_2(splits),
