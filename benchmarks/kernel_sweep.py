@@ -22,7 +22,7 @@ narrow the grid (the packed prompt stays with any prefill: its cuDNN rate anchor
 setting stays with any variants: the others' ratios are to it).
 
     python benchmarks/kernel_sweep.py --out OUT [--name kernel_sweep] [--budget 80] [--long]
-        [--kinds decode prefill] [--pages 16 128] [--variants "separate reduce" ...]
+        [--kinds decode prefill] [--pages 16 128] [--variants "fused reduce" ...]
     TRITON_INTERPRET=1 python benchmarks/kernel_sweep.py --out OUT   # dry: tiny sizes on the CPU
 """
 
@@ -76,8 +76,8 @@ DECODE_VARIANTS = {
     "block_n 128": dict(block_n=128),
     "8 warps": dict(num_warps=8),
     "block_n 128, 8 warps, 2 stages": dict(block_n=128, num_warps=8, num_stages=2),
-    # the splits merged by a second kernel instead of by the last split of each sequence and KV head
-    "separate reduce": dict(fused_reduce=False),
+    # the splits merged by the last split of each sequence and KV head instead of by a second kernel
+    "fused reduce": dict(fused_reduce=True),
 }
 # Prefill settings (fields of PrefillConfig); TMA only where the keys allow it (packed, or pages >= block_n).
 PREFILL_VARIANTS = {
@@ -102,7 +102,7 @@ PREFILL_VARIANTS = {
 LONG_VARIANTS = ("default", "tma", "tma, fused scale, heads first")  # 128K: a third of a second a call
 if DRY:  # the interpreter is slow: a few settings that go through every kernel path
     DECODE_VARIANTS = {k: DECODE_VARIANTS[k] for k in
-                       ("default", "page ahead, wave fit, 3 programs/SM, 128 splits", "separate reduce")}
+                       ("default", "page ahead, wave fit, 3 programs/SM, 128 splits", "fused reduce")}
     PREFILL_VARIANTS = {k: PREFILL_VARIANTS[k] for k in ("default", "tma, fused scale, heads first")}
     PREFILL_VARIANTS["page boxes values, 2 pages a tile"] = dict(tma=True, page_boxes="values", block_n=32)
 

@@ -315,15 +315,15 @@ def test_gpu_silu_and_mul_linear_at_qwen3_8b_gate_up(rows, gen):
 
 
 def test_engine_option_routes_the_model(tiny_model, one_thread):
-    """``enable_triton_gemv`` reaches every linear layer and the LM head; on the CPU they still compute
-    with F.linear, so the tokens are those of the option off."""
+    """``enable_triton_gemv`` (on by default) reaches every linear layer and the LM head; on the CPU they
+    still compute with F.linear, so the tokens are those of the option off."""
     from nanovllm import LLM, SamplingParams
     from nanovllm.layers.linear import LinearBase
 
     path = tiny_model("Qwen3ForCausalLM")
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     options = dict(device="cpu", kv_cache_memory=1 << 22, max_model_len=64, max_num_seqs=2)
-    routed, plain = LLM(path, enable_triton_gemv=True, **options), LLM(path, **options)
+    routed, plain = LLM(path, **options), LLM(path, enable_triton_gemv=False, **options)
     linears = [m for m in routed.runner.model.modules() if isinstance(m, LinearBase)]
     assert linears and all(m.use_triton_gemv for m in linears) and routed.runner.model.lm_head.use_triton_gemv
     assert not any(m.use_triton_gemv for m in plain.runner.model.modules() if isinstance(m, LinearBase))
@@ -345,7 +345,7 @@ def test_gpu_engine_decodes_the_same_tokens_through_the_kernel(tiny_model):
     assert sorted(routed.runner.cuda_graphs.graphs) == [1, 2, 4, 8]
     tokens = [o.token_ids for o in routed.generate(prompts, params, use_tqdm=False)]
     del routed
-    plain = LLM(path, **options)
+    plain = LLM(path, enable_triton_gemv=False, **options)
     assert [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)] == tokens
 
 

@@ -247,10 +247,10 @@ def test_sweep_narrows_to_the_variants_asked():
         import kernel_sweep
     finally:
         sys.path.remove(str(BENCHMARKS))
-    decode = kernel_sweep.shapes(False, ("decode",), kernel_sweep.PAGES, ("separate reduce",))
+    decode = kernel_sweep.shapes(False, ("decode",), kernel_sweep.PAGES, ("fused reduce",))
     assert len(decode) == len(kernel_sweep.DECODE_SHAPES) * len(kernel_sweep.PAGES)
-    assert all(s["kind"] == "decode" and s["variants"] == ["default", "separate reduce"] for s in decode)
-    fused, separate = (kernel_sweep._compile_key(decode[0], v) for v in ("default", "separate reduce"))
+    assert all(s["kind"] == "decode" and s["variants"] == ["default", "fused reduce"] for s in decode)
+    separate, fused = (kernel_sweep._compile_key(decode[0], v) for v in ("default", "fused reduce"))
     assert fused != separate
 
 

@@ -136,7 +136,7 @@ class EngineConfig:
     async_scheduling: bool = True
     # matmuls of at most 16 tokens (decode steps) in the linear layers and the LM head run nanovllm's Triton
     # GEMV kernel (nanovllm.layers.gemv), which streams the weights near HBM bandwidth, instead of cuBLAS
-    enable_triton_gemv: bool = attrs.field(default=False, validator=_bool)
+    enable_triton_gemv: bool = attrs.field(default=True, validator=_bool)
     # KV offload: every layer's KV cache lives in a pinned host pool of this many GiB, and attention streams
     # what each layer reads through a ring of GPU load slots (``kv_offloading_buffer_size`` GiB in all).
     # vLLM's option of this name sizes a host tier for prefix reuse; here it is where attention reads KV from.

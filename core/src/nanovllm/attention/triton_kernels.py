@@ -813,7 +813,7 @@ class DecodeConfig(NamedTuple):
     max_splits: int = 64
     page_ahead: bool = False
     wave_fit: bool = False
-    fused_reduce: bool = True
+    fused_reduce: bool = False
 
 
 # The defaults for 16-bit inputs on CUDA, head dim <= 128 (GQA 32q/8kv, d=128 measured): the values that
@@ -824,9 +824,11 @@ PREFILL_LONG = PrefillConfig(128, 128, 8, 3, tma=True, fused_scale=True)
 PREFILL_LONG_PAGED = PrefillConfig(128, 128, 8, 3, tma=True, fused_scale=True)
 PREFILL_SHORT = PrefillConfig(64, 64, 4, 3)  # chunks of at most 64 queries: no large query tile to waste
 # pages of fewer than 64 tokens: a key step spans several pages
-DECODE = DecodeConfig(64, 4, 3, programs_per_sm=3, max_splits=128, wave_fit=True)
+# (the separate reduce: the fused one's merge by the last split to finish is a serial tail that measured slower)
+DECODE = DecodeConfig(64, 4, 3, programs_per_sm=3, max_splits=128, wave_fit=True, fused_reduce=False)
 # pages of 64 tokens or more
-DECODE_LARGE_PAGES = DecodeConfig(64, 4, 4, programs_per_sm=2, max_splits=64, page_ahead=True, wave_fit=True)
+DECODE_LARGE_PAGES = DecodeConfig(64, 4, 4, programs_per_sm=2, max_splits=64, page_ahead=True, wave_fit=True,
+                                  fused_reduce=False)
 REDUCE_CHUNK = 64  # the split reduce merges more splits than this a chunk at a time
 # the fused reduce loads this many (split, head) rows of partials at once per warp: a quarter of the head
 # dim a thread, which needs no more registers than the key loop (more would cost the loop occupancy)
