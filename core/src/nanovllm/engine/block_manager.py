@@ -165,14 +165,14 @@ class BlockManager:
         self.free_queues = [FreeQueue(0, min(num_blocks, n))]  # per pool
         if num_window_blocks:
             self.free_queues.append(FreeQueue(num_blocks, n))
-        # per block: its users; its generation, the hand-out that last gave it out (counted over the manager:
-        # what its content is named by, with its id); the group whose prefix cache publishes it (-1: none), in
-        # whose hash_to_block its hash then names it
+        # Per block: its users; its generation, the number of the hand-out that last gave it out (its id and
+        # generation name its content); the group whose prefix cache publishes it, -1 if none (its hash then
+        # names it in that group's hash_to_block, and ``contents`` holds what it holds).
         self.ref_counts = np.zeros(n, np.int32)
         self.generations = np.zeros(n, np.int64)
         self.num_handouts = 0
         self.cache_groups = np.full(n, -1, np.int16)
-        self.contents: dict[int, Content] = {}  # the published blocks'
+        self.contents: dict[int, Content] = {}  # per published block
         self.hash_to_block: list[dict[int, int]] = [{} for _ in self.groups]  # per group
         # the first full-attention group: a window group's block records its parent there (see _cached_blocks)
         self.anchor = next((g for g, group in enumerate(self.groups) if group.sliding_window is None), None)
