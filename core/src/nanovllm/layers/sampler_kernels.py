@@ -28,7 +28,7 @@ from nanovllm.attention.triton_kernels import num_sms
 MAX_LANES = 1024  # a tile is four sub-tiles of this many columns, one per Philox output
 MIN_TILES_PER_SPLIT = 2  # a split shorter than this costs more in its merge than it gains
 # rows are split until about this many programs share each multiprocessor: four of eight warps fit one
-# (about 60 registers a thread on sm_90)
+# (64 registers a thread on sm_90)
 PROGRAMS_PER_SM = 4
 _NO_INDEX = tl.constexpr(2**31 - 1)  # above any column: loses every tie
 
