@@ -4,7 +4,7 @@ For each batch (rows of logits) and logits dtype (float32, bfloat16) at a vocabu
 Qwen3's 151,936), every row at temperature ``--temperature`` except every fourth, greedy: the median GPU time
 of :class:`~nanovllm.layers.sampler.Sampler` on its torch path and on the kernel (at its default split, and
 at forced splits), and the logits' bytes over the time. First it checks that the kernel's greedy rows are
-torch's argmax. Writes ``sampler_speed.json`` and ``sampler_speed.md`` to ``--out``. ``--dry-run``: tiny
+torch's argmax. Writes ``NAME.json`` and ``NAME.md`` (``--name``) to ``--out``. ``--dry-run``: tiny
 shapes on the CPU under ``TRITON_INTERPRET=1`` (the script's own check; the times mean nothing).
 """
 
@@ -69,9 +69,9 @@ def measure(rows: int, vocab: int, dtype: torch.dtype, temperature: float, devic
     return results
 
 
-def markdown(payload: dict) -> str:
+def markdown(payload: dict, name: str) -> str:
     env = payload["environment"]
-    lines = [f"# sampler_speed\n\n{env['device']}, {env['date']}, commit {env['commit']}, "
+    lines = [f"# {name}\n\n{env['device']}, {env['date']}, commit {env['commit']}, "
              f"torch {env['torch']}. "
              f"Temperature {payload['temperature']} (every fourth row greedy).\n",
              "| rows | vocab | dtype | path | ms | logits GB/s | vs torch |", "|---|---|---|---|---|---|---|"]
@@ -86,6 +86,7 @@ def markdown(payload: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--name", default="sampler_speed")
     parser.add_argument("--rows", type=int, nargs="+", default=[256, 64, 1])
     parser.add_argument("--vocab", type=int, default=151_936)
     parser.add_argument("--temperature", type=float, default=0.6)
@@ -100,8 +101,8 @@ def main() -> int:
             results += measure(rows, args.vocab, dtype, args.temperature, device)
     payload = {"environment": environment(), "temperature": args.temperature, "results": results}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sampler_speed.json").write_text(json.dumps(payload, indent=1))
-    (args.out / "sampler_speed.md").write_text(markdown(payload))
+    (args.out / f"{args.name}.json").write_text(json.dumps(payload, indent=1))
+    (args.out / f"{args.name}.md").write_text(markdown(payload, args.name))
     return 0
 
 
