@@ -427,32 +427,34 @@ def index_density(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: 
     return totals[0].double() / totals[1].double()
 
 
+def _one_of(*allowed: int):
+    def check(_inst, attribute, value) -> None:
+        if value not in allowed:
+            raise ValueError(f"{attribute.name}={value}: use one of {allowed} ({attribute.metadata['what']})")
+
+    return check
+
+
 @attrs.frozen
 class SparseKernelConfig:
     """The sparse kernel's knobs; none changes a result beyond float rounding.
 
     ``block_m`` query rows a program: ``TILE`` (one query tile of the index) or ``2 * TILE`` (two, each
     reading its own tiles, a key tile both read loaded once). ``keys`` a step: ``TILE``, or a half or a
-    quarter of it (at least 16). ``num_warps``; ``num_stages``, Triton's software pipeline depth.
-    ``fused_scale``: tiles below every row apply the softmax scale inside the exponent's multiply-add, one
-    float operation a score fewer (rounding differs in the last bits). ``tma``: those tiles come through
-    tensor-memory (TMA) loads where a KV page holds whole steps (pages of ``keys`` keys or a multiple; Hopper
-    and later, or the interpreter; a head size that is a power of two); elsewhere it is ignored."""
+    quarter of it. ``num_warps``; ``num_stages``, Triton's software pipeline depth. ``fused_scale``: tiles
+    below every row apply the softmax scale inside the exponent's multiply-add, one float operation a score
+    fewer (rounding differs in the last bits). ``tma``: those tiles come through tensor-memory (TMA) loads
+    where a KV page holds whole steps (pages of ``keys`` keys or a multiple; Hopper and later, or the
+    interpreter; a head size that is a power of two); elsewhere it is ignored."""
 
-    block_m: int
-    keys: int
+    block_m: int = attrs.field(validator=_one_of(TILE, 2 * TILE),
+                               metadata={"what": "one or two of the index's query tiles"})
+    keys: int = attrs.field(validator=_one_of(TILE, TILE // 2, TILE // 4),
+                            metadata={"what": "a key tile or a part of it"})
     num_warps: int
     num_stages: int
     fused_scale: bool = False
     tma: bool = False
-
-    def problem(self) -> str | None:
-        """What makes this configuration unusable, or None."""
-        if self.block_m not in (TILE, 2 * TILE):
-            return f"block_m={self.block_m}: use {TILE} or {2 * TILE} (one or two of the index's query tiles)"
-        if self.keys not in (TILE, TILE // 2, TILE // 4):
-            return f"keys={self.keys}: use {TILE}, {TILE // 2} or {TILE // 4} (a key tile or a part of it)"
-        return None
 
 
 def kernel_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> SparseKernelConfig:
@@ -485,8 +487,6 @@ def sparse_attention(
         cfg = kernel_config(head_dim, q.dtype, q.device)
     else:
         cfg = config if isinstance(config, SparseKernelConfig) else SparseKernelConfig(*config)
-    if (problem := cfg.problem()) is not None:
-        raise ValueError(f"config {cfg}: {problem}")
     if index.blocks is not None and index.blocks.shape[2] < triton.cdiv(max_query_len, TILE):
         raise ValueError(
             f"index.blocks lists {index.blocks.shape[2]} query tiles but max_query_len {max_query_len} makes "
