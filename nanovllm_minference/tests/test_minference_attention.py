@@ -264,8 +264,8 @@ def test_kernel_matches_reference(device, dtype, head_dim, num_kv_heads, group, 
     if device != "cuda" and dtype != torch.float32:  # the interpreter: the variants on one config only
         return
     # 32 keys a step (the kernel's steps over head size 128): the same keys, the same results
-    half = sparse_attention(*c.args(index), config=attrs.evolve(kernel_config(head_dim, dtype, c.q.device),
-                                                                keys=TILE // 2))
+    default = kernel_config(head_dim, dtype, c.q.device, with_blocks)
+    half = sparse_attention(*c.args(index), config=attrs.evolve(default, keys=TILE // 2))
     assert_kernel_matches_reference(*half, ref_out, ref_lse, f"seed {seed}, 32 keys a step")
     # the density the kernel's dense_above reads, from its own kernel: the reference's to the last bit
     density = computed_density(index, c.cu, c.ctx, c.max_query_len)

@@ -457,15 +457,20 @@ class SparseKernelConfig:
     tma: bool = False
 
 
-def kernel_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> SparseKernelConfig:
+def kernel_config(head_dim: int, dtype: torch.dtype, device: torch.device,
+                  has_blocks: bool = False) -> SparseKernelConfig:
     """The kernel's knobs for a launch, by device, dtype and head size: one query tile a program and plain
     loads off CUDA (the interpreter); on CUDA, 16-bit and head size up to 128, the dense prefill kernel's
-    long-prompt choices (128 query rows a program over 8 warps, the fused scale, TMA loads). Over head size
-    128 or in float32 a step reads 32 keys, to keep the K/V stages within shared memory."""
+    long-prompt choices (128 query rows a program over 8 warps, the fused scale, TMA loads), but one query
+    tile a program over 4 warps for an index with block-sparse heads (``has_blocks``: two query tiles read
+    their listed tiles one after the other, each with the other's rows idle). Over head size 128 or in
+    float32 a step reads 32 keys, to keep the K/V stages within shared memory."""
     if device.type != "cuda":
         return SparseKernelConfig(TILE, TILE, 1, 1)
     if dtype == torch.float32 or head_dim > 128:
         return SparseKernelConfig(TILE, TILE // 2, 4, 2, fused_scale=True)
+    if has_blocks:
+        return SparseKernelConfig(TILE, TILE, 4, 3, fused_scale=True, tma=True)
     return SparseKernelConfig(2 * TILE, TILE, 8, 3, fused_scale=True, tma=True)
 
 
@@ -484,7 +489,7 @@ def sparse_attention(
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, index)
     num_heads, head_dim = q.shape[1:]
     if config is None:
-        cfg = kernel_config(head_dim, q.dtype, q.device)
+        cfg = kernel_config(head_dim, q.dtype, q.device, index.blocks is not None)
     else:
         cfg = config if isinstance(config, SparseKernelConfig) else SparseKernelConfig(*config)
     if index.blocks is not None and index.blocks.shape[2] < triton.cdiv(max_query_len, TILE):
