@@ -804,7 +804,9 @@ class DecodeConfig(NamedTuple):
     them. ``page_ahead``: over whole contexts, the key tiles that end within the context run unmasked
     with their block-table entries read a tile ahead. ``fused_reduce``: the splits are merged inside the
     decode kernel, by the last split of each sequence and KV head to finish, instead of by a second
-    kernel."""
+    kernel. ``one_split_waves`` (0: off): once the (sequence, KV head) groups alone fill this many waves of
+    ``programs_per_sm`` programs per multiprocessor, one split each (the kernel writes the output itself: no
+    partials, no reduce); below that, the rule's own count."""
 
     block_n: int
     num_warps: int
@@ -814,6 +816,7 @@ class DecodeConfig(NamedTuple):
     page_ahead: bool = False
     wave_fit: bool = False
     fused_reduce: bool = False
+    one_split_waves: int = 0
 
 
 # The defaults for 16-bit inputs on CUDA, head dim <= 128 (GQA 32q/8kv, d=128 measured): the values that
@@ -1051,11 +1054,15 @@ def decode_tickets(device: torch.device, count: int = 0) -> torch.Tensor | None:
 
 def num_decode_splits(num_seqs: int, num_kv_heads: int, max_keys: int, block_n: int, device,
                       programs_per_sm: int = DECODE.programs_per_sm, max_splits: int = DECODE.max_splits,
-                      wave_fit: bool = DECODE.wave_fit) -> int:
+                      wave_fit: bool = DECODE.wave_fit, one_split_waves: int = DECODE.one_split_waves) -> int:
     """Split the keys so that about ``programs_per_sm`` programs run per multiprocessor; at least 2 tiles
-    a split, at most ``max_splits`` splits. ``wave_fit``: see :class:`DecodeConfig`."""
+    a split, at most ``max_splits`` splits. ``wave_fit``, ``one_split_waves``: see :class:`DecodeConfig`."""
     groups = max(1, num_seqs * num_kv_heads)
     slots = programs_per_sm * num_sms(device)
+    # a threshold, not a fit: a batch picks one split only if every larger one does, so the largest decode
+    # graph's warm-up compiles the one-split kernel whenever a step could pick it
+    if one_split_waves and groups >= one_split_waves * slots:
+        return 1
     # at least 2 tiles a split, not more: a short selection (a sequence's few thousand selected keys per
     # KV head) runs faster in more, shorter splits; long contexts are bounded by ``want`` anyway
     cap = max(1, min(triton.cdiv(max_keys, 2 * block_n), max_splits))
@@ -1101,7 +1108,7 @@ def attention_decode(
         max_keys = min(max_keys, window + bn)
     if num_splits is None:
         num_splits = num_decode_splits(num_seqs, num_kv_heads, max_keys, bn, q.device, cfg.programs_per_sm,
-                                       cfg.max_splits, cfg.wave_fit)
+                                       cfg.max_splits, cfg.wave_fit, cfg.one_split_waves)
     block_d = triton.next_power_of_2(head_dim)
     has_idx = block_indices is not None
     skip_dead = _skip_dead(has_idx, bn, block_size)
