@@ -253,7 +253,7 @@ _LAZY = {
     "StepMetadata": "nanovllm.attention.metadata",
     "tile_blocks": "nanovllm.attention.triton_kernels",
     "online_softmax_step": "nanovllm.attention.triton_kernels",
-    "online_softmax_step_fused_scale": ("nanovllm.attention.triton_kernels", "_unmasked_step_fused_scale"),
+    "online_softmax_step_fused_scale": "nanovllm.attention.triton_kernels",
     "num_sms": "nanovllm.attention.triton_kernels",
     "max_shared_memory": "nanovllm.attention.triton_kernels",
     "is_interpreted": "nanovllm.attention.triton_kernels",

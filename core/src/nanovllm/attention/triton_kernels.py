@@ -200,7 +200,7 @@ def online_softmax_step(
 
 
 @triton.jit
-def _unmasked_step_fused_scale(acc, l_i, m_i, q, k, v, scale_log2, FP32: tl.constexpr):
+def online_softmax_step_fused_scale(acc, l_i, m_i, q, k, v, scale_log2, FP32: tl.constexpr):
     """``online_softmax_step`` of a tile without masks, the scale applied inside the exponent's
     multiply-add (one float operation a score fewer): the row maximum is taken before scaling, which is
     the same for a positive scale."""
@@ -505,7 +505,7 @@ def _prefill_kernel(
                 else:
                     v = tl.load(V + kv_ptrs, mask=d_ok[None, :], other=0.0)
                 if FUSED_SCALE:
-                    acc, l_i, m_i = _unmasked_step_fused_scale(acc, l_i, m_i, q, k, v, scale_log2, FP32)
+                    acc, l_i, m_i = online_softmax_step_fused_scale(acc, l_i, m_i, q, k, v, scale_log2, FP32)
                 else:
                     acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
 
