@@ -54,6 +54,15 @@ class StepMetadata:
         return self if group == 0 else self.other_groups[group - 1]
 
 
+def aligned_rows(rows: int, row_bytes: int) -> int:
+    """The fewest rows, at least ``rows``, whose bytes are a multiple of 16: every KV cache group's part of a
+    buffer stacked ``[groups, rows, ...]`` then starts 16-byte aligned, as a tensor allocated alone does
+    (Triton compiles a kernel again for a pointer that is not)."""
+    while rows * row_bytes % 16:
+        rows += 1
+    return rows
+
+
 _context: StepMetadata | None = None
 
 

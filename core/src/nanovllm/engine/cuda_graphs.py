@@ -16,9 +16,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import attrs
 import torch
 
-from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, forward_context
+from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, aligned_rows, forward_context
 from nanovllm.config import ResolvedConfig
 from nanovllm.distributed import (
     agree_min,
@@ -159,17 +160,16 @@ class CudaGraphRunner:
         self.inputs = {
             "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
             "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.long, device=dev),
             "context_lens": torch.ones(max_bs, dtype=torch.int32, device=dev),
-            "block_tables": torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev),
             "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
         }
-        # KV cache groups after the first (hybrid KV): their own slots and block tables
-        self.group_inputs = [
-            {"slot_mapping": torch.full((max_bs,), -1, dtype=torch.long, device=dev),
-             "block_tables": torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev)}
-            for _ in self.kv_store.groups[1:]
-        ]
+        # every KV cache group's slots, and every group's block tables, in one buffer each (group g's part
+        # [g], aligned as a step's transfer is): a step fills each with one copy
+        groups = len(self.kv_store.groups)
+        self.group_slots = torch.full((groups, aligned_rows(max_bs, 8)), -1, dtype=torch.long, device=dev)
+        self.group_tables = torch.zeros(groups, aligned_rows(max_bs, 4 * max_blocks), max_blocks,
+                                        dtype=torch.int32, device=dev)
+        self.filled = (0, 0)  # the rows and table width the last step wrote; past them: padding values
         for bs in self.sizes:
             self.kv_store.begin_step(None, None)  # a decode step (its dense reads raise GraphUnsafe here)
             with forward_context(self._metadata(bs)):
@@ -207,30 +207,34 @@ class CudaGraphRunner:
 
     def _metadata(self, bs: int) -> StepMetadata:
         g = self.inputs
+        decode = [PhaseMetadata(g["cu_seqlens_q"][: bs + 1], g["context_lens"][:bs], tables[:bs], 1,
+                                self.config.max_model_len) for tables in self.group_tables]
+        first, *later = (StepMetadata(slots[:bs], g["positions"][:bs], bs, phase, None)
+                         for slots, phase in zip(self.group_slots, decode, strict=True))
+        return attrs.evolve(first, other_groups=tuple(later))
 
-        def step(own: dict[str, torch.Tensor], other_groups: tuple[StepMetadata, ...] = ()) -> StepMetadata:
-            decode = PhaseMetadata(g["cu_seqlens_q"][: bs + 1], g["context_lens"][:bs],
-                                   own["block_tables"][:bs], 1, self.config.max_model_len)
-            return StepMetadata(own["slot_mapping"][:bs], g["positions"][:bs], bs, decode, None, other_groups)
-
-        return step(g, tuple(step(own) for own in self.group_inputs))
-
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
-        """The hidden states of a decode-only step of at most ``max_batch`` sequences: its inputs copied into
-        the smallest bucket that holds them (the padding rows write nothing and attend to one token)."""
-        bs = input_ids.shape[0]
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, context_lens: torch.Tensor,
+               slots: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """The hidden states of a decode-only step of at most ``max_batch`` sequences (``slots``: every KV cache
+        group's ``[groups, bs]``, ``tables`` their block tables ``[groups, bs, width]``), its inputs copied
+        into the smallest bucket that holds them. The padding rows write nothing (slot -1) and attend to one
+        token (block 0): rows and table entries the last step wrote and this one does not go back to that
+        first, so a step of the last one's batch and no narrower tables copies each input once."""
+        bs, width = input_ids.shape[0], tables.shape[-1]
         graph_bs = next(b for b in self.sizes if b >= bs)
         g = self.inputs
+        rows, filled_width = self.filled
+        if bs < rows:
+            g["context_lens"][bs:rows].fill_(1)
+            self.group_slots[:, bs:rows].fill_(-1)
+        if bs < rows or width < filled_width:
+            self.group_tables[:, :rows, :filled_width].zero_()
+        self.filled = (bs, width)
         g["input_ids"][:bs] = input_ids
         g["positions"][:bs] = positions
-        g["context_lens"][:graph_bs].fill_(1)
-        g["context_lens"][:bs] = meta.decode.context_lens
-        for own, group in zip((g, *self.group_inputs), (meta, *meta.other_groups), strict=True):
-            own["slot_mapping"][:graph_bs].fill_(-1)
-            own["slot_mapping"][:bs] = group.slot_mapping
-            tables = group.decode.block_tables
-            own["block_tables"][:graph_bs].fill_(0)
-            own["block_tables"][:bs, : tables.shape[1]] = tables
+        g["context_lens"][:bs] = context_lens
+        self.group_slots[:, :bs] = slots
+        self.group_tables[:, :bs, :width] = tables
         self.kv_store.order_streams()
         self.graphs[graph_bs].replay()
         self.kv_store.order_streams()

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, forward_context
+from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, aligned_rows, forward_context
 from nanovllm.config import ResolvedConfig
 from nanovllm.distributed import (
     barrier,
@@ -211,20 +211,16 @@ class ModelRunner:
         return [PhaseMetadata(cu, lens, tables, phase.max_query_len, phase.max_context_len)
                 for tables in self._groups_to_device(phase.group_tables)]
 
-    def _groups_to_device(self, stacked: np.ndarray) -> list[torch.Tensor]:
-        """Each KV cache group's part ``stacked[g]`` on the device, from one transfer. Every part starts
-        16-byte aligned, as an array sent alone does: Triton compiles a kernel again for a pointer that is
-        not, which the warm-up would have missed."""
+    def _groups_to_device(self, stacked: np.ndarray) -> torch.Tensor:
+        """``stacked`` (``[groups, n, ...]``, a part per KV cache group) on the device from one transfer, each
+        group's part ``[g]`` contiguous and 16-byte aligned (see ``aligned_rows``)."""
         groups, n = stacked.shape[:2]
-        part_bytes = stacked[0, :1].nbytes  # of a row of a part
-        rows = n
-        while groups > 1 and rows * part_bytes % 16:
-            rows += 1
+        rows = aligned_rows(n, stacked[0, :1].nbytes) if groups > 1 else n
         if rows != n:
             padded = np.zeros((groups, rows, *stacked.shape[2:]), dtype=stacked.dtype)
             padded[:, :n] = stacked
             stacked = padded
-        return [part[:n] for part in self._to_device(stacked)]
+        return self._to_device(stacked)[:, :n]
 
     def _step_metadata(self, plan: StepPlan) -> StepMetadata:
         """The step on the device as its layers read it: group 0's view, holding each later KV cache group's
@@ -236,6 +232,15 @@ class ModelRunner:
                                               self._phase_metadata(plan.prefill), strict=True)
         later = tuple(StepMetadata(s, positions, n, d, p) for s, d, p in rest)
         return StepMetadata(slots, positions, n, decode, prefill, later)
+
+    def _replay(self, input_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """A decode-only step replayed in a decode graph: every KV cache group's slots and block tables go
+        to the device in one transfer each, and from there into the graph's buffers in one copy each."""
+        decode = plan.decode
+        positions, lens = self._to_device(plan.positions), self._to_device(decode.context_lens)
+        slots, tables = self._groups_to_device(plan.group_slots), self._groups_to_device(decode.group_tables)
+        self.kv.begin_step(decode, None)
+        return self.cuda_graphs.replay(input_ids, positions, lens, slots, tables)
 
     def prepare(
         self, seqs: list[Sequence], allocated: list[int] | None = None
@@ -305,12 +310,12 @@ class ModelRunner:
         if plan.placeholder_rows is not None:
             sources = self._to_device(plan.placeholder_sources)
             input_ids[self._to_device(plan.placeholder_rows)] = self._last_sampled[sources]
-        meta = self._step_metadata(plan)
-        self.kv.begin_step(plan.decode, plan.prefill)
         graphs = self.cuda_graphs
-        if graphs.graphs and meta.prefill is None and input_ids.shape[0] <= graphs.max_batch:
-            hidden = graphs.replay(input_ids, meta.positions, meta)
+        if graphs.graphs and plan.prefill is None and input_ids.shape[0] <= graphs.max_batch:
+            hidden = self._replay(input_ids, plan)
         else:
+            meta = self._step_metadata(plan)
+            self.kv.begin_step(plan.decode, plan.prefill)
             with forward_context(meta):
                 hidden = self.model(input_ids, meta.positions)
         sample_rows = None if plan.sample_rows is None else self._to_device(plan.sample_rows)
