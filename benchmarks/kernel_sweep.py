@@ -5,6 +5,10 @@ GQA 32 query / 8 KV heads, head dim 128, bf16, on one GPU:
 
 - paged decode, batch 1 at 128K, 8 at 16K and 64 at 4K, pages of 16 and 128: TB/s of KV read (each call
   captured in a CUDA graph, as the engine runs decode) and its ratio to the copy (bytes read + written);
+- B1's decode step (``nanovllm bench throughput``, nano-vLLM's bench.py workload, on qwen3-0.6b): its 256
+  sequences at their prompt and 24 decoded tokens (contexts of 131-1048), GQA 16/8, split as its decode
+  graphs split them (``max_keys`` its max_model_len), pages of 16 and 128; rated like the other decode shapes,
+  over the bytes of KV it reads;
 - causal prefill over a 16K context, packed keys and through the paged cache (pages of 16 and 128; the whole
   prompt, and a 4K chunk behind 12K of history): TFLOP/s (4 * heads * head_dim * visible query-key pairs)
   and its ratio to cuDNN SDPA on the packed prompt of that context; with ``--long`` the packed 128K prompt.
@@ -19,16 +23,18 @@ measured. Writes ``OUT/NAME.json`` and ``OUT/NAME.md``: every row, the best sett
 defaults to paste (one decode setting per page size, because the decode kernel's compiled knobs must not
 follow the batch; prefill settings for packed and paged keys). ``--kinds``, ``--pages`` and ``--variants``
 narrow the grid (the packed prompt stays with any prefill: its cuDNN rate anchors the paged rows; the default
-setting stays with any variants: the others' ratios are to it).
+setting stays with any variants: the others' ratios are to it); ``--b1``: B1's decode step alone, over the
+settings worth trying at its batch (``B1_VARIANTS``, unless ``--variants`` names others).
 
     python benchmarks/kernel_sweep.py --out OUT [--name kernel_sweep] [--budget 80] [--long]
-        [--kinds decode prefill] [--pages 16 128] [--variants "fused reduce" ...]
+        [--kinds decode prefill] [--pages 16 128] [--variants "fused reduce" ...] [--b1]
     TRITON_INTERPRET=1 python benchmarks/kernel_sweep.py --out OUT   # dry: tiny sizes on the CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -41,6 +47,7 @@ import torch
 from nanovllm.attention import triton_kernels as tk
 from nanovllm.attention.triton_backend import _sdpa_causal
 from nanovllm.bench import environment
+from nanovllm.bench.engine import throughput_workload
 from nanovllm.bench.kernels import (DEV, DRY, copy_bandwidth, graph_ms, ms, paged_cache, paged_decode_inputs,
                                     randn, rel)
 
@@ -53,6 +60,15 @@ PREFILL_PROMPT = 48 if DRY else 16384
 PREFILL_CHUNK = 16 if DRY else 4096
 LONG_PROMPT = 131072
 PAGES = (16,) if DRY else (16, 128)  # dry: pages as large as the interpreter's key tile (TMA applies)
+# B1's decode step as its decode graph runs it: qwen3-0.6b's GQA (16 query heads over 8 KV heads), each
+# sequence at its prompt and B1_DECODED tokens (contexts 131-1048, mean 582, as in a profiled step), and the
+# split count its graphs get from max_keys = its max_model_len. Dry: fewer, shorter sequences (whose 32 groups
+# still fill the 4 waves of "one split from 4 waves" on the interpreter's 4 multiprocessors).
+B1_BATCH = 16 if DRY else 256
+B1_HEADS = 2 * HKV
+B1_DECODED = 24
+B1_SHRINK = 32 if DRY else 1  # contexts and max_model_len divided by this
+B1_MAX_MODEL_LEN = 4096 // B1_SHRINK
 
 # Decode settings: knobs that differ from the default (fields of DecodeConfig). The first is the default.
 DECODE_VARIANTS = {
@@ -78,7 +94,19 @@ DECODE_VARIANTS = {
     "block_n 128, 8 warps, 2 stages": dict(block_n=128, num_warps=8, num_stages=2),
     # the splits merged by the last split of each sequence and KV head instead of by a second kernel
     "fused reduce": dict(fused_reduce=True),
+    # B1's batch: its (sequence, KV head) groups fill several waves without splitting the keys
+    "one split from 4 waves": dict(one_split_waves=4),
+    "one split from 4 waves, block_n 32": dict(one_split_waves=4, block_n=32),
+    "one split from 4 waves, page ahead": dict(one_split_waves=4, page_ahead=True),
+    "2 warps": dict(num_warps=2),
+    "2 stages": dict(num_stages=2),
+    "4 stages": dict(num_stages=4),
 }
+# the settings ``--b1`` tries at B1's decode step: fewer splits, and the kernel knobs that matter for short
+# contexts (the combined pass then joins the best of each axis)
+B1_VARIANTS = ("one split from 4 waves", "one split from 4 waves, block_n 32",
+               "one split from 4 waves, page ahead", "block_n 32", "2 warps", "8 warps", "2 stages",
+               "4 stages", "page ahead", "page ahead, 4 stages", "fused reduce")
 # Prefill settings (fields of PrefillConfig); TMA only where the keys allow it (packed, or pages >= block_n).
 PREFILL_VARIANTS = {
     "default": {},
@@ -102,7 +130,9 @@ PREFILL_VARIANTS = {
 LONG_VARIANTS = ("default", "tma", "tma, fused scale, heads first")  # 128K: a third of a second a call
 if DRY:  # the interpreter is slow: a few settings that go through every kernel path
     DECODE_VARIANTS = {k: DECODE_VARIANTS[k] for k in
-                       ("default", "page ahead, wave fit, 3 programs/SM, 128 splits", "fused reduce")}
+                       ("default", "page ahead, wave fit, 3 programs/SM, 128 splits", "fused reduce",
+                        "one split from 4 waves")}
+    B1_VARIANTS = ("one split from 4 waves",)  # B1's many programs are slow here: the path it adds
     PREFILL_VARIANTS = {k: PREFILL_VARIANTS[k] for k in ("default", "tma, fused scale, heads first")}
     PREFILL_VARIANTS["page boxes values, 2 pages a tile"] = dict(tma=True, page_boxes="values", block_n=32)
 
@@ -123,14 +153,42 @@ def prefill_config(variant: str, paged: bool) -> tk.PrefillConfig:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def decode_shape(batch: int, ctx: int, block_size: int, gen, variants: list[str]):
-    kc, vc, tables, lens, q, _ = paged_decode_inputs(batch, ctx, block_size, H, HKV, D, gen)
+@functools.cache
+def b1_contexts() -> tuple[int, ...]:
+    """The context lengths of B1's decode step: each of its prompts (drawn as ``nanovllm bench throughput``
+    draws them) and ``B1_DECODED`` tokens."""
+    prompts, _ = throughput_workload()
+    return tuple((len(p) + B1_DECODED) // B1_SHRINK for p in prompts[:B1_BATCH])
+
+
+def mixed_decode_inputs(contexts: tuple[int, ...], block_size: int, heads: int, gen):
+    """A shuffled paged cache holding one sequence of each length in ``contexts``, its block tables (padded
+    with block 0, which no sequence reads) and lengths, and one query per sequence."""
+    blocks = [-(-c // block_size) for c in contexts]
+    kc, vc = (randn(sum(blocks), block_size, HKV, D, gen=gen) for _ in range(2))
+    perm = torch.randperm(sum(blocks), generator=gen, device=DEV).int().cpu()
+    tables = torch.zeros(len(contexts), max(blocks), dtype=torch.int32)
+    for row, piece in zip(tables, perm.split(blocks), strict=True):
+        row[:len(piece)] = piece
+    lens = torch.tensor(contexts, dtype=torch.int32, device=DEV)
+    return kc, vc, tables.to(DEV), lens, randn(len(contexts), heads, D, gen=gen)
+
+
+def decode_shape(batch: int, ctx: int | str, block_size: int, heads: int, gen, variants: list[str]):
+    """``ctx``: every sequence's context length, or ``"B1"``: B1's decode step (``batch`` of its sequences,
+    split as its decode graphs split them)."""
+    if ctx == "B1":
+        kc, vc, tables, lens, q = mixed_decode_inputs(b1_contexts(), block_size, heads, gen)
+        max_keys = B1_MAX_MODEL_LEN
+    else:
+        kc, vc, tables, lens, q, _ = paged_decode_inputs(batch, ctx, block_size, heads, HKV, D, gen)
+        max_keys = ctx
 
     def call(variant):
         out = torch.empty_like(q)
 
         def run():
-            tk.attention_decode(q, kc, vc, out, None, lens, tables, None, ctx, SCALE,
+            tk.attention_decode(q, kc, vc, out, None, lens, tables, None, max_keys, SCALE,
                                 config=decode_config(variant, block_size))
             return out
         return run
@@ -167,17 +225,24 @@ def prefill_shape(q_len: int, ctx: int, block_size: int | None, gen, variants: l
 
 
 def shapes(long: bool, kinds=("decode", "prefill"), pages=PAGES, only=None) -> list[dict]:
-    """Every shape of the sweep (of ``kinds``, paged ones over ``pages``; with ``only``, just those variants
-    and the default): kind, label, its work per call (bytes or FLOPs), and how to build it."""
+    """Every shape of the sweep (of ``kinds``, where ``"b1"`` is B1's decode step alone and ``"decode"``
+    includes it; paged ones over ``pages``; with ``only``, just those variants and the default): kind, label,
+    its work per call (bytes or FLOPs), and how to build it."""
     def chosen(variants) -> list[str]:
         return [v for v in variants if only is None or v == "default" or v in only]
 
+    decodes = [(batch, ctx, H, ctx * batch, DECODE_VARIANTS) for batch, ctx in DECODE_SHAPES]
+    decodes = decodes if "decode" in kinds else []
+    if {"decode", "b1"} & set(kinds):
+        b1_variants = ("default", *B1_VARIANTS) if DRY else DECODE_VARIANTS
+        decodes.append((B1_BATCH, "B1", B1_HEADS, sum(b1_contexts()), b1_variants))
     out = []
-    for batch, ctx in DECODE_SHAPES if "decode" in kinds else ():
+    for batch, ctx, heads, keys, variants in decodes:
+        gqa = "" if heads == H else f" gqa={heads}/{HKV}"
         for bs in pages:
-            out.append(dict(kind="decode", label=f"b={batch} ctx={ctx} bs={bs}", unit="TB/s",
-                            work=2 * batch * ctx * HKV * D * 2, build=(decode_shape, batch, ctx, bs),
-                            variants=chosen(DECODE_VARIANTS)))
+            out.append(dict(kind="decode", label=f"b={batch} ctx={ctx}{gqa} bs={bs}", unit="TB/s",
+                            work=2 * keys * HKV * D * 2, build=(decode_shape, batch, ctx, bs, heads),
+                            variants=chosen(variants)))
     if "prefill" not in kinds:
         return out
     prefills = [(PREFILL_PROMPT, PREFILL_PROMPT, None)]
@@ -201,16 +266,16 @@ def shapes(long: bool, kinds=("decode", "prefill"), pages=PAGES, only=None) -> l
 
 
 def _compile_key(shape: dict, variant: str) -> tuple:
-    """What Triton compiles a variant for: the kind, the page size (None: packed keys) and the compiled knobs
-    (the split count is a runtime argument). Shapes and variants of one key share the compiled kernels."""
+    """What Triton compiles a variant for: the kind, the page size (None: packed keys), the query heads of
+    decode (its GQA group) and the compiled knobs (the split count is a runtime argument). Shapes and
+    variants of one key share the compiled kernels."""
     block_size = shape["build"][3]
     if shape["kind"] == "decode":
         cfg = decode_config(variant, block_size)._replace(programs_per_sm=0, max_splits=0)
-    elif variant == "cudnn sdpa":
+        return "decode", block_size, shape["build"][4], tuple(cfg)
+    if variant == "cudnn sdpa":
         return "cudnn", block_size
-    else:
-        cfg = prefill_config(variant, block_size is not None)
-    return shape["kind"], block_size, tuple(cfg)
+    return shape["kind"], block_size, tuple(prefill_config(variant, block_size is not None))
 
 
 def cuda_alive() -> bool:
@@ -308,8 +373,8 @@ def in_turn(every: list[dict]) -> list[dict]:
     context's packed prefill (whose cuDNN rate anchors its paged rows) before its paged ones."""
     def rank(shape: dict) -> tuple:
         label = shape["label"]
-        if shape["kind"] == "decode":
-            return (int(label.split()[0][2:]) // 8 * 2, label)  # batch 1: 0, batch 8: 2, batch 64: 16
+        if shape["kind"] == "decode":  # batch 1: 0, batch 8: 2, batch 64 and B1's 256: 16
+            return (min(int(label.split()[0][2:]) // 8 * 2, 16), label)
         step = 1 if label.endswith("packed") else 3 if label.startswith(f"q={PREFILL_PROMPT}") else 17
         return (step + (100 if shape.get("long") else 0), label)
     return sorted(every, key=rank)
@@ -433,7 +498,7 @@ def groups_of(rows: list[dict]) -> dict[str, set[str]]:
 
 # each kind's knobs on two axes, whose best settings the combined pass puts together
 AXES = {"decode": ({"block_n", "num_warps", "num_stages", "page_ahead"},
-                   {"programs_per_sm", "max_splits", "wave_fit", "fused_reduce"}),
+                   {"programs_per_sm", "max_splits", "wave_fit", "fused_reduce", "one_split_waves"}),
         "prefill": ({"block_m", "block_n", "num_warps", "num_stages"},
                     {"tma", "heads_first", "fused_scale", "page_boxes"})}
 
@@ -518,7 +583,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="only paged shapes over these page sizes (any prefill keeps the packed prompt)")
     parser.add_argument("--variants", nargs="+", metavar="NAME",
                         help="only these settings (DECODE_VARIANTS, PREFILL_VARIANTS names) and the default")
+    parser.add_argument("--b1", action="store_true",
+                        help="only B1's decode step, over B1_VARIANTS unless --variants names settings")
     args = parser.parse_args(argv)
+    if args.b1:
+        args.kinds = ("b1",)
+        args.variants = args.variants or list(B1_VARIANTS)
     only = None if args.variants is None else tuple(args.variants)
     unknown = sorted(set(only or ()) - set(DECODE_VARIANTS) - set(PREFILL_VARIANTS))
     if unknown:

@@ -49,18 +49,21 @@ def kernels(monkeypatch):
 
 
 def decode(num_seqs: int, context: int, max_keys: int, heads: int = 4, kv_heads: int = 1, head_dim: int = 256,
-           block_size: int = 16, window: int | None = None, fused_reduce: bool = True) -> int:
+           block_size: int = 16, window: int | None = None, fused_reduce: bool = True,
+           config: tk.DecodeConfig | None = None) -> int:
     """One launch of ``attention_decode`` as a Gemma 3 270M layer makes it (4 query heads, 1 KV head of
-    256); its number of splits."""
+    256), with the CPU's knobs unless ``config`` is given; its number of splits."""
     k = torch.empty(1, block_size, kv_heads, head_dim)  # nothing reads the tensors: their shapes count
     q = torch.empty(num_seqs, heads, head_dim)
     lens = torch.full((num_seqs,), context, dtype=torch.int32)
     tables = torch.empty(num_seqs, -(-max_keys // block_size), dtype=torch.int32)
-    cfg = tk._decode_config(head_dim, q.dtype, q.device, block_size)._replace(fused_reduce=fused_reduce)
+    cfg = config or tk._decode_config(head_dim, q.dtype, q.device, block_size)
+    cfg = cfg._replace(fused_reduce=fused_reduce)
     tk.attention_decode(q, k, k, torch.empty_like(q), None, lens, tables, None, max_keys, 1.0, window=window,
                         config=cfg)
-    keys = min(max_keys, window + 16) if window else max_keys  # the CPU's BLOCK_N is 16
-    return tk.num_decode_splits(num_seqs, kv_heads, keys, 16, q.device)
+    keys = min(max_keys, window + cfg.block_n) if window else max_keys
+    return tk.num_decode_splits(num_seqs, kv_heads, keys, cfg.block_n, q.device, cfg.programs_per_sm,
+                                cfg.max_splits, cfg.wave_fit, cfg.one_split_waves)
 
 
 def test_eager_decode_rows_of_mixed_steps_need_no_kernel_the_graph_capture_did_not_compile(kernels):
@@ -85,3 +88,20 @@ def test_decode_kernels_compile_a_few_variants_whatever_the_batch_and_context(ke
     decode_kernel, reduce_kernel = kernels
     assert len(decode_kernel.keys) <= 2  # with splits and without
     assert len(reduce_kernel.keys) == (0 if fused_reduce else 1)
+
+
+def test_one_split_from_a_batch_on_is_compiled_by_the_largest_decode_graph(kernels):
+    """With ``one_split_waves`` the rule picks one split (a kernel variant of its own) from some batch on.
+    B1's engine (qwen3-0.6b: 16 query heads, 8 KV heads of 128; max_model_len 4096, graphs of up to 256
+    sequences) compiles it and the split one while it warms its graphs up; eager decode rows of any count
+    up to the largest graph, at any context, then compile nothing."""
+    cfg = tk.DECODE._replace(one_split_waves=4)
+    b1 = dict(heads=16, kv_heads=8, head_dim=128, fused_reduce=False, config=cfg)
+    sizes = (1, 2, 4, 8, *range(16, 257, 16))  # CudaGraphRunner's batch buckets for max_num_seqs 256
+    graphs = {decode(bs, 1, 4096, **b1) for bs in sizes}
+    captured = [set(k.keys) for k in kernels]
+    eager = {decode(rows, context, context, **b1) for rows in range(1, 257, 3)
+             for context in (150, 600, 4096)}
+    assert 1 in graphs and len(graphs) > 2 and 1 in eager and len(eager) > 2
+    for kernel, before in zip(kernels, captured, strict=True):
+        assert kernel.keys == before, "an eager decode step compiles a kernel variant of its own"

@@ -164,6 +164,12 @@ def test_interp_kernel_sweep_dry_run(tmp_path):
     assert len(timed) == sum(len(s["variants"]) for s in kernel_sweep.shapes(False)) and len(shapes) >= 4
     assert all(r["value"] and r["err"] is not None and r["err"] < kernel_sweep.WRONG for r in timed), timed
     assert set(result["best"]) == shapes
+    # B1's step, also in one split (the direct path: its 32 groups fill 4 waves of 2 programs on 4 SMs)
+    assert any("ctx=B1" in r["shape"] and r["variant"] == "one split from 4 waves" for r in timed)
+    one = kernel_sweep.decode_config("one split from 4 waves", 16)
+    assert tk.num_decode_splits(kernel_sweep.B1_BATCH, kernel_sweep.HKV, kernel_sweep.B1_MAX_MODEL_LEN, 16,
+                                torch.device("cpu"), one.programs_per_sm, one.max_splits, one.wave_fit,
+                                one.one_split_waves) == 1
     assert {"DECODE (bs=16)", "PREFILL_LONG (packed)", "PREFILL_LONG_PAGED"} <= set(result["recommended"])
     paged = result["recommended"]["PREFILL_LONG_PAGED"]
     assert eval(paged["paste"], {"PrefillConfig": tk.PrefillConfig}) == tk.PrefillConfig(**paged["config"])
@@ -203,6 +209,21 @@ def test_wave_fit_splits_end_in_whole_waves(batch, programs_per_sm, monkeypatch)
     assert model_time(fit) <= model_time(plain) + 1e-9
 
 
+@pytest.mark.parametrize("waves", [1, 2, 4])
+def test_one_split_waves_is_a_threshold_on_the_groups(waves, monkeypatch):
+    """``one_split_waves``: one split once the (sequence, KV head) groups fill that many waves of programs,
+    for good (every larger batch too); below it, the rule's count without the knob."""
+    monkeypatch.setattr(tk, "num_sms", lambda device: 132)
+    dev, slots = torch.device("cuda"), tk.DECODE.programs_per_sm * 132
+    knobs = (tk.DECODE.programs_per_sm, tk.DECODE.max_splits, tk.DECODE.wave_fit)
+    for kv_heads in (1, 8):
+        for batch in range(1, 513):
+            splits = tk.num_decode_splits(batch, kv_heads, 4096, 64, dev, *knobs, one_split_waves=waves)
+            without = tk.num_decode_splits(batch, kv_heads, 4096, 64, dev, *knobs)
+            assert without >= 2
+            assert splits == (1 if batch * kv_heads >= waves * slots else without), (batch, kv_heads)
+
+
 def test_decode_rule_follows_page_size_not_batch():
     for bs, default in ((16, tk.DECODE), (128, tk.DECODE_LARGE_PAGES)):
         assert tk._decode_config(128, torch.bfloat16, torch.device("cuda"), bs) == default
@@ -239,6 +260,48 @@ def test_sweep_compiles_runtime_only_settings_once():
     assert len(keys) > 1  # the compiled knobs do make kernels of their own
 
 
+@pytest.mark.skipif(INTERP, reason="the sweep's full sizes")
+def test_sweep_b1_decode_step(monkeypatch):
+    """B1's decode step: its 256 sequences at their prompt (as ``nanovllm bench throughput`` draws them) and
+    a few decoded tokens, GQA 16/8, rated over the KV it reads, in the decode group of its page size; ``b1``
+    picks it alone. "one split from 4 waves" changes its split count, and no other shape's."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import kernel_sweep as ks
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    from nanovllm.bench.engine import throughput_workload
+
+    contexts = ks.b1_contexts()
+    prompts, _ = throughput_workload()
+    assert len(contexts) == 256 and all(c > len(p) for c, p in zip(contexts, prompts, strict=False))
+    assert 100 < min(contexts) and max(contexts) < 1100 and 500 < sum(contexts) / 256 < 650
+    b1 = ks.shapes(False, ("b1",), ks.PAGES, ks.B1_VARIANTS)
+    assert [s["label"] for s in b1] == [f"b=256 ctx=B1 gqa=16/8 bs={bs}" for bs in ks.PAGES]
+    assert all(sorted(s["variants"]) == sorted(["default", *ks.B1_VARIANTS]) for s in b1)
+    assert b1[0]["work"] == 2 * sum(contexts) * 8 * 128 * 2  # K and V, bf16
+    every = ks.shapes(False, ("decode",))
+    groups = ks.groups_of([ks.empty_row(s, "default") for s in every])
+    assert b1[0]["label"] in groups["DECODE (bs=16)"]
+    assert b1[1]["label"] in groups["DECODE_LARGE_PAGES (bs=128)"]
+    same_pages = next(s for s in every if s["build"][3] == 16)
+    assert ks._compile_key(b1[0], "default") != ks._compile_key(same_pages, "default")  # its own GQA group
+
+    monkeypatch.setattr(tk, "num_sms", lambda device: 132)
+    for shape in every:
+        batch, ctx, bs, _ = shape["build"][1:]
+        max_keys = ks.B1_MAX_MODEL_LEN if ctx == "B1" else ctx
+
+        def splits(variant):
+            cfg = ks.decode_config(variant, bs)
+            return tk.num_decode_splits(batch, ks.HKV, max_keys, cfg.block_n, torch.device("cuda"),
+                                        cfg.programs_per_sm, cfg.max_splits, cfg.wave_fit,
+                                        cfg.one_split_waves)
+
+        assert splits("default") >= 2
+        assert (splits("one split from 4 waves") == 1) == (ctx == "B1"), shape["label"]
+
+
 def test_sweep_narrows_to_the_variants_asked():
     """``--variants``: the settings named and the default, on every shape of the kinds asked; the fused and
     the separate split reduce compile kernels of their own."""
@@ -248,7 +311,7 @@ def test_sweep_narrows_to_the_variants_asked():
     finally:
         sys.path.remove(str(BENCHMARKS))
     decode = kernel_sweep.shapes(False, ("decode",), kernel_sweep.PAGES, ("fused reduce",))
-    assert len(decode) == len(kernel_sweep.DECODE_SHAPES) * len(kernel_sweep.PAGES)
+    assert len(decode) == (len(kernel_sweep.DECODE_SHAPES) + 1) * len(kernel_sweep.PAGES)  # and B1's step
     assert all(s["kind"] == "decode" and s["variants"] == ["default", "fused reduce"] for s in decode)
     separate, fused = (kernel_sweep._compile_key(decode[0], v) for v in ("default", "fused reduce"))
     assert fused != separate
