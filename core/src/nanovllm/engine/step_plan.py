@@ -129,9 +129,8 @@ def group_tables(seqs: list[Sequence], offsets: list[int]) -> np.ndarray | None:
     copies = [table_copy(s) for s in seqs]
     width = max(c.width for c in copies)
     tables = np.stack([c.refresh(width)[:, :width] for c in copies], axis=1)
-    for g, offset in enumerate(offsets):
-        if offset:
-            tables[g][tables[g] >= 0] -= offset
+    if any(offsets):
+        np.subtract(tables, np.asarray(offsets, dtype=np.int32)[:, None, None], out=tables, where=tables >= 0)
     return tables
 
 
