@@ -215,11 +215,11 @@ class CudaGraphRunner:
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, context_lens: torch.Tensor,
                slots: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        """The hidden states of a decode-only step of at most ``max_batch`` sequences (``slots``: every KV cache
-        group's ``[groups, bs]``, ``tables`` their block tables ``[groups, bs, width]``), its inputs copied
-        into the smallest bucket that holds them. The padding rows write nothing (slot -1) and attend to one
-        token (block 0): rows and table entries the last step wrote and this one does not go back to that
-        first, so a step of the last one's batch and no narrower tables copies each input once."""
+        """The hidden states of a decode-only step of at most ``max_batch`` sequences (``slots``: every KV
+        cache group's ``[groups, bs]``, ``tables`` their block tables ``[groups, bs, width]``), its inputs
+        copied into the smallest bucket that holds them. The padding rows write nothing (slot -1) and attend
+        to one token (block 0): rows and table entries that the last step wrote and this one does not go back
+        to that first, so a step of the last one's batch, its tables no narrower, copies each input once."""
         bs, width = input_ids.shape[0], tables.shape[-1]
         graph_bs = next(b for b in self.sizes if b >= bs)
         g = self.inputs
