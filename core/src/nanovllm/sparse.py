@@ -16,8 +16,9 @@ A policy distribution imports from nanovllm only this module and the attention b
   keys and values), :class:`KVTransfer` (what the host store moved), the step metadata types
   :class:`PhaseMetadata` and :class:`StepMetadata`, and the selection contract (:func:`selection_problem`,
   :func:`check_selection`, :class:`PolicyContractError`).
-- Kernel helpers a plugin's Triton kernels may use: ``tile_blocks``, ``online_softmax_step`` and
-  ``online_softmax_step_fused_scale`` (``@triton.jit`` functions), ``num_sms``, ``max_shared_memory``,
+- Kernel helpers a plugin's Triton kernels may use: ``tile_blocks``, ``attention_scores``,
+  ``online_softmax_step``, ``online_softmax_step_fused_scale`` and ``online_softmax_accumulate``
+  (``@triton.jit`` functions), ``num_sms``, ``max_shared_memory``,
   ``is_interpreted`` and :func:`paged_kv_descriptors`.
 
 Importing this module imports no torch: the names that need it (the context, the types and the kernel
@@ -254,6 +255,8 @@ _LAZY = {
     "tile_blocks": "nanovllm.attention.triton_kernels",
     "online_softmax_step": "nanovllm.attention.triton_kernels",
     "online_softmax_step_fused_scale": "nanovllm.attention.triton_kernels",
+    "online_softmax_accumulate": "nanovllm.attention.triton_kernels",
+    "attention_scores": "nanovllm.attention.triton_kernels",
     "num_sms": "nanovllm.attention.triton_kernels",
     "max_shared_memory": "nanovllm.attention.triton_kernels",
     "is_interpreted": "nanovllm.attention.triton_kernels",

@@ -36,6 +36,8 @@ import triton
 import triton.language as tl
 from nanovllm.attention.backend import check_paged_inputs, prefill_kernel_outputs
 from nanovllm.sparse import (
+    attention_scores,
+    online_softmax_accumulate,
     online_softmax_step,
     online_softmax_step_fused_scale,
     paged_kv_descriptors,
@@ -110,10 +112,7 @@ def _rows_step(acc, l_i, m_i, q, k, v, row_ok, scale_log2, FUSED_SCALE: tl.const
     other rows keep their state, at the cost of a few operations a row, none a score. ``FUSED_SCALE``: the
     scale applied inside the exponent (the row maximum taken before scaling; the same for a positive
     scale)."""
-    if FP32:
-        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        qk = tl.dot(q, tl.trans(k))
+    qk = attention_scores(q, k, FP32)
     if FUSED_SCALE:
         m_tile = tl.max(qk, 1) * scale_log2
     else:
@@ -127,12 +126,7 @@ def _rows_step(acc, l_i, m_i, q, k, v, row_ok, scale_log2, FUSED_SCALE: tl.const
         p = tl.math.exp2(qk * scale_log2 - m_sub[:, None])
     else:
         p = tl.math.exp2(qk - m_sub[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    if FP32:
-        acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc)
+    acc, l_i = online_softmax_accumulate(acc, l_i, p, alpha, v, FP32)
     return acc, l_i, m_new
 
 

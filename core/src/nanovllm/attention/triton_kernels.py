@@ -152,7 +152,7 @@ def _key_offsets(
 
 
 @triton.jit
-def _scores(q, k, FP32: tl.constexpr):
+def attention_scores(q, k, FP32: tl.constexpr):
     """``q @ k^T`` in float32: with ``FP32``, of float32 products (float32 inputs, or the interpreter, whose
     bfloat16 dot is wrong)."""
     if FP32:
@@ -163,7 +163,7 @@ def _scores(q, k, FP32: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(acc, l_i, p, alpha, v, FP32: tl.constexpr):
+def online_softmax_accumulate(acc, l_i, p, alpha, v, FP32: tl.constexpr):
     """The end of an online softmax step, once a tile's probabilities ``p`` and the factor ``alpha`` that
     rescales the running sums are known: returns the updated (acc, l_i)."""
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -186,7 +186,7 @@ def online_softmax_step(
     kept in that base-2 unit. ``score_mask`` [rows, keys] is read only when ``MASKED``; a row with
     nothing unmasked so far keeps ``m_i = -inf`` and adds nothing. ``FP32``: float32 products (float32
     inputs, or the interpreter, whose bfloat16 dot is wrong)."""
-    qk = _scores(q, k, FP32) * scale_log2
+    qk = attention_scores(q, k, FP32) * scale_log2
     if MASKED:
         qk = tl.where(score_mask, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -195,7 +195,7 @@ def online_softmax_step(
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_use = m_new
     alpha = tl.math.exp2(m_i - m_use)
-    acc, l_i = _accumulate(acc, l_i, tl.math.exp2(qk - m_use[:, None]), alpha, v, FP32)
+    acc, l_i = online_softmax_accumulate(acc, l_i, tl.math.exp2(qk - m_use[:, None]), alpha, v, FP32)
     return acc, l_i, m_new
 
 
@@ -204,10 +204,10 @@ def online_softmax_step_fused_scale(acc, l_i, m_i, q, k, v, scale_log2, FP32: tl
     """``online_softmax_step`` of a tile without masks, the scale applied inside the exponent's
     multiply-add (one float operation a score fewer): the row maximum is taken before scaling, which is
     the same for a positive scale."""
-    qk = _scores(q, k, FP32)
+    qk = attention_scores(q, k, FP32)
     m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
     alpha = tl.math.exp2(m_i - m_new)
-    acc, l_i = _accumulate(acc, l_i, tl.math.exp2(qk * scale_log2 - m_new[:, None]), alpha, v, FP32)
+    acc, l_i = online_softmax_accumulate(acc, l_i, tl.math.exp2(qk * scale_log2 - m_new[:, None]), alpha, v, FP32)
     return acc, l_i, m_new
 
 
