@@ -9,8 +9,11 @@ greedy row (``T == 0``) keeps the plain argmax and draws nothing. Ties and maske
 torch path: the first of equal maxima wins, a ``-inf`` logit is never drawn, and a row that is all ``-inf``
 gives token 0.
 
-Long rows at small batches are split over several programs, whose bests a second, tiny kernel merges. The
-draws depend on the step's seed, the row and the column only, not on the split. The seed is drawn on the
+Long rows are split over several programs (at least two, more at small batches), whose bests a second,
+tiny kernel merges. The draws depend on the step's seed, the row and the column only, not on the split. The
+kernels' compile keys depend on the vocabulary only, never on the batch: every row count a model samples
+runs the variants that its first call compiled (Triton compiles anew for each new set of constexprs, and
+for an integer argument that becomes 1 or a multiple of 16, unless the argument is left unspecialized). The seed is drawn on the
 device from torch's generator each call (so ``torch.manual_seed`` reproduces a run, and CUDA graphs can
 capture the call): nothing is read back to the host. On CPU tensors the kernels run under Triton's
 interpreter (tests only).
@@ -85,7 +88,7 @@ def _best_in_tiles(X, row, first, last, n_cols, scale, seed, LANES: tl.constexpr
     return top, tl.min(tl.where(best == top, best_idx, _NO_INDEX), 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tiles_per_split"])  # it follows the rows
 def _sample_kernel(
     Logits, Temperatures, Seed, Out, PartBest, PartIdx, n_cols, stride_row, tiles_per_split, n_tiles,
     LANES: tl.constexpr, SPLIT: tl.constexpr, FAST_LOG: tl.constexpr,
@@ -110,7 +113,7 @@ def _sample_kernel(
         tl.store(Out + row, idx.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])  # it follows the rows
 def _merge_kernel(PartBest, PartIdx, Out, splits, SPLITS_PAD: tl.constexpr):
     """Row ``program_id(0)``: the first column of the best of its splits' bests."""
     row = tl.program_id(0)
@@ -122,11 +125,20 @@ def _merge_kernel(PartBest, PartIdx, Out, splits, SPLITS_PAD: tl.constexpr):
     tl.store(Out + row, tl.min(tl.where(best == top, idx, _NO_INDEX), 0).to(tl.int64))
 
 
+def default_splits(rows: int, n_tiles: int, device: torch.device) -> int:
+    """Programs per row for ``rows`` rows of ``n_tiles`` tiles: enough to fill the device, at least two
+    (so the kernels run split whatever the batch: one compiled variant), one where the vocabulary is too
+    short for two splits of ``MIN_TILES_PER_SPLIT`` tiles."""
+    if n_tiles < 2 * MIN_TILES_PER_SPLIT:
+        return 1
+    return max(2, min(n_tiles // MIN_TILES_PER_SPLIT, PROGRAMS_PER_SM * num_sms(device) // rows))
+
+
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, splits: int | None = None) -> torch.Tensor:
     """Token ids ``[rows]`` (int64) drawn from ``logits [rows, vocab]`` (float32, bfloat16 or float16; math in
     float32) at ``temperatures [rows]`` (0: the argmax), as :class:`~nanovllm.layers.sampler.Sampler` draws
-    them without its options. ``splits``: programs per row (default: enough programs to fill the device);
-    it never changes the result."""
+    them without its options. ``splits``: programs per row (default: :func:`default_splits`; at most one per
+    tile); it never changes the result."""
     rows, n_cols = logits.shape
     out = torch.empty(rows, dtype=torch.long, device=logits.device)
     if rows == 0:
@@ -137,7 +149,7 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, splits: int | None 
     lanes = min(MAX_LANES, max(16, triton.next_power_of_2(triton.cdiv(n_cols, 4))))
     n_tiles = triton.cdiv(n_cols, 4 * lanes)
     if splits is None:
-        splits = min(n_tiles // MIN_TILES_PER_SPLIT, PROGRAMS_PER_SM * num_sms(logits.device) // rows)
+        splits = default_splits(rows, n_tiles, logits.device)
     tiles_per_split = triton.cdiv(n_tiles, max(1, min(splits, n_tiles)))
     splits = triton.cdiv(n_tiles, tiles_per_split)
     part_best = torch.empty(rows, splits, dtype=torch.float32, device=logits.device) if splits > 1 else out
@@ -147,7 +159,7 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, splits: int | None 
         n_tiles,
         LANES=lanes, SPLIT=splits > 1, FAST_LOG=logits.is_cuda, num_warps=max(1, min(8, lanes // 128)),
     )
-    if splits > 1:
-        _merge_kernel[(rows,)](part_best, part_idx, out, splits, SPLITS_PAD=triton.next_power_of_2(splits),
+    if splits > 1:  # padded to the most splits of this vocabulary (a tile each): one variant per vocabulary
+        _merge_kernel[(rows,)](part_best, part_idx, out, splits, SPLITS_PAD=triton.next_power_of_2(n_tiles),
                                num_warps=1)
     return out
