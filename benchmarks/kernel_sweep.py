@@ -96,6 +96,7 @@ DECODE_VARIANTS = {
     "fused reduce": dict(fused_reduce=True),
     # B1's batch: its (sequence, KV head) groups fill several waves without splitting the keys
     "one split from 4 waves": dict(one_split_waves=4),
+    "split at every batch": dict(one_split_waves=0),
     "one split from 4 waves, block_n 32": dict(one_split_waves=4, block_n=32),
     "one split from 4 waves, page ahead": dict(one_split_waves=4, page_ahead=True),
     "2 warps": dict(num_warps=2),
@@ -104,7 +105,7 @@ DECODE_VARIANTS = {
 }
 # the settings ``--b1`` tries at B1's decode step: fewer splits, and the kernel knobs that matter for short
 # contexts (the combined pass then joins the best of each axis)
-B1_VARIANTS = ("one split from 4 waves", "one split from 4 waves, block_n 32",
+B1_VARIANTS = ("one split from 4 waves", "split at every batch", "one split from 4 waves, block_n 32",
                "one split from 4 waves, page ahead", "block_n 32", "2 warps", "8 warps", "2 stages",
                "4 stages", "page ahead", "page ahead, 4 stages", "fused reduce")
 # Prefill settings (fields of PrefillConfig); TMA only where the keys allow it (packed, or pages >= block_n).

@@ -827,8 +827,10 @@ PREFILL_LONG = PrefillConfig(128, 128, 8, 3, tma=True, fused_scale=True)
 PREFILL_LONG_PAGED = PrefillConfig(128, 128, 8, 3, tma=True, fused_scale=True)
 PREFILL_SHORT = PrefillConfig(64, 64, 4, 3)  # chunks of at most 64 queries: no large query tile to waste
 # pages of fewer than 64 tokens: a key step spans several pages
-# (the separate reduce: the fused one's merge by the last split to finish is a serial tail that measured slower)
-DECODE = DecodeConfig(64, 4, 3, programs_per_sm=3, max_splits=128, wave_fit=True, fused_reduce=False)
+# (the separate reduce: the fused one's merge by the last split to finish is a serial tail that measured slower;
+# one split once the groups fill 4 waves: large batches of short contexts need no partials and no reduce)
+DECODE = DecodeConfig(64, 4, 3, programs_per_sm=3, max_splits=128, wave_fit=True, fused_reduce=False,
+                      one_split_waves=4)
 # pages of 64 tokens or more
 DECODE_LARGE_PAGES = DecodeConfig(64, 4, 4, programs_per_sm=2, max_splits=64, page_ahead=True, wave_fit=True,
                                   fused_reduce=False)
