@@ -10,13 +10,13 @@ torch path: the first of equal maxima wins, a ``-inf`` logit is never drawn, and
 gives token 0.
 
 Long rows are split over several programs (at least two, more at small batches), whose bests a second,
-tiny kernel merges. The draws depend on the step's seed, the row and the column only, not on the split. The
-kernels' compile keys depend on the vocabulary only, never on the batch: every row count a model samples
-runs the variants that its first call compiled (Triton compiles anew for each new set of constexprs, and
-for an integer argument that becomes 1 or a multiple of 16, unless the argument is left unspecialized). The seed is drawn on the
-device from torch's generator each call (so ``torch.manual_seed`` reproduces a run, and CUDA graphs can
-capture the call): nothing is read back to the host. On CPU tensors the kernels run under Triton's
-interpreter (tests only).
+tiny kernel merges. The draws depend on the step's seed, the row and the column only, not on the split.
+The kernels' compile keys depend on the vocabulary only, never on the batch, so every row count a model
+samples runs the variants its first call compiled (Triton compiles anew for each new set of constexprs,
+and for an integer argument that becomes 1 or a multiple of 16 unless it is left unspecialised). The seed
+is drawn on the device from torch's generator each call (so ``torch.manual_seed`` reproduces a run, and
+CUDA graphs can capture the call): nothing is read back to the host. On CPU tensors the kernels run under
+Triton's interpreter (tests only).
 """
 
 from __future__ import annotations
