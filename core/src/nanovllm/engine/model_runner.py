@@ -113,6 +113,51 @@ class LaunchedStep:
         return StepResult(self.tokens.tolist(), logprobs, prompt_logprobs)
 
 
+@attrs.frozen
+class WarmUpStep:
+    """A step of the start-up warm-up: ``decodes`` decode rows (a context of 1 each), then one prefill chunk
+    of each of ``chunks`` tokens, each after ``history`` tokens of cached context."""
+
+    decodes: int
+    chunks: tuple[int, ...] = ()
+    history: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.decodes + sum(self.chunks)
+
+    @property
+    def sample_rows(self) -> list[int]:
+        """The last row of each sequence: the rows the engine samples."""
+        return [*range(self.decodes), *(self.decodes + np.cumsum(self.chunks) - 1).tolist()]
+
+
+def warm_up_steps(max_model_len: int, block_size: int, max_num_seqs: int) -> list[WarmUpStep]:
+    """The steps the runner warms up with, each with kernel variants that a later eager step would
+    otherwise compile:
+
+    - a long and a short chunk after a history that reaches ``max_model_len``: the paged kernels and the
+      policies' long-context paths (e.g. past a ``dense_below``);
+    - two short fresh chunks;
+    - one fresh chunk of up to 96 tokens alone: attention over its own new keys, past 64 tokens with
+      the long-chunk kernel configuration;
+    - steps of 1 (a prompt cached but for its last token), 2, 4, 8, 12 and 16 rows, of 1, 2, 3, 8, 10 and
+      16 sequences (at most ``max_num_seqs``; the last row of each is sampled): the small-batch matmul's
+      variants (per power of two of rows up to 16, and 16 itself) in the layers and in the LM head.
+    """
+    long = min(max_model_len, 96)
+    steps = [
+        WarmUpStep(1, (long, 8), max_model_len - long),
+        WarmUpStep(1, (8, 8)),
+        WarmUpStep(1, (long,)),
+    ]
+    for rows, seqs in ((1, 1), (2, 2), (4, 3), (8, 8), (12, 10), (16, 16)):
+        decodes = min(seqs, max_num_seqs) - 1
+        history = min(block_size, max_model_len - 1) if rows == 1 else 0
+        steps.append(WarmUpStep(decodes, (rows - decodes,), history))
+    return steps
+
+
 class ModelRunner:
     """One rank's model and its steps: builds the model (:func:`~nanovllm.engine.model_loading.build_model`),
     binds the attention backend and the sparse policies to its layers, allocates the KV store
@@ -158,40 +203,53 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
-        """Two mixed steps (one decode, two prefill chunks of long or short queries) that write nothing,
-        so the kernels of prefill steps compile now and not inside the first requests. The first step's
-        chunks follow a history that reaches ``max_model_len`` (block 0, zeroed, throughout), so the paged
-        kernels and the policies' long-context paths (e.g. past a ``dense_below``) compile too; with
-        offload that history is read from the pool, as a long prompt's would be."""
+        """The steps of :func:`warm_up_steps`, run eagerly; each computes the logits of its sequences' last
+        rows and samples them through the sampler (greedy and temperature rows alternately), as the engine
+        does. So the kernels of prefill steps, of steps of few rows and of sampling compile now and not
+        inside the first requests. They write nothing: every new token's slot is -1 and every block table
+        reads block 0, zeroed first; the draws come from a fork of torch's generators, so the run's random
+        streams are as if no warm-up had run. With offload the history is read from the pool, as a long
+        prompt's would be."""
         dev = self.device
 
-        def phase(lens: list[int], history: int = 0) -> PhaseMetadata:
+        def phase(lens: list[int], history: int = 0) -> PhaseMetadata | None:
+            if not lens:
+                return None
             width = -(-(max(lens) + history) // self.block_size)
             tables = torch.zeros(len(lens), width, dtype=torch.int32, device=dev)
             cu = torch.tensor(np.cumsum([0, *lens]), dtype=torch.int32, device=dev)
             return PhaseMetadata(cu, cu[1:] - cu[:-1] + history, tables, max(lens), max(lens) + history)
 
-        def host(lens: list[int], history: int = 0) -> HostPhase:
+        def host(lens: list[int], history: int = 0) -> HostPhase | None:
+            if not lens:
+                return None
             width = -(-(max(lens) + history) // self.block_size)
             return HostPhase([[0] * width] * len(lens), lens, [n + history for n in lens])
 
-        first = min(self.max_model_len, 96)
-        history = self.max_model_len - first
         # block 0 (of the pool, with offload) is no one's yet: zeros, not what the memory held, so no NaN
         # reaches a policy
         for layer in self.attention_layers:
             layer.k_cache[0].zero_()
             layer.v_cache[0].zero_()
-        for chunks, before in (([first, 8], history), ([8, 8], 0)):
-            num_tokens = 1 + sum(chunks)
-            ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
-            meta = StepMetadata(torch.full((num_tokens,), -1, dtype=torch.long, device=dev), ids, 1, phase([1]),
-                                phase(chunks, before))
-            meta = attrs.evolve(meta, other_groups=(meta,) * (len(self.kv_cache_groups) - 1))  # no writes
-            self.kv.begin_step(host([1]), host(chunks, before))
-            with forward_context(meta):
-                self.model.compute_logits(self.model(ids, ids.clone()))
-        torch.cuda.synchronize()
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            for step in warm_up_steps(self.max_model_len, self.block_size, self.config.max_num_seqs):
+                decodes, chunks = [1] * step.decodes, list(step.chunks)
+                ids = torch.zeros(step.rows, dtype=torch.long, device=dev)
+                slots = torch.full((step.rows,), -1, dtype=torch.long, device=dev)
+                meta = StepMetadata(slots, ids, step.decodes, phase(decodes), phase(chunks, step.history))
+                meta = attrs.evolve(meta, other_groups=(meta,) * (len(self.kv_cache_groups) - 1))  # no writes
+                self.kv.begin_step(host(decodes), host(chunks, step.history))
+                with forward_context(meta):
+                    hidden = self.model(ids, ids.clone())
+                rows = step.sample_rows
+                if len(rows) < step.rows:
+                    hidden = hidden[torch.tensor(rows, device=dev)]
+                logits = self.model.compute_logits(hidden)
+                if logits is not None:  # rank 0 samples
+                    temperatures = (torch.arange(len(rows), device=dev) % 2).float()  # greedy, drawn, ...
+                    self.sampler(logits, temperatures)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
 
     # -- one step ---------------------------------------------------------------------------------
 

@@ -1,0 +1,97 @@
+"""The runner's start-up warm-up: its steps cover the kernel variants that later eager steps would otherwise
+compile inside users' requests (a fresh long chunk alone, steps of few rows for the small-batch matmul, the
+logits of the rows the engine samples, the sampler), and it writes nothing and draws nothing from the run's
+random streams. The engine warms up on CUDA only; here its steps run on the CPU (torch backend)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanovllm.attention.metadata import get_forward_context
+from nanovllm.engine.model_runner import warm_up_steps
+from nanovllm.layers.gemv import MAX_ROWS, row_bucket
+
+
+def gemv_keys(rows: set[int]) -> set[tuple]:
+    """The small-batch matmul's compile keys that ``rows`` (counts of rows of x) reach: its configuration
+    is per bucket of rows, and Triton specialises the row count where it is 1 or a multiple of 16."""
+    return {(row_bucket(m), m == 1, m % 16 == 0) for m in rows if m <= MAX_ROWS}
+
+
+@pytest.mark.parametrize("max_model_len,block_size,max_num_seqs",
+                         [(4096, 16, 256), (32833, 256, 8), (100, 16, 16), (64, 16, 1), (512, 16, 3)])
+def test_the_steps_cover_what_later_steps_would_compile(max_model_len, block_size, max_num_seqs):
+    steps = warm_up_steps(max_model_len, block_size, max_num_seqs)
+    for step in steps:
+        assert max(step.chunks, default=0) + step.history <= max_model_len
+        assert step.rows == step.decodes + sum(step.chunks)
+        assert len(step.sample_rows) == step.decodes + len(step.chunks)
+        assert step.sample_rows[-1] == step.rows - 1
+    # one fresh sequence's chunk, as long as the model allows up to past the short-chunk kernel's 64
+    fresh = [s.chunks[0] for s in steps if len(s.chunks) == 1 and s.history == 0]
+    assert max(fresh) >= min(max_model_len, 65)
+    # a chunk after a history that reaches max_model_len, and a prompt cached but for its last token
+    assert any(max(s.chunks) + s.history == max_model_len for s in steps if s.chunks)
+    assert any(s.rows == 1 and s.chunks == (1,) and s.history for s in steps)
+    # every variant of the small-batch matmul, in the layers (all rows) and the LM head (the sampled rows:
+    # at most max_num_seqs, as in any step; the first steps have always had 3)
+    assert gemv_keys({s.rows for s in steps}) == gemv_keys(set(range(1, MAX_ROWS + 1)))
+    small = [len(s.sample_rows) for s in steps if s.rows <= MAX_ROWS]
+    assert max(small) <= max_num_seqs
+    assert gemv_keys(set(small)) == gemv_keys(set(range(1, min(max_num_seqs, MAX_ROWS) + 1)))
+
+
+@pytest.fixture
+def runner(tiny_model):
+    from nanovllm import LLM
+
+    llm = LLM(tiny_model("Gemma3ForCausalLM"), device="cpu", kv_cache_memory=1 << 23, max_model_len=256,
+              block_size=16)
+    return llm.runner
+
+
+def test_the_warm_up_runs_its_steps_samples_last_rows_and_writes_nothing(runner, monkeypatch):
+    """Gemma 3's tiny model: hybrid KV (sliding-window layers in a group of their own)."""
+    forward, compute_logits, sample = runner.model.forward, runner.model.compute_logits, runner.sampler
+    seen: dict[str, list] = {"steps": [], "logits": [], "temperatures": []}
+
+    def recorded_forward(ids, positions):
+        meta = get_forward_context()
+        seen["steps"].append((meta.num_decode_tokens, ids.shape[0], meta.prefill))
+        assert (meta.slot_mapping == -1).all()
+        return forward(ids, positions)
+
+    def recorded_logits(hidden):
+        seen["logits"].append(hidden.shape[0])
+        return compute_logits(hidden)
+
+    def recorded_sample(logits, temperatures, *options):
+        assert not options  # the options take the torch path: the kernel is for temperatures alone
+        seen["temperatures"].append(temperatures.tolist())
+        return sample(logits, temperatures, *options)
+
+    monkeypatch.setattr(runner.model, "forward", recorded_forward)
+    monkeypatch.setattr(runner.model, "compute_logits", recorded_logits)
+    monkeypatch.setattr(runner, "sampler", recorded_sample)
+    gen = torch.Generator().manual_seed(0)
+    for layer in runner.attention_layers:
+        layer.k_cache.copy_(torch.randn(layer.k_cache.shape, generator=gen))
+        layer.v_cache.copy_(torch.randn(layer.v_cache.shape, generator=gen))
+    caches = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in runner.attention_layers]
+    rng = torch.get_rng_state()
+
+    runner._warm_up()
+
+    steps = warm_up_steps(runner.max_model_len, runner.block_size, runner.config.max_num_seqs)
+    assert [(d, n) for d, n, _ in seen["steps"]] == [(s.decodes, s.rows) for s in steps]
+    fresh_long = [p for _, _, p in seen["steps"] if p is not None and p.cu_seqlens_q.numel() == 2
+                  and p.max_context_len == p.max_query_len > 64]
+    assert fresh_long, "no step prefills one fresh sequence's long chunk"
+    assert seen["logits"] == [len(s.sample_rows) for s in steps]
+    assert len(seen["temperatures"]) == len(steps)
+    assert any(0.0 in t and any(x > 0 for x in t) for t in seen["temperatures"])  # greedy and drawn rows
+    for layer, (k, v) in zip(runner.attention_layers, caches, strict=True):
+        assert (layer.k_cache[0] == 0).all() and (layer.v_cache[0] == 0).all()  # zeroed: what it reads
+        assert torch.equal(layer.k_cache[1:], k[1:]) and torch.equal(layer.v_cache[1:], v[1:])
+    assert torch.equal(torch.get_rng_state(), rng)
