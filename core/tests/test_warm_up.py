@@ -5,6 +5,8 @@ random streams. The engine warms up on CUDA only; here its steps run on the CPU 
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -95,3 +97,50 @@ def test_the_warm_up_runs_its_steps_samples_last_rows_and_writes_nothing(runner,
         assert (layer.k_cache[0] == 0).all() and (layer.v_cache[0] == 0).all()  # zeroed: what it reads
         assert torch.equal(layer.k_cache[1:], k[1:]) and torch.equal(layer.v_cache[1:], v[1:])
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def serve_after_start(llm, vocab: int) -> None:
+    """Batches of 1 to 20 sequences, greedy and sampled rows; a prompt cached but for its last token; a
+    fresh long prompt alone."""
+    from nanovllm import SamplingParams
+
+    rng = random.Random(0)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    for batch in range(1, 21):
+        params = [SamplingParams(temperature=float(i % 2), max_tokens=3, ignore_eos=True) for i in range(batch)]
+        llm.generate([prompt(5 + i) for i in range(batch)], params, use_tqdm=False)
+    cached = prompt(4 * llm.runner.block_size + 1)
+    for _ in range(2):  # the second time its four full blocks come from the prefix cache: one row
+        llm.generate([cached], SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.generate([prompt(300)], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+@pytest.mark.gpu
+def test_requests_compile_no_kernel_after_the_start(tiny_model):
+    """After start-up, eager steps of any batch, sampled or greedy, a prefix-cache hit and a fresh long
+    prompt compile none of the sampler's kernels, the small-batch matmul's or the prefill kernel. Gemma 3's
+    tiny model (sliding-window layers) with a vocabulary the sampler splits; every step eager."""
+    from nanovllm import LLM
+    from nanovllm.attention import triton_kernels as tk
+    from nanovllm.layers import gemv_kernels
+    from nanovllm.layers import sampler_kernels as sk
+
+    kernels = [sk._sample_kernel, sk._merge_kernel, gemv_kernels._gemv_kernel, gemv_kernels._split_k_sum_kernel,
+               tk._prefill_kernel]
+
+    def compiled() -> dict[str, int]:  # Triton's in-memory cache of compiled variants, per device
+        return {kernel.fn.__name__: sum(len(entry[0]) for entry in kernel.device_caches.values())
+                for kernel in kernels}
+
+    for kernel in kernels:
+        kernel.device_caches.clear()  # earlier tests of this process compiled them already
+    vocab = 40_000
+    llm = LLM(tiny_model("Gemma3ForCausalLM", vocab_size=vocab), device="cuda", dtype="bfloat16",
+              enforce_eager=True, max_model_len=512, block_size=16, kv_cache_memory=1 << 28)
+    at_start = compiled()
+    assert at_start["_sample_kernel"] and at_start["_merge_kernel"] and at_start["_gemv_kernel"], at_start
+    serve_after_start(llm, vocab)
+    assert compiled() == at_start
