@@ -110,7 +110,7 @@ def serve_after_start(llm, vocab: int) -> None:
         return [rng.randrange(3, vocab) for _ in range(n)]
 
     for batch in range(1, 21):
-        params = [SamplingParams(temperature=float(i % 2), max_tokens=3, ignore_eos=True) for i in range(batch)]
+        params = [SamplingParams(temperature=i % 2, max_tokens=3, ignore_eos=True) for i in range(batch)]
         llm.generate([prompt(5 + i) for i in range(batch)], params, use_tqdm=False)
     cached = prompt(4 * llm.runner.block_size + 1)
     for _ in range(2):  # the second time its four full blocks come from the prefix cache: one row
@@ -128,8 +128,8 @@ def test_requests_compile_no_kernel_after_the_start(tiny_model):
     from nanovllm.layers import gemv_kernels
     from nanovllm.layers import sampler_kernels as sk
 
-    kernels = [sk._sample_kernel, sk._merge_kernel, gemv_kernels._gemv_kernel, gemv_kernels._split_k_sum_kernel,
-               tk._prefill_kernel]
+    kernels = [sk._sample_kernel, sk._merge_kernel, gemv_kernels._gemv_kernel,
+               gemv_kernels._split_k_sum_kernel, tk._prefill_kernel]
 
     def compiled() -> dict[str, int]:  # Triton's in-memory cache of compiled variants, per device
         return {kernel.fn.__name__: sum(len(entry[0]) for entry in kernel.device_caches.values())
