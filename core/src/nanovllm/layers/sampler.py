@@ -17,8 +17,9 @@ class Sampler(nn.Module):
     """Samples with the exponential race (argmax of p / E with E ~ Exp(1)), which needs no sort or cumsum
     beyond top-p and no host sync. Rows with temperature 0 take the argmax. ``processing`` (penalties,
     biases, masks) and ``min_ps`` are ``None`` when no row uses them, which adds no work. On CUDA, a step
-    with temperatures only (no option, no seeded row) runs one Triton kernel that reads the logits once
-    (:mod:`nanovllm.layers.sampler_kernels`); everything else, and the CPU, runs the torch code here."""
+    with temperatures only (no option, no seeded row) reads the logits once, in a Triton kernel and a small
+    merge of its splits (:mod:`nanovllm.layers.sampler_kernels`); everything else, and the CPU, runs the
+    torch code here."""
 
     def forward(
         self,
