@@ -242,3 +242,47 @@ def test_the_window_pool_needs_window_groups_and_they_need_it():
         BlockManager(6, BS, groups=HYBRID, num_window_blocks=4)
     with pytest.raises(ValueError, match="num_window_blocks"):
         BlockManager(6, BS, groups=OFFLOAD)
+
+
+# -- what the step plan's table copies take again ------------------------------------------------------
+
+
+class ChangeLog:
+    """Stands for a sequence's ``step_plan.TableCopy``: the ranges ``Sequence.changed_blocks`` reports."""
+
+    def __init__(self) -> None:
+        self.ranges: list[tuple[int, int, int | None]] = []
+
+    def changed(self, group: int, start: int, stop: int | None = None) -> None:
+        self.ranges.append((group, start, stop))
+
+
+def test_reported_changes_are_exactly_the_changed_entries():
+    """Each step the block manager reports which table entries changed, so the step plan copies only those:
+    exactly the entries appended or rewritten (a window's freed run ends where the freed blocks end; only an
+    append reaches the table's end), through chunks, decode steps and a shared duplicate prefix."""
+    bm = BlockManager(80, BS, groups=HYBRID)
+    # admitted together, sharing 5 blocks: b's copies of them become a's
+    a, b = seq_of(range(100, 140)), seq_of([*range(100, 120), *range(300, 320)])
+    for s in (a, b):
+        admit(bm, s, 8)
+        s.table_copy = ChangeLog()
+    reported_bounded = 0
+    for end in [*range(8, 40, 8), 40, *range(41, 60)]:  # chunks of 8, then decode steps
+        for s in (a, b):
+            before = [list(t) for t in s.block_tables]
+            s.table_copy.ranges.clear()
+            while s.num_tokens < end:
+                s.token_ids.append(7)
+            compute(bm, s, end)
+            covered = {(g, j) for g, start, stop in s.table_copy.ranges
+                       for j in range(start, len(s.block_tables[g]) if stop is None else stop)}
+            changed = {(g, j) for g, (old, new) in enumerate(zip(before, s.block_tables))
+                       for j in range(len(new)) if j >= len(old) or old[j] != new[j]}
+            assert covered == changed, (end, s.table_copy.ranges)
+            reported_bounded += sum(stop is not None for _, _, stop in s.table_copy.ranges)
+    assert b.block_tables[0][:5] == a.block_tables[0][:5] != b.block_tables[0][:6]
+    assert reported_bounded  # window frees and shared copies were reported with their ends
+    for s in (a, b):
+        bm.free(s)
+    assert_all_free(bm)

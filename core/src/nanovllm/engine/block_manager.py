@@ -390,7 +390,7 @@ class BlockManager:
                 start = bisect_left(range(i), True, key=lambda j: table[j] != null)
             left += table[i : start - 1 if start else None : -1]
             table[start : i + 1] = [null] * (i + 1 - start)
-            seq.changed_blocks(g, start)
+            seq.changed_blocks(g, start, i + 1)
         if left:  # the window groups share a pool
             self._release(np.array(left, dtype=np.int64), self.window_groups[0][1].pool)
 
@@ -499,7 +499,7 @@ class BlockManager:
             pool = self.groups[g].pool
             self._hold(np.array([cached_id]), pool)
             table[i] = cached_id
-            seq.changed_blocks(g, i)
+            seq.changed_blocks(g, i, i + 1)
             self._release(np.array([block_id]), pool)
         # else: a different block under the same hash (a collision); this one stays unpublished
 

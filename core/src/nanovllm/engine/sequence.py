@@ -87,11 +87,11 @@ class Sequence:
         :mod:`nanovllm.kv.groups`; every layer's without windows)."""
         return self.block_tables[0] if self.block_tables else []
 
-    def changed_blocks(self, group: int, index: int) -> None:
-        """The block manager changed KV cache group ``group``'s block table from entry ``index`` on (appended
-        or replaced entries), which the step plan's copy of it must take again."""
+    def changed_blocks(self, group: int, start: int, stop: int | None = None) -> None:
+        """The block manager changed entries ``start`` to ``stop - 1`` of KV cache group ``group``'s block
+        table (``None``: to its end, as when it appends), which the step plan's copy of it must take again."""
         if self.table_copy is not None:
-            self.table_copy.changed(group, index)
+            self.table_copy.changed(group, start, stop)
 
     @property
     def completion_token_ids(self) -> list[int]:

@@ -76,19 +76,23 @@ class TableCopy:
     rewritten in place), which it reports through ``Sequence.changed_blocks``. A step's host work then grows
     with the sequences and the blocks that changed, not with the context times the KV cache groups."""
 
-    __slots__ = ("source", "array", "lengths", "stale_from")
+    __slots__ = ("source", "array", "lengths", "stale_from", "rewritten")
 
     def __init__(self, source: list[list[int]]) -> None:
         self.source = source
         self.array = np.full((len(source), 16), -1, dtype=np.int32)
         self.lengths = [0] * len(source)
         self.stale_from: list[int] | None = [0] * len(source)  # per group; None: nothing changed
+        self.rewritten: list[tuple[int, int, int]] = []  # (group, start, stop): ranges within the copy
 
-    def changed(self, group: int, index: int) -> None:
-        """Entries of group ``group``'s table from ``index`` on changed."""
+    def changed(self, group: int, start: int, stop: int | None = None) -> None:
+        """Entries ``start`` to ``stop - 1`` of group ``group``'s table changed (``None``: to its end)."""
+        if stop is not None and stop <= self.lengths[group]:  # rewritten in place: copy just those
+            self.rewritten.append((group, start, stop))
+            return
         if self.stale_from is None:
             self.stale_from = list(self.lengths)
-        self.stale_from[group] = min(self.stale_from[group], index)
+        self.stale_from[group] = min(self.stale_from[group], start)
 
     def refresh(self, width: int = 0) -> np.ndarray:
         """The tables as they are now, at least ``width`` entries wide (valid until the next refresh)."""
@@ -104,6 +108,9 @@ class TableCopy:
                 self.array[g, len(table) : self.lengths[g]] = -1
                 self.lengths[g] = len(table)
             self.stale_from = None
+        for g, start, stop in self.rewritten:
+            self.array[g, start:stop] = self.source[g][start:stop]
+        self.rewritten.clear()
         return self.array
 
     @property
