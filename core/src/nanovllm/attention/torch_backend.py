@@ -1,7 +1,9 @@
 """The ``torch`` attention backend: plain PyTorch on any device, the reference for every faster one.
 
 Every operation pads the batch to ``[num_seqs, max_len]``, gathers keys and values through the block
-table, and runs one masked softmax in float32. Clear rather than fast.
+table, and runs one masked softmax in float32. Clear rather than fast, except that a sliding-window layer
+reads only its window: its chunks are cut into query tiles, each gathering only the blocks its windows reach,
+so its cost grows with the window rather than the context.
 """
 
 from __future__ import annotations
@@ -47,6 +49,35 @@ def _gather_blocks(cache: torch.Tensor, physical: torch.Tensor) -> torch.Tensor:
     heads = torch.arange(hkv, device=cache.device)[None, :, None]
     gathered = cache[physical.clamp(min=0).long(), :, heads]  # [S, Hkv, n, block_size, D]
     return gathered.permute(0, 2, 3, 1, 4).reshape(s, n * cache.shape[1], hkv, cache.shape[3])
+
+
+def _query_tiles(meta: PhaseMetadata, tile: int) -> PhaseMetadata:
+    """``meta`` with each sequence's chunk cut into tiles of ``tile`` query rows, each tile a sequence of its
+    own: the same block table, its context ending at its last row. Every sequence gets the same number of
+    tiles (its last ones shorter or empty), so nothing is read back from the device."""
+    per_seq = -(-meta.max_query_len // tile)
+    if per_seq == 1:
+        return meta
+    q_lens = meta.query_lens[:, None]
+    bounds = torch.minimum(torch.arange(per_seq + 1, device=q_lens.device) * tile, q_lens)  # [S, per_seq + 1]
+    starts = meta.cu_seqlens_q[:-1, None] + bounds[:, :-1]
+    cu_seqlens_q = torch.cat([starts.flatten(), meta.cu_seqlens_q[-1:]]).int()
+    context_lens = (meta.context_lens - meta.query_lens)[:, None] + bounds[:, 1:]
+    tables = meta.block_tables.repeat_interleave(per_seq, dim=0)
+    return PhaseMetadata(cu_seqlens_q, context_lens.flatten().int(), tables, tile, meta.max_context_len)
+
+
+def _window_blocks(meta: PhaseMetadata, window: int, block_size: int) -> torch.Tensor:
+    """Logical block indices ``[num_seqs, n]``, -1 padded, of the blocks that can hold a key inside some
+    query's ``window``: from the block of the first query's first key to the last block. ``n`` is the most
+    that a chunk of ``max_query_len`` rows can reach (computed on the host)."""
+    width = meta.block_tables.shape[1]
+    span = meta.max_query_len + window - 1  # positions from the first query's first key to the last query
+    n = min(width, (span + block_size - 2) // block_size + 1)  # blocks a span can touch, at worst alignment
+    first_key = (meta.context_lens - meta.query_lens - window + 1).clamp(min=0)
+    idx = (first_key // block_size).long()[:, None] + torch.arange(n, device=first_key.device)
+    physical = torch.gather(meta.block_tables, 1, idx.clamp(max=width - 1))
+    return torch.where((idx < width) & (physical >= 0), idx, -1).int()
 
 
 class TorchBackend(AttentionBackend):
@@ -95,13 +126,26 @@ class TorchBackend(AttentionBackend):
         idx = torch.arange(n, device=meta.block_tables.device, dtype=torch.int32)
         return torch.where(meta.block_tables >= 0, idx, -1)
 
+    def _over_window(self, q, k_cache, v_cache, meta, scale, window):
+        """Causal attention of a sliding-window layer reading only its window: query tiles of a window (at
+        least a block) each, each over the blocks its queries' windows reach."""
+        block_size = k_cache.shape[1]
+        tiles = _query_tiles(meta, max(window, block_size))
+        blocks = _window_blocks(tiles, window, block_size)
+        kv_lens = tiles.context_lens
+        return self._over_cache(q, k_cache, v_cache, tiles, blocks, kv_lens, scale, True, window)[0]
+
     def prefill(self, q, k, v, k_cache, v_cache, meta, scale, window=None):
+        if window is not None:
+            return self._over_window(q, k_cache, v_cache, meta, scale, window)
         blocks = self._all_blocks(meta)
-        return self._over_cache(q, k_cache, v_cache, meta, blocks, meta.context_lens, scale, True, window)[0]
+        return self._over_cache(q, k_cache, v_cache, meta, blocks, meta.context_lens, scale, True)[0]
 
     def decode(self, q, k_cache, v_cache, meta, scale, window=None):
+        if window is not None:
+            return self._over_window(q, k_cache, v_cache, meta, scale, window)
         blocks = self._all_blocks(meta)
-        return self._over_cache(q, k_cache, v_cache, meta, blocks, meta.context_lens, scale, True, window)[0]
+        return self._over_cache(q, k_cache, v_cache, meta, blocks, meta.context_lens, scale, True)[0]
 
     def attend_blocks(self, q, k_cache, v_cache, meta, block_indices, kv_lens, scale):
         return self._over_cache(q, k_cache, v_cache, meta, block_indices, kv_lens, scale, causal=False)
