@@ -183,7 +183,7 @@ def check_block_accounting(sched: Scheduler) -> None:
         assert (b in bm.free_blocks) == (ref_count == 0)
     for g, cache in enumerate(bm.hash_to_block):
         for h, b in cache.items():
-            assert bm.contents[b][0] == h and bm.cache_groups[b] == g
+            assert bm.hashes[b] == h and bm.cache_groups[b] == g
 
 
 # KV cache groups of the random workload: one full-attention group (every model without windows), a full

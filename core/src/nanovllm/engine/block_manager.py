@@ -11,9 +11,10 @@ to keep (prefix caching off, a partial block) goes to the front and is handed ou
 writes only as many blocks as it ever holds at once, and on the CPU, where the cache's pages become
 resident when first written, the process does not grow towards the whole cache's size.
 
-Per-block state lives in flat arrays indexed by block id, and the published blocks' contents in one dict, so
-a pool of millions of blocks is made in a few operations, and a run of blocks (a prompt chunk's) is handed
-out, published and given back in a few numpy operations rather than one Python step per block.
+Per-block state, the published blocks' contents included, lives in flat arrays indexed by block id, so a
+pool of millions of blocks is made in a few operations and holds no Python object per block, and a run of
+blocks (a prompt chunk's) is handed out, published and given back in a few numpy operations rather than one
+Python step per block.
 
 Hybrid models (:mod:`nanovllm.kv.groups`): every group takes blocks from the one pool and keeps a block
 table per sequence (``Sequence.block_tables[g]``); the prefix cache is per group, under the same hashes.
@@ -32,6 +33,7 @@ from bisect import bisect_left
 from collections import ChainMap
 from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Sequence as SequenceABC
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
@@ -41,12 +43,27 @@ from nanovllm.kv.groups import KVCacheGroup, needs_null_block
 
 FULL_ATTENTION = (KVCacheGroup((), None),)  # the one group of a model without windows
 
-# What a published block holds: (hash, token ids, parent), the parent being what proves the prefix before it
-# (see BlockManager._parent_of)
-Content = tuple[int, tuple[int, ...], tuple[int, int] | None]
+# A block's parent, what proves the prefix before it (see BlockManager._contents), is a pair of numbers: the
+# block before it and that block's generation, or one of these markers and a number
+NO_PARENT = -1  # with 0: the block starts a sequence
+CHECKED = -2  # with the check hash of the prefix: a window group's block where every layer has a window
+
+
+class Contents(NamedTuple):
+    """What a run of blocks holds, a row per block: their chained hashes, token ids ``[blocks, block_size]``
+    (int32) and parents ``[blocks, 2]`` (int64)."""
+
+    hashes: list[int]
+    tokens: np.ndarray
+    parents: np.ndarray
+
+    def row(self, i: int) -> Contents:
+        """The ``i``-th block's, as a run of one."""
+        return Contents(self.hashes[i : i + 1], self.tokens[i : i + 1], self.parents[i : i + 1])
 
 
 def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
+    """The hash of a full block of ``token_ids`` after the block hashed ``prev_hash``: 64 bits, unsigned."""
     h = xxhash.xxh64()
     if prev_hash is not None:
         h.update(prev_hash.to_bytes(8, "little"))
@@ -56,12 +73,13 @@ def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
 
 def check_hash(prev_hash: int | None, token_ids: list[int]) -> int:
     """A second chained hash, independent of ``chain_hash`` (another function): what a window group of a
-    model without full attention checks a cached block's prefix by, where the blocks before it are gone."""
+    model without full attention checks a cached block's prefix by, where the blocks before it are gone. It
+    has 63 bits, to be kept in a block's parent beside block ids (int64)."""
     h = xxhash.xxh3_64(seed=0x9E3779B9)
     if prev_hash is not None:
         h.update(prev_hash.to_bytes(8, "little"))
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return h.intdigest()
+    return h.intdigest() >> 1
 
 
 class FreeQueue:
@@ -167,12 +185,15 @@ class BlockManager:
             self.free_queues.append(FreeQueue(num_blocks, n))
         # Per block: its users; its generation, the number of the hand-out that last gave it out (its id and
         # generation name its content); the group whose prefix cache publishes it, -1 if none (its hash then
-        # names it in that group's hash_to_block, and ``contents`` holds what it holds).
+        # names it in that group's hash_to_block). A published block's contents (see Contents) are its row of
+        # hashes, tokens and parents; the zeroed arrays take host memory only as blocks are published.
         self.ref_counts = np.zeros(n, np.int32)
         self.generations = np.zeros(n, np.int64)
         self.num_handouts = 0
         self.cache_groups = np.full(n, -1, np.int16)
-        self.contents: dict[int, Content] = {}  # per published block
+        self.hashes = np.zeros(n, np.uint64)
+        self.tokens = np.zeros((n, block_size), np.int32)
+        self.parents = np.zeros((n, 2), np.int64)
         self.hash_to_block: list[dict[int, int]] = [{} for _ in self.groups]  # per group
         # the first full-attention group: a window group's block records its parent there (see _cached_blocks)
         self.anchor = next((g for g, group in enumerate(self.groups) if group.sliding_window is None), None)
@@ -287,51 +308,54 @@ class BlockManager:
         self, seq: Sequence, g: int, max_blocks: int, anchor: list[int | None]
     ) -> list[int | None]:
         """Group ``g``'s cached copies of the first ``max_blocks`` blocks of ``seq``, each holding the same
-        tokens after the same prefix (``_parent_of``; ``anchor``: the anchor group's blocks found so far). For
+        tokens after the same prefix (``_contents``; ``anchor``: the anchor group's blocks found so far). For
         full attention the chain from the first block up to the first miss; for a window every block, None
         where missing, since it need not keep the blocks before its window."""
         cache, chain = self.hash_to_block[g], not self.windowed[g]
-        found: list[int | None] = []
+        candidates: list[int] = []  # -1: none under the hash
         for i in range(max_blocks):
-            block_id = cache.get(self._block_hash(seq, i))
-            if block_id is not None:
-                _, tokens, parent = self.contents[block_id]
-                if (tokens != tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-                        or parent != self._parent_of(seq, g, i, found, anchor)):
-                    block_id = None  # a hash collision, not a hit
-            if block_id is None and chain:
+            block_id = cache.get(self._block_hash(seq, i), -1)
+            if block_id < 0 and chain:
                 break
-            found.append(block_id)
-        return found
+            candidates.append(block_id)
+        if not candidates:  # a new prompt's common case
+            return []
+        # a full-attention block must follow the candidate before it (a hit, up to the first that is not)
+        before = candidates if chain else anchor if self.anchor is not None else None
+        ids = np.array(candidates, dtype=np.int64)
+        hit = ((ids >= 0) & self._same_content(ids, self._contents(seq, 0, len(ids), before))).tolist()
+        if chain:
+            return candidates[: hit.index(False) if False in hit else len(hit)]
+        return [block_id if h else None for block_id, h in zip(candidates, hit, strict=True)]
 
-    def _parent_of(self, seq: Sequence, g: int, i: int, table: SequenceABC[int | None],
-                   anchor: SequenceABC[int | None]) -> tuple[int, int] | None:
-        """What proves the prefix before block ``i`` of ``seq`` in group ``g`` (``table``: its blocks,
-        ``anchor``: the anchor group's): the block before it (id and generation) in a full-attention group;
-        in a window group, which may have freed that block, the anchor group's block before it, or without
-        an anchor (every layer has a window) ``(-1, check_hash of the prefix)``, a second chained hash
-        independent of the first."""
-        if not i:
-            return None
-        if not self.windowed[g]:
-            return self._parent_key(table[i - 1])
-        if self.anchor is not None:
-            return self._parent_key(anchor[i - 1])
-        return -1, self._chained(seq, seq.block_checks, check_hash, i - 1)
+    def _contents(self, seq: Sequence, first: int, stop: int, before: SequenceABC[int] | None) -> Contents:
+        """What blocks ``first`` to ``stop - 1`` of ``seq`` hold. A block's parent, which a hit must have too,
+        proves the prefix before it: with ``before`` (a full-attention table's blocks), the block before it
+        and its generation; without (a window group where every layer has a window, which may have freed that
+        block), the check hash of the prefix, a second chained hash independent of the first."""
+        bs = self.block_size
+        if stop:
+            self._block_hash(seq, stop - 1)  # hashed up to the last
+        hashes = seq.block_hashes[first:stop]
+        tokens = np.array(seq.token_ids[first * bs : stop * bs], dtype=np.int32).reshape(-1, bs)
+        parents = np.zeros((stop - first, 2), np.int64)
+        if not first and stop:  # the first block of the sequence
+            parents[0, 0] = NO_PARENT
+        after = max(first, 1)  # the first block with a block before it
+        if before is not None:
+            ids = np.asarray(before[after - 1 : stop - 1], dtype=np.int64)
+            parents[after - first :] = np.stack([ids, self.generations[ids]], axis=1)
+        else:
+            parents[after - first :, 0] = CHECKED
+            parents[after - first :, 1] = [self._chained(seq, seq.block_checks, check_hash, i - 1)
+                                           for i in range(after, stop)]
+        return Contents(hashes, tokens, parents)
 
-    def _parent_key(self, parent_id: int | None) -> tuple[int, int] | None:
-        """What a block after block ``parent_id`` records as its parent (``None``: it starts a sequence, or
-        follows the null block, which proves nothing)."""
-        if parent_id is None or parent_id == self.null_block:
-            return None
-        return parent_id, int(self.generations[parent_id])
-
-    def _parent_keys(self, table: list[int], first: int, stop: int) -> list[tuple[int, int] | None]:
-        """``_parent_key`` of the block before each of blocks ``first`` to ``stop - 1`` of a full-attention
-        ``table``."""
-        before = table[max(first - 1, 0) : stop - 1]
-        keys = list(zip(before, self.generations.take(before).tolist()))
-        return [None, *keys] if not first else keys
+    def _same_content(self, block_ids: np.ndarray, contents: Contents) -> np.ndarray:
+        """Per block of ``block_ids`` (found under ``contents``' hashes), whether it holds the same tokens
+        after the same parent as ``contents``' row."""
+        return ((self.tokens[block_ids] == contents.tokens).all(axis=1)
+                & (self.parents[block_ids] == contents.parents).all(axis=1))
 
     def can_allocate(self, seq: Sequence, hits: list[list[int]], num_tokens: int) -> bool:
         new = self._new_entries(hits, len(hits[0]) * self.block_size, num_tokens)
@@ -424,8 +448,8 @@ class BlockManager:
 
     def _unpublish(self, block_ids: np.ndarray) -> None:
         """Take the published ``block_ids`` out of the prefix cache (they are about to be overwritten)."""
-        for block_id, g in zip(block_ids.tolist(), self.cache_groups[block_ids].tolist(), strict=True):
-            del self.hash_to_block[g][self.contents.pop(block_id)[0]]
+        for g, h in zip(self.cache_groups[block_ids].tolist(), self.hashes[block_ids].tolist(), strict=True):
+            del self.hash_to_block[g][h]
         self.cache_groups[block_ids] = -1
 
     def take_newly_allocated(self) -> list[int]:
@@ -438,62 +462,52 @@ class BlockManager:
         full, first = seq.num_computed_tokens // self.block_size, seq.num_committed_blocks
         if not self.enable_prefix_caching or full <= first:
             return
-        bs, tables = self.block_size, seq.block_tables
-        hashes = [self._block_hash(seq, i) for i in range(first, full)]
-        tokens = [tuple(seq.token_ids[i * bs : (i + 1) * bs]) for i in range(first, full)]
+        self._block_hash(seq, full - 1)  # hashed up to the last
+        hashes = seq.block_hashes[first:full]
         distinct = len(set(hashes)) == len(hashes)
         # a window group's block records what the anchor's does, the anchor's block before it, as its parent
         # (or without an anchor, the check hash of the prefix): the contents are the same in every group
-        contents: list[Content] | None = None
+        anchored: Contents | None = None
         for g in self.full_groups:  # which come first, the anchor first of all
-            run = list(zip(hashes, tokens, self._parent_keys(tables[g], first, full)))
-            run = self._publish_run(seq, g, first, hashes, run, distinct)
+            run = self._contents(seq, first, full, seq.block_tables[g])
+            run = self._publish_run(seq, g, first, run, distinct)
             if g == self.anchor:
-                contents = run
+                anchored = run
         if self.window_groups:
-            if contents is None:
-                g = self.window_groups[0][0]
-                contents = [(h, t, self._parent_of(seq, g, i, (), ()))
-                            for i, h, t in zip(range(first, full), hashes, tokens)]
+            run = anchored if anchored is not None else self._contents(seq, first, full, None)
             for g, _ in self.window_groups:
-                self._publish_run(seq, g, first, hashes, contents, distinct)
+                self._publish_run(seq, g, first, run, distinct)
         seq.num_committed_blocks = full
 
-    def _publish_run(self, seq: Sequence, g: int, first: int, hashes: list[int], contents: list[Content],
-                     distinct: bool) -> list[Content]:
-        """Publish the blocks of ``seq``'s group ``g`` from the ``first`` on, under ``hashes`` (``distinct``:
-        no two equal), holding ``contents`` (for full attention, as its table stands before the first is
+    def _publish_run(self, seq: Sequence, g: int, first: int, run: Contents, distinct: bool) -> Contents:
+        """Publish the blocks of ``seq``'s group ``g`` from the ``first`` on, holding ``run`` (``distinct``:
+        no two of its hashes equal; for full attention, its parents as the table stands before the first is
         published). Returns the contents as published: a shared copy may replace a full-attention block,
         which changes the parent of the block after it."""
         table, cache = seq.block_tables[g], self.hash_to_block[g]
-        block_ids = table[first : first + len(hashes)]
+        block_ids = table[first : first + len(run.hashes)]
         # the common case: a run of new blocks none of which is cached yet (a table is null blocks, then held
         # ones), published at once
-        if distinct and block_ids[0] != self.null_block and cache.keys().isdisjoint(hashes):
-            cache.update(zip(hashes, block_ids))
-            self.contents.update(zip(block_ids, contents))
-            self.cache_groups.put(block_ids, g)
-            return contents
-        published = []
-        for i, content in enumerate(contents, first):
-            if not self.windowed[g]:
-                content = (*content[:2], self._parent_key(table[i - 1]) if i else None)
-            published.append(content)
+        if distinct and block_ids[0] != self.null_block and cache.keys().isdisjoint(run.hashes):
+            self._record(block_ids, g, run)
+            return run
+        run = run._replace(parents=run.parents.copy())
+        for row, i in enumerate(range(first, first + len(block_ids))):
+            if i and not self.windowed[g]:  # the block before may have become a shared copy
+                run.parents[row] = table[i - 1], self.generations[table[i - 1]]
             if table[i] != self.null_block:  # else left behind by its window: nothing to publish
-                self._publish(seq, g, i, content)
-        return published
+                self._publish(seq, g, i, run.row(row))
+        return run
 
-    def _publish(self, seq: Sequence, g: int, i: int, content: Content) -> None:
-        """Publish block ``i`` of ``seq``'s group ``g`` holding ``content``, or share the copy already
-        there."""
-        table, cache = seq.block_tables[g], self.hash_to_block[g]
-        block_id, h = table[i], content[0]
-        cached_id = cache.get(h)
+    def _publish(self, seq: Sequence, g: int, i: int, content: Contents) -> None:
+        """Publish block ``i`` of ``seq``'s group ``g`` holding ``content`` (a run of one), or share the copy
+        already there."""
+        table = seq.block_tables[g]
+        block_id = table[i]
+        cached_id = self.hash_to_block[g].get(content.hashes[0])
         if cached_id is None:
-            cache[h] = block_id
-            self.contents[block_id] = content
-            self.cache_groups[block_id] = g
-        elif cached_id != block_id and self.contents[cached_id] == content:
+            self._record([block_id], g, content)
+        elif cached_id != block_id and self._same_content(np.array([cached_id]), content)[0]:
             # Requests admitted together computed the same prefix twice: share the published copy, so the
             # blocks after it chain to it and stay findable, and return this one.
             pool = self.groups[g].pool
@@ -502,6 +516,16 @@ class BlockManager:
             seq.changed_blocks(g, i, i + 1)
             self._release(np.array([block_id]), pool)
         # else: a different block under the same hash (a collision); this one stays unpublished
+
+    def _record(self, block_ids: list[int], g: int, run: Contents) -> None:
+        """Publish ``block_ids`` (none of whose hashes is in the cache) in group ``g``'s prefix cache,
+        holding ``run``."""
+        self.hash_to_block[g].update(zip(run.hashes, block_ids))
+        block_ids = np.array(block_ids, dtype=np.int64)
+        self.hashes[block_ids] = run.hashes
+        self.tokens[block_ids] = run.tokens
+        self.parents[block_ids] = run.parents
+        self.cache_groups[block_ids] = g
 
     def free(self, seq: Sequence) -> None:
         """Release the blocks of ``seq``. Cached blocks go to the back of the free queue, the tail first so
