@@ -127,10 +127,12 @@ class TorchBackend(AttentionBackend):
         return torch.where(meta.block_tables >= 0, idx, -1)
 
     def _over_window(self, q, k_cache, v_cache, meta, scale, window):
-        """Causal attention of a sliding-window layer reading only its window: query tiles of a window (at
-        least a block) each, each over the blocks its queries' windows reach."""
+        """Causal attention of a sliding-window layer reading only its window: query tiles of a quarter
+        window (at least a block) each, each over the blocks its queries' windows reach."""
         block_size = k_cache.shape[1]
-        tiles = _query_tiles(meta, max(window, block_size))
+        # each row scores its tile and a window of keys before it: smaller tiles waste fewer scores, until
+        # gathering each tile's window dominates
+        tiles = _query_tiles(meta, max(window // 4, block_size))
         blocks = _window_blocks(tiles, window, block_size)
         kv_lens = tiles.context_lens
         return self._over_cache(q, k_cache, v_cache, tiles, blocks, kv_lens, scale, True, window)[0]
