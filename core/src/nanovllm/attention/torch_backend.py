@@ -69,8 +69,8 @@ def _query_tiles(meta: PhaseMetadata, tile: int) -> PhaseMetadata:
 
 def _window_blocks(meta: PhaseMetadata, window: int, block_size: int) -> torch.Tensor:
     """Logical block indices ``[num_seqs, n]``, -1 padded, of the blocks that can hold a key inside some
-    query's ``window``: from the block of the first query's first key to that of the last query. ``n``: the most
-    that a chunk of ``max_query_len`` rows can reach (computed on the host)."""
+    query's ``window``: from the block of the first query's first key to that of the last query. ``n`` is
+    the most that a chunk of ``max_query_len`` rows can reach (computed on the host)."""
     width = meta.block_tables.shape[1]
     span = meta.max_query_len + window - 1  # positions from the first query's first key to the last query
     n = min(width, (span + block_size - 2) // block_size + 1)  # blocks a span can touch, at worst alignment
