@@ -554,7 +554,8 @@ def test_xattn_ratios_and_table():
 def test_xattn_jobs_cover_every_policy_at_every_context():
     xattn = script("xattn_prefill")
     jobs = xattn.jobs([1024], [2048, 4096], [0.2], 8, ttft_rounds=2)
-    assert jobs[0] == {"kind": "kernel", "contexts": [1024], "densities": [0.2], "stride": 8}
+    assert jobs[0] == {"kind": "kernel", "contexts": [1024], "densities": [0.2], "stride": 8, "block_sizes": [16],
+                       "configs": ["default"], "fixed_only": False}
     assert [(j["context"], j["policy"], j["rounds"]) for j in jobs[1:]] == [
         (c, p, 2) for c in (2048, 4096) for p in xattn.TTFT_POLICIES]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nanovllm.attention.metadata import get_forward_context
-from nanovllm.engine.model_runner import warm_up_steps
+from nanovllm.engine.warm_up import warm_up, warm_up_steps
 from nanovllm.layers.gemv import MAX_ROWS, row_bucket
 
 
@@ -83,7 +83,7 @@ def test_the_warm_up_runs_its_steps_samples_last_rows_and_writes_nothing(runner,
     caches = [(layer.k_cache.clone(), layer.v_cache.clone()) for layer in runner.attention_layers]
     rng = torch.get_rng_state()
 
-    runner._warm_up()
+    warm_up(runner)
 
     steps = warm_up_steps(runner.max_model_len, runner.block_size, runner.config.max_num_seqs)
     assert [(d, n) for d, n, _ in seen["steps"]] == [(s.decodes, s.rows) for s in steps]

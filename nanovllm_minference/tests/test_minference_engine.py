@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.conformance import policy_engine
+from nanovllm.engine.warm_up import warm_up
 from nanovllm.testing import prompt_logprobs
 
 PROMPT = [(11 * j) % 240 + 3 for j in range(300)]
@@ -104,5 +105,5 @@ def test_the_warm_up_reads_zeros_not_what_block_0_held(offload, monkeypatch):
         return scores
 
     monkeypatch.setattr(module, "_ops", lambda device: ops._replace(estimate=watched_estimate))
-    llm.runner._warm_up()
+    warm_up(llm.runner)
     assert clean and all(clean)

@@ -35,8 +35,8 @@ from nanovllm.engine.step_plan import (
     phase_arrays,
     prompt_logprob_targets,
 )
+from nanovllm.engine.warm_up import warm_up
 from nanovllm.kv.groups import kv_bytes_per_token
-from nanovllm.kv.offload import HostPhase
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.gemv import route_small_batches
 from nanovllm.layers.sampler import Sampler, TopLogprobs
@@ -113,51 +113,6 @@ class LaunchedStep:
         return StepResult(self.tokens.tolist(), logprobs, prompt_logprobs)
 
 
-@attrs.frozen
-class WarmUpStep:
-    """A step of the start-up warm-up: ``decodes`` decode rows (a context of 1 each), then one prefill chunk
-    of each of ``chunks`` tokens, each after ``history`` tokens of cached context."""
-
-    decodes: int
-    chunks: tuple[int, ...] = ()
-    history: int = 0
-
-    @property
-    def rows(self) -> int:
-        return self.decodes + sum(self.chunks)
-
-    @property
-    def sample_rows(self) -> list[int]:
-        """The last row of each sequence: the rows the engine samples."""
-        return [*range(self.decodes), *(self.decodes + np.cumsum(self.chunks) - 1).tolist()]
-
-
-def warm_up_steps(max_model_len: int, block_size: int, max_num_seqs: int) -> list[WarmUpStep]:
-    """The steps the runner warms up with, each with kernel variants that a later eager step would
-    otherwise compile:
-
-    - a long and a short chunk after a history that reaches ``max_model_len``: the paged kernels and the
-      policies' long-context paths (e.g. past a ``dense_below``);
-    - two short fresh chunks;
-    - one fresh chunk of up to 96 tokens alone: attention over its own new keys, past 64 tokens with
-      the long-chunk kernel configuration;
-    - steps of 1 (a prompt cached but for its last token), 2, 4, 8, 12 and 16 rows, of 1, 2, 3, 8, 10 and
-      16 sequences (at most ``max_num_seqs``; the last row of each is sampled): the small-batch matmul's
-      variants (per power of two of rows up to 16, and 16 itself) in the layers and in the LM head.
-    """
-    long = min(max_model_len, 96)
-    steps = [
-        WarmUpStep(1, (long, 8), max_model_len - long),
-        WarmUpStep(1, (8, 8)),
-        WarmUpStep(1, (long,)),
-    ]
-    for rows, seqs in ((1, 1), (2, 2), (4, 3), (8, 8), (12, 10), (16, 16)):
-        decodes = min(seqs, max_num_seqs) - 1
-        history = min(block_size, max_model_len - 1) if rows == 1 else 0
-        steps.append(WarmUpStep(decodes, (rows - decodes,), history))
-    return steps
-
-
 class ModelRunner:
     """One rank's model and its steps: builds the model (:func:`~nanovllm.engine.model_loading.build_model`),
     binds the attention backend and the sparse policies to its layers, allocates the KV store
@@ -195,61 +150,9 @@ class ModelRunner:
         self._last_sampled = torch.empty(0, dtype=torch.long, device=self.device)
         self.cuda_graphs = CudaGraphRunner(self.model, config, self.kv, self.backend, self.hooks)
         if self.device.type == "cuda":
-            self._warm_up()
+            warm_up(self)
         self.cuda_graphs.capture_if_usable()
         barrier()  # every rank built its runner: a failure is reported at start, not at the first step
-
-    # -- set-up -----------------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def _warm_up(self) -> None:
-        """The steps of :func:`warm_up_steps`, run eagerly; each computes the logits of its sequences' last
-        rows and samples them through the sampler (greedy and temperature rows alternately), as the engine
-        does. So the kernels of prefill steps, of steps of few rows and of sampling compile now and not
-        inside the first requests. They write nothing: every new token's slot is -1 and every block table
-        reads block 0, zeroed first; the draws come from a fork of torch's generators, so the run's random
-        streams are as if no warm-up had run. With offload the history is read from the pool, as a long
-        prompt's would be."""
-        dev = self.device
-
-        def phase(lens: list[int], history: int = 0) -> PhaseMetadata | None:
-            if not lens:
-                return None
-            width = -(-(max(lens) + history) // self.block_size)
-            tables = torch.zeros(len(lens), width, dtype=torch.int32, device=dev)
-            cu = torch.tensor(np.cumsum([0, *lens]), dtype=torch.int32, device=dev)
-            return PhaseMetadata(cu, cu[1:] - cu[:-1] + history, tables, max(lens), max(lens) + history)
-
-        def host(lens: list[int], history: int = 0) -> HostPhase | None:
-            if not lens:
-                return None
-            width = -(-(max(lens) + history) // self.block_size)
-            return HostPhase([[0] * width] * len(lens), lens, [n + history for n in lens])
-
-        # block 0 (of the pool, with offload) is no one's yet: zeros, not what the memory held, so no NaN
-        # reaches a policy
-        for layer in self.attention_layers:
-            layer.k_cache[0].zero_()
-            layer.v_cache[0].zero_()
-        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-            for step in warm_up_steps(self.max_model_len, self.block_size, self.config.max_num_seqs):
-                decodes, chunks = [1] * step.decodes, list(step.chunks)
-                ids = torch.zeros(step.rows, dtype=torch.long, device=dev)
-                slots = torch.full((step.rows,), -1, dtype=torch.long, device=dev)
-                meta = StepMetadata(slots, ids, step.decodes, phase(decodes), phase(chunks, step.history))
-                meta = attrs.evolve(meta, other_groups=(meta,) * (len(self.kv_cache_groups) - 1))  # no writes
-                self.kv.begin_step(host(decodes), host(chunks, step.history))
-                with forward_context(meta):
-                    hidden = self.model(ids, ids.clone())
-                rows = step.sample_rows
-                if len(rows) < step.rows:
-                    hidden = hidden[torch.tensor(rows, device=dev)]
-                logits = self.model.compute_logits(hidden)
-                if logits is not None:  # rank 0 samples
-                    temperatures = (torch.arange(len(rows), device=dev) % 2).float()  # greedy, drawn, ...
-                    self.sampler(logits, temperatures)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
 
     # -- one step ---------------------------------------------------------------------------------
 
