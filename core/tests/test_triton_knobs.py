@@ -353,25 +353,6 @@ def test_sweep_combines_the_best_of_each_axis_and_recommends_by_group():
 
 
 HOPPER_COMPILE = r'''
-import functools, sys
-import torch, triton
-from triton.backends.compiler import GPUTarget
-
-
-class HopperWithoutGpu:  # what Triton asks its driver while it compiles: an sm_90 target
-    def get_current_target(self): return GPUTarget("cuda", 90, 32)
-    def get_current_device(self): return 0
-    def get_current_stream(self, device=None): return 0
-
-
-triton.runtime.driver.set_active(HopperWithoutGpu())
-from nanovllm.attention import triton_kernels as tk
-
-tk._dot_fp32 = lambda q: q.dtype == torch.float32  # the GPU's bf16 dots, not the interpreter's stand-in
-tk._tma_capable = lambda index: True
-tk.is_interpreted = lambda: True  # descriptors over CPU tensors
-for kernel in (tk._prefill_kernel, tk._decode_kernel, tk._reduce_kernel):  # compile, never launch
-    kernel.run = functools.partial(lambda run, *a, **kw: run(*a, **{**kw, "warmup": True}), kernel.run)
 H, HKV, D, N, bf = 32, 8, 128, 1024, torch.bfloat16
 q1, q = torch.empty(2, H, D, dtype=bf), torch.empty(N, H, D, dtype=bf)
 cu, lens = torch.tensor([0, N], dtype=torch.int32), torch.tensor([N], dtype=torch.int32)
@@ -399,16 +380,7 @@ def test_structural_knobs_compile_for_hopper(tmp_path):
     """The new kernel paths (decode pages read ahead, the chunked split reduce fused and separate, TMA prefill
     over packed and paged keys, heads first, the fused scale) compile for sm_90 with the bundled ptxas, no GPU
     needed; the TMA settings use tensor-memory loads."""
-    import subprocess
+    from nanovllm.testing import compile_for_hopper
 
-    import triton
-
-    if not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas").exists():
-        pytest.skip("this Triton has no bundled ptxas")
-    script = tmp_path / "compile_for_hopper.py"
-    script.write_text(HOPPER_COMPILE)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env |= {"PYTHONWARNINGS": "ignore", "TRITON_CACHE_DIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "compiled 5 tma 2" in proc.stdout, proc.stdout
+    stdout = compile_for_hopper(HOPPER_COMPILE, ("_prefill_kernel", "_decode_kernel", "_reduce_kernel"), tmp_path)
+    assert "compiled 5 tma 2" in stdout, stdout

@@ -9,8 +9,6 @@ compile (no GPU needed) checks that the modes build and use tensor-memory loads.
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -186,25 +184,6 @@ def test_prefill_page_boxes_under_interpreter():
 
 
 HOPPER_COMPILE = r'''
-import functools
-import torch, triton
-from triton.backends.compiler import GPUTarget
-
-
-class HopperWithoutGpu:  # what Triton asks its driver while it compiles: an sm_90 target
-    def get_current_target(self): return GPUTarget("cuda", 90, 32)
-    def get_current_device(self): return 0
-    def get_current_stream(self, device=None): return 0
-
-
-triton.runtime.driver.set_active(HopperWithoutGpu())
-from nanovllm.attention import triton_kernels as tk
-
-tk._dot_fp32 = lambda q: q.dtype == torch.float32  # the GPU's bf16 dots, not the interpreter's stand-in
-tk._tma_capable = lambda index: True
-tk.is_interpreted = lambda: True  # descriptors over CPU tensors
-tk._prefill_kernel.run = functools.partial(lambda run, *a, **kw: run(*a, **{**kw, "warmup": True}),
-                                           tk._prefill_kernel.run)  # compile, never launch
 H, HKV, D, N, bs, bf = 32, 8, 128, 1024, 16, torch.bfloat16
 q = torch.empty(N, H, D, dtype=bf)
 cu, lens = torch.tensor([0, N], dtype=torch.int32), torch.tensor([N], dtype=torch.int32)
@@ -223,20 +202,11 @@ for kernel in tk._prefill_kernel.device_caches[0][0].values():
 def test_prefill_page_boxes_compile_for_hopper(tmp_path):
     """The sweep's page-box settings over pages of 16 compile for sm_90 with the bundled ptxas (no GPU
     needed), use tensor-memory loads and fit the multiprocessor's shared memory."""
-    import subprocess
+    from nanovllm.testing import compile_for_hopper
 
-    import triton
-
-    if not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas").exists():
-        pytest.skip("this Triton has no bundled ptxas")
     variants = [dict(page_boxes=mode) for mode in sorted(tk.PAGE_BOX_MODES)]
-    script = tmp_path / "compile_for_hopper.py"
-    script.write_text(HOPPER_COMPILE.replace("VARIANTS", repr(variants)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env |= {"PYTHONWARNINGS": "ignore", "TRITON_CACHE_DIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    kernels = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("kernel")]
-    assert len(kernels) == len(variants), proc.stdout
+    stdout = compile_for_hopper(HOPPER_COMPILE.replace("VARIANTS", repr(variants)), ("_prefill_kernel",), tmp_path)
+    kernels = [line.split()[1:] for line in stdout.splitlines() if line.startswith("kernel")]
+    assert len(kernels) == len(variants), stdout
     for tma, shared in kernels:
-        assert tma == "True" and int(shared) <= 232448, proc.stdout  # sm_90: 227 KiB a block
+        assert tma == "True" and int(shared) <= 232448, stdout  # sm_90: 227 KiB a block

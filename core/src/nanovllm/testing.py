@@ -283,6 +283,53 @@ def run_under_interpreter(test_file: str | Path, keyword: str = "interp", timeou
     return proc.returncode, tail, int(passed.group(1)) if passed else 0
 
 
+_HOPPER_PREAMBLE = r'''
+import functools
+import torch, triton
+from triton.backends.compiler import GPUTarget
+
+
+class HopperWithoutGpu:  # what Triton asks its driver while it compiles: an sm_90 target
+    def get_current_target(self): return GPUTarget("cuda", 90, 32)
+    def get_current_device(self): return 0
+    def get_current_stream(self, device=None): return 0
+
+
+triton.runtime.driver.set_active(HopperWithoutGpu())
+from nanovllm.attention import triton_kernels as tk
+
+tk._dot_fp32 = lambda q: q.dtype == torch.float32  # the GPU's bf16 dots, not the interpreter's stand-in
+tk._tma_capable = lambda index: True
+tk.is_interpreted = lambda: True  # descriptors over CPU tensors
+for kernel in KERNELS:  # compile, never launch
+    kernel.run = functools.partial(lambda run, *a, **kw: run(*a, **{**kw, "warmup": True}), kernel.run)
+'''
+
+
+def compile_for_hopper(script: str, kernels: tuple[str, ...], workdir: str | Path, timeout: int = 600) -> str:
+    """Run ``script`` in a fresh process where Triton compiles for sm_90 with its bundled ptxas and no GPU:
+    ``tk`` is :mod:`nanovllm.attention.triton_kernels`, whose launch wrappers then build descriptors over CPU
+    tensors, and the kernels named in ``kernels`` (attributes of ``tk``) compile without launching. Returns
+    the script's standard output; skips the calling test where Triton has no bundled ptxas."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends/nvidia/bin/ptxas").exists():
+        pytest.skip("this Triton has no bundled ptxas")
+    names = ", ".join(f"tk.{name}" for name in kernels)
+    path = Path(workdir) / "compile_for_hopper.py"
+    path.write_text(_HOPPER_PREAMBLE.replace("KERNELS", f"({names},)") + script)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"PYTHONWARNINGS": "ignore", "TRITON_CACHE_DIR": str(workdir)}
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
 def prefill_context(q, k, v, query_len: int, scale: float, block_size: int = 16, layer_id: int = 3,
                     seed: int = 0, device: str = "cpu"):
     """``(q_chunk, ctx)``: one sequence of ``T`` tokens (``q [T, H, D]``, ``k``/``v`` ``[T, Hkv, D]``) whose
