@@ -108,6 +108,15 @@ def test_silu_and_mul(device, dtype, gen):
     _close(fk.silu_and_mul(x.to(device)), ref, gen, "silu_and_mul")
 
 
+def _qk_norms(head_dim, dtype, gen):
+    """A query norm and a key norm with weights near one, as a model's q/k norms."""
+    norms = tuple(RMSNorm(head_dim, eps=1e-6).to(dtype) for _ in range(2))
+    with torch.no_grad():
+        for n in norms:
+            n.weight.copy_(1 + 0.1 * torch.randn(head_dim, generator=gen))
+    return norms
+
+
 @cases
 # (256, 4, 1): Gemma 3 270M's heads (its own q/k norms run before the kernel)
 @pytest.mark.parametrize("head_dim,heads,kv_heads,qk_norm",
@@ -117,12 +126,7 @@ def test_rope_in_place(device, dtype, head_dim, heads, kv_heads, qk_norm, gen):
     t = 23
     qkv = _rand(gen, t, heads + 2 * kv_heads, head_dim, dtype=dtype, device="cpu")
     positions = torch.randint(0, 4096, (t,), generator=gen)
-    norms = (None, None)
-    if qk_norm:
-        norms = tuple(RMSNorm(head_dim, eps=1e-6).to(dtype) for _ in range(2))
-        with torch.no_grad():
-            for n in norms:
-                n.weight.copy_(1 + 0.1 * torch.randn(head_dim, generator=gen))
+    norms = _qk_norms(head_dim, dtype, gen) if qk_norm else (None, None)
     q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads]
     ref_q, ref_k = rope(positions, q.clone(), k.clone(), *norms)
 
@@ -155,12 +159,7 @@ def test_rope_stores_the_rotated_keys_and_the_values(device, dtype, head_dim, he
     positions = torch.randint(0, 4096, (t,), generator=gen)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]
     slots[torch.randperm(t, generator=gen)[:2]] = -1
-    norms = (None, None)
-    if qk_norm:
-        norms = tuple(RMSNorm(head_dim, eps=1e-6).to(dtype) for _ in range(2))
-        with torch.no_grad():
-            for n in norms:
-                n.weight.copy_(1 + 0.1 * torch.randn(head_dim, generator=gen))
+    norms = _qk_norms(head_dim, dtype, gen) if qk_norm else (None, None)
 
     def caches(on):
         shape = (num_blocks, block_size, kv_heads, head_dim)
