@@ -27,7 +27,7 @@ setting stays with any variants: the others' ratios are to it); ``--b1``: B1's d
 settings worth trying at its batch (``B1_VARIANTS``, unless ``--variants`` names others).
 
     python benchmarks/kernel_sweep.py --out OUT [--name kernel_sweep] [--budget 80] [--long]
-        [--kinds decode prefill] [--pages 16 128] [--variants "fused reduce" ...] [--b1]
+        [--kinds decode prefill] [--pages 16 128] [--variants "page ahead" ...] [--b1]
     TRITON_INTERPRET=1 python benchmarks/kernel_sweep.py --out OUT   # dry: tiny sizes on the CPU
 """
 
@@ -92,8 +92,6 @@ DECODE_VARIANTS = {
     "block_n 128": dict(block_n=128),
     "8 warps": dict(num_warps=8),
     "block_n 128, 8 warps, 2 stages": dict(block_n=128, num_warps=8, num_stages=2),
-    # the splits merged by the last split of each sequence and KV head instead of by a second kernel
-    "fused reduce": dict(fused_reduce=True),
     # B1's batch: its (sequence, KV head) groups fill several waves without splitting the keys
     "one split from 4 waves": dict(one_split_waves=4),
     "split at every batch": dict(one_split_waves=0),
@@ -107,7 +105,7 @@ DECODE_VARIANTS = {
 # contexts (the combined pass then joins the best of each axis)
 B1_VARIANTS = ("one split from 4 waves", "split at every batch", "one split from 4 waves, block_n 32",
                "one split from 4 waves, page ahead", "block_n 32", "2 warps", "8 warps", "2 stages",
-               "4 stages", "page ahead", "page ahead, 4 stages", "fused reduce")
+               "4 stages", "page ahead", "page ahead, 4 stages")
 # Prefill settings (fields of PrefillConfig); TMA only where the keys allow it (packed, or pages >= block_n).
 PREFILL_VARIANTS = {
     "default": {},
@@ -120,22 +118,16 @@ PREFILL_VARIANTS = {
     "fused scale": dict(fused_scale=True),
     "tma, fused scale": dict(tma=True, fused_scale=True),
     "tma, fused scale, heads first": dict(tma=True, fused_scale=True, heads_first=True),
-    # pages smaller than the key tile (no TMA gather on Hopper): a box load per page, three ways
-    "page boxes join": dict(tma=True, page_boxes="join"),
-    "page boxes dots": dict(tma=True, page_boxes="dots"),
-    "page boxes values": dict(tma=True, page_boxes="values"),
-    "page boxes values, 128x64, 4 stages": dict(tma=True, page_boxes="values", block_n=64, num_stages=4),
     # plain loads, whose pages are read a tile ahead, with a deeper pipeline (128x128 has no room for 4)
     "128x64, 4 stages": dict(block_m=128, block_n=64, num_stages=4),
 }
 LONG_VARIANTS = ("default", "tma", "tma, fused scale, heads first")  # 128K: a third of a second a call
 if DRY:  # the interpreter is slow: a few settings that go through every kernel path
     DECODE_VARIANTS = {k: DECODE_VARIANTS[k] for k in
-                       ("default", "page ahead, wave fit, 3 programs/SM, 128 splits", "fused reduce",
+                       ("default", "page ahead, wave fit, 3 programs/SM, 128 splits",
                         "one split from 4 waves")}
     B1_VARIANTS = ("one split from 4 waves",)  # B1's many programs are slow here: the path it adds
     PREFILL_VARIANTS = {k: PREFILL_VARIANTS[k] for k in ("default", "tma, fused scale, heads first")}
-    PREFILL_VARIANTS["page boxes values, 2 pages a tile"] = dict(tma=True, page_boxes="values", block_n=32)
 
 
 def decode_config(variant: str, block_size: int) -> tk.DecodeConfig:
@@ -362,8 +354,7 @@ def empty_row(shape: dict, variant: str, note: str = "") -> dict:
             cfg = decode_config(variant, block_size)
         else:
             cfg = prefill_config(variant, block_size is not None)
-            if (cfg.tma and block_size is not None and block_size % cfg.block_n and not note
-                    and not tk._page_boxes_fit(cfg.page_boxes, block_size, cfg.block_n)):
+            if cfg.tma and block_size is not None and block_size % cfg.block_n and not note:
                 row["note"] = "pages smaller than the key tile: plain loads"
         row["config"] = cfg._asdict()
     return row
@@ -499,9 +490,9 @@ def groups_of(rows: list[dict]) -> dict[str, set[str]]:
 
 # each kind's knobs on two axes, whose best settings the combined pass puts together
 AXES = {"decode": ({"block_n", "num_warps", "num_stages", "page_ahead"},
-                   {"programs_per_sm", "max_splits", "wave_fit", "fused_reduce", "one_split_waves"}),
+                   {"programs_per_sm", "max_splits", "wave_fit", "one_split_waves"}),
         "prefill": ({"block_m", "block_n", "num_warps", "num_stages"},
-                    {"tma", "heads_first", "fused_scale", "page_boxes"})}
+                    {"tma", "heads_first", "fused_scale"})}
 
 
 def combined_variants(rows: list[dict]) -> dict[str, tuple[str, dict]]:

@@ -49,8 +49,7 @@ def kernels(monkeypatch):
 
 
 def decode(num_seqs: int, context: int, max_keys: int, heads: int = 4, kv_heads: int = 1, head_dim: int = 256,
-           block_size: int = 16, window: int | None = None, fused_reduce: bool = True,
-           config: tk.DecodeConfig | None = None) -> int:
+           block_size: int = 16, window: int | None = None, config: tk.DecodeConfig | None = None) -> int:
     """One launch of ``attention_decode`` as a Gemma 3 270M layer makes it (4 query heads, 1 KV head of
     256), with the CPU's knobs unless ``config`` is given; its number of splits."""
     k = torch.empty(1, block_size, kv_heads, head_dim)  # nothing reads the tensors: their shapes count
@@ -58,7 +57,6 @@ def decode(num_seqs: int, context: int, max_keys: int, heads: int = 4, kv_heads:
     lens = torch.full((num_seqs,), context, dtype=torch.int32)
     tables = torch.empty(num_seqs, -(-max_keys // block_size), dtype=torch.int32)
     cfg = config or tk._decode_config(head_dim, q.dtype, q.device, block_size)
-    cfg = cfg._replace(fused_reduce=fused_reduce)
     tk.attention_decode(q, k, k, torch.empty_like(q), None, lens, tables, None, max_keys, 1.0, window=window,
                         config=cfg)
     keys = min(max_keys, window + cfg.block_n) if window else max_keys
@@ -80,14 +78,13 @@ def test_eager_decode_rows_of_mixed_steps_need_no_kernel_the_graph_capture_did_n
         assert kernel.keys == before, "an eager decode step compiles a kernel variant of its own"
 
 
-@pytest.mark.parametrize("fused_reduce", [True, False], ids=["fused-reduce", "separate-reduce"])
-def test_decode_kernels_compile_a_few_variants_whatever_the_batch_and_context(kernels, fused_reduce):
-    splits = {decode(num_seqs, context, context, fused_reduce=fused_reduce)
+def test_decode_kernels_compile_a_few_variants_whatever_the_batch_and_context(kernels):
+    splits = {decode(num_seqs, context, context)
               for num_seqs in range(1, 65) for context in range(16, 70000, 997)}
     assert len(splits) > 20
     decode_kernel, reduce_kernel = kernels
     assert len(decode_kernel.keys) <= 2  # with splits and without
-    assert len(reduce_kernel.keys) == (0 if fused_reduce else 1)
+    assert len(reduce_kernel.keys) == 1
 
 
 def test_one_split_from_a_batch_on_is_compiled_by_the_largest_decode_graph(kernels):
@@ -96,7 +93,7 @@ def test_one_split_from_a_batch_on_is_compiled_by_the_largest_decode_graph(kerne
     sequences) compiles it and the split one while it warms its graphs up; eager decode rows of any count
     up to the largest graph, at any context, then compile nothing."""
     cfg = tk.DECODE._replace(one_split_waves=4)
-    b1 = dict(heads=16, kv_heads=8, head_dim=128, fused_reduce=False, config=cfg)
+    b1 = dict(heads=16, kv_heads=8, head_dim=128, config=cfg)
     sizes = (1, 2, 4, 8, *range(16, 257, 16))  # CudaGraphRunner's batch buckets for max_num_seqs 256
     graphs = {decode(bs, 1, 4096, **b1) for bs in sizes}
     captured = [set(k.keys) for k in kernels]

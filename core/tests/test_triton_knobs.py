@@ -304,18 +304,18 @@ def test_sweep_b1_decode_step(monkeypatch):
 
 
 def test_sweep_narrows_to_the_variants_asked():
-    """``--variants``: the settings named and the default, on every shape of the kinds asked; the fused and
-    the separate split reduce compile kernels of their own."""
+    """``--variants``: the settings named and the default, on every shape of the kinds asked; a compiled knob
+    (pages read ahead) makes a kernel of its own."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
         import kernel_sweep
     finally:
         sys.path.remove(str(BENCHMARKS))
-    decode = kernel_sweep.shapes(False, ("decode",), kernel_sweep.PAGES, ("fused reduce",))
+    decode = kernel_sweep.shapes(False, ("decode",), kernel_sweep.PAGES, ("page ahead",))
     assert len(decode) == (len(kernel_sweep.DECODE_SHAPES) + 1) * len(kernel_sweep.PAGES)  # and B1's step
-    assert all(s["kind"] == "decode" and s["variants"] == ["default", "fused reduce"] for s in decode)
-    separate, fused = (kernel_sweep._compile_key(decode[0], v) for v in ("default", "fused reduce"))
-    assert fused != separate
+    assert all(s["kind"] == "decode" and s["variants"] == ["default", "page ahead"] for s in decode)
+    in_step, ahead = (kernel_sweep._compile_key(decode[0], v) for v in ("default", "page ahead"))
+    assert ahead != in_step
 
 
 @pytest.mark.slow
@@ -358,7 +358,7 @@ q1, q = torch.empty(2, H, D, dtype=bf), torch.empty(N, H, D, dtype=bf)
 cu, lens = torch.tensor([0, N], dtype=torch.int32), torch.tensor([N], dtype=torch.int32)
 for bs in (16, 128):
     cache, table = torch.empty(N // bs, bs, HKV, D, dtype=bf), torch.zeros(2, N // bs, dtype=torch.int32)
-    ahead = tk.DECODE._replace(page_ahead=True, fused_reduce=bs == 16)  # the split reduce both ways
+    ahead = tk.DECODE._replace(page_ahead=True)
     tk.attention_decode(q1, cache, cache, torch.empty_like(q1), torch.empty(2, H), lens.repeat(2), table,
                         None, N, 0.1, num_splits=tk.REDUCE_CHUNK + 1, config=ahead)
     if bs == 128:
@@ -377,9 +377,9 @@ print("compiled", sum(len(k.device_caches[0][0]) for k in (tk._prefill_kernel, t
 @pytest.mark.slow
 @pytest.mark.skipif(CUDA or INTERP, reason="CUDA compiles for itself; the interpreter compiles nothing")
 def test_structural_knobs_compile_for_hopper(tmp_path):
-    """The new kernel paths (decode pages read ahead, the chunked split reduce fused and separate, TMA prefill
-    over packed and paged keys, heads first, the fused scale) compile for sm_90 with the bundled ptxas, no GPU
-    needed; the TMA settings use tensor-memory loads."""
+    """The new kernel paths (decode pages read ahead, the chunked split reduce, TMA prefill over packed and
+    paged keys, heads first, the fused scale) compile for sm_90 with the bundled ptxas, no GPU needed; the
+    TMA settings use tensor-memory loads."""
     from nanovllm.testing import compile_for_hopper
 
     stdout = compile_for_hopper(HOPPER_COMPILE, ("_prefill_kernel", "_decode_kernel", "_reduce_kernel"), tmp_path)

@@ -11,14 +11,12 @@ Four kernels:
   rest with masks.
 - ``_decode_kernel``: one query token per sequence. A program owns one KV head of one sequence and
   all the query heads of its GQA group (so each K/V tile is read once for the group), and one of
-  ``num_splits`` slices of the keys (split-KV, "flash decoding"); the slices are merged by log-sum-exp,
-  by default inside the decode kernel (the last split of a sequence and KV head to finish merges them),
-  else by ``_reduce_kernel``. With one split the decode kernel writes the output directly.
+  ``num_splits`` slices of the keys (split-KV, "flash decoding"); ``_reduce_kernel`` merges the slices
+  by log-sum-exp. With one split the decode kernel writes the output directly.
 
 Knobs that change speed, never results (:class:`PrefillConfig`, :class:`DecodeConfig`): tiles, warps,
 pipeline stages, the split count's target, and structural options (TMA loads of the unmasked key tiles, a
-box load per page over pages smaller than a tile, a heads-first prefill grid, decode tiles read unmasked with
-their pages a tile ahead). A small rule
+heads-first prefill grid, decode tiles read unmasked with their pages a tile ahead). A small rule
 (``_prefill_config``, ``_decode_config``) picks them from the module's defaults, which
 ``benchmarks/kernel_sweep.py`` measures against the alternatives on a GPU.
 
@@ -236,127 +234,6 @@ def _masked_tile(
     return online_softmax_step(acc, l_i, m_i, q, k, v, score_mask, scale_log2, True, FP32)
 
 
-@triton.jit
-def _tile_pages(bt_row, start_n, end, PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """The physical blocks of the ``PAGES`` pages of key tile ``start_n``, as a tuple of scalars (0 for a
-    tile at or past ``end``, which is then never read)."""
-    first = bt_row + start_n // BLOCK_SIZE
-    pages = ()
-    for j in tl.static_range(PAGES):
-        pages = pages + (tl.load(first + j, mask=start_n < end, other=0),)
-    return pages
-
-
-@triton.jit
-def _rows_cat(a, b):
-    """``a`` and then ``b`` (both ``[R, D]``) as one ``[2R, D]`` tensor."""
-    return tl.reshape(tl.permute(tl.join(a, b), 2, 0, 1), 2 * a.shape[0], a.shape[1])
-
-
-@triton.jit
-def _page_boxes_tile(desc, pages, col, PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """A key tile assembled from one tensor-memory box load per page (rows ``page * BLOCK_SIZE`` onwards,
-    ``BLOCK_SIZE`` of them, at column ``col``), joined pairwise in page order."""
-    parts = ()
-    for j in tl.static_range(PAGES):
-        parts = parts + (desc.load([pages[j] * BLOCK_SIZE, col]),)
-    for level in tl.static_range(6):  # up to 64 pages a tile
-        if (1 << level) < PAGES:
-            joined = ()
-            for j in tl.static_range(0, PAGES >> level, 2):
-                joined = joined + (_rows_cat(parts[j], parts[j + 1]),)
-            parts = joined
-    return parts[0]
-
-
-@triton.jit
-def _page_dots_step(acc, l_i, m_i, q, desc_k, desc_v, pages, col, scale_log2, PAGES: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, FP32: tl.constexpr, FUSED_SCALE: tl.constexpr):
-    """An unmasked key tile of ``PAGES`` pages without assembling it: the scores and the value products are
-    taken a page at a time on each page's box load, under one softmax update for the whole tile (the same
-    sums as ``online_softmax_step`` in another order)."""
-    scores = ()
-    for j in tl.static_range(PAGES):
-        k = desc_k.load([pages[j] * BLOCK_SIZE, col])
-        if FP32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if not FUSED_SCALE:
-            s = s * scale_log2
-        if j == 0:
-            top = s
-        else:
-            top = tl.maximum(top, s)
-        scores = scores + (s,)
-    if FUSED_SCALE:  # the scale applied inside the exponent: the row maximum is taken before scaling
-        m_new = tl.maximum(m_i, tl.max(top, 1) * scale_log2)
-    else:
-        m_new = tl.maximum(m_i, tl.max(top, 1))
-    alpha = tl.math.exp2(m_i - m_new)
-    acc = acc * alpha[:, None]
-    for j in tl.static_range(PAGES):
-        if FUSED_SCALE:
-            p = tl.math.exp2(scores[j] * scale_log2 - m_new[:, None])
-        else:
-            p = tl.math.exp2(scores[j] - m_new[:, None])
-        if j == 0:
-            p_sum = p
-        else:
-            p_sum = p_sum + p
-        v = desc_v.load([pages[j] * BLOCK_SIZE, col])
-        if FP32:
-            acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
-    l_i = l_i * alpha + tl.sum(p_sum, 1)
-    return acc, l_i, m_new
-
-
-@triton.jit
-def _col_pieces(p, PIECES: tl.constexpr):
-    """``p`` ``[R, C]`` as a tuple of ``PIECES`` column blocks ``[R, C / PIECES]``, in order."""
-    pieces = (p,)
-    for level in tl.static_range(6):  # up to 64 pieces
-        if (1 << level) < PIECES:
-            halves = ()
-            for j in tl.static_range(1 << level):
-                x = pieces[j]
-                a, b = tl.split(tl.permute(tl.reshape(x, x.shape[0], 2, x.shape[1] // 2), 0, 2, 1))
-                halves = halves + (a, b)
-            pieces = halves
-    return pieces
-
-
-@triton.jit
-def _page_values_step(acc, l_i, m_i, q, k, desc_v, pages, col, scale_log2, PAGES: tl.constexpr,
-                      BLOCK_SIZE: tl.constexpr, FP32: tl.constexpr, FUSED_SCALE: tl.constexpr):
-    """An unmasked key tile whose values stay in their pages' box loads: the scores over the whole tile
-    ``k``, then the value products a page at a time (the same sums as ``online_softmax_step``)."""
-    if FP32:
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    if FUSED_SCALE:  # the scale applied inside the exponent: the row maximum is taken before scaling
-        m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)
-        p = tl.math.exp2(s * scale_log2 - m_new[:, None])
-    else:
-        s = s * scale_log2
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    parts = _col_pieces(p, PAGES)
-    for j in tl.static_range(PAGES):
-        v = desc_v.load([pages[j] * BLOCK_SIZE, col])
-        if FP32:
-            acc = tl.dot(parts[j], v.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(parts[j].to(v.dtype), v, acc)
-    return acc, l_i, m_new
-
-
 # ---------------------------------------------------------------------------------------------
 # prefill / chunk / selected blocks, many query rows per sequence
 # ---------------------------------------------------------------------------------------------
@@ -379,7 +256,6 @@ def _prefill_kernel(
     PAGED: tl.constexpr, HAS_INDICES: tl.constexpr, CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr,
     FP32: tl.constexpr, SKIP_DEAD: tl.constexpr, SLIDING: tl.constexpr,
     TMA: tl.constexpr, HEADS_FIRST: tl.constexpr, FUSED_SCALE: tl.constexpr,
-    PAGE_KEYS: tl.constexpr, PAGE_VALUES: tl.constexpr,
 ):
     # heaviest (last) query tiles first: under a causal mask they have the most keys. HEADS_FIRST: the
     # grid is (heads, query tiles), so the heaviest tiles of every head start before any lighter one
@@ -451,63 +327,38 @@ def _prefill_kernel(
     # tiles every row sees in full: no masks (never with HAS_INDICES, whose lo is 0). Paged, a tile's
     # block-table entries are read one tile ahead: Triton pipelines a key load whose address waits on a
     # load of the same iteration only 2 deep, not 3, which left paged prefill well behind contiguous keys.
-    # TMA over pages smaller than the tile (BOXES: descriptors of a page of rows): PAGE_KEYS and PAGE_VALUES
-    # say how the tile's keys and values are read, 0 by plain loads, 1 a box per page joined into the tile,
-    # 2 a box per page that takes its own dot; the tile's pages are read a tile ahead, as scalars
-    BOXES: tl.constexpr = TMA and PAGED and BLOCK_N > BLOCK_SIZE
-    PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
     col = kvh * HEAD_DIM
     offs_t = tl.arange(0, BLOCK_N)
     bt_row = block_tables + s * stride_bt
-    if BOXES:
-        next_pages = _tile_pages(bt_row, full_lo, lo, PAGES, BLOCK_SIZE)
-    if PAGED and not (BOXES and PAGE_KEYS > 0):
+    if PAGED:
         next_blocks = tile_blocks(bt_row, full_lo, lo, BLOCK_N, BLOCK_SIZE)
     for start_n in range(full_lo, lo, BLOCK_N):
-        if BOXES:
-            pages = next_pages
-            next_pages = _tile_pages(bt_row, start_n + BLOCK_N, lo, PAGES, BLOCK_SIZE)
-        if PAGED and not (BOXES and PAGE_KEYS > 0):
+        if PAGED:
             blocks = next_blocks
             next_blocks = tile_blocks(bt_row, start_n + BLOCK_N, lo, BLOCK_N, BLOCK_SIZE)
-        if BOXES and PAGE_KEYS == 2:
-            acc, l_i, m_i = _page_dots_step(acc, l_i, m_i, q, desc_k, desc_v, pages, col, scale_log2,
-                                            PAGES, BLOCK_SIZE, FP32, FUSED_SCALE)
+        if TMA:  # tensor-memory loads of rows [row0, row0 + BLOCK_N) of [rows, Hkv * D]
+            if PAGED:  # a tile lies in one page (BLOCK_N divides BLOCK_SIZE): ``blocks`` is a scalar
+                row0 = blocks * BLOCK_SIZE + start_n % BLOCK_SIZE
+            else:
+                row0 = q_start + start_n
+            k = desc_k.load([row0, col])
+            v = desc_v.load([row0, col])
         else:
-            if BOXES and PAGE_KEYS == 1:
-                k = _page_boxes_tile(desc_k, pages, col, PAGES, BLOCK_SIZE)
-            elif TMA and not BOXES:  # tensor-memory loads of rows [row0, row0 + BLOCK_N) of [rows, Hkv * D]
-                if PAGED:  # a tile lies in one page (BLOCK_N divides BLOCK_SIZE): ``blocks`` is a scalar
-                    row0 = blocks * BLOCK_SIZE + start_n % BLOCK_SIZE
-                else:
-                    row0 = q_start + start_n
-                k = desc_k.load([row0, col])
+            if PAGED:
+                rows = blocks.to(tl.int64) * stride_kb + ((start_n + offs_t) % BLOCK_SIZE) * stride_ks
             else:
-                if PAGED:
-                    rows = blocks.to(tl.int64) * stride_kb + ((start_n + offs_t) % BLOCK_SIZE) * stride_ks
-                else:
-                    rows = (q_start + start_n + offs_t).to(tl.int64) * stride_ks
-                kv_ptrs = (rows + kvh * stride_kh)[:, None] + offs_d[None, :] * stride_kd
-                if BLOCK_D == HEAD_DIM:
-                    k = tl.load(K + kv_ptrs)
-                else:
-                    k = tl.load(K + kv_ptrs, mask=d_ok[None, :], other=0.0)
-            if BOXES and PAGE_VALUES == 2:
-                acc, l_i, m_i = _page_values_step(acc, l_i, m_i, q, k, desc_v, pages, col, scale_log2,
-                                                  PAGES, BLOCK_SIZE, FP32, FUSED_SCALE)
+                rows = (q_start + start_n + offs_t).to(tl.int64) * stride_ks
+            kv_ptrs = (rows + kvh * stride_kh)[:, None] + offs_d[None, :] * stride_kd
+            if BLOCK_D == HEAD_DIM:
+                k = tl.load(K + kv_ptrs)
+                v = tl.load(V + kv_ptrs)
             else:
-                if BOXES:  # PAGE_VALUES == 1
-                    v = _page_boxes_tile(desc_v, pages, col, PAGES, BLOCK_SIZE)
-                elif TMA:
-                    v = desc_v.load([row0, col])
-                elif BLOCK_D == HEAD_DIM:
-                    v = tl.load(V + kv_ptrs)
-                else:
-                    v = tl.load(V + kv_ptrs, mask=d_ok[None, :], other=0.0)
-                if FUSED_SCALE:
-                    acc, l_i, m_i = online_softmax_step_fused_scale(acc, l_i, m_i, q, k, v, scale_log2, FP32)
-                else:
-                    acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
+                k = tl.load(K + kv_ptrs, mask=d_ok[None, :], other=0.0)
+                v = tl.load(V + kv_ptrs, mask=d_ok[None, :], other=0.0)
+        if FUSED_SCALE:
+            acc, l_i, m_i = online_softmax_step_fused_scale(acc, l_i, m_i, q, k, v, scale_log2, FP32)
+        else:
+            acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
 
     # the diagonal band, the ragged end and selected blocks: masked
     for start_n in range(lo, hi, BLOCK_N):
@@ -548,7 +399,7 @@ def _prefill_kernel(
 # constexpr, the decode rows of mixed steps (eager) compiled a variant for each new count mid-run
 @triton.jit(do_not_specialize=["stride_bt", "stride_bi", "stride_bh", "num_sel", "num_splits"])
 def _decode_kernel(
-    Q, K, V, PartO, PartL, Out, Lse, Tickets,
+    Q, K, V, PartO, PartL, Out, Lse,
     lens, block_tables, block_idx,
     scale_log2,
     stride_qt, stride_qh, stride_qd,
@@ -560,7 +411,6 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     HAS_INDICES: tl.constexpr, WRITE_LSE: tl.constexpr, FP32: tl.constexpr, SKIP_DEAD: tl.constexpr,
     READ_AHEAD: tl.constexpr, SLIDING: tl.constexpr, PAGE_AHEAD: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
 ):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -669,20 +519,6 @@ def _decode_kernel(
         row = (s64 * num_splits + split) * num_heads + heads
         tl.store(PartO + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=g_ok[:, None])
         tl.store(PartL + row, lse2, mask=g_ok)
-        if FUSED_REDUCE:
-            # a ticket per split of this sequence and KV head: the last one merges them all. Its release
-            # publishes this program's partials (the barrier first: every thread's stores, not only those
-            # of the thread that takes the ticket), its acquire makes the others' visible to the last.
-            tl.debug_barrier()
-            counter = Tickets + s * tl.num_programs(1) + kvh
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                offs_r = tl.arange(0, MERGE_ROWS)
-                r_ok = offs_r < GROUP
-                merged, merged_lse2 = _merge_splits(PartO, PartL, s64, kvh * GROUP + offs_r, r_ok, num_heads,
-                                                    num_splits, MERGE_ROWS, MERGE_CHUNK, BLOCK_D)
-                _store_rows(Out, Lse, merged, merged_lse2, s64, kvh * GROUP + offs_r, r_ok, offs_d, d_ok,
-                            stride_ot, stride_oh, stride_od, stride_lt, stride_lh, WRITE_LSE)
-                tl.store(counter, 0)  # every split has taken its ticket: zero for the next launch
 
 
 @triton.jit
@@ -730,7 +566,7 @@ def _reduce_kernel(
     stride_ot, stride_oh, stride_od, stride_lt, stride_lh, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """The split reduce as a kernel of its own: one program per (sequence, head)."""
+    """The split reduce: one program per (sequence, head) merges its partials."""
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) + tl.arange(0, 1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -777,12 +613,7 @@ class PrefillConfig(NamedTuple):
     later, head dim a power of two, packed keys or pages of at least ``block_n`` keys; elsewhere it is
     ignored). ``heads_first``: the grid runs the heaviest query tile of every head before any lighter
     one, instead of every tile of one head before the next head. ``fused_scale``: the unmasked tiles
-    apply the softmax scale inside the exponent's multiply-add (rounding differs in the last bits).
-    ``page_boxes`` (with ``tma``; pages smaller than the key tile, a power of two of at least 8 keys, 16 but
-    for ``"join"``, that divides it): the unmasked tiles through tensor-memory box loads, one per page:
-    ``"join"`` joins the boxes into the key and value tiles; ``"dots"`` takes the tile's scores and value
-    products a page at a time on the boxes as loaded; ``"values"`` reads the keys by plain loads and takes
-    the value products a page at a time on the value boxes. Each keeps one softmax update per tile."""
+    apply the softmax scale inside the exponent's multiply-add (rounding differs in the last bits)."""
 
     block_m: int
     block_n: int
@@ -791,7 +622,6 @@ class PrefillConfig(NamedTuple):
     tma: bool = False
     heads_first: bool = False
     fused_scale: bool = False
-    page_boxes: str = ""
 
 
 class DecodeConfig(NamedTuple):
@@ -802,11 +632,9 @@ class DecodeConfig(NamedTuple):
     ``max_splits`` splits per sequence and KV head; with ``wave_fit`` it is taken as the programs a
     multiprocessor holds at once, and the split count is the one that ends soonest in whole waves of
     them. ``page_ahead``: over whole contexts, the key tiles that end within the context run unmasked
-    with their block-table entries read a tile ahead. ``fused_reduce``: the splits are merged inside the
-    decode kernel, by the last split of each sequence and KV head to finish, instead of by a second
-    kernel. ``one_split_waves`` (0: off): once the (sequence, KV head) groups alone fill this many waves of
-    ``programs_per_sm`` programs per multiprocessor, one split each (the kernel writes the output itself: no
-    partials, no reduce); below that, the rule's own count."""
+    with their block-table entries read a tile ahead. ``one_split_waves`` (0: off): once the (sequence, KV
+    head) groups alone fill this many waves of ``programs_per_sm`` programs per multiprocessor, one split
+    each (the kernel writes the output itself: no partials, no reduce); below that, the rule's own count."""
 
     block_n: int
     num_warps: int
@@ -815,7 +643,6 @@ class DecodeConfig(NamedTuple):
     max_splits: int = 64
     page_ahead: bool = False
     wave_fit: bool = False
-    fused_reduce: bool = False
     one_split_waves: int = 0
 
 
@@ -827,17 +654,11 @@ PREFILL_LONG = PrefillConfig(128, 128, 8, 3, tma=True, fused_scale=True)
 PREFILL_LONG_PAGED = PrefillConfig(128, 128, 8, 3, tma=True, fused_scale=True)
 PREFILL_SHORT = PrefillConfig(64, 64, 4, 3)  # chunks of at most 64 queries: no large query tile to waste
 # pages of fewer than 64 tokens: a key step spans several pages
-# (the separate reduce: the fused one's merge by the last split to finish is a serial tail that measured slower;
-# one split once the groups fill 4 waves: large batches of short contexts need no partials and no reduce)
-DECODE = DecodeConfig(64, 4, 3, programs_per_sm=3, max_splits=128, wave_fit=True, fused_reduce=False,
-                      one_split_waves=4)
+# (one split once the groups fill 4 waves: large batches of short contexts need no partials and no reduce)
+DECODE = DecodeConfig(64, 4, 3, programs_per_sm=3, max_splits=128, wave_fit=True, one_split_waves=4)
 # pages of 64 tokens or more
-DECODE_LARGE_PAGES = DecodeConfig(64, 4, 4, programs_per_sm=2, max_splits=64, page_ahead=True, wave_fit=True,
-                                  fused_reduce=False)
+DECODE_LARGE_PAGES = DecodeConfig(64, 4, 4, programs_per_sm=2, max_splits=64, page_ahead=True, wave_fit=True)
 REDUCE_CHUNK = 64  # the split reduce merges more splits than this a chunk at a time
-# the fused reduce loads this many (split, head) rows of partials at once per warp: a quarter of the head
-# dim a thread, which needs no more registers than the key loop (more would cost the loop occupancy)
-MERGE_ROWS_PER_WARP = 8
 
 
 def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, max_query_len: int,
@@ -911,12 +732,11 @@ def _tma_capable(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, paged: bool, block_n: int, page_boxes: str = ""):
+def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, paged: bool, block_n: int):
     """Tensor-memory descriptors of ``k`` and ``v`` as 2-D ``[rows, Hkv * D]`` views (a key tile is
-    ``block_n`` rows at column ``kvh * D``; with ``page_boxes``, pages smaller than the tile are read a
-    page of rows at a time), or None where they cannot serve: a GPU before Hopper, a head dim that is not a
-    power of two, pages smaller than (or not a multiple of) the tile unless ``page_boxes`` serves them, or
-    a layout whose rows are not evenly strided, 16-byte aligned runs."""
+    ``block_n`` rows at column ``kvh * D``), or None where they cannot serve: a GPU before Hopper, a head
+    dim that is not a power of two, pages smaller than (or not a multiple of) the tile, or a layout whose
+    rows are not evenly strided, 16-byte aligned runs."""
     if k.device.type == "cuda":
         if not _tma_capable(k.device.index if k.device.index is not None else torch.cuda.current_device()):
             return None
@@ -927,35 +747,17 @@ def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, paged: bool, block_n: int,
     head_dim, num_kv_heads = k.shape[-1], k.shape[-2]
     if head_dim & (head_dim - 1) or k.stride(-1) != 1 or k.stride(-2) != head_dim:
         return None
-    box_rows = block_n
     if paged:
         num_blocks, block_size = k.shape[:2]
-        if block_size % block_n:
-            if not _page_boxes_fit(page_boxes, block_size, block_n):
-                return None
-            box_rows = block_size
-        if k.stride(0) != block_size * k.stride(1):
+        if block_size % block_n or k.stride(0) != block_size * k.stride(1):
             return None
         rows, row_stride = num_blocks * block_size, k.stride(1)
     else:
         rows, row_stride = k.shape[0], k.stride(0)
     if rows == 0 or (row_stride * k.element_size()) % 16 or any(t.data_ptr() % 16 for t in (k, v)):
         return None
-    return tuple(TensorDescriptor(t, [rows, num_kv_heads * head_dim], [row_stride, 1], [box_rows, head_dim])
+    return tuple(TensorDescriptor(t, [rows, num_kv_heads * head_dim], [row_stride, 1], [block_n, head_dim])
                  for t in (k, v))
-
-
-# PrefillConfig.page_boxes: how the kernel reads (keys, values): 0 plain loads, 1 boxes joined, 2 a dot a box
-PAGE_BOX_MODES = {"join": (1, 1), "dots": (2, 2), "values": (0, 2)}
-
-
-def _page_boxes_fit(mode: str, block_size: int, block_n: int) -> bool:
-    """Key tiles of ``block_n`` keys can be read as whole pages of ``block_size`` keys, one box each, the
-    ``mode`` way (a dot a page needs pages of at least 16 keys)."""
-    if not mode:
-        return False
-    least = 8 if mode == "join" else 16
-    return block_size >= least and block_size & (block_size - 1) == 0 and block_n % block_size == 0
 
 
 def attention_rows(
@@ -981,9 +783,6 @@ def attention_rows(
     else:
         cfg = _prefill_config(head_dim, q.dtype, q.device, max_query_len, paged)
     bm, bn = cfg.block_m, cfg.block_n
-    if cfg.page_boxes and cfg.page_boxes not in PAGE_BOX_MODES:
-        raise ValueError(f"page_boxes={cfg.page_boxes!r}: choose one of {sorted(PAGE_BOX_MODES)}, "
-                         "or '' for none")
     if paged:
         block_size = k.shape[1]
         kstrides = k.stride()
@@ -999,9 +798,7 @@ def attention_rows(
     write_lse = lse is not None
     lse_t = lse if write_lse else _dummy(out, torch.float32)
     lse_strides = lse.stride() if write_lse else (0, 0)
-    descs = _kv_descriptors(k, v, paged, bn, cfg.page_boxes) if cfg.tma and not has_idx else None
-    boxes = descs is not None and paged and block_size < bn  # else page_boxes plays no part: one kernel
-    page_keys, page_values = PAGE_BOX_MODES[cfg.page_boxes] if boxes else (0, 0)
+    descs = _kv_descriptors(k, v, paged, bn) if cfg.tma and not has_idx else None
     m_tiles = triton.cdiv(max_query_len, bm)
     grid = (num_heads, m_tiles, num_seqs) if cfg.heads_first else (m_tiles, num_heads, num_seqs)
     _prefill_kernel[grid](
@@ -1015,7 +812,6 @@ def attention_rows(
         PAGED=paged, HAS_INDICES=has_idx, CAUSAL=causal, WRITE_LSE=write_lse,
         FP32=_dot_fp32(q), SKIP_DEAD=_skip_dead(has_idx, bn, block_size), SLIDING=window is not None,
         TMA=descs is not None, HEADS_FIRST=cfg.heads_first, FUSED_SCALE=cfg.fused_scale,
-        PAGE_KEYS=page_keys, PAGE_VALUES=page_values,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -1030,28 +826,6 @@ def _decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, bloc
         return DecodeConfig(32, 4, 2)
     cfg = DECODE_LARGE_PAGES if block_size >= 64 else DECODE
     return cfg._replace(block_n=32) if head_dim > 128 else cfg
-
-
-# The fused reduce's tickets: an int32 counter per (sequence, KV head), zero between launches (the last
-# split of each resets its own). One buffer per device serves every launch, so a CUDA graph replays on
-# the buffer its capture saw; a buffer outgrown stays alive, since a graph captured on it may replay.
-MIN_TICKETS = 4096  # the largest decode graph (512 sequences) of 8 KV heads fits without growing
-_tickets: dict[torch.device, torch.Tensor] = {}
-_outgrown_tickets: list[torch.Tensor] = []
-
-
-def decode_tickets(device: torch.device, count: int = 0) -> torch.Tensor | None:
-    """The device's ticket counters for the fused split reduce, at least ``count`` of them, grown (zeroed)
-    when needed; None when they would have to grow inside a CUDA graph capture (the caller then reduces with
-    the separate kernel). Launches that use them must not overlap in time (one stream per device)."""
-    buf = _tickets.get(device)
-    if buf is None or buf.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        if buf is not None:
-            _outgrown_tickets.append(buf)
-        buf = _tickets[device] = torch.zeros(max(count, MIN_TICKETS), dtype=torch.int32, device=device)
-    return buf
 
 
 def num_decode_splits(num_seqs: int, num_kv_heads: int, max_keys: int, block_n: int, device,
@@ -1087,8 +861,8 @@ def attention_decode(
     q, k_cache, v_cache, out, lse, lens, block_tables, block_indices, max_keys, scale,
     num_splits: int | None = None, config: DecodeConfig | tuple | None = None, window: int | None = None,
 ) -> None:
-    """Launch ``_decode_kernel`` (+ ``_reduce_kernel`` unless the reduce is fused): one query row per
-    sequence, paged KV.
+    """Launch ``_decode_kernel`` (+ ``_reduce_kernel`` when the keys are split): one query row per sequence,
+    paged KV.
 
     ``block_indices``: None (whole contexts), or a selection ``[num_seqs, k]`` or ``[num_seqs, Hkv, k]``
     (see ``attend_blocks``); each program reads only its KV head's list. ``max_keys`` (a host int)
@@ -1118,19 +892,13 @@ def attention_decode(
     write_lse = lse is not None
     lse_t = lse if write_lse else _dummy(out, torch.float32)
     lse_strides = lse.stride() if write_lse else (0, 0)
-    tickets = None
     if num_splits > 1:
         part_o = torch.empty(num_seqs, num_splits, num_heads, block_d, dtype=torch.float32, device=q.device)
         part_l = torch.empty(num_seqs, num_splits, num_heads, dtype=torch.float32, device=q.device)
-        if cfg.fused_reduce:
-            tickets = decode_tickets(q.device, num_seqs * num_kv_heads)
     else:
         part_o = part_l = _dummy(out, torch.float32)
-    merge_rows = triton.next_power_of_2(group)
-    merge_chunk = triton.next_power_of_2(max(1, MERGE_ROWS_PER_WARP * cfg.num_warps // merge_rows))
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, part_o, part_l, out, lse_t,
-        lens if tickets is None else tickets,  # lens: a stand-in, unread without the fused reduce
         lens, block_tables, bi,
         scale * LOG2E,
         *q.stride(), *k_cache.stride(), *out.stride(), *lse_strides,
@@ -1141,10 +909,9 @@ def attention_decode(
         SKIP_DEAD=skip_dead,
         READ_AHEAD=_read_ahead(has_idx and not skip_dead, num_seqs * num_kv_heads, q.device),
         SLIDING=window is not None, PAGE_AHEAD=cfg.page_ahead and not has_idx and window is None,
-        FUSED_REDUCE=tickets is not None, MERGE_ROWS=merge_rows, MERGE_CHUNK=merge_chunk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if num_splits > 1 and tickets is None:
+    if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
             part_o, part_l, out, lse_t, *out.stride(), *lse_strides, num_splits,
             HEAD_DIM=head_dim, BLOCK_D=block_d, WRITE_LSE=write_lse, CHUNK=REDUCE_CHUNK,
