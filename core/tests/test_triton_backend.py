@@ -221,6 +221,24 @@ def test_prefill_single_fresh(device, dtype, head_dim, group, block_size, gen):
 
 
 @cases
+def test_one_token_prompt_with_normed_keys(device, dtype, head_dim, group, block_size, gen):
+    """A one-token prompt whose keys come out of RoPE packed while the values are a view of the qkv output:
+    the two differ in the stride of their one row, which ``contiguous()`` leaves alone (and cuDNN takes no
+    one-key prompt)."""
+    c = Case([1], [1], _kv_heads(device), group, head_dim, block_size, dtype, device, gen)
+    k = torch.empty(c.k.shape, dtype=dtype, device=device).copy_(c.k)  # row-major, as RoPE writes it
+    assert k.stride() != c.v.stride()
+    ref = TorchBackend().prefill(c.q, k, c.v, c.k_cache, c.v_cache, c.meta, c.scale)
+    backend = tb.TritonBackend()
+    for sdpa in (False, True):
+        backend.sdpa_prefill = sdpa
+        _check(backend.prefill(c.q, k, c.v, c.k_cache, c.v_cache, c.meta, c.scale), ref, dtype,
+               f"one-token prompt, sdpa {sdpa}", gen)
+    out, _ = backend.attend_chunk(c.q, k, c.v, c.meta, c.scale)
+    _check(out, ref, dtype, "one-token chunk", gen)
+
+
+@cases
 def test_decode(device, dtype, head_dim, group, block_size, gen):
     ctx = GPU_DECODE if device == "cuda" else INTERP_DECODE
     c = Case([1] * len(ctx), ctx, _kv_heads(device), group, head_dim, block_size, dtype, device, gen)
