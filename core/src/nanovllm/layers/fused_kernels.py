@@ -229,10 +229,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _rounded(x, dt: tl.constexpr, BITWISE_RNE: tl.constexpr):
+    """Float32 ``x`` rounded to ``dt`` (to nearest, ties to even) and back to float32. ``BITWISE_RNE``:
+    to bfloat16 by integer arithmetic, for the interpreter, whose cast to bfloat16 truncates."""
+    if BITWISE_RNE:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dt).to(tl.float32)
+
+
+@triton.jit
 def _rotate_heads(
     X, stride_h, W, cos, sin, eps, Cache, slot, stride_cb, stride_cs, stride_ch,
     NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-    NORM: tl.constexpr, BLOCK_SIZE: tl.constexpr, STORE: tl.constexpr,
+    NORM: tl.constexpr, BLOCK_SIZE: tl.constexpr, STORE: tl.constexpr, BITWISE_RNE: tl.constexpr,
 ):
     """Rotate one token's heads of ``X`` in place (RMS-normalised first with ``NORM``); with ``STORE``
     also write them to cache slot ``slot`` (none when it is negative)."""
@@ -243,15 +255,17 @@ def _rotate_heads(
     ptr = X + heads[:, None] * stride_h + dims[None, :]
     x1 = tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(ptr + HALF, mask=ok, other=0.0).to(tl.float32)
+    dt = X.dtype.element_ty
     if NORM:
-        dt = X.dtype.element_ty
         rstd = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
         w1 = tl.load(W + dims, mask=d_ok, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(W + HALF + dims, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        x1 = ((x1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
-        x2 = ((x2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-    y1 = (x1 * cos - x2 * sin).to(X.dtype.element_ty)
-    y2 = (x2 * cos + x1 * sin).to(X.dtype.element_ty)
+        x1 = _rounded(_rounded(x1 * rstd, dt, BITWISE_RNE) * w1, dt, BITWISE_RNE)
+        x2 = _rounded(_rounded(x2 * rstd, dt, BITWISE_RNE) * w2, dt, BITWISE_RNE)
+    # rounded as the torch code rounds: each product, then the sum, to X's dtype (cos, sin already are)
+    y1 = _rounded(_rounded(x1 * cos, dt, BITWISE_RNE) - _rounded(x2 * sin, dt, BITWISE_RNE), dt, BITWISE_RNE)
+    y2 = _rounded(_rounded(x2 * cos, dt, BITWISE_RNE) + _rounded(x1 * sin, dt, BITWISE_RNE), dt, BITWISE_RNE)
+    y1, y2 = y1.to(dt), y2.to(dt)
     tl.store(ptr, y1, mask=ok)
     tl.store(ptr + HALF, y2, mask=ok)
     if STORE:
@@ -276,19 +290,22 @@ def _rope_kernel(
     stride_cb, stride_cslot, stride_ch,
     HQ: tl.constexpr, HQ_PAD: tl.constexpr, HK: tl.constexpr, HK_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    STORE: tl.constexpr,
+    STORE: tl.constexpr, BITWISE_RNE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t).to(tl.int64)
     dims = tl.arange(0, HALF_PAD)
     d_ok = dims < HALF
-    cos = tl.load(CosSin + pos * stride_cs + dims, mask=d_ok, other=0.0)[None, :]
-    sin = tl.load(CosSin + pos * stride_cs + HALF + dims, mask=d_ok, other=0.0)[None, :]
+    # cos and sin rounded to the activations' dtype, as the torch code rounds them
+    cos = tl.load(CosSin + pos * stride_cs + dims, mask=d_ok, other=0.0).to(tl.float32)
+    sin = tl.load(CosSin + pos * stride_cs + HALF + dims, mask=d_ok, other=0.0).to(tl.float32)
+    cos = _rounded(cos, Q.dtype.element_ty, BITWISE_RNE)[None, :]
+    sin = _rounded(sin, Q.dtype.element_ty, BITWISE_RNE)[None, :]
     slot = tl.load(Slots + t).to(tl.int64) if STORE else -1
     _rotate_heads(Q + t * stride_qt, stride_qh, QW, cos, sin, eps_q, KC, -1, 0, 0, 0,
-                  HQ, HQ_PAD, HALF, HALF_PAD, NORM, BLOCK_SIZE, False)
+                  HQ, HQ_PAD, HALF, HALF_PAD, NORM, BLOCK_SIZE, False, BITWISE_RNE)
     _rotate_heads(K + t * stride_kt, stride_kh, KW, cos, sin, eps_k, KC, slot, stride_cb, stride_cslot,
-                  stride_ch, HK, HK_PAD, HALF, HALF_PAD, NORM, BLOCK_SIZE, STORE)
+                  stride_ch, HK, HK_PAD, HALF, HALF_PAD, NORM, BLOCK_SIZE, STORE, BITWISE_RNE)
     if STORE:  # the values as they are
         heads = tl.arange(0, HK_PAD)
         ok = (heads < HK)[:, None] & d_ok[None, :]
@@ -305,7 +322,8 @@ def rope_(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` in place (rows may be strided views of one qkv
     tensor; the head dim must be contiguous). ``cos_sin [max_pos, D]`` float32 holds cos then sin of
-    each frequency. ``q_norm``/``k_norm``: ``(weight, eps)`` of a per-head RMSNorm applied first.
+    each frequency; they, each product and each sum are rounded to q's dtype, as transformers rounds.
+    ``q_norm``/``k_norm``: ``(weight, eps)`` of a per-head RMSNorm applied first.
     ``store``: ``(v [T, Hkv, D], k_cache, v_cache, slot_mapping [T])`` to also write each token's rotated
     keys and its values to its slot of the paged caches ``[num_blocks, block_size, Hkv, D]`` (as the
     attention backend's ``store_kv`` does; slot -1: not written)."""
@@ -332,6 +350,8 @@ def rope_(
             HK=num_kv_heads, HK_PAD=triton.next_power_of_2(num_kv_heads),
             HALF=half, HALF_PAD=triton.next_power_of_2(half), NORM=norm,
             BLOCK_SIZE=k_cache.shape[1] if store is not None else 1, STORE=store is not None, num_warps=4,
+            BITWISE_RNE=q.dtype == torch.bfloat16 and not q.is_cuda,  # on the CPU: the interpreter
+            enable_fp_fusion=False,  # an FMA would skip the rounding of a product that the torch code rounds
         )
     return q, k
 

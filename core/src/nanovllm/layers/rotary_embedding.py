@@ -32,7 +32,10 @@ class RotaryEmbedding(nn.Module):
         self, head_dim: int, max_position: int, base: float, scaling: dict[str, Any] | None = None
     ) -> None:
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        # float32 frequencies (made on the CPU) and angles, as transformers and vLLM make them: in bfloat16,
+        # where cos and sin are rounded, an angle's last bit at a long position can pick another cos or sin
+        dims = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu")
+        inv_freq = 1.0 / (base ** (dims / head_dim))
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
@@ -42,9 +45,9 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(
                 f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3)"
             )
-        t = torch.arange(max_position, dtype=torch.float64)
-        freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1).float(), persistent=False)
+        inv_freq = inv_freq.to(torch.get_default_device())
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -72,8 +75,11 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        """Rounded as transformers and vLLM round it: cos and sin in ``x``'s dtype, each product and each
+        sum rounded to it (the fused kernel rounds at the same points)."""
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def rope_from_config(hf_config: Any, head_dim: int, layer_type: str | None = None) -> RotaryEmbedding:
