@@ -6,7 +6,7 @@ each forward pass and clears it after. Attention layers only read it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import attrs
@@ -19,6 +19,12 @@ class PhaseMetadata:
 
     Sequence ``s`` owns query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``; after this step its KV
     covers positions ``[0, context_lens[s])``, the last ``q_len`` of them being the new tokens.
+
+    ``query_lens_host`` / ``context_lens_host``: the same lengths as host ints, so that code which needs
+    them in Python reads no device value (a host sync on the GPU). The engine gives them with every
+    prefill phase; they are ``None`` where no host copy exists, always in metadata a CUDA graph captures
+    (a replay brings new lengths the copies would not follow). :meth:`host_lens` falls back to the
+    tensors.
     """
 
     cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
@@ -26,6 +32,8 @@ class PhaseMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with -1
     max_query_len: int
     max_context_len: int
+    query_lens_host: tuple[int, ...] | None = None  # [num_seqs] new tokens, None: no host copy
+    context_lens_host: tuple[int, ...] | None = None  # [num_seqs] history + new tokens, None: no host copy
 
     @property
     def num_seqs(self) -> int:
@@ -34,6 +42,13 @@ class PhaseMetadata:
     @property
     def query_lens(self) -> torch.Tensor:
         return self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]
+
+    def host_lens(self) -> tuple[Sequence[int], Sequence[int]]:
+        """``(query lengths, context lengths)`` per sequence as host ints: the host copies when given, else
+        read back from the tensors (a host sync on the GPU)."""
+        if self.query_lens_host is not None and self.context_lens_host is not None:
+            return self.query_lens_host, self.context_lens_host
+        return self.query_lens.tolist(), self.context_lens.tolist()
 
 
 @attrs.define(frozen=True, slots=True)

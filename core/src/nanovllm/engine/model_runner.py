@@ -163,13 +163,17 @@ class ModelRunner:
             return tensor
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
-    def _phase_metadata(self, phase: PhaseArrays | None) -> list[PhaseMetadata | None]:
+    def _phase_metadata(self, phase: PhaseArrays | None, host_lens: bool = False
+                        ) -> list[PhaseMetadata | None]:
         """Each KV cache group's view of ``phase`` (``None`` for each where there is no such phase), from one
-        transfer of every group's block tables."""
+        transfer of every group's block tables; with ``host_lens`` (prefill) it carries the lengths as host
+        ints too, so that the prefill policies read none back."""
         if phase is None:
             return [None] * len(self.kv_cache_groups)
         cu, lens = self._to_device(phase.cu_seqlens_q), self._to_device(phase.context_lens)
-        return [PhaseMetadata(cu, lens, tables, phase.max_query_len, phase.max_context_len)
+        host = ((tuple(np.diff(phase.cu_seqlens_q).tolist()), tuple(phase.context_lens.tolist())) if host_lens
+                else (None, None))
+        return [PhaseMetadata(cu, lens, tables, phase.max_query_len, phase.max_context_len, *host)
                 for tables in self._groups_to_device(phase.group_tables)]
 
     def _groups_to_device(self, stacked: np.ndarray) -> torch.Tensor:
@@ -190,7 +194,7 @@ class ModelRunner:
         n = plan.num_decode_tokens
         (slots, decode, prefill), *rest = zip(self._groups_to_device(plan.group_slots),
                                               self._phase_metadata(plan.decode),
-                                              self._phase_metadata(plan.prefill), strict=True)
+                                              self._phase_metadata(plan.prefill, host_lens=True), strict=True)
         later = tuple(StepMetadata(s, positions, n, d, p) for s, d, p in rest)
         return StepMetadata(slots, positions, n, decode, prefill, later)
 

@@ -72,13 +72,14 @@ def warm_up(runner: ModelRunner) -> None:
     long prompt's would be."""
     dev = runner.device
 
-    def phase(lens: list[int], history: int = 0) -> PhaseMetadata | None:
+    def phase(lens: list[int], history: int = 0, prefill: bool = False) -> PhaseMetadata | None:
         if not lens:
             return None
         width = -(-(max(lens) + history) // runner.block_size)
         tables = torch.zeros(len(lens), width, dtype=torch.int32, device=dev)
         cu = torch.tensor(np.cumsum([0, *lens]), dtype=torch.int32, device=dev)
-        return PhaseMetadata(cu, cu[1:] - cu[:-1] + history, tables, max(lens), max(lens) + history)
+        host = (tuple(lens), tuple(n + history for n in lens)) if prefill else (None, None)  # as the runner's
+        return PhaseMetadata(cu, cu[1:] - cu[:-1] + history, tables, max(lens), max(lens) + history, *host)
 
     def host(lens: list[int], history: int = 0) -> HostPhase | None:
         if not lens:
@@ -96,7 +97,8 @@ def warm_up(runner: ModelRunner) -> None:
             decodes, chunks = [1] * step.decodes, list(step.chunks)
             ids = torch.zeros(step.rows, dtype=torch.long, device=dev)
             slots = torch.full((step.rows,), -1, dtype=torch.long, device=dev)
-            meta = StepMetadata(slots, ids, step.decodes, phase(decodes), phase(chunks, step.history))
+            meta = StepMetadata(slots, ids, step.decodes, phase(decodes),
+                                phase(chunks, step.history, prefill=True))
             meta = attrs.evolve(meta, other_groups=(meta,) * (len(runner.kv_cache_groups) - 1))  # no writes
             runner.kv.begin_step(host(decodes), host(chunks, step.history))
             with forward_context(meta):

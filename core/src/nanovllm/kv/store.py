@@ -100,7 +100,8 @@ class KVWrite:
         tables[range(len(blocks)), [s // bs for s in starts]] = torch.tensor(blocks, dtype=torch.int32)
         cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32)
         ends_t = torch.tensor(ends, dtype=torch.int32, device=dev)
-        prefill = PhaseMetadata(cu, ends_t, tables.to(dev), max(counts), max(ends))
+        prefill = PhaseMetadata(cu, ends_t, tables.to(dev), max(counts), max(ends), tuple(counts),
+                                tuple(ends))
         return cls._of_cache(layer_id, k_cache, v_cache, StepMetadata(slots, positions, 0, None, prefill))
 
     @classmethod
@@ -115,7 +116,7 @@ class KVWrite:
         table = torch.tensor([block_table], dtype=torch.int32, device=dev)
         slots = table[0, positions // bs].long() * bs + positions % bs
         cu = torch.tensor([0, num_tokens], dtype=torch.int32, device=dev)
-        prefill = PhaseMetadata(cu, cu[1:], table, num_tokens, num_tokens)
+        prefill = PhaseMetadata(cu, cu[1:], table, num_tokens, num_tokens, (num_tokens,), (num_tokens,))
         return cls._of_cache(layer_id, k_cache, v_cache, StepMetadata(slots, positions, 0, None, prefill))
 
     @classmethod
