@@ -31,7 +31,7 @@ def test_prefill_metadata_carries_the_lengths_on_the_host(model, monkeypatch, on
         assert p.query_lens_host == tuple(p.query_lens.tolist())
         assert p.context_lens_host == tuple(p.context_lens.tolist())
         assert all(type(n) is int for n in p.query_lens_host + p.context_lens_host)
-        assert p.host_lens() == (p.query_lens_host, p.context_lens_host)
+        assert p.host_lens == (p.query_lens_host, p.context_lens_host)
     decodes = [s.decode for s in steps if s.decode is not None]
     assert decodes and all(d.query_lens_host is None and d.context_lens_host is None for d in decodes)
 
@@ -48,9 +48,9 @@ def test_decode_graph_metadata_has_no_host_copies(model, one_thread):
             assert decode.query_lens_host is None and decode.context_lens_host is None
 
 
-def test_host_lens_fall_back_to_the_tensors():
+def test_host_lens_are_none_without_both_copies():
     cu, lens = torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([10, 5], dtype=torch.int32)
     tables = torch.zeros(2, 1, dtype=torch.int32)
-    assert PhaseMetadata(cu, lens, tables, 5, 10).host_lens() == ([3, 5], [10, 5])
-    given = PhaseMetadata(cu, lens, tables, 5, 10, (3, 5), (10, 5))
-    assert given.host_lens() == ((3, 5), (10, 5))
+    assert PhaseMetadata(cu, lens, tables, 5, 10).host_lens is None
+    assert PhaseMetadata(cu, lens, tables, 5, 10, (3, 5)).host_lens is None
+    assert PhaseMetadata(cu, lens, tables, 5, 10, (3, 5), (10, 5)).host_lens == ((3, 5), (10, 5))

@@ -30,7 +30,8 @@ bfloat16 dot is wrong.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from itertools import accumulate
 
 import attrs
 import torch
@@ -288,11 +289,12 @@ def block_sparse_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, blocks: torch.Tensor, block_counts: torch.Tensor,
     block: int, scale: float, max_query_len: int, *, config: BlockSparseConfig | tuple | None = None,
-    splits: int | None = None,
+    splits: int | None = None, host_lens: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse prefill attention (Triton): ``(out [T, H, D] in q's dtype, lse [T, H] float32)``.
 
-    ``max_query_len`` (a host int) sizes the grid; nothing is read back from the device. ``config`` (a
+    ``max_query_len`` (a host int) sizes the grid; nothing is read back from the device (``host_lens``, the
+    reference's, goes unused: the kernel reads the lengths on the device). ``config`` (a
     :class:`BlockSparseConfig` or its leading fields) overrides :func:`attention_config` and ``splits``
     :func:`kv_splits` (tuning, tests). With more than one split, each query tile's list is read by that many
     programs, each into a float32 buffer of its own, and a second launch merges them by their
@@ -422,13 +424,18 @@ def context_rows(cache: torch.Tensor, block_table: torch.Tensor, ctx: int, kv_he
     return cache[phys, key_pos % kv_block_size].float()[:, kv_head]
 
 
-def query_chunks(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor) -> Iterator[tuple[int, int, int, int]]:
+def query_chunks(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                 host_lens: tuple[Sequence[int], Sequence[int]] | None = None,
+                 ) -> Iterator[tuple[int, int, int, int]]:
     """``(sequence, first query row, queries, context length)`` of each sequence with queries in the step; a
-    chunk's queries are the last ``queries`` positions of its context."""
-    cu, ctx_lens = cu_seqlens_q.tolist(), context_lens.tolist()
-    for s, ctx in enumerate(ctx_lens):
-        if cu[s + 1] > cu[s]:
-            yield s, cu[s], cu[s + 1] - cu[s], ctx
+    chunk's queries are the last ``queries`` positions of its context. ``host_lens``: the query and context
+    lengths as host ints (``PhaseMetadata.host_lens``); without them they are read from the tensors."""
+    if host_lens is None:
+        host_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist(), context_lens.tolist()
+    first_rows = accumulate(host_lens[0], initial=0)
+    for s, (first_row, q_len, ctx) in enumerate(zip(first_rows, *host_lens)):
+        if q_len > 0:
+            yield s, first_row, q_len, ctx
 
 
 def rows_per_slice(num_heads: int, ctx: int) -> int:
@@ -440,11 +447,13 @@ def rows_per_slice(num_heads: int, ctx: int) -> int:
 def block_sparse_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, blocks: torch.Tensor, block_counts: torch.Tensor,
-    block: int, scale: float, max_query_len: int,
+    block: int, scale: float, max_query_len: int, *,
+    host_lens: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block-sparse prefill attention (torch, any device; the oracle and the CPU path): a dense mask per
     sequence, float32 softmax. Same arguments and results as :func:`block_sparse_attention`; it also checks
-    the lists it reads and raises ValueError on an entry that breaks the contract."""
+    the lists it reads and raises ValueError on an entry that breaks the contract. ``host_lens``: the query
+    and context lengths as host ints (see :func:`query_chunks`)."""
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, blocks, block_counts, block,
                   max_query_len)
     num_heads = q.shape[1]
@@ -454,7 +463,7 @@ def block_sparse_attention_reference(
     sel_head = torch.arange(num_heads, device=device) // (num_heads // blocks.shape[1])
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=device)
-    for s, first_row, q_len, ctx in query_chunks(cu_seqlens_q, context_lens):
+    for s, first_row, q_len, ctx in query_chunks(cu_seqlens_q, context_lens, host_lens):
         q0 = ctx - q_len
         first_block = q0 // block
         rows = (ctx - 1) // block - first_block + 1  # the rows this chunk uses

@@ -39,6 +39,9 @@ so the block table is read once per key tile rather than once per step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import accumulate
+
 import torch
 import triton
 import triton.language as tl
@@ -82,10 +85,11 @@ def _check_args(
 def block_scores_reference(
     q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor, scale: float, stride: int, block: int, max_query_len: int,
-    max_context_len: int,
+    max_context_len: int, *, host_lens: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """``[S, H, num_query_blocks, num_key_blocks]`` float32 block scores (see the module docstring), one
-    sequence at a time, batched over heads."""
+    sequence at a time, batched over heads. ``host_lens``: the query and context lengths as host ints
+    (``PhaseMetadata.host_lens``); without them they are read from the tensors."""
     _check_args(q, k_cache, block_tables, cu_seqlens_q, context_lens, stride, block, max_query_len,
                 max_context_len)
     device = q.device
@@ -95,9 +99,10 @@ def block_scores_reference(
     per_block = block // stride  # reshaped rows (and keys) per block
     scores = torch.zeros(num_seqs, num_heads, num_query_blocks(max_query_len, block),
                          num_key_blocks(max_context_len, block), dtype=torch.float32, device=device)
-    cu, ctx_lens = cu_seqlens_q.tolist(), context_lens.tolist()
-    for s, ctx in enumerate(ctx_lens):
-        q_len = cu[s + 1] - cu[s]
+    if host_lens is None:
+        host_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist(), context_lens.tolist()
+    first_rows = accumulate(host_lens[0], initial=0)
+    for s, (first_row, q_len, ctx) in enumerate(zip(first_rows, *host_lens)):
         if not 0 <= q_len <= min(ctx, max_query_len) or ctx > max_context_len:
             raise ValueError(
                 f"sequence {s}: {q_len} queries over a context of {ctx}, against max_query_len="
@@ -111,7 +116,7 @@ def block_scores_reference(
         n = num_blocks * per_block  # reshaped positions, padded to whole blocks
         # queries and keys by position, zero outside the chunk / past the context
         q_by_pos = torch.zeros(n * stride, num_heads, head_dim, dtype=torch.float32, device=device)
-        q_by_pos[q0:ctx] = q[cu[s]: cu[s + 1]].float()
+        q_by_pos[q0:ctx] = q[first_row: first_row + q_len].float()
         c = torch.arange(ctx, device=device)
         physical = block_tables[s, c // kv_block_size].long()
         keys = torch.zeros(n * stride, num_kv_heads, head_dim, dtype=torch.float32, device=device)
@@ -295,11 +300,13 @@ def block_scores(
     q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor, scale: float, stride: int, block: int, max_query_len: int,
     max_context_len: int, *, config: tuple[int, int, int, int] | None = None,
+    host_lens: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """:func:`block_scores_reference` by two Triton passes over the paged keys (CUDA tensors, or CPU
     tensors under Triton's interpreter). ``max_query_len`` and ``max_context_len`` are host ints that
-    bound every sequence; nothing is read back from the device. ``config`` overrides :func:`_config`
-    (benchmarks): powers of two, the tiles widened to whole blocks."""
+    bound every sequence; nothing is read back from the device (``host_lens``, the reference's, goes
+    unused). ``config`` overrides :func:`_config` (benchmarks): powers of two, the tiles widened to whole
+    blocks."""
     _check_args(q, k_cache, block_tables, cu_seqlens_q, context_lens, stride, block, max_query_len,
                 max_context_len)
     per_block = block // stride

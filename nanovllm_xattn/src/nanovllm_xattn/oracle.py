@@ -12,6 +12,8 @@ head): slow, for quality measurements only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from nanovllm_xattn.attention import context_rows, query_chunks, rows_per_slice
@@ -20,17 +22,19 @@ from nanovllm_xattn.layout import num_key_blocks, num_query_blocks
 
 def true_block_scores(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, scale: float, block: int,
-                      max_query_len: int, max_context_len: int) -> torch.Tensor:
+                      max_query_len: int, max_context_len: int,
+                      host_lens: tuple[Sequence[int], Sequence[int]] | None = None) -> torch.Tensor:
     """``[S, H, num_query_blocks, num_key_blocks]`` float32: each query row's softmax over its causal keys,
     summed over the (query block, key block) pair. A row sums to its number of queries in the chunk (the
-    estimate's to ``block / stride``); the threshold rule reads shares of the row only."""
+    estimate's to ``block / stride``); the threshold rule reads shares of the row only. ``host_lens``: the
+    lengths as host ints (see :func:`~nanovllm_xattn.attention.query_chunks`)."""
     num_heads = q.shape[1]
     num_kv_heads = k_cache.shape[2]
     device = q.device
     kv_head = torch.arange(num_heads, device=device) // (num_heads // num_kv_heads)
     scores = torch.zeros(context_lens.shape[0], num_heads, num_query_blocks(max_query_len, block),
                          num_key_blocks(max_context_len, block), dtype=torch.float32, device=device)
-    for s, first_row, q_len, ctx in query_chunks(cu_seqlens_q, context_lens):
+    for s, first_row, q_len, ctx in query_chunks(cu_seqlens_q, context_lens, host_lens):
         q0 = ctx - q_len
         num_blocks = -(-ctx // block)
         key_pos = torch.arange(ctx, device=device)

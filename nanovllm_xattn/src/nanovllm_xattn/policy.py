@@ -25,6 +25,8 @@ all shorter than ``dense_below``, and the first ``skip_layers`` layers, run dens
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from itertools import accumulate, pairwise
 
 import attrs
 import torch
@@ -38,12 +40,14 @@ from nanovllm_xattn.selection import allowed_and_forced, block_lists, select_blo
 @attrs.frozen
 class Slice:
     """Some query rows of a chunk, as a prefill phase of their own: the rows (indices into the chunk),
-    their per-sequence boundaries, and the keys they see (up to their last row, which is causal)."""
+    their per-sequence boundaries, and the keys they see (up to their last row, which is causal);
+    ``host_lens`` the same lengths as host ints (``PhaseMetadata.host_lens``), None where not known."""
 
     rows: torch.Tensor | None  # None: the whole chunk
     cu_seqlens_q: torch.Tensor
     context_lens: torch.Tensor
     max_query_len: int
+    host_lens: tuple[Sequence[int], Sequence[int]] | None = None
 
 
 class XAttentionPolicy(SparsePolicy):
@@ -97,10 +101,13 @@ class XAttentionPolicy(SparsePolicy):
         if ctx.layer_id < cfg.skip_layers or meta.max_context_len < cfg.dense_below:
             return ctx.attend_all(q, k, v)
         block_scores, attend = _ops(q.device)
-        key_cache, _, key_tables = ctx.read_paged(lambda: _blocks_up_to(meta.context_lens, ctx.block_size),
-                                                  values=False)
+        # every block of every context, as wide as the longest (a host int): a copying store reads nothing back
+        key_width = -(-meta.max_context_len // ctx.block_size)
+        key_cache, _, key_tables = ctx.read_paged(
+            lambda: _blocks_up_to(meta.context_lens, ctx.block_size, key_width), values=False, width=key_width
+        )
         slices = chunk_slices(meta.cu_seqlens_q, meta.context_lens, meta.max_query_len, cfg.block_size,
-                              cfg.estimate_chunk)
+                              cfg.estimate_chunk, meta.host_lens)
         masks = [self.select(q, ctx, part, key_cache, key_tables, block_scores) for part in slices]
         del key_cache
         width = meta.block_tables.shape[1]
@@ -112,7 +119,7 @@ class XAttentionPolicy(SparsePolicy):
             blocks, counts = block_lists(mask)
             part_q = q if part.rows is None else q[part.rows]
             out, _ = attend(part_q, k_cache, v_cache, tables, part.cu_seqlens_q, part.context_lens, blocks, counts,
-                            cfg.block_size, ctx.scale, part.max_query_len)
+                            cfg.block_size, ctx.scale, part.max_query_len, host_lens=part.host_lens)
             outs.append(out)
         if len(slices) == 1:
             return outs[0]
@@ -128,12 +135,14 @@ class XAttentionPolicy(SparsePolicy):
         part_q = q if part.rows is None else q[part.rows]
         if cfg.oracle is not None:
             true_scores = true_block_scores(part_q, key_cache, key_tables, part.cu_seqlens_q, part.context_lens,
-                                            ctx.scale, cfg.block_size, part.max_query_len, ctx.meta.max_context_len)
+                                            ctx.scale, cfg.block_size, part.max_query_len,
+                                            ctx.meta.max_context_len, part.host_lens)
         if cfg.oracle == "mass":
             scores = true_scores
         else:
             scores = block_scores(part_q, key_cache, key_tables, part.cu_seqlens_q, part.context_lens, ctx.scale,
-                                  cfg.stride, cfg.block_size, part.max_query_len, ctx.meta.max_context_len)
+                                  cfg.stride, cfg.block_size, part.max_query_len, ctx.meta.max_context_len,
+                                  host_lens=part.host_lens)
         mask = select_blocks(scores, part.cu_seqlens_q, part.context_lens, cfg.block_size, ctx.num_kv_heads,
                              cfg.head_reduce, self.thresholds(ctx.layer_id, q.shape[1], q.device), cfg.ratio,
                              cfg.keep_sink, cfg.keep_recent, cfg.recent_blocks, cfg.dense_last_rows,
@@ -147,16 +156,19 @@ class XAttentionPolicy(SparsePolicy):
 
 
 def chunk_slices(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, max_query_len: int, block: int,
-                 estimate_chunk: int) -> list[Slice]:
+                 estimate_chunk: int, host_lens: tuple[Sequence[int], Sequence[int]] | None = None,
+                 ) -> list[Slice]:
     """The chunk as one slice, or cut into slices of ``estimate_chunk`` positions (whole blocks) counted
     from the block of each sequence's first query, so a query block never spans two slices. A sequence
-    with no rows in a slice appears there with no queries and no keys."""
+    with no rows in a slice appears there with no queries and no keys. ``host_lens``: the query and context
+    lengths as host ints (``PhaseMetadata.host_lens``); cutting without them reads the tensors back."""
     if max_query_len <= estimate_chunk:
-        return [Slice(None, cu_seqlens_q, context_lens, max_query_len)]
+        return [Slice(None, cu_seqlens_q, context_lens, max_query_len, host_lens)]
     span = max(estimate_chunk // block, 1) * block
-    starts = cu_seqlens_q[:-1].tolist()
-    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
-    lens = context_lens.tolist()
+    if host_lens is None:
+        host_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist(), context_lens.tolist()
+    q_lens, lens = host_lens
+    starts = list(accumulate(q_lens, initial=0))[:-1]
     device = cu_seqlens_q.device
     slices = []
     for k in range(-(-(max_query_len + block - 1) // span)):
@@ -171,7 +183,8 @@ def chunk_slices(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, max_que
             kv.append(hi if hi > lo else 0)
         if cu[-1]:
             slices.append(Slice(torch.cat(rows).to(device), torch.tensor(cu, dtype=torch.int32, device=device),
-                                torch.tensor(kv, dtype=torch.int32, device=device), span))
+                                torch.tensor(kv, dtype=torch.int32, device=device), span,
+                                (tuple(b - a for a, b in pairwise(cu)), tuple(kv))))
     return slices
 
 
@@ -194,10 +207,10 @@ def load_thresholds(path: str) -> list[list[float]]:
     return [[float(t) for t in row] for row in table]
 
 
-def _blocks_up_to(context_lens: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``[S, n]`` bool: every KV block of each sequence's context."""
+def _blocks_up_to(context_lens: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
+    """``[S, width]`` bool: every KV block of each sequence's context (``width`` at least the most blocks)."""
     num_blocks = -(-context_lens.long() // block_size)
-    return torch.arange(int(num_blocks.max()), device=num_blocks.device)[None, :] < num_blocks[:, None]
+    return torch.arange(width, device=num_blocks.device)[None, :] < num_blocks[:, None]
 
 
 def _touched(mask: torch.Tensor, kv_block_size: int, block: int, width: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ each forward pass and clears it after. Attention layers only read it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import attrs
@@ -23,8 +23,7 @@ class PhaseMetadata:
     ``query_lens_host`` / ``context_lens_host``: the same lengths as host ints, so that code which needs
     them in Python reads no device value (a host sync on the GPU). The engine gives them with every
     prefill phase; they are ``None`` where no host copy exists, always in metadata a CUDA graph captures
-    (a replay brings new lengths the copies would not follow). :meth:`host_lens` falls back to the
-    tensors.
+    (a replay brings new lengths the copies would not follow).
     """
 
     cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32
@@ -43,12 +42,13 @@ class PhaseMetadata:
     def query_lens(self) -> torch.Tensor:
         return self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]
 
-    def host_lens(self) -> tuple[Sequence[int], Sequence[int]]:
-        """``(query lengths, context lengths)`` per sequence as host ints: the host copies when given, else
-        read back from the tensors (a host sync on the GPU)."""
-        if self.query_lens_host is not None and self.context_lens_host is not None:
-            return self.query_lens_host, self.context_lens_host
-        return self.query_lens.tolist(), self.context_lens.tolist()
+    @property
+    def host_lens(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """``(query_lens_host, context_lens_host)``, or None without host copies: the form the policies'
+        functions take, each reading the tensors back only when given None."""
+        if self.query_lens_host is None or self.context_lens_host is None:
+            return None
+        return self.query_lens_host, self.context_lens_host
 
 
 @attrs.define(frozen=True, slots=True)
