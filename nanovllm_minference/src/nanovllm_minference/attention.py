@@ -30,6 +30,9 @@ imported) with float32 dots: the interpreter's bfloat16 dot is wrong.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import accumulate
+
 import attrs
 import torch
 import triton
@@ -472,10 +475,12 @@ def sparse_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, index: SparseIndex, scale: float,
     max_query_len: int, *, dense_above: float | None = None, config: SparseKernelConfig | tuple | None = None,
+    host_lens: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse prefill attention (Triton): ``(out [T, H, D] in q's dtype, lse [T, H] float32)``.
 
-    ``max_query_len`` (a host int) sizes the grid. ``dense_above``: when the index computes more than this
+    ``max_query_len`` (a host int) sizes the grid; ``host_lens``, the reference's, goes unused (the kernel
+    reads the lengths on the device). ``dense_above``: when the index computes more than this
     share of dense causal work (:func:`~nanovllm_minference.index.computed_density`), the kernel attends to
     every key up to each row instead (dense causal attention). The share is computed on the GPU (a fill and
     one launch) and the kernel reads it there: nothing waits on the host. ``config`` (a
@@ -610,9 +615,11 @@ def sparse_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, index: SparseIndex, scale: float,
     max_query_len: int, *, dense_above: float | None = None,
+    host_lens: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse prefill attention (torch, any device; the oracle): a dense mask per sequence, float32 softmax.
-    Same arguments and results as :func:`sparse_attention`."""
+    Same arguments and results as :func:`sparse_attention`; ``host_lens``, the query and context lengths as
+    host ints (``PhaseMetadata.host_lens``), saves reading them from the tensors."""
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, index)
     dense = dense_above is not None and computed_density(index, cu_seqlens_q, context_lens,
                                                          max_query_len) > dense_above
@@ -621,10 +628,11 @@ def sparse_attention_reference(
     group = num_heads // num_kv_heads
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-    cu, ctx = cu_seqlens_q.tolist(), context_lens.tolist()
-    for s in range(len(ctx)):
-        rows = slice(cu[s], cu[s + 1])
-        query_len = cu[s + 1] - cu[s]
+    if host_lens is None:
+        host_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist(), context_lens.tolist()
+    query_lens, ctx = host_lens
+    for s, (first_row, query_len) in enumerate(zip(accumulate(query_lens, initial=0), query_lens)):
+        rows = slice(first_row, first_row + query_len)
         if query_len == 0:
             continue
         pos = torch.arange(ctx[s], device=q.device)

@@ -28,6 +28,8 @@ pass 1, 128 in pass 2):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -51,15 +53,20 @@ def _check_args(q, k_cache, block_tables, cu_seqlens_q, context_lens, last_q) ->
 
 def estimate_reference(
     q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor, scale: float, last_q: int = 64, max_context_len: int | None = None,
+    context_lens: torch.Tensor, scale: float, last_q: int = 64, max_context_len: int | None = None, *,
+    host_lens: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(vertical, slash)``, both ``[S, H, L]`` float32 (see the module docstring)."""
+    """``(vertical, slash)``, both ``[S, H, L]`` float32 (see the module docstring). ``host_lens``: the query
+    and context lengths as host ints (``PhaseMetadata.host_lens``); without them they are read from the
+    tensors."""
     _check_args(q, k_cache, block_tables, cu_seqlens_q, context_lens, last_q)
     device = q.device
     num_seqs, num_heads = context_lens.shape[0], q.shape[1]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    if host_lens is None:
+        host_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist(), context_lens.tolist()
     ctx = context_lens.long()
-    longest = int(ctx.max()) if num_seqs else 0
+    longest = max(host_lens[1], default=0)
     width = longest if max_context_len is None else max_context_len
     if width < longest:
         raise ValueError(f"max_context_len={max_context_len} is shorter than a context of {longest} keys")
@@ -67,7 +74,7 @@ def estimate_reference(
     slash = torch.zeros_like(vertical)
     cu = cu_seqlens_q.long()
     n = (cu[1:] - cu[:-1]).clamp(max=last_q)  # rows per sequence
-    rows = int(n.max()) if num_seqs else 0
+    rows = min(max(host_lens[0], default=0), last_q)
     if rows == 0 or width == 0:
         return vertical, slash
 
@@ -312,11 +319,13 @@ def _sums_heads(group: int, rows: int, block_d: int, itemsize: int, budget: int,
 
 def estimate(
     q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor, scale: float, last_q: int = 64, max_context_len: int | None = None,
+    context_lens: torch.Tensor, scale: float, last_q: int = 64, max_context_len: int | None = None, *,
+    host_lens: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(vertical, slash)`` as :func:`estimate_reference`, by two Triton launches and nothing else. Pass
     ``max_context_len`` (a host int, at least every context length) to avoid reading the lengths back to
-    the host. The two results are views of one allocation (``[2, S, H, L]``)."""
+    the host (``host_lens``, the reference's, goes unused). The two results are views of one allocation
+    (``[2, S, H, L]``)."""
     _check_args(q, k_cache, block_tables, cu_seqlens_q, context_lens, last_q)
     num_seqs = context_lens.shape[0]
     _, num_heads, head_dim = q.shape

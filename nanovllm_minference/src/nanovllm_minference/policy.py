@@ -106,8 +106,9 @@ class MInferencePolicy(SparsePolicy):
         ops = _ops(q.device)
         # keys are read only for what the index scores with (A-shape needs none)
         key_cache, key_tables = ctx.k_cache, meta.block_tables
-        if plan.reads_keys:
-            key_cache, _, key_tables = ctx.read_paged(lambda: _every_block(ctx), values=False)
+        if plan.reads_keys:  # as wide as the longest context (a host int): a copying store reads nothing back
+            key_cache, _, key_tables = ctx.read_paged(lambda: _every_block(ctx), values=False,
+                                                      width=-(-meta.max_context_len // ctx.block_size))
         index = self.build_index(q, ctx, key_cache, key_tables, ops)
         del key_cache
         dense_above, decided = cfg.dense_above, []
@@ -126,8 +127,8 @@ class MInferencePolicy(SparsePolicy):
             return ctx.attend_all(q, k, v)
         # on the GPU cache the kernel itself runs dense above dense_above (decided on the GPU, no sync)
         return ops.attend(q, *paged, meta.cu_seqlens_q, meta.context_lens, index, ctx.scale,
-                          meta.max_query_len,
-                          dense_above=None if decided else dense_above)[0]
+                          meta.max_query_len, dense_above=None if decided else dense_above,
+                          host_lens=meta.host_lens)[0]
 
     def _dense_by_budget(self, plan: LayerPlan, max_context_len: int) -> bool:
         """Whether the chunk runs dense before any estimate: every head of a vertical-slash layer keeps every
@@ -151,7 +152,7 @@ class MInferencePolicy(SparsePolicy):
         scores = None
         if plan.uses("vertical_slash"):
             scores = ops.estimate(q, k_cache, tables, meta.cu_seqlens_q, meta.context_lens, ctx.scale,
-                                  cfg.last_q, meta.max_context_len)
+                                  cfg.last_q, meta.max_context_len, host_lens=meta.host_lens)
         if plan.only("vertical_slash"):  # the common case: ranking, top lines and index in one launch
             return ops.select(*scores, meta.cu_seqlens_q, meta.context_lens, plan.vertical, plan.slash,
                               cfg.num_sink_tokens, cfg.num_recent_diags, max_sizes, meta.max_context_len,
