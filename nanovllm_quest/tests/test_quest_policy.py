@@ -465,10 +465,10 @@ def test_rescoring_every_page_by_mass_keeps_the_oracles_pages():
 
 
 @pytest.mark.parametrize(("options", "block", "want"), [
-    ({}, 16, 2), ({"page_size": 16}, 16, 2), ({"page_size": 32}, 16, 1), ({"oracle": True}, 16, 1),
+    ({}, 16, 3), ({"page_size": 16}, 16, 3), ({"page_size": 32}, 16, 1), ({"oracle": True}, 16, 1),
     ({"rescore": 1}, 16, 1), ({"rescore": 4, "page_size": 8}, 8, 4)])
 def test_unset_rescore_rescores_pages_of_one_block(options, block, want):
-    """Unset, ``rescore`` is 2 with pages of one KV block, and 1 where it cannot run (larger pages) or has
+    """Unset, ``rescore`` is 3 with pages of one KV block, and 1 where it cannot run (larger pages) or has
     nothing to refine (the oracle); set, it is what was set."""
     policy = QuestPolicy(QuestConfig(**options))
     policy.initialize(4, 2, 16, 10, block, torch.float32, torch.device("cpu"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 
 GROUP_REDUCTIONS = ("max", "sum", "mass")
-DEFAULT_RESCORE = 2  # with pages of one KV block, when ``rescore`` is unset
+DEFAULT_RESCORE = 3  # with pages of one KV block, when ``rescore`` is unset
 METADATA_DTYPES = ("auto", "kv", "fp8")
 
 
@@ -73,7 +73,7 @@ class QuestConfig:
       the nominees (the softmax of its keys' scaled ``q . k``), summed over the group. 1: off (the paper's
       selection, by the bound alone). It reads ``rescore x token_budget`` keys per KV head besides the
       bounds (with KV offload only those keys cross PCIe) and needs pages of one KV block. Default (unset):
-      2 with pages of one KV block, 1 with larger pages and with ``oracle``.
+      3 with pages of one KV block, 1 with larger pages and with ``oracle``.
     - ``oracle`` (default false): an evaluation mode, slow, for quality measurements only: pages rank by
       their exact attention mass for the step's query (:func:`nanovllm_quest.reference.page_masses`,
       every history key read) instead of the bound, which tells what the bound costs from what the budget

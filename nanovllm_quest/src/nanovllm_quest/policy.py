@@ -24,7 +24,7 @@ the page keeps one min/max per ``bound_size`` tokens and scores the largest of t
   keeps resident on the GPU, so their whole history does not cross PCIe every step.
 - The query heads of a GQA group share their KV head's selection; by default (``group_reduction=mass``)
   each head's bounds become its estimated attention shares over the pages, summed over the group.
-- ``rescore`` above 1 (2 by default with pages of one block) keeps the bound as a first pass: it nominates
+- ``rescore`` above 1 (3 by default with pages of one block) keeps the bound as a first pass: it nominates
   ``rescore`` times the budget's pages, whose keys then pick the budget (by default each head's exact
   attention share among the nominees). The nominees' keys are read through
   ``ctx.read_paged``: in place on the GPU cache, with offload only the nominated blocks' keys cross PCIe.
