@@ -182,10 +182,18 @@ def chunk_slices(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, max_que
             cu.append(cu[-1] + hi - lo)
             kv.append(hi if hi > lo else 0)
         if cu[-1]:
-            slices.append(Slice(torch.cat(rows).to(device), torch.tensor(cu, dtype=torch.int32, device=device),
-                                torch.tensor(kv, dtype=torch.int32, device=device), span,
+            slices.append(Slice(_on_device(torch.cat(rows), device),
+                                _on_device(torch.tensor(cu, dtype=torch.int32), device),
+                                _on_device(torch.tensor(kv, dtype=torch.int32), device), span,
                                 (tuple(b - a for a, b in pairwise(cu)), tuple(kv))))
     return slices
+
+
+def _on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``; to a GPU through pinned memory: a copy from pageable memory waits for the GPU."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def load_thresholds(path: str) -> list[list[float]]:
