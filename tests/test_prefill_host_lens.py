@@ -115,6 +115,8 @@ POLICIES = {
                                                             last_q=16, dense_above=None)),
     "minference-density": lambda: MInferencePolicy(MInferenceConfig(dense_below=0, vertical_size=32,
                                                                     slash_size=64, last_q=16)),
+    "minference-block-sparse": lambda: MInferencePolicy(MInferenceConfig(dense_below=0, top_k_blocks=2,
+                                                                         pattern="block_sparse")),
 }
 
 

@@ -434,12 +434,13 @@ def _float64_scalar(value: float, device: torch.device) -> torch.Tensor:
 
 def block_sparse_index(
     q: torch.Tensor, keys: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-    top_k: torch.Tensor, max_query_len: int,
+    top_k: torch.Tensor, max_query_len: int, max_top_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MInference's block-sparse pattern: per query tile, the ``top_k[h]`` key tiles whose mean key scores
     highest against the tile's mean query, block-causal; the key tiles holding the query tile's own
     positions are always kept. ``q`` ``[T, H, D]``, ``keys`` ``[S, L, Hkv, D]`` (position order, L at
-    least the longest context). Returns (blocks ``[S, H, M, K]``, counts ``[S, H, M]``)."""
+    least the longest context). ``max_top_k``: the largest ``top_k`` as a host int, which saves reading it
+    back. Returns (blocks ``[S, H, M, K]``, counts ``[S, H, M]``)."""
     device = q.device
     num_seqs, length, num_kv_heads, head_dim = keys.shape
     num_heads = q.shape[1]
@@ -470,7 +471,7 @@ def block_sparse_index(
     own = (key_tile[None, None, :] == (first // TILE)[..., None]) | (key_tile[None, None, :] == (last // TILE)[..., None])
     scores = torch.where(own[:, None], float("inf"), scores)
     scores = torch.where((key_tile[None, None, :] <= (last // TILE)[..., None])[:, None], scores, float("-inf"))
-    k = min(int(top_k.max()), tiles_k)
+    k = min(int(top_k.max()) if max_top_k is None else max_top_k, tiles_k)
     best = scores.topk(k, dim=-1)
     rank = torch.arange(k, device=device)
     top_k = top_k.to(device)[None, :, None, None]

@@ -55,6 +55,7 @@ class LayerPlan:
     max_sizes: tuple[int, int]  # the largest vertical and slash sizes, on the host
     min_sizes: tuple[int, int]  # the smallest
     same_sizes: bool  # every head has the largest sizes
+    max_top_k: int  # the most key tiles a block-sparse head keeps, on the host (0: none is)
 
     def heads(self, kind: str) -> torch.Tensor:
         return self.masks[kind]
@@ -184,7 +185,7 @@ class MInferencePolicy(SparsePolicy):
             top_k = torch.where(plan.heads("block_sparse"), plan.vertical, 0)
             keys = _keys_in_order(k_cache, tables, meta.max_context_len)
             blocks, counts = block_sparse_index(q, keys, meta.cu_seqlens_q, meta.context_lens, top_k,
-                                                meta.max_query_len)
+                                                meta.max_query_len, plan.max_top_k)
             index = attrs.evolve(index, blocks=blocks, block_counts=counts)
         return index
 
@@ -206,8 +207,9 @@ class MInferencePolicy(SparsePolicy):
             max_sizes = max(h.vertical_size for h in heads), max(h.slash_size for h in heads)
             min_sizes = min(h.vertical_size for h in heads), min(h.slash_size for h in heads)
             same_sizes = all((h.vertical_size, h.slash_size) == max_sizes for h in heads)
+            max_top_k = max((h.vertical_size for h in heads if h.pattern == "block_sparse"), default=0)
             self._plans[key] = LayerPlan(kinds, sizes[:, 0].contiguous(), sizes[:, 1].contiguous(), masks,
-                                         max_sizes, min_sizes, same_sizes)
+                                         max_sizes, min_sizes, same_sizes, max_top_k)
         return self._plans[key]
 
 def touched_blocks(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_size: int,
