@@ -222,14 +222,15 @@ class ModelRunner:
         # decodes: one token each, plain integers; one that is a prompt token samples only if it is the last
         positions = [s.num_computed_tokens for s in decodes]
         ids = [s.token_ids[p] for s, p in zip(decodes, positions, strict=True)]
-        pos_parts = [np.asarray(positions, dtype=np.int64)]
+        id_parts, pos_parts = [np.asarray(ids, dtype=np.int64)], [np.asarray(positions, dtype=np.int64)]
         sample_rows = [i for i, s in enumerate(decodes) if s.samples_this_step]
         sampling = [decodes[i] for i in sample_rows]
         scored = [(s, i) for i, s in enumerate(decodes) if s.prompt_logprobs is not None]  # (seq, first row)
         row = len(decodes)
         for s in prefills:
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens
-            ids.extend(s.token_ids[start:end])
+            # an array straight from the slice: no list of the whole step's ids to grow and convert again
+            id_parts.append(np.fromiter(s.token_ids[start:end], dtype=np.int64, count=end - start))
             pos_parts.append(np.arange(start, end))
             if s.prompt_logprobs is not None:
                 scored.append((s, row))
@@ -245,7 +246,7 @@ class ModelRunner:
         offsets = [self.kv.block_offset(g) for g in range(len(self.kv_cache_groups))]
         decode_tables = group_tables(decodes, offsets)
         plan = StepPlan(
-            input_ids=np.asarray(ids, dtype=np.int64),
+            input_ids=np.concatenate(id_parts),
             positions=np.concatenate(pos_parts),
             group_slots=group_slots(decodes, decode_tables, prefills, bs, offsets),
             num_decode_tokens=len(decodes),
