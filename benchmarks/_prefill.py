@@ -111,7 +111,7 @@ def bench_ttft_paired(preset: str, context: int, policies: list[str], rounds: in
 
 def bench_paired_ttft(
     model: str, context: int, policies: list[str], rounds: int, prompt_ids: list[int] | None = None,
-    **engine_options: Any,
+    profile_top: int = 0, **engine_options: Any,
 ) -> list[dict[str, Any]]:
     """TTFT of one prompt of ``context`` tokens under each of ``policies`` (``sparse_policy`` selections), KV
     on the GPU: one engine per policy in this process, each with KV for that prompt alone. After a first
@@ -120,7 +120,9 @@ def bench_paired_ttft(
     separate processes do not. A row per
     policy: ``ttft_s`` the median of ``ttft_rounds_s``; after the first, ``speedup_rounds``: the first
     policy's TTFT over this one's, round by round. ``prompt_ids``: a prompt (its first ``context`` tokens
-    or as many as fit) timed in every round instead of fresh random ones; prefix caching is off."""
+    or as many as fit) timed in every round instead of fresh random ones; prefix caching is off.
+    ``profile_top`` > 0 (CUDA): after the rounds, one more run per engine under the torch profiler, its row's
+    ``profile`` (:func:`profiled_ttft`)."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     if len(policies) < 2:
@@ -143,6 +145,7 @@ def bench_paired_ttft(
     for prompt in [first, *timed]:
         for llm, seconds in zip(engines, times, strict=True):
             seconds.append(offload.ttft_alone(llm, [prompt]))
+    profiles = [profiled_ttft(llm, first, profile_top) for llm in engines] if profile_top > 0 else None
     del engines, llm
     offload.free_memory()
     rows = []
@@ -150,10 +153,28 @@ def bench_paired_ttft(
         row = {"preset": model, "context": context, "prompt_len": prompt_len, "policy": policy,
                "settings": options, "ttft_first_s": first_s, "ttft_rounds_s": rounds_s,
                "ttft_s": statistics.median(rounds_s)}
+        if profiles:
+            row["profile"] = profiles[len(rows)]
         if rows:
             row["speedup_rounds"] = [a / b for a, b in zip(times[0][1:], rounds_s, strict=True)]
         rows.append(row)
     return rows
+
+
+def profiled_ttft(llm: Any, prompt: list[int], top: int) -> dict[str, Any]:
+    """One TTFT of ``prompt`` under the torch profiler (CUDA): its wall time, the device's busy time (every
+    kernel, copy and fill) and the host's (every op's own CPU time), in ms, and the ``top`` kernels by device
+    time. A TTFT well above the device time is time the device waited for the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall_s = offload.ttft_alone(llm, [prompt])
+    events = prof.key_averages()
+    on_device = sorted((e for e in events if e.self_device_time_total > 0 and not e.key.startswith("aten::")),
+                       key=lambda e: -e.self_device_time_total)
+    return {"wall_ms": 1000 * wall_s, "device_ms": sum(e.self_device_time_total for e in on_device) / 1000,
+            "host_ms": sum(e.self_cpu_time_total for e in events) / 1000,
+            "kernels_ms": {e.key[:80]: e.self_device_time_total / 1000 for e in on_device[:top]}}
 
 
 def with_ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:

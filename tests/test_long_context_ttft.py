@@ -1,0 +1,45 @@
+"""The interleaved TTFT script end to end on the CPU with the tiny random model: the engines take turns on one
+natural-text prompt, and each policy's row carries every round and its ratio to the first policy's."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_every_policy_is_timed_in_turns_against_the_first(tmp_path, tiny_model, one_thread):
+    from nanovllm.plugins import get_plugins
+
+    if "xattn" not in get_plugins().registry.sparse_policies:
+        pytest.skip("needs the nanovllm-xattn plugin")
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.append(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("long_context_ttft", BENCHMARKS / "long_context_ttft.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    model = tiny_model("LlamaForCausalLM", max_position_embeddings=256)
+    rng = random.Random(0)
+    text = tmp_path / "text.txt"  # words of the tiny vocabulary
+    text.write_text(" ".join(f"tok{rng.randrange(3, 256)}" for _ in range(500)))
+    policies = ["full", "xattn:threshold=0.9"]
+    assert script.main(["--model", model, "--length", "96", "--rounds", "2", "--policies", ";".join(policies),
+                        "--max-num-batched-tokens", "32", "--dtype", "float32", "--text-file", str(text),
+                        "--out", str(tmp_path), "--name", "tiny"]) == 0
+    result = json.loads((tmp_path / "tiny.json").read_text())
+    rows = result["rows"]
+    assert [r["policy"] for r in rows] == policies and result["prompt_source"] == str(text)
+    first, other = rows
+    assert all(len(r["ttft_rounds_s"]) == 2 and r["ttft_s"] > 0 for r in rows)
+    assert first["vs_reference"] == 1.0
+    ratios = [b / a for a, b in zip(first["ttft_rounds_s"], other["ttft_rounds_s"], strict=True)]
+    assert other["vs_reference"] == pytest.approx(statistics.median(ratios))
+    table = (tmp_path / "tiny.md").read_text()
+    assert "| `xattn:threshold=0.9` |" in table and "no slower than `full`" in table
