@@ -62,7 +62,7 @@ class Contents(NamedTuple):
         return Contents(self.hashes[i : i + 1], self.tokens[i : i + 1], self.parents[i : i + 1])
 
 
-def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
+def chain_hash(prev_hash: int | None, token_ids: SequenceABC[int] | np.ndarray) -> int:
     """The hash of a full block of ``token_ids`` after the block hashed ``prev_hash``: 64 bits, unsigned."""
     h = xxhash.xxh64()
     if prev_hash is not None:
@@ -71,7 +71,7 @@ def chain_hash(prev_hash: int | None, token_ids: list[int]) -> int:
     return h.intdigest()
 
 
-def check_hash(prev_hash: int | None, token_ids: list[int]) -> int:
+def check_hash(prev_hash: int | None, token_ids: SequenceABC[int] | np.ndarray) -> int:
     """A second chained hash, independent of ``chain_hash`` (another function): what a window group of a
     model without full attention checks a cached block's prefix by, where the blocks before it are gone. It
     has 63 bits, to be kept in a block's parent beside block ids (int64)."""
@@ -265,14 +265,15 @@ class BlockManager:
         """Chained hash of the ``index``-th full block of ``seq`` (cached on the sequence)."""
         return self._chained(seq, seq.block_hashes, chain_hash, index)
 
-    def _chained(self, seq: Sequence, chain: list[int], hash_fn: Callable[[int | None, list[int]], int],
+    def _chained(self, seq: Sequence, chain: list[int], hash_fn: Callable[[int | None, np.ndarray], int],
                  index: int) -> int:
         """``hash_fn`` chained over ``seq``'s full blocks up to the ``index``-th, extending ``chain`` (the
         sequence's cache of that chain) as far as needed."""
-        while len(chain) <= index:
-            i = len(chain)
-            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
-            chain.append(hash_fn(chain[i - 1] if i else None, tokens))
+        start, bs = len(chain), self.block_size
+        if start <= index:  # the new blocks' tokens as one array: a prompt's chunk is hundreds of blocks
+            rows = np.asarray(seq.token_ids[start * bs : (index + 1) * bs], dtype=np.int64).reshape(-1, bs)
+            for i, tokens in enumerate(rows, start):
+                chain.append(hash_fn(chain[i - 1] if i else None, tokens))
         return chain[index]
 
     def find_cached_prefix(self, seq: Sequence) -> list[list[int]]:
@@ -347,8 +348,9 @@ class BlockManager:
             parents[after - first :] = np.stack([ids, self.generations[ids]], axis=1)
         else:
             parents[after - first :, 0] = CHECKED
-            parents[after - first :, 1] = [self._chained(seq, seq.block_checks, check_hash, i - 1)
-                                           for i in range(after, stop)]
+            if stop > after:
+                self._chained(seq, seq.block_checks, check_hash, stop - 2)  # hashed up to the last at once
+            parents[after - first :, 1] = seq.block_checks[after - 1 : stop - 1]
         return Contents(hashes, tokens, parents)
 
     def _same_content(self, block_ids: np.ndarray, contents: Contents) -> np.ndarray:
