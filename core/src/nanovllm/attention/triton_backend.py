@@ -50,7 +50,8 @@ class TritonBackend(AttentionBackend):
             return _sdpa_causal(q, k, v, scale, self.sdpa_mode)
         out = _empty_out(q)
         if fresh:  # one sequence, nothing cached before it: the new keys are all there is
-            k, v = _one_layout(k, v)
+            if not tk.same_layout(k, v):  # the kernel reads both with one layout; a model may norm k, not v
+                k, v = k.contiguous(), v.contiguous()
             tk.attention_rows(
                 q, k, v, out, None, meta.cu_seqlens_q, None, None, None, meta.max_query_len, scale,
                 paged=False, causal=True, window=window,
@@ -94,7 +95,8 @@ class TritonBackend(AttentionBackend):
         return out, lse
 
     def attend_chunk(self, q, k, v, meta: PhaseMetadata, scale: float):
-        k, v = _one_layout(k, v)
+        if not tk.same_layout(k, v):  # k comes out of RoPE contiguous, v is still a view of the qkv output
+            k, v = k.contiguous(), v.contiguous()
         out = _empty_out(q)
         lse = _empty_lse(q)
         tk.attention_rows(
@@ -102,23 +104,6 @@ class TritonBackend(AttentionBackend):
             paged=False, causal=True,
         )
         return out, lse
-
-
-def _one_layout(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``k`` and ``v`` with one set of strides, which the kernels read both with. They differ where a model
-    norms ``k`` and not ``v`` (``v`` is then a view of the qkv output); the copies are row-major even in
-    dimensions of one element, where ``contiguous()`` keeps any stride (a one-token prompt)."""
-    if k.stride() == v.stride():
-        return k, v
-    return _row_major(k), _row_major(v)
-
-
-def _row_major(t: torch.Tensor) -> torch.Tensor:
-    strides, step = [], 1
-    for size in reversed(t.shape):
-        strides.append(step)
-        step *= size
-    return t if t.stride() == tuple(reversed(strides)) else t.clone(memory_format=torch.contiguous_format)
 
 
 def _empty_out(q: torch.Tensor) -> torch.Tensor:

@@ -704,6 +704,12 @@ def _check_window(window: int | None, allowed: bool) -> None:
         raise ValueError(f"window={window}: a sliding window holds at least one token")
 
 
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether one set of strides reads both ``a`` and ``b``: equal shapes, and equal strides but in dimensions
+    of one element, whose stride no index reaches (a one-token prompt's rows may differ there)."""
+    return a.shape == b.shape and all(n == 1 or x == y for n, x, y in zip(a.shape, a.stride(), b.stride()))
+
+
 def _dummy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A one-element stand-in for an argument a launch does not read: an allocation, never a kernel."""
     return t.new_empty(1, dtype=dtype)
@@ -791,7 +797,7 @@ def attention_rows(
         block_size = 1
         kstrides = (0, *k.stride())
         bt, stride_bt = _dummy(cu_seqlens_q), 0
-    assert k.stride() == v.stride(), "k and v must share one layout"
+    assert same_layout(k, v), "k and v must share one layout"
     has_idx = block_indices is not None
     _check_window(window, causal and not has_idx)
     bi, stride_bi, stride_bh, num_sel = _selection_args(block_indices, num_kv_heads, cu_seqlens_q)
@@ -926,5 +932,5 @@ def is_interpreted() -> bool:
 
 __all__ = [
     "store_kv", "attention_rows", "attention_decode", "num_decode_splits", "is_interpreted", "max_shared_memory",
-    "num_sms", "PrefillConfig", "DecodeConfig",
+    "num_sms", "same_layout", "PrefillConfig", "DecodeConfig",
 ]
