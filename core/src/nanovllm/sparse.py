@@ -19,7 +19,7 @@ A policy distribution imports from nanovllm only this module and the attention b
 - Kernel helpers a plugin's Triton kernels may use: ``tile_blocks``, ``attention_scores``,
   ``online_softmax_step``, ``online_softmax_step_fused_scale`` and ``online_softmax_accumulate``
   (``@triton.jit`` functions), ``num_sms``, ``max_shared_memory``,
-  ``is_interpreted`` and :func:`paged_kv_descriptors`.
+  ``is_interpreted`` and :func:`paged_kv_descriptors`; :func:`host_lengths` (a phase's lengths as host ints).
 
 Importing this module imports no torch: the names that need it (the context, the types and the kernel
 helpers) are loaded on first use. A plugin's registration module can therefore import :data:`hookimpl`
@@ -33,6 +33,7 @@ on an API ``X.Z`` with ``Z >= Y``.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from nanovllm.hookspecs import ObserverSpec, argument_problems, hookimpl
@@ -207,6 +208,16 @@ def contract_problems(member: object) -> list[str]:
     return argument_problems(member, SparsePolicy, POLICY_METHODS) + argument_problems(member, ObserverSpec)
 
 
+def host_lengths(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                 host_lens: tuple[Sequence[int], Sequence[int]] | None = None,
+                 ) -> tuple[Sequence[int], Sequence[int]]:
+    """``(query lengths, context lengths)`` per sequence as host ints: ``host_lens`` when given
+    (``PhaseMetadata.host_lens``), else read back from the tensors (a host sync on the GPU)."""
+    if host_lens is not None:
+        return host_lens
+    return (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist(), context_lens.tolist()
+
+
 def paged_kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, box_rows: int) -> tuple | None:
     """Tensor-memory-accelerator (TMA) descriptors of paged caches ``[num_blocks, block_size, Hkv, D]``, seen
     as 2-D ``[num_blocks * block_size, Hkv * D]``: a kernel loads the ``box_rows`` keys of one KV head from
@@ -279,5 +290,5 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "API_VERSION", "APIVersionError", "check_api_version", "hookimpl", "ObserverSpec", "SparsePolicy",
-    "POLICY_FLAGS", "POLICY_METHODS", "contract_problems", "paged_kv_descriptors", *_LAZY,
+    "POLICY_FLAGS", "POLICY_METHODS", "contract_problems", "host_lengths", "paged_kv_descriptors", *_LAZY,
 ]

@@ -40,6 +40,7 @@ import triton.language as tl
 from nanovllm.attention.backend import check_paged_inputs, prefill_kernel_outputs
 from nanovllm.sparse import (
     attention_scores,
+    host_lengths,
     online_softmax_accumulate,
     online_softmax_step,
     online_softmax_step_fused_scale,
@@ -628,8 +629,7 @@ def sparse_attention_reference(
     group = num_heads // num_kv_heads
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-    if host_lens is None:
-        host_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist(), context_lens.tolist()
+    host_lens = host_lengths(cu_seqlens_q, context_lens, host_lens)
     query_lens, ctx = host_lens
     for s, (first_row, query_len) in enumerate(zip(accumulate(query_lens, initial=0), query_lens)):
         rows = slice(first_row, first_row + query_len)

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 from nanovllm.attention.backend import check_paged_inputs
-from nanovllm.sparse import max_shared_memory, num_sms
+from nanovllm.sparse import host_lengths, max_shared_memory, num_sms
 
 LOG2E = 1.4426950408889634
 MAX_LAST_Q = 128  # rows per head held in one tile; MInference uses 64
@@ -63,8 +63,7 @@ def estimate_reference(
     device = q.device
     num_seqs, num_heads = context_lens.shape[0], q.shape[1]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    if host_lens is None:
-        host_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist(), context_lens.tolist()
+    host_lens = host_lengths(cu_seqlens_q, context_lens, host_lens)
     ctx = context_lens.long()
     longest = max(host_lens[1], default=0)
     width = longest if max_context_len is None else max_context_len

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 from nanovllm.attention.backend import check_paged_inputs, prefill_kernel_outputs
 from nanovllm.sparse import (
+    host_lengths,
     num_sms,
     online_softmax_step,
     online_softmax_step_fused_scale,
@@ -430,8 +431,7 @@ def query_chunks(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
     """``(sequence, first query row, queries, context length)`` of each sequence with queries in the step; a
     chunk's queries are the last ``queries`` positions of its context. ``host_lens``: the query and context
     lengths as host ints (``PhaseMetadata.host_lens``); without them they are read from the tensors."""
-    if host_lens is None:
-        host_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist(), context_lens.tolist()
+    host_lens = host_lengths(cu_seqlens_q, context_lens, host_lens)
     first_rows = accumulate(host_lens[0], initial=0)
     for s, (first_row, q_len, ctx) in enumerate(zip(first_rows, *host_lens)):
         if q_len > 0:

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 from nanovllm.attention.backend import check_paged_inputs
-from nanovllm.sparse import is_interpreted, max_shared_memory
+from nanovllm.sparse import host_lengths, is_interpreted, max_shared_memory
 
 from nanovllm_xattn.layout import num_key_blocks, num_query_blocks
 
@@ -99,8 +99,7 @@ def block_scores_reference(
     per_block = block // stride  # reshaped rows (and keys) per block
     scores = torch.zeros(num_seqs, num_heads, num_query_blocks(max_query_len, block),
                          num_key_blocks(max_context_len, block), dtype=torch.float32, device=device)
-    if host_lens is None:
-        host_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist(), context_lens.tolist()
+    host_lens = host_lengths(cu_seqlens_q, context_lens, host_lens)
     first_rows = accumulate(host_lens[0], initial=0)
     for s, (first_row, q_len, ctx) in enumerate(zip(first_rows, *host_lens)):
         if not 0 <= q_len <= min(ctx, max_query_len) or ctx > max_context_len:

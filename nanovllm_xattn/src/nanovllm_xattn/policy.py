@@ -30,7 +30,7 @@ from itertools import accumulate, pairwise
 
 import attrs
 import torch
-from nanovllm.sparse import PolicyContext, SparsePolicy
+from nanovllm.sparse import PolicyContext, SparsePolicy, host_lengths
 
 from nanovllm_xattn.config import XAttentionConfig
 from nanovllm_xattn.oracle import keep_counts, per_selection_head, true_block_scores
@@ -165,8 +165,7 @@ def chunk_slices(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, max_que
     if max_query_len <= estimate_chunk:
         return [Slice(None, cu_seqlens_q, context_lens, max_query_len, host_lens)]
     span = max(estimate_chunk // block, 1) * block
-    if host_lens is None:
-        host_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist(), context_lens.tolist()
+    host_lens = host_lengths(cu_seqlens_q, context_lens, host_lens)
     q_lens, lens = host_lens
     starts = list(accumulate(q_lens, initial=0))[:-1]
     device = cu_seqlens_q.device
