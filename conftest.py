@@ -5,6 +5,25 @@ from __future__ import annotations
 import pytest
 
 
+def pytest_collection_finish(session):
+    """Without CUDA, the interpreter runs of the kernel tests' files start now, in the background."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    from nanovllm.testing import start_interpreter_runs
+
+    start_interpreter_runs(dict.fromkeys(i.path for i in session.items if i.name.endswith("_under_interpreter")))
+
+
+def pytest_sessionfinish(session):
+    from nanovllm.testing import stop_interpreter_runs
+
+    stop_interpreter_runs()
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

@@ -45,8 +45,7 @@ GPU_CONFIGS = [
 INTERP_CONFIGS = [
     (torch.bfloat16, 64, 1, 16),
     (torch.float16, 128, 2, 256),
-    (torch.bfloat16, 128, 4, 16),
-    (torch.float16, 64, 8, 256),
+    (torch.bfloat16, 64, 8, 16),
     (torch.float32, 32, 2, 16),
     (torch.bfloat16, 64, 2, 8),  # blocks smaller than the decode tile: selected tiles span several blocks
 ]

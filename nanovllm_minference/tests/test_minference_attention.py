@@ -352,15 +352,9 @@ def test_bad_kernel_config_is_refused():
 
 
 def test_kernel_under_interpreter():
-    """Every ``interp`` case of this file but the knobs' under Triton's interpreter on the CPU, in a fresh
-    process."""
-    assert_interpreter_cases_pass(__file__, len(INTERP_CONFIGS), "interp and not knobs")
-
-
-@pytest.mark.slow
-def test_knobs_under_interpreter():
-    """The knobs' ``interp`` cases under Triton's interpreter on the CPU, in a fresh process."""
-    assert_interpreter_cases_pass(__file__, len(INTERP_KNOBS), "interp and knobs")
+    """Every ``interp`` case of this file, the knobs' included, under Triton's interpreter on the CPU, in a
+    fresh process."""
+    assert_interpreter_cases_pass(__file__, len(INTERP_CONFIGS) + len(INTERP_KNOBS))
 
 
 def test_bad_inputs_are_refused_up_front():

@@ -12,7 +12,7 @@ layer); run them at ``block_size=HYBRID_BLOCK_SIZE``.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -264,21 +264,67 @@ def soak(
 
 def run_under_interpreter(test_file: str | Path, keyword: str = "interp", timeout: int = 900):
     """Run the ``keyword`` cases of ``test_file`` in a fresh pytest process with Triton's interpreter
-    switched on (it must be set before anything imports triton). Returns ``(returncode, output tail,
-    number of tests passed)``."""
+    switched on (it must be set before anything imports triton), or wait for the run that
+    :func:`start_interpreter_runs` started. Returns ``(returncode, output tail, number of tests passed)``."""
+    started = _runs_ahead.pop((Path(test_file).resolve(), keyword), None)
+    if started is not None and not started.cancelled():
+        return started.result()
+    return _interpreter_process(Path(test_file).resolve(), keyword, timeout)
+
+
+_runs_ahead: dict[tuple[Path, str], Any] = {}  # (test file, keyword) -> Future of its run
+_runner: Any = None  # the one background thread (a ThreadPoolExecutor) and the process it waits on
+_running: list[Any] = []
+
+
+def start_interpreter_runs(test_files: Iterable[str | Path], keyword: str = "interp") -> None:
+    """Start :func:`run_under_interpreter` for each of ``test_files`` in one background thread, one process
+    at a time, so that the interpreter, which keeps one core busy, overlaps the tests that run meanwhile.
+    :func:`stop_interpreter_runs` ends what is still running."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    global _runner
+    if _runner is None:
+        _runner = ThreadPoolExecutor(1, thread_name_prefix="interpreter")
+    for test_file in test_files:
+        key = (Path(test_file).resolve(), keyword)
+        if key not in _runs_ahead:
+            _runs_ahead[key] = _runner.submit(_interpreter_process, *key, 900)
+
+
+def stop_interpreter_runs() -> None:
+    """Cancel the runs :func:`start_interpreter_runs` has not begun and kill the one under way."""
+    global _runner
+    if _runner is not None:
+        _runner.shutdown(wait=False, cancel_futures=True)
+        _runner = None
+    for proc in _running:
+        proc.kill()
+    _runs_ahead.clear()
+
+
+def _interpreter_process(test_file: Path, keyword: str, timeout: int) -> tuple[int, str, int]:
     import os
     import re
     import subprocess
     import sys
 
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    test_file = Path(test_file).resolve()
-    proc = subprocess.run(
+    # one thread: the interpreter is bound by Python, and the tests beside it need the other core
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore",
          str(test_file), "-k", keyword],
-        cwd=test_file.parent, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=test_file.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    tail = (proc.stdout + proc.stderr)[-6000:]
+    _running.append(proc)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output = proc.communicate()[0] + f"\n(killed after {timeout} s)"
+    finally:
+        _running.remove(proc)
+    tail = output[-6000:]
     passed = re.search(r"(\d+) passed", tail)
     return proc.returncode, tail, int(passed.group(1)) if passed else 0
 
