@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import attrs
@@ -24,6 +25,7 @@ from nanovllm.distributed import (
 from nanovllm.engine.cuda_graphs import CudaGraphRunner
 from nanovllm.engine.kv_allocation import allocate_kv_store
 from nanovllm.engine.model_loading import EngineParts, bind_attention, build_model
+from nanovllm.engine.pinned_staging import PinnedStaging
 from nanovllm.engine.sampling_inputs import SamplingInputs
 from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
 from nanovllm.engine.step_plan import (
@@ -137,6 +139,7 @@ class ModelRunner:
         first = self.attention_layers[0]
         self.num_kv_heads, self.head_dim = first.num_kv_heads, first.head_dim
         self.sampler = Sampler()
+        self.staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
         self.sampling_inputs = SamplingInputs(self.device, self._to_device)
         self.backend, self.hooks = bind_attention(self.attention_layers, parts, self.device, self.dtype)
         # the KV store sizing and allocation step: the paged GPU cache, or the host pool with GPU slots
@@ -158,10 +161,13 @@ class ModelRunner:
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """Host array -> device tensor; on CUDA through pinned memory and without waiting for the GPU."""
-        tensor = torch.from_numpy(array)
-        if self.device.type != "cuda":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        if self.staging is None:
+            return torch.from_numpy(array)
+        return self.staging.upload(array)
+
+    def _step_uploads(self) -> AbstractContextManager:
+        """The scope of one step's uploads (:meth:`PinnedStaging.step`)."""
+        return nullcontext() if self.staging is None else self.staging.step()
 
     def _phase_metadata(self, phase: PhaseArrays | None, host_lens: bool = False
                         ) -> list[PhaseMetadata | None]:
@@ -296,6 +302,11 @@ class ModelRunner:
         plan, sampling, prompt_targets = self.prepare(seqs, allocated)
         if self.sends_steps:
             broadcast_control(("step", plan))
+        with self._step_uploads():
+            return self._launch(plan, sampling, prompt_targets)
+
+    def _launch(self, plan: StepPlan, sampling: list[Sequence], prompt_targets: PromptTargets | None
+                ) -> LaunchedStep | None:
         hidden, input_ids, sample_rows = self._forward(plan)
         if not sampling and prompt_targets is None:
             return None
@@ -344,10 +355,12 @@ class ModelRunner:
     def _follow_step(self, plan: StepPlan) -> None:
         """A rank other than 0 runs rank 0's step: the same forward pass and logits collectives, then
         takes the sampled tokens from rank 0."""
-        hidden, _, sample_rows = self._forward(plan)
-        if plan.prompt_logprob_rows is not None:
-            for _ in prompt_logits(hidden, self._to_device(plan.prompt_logprob_rows), self.model.compute_logits):
-                pass
+        with self._step_uploads():
+            hidden, _, sample_rows = self._forward(plan)
+            if plan.prompt_logprob_rows is not None:
+                prompt_rows = self._to_device(plan.prompt_logprob_rows)
+                for _ in prompt_logits(hidden, prompt_rows, self.model.compute_logits):
+                    pass
         if plan.num_sampling:
             self.model.compute_logits(hidden if sample_rows is None else hidden[sample_rows])
             self._keep_sampled(torch.empty(plan.num_sampling, dtype=torch.long, device=self.device))
