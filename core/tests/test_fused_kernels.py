@@ -14,7 +14,7 @@ INTERP = (not CUDA) and os.environ.get("TRITON_INTERPRET") == "1"
 
 pytest.importorskip("triton")
 
-from nanovllm.layers import GemmaRMSNorm, RMSNorm, RotaryEmbedding, SiluAndMul  # noqa: E402
+from nanovllm.layers import GeluTanhAndMul, GemmaRMSNorm, RMSNorm, RotaryEmbedding, SiluAndMul  # noqa: E402
 from nanovllm.layers import fused_kernels as fk  # noqa: E402
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -106,6 +106,14 @@ def test_silu_and_mul(device, dtype, gen):
     x = _rand(gen, 29, 2 * 1500, dtype=dtype, device="cpu") * 3
     ref = SiluAndMul()(x)
     _close(fk.silu_and_mul(x.to(device)), ref, gen, "silu_and_mul")
+
+
+@cases
+def test_gelu_tanh_and_mul(device, dtype, gen):
+    x = _rand(gen, 29, 2 * 1500, dtype=dtype, device="cpu") * 3
+    x[0, :40] = torch.tensor([0.0, 1e-4, -1e-4, 12.0, -12.0, 40.0, -40.0, 0.5] * 5, dtype=dtype)  # tanh's ends
+    ref = GeluTanhAndMul()(x)
+    _close(fk.gelu_tanh_and_mul(x.to(device)), ref, gen, "gelu_tanh_and_mul")
 
 
 def _qk_norms(head_dim, dtype, gen):
@@ -365,4 +373,4 @@ def test_fused_kernels_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == len(DTYPES) * (4 + 2 + 1 + 4 + 2 + 4 + 1), tail
+    assert passed == len(DTYPES) * (4 + 2 + 1 + 1 + 4 + 2 + 4 + 1), tail

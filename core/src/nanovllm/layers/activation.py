@@ -40,6 +40,8 @@ class GeluTanhAndMul(GatedActivation):
     """``gelu(gate, approximate="tanh") * up`` for the gate/up halves of the last dimension (Gemma)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_fused(x):
+            return kernels().gelu_tanh_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -204,17 +205,37 @@ def silu_mul(gate, up, Out):
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, Out, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
+def gelu_tanh_mul(gate, up, Out, LIBDEVICE: tl.constexpr):
+    """``gelu(gate, approximate="tanh") * up`` for float32 ``gate`` and ``up`` already rounded to ``Out``'s
+    dtype, rounded as :class:`~nanovllm.layers.GeluTanhAndMul`'s torch code rounds: after GELU and after the
+    product. The formula is torch's, 0.5 * x * (1 + tanh(y)), so the bits match it where 1 + tanh(y)
+    cancels (x below about -4). ``LIBDEVICE``: the GPU's tanhf, as torch's; else (the interpreter, which has
+    no libdevice) the same value as x * sigmoid(2y), which cancels nothing."""
+    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi) * (x + 0.044715 x^3)
+    if LIBDEVICE:
+        act = 0.5 * gate * (1.0 + libdevice.tanh(inner))
+    else:
+        act = gate / (1.0 + tl.exp(-2.0 * inner))
+    act = act.to(Out.dtype.element_ty).to(tl.float32)
+    return (act * up).to(Out.dtype.element_ty)
+
+
+@triton.jit
+def _gated_and_mul_kernel(X, Out, n_cols, stride_x, stride_o, GELU_TANH: tl.constexpr, LIBDEVICE: tl.constexpr,
+                          BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
     gate = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(X + row * stride_x + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Out + row * stride_o + cols, silu_mul(gate, up, Out), mask=ok)
+    if GELU_TANH:
+        out = gelu_tanh_mul(gate, up, Out, LIBDEVICE)
+    else:
+        out = silu_mul(gate, up, Out)
+    tl.store(Out + row * stride_o + cols, out, mask=ok)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``x [..., 2I]`` -> ``silu(x[..., :I]) * x[..., I:]``."""
+def _gated_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
     n_cols = x.shape[-1] // 2
     rows = x.reshape(-1, 2 * n_cols)
     if rows.stride(-1) != 1:
@@ -222,10 +243,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = x.new_empty(*x.shape[:-1], n_cols)
     if rows.shape[0]:
         block = min(1024, triton.next_power_of_2(n_cols))
-        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(n_cols, block))](
-            rows, out, n_cols, rows.stride(0), n_cols, BLOCK=block, num_warps=4,
+        _gated_and_mul_kernel[(rows.shape[0], triton.cdiv(n_cols, block))](
+            rows, out, n_cols, rows.stride(0), n_cols, GELU_TANH=gelu_tanh, LIBDEVICE=x.is_cuda, BLOCK=block,
+            num_warps=4,
         )
     return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., 2I]`` -> ``silu(x[..., :I]) * x[..., I:]``."""
+    return _gated_and_mul(x, gelu_tanh=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., 2I]`` -> ``gelu(x[..., :I], approximate="tanh") * x[..., I:]``."""
+    return _gated_and_mul(x, gelu_tanh=True)
 
 
 @triton.jit
