@@ -1,7 +1,7 @@
 """Long-context quality of any model under any policy selections, next to dense and transformers.
 
 Three tasks, each run through the public engine once per selection and (unless ``hf=False``) through
-transformers' ``AutoModelForCausalLM`` on the same model directory and the same token ids:
+transformers' ``AutoModelForCausalLM`` (eager attention) on the same model directory and the same token ids:
 
 - ``passkey``: the pass-key test (:mod:`nanovllm.quality.passkey`), classic and natural fillers, every
   trial of one length in one ``generate`` call; greedy, exact match; trial-by-trial records.
@@ -253,6 +253,9 @@ def engine_perplexity(settings: LongContextSettings, policy: str, inputs: dict[i
 
 
 # ------------------------------------------------------------------------------------------ transformers
+HF_ATTENTION = "eager"  # the transformers attention the reference runs
+
+
 def hf_model(settings: LongContextSettings, model_dir: Path):
     import torch
     import transformers
@@ -261,7 +264,10 @@ def hf_model(settings: LongContextSettings, model_dir: Path):
     device = "cuda" if cuda else "cpu"
     dtype = getattr(torch, settings.dtype) if settings.dtype else (torch.bfloat16 if device == "cuda"
                                                                     else torch.float32)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    # eager attention: transformers' default SDPA path on CUDA gives Gemma 3 another next-token distribution
+    # from about 8K tokens on than its eager path, SDPA's math backend and the CPU do (float32 included)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation=HF_ATTENTION).to(device).eval()
     model.generation_config.eos_token_id = None  # as many tokens as the engine's answer
     return model, device
 
@@ -398,7 +404,8 @@ def run(settings: LongContextSettings, say: Callable[[str], None] | None = None,
     runners = list(settings.policies) + ([HF] if settings.hf else [])
     result: dict[str, Any] = {
         "environment": environment(),
-        "settings": {**attrs.asdict(settings), "model_dir": str(model_dir), "natural_text": source},
+        "settings": {**attrs.asdict(settings), "model_dir": str(model_dir), "natural_text": source,
+                     "hf_attention": HF_ATTENTION},
         "runners": runners, "phases": run_.phases, "notes": run_.notes, "errors": run_.errors,
     }
     if checkpoint is not None:
@@ -502,7 +509,9 @@ def markdown(result: dict[str, Any], title: str) -> str:
     lengths = [str(n) for n in s["lengths"]]
     lines = [f"# {title}", "",
              f"{env['device']}, {env['date']}, commit {env['commit']}, torch {env['torch']}.",
-             f"Model {s['model']}, dtype {s['dtype'] or 'default'}, natural text: {s['natural_text']}.", ""]
+             f"Model {s['model']}, dtype {s['dtype'] or 'default'}, natural text: {s['natural_text']}."
+             + (f" transformers with {s['hf_attention']} attention." if s.get("hf") and "hf_attention" in s else ""),
+             ""]
     if "passkey" in result:
         n = len(s["depths"]) * s["trials_per_depth"]
         for filler in ("classic", "natural"):
