@@ -149,13 +149,13 @@ def test_interp_silu_and_mul_linear_runs_the_tables_configuration(table, gen, mo
     x, w = _ints(gen, 3, 64, dtype=torch.float32), _ints(gen, 2 * 40, 64, dtype=torch.float32)
     monkeypatch.setitem(TUNED, (80, 64, 4), table)
     launched = []
-    run = type(fk._silu_and_mul_kernel).run
+    run = type(fk._gated_and_mul_kernel).run
 
     def counting(self, *args, **kwargs):
         launched.append((self.fn.__name__, kwargs["BLOCK_N"] if "BLOCK_N" in kwargs else None))
         return run(self, *args, **kwargs)
 
-    monkeypatch.setattr(type(fk._silu_and_mul_kernel), "run", counting)
+    monkeypatch.setattr(type(fk._gated_and_mul_kernel), "run", counting)
     out = gemv_module.silu_and_mul_linear(x, w)
     assert torch.equal(out, fk.silu_and_mul(linear(x, w)))
     block_n = max(table.block_n // 2, 16 if table.dot else 1)

@@ -171,7 +171,7 @@ def test_group_parts_start_aligned_on_the_device(shape):
     """The runner sends every KV cache group's slots or tables in one transfer and splits it on the device:
     each group's part equals its own array and starts 16-byte aligned, as one sent alone does (Triton
     compiles its kernels again for a pointer that is not)."""
-    runner = SimpleNamespace(device=torch.device("cpu"))
+    runner = SimpleNamespace(device=torch.device("cpu"), staging=None)
     runner._to_device = lambda array: ModelRunner._to_device(runner, array)
     stacked = np.arange(np.prod(shape), dtype=np.int64 if len(shape) == 2 else np.int32).reshape(shape)
     parts = ModelRunner._groups_to_device(runner, stacked)

@@ -130,7 +130,7 @@ def test_a_decode_layer_launches_seven_kernels_besides_attention(monkeypatch):
 
 def test_without_the_gemv_the_matmuls_are_cublas_and_silu_a_kernel(monkeypatch):
     launched, ops, _ = layer_launches(monkeypatch, gemv_on=False)
-    assert launched == ["_rms_norm_kernel", "_rope_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel"]
+    assert launched == ["_rms_norm_kernel", "_rope_kernel", "_rms_norm_kernel", "_gated_and_mul_kernel"]
     assert Counter(ops) == {"mm": 4}, ops
 
 
