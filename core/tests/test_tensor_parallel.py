@@ -31,7 +31,7 @@ import pytest
 from nanovllm import LLM, SamplingParams
 from nanovllm.distributed import tp_rank
 from nanovllm.shm_broadcast import ShmBroadcast
-from nanovllm.testing import wait_until
+from nanovllm.testing import is_interpreter_run, wait_until
 
 PROMPTS = [[5, 6, 7], list(range(10, 40)), list(range(50, 61)), list(range(100, 170))]
 ENGINE = dict(device="cpu", kv_cache_memory=1 << 24, block_size=8, max_num_batched_tokens=48)
@@ -117,9 +117,10 @@ class HoldsALambda:
 
 def children() -> list[psutil.Process]:
     """This process's children, but multiprocessing's resource tracker (one per process, started with the
-    first spawned process; it holds no model and leaves with this process)."""
+    first spawned process; it holds no model and leaves with this process) and the suite's interpreter runs
+    in the background."""
     return [p for p in psutil.Process().children(recursive=True)
-            if not any("resource_tracker" in part for part in p.cmdline())]
+            if not is_interpreter_run(p) and not any("resource_tracker" in part for part in p.cmdline())]
 
 
 # Wraps ShmBroadcast.create so that it prints each channel's name (in a script, a fresh process).

@@ -303,6 +303,17 @@ def stop_interpreter_runs() -> None:
     _runs_ahead.clear()
 
 
+def is_interpreter_run(process: Any) -> bool:
+    """Whether ``process`` (a ``psutil.Process``) is one of :func:`run_under_interpreter`'s pytest processes,
+    which tests that count their process's children leave out; a process already gone counts as one."""
+    import psutil
+
+    try:
+        return process.environ().get("TRITON_INTERPRET") == "1"
+    except psutil.NoSuchProcess:
+        return True
+
+
 def _interpreter_process(test_file: Path, keyword: str, timeout: int) -> tuple[int, str, int]:
     import os
     import re
