@@ -266,41 +266,58 @@ def run_under_interpreter(test_file: str | Path, keyword: str = "interp", timeou
     """Run the ``keyword`` cases of ``test_file`` in a fresh pytest process with Triton's interpreter
     switched on (it must be set before anything imports triton), or wait for the run that
     :func:`start_interpreter_runs` started. Returns ``(returncode, output tail, number of tests passed)``."""
-    started = _runs_ahead.pop((Path(test_file).resolve(), keyword), None)
-    if started is not None and not started.cancelled():
+    started = _AHEAD.take(test_file, keyword)
+    if started is not None:
         return started.result()
     return _interpreter_process(Path(test_file).resolve(), keyword, timeout)
 
 
-_runs_ahead: dict[tuple[Path, str], Any] = {}  # (test file, keyword) -> Future of its run
-_runner: Any = None  # the one background thread (a ThreadPoolExecutor) and the process it waits on
-_running: list[Any] = []
+class InterpreterRuns:
+    """Interpreter runs started ahead of their tests, in one background thread, one process at a time, so
+    that the interpreter, which keeps one core busy, overlaps the tests that run meanwhile."""
+
+    def __init__(self) -> None:
+        self.pool: Any = None  # a ThreadPoolExecutor of one thread, once started
+        self.futures: dict[tuple[Path, str], Any] = {}  # (test file, keyword) -> Future of its run
+        self.processes: list[Any] = []  # the pytest process under way (subprocess.Popen)
+
+    def start(self, test_files: Iterable[str | Path], keyword: str = "interp", timeout: int = 900) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="interpreter")
+        for test_file in test_files:
+            key = (Path(test_file).resolve(), keyword)
+            if key not in self.futures:
+                self.futures[key] = self.pool.submit(_interpreter_process, *key, timeout, self.processes)
+
+    def take(self, test_file: str | Path, keyword: str = "interp") -> Any:
+        """The Future of ``test_file``'s run, which :meth:`start` started; None where it did not (or the run
+        was cancelled)."""
+        started = self.futures.pop((Path(test_file).resolve(), keyword), None)
+        return None if started is None or started.cancelled() else started
+
+    def stop(self) -> None:
+        """Cancel the runs not begun and kill the one under way."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
+        for proc in list(self.processes):
+            proc.kill()
+        self.futures.clear()
+
+
+_AHEAD = InterpreterRuns()  # the test session's (the root conftest starts and stops them)
 
 
 def start_interpreter_runs(test_files: Iterable[str | Path], keyword: str = "interp") -> None:
-    """Start :func:`run_under_interpreter` for each of ``test_files`` in one background thread, one process
-    at a time, so that the interpreter, which keeps one core busy, overlaps the tests that run meanwhile.
+    """Start the session's :func:`run_under_interpreter` runs of ``test_files`` ahead (:class:`InterpreterRuns`);
     :func:`stop_interpreter_runs` ends what is still running."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    global _runner
-    if _runner is None:
-        _runner = ThreadPoolExecutor(1, thread_name_prefix="interpreter")
-    for test_file in test_files:
-        key = (Path(test_file).resolve(), keyword)
-        if key not in _runs_ahead:
-            _runs_ahead[key] = _runner.submit(_interpreter_process, *key, 900)
+    _AHEAD.start(test_files, keyword)
 
 
 def stop_interpreter_runs() -> None:
-    """Cancel the runs :func:`start_interpreter_runs` has not begun and kill the one under way."""
-    global _runner
-    if _runner is not None:
-        _runner.shutdown(wait=False, cancel_futures=True)
-        _runner = None
-    for proc in _running:
-        proc.kill()
-    _runs_ahead.clear()
+    _AHEAD.stop()
 
 
 def is_interpreter_run(process: Any) -> bool:
@@ -314,7 +331,8 @@ def is_interpreter_run(process: Any) -> bool:
         return True
 
 
-def _interpreter_process(test_file: Path, keyword: str, timeout: int) -> tuple[int, str, int]:
+def _interpreter_process(test_file: Path, keyword: str, timeout: int, processes: list[Any] | None = None
+                         ) -> tuple[int, str, int]:
     import os
     import re
     import subprocess
@@ -327,14 +345,15 @@ def _interpreter_process(test_file: Path, keyword: str, timeout: int) -> tuple[i
          str(test_file), "-k", keyword],
         cwd=test_file.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    _running.append(proc)
+    processes = [] if processes is None else processes  # where stop() finds it
+    processes.append(proc)
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         output = proc.communicate()[0] + f"\n(killed after {timeout} s)"
     finally:
-        _running.remove(proc)
+        processes.remove(proc)
     tail = output[-6000:]
     passed = re.search(r"(\d+) passed", tail)
     return proc.returncode, tail, int(passed.group(1)) if passed else 0
