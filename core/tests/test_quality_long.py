@@ -123,6 +123,14 @@ def test_perplexity_inputs_share_their_final_window(tok):
     assert inputs[128][1:] == inputs[256][-127:] == inputs[1000][-127:] == text[872:999]
 
 
+@pytest.mark.parametrize("length,heads", [(32768, 4), (16384, 4), (8192, 32), (2048, 4), (512, 8)])
+def test_transformers_batches_keep_eager_scores_near_16_gib(length, heads):
+    batch = lc.hf_batch(length, heads)
+    per_prompt = 12 * heads * length * length  # bytes: the scores and their float32 softmax
+    assert batch >= 1
+    assert batch == 1 or batch * per_prompt <= 16 << 30 < (batch + 1) * per_prompt
+
+
 def test_full_attention_layers_read_layer_types():
     assert lc.full_attention_layers({"num_hidden_layers": 3}) == [0, 1, 2]
     kinds = ["sliding_attention"] * 5 + ["full_attention"]

@@ -272,9 +272,10 @@ def hf_model(settings: LongContextSettings, model_dir: Path):
     return model, device
 
 
-def hf_batch(length: int) -> int:
-    """Prompts of one transformers call: its attention masks (``batch x length^2``) stay near 2 GiB."""
-    return max(1, (1 << 31) // (length * length))
+def hf_batch(length: int, heads: int) -> int:
+    """Prompts of one transformers call: eager attention's scores and their float32 softmax (``batch x heads
+    x length^2`` elements, at most about 12 bytes each) stay near 16 GiB."""
+    return max(1, (16 << 30) // (12 * heads * length * length))
 
 
 def hf_passkey(settings: LongContextSettings, model_dir: Path, prompts: list[pk.PassKeyPrompt],
@@ -290,7 +291,8 @@ def hf_passkey(settings: LongContextSettings, model_dir: Path, prompts: list[pk.
             start = 0
             while start < len(order):
                 length = prompts[order[start]].length
-                group = [i for i in order[start:] if prompts[i].length == length][: hf_batch(length)]
+                batch = hf_batch(length, model.config.num_attention_heads)
+                group = [i for i in order[start:] if prompts[i].length == length][:batch]
                 ids = torch.tensor([prompts[i].token_ids for i in group], device=device)
                 full = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                       max_new_tokens=settings.answer_tokens, pad_token_id=0)
