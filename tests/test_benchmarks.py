@@ -774,3 +774,41 @@ def test_prefill_breakdown_counts_launches_and_waits_on_the_gpu():
     xattn = [r for r in rows if r["policy"] == "xattn"]
     assert all(r["pieces"]["attention"]["syncs"] >= 1 for r in minference)
     assert all(r["path"] == "sparse" and r["pieces"]["select"]["syncs"] >= 1 for r in xattn)
+
+
+# -- prefill_timeline ------------------------------------------------------------------------------------------
+
+
+def test_timeline_splits_the_device_span_into_busy_and_idle_by_host_label():
+    tl = script("prefill_timeline")
+    assert tl.busy_and_gaps([(5, 9), (0, 2), (1, 3), (9, 10)]) == (8, [(3, 5)])
+    assert tl.busy_and_gaps([]) == (0.0, [])
+    events = [
+        {"cat": "kernel", "ts": 0, "dur": 1000}, {"cat": "gpu_memcpy", "ts": 500, "dur": 1000},
+        {"cat": "kernel", "ts": 3500, "dur": 500}, {"cat": "kernel", "ts": 5000, "dur": 1000},
+        {"cat": "user_annotation", "ts": 1000, "dur": 3000, "name": "#layer00s"},
+        {"cat": "user_annotation", "ts": 2000, "dur": 1000, "name": "#attns"},  # open at the first gap's midpoint
+        {"cat": "user_annotation", "ts": 0, "dur": 100, "name": "not ours"},
+        {"cat": "cpu_op", "ts": 4200, "dur": 100, "name": "aten::mm"},
+    ]
+    got = tl.timeline(events)
+    assert got["span_ms"] == 6 and got["busy_ms"] == 3 and got["idle_ms"] == 3 and got["gaps"] == 2
+    assert got["idle_by_label_ms"] == {"attns": 2, "(none)": 1}  # the second gap (4-5 ms) under no label
+    assert got["host_by_label_ms"] == {"layer00s": [3, 1], "attns": [1, 1]}
+
+
+def test_timeline_labels_the_engines_phases_and_layers(tiny_model, one_thread):
+    from nanovllm import LLM, SamplingParams
+    from torch.profiler import ProfilerActivity, profile
+
+    tl = script("prefill_timeline")
+    llm = LLM(tiny_model("Gemma3ForCausalLM"), max_num_batched_tokens=32, enforce_eager=True)
+    tl.label_engine(llm)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.generate([[5] * 40], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    names = {e.name for e in prof.events() if e.name.startswith("#")}
+    kinds = ["s" if layer.self_attn.attn.sliding_window is not None else "F"
+             for layer in llm.llm_engine.runner.model.model.layers]
+    assert set(kinds) == {"s", "F"}  # the tiny Gemma 3 has both kinds of layer
+    assert names == ({f"#layer{i:02d}{k}" for i, k in enumerate(kinds)} | {f"#{label}" for *_, label in tl.PHASES}
+                     | {"#attns", "#attnF"})
