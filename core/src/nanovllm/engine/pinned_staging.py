@@ -52,9 +52,9 @@ class PinnedStaging:
             self.copied[self.current] = event
 
     def upload(self, array: np.ndarray) -> torch.Tensor:
+        source = torch.from_numpy(array)
         if not self.in_step:
-            return torch.from_numpy(array).pin_memory().to(self.device, non_blocking=True)
-        array = np.ascontiguousarray(array)
+            return source.pin_memory().to(self.device, non_blocking=True)
         start = -(-self.used // ALIGN) * ALIGN
         end = start + array.nbytes
         buffer = self.buffers[self.current]
@@ -64,7 +64,5 @@ class PinnedStaging:
             self.buffers[self.current] = buffer
             start, end = 0, array.nbytes
         self.used = end
-        staged = buffer[start:end]
-        staged.numpy()[:] = array.reshape(-1).view(np.uint8)
-        host = staged.view(torch.from_numpy(array[:0]).dtype).view(array.shape)
-        return host.to(self.device, non_blocking=True)
+        staged = buffer[start:end].view(source.dtype).view(source.shape).copy_(source)
+        return staged.to(self.device, non_blocking=True)
