@@ -5,13 +5,13 @@ the idle time by what the host was doing meanwhile.
         --policies "full;xattn:threshold=0.9;minference:dense_below=0"
 
 Each engine (one per policy, alive one at a time) prefills the prompt untimed twice, then ``--rounds`` times
-plainly (their TTFTs, for scale: the trace slows the host), then once under the torch profiler with host
-labels: the engine's phases (``schedule``, ``prepare``, ``step_metadata``, ``kv_begin_step``,
-``apply_pending``, ``logits``), each decoder layer (``layer05F``: layer 5, full attention; ``s``: sliding
-window) and each layer's attention call (``attnF``, ``attns``). From the trace: the span from the first
-kernel to the last, the time some kernel, copy or fill ran (busy), the rest (idle), and each idle gap charged
-to the innermost label open on the host at its midpoint. An idle time near the span's half says the GPU
-waits on the host; the labels say on what.
+plainly (their TTFTs as ``nanovllm.bench.offload.ttft_alone`` times them, for scale: the trace slows the
+host), then once under the torch profiler with host labels: the engine's phases (``schedule``, ``prepare``,
+``step_metadata``, ``kv_begin_step``, ``apply_pending``, ``logits``), each decoder layer (``layer05F``: layer
+5, full attention; ``s``: sliding window) and each layer's attention call (``attnF``, ``attns``). From the
+trace: the span from the first kernel to the last, the time some kernel, copy or fill ran (busy), the rest
+(idle), and each idle gap charged to the innermost label open on the host at its midpoint. An idle time near
+the span's half says the GPU waits on the host; the labels say on what.
 
 The prompt is ``--text-file`` after the tokenizer's BOS (random token ids with ``--random-prompt``). Writes
 OUT/NAME.json (device, date, commit, settings, every number) and OUT/NAME.md; prints the table.
@@ -24,7 +24,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -70,7 +69,8 @@ def idle_by_label(gaps: list[tuple[float, float]], labels: list[tuple[float, flo
 def timeline(events: list[dict[str, Any]]) -> dict[str, Any]:
     """The busy and idle time (ms) of a Chrome trace's device events, the idle time by host label (``#`` names),
     and the host time under each label with its count."""
-    device = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    device = [(e["ts"], e["ts"] + e["dur"]) for e in events
+              if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     labels = [(e["ts"], e["ts"] + e["dur"], e["name"][1:]) for e in events
               if e.get("cat") == "user_annotation" and e["name"].startswith("#")]
     busy, gaps = busy_and_gaps(device)
@@ -115,8 +115,8 @@ def run(model: str, length: int, policies: list[str], rounds: int, chunk: int, t
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from nanovllm import LLM, SamplingParams
-    from nanovllm.bench import environment
+    from nanovllm import LLM
+    from nanovllm.bench import environment, offload
     from nanovllm.engine.model_loading import load_tokenizer, resolve_model_path
     from nanovllm.quality.passkey import bos_ids
 
@@ -128,14 +128,9 @@ def run(model: str, length: int, policies: list[str], rounds: int, chunk: int, t
         bos = bos_ids(tokenizer)
         text, source = lc.natural_text_ids(tokenizer, length - len(bos), text_file)
         ids = bos + text
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
     def ttft_ms(llm: Any) -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-        torch.cuda.synchronize()
-        return 1000 * (time.perf_counter() - start)
+        return 1000 * offload.ttft_alone(llm, [ids])
 
     rows = []
     for policy in policies:
@@ -163,19 +158,21 @@ def run(model: str, length: int, policies: list[str], rounds: int, chunk: int, t
 def markdown(result: dict[str, Any], title: str, top: int = 8) -> str:
     env, s = result["environment"], result["settings"]
     lines = [f"# {title}", "", f"{env.get('device')}, {env.get('date')}, commit {env.get('commit')}.",
-             f"Model {s['model']}, one {s['length']}-token prompt ({result['prompt_source']}), prefill chunks of "
+             f"Model {s['model']}, one {s['length']}-token prompt ({result['prompt_source']}), prefill chunks "
+             f"of "
              f"{s['chunk']} tokens; TTFT the median of {s['rounds']} plain runs; the rest from one traced run.",
              "", "| policy | TTFT ms | traced TTFT | device span | busy | idle | idle, by host label (ms) |",
              "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         idle = ", ".join(f"{k} {v:.1f}" for k, v in list(r["idle_by_label_ms"].items())[:top])
-        lines.append(f"| `{r['policy']}` | {r['ttft_ms']:.2f} | {r['traced_ttft_ms']:.1f} | {r['span_ms']:.1f} | "
-                     f"{r['busy_ms']:.1f} | {r['idle_ms']:.1f} | {idle} |")
+        lines.append(f"| `{r['policy']}` | {r['ttft_ms']:.2f} | {r['traced_ttft_ms']:.1f} | "
+                     f"{r['span_ms']:.1f} | {r['busy_ms']:.1f} | {r['idle_ms']:.1f} | {idle} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python benchmarks/prefill_timeline.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/prefill_timeline.py",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--model", default="gemma-3-270m")
     p.add_argument("--length", type=int, default=32768, help="prompt tokens, BOS included")
     p.add_argument("--policies", type=lc.parse_policies, default=lc.parse_policies("full;xattn:threshold=0.9"))
