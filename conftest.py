@@ -6,7 +6,8 @@ import pytest
 
 
 def pytest_collection_finish(session):
-    """Without CUDA, the interpreter runs of the kernel tests' files start now, in the background."""
+    """Without CUDA, the interpreter runs of the kernel tests' files (those with a test named
+    ``*_under_interpreter``, which runs the file's ``interp`` cases) start now, in the background."""
     import os
 
     import torch
