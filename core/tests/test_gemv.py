@@ -25,6 +25,7 @@ from nanovllm.layers.gemv import (  # noqa: E402
     gemv,
     gemv_reference,
     linear,
+    matmul,
     route_small_batches,
     row_bucket,
 )
@@ -77,6 +78,25 @@ def test_interp_16_bit_within_one_rounding(config, dtype, rows, gen):
     ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype] * (2 if INTERP else 1)
     magnitude = x.float().abs().cpu() @ w.float().abs().cpu().t() + b.float().abs().cpu()
     assert (out - ref).abs().le(ulp * ref.abs() + 1e-5 * magnitude).all(), f"seed {gen.initial_seed()}"
+
+
+def _float32_sums_of_16_bit(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """``out`` holds ``x @ w.T`` of 16-bit inputs in float32, never rounded to 16 bits: within the float32
+    order of addition's error of the reference, and mostly not representable in ``x``'s dtype."""
+    assert out.dtype == torch.float32
+    out, ref = out.cpu(), gemv_reference(x, w, out_dtype=torch.float32).cpu()
+    magnitude = x.float().abs().cpu() @ w.float().abs().cpu().t()
+    assert (out - ref).abs().le(1e-5 * magnitude).all()
+    assert (out != out.to(x.dtype).float()).float().mean() > 0.9
+
+
+@kernel
+@configs
+@pytest.mark.parametrize("rows", [1, 5])
+def test_interp_float32_output_of_16_bit_inputs(config, rows, gen):
+    x = torch.randn(rows, 72, generator=gen).to(torch.bfloat16).to(DEVICE)
+    w = torch.randn(45, 72, generator=gen).to(torch.bfloat16).to(DEVICE)
+    _float32_sums_of_16_bit(gemv(x, w, None, config, out_dtype=torch.float32), x, w)
 
 
 @kernel
@@ -250,6 +270,14 @@ def test_linear_is_f_linear_off_cuda(gen):
     assert torch.equal(linear(x, w, b), F.linear(x, w, b))
 
 
+def test_matmul_rounds_once_off_cuda(gen):
+    """Without CUDA's mixed-precision matmul, a float32 ``out_dtype`` casts the 16-bit result."""
+    x, w = torch.randn(3, 24, generator=gen).bfloat16(), torch.randn(10, 24, generator=gen).bfloat16()
+    out = matmul(x, w, out_dtype=torch.float32)
+    assert out.dtype == torch.float32 and torch.equal(out, F.linear(x, w).float())
+    assert torch.equal(matmul(x, w), F.linear(x, w))
+
+
 def test_route_small_batches_switches_the_linear_layers_and_lm_head():
     from nanovllm.layers import (
         MergedColumnParallelLinear,
@@ -289,6 +317,23 @@ def test_gpu_linear_in_a_cuda_graph(dtype, gen):
         ref = gemv_reference(x, w)
         assert torch.allclose(out.float(), ref.float(), rtol=2**-7, atol=1e-3), (rows, config)
         assert torch.allclose(out.float(), F.linear(x, w).float(), rtol=2**-6, atol=1e-2), (rows, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routed", [False, True])
+@pytest.mark.parametrize("rows", [1, 8, 40])
+def test_gpu_lm_head_gives_float32_sums(routed, rows, gen):
+    """A bfloat16 LM head's logits are float32 sums, never rounded to bfloat16: through cuBLAS's
+    mixed-precision matmul, and through the kernel (routed, at up to MAX_ROWS rows)."""
+    from nanovllm.layers import ParallelLMHead
+
+    head = ParallelLMHead(1000, 256).to(torch.bfloat16).cuda()
+    torch.nn.init.normal_(head.weight)
+    head.use_triton_gemv = routed
+    x = torch.randn(rows, 256, generator=gen).to(torch.bfloat16).cuda()
+    _float32_sums_of_16_bit(head(x), x, head.weight.detach())
+    batched = torch.randn(2, 3, 256, generator=gen).to(torch.bfloat16).cuda()  # leading dimensions kept
+    assert matmul(batched, head.weight, out_dtype=torch.float32).shape == (2, 3, 1000)
 
 
 @pytest.mark.gpu
@@ -355,4 +400,4 @@ def test_gemv_kernels_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == len(CONFIGS) * 4 + len(CONFIGS) * 2 * 2 + 4 + len(CONFIGS) * 2 * 2 + 3, tail
+    assert passed == len(CONFIGS) * 4 + len(CONFIGS) * 2 * 2 + len(CONFIGS) * 2 + 4 + len(CONFIGS) * 2 * 2 + 3, tail

@@ -184,7 +184,7 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The logits of the whole vocabulary; None on tensor-parallel ranks other than 0 (see
+        """The float32 logits of the whole vocabulary; None on tensor-parallel ranks other than 0 (see
         :class:`~nanovllm.layers.embed_head.ParallelLMHead`). With ``final_logit_softcapping`` (Gemma 2)
         the logits are squashed to ``cap * tanh(logits / cap)``."""
         logits = self.lm_head(hidden)

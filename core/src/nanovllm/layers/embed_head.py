@@ -41,15 +41,19 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for the vocabulary; with ``tie_word_embeddings`` the model shares the embedding weight.
+    """float32 logits for the vocabulary; with ``tie_word_embeddings`` the model shares the embedding weight.
 
-    Only rank 0 samples, so each rank sends its slice of the logits to rank 0 alone: the other ranks get
-    None and never hold the whole vocabulary's logits."""
+    The logits are summed in float32 and never rounded to a 16-bit model's dtype on CUDA (see
+    :func:`~nanovllm.layers.gemv.matmul`): bfloat16 keeps 8 bits of mantissa, so logits near 20 would
+    move in steps of 0.125 and two close candidates would tie. Only rank 0 samples, so each rank sends its
+    slice of the logits to rank 0 alone: the other ranks get None and never hold the whole vocabulary's
+    logits."""
 
     use_triton_gemv = False  # as the linear layers'
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = (gemv.linear if self.use_triton_gemv else F.linear)(hidden, self.weight)
+        multiply = gemv.linear if self.use_triton_gemv else gemv.matmul
+        logits = multiply(hidden, self.weight, out_dtype=torch.float32)
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
             dist.gather(logits, parts, dst=0)

@@ -164,22 +164,26 @@ def _kernels() -> ModuleType:
     return gemv_kernels
 
 
-def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` summed in float32 and rounded once to ``x``'s dtype: the kernel's oracle."""
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` summed in float32 and rounded once to ``out_dtype`` (default ``x``'s
+    dtype): the kernel's oracle."""
     y = x.float() @ weight.float().t()
     if bias is not None:
         y += bias.float()
-    return y.to(x.dtype)
+    return y.to(out_dtype or x.dtype)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None, silu_and_mul: bool = False) -> torch.Tensor:
+         config: GemvConfig | None = None, silu_and_mul: bool = False,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` through the Triton kernel, for ``x [M, K]`` (``1 <= M <= MAX_ROWS``, unit
     stride along K) and contiguous ``weight [N, K]`` and ``bias [N]`` of ``x``'s dtype, on CUDA (or on the
     CPU under ``TRITON_INTERPRET=1``); ``config`` defaults to :func:`config_for` the shape (its default
-    where the table keeps cuBLAS). ``silu_and_mul``: ``weight`` stacks a gated MLP's gate rows over its up
-    rows, and the result is ``silu(gate) * up`` ``[M, N / 2]``, rounded as the activation's own kernel rounds
-    the plain result, ``config.block_n`` of its features a program."""
+    where the table keeps cuBLAS). The float32 sums are rounded once to ``out_dtype`` (default ``x``'s
+    dtype). ``silu_and_mul``: ``weight`` stacks a gated MLP's gate rows over its up rows, and the result is
+    ``silu(gate) * up`` ``[M, N / 2]``, rounded as the activation's own kernel rounds the plain result,
+    ``config.block_n`` of its features a program."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv multiplies x [M, K] by weight [N, K]; got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -198,7 +202,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if config is None:
         config = _default_for(weight.shape[0], x.shape[1], x.shape[0], x.device)
     return _kernels().gemv(x, weight, None if bias is None else bias.contiguous(), silu_and_mul=silu_and_mul,
-                           **config.knobs())
+                           out_dtype=out_dtype, **config.knobs())
 
 
 def _routed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
@@ -211,12 +215,27 @@ def _routed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through :func:`gemv` where it applies: a CUDA matrix ``x`` of 1 to
-    :data:`MAX_ROWS` rows, unit stride along K, a contiguous weight, one dtype throughout, and a shape
-    that :data:`TUNED` does not keep on cuBLAS."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`matmul`, through :func:`gemv` where it applies: a CUDA matrix ``x`` of 1 to :data:`MAX_ROWS`
+    rows, unit stride along K, a contiguous weight, one dtype throughout, and a shape that :data:`TUNED`
+    does not keep on cuBLAS."""
     config = _routed(x, weight, bias)
-    return F.linear(x, weight, bias) if config is None else gemv(x, weight, bias, config)
+    return matmul(x, weight, bias, out_dtype) if config is None else gemv(x, weight, bias, config,
+                                                                           out_dtype=out_dtype)
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` in ``out_dtype`` (default ``x``'s dtype). On CUDA, 16-bit inputs with a
+    float32 ``out_dtype`` and no bias are summed into float32 without rounding to 16 bits first (cuBLAS
+    through ``torch.mm(..., out_dtype=)``); elsewhere the result is rounded to ``x``'s dtype, then cast."""
+    if out_dtype is None or out_dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    if x.is_cuda and bias is None and out_dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16):
+        y = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
+        return y.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias).to(out_dtype)
 
 
 def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -244,4 +263,4 @@ def route_small_batches(model: nn.Module) -> int:
 
 
 __all__ = ["MAX_ROWS", "TUNED", "GemvConfig", "config_for", "default_config", "gemv", "gemv_reference",
-           "linear", "route_small_batches", "row_bucket", "silu_and_mul_linear"]
+           "linear", "matmul", "route_small_batches", "row_bucket", "silu_and_mul_linear"]

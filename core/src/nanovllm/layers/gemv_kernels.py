@@ -149,16 +149,16 @@ DOT_ROWS = 16  # tl.dot's smallest M: the rows of x the DOT path pads to
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *, block_n: int, block_k: int,
          split_k: int, dot: bool, num_warps: int, num_stages: int, silu_and_mul: bool = False,
-         compile_only: bool = False) -> torch.Tensor:
-    """``x @ w.T (+ bias)`` in ``x``'s dtype, accumulated in float32, for ``x [M, K]`` (unit stride along K,
-    ``M <= 16``) and ``w [N, K]`` contiguous of the same dtype. ``silu_and_mul``: ``w`` stacks gate rows over
-    as many up rows, and the output is ``silu(gate) * up`` ``[M, N / 2]``, ``block_n`` of its features a
-    program. The caller checks the shapes and knobs (:func:`nanovllm.layers.gemv.gemv`); one launch, two
-    with ``split_k > 1``. ``compile_only``: compile the kernels for these arguments and launch nothing (the
-    output is then uninitialised)."""
+         out_dtype: torch.dtype | None = None, compile_only: bool = False) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` accumulated in float32 and rounded once to ``out_dtype`` (default ``x``'s dtype),
+    for ``x [M, K]`` (unit stride along K, ``M <= 16``) and ``w [N, K]`` contiguous of the same dtype.
+    ``silu_and_mul``: ``w`` stacks gate rows over as many up rows, and the output is ``silu(gate) * up``
+    ``[M, N / 2]``, ``block_n`` of its features a program. The caller checks the shapes and knobs
+    (:func:`nanovllm.layers.gemv.gemv`); one launch, two with ``split_k > 1``. ``compile_only``: compile the
+    kernels for these arguments and launch nothing (the output is then uninitialised)."""
     m, k = x.shape
     n = w.shape[0] // 2 if silu_and_mul else w.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     # a split covers whole BLOCK_K tiles, so only the last one may end inside a tile
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     width = 2 * n if silu_and_mul else n
