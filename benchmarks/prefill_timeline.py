@@ -120,6 +120,9 @@ def run(model: str, length: int, policies: list[str], rounds: int, chunk: int, t
     from nanovllm.engine.model_loading import load_tokenizer, resolve_model_path
     from nanovllm.quality.passkey import bos_ids
 
+    # the prompt shortened where it and its first token would pass the model's position limit
+    length, options = offload.plan_run(offload.model_shape(model, {}), length, 1, 1, False,
+                                       {"max_num_batched_tokens": chunk})
     if random_prompt:
         ids = torch.randint(3, 200, (length,), generator=torch.Generator().manual_seed(0)).tolist()
         source = "random token ids"
@@ -134,9 +137,8 @@ def run(model: str, length: int, policies: list[str], rounds: int, chunk: int, t
 
     rows = []
     for policy in policies:
-        llm = LLM(model, sparse_policy=lc.selection_of(policy), max_num_seqs=1, max_num_batched_tokens=chunk,
-                  dtype="bfloat16", enable_prefix_caching=False, max_model_len=len(ids) + 1,
-                  kv_cache_memory=2 << 30)
+        llm = LLM(model, sparse_policy=lc.selection_of(policy), dtype="bfloat16", kv_cache_memory=2 << 30,
+                  **options)
         try:
             label_engine(llm)
             for _ in range(2):  # the kernels' compiles
