@@ -180,7 +180,7 @@ def test_random_workload_gives_the_roomy_tokens_and_frees_every_block(
     from nanovllm.engine import block_manager
 
     if hashing == "colliding":  # ignores the chain and collides often: a hit must be verified, not trusted
-        monkeypatch.setattr(block_manager, "chain_hash", lambda prev, tokens: sum(tokens) % 3)
+        monkeypatch.setattr(block_manager, "chain_hashes", lambda prev, rows: [int(sum(r)) % 3 for r in rows])
 
     rng = random.Random(seed)
     budget = rng.choice([24, 40, 56])  # no multiple of the block size: chunks end inside the window

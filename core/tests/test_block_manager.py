@@ -10,7 +10,7 @@ import tracemalloc
 import numpy as np
 import pytest
 from nanovllm.engine import block_manager as bm_module
-from nanovllm.engine.block_manager import BlockManager, FreeQueue, chain_hash
+from nanovllm.engine.block_manager import BlockManager, FreeQueue, chain_hashes
 from nanovllm.engine.sequence import Sequence
 from nanovllm.kv.groups import KVCacheGroup
 from nanovllm.sampling_params import SamplingParams
@@ -240,10 +240,10 @@ def test_hit_on_shared_prefix_and_none_after_a_differing_token():
 
 
 def test_hash_is_chained():
-    first = chain_hash(None, [1, 2, 3, 4])
-    assert chain_hash(first, [5, 6, 7, 8]) != chain_hash(None, [5, 6, 7, 8])
-    assert chain_hash(first, [5, 6, 7, 8]) != chain_hash(chain_hash(None, [0, 2, 3, 4]), [5, 6, 7, 8])
-    assert chain_hash(first, [5, 6, 7, 8]) == chain_hash(chain_hash(None, [1, 2, 3, 4]), [5, 6, 7, 8])
+    first, second = chain_hashes(None, [[1, 2, 3, 4], [5, 6, 7, 8]])
+    assert second != chain_hashes(None, [[5, 6, 7, 8]])[0]
+    assert second != chain_hashes(None, [[0, 2, 3, 4], [5, 6, 7, 8]])[1]
+    assert chain_hashes(first, [[5, 6, 7, 8]]) == [second]  # a chain extended later continues the same
 
 
 @pytest.mark.parametrize("length, expected_hits", [(8, 1), (9, 2), (12, 2), (13, 3)])
@@ -335,7 +335,7 @@ def test_duplicate_prefix_computed_together_is_shared_and_stays_findable():
 
 
 def test_colliding_hash_with_different_tokens_is_no_hit(monkeypatch):
-    monkeypatch.setattr(bm_module, "chain_hash", lambda prev, tokens: 42)
+    monkeypatch.setattr(bm_module, "chain_hashes", lambda prev, rows: [42] * len(rows))
     bm = BlockManager(16, BS)
     a = seq_of(range(1, 10))
     admit(bm, a)
@@ -347,7 +347,7 @@ def test_colliding_hash_with_different_tokens_is_no_hit(monkeypatch):
 def test_collision_cannot_hand_out_a_block_computed_after_another_prefix(monkeypatch):
     """Under a constant hash, a block holding tokens [1, 2] after the prefix [5, 6] gets published; a
     request *starting* with [1, 2] must not take it (its keys were computed at other positions)."""
-    monkeypatch.setattr(bm_module, "chain_hash", lambda prev, tokens: 42)
+    monkeypatch.setattr(bm_module, "chain_hashes", lambda prev, rows: [42] * len(rows))
     bm = BlockManager(3, 2)
     r = seq_of([1, 2, 3])
     admit(bm, r)
@@ -366,7 +366,7 @@ def test_collision_cannot_hand_out_a_block_computed_after_another_prefix(monkeyp
 
 def test_collision_cannot_chain_a_block_to_a_different_parent(monkeypatch):
     """A hash that ignores the prefix: the block [3, 4] computed after [7, 8] must not follow [1, 2]."""
-    monkeypatch.setattr(bm_module, "chain_hash", lambda prev, tokens: hash(tuple(tokens)) % 2**64)
+    monkeypatch.setattr(bm_module, "chain_hashes", lambda prev, rows: [hash(tuple(r)) % 2**64 for r in rows.tolist()])
     bm = BlockManager(16, 2)
     first = seq_of([1, 2, 5, 5, 0])
     admit(bm, first)
@@ -382,7 +382,7 @@ def test_collision_cannot_reach_a_block_whose_parent_was_overwritten(monkeypatch
     """A cached block must not outlive the content of the block before it. The free queue normally
     evicts a child before its parent; reorder it by hand so the parent is refilled first, with the
     same tokens after another history, and check the stale child is no longer a hit."""
-    monkeypatch.setattr(bm_module, "chain_hash", lambda prev, tokens: hash(tuple(tokens)) % 2**64)
+    monkeypatch.setattr(bm_module, "chain_hashes", lambda prev, rows: [hash(tuple(r)) % 2**64 for r in rows.tolist()])
     bm = BlockManager(6, 2)
     a = seq_of([7, 8, 1, 2, 3, 4, 0])
     admit(bm, a)

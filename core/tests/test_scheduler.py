@@ -209,7 +209,7 @@ def test_random_workload_keeps_every_invariant(seed, hashing, layout, monkeypatc
     from nanovllm.engine import block_manager
 
     if hashing == "colliding":  # ignores the chain and collides often: hits must be verified, not trusted
-        monkeypatch.setattr(block_manager, "chain_hash", lambda prev, tokens: sum(tokens) % 3)
+        monkeypatch.setattr(block_manager, "chain_hashes", lambda prev, rows: [int(sum(r)) % 3 for r in rows])
     rng = random.Random(seed)
     bs = rng.choice([2, 4])
     chunked = seed % 3 != 0
@@ -421,7 +421,7 @@ def test_hash_collisions_never_change_tokens(model, reference, monkeypatch):
     plain = LLM(model, kv_cache_memory=1 << 24, device="cpu", enable_prefix_caching=False)
     doubled_reference = [o.token_ids for o in plain.generate(doubled, GREEDY, use_tqdm=False)]
 
-    monkeypatch.setattr(block_manager, "chain_hash", lambda prev, tokens: hash(tuple(tokens)) & 3)
+    monkeypatch.setattr(block_manager, "chain_hashes", lambda prev, rows: [hash(tuple(r)) & 3 for r in rows.tolist()])
     llm = LLM(model, kv_cache_memory=1 << 24, device="cpu", block_size=4)
     for batch, expected in ((prompts(), reference), (doubled, doubled_reference), (prompts(), reference)):
         out = llm.generate(batch, GREEDY, use_tqdm=False)

@@ -62,24 +62,37 @@ class Contents(NamedTuple):
         return Contents(self.hashes[i : i + 1], self.tokens[i : i + 1], self.parents[i : i + 1])
 
 
-def chain_hash(prev_hash: int | None, token_ids: SequenceABC[int] | np.ndarray) -> int:
-    """The hash of a full block of ``token_ids`` after the block hashed ``prev_hash``: 64 bits, unsigned."""
-    h = xxhash.xxh64()
-    if prev_hash is not None:
-        h.update(prev_hash.to_bytes(8, "little"))
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return h.intdigest()
+def chain_hashes(prev_hash: int | None, blocks: np.ndarray | SequenceABC[SequenceABC[int]]) -> list[int]:
+    """The chained hashes of consecutive full blocks, the token ids ``blocks [n, block_size]``, after the block
+    hashed ``prev_hash`` (None: the first blocks of a sequence): each is ``xxh64(previous hash, 8 bytes
+    little-endian, then its token ids as int64)``, 64 bits, unsigned."""
+    return _chained_digests(xxhash.xxh64_intdigest, prev_hash, blocks)
 
 
-def check_hash(prev_hash: int | None, token_ids: SequenceABC[int] | np.ndarray) -> int:
-    """A second chained hash, independent of ``chain_hash`` (another function): what a window group of a
-    model without full attention checks a cached block's prefix by, where the blocks before it are gone. It
-    has 63 bits, to be kept in a block's parent beside block ids (int64)."""
-    h = xxhash.xxh3_64(seed=0x9E3779B9)
-    if prev_hash is not None:
-        h.update(prev_hash.to_bytes(8, "little"))
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return h.intdigest() >> 1
+def check_hashes(prev_hash: int | None, blocks: np.ndarray | SequenceABC[SequenceABC[int]]) -> list[int]:
+    """A second chain of hashes over the same blocks, independent of :func:`chain_hashes` (another function,
+    xxh3 with a seed): what a window group of a model without full attention checks a cached block's prefix
+    by, where the blocks before it are gone. They have 63 bits, to be kept in a block's parent beside block
+    ids (int64)."""
+    return _chained_digests(_check_digest, prev_hash, blocks)
+
+
+def _check_digest(data: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(data, seed=0x9E3779B9) >> 1
+
+
+def _chained_digests(digest: Callable[[bytes], int], prev_hash: int | None,
+                     blocks: np.ndarray | SequenceABC[SequenceABC[int]]) -> list[int]:
+    """``digest`` of each block's bytes after the hash before it, as returned (so a chain extended later
+    continues from what it stored)."""
+    rows = np.asarray(blocks, dtype=np.int64)
+    data, width = rows.tobytes(), rows.shape[-1] * 8  # one buffer: a prompt's chunk is hundreds of blocks
+    hashes = []
+    for start in range(0, len(data), width):
+        row = data[start : start + width]
+        prev_hash = digest(row if prev_hash is None else prev_hash.to_bytes(8, "little") + row)
+        hashes.append(prev_hash)
+    return hashes
 
 
 class FreeQueue:
@@ -263,17 +276,16 @@ class BlockManager:
 
     def _block_hash(self, seq: Sequence, index: int) -> int:
         """Chained hash of the ``index``-th full block of ``seq`` (cached on the sequence)."""
-        return self._chained(seq, seq.block_hashes, chain_hash, index)
+        return self._chained(seq, seq.block_hashes, chain_hashes, index)
 
-    def _chained(self, seq: Sequence, chain: list[int], hash_fn: Callable[[int | None, np.ndarray], int],
-                 index: int) -> int:
-        """``hash_fn`` chained over ``seq``'s full blocks up to the ``index``-th, extending ``chain`` (the
+    def _chained(self, seq: Sequence, chain: list[int],
+                 hashes_fn: Callable[[int | None, np.ndarray], list[int]], index: int) -> int:
+        """``hashes_fn`` chained over ``seq``'s full blocks up to the ``index``-th, extending ``chain`` (the
         sequence's cache of that chain) as far as needed."""
         start, bs = len(chain), self.block_size
-        if start <= index:  # the new blocks' tokens as one array: a prompt's chunk is hundreds of blocks
+        if start <= index:
             rows = np.asarray(seq.token_ids[start * bs : (index + 1) * bs], dtype=np.int64).reshape(-1, bs)
-            for i, tokens in enumerate(rows, start):
-                chain.append(hash_fn(chain[i - 1] if i else None, tokens))
+            chain += hashes_fn(chain[-1] if chain else None, rows)
         return chain[index]
 
     def find_cached_prefix(self, seq: Sequence) -> list[list[int]]:
@@ -349,7 +361,7 @@ class BlockManager:
         else:
             parents[after - first :, 0] = CHECKED
             if stop > after:
-                self._chained(seq, seq.block_checks, check_hash, stop - 2)  # hashed up to the last at once
+                self._chained(seq, seq.block_checks, check_hashes, stop - 2)  # hashed up to the last at once
             parents[after - first :, 1] = seq.block_checks[after - 1 : stop - 1]
         return Contents(hashes, tokens, parents)
 
