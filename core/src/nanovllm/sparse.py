@@ -19,7 +19,9 @@ A policy distribution imports from nanovllm only this module and the attention b
 - Kernel helpers a plugin's Triton kernels may use: ``tile_blocks``, ``attention_scores``,
   ``online_softmax_step``, ``online_softmax_step_fused_scale`` and ``online_softmax_accumulate``
   (``@triton.jit`` functions), ``num_sms``, ``max_shared_memory``,
-  ``is_interpreted`` and :func:`paged_kv_descriptors`; :func:`host_lengths` (a phase's lengths as host ints).
+  ``is_interpreted`` and :func:`paged_kv_descriptors`; :func:`host_lengths` (a phase's lengths as host ints);
+  ``cdiv`` and ``next_power_of_2`` for a launch's grid and block sizes on the host (Triton's own functions of
+  those names cost microseconds a call there).
 
 Importing this module imports no torch: the names that need it (the context, the types and the kernel
 helpers) are loaded on first use. A plugin's registration module can therefore import :data:`hookimpl`
@@ -37,6 +39,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from nanovllm.hookspecs import ObserverSpec, argument_problems, hookimpl
+from nanovllm.kernel_sizes import cdiv, next_power_of_2
 
 if TYPE_CHECKING:
     import torch
@@ -44,7 +47,7 @@ if TYPE_CHECKING:
     from nanovllm.kv.store import KVTransfer, KVWrite
     from nanovllm.policy import PolicyContext
 
-API_VERSION = "1.2"
+API_VERSION = "1.3"
 
 POLICY_FLAGS = ("supports_prefill", "supports_decode", "requires_block_selection", "cuda_graph_safe")
 POLICY_METHODS = ("select_blocks", "compute_chunked_prefill", "compute_chunked_decode")
@@ -290,5 +293,6 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "API_VERSION", "APIVersionError", "check_api_version", "hookimpl", "ObserverSpec", "SparsePolicy",
-    "POLICY_FLAGS", "POLICY_METHODS", "contract_problems", "host_lengths", "paged_kv_descriptors", *_LAZY,
+    "POLICY_FLAGS", "POLICY_METHODS", "cdiv", "contract_problems", "host_lengths", "next_power_of_2",
+    "paged_kv_descriptors", *_LAZY,
 ]

@@ -40,7 +40,9 @@ import triton.language as tl
 from nanovllm.attention.backend import check_paged_inputs, prefill_kernel_outputs
 from nanovllm.sparse import (
     attention_scores,
+    cdiv,
     host_lengths,
+    next_power_of_2,
     online_softmax_accumulate,
     online_softmax_step,
     online_softmax_step_fused_scale,
@@ -406,7 +408,7 @@ def _density_totals(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens
     has_blocks = index.blocks is not None
     block_counts = index.block_counts.contiguous() if has_blocks else totals
     columns, slash = index.columns.contiguous(), index.slash_tiles.contiguous()
-    grid = (triton.cdiv(max_query_len, TILE), num_heads, num_seqs)
+    grid = (cdiv(max_query_len, TILE), num_heads, num_seqs)
     if min(grid) > 0:
         _density_kernel[grid](
             cu_seqlens_q, context_lens, columns, index.column_counts.contiguous(), slash,
@@ -492,10 +494,10 @@ def sparse_attention(
         cfg = kernel_config(head_dim, q.dtype, q.device, index.blocks is not None)
     else:
         cfg = config if isinstance(config, SparseKernelConfig) else SparseKernelConfig(*config)
-    if index.blocks is not None and index.blocks.shape[2] < triton.cdiv(max_query_len, TILE):
+    if index.blocks is not None and index.blocks.shape[2] < cdiv(max_query_len, TILE):
         raise ValueError(
             f"index.blocks lists {index.blocks.shape[2]} query tiles but max_query_len {max_query_len} makes "
-            f"{triton.cdiv(max_query_len, TILE)}: give one list per query tile of the longest chunk"
+            f"{cdiv(max_query_len, TILE)}: give one list per query tile of the longest chunk"
         )
     index_tensors = [t for t in attrs.astuple(index, recurse=False) if t is not None]
     out, lse, launch = prefill_kernel_outputs(
@@ -516,7 +518,7 @@ def sparse_attention(
     else:
         blocks, block_counts = column_counts, column_counts  # never read
     descs = paged_kv_descriptors(k_cache, v_cache, cfg.keys) if cfg.tma else None
-    grid = (triton.cdiv(max_query_len, cfg.block_m), num_heads, cu_seqlens_q.shape[0] - 1)
+    grid = (cdiv(max_query_len, cfg.block_m), num_heads, cu_seqlens_q.shape[0] - 1)
     _sparse_prefill_kernel[grid](
         q, k_cache, v_cache, out, lse, *(descs or (k_cache, v_cache)),
         cu_seqlens_q, context_lens, block_tables,
@@ -526,7 +528,7 @@ def sparse_attention(
         *q.stride(), *k_cache.stride(), *out.stride(), *lse.stride(),
         block_tables.stride(0), columns.shape[2], slash.shape[2], index.cover_offset,
         blocks.shape[2] if has_blocks else 0, blocks.shape[3] if has_blocks else 0,
-        GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1], TILE=TILE, BLOCK_M=cfg.block_m, KEYS=cfg.keys, CHUNK=LIST_CHUNK,
         HAS_BLOCKS=has_blocks,
         FP32=q.dtype == torch.float32 or q.device.type != "cuda",  # the interpreter's bfloat16 dot is wrong

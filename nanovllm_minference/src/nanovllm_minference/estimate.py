@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 from nanovllm.attention.backend import check_paged_inputs
-from nanovllm.sparse import host_lengths, max_shared_memory, num_sms
+from nanovllm.sparse import cdiv, host_lengths, max_shared_memory, next_power_of_2, num_sms
 
 LOG2E = 1.4426950408889634
 MAX_LAST_Q = 128  # rows per head held in one tile; MInference uses 64
@@ -287,14 +287,14 @@ def _num_splits(programs: int, tiles: int, device: torch.device) -> int:
     """Key slices per (sequence, head group): enough programs for about four per multiprocessor."""
     if device.type != "cuda":
         return min(tiles, 4)  # the interpreter: a few slices, so that merging them is exercised
-    return max(1, min(tiles, triton.cdiv(4 * num_sms(device), programs)))
+    return max(1, min(tiles, cdiv(4 * num_sms(device), programs)))
 
 
 def _slices(width: int, block_n: int, programs: int, device: torch.device) -> tuple[int, int]:
     """(number of slices, tiles per slice) covering ``width`` keys in tiles of ``block_n``."""
-    tiles = triton.cdiv(width, block_n)
-    per_slice = triton.cdiv(tiles, _num_splits(programs, tiles, device))
-    return triton.cdiv(tiles, per_slice), per_slice
+    tiles = cdiv(width, block_n)
+    per_slice = cdiv(tiles, _num_splits(programs, tiles, device))
+    return cdiv(tiles, per_slice), per_slice
 
 
 def _sums_heads(group: int, rows: int, block_d: int, itemsize: int, budget: int, stages: int) -> int:
@@ -341,8 +341,8 @@ def estimate(
 
     gpu = q.device.type == "cuda"
     # pass 2 tiles keys in squares of the rows; on the GPU at least 64 (masked rows past last_q)
-    rows = max(64 if gpu else 16, triton.next_power_of_2(last_q))
-    block_d = triton.next_power_of_2(head_dim)
+    rows = max(64 if gpu else 16, next_power_of_2(last_q))
+    block_d = next_power_of_2(head_dim)
     fp32 = q.dtype == torch.float32 or not gpu
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, FP32=fp32)
     strides = (*q.stride(), *k_cache.stride(), block_tables.stride(0))
@@ -353,8 +353,8 @@ def estimate(
     # over head size 128 the tiles shrink to stay within shared memory (Hopper: 227 KB a program): at
     # most 128 stacked rows (64 in float32) and 8K key elements
     stacked = 256 if block_d <= 128 else 128 // (2 if q.element_size() == 4 else 1)
-    heads = min(triton.next_power_of_2(group), max(1, stacked // rows))
-    num_sub = triton.cdiv(group, heads)
+    heads = min(next_power_of_2(group), max(1, stacked // rows))
+    num_sub = cdiv(group, heads)
     max_keys = 128 if block_d <= 128 else 8192 // block_d
     block_n1 = max(16, min(max_keys, 16384 // (heads * rows))) if gpu else 16
     slices1, per_slice1 = _slices(width, block_n1, num_seqs * num_kv_heads * num_sub, q.device)

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.sparse import cdiv, next_power_of_2
+
 TILE = 64  # query rows and keys per tile; MInference's 64 x 64 blocks
 
 
@@ -165,7 +167,7 @@ def lines_to_index(
             columns.contiguous(), column_valid.contiguous(), offsets.contiguous(), offset_valid.contiguous(),
             query_starts.contiguous(), cols, col_counts, tiles, tile_counts, cover,
             num_heads, width, offsets.shape[-1], reach,
-            TILE=TILE, PAD=PAD, COLUMNS=triton.next_power_of_2(max(width, 1)) if sorted_here else 0,
+            TILE=TILE, PAD=PAD, COLUMNS=next_power_of_2(max(width, 1)) if sorted_here else 0,
             CHUNK=1024,
         )
     return SparseIndex(cols, col_counts, tiles, tile_counts, cover)
@@ -214,7 +216,7 @@ def ranked_lines(
     vertical, slash = vertical.contiguous(), slash.contiguous()
     if out.numel():
         block = 1024
-        _ranked_kernel[(num_seqs * num_heads, triton.cdiv(length, block))](
+        _ranked_kernel[(num_seqs * num_heads, cdiv(length, block))](
             vertical, slash, context_lens, out[0], out[1], num_heads, length,
             num_sink_tokens, num_recent_diags, FORCED=FORCED, BLOCK=block,
         )

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from nanovllm.sparse import num_sms
+from nanovllm.sparse import cdiv, next_power_of_2, num_sms
 
 from nanovllm_quest.reference import PageRows
 
@@ -175,8 +175,8 @@ def update_metadata(
     _update_kernel[(num_rows, num_kv_heads)](
         key, metadata, rows.anchor, rows.order if ordered else rows.anchor, positions, num_rows,
         key.stride(0), key.stride(1), metadata.stride(0), metadata.stride(1), metadata.stride(2),
-        BOUND_SIZE=bound_size, ROWS=min(triton.next_power_of_2(bound_size), MAX_UPDATE_ROWS),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BOUNDS=metadata.shape[2] // 2,
+        BOUND_SIZE=bound_size, ROWS=min(next_power_of_2(bound_size), MAX_UPDATE_ROWS),
+        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BOUNDS=metadata.shape[2] // 2,
         ORDERED=ordered, FP8=metadata.dtype == torch.float8_e4m3fn,
         num_warps=2,
     )
@@ -327,7 +327,7 @@ def _bounds(
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = metadata.shape[1]
     group = num_heads // num_kv_heads
-    width = triton.cdiv(block_tables.shape[1], page_size // block_size)
+    width = cdiv(block_tables.shape[1], page_size // block_size)
     per_head = group_reduction == "mass"  # each head's bounds, combined into shares by _shares
     scores = torch.empty(num_seqs, num_kv_heads, *((group,) if per_head else ()), width, dtype=torch.float32,
                          device=q.device)
@@ -335,25 +335,25 @@ def _bounds(
         return scores
     assert q.stride(-1) == 1 and metadata.stride(-1) == 1 and block_tables.stride(-1) == 1
     bounds = metadata.shape[2] // 2
-    bounds_pad = triton.next_power_of_2(bounds)
+    bounds_pad = next_power_of_2(bounds)
     fp8 = metadata.dtype == torch.float8_e4m3fn
     fp32 = q.dtype == torch.float32 or not q.is_cuda
     rows = SCORE_TILE  # bounds a program
     if fp8 and not fp32:  # the float16 dots
         sms = num_sms(q.device)
         rows = SCORE_TILE_FP8
-        while rows > SCORE_TILE and num_seqs * num_kv_heads * triton.cdiv(width * bounds_pad, rows) < 2 * sms:
+        while rows > SCORE_TILE and num_seqs * num_kv_heads * cdiv(width * bounds_pad, rows) < 2 * sms:
             rows //= 2
     step_rows = min(rows, SCORE_STEP)
     tile = max(1, step_rows // bounds_pad)  # pages a step
     steps = max(1, rows // step_rows)
-    grid = (num_seqs, num_kv_heads, triton.cdiv(width, tile * steps))
+    grid = (num_seqs, num_kv_heads, cdiv(width, tile * steps))
     _score_kernel[grid](
         q, metadata, block_tables, kv_lens, scores, width,
         q.stride(0), q.stride(1), metadata.stride(0), metadata.stride(1), metadata.stride(2),
         block_tables.stride(0), scores.stride(0), scores.stride(1), width,
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE_SIZE=page_size,
+        GROUP=group, G_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=max(16, next_power_of_2(head_dim)), PAGE_SIZE=page_size,
         BLOCKS_PER_PAGE=page_size // block_size, BOUNDS=bounds, BOUNDS_PAD=bounds_pad, TILE=tile,
         STEPS=steps, REDUCE=REDUCTIONS[group_reduction], OUT_ROWS=group if per_head else 1,
         KEEP_SINK=keep_sink,
@@ -453,16 +453,16 @@ def _rescore(
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and block_tables.stride(-1) == 1
     assert scores.is_contiguous() and nominees.stride(-1) == 1
     block_size = k_cache.shape[1]
-    bs_pad = triton.next_power_of_2(block_size)
+    bs_pad = next_power_of_2(block_size)
     tile = max(1, RESCORE_ROWS // bs_pad)  # pages a program
-    grid = (num_seqs, num_kv_heads, triton.cdiv(num_nominees, tile))
+    grid = (num_seqs, num_kv_heads, cdiv(num_nominees, tile))
     _rescore_kernel[grid](
         q, k_cache, block_tables, kv_lens, nominees, scores, out, num_nominees, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), nominees.stride(0), nominees.stride(1),
         scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), out.stride(-2),
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BS_PAD=bs_pad, TILE=tile,
+        GROUP=group, G_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BS_PAD=bs_pad, TILE=tile,
         REDUCE=REDUCTIONS[group_reduction], FP32=q.dtype == torch.float32 or not q.is_cuda, num_warps=4,
     )
     return out
@@ -617,10 +617,10 @@ def pick_nominees(exact: torch.Tensor, nominees: torch.Tensor, k: int) -> torch.
     if out.numel() == 0:
         return out
     assert exact.is_contiguous() and nominees.is_contiguous()
-    tile = min(triton.next_power_of_2(max(width, 16)), MAX_TOPK_TILE)
+    tile = min(next_power_of_2(max(width, 16)), MAX_TOPK_TILE)
     _pick_kernel[(num_seqs * num_kv_heads,)](
         exact, nominees, out, width, width, width, k,
-        K=k, OUT_PAD=triton.next_power_of_2(k), TILE=tile, NUM_TILES=triton.cdiv(width, tile),
+        K=k, OUT_PAD=next_power_of_2(k), TILE=tile, NUM_TILES=cdiv(width, tile),
         num_warps=8 if tile >= 4096 else 4,
     )
     return out
@@ -633,12 +633,12 @@ def top_pages(scores: torch.Tensor, k: int, kv_lens: torch.Tensor, block_size: i
     if out.numel() == 0:
         return out
     assert scores.is_contiguous()
-    tile = min(triton.next_power_of_2(max(width, 16)), MAX_TOPK_TILE)
+    tile = min(next_power_of_2(max(width, 16)), MAX_TOPK_TILE)
     per_page = page_size // block_size
     _topk_kernel[(num_seqs * num_kv_heads,)](
         scores, out, kv_lens, width, width, out.shape[-1],
-        NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size, K=k, OUT_PAD=triton.next_power_of_2(k * per_page),
-        TILE=tile, NUM_TILES=triton.cdiv(width, tile), BLOCKS_PER_PAGE=per_page,
+        NUM_KV_HEADS=num_kv_heads, BLOCK_SIZE=block_size, K=k, OUT_PAD=next_power_of_2(k * per_page),
+        TILE=tile, NUM_TILES=cdiv(width, tile), BLOCKS_PER_PAGE=per_page,
         num_warps=8 if tile >= 4096 else 4,
     )
     return out
@@ -761,19 +761,19 @@ def _shares(
     named = nominees is not None
     if named:
         assert nominees.is_contiguous() and scores.is_contiguous()
-    g_pad = max(2, triton.next_power_of_2(group))
-    tile = min(triton.next_power_of_2(max(width, 16)), max(16, SHARES_TILE // g_pad))
-    select_tile = min(triton.next_power_of_2(max(width, 16)), MAX_TOPK_TILE)
+    g_pad = max(2, next_power_of_2(group))
+    tile = min(next_power_of_2(max(width, 16)), max(16, SHARES_TILE // g_pad))
+    select_tile = min(next_power_of_2(max(width, 16)), MAX_TOPK_TILE)
     _shares_kernel[(num_seqs * num_kv_heads,)](
         # the arguments of the other kind of candidates are not read: any tensor fills them
         logits, nominees if named else logits, scores if named else logits, logits if named else kv_lens, out,
         selected if k else out, width, scale,
         logits.stride(1), logits.stride(2), width if named else 0, scores.shape[-1] if named else 0, width,
         selected.shape[-1],
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad, TILE=tile, NUM_TILES=triton.cdiv(width, tile),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad, TILE=tile, NUM_TILES=cdiv(width, tile),
         NOMINEES=named, BLOCK_SIZE=block_size, PAGE_SIZE=page_size, KEEP_SINK=keep_sink,
-        RECENT_PAGES=max(1, recent_pages), K=k, OUT_PAD=triton.next_power_of_2(max(k * per_page, 1)),
-        SELECT_TILE=select_tile, SELECT_TILES=triton.cdiv(width, select_tile), BLOCKS_PER_PAGE=per_page,
+        RECENT_PAGES=max(1, recent_pages), K=k, OUT_PAD=next_power_of_2(max(k * per_page, 1)),
+        SELECT_TILE=select_tile, SELECT_TILES=cdiv(width, select_tile), BLOCKS_PER_PAGE=per_page,
         num_warps=8 if max(select_tile, g_pad * tile) >= 4096 else 4,
     )
     return out, selected if k else None

@@ -39,7 +39,9 @@ import triton
 import triton.language as tl
 from nanovllm.attention.backend import check_paged_inputs, prefill_kernel_outputs
 from nanovllm.sparse import (
+    cdiv,
     host_lengths,
+    next_power_of_2,
     num_sms,
     online_softmax_step,
     online_softmax_step_fused_scale,
@@ -321,7 +323,7 @@ def block_sparse_attention(
             f"block {block}"
         )
     # a chunk's tiles start at the tile holding its first query: one more than its length needs, at most
-    num_seqs, m_tiles = cu_seqlens_q.shape[0] - 1, triton.cdiv(max_query_len + block_m - 1, block_m)
+    num_seqs, m_tiles = cu_seqlens_q.shape[0] - 1, cdiv(max_query_len + block_m - 1, block_m)
     splits = splits or kv_splits(num_heads * m_tiles * num_seqs, q.device)
     if splits < 1:
         raise ValueError(f"splits={splits}: give at least 1")
@@ -339,7 +341,7 @@ def block_sparse_attention(
         *part_lse.stride()[-2:], part_lse.stride(0) if splits > 1 else 0,
         block_tables.stride(0), *blocks.stride(), *block_counts.stride(),
         GROUP=num_heads // k_cache.shape[2], SEL_GROUP=num_heads // blocks.shape[1], HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), KV_BLOCK=k_cache.shape[1], BLOCK=block,
+        BLOCK_D=next_power_of_2(head_dim), KV_BLOCK=k_cache.shape[1], BLOCK=block,
         BLOCK_M=block_m, BLOCK_N=block_n,
         FP32=_dot_fp32(q), SAME_LAYOUT=k_cache.stride() == v_cache.stride(), SPLITS=splits,
         TMA=descs is not None, FUSED_SCALE=cfg.fused_scale,
@@ -347,11 +349,11 @@ def block_sparse_attention(
     )
     if splits > 1:
         rows = 16
-        _merge_splits_kernel[(triton.cdiv(q.shape[0], rows), num_heads)](
+        _merge_splits_kernel[(cdiv(q.shape[0], rows), num_heads)](
             part, part_lse, out, lse, q.shape[0],
             part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1), lse.stride(0),
-            SPLITS=splits, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_T=rows,
+            SPLITS=splits, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_T=rows,
             num_warps=4 if q.device.type == "cuda" else 1,
         )
     return out, lse

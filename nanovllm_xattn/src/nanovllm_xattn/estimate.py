@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 from nanovllm.attention.backend import check_paged_inputs
-from nanovllm.sparse import host_lengths, is_interpreted, max_shared_memory
+from nanovllm.sparse import cdiv, host_lengths, is_interpreted, max_shared_memory, next_power_of_2
 
 from nanovllm_xattn.layout import num_key_blocks, num_query_blocks
 
@@ -329,10 +329,10 @@ def block_scores(
     if not all(_is_power_of_two(v) for v in (rows, block_n)):
         raise ValueError(f"config={config}: rows and keys per tile must be powers of two")
     # whole blocks per tile, at least 16 (tl.dot), no more rows than the chunk's blocks hold
-    rows = max(per_block, 16, min(rows, triton.next_power_of_2(num_q_blocks * per_block)))
+    rows = max(per_block, 16, min(rows, next_power_of_2(num_q_blocks * per_block)))
     block_n = max(per_block, 16, block_n)
-    stages = _fit_stages(stages, rows, block_n, triton.next_power_of_2(head_dim), q)
-    num_tiles = triton.cdiv(num_q_blocks * per_block, rows)
+    stages = _fit_stages(stages, rows, block_n, next_power_of_2(head_dim), q)
+    num_tiles = cdiv(num_q_blocks * per_block, rows)
     lse_rows = num_tiles * rows
     lse = torch.empty(num_seqs, num_heads, lse_rows, num_k_blocks, dtype=torch.float32, device=q.device)
 
@@ -341,7 +341,7 @@ def block_scores(
         q, k_cache, cu_seqlens_q, context_lens, block_tables, lse,
         scale / stride * LOG2E, lse_rows, num_k_blocks, *strides,
         GROUP=num_heads // k_cache.shape[2], STRIDE=stride, PER_BLOCK=per_block, ROWS=rows, BLOCK_N=block_n,
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1],
+        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1],
         FP32=q.dtype == torch.float32 or q.device.type != "cuda", num_warps=warps, num_stages=stages,
     )
     gpu = q.device.type == "cuda"

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.sparse import next_power_of_2
+
 from nanovllm_xattn.config import HEAD_REDUCTIONS
 
 MAX_KEY_BLOCKS = 16384  # a row's blocks sorted in one program's registers (2M tokens at blocks of 128)
@@ -182,7 +184,7 @@ def select_mask(
         return mask
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
-    block_n = max(16, triton.next_power_of_2(cols))
+    block_n = max(16, next_power_of_2(cols))
     ends = context_lens if chunk_context_lens is None else chunk_context_lens
     _select_kernel[(rows, num_sel, num_seqs)](
         scores, threshold, cu_seqlens_q, context_lens, ends, mask,
@@ -203,7 +205,7 @@ def list_blocks(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     counts = torch.empty(mask.shape[:-1], dtype=torch.int32, device=mask.device)
     if mask.numel() == 0:
         return blocks, counts.zero_()
-    block_n = max(16, triton.next_power_of_2(cols))
+    block_n = max(16, next_power_of_2(cols))
     _lists_kernel[(counts.numel(),)](mask.contiguous(), blocks, counts, cols, BLOCK_N=block_n,
                                      num_warps=_warps(block_n, mask.device))
     return blocks, counts

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.attention.backend import selection_per_kv_head
+from nanovllm.kernel_sizes import cdiv, next_power_of_2
 
 LOG2E = 1.4426950408889634
 
@@ -80,7 +81,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
         key, value, k_cache, v_cache, slot_mapping,
         *key.stride(), *value.stride(), *k_cache.stride(),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1],
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )
@@ -805,7 +806,7 @@ def attention_rows(
     lse_t = lse if write_lse else _dummy(out, torch.float32)
     lse_strides = lse.stride() if write_lse else (0, 0)
     descs = _kv_descriptors(k, v, paged, bn) if cfg.tma and not has_idx else None
-    m_tiles = triton.cdiv(max_query_len, bm)
+    m_tiles = cdiv(max_query_len, bm)
     grid = (num_heads, m_tiles, num_seqs) if cfg.heads_first else (m_tiles, num_heads, num_seqs)
     _prefill_kernel[grid](
         q, k, v, out, lse_t, *(descs or (k, v)),
@@ -813,7 +814,7 @@ def attention_rows(
         scale * LOG2E,
         *q.stride(), *kstrides, *out.stride(), *lse_strides,
         stride_bt, stride_bi, stride_bh, num_sel, window or 0,
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn,
         PAGED=paged, HAS_INDICES=has_idx, CAUSAL=causal, WRITE_LSE=write_lse,
         FP32=_dot_fp32(q), SKIP_DEAD=_skip_dead(has_idx, bn, block_size), SLIDING=window is not None,
@@ -847,19 +848,19 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_keys: int, block_n: 
         return 1
     # at least 2 tiles a split, not more: a short selection (a sequence's few thousand selected keys per
     # KV head) runs faster in more, shorter splits; long contexts are bounded by ``want`` anyway
-    cap = max(1, min(triton.cdiv(max_keys, 2 * block_n), max_splits))
+    cap = max(1, min(cdiv(max_keys, 2 * block_n), max_splits))
     if wave_fit:
         # k waves of ``slots`` programs hold at most k * slots // groups splits each; a program's share of
         # the keys shrinks with the splits: the time is about k / splits. A few waves are enough to compare.
         best, best_time = 1, float("inf")
         for waves in range(1, 9):
             splits = min(max(waves * slots // groups, 1), cap)
-            t = triton.cdiv(groups * splits, slots) / splits
+            t = cdiv(groups * splits, slots) / splits
             if t < best_time * 0.95:  # more waves only for a clear gain: each split costs a reduce
                 best, best_time = splits, t
         return max(1, min(max(2, best), cap))
     # at least two splits: with contexts of mixed lengths the finer slices balance the multiprocessors
-    want = max(2, triton.cdiv(slots, groups))
+    want = max(2, cdiv(slots, groups))
     return max(1, min(want, cap))
 
 
@@ -891,7 +892,7 @@ def attention_decode(
     if num_splits is None:
         num_splits = num_decode_splits(num_seqs, num_kv_heads, max_keys, bn, q.device, cfg.programs_per_sm,
                                        cfg.max_splits, cfg.wave_fit, cfg.one_split_waves)
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     has_idx = block_indices is not None
     skip_dead = _skip_dead(has_idx, bn, block_size)
     bi, stride_bi, stride_bh, num_sel = _selection_args(block_indices, num_kv_heads, lens)
@@ -909,7 +910,7 @@ def attention_decode(
         scale * LOG2E,
         *q.stride(), *k_cache.stride(), *out.stride(), *lse_strides,
         block_tables.stride(0), stride_bi, stride_bh, num_sel, window or 0, num_splits,
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        GROUP=group, G_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_SIZE=block_size, BLOCK_N=bn, SPLIT=num_splits > 1,
         HAS_INDICES=has_idx, WRITE_LSE=write_lse, FP32=_dot_fp32(q),
         SKIP_DEAD=skip_dead,

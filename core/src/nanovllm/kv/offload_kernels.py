@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernel_sizes import next_power_of_2
+
 
 @triton.jit
 def _new_token_rows(Rows, Cu, Pos, part, valid, head_blocks, s, h, num_tokens, block_size, scratch_row,
@@ -76,7 +78,7 @@ def selected_piece(
     rows = torch.empty(num_kv_heads, positions.shape[0], dtype=torch.int64, device=dev)
     if sel.stride(-1) != 1:
         sel = sel.contiguous()
-    block_w = triton.next_power_of_2(max(width, 1))
+    block_w = next_power_of_2(max(width, 1))
     block_t = max(1, min(64, 4096 // block_w))
     _selected_piece_kernel[(rows_v,)](
         sel, tables, lens, cu, positions, ids, selection, piece_lens, rows,
@@ -116,7 +118,7 @@ def patch_slot(slot: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, value
     _patch_slot_kernel[(num_kv_heads * num_tokens,)](
         slot, rows, keys, values, num_tokens, slot.shape[2], head_dim,
         slot.stride(0), slot.stride(1), slot.stride(2), keys.stride(0), keys.stride(1), values.stride(0),
-        values.stride(1), BLOCK_D=triton.next_power_of_2(head_dim),
+        values.stride(1), BLOCK_D=next_power_of_2(head_dim),
     )
 
 
@@ -181,7 +183,7 @@ def cached_piece(
     rows = torch.empty(num_kv_heads, positions.shape[0], dtype=torch.int64, device=dev)
     if sel.stride(-1) != 1:
         sel = sel.contiguous()
-    block_k = triton.next_power_of_2(max(k, 1))
+    block_k = next_power_of_2(max(k, 1))
     _cached_piece_kernel[(n_rows,)](
         sel, tables, lens, cu, positions, held, loads, tables_v, selection, piece_lens, rows, counts,
         num_seqs, positions.shape[0], k, num_kv_heads, block_size, base, first_block, scratch_row,
@@ -206,5 +208,5 @@ def load_misses(pool: torch.Tensor, flat: torch.Tensor, loads: torch.Tensor, bas
     """See :func:`nanovllm.kv.offload.load_misses`: ``pool`` and ``flat`` are contiguous head blocks."""
     elems = flat[0].numel()
     if loads.shape[0]:
-        block = triton.next_power_of_2(elems)
+        block = next_power_of_2(elems)
         _load_misses_kernel[(loads.shape[0],)](pool, flat, loads, base, elems, BLOCK=block)

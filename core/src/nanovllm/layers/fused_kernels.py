@@ -25,6 +25,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from nanovllm.kernel_sizes import cdiv, next_power_of_2
+
 
 @triton.jit
 def _add_rms_norm_row(x, R, W, Out, row, cols, ok, n_cols, eps, stride_r, stride_o,
@@ -71,7 +73,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     res = residual.view(-1, n_cols) if residual is not None else rows
     if rows.shape[0]:
-        block = triton.next_power_of_2(n_cols)
+        block = next_power_of_2(n_cols)
         _rms_norm_kernel[(rows.shape[0],)](
             rows, res, weight, out, n_cols, eps, rows.stride(0), res.stride(0), n_cols,
             HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=block, num_warps=min(16, max(1, block // 256)),
@@ -182,14 +184,14 @@ def all_reduce_rms_norm(
     world = buffers.numel()
     out = torch.empty_like(x)
     res = x if residual is None else residual
-    block = triton.next_power_of_2(n_cols)
+    block = next_power_of_2(n_cols)
     programs = epochs.numel()
     if n_rows == 0:
         return out if residual is None else (out, residual)
     _all_reduce_rms_norm_kernel[(min(n_rows, programs),)](
         x, res, weight, out, buffers, epochs, n_rows, n_cols, eps, x.stride(0), res.stride(0), n_cols,
         data_offset, slot_size, flags_offset, rank, programs, int(timeout_s * 1e9),
-        WORLD=world, WORLD_POW2=triton.next_power_of_2(world),
+        WORLD=world, WORLD_POW2=next_power_of_2(world),
         HAS_RESIDUAL=residual is not None, SYNC=sync, BLOCK=block, num_warps=min(16, max(1, block // 256)),
     )
     return out if residual is None else (out, residual)
@@ -242,8 +244,8 @@ def _gated_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
         rows = rows.contiguous()
     out = x.new_empty(*x.shape[:-1], n_cols)
     if rows.shape[0]:
-        block = min(1024, triton.next_power_of_2(n_cols))
-        _gated_and_mul_kernel[(rows.shape[0], triton.cdiv(n_cols, block))](
+        block = min(1024, next_power_of_2(n_cols))
+        _gated_and_mul_kernel[(rows.shape[0], cdiv(n_cols, block))](
             rows, out, n_cols, rows.stride(0), n_cols, GELU_TANH=gelu_tanh, LIBDEVICE=x.is_cuda, BLOCK=block,
             num_warps=4,
         )
@@ -378,9 +380,9 @@ def rope_(
             q, k, v, qw, kw, cos_sin, positions, slots, k_cache, v_cache, eps_q, eps_k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
             *cache_strides,
-            HQ=num_heads, HQ_PAD=triton.next_power_of_2(num_heads),
-            HK=num_kv_heads, HK_PAD=triton.next_power_of_2(num_kv_heads),
-            HALF=half, HALF_PAD=triton.next_power_of_2(half), NORM=norm,
+            HQ=num_heads, HQ_PAD=next_power_of_2(num_heads),
+            HK=num_kv_heads, HK_PAD=next_power_of_2(num_kv_heads),
+            HALF=half, HALF_PAD=next_power_of_2(half), NORM=norm,
             BLOCK_SIZE=k_cache.shape[1] if store is not None else 1, STORE=store is not None, num_warps=4,
             BITWISE_RNE=q.dtype == torch.bfloat16 and not q.is_cuda,  # on the CPU: the interpreter
             enable_fp_fusion=False,  # an FMA would skip the rounding of a product that the torch code rounds
@@ -403,7 +405,7 @@ def l2_prefetch(x: torch.Tensor, n_bytes: int, sink: torch.Tensor) -> None:
     """Read the first ``n_bytes`` of contiguous ``x`` into L2, marked to be evicted last. ``sink`` (int32,
     at least ``n_bytes / 16 KiB`` elements) takes one meaningless sum per program."""
     words = x.reshape(-1).view(torch.uint8)[: n_bytes - n_bytes % 4].view(torch.int32)
-    grid = triton.cdiv(words.numel(), _PREFETCH_BLOCK)
+    grid = cdiv(words.numel(), _PREFETCH_BLOCK)
     if grid > sink.numel():
         raise ValueError(f"a sink of {sink.numel()} elements for {grid} programs: prefetch fewer bytes")
     if grid:

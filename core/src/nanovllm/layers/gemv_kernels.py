@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernel_sizes import cdiv, next_power_of_2
 from nanovllm.layers.fused_kernels import silu_mul
 
 
@@ -160,14 +161,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *, block_n
     n = w.shape[0] // 2 if silu_and_mul else w.shape[0]
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     # a split covers whole BLOCK_K tiles, so only the last one may end inside a tile
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
     width = 2 * n if silu_and_mul else n
     partials = y if split_k == 1 else torch.empty(split_k, m, width, dtype=torch.float32, device=x.device)
     b = bias if bias is not None else y
-    launches = [(_gemv_kernel, (triton.cdiv(n, block_n) * split_k,), (
+    launches = [(_gemv_kernel, (cdiv(n, block_n) * split_k,), (
         x, w, b, y, partials, m, n, k, k_per_split, x.stride(0), w.stride(0), y.stride(0),
     ), dict(
-        BLOCK_M=DOT_ROWS if dot else triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=DOT_ROWS if dot else next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT_K=split_k, DOT=dot, EVEN_K=k == k_per_split * split_k,  # every split whole tiles: no K mask
         HAS_BIAS=bias is not None,
         # float32 products for float32 inputs (not TF32), and in the interpreter, whose 16-bit dot is wrong
@@ -175,7 +176,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *, block_n
         num_warps=num_warps, num_stages=num_stages,
     ))]
     if split_k > 1:
-        launches.append((_split_k_sum_kernel, (triton.cdiv(n, _SUM_BLOCK), m), (
+        launches.append((_split_k_sum_kernel, (cdiv(n, _SUM_BLOCK), m), (
             partials, b, y, m, n, y.stride(0),
         ), dict(SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=_SUM_BLOCK, SILU_AND_MUL=silu_and_mul,
                 num_warps=4)))

@@ -27,6 +27,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from nanovllm.attention.triton_kernels import num_sms
+from nanovllm.kernel_sizes import cdiv, next_power_of_2
 
 MAX_LANES = 1024  # a tile is four sub-tiles of this many columns, one per Philox output
 MIN_TILES_PER_SPLIT = 2  # a split shorter than this costs more in its merge than it gains
@@ -146,12 +147,12 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, splits: int | None 
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     seed = torch.randint(2**62, (1,), device=logits.device)  # a fresh stream each call
-    lanes = min(MAX_LANES, max(16, triton.next_power_of_2(triton.cdiv(n_cols, 4))))
-    n_tiles = triton.cdiv(n_cols, 4 * lanes)
+    lanes = min(MAX_LANES, max(16, next_power_of_2(cdiv(n_cols, 4))))
+    n_tiles = cdiv(n_cols, 4 * lanes)
     if splits is None:
         splits = default_splits(rows, n_tiles, logits.device)
-    tiles_per_split = triton.cdiv(n_tiles, max(1, min(splits, n_tiles)))
-    splits = triton.cdiv(n_tiles, tiles_per_split)
+    tiles_per_split = cdiv(n_tiles, max(1, min(splits, n_tiles)))
+    splits = cdiv(n_tiles, tiles_per_split)
     part_best = torch.empty(rows, splits, dtype=torch.float32, device=logits.device) if splits > 1 else out
     part_idx = torch.empty(rows, splits, dtype=torch.int32, device=logits.device) if splits > 1 else out
     _sample_kernel[(rows, splits)](
@@ -160,6 +161,6 @@ def sample(logits: torch.Tensor, temperatures: torch.Tensor, splits: int | None 
         LANES=lanes, SPLIT=splits > 1, FAST_LOG=logits.is_cuda, num_warps=max(1, min(8, lanes // 128)),
     )
     if splits > 1:  # padded to the most splits of this vocabulary (a tile each): one variant per vocabulary
-        _merge_kernel[(rows,)](part_best, part_idx, out, splits, SPLITS_PAD=triton.next_power_of_2(n_tiles),
+        _merge_kernel[(rows,)](part_best, part_idx, out, splits, SPLITS_PAD=next_power_of_2(n_tiles),
                                num_warps=1)
     return out

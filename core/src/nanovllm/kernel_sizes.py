@@ -1,0 +1,21 @@
+"""Host-side sizes of kernel launches (grids, padded block widths) in plain Python.
+
+Triton's own ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions: called on the host they
+go through Triton's wrapper, which costs a few microseconds each, and a small model's prefill step makes
+hundreds of such calls. These give the same results as plain integer arithmetic. Inside a ``@triton.jit``
+function use ``tl.cdiv`` as before."""
+
+from __future__ import annotations
+
+
+def cdiv(x: int, y: int) -> int:
+    """``x / y`` rounded up, for ``y > 0``."""
+    return (x + y - 1) // y
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two at least ``n``; 0 for ``n <= 0`` (as Triton's)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+__all__ = ["cdiv", "next_power_of_2"]
