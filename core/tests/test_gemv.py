@@ -135,22 +135,27 @@ def test_interp_strided_rows_of_x(gen):
 
 @kernel
 @configs
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_interp_silu_and_mul_is_the_activation_of_the_plain_output(config, dtype, rows, gen):
-    """``silu_and_mul=True`` on a weight of gate rows over up rows: the same bits as the plain kernel's output
+def test_interp_gated_output_is_the_activation_of_the_plain_output(config, activation, dtype, rows, gen):
+    """``activation`` on a weight of gate rows over up rows: the same bits as the plain kernel's output
     through the activation's kernel (on small integers the matmul is exact whatever its order), a bias
-    included on half the cases; and within float32 rounding of torch's SiLU."""
-    from nanovllm.layers import SiluAndMul
+    included on half the cases; and within float32 rounding of torch's activation (where GELU's tanh form
+    cancels, below about -4, torch's own value is off by up to 1e-7 of a unit)."""
+    from nanovllm.layers import GeluTanhAndMul, SiluAndMul
     from nanovllm.layers import fused_kernels as fk
 
+    fused, module = {"silu": (fk.silu_and_mul, SiluAndMul), "gelu_tanh": (fk.gelu_tanh_and_mul, GeluTanhAndMul)}[
+        activation]
     x, w = _ints(gen, rows, 100, dtype=dtype), _ints(gen, 2 * 37, 100, dtype=dtype)
     b = _ints(gen, 2 * 37, dtype=dtype) if rows == 5 else None
-    out = gemv(x, w, b, config, silu_and_mul=True)
+    out = gemv(x, w, b, config, activation=activation)
     assert out.shape == (rows, 37) and out.dtype == dtype
-    assert torch.equal(out.cpu(), fk.silu_and_mul(gemv(x, w, b, config)).cpu()), f"seed {gen.initial_seed()}"
-    ref = SiluAndMul()(gemv_reference(x, w, b).cpu())
-    assert torch.allclose(out.cpu().float(), ref.float(), rtol=2**-6 if dtype != torch.float32 else 1e-6)
+    assert torch.equal(out.cpu(), fused(gemv(x, w, b, config)).cpu()), f"seed {gen.initial_seed()}"
+    ref = module()(gemv_reference(x, w, b).cpu())
+    assert torch.allclose(out.cpu().float(), ref.float(), rtol=2**-6 if dtype != torch.float32 else 1e-6,
+                          atol=1e-3 if activation == "gelu_tanh" else 1e-8)
 
 
 @kernel
@@ -158,7 +163,7 @@ def test_interp_silu_and_mul_is_the_activation_of_the_plain_output(config, dtype
     GemvConfig(block_n=8, block_k=32), GemvConfig(block_n=32, block_k=16, dot=True),
     GemvConfig(block_n=16, block_k=16, split_k=2, dot=True),
 ], ids=["registers", "dot", "dot-split2"])
-def test_interp_silu_and_mul_linear_runs_the_tables_configuration(table, gen, monkeypatch):
+def test_interp_gated_linear_runs_the_tables_configuration(table, gen, monkeypatch):
     """Where linear() would run the kernel, one launch applies the activation too, with the whole matrix's
     configuration (half its output features a program, at least a tensor-core tile); None where linear()
     keeps F.linear. ``use_fused`` forced on: the interpreter's CPU tensors stand in for CUDA ones."""
@@ -176,21 +181,22 @@ def test_interp_silu_and_mul_linear_runs_the_tables_configuration(table, gen, mo
         return run(self, *args, **kwargs)
 
     monkeypatch.setattr(type(fk._gated_and_mul_kernel), "run", counting)
-    out = gemv_module.silu_and_mul_linear(x, w)
+    out = gemv_module.gated_linear(x, w, None, "silu")
     assert torch.equal(out, fk.silu_and_mul(linear(x, w)))
     block_n = max(table.block_n // 2, 16 if table.dot else 1)
     fused_launches = [("_gemv_kernel", block_n)] + [("_split_k_sum_kernel", None)] * (table.split_k > 1)
     assert launched[: len(fused_launches)] == fused_launches
     monkeypatch.setitem(TUNED, (80, 64, 4), None)  # cuBLAS measured faster: no fused launch
-    assert gemv_module.silu_and_mul_linear(x, w) is None
+    assert gemv_module.gated_linear(x, w, None, "silu") is None
 
 
 @pytest.mark.skipif(INTERP, reason="compiles for the GPU")
-@pytest.mark.parametrize("dot,stages,silu", [(False, 1, False), (False, 3, False), (True, 4, False),
-                                             (False, 3, True), (True, 4, True)])
-def test_kernel_compiles_for_hopper_streaming_the_weights(dot, stages, silu):
-    """Without a GPU: Triton compiles the kernel for sm_90 (the H200). The weight loads are 16-byte vectors
-    marked evict-first, or with ``num_stages > 1`` asynchronous copies that many tiles ahead."""
+@pytest.mark.parametrize("dot,stages,gated", [(False, 1, 0), (False, 3, 0), (True, 4, 0), (False, 3, 1), (True, 4, 1),
+                                              (False, 3, 2), (True, 4, 2)])
+def test_kernel_compiles_for_hopper_streaming_the_weights(dot, stages, gated):
+    """Without a GPU: Triton compiles the kernel for sm_90 (the H200), plain and with each gated activation
+    (GELU's through libdevice's tanh). The weight loads are 16-byte vectors marked evict-first, or with
+    ``num_stages > 1`` asynchronous copies that many tiles ahead."""
     import re
 
     import triton
@@ -201,7 +207,8 @@ def test_kernel_compiles_for_hopper_streaming_the_weights(dot, stages, silu):
 
     pointers = {"X", "W", "B", "Y", "P"}
     constexprs = dict(M=1, BLOCK_M=16 if dot else 1, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, DOT=dot, EVEN_K=True,
-                      HAS_BIAS=False, FP32_DOT=False, STAGES=stages, SILU_AND_MUL=silu)
+                      HAS_BIAS=False, FP32_DOT=False, STAGES=stages, GATED=gated,
+                      LIBDEVICE=True)
     names = gk._gemv_kernel.arg_names
     signature = {name: "*bf16" if name in pointers else "constexpr" if name in constexprs else "i32"
                  for name in names}
@@ -337,8 +344,9 @@ def test_gpu_lm_head_gives_float32_sums(routed, rows, gen):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("rows", [1, 4, 8])
-def test_gpu_silu_and_mul_linear_at_qwen3_8b_gate_up(rows, gen):
+def test_gpu_gated_linear_at_qwen3_8b_gate_up(rows, activation, gen):
     """qwen3-8b's gate/up shape with its table configuration: one launch gives what the plain kernel and the
     activation's kernel give, to the bit in nearly every element (the halved slabs sum each output in the
     same order on the register path; the tensor-core path may round a few differently), all within an
@@ -351,8 +359,8 @@ def test_gpu_silu_and_mul_linear_at_qwen3_8b_gate_up(rows, gen):
     config = config_for(w.shape[0], 4096, rows, x.device)
     if config is None:
         pytest.skip("the table keeps cuBLAS for this shape")
-    out = gemv_module.silu_and_mul_linear(x, w)
-    two = fk.silu_and_mul(gemv(x, w, None, config))
+    out = gemv_module.gated_linear(x, w, None, activation)
+    two = {"silu": fk.silu_and_mul, "gelu_tanh": fk.gelu_tanh_and_mul}[activation](gemv(x, w, None, config))
     assert out.shape == two.shape == (rows, 12288)
     diff = (out.float() - two.float()).abs()
     assert (diff <= 2**-7 * two.float().abs() + 1e-6).all(), f"max diff {diff.max():.3g}"
@@ -378,11 +386,12 @@ def test_engine_option_routes_the_model(tiny_model, one_thread):
 
 
 @pytest.mark.gpu
-def test_gpu_engine_decodes_the_same_tokens_through_the_kernel(tiny_model):
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Gemma3ForCausalLM"])  # SiLU and GELU-tanh MLPs
+def test_gpu_engine_decodes_the_same_tokens_through_the_kernel(arch, tiny_model):
     """On CUDA the decode graphs capture the kernel; float32 greedy tokens equal cuBLAS's."""
     from nanovllm import LLM, SamplingParams
 
-    path = tiny_model("Qwen3ForCausalLM")
+    path = tiny_model(arch)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     options = dict(device="cuda", dtype="float32", kv_cache_memory=1 << 26, max_num_seqs=8)
     prompts = [[5 + i, 17, 3 * i + 1] for i in range(5)]
@@ -400,4 +409,4 @@ def test_gemv_kernels_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == len(CONFIGS) * 4 + len(CONFIGS) * 2 * 2 + len(CONFIGS) * 2 + 4 + len(CONFIGS) * 2 * 2 + 3, tail
+    assert passed == len(CONFIGS) * 4 + len(CONFIGS) * 2 * 2 + len(CONFIGS) * 2 + 4 + len(CONFIGS) * 2 * 2 * 2 + 3, tail

@@ -12,13 +12,23 @@ from nanovllm.layers.linear import LinearBase, MergedColumnParallelLinear, RowPa
 class GatedActivation(nn.Module):
     """An activation of the gate half of the last dimension times the up half."""
 
+    gemv_activation: str  # its name for the small-batch matmul kernel (nanovllm.layers.gemv.gated_linear)
+
     def of_projection(self, proj: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        """``self(proj(x))`` for the projection ``proj`` whose output halves are gate and up."""
+        """``self(proj(x))`` for the projection ``proj`` whose output halves are gate and up. Where the
+        projection's small batches run the Triton GEMV, its kernel applies the activation to what it computes
+        (one launch, the same bits as the two)."""
+        if proj.use_triton_gemv:
+            out = gemv.gated_linear(x, proj.weight, proj.bias, self.gemv_activation)
+            if out is not None:
+                return out
         return self(proj(x))
 
 
 class SiluAndMul(GatedActivation):
     """``silu(gate) * up`` for the gate/up halves of the last dimension."""
+
+    gemv_activation = "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_fused(x):
@@ -26,18 +36,11 @@ class SiluAndMul(GatedActivation):
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def of_projection(self, proj: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        """Where the projection's small batches run the Triton GEMV, its kernel applies the activation to
-        what it computes (one launch, the same bits as the two)."""
-        if proj.use_triton_gemv:
-            out = gemv.silu_and_mul_linear(x, proj.weight, proj.bias)
-            if out is not None:
-                return out
-        return self(proj(x))
-
 
 class GeluTanhAndMul(GatedActivation):
     """``gelu(gate, approximate="tanh") * up`` for the gate/up halves of the last dimension (Gemma)."""
+
+    gemv_activation = "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_fused(x):

@@ -5,7 +5,7 @@ by reading the weights from HBM. cuBLAS picks split-K GEMMs there that reach abo
 bandwidth; :mod:`nanovllm.layers.gemv_kernels` streams the weights instead. :func:`linear` is
 ``F.linear`` with that kernel for CUDA inputs of at most :data:`MAX_ROWS` rows, each shape run with its
 entry of :data:`TUNED` (measured by ``benchmarks/gemv_sweep.py``; an entry may keep cuBLAS for a shape) or
-else :func:`default_config`; :func:`silu_and_mul_linear` applies a gated MLP's activation in the same
+else :func:`default_config`; :func:`gated_linear` applies a gated MLP's activation in the same
 launch. It allocates only its output (and, with split-K, a float32 workspace) from the current stream's
 pool and never synchronises, so the decode CUDA graphs capture it. Imports no Triton until a CUDA input
 comes.
@@ -175,15 +175,15 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None, silu_and_mul: bool = False,
+         config: GemvConfig | None = None, activation: str | None = None,
          out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` through the Triton kernel, for ``x [M, K]`` (``1 <= M <= MAX_ROWS``, unit
     stride along K) and contiguous ``weight [N, K]`` and ``bias [N]`` of ``x``'s dtype, on CUDA (or on the
     CPU under ``TRITON_INTERPRET=1``); ``config`` defaults to :func:`config_for` the shape (its default
     where the table keeps cuBLAS). The float32 sums are rounded once to ``out_dtype`` (default ``x``'s
-    dtype). ``silu_and_mul``: ``weight`` stacks a gated MLP's gate rows over its up rows, and the result is
-    ``silu(gate) * up`` ``[M, N / 2]``, rounded as the activation's own kernel rounds the plain result,
-    ``config.block_n`` of its features a program."""
+    dtype). ``activation`` (``"silu"`` or ``"gelu_tanh"``): ``weight`` stacks a gated MLP's gate rows over its
+    up rows, and the result is ``act(gate) * up`` ``[M, N / 2]``, rounded as the activation's own kernel
+    rounds the plain result, ``config.block_n`` of its features a program."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv multiplies x [M, K] by weight [N, K]; got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -194,14 +194,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         raise ValueError(f"gemv needs x, weight and bias of one dtype; got {x.dtype}, {weight.dtype}, "
                          f"{None if bias is None else bias.dtype}")
-    if silu_and_mul and weight.shape[0] % 2:
-        raise ValueError(f"silu_and_mul needs a weight of gate rows over as many up rows; got "
+    if activation is not None and activation not in _kernels().GATED_ACTIVATIONS:
+        raise ValueError(f"activation {activation!r}: the kernel applies "
+                         f"{', '.join(_kernels().GATED_ACTIVATIONS)}")
+    if activation is not None and weight.shape[0] % 2:
+        raise ValueError(f"activation {activation!r} needs a weight of gate rows over as many up rows; got "
                          f"{weight.shape[0]} rows")
     if config is None:
         config = config_for(weight.shape[0], x.shape[1], x.shape[0], x.device)
     if config is None:
         config = _default_for(weight.shape[0], x.shape[1], x.shape[0], x.device)
-    return _kernels().gemv(x, weight, None if bias is None else bias.contiguous(), silu_and_mul=silu_and_mul,
+    return _kernels().gemv(x, weight, None if bias is None else bias.contiguous(), activation=activation,
                            out_dtype=out_dtype, **config.knobs())
 
 
@@ -238,17 +241,17 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias).to(out_dtype)
 
 
-def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-                        ) -> torch.Tensor | None:
-    """``silu(gate) * up`` of ``linear(x, weight, bias)`` for a weight that stacks gate rows over as many up
-    rows, in one launch where :func:`linear` would run the kernel (with the whole matrix's configuration,
-    each program reading as many rows of it: half of them gate rows); None where it would not (the caller
-    applies the activation to ``linear``'s output)."""
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str
+                 ) -> torch.Tensor | None:
+    """``act(gate) * up`` of ``linear(x, weight, bias)`` (``activation``: ``"silu"`` or ``"gelu_tanh"``) for a
+    weight that stacks gate rows over as many up rows, in one launch where :func:`linear` would run the
+    kernel (with the whole matrix's configuration, each program reading as many rows of it: half of them
+    gate rows); None where it would not (the caller applies the activation to ``linear``'s output)."""
     config = _routed(x, weight, bias)
     if config is None or weight.shape[0] % 2:
         return None
     config = attrs.evolve(config, block_n=max(config.block_n // 2, 16 if config.dot else 1))
-    return gemv(x, weight, bias, config, silu_and_mul=True)
+    return gemv(x, weight, bias, config, activation=activation)
 
 
 def route_small_batches(model: nn.Module) -> int:
@@ -263,4 +266,4 @@ def route_small_batches(model: nn.Module) -> int:
 
 
 __all__ = ["MAX_ROWS", "TUNED", "GemvConfig", "config_for", "default_config", "gemv", "gemv_reference",
-           "linear", "matmul", "route_small_batches", "row_bucket", "silu_and_mul_linear"]
+           "linear", "matmul", "route_small_batches", "row_bucket", "gated_linear"]

@@ -17,10 +17,11 @@ order and rounds once. Atomics would need a zeroed float32 buffer and a rounding
 launches, not one), and their order of addition changes between runs, so the same prompt could decode
 differently.
 
-``SILU_AND_MUL``: the gate and up projections of a gated MLP in one matrix (gate rows, then as many up
-rows), each program reading its gate rows and the matching up rows and writing ``silu(gate) * up``: the
-activation costs no launch of its own, and half the output is written. With split-K the summing kernel
-applies it. On CPU tensors the kernels run under Triton's interpreter (tests only).
+``GATED``: the gate and up projections of a gated MLP in one matrix (gate rows, then as many up rows),
+each program reading its gate rows and the matching up rows and writing ``act(gate) * up`` (1: SiLU, 2:
+GELU with the tanh approximation): the activation costs no launch of its own, and half the output is
+written. With split-K the summing kernel applies it. On CPU tensors the kernels run under Triton's
+interpreter (tests only).
 """
 
 from __future__ import annotations
@@ -30,7 +31,20 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernel_sizes import cdiv, next_power_of_2
-from nanovllm.layers.fused_kernels import silu_mul
+from nanovllm.layers.fused_kernels import gelu_tanh_mul, silu_mul
+
+
+@triton.jit
+def _gated(gate, up, Y, GATED: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """``act(gate) * up`` of float32 sums: gate and up rounded as the plain output would be, then rounded as
+    the activation's own kernel rounds (1: SiLU; 2: GELU-tanh, through libdevice's tanh with ``LIBDEVICE``)."""
+    dt = Y.dtype.element_ty
+    gate, up = gate.to(dt).to(tl.float32), up.to(dt).to(tl.float32)
+    if GATED == 1:
+        out = silu_mul(gate, up, Y)
+    else:
+        out = gelu_tanh_mul(gate, up, Y, LIBDEVICE)
+    return out
 
 
 @triton.jit
@@ -39,12 +53,12 @@ def _gemv_kernel(
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr,
-    STAGES: tl.constexpr, SILU_AND_MUL: tl.constexpr,
+    STAGES: tl.constexpr, GATED: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = pid % SPLIT_K  # a slab's splits are neighbours: programs in launch order read w in memory order
     pid_n = pid // SPLIT_K
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features: rows of w (gate rows with SILU_AND_MUL)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features: rows of w (gate rows with GATED)
     ms = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < N
@@ -53,15 +67,15 @@ def _gemv_kernel(
     k_end = tl.minimum(K, k_start + k_per_split)
     w_ptrs = W + rows[:, None].to(tl.int64) * stride_wn + (k_start + ks)[None, :]
     x_ptrs = X + ms[:, None] * stride_xm + (k_start + ks)[None, :]
-    if SILU_AND_MUL:  # the matching up rows, N further down
+    if GATED:  # the matching up rows, N further down
         u_ptrs = W + (rows[:, None].to(tl.int64) + N) * stride_wn + (k_start + ks)[None, :]
     if DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        if SILU_AND_MUL:
+        if GATED:
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:  # products summed along K once, after the loop: no shuffles inside it
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        if SILU_AND_MUL:
+        if GATED:
             acc3_u = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     # STAGES > 1: the loop's loads go through shared memory, that many tiles in flight (the launch's
     # num_stages alone pipelines only loads that feed a dot)
@@ -75,70 +89,68 @@ def _gemv_kernel(
             x_mask = m_ok[:, None] & k_ok[None, :]
         w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last")
-        if SILU_AND_MUL:
+        if GATED:
             u = tl.load(u_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
         if DOT and FP32_DOT:
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-            if SILU_AND_MUL:
+            if GATED:
                 acc_u = tl.dot(x.to(tl.float32), tl.trans(u.to(tl.float32)), acc_u, input_precision="ieee")
         elif DOT:
             acc = tl.dot(x, tl.trans(w), acc)
-            if SILU_AND_MUL:
+            if GATED:
                 acc_u = tl.dot(x, tl.trans(u), acc_u)
         else:
             acc3 += x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32)
-            if SILU_AND_MUL:
+            if GATED:
                 acc3_u += x[:, None, :].to(tl.float32) * u[None, :, :].to(tl.float32)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-        if SILU_AND_MUL:
+        if GATED:
             u_ptrs += BLOCK_K
     if not DOT:
         acc = tl.sum(acc3, axis=2)
-        if SILU_AND_MUL:
+        if GATED:
             acc_u = tl.sum(acc3_u, axis=2)
     ok = m_ok[:, None] & row_ok[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-            if SILU_AND_MUL:
+            if GATED:
                 acc_u += tl.load(B + N + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-        if SILU_AND_MUL:  # gate and up rounded as the plain output would be, then as the activation rounds
-            dt = Y.dtype.element_ty
-            y = silu_mul(acc.to(dt).to(tl.float32), acc_u.to(dt).to(tl.float32), Y)
+        if GATED:
+            y = _gated(acc, acc_u, Y, GATED, LIBDEVICE)
         else:
             y = acc.to(Y.dtype.element_ty)
         tl.store(Y + ms[:, None] * stride_ym + rows[None, :], y, mask=ok)
-    else:  # partials [SPLIT_K, M, N], or with SILU_AND_MUL [SPLIT_K, M, 2N]: gate then up
-        width = 2 * N if SILU_AND_MUL else N
+    else:  # partials [SPLIT_K, M, N], or with GATED [SPLIT_K, M, 2N]: gate then up
+        width = 2 * N if GATED else N
         partial = P + (pid_k * M + ms[:, None]).to(tl.int64) * width + rows[None, :]
         tl.store(partial, acc, mask=ok)
-        if SILU_AND_MUL:
+        if GATED:
             tl.store(partial + N, acc_u, mask=ok)
 
 
 @triton.jit
 def _split_k_sum_kernel(P, B, Y, M, N, stride_ym, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        BLOCK: tl.constexpr, SILU_AND_MUL: tl.constexpr):
+                        BLOCK: tl.constexpr, GATED: tl.constexpr, LIBDEVICE: tl.constexpr):
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = tl.program_id(1)
     ok = cols < N
-    width = 2 * N if SILU_AND_MUL else N
+    width = 2 * N if GATED else N
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    if SILU_AND_MUL:
+    if GATED:
         acc_u = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):  # a fixed order: the same sums every run
         partial = P + (s * M + m).to(tl.int64) * width + cols
         acc += tl.load(partial, mask=ok, other=0.0)
-        if SILU_AND_MUL:
+        if GATED:
             acc_u += tl.load(partial + N, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(B + cols, mask=ok, other=0.0).to(tl.float32)
-        if SILU_AND_MUL:
+        if GATED:
             acc_u += tl.load(B + N + cols, mask=ok, other=0.0).to(tl.float32)
-    if SILU_AND_MUL:
-        dt = Y.dtype.element_ty
-        y = silu_mul(acc.to(dt).to(tl.float32), acc_u.to(dt).to(tl.float32), Y)
+    if GATED:
+        y = _gated(acc, acc_u, Y, GATED, LIBDEVICE)
     else:
         y = acc.to(Y.dtype.element_ty)
     tl.store(Y + m * stride_ym + cols, y, mask=ok)
@@ -146,23 +158,25 @@ def _split_k_sum_kernel(P, B, Y, M, N, stride_ym, SPLIT_K: tl.constexpr, HAS_BIA
 
 _SUM_BLOCK = 1024
 DOT_ROWS = 16  # tl.dot's smallest M: the rows of x the DOT path pads to
+GATED_ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}  # a gated MLP's activation -> the kernels' GATED
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *, block_n: int, block_k: int,
-         split_k: int, dot: bool, num_warps: int, num_stages: int, silu_and_mul: bool = False,
+         split_k: int, dot: bool, num_warps: int, num_stages: int, activation: str | None = None,
          out_dtype: torch.dtype | None = None, compile_only: bool = False) -> torch.Tensor:
     """``x @ w.T (+ bias)`` accumulated in float32 and rounded once to ``out_dtype`` (default ``x``'s dtype),
     for ``x [M, K]`` (unit stride along K, ``M <= 16``) and ``w [N, K]`` contiguous of the same dtype.
-    ``silu_and_mul``: ``w`` stacks gate rows over as many up rows, and the output is ``silu(gate) * up``
-    ``[M, N / 2]``, ``block_n`` of its features a program. The caller checks the shapes and knobs
+    ``activation`` (a key of :data:`GATED_ACTIVATIONS`): ``w`` stacks gate rows over as many up rows, and the
+    output is ``act(gate) * up`` ``[M, N / 2]``, ``block_n`` of its features a program. The caller checks the shapes and knobs
     (:func:`nanovllm.layers.gemv.gemv`); one launch, two with ``split_k > 1``. ``compile_only``: compile the
     kernels for these arguments and launch nothing (the output is then uninitialised)."""
     m, k = x.shape
-    n = w.shape[0] // 2 if silu_and_mul else w.shape[0]
+    gated = GATED_ACTIVATIONS[activation] if activation is not None else 0
+    n = w.shape[0] // 2 if gated else w.shape[0]
     y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     # a split covers whole BLOCK_K tiles, so only the last one may end inside a tile
     k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
-    width = 2 * n if silu_and_mul else n
+    width = 2 * n if gated else n
     partials = y if split_k == 1 else torch.empty(split_k, m, width, dtype=torch.float32, device=x.device)
     b = bias if bias is not None else y
     launches = [(_gemv_kernel, (cdiv(n, block_n) * split_k,), (
@@ -172,14 +186,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *, block_n
         SPLIT_K=split_k, DOT=dot, EVEN_K=k == k_per_split * split_k,  # every split whole tiles: no K mask
         HAS_BIAS=bias is not None,
         # float32 products for float32 inputs (not TF32), and in the interpreter, whose 16-bit dot is wrong
-        FP32_DOT=x.dtype == torch.float32 or not x.is_cuda, STAGES=num_stages, SILU_AND_MUL=silu_and_mul,
-        num_warps=num_warps, num_stages=num_stages,
+        FP32_DOT=x.dtype == torch.float32 or not x.is_cuda, STAGES=num_stages, GATED=gated,
+        LIBDEVICE=x.is_cuda, num_warps=num_warps, num_stages=num_stages,
     ))]
     if split_k > 1:
         launches.append((_split_k_sum_kernel, (cdiv(n, _SUM_BLOCK), m), (
             partials, b, y, m, n, y.stride(0),
-        ), dict(SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=_SUM_BLOCK, SILU_AND_MUL=silu_and_mul,
-                num_warps=4)))
+        ), dict(SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=_SUM_BLOCK, GATED=gated,
+                LIBDEVICE=x.is_cuda, num_warps=4)))
     for kernel, grid, args, kwargs in launches:
         if compile_only:
             kernel.warmup(*args, grid=grid, **kwargs)
@@ -188,4 +202,4 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *, block_n
     return y
 
 
-__all__ = ["DOT_ROWS", "gemv"]
+__all__ = ["DOT_ROWS", "GATED_ACTIVATIONS", "gemv"]
