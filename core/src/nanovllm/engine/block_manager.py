@@ -50,16 +50,19 @@ CHECKED = -2  # with the check hash of the prefix: a window group's block where 
 
 
 class Contents(NamedTuple):
-    """What a run of blocks holds, a row per block: their chained hashes, token ids ``[blocks, block_size]``
-    (int32) and parents ``[blocks, 2]`` (int64)."""
+    """What a run of blocks holds, a row per block: their chained hashes (as ints for the prefix caches'
+    dicts, and as one uint64 array for the per-block state, made once for every group that publishes the
+    run), token ids ``[blocks, block_size]`` (int32) and parents ``[blocks, 2]`` (int64)."""
 
     hashes: list[int]
+    hash_array: np.ndarray
     tokens: np.ndarray
     parents: np.ndarray
 
     def row(self, i: int) -> Contents:
         """The ``i``-th block's, as a run of one."""
-        return Contents(self.hashes[i : i + 1], self.tokens[i : i + 1], self.parents[i : i + 1])
+        return Contents(self.hashes[i : i + 1], self.hash_array[i : i + 1], self.tokens[i : i + 1],
+                        self.parents[i : i + 1])
 
 
 def chain_hashes(prev_hash: int | None, blocks: np.ndarray | SequenceABC[SequenceABC[int]]) -> list[int]:
@@ -363,7 +366,7 @@ class BlockManager:
             if stop > after:
                 self._chained(seq, seq.block_checks, check_hashes, stop - 2)  # hashed up to the last at once
             parents[after - first :, 1] = seq.block_checks[after - 1 : stop - 1]
-        return Contents(hashes, tokens, parents)
+        return Contents(hashes, np.array(hashes, dtype=np.uint64), tokens, parents)
 
     def _same_content(self, block_ids: np.ndarray, contents: Contents) -> np.ndarray:
         """Per block of ``block_ids`` (found under ``contents``' hashes), whether it holds the same tokens
@@ -536,7 +539,7 @@ class BlockManager:
         holding ``run``."""
         self.hash_to_block[g].update(zip(run.hashes, block_ids))
         block_ids = np.array(block_ids, dtype=np.int64)
-        self.hashes[block_ids] = run.hashes
+        self.hashes[block_ids] = run.hash_array
         self.tokens[block_ids] = run.tokens
         self.parents[block_ids] = run.parents
         self.cache_groups[block_ids] = g

@@ -147,20 +147,23 @@ def group_slots(decodes: list[Sequence], decode_tables: np.ndarray | None, prefi
     token each, then the prefill chunks), its block ids less ``offsets[g]``; ``decode_tables``: the decodes'
     :func:`group_tables` (less the offsets already)."""
     bs = block_size
-    shift = np.asarray(offsets, dtype=np.int64)[:, None] * bs
-    parts = [np.empty((len(offsets), 0), dtype=np.int64)]
+    shift = np.asarray(offsets, dtype=np.int64)[:, None, None] * bs
+    out = np.empty((len(offsets), len(decodes) + sum(s.num_scheduled_tokens for s in prefills)), dtype=np.int64)
     if decodes:
         pos = np.asarray([s.num_computed_tokens for s in decodes], dtype=np.int64)
-        parts.append(decode_tables[:, np.arange(len(decodes)), pos // bs].astype(np.int64) * bs + pos % bs)
+        rows = decode_tables[:, np.arange(len(decodes)), pos // bs]
+        out[:, : len(decodes)] = rows.astype(np.int64) * bs + pos % bs
     in_block = np.arange(bs)
+    column = len(decodes)
     for s in prefills:
         # block by block: a chunk's slots are whole runs of each block's, cut to the chunk's tokens
         start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens
         first = start // bs
-        blocks = table_copy(s).array[:, first : -(-end // bs)].astype(np.int64) * bs - shift
-        slots = (blocks[:, :, None] + in_block).reshape(len(offsets), -1)
-        parts.append(slots[:, start - first * bs : end - first * bs])
-    return np.concatenate(parts, axis=1)
+        blocks = table_copy(s).array[:, first : -(-end // bs), None].astype(np.int64) * bs - shift
+        slots = (blocks + in_block).reshape(len(offsets), -1)
+        out[:, column : column + end - start] = slots[:, start - first * bs : end - first * bs]
+        column += end - start
+    return out
 
 
 def prompt_logprob_targets(scored: list[tuple[Sequence, int]]) -> tuple[np.ndarray | None, PromptTargets | None]:
