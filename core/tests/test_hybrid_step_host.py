@@ -98,9 +98,11 @@ def test_decode_host_work_does_not_grow_with_the_context():
 
 def test_chunk_host_work_near_the_uniform_layouts():
     """A mixed step of 8K-token prompt chunks in 6 KV cache groups (each window group takes, publishes and
-    soon gives back a block per 16 tokens) costs the host under twice what one group's does: per-block state
-    is in arrays, blocks come and go in runs (every window group's at once), and the window groups share the
-    chunk's hashes and contents."""
+    soon gives back a block per 16 tokens) costs the host under 2.5 times what one group's does: per-block
+    state is in arrays, blocks come and go in runs (every window group's at once), and the window groups
+    share the chunk's hashes and contents. Measured on a 2-core machine: about 1.9 times; with the blocks
+    published one Python step each, 3.1 times. (The ratio's floor rose to near 2 once the part both layouts
+    share, hashing the chunk, became cheaper.)"""
     windows = [None if (i + 1) % 6 == 0 else 512 for i in range(18)]  # Gemma 3's window
     prompts = random_prompts(8, 8192, seed=2)
 
@@ -111,7 +113,7 @@ def test_chunk_host_work_near_the_uniform_layouts():
     mixed_ms(True), mixed_ms(False)  # warm-up
     # the best of four runs each, interleaved: a loaded machine slows some runs, not the work
     hybrid, uniform = zip(*[(mixed_ms(True), mixed_ms(False)) for _ in range(4)])
-    assert min(hybrid) < 2.0 * min(uniform), f"host ms per mixed step: hybrid {hybrid}, uniform {uniform}"
+    assert min(hybrid) < 2.5 * min(uniform), f"host ms per mixed step: hybrid {hybrid}, uniform {uniform}"
 
 
 def test_step_kinds_match_between_layouts():
