@@ -233,6 +233,10 @@ def test_gemv_refuses_what_it_cannot_run():
         gemv(torch.zeros(1, 15), w)
     with pytest.raises(ValueError, match="unit stride"):
         gemv(torch.zeros(16, 2).t()[:1], w)
+    with pytest.raises(ValueError, match="the kernel applies silu, gelu_tanh"):
+        gemv(torch.zeros(1, 16), w, activation="relu")
+    with pytest.raises(ValueError, match="gate rows over as many up rows"):
+        gemv(torch.zeros(1, 16), torch.zeros(7, 16), activation="silu")
 
 
 def test_config_checks_its_knobs():

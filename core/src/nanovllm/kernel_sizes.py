@@ -1,9 +1,9 @@
 """Host-side sizes of kernel launches (grids, padded block widths) in plain Python.
 
-Triton's own ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions: called on the host they
-go through Triton's wrapper, which costs a few microseconds each, and a small model's prefill step makes
-hundreds of such calls. These give the same results as plain integer arithmetic. Inside a ``@triton.jit``
-function use ``tl.cdiv`` as before."""
+Recent Triton versions make ``triton.cdiv`` and ``triton.next_power_of_2`` constexpr functions: called on the
+host, each goes through Triton's wrapper, and every launch wrapper sizes its grid and blocks with them. These
+give the same results in plain integer arithmetic. Inside a ``@triton.jit`` function use ``tl.cdiv`` as
+before."""
 
 from __future__ import annotations
 

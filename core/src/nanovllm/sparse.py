@@ -21,7 +21,7 @@ A policy distribution imports from nanovllm only this module and the attention b
   (``@triton.jit`` functions), ``num_sms``, ``max_shared_memory``,
   ``is_interpreted`` and :func:`paged_kv_descriptors`; :func:`host_lengths` (a phase's lengths as host ints);
   ``cdiv`` and ``next_power_of_2`` for a launch's grid and block sizes on the host (Triton's own functions of
-  those names cost microseconds a call there).
+  those names go through its constexpr wrapper there).
 
 Importing this module imports no torch: the names that need it (the context, the types and the kernel
 helpers) are loaded on first use. A plugin's registration module can therefore import :data:`hookimpl`
