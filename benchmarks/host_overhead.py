@@ -18,7 +18,10 @@ separate profiles so the two do not mix; cProfile slows every Python call, so re
 ``--device cuda --full-width`` runs the same steps on a GPU with Gemma 3 270M's widths (random weights, a tiny
 vocabulary), bfloat16 and the backend the engine picks, nothing stubbed; each step then ends with a
 synchronize, so the step's time is the device's and the forward's is the host's launching of it: a forward
-near the step's time means the GPU waits on the host.
+near the step's time means the GPU waits on the host. There the engine prefills as it does by default, steps
+of ``--chunk`` tokens replayed from piecewise CUDA graphs (their forward is the replay of the stretches and the
+attention calls between them), unless ``--no-piecewise``; ``--sparse-policy`` sets the full-attention layers'
+policy.
 """
 
 from __future__ import annotations
@@ -72,9 +75,12 @@ class StepTimer:
         self.sync = torch.cuda.synchronize if self.engine.runner.device.type == "cuda" else lambda: None
         self.profiling = False
         self.forward_s: list[float] = []
-        model = self.engine.runner.model
-        inner = model.forward
+        runner = self.engine.runner
+        # the forward runs as the model's (eager) or as the piecewise prefill graphs' replay
+        runner.model.forward = self._timed(runner.model.forward)
+        runner.prefill_graphs.replay = self._timed(runner.prefill_graphs.replay)
 
+    def _timed(self, inner):
         def timed_forward(*args, **kwargs):
             profiling = self.profiling and self.outside is not None
             if profiling:
@@ -89,7 +95,7 @@ class StepTimer:
                     self.inside.disable()
                     self.outside.enable()
 
-        model.forward = timed_forward
+        return timed_forward
 
     def prefill(self, prompt: list[int], profile: bool = False) -> list[tuple[float, float]]:
         """Prefill ``prompt`` step by step: ``(step µs, forward µs)`` of each step that runs the model."""
@@ -113,11 +119,15 @@ class StepTimer:
         return steps
 
 
-def build(path: Path, chunk: int, context: int, block_size: int, device: str) -> LLM:
-    """The engine; on the CPU with the torch backend and its attention stubbed, on a GPU as it runs there."""
+def build(path: Path, chunk: int, context: int, block_size: int, device: str, sparse_policy: str = "full",
+          piecewise: bool = True) -> LLM:
+    """The engine; on the CPU with the torch backend and its attention stubbed, on a GPU as it runs there
+    (piecewise prefill graphs unless not ``piecewise``; no decode graphs either way)."""
     cpu = device == "cpu"
-    llm = LLM(str(path), device=device, dtype="float32" if cpu else "bfloat16",
-              attention_backend="torch" if cpu else "auto", enforce_eager=True, max_model_len=context + 16,
+    llm = LLM(str(path), device=device, dtype="float32" if cpu else "bfloat16", sparse_policy=sparse_policy,
+              attention_backend="torch" if cpu else "auto", enforce_eager=cpu,
+              piecewise_cuda_graphs=piecewise,
+              max_model_len=context + 16,
               max_num_batched_tokens=chunk, max_num_seqs=1, block_size=block_size,
               kv_cache_memory=2**26 if cpu else 2**30, skip_tokenizer_init=True)
     if cpu:
@@ -145,11 +155,11 @@ def layer_ops(llm: LLM, chunk: int) -> Counter:
 
 
 def measure(path: Path, chunk: int, chunks: int, repeats: int, block_size: int, profile: bool,
-            device: str = "cpu") -> dict:
+            device: str = "cpu", sparse_policy: str = "full", piecewise: bool = True) -> dict:
     """The medians over the steps of ``repeats`` new prompts of ``chunks`` chunks (after one warm-up
     prompt); with ``profile`` also the two profiles of ``repeats`` more prompts and a layer's operations."""
     context = chunk * chunks
-    llm = build(path, chunk, context, block_size, device)
+    llm = build(path, chunk, context, block_size, device, sparse_policy, piecewise)
     outside, inside = (cProfile.Profile(), cProfile.Profile()) if profile else (None, None)
     timer = StepTimer(llm, outside, inside)
     # a new prompt each time (its first token differs), so the prefix cache finds nothing
@@ -198,6 +208,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--profile", action="store_true", help="cProfile outside and inside the forward")
     parser.add_argument("--top", type=int, default=25, help="functions in each profile table")
     parser.add_argument("--device", default="cpu", help="cpu (the default), or cuda: the real model on a GPU")
+    parser.add_argument("--sparse-policy", default="full",
+                        help="the full-attention layers' policy, e.g. xattn:threshold=0.9 (default full)")
+    parser.add_argument("--no-piecewise", action="store_true",
+                        help="prefill without piecewise CUDA graphs (for --device cuda)")
     parser.add_argument("--full-width", action="store_true",
                         help="Gemma 3 270M's own widths (for --device cuda)")
     args = parser.parse_args(argv)
@@ -205,7 +219,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         shape = gemma3_270m_shape(args.window, args.chunk * args.chunks + 16, args.full_width)
         path = tiny_model_dir(Path(tmp) / "gemma3", "Gemma3ForCausalLM", **shape)
-        rows = [measure(path, chunk, args.chunks, args.repeats, args.block_size, args.profile, args.device)
+        rows = [measure(path, chunk, args.chunks, args.repeats, args.block_size, args.profile, args.device,
+                        args.sparse_policy, not args.no_piecewise)
                 for chunk in (args.small_chunk, args.chunk)]
     print("| chunk tokens | steps | step µs | forward µs | forward µs/layer | outside forward µs |")
     print("|---:|---:|---:|---:|---:|---:|")

@@ -17,6 +17,7 @@ FLAGS = {  # a value for every engine option, as a user would type it, and what 
     "--no-enable-chunked-prefill": (None, False), "--enforce-eager": (None, True),
     "--disable-hybrid-kv-cache-manager": (None, True),
     "--no-async-scheduling": (None, False), "--enable-triton-gemv": (None, True),
+    "--no-piecewise-cuda-graphs": (None, False),
     "--kv-offloading-size": ("2.5", 2.5),
     "--kv-offloading-buffer-size": ("0.5", 0.5), "--no-kv-offloading-reuse-selections": (None, False),
     "--tensor-parallel-size": ("2", 2),

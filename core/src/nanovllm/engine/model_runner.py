@@ -26,6 +26,7 @@ from nanovllm.engine.cuda_graphs import CudaGraphRunner
 from nanovllm.engine.kv_allocation import allocate_kv_store
 from nanovllm.engine.model_loading import EngineParts, bind_attention, build_model
 from nanovllm.engine.pinned_staging import PinnedStaging
+from nanovllm.engine.prefill_graphs import PrefillGraphs
 from nanovllm.engine.sampling_inputs import SamplingInputs
 from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
 from nanovllm.engine.step_plan import (
@@ -119,7 +120,8 @@ class ModelRunner:
     """One rank's model and its steps: builds the model (:func:`~nanovllm.engine.model_loading.build_model`),
     binds the attention backend and the sparse policies to its layers, allocates the KV store
     (:func:`~nanovllm.engine.kv_allocation.allocate_kv_store`), captures the decode graphs
-    (:class:`~nanovllm.engine.cuda_graphs.CudaGraphRunner`), then launches the scheduler's steps. With tensor
+    (:class:`~nanovllm.engine.cuda_graphs.CudaGraphRunner`) and the piecewise prefill graphs
+    (:class:`~nanovllm.engine.prefill_graphs.PrefillGraphs`), then launches the scheduler's steps. With tensor
     parallelism rank 0 plans each step and broadcasts it; the other ranks :meth:`follow`."""
 
     def __init__(self, config: ResolvedConfig, parts: EngineParts) -> None:
@@ -155,6 +157,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             warm_up(self)
         self.cuda_graphs.capture_if_usable()
+        self.prefill_graphs = PrefillGraphs(self.model, self.attention_layers, config,
+                                            len(self.kv_cache_groups), self.backend)
+        self.prefill_graphs.capture_if_usable()
         barrier()  # every rank built its runner: a failure is reported at start, not at the first step
 
     # -- one step ---------------------------------------------------------------------------------
@@ -289,7 +294,10 @@ class ModelRunner:
             meta = self._step_metadata(plan)
             self.kv.begin_step(plan.decode, plan.prefill)
             with forward_context(meta):
-                hidden = self.model(input_ids, meta.positions)
+                if self.prefill_graphs.fits(input_ids.shape[0]):
+                    hidden = self.prefill_graphs.replay(input_ids, meta)
+                else:
+                    hidden = self.model(input_ids, meta.positions)
         sample_rows = None if plan.sample_rows is None else self._to_device(plan.sample_rows)
         return hidden, input_ids, sample_rows
 

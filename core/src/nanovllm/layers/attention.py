@@ -4,6 +4,8 @@ policy (which reads the store through its context)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -31,6 +33,9 @@ class Attention(nn.Module):
         self.hooks: PolicyHooks | None = None
         self.kv: LayerKV | None = None  # this layer's KV store, once allocated
         self.kv_group = 0  # its KV cache group: whose slots and block tables it reads (StepMetadata.of_group)
+        # set only while the runner captures piecewise prefill graphs: called instead of attending
+        # (nanovllm.engine.prefill_graphs)
+        self.graph_cut: Callable[..., torch.Tensor] | None = None
 
     def bind(self, backend: AttentionBackend, hooks: PolicyHooks) -> None:
         """Set once per engine by the model runner."""
@@ -57,6 +62,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """q ``[T, H, D]``, k/v ``[T, Hkv, D]`` for the step's new tokens -> ``[T, H, D]``. ``kv_written``: k
         and v are already in :meth:`cache_slots`."""
+        if self.graph_cut is not None:
+            return self.graph_cut(self, q, k, v, kv_written)
         meta = get_forward_context()
         if self.kv is None:  # the memory-profiling run, before the store exists
             return self.backend.attend_chunk(q, k, v, meta.prefill, self.scale)[0]

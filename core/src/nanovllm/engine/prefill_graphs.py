@@ -1,0 +1,167 @@
+"""Prefill steps in piecewise CUDA graphs: the model's forward of a step of exactly ``num_tokens`` tokens
+(``max_num_batched_tokens``, the size every chunk of a long prompt and every full batch of prompts has) is
+captured once at start-up as one graph per stretch between two attention calls, and each attention call runs
+eagerly between the replays, as vLLM's piecewise mode does.
+
+Why: a small model's prefill waits on the host, which launches a dozen kernels a layer; a graph launches a
+stretch of them at once. Attention stays eager because its work follows the step (context lengths, block
+tables, a sparse policy's selection) in ways a graph cannot.
+
+What crosses a cut goes through static buffers: a stretch ends by copying its attention call's ``q``, ``k``
+and ``v`` into them, and the next begins by reading the attention's output from one. Every stretch reads the
+step's token ids, positions and KV slots (the RoPE kernel writes the keys and values on its way) from static
+inputs, copied in before the first replay. The stretches share one memory pool and replay in the order they
+were captured, so a stretch may reuse what an earlier one freed."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import attrs
+import torch
+
+from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, forward_context
+from nanovllm.config import ResolvedConfig
+from nanovllm.distributed import capture_problem, tp_size
+from nanovllm.engine.cuda_graphs import collector_paused
+from nanovllm.layers.attention import Attention
+
+
+@attrs.define
+class Stretch:
+    """One captured stretch of the forward, and the attention call that follows it (None after the last)."""
+
+    graph: torch.cuda.CUDAGraph
+    attention: Attention | None = None
+    kv_written: bool = False  # the stretch's RoPE kernel wrote the layer's keys and values
+
+
+class PrefillGraphs:
+    """The piecewise graphs of the steps of ``num_tokens`` tokens; ``stretches`` is empty when those steps run
+    eagerly (``enforce_eager``, the CPU, tensor parallelism, KV offload, a backend that is not graph-safe)."""
+
+    def __init__(self, model: torch.nn.Module, attention_layers: list[Attention], config: ResolvedConfig,
+                 num_kv_cache_groups: int, backend: Any) -> None:
+        self.model, self.attention_layers, self.config = model, attention_layers, config
+        self.num_tokens = config.max_num_batched_tokens
+        self.num_groups, self.backend = num_kv_cache_groups, backend
+        self.device = torch.device(config.device)
+        self.stretches: list[Stretch] = []
+        self.replays = 0  # steps replayed so far (tests read it)
+
+    def usable(self) -> bool:
+        """Whether this runner captures them (warns when only the environment prevents it)."""
+        usable = (
+            self.device.type == "cuda"
+            and self.config.piecewise_cuda_graphs
+            and not self.config.enforce_eager
+            and tp_size() == 1
+            and self.config.kv_offloading_size is None
+            and self.backend.supports_cuda_graphs
+        )
+        problem = capture_problem() if usable else None
+        if problem is not None:
+            warnings.warn(f"{problem}: prefill steps run eagerly (no piecewise CUDA graphs); pass "
+                          "piecewise_cuda_graphs=False to say so and silence this", RuntimeWarning,
+                          stacklevel=2)
+        return usable and problem is None
+
+    def fits(self, num_tokens: int) -> bool:
+        """Whether a step of ``num_tokens`` tokens replays them."""
+        return bool(self.stretches) and num_tokens == self.num_tokens
+
+    @torch.inference_mode()
+    def capture_if_usable(self) -> None:
+        if not self.usable():
+            return
+        n, dev = self.num_tokens, self.device
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slots = torch.full((self.num_groups, n), -1, dtype=torch.long, device=dev)  # -1: writes nothing
+        first = self.attention_layers[0]
+        shape = (first.num_heads, first.num_kv_heads, first.head_dim)
+        if any((a.num_heads, a.num_kv_heads, a.head_dim) != shape for a in self.attention_layers):
+            return  # layers of different shapes would need a set of buffers each: stay eager
+        dtype = first.k_cache.dtype
+        self.q = torch.zeros(n, first.num_heads, first.head_dim, dtype=dtype, device=dev)
+        self.k = torch.zeros(n, first.num_kv_heads, first.head_dim, dtype=dtype, device=dev)
+        self.v = torch.zeros_like(self.k)
+        self.attention_out = torch.zeros_like(self.q)
+        stream = torch.cuda.Stream(dev)
+        with forward_context(self._metadata()):
+            self._run(stream, capture=False)  # every kernel of the stretches compiles here, outside a capture
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # what that pass cached goes back, for the graphs' pool to take
+            with collector_paused():
+                self._run(stream, capture=True)
+        torch.cuda.synchronize()
+
+    def _metadata(self) -> StepMetadata:
+        """What the stretches read of a step (its slots and positions); attention, which reads the rest,
+        is not captured."""
+        n, dev = self.num_tokens, self.device
+        cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
+        tables = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+        prefill = PhaseMetadata(cu, cu[1:], tables, n, n)
+        first, *later = (StepMetadata(slots, self.positions, 0, None, prefill) for slots in self.slots)
+        return attrs.evolve(first, other_groups=tuple(later))
+
+    def _run(self, stream: torch.cuda.Stream, capture: bool) -> None:
+        """One pass of the forward on ``stream``, cut at each attention call; with ``capture`` each stretch is
+        captured."""
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        stretches: list[Stretch] = []
+        pool = None
+
+        def begin() -> None:
+            graph = torch.cuda.CUDAGraph()
+            stretches.append(Stretch(graph))
+            if capture:
+                graph.capture_begin(pool=pool)
+
+        def end() -> None:
+            nonlocal pool
+            if capture:
+                graph = stretches[-1].graph
+                graph.capture_end()
+                pool = graph.pool() if pool is None else pool
+
+        def cut(attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_written: bool) -> torch.Tensor:
+            self.q.copy_(q)
+            self.k.copy_(k)
+            self.v.copy_(v)
+            end()
+            stretches[-1].attention, stretches[-1].kv_written = attention, kv_written
+            begin()
+            return self.attention_out
+
+        for layer in self.attention_layers:
+            layer.graph_cut = cut
+        try:
+            with torch.cuda.stream(stream):
+                begin()
+                self.output = self.model(self.input_ids, self.positions)
+                end()
+        finally:
+            for layer in self.attention_layers:
+                layer.graph_cut = None
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if capture:
+            self.stretches = stretches
+
+    def replay(self, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        """The hidden states of a step of ``num_tokens`` tokens whose metadata is ``meta`` (set as the forward
+        context by the caller): its inputs copied in, each stretch replayed, each attention call run eagerly
+        on the stretch's ``q``, ``k``, ``v``."""
+        self.input_ids.copy_(input_ids)
+        self.positions.copy_(meta.positions)
+        for group in range(self.num_groups):
+            self.slots[group].copy_(meta.of_group(group).slot_mapping)
+        for stretch in self.stretches:
+            stretch.graph.replay()
+            if stretch.attention is not None:
+                self.attention_out.copy_(stretch.attention(self.q, self.k, self.v, stretch.kv_written))
+        self.replays += 1
+        return self.output
