@@ -48,7 +48,6 @@ class PrefillGraphs:
         self.num_groups, self.backend = num_kv_cache_groups, backend
         self.device = torch.device(config.device)
         self.stretches: list[Stretch] = []
-        self.replays = 0  # steps replayed so far (tests read it)
 
     def usable(self) -> bool:
         """Whether this runner captures them (warns when only the environment prevents it)."""
@@ -163,5 +162,4 @@ class PrefillGraphs:
             stretch.graph.replay()
             if stretch.attention is not None:
                 self.attention_out.copy_(stretch.attention(self.q, self.k, self.v, stretch.kv_written))
-        self.replays += 1
         return self.output
