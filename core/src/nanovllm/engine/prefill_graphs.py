@@ -82,7 +82,7 @@ class PrefillGraphs:
         shape = (first.num_heads, first.num_kv_heads, first.head_dim)
         if any((a.num_heads, a.num_kv_heads, a.head_dim) != shape for a in self.attention_layers):
             return  # layers of different shapes would need a set of buffers each: stay eager
-        dtype = first.k_cache.dtype
+        dtype = getattr(torch, self.config.dtype)
         self.q = torch.zeros(n, first.num_heads, first.head_dim, dtype=dtype, device=dev)
         self.k = torch.zeros(n, first.num_kv_heads, first.head_dim, dtype=dtype, device=dev)
         self.v = torch.zeros_like(self.k)
@@ -147,8 +147,15 @@ class PrefillGraphs:
             for layer in self.attention_layers:
                 layer.graph_cut = None
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        if capture:
+        cuts = [s.attention for s in stretches if s.attention is not None]
+        if capture and sorted(map(id, cuts)) == sorted(map(id, self.attention_layers)):
             self.stretches = stretches
+        elif capture:  # a model that attends other than once through each Attention layer: stay eager
+            warnings.warn(f"the model called its {len(self.attention_layers)} attention layers {len(cuts)} "
+                          "times in one forward pass: prefill steps run eagerly (no piecewise CUDA graphs)",
+                          RuntimeWarning, stacklevel=3)
+            for stretch in stretches:
+                stretch.graph.reset()
 
     def replay(self, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         """The hidden states of a step of ``num_tokens`` tokens whose metadata is ``meta`` (set as the forward
