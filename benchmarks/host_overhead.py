@@ -121,13 +121,12 @@ class StepTimer:
 
 def build(path: Path, chunk: int, context: int, block_size: int, device: str, sparse_policy: str = "full",
           piecewise: bool = True) -> LLM:
-    """The engine; on the CPU with the torch backend and its attention stubbed, on a GPU as it runs there
-    (piecewise prefill graphs unless not ``piecewise``; no decode graphs either way)."""
+    """The engine; on the CPU eager, with the torch backend and its attention stubbed; on a GPU as it runs there
+    (decode graphs, and piecewise prefill graphs unless not ``piecewise``)."""
     cpu = device == "cpu"
     llm = LLM(str(path), device=device, dtype="float32" if cpu else "bfloat16", sparse_policy=sparse_policy,
               attention_backend="torch" if cpu else "auto", enforce_eager=cpu,
-              piecewise_cuda_graphs=piecewise,
-              max_model_len=context + 16,
+              piecewise_cuda_graphs=piecewise, max_model_len=context + 16,
               max_num_batched_tokens=chunk, max_num_seqs=1, block_size=block_size,
               kv_cache_memory=2**26 if cpu else 2**30, skip_tokenizer_init=True)
     if cpu:

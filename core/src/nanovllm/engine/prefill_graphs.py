@@ -72,6 +72,7 @@ class PrefillGraphs:
 
     @torch.inference_mode()
     def capture_if_usable(self) -> None:
+        """The static buffers, one uncaptured pass (the stretches' kernels compile there), then the capture."""
         if not self.usable():
             return
         n, dev = self.num_tokens, self.device
