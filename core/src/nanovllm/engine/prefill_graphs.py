@@ -72,9 +72,12 @@ class PrefillGraphs:
 
     @torch.inference_mode()
     def capture_if_usable(self) -> None:
-        """The static buffers, one uncaptured pass (the stretches' kernels compile there), then the capture."""
-        if not self.usable():
-            return
+        """The static buffers, an uncaptured pass (the stretches' kernels compile there), then the capture."""
+        if self.usable() and self._allocate():
+            self._capture()
+
+    def _allocate(self) -> bool:
+        """The static inputs and the buffers across the cuts; False where the layers' shapes differ."""
         n, dev = self.num_tokens, self.device
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
@@ -82,13 +85,16 @@ class PrefillGraphs:
         first = self.attention_layers[0]
         shape = (first.num_heads, first.num_kv_heads, first.head_dim)
         if any((a.num_heads, a.num_kv_heads, a.head_dim) != shape for a in self.attention_layers):
-            return  # layers of different shapes would need a set of buffers each: stay eager
+            return False  # layers of different shapes would need a set of buffers each: stay eager
         dtype = getattr(torch, self.config.dtype)
         self.q = torch.zeros(n, first.num_heads, first.head_dim, dtype=dtype, device=dev)
         self.k = torch.zeros(n, first.num_kv_heads, first.head_dim, dtype=dtype, device=dev)
         self.v = torch.zeros_like(self.k)
         self.attention_out = torch.zeros_like(self.q)
-        stream = torch.cuda.Stream(dev)
+        return True
+
+    def _capture(self) -> None:
+        stream = torch.cuda.Stream(self.device)
         with forward_context(self._metadata()):
             self._run(stream, capture=False)  # every kernel of the stretches compiles here, outside a capture
             torch.cuda.synchronize()
