@@ -132,9 +132,10 @@ class EngineConfig:
     disable_hybrid_kv_cache_manager: bool = attrs.field(default=False, validator=_bool)
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
-    # steps of exactly max_num_batched_tokens tokens (a long prompt's chunks, full batches of prompts) replay
-    # the forward between attention calls as CUDA graphs, attention running eagerly between them (vLLM's
-    # piecewise mode); one GPU, no KV offload; costs about one such step's activations of GPU memory
+    # steps of max_num_batched_tokens tokens, or up to an eighth fewer (padded: a long prompt's chunks, its
+    # last one, full batches of prompts) replay the forward between attention calls as CUDA graphs, attention
+    # running eagerly between them (vLLM's piecewise mode); one GPU, no KV offload; costs about one such
+    # step's activations of GPU memory
     piecewise_cuda_graphs: bool = attrs.field(default=True, validator=_bool)
     # schedule and launch step N+1 before reading step N's tokens back, so host work overlaps the GPU
     async_scheduling: bool = True

@@ -1,7 +1,10 @@
-"""Prefill steps in piecewise CUDA graphs: the model's forward of a step of exactly ``num_tokens`` tokens
+"""Prefill steps in piecewise CUDA graphs: the model's forward of a step of ``num_tokens`` tokens
 (``max_num_batched_tokens``, the size every chunk of a long prompt and every full batch of prompts has) is
 captured once at start-up as one graph per stretch between two attention calls, and each attention call runs
-eagerly between the replays, as vLLM's piecewise mode does.
+eagerly between the replays, as vLLM's piecewise mode does. A step a little shorter (by at most
+``num_tokens // PADDING_SHARE`` tokens: a long prompt's last chunk, a prompt just under the budget) is padded
+to that size: its padding rows write no KV, attention runs on its own rows only, and the stretches'
+token-wise work on the padding rows is discarded.
 
 Why: a small model's prefill waits on the host, which launches a dozen kernels a layer; a graph launches a
 stretch of them at once. Attention stays eager because its work follows the step (context lengths, block
@@ -26,6 +29,10 @@ from nanovllm.config import ResolvedConfig
 from nanovllm.distributed import capture_problem, tp_size
 from nanovllm.engine.cuda_graphs import collector_paused
 from nanovllm.layers.attention import Attention
+
+# a step short of num_tokens by at most num_tokens // PADDING_SHARE tokens replays, padded: at most an eighth
+# of the rows wasted
+PADDING_SHARE = 8
 
 
 @attrs.define
@@ -67,8 +74,9 @@ class PrefillGraphs:
         return usable and problem is None
 
     def fits(self, num_tokens: int) -> bool:
-        """Whether a step of ``num_tokens`` tokens replays them."""
-        return bool(self.stretches) and num_tokens == self.num_tokens
+        """Whether a step of ``num_tokens`` tokens replays them (padded, when it has fewer)."""
+        full = self.num_tokens
+        return bool(self.stretches) and full - full // PADDING_SHARE <= num_tokens <= full
 
     @torch.inference_mode()
     def capture_if_usable(self) -> None:
@@ -165,15 +173,20 @@ class PrefillGraphs:
                 stretch.graph.reset()
 
     def replay(self, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
-        """The hidden states of a step of ``num_tokens`` tokens whose metadata is ``meta`` (set as the forward
-        context by the caller): its inputs copied in, each stretch replayed, each attention call run eagerly
-        on the stretch's ``q``, ``k``, ``v``."""
-        self.input_ids.copy_(input_ids)
-        self.positions.copy_(meta.positions)
+        """The hidden states of a step that :meth:`fits`, whose metadata is ``meta`` (the forward context the
+        caller set): its inputs copied into the first rows (the padding rows after them keep earlier steps'
+        ids and positions, and write no KV), each stretch replayed, each attention call run eagerly on the
+        step's rows of the stretch's ``q``, ``k``, ``v``."""
+        n = input_ids.shape[0]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(meta.positions)
         for group in range(self.num_groups):
-            self.slots[group].copy_(meta.of_group(group).slot_mapping)
+            self.slots[group, :n].copy_(meta.of_group(group).slot_mapping)
+        if n < self.num_tokens:
+            self.slots[:, n:].fill_(-1)
+        q, k, v, out = self.q[:n], self.k[:n], self.v[:n], self.attention_out[:n]
         for stretch in self.stretches:
             stretch.graph.replay()
             if stretch.attention is not None:
-                self.attention_out.copy_(stretch.attention(self.q, self.k, self.v, stretch.kv_written))
-        return self.output
+                out.copy_(stretch.attention(q, k, v, stretch.kv_written))
+        return self.output[:n]
