@@ -102,11 +102,24 @@ class PrefillGraphs:
         return True
 
     def _capture(self) -> None:
-        stream = torch.cuda.Stream(self.device)
+        """Capture, where the GPU has room: the graphs' pool keeps about one step's activations, and a step
+        that runs eagerly later needs its own again, so twice what the uncaptured pass took must be free."""
+        stream, dev = torch.cuda.Stream(self.device), self.device
         with forward_context(self._metadata()):
+            torch.cuda.reset_peak_memory_stats(dev)
+            before = torch.cuda.memory_allocated(dev)
             self._run(stream, capture=False)  # every kernel of the stretches compiles here, outside a capture
             torch.cuda.synchronize()
+            step_bytes = torch.cuda.max_memory_allocated(dev) - before
             torch.cuda.empty_cache()  # what that pass cached goes back, for the graphs' pool to take
+            free = torch.cuda.mem_get_info(dev)[0]
+            if free < 2 * step_bytes:
+                need, have = 2 * step_bytes / 2**30, free / 2**30
+                warnings.warn(f"prefill steps run eagerly (no piecewise CUDA graphs): their pool and an "
+                              f"eager step need about {need:.1f} GiB and {have:.1f} GiB is free; lower "
+                              "gpu_memory_utilization or max_num_batched_tokens to have them",
+                              RuntimeWarning, stacklevel=3)
+                return
             with collector_paused():
                 self._run(stream, capture=True)
         torch.cuda.synchronize()
