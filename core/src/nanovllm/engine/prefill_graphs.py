@@ -86,14 +86,14 @@ class PrefillGraphs:
 
     def _allocate(self) -> bool:
         """The static inputs and the buffers across the cuts; False where the layers' shapes differ."""
-        n, dev = self.num_tokens, self.device
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slots = torch.full((self.num_groups, n), -1, dtype=torch.long, device=dev)  # -1: writes nothing
         first = self.attention_layers[0]
         shape = (first.num_heads, first.num_kv_heads, first.head_dim)
         if any((a.num_heads, a.num_kv_heads, a.head_dim) != shape for a in self.attention_layers):
             return False  # layers of different shapes would need a set of buffers each: stay eager
+        n, dev = self.num_tokens, self.device
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slots = torch.full((self.num_groups, n), -1, dtype=torch.long, device=dev)  # -1: writes nothing
         dtype = getattr(torch, self.config.dtype)
         self.q = torch.zeros(n, first.num_heads, first.head_dim, dtype=dtype, device=dev)
         self.k = torch.zeros(n, first.num_kv_heads, first.head_dim, dtype=dtype, device=dev)
