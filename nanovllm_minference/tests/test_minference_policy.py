@@ -4,6 +4,7 @@ offload path reads the same keys, and bad options are refused with the fix."""
 
 import json
 
+import attrs
 import pytest
 import torch
 from nanovllm.kv import PagedLayerKV
@@ -11,7 +12,7 @@ from nanovllm.quality import planted
 from nanovllm.testing import prefill_context
 from nanovllm_minference.config import MInferenceConfig
 from nanovllm_minference.index import index_mask
-from nanovllm_minference.policy import MInferencePolicy
+from nanovllm_minference.policy import MInferencePolicy, budget_share
 
 BLOCK = 16
 
@@ -176,18 +177,34 @@ def test_a_pattern_that_is_not_sparse_runs_dense(offload, device):
             assert value_reads == [0] if want is dense else value_reads[0] > 0
 
 
-def test_a_budget_keeping_every_diagonal_runs_dense_without_estimating(monkeypatch):
-    """Every head keeping every diagonal of the context reads every key: dense, known before estimating."""
+def test_a_budget_covering_most_keys_runs_dense_without_estimating(monkeypatch):
+    """A budget naming more than dense_above of the keys the chunk's rows see: dense, known before
+    estimating; one key fewer a row and the estimate decides."""
     case = planted.needles(num_tokens=200)
     q, ctx = prefill_context(case.q, case.k, case.v, 120, case.scale)
     import nanovllm_minference.policy as module
 
+    lens = (120,), (200,)  # one sequence: 80 keys of history, a chunk of 120
+    budget = next(b for b in range(1, 201) if budget_share(b, *lens) > 0.8)
     want = ctx.attend_all(q, ctx.new_keys, ctx.new_values)
     monkeypatch.setattr(module, "_ops", lambda device: pytest.fail("a dense chunk must not estimate"))
-    got = run(MInferencePolicy(MInferenceConfig(vertical_size=1, slash_size=200, dense_below=0)), q, ctx)
-    torch.testing.assert_close(got, want)
-    with pytest.raises(pytest.fail.Exception):  # one diagonal fewer: the estimate decides
-        run(MInferencePolicy(MInferenceConfig(vertical_size=1, slash_size=199, dense_below=0)), q, ctx)
+    config = MInferenceConfig(vertical_size=1, slash_size=budget - 1, dense_below=0, dense_above=0.8)
+    torch.testing.assert_close(run(MInferencePolicy(config), q, ctx), want)
+    with pytest.raises(pytest.fail.Exception):
+        run(MInferencePolicy(attrs.evolve(config, slash_size=budget - 2)), q, ctx)
+    with pytest.raises(pytest.fail.Exception):  # without dense_above nothing runs dense by its budget
+        run(MInferencePolicy(attrs.evolve(config, slash_size=200, dense_above=None)), q, ctx)
+
+
+@pytest.mark.parametrize("budget", [1, 7, 30, 64, 100, 150])
+def test_budget_share_counts_each_row_up_to_the_budget(budget):
+    query_lens, context_lens = (40, 70, 1), (100, 70, 5)
+    covered = seen = 0
+    for q_len, ctx in zip(query_lens, context_lens):
+        for pos in range(ctx - q_len, ctx):
+            covered, seen = covered + min(pos + 1, budget), seen + pos + 1
+    assert budget_share(budget, query_lens, context_lens) == pytest.approx(covered / seen)
+    assert budget_share(budget, (), ()) == 0.0
 
 
 @pytest.mark.parametrize("options, match", [

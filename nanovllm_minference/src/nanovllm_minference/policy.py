@@ -24,7 +24,7 @@ not sparse).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import attrs
@@ -102,7 +102,7 @@ class MInferencePolicy(SparsePolicy):
         if ctx.layer_id < cfg.skip_layers or meta.max_context_len < cfg.dense_below:
             return ctx.attend_all(q, k, v)
         plan = self._plan(ctx.layer_id, q.shape[1], q.device)
-        if self._dense_by_budget(plan, meta.max_context_len):
+        if self._dense_by_budget(plan, meta):
             return ctx.attend_all(q, k, v)
         ops = _ops(q.device)
         # keys are read only for what the index scores with (A-shape needs none)
@@ -131,13 +131,17 @@ class MInferencePolicy(SparsePolicy):
                           meta.max_query_len, dense_above=None if decided else dense_above,
                           host_lens=meta.host_lens)[0]
 
-    def _dense_by_budget(self, plan: LayerPlan, max_context_len: int) -> bool:
-        """Whether the chunk runs dense before any estimate: every head of a vertical-slash layer keeps every
-        diagonal of the longest context, so its index covers every key (density of at least 1) and
-        ``dense_above`` below 1 rejects it whatever the estimate says."""
+    def _dense_by_budget(self, plan: LayerPlan, meta) -> bool:
+        """Whether the chunk runs dense before any estimate: every head of the layer is vertical-slash, and
+        the keys its budget names (columns plus diagonals, the smallest head's) are more than ``dense_above``
+        of the keys the chunk's rows see (:func:`budget_share`). Its index would then compute about that
+        share of dense work or more (tiles round it up), and the dense kernel is faster: the estimate is not
+        worth making. A chunk early in a prompt, or a prompt not much longer than the budget, runs dense."""
         cfg = self.config
-        return (cfg.dense_above is not None and cfg.dense_above < 1 and plan.only("vertical_slash")
-                and cfg.adaptive_budget is None and plan.min_sizes[1] >= max_context_len)
+        if cfg.dense_above is None or not plan.only("vertical_slash") or cfg.adaptive_budget is not None:
+            return False
+        lens = meta.host_lens or ((meta.max_query_len,), (meta.max_context_len,))
+        return budget_share(sum(plan.min_sizes), *lens) > cfg.dense_above
 
     def build_index(self, q: torch.Tensor, ctx: PolicyContext, k_cache: torch.Tensor, tables: torch.Tensor,
                     ops: Ops) -> SparseIndex:
@@ -211,6 +215,23 @@ class MInferencePolicy(SparsePolicy):
             self._plans[key] = LayerPlan(kinds, sizes[:, 0].contiguous(), sizes[:, 1].contiguous(), masks,
                                          max_sizes, min_sizes, same_sizes, max_top_k)
         return self._plans[key]
+
+def budget_share(budget: int, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
+    """The share of the keys that rows see (a row at position ``p`` sees ``p + 1``) which a budget of
+    ``budget`` keys a row covers (all of a row's keys when it sees no more), over every row of the chunks
+    (sequence ``s``: the last ``query_lens[s]`` of ``context_lens[s]`` positions); 0 for no rows."""
+    covered = seen = 0
+    for q_len, ctx in zip(query_lens, context_lens, strict=True):
+        first = ctx - q_len  # rows see first + 1 .. ctx keys
+
+        def upto(n: int, first=first) -> int:  # sum of first + 1 .. n
+            return (n * (n + 1) - first * (first + 1)) // 2 if n > first else 0
+
+        seen += upto(ctx)
+        capped = min(max(budget, first), ctx)  # rows up to it see at most the budget's keys
+        covered += upto(capped) + budget * (ctx - capped)
+    return covered / seen if seen else 0.0
+
 
 def touched_blocks(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_size: int,
                    num_blocks: int) -> torch.Tensor:
