@@ -1,11 +1,13 @@
 """What the sparse-prefill scripts share: one prompt's paged inputs and the dense prefill kernel's times on
 them (the reference of every kernel row), the end-to-end time-to-first-token jobs, their rows against
-``full`` at the same context and their table, and the kernel chart of time over density. Not a script."""
+``full`` at the same context and their table, the work the policies selected, and the kernel chart of time
+over density. Not a script."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +113,7 @@ def bench_ttft_paired(preset: str, context: int, policies: list[str], rounds: in
 
 def bench_paired_ttft(
     model: str, context: int, policies: list[str], rounds: int, prompt_ids: list[int] | None = None,
-    profile_top: int = 0, **engine_options: Any,
+    profile_top: int = 0, work: bool = False, **engine_options: Any,
 ) -> list[dict[str, Any]]:
     """TTFT of one prompt of ``context`` tokens under each of ``policies`` (``sparse_policy`` selections), KV
     on the GPU: one engine per policy in this process, each with KV for that prompt alone. After a first
@@ -122,7 +124,8 @@ def bench_paired_ttft(
     policy's TTFT over this one's, round by round. ``prompt_ids``: a prompt (its first ``context`` tokens
     or as many as fit) timed in every round instead of fresh random ones; prefix caching is off.
     ``profile_top`` > 0 (CUDA): after the rounds, one more run per engine under the torch profiler, its row's
-    ``profile`` (:func:`profiled_ttft`)."""
+    ``profile`` (:func:`profiled_ttft`). ``work``: then one more run per engine whose policy's selections are
+    recorded, its row's ``work`` (:func:`work_by_chunk`; empty for a policy that selects nothing)."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     if len(policies) < 2:
@@ -146,6 +149,11 @@ def bench_paired_ttft(
         for llm, seconds in zip(engines, times, strict=True):
             seconds.append(offload.ttft_alone(llm, [prompt]))
     profiles = [profiled_ttft(llm, first, profile_top) for llm in engines] if profile_top > 0 else None
+    works = []
+    for llm in engines if work else ():
+        with recorded_work() as selections:
+            offload.ttft_alone(llm, [first])
+        works.append(work_by_chunk(selections))
     del engines, llm
     offload.free_memory()
     rows = []
@@ -155,6 +163,8 @@ def bench_paired_ttft(
                "ttft_s": statistics.median(rounds_s)}
         if profiles:
             row["profile"] = profiles[len(rows)]
+        if works:
+            row["work"] = works[len(rows)]
         if rows:
             row["speedup_rounds"] = [a / b for a, b in zip(times[0][1:], rounds_s, strict=True)]
         rows.append(row)
@@ -175,6 +185,90 @@ def profiled_ttft(llm: Any, prompt: list[int], top: int) -> dict[str, Any]:
     return {"wall_ms": 1000 * wall_s, "device_ms": sum(e.self_device_time_total for e in on_device) / 1000,
             "host_ms": sum(e.self_cpu_time_total for e in events) / 1000,
             "kernels_ms": {e.key[:80]: e.self_device_time_total / 1000 for e in on_device[:top]}}
+
+
+def xattn_kept_and_causal(part: Any, mask: Any, block: int) -> tuple[float, float]:
+    """XAttention's selection ``mask`` of one slice ``part`` of a chunk: the key blocks it keeps and the causal
+    blocks it could keep."""
+    from nanovllm_xattn.layout import first_query_blocks
+    from nanovllm_xattn.selection import causal_blocks
+
+    first = first_query_blocks(part.cu_seqlens_q, part.context_lens, block)
+    causal = causal_blocks(mask, first, part.context_lens, block)[0].expand_as(mask)
+    return float(mask.sum()), float(causal.sum())
+
+
+@contextlib.contextmanager
+def recorded_work() -> Iterator[list[dict[str, Any]]]:
+    """Inside the block, each prefill call of the MInference and XAttention policies (those installed) adds a
+    row: ``policy``, ``layer``, ``context`` (the chunk's longest), ``path`` (``dense``: no selection made;
+    ``dense (dense_above)``: MInference's index was too dense and its kernel ran dense; ``sparse``) and
+    ``density``: MInference's index work over dense causal work, XAttention's kept blocks over causal
+    blocks (1 where no selection was made). Measuring reads values back from the GPU: time nothing here."""
+    rows: list[dict[str, Any]] = []
+    originals: list[tuple[type, str, Callable]] = []
+
+    def patch(cls: type, name: str, make: Callable[[Callable], Callable]) -> None:
+        originals.append((cls, name, getattr(cls, name)))
+        setattr(cls, name, make(getattr(cls, name)))
+
+    def entry(name: str) -> Callable[[Callable], Callable]:
+        def make(original: Callable) -> Callable:
+            def call(self, q, k, v, ctx):
+                rows.append({"policy": name, "layer": ctx.layer_id, "context": ctx.meta.max_context_len,
+                             "path": "dense", "density": 1.0, "kept": 0.0, "causal": 0.0})
+                return original(self, q, k, v, ctx)
+            return call
+        return make
+
+    with contextlib.suppress(ImportError):
+        from nanovllm_minference.index import computed_density
+        from nanovllm_minference.policy import MInferencePolicy
+
+        def index_of(original: Callable) -> Callable:
+            def build(self, q, ctx, *args):
+                index = original(self, q, ctx, *args)
+                meta, limit = ctx.meta, self.config.dense_above
+                density = float(computed_density(index, meta.cu_seqlens_q, meta.context_lens,
+                                                 meta.max_query_len))
+                path = "dense (dense_above)" if limit is not None and density > limit else "sparse"
+                rows[-1].update(path=path, density=density)
+                return index
+            return build
+
+        patch(MInferencePolicy, "compute_chunked_prefill", entry("minference"))
+        patch(MInferencePolicy, "build_index", index_of)
+    with contextlib.suppress(ImportError):
+        from nanovllm_xattn.policy import XAttentionPolicy
+
+        def selection_of(original: Callable) -> Callable:
+            def select(self, q, ctx, part, *args):
+                mask = original(self, q, ctx, part, *args)
+                kept, causal = xattn_kept_and_causal(part, mask, self.config.block_size)
+                row = rows[-1]
+                row.update(path="sparse", kept=row["kept"] + kept, causal=row["causal"] + causal)
+                row["density"] = row["kept"] / row["causal"] if row["causal"] else 0.0
+                return mask
+            return select
+
+        patch(XAttentionPolicy, "compute_chunked_prefill", entry("xattn"))
+        patch(XAttentionPolicy, "select", selection_of)
+    try:
+        yield rows
+    finally:
+        for cls, name, original in reversed(originals):
+            setattr(cls, name, original)
+
+
+def work_by_chunk(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:func:`recorded_work`'s rows per chunk (by context): the layers' paths and densities, and their mean
+    density."""
+    chunks: dict[int, list[dict[str, Any]]] = {}
+    for r in rows:
+        chunks.setdefault(r["context"], []).append(r)
+    return [{"context": context, "layers": [r["layer"] for r in rs], "paths": [r["path"] for r in rs],
+             "densities": [r["density"] for r in rs], "density": statistics.mean(r["density"] for r in rs)}
+            for context, rs in sorted(chunks.items())]
 
 
 def with_ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:

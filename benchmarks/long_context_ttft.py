@@ -10,7 +10,9 @@ rounds in which every engine in turn times the prompt. Per policy: the median TT
 median of the rounds' ratios to the first policy (the reference, ``full`` by default). With ``--profile N``
 (CUDA), one more run per engine under the torch profiler gives its device and host time and the N kernels
 that took longest (:func:`_prefill.profiled_ttft`): a TTFT above the device time is time the device waited
-for the host.
+for the host. A last run per engine records what its policy selected, chunk by chunk and layer by layer
+(:func:`_prefill.recorded_work`): MInference's index work and XAttention's kept blocks, each over dense causal
+attention's.
 
 The prompt is ``--text-file`` after the tokenizer's BOS. Writes OUT/NAME.json (device, date, commit,
 settings, every number) and OUT/NAME.md; prints the table.
@@ -40,7 +42,7 @@ def run(model: str, length: int, policies: list[str], rounds: int, profile_top: 
     bos = bos_ids(tokenizer)
     text, source = lc.natural_text_ids(tokenizer, length - len(bos), text_file)
     rows = bench_paired_ttft(model, length, policies, rounds, prompt_ids=bos + text, profile_top=profile_top,
-                             **engine_options)
+                             work=True, **engine_options)
     for row in rows[1:]:
         row["vs_reference"] = statistics.median(1 / s for s in row["speedup_rounds"])
     rows[0]["vs_reference"] = 1.0
@@ -72,6 +74,17 @@ def markdown(result: dict[str, Any], title: str) -> str:
             wall = "-" if f.get("wall_ms") is None else f"{f['wall_ms']:.1f}"
             tops = ", ".join(f"{k.split('(')[0][:40]} {v:.2f}" for k, v in list(f["kernels_ms"].items())[:5])
             lines.append(f"| `{r['policy']}` | {wall} | {f['device_ms']:.1f} | {f['host_ms']:.1f} | {tops} |")
+    worked = [r for r in rows if r.get("work")]
+    if worked:
+        lines += ["", "What each policy selected, per prefill chunk (by the context it ends at): the mean over its "
+                  "layers of the work it computed over dense causal attention's, and each layer's (`d`: ran "
+                  "dense, no selection made; `D`: the index was above `dense_above` and the kernel ran dense).",
+                  "", "| policy | chunk ends at | mean | per layer |", "|---|---|---|---|"]
+        marks = {"dense": "d", "dense (dense_above)": "D", "sparse": ""}
+        for r in worked:
+            for c in r["work"]:
+                layers = ", ".join(f"{d:.2f}{marks[p]}" for d, p in zip(c["densities"], c["paths"], strict=True))
+                lines.append(f"| `{r['policy']}` | {c['context']} | {c['density']:.3f} | {layers} |")
     return "\n".join(lines + [""] + [f"- {n}" for n in result["notes"]]) + "\n"
 
 

@@ -39,6 +39,7 @@ from typing import Any
 
 from _jobs import job_main, run_jobs
 from _plot import save, subplots
+from _prefill import xattn_kept_and_causal
 from nanovllm.bench import markdown_row
 
 GEMMA3_270M = (4, 1, 256)  # query heads, KV heads, head size of its full-attention layers
@@ -46,6 +47,27 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize")  # a host wait (t
 POLICIES = ("full", "minference", "xattn")
 PIECE_NAMES = ("estimate", "select", "attention")
 HOT_SHARE = 0.97  # of each query's attention in the hot blocks (the sinks and band add to it)
+# --configs: the kernels' knobs tried on every chunk with history (fields of PrefillConfig and of
+# SparseKernelConfig), each against the kernel's own choice for the shape ("default")
+DENSE_CONFIGS = {
+    "64x32, 4 warps, 3 stages": (64, 32, 4, 3),
+    "64x64, 4 warps, 2 stages": (64, 64, 4, 2),
+    "128x32, 8 warps, 2 stages": (128, 32, 8, 2),
+    "128x64, 8 warps, 2 stages": (128, 64, 8, 2),
+    "128x32, 8 warps, 3 stages": (128, 32, 8, 3),
+    "64x32, 4 warps, 2 stages, fused scale": (64, 32, 4, 2, False, False, True),
+    "128x64, 8 warps, 2 stages, fused scale": (128, 64, 8, 2, False, False, True),
+    "64x16, 4 warps, 4 stages": (64, 16, 4, 4),
+}
+SPARSE_CONFIGS = {  # block_m, keys a step, warps, stages, fused scale
+    "64 rows, 32 keys, 4 warps, 3 stages": (64, 32, 4, 3, True),
+    "64 rows, 64 keys, 4 warps, 2 stages": (64, 64, 4, 2, True),
+    "128 rows, 32 keys, 8 warps, 2 stages": (128, 32, 8, 2, True),
+    "128 rows, 64 keys, 8 warps, 2 stages": (128, 64, 8, 2, True),
+    "64 rows, 32 keys, 8 warps, 2 stages": (64, 32, 8, 2, True),
+    "64 rows, 16 keys, 4 warps, 4 stages": (64, 16, 4, 4, True),
+    "64 rows, 32 keys, 4 warps, 2 stages, unfused": (64, 32, 4, 2, False),
+}
 
 
 # -- the prompt ----------------------------------------------------------------------------------------------
@@ -268,8 +290,6 @@ def xattn_pieces(policy, q, k, v, ctx) -> tuple[dict[str, Callable], dict[str, A
     ``select``: ``select_blocks`` and the block lists, ``attention``: the block-sparse kernel), each calling
     what the policy called with its arguments, and what it did (``path``, ``density``)."""
     import nanovllm_xattn.policy as module
-    from nanovllm_xattn.layout import first_query_blocks
-    from nanovllm_xattn.selection import causal_blocks
 
     block_scores, attend = (Recorder(fn) for fn in module._ops(q.device))
     lists, select = Recorder(module.block_lists), Recorder(policy.select)
@@ -278,11 +298,10 @@ def xattn_pieces(policy, q, k, v, ctx) -> tuple[dict[str, Callable], dict[str, A
         policy.compute_chunked_prefill(q, k, v, ctx)
     if not select.calls:
         return {}, {"path": "dense"}
-    block, kept, causal = policy.config.block_size, 0.0, 0.0
+    kept = causal = 0.0
     for (_, _, part, *_), _, mask in select.calls:  # every slice of the chunk
-        first = first_query_blocks(part.cu_seqlens_q, part.context_lens, block)
-        kept += float(mask.sum())
-        causal += float(causal_blocks(mask, first, part.context_lens, block)[0].expand_as(mask).sum())
+        part_kept, part_causal = xattn_kept_and_causal(part, mask, policy.config.block_size)
+        kept, causal = kept + part_kept, causal + part_causal
     canned = block_scores.canned()
 
     def selection():
@@ -337,8 +356,11 @@ def bench_breakdown(job: dict) -> list[dict[str, Any]]:
             "head_dim": head_dim, "context": n, "chunk": chunk, "planted_density": job["density"],
             "backend": backend.name}
 
+    def timed(fn: Callable[[], Any]) -> dict[str, float]:
+        return time_ms(fn, device, job["repeats"], job["warmup"])
+
     def measure(fn: Callable[[], Any]) -> dict[str, float]:
-        return {**time_ms(fn, device, job["repeats"], job["warmup"]), **gpu_activity(fn, device)}
+        return {**timed(fn), **gpu_activity(fn, device)}
 
     with torch.inference_mode():
         for start in range(0, n, chunk):
@@ -368,6 +390,62 @@ def bench_breakdown(job: dict) -> list[dict[str, Any]]:
                 rows.append(row)
                 print(f"{base['shape']} history {start}: {name} {row['path']} {row['ms']:.3f} ms",
                       file=sys.stderr, flush=True)
+                if job.get("configs") and start > 0 and name == "minference" and row["path"] == "sparse":
+                    calls = pieces["attention"].__self__.calls  # the sparse kernel's recorded launches
+                    rows += config_rows(base, start, "sparse", sparse_calls(calls), SPARSE_CONFIGS, timed)
+            if job.get("configs") and start > 0:
+                rows += config_rows(base, start, "dense", dense_calls(rows_q, k_cache, v_cache, meta, scale),
+                                    DENSE_CONFIGS, timed)
+    return rows
+
+
+def dense_calls(q, k_cache, v_cache, meta, scale) -> Callable[[Any], Any]:
+    """A call of the dense Triton prefill kernel on one chunk over the paged cache, as the Triton backend
+    makes it, with knobs ``config`` (None: the kernel's own): its output."""
+    import torch
+
+    from nanovllm.attention import triton_kernels as tk
+
+    def call(config):
+        out = torch.empty_like(q)
+        tk.attention_rows(q, k_cache, v_cache, out, None, meta.cu_seqlens_q, meta.context_lens,
+                          meta.block_tables, None, meta.max_query_len, scale, paged=True, causal=True,
+                          config=config)
+        return out
+    return call
+
+
+def sparse_calls(recorded: list) -> Callable[[Any], Any]:
+    """MInference's recorded sparse-kernel launches made again, with knobs ``config`` (None: the kernel's
+    own): the last one's output."""
+    from nanovllm_minference.attention import sparse_attention
+
+    def call(config):
+        return [sparse_attention(*args, **kwargs, config=config)[0] for args, kwargs, _ in recorded][-1]
+    return call
+
+
+def config_rows(base: dict, history: int, kernel: str, call: Callable[[Any], Any], configs: dict,
+                measure: Callable) -> list[dict[str, Any]]:
+    """One row per setting of ``configs`` and the default: its time, and its output's largest difference from
+    the default's (a setting that Triton cannot compile, e.g. out of shared memory, gets ``error``)."""
+    reference = call(None)
+    rows = []
+    for name, config in {"default": None, **configs}.items():
+        row = {**base, "benchmark": "config", "history": history, "kernel": kernel, "config": name}
+        try:
+            out = call(config)
+            row["max_diff"] = float((out.float() - reference.float()).abs().max())
+            row.update(measure(lambda config=config: call(config)))
+        except Exception as exc:  # noqa: BLE001 (Triton's compile errors have no common base)
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        rows.append(row)
+        print(f"{base['shape']} history {history}: {kernel} {name} {row.get('ms', row.get('error'))}",
+              file=sys.stderr, flush=True)
+    default_ms = rows[0].get("ms")
+    for row in rows:
+        if default_ms and "ms" in row:
+            row["vs_default"] = row["ms"] / default_ms
     return rows
 
 
@@ -378,7 +456,7 @@ def jobs(args: argparse.Namespace) -> list[dict]:
     common = {"context": args.context, "chunk": args.chunk, "block_size": args.block_size,
               "dtype": args.dtype, "device": args.device, "backend": args.backend, "policies": policies,
               "repeats": args.repeats,
-              "warmup": args.warmup, "planted_block": args.planted_block, "seed": 0}
+              "warmup": args.warmup, "planted_block": args.planted_block, "seed": 0, "configs": args.configs}
     return [{"kind": "breakdown", "shape": list(shape), "density": density, **common}
             for shape in shapes for density in args.densities]
 
@@ -394,7 +472,7 @@ def with_totals(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows, then per shape, planted density and policy a ``prompt`` row: its chunks' times and ceilings
     summed (one layer's share of the prompt's TTFT)."""
     out, groups = list(results), {}
-    for r in (r for r in results if r["benchmark"] == "chunk"):
+    for r in (r for r in results if r.get("benchmark") == "chunk" and "error" not in r):
         groups.setdefault((r["shape"], r["planted_density"], r["policy"]), []).append(r)
     for (shape, planted, policy), rows in groups.items():
         total = {key: sum(r[key] for r in rows) for key in ("ms", "queued_ms", "dense_ms", "ceiling_ms")}
@@ -434,6 +512,8 @@ def markdown(payload: dict[str, Any], title: str) -> str:
              "over ceiling | estimate | select | attention | busy | host | launches | syncs |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["results"]:
+        if r.get("benchmark") == "config":
+            continue
         if "error" in r:
             lines.append(markdown_row([r.get("shape", "-"), r.get("density", "-"), "-", "-", r["error"]]))
             continue
@@ -463,7 +543,37 @@ def markdown(payload: dict[str, Any], title: str) -> str:
                 r["shape"], cell(r["planted_density"], 2), r["policy"], f"{r['sparse_chunks']}/{r['chunks']}",
                 cell(r["ms"]), cell(r["queued_ms"]), cell(r["dense_ms"]), cell(r["ceiling_ms"]),
                 cell(r["extra_ms"]), cell(r["extra_ms"] * layers)]))
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + config_table(payload["results"])) + "\n"
+
+
+def config_table(results: list[dict[str, Any]]) -> list[str]:
+    """``--configs``: per shape and kernel, each setting's ms per chunk with history, their sum and its
+    ratio to the default's, and its output's largest difference from the default's."""
+    rows = [r for r in results if r.get("benchmark") == "config"]
+    if not rows:
+        return []
+    histories = sorted({r["history"] for r in rows})
+    lines = ["", "## Kernel settings (ms per chunk, one layer)", "",
+             "The dense Triton prefill kernel (paged, causal) and MInference's sparse kernel on its recorded "
+             "index, on the chunks with history; default: the kernel's own choice for the shape.", "",
+             "| shape | kernel | setting | " + " | ".join(f"history {h}" for h in histories)
+             + " | sum | vs default | max diff |", "|---|---|---|" + "---|" * (len(histories) + 3)]
+    groups: dict[tuple, dict[str, list[dict]]] = {}
+    for r in rows:
+        settings = groups.setdefault((r["shape"], r["planted_density"], r["kernel"]), {})
+        settings.setdefault(r["config"], []).append(r)
+    for (shape, _, kernel), settings in groups.items():
+        default_sum = None
+        for name, rs in settings.items():
+            by_history = {r["history"]: r for r in rs}
+            cells = [cell(by_history[h].get("ms")) if h in by_history else "-" for h in histories]
+            errors = [r["error"] for r in rs if "error" in r]
+            total = None if errors else sum(r["ms"] for r in rs)
+            default_sum = total if name == "default" else default_sum
+            ratio = cell(total / default_sum, 3) if total and default_sum else (errors[0] if errors else "-")
+            diff = cell(max(r["max_diff"] for r in rs), 4) if not errors else "-"
+            lines.append(markdown_row([shape, kernel, name, *cells, cell(total), ratio, diff]))
+    return lines
 
 
 def chart(payload: dict[str, Any], path: Path) -> None:
@@ -544,6 +654,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", help="attention_backend, as the engine takes it")
     p.add_argument("--full-layers", type=int, default=3,
                    help="layers the policies run on, for the per-prompt sum")
+    p.add_argument("--configs", action="store_true",
+                   help="also time the dense and MInference kernels' knob settings (DENSE_CONFIGS, "
+                   "SPARSE_CONFIGS) on every chunk with history")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import statistics
+import subprocess
 import sys
 from functools import cache
 from pathlib import Path
@@ -701,6 +703,41 @@ def test_prefill_breakdown_times_each_policy_and_its_pieces_per_chunk(one_thread
     pytest.importorskip("matplotlib")
     pb.chart(payload, tmp_path / "b.png")
     assert (tmp_path / "b.png").stat().st_size > 0
+
+
+CONFIG_SWEEP = """
+import json, sys
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import test_benchmarks
+pb = test_benchmarks.script("prefill_breakdown")
+pb.DENSE_CONFIGS = {"32x16": (32, 16, 4, 1), "bad": (48, 16, 4, 1)}
+pb.SPARSE_CONFIGS = {"32 keys": (64, 32, 1, 1, True)}
+job = test_benchmarks.breakdown_job(configs=True, context=256, chunk=128)
+rows = [r for r in pb.bench_breakdown(job) if r["benchmark"] == "config"]
+print(json.dumps({"rows": rows, "table": pb.config_table(rows)}))
+"""
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="runs the interpreter in its own process")
+def test_prefill_breakdown_times_kernel_settings_against_the_default():
+    """``--configs``: on each chunk with history, the dense kernel and MInference's sparse kernel (on the index
+    the policy built) under each setting and the default, with the output's difference from the default's;
+    a setting Triton cannot run is a row with its error. On the CPU the kernels run under the interpreter."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", CONFIG_SWEEP, str(BENCHMARKS), str(Path(__file__).parent)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    rows = result["rows"]
+    got = [(r["history"], r["kernel"], r["config"]) for r in rows]
+    assert got == [(128, "sparse", "default"), (128, "sparse", "32 keys"), (128, "dense", "default"),
+                   (128, "dense", "32x16"), (128, "dense", "bad")]
+    good = [r for r in rows if "error" not in r]
+    assert len(good) == 4 and all(r["ms"] > 0 and r["max_diff"] < 1e-4 for r in good)
+    assert [r["vs_default"] for r in good if r["config"] == "default"] == [1.0, 1.0]
+    assert "error" in rows[-1] and "vs_default" not in rows[-1]
+    table = "\n".join(result["table"])
+    assert "| 2x1x32 | dense | 32x16 | " in table and "| 2x1x32 | dense | bad | - | - | " in table
 
 
 def test_planted_prompt_sets_the_share_of_blocks_xattention_keeps():
