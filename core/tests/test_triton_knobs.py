@@ -239,6 +239,15 @@ def test_prefill_rule_and_tuple_configs():
     assert tk.PrefillConfig(*(64, 128, 4, 3)) == tk.PrefillConfig(64, 128, 4, 3, False, False, False)
 
 
+def test_wide_heads_take_wide_tiles_where_shared_memory_holds_them(monkeypatch):
+    cuda, narrow = torch.device("cuda"), tk.PrefillConfig(64, 32, 4, 2)
+    for shared, want in ((227 * 1024, tk.PREFILL_WIDE_HEADS), (163 * 1024, narrow)):  # Hopper, A100
+        monkeypatch.setattr(tk, "max_shared_memory", lambda device, shared=shared: shared)
+        assert tk._prefill_config(256, torch.bfloat16, cuda, 8192, paged=True) == want
+        assert tk._prefill_config(256, torch.bfloat16, cuda, 64) == narrow  # a short chunk: no 128-row tile
+        assert tk._prefill_config(256, torch.float32, cuda, 8192) == tk.PrefillConfig(32, 32, 4, 2)
+
+
 @pytest.mark.skipif(INTERP or CUDA, reason="plain CPU: the interpreter is off")
 def test_no_tma_descriptors_without_a_kernel_to_take_them():
     k = torch.zeros(4, 16, 2, 32, dtype=torch.bfloat16)

@@ -351,6 +351,19 @@ def test_bad_kernel_config_is_refused():
             sparse_attention(*c.args(index), config=config)
 
 
+def test_head_size_256_takes_wide_tiles_where_shared_memory_holds_them(monkeypatch):
+    import nanovllm_minference.attention as module
+
+    cuda = torch.device("cuda")
+    narrow = SparseKernelConfig(TILE, TILE // 2, 4, 2, fused_scale=True)
+    for shared, want in ((227 * 1024, SparseKernelConfig(2 * TILE, TILE, 8, 2, fused_scale=True)),
+                         (163 * 1024, narrow)):  # Hopper, A100
+        monkeypatch.setattr(module, "max_shared_memory", lambda device, shared=shared: shared)
+        assert kernel_config(256, torch.bfloat16, cuda) == want
+        assert kernel_config(256, torch.bfloat16, cuda, has_blocks=True) == narrow
+        assert kernel_config(256, torch.float32, cuda) == narrow
+
+
 def test_kernel_under_interpreter():
     """Every ``interp`` case of this file, the knobs' included, under Triton's interpreter on the CPU, in a
     fresh process."""

@@ -42,6 +42,7 @@ from nanovllm.sparse import (
     attention_scores,
     cdiv,
     host_lengths,
+    max_shared_memory,
     next_power_of_2,
     online_softmax_accumulate,
     online_softmax_step,
@@ -55,6 +56,8 @@ from nanovllm_minference.index import TILE, SparseIndex, computed_density
 LOG2E = 1.4426950408889634
 LIST_CHUNK = 1024  # list entries counted per step of the pre-scans: most lists take one step
 PAST = tl.constexpr(1 << 24)  # a key tile past every list (its first key still fits an int32)
+# two query tiles and two stages of whole key tiles at head size 256 take about 192 KiB (Hopper has 227)
+WIDE_TILES_SHARED_MEMORY = 200 * 1024
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,9 +467,14 @@ def kernel_config(head_dim: int, dtype: torch.dtype, device: torch.device,
     long-prompt choices (128 query rows a program over 8 warps, the fused scale, TMA loads), but one query
     tile a program over 4 warps for an index with block-sparse heads (``has_blocks``: two query tiles read
     their listed tiles one after the other, each with the other's rows idle). Over head size 128 or in
-    float32 a step reads 32 keys, to keep the K/V stages within shared memory."""
+    float32 a step reads 32 keys, to keep the K/V stages within shared memory; but in 16-bit, without
+    block-sparse heads, on a device with the shared memory for them (Hopper), two query tiles and whole key
+    tiles over 8 warps in two stages, as the dense kernel does at that head size."""
     if device.type != "cuda":
         return SparseKernelConfig(TILE, TILE, 1, 1)
+    if (head_dim > 128 and dtype != torch.float32 and not has_blocks
+            and max_shared_memory(device) >= WIDE_TILES_SHARED_MEMORY):
+        return SparseKernelConfig(2 * TILE, TILE, 8, 2, fused_scale=True)
     if dtype == torch.float32 or head_dim > 128:
         return SparseKernelConfig(TILE, TILE // 2, 4, 2, fused_scale=True)
     if has_blocks:

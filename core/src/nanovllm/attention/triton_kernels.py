@@ -654,6 +654,10 @@ PREFILL_LONG = PrefillConfig(128, 128, 8, 3, tma=True, fused_scale=True)
 # the same through the paged cache (TMA only where a page holds a whole key tile)
 PREFILL_LONG_PAGED = PrefillConfig(128, 128, 8, 3, tma=True, fused_scale=True)
 PREFILL_SHORT = PrefillConfig(64, 64, 4, 3)  # chunks of at most 64 queries: no large query tile to waste
+# head dim above 128 (Gemma 3's 256), chunks of more than 64 queries, where the multiprocessor's shared memory
+# holds the 128-row query tile and two stages of 64-key K/V tiles (about 192 KiB at head dim 256: Hopper)
+PREFILL_WIDE_HEADS = PrefillConfig(128, 64, 8, 2)
+WIDE_TILES_SHARED_MEMORY = 200 * 1024
 # pages of fewer than 64 tokens: a key step spans several pages
 # (one split once the groups fill 4 waves: large batches of short contexts need no partials and no reduce)
 DECODE = DecodeConfig(64, 4, 3, programs_per_sm=3, max_splits=128, wave_fit=True, one_split_waves=4)
@@ -670,6 +674,8 @@ def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, max
     if dtype == torch.float32:
         return PrefillConfig(32, 32, 4, 2)
     if head_dim > 128:
+        if max_query_len > 64 and max_shared_memory(device) >= WIDE_TILES_SHARED_MEMORY:
+            return PREFILL_WIDE_HEADS
         return PrefillConfig(64, 32, 4, 2)
     if max_query_len <= 64:
         return PREFILL_SHORT
