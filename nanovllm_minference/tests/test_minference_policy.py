@@ -11,7 +11,7 @@ from nanovllm.kv import PagedLayerKV
 from nanovllm.quality import planted
 from nanovllm.testing import prefill_context
 from nanovllm_minference.config import MInferenceConfig
-from nanovllm_minference.index import index_mask
+from nanovllm_minference.index import index_mask, lines_to_index_reference, tile_slash_lines
 from nanovllm_minference.policy import MInferencePolicy, budget_share
 
 BLOCK = 16
@@ -33,13 +33,14 @@ def test_budgets_covering_everything_are_dense(pattern, q_len):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_planted_columns_and_diagonals_are_found():
+@pytest.mark.parametrize("slash_unit, slash_size", [("diagonal", 8), ("tile", 256)])
+def test_planted_columns_and_diagonals_are_found(slash_unit, slash_size):
     columns = planted.vertical_columns(num_tokens=512, columns_per_head=3)
     diagonals = planted.slash_diagonals(num_tokens=512, offsets=(0, 48, 160))
     for case, kind in ((columns, "columns"), (diagonals, "offsets")):
         q, ctx = prefill_context(case.q, case.k, case.v, 512, case.scale)
-        policy = MInferencePolicy(MInferenceConfig(vertical_size=8, slash_size=8, num_sink_tokens=1,
-                                                   num_recent_diags=1, dense_below=0))
+        policy = MInferencePolicy(MInferenceConfig(vertical_size=8, slash_size=slash_size, num_sink_tokens=1,
+                                                   num_recent_diags=1, dense_below=0, slash_unit=slash_unit))
         from nanovllm_minference.policy import _ops
 
         index = policy.build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables, _ops(q.device))
@@ -53,6 +54,55 @@ def test_planted_columns_and_diagonals_are_found():
             else:
                 # every planted diagonal lies in the head's slash tiles: each row reads its targets
                 assert (mask[:, h] | ~case.truth[:, h // group]).all()
+
+
+@pytest.mark.parametrize("phase", [0, 5])
+def test_tile_slashes_keep_the_best_bands_within_the_budget(phase):
+    """A band is scored by its diagonals' shares of it; the nearest diagonals' bands count in the budget; the
+    band kept is its middle diagonal, which crosses that key tile alone."""
+    ctx, q_len = 1024, 512
+    slash = torch.zeros(1, 2, ctx)
+    slash[0, 0, 300:311] = 1.0  # head 0: diagonals 300-310, mostly in band 5 (middle 320 + phase)
+    slash[0, 1, 440:450] = 1.0  # head 1: band 7 (middle 448 + phase)
+    starts, lens = torch.tensor([ctx - q_len + phase]), torch.tensor([ctx + phase])
+    sizes = torch.tensor([4 * 64, 4 * 64])  # 4 tiles: the 3 bands of the 100 nearest diagonals and 1 more
+    offsets, valid = tile_slash_lines(slash, starts, lens, sizes, 100, 4 * 64)
+    assert offsets[valid].view(2, -1)[:, :100].eq(torch.arange(100)).all()  # the nearest, as themselves
+    assert offsets[0, 0][valid[0, 0]][100:].tolist() == [320 + phase]
+    assert offsets[0, 1][valid[0, 1]][100:].tolist() == [448 + phase]
+    index = lines_to_index_reference(torch.zeros(1, 2, 1, dtype=torch.long), torch.zeros(1, 2, 1, dtype=torch.bool),
+                                     offsets, valid, starts, ctx + phase)
+    assert (index.slash_counts <= 4 + (phase > 0)).all()  # the main diagonal's next tile, for a phase
+    # a smaller budget than the nearest diagonals' bands keeps those alone
+    offsets, valid = tile_slash_lines(slash, starts, lens, torch.tensor([64, 64]), 100, 64)
+    assert valid.sum().item() == 2 * 100
+
+
+@pytest.mark.gpu
+def test_tile_index_on_the_gpu_is_the_reference_index():
+    """The GPU's ops (the select and index kernels) give the tile-slash index the torch references give."""
+    from nanovllm_minference.policy import _ops
+
+    case = planted.slash_diagonals(num_tokens=480, offsets=(0, 100, 300))
+    config = MInferenceConfig(vertical_size=8, slash_size=192, slash_unit="tile", dense_below=0)
+    indexes = []
+    for device in ("cpu", "cuda"):
+        q, ctx = prefill_context(case.q, case.k, case.v, 480, case.scale, device=device)
+        indexes.append(MInferencePolicy(config).build_index(q, ctx, ctx.k_cache, ctx.meta.block_tables,
+                                                            _ops(q.device)))
+    cpu, gpu = indexes
+    for name in ("slash_tiles", "slash_counts", "slash_cover", "column_counts"):
+        assert torch.equal(getattr(cpu, name), getattr(gpu, name).cpu()), name
+    assert 0 < cpu.slash_counts.max() <= 3 + 1
+
+
+def test_tile_slashes_covering_everything_are_dense():
+    case = planted.needles(num_tokens=300)
+    q, ctx = prefill_context(case.q, case.k, case.v, 200, case.scale)
+    config = MInferenceConfig(vertical_size=300, slash_size=7 * 64, slash_unit="tile", dense_below=0,
+                              dense_above=None)
+    want = ctx.attend_all(q, ctx.new_keys, ctx.new_values)
+    torch.testing.assert_close(run(MInferencePolicy(config), q, ctx), want, atol=1e-5, rtol=1e-5)
 
 
 def test_sparse_output_matches_its_mask():
@@ -213,6 +263,8 @@ def test_budget_share_counts_each_row_up_to_the_budget(budget):
     ({"adaptive_budget": 1.5}, r"fraction in \(0, 1\]"),
     ({"config_path": ""}, "path of a JSON file"),
     ({"dense_above": 0}, "dense_above must be a share of dense work above 0"),
+    ({"slash_unit": "band"}, "slash_unit must be one of"),
+    ({"slash_unit": "tile", "adaptive_budget": 0.1}, "takes no adaptive_budget"),
 ])
 def test_bad_options_name_the_fix(options, match):
     with pytest.raises(ValueError, match=match):

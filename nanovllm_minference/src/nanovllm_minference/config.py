@@ -5,6 +5,7 @@ from __future__ import annotations
 import attrs
 
 PATTERNS = ("vertical_slash", "a_shape", "block_sparse")
+SLASH_UNITS = ("diagonal", "tile")
 
 
 def _int_at_least(minimum: int):
@@ -35,6 +36,14 @@ def _pattern(_inst, attribute, value) -> None:
         raise ValueError(f"{attribute.name} must be one of {', '.join(map(repr, PATTERNS))}, got {value!r}")
 
 
+def _slash_unit(inst, attribute, value) -> None:
+    if value not in SLASH_UNITS:
+        raise ValueError(f"{attribute.name} must be one of {', '.join(map(repr, SLASH_UNITS))}, got {value!r}")
+    if value == "tile" and inst.adaptive_budget is not None:
+        raise ValueError("slash_unit='tile' keeps slash_size / 64 tiles a head and takes no adaptive_budget: "
+                         "drop one of them")
+
+
 def _path_or_none(_inst, attribute, value) -> None:
     if value is not None and not (isinstance(value, str) and value):
         raise ValueError(f"{attribute.name} must be the path of a JSON file of per-head patterns, got {value!r}")
@@ -52,6 +61,11 @@ class MInferenceConfig:
     - ``vertical_size`` / ``slash_size``: columns and diagonals each head keeps (MInference's defaults).
     - ``adaptive_budget``: instead, keep this fraction of each sequence's context, 20% as columns and
       80% as diagonals (the seed fork's rule).
+    - ``slash_unit``: how the diagonals are chosen. ``diagonal`` (MInference's): the ``slash_size`` best
+      diagonals, each read in the one or two key tiles of 64 it crosses, so scattered diagonals cost up to
+      128 keys a row each. ``tile``: the ``slash_size / 64`` best diagonal bands of one key tile each, scored
+      by the diagonals' shares of them, so the work is the budget. Applies to layers whose heads are all
+      vertical-slash; not with ``adaptive_budget``.
     - ``num_sink_tokens`` / ``num_recent_diags``: always-kept first columns and nearest diagonals; they
       count within the budgets.
     - ``config_path``: per-layer, per-head patterns in the JSON format of MInference's published model
@@ -70,6 +84,7 @@ class MInferenceConfig:
     vertical_size: int = attrs.field(default=1000, validator=_int_at_least(1))
     slash_size: int = attrs.field(default=6096, validator=_int_at_least(1))
     adaptive_budget: float | None = attrs.field(default=None, validator=_fraction_or_none)
+    slash_unit: str = attrs.field(default="diagonal", validator=_slash_unit)
     num_sink_tokens: int = attrs.field(default=30, validator=_int_at_least(0))
     num_recent_diags: int = attrs.field(default=100, validator=_int_at_least(1))
     last_q: int = attrs.field(default=64, validator=_int_at_least(1))

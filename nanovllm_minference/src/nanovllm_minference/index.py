@@ -261,6 +261,43 @@ def top_lines(
     return tuple(lines)
 
 
+def tile_slash_lines(
+    slash: torch.Tensor, query_starts: torch.Tensor, context_lens: torch.Tensor, slash_sizes: torch.Tensor,
+    num_recent_diags: int, max_slash_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Diagonals chosen a slash tile at a time: ``(offsets, valid)`` ``[S, H, K]`` for :func:`lines_to_index`.
+
+    A query tile reads a key tile at offset ``-j`` from its base through the diagonals ``p + 64 j + v``,
+    ``|v| < TILE``, a share ``(TILE - |v|) / TILE`` of its rows each (``p``: the chunk's first position modulo
+    ``TILE``). Each such band is scored by those shares of the estimate's diagonal scores ``slash``
+    ``[S, H, L]``, and the best bands are kept as their middle diagonal ``p + 64 j``, which crosses that key
+    tile alone. A head keeps ``ceil(slash_sizes[h] / TILE)`` tiles: the ``num_recent_diags`` nearest diagonals
+    (always kept, as themselves) and the bands they touch count within them. ``max_slash_size``: a host int
+    at least every size."""
+    device = slash.device
+    num_seqs, num_heads, width = slash.shape
+    phase = (query_starts.long() % TILE)[:, None, None, None]  # [S, 1, 1, 1]
+    num_bands = -(-width // TILE) + 1
+    j = torch.arange(num_bands, device=device)[:, None]
+    v = torch.arange(1 - TILE, TILE, device=device)
+    diagonal = phase + TILE * j + v  # [S, 1, bands, 2 TILE - 1]
+    inside = (diagonal >= 0) & (diagonal < context_lens.long()[:, None, None, None])
+    scores = slash.gather(-1, (diagonal.clamp(0, width - 1) * inside).flatten(2).expand(-1, num_heads, -1))
+    weights = (TILE - v.abs()).float() / TILE * inside
+    bands = (scores.view(num_seqs, num_heads, num_bands, -1) * weights).sum(-1)  # [S, H, bands]
+    middle = phase[..., 0] + TILE * j[:, 0]  # [S, 1, bands]
+    recent = middle - (TILE - 1) <= num_recent_diags - 1  # bands the nearest diagonals touch
+    reaches = middle - (TILE - 1) < context_lens.long()[:, None, None]
+    kept = -(-slash_sizes.long() // TILE)[None, :, None] - recent.sum(-1, keepdim=True)  # [S, H, 1]
+    top = torch.where(recent | ~reaches, -1.0, bands).topk(min(-(-max_slash_size // TILE), num_bands), dim=-1)
+    rank = torch.arange(top.indices.shape[-1], device=device)
+    valid = (rank < kept) & (top.values >= 0)
+    offsets = phase[..., 0] + TILE * top.indices
+    nearest = torch.arange(num_recent_diags, device=device).expand(num_seqs, num_heads, -1)
+    near_ok = nearest < context_lens.long()[:, None, None]
+    return torch.cat([nearest, offsets], -1), torch.cat([near_ok, valid], -1)
+
+
 def select_index_reference(
     vertical: torch.Tensor, slash: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
     vertical_sizes: torch.Tensor, slash_sizes: torch.Tensor, num_sink_tokens: int, num_recent_diags: int,
