@@ -69,17 +69,25 @@ def chunk_launches(monkeypatch, store: type[PagedLayerKV] = PagedLayerKV, **conf
 # index), the density and the sparse kernel that reads it; one fill (the density's totals), no sync
 DEVICE_CACHE = {"_row_stats_kernel": 1, "_sums_kernel": 1, "_select_kernel": 1, "_density_kernel": 1,
                 "_sparse_prefill_kernel": 1}
+# slash_unit="tile" (the default): the selection keeps the columns alone, the bands are scored and chosen by
+# torch ops, and the lines kernel makes the index
+TILE_OPS = 64
 
 
-@pytest.mark.parametrize("config", [{}, {"adaptive_budget": 0.2}, {"dense_above": None}])
-def test_a_chunk_on_the_device_cache_launches_five_kernels_and_never_syncs(monkeypatch, config):
+@pytest.mark.parametrize("config", [{}, {"adaptive_budget": 0.2}, {"dense_above": None},
+                                    {"slash_unit": "diagonal"}, {"slash_unit": "diagonal", "dense_above": None}])
+def test_a_chunk_on_the_device_cache_launches_a_few_kernels_and_never_syncs(monkeypatch, config):
     launched, ops = chunk_launches(monkeypatch, **config)
     want = dict(DEVICE_CACHE)
-    if config.get("dense_above", 0.8) is None:  # no density to check
+    density = config.get("dense_above", 0.8) is not None
+    if not density:  # no density to check
         del want["_density_kernel"]
+    tile = config.get("slash_unit", "tile") == "tile"
+    if tile:
+        want["_lines_kernel"] = 1
     assert launched == want, launched
     assert not SYNCS & set(ops), ops
-    assert sum(ops.values()) <= (1 if "_density_kernel" in want else 0), ops
+    assert sum(ops.values()) <= (TILE_OPS if tile else 0) + density, ops
 
 
 def test_a_chunk_on_a_copying_store_syncs_once_before_reading_values(monkeypatch):

@@ -264,7 +264,6 @@ def test_budget_share_counts_each_row_up_to_the_budget(budget):
     ({"config_path": ""}, "path of a JSON file"),
     ({"dense_above": 0}, "dense_above must be a share of dense work above 0"),
     ({"slash_unit": "band"}, "slash_unit must be one of"),
-    ({"slash_unit": "tile", "adaptive_budget": 0.1}, "takes no adaptive_budget"),
 ])
 def test_bad_options_name_the_fix(options, match):
     with pytest.raises(ValueError, match=match):

@@ -36,12 +36,9 @@ def _pattern(_inst, attribute, value) -> None:
         raise ValueError(f"{attribute.name} must be one of {', '.join(map(repr, PATTERNS))}, got {value!r}")
 
 
-def _slash_unit(inst, attribute, value) -> None:
+def _slash_unit(_inst, attribute, value) -> None:
     if value not in SLASH_UNITS:
         raise ValueError(f"{attribute.name} must be one of {', '.join(map(repr, SLASH_UNITS))}, got {value!r}")
-    if value == "tile" and inst.adaptive_budget is not None:
-        raise ValueError("slash_unit='tile' keeps slash_size / 64 tiles a head and takes no adaptive_budget: "
-                         "drop one of them")
 
 
 def _path_or_none(_inst, attribute, value) -> None:
@@ -61,19 +58,21 @@ class MInferenceConfig:
     - ``vertical_size`` / ``slash_size``: columns and diagonals each head keeps (MInference's defaults).
     - ``adaptive_budget``: instead, keep this fraction of each sequence's context, 20% as columns and
       80% as diagonals (the seed fork's rule).
-    - ``slash_unit``: how the diagonals are chosen. ``diagonal`` (MInference's): the ``slash_size`` best
-      diagonals, each read in the one or two key tiles of 64 it crosses, so scattered diagonals cost up to
-      128 keys a row each. ``tile``: the ``slash_size / 64`` best diagonal bands of one key tile each, scored
-      by the diagonals' shares of them, so the work is the budget. Applies to layers whose heads are all
-      vertical-slash; not with ``adaptive_budget``.
+    - ``slash_unit``: how the diagonals are chosen. ``tile``: the diagonal bands of one key tile of 64
+      whose diagonals score highest (each diagonal weighted by the share of a query tile's rows it leads
+      into the band), ``slash_size / 64`` of them, so the kernel reads about ``slash_size`` keys a row.
+      ``diagonal`` (MInference's own rule): the ``slash_size`` best diagonals, each read in the one or two
+      key tiles it crosses, so scattered diagonals cost up to 128 keys a row each and the work can approach
+      dense attention's. Applies to layers whose heads are all vertical-slash.
     - ``num_sink_tokens`` / ``num_recent_diags``: always-kept first columns and nearest diagonals; they
       count within the budgets.
     - ``config_path``: per-layer, per-head patterns in the JSON format of MInference's published model
       configs; a head it omits gets ``vertical_slash`` (1000, 6096).
     - ``skip_layers``: the first layers run dense.
     - ``dense_below``: chunks whose sequences all hold fewer tokens than this run dense, where estimation
-      and tiles cost more than they save. At the default a prompt of fewer than 32,768 tokens runs dense:
-      pass 0 to run the sparse path at any length (quality evaluations at 32K and below).
+      and tiles cost more than they save (the first 16K tokens of a prompt; pass 0 to run the sparse path
+      at any length, for quality evaluations on short prompts). Independently, a chunk runs dense when its
+      budget alone names more than ``dense_above`` of the keys its rows see.
     - ``dense_above``: a chunk whose index would compute more than this share of dense causal attention
       runs the dense kernel instead (``null``: never). A tile of the sparse kernel costs more than one of
       the dense kernel, so a nearly dense index is faster run dense; a model whose attention is not sparse
@@ -84,7 +83,7 @@ class MInferenceConfig:
     vertical_size: int = attrs.field(default=1000, validator=_int_at_least(1))
     slash_size: int = attrs.field(default=6096, validator=_int_at_least(1))
     adaptive_budget: float | None = attrs.field(default=None, validator=_fraction_or_none)
-    slash_unit: str = attrs.field(default="diagonal", validator=_slash_unit)
+    slash_unit: str = attrs.field(default="tile", validator=_slash_unit)
     num_sink_tokens: int = attrs.field(default=30, validator=_int_at_least(0))
     num_recent_diags: int = attrs.field(default=100, validator=_int_at_least(1))
     last_q: int = attrs.field(default=64, validator=_int_at_least(1))
@@ -93,5 +92,5 @@ class MInferenceConfig:
     top_k_blocks: int = attrs.field(default=100, validator=_int_at_least(1))
     config_path: str | None = attrs.field(default=None, validator=_path_or_none)
     skip_layers: int = attrs.field(default=0, validator=_int_at_least(0))
-    dense_below: int = attrs.field(default=32768, validator=_int_at_least(0))
+    dense_below: int = attrs.field(default=16384, validator=_int_at_least(0))
     dense_above: float | None = attrs.field(default=0.8, validator=_positive_or_none)

@@ -272,8 +272,8 @@ def tile_slash_lines(
     ``TILE``). Each such band is scored by those shares of the estimate's diagonal scores ``slash``
     ``[S, H, L]``, and the best bands are kept as their middle diagonal ``p + 64 j``, which crosses that key
     tile alone. A head keeps ``ceil(slash_sizes[h] / TILE)`` tiles: the ``num_recent_diags`` nearest diagonals
-    (always kept, as themselves) and the bands they touch count within them. ``max_slash_size``: a host int
-    at least every size."""
+    (always kept, as themselves) and the bands they touch count within them (``slash_sizes``: ``[H]``, or
+    ``[S, H]`` or ``[S, 1]`` per sequence). ``max_slash_size``: a host int at least every size."""
     device = slash.device
     num_seqs, num_heads, width = slash.shape
     phase = (query_starts.long() % TILE)[:, None, None, None]  # [S, 1, 1, 1]
@@ -288,7 +288,8 @@ def tile_slash_lines(
     middle = phase[..., 0] + TILE * j[:, 0]  # [S, 1, bands]
     recent = middle - (TILE - 1) <= num_recent_diags - 1  # bands the nearest diagonals touch
     reaches = middle - (TILE - 1) < context_lens.long()[:, None, None]
-    kept = -(-slash_sizes.long() // TILE)[None, :, None] - recent.sum(-1, keepdim=True)  # [S, H, 1]
+    sizes = torch.broadcast_to(slash_sizes.long(), (num_seqs, num_heads))[..., None]
+    kept = -(-sizes // TILE) - recent.sum(-1, keepdim=True)  # [S, H, 1]
     top = torch.where(recent | ~reaches, -1.0, bands).topk(min(-(-max_slash_size // TILE), num_bands), dim=-1)
     rank = torch.arange(top.indices.shape[-1], device=device)
     valid = (rank < kept) & (top.values >= 0)

@@ -160,23 +160,27 @@ class MInferencePolicy(SparsePolicy):
             scores = ops.estimate(q, k_cache, tables, meta.cu_seqlens_q, meta.context_lens, ctx.scale,
                                   cfg.last_q, meta.max_context_len, host_lens=meta.host_lens)
         if plan.only("vertical_slash") and cfg.slash_unit == "tile":
-            return self._tile_index(scores, meta, plan, ops)
+            return self._tile_index(scores, meta, plan, ops, max_sizes, adaptive)
         if plan.only("vertical_slash"):  # the common case: ranking, top lines and index in one launch
             return ops.select(*scores, meta.cu_seqlens_q, meta.context_lens, plan.vertical, plan.slash,
                               cfg.num_sink_tokens, cfg.num_recent_diags, max_sizes, meta.max_context_len,
                               adaptive)
         return self._mixed_index(q, meta, plan, scores, k_cache, tables, ops)
 
-    def _tile_index(self, scores, meta, plan: LayerPlan, ops: Ops) -> SparseIndex:
+    def _tile_index(self, scores, meta, plan: LayerPlan, ops: Ops, max_sizes: tuple[int, int],
+                    adaptive: float | None) -> SparseIndex:
         """The index of a vertical-slash layer whose diagonals are chosen a key tile at a time
         (:func:`~nanovllm_minference.index.tile_slash_lines`); the columns as MInference chooses them."""
         cfg = self.config
         one = torch.ones_like(plan.slash)
         columns = ops.select(*scores, meta.cu_seqlens_q, meta.context_lens, plan.vertical, one,
-                             cfg.num_sink_tokens, 1, (plan.max_sizes[0], 1), meta.max_context_len)
+                             cfg.num_sink_tokens, 1, (max_sizes[0], 1), meta.max_context_len, adaptive)
         starts = meta.context_lens - (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1])
-        offsets, offset_valid = tile_slash_lines(scores[1], starts, meta.context_lens, plan.slash,
-                                                 cfg.num_recent_diags, plan.max_sizes[1])
+        slash_sizes = plan.slash
+        if adaptive is not None:  # the seed fork's share of each sequence's context, [S, 1]
+            slash_sizes = (meta.context_lens.double() * adaptive * 0.8).long().clamp(min=1)[:, None]
+        offsets, offset_valid = tile_slash_lines(scores[1], starts, meta.context_lens, slash_sizes,
+                                                 cfg.num_recent_diags, max_sizes[1])
         slots = torch.arange(columns.columns.shape[-1], device=starts.device)
         return ops.index(columns.columns, slots < columns.column_counts[..., None], offsets, offset_valid, starts,
                          meta.max_context_len)
