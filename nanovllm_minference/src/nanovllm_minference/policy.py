@@ -7,8 +7,10 @@ Per layer and prefill chunk:
 2. **Estimation** (vertical-slash heads): the softmax of the chunk's last ``last_q`` queries over every
    key so far; column sums rank the vertical lines, diagonal sums the slash lines. Two launches for all
    heads of all sequences.
-3. **Index** (:mod:`nanovllm_minference.index`): the best lines become slash tiles and gathered columns
-   (a vertical-slash layer: ranking, selection and index in one launch).
+3. **Index** (:mod:`nanovllm_minference.index`): the best columns become gathered columns, and the
+   diagonals slash tiles: by default the best bands of one key tile each (``slash_unit="tile"``: the
+   columns' selection, the bands' scores and one index launch), or MInference's best single diagonals
+   (``"diagonal"``: ranking, selection and index in one launch).
 4. **Attention**: one kernel over the index, causal, grouped KV heads, on the paged cache, the chunk's
    own keys included (they are already in the cache); with ``dense_above``, a launch before it measures
    the index's work, and the kernel runs dense where that is above the limit, without a host sync.
