@@ -257,8 +257,8 @@ def make_policy(spec: str, num_kv_heads: int, head_dim: int, num_blocks: int, bl
 def minference_pieces(policy, q, k, v, ctx) -> tuple[dict[str, Callable], dict[str, Any]]:
     """One recorded call of MInference's prefill: its pieces (``estimate``, ``select``: the rest of
     ``build_index``, ``attention``: the sparse kernel with its ``dense_above`` check), each calling what the
-    policy called with its arguments, and what it did (``path``, ``density``). No pieces when it ran dense
-    without an index."""
+    policy called with its arguments, and what it did (``path``, ``density``, ``attend_calls``: the sparse
+    kernel's recorded launches). No pieces when it ran dense without an index."""
     import nanovllm_minference.policy as module
     from nanovllm_minference.index import computed_density
 
@@ -282,7 +282,8 @@ def minference_pieces(policy, q, k, v, ctx) -> tuple[dict[str, Callable], dict[s
     pieces = {"estimate": estimate.replay, "select": index_only, "attention": attend.replay}
     if not estimate.calls:  # a pattern that reads no keys
         del pieces["estimate"]
-    return pieces, {"path": "dense (dense_above)" if ran_dense else "sparse", "density": density}
+    return pieces, {"path": "dense (dense_above)" if ran_dense else "sparse", "density": density,
+                    "attend_calls": attend.calls}
 
 
 def xattn_pieces(policy, q, k, v, ctx) -> tuple[dict[str, Callable], dict[str, Any]]:
@@ -391,8 +392,8 @@ def bench_breakdown(job: dict) -> list[dict[str, Any]]:
                 print(f"{base['shape']} history {start}: {name} {row['path']} {row['ms']:.3f} ms",
                       file=sys.stderr, flush=True)
                 if job.get("configs") and start > 0 and name == "minference" and row["path"] == "sparse":
-                    calls = pieces["attention"].__self__.calls  # the sparse kernel's recorded launches
-                    rows += config_rows(base, start, "sparse", sparse_calls(calls), SPARSE_CONFIGS, timed)
+                    rows += config_rows(base, start, "sparse", sparse_calls(did["attend_calls"]), SPARSE_CONFIGS,
+                                        timed)
             if job.get("configs") and start > 0:
                 rows += config_rows(base, start, "dense", dense_calls(rows_q, k_cache, v_cache, meta, scale),
                                     DENSE_CONFIGS, timed)

@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import attrs
 import torch
-from nanovllm.sparse import PolicyContext, SparsePolicy
+from nanovllm.sparse import PhaseMetadata, PolicyContext, SparsePolicy
 
 from nanovllm_minference.config import MInferenceConfig
 from nanovllm_minference.head_config import HeadPattern, layer_heads, load_head_patterns
@@ -134,12 +134,12 @@ class MInferencePolicy(SparsePolicy):
                           meta.max_query_len, dense_above=None if decided else dense_above,
                           host_lens=meta.host_lens)[0]
 
-    def _dense_by_budget(self, plan: LayerPlan, meta) -> bool:
+    def _dense_by_budget(self, plan: LayerPlan, meta: PhaseMetadata) -> bool:
         """Whether the chunk runs dense before any estimate: every head of the layer is vertical-slash, and
-        the keys its budget names (columns plus diagonals, the smallest head's) are more than ``dense_above``
-        of the keys the chunk's rows see (:func:`budget_share`). Its index would then compute about that
-        share of dense work or more (tiles round it up), and the dense kernel is faster: the estimate is not
-        worth making. A chunk early in a prompt, or a prompt not much longer than the budget, runs dense."""
+        the keys its budget names (the smallest column budget plus the smallest diagonal one) are more than
+        ``dense_above`` of the keys the chunk's rows see (:func:`budget_share`). Its index would then compute
+        about that share of dense work or more (tiles round it up), and the dense kernel is faster: the
+        estimate is not worth making. A chunk early in a prompt, or a prompt not much longer than the budget, runs dense."""
         cfg = self.config
         if cfg.dense_above is None or not plan.only("vertical_slash") or cfg.adaptive_budget is not None:
             return False
@@ -239,6 +239,7 @@ class MInferencePolicy(SparsePolicy):
                                          max_sizes, min_sizes, same_sizes, max_top_k)
         return self._plans[key]
 
+
 def budget_share(budget: int, query_lens: Sequence[int], context_lens: Sequence[int]) -> float:
     """The share of the keys that rows see (a row at position ``p`` sees ``p + 1``) which a budget of
     ``budget`` keys a row covers (all of a row's keys when it sees no more), over every row of the chunks
@@ -246,14 +247,15 @@ def budget_share(budget: int, query_lens: Sequence[int], context_lens: Sequence[
     covered = seen = 0
     for q_len, ctx in zip(query_lens, context_lens, strict=True):
         first = ctx - q_len  # rows see first + 1 .. ctx keys
-
-        def upto(n: int, first=first) -> int:  # sum of first + 1 .. n
-            return (n * (n + 1) - first * (first + 1)) // 2 if n > first else 0
-
-        seen += upto(ctx)
         capped = min(max(budget, first), ctx)  # rows up to it see at most the budget's keys
-        covered += upto(capped) + budget * (ctx - capped)
+        seen += _sum_above(first, ctx)
+        covered += _sum_above(first, capped) + budget * (ctx - capped)
     return covered / seen if seen else 0.0
+
+
+def _sum_above(first: int, last: int) -> int:
+    """``first + 1 + ... + last`` (0 when ``last <= first``)."""
+    return (last * (last + 1) - first * (first + 1)) // 2 if last > first else 0
 
 
 def touched_blocks(index: SparseIndex, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_size: int,
