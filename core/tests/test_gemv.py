@@ -27,10 +27,8 @@ from nanovllm.layers.gemv import (  # noqa: E402
     linear,
     matmul,
     route_small_batches,
-    routes,
     row_bucket,
 )
-from nanovllm.layers.layernorm import RMSNorm  # noqa: E402
 
 # kernel cases run on CUDA, or in the interpreter subprocess; the rest run everywhere
 kernel = pytest.mark.skipif(not (CUDA or INTERP), reason="runs on CUDA, or under TRITON_INTERPRET=1")
@@ -161,44 +159,6 @@ def test_interp_gated_output_is_the_activation_of_the_plain_output(config, activ
 
 
 @kernel
-@configs
-@pytest.mark.parametrize("unit_offset", [False, True])
-@pytest.mark.parametrize("rows", [1, 5])
-def test_interp_norm_folds_into_the_matmul(config, unit_offset, rows, gen):
-    """``norm``: x's rows RMS-normalised inside the launch give the same bits as the norm's own kernel and
-    then the plain kernel, with either rounding (Gemma's ``1 + weight`` is ``unit_offset``). x holds small
-    integers, so its sums of squares are exact in any order and both compute the same scale."""
-    from nanovllm.layers import fused_kernels as fk
-    from nanovllm.layers.layernorm import GemmaRMSNorm, RMSNorm
-
-    norm = (GemmaRMSNorm if unit_offset else RMSNorm)(100).to(DEVICE, torch.bfloat16)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(100, generator=gen) / 4 + (0.0 if unit_offset else 1.0))
-    x = _ints(gen, rows, 100, dtype=torch.bfloat16)
-    w = (torch.randn(37, 100, generator=gen) / 8).to(torch.bfloat16).to(DEVICE)
-    b = _ints(gen, 37, dtype=torch.bfloat16) if rows == 5 else None
-    normed = fk.rms_norm(x, norm.weight, norm.eps, unit_offset=unit_offset)
-    out = gemv(x, w, b, config, norm=norm)
-    assert torch.equal(out.cpu(), gemv(normed, w, b, config).cpu()), f"seed {gen.initial_seed()}"
-
-
-@kernel
-@configs
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5])
-def test_interp_residual_is_added_to_the_rounded_output(config, dtype, rows, gen):
-    """``residual``: the output plus the residual, each sum exact here (ones and zeros, so below 256 in
-    bfloat16 too), through the summing kernel where the configuration splits K."""
-    def signs(*shape):
-        return torch.randint(-1, 2, shape, generator=gen).to(dtype).to(DEVICE)
-
-    x, w, r = signs(rows, 100), signs(37, 100), signs(rows, 37)
-    b = signs(37) if rows == 5 else None
-    out = gemv(x, w, b, config, residual=r)
-    assert torch.equal(out.cpu(), (gemv_reference(x, w, b) + r).cpu()), f"seed {gen.initial_seed()}"
-
-
-@kernel
 @pytest.mark.parametrize("table", [
     GemvConfig(block_n=8, block_k=32), GemvConfig(block_n=32, block_k=16, dot=True),
     GemvConfig(block_n=16, block_k=16, split_k=2, dot=True),
@@ -231,14 +191,12 @@ def test_interp_gated_linear_runs_the_tables_configuration(table, gen, monkeypat
 
 
 @pytest.mark.skipif(INTERP, reason="compiles for the GPU")
-@pytest.mark.parametrize("dot,stages,gated,norm", [(False, 1, 0, 0), (False, 3, 0, 0), (True, 4, 0, 0), (False, 3, 1, 0),
-                                                   (True, 4, 1, 0), (False, 3, 2, 0), (True, 4, 2, 0),
-                                                   (False, 3, 1, 1), (True, 4, 0, 2)])
-def test_kernel_compiles_for_hopper_streaming_the_weights(dot, stages, gated, norm):
-    """Without a GPU: Triton compiles the kernel for sm_90 (the H200), plain, with each gated activation
-    (GELU's through libdevice's tanh) and with each norm folded in (then a residual added too). The weight
-    loads are 16-byte vectors marked evict-first, or with ``num_stages > 1`` asynchronous copies that many
-    tiles ahead."""
+@pytest.mark.parametrize("dot,stages,gated", [(False, 1, 0), (False, 3, 0), (True, 4, 0), (False, 3, 1), (True, 4, 1),
+                                              (False, 3, 2), (True, 4, 2)])
+def test_kernel_compiles_for_hopper_streaming_the_weights(dot, stages, gated):
+    """Without a GPU: Triton compiles the kernel for sm_90 (the H200), plain and with each gated activation
+    (GELU's through libdevice's tanh). The weight loads are 16-byte vectors marked evict-first, or with
+    ``num_stages > 1`` asynchronous copies that many tiles ahead."""
     import re
 
     import triton
@@ -247,13 +205,13 @@ def test_kernel_compiles_for_hopper_streaming_the_weights(dot, stages, gated, no
 
     from nanovllm.layers import gemv_kernels as gk
 
-    pointers = {"X", "W", "B", "Y", "P", "G", "R"}
+    pointers = {"X", "W", "B", "Y", "P"}
     constexprs = dict(M=1, BLOCK_M=16 if dot else 1, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, DOT=dot, EVEN_K=True,
                       HAS_BIAS=False, FP32_DOT=False, STAGES=stages, GATED=gated,
-                      LIBDEVICE=True, NORM=norm, RESIDUAL=norm > 0 and not gated)
+                      LIBDEVICE=True)
     names = gk._gemv_kernel.arg_names
-    signature = {name: "*bf16" if name in pointers else "constexpr" if name in constexprs
-                 else "fp32" if name == "eps" else "i32" for name in names}
+    signature = {name: "*bf16" if name in pointers else "constexpr" if name in constexprs else "i32"
+                 for name in names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names) if name not in constexprs}
     source = ASTSource(fn=gk._gemv_kernel, signature=signature, constexprs=constexprs, attrs=aligned)
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -279,22 +237,6 @@ def test_gemv_refuses_what_it_cannot_run():
         gemv(torch.zeros(1, 16), w, activation="relu")
     with pytest.raises(ValueError, match="gate rows over as many up rows"):
         gemv(torch.zeros(1, 16), torch.zeros(7, 16), activation="silu")
-    with pytest.raises(ValueError, match="norm must cover x's last dimension"):
-        gemv(torch.zeros(1, 16), w, norm=RMSNorm(8))
-    with pytest.raises(ValueError, match="residual of the output's shape"):
-        gemv(torch.zeros(1, 16), w, residual=torch.zeros(1, 16))
-    with pytest.raises(ValueError, match="make them one dtype"):
-        gemv(torch.zeros(1, 16), w, residual=torch.zeros(1, 8, dtype=torch.bfloat16))
-
-
-def test_linear_folds_norm_and_residual_where_it_keeps_f_linear(gen):
-    """Off CUDA (or where the table keeps cuBLAS) ``linear`` runs the norm, F.linear and the add apart."""
-    norm = RMSNorm(16)
-    with torch.no_grad():
-        norm.weight.copy_(torch.rand(16, generator=gen) + 0.5)
-    x, w, r = torch.randn(3, 16, generator=gen), torch.randn(8, 16, generator=gen), torch.randn(3, 8, generator=gen)
-    assert torch.equal(linear(x, w, norm=norm, residual=r), F.linear(norm(x), w) + r)
-    assert routes(w, None, 3, x) is None  # a CPU tensor: never the kernel
 
 
 def test_config_checks_its_knobs():
@@ -429,30 +371,6 @@ def test_gpu_gated_linear_at_qwen3_8b_gate_up(rows, activation, gen):
     assert (diff == 0).float().mean() > 0.99
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 4])
-def test_gpu_norm_and_residual_fold_at_qwen3_8b_shapes(rows, gen):
-    """qwen3-8b's qkv shape after its input norm, and its o shape adding the residual: one launch each gives
-    what the norm's kernel, the plain kernel and a separate add give, within an ulp and to the bit in nearly
-    every element (the two sum x's squares in different orders)."""
-    from nanovllm.layers import fused_kernels as fk
-
-    norm = RMSNorm(4096).to("cuda", torch.bfloat16)
-    with torch.no_grad():
-        norm.weight.copy_(torch.rand(4096, generator=gen) + 0.5)
-    x = torch.randn(rows, 4096, generator=gen).to(torch.bfloat16).cuda()
-    r = torch.randn(rows, 4096, generator=gen).to(torch.bfloat16).cuda()
-    for n, folded in [(6144, dict(norm=norm)), (4096, dict(residual=r))]:
-        w = (torch.randn(n, 4096, generator=gen) / 64).to(torch.bfloat16).cuda()
-        config = config_for(n, 4096, rows, x.device)
-        apart = gemv(fk.rms_norm(x, norm.weight, norm.eps), w, None, config) if "norm" in folded else (
-            gemv(x, w, None, config) + r)
-        out = gemv(x, w, None, config, **folded)
-        diff = (out.float() - apart.float()).abs()
-        assert (diff <= 2**-7 * apart.float().abs() + 1e-6).all(), f"{n}: max diff {diff.max():.3g}"
-        assert (diff == 0).float().mean() > 0.99, n
-
-
 def test_engine_option_routes_the_model(tiny_model, one_thread):
     """``enable_triton_gemv`` (on by default) reaches every linear layer and the LM head; on the CPU they
     still compute with F.linear, so the tokens are those of the option off."""
@@ -495,5 +413,4 @@ def test_gemv_kernels_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == (len(CONFIGS) * 4 + len(CONFIGS) * 2 * 2 + len(CONFIGS) * 2 + 4 + len(CONFIGS) * 2 * 2 * 2
-                      + len(CONFIGS) * 2 * 2 * 2 + 3), tail
+    assert passed == len(CONFIGS) * 4 + len(CONFIGS) * 2 * 2 + len(CONFIGS) * 2 + 4 + len(CONFIGS) * 2 * 2 * 2 + 3, tail

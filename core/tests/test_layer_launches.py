@@ -106,8 +106,6 @@ def layer_launches(monkeypatch, gemv_on: bool) -> tuple[list[str], list[str], li
             inside = False
 
     monkeypatch.setattr(TritonBackend, "decode", counted_apart)
-    if layer.folds_norms(hidden):  # the stream whole, as the layer before a folded one returns it
-        hidden, residual = hidden + residual, None
     for _ in range(2):
         kernels_.clear(), in_decode.clear()
         with forward_context(meta), counting_torch_ops() as ops:
@@ -115,26 +113,19 @@ def layer_launches(monkeypatch, gemv_on: bool) -> tuple[list[str], list[str], li
     return kernels_, ops, in_decode
 
 
-# A layer's launches in a batch-1 decode step besides the attention backend's decode, in order: the qkv
-# matmul with the input norm, RoPE with the q/k norms and the KV cache store, [decode], the o matmul adding
-# the residual, the gate/up matmul with the post-attention norm and SiLU-and-mul, the down matmul adding the
-# residual. The decode CUDA graphs add a weight prefetch on a side stream before the o matmul.
-FUSED = ["_gemv_kernel", "_rope_kernel", "_gemv_kernel", "_gemv_kernel", "_gemv_kernel"]
+# A layer's launches in a batch-1 decode step besides the attention backend's decode, in order: the input
+# norm (adding the residual), the qkv matmul, RoPE with the q/k norms and the KV cache store, [decode],
+# the o matmul, the post-attention norm (adding the residual), the gate/up matmul with SiLU-and-mul, the
+# down matmul. The decode CUDA graphs add a weight prefetch on a side stream before each of three matmuls.
+FUSED = ["_rms_norm_kernel", "_gemv_kernel", "_rope_kernel", "_gemv_kernel", "_rms_norm_kernel",
+         "_gemv_kernel", "_gemv_kernel"]
 
 
-def test_a_decode_layer_launches_five_kernels_besides_attention(monkeypatch):
+def test_a_decode_layer_launches_seven_kernels_besides_attention(monkeypatch):
     launched, ops, in_decode = layer_launches(monkeypatch, gemv_on=True)
     assert launched == FUSED
     assert ops == [], "no torch op in the layer, its attention included"
     assert in_decode and "_store_kv_kernel" not in in_decode, "attention ran, without a KV store of its own"
-
-
-def test_with_the_norms_apart_each_norm_adds_the_residual(monkeypatch):
-    monkeypatch.setattr(DecoderLayer, "folds_norms", lambda self, hidden: False)
-    launched, ops, _ = layer_launches(monkeypatch, gemv_on=True)
-    assert launched == ["_rms_norm_kernel", "_gemv_kernel", "_rope_kernel", "_gemv_kernel", "_rms_norm_kernel",
-                        "_gemv_kernel", "_gemv_kernel"]
-    assert ops == []
 
 
 def test_without_the_gemv_the_matmuls_are_cublas_and_silu_a_kernel(monkeypatch):
@@ -163,22 +154,16 @@ def test_the_torch_backend_and_the_host_pool_store_kv_themselves(monkeypatch):
 
 
 def run_layer(monkeypatch, fused: bool, num_tokens: int):
-    """The residual stream after the layer (its output plus its residual, added as the next norm adds them)
-    and the KV cache, after one decode step under the interpreter: with the fused kernels, or with the
-    separate ones (the norms apart, the backend's KV store, the activation's own kernel)."""
+    """The layer's output, new residual and KV cache after one decode step under the interpreter, with the
+    fused kernels or with the separate ones (the backend's KV store, the activation's own kernel)."""
     fused_on_the_cpu(monkeypatch)
     if not fused:
-        monkeypatch.setattr(DecoderLayer, "folds_norms", lambda self, hidden: False)
         monkeypatch.setattr(TritonBackend, "kv_write_fusable", False)
         monkeypatch.setattr(SiluAndMul, "of_projection", GatedActivation.of_projection)
     layer, positions, hidden, residual, meta = decode_layer(gemv_on=True, num_tokens=num_tokens)
-    if layer.folds_norms(hidden):  # the stream whole, added as the separate kernels add it
-        hidden, residual = kernels().rms_norm(hidden, layer.input_layernorm.weight, 1e-6, residual)[1], None
     with forward_context(meta):
         out, new_residual = layer(positions, hidden, residual)
-    if new_residual is not None:
-        out = kernels().rms_norm(out, layer.input_layernorm.weight, 1e-6, new_residual)[1]
-    return out, layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache
+    return out, new_residual, layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache
 
 
 @pytest.mark.skipif(not INTERP, reason="runs under TRITON_INTERPRET=1 (the subprocess case below)")
@@ -187,7 +172,7 @@ def test_interp_fused_layer_computes_the_same_bits(monkeypatch, num_tokens):
     fused = run_layer(monkeypatch, True, num_tokens)
     monkeypatch.undo()
     separate = run_layer(monkeypatch, False, num_tokens)
-    for what, a, b in zip(("residual stream", "k cache", "v cache"), fused, separate, strict=True):
+    for what, a, b in zip(("output", "residual", "k cache", "v cache"), fused, separate, strict=True):
         assert torch.equal(a, b), what
 
 
@@ -202,7 +187,7 @@ def test_layer_launches_under_interpreter():
 def test_gpu_engine_tokens_unchanged_by_the_fusions(tiny_model, monkeypatch):
     """A tiny Qwen3 in bfloat16 on the Triton backend with the GEMV path, CUDA graphs on: the greedy tokens
     of prompts of several lengths (prefill and decode steps, batches of 1 to 4) are those of the separate
-    kernels (the norms apart, the backend's KV store, the activation's own kernel)."""
+    kernels (the backend's KV store, the activation's own kernel)."""
     import gc
 
     from nanovllm import LLM, SamplingParams
@@ -225,7 +210,6 @@ def test_gpu_engine_tokens_unchanged_by_the_fusions(tiny_model, monkeypatch):
     fused = True
     with_fusions = tokens()
     fused = False
-    monkeypatch.setattr(DecoderLayer, "folds_norms", lambda self, hidden: False)
     monkeypatch.setattr(TritonBackend, "kv_write_fusable", False)
     monkeypatch.setattr(SiluAndMul, "of_projection", GatedActivation.of_projection)
     assert tokens() == with_fusions

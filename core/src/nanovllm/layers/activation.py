@@ -6,7 +6,6 @@ from torch import nn
 
 from nanovllm.layers import gemv
 from nanovllm.layers.fused import kernels, use_fused
-from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import LinearBase, MergedColumnParallelLinear, RowParallelLinear
 
 
@@ -15,15 +14,15 @@ class GatedActivation(nn.Module):
 
     gemv_activation: str  # its name for the small-batch matmul kernel (nanovllm.layers.gemv.gated_linear)
 
-    def of_projection(self, proj: LinearBase, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
-        """``self(proj(x, norm))`` for the projection ``proj`` whose output halves are gate and up. Where the
+    def of_projection(self, proj: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        """``self(proj(x))`` for the projection ``proj`` whose output halves are gate and up. Where the
         projection's small batches run the Triton GEMV, its kernel applies the activation to what it computes
         (one launch, the same bits as the two)."""
         if proj.use_triton_gemv:
-            out = gemv.gated_linear(x, proj.weight, proj.bias, self.gemv_activation, norm)
+            out = gemv.gated_linear(x, proj.weight, proj.bias, self.gemv_activation)
             if out is not None:
                 return out
-        return self(proj(x, norm))
+        return self(proj(x))
 
 
 class SiluAndMul(GatedActivation):
@@ -70,8 +69,5 @@ class GatedMLP(nn.Module):
                                            reduce_results=reduce_results)
         self.act_fn = GATED_ACTIVATIONS[activation]()
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """The block's output for ``norm(x)`` (``x`` where None), plus ``residual`` where given (at tensor
-        parallel size 1): with the Triton GEMV, the norm and the add run inside the two matmuls' launches."""
-        return self.down_proj(self.act_fn.of_projection(self.gate_up_proj, x, norm), residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn.of_projection(self.gate_up_proj, x))

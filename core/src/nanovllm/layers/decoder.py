@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from nanovllm.distributed import tp_size
-from nanovllm.layers import gemv, weight_prefetch
+from nanovllm.layers import weight_prefetch
 from nanovllm.layers.activation import GatedMLP
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -81,19 +81,16 @@ class SelfAttention(nn.Module):
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, norm: RMSNorm | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The attention block's output for ``norm(hidden)`` (``hidden`` where None), plus ``residual`` where
-        given (at tensor parallel size 1)."""
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden, norm).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
         weight_prefetch.prefetch(self.o_proj.weight, hidden)  # while RoPE and attention run
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         cache = self.attn.cache_slots()  # RoPE writes k and v to the KV cache too, where it can
         q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm, v, cache)
-        return self.o_proj(self.attn(q, k, v, kv_written=cache is not None).flatten(1), residual)
+        return self.o_proj(self.attn(q, k, v, kv_written=cache is not None).flatten(1))
 
 
 def mlp_from_config(config) -> GatedMLP:
@@ -117,10 +114,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions, hidden, residual):
         """``hidden``: the embeddings (``residual`` None, the first layer) or the previous layer's MLP
-        output, one share per tensor-parallel rank; returns this layer's, likewise. Where the norms fold into
-        the matmuls (:meth:`folds_norms`) it returns the residual stream whole, with ``residual`` None."""
-        if self.folds_norms(hidden):
-            return self._forward_folded(positions, hidden, residual)
+        output, one share per tensor-parallel rank; returns this layer's, likewise."""
         weight_prefetch.prefetch(self.self_attn.qkv_proj.weight, hidden)  # while the norm (all-reduce) runs
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
@@ -130,21 +124,6 @@ class DecoderLayer(nn.Module):
         weight_prefetch.prefetch(self.mlp.gate_up_proj.weight, hidden)  # likewise
         hidden, residual = self.post_attention_layernorm(hidden, residual, partial=True)
         return self.mlp(hidden), residual
-
-    def folds_norms(self, hidden: torch.Tensor) -> bool:
-        """Whether each matmul of the layer runs the Triton GEMV for ``hidden``'s rows (a small decode batch,
-        one tensor-parallel rank). Each norm then runs inside the matmul after it and each residual add inside
-        the one before it: two launches fewer."""
-        projections = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
-        return tp_size() == 1 and all(
-            proj.use_triton_gemv and gemv.routes(proj.weight, proj.bias, hidden.shape[0], hidden) is not None
-            for proj in projections
-        )
-
-    def _forward_folded(self, positions, hidden, residual):
-        stream = hidden if residual is None else hidden + residual  # the residual stream
-        stream = self.self_attn(positions, stream, self.input_layernorm, residual=stream)
-        return self.mlp(stream, self.post_attention_layernorm, residual=stream), None
 
 
 class DecoderModel(nn.Module):
@@ -172,8 +151,6 @@ class DecoderModel(nn.Module):
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         weight_prefetch.join(hidden)
-        if residual is None:  # the last layer folded its norms: hidden is the residual stream whole
-            return self.norm(hidden)
         return self.norm(hidden, residual, partial=self.partial)[0]
 
 

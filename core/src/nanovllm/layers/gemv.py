@@ -6,8 +6,7 @@ bandwidth; :mod:`nanovllm.layers.gemv_kernels` streams the weights instead. :fun
 ``F.linear`` with that kernel for CUDA inputs of at most :data:`MAX_ROWS` rows, each shape run with its
 entry of :data:`TUNED` (measured by ``benchmarks/gemv_sweep.py``; an entry may keep cuBLAS for a shape) or
 else :func:`default_config`; :func:`gated_linear` applies a gated MLP's activation in the same
-launch, and a norm before the matmul or a residual add after it fold into the launch too (``norm`` and
-``residual``). It allocates only its output (and, with split-K, a float32 workspace) from the current stream's
+launch. It allocates only its output (and, with split-K, a float32 workspace) from the current stream's
 pool and never synchronises, so the decode CUDA graphs capture it. Imports no Triton until a CUDA input
 comes.
 """
@@ -16,7 +15,6 @@ from __future__ import annotations
 
 import functools
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -24,9 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.fused import use_fused
-
-if TYPE_CHECKING:
-    from nanovllm.layers.layernorm import RMSNorm
 
 MAX_ROWS = 16  # rows of x up to which linear() runs the kernel; larger batches read weights fast in cuBLAS
 
@@ -181,18 +176,14 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: GemvConfig | None = None, activation: str | None = None,
-         out_dtype: torch.dtype | None = None, norm: RMSNorm | None = None,
-         residual: torch.Tensor | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` through the Triton kernel, for ``x [M, K]`` (``1 <= M <= MAX_ROWS``, unit
     stride along K) and contiguous ``weight [N, K]`` and ``bias [N]`` of ``x``'s dtype, on CUDA (or on the
     CPU under ``TRITON_INTERPRET=1``); ``config`` defaults to :func:`config_for` the shape (its default
     where the table keeps cuBLAS). The float32 sums are rounded once to ``out_dtype`` (default ``x``'s
     dtype). ``activation`` (``"silu"`` or ``"gelu_tanh"``): ``weight`` stacks a gated MLP's gate rows over its
     up rows, and the result is ``act(gate) * up`` ``[M, N / 2]``, rounded as the activation's own kernel
-    rounds the plain result, ``config.block_n`` of its features a program. ``norm`` (an
-    :class:`~nanovllm.layers.layernorm.RMSNorm` of size K): the product is ``norm(x) @ weight.T``, ``norm(x)``
-    rounded as the norm's kernel rounds it. ``residual`` (``[M, N]``, unit stride along N, of the output's
-    dtype): the result is the rounded product plus ``residual``, rounded as a separate add rounds."""
+    rounds the plain result, ``config.block_n`` of its features a program."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv multiplies x [M, K] by weight [N, K]; got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -209,57 +200,32 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if activation is not None and weight.shape[0] % 2:
         raise ValueError(f"activation {activation!r} needs a weight of gate rows over as many up rows; got "
                          f"{weight.shape[0]} rows")
-    if norm is not None and tuple(norm.weight.shape) != (x.shape[1],):
-        raise ValueError(f"norm of size {tuple(norm.weight.shape)} before a matmul over K = {x.shape[1]}: the "
-                         "norm must cover x's last dimension")
-    if residual is not None:
-        shape = (x.shape[0], weight.shape[0])
-        if activation is not None or tuple(residual.shape) != shape or residual.stride(-1) != 1:
-            raise ValueError(f"residual {tuple(residual.shape)}: gemv adds a residual of the output's shape "
-                             f"{shape}, unit stride along N, to a plain matmul (no activation)")
-        if residual.dtype != (out_dtype or x.dtype):
-            raise ValueError(f"residual of {residual.dtype} added to a {out_dtype or x.dtype} output: make "
-                             "them one dtype")
     if config is None:
         config = config_for(weight.shape[0], x.shape[1], x.shape[0], x.device)
     if config is None:
         config = _default_for(weight.shape[0], x.shape[1], x.shape[0], x.device)
-    folded = {} if norm is None else dict(norm_weight=norm.weight, eps=norm.eps, unit_offset=norm.unit_offset)
     return _kernels().gemv(x, weight, None if bias is None else bias.contiguous(), activation=activation,
-                           out_dtype=out_dtype, residual=residual, **folded, **config.knobs())
-
-
-def routes(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, like: torch.Tensor
-           ) -> GemvConfig | None:
-    """The configuration :func:`linear` runs the kernel with for ``rows`` rows of activations of ``like``'s
-    dtype and device times ``weight`` (+ ``bias``), or None where it keeps ``F.linear``: the kernel runs for
-    CUDA inputs of 1 to :data:`MAX_ROWS` rows, one dtype throughout, a contiguous weight, and a shape that
-    :data:`TUNED` does not keep on cuBLAS."""
-    if (
-        use_fused(like) and 0 < rows <= MAX_ROWS and weight.dtype == like.dtype and weight.is_contiguous()
-        and (bias is None or bias.dtype == like.dtype)
-    ):
-        return config_for(weight.shape[0], weight.shape[1], rows, like.device)
-    return None
+                           out_dtype=out_dtype, **config.knobs())
 
 
 def _routed(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
-    """The configuration :func:`linear` runs the kernel with for ``x``, or None where it keeps ``F.linear``."""
-    if x.dim() == 2 and x.stride(1) == 1 and x.shape[1] == weight.shape[1]:
-        return routes(weight, bias, x.shape[0], x)
+    """The configuration :func:`linear` runs the kernel with, or None where it keeps ``F.linear``."""
+    if (
+        use_fused(x) and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.stride(1) == 1
+        and weight.dtype == x.dtype and weight.is_contiguous() and (bias is None or bias.dtype == x.dtype)
+    ):
+        return config_for(weight.shape[0], x.shape[1], x.shape[0], x.device)
     return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None, norm: RMSNorm | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`matmul` of ``norm(x)`` (no norm where None) plus ``residual`` (if given), through :func:`gemv`
-    (norm and add inside its launch) where :func:`routes` sends the shape, else through separate kernels."""
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`matmul`, through :func:`gemv` where it applies: a CUDA matrix ``x`` of 1 to :data:`MAX_ROWS`
+    rows, unit stride along K, a contiguous weight, one dtype throughout, and a shape that :data:`TUNED`
+    does not keep on cuBLAS."""
     config = _routed(x, weight, bias)
-    if config is not None:
-        return gemv(x, weight, bias, config, out_dtype=out_dtype, norm=norm, residual=residual)
-    y = matmul(x if norm is None else norm(x), weight, bias, out_dtype)
-    return y if residual is None else y + residual
+    return matmul(x, weight, bias, out_dtype) if config is None else gemv(x, weight, bias, config,
+                                                                           out_dtype=out_dtype)
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -275,18 +241,17 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias).to(out_dtype)
 
 
-def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str,
-                 norm: RMSNorm | None = None) -> torch.Tensor | None:
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str
+                 ) -> torch.Tensor | None:
     """``act(gate) * up`` of ``linear(x, weight, bias)`` (``activation``: ``"silu"`` or ``"gelu_tanh"``) for a
     weight that stacks gate rows over as many up rows, in one launch where :func:`linear` would run the
     kernel (with the whole matrix's configuration, each program reading as many rows of it: half of them
-    gate rows); None where it would not (the caller applies the activation to ``linear``'s output).
-    ``norm``: of ``norm(x)``, as in :func:`gemv`."""
+    gate rows); None where it would not (the caller applies the activation to ``linear``'s output)."""
     config = _routed(x, weight, bias)
     if config is None or weight.shape[0] % 2:
         return None
     config = attrs.evolve(config, block_n=max(config.block_n // 2, 16 if config.dot else 1))
-    return gemv(x, weight, bias, config, activation=activation, norm=norm)
+    return gemv(x, weight, bias, config, activation=activation)
 
 
 def route_small_batches(model: nn.Module) -> int:
@@ -301,4 +266,4 @@ def route_small_batches(model: nn.Module) -> int:
 
 
 __all__ = ["MAX_ROWS", "TUNED", "GemvConfig", "config_for", "default_config", "gemv", "gemv_reference",
-           "linear", "matmul", "route_small_batches", "routes", "row_bucket", "gated_linear"]
+           "linear", "matmul", "route_small_batches", "row_bucket", "gated_linear"]

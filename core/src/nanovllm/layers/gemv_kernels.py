@@ -20,13 +20,8 @@ differently.
 ``GATED``: the gate and up projections of a gated MLP in one matrix (gate rows, then as many up rows),
 each program reading its gate rows and the matching up rows and writing ``act(gate) * up`` (1: SiLU, 2:
 GELU with the tanh approximation): the activation costs no launch of its own, and half the output is
-written. With split-K the summing kernel applies it.
-
-``NORM``: ``x``'s rows are RMS-normalised first, each element as the norm's own kernel computes it (1:
-rounded after the norm, then scaled by the weight; 2: Gemma's ``1 + weight`` in float32, one rounding), so the
-norm costs no launch of its own. Each program sums the squares of its rows over the whole of K (a few KiB
-from L2) before its loop. ``RESIDUAL``: the rounded output plus a residual tensor, rounded again as a
-separate add would be. On CPU tensors the kernels run under Triton's interpreter (tests only).
+written. With split-K the summing kernel applies it. On CPU tensors the kernels run under Triton's
+interpreter (tests only).
 """
 
 from __future__ import annotations
@@ -53,45 +48,12 @@ def _gated(gate, up, Y, GATED: tl.constexpr, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _row_rstd(X, M, K, stride_xm, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``1 / sqrt(mean(x ** 2) + eps)`` of each of the ``BLOCK_M`` rows of ``X [M, K]``, in float32."""
-    ms = tl.arange(0, BLOCK_M)
-    ks = tl.arange(0, BLOCK_K)
-    squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K):
-        x = tl.load(X + ms[:, None] * stride_xm + (k0 + ks)[None, :],
-                    mask=(ms < M)[:, None] & ((k0 + ks) < K)[None, :], other=0.0).to(tl.float32)
-        squares += x * x
-    return tl.math.rsqrt(tl.sum(squares, axis=1) / K + eps)
-
-
-@triton.jit
-def _normed(x, rstd, g, NORM: tl.constexpr):
-    """Rows ``x`` (in the activation dtype) scaled by their ``rstd`` and by the norm's weights ``g`` (float32),
-    rounded as :func:`nanovllm.layers.fused_kernels.rms_norm` rounds (NORM 1: after the norm and after the
-    weight; 2: ``1 + g`` in float32, once)."""
-    dt = x.dtype
-    xf = x.to(tl.float32) * rstd[:, None]
-    if NORM == 1:
-        return (xf.to(dt).to(tl.float32) * g[None, :]).to(dt)
-    return (xf * (1.0 + g[None, :])).to(dt)
-
-
-@triton.jit
-def _plus_residual(y, R, ms, rows, ok, stride_rm):
-    """``y`` (rounded to the output dtype) plus the residual's elements, rounded again: a separate add."""
-    r = tl.load(R + ms[:, None] * stride_rm + rows[None, :], mask=ok, other=0.0)
-    return (y.to(tl.float32) + r.to(tl.float32)).to(y.dtype)
-
-
-@triton.jit
 def _gemv_kernel(
-    X, W, B, Y, P, G, R, M, N, K, k_per_split, eps,
-    stride_xm, stride_wn, stride_ym, stride_rm,
+    X, W, B, Y, P, M, N, K, k_per_split,
+    stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr,
-    STAGES: tl.constexpr, GATED: tl.constexpr, LIBDEVICE: tl.constexpr, NORM: tl.constexpr,
-    RESIDUAL: tl.constexpr,
+    STAGES: tl.constexpr, GATED: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = pid % SPLIT_K  # a slab's splits are neighbours: programs in launch order read w in memory order
@@ -107,9 +69,6 @@ def _gemv_kernel(
     x_ptrs = X + ms[:, None] * stride_xm + (k_start + ks)[None, :]
     if GATED:  # the matching up rows, N further down
         u_ptrs = W + (rows[:, None].to(tl.int64) + N) * stride_wn + (k_start + ks)[None, :]
-    if NORM:
-        rstd = _row_rstd(X, M, K, stride_xm, eps, BLOCK_M, BLOCK_K)
-        g_ptrs = G + k_start + ks
     if DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if GATED:
@@ -130,13 +89,6 @@ def _gemv_kernel(
             x_mask = m_ok[:, None] & k_ok[None, :]
         w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last")
-        if NORM:
-            if EVEN_K:
-                g = tl.load(g_ptrs)
-            else:
-                g = tl.load(g_ptrs, mask=k_ok, other=0.0)
-            x = _normed(x, rstd, g.to(tl.float32), NORM)
-            g_ptrs += BLOCK_K
         if GATED:
             u = tl.load(u_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
         if DOT and FP32_DOT:
@@ -169,8 +121,6 @@ def _gemv_kernel(
             y = _gated(acc, acc_u, Y, GATED, LIBDEVICE)
         else:
             y = acc.to(Y.dtype.element_ty)
-        if RESIDUAL:
-            y = _plus_residual(y, R, ms, rows, ok, stride_rm)
         tl.store(Y + ms[:, None] * stride_ym + rows[None, :], y, mask=ok)
     else:  # partials [SPLIT_K, M, N], or with GATED [SPLIT_K, M, 2N]: gate then up
         width = 2 * N if GATED else N
@@ -181,9 +131,8 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _split_k_sum_kernel(P, B, Y, R, M, N, stride_ym, stride_rm, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        BLOCK: tl.constexpr, GATED: tl.constexpr, LIBDEVICE: tl.constexpr,
-                        RESIDUAL: tl.constexpr):
+def _split_k_sum_kernel(P, B, Y, M, N, stride_ym, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK: tl.constexpr, GATED: tl.constexpr, LIBDEVICE: tl.constexpr):
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = tl.program_id(1)
     ok = cols < N
@@ -204,8 +153,6 @@ def _split_k_sum_kernel(P, B, Y, R, M, N, stride_ym, stride_rm, SPLIT_K: tl.cons
         y = _gated(acc, acc_u, Y, GATED, LIBDEVICE)
     else:
         y = acc.to(Y.dtype.element_ty)
-    if RESIDUAL:
-        y = (y.to(tl.float32) + tl.load(R + m * stride_rm + cols, mask=ok, other=0.0).to(tl.float32)).to(y.dtype)
     tl.store(Y + m * stride_ym + cols, y, mask=ok)
 
 
@@ -216,17 +163,13 @@ GATED_ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}  # a gated MLP's activation -> t
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *, block_n: int, block_k: int,
          split_k: int, dot: bool, num_warps: int, num_stages: int, activation: str | None = None,
-         out_dtype: torch.dtype | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-         unit_offset: bool = False, residual: torch.Tensor | None = None,
-         compile_only: bool = False) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None, compile_only: bool = False) -> torch.Tensor:
     """``x @ w.T (+ bias)`` accumulated in float32 and rounded once to ``out_dtype`` (default ``x``'s dtype),
     for ``x [M, K]`` (unit stride along K, ``M <= 16``) and ``w [N, K]`` contiguous of the same dtype.
     ``activation`` (a key of :data:`GATED_ACTIVATIONS`): ``w`` stacks gate rows over as many up rows, and the
-    output is ``act(gate) * up`` ``[M, N / 2]``, ``block_n`` of its features a program. ``norm_weight``
-    ``[K]``: ``x``'s rows are RMS-normalised first (``eps``; ``unit_offset``: Gemma's ``1 + weight``).
-    ``residual`` ``[M, N]`` (unit stride along N): added to the rounded output. The caller checks the shapes
-    and knobs (:func:`nanovllm.layers.gemv.gemv`); one launch, two with ``split_k > 1``. ``compile_only``:
-    compile the kernels for these arguments and launch nothing (the output is then uninitialised)."""
+    output is ``act(gate) * up`` ``[M, N / 2]``, ``block_n`` of its features a program. The caller checks the shapes and knobs
+    (:func:`nanovllm.layers.gemv.gemv`); one launch, two with ``split_k > 1``. ``compile_only``: compile the
+    kernels for these arguments and launch nothing (the output is then uninitialised)."""
     m, k = x.shape
     gated = GATED_ACTIVATIONS[activation] if activation is not None else 0
     n = w.shape[0] // 2 if gated else w.shape[0]
@@ -236,25 +179,21 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *, block_n
     width = 2 * n if gated else n
     partials = y if split_k == 1 else torch.empty(split_k, m, width, dtype=torch.float32, device=x.device)
     b = bias if bias is not None else y
-    g = norm_weight if norm_weight is not None else y
-    r = residual if residual is not None else y
     launches = [(_gemv_kernel, (cdiv(n, block_n) * split_k,), (
-        x, w, b, y, partials, g, r, m, n, k, k_per_split, eps, x.stride(0), w.stride(0), y.stride(0),
-        r.stride(0),
+        x, w, b, y, partials, m, n, k, k_per_split, x.stride(0), w.stride(0), y.stride(0),
     ), dict(
         BLOCK_M=DOT_ROWS if dot else next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT_K=split_k, DOT=dot, EVEN_K=k == k_per_split * split_k,  # every split whole tiles: no K mask
         HAS_BIAS=bias is not None,
         # float32 products for float32 inputs (not TF32), and in the interpreter, whose 16-bit dot is wrong
         FP32_DOT=x.dtype == torch.float32 or not x.is_cuda, STAGES=num_stages, GATED=gated,
-        LIBDEVICE=x.is_cuda, NORM=0 if norm_weight is None else 2 if unit_offset else 1,
-        RESIDUAL=residual is not None, num_warps=num_warps, num_stages=num_stages,
+        LIBDEVICE=x.is_cuda, num_warps=num_warps, num_stages=num_stages,
     ))]
     if split_k > 1:
         launches.append((_split_k_sum_kernel, (cdiv(n, _SUM_BLOCK), m), (
-            partials, b, y, r, m, n, y.stride(0), r.stride(0),
+            partials, b, y, m, n, y.stride(0),
         ), dict(SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=_SUM_BLOCK, GATED=gated,
-                LIBDEVICE=x.is_cuda, RESIDUAL=residual is not None, num_warps=4)))
+                LIBDEVICE=x.is_cuda, num_warps=4)))
     for kernel, grid, args, kwargs in launches:
         if compile_only:
             kernel.warmup(*args, grid=grid, **kwargs)

@@ -12,7 +12,6 @@ from torch import nn
 
 from nanovllm.distributed import all_reduce, tp_rank, tp_size
 from nanovllm.layers import gemv
-from nanovllm.layers.layernorm import RMSNorm
 
 
 def _divide(a: int, b: int) -> int:
@@ -59,18 +58,11 @@ class LinearBase(nn.Module):
             loaded = shard(loaded, self.tp_dim, size * self.tp_size, self.tp_rank * size, size)
         default_weight_loader(param, loaded)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, norm: RMSNorm | None = None,
-               residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``norm(x) @ weight.T (+ bias) (+ residual)`` (``norm`` and ``residual`` optional): small batches in
-        one launch of the Triton GEMV where it is on (:func:`nanovllm.layers.gemv.linear`)."""
-        if self.use_triton_gemv:
-            return gemv.linear(x, self.weight, bias, norm=norm, residual=residual)
-        y = F.linear(x if norm is None else norm(x), self.weight, bias)
-        return y if residual is None else y + residual
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return (gemv.linear if self.use_triton_gemv else F.linear)(x, self.weight, bias)
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
-        """``norm(x)`` (or ``x``) times the weight, plus the bias."""
-        return self.matmul(x, self.bias, norm)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -128,12 +120,7 @@ class RowParallelLinear(LinearBase):
         super().__init__(_divide(in_features, tp_size()), out_features, bias, 1)
         self.reduce_results = reduce_results
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The product (all-reduced with ``reduce_results``), plus ``residual`` if given: only without tensor
-        parallelism, where the product is whole (with it, the norm after the layer adds the residual)."""
-        if residual is not None and self.tp_size > 1:
-            raise ValueError("RowParallelLinear adds a residual only at tensor_parallel_size 1: each rank holds "
-                             "a share of the product; add it after the all-reduce")
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        out = self.matmul(x, bias, residual=residual)
+        out = self.matmul(x, bias)
         return all_reduce(out) if self.reduce_results else out
