@@ -195,8 +195,9 @@ def test_interp_gated_linear_runs_the_tables_configuration(table, gen, monkeypat
                                               (False, 3, 2), (True, 4, 2)])
 def test_kernel_compiles_for_hopper_streaming_the_weights(dot, stages, gated):
     """Without a GPU: Triton compiles the kernel for sm_90 (the H200), plain and with each gated activation
-    (GELU's through libdevice's tanh). The weight loads are 16-byte vectors marked evict-first, or with
-    ``num_stages > 1`` asynchronous copies that many tiles ahead."""
+    (GELU's through libdevice's tanh), waiting for the kernel before it (dependent launch). The weight loads
+    are 16-byte vectors marked evict-first, or with ``num_stages > 1`` asynchronous copies that many tiles
+    ahead."""
     import re
 
     import triton
@@ -208,7 +209,7 @@ def test_kernel_compiles_for_hopper_streaming_the_weights(dot, stages, gated):
     pointers = {"X", "W", "B", "Y", "P"}
     constexprs = dict(M=1, BLOCK_M=16 if dot else 1, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, DOT=dot, EVEN_K=True,
                       HAS_BIAS=False, FP32_DOT=False, STAGES=stages, GATED=gated,
-                      LIBDEVICE=True)
+                      LIBDEVICE=True, PDL=True)
     names = gk._gemv_kernel.arg_names
     signature = {name: "*bf16" if name in pointers else "constexpr" if name in constexprs else "i32"
                  for name in names}
@@ -221,6 +222,7 @@ def test_kernel_compiles_for_hopper_streaming_the_weights(dot, stages, gated):
     else:
         assert re.search(r"ld\.global\.L1::evict_first\S*\.v4\.b32", ptx)
     assert ("mma.sync" in ptx) == dot
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx  # chained launches
 
 
 def test_gemv_refuses_what_it_cannot_run():

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.attention.backend import selection_per_kv_head
+from nanovllm.dependent_launch import launch_options, wait_for_previous
 from nanovllm.kernel_sizes import cdiv, next_power_of_2
 
 LOG2E = 1.4426950408889634
@@ -411,8 +412,9 @@ def _decode_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     HAS_INDICES: tl.constexpr, WRITE_LSE: tl.constexpr, FP32: tl.constexpr, SKIP_DEAD: tl.constexpr,
-    READ_AHEAD: tl.constexpr, SLIDING: tl.constexpr, PAGE_AHEAD: tl.constexpr,
+    READ_AHEAD: tl.constexpr, SLIDING: tl.constexpr, PAGE_AHEAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_previous(PDL)
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -566,8 +568,10 @@ def _reduce_kernel(
     PartO, PartL, Out, Lse,
     stride_ot, stride_oh, stride_od, stride_lt, stride_lh, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr, CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """The split reduce: one program per (sequence, head) merges its partials."""
+    wait_for_previous(PDL)
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) + tl.arange(0, 1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -922,13 +926,13 @@ def attention_decode(
         SKIP_DEAD=skip_dead,
         READ_AHEAD=_read_ahead(has_idx and not skip_dead, num_seqs * num_kv_heads, q.device),
         SLIDING=window is not None, PAGE_AHEAD=cfg.page_ahead and not has_idx and window is None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(q),
     )
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
             part_o, part_l, out, lse_t, *out.stride(), *lse_strides, num_splits,
             HEAD_DIM=head_dim, BLOCK_D=block_d, WRITE_LSE=write_lse, CHUNK=REDUCE_CHUNK,
-            num_warps=4 if head_dim >= 128 else 2,
+            num_warps=4 if head_dim >= 128 else 2, **launch_options(q),
         )
 
 

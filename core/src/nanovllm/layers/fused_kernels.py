@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from nanovllm.dependent_launch import launch_options, wait_for_previous
 from nanovllm.kernel_sizes import cdiv, next_power_of_2
 
 
@@ -51,8 +52,9 @@ def _add_rms_norm_row(x, R, W, Out, row, cols, ok, n_cols, eps, stride_r, stride
 def _rms_norm_kernel(
     X, R, W, Out, n_cols, eps,
     stride_x, stride_r, stride_o,
-    HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -76,7 +78,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         block = next_power_of_2(n_cols)
         _rms_norm_kernel[(rows.shape[0],)](
             rows, res, weight, out, n_cols, eps, rows.stride(0), res.stride(0), n_cols,
-            HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=block,
+            num_warps=min(16, max(1, block // 256)), **launch_options(x),
         )
     return out if residual is None else (out, residual)
 
@@ -224,7 +227,8 @@ def gelu_tanh_mul(gate, up, Out, LIBDEVICE: tl.constexpr):
 
 @triton.jit
 def _gated_and_mul_kernel(X, Out, n_cols, stride_x, stride_o, GELU_TANH: tl.constexpr, LIBDEVICE: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -247,7 +251,7 @@ def _gated_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
         block = min(1024, next_power_of_2(n_cols))
         _gated_and_mul_kernel[(rows.shape[0], cdiv(n_cols, block))](
             rows, out, n_cols, rows.stride(0), n_cols, GELU_TANH=gelu_tanh, LIBDEVICE=x.is_cuda, BLOCK=block,
-            num_warps=4,
+            num_warps=4, **launch_options(x),
         )
     return out
 
@@ -324,8 +328,9 @@ def _rope_kernel(
     stride_cb, stride_cslot, stride_ch,
     HQ: tl.constexpr, HQ_PAD: tl.constexpr, HK: tl.constexpr, HK_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    STORE: tl.constexpr, BITWISE_RNE: tl.constexpr,
+    STORE: tl.constexpr, BITWISE_RNE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t).to(tl.int64)
     dims = tl.arange(0, HALF_PAD)
@@ -386,6 +391,7 @@ def rope_(
             BLOCK_SIZE=k_cache.shape[1] if store is not None else 1, STORE=store is not None, num_warps=4,
             BITWISE_RNE=q.dtype == torch.bfloat16 and not q.is_cuda,  # on the CPU: the interpreter
             enable_fp_fusion=False,  # an FMA would skip the rounding of a product that the torch code rounds
+            **launch_options(q),
         )
     return q, k
 

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.dependent_launch import launch_options, wait_for_previous
 from nanovllm.kernel_sizes import cdiv, next_power_of_2
 from nanovllm.layers.fused_kernels import gelu_tanh_mul, silu_mul
 
@@ -53,8 +54,9 @@ def _gemv_kernel(
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr,
-    STAGES: tl.constexpr, GATED: tl.constexpr, LIBDEVICE: tl.constexpr,
+    STAGES: tl.constexpr, GATED: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_previous(PDL)
     pid = tl.program_id(0)
     pid_k = pid % SPLIT_K  # a slab's splits are neighbours: programs in launch order read w in memory order
     pid_n = pid // SPLIT_K
@@ -132,7 +134,9 @@ def _gemv_kernel(
 
 @triton.jit
 def _split_k_sum_kernel(P, B, Y, M, N, stride_ym, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        BLOCK: tl.constexpr, GATED: tl.constexpr, LIBDEVICE: tl.constexpr):
+                        BLOCK: tl.constexpr, GATED: tl.constexpr, LIBDEVICE: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    wait_for_previous(PDL)
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = tl.program_id(1)
     ok = cols < N
@@ -187,13 +191,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *, block_n
         HAS_BIAS=bias is not None,
         # float32 products for float32 inputs (not TF32), and in the interpreter, whose 16-bit dot is wrong
         FP32_DOT=x.dtype == torch.float32 or not x.is_cuda, STAGES=num_stages, GATED=gated,
-        LIBDEVICE=x.is_cuda, num_warps=num_warps, num_stages=num_stages,
+        LIBDEVICE=x.is_cuda, num_warps=num_warps, num_stages=num_stages, **launch_options(x),
     ))]
     if split_k > 1:
         launches.append((_split_k_sum_kernel, (cdiv(n, _SUM_BLOCK), m), (
             partials, b, y, m, n, y.stride(0),
         ), dict(SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=_SUM_BLOCK, GATED=gated,
-                LIBDEVICE=x.is_cuda, num_warps=4)))
+                LIBDEVICE=x.is_cuda, num_warps=4, **launch_options(x))))
     for kernel, grid, args, kwargs in launches:
         if compile_only:
             kernel.warmup(*args, grid=grid, **kwargs)

@@ -1,0 +1,49 @@
+"""Programmatic dependent launch for the small Triton kernels of a decode step.
+
+Between two kernels of a stream the GPU lets the first one finish before it launches the second. A batch-1
+decode step runs about three hundred kernels of a few microseconds each, so those launch gaps add up. On
+Hopper and later, Triton's ``launch_pdl`` lets a kernel launch while the one before it still runs. Each of
+ours waits for that kernel at its first instruction (``gdc_wait``: its writes are then visible), then at once
+lets the next kernel launch (``gdc_launch_dependents``). The launch latency is hidden and the order of
+memory accesses stays as without it. After a torch or cuBLAS kernel, one of ours starts as it would
+anyway. ``NANOVLLM_PDL=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+VARIABLE = "NANOVLLM_PDL"
+
+
+@functools.cache
+def _enabled(device_index: int) -> bool:
+    return os.environ.get(VARIABLE, "1") != "0" and torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def launch_options(like: torch.Tensor) -> dict[str, bool]:
+    """The launch keywords that chain a kernel to the one before it, for tensors on ``like``'s device: the
+    kernel's ``PDL`` constexpr and Triton's ``launch_pdl``. Empty on the CPU (the interpreter), before
+    Hopper, and with ``NANOVLLM_PDL=0``."""
+    if not like.is_cuda:
+        return {}
+    index = like.device.index if like.device.index is not None else torch.cuda.current_device()
+    return {"PDL": True, "launch_pdl": True} if _enabled(index) else {}
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """A chained kernel's first step: wait until the kernel before it has finished, then let the next one
+    launch. Nothing without ``PDL``."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+__all__ = ["VARIABLE", "launch_options", "wait_for_previous"]
