@@ -2,11 +2,13 @@
 
 Between two kernels of a stream the GPU lets the first one finish before it launches the second. A batch-1
 decode step runs about three hundred kernels of a few microseconds each, so those launch gaps add up. On
-Hopper and later, Triton's ``launch_pdl`` lets a kernel launch while the one before it still runs. Each of
-ours waits for that kernel at its first instruction (``gdc_wait``: its writes are then visible), then at once
-lets the next kernel launch (``gdc_launch_dependents``). The launch latency is hidden and the order of
-memory accesses stays as without it. After a torch or cuBLAS kernel, one of ours starts as it would
-anyway. ``NANOVLLM_PDL=0`` turns it off.
+Hopper and later, Triton's ``launch_pdl`` lets a kernel launch as the blocks of the one before it exit,
+before that kernel has completed as a whole. Each of ours then waits for it at its first instruction
+(``gdc_wait``: its writes are visible after), so the order of memory accesses stays as without it, and only
+the launch latency is hidden. None of ours lets the next kernel launch earlier
+(``gdc_launch_dependents``): the early blocks of an HBM-bound kernel crowd the multiprocessors that free up
+first. After a torch or cuBLAS kernel, one of ours starts as it would anyway. ``NANOVLLM_PDL=0`` turns it
+off.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
 VARIABLE = "NANOVLLM_PDL"
 
@@ -39,11 +41,10 @@ def launch_options(like: torch.Tensor) -> dict[str, bool]:
 
 @triton.jit
 def wait_for_previous(PDL: tl.constexpr):
-    """A chained kernel's first step: wait until the kernel before it has finished, then let the next one
-    launch. Nothing without ``PDL``."""
+    """A chained kernel's first step: wait until the kernel before it has finished and its writes are
+    visible. Nothing without ``PDL``."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
 
 
 __all__ = ["VARIABLE", "launch_options", "wait_for_previous"]
