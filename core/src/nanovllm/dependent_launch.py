@@ -7,8 +7,9 @@ before that kernel has completed as a whole. Each of ours then waits for it at i
 (``gdc_wait``: its writes are visible after), so the order of memory accesses stays as without it, and only
 the launch latency is hidden. None of ours lets the next kernel launch earlier
 (``gdc_launch_dependents``): the early blocks of an HBM-bound kernel crowd the multiprocessors that free up
-first. After a torch or cuBLAS kernel, one of ours starts as it would anyway. ``NANOVLLM_PDL=0`` turns it
-off.
+first. After a torch or cuBLAS kernel, one of ours starts as it would anyway. Only steps of up to
+:data:`MAX_TOKENS` tokens chain: at a batch of 256 chaining made the decode step slower, where at batch 1 it
+made it faster. ``NANOVLLM_PDL=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 VARIABLE = "NANOVLLM_PDL"
+MAX_TOKENS = 32  # kernels over at most this many tokens (rows) chain; larger ones run long enough alone
 
 
 @functools.cache
@@ -30,10 +32,11 @@ def _enabled(device_index: int) -> bool:
 
 
 def launch_options(like: torch.Tensor) -> dict[str, bool]:
-    """The launch keywords that chain a kernel to the one before it, for tensors on ``like``'s device: the
-    kernel's ``PDL`` constexpr and Triton's ``launch_pdl``. Empty on the CPU (the interpreter), before
-    Hopper, and with ``NANOVLLM_PDL=0``."""
-    if not like.is_cuda:
+    """The launch keywords that chain a kernel to the one before it, for a kernel over ``like`` (its first
+    dimension: the step's tokens or rows): the kernel's ``PDL`` constexpr and Triton's ``launch_pdl``. Empty
+    on the CPU (the interpreter), before Hopper, over more than :data:`MAX_TOKENS` rows, and with
+    ``NANOVLLM_PDL=0``."""
+    if not like.is_cuda or like.shape[0] > MAX_TOKENS:
         return {}
     index = like.device.index if like.device.index is not None else torch.cuda.current_device()
     return {"PDL": True, "launch_pdl": True} if _enabled(index) else {}
@@ -47,4 +50,4 @@ def wait_for_previous(PDL: tl.constexpr):
         gdc_wait()
 
 
-__all__ = ["VARIABLE", "launch_options", "wait_for_previous"]
+__all__ = ["MAX_TOKENS", "VARIABLE", "launch_options", "wait_for_previous"]
