@@ -29,7 +29,7 @@ class CompileKeys:
             values = dict(zip([p.name for p in self.params], args)) | kwargs
             key = []
             for p in self.params:
-                value = values[p.name]
+                value = values[p.name] if p.name in values else p.default
                 if p.is_constexpr:
                     key.append((p.name, value))
                 elif isinstance(value, int) and not isinstance(value, bool) and not p.do_not_specialize:

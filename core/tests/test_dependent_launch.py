@@ -1,8 +1,14 @@
 """Which launches chain to the kernel before them (``nanovllm.dependent_launch``): kernels over at most
-``MAX_TOKENS`` rows on CUDA devices of compute capability 9.0 and later, unless ``NANOVLLM_PDL=0``; never
-CPU tensors (the interpreter). The GPU tests of the kernels and of the decode graphs run chained."""
+``CHAINED_LAUNCH_MAX_ROWS`` rows on CUDA devices of compute capability 9.0 and later, unless
+``NANOVLLM_PDL=0``; never CPU tensors (the interpreter). Each chained kernel waits before anything else. The
+GPU tests of the kernels and of the decode graphs run chained."""
 
 from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,38 +16,64 @@ import torch
 pytest.importorskip("triton")
 
 from nanovllm import dependent_launch  # noqa: E402
+from nanovllm.attention import triton_kernels  # noqa: E402
+from nanovllm.kernel_sizes import CHAINED_LAUNCH_MAX_ROWS  # noqa: E402
+from nanovllm.layers import fused_kernels, gemv_kernels  # noqa: E402
+
+CHAINED = {"_rms_norm_kernel", "_gated_and_mul_kernel", "_rope_kernel", "_gemv_kernel", "_split_k_sum_kernel",
+           "_decode_kernel", "_reduce_kernel"}
 
 
 @pytest.fixture
-def fresh(monkeypatch):
-    dependent_launch._enabled.cache_clear()
-    yield monkeypatch
+def capability(monkeypatch):
+    """Sets the GPU's compute capability that ``dependent_launch`` reads (its answer uncached around)."""
+    def set_to(value: tuple[int, int]) -> None:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: value)
+        dependent_launch._enabled.cache_clear()
+
+    yield set_to
     dependent_launch._enabled.cache_clear()
 
 
-@pytest.mark.parametrize("capability,variable,chained", [
-    ((9, 0), None, True), ((10, 0), None, True), ((8, 9), None, False), ((9, 0), "0", False),
-    ((9, 0), "1", True),
+def cuda_rows(rows: int) -> SimpleNamespace:
+    """A stand-in for a CUDA tensor of ``rows`` rows (what ``launch_options`` reads of one)."""
+    return SimpleNamespace(is_cuda=True, shape=(rows, 8), device=SimpleNamespace(index=0))
+
+
+@pytest.mark.parametrize("gpu,variable,rows,chained", [
+    ((9, 0), None, 1, True), ((10, 0), None, CHAINED_LAUNCH_MAX_ROWS, True),
+    ((9, 0), None, CHAINED_LAUNCH_MAX_ROWS + 1, False), ((8, 9), None, 1, False), ((9, 0), "0", 1, False),
+    ((9, 0), "1", 1, True),
 ])
-def test_hopper_and_later_chain_unless_turned_off(fresh, capability, variable, chained):
-    fresh.setattr(torch.cuda, "get_device_capability", lambda index: capability)
+def test_small_steps_on_hopper_and_later_chain_unless_turned_off(capability, monkeypatch, gpu, variable, rows,
+                                                                  chained):
     if variable is None:
-        fresh.delenv(dependent_launch.VARIABLE, raising=False)
+        monkeypatch.delenv(dependent_launch.VARIABLE, raising=False)
     else:
-        fresh.setenv(dependent_launch.VARIABLE, variable)
-    assert dependent_launch._enabled(0) is chained
+        monkeypatch.setenv(dependent_launch.VARIABLE, variable)
+    capability(gpu)
+    expected = {"PDL": True, "launch_pdl": True} if chained else {}
+    assert dependent_launch.launch_options(cuda_rows(rows)) == expected
 
 
-def test_cpu_tensors_never_chain(fresh):
-    fresh.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+def test_cpu_tensors_never_chain(capability):
+    capability((9, 0))
     assert dependent_launch.launch_options(torch.zeros(1)) == {}
 
 
-@pytest.mark.gpu
-def test_gpu_small_steps_chain_and_large_ones_do_not():
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("dependent launches need compute capability 9.0")
-    small = torch.zeros(dependent_launch.MAX_TOKENS, 8, device="cuda")
-    large = torch.zeros(dependent_launch.MAX_TOKENS + 1, 8, device="cuda")
-    assert dependent_launch.launch_options(small) == {"PDL": True, "launch_pdl": True}
-    assert dependent_launch.launch_options(large) == {}
+def test_each_chained_kernel_waits_first_and_each_launch_site_chains():
+    """A kernel with the ``PDL`` switch calls ``wait_for_previous(PDL)`` before any other statement (its
+    docstring aside): no load or store may run before the kernel ahead of it has finished. Each module
+    passes the launch options at least once per such kernel."""
+    found = set()
+    for module in (fused_kernels, gemv_kernels, triton_kernels):
+        kernels = [k for k in vars(module).values()
+                   if "PDL" in getattr(k, "arg_names", ()) and k.fn.__module__ == module.__name__]
+        for kernel in kernels:
+            body = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn))).body[0].body
+            if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                body = body[1:]
+            assert ast.unparse(body[0]) == "wait_for_previous(PDL)", kernel.fn.__name__
+            found.add(kernel.fn.__name__)
+        assert inspect.getsource(module).count("**launch_options(") >= len(kernels), module.__name__
+    assert found == CHAINED

@@ -12,6 +12,7 @@ import torch
 
 from nanovllm.attention.metadata import get_forward_context
 from nanovllm.engine.warm_up import warm_up, warm_up_steps
+from nanovllm.kernel_sizes import CHAINED_LAUNCH_MAX_ROWS
 from nanovllm.layers.gemv import MAX_ROWS, row_bucket
 
 
@@ -42,6 +43,9 @@ def test_the_steps_cover_what_later_steps_would_compile(max_model_len, block_siz
     small = [len(s.sample_rows) for s in steps if s.rows <= MAX_ROWS]
     assert max(small) <= max_num_seqs
     assert gemv_keys(set(small)) == gemv_keys(set(range(1, min(max_num_seqs, MAX_ROWS) + 1)))
+    # the decode kernels unchained: more decode rows than launch chained, where the batch allows them
+    unchained = any(s.decodes > CHAINED_LAUNCH_MAX_ROWS for s in steps)
+    assert unchained == (max_num_seqs > CHAINED_LAUNCH_MAX_ROWS + 1)
 
 
 @pytest.fixture

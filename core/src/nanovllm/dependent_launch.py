@@ -7,9 +7,10 @@ before that kernel has completed as a whole. Each of ours then waits for it at i
 (``gdc_wait``: its writes are visible after), so the order of memory accesses stays as without it, and only
 the launch latency is hidden. None of ours lets the next kernel launch earlier
 (``gdc_launch_dependents``): the early blocks of an HBM-bound kernel crowd the multiprocessors that free up
-first. After a torch or cuBLAS kernel, one of ours starts as it would anyway. Only steps of up to
-:data:`MAX_TOKENS` tokens chain: at a batch of 256 chaining made the decode step slower, where at batch 1 it
-made it faster. ``NANOVLLM_PDL=0`` turns it off.
+first. After a torch or cuBLAS kernel ours may launch early too, and the wait keeps the order. Only kernels
+over at most :data:`~nanovllm.kernel_sizes.CHAINED_LAUNCH_MAX_ROWS` rows (a step's tokens) chain: a larger
+step's kernels run long enough that their launch gaps matter little, and there chaining was measured
+slower. ``NANOVLLM_PDL=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from nanovllm.kernel_sizes import CHAINED_LAUNCH_MAX_ROWS
+
 VARIABLE = "NANOVLLM_PDL"
-MAX_TOKENS = 32  # kernels over at most this many tokens (rows) chain; larger ones run long enough alone
 
 
 @functools.cache
@@ -34,9 +36,9 @@ def _enabled(device_index: int) -> bool:
 def launch_options(like: torch.Tensor) -> dict[str, bool]:
     """The launch keywords that chain a kernel to the one before it, for a kernel over ``like`` (its first
     dimension: the step's tokens or rows): the kernel's ``PDL`` constexpr and Triton's ``launch_pdl``. Empty
-    on the CPU (the interpreter), before Hopper, over more than :data:`MAX_TOKENS` rows, and with
+    on the CPU (the interpreter), before Hopper, over more than ``CHAINED_LAUNCH_MAX_ROWS`` rows, and with
     ``NANOVLLM_PDL=0``."""
-    if not like.is_cuda or like.shape[0] > MAX_TOKENS:
+    if not like.is_cuda or like.shape[0] > CHAINED_LAUNCH_MAX_ROWS:
         return {}
     index = like.device.index if like.device.index is not None else torch.cuda.current_device()
     return {"PDL": True, "launch_pdl": True} if _enabled(index) else {}
@@ -50,4 +52,4 @@ def wait_for_previous(PDL: tl.constexpr):
         gdc_wait()
 
 
-__all__ = ["MAX_TOKENS", "VARIABLE", "launch_options", "wait_for_previous"]
+__all__ = ["VARIABLE", "launch_options", "wait_for_previous"]

@@ -8,6 +8,9 @@ before."""
 from __future__ import annotations
 
 
+CHAINED_LAUNCH_MAX_ROWS = 32  # kernels over at most this many rows launch chained (nanovllm.dependent_launch)
+
+
 def cdiv(x: int, y: int) -> int:
     """``x / y`` rounded up, for ``y > 0``."""
     return (x + y - 1) // y
@@ -18,4 +21,4 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-__all__ = ["cdiv", "next_power_of_2"]
+__all__ = ["CHAINED_LAUNCH_MAX_ROWS", "cdiv", "next_power_of_2"]

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, forward_context
+from nanovllm.kernel_sizes import CHAINED_LAUNCH_MAX_ROWS
 from nanovllm.kv.offload import HostPhase
 
 if TYPE_CHECKING:
@@ -46,7 +47,9 @@ def warm_up_steps(max_model_len: int, block_size: int, max_num_seqs: int) -> lis
       the long-chunk kernel configuration;
     - steps of 1 (a prompt cached but for its last token), 2, 4, 8, 12 and 16 rows, of 1, 2, 3, 8, 10 and
       16 sequences (at most ``max_num_seqs``; the last row of each is sampled): the small-batch matmul's
-      variants (per power of two of rows up to 16, and 16 itself) in the layers and in the LM head.
+      variants (per power of two of rows up to 16, and 16 itself) in the layers and in the LM head;
+    - where ``max_num_seqs`` allows, one more decode row than launch chained
+      (:data:`~nanovllm.kernel_sizes.CHAINED_LAUNCH_MAX_ROWS`): the decode kernels' unchained variant.
     """
     long = min(max_model_len, 96)
     steps = [
@@ -58,6 +61,8 @@ def warm_up_steps(max_model_len: int, block_size: int, max_num_seqs: int) -> lis
         decodes = min(seqs, max_num_seqs) - 1
         history = min(block_size, max_model_len - 1) if rows == 1 else 0
         steps.append(WarmUpStep(decodes, (rows - decodes,), history))
+    if max_num_seqs > CHAINED_LAUNCH_MAX_ROWS + 1:
+        steps.append(WarmUpStep(CHAINED_LAUNCH_MAX_ROWS + 1, (1,)))
     return steps
 
 

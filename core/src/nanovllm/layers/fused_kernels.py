@@ -79,7 +79,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _rms_norm_kernel[(rows.shape[0],)](
             rows, res, weight, out, n_cols, eps, rows.stride(0), res.stride(0), n_cols,
             HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=block,
-            num_warps=min(16, max(1, block // 256)), **launch_options(rows),
+            num_warps=min(16, max(1, block // 256)), **launch_options(x),
         )
     return out if residual is None else (out, residual)
 
@@ -251,7 +251,7 @@ def _gated_and_mul(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor:
         block = min(1024, next_power_of_2(n_cols))
         _gated_and_mul_kernel[(rows.shape[0], cdiv(n_cols, block))](
             rows, out, n_cols, rows.stride(0), n_cols, GELU_TANH=gelu_tanh, LIBDEVICE=x.is_cuda, BLOCK=block,
-            num_warps=4, **launch_options(rows),
+            num_warps=4, **launch_options(x),
         )
     return out
 
