@@ -392,8 +392,8 @@ def bench_breakdown(job: dict) -> list[dict[str, Any]]:
                 print(f"{base['shape']} history {start}: {name} {row['path']} {row['ms']:.3f} ms",
                       file=sys.stderr, flush=True)
                 if job.get("configs") and start > 0 and name == "minference" and row["path"] == "sparse":
-                    rows += config_rows(base, start, "sparse", sparse_calls(did["attend_calls"]), SPARSE_CONFIGS,
-                                        timed)
+                    rows += config_rows(base, start, "sparse", sparse_calls(did["attend_calls"]),
+                                        SPARSE_CONFIGS, timed)
             if job.get("configs") and start > 0:
                 rows += config_rows(base, start, "dense", dense_calls(rows_q, k_cache, v_cache, meta, scale),
                                     DENSE_CONFIGS, timed)

@@ -28,7 +28,7 @@ CHAINED = {"_rms_norm_kernel", "_gated_and_mul_kernel", "_rope_kernel", "_gemv_k
 def capability(monkeypatch):
     """Sets the GPU's compute capability that ``dependent_launch`` reads (its answer uncached around)."""
     def set_to(value: tuple[int, int]) -> None:
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: value)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: value)
         dependent_launch._enabled.cache_clear()
 
     yield set_to
@@ -37,7 +37,7 @@ def capability(monkeypatch):
 
 def cuda_rows(rows: int) -> SimpleNamespace:
     """A stand-in for a CUDA tensor of ``rows`` rows (what ``launch_options`` reads of one)."""
-    return SimpleNamespace(is_cuda=True, shape=(rows, 8), device=SimpleNamespace(index=0))
+    return SimpleNamespace(is_cuda=True, shape=(rows, 8), device=torch.device("cuda", 0))
 
 
 @pytest.mark.parametrize("gpu,variable,rows,chained", [

@@ -29,8 +29,8 @@ VARIABLE = "NANOVLLM_PDL"
 
 
 @functools.cache
-def _enabled(device_index: int) -> bool:
-    return os.environ.get(VARIABLE, "1") != "0" and torch.cuda.get_device_capability(device_index) >= (9, 0)
+def _enabled(device: torch.device) -> bool:
+    return os.environ.get(VARIABLE, "1") != "0" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def launch_options(like: torch.Tensor) -> dict[str, bool]:
@@ -40,8 +40,7 @@ def launch_options(like: torch.Tensor) -> dict[str, bool]:
     ``NANOVLLM_PDL=0``."""
     if not like.is_cuda or like.shape[0] > CHAINED_LAUNCH_MAX_ROWS:
         return {}
-    index = like.device.index if like.device.index is not None else torch.cuda.current_device()
-    return {"PDL": True, "launch_pdl": True} if _enabled(index) else {}
+    return {"PDL": True, "launch_pdl": True} if _enabled(like.device) else {}
 
 
 @triton.jit

@@ -139,7 +139,8 @@ class MInferencePolicy(SparsePolicy):
         the keys its budget names (the smallest column budget plus the smallest diagonal one) are more than
         ``dense_above`` of the keys the chunk's rows see (:func:`budget_share`). Its index would then compute
         about that share of dense work or more (tiles round it up), and the dense kernel is faster: the
-        estimate is not worth making. A chunk early in a prompt, or a prompt not much longer than the budget, runs dense."""
+        estimate is not worth making. A chunk early in a prompt, or a prompt not much longer than the budget,
+        runs dense."""
         cfg = self.config
         if cfg.dense_above is None or not plan.only("vertical_slash") or cfg.adaptive_budget is not None:
             return False
