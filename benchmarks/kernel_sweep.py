@@ -97,6 +97,12 @@ DECODE_VARIANTS = {
     "split at every batch": dict(one_split_waves=0),
     "one split from 4 waves, block_n 32": dict(one_split_waves=4, block_n=32),
     "one split from 4 waves, page ahead": dict(one_split_waves=4, page_ahead=True),
+    # a sequence's KV heads side by side in the grid: their programs read the same rows of its pages
+    "heads inner": dict(heads_inner=True),
+    "heads inner, page ahead": dict(heads_inner=True, page_ahead=True),
+    "one split from 4 waves, heads inner": dict(one_split_waves=4, heads_inner=True),
+    "one split from 4 waves, heads inner, page ahead": dict(one_split_waves=4, heads_inner=True,
+                                                            page_ahead=True),
     "2 warps": dict(num_warps=2),
     "2 stages": dict(num_stages=2),
     "4 stages": dict(num_stages=4),
@@ -105,7 +111,8 @@ DECODE_VARIANTS = {
 # contexts (the combined pass then joins the best of each axis)
 B1_VARIANTS = ("one split from 4 waves", "split at every batch", "one split from 4 waves, block_n 32",
                "one split from 4 waves, page ahead", "block_n 32", "2 warps", "8 warps", "2 stages",
-               "4 stages", "page ahead", "page ahead, 4 stages")
+               "4 stages", "page ahead", "page ahead, 4 stages", "one split from 4 waves, heads inner",
+               "one split from 4 waves, heads inner, page ahead")
 # Prefill settings (fields of PrefillConfig); TMA only where the keys allow it (packed, or pages >= block_n).
 PREFILL_VARIANTS = {
     "default": {},
@@ -147,11 +154,12 @@ def prefill_config(variant: str, paged: bool) -> tk.PrefillConfig:
 
 
 @functools.cache
-def b1_contexts() -> tuple[int, ...]:
+def b1_contexts(longest_first: bool = False) -> tuple[int, ...]:
     """The context lengths of B1's decode step: each of its prompts (drawn as ``nanovllm bench throughput``
-    draws them) and ``B1_DECODED`` tokens."""
+    draws them) and ``B1_DECODED`` tokens; in the workload's order, or sorted longest first."""
     prompts, _ = throughput_workload()
-    return tuple((len(p) + B1_DECODED) // B1_SHRINK for p in prompts[:B1_BATCH])
+    contexts = tuple((len(p) + B1_DECODED) // B1_SHRINK for p in prompts[:B1_BATCH])
+    return tuple(sorted(contexts, reverse=True)) if longest_first else contexts
 
 
 def mixed_decode_inputs(contexts: tuple[int, ...], block_size: int, heads: int, gen):
@@ -169,9 +177,10 @@ def mixed_decode_inputs(contexts: tuple[int, ...], block_size: int, heads: int, 
 
 def decode_shape(batch: int, ctx: int | str, block_size: int, heads: int, gen, variants: list[str]):
     """``ctx``: every sequence's context length, or ``"B1"``: B1's decode step (``batch`` of its sequences,
-    split as its decode graphs split them)."""
-    if ctx == "B1":
-        kc, vc, tables, lens, q = mixed_decode_inputs(b1_contexts(), block_size, heads, gen)
+    split as its decode graphs split them; ``"B1 longest first"``: its sequences sorted by length)."""
+    if ctx in ("B1", "B1 longest first"):
+        contexts = b1_contexts(longest_first=ctx != "B1")
+        kc, vc, tables, lens, q = mixed_decode_inputs(contexts, block_size, heads, gen)
         max_keys = B1_MAX_MODEL_LEN
     else:
         kc, vc, tables, lens, q, _ = paged_decode_inputs(batch, ctx, block_size, heads, HKV, D, gen)
@@ -228,7 +237,8 @@ def shapes(long: bool, kinds=("decode", "prefill"), pages=PAGES, only=None) -> l
     decodes = decodes if "decode" in kinds else []
     if {"decode", "b1"} & set(kinds):
         b1_variants = ("default", *B1_VARIANTS) if DRY else DECODE_VARIANTS
-        decodes.append((B1_BATCH, "B1", B1_HEADS, sum(b1_contexts()), b1_variants))
+        decodes += [(B1_BATCH, b1, B1_HEADS, sum(b1_contexts()), b1_variants)
+                    for b1 in ("B1", "B1 longest first")]
     out = []
     for batch, ctx, heads, keys, variants in decodes:
         gqa = "" if heads == H else f" gqa={heads}/{HKV}"
@@ -489,7 +499,7 @@ def groups_of(rows: list[dict]) -> dict[str, set[str]]:
 
 
 # each kind's knobs on two axes, whose best settings the combined pass puts together
-AXES = {"decode": ({"block_n", "num_warps", "num_stages", "page_ahead"},
+AXES = {"decode": ({"block_n", "num_warps", "num_stages", "page_ahead", "heads_inner"},
                    {"programs_per_sm", "max_splits", "wave_fit", "one_split_waves"}),
         "prefill": ({"block_m", "block_n", "num_warps", "num_stages"},
                     {"tma", "heads_first", "fused_scale"})}

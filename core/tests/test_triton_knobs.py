@@ -65,6 +65,8 @@ DECODE_KNOBS = [
     dict(page_ahead=True),  # tiles of one page
     dict(page_ahead=True, block_n=32),  # tiles over two pages
     dict(programs_per_sm=4, max_splits=3),
+    dict(heads_inner=True),
+    dict(heads_inner=True, page_ahead=True),
 ]
 
 
@@ -286,20 +288,24 @@ def test_sweep_b1_decode_step(monkeypatch):
     assert len(contexts) == 256 and all(c > len(p) for c, p in zip(contexts, prompts, strict=False))
     assert 100 < min(contexts) and max(contexts) < 1100 and 500 < sum(contexts) / 256 < 650
     b1 = ks.shapes(False, ("b1",), ks.PAGES, ks.B1_VARIANTS)
-    assert [s["label"] for s in b1] == [f"b=256 ctx=B1 gqa=16/8 bs={bs}" for bs in ks.PAGES]
+    assert [s["label"] for s in b1] == [f"b=256 ctx={ctx} gqa=16/8 bs={bs}"
+                                        for ctx in ("B1", "B1 longest first") for bs in ks.PAGES]
+    assert ks.b1_contexts(longest_first=True) == tuple(sorted(contexts, reverse=True))
     assert all(sorted(s["variants"]) == sorted(["default", *ks.B1_VARIANTS]) for s in b1)
     assert b1[0]["work"] == 2 * sum(contexts) * 8 * 128 * 2  # K and V, bf16
     every = ks.shapes(False, ("decode",))
     groups = ks.groups_of([ks.empty_row(s, "default") for s in every])
     assert b1[0]["label"] in groups["DECODE (bs=16)"]
     assert b1[1]["label"] in groups["DECODE_LARGE_PAGES (bs=128)"]
+    assert b1[2]["label"] in groups["DECODE (bs=16)"]
     same_pages = next(s for s in every if s["build"][3] == 16)
     assert ks._compile_key(b1[0], "default") != ks._compile_key(same_pages, "default")  # its own GQA group
 
     monkeypatch.setattr(tk, "num_sms", lambda device: 132)
     for shape in every:
         batch, ctx, bs, _ = shape["build"][1:]
-        max_keys = ks.B1_MAX_MODEL_LEN if ctx == "B1" else ctx
+        b1_step = str(ctx).startswith("B1")
+        max_keys = ks.B1_MAX_MODEL_LEN if b1_step else ctx
 
         def splits(variant):
             cfg = ks.decode_config(variant, bs)
@@ -308,8 +314,8 @@ def test_sweep_b1_decode_step(monkeypatch):
                                         cfg.one_split_waves)
 
         assert splits("split at every batch") >= 2
-        assert (splits("one split from 4 waves") == 1) == (ctx == "B1"), shape["label"]
-        assert splits("default") == (1 if ctx == "B1" and bs < 64 else splits("split at every batch"))
+        assert (splits("one split from 4 waves") == 1) == b1_step, shape["label"]
+        assert splits("default") == (1 if b1_step and bs < 64 else splits("split at every batch"))
 
 
 def test_sweep_narrows_to_the_variants_asked():
@@ -321,7 +327,7 @@ def test_sweep_narrows_to_the_variants_asked():
     finally:
         sys.path.remove(str(BENCHMARKS))
     decode = kernel_sweep.shapes(False, ("decode",), kernel_sweep.PAGES, ("page ahead",))
-    assert len(decode) == (len(kernel_sweep.DECODE_SHAPES) + 1) * len(kernel_sweep.PAGES)  # and B1's step
+    assert len(decode) == (len(kernel_sweep.DECODE_SHAPES) + 2) * len(kernel_sweep.PAGES)  # and B1's two
     assert all(s["kind"] == "decode" and s["variants"] == ["default", "page ahead"] for s in decode)
     in_step, ahead = (kernel_sweep._compile_key(decode[0], v) for v in ("default", "page ahead"))
     assert ahead != in_step

@@ -412,11 +412,18 @@ def _decode_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     HAS_INDICES: tl.constexpr, WRITE_LSE: tl.constexpr, FP32: tl.constexpr, SKIP_DEAD: tl.constexpr,
-    READ_AHEAD: tl.constexpr, SLIDING: tl.constexpr, PAGE_AHEAD: tl.constexpr, PDL: tl.constexpr = False,
+    READ_AHEAD: tl.constexpr, SLIDING: tl.constexpr, PAGE_AHEAD: tl.constexpr, HEADS_INNER: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     wait_for_previous(PDL)
-    s = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_INNER:  # grid (KV heads, sequences, splits)
+        kvh = tl.program_id(0)
+        s = tl.program_id(1)
+        num_kv_heads = tl.num_programs(0)
+    else:  # grid (sequences, KV heads, splits)
+        s = tl.program_id(0)
+        kvh = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
     sel = block_idx + s * stride_bi + kvh * stride_bh  # this KV head's selected blocks (HAS_INDICES)
     kv_len = tl.load(lens + s)
@@ -518,7 +525,7 @@ def _decode_kernel(
                     stride_ot, stride_oh, stride_od, stride_lt, stride_lh, WRITE_LSE)
     else:
         # partials: PartO [S, num_splits, H, BLOCK_D] and PartL [S, num_splits, H], contiguous
-        num_heads = tl.num_programs(1) * GROUP
+        num_heads = num_kv_heads * GROUP
         row = (s64 * num_splits + split) * num_heads + heads
         tl.store(PartO + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=g_ok[:, None])
         tl.store(PartL + row, lse2, mask=g_ok)
@@ -639,7 +646,9 @@ class DecodeConfig(NamedTuple):
     them. ``page_ahead``: over whole contexts, the key tiles that end within the context run unmasked
     with their block-table entries read a tile ahead. ``one_split_waves`` (0: off): once the (sequence, KV
     head) groups alone fill this many waves of ``programs_per_sm`` programs per multiprocessor, one split
-    each (the kernel writes the output itself: no partials, no reduce); below that, the rule's own count."""
+    each (the kernel writes the output itself: no partials, no reduce); below that, the rule's own count.
+    ``heads_inner``: the grid's fastest axis is the KV head, so the programs of one sequence's KV heads,
+    which read the same rows of its pages, run side by side."""
 
     block_n: int
     num_warps: int
@@ -649,6 +658,7 @@ class DecodeConfig(NamedTuple):
     page_ahead: bool = False
     wave_fit: bool = False
     one_split_waves: int = 0
+    heads_inner: bool = False
 
 
 # The defaults for 16-bit inputs on CUDA, head dim <= 128 (GQA 32q/8kv, d=128 measured): the values that
@@ -914,7 +924,8 @@ def attention_decode(
         part_l = torch.empty(num_seqs, num_splits, num_heads, dtype=torch.float32, device=q.device)
     else:
         part_o = part_l = _dummy(out, torch.float32)
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, num_seqs, num_splits) if cfg.heads_inner else (num_seqs, num_kv_heads, num_splits)
+    _decode_kernel[grid](
         q, k_cache, v_cache, part_o, part_l, out, lse_t,
         lens, block_tables, bi,
         scale * LOG2E,
@@ -926,7 +937,7 @@ def attention_decode(
         SKIP_DEAD=skip_dead,
         READ_AHEAD=_read_ahead(has_idx and not skip_dead, num_seqs * num_kv_heads, q.device),
         SLIDING=window is not None, PAGE_AHEAD=cfg.page_ahead and not has_idx and window is None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(q),
+        HEADS_INNER=cfg.heads_inner, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(q),
     )
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
