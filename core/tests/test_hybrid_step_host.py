@@ -183,3 +183,34 @@ def test_group_parts_start_aligned_on_the_device(shape):
     for g, part in enumerate(parts):
         np.testing.assert_array_equal(part.numpy(), stacked[g])
         assert part.is_contiguous() and part.storage_offset() * part.element_size() % 16 == 0
+
+
+def test_decode_rows_run_longest_context_first():
+    """A step's decode rows are ordered by context, longest first (the decode kernel's grid then starts the
+    longest programs first), ties in the scheduler's order; the sequences that sample follow the rows."""
+    groups = kv_cache_groups([None, None])
+    prompts = random_prompts(6, 40, seed=3)
+    prompts = [p[:n] for p, n in zip(prompts, (7, 40, 19, 19, 33, 2), strict=True)]
+    scheduler = Scheduler(config(), 64, 64, groups)
+    runner = plan_steps(groups, 64)
+    for prompt in prompts:
+        scheduler.add(Sequence(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
+    decode_steps = 0
+    while scheduler.has_unfinished():
+        seqs = scheduler.schedule()
+        plan, sampling, _ = ModelRunner.prepare(runner, seqs)
+        if plan.decode is not None:
+            decode_steps += 1
+            lens = plan.decode.context_lens.tolist()
+            decodes = [s for s in seqs if s.is_decode]
+            assert lens == sorted(lens, reverse=True)
+            assert sorted(lens) == sorted(s.num_computed_tokens + 1 for s in decodes)
+            assert [s.num_computed_tokens + 1 for s in sampling[:len(decodes)]] == lens
+            ties = [s for s in sampling if s.num_tokens == sampling[0].num_tokens]
+            assert ties == [s for s in decodes if s.num_tokens == sampling[0].num_tokens]
+        scheduler.advance(seqs)
+        for seq in sampling:
+            seq.token_ids.append(5)
+        for seq in [s for s in scheduler.running if s.num_completion_tokens >= 4]:
+            scheduler.finish(seq, "length")
+    assert decode_steps >= 3

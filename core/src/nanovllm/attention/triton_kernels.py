@@ -673,8 +673,10 @@ PREFILL_SHORT = PrefillConfig(64, 64, 4, 3)  # chunks of at most 64 queries: no 
 PREFILL_WIDE_HEADS = PrefillConfig(128, 64, 8, 2)
 WIDE_TILES_SHARED_MEMORY = 200 * 1024
 # pages of fewer than 64 tokens: a key step spans several pages
-# (one split once the groups fill 4 waves: large batches of short contexts need no partials and no reduce)
-DECODE = DecodeConfig(64, 4, 3, programs_per_sm=3, max_splits=128, wave_fit=True, one_split_waves=4)
+# (one split once the groups fill 4 waves: large batches of short contexts need no partials and no reduce;
+# a sequence's KV heads side by side, which share each small page's rows)
+DECODE = DecodeConfig(64, 4, 3, programs_per_sm=3, max_splits=128, wave_fit=True, one_split_waves=4,
+                      heads_inner=True)
 # pages of 64 tokens or more
 DECODE_LARGE_PAGES = DecodeConfig(64, 4, 4, programs_per_sm=2, max_splits=64, page_ahead=True, wave_fit=True)
 REDUCE_CHUNK = 64  # the split reduce merges more splits than this a chunk at a time

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
+from operator import attrgetter
 from typing import Any
 
 import attrs
@@ -47,6 +48,7 @@ from nanovllm.layers.sampler import Sampler, TopLogprobs
 # Prompt rows whose logits are computed at once for prompt logprobs: a whole 8K-token chunk of a
 # 49K-token vocabulary would take 1.6 GB of float32 logits.
 PROMPT_LOGPROB_ROWS = 1024
+_computed_tokens = attrgetter("num_computed_tokens")
 
 
 def prompt_logits(hidden: torch.Tensor, rows: torch.Tensor, compute_logits) -> Iterator[torch.Tensor]:
@@ -221,14 +223,17 @@ class ModelRunner:
     def prepare(
         self, seqs: list[Sequence], allocated: list[int] | None = None
     ) -> tuple[StepPlan, list[Sequence], PromptTargets | None]:
-        """The host side of one step (decodes, one token each, first; then prefill chunks): its plan, the
-        sequences that sample in it in row order, and the targets of its prompt logprobs (``None``: none).
+        """The host side of one step (decodes, one token each, longest context first; then prefill chunks):
+        its plan, the sequences that sample in it in row order, and the targets of its prompt logprobs
+        (``None``: none).
         ``allocated``: the blocks handed out since the last step (those of pool 1, which keeps no per-block
         metadata, are left out)."""
         bs = self.block_size
         if allocated and self.num_window_blocks:
             allocated = [b for b in allocated if b < self.num_blocks]
-        decodes = [s for s in seqs if s.is_decode]
+        # decodes longest first: the decode kernel's grid then starts the longest contexts' programs first,
+        # and the short ones fill the last wave instead of a long one running alone at the end
+        decodes = sorted((s for s in seqs if s.is_decode), key=_computed_tokens, reverse=True)
         prefills = [s for s in seqs if not s.is_decode]
         # decodes: one token each, plain integers; one that is a prompt token samples only if it is the last
         positions = [s.num_computed_tokens for s in decodes]
