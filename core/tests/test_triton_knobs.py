@@ -315,7 +315,7 @@ def test_sweep_b1_decode_step(monkeypatch):
 
         assert splits("split at every batch") >= 2
         assert (splits("one split from 4 waves") == 1) == b1_step, shape["label"]
-        assert splits("default") == (1 if b1_step and bs < 64 else splits("split at every batch"))
+        assert splits("default") == (1 if b1_step else splits("split at every batch"))
 
 
 def test_sweep_narrows_to_the_variants_asked():
