@@ -51,6 +51,13 @@ PROMPT_LOGPROB_ROWS = 1024
 _computed_tokens = attrgetter("num_computed_tokens")
 
 
+def decode_rows(seqs: list[Sequence]) -> list[Sequence]:
+    """A step's decoding sequences, longest context first (ties in the scheduler's order): the decode
+    kernel's grid then starts the longest programs first, and the short ones fill its last wave instead of
+    a long one running alone at the end."""
+    return sorted((s for s in seqs if s.is_decode), key=_computed_tokens, reverse=True)
+
+
 def prompt_logits(hidden: torch.Tensor, rows: torch.Tensor, compute_logits) -> Iterator[torch.Tensor]:
     """The logits of ``hidden[rows]``, ``PROMPT_LOGPROB_ROWS`` rows at a time (on every tensor-parallel
     rank: computing them is a collective)."""
@@ -223,17 +230,14 @@ class ModelRunner:
     def prepare(
         self, seqs: list[Sequence], allocated: list[int] | None = None
     ) -> tuple[StepPlan, list[Sequence], PromptTargets | None]:
-        """The host side of one step (decodes, one token each, longest context first; then prefill chunks):
-        its plan, the sequences that sample in it in row order, and the targets of its prompt logprobs
-        (``None``: none).
+        """The host side of one step (:func:`decode_rows`, one token each, then prefill chunks): its plan,
+        the sequences that sample in it in row order, and the targets of its prompt logprobs (``None``: none).
         ``allocated``: the blocks handed out since the last step (those of pool 1, which keeps no per-block
         metadata, are left out)."""
         bs = self.block_size
         if allocated and self.num_window_blocks:
             allocated = [b for b in allocated if b < self.num_blocks]
-        # decodes longest first: the decode kernel's grid then starts the longest contexts' programs first,
-        # and the short ones fill the last wave instead of a long one running alone at the end
-        decodes = sorted((s for s in seqs if s.is_decode), key=_computed_tokens, reverse=True)
+        decodes = decode_rows(seqs)
         prefills = [s for s in seqs if not s.is_decode]
         # decodes: one token each, plain integers; one that is a prompt token samples only if it is the last
         positions = [s.num_computed_tokens for s in decodes]
