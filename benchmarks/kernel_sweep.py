@@ -8,7 +8,8 @@ GQA 32 query / 8 KV heads, head dim 128, bf16, on one GPU:
 - B1's decode step (``nanovllm bench throughput``, nano-vLLM's bench.py workload, on qwen3-0.6b): its 256
   sequences at their prompt and 24 decoded tokens (contexts of 131-1048), GQA 16/8, split as its decode
   graphs split them (``max_keys`` its max_model_len), pages of 16 and 128; rated like the other decode shapes,
-  over the bytes of KV it reads;
+  over the bytes of KV it reads; in the workload's order and longest first (as the engine orders a step's
+  decode rows);
 - causal prefill over a 16K context, packed keys and through the paged cache (pages of 16 and 128; the whole
   prompt, and a 4K chunk behind 12K of history): TFLOP/s (4 * heads * head_dim * visible query-key pairs)
   and its ratio to cuDNN SDPA on the packed prompt of that context; with ``--long`` the packed 128K prompt.
