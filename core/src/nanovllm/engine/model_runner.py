@@ -48,14 +48,13 @@ from nanovllm.layers.sampler import Sampler, TopLogprobs
 # Prompt rows whose logits are computed at once for prompt logprobs: a whole 8K-token chunk of a
 # 49K-token vocabulary would take 1.6 GB of float32 logits.
 PROMPT_LOGPROB_ROWS = 1024
-_computed_tokens = attrgetter("num_computed_tokens")
 
 
 def decode_rows(seqs: list[Sequence]) -> list[Sequence]:
     """A step's decoding sequences, longest context first (ties in the scheduler's order): the decode
     kernel's grid then starts the longest programs first, and the short ones fill its last wave instead of
     a long one running alone at the end."""
-    return sorted((s for s in seqs if s.is_decode), key=_computed_tokens, reverse=True)
+    return sorted((s for s in seqs if s.is_decode), key=attrgetter("num_computed_tokens"), reverse=True)
 
 
 def prompt_logits(hidden: torch.Tensor, rows: torch.Tensor, compute_logits) -> Iterator[torch.Tensor]:
