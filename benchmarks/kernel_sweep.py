@@ -107,6 +107,16 @@ DECODE_VARIANTS = {
     "2 warps": dict(num_warps=2),
     "2 stages": dict(num_stages=2),
     "4 stages": dict(num_stages=4),
+    # tensor-memory loads of the unmasked tiles (over pages read ahead; pages of at least a tile)
+    "tma, page ahead": dict(tma=True, page_ahead=True),
+    "tma, page ahead, 3 stages": dict(tma=True, page_ahead=True, num_stages=3),
+    "tma, page ahead, 5 stages": dict(tma=True, page_ahead=True, num_stages=5),
+    "tma, page ahead, 8 warps": dict(tma=True, page_ahead=True, num_warps=8),
+    "tma, page ahead, block_n 128, 8 warps, 3 stages": dict(tma=True, page_ahead=True, block_n=128,
+                                                            num_warps=8, num_stages=3),
+    "tma, page ahead, block_n 16, 4 stages": dict(tma=True, page_ahead=True, block_n=16, num_stages=4),
+    "tma, page ahead, block_n 16, 6 stages": dict(tma=True, page_ahead=True, block_n=16, num_stages=6),
+    "tma, page ahead, heads inner": dict(tma=True, page_ahead=True, heads_inner=True),
 }
 # the settings ``--b1`` tries at B1's decode step: fewer splits, and the kernel knobs that matter for short
 # contexts (the combined pass then joins the best of each axis)
@@ -500,7 +510,7 @@ def groups_of(rows: list[dict]) -> dict[str, set[str]]:
 
 
 # each kind's knobs on two axes, whose best settings the combined pass puts together
-AXES = {"decode": ({"block_n", "num_warps", "num_stages", "page_ahead", "heads_inner"},
+AXES = {"decode": ({"block_n", "num_warps", "num_stages", "page_ahead", "heads_inner", "tma"},
                    {"programs_per_sm", "max_splits", "wave_fit", "one_split_waves"}),
         "prefill": ({"block_m", "block_n", "num_warps", "num_stages"},
                     {"tma", "heads_first", "fused_scale"})}

@@ -67,6 +67,7 @@ DECODE_KNOBS = [
     dict(programs_per_sm=4, max_splits=3),
     dict(heads_inner=True),
     dict(heads_inner=True, page_ahead=True),
+    dict(page_ahead=True, tma=True, block_n=16),  # tensor-memory loads of one page a tile
 ]
 
 
@@ -84,6 +85,8 @@ def test_interp_decode_knobs(knobs, gen):
         tk.attention_decode(q, k_cache, v_cache, out, None, meta.context_lens, meta.block_tables, None,
                             meta.max_context_len, scale, num_splits=splits, config=cfg)
         assert rel(out, ref) < TOL, f"decode {knobs}, {splits} splits (seed {gen.initial_seed()})"
+    if INTERP and knobs.get("tma"):
+        assert tk._kv_descriptors(k_cache, v_cache, True, cfg.block_n) is not None, "TMA was not used"
 
 
 @KERNELS
@@ -377,13 +380,16 @@ for bs in (16, 128):
     tk.attention_decode(q1, cache, cache, torch.empty_like(q1), torch.empty(2, H), lens.repeat(2), table,
                         None, N, 0.1, num_splits=tk.REDUCE_CHUNK + 1, config=ahead)
     if bs == 128:
+        tk.attention_decode(q1, cache, cache, torch.empty_like(q1), None, lens.repeat(2), table, None, N, 0.1,
+                            num_splits=2, config=tk.DECODE_LARGE_PAGES._replace(tma=True))
         cfg = tk.PREFILL_LONG._replace(tma=True, fused_scale=True)
         tk.attention_rows(q, cache, cache, torch.empty_like(q), None, cu, lens, table[:1], None, N, 0.1,
                           paged=True, causal=True, config=cfg)
 packed = torch.empty(N, HKV, D, dtype=bf)
 tk.attention_rows(q, packed, packed, torch.empty_like(q), None, cu, None, None, None, N, 0.1, paged=False,
                   causal=True, config=tk.PREFILL_LONG._replace(tma=True, heads_first=True))
-tma = [k for k in tk._prefill_kernel.device_caches[0][0].values() if "cp.async.bulk.tensor" in k.asm["ptx"]]
+tma = [k for kernel in (tk._prefill_kernel, tk._decode_kernel) for k in kernel.device_caches[0][0].values()
+       if "cp.async.bulk.tensor" in k.asm["ptx"]]
 print("compiled", sum(len(k.device_caches[0][0]) for k in (tk._prefill_kernel, tk._decode_kernel,
                                                         tk._reduce_kernel)), "tma", len(tma))
 '''
@@ -392,10 +398,10 @@ print("compiled", sum(len(k.device_caches[0][0]) for k in (tk._prefill_kernel, t
 @pytest.mark.slow
 @pytest.mark.skipif(CUDA or INTERP, reason="CUDA compiles for itself; the interpreter compiles nothing")
 def test_structural_knobs_compile_for_hopper(tmp_path):
-    """The new kernel paths (decode pages read ahead, the chunked split reduce, TMA prefill over packed and
-    paged keys, heads first, the fused scale) compile for sm_90 with the bundled ptxas, no GPU needed; the
-    TMA settings use tensor-memory loads."""
+    """The new kernel paths (decode pages read ahead, the chunked split reduce, TMA decode over pages and TMA
+    prefill over packed and paged keys, heads first, the fused scale) compile for sm_90 with the bundled
+    ptxas, no GPU needed; the TMA settings use tensor-memory loads."""
     from nanovllm.testing import compile_for_hopper
 
     stdout = compile_for_hopper(HOPPER_COMPILE, ("_prefill_kernel", "_decode_kernel", "_reduce_kernel"), tmp_path)
-    assert "compiled 5 tma 2" in stdout, stdout
+    assert "compiled 7 tma 3" in stdout, stdout

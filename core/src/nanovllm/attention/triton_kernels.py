@@ -401,7 +401,7 @@ def _prefill_kernel(
 # constexpr, the decode rows of mixed steps (eager) compiled a variant for each new count mid-run
 @triton.jit(do_not_specialize=["stride_bt", "stride_bi", "stride_bh", "num_sel", "num_splits"])
 def _decode_kernel(
-    Q, K, V, PartO, PartL, Out, Lse,
+    Q, K, V, DescK, DescV, PartO, PartL, Out, Lse,
     lens, block_tables, block_idx,
     scale_log2,
     stride_qt, stride_qh, stride_qd,
@@ -413,7 +413,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     HAS_INDICES: tl.constexpr, WRITE_LSE: tl.constexpr, FP32: tl.constexpr, SKIP_DEAD: tl.constexpr,
     READ_AHEAD: tl.constexpr, SLIDING: tl.constexpr, PAGE_AHEAD: tl.constexpr, HEADS_INNER: tl.constexpr,
-    PDL: tl.constexpr = False,
+    TMA: tl.constexpr, PDL: tl.constexpr = False,
 ):
     wait_for_previous(PDL)
     if HEADS_INNER:  # grid (KV heads, sequences, splits)
@@ -483,14 +483,19 @@ def _decode_kernel(
         for start_n in range(start, full_end, BLOCK_N):
             blocks = next_blocks
             next_blocks = tile_blocks(bt_row, start_n + BLOCK_N, full_end, BLOCK_N, BLOCK_SIZE)
-            rows = blocks.to(tl.int64) * stride_kb + ((start_n + offs_t) % BLOCK_SIZE) * stride_ks
-            kv_ptrs = (rows + kvh * stride_kh)[:, None] + offs_d[None, :] * stride_kd
-            if BLOCK_D == HEAD_DIM:
-                k = tl.load(K + kv_ptrs)
-                v = tl.load(V + kv_ptrs)
+            if TMA:  # a tile lies in one page (``blocks`` is a scalar): rows of [rows, Hkv * D]
+                row0 = blocks * BLOCK_SIZE + start_n % BLOCK_SIZE
+                k = DescK.load([row0, kvh * HEAD_DIM])
+                v = DescV.load([row0, kvh * HEAD_DIM])
             else:
-                k = tl.load(K + kv_ptrs, mask=d_ok[None, :], other=0.0)
-                v = tl.load(V + kv_ptrs, mask=d_ok[None, :], other=0.0)
+                rows = blocks.to(tl.int64) * stride_kb + ((start_n + offs_t) % BLOCK_SIZE) * stride_ks
+                kv_ptrs = (rows + kvh * stride_kh)[:, None] + offs_d[None, :] * stride_kd
+                if BLOCK_D == HEAD_DIM:
+                    k = tl.load(K + kv_ptrs)
+                    v = tl.load(V + kv_ptrs)
+                else:
+                    k = tl.load(K + kv_ptrs, mask=d_ok[None, :], other=0.0)
+                    v = tl.load(V + kv_ptrs, mask=d_ok[None, :], other=0.0)
             acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
         for start_n in range(tl.maximum(full_end, start), end, BLOCK_N):
             acc, l_i, m_i = _masked_tile(
@@ -648,7 +653,9 @@ class DecodeConfig(NamedTuple):
     head) groups alone fill this many waves of ``programs_per_sm`` programs per multiprocessor, one split
     each (the kernel writes the output itself: no partials, no reduce); below that, the rule's own count.
     ``heads_inner``: the grid's fastest axis is the KV head, so the programs of one sequence's KV heads,
-    which read the same rows of its pages, run side by side."""
+    which read the same rows of its pages, run side by side. ``tma``: with ``page_ahead``, the unmasked
+    key tiles through tensor-memory-accelerator loads where a page holds whole tiles (as
+    :class:`PrefillConfig`'s ``tma``; elsewhere it is ignored)."""
 
     block_n: int
     num_warps: int
@@ -659,6 +666,7 @@ class DecodeConfig(NamedTuple):
     wave_fit: bool = False
     one_split_waves: int = 0
     heads_inner: bool = False
+    tma: bool = False
 
 
 # The defaults for 16-bit inputs on CUDA, head dim <= 128 (GQA 32q/8kv, d=128 measured): the values that
@@ -927,9 +935,11 @@ def attention_decode(
         part_l = torch.empty(num_seqs, num_splits, num_heads, dtype=torch.float32, device=q.device)
     else:
         part_o = part_l = _dummy(out, torch.float32)
+    page_ahead = cfg.page_ahead and not has_idx and window is None
+    descs = _kv_descriptors(k_cache, v_cache, True, bn) if cfg.tma and page_ahead else None
     grid = (num_kv_heads, num_seqs, num_splits) if cfg.heads_inner else (num_seqs, num_kv_heads, num_splits)
     _decode_kernel[grid](
-        q, k_cache, v_cache, part_o, part_l, out, lse_t,
+        q, k_cache, v_cache, *(descs or (k_cache, v_cache)), part_o, part_l, out, lse_t,
         lens, block_tables, bi,
         scale * LOG2E,
         *q.stride(), *k_cache.stride(), *out.stride(), *lse_strides,
@@ -939,8 +949,8 @@ def attention_decode(
         HAS_INDICES=has_idx, WRITE_LSE=write_lse, FP32=_dot_fp32(q),
         SKIP_DEAD=skip_dead,
         READ_AHEAD=_read_ahead(has_idx and not skip_dead, num_seqs * num_kv_heads, q.device),
-        SLIDING=window is not None, PAGE_AHEAD=cfg.page_ahead and not has_idx and window is None,
-        HEADS_INNER=cfg.heads_inner, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(q),
+        SLIDING=window is not None, PAGE_AHEAD=page_ahead, HEADS_INNER=cfg.heads_inner, TMA=descs is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(q),
     )
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
