@@ -54,15 +54,16 @@ def _close(out, ref, gen, what, scale=None):
 
 
 @cases
-@pytest.mark.parametrize("hidden", [64, 1000])
+@pytest.mark.parametrize("hidden", [64, 1000, 4096])
+@pytest.mark.parametrize("rows", [5, 37])  # a decode step's few rows (fewer warps a row), a prefill's
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm(device, dtype, hidden, with_residual, gen):
+def test_rms_norm(device, dtype, hidden, rows, with_residual, gen):
     norm = RMSNorm(hidden, eps=1e-6)
     with torch.no_grad():
         norm.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=gen))
     norm = norm.to(dtype)
-    x = _rand(gen, 37, hidden, dtype=dtype, device="cpu")
-    residual = _rand(gen, 37, hidden, dtype=dtype, device="cpu") if with_residual else None
+    x = _rand(gen, rows, hidden, dtype=dtype, device="cpu")
+    residual = _rand(gen, rows, hidden, dtype=dtype, device="cpu") if with_residual else None
     ref = norm(x, residual)  # CPU tensors: the torch code
     weight = norm.weight.detach().to(device)
     got_res = residual.to(device) if with_residual else None
@@ -373,4 +374,4 @@ def test_fused_kernels_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == len(DTYPES) * (4 + 2 + 1 + 1 + 4 + 2 + 4 + 1), tail
+    assert passed == len(DTYPES) * (12 + 2 + 1 + 1 + 4 + 2 + 4 + 1), tail

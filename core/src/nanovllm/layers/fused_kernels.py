@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from nanovllm.dependent_launch import launch_options, wait_for_previous
-from nanovllm.kernel_sizes import cdiv, next_power_of_2
+from nanovllm.kernel_sizes import CHAINED_LAUNCH_MAX_ROWS, cdiv, next_power_of_2
 
 
 @triton.jit
@@ -62,6 +62,15 @@ def _rms_norm_kernel(
     _add_rms_norm_row(x, R, W, Out, row, cols, ok, n_cols, eps, stride_r, stride_o, HAS_RESIDUAL, UNIT_OFFSET)
 
 
+ROPE_WIDE_MAX_TOKENS = 256  # RoPE launches of up to this many tokens run 8 warps a token, larger ones 4
+
+
+def _norm_warps(rows: int, block: int) -> int:
+    """Warps of a row's RMSNorm program: one per 256 elements of the row, at most 16, or at most 4 in steps of
+    up to ``CHAINED_LAUNCH_MAX_ROWS`` rows (decode), where the chained batch-1 step ran faster with fewer."""
+    return min(4 if rows <= CHAINED_LAUNCH_MAX_ROWS else 16, max(1, block // 256))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              unit_offset: bool = False):
     """RMSNorm over the last dim of ``x``; with ``residual`` (a contiguous tensor shaped like ``x``)
@@ -79,7 +88,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _rms_norm_kernel[(rows.shape[0],)](
             rows, res, weight, out, n_cols, eps, rows.stride(0), res.stride(0), n_cols,
             HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=block,
-            num_warps=min(16, max(1, block // 256)), **launch_options(x),
+            num_warps=_norm_warps(rows.shape[0], block), **launch_options(x),
         )
     return out if residual is None else (out, residual)
 
@@ -388,7 +397,8 @@ def rope_(
             HQ=num_heads, HQ_PAD=next_power_of_2(num_heads),
             HK=num_kv_heads, HK_PAD=next_power_of_2(num_kv_heads),
             HALF=half, HALF_PAD=next_power_of_2(half), NORM=norm,
-            BLOCK_SIZE=k_cache.shape[1] if store is not None else 1, STORE=store is not None, num_warps=4,
+            BLOCK_SIZE=k_cache.shape[1] if store is not None else 1, STORE=store is not None,
+            num_warps=8 if n_tokens <= ROPE_WIDE_MAX_TOKENS else 4,
             BITWISE_RNE=q.dtype == torch.bfloat16 and not q.is_cuda,  # on the CPU: the interpreter
             enable_fp_fusion=False,  # an FMA would skip the rounding of a product that the torch code rounds
             **launch_options(q),
