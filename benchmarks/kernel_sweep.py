@@ -107,16 +107,10 @@ DECODE_VARIANTS = {
     "2 warps": dict(num_warps=2),
     "2 stages": dict(num_stages=2),
     "4 stages": dict(num_stages=4),
-    # tensor-memory loads of the unmasked tiles (over pages read ahead; pages of at least a tile)
-    "tma, page ahead": dict(tma=True, page_ahead=True),
-    "tma, page ahead, 3 stages": dict(tma=True, page_ahead=True, num_stages=3),
-    "tma, page ahead, 5 stages": dict(tma=True, page_ahead=True, num_stages=5),
-    "tma, page ahead, 8 warps": dict(tma=True, page_ahead=True, num_warps=8),
-    "tma, page ahead, block_n 128, 8 warps, 3 stages": dict(tma=True, page_ahead=True, block_n=128,
-                                                            num_warps=8, num_stages=3),
-    "tma, page ahead, block_n 16, 4 stages": dict(tma=True, page_ahead=True, block_n=16, num_stages=4),
-    "tma, page ahead, block_n 16, 6 stages": dict(tma=True, page_ahead=True, block_n=16, num_stages=6),
-    "tma, page ahead, heads inner": dict(tma=True, page_ahead=True, heads_inner=True),
+    # TMA: on by default over pages of a tile or more; these try it off, and the depths its loads allow
+    "no tma, 4 stages": dict(tma=False, num_stages=4),
+    "block_n 32, 4 stages": dict(block_n=32, num_stages=4),
+    "3 programs/SM, 2 stages": dict(programs_per_sm=3, num_stages=2),
 }
 # the settings ``--b1`` tries at B1's decode step: fewer splits, and the kernel knobs that matter for short
 # contexts (the combined pass then joins the best of each axis)

@@ -108,6 +108,36 @@ def test_interp_decode_reduces_many_splits_in_chunks(gen):
         assert (lse - lse_few).abs().max().item() < 1e-3, f"lse over {splits} splits"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+def test_decode_graph_replays_keep_the_tma_loads_right(gen):
+    """Over pages of 128 the decode kernel reads key tiles through TMA descriptors, which a CUDA graph keeps
+    by value: replays after the cache, the queries and the lengths changed give the eager output."""
+    ctx = [1000, 300, 4097]
+    q, k_cache, v_cache, meta = paged_case([1] * len(ctx), ctx, 128, gen, kv_heads=8, group=4, head_dim=128)
+    assert tk._decode_config(128, q.dtype, q.device, 128).tma
+    assert tk._kv_descriptors(k_cache, v_cache, True, 64) is not None
+    scale, out = 128**-0.5, torch.empty_like(q)
+
+    def step():
+        tk.attention_decode(q, k_cache, v_cache, out, None, meta.context_lens, meta.block_tables, None, 4097,
+                            scale, num_splits=4)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for lens in ([999, 129, 4000], [1000, 300, 64]):
+        for t in (q, k_cache, v_cache):
+            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+        meta.context_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        replayed = out.clone()
+        step()
+        assert torch.equal(replayed, out), f"replay differs from eager at lengths {lens}"
+        assert rel(out, TorchBackend().decode(q, k_cache, v_cache, meta, scale)) < TOL, lens
+
+
 PAGE = 64 if CUDA else 16  # the GPU's dots need tiles of 16 and more
 
 
