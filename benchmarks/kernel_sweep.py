@@ -111,6 +111,10 @@ DECODE_VARIANTS = {
     "no tma, 4 stages": dict(tma=False, num_stages=4),
     "block_n 32, 4 stages": dict(block_n=32, num_stages=4),
     "3 programs/SM, 2 stages": dict(programs_per_sm=3, num_stages=2),
+    "3 programs/SM, 2 stages, heads inner": dict(programs_per_sm=3, num_stages=2, heads_inner=True),
+    "3 programs/SM, 2 stages, 2 warps": dict(programs_per_sm=3, num_stages=2, num_warps=2),
+    "3 programs/SM, 2 stages, 128 splits": dict(programs_per_sm=3, num_stages=2, max_splits=128),
+    "heads inner, 3 programs/SM, 128 splits": dict(heads_inner=True, programs_per_sm=3, max_splits=128),
 }
 # the settings ``--b1`` tries at B1's decode step: fewer splits, and the kernel knobs that matter for short
 # contexts (the combined pass then joins the best of each axis)
