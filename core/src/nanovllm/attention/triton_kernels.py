@@ -685,9 +685,10 @@ WIDE_TILES_SHARED_MEMORY = 200 * 1024
 # a sequence's KV heads side by side, which share each small page's rows)
 DECODE = DecodeConfig(64, 4, 3, programs_per_sm=3, max_splits=128, wave_fit=True, one_split_waves=4,
                       heads_inner=True)
-# pages of 64 tokens or more (one split from 4 waves as well; whole-page key tiles through TMA)
-DECODE_LARGE_PAGES = DecodeConfig(64, 4, 3, programs_per_sm=2, max_splits=64, page_ahead=True, wave_fit=True,
-                                  one_split_waves=4, tma=True)
+# pages of 64 tokens or more (one split from 4 waves as well; whole-page key tiles through TMA, whose two
+# stages leave room for three programs a multiprocessor)
+DECODE_LARGE_PAGES = DecodeConfig(64, 4, 2, programs_per_sm=3, max_splits=64, page_ahead=True, wave_fit=True,
+                                  one_split_waves=4, heads_inner=True, tma=True)
 REDUCE_CHUNK = 64  # the split reduce merges more splits than this a chunk at a time
 
 
