@@ -228,30 +228,9 @@ def paged_kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, box_rows:
     cannot serve (then load through pointers): a GPU before Hopper, CPU tensors outside Triton's
     interpreter, a head size that is not a power of two, pages that do not hold whole boxes
     (``block_size % box_rows``), or a layout whose rows are not evenly strided, 16-byte aligned runs."""
-    import torch
+    from nanovllm.attention.triton_kernels import _kv_descriptors
 
-    from nanovllm.attention.triton_kernels import is_interpreted
-
-    if k_cache.device.type == "cuda":
-        if torch.cuda.get_device_capability(k_cache.device)[0] < 9:
-            return None
-    elif not is_interpreted():
-        return None
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:
-        return None
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    row_stride = k_cache.stride(1)
-    rows_even = k_cache.stride(0) == block_size * row_stride and k_cache.stride() == v_cache.stride()
-    heads_packed = k_cache.stride(3) == 1 and k_cache.stride(2) == head_dim
-    aligned = (row_stride * k_cache.element_size()) % 16 == 0 and all(t.data_ptr() % 16 == 0
-                                                                     for t in (k_cache, v_cache))
-    if head_dim & (head_dim - 1) or block_size % box_rows or num_blocks == 0 or not (
-            rows_even and heads_packed and aligned):
-        return None
-    return tuple(TensorDescriptor(t, [num_blocks * block_size, num_kv_heads * head_dim], [row_stride, 1],
-                                  [box_rows, head_dim]) for t in (k_cache, v_cache))
+    return _kv_descriptors(k_cache, v_cache, True, box_rows)
 
 
 # -- names that need torch, loaded on first use ---------------------------------------------------------

@@ -775,7 +775,8 @@ def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, paged: bool, block_n: int)
     """Tensor-memory descriptors of ``k`` and ``v`` as 2-D ``[rows, Hkv * D]`` views (a key tile is
     ``block_n`` rows at column ``kvh * D``), or None where they cannot serve: a GPU before Hopper, a head
     dim that is not a power of two, pages smaller than (or not a multiple of) the tile, or a layout whose
-    rows are not evenly strided, 16-byte aligned runs."""
+    rows are not evenly strided, 16-byte aligned runs shared by ``k`` and ``v``. Public as
+    :func:`nanovllm.sparse.paged_kv_descriptors`."""
     if k.device.type == "cuda":
         if not _tma_capable(k.device.index if k.device.index is not None else torch.cuda.current_device()):
             return None
@@ -784,7 +785,7 @@ def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, paged: bool, block_n: int)
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     head_dim, num_kv_heads = k.shape[-1], k.shape[-2]
-    if head_dim & (head_dim - 1) or k.stride(-1) != 1 or k.stride(-2) != head_dim:
+    if head_dim & (head_dim - 1) or k.stride(-1) != 1 or k.stride(-2) != head_dim or k.stride() != v.stride():
         return None
     if paged:
         num_blocks, block_size = k.shape[:2]
