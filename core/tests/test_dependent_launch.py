@@ -61,19 +61,39 @@ def test_cpu_tensors_never_chain(capability):
     assert dependent_launch.launch_options(torch.zeros(1)) == {}
 
 
+def launch_sites(tree: ast.AST, name: str) -> list[list[ast.keyword]]:
+    """The keywords of each launch of kernel ``name`` in a module's syntax tree: ``name[grid](...)``, or an
+    entry ``(name, grid, args, dict(...))`` of a table of launches (the GEMV's)."""
+    sites = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == name):
+            sites.append(node.keywords)
+        elif (isinstance(node, ast.Tuple) and node.elts and isinstance(node.elts[0], ast.Name)
+              and node.elts[0].id == name and isinstance(node.elts[-1], ast.Call)):
+            sites.append(node.elts[-1].keywords)
+    return sites
+
+
 def test_each_chained_kernel_waits_first_and_each_launch_site_chains():
     """A kernel with the ``PDL`` switch calls ``wait_for_previous(PDL)`` before any other statement (its
-    docstring aside): no load or store may run before the kernel ahead of it has finished. Each module
-    passes the launch options at least once per such kernel."""
+    docstring aside): no load or store may run before the kernel ahead of it has finished. Every launch of
+    such a kernel passes ``**launch_options(...)``."""
     found = set()
     for module in (fused_kernels, gemv_kernels, triton_kernels):
+        tree = ast.parse(inspect.getsource(module))
         kernels = [k for k in vars(module).values()
                    if "PDL" in getattr(k, "arg_names", ()) and k.fn.__module__ == module.__name__]
         for kernel in kernels:
+            name = kernel.fn.__name__
             body = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn))).body[0].body
             if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
                 body = body[1:]
-            assert ast.unparse(body[0]) == "wait_for_previous(PDL)", kernel.fn.__name__
-            found.add(kernel.fn.__name__)
-        assert inspect.getsource(module).count("**launch_options(") >= len(kernels), module.__name__
+            assert ast.unparse(body[0]) == "wait_for_previous(PDL)", name
+            sites = launch_sites(tree, name)
+            assert sites, f"{name}: no launch found in {module.__name__}"
+            for keywords in sites:
+                spread = [ast.unparse(k.value) for k in keywords if k.arg is None]
+                assert any(s.startswith("launch_options(") for s in spread), f"{name} launches unchained"
+            found.add(name)
     assert found == CHAINED
