@@ -130,9 +130,11 @@ def _qk_norms(head_dim, dtype, gen):
 # (256, 4, 1): Gemma 3 270M's heads (its own q/k norms run before the kernel)
 @pytest.mark.parametrize("head_dim,heads,kv_heads,qk_norm",
                          [(128, 16, 8, True), (64, 6, 2, False), (32, 4, 1, True), (256, 4, 1, False)])
-def test_rope_in_place(device, dtype, head_dim, heads, kv_heads, qk_norm, gen):
+@pytest.mark.parametrize("t", [23, fk.ROPE_WIDE_MAX_TOKENS + 44])  # a decode step's launch, a prefill's
+def test_rope_in_place(device, dtype, head_dim, heads, kv_heads, qk_norm, t, gen):
+    if device == "cpu" and t > fk.ROPE_WIDE_MAX_TOKENS:
+        pytest.skip("the interpreter runs any number of warps alike")
     rope = RotaryEmbedding(head_dim, 4096, 1_000_000.0)
-    t = 23
     qkv = _rand(gen, t, heads + 2 * kv_heads, head_dim, dtype=dtype, device="cpu")
     positions = torch.randint(0, 4096, (t,), generator=gen)
     norms = _qk_norms(head_dim, dtype, gen) if qk_norm else (None, None)
