@@ -212,6 +212,21 @@ def online_softmax_step_fused_scale(acc, l_i, m_i, q, k, v, scale_log2, FP32: tl
 
 
 @triton.jit
+def _unmasked_kv(K, V, rows, kvh, offs_d, d_ok, stride_kh, stride_kd, HEAD_DIM: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """The keys and values of a tile every row of which is in range, KV head ``kvh``, through pointers:
+    ``rows`` holds each key's element offset; only a head dim padded to ``BLOCK_D`` is masked."""
+    kv_ptrs = (rows + kvh * stride_kh)[:, None] + offs_d[None, :] * stride_kd
+    if BLOCK_D == HEAD_DIM:
+        k = tl.load(K + kv_ptrs)
+        v = tl.load(V + kv_ptrs)
+    else:
+        k = tl.load(K + kv_ptrs, mask=d_ok[None, :], other=0.0)
+        v = tl.load(V + kv_ptrs, mask=d_ok[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
 def _masked_tile(
     acc, l_i, m_i, q, K, V, start_n, s, kvh, q_start, n_keys, kv_len, block_tables, sel,
     stride_bt, num_sel, stride_kb, stride_ks, stride_kh, stride_kd, offs_d, d_ok, q_pos, window,
@@ -350,13 +365,7 @@ def _prefill_kernel(
                 rows = blocks.to(tl.int64) * stride_kb + ((start_n + offs_t) % BLOCK_SIZE) * stride_ks
             else:
                 rows = (q_start + start_n + offs_t).to(tl.int64) * stride_ks
-            kv_ptrs = (rows + kvh * stride_kh)[:, None] + offs_d[None, :] * stride_kd
-            if BLOCK_D == HEAD_DIM:
-                k = tl.load(K + kv_ptrs)
-                v = tl.load(V + kv_ptrs)
-            else:
-                k = tl.load(K + kv_ptrs, mask=d_ok[None, :], other=0.0)
-                v = tl.load(V + kv_ptrs, mask=d_ok[None, :], other=0.0)
+            k, v = _unmasked_kv(K, V, rows, kvh, offs_d, d_ok, stride_kh, stride_kd, HEAD_DIM, BLOCK_D)
         if FUSED_SCALE:
             acc, l_i, m_i = online_softmax_step_fused_scale(acc, l_i, m_i, q, k, v, scale_log2, FP32)
         else:
@@ -489,13 +498,7 @@ def _decode_kernel(
                 v = DescV.load([row0, kvh * HEAD_DIM])
             else:
                 rows = blocks.to(tl.int64) * stride_kb + ((start_n + offs_t) % BLOCK_SIZE) * stride_ks
-                kv_ptrs = (rows + kvh * stride_kh)[:, None] + offs_d[None, :] * stride_kd
-                if BLOCK_D == HEAD_DIM:
-                    k = tl.load(K + kv_ptrs)
-                    v = tl.load(V + kv_ptrs)
-                else:
-                    k = tl.load(K + kv_ptrs, mask=d_ok[None, :], other=0.0)
-                    v = tl.load(V + kv_ptrs, mask=d_ok[None, :], other=0.0)
+                k, v = _unmasked_kv(K, V, rows, kvh, offs_d, d_ok, stride_kh, stride_kd, HEAD_DIM, BLOCK_D)
             acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
         for start_n in range(tl.maximum(full_end, start), end, BLOCK_N):
             acc, l_i, m_i = _masked_tile(
