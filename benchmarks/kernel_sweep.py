@@ -3,8 +3,9 @@ measured in the same run, to choose the defaults in ``core/src/nanovllm/attentio
 
 GQA 32 query / 8 KV heads, head dim 128, bf16, on one GPU:
 
-- paged decode, batch 1 at 128K, 8 at 16K and 64 at 4K, pages of 16 and 128: TB/s of KV read (each call
-  captured in a CUDA graph, as the engine runs decode) and its ratio to the copy (bytes read + written);
+- paged decode, batch 1 at 128K, 8 at 16K and 64 at 4K, pages of 16 and 128: TB/s of KV read (a CUDA graph
+  of one call on each of four input sets, as the engine runs decode layer after layer) and its ratio to the
+  copy (bytes read + written);
 - B1's decode step (``nanovllm bench throughput``, nano-vLLM's bench.py workload, on qwen3-0.6b): its 256
   sequences at their prompt and 24 decoded tokens (contexts of 131-1048), GQA 16/8, split as its decode
   graphs split them (``max_keys`` its max_model_len), pages of 16 and 128; rated like the other decode shapes,
@@ -49,8 +50,8 @@ from nanovllm.attention import triton_kernels as tk
 from nanovllm.attention.triton_backend import _sdpa_causal
 from nanovllm.bench import environment
 from nanovllm.bench.engine import throughput_workload
-from nanovllm.bench.kernels import (DEV, DRY, copy_bandwidth, graph_ms, ms, paged_cache, paged_decode_inputs,
-                                    randn, rel)
+from nanovllm.bench.kernels import (DEV, DRY, copy_bandwidth, decode_rotation, graph_ms, ms, paged_cache,
+                                    paged_decode_inputs, randn, rel)
 
 H, HKV, D = (4, 2, 32) if DRY else (32, 8, 128)
 SCALE = D**-0.5
@@ -157,8 +158,8 @@ def prefill_config(variant: str, paged: bool) -> tk.PrefillConfig:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the shapes: each builds its inputs and returns {variant: call} for the variants asked, calls returning their
-# output (each variant has its own output buffer, allocated here)
+# the shapes: each builds its inputs and returns {variant: [call on each input set]} for the variants asked,
+# calls returning their output (each has its own output buffer, allocated here)
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -186,16 +187,18 @@ def mixed_decode_inputs(contexts: tuple[int, ...], block_size: int, heads: int, 
 
 def decode_shape(batch: int, ctx: int | str, block_size: int, heads: int, gen, variants: list[str]):
     """``ctx``: every sequence's context length, or ``"B1"``: B1's decode step (``batch`` of its sequences,
-    split as its decode graphs split them; ``"B1 longest first"``: its sequences sorted by length)."""
+    split as its decode graphs split them; ``"B1 longest first"``: its sequences sorted by length). Each
+    variant runs on each of ``decode_rotation`` input sets, timed together in one CUDA graph."""
     if ctx in ("B1", "B1 longest first"):
         contexts = b1_contexts(longest_first=ctx != "B1")
-        kc, vc, tables, lens, q = mixed_decode_inputs(contexts, block_size, heads, gen)
-        max_keys = B1_MAX_MODEL_LEN
+        max_keys, tokens = B1_MAX_MODEL_LEN, sum(contexts)
+        build = functools.partial(mixed_decode_inputs, contexts, block_size, heads, gen)
     else:
-        kc, vc, tables, lens, q, _ = paged_decode_inputs(batch, ctx, block_size, heads, HKV, D, gen)
-        max_keys = ctx
+        max_keys, tokens = ctx, batch * ctx
+        build = functools.partial(paged_decode_inputs, batch, ctx, block_size, heads, HKV, D, gen)
+    sets = [build()[:5] for _ in range(decode_rotation(2 * tokens * HKV * D * 2))]
 
-    def call(variant):
+    def call(variant, kc, vc, tables, lens, q):
         out = torch.empty_like(q)
 
         def run():
@@ -203,11 +206,12 @@ def decode_shape(batch: int, ctx: int | str, block_size: int, heads: int, gen, v
                                 config=decode_config(variant, block_size))
             return out
         return run
-    return {v: call(v) for v in variants}
+    return {v: [call(v, *inputs) for inputs in sets] for v in variants}
 
 
 def prefill_shape(q_len: int, ctx: int, block_size: int | None, gen, variants: list[str]):
-    """``block_size`` None: packed keys (then ``q_len == ctx``)."""
+    """``block_size`` None: packed keys (then ``q_len == ctx``). One input set: a prefill is long enough
+    that its launch does not count."""
     k_all, v_all = randn(ctx, HKV, D, gen=gen), randn(ctx, HKV, D, gen=gen)
     q = randn(q_len, H, D, gen=gen)
     cu = torch.tensor([0, q_len], dtype=torch.int32, device=DEV)
@@ -227,11 +231,11 @@ def prefill_shape(q_len: int, ctx: int, block_size: int | None, gen, variants: l
                 tk.attention_rows(q, kc, vc, out, None, cu, lens, table, None, q_len, SCALE, paged=True,
                                   causal=True, config=cfg)
             return out
-        return run
+        return [run]
     sdpa_mode = "plain" if DRY else "cudnn"  # dry: the CPU's SDPA stands in
     calls = {v: call(v) for v in variants}
     if block_size is None:
-        return {"cudnn sdpa": lambda: _sdpa_causal(q, k_all, v_all, SCALE, sdpa_mode)} | calls
+        return {"cudnn sdpa": [lambda: _sdpa_causal(q, k_all, v_all, SCALE, sdpa_mode)]} | calls
     return calls
 
 
@@ -317,7 +321,7 @@ def _compile_part(args: tuple) -> dict:
         calls = fn(*build_args, gen, todo)
         for variant in todo:
             try:
-                calls[variant]()
+                calls[variant][0]()
                 torch.cuda.synchronize()
                 done += 1
             except Exception as e:  # noqa: BLE001 - the timed run records why, unless the context broke
@@ -401,7 +405,7 @@ def measure(shape: dict, gen, deadline: float, copy_tbps: float, anchors: dict, 
     fn, *build_args = shape["build"]
     calls = fn(*build_args, gen, shape["variants"])
     rows, ref = [], None
-    for variant, call in calls.items():
+    for variant, group in calls.items():
         row = empty_row(shape, variant)
         rows.append(row)
         why_not = fatal.get(_compile_key(shape, variant))
@@ -412,11 +416,11 @@ def measure(shape: dict, gen, deadline: float, copy_tbps: float, anchors: dict, 
             row["note"] = "skipped: out of time"
             continue
         try:
-            out = call()
+            out = group[0]()
             if ref is None:
                 ref = out.clone()
             row["err"] = float(f"{rel(out, ref):.2e}")
-            t = graph_ms([call]) if shape["kind"] == "decode" else ms(call)
+            t = graph_ms(group) if shape["kind"] == "decode" else ms(group[0])
         except Exception as e:  # noqa: BLE001 - a setting that cannot run: its row says why
             row["note"] = f"{type(e).__name__}: {str(e)[:160]}"
             if not DRY and not cuda_alive():
