@@ -159,28 +159,6 @@ def test_fa4_refusals():
         assert dispatch.fa4_refusal(arch, "bfloat16", dim) is None, "every registered head size runs on FA4"
 
 
-# the peer table's decode shapes (H200: 132 SMs; 8 KV heads of 128): FA4 runs only where it kept up
-@pytest.mark.parametrize("num_seqs, block_size, expected", [(1, 16, False), (1, 128, False), (8, 16, False),
-                                                            (8, 128, False), (64, 16, False), (64, 128, True)])
-def test_auto_decode_runs_fa4_only_where_the_peer_table_has_it_level(num_seqs, block_size, expected):
-    assert dispatch.decode_on_fa4("auto", num_seqs, 8, block_size, 128, num_sms=132) is expected
-
-
-def test_auto_decode_needs_tma_pages_and_several_waves_of_tiles():
-    waves = dispatch.FA4_DECODE_WAVES
-    assert dispatch.decode_on_fa4("auto", waves * 66, 2, 128, 128, 132)  # exactly the waves
-    assert not dispatch.decode_on_fa4("auto", waves * 66 - 1, 2, 128, 128, 132)  # a tile short
-    assert dispatch.decode_on_fa4("auto", 1000, 8, 128, 64, 132)  # 128 keys are one tile at head dims <= 128
-    for block_size, head_dim in [(16, 128), (64, 128), (256, 128), (128, 256)]:  # pages load by cp.async
-        assert not dispatch.tma_pages(block_size, head_dim)
-        assert not dispatch.decode_on_fa4("auto", 1000, 8, block_size, head_dim, 132)
-
-
-def test_decode_option_overrides_the_rule():
-    assert dispatch.decode_on_fa4("fa4", 1, 1, 16, 256, 132)
-    assert not dispatch.decode_on_fa4("triton", 1000, 8, 128, 128, 132)
-
-
 def test_window_mapping():
     assert dispatch.window_size(None) == (None, None)
     assert dispatch.window_size(1) == (0, 0)  # the query's own key only
@@ -360,22 +338,22 @@ def test_softcap_caps_the_scaled_scores(fa):
     assert not torch.allclose(capped, plain, atol=1e-3)
 
 
-def test_auto_decode_runs_fa4_for_many_waves_of_tma_pages_the_rest_triton(fa, monkeypatch):
-    monkeypatch.setattr(backend, "device_facts", lambda index: ((9, 0), 4))  # small batches fill 4 SMs
-    flash = fa()
-    tiles = dispatch.FA4_DECODE_WAVES * 4  # query tiles (sequences x 2 KV heads) that make the waves
-    cases = [(tiles // 2 - 1, 128, False), (tiles // 2, 16, False), (tiles // 2, 128, True)]
-    for seed, (num_seqs, block_size, on_fa4) in enumerate(cases):
+def test_decode_runs_triton_unless_capped_or_fa4_is_chosen(fa):
+    """``decode="auto"`` runs the Triton kernel at every batch and page size, FA4 only for a soft-cap (which
+    the Triton kernel lacks); ``decode="fa4"`` runs FA4 and ``decode="triton"`` Triton, a soft-cap aside."""
+    auto, forced, triton = fa(), fa(decode="fa4"), fa(decode="triton")
+    for seed, (num_seqs, block_size) in enumerate([(1, 16), (1, 128), (64, 16), (64, 128)]):
         b = _batch([(1, 1 + (37 * n) % 300) for n in range(num_seqs)], block_size=block_size, seed=seed)
         meta = _phase(b)
-        assert flash.decode_runs_fa4(b.q, b.k_cache, meta) is on_fa4
-        for window in (None, 5):
-            calls = fake_varlen.calls, len(flash.fallback.calls)
-            ref = TorchBackend().decode(b.q, b.k_cache, b.v_cache, meta, b.scale, window)
-            out = flash.decode(b.q, b.k_cache, b.v_cache, meta, b.scale, window)
-            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-            ran = (fake_varlen.calls - calls[0], len(flash.fallback.calls) - calls[1])
-            assert ran == (on_fa4, not on_fa4)
+        for flash, on_fa4 in ((auto, False), (forced, True), (triton, False)):
+            assert flash.decode_runs_fa4(b.q) is on_fa4 and flash.decode_runs_fa4(b.q, softcap=5.0)
+            for window in (None, 5):
+                calls = fake_varlen.calls, len(flash.fallback.calls)
+                ref = TorchBackend().decode(b.q, b.k_cache, b.v_cache, meta, b.scale, window)
+                out = flash.decode(b.q, b.k_cache, b.v_cache, meta, b.scale, window)
+                torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+                ran = (fake_varlen.calls - calls[0], len(flash.fallback.calls) - calls[1])
+                assert ran == (on_fa4, not on_fa4)
 
 
 def test_decode_option_and_softcap_override_the_batch_rule(fa):

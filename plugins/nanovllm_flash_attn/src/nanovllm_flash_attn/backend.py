@@ -4,9 +4,9 @@ kernels where it has not, chosen per call from shapes alone (:mod:`nanovllm_flas
 - ``prefill``: FA4, causal over each sequence's paged context (prefix-cache hits, chunks with history,
   grouped KV heads, sliding windows, soft-cap). A single sequence with nothing cached before it attends over
   its new keys and values directly, without a page table.
-- ``decode``: the Triton split-KV decode, and FA4 only for batches of several waves of query tiles over
-  128-key pages (:func:`~nanovllm_flash_attn.dispatch.decode_on_fa4`; the ``decode`` option of
-  :class:`~nanovllm_flash_attn.config.FlashAttnConfig` overrides it): FA4 has no split-KV on SM 9.x.
+- ``decode``: the Triton split-KV decode, faster than FA4's at every batch size the peer table measures on
+  SM 9.x (FA4 has no split-KV there); FA4 with a soft-cap, or with the ``decode="fa4"`` option of
+  :class:`~nanovllm_flash_attn.config.FlashAttnConfig`.
 - ``attend_chunk``: FA4, with log-sum-exp.
 - ``attend_blocks``: Triton. FA4's KV gather (``gather_kv_indices``) is for MLA on SM 10.x only, and its
   block sparsity masks (query tile, key tile) pairs, not per-sequence lists of cache blocks.
@@ -30,7 +30,7 @@ import torch
 from nanovllm.attention.backend import AttentionBackend
 from nanovllm.attention.metadata import PhaseMetadata
 from nanovllm_flash_attn.config import FlashAttnConfig
-from nanovllm_flash_attn.dispatch import decode_on_fa4, dense_args, fa4_refusal, paged_args
+from nanovllm_flash_attn.dispatch import dense_args, fa4_refusal, paged_args
 
 
 def load_fa4() -> Callable:
@@ -88,21 +88,16 @@ class FlashAttnBackend(AttentionBackend):
         self, q, k_cache, v_cache, meta: PhaseMetadata, scale: float, window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        if not self.decode_runs_fa4(q, k_cache, meta, softcap):
+        if not self.decode_runs_fa4(q, softcap):
             return self.fallback.decode(q, k_cache, v_cache, meta, scale, window)
         return self.fa4(q, k_cache, v_cache, **paged_args(meta, scale, window, softcap))[0]
 
-    def decode_runs_fa4(
-        self, q: torch.Tensor, k_cache: torch.Tensor, meta: PhaseMetadata, softcap: float | None = None
-    ) -> bool:
-        """Whether ``decode`` of this call's shapes runs FA4 (else the Triton split-KV kernel)."""
+    def decode_runs_fa4(self, q: torch.Tensor, softcap: float | None = None) -> bool:
+        """Whether ``decode`` of this call runs FA4 (else the Triton split-KV kernel): with a soft-cap, which
+        only FA4 applies, or with ``decode="fa4"``."""
         if self._on_triton(q, softcap):
             return False
-        if softcap:  # only FA4 caps
-            return True
-        num_sms = device_facts(q.device.index)[1]
-        _, block_size, num_kv_heads, head_dim = k_cache.shape
-        return decode_on_fa4(self.config.decode, meta.num_seqs, num_kv_heads, block_size, head_dim, num_sms)
+        return bool(softcap) or self.config.decode == "fa4"
 
     def attend_blocks(self, q, k_cache, v_cache, meta, block_indices, kv_lens, scale):
         return self.fallback.attend_blocks(q, k_cache, v_cache, meta, block_indices, kv_lens, scale)

@@ -11,11 +11,11 @@ DECODE_CHOICES = ("auto", "fa4", "triton")
 class FlashAttnConfig:
     """``decode``: which kernel runs paged decode.
 
-    - ``"auto"`` (default): FA4 when its pages load by TMA (blocks of 128 at head dims up to 128) and the
-      batch's ``num_seqs * num_kv_heads`` query tiles fill every SM of the GPU several times over, else the
-      Triton backend's split-KV decode (:func:`nanovllm_flash_attn.dispatch.decode_on_fa4` says why). FA4
-      has no split-KV on SM 9.x, so a small batch over a long context would leave most SMs idle.
-    - ``"fa4"``: FA4 at every batch size; ``"triton"``: the Triton backend's decode at every batch size.
+    - ``"auto"`` (default): the Triton backend's split-KV decode, except with a soft-cap, which only FA4
+      applies. FA4 has no split-KV on SM 9.x: a small batch over a long context leaves most SMs idle, and
+      at full batches the peer table (``nanovllm bench kernels``) still has it behind the Triton kernel.
+    - ``"fa4"``: FA4 at every batch size; ``"triton"``: the Triton backend's decode (a soft-capped call
+      still runs FA4).
     """
 
     decode: str = attrs.field(default="auto", validator=attrs.validators.in_(DECODE_CHOICES))

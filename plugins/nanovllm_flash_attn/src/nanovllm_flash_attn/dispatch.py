@@ -40,38 +40,6 @@ def fa4_refusal(arch: tuple[int, int], dtype: str, head_dim: int) -> str | None:
     return None
 
 
-# Decode runs FA4 only from this many full waves of query tiles (see decode_on_fa4).
-FA4_DECODE_WAVES = 3
-
-
-def tma_pages(block_size: int, head_dim: int) -> bool:
-    """Whether FA4 on SM 9.x loads KV pages of ``block_size`` tokens by TMA, one page per key tile: its key
-    tile is 128 keys at head dims up to 128, windowed or not. Other pages load by cp.async, one key row at a
-    time through the page table."""
-    return head_dim <= 128 and block_size == 128
-
-
-def decode_on_fa4(mode: str, num_seqs: int, num_kv_heads: int, block_size: int, head_dim: int,
-                  num_sms: int) -> bool:
-    """Whether paged decode runs FA4 (``mode`` of :class:`~nanovllm_flash_attn.config.FlashAttnConfig`).
-
-    ``"auto"``: FA4 only where it keeps up with the Triton split-KV decode, i.e. with both of
-
-    - pages loaded by TMA (:func:`tma_pages`): with cp.async page loads FA4's decode trails Triton's even
-      when the batch fills the GPU several times over;
-    - ``num_seqs * num_kv_heads >= FA4_DECODE_WAVES * num_sms``: FA4 packs a GQA group's query heads into
-      one tile and, without split-KV on SM 9.x, each tile reads its sequence's whole context on one SM.
-      Under a wave of tiles most SMs idle (a single long sequence runs on a handful of SMs), and the last,
-      partial wave idles some; several full waves amortise it. Triton splits each context across SMs.
-
-    Everything else runs Triton. The peer table (``nanovllm bench kernels``) is the evidence: on SM 9.x
-    FA4's decode is level with Triton's only at a batch of several waves with 128-key pages, and behind at
-    every other shape it measures."""
-    if mode != "auto":
-        return mode == "fa4"
-    return tma_pages(block_size, head_dim) and num_seqs * num_kv_heads >= FA4_DECODE_WAVES * num_sms
-
-
 def window_size(window: int | None) -> tuple[int | None, int | None]:
     """Our sliding ``window`` (the query at ``p`` sees keys ``p - window + 1 .. p``) as FA4's causal
     ``(left, right)``; no window: ``(None, None)``, plain causal."""
