@@ -90,7 +90,7 @@ def test_unavailable_flash_attn_is_passed_over_for_triton_with_its_reason(plugin
         assert chosen(plugins, BackendNeeds(CUDA, torch.bfloat16, 128)) == "triton"
     reason = "not installed" if info is None else re.escape(info.unavailable)
     assert re.search(rf"chose 'triton': among the fastest in \d+ of the \d+ shapes measured on sm_90 "
-                     rf"\(benchmarks/results/h200_fa4_peers.json\); passed over flash_attn: .*{reason}", caplog.text)
+                     rf"\(benchmarks/results/h200_kernel_peers.json\); passed over flash_attn: .*{reason}", caplog.text)
 
 
 def test_an_available_flash_attn_is_chosen_where_it_measured_fastest(plugins, gpu, caplog):
@@ -190,27 +190,18 @@ def test_device_family_names_the_compute_capability():
 
 
 def test_sm_90_entries_are_those_of_their_run():
-    """Each entry, recomputed from the rows of the results file it names: for the ``triton`` backend the
-    kernels its prefill runs (cuDNN SDPA on a fresh prompt, the Triton paged kernel with history)."""
+    """Each entry, recomputed from the peer-table rows of the results file it names: every prefill and
+    decode shape, the ``triton`` and ``flash_attn`` backends each through its own ``prefill`` and ``decode``."""
     measured = MEASURED["sm_90"]
     results = json.loads((ROOT / measured.results).read_text())
-    assert "H200" in results["device"] or "H100" in results["device"]  # SM 9.0
-    value = {(r["shape"], r["peer"]): r["value"] for r in results["rows"]}
-    derived = {}
-    for n, label in ((4096, "4K"), (16384, "16K")):
-        shape = f"q={n} ctx={n}"
-        derived["prefill", label] = {"flash_attn": value[shape, "flash_attn backend bs=16"],
-                                     "triton": value[shape, "sdpa cudnn"]}
-    for bs in (16, 128):
-        shape = "q=4096 ctx=16384"
-        derived["prefill", f"4K over 16K, blocks of {bs}"] = {"flash_attn": value[shape, f"flash_attn backend bs={bs}"],
-                                                              "triton": value[shape, f"triton paged bs={bs}"]}
-    for batch, ctx, label in ((1, 131072, "128K"), (8, 16384, "16K"), (64, 4096, "4K")):
-        for bs in (16, 128):
-            shape = f"b={batch} ctx={ctx} bs={bs}"
-            [flash] = [v for (s, p), v in value.items() if s == shape and p.startswith("flash_attn backend")]
-            derived["decode", f"batch {batch} at {label}, blocks of {bs}"] = {"flash_attn": flash,
-                                                                               "triton": value[shape, "triton backend"]}
+    assert "H200" in results["environment"]["device"] or "H100" in results["environment"]["device"]  # SM 9.0
+    [kernels] = results["results"]
+    derived: dict[tuple[str, str], dict[str, float]] = {}
+    for r in kernels["rows"]:
+        backend = r.get("backend")
+        if backend in ("triton", "flash_attn"):
+            derived.setdefault((r["kind"], r["shape"]), {})[backend] = r["value"]
+    assert len(derived) >= 20 and all(len(values) == 2 for values in derived.values())
     assert dict(measured.fastest) == {key: fastest(values) for key, values in derived.items()}
     assert measured.ranking()[0] == "flash_attn" and set(AUTO_BACKENDS) <= {"triton", "torch"}
 

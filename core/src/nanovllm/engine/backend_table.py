@@ -21,7 +21,7 @@ TIE = 0.02  # within 2% of the fastest counts as fastest: the noise between runs
 class MeasuredFamily:
     """One GPU family's measured entries: ``(phase, shape) -> backends fastest first`` and their run."""
 
-    results: str  # the results file in the repository, e.g. "benchmarks/results/h200_fa4_peers.json"
+    results: str  # the results file in the repository, e.g. "benchmarks/results/h200_kernel_peers.json"
     fastest: Mapping[tuple[str, str], tuple[str, ...]]
 
     def ranking(self) -> tuple[str, ...]:
@@ -40,22 +40,38 @@ class MeasuredFamily:
 
 MEASURED: dict[str, MeasuredFamily] = {
     "sm_90": MeasuredFamily(
-        results="benchmarks/results/h200_fa4_peers.json",
+        results="benchmarks/results/h200_kernel_peers.json",
         fastest={
             ("prefill", "4K"): ("flash_attn",),
+            ("prefill", "1K over 4K, blocks of 16"): ("flash_attn",),
+            ("prefill", "1K over 4K, blocks of 128"): ("flash_attn",),
             ("prefill", "16K"): ("flash_attn",),
             ("prefill", "4K over 16K, blocks of 16"): ("flash_attn",),
             ("prefill", "4K over 16K, blocks of 128"): ("flash_attn",),
+            ("prefill", "128K"): ("flash_attn",),
+            ("prefill", "4K over 128K, blocks of 16"): ("flash_attn",),
+            ("prefill", "4K over 128K, blocks of 128"): ("flash_attn",),
+            ("decode", "batch 1 at 4K, blocks of 16"): ("triton", "flash_attn"),
+            ("decode", "batch 1 at 4K, blocks of 128"): ("flash_attn", "triton"),
+            ("decode", "batch 1 at 16K, blocks of 16"): ("flash_attn", "triton"),
+            ("decode", "batch 1 at 16K, blocks of 128"): ("triton", "flash_attn"),
             ("decode", "batch 1 at 128K, blocks of 16"): ("triton", "flash_attn"),
-            ("decode", "batch 1 at 128K, blocks of 128"): ("flash_attn", "triton"),
+            ("decode", "batch 1 at 128K, blocks of 128"): ("triton", "flash_attn"),
+            ("decode", "batch 8 at 4K, blocks of 16"): ("flash_attn", "triton"),
+            ("decode", "batch 8 at 4K, blocks of 128"): ("flash_attn", "triton"),
             ("decode", "batch 8 at 16K, blocks of 16"): ("flash_attn", "triton"),
             ("decode", "batch 8 at 16K, blocks of 128"): ("flash_attn", "triton"),
-            ("decode", "batch 64 at 4K, blocks of 16"): ("triton",),
-            ("decode", "batch 64 at 4K, blocks of 128"): ("flash_attn", "triton"),
+            ("decode", "batch 8 at 128K, blocks of 16"): ("triton", "flash_attn"),
+            ("decode", "batch 8 at 128K, blocks of 128"): ("triton", "flash_attn"),
+            ("decode", "batch 64 at 4K, blocks of 16"): ("flash_attn", "triton"),
+            ("decode", "batch 64 at 4K, blocks of 128"): ("triton", "flash_attn"),
+            ("decode", "batch 64 at 16K, blocks of 16"): ("triton", "flash_attn"),
+            ("decode", "batch 64 at 16K, blocks of 128"): ("triton", "flash_attn"),
+            ("decode", "batch 64 at 128K, blocks of 16"): ("triton", "flash_attn"),
+            ("decode", "batch 64 at 128K, blocks of 128"): ("flash_attn", "triton"),
         },
     ),
 }
-
 
 def device_family(major: int, minor: int) -> str:
     """The family key of a CUDA device of compute capability ``major.minor``: ``"sm_90"`` for 9.0."""
