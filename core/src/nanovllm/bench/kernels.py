@@ -95,9 +95,9 @@ def graph_ms(calls: list) -> float:
 
 def decode_rotation(set_bytes: int) -> int:
     """How many input sets of ``set_bytes`` a decode timing rotates over (1 to 4, together at most
-    ``ROTATION_BYTES``): one call on each set a CUDA-graph replay spreads the replay's start (a few
-    microseconds, 3-7% of a 130 us decode) over the calls, as a decode graph spreads it over its layers, while
-    every set is read once a replay, so the L2 cache serves no call from another's reads."""
+    ``ROTATION_BYTES``): one call on each set a CUDA-graph replay spreads the replay's start over the calls,
+    as a decode graph spreads it over its layers, while every set is read once a replay, so the L2 cache
+    serves no call from another's reads."""
     return 1 if DRY else max(1, min(4, ROTATION_BYTES // set_bytes))
 
 
