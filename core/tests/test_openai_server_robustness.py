@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,12 +36,13 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model) -> str:
-    """The tiny model, its tokenizer given a chat template (a word per message's content)."""
-    path = Path(tiny_model())
+def model_dir(tiny_model, tmp_path_factory) -> str:
+    """A copy of the tiny model, its tokenizer given a chat template (a word per message's content); the
+    session's tiny model stays without one, as other tests need it."""
+    path = tmp_path_factory.mktemp("robustness") / "model"
+    shutil.copytree(tiny_model(), path)
     config = json.loads((path / "tokenizer_config.json").read_text())
-    if config.get("chat_template") != TEMPLATE:
-        (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
     return str(path)
 
 
