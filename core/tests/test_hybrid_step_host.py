@@ -92,7 +92,9 @@ def test_decode_host_work_does_not_grow_with_the_context():
         return 1000 * statistics.median(times["decode_only"])
 
     decode_ms(256)  # warm-up
-    short, long = min(decode_ms(256) for _ in range(2)), min(decode_ms(8192) for _ in range(2))
+    # interleaved, the fastest of four each: on a busy 2-core machine one run can take twice another's time
+    runs = [(decode_ms(256), decode_ms(8192)) for _ in range(4)]
+    short, long = min(s for s, _ in runs), min(lg for _, lg in runs)
     assert long < 1.8 * short + 0.05, f"host ms per decode step: {long:.3f} at 8K tokens, {short:.3f} at 256"
 
 
@@ -111,10 +113,10 @@ def test_chunk_host_work_near_the_uniform_layouts():
         return 1000 * statistics.median(times["mixed"])
 
     mixed_ms(True), mixed_ms(False)  # warm-up
-    # four interleaved pairs, the median of their ratios: a loaded machine slows some runs, and one run
-    # apart from the others must not decide
+    # four interleaved pairs, the fastest run of each layout: a loaded machine slows single runs by up to
+    # 1.6 times, never speeds one up
     pairs = [(mixed_ms(True), mixed_ms(False)) for _ in range(4)]
-    ratio = statistics.median(hybrid / uniform for hybrid, uniform in pairs)
+    ratio = min(hybrid for hybrid, _ in pairs) / min(uniform for _, uniform in pairs)
     assert ratio < 2.5, f"host ms per mixed step (hybrid, uniform): {pairs}"
 
 
