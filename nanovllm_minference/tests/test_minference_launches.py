@@ -66,9 +66,10 @@ def chunk_launches(monkeypatch, store: type[PagedLayerKV] = PagedLayerKV, **conf
 
 
 # a vertical-slash chunk on the GPU cache: the estimate's two passes, the selection (ranking, top lines and
-# index), the density and the sparse kernel that reads it; one fill (the density's totals), no sync
+# index), the density, the columns' keys staged and the sparse kernel that reads them; one fill (the density's
+# totals), no sync
 DEVICE_CACHE = {"_row_stats_kernel": 1, "_sums_kernel": 1, "_select_kernel": 1, "_density_kernel": 1,
-                "_sparse_prefill_kernel": 1}
+                "_stage_columns_kernel": 1, "_sparse_prefill_kernel": 1}
 # slash_unit="tile" (the default): the selection keeps the columns alone, the bands are scored and chosen by
 # torch ops, and the lines kernel makes the index
 TILE_OPS = 64

@@ -14,8 +14,9 @@ each reading ``keys`` keys a step:
    the rows of the query tile that does not read it left out at a few operations a row): tiles wholly
    below every row (and so inside the context) without masks, their keys loaded as dense prefill loads
    them (through TMA where a page holds a whole step), then the tiles on the diagonal with the causal mask;
-2. the head's columns, gathered, minus those whose tile is a slash tile of the row's query tile
-   (slash_cover), with the causal mask;
+2. the head's columns, minus those whose tile is a slash tile of the row's query tile (slash_cover), with
+   the causal mask: their keys and values gathered from the cache beforehand by one launch, into rows that
+   the loop reads in order (a gather inside the loop waits on two loads a step);
 3. (only for an index with blocks) the key tiles listed for each query tile, split like loop 1.
 
 The ascending lists are first counted against the tiles' bounds (tiles below 0, tiles wholly below the
@@ -116,6 +117,14 @@ def _union_next(list_a, ia, a_hi, shift_a, list_b, ib, b_hi, shift_b, LISTED: tl
 
 
 @triton.jit
+def _listed_tile(entries, j, hi, shift, LISTED: tl.constexpr):
+    """Key tile ``shift + entries[j]`` (not ``LISTED``: ``shift + j``) while ``j < hi``; past the list, tile 0."""
+    if LISTED:
+        return tl.where(j < hi, shift + tl.load(entries + j, mask=j < hi, other=0), 0)
+    return tl.where(j < hi, shift + j, 0)
+
+
+@triton.jit
 def _rows_step(acc, l_i, m_i, q, k, v, row_ok, scale_log2, FUSED_SCALE: tl.constexpr, FP32: tl.constexpr):
     """One key tile of the online softmax (base 2) that only the rows ``row_ok`` read, every key of it: the
     other rows keep their state, at the cost of a few operations a row, none a score. ``FUSED_SCALE``: the
@@ -162,13 +171,17 @@ def _key_tiles(
     for i in range(0, num_tiles * SUB):
         start, phys, a_cur, b_cur = start_next, phys_next, in_a, in_b
         # the next step: the tile's next KEYS keys, or the union's next tile
-        t, a2, b2, ia2, ib2 = _union_next(list_a, ia, a_hi, shift_a, list_b, ib, b_hi, shift_b, LISTED, TWO)
-        new_tile = (i + 1) % SUB == 0
-        start_next = tl.where(new_tile, t * TILE, start + KEYS)
-        in_a = tl.where(new_tile, a2, a_cur)
-        in_b = tl.where(new_tile, b2, b_cur)
-        ia = tl.where(new_tile, ia2, ia)
-        ib = tl.where(new_tile, ib2, ib)
+        if TWO:
+            t, a2, b2, ia2, ib2 = _union_next(list_a, ia, a_hi, shift_a, list_b, ib, b_hi, shift_b, LISTED, TWO)
+            new_tile = (i + 1) % SUB == 0
+            start_next = tl.where(new_tile, t * TILE, start + KEYS)
+            in_a = tl.where(new_tile, a2, a_cur)
+            in_b = tl.where(new_tile, b2, b_cur)
+            ia = tl.where(new_tile, ia2, ia)
+            ib = tl.where(new_tile, ib2, ib)
+        else:  # one list: the entry follows from the step's number, not from the step before
+            start_next = _listed_tile(list_a, a_lo + (i + 1) // SUB, a_hi, shift_a, LISTED) * TILE \
+                + ((i + 1) % SUB) * KEYS
         phys_next = tile_blocks(bt_row, start_next, last_pos + 1, KEYS, BLOCK_SIZE).to(tl.int64)
         if KEYS <= BLOCK_SIZE:  # one page: a scalar block plus the slots
             rows = phys * stride_kb + (start % BLOCK_SIZE + offs_k) * stride_ks
@@ -208,7 +221,7 @@ def _key_tiles(
 # list widths and strides change from step to step: one compiled kernel for all of them
 @triton.jit(do_not_specialize=["stride_bt", "num_cols", "num_slash", "cover_r", "num_qtiles", "num_blocks"])
 def _sparse_prefill_kernel(
-    Q, K, V, Out, Lse, desc_k, desc_v,
+    Q, K, V, Out, Lse, desc_k, desc_v, StagedK, StagedV,
     cu_q, ctx_lens, block_tables,
     columns, column_counts, slash_tiles, slash_counts, slash_cover, blocks, block_counts, totals,
     scale_log2, dense_above,
@@ -309,8 +322,9 @@ def _sparse_prefill_kernel(
         )
 
         # 2. columns up to the last row's position, KEYS at a time, minus those in a slash tile of the row's
-        # query tile: gathered
+        # query tile: their keys and values from the rows staged for the head, in list order
         cols = columns + head * num_cols
+        staged = head * num_cols * BLOCK_D
         _, _, live_cols = _count_at_most(cols, tl.load(column_counts + head), last_pos, last_pos, last_pos,
                                          CHUNK)
         for j0 in range(0, live_cols, KEYS):
@@ -319,18 +333,14 @@ def _sparse_prefill_kernel(
             c = tl.load(cols + offs_j, mask=live, other=0)
             d = c // TILE - base
             use = live & (tl.load(cover + d, mask=live & (d >= -cover_r) & (d <= 1), other=0) == 0)
-            keep = use[None, :] & (c[None, :] <= q_pos[:, None])
+            keep = use[None, :]
             if TWO:
                 covered_b = tl.load(cover + d - 1, mask=live & (d - 1 >= -cover_r) & (d <= 2), other=0)
-                use_b = live & (covered_b == 0)
-                keep = tl.where(rows_b[:, None], use_b[None, :], use[None, :])
-                keep = keep & (c[None, :] <= q_pos[:, None])
-                use = use | use_b
-            phys = tl.load(bt_row + c // BLOCK_SIZE, mask=use, other=0).to(tl.int64)
-            rows = phys * stride_kb + (c % BLOCK_SIZE) * stride_ks
-            ld = use[:, None] & d_ok[None, :]
-            k = tl.load(K + rows[:, None] + offs_d[None, :] * stride_kd, mask=ld, other=0.0)
-            v = tl.load(V + rows[:, None] + offs_d[None, :] * stride_kd, mask=ld, other=0.0)
+                keep = tl.where(rows_b[:, None], (live & (covered_b == 0))[None, :], keep)
+            keep = keep & (c[None, :] <= q_pos[:, None])
+            kv_ptrs = staged + offs_j[:, None] * BLOCK_D + offs_d[None, :]
+            k = tl.load(StagedK + kv_ptrs, mask=live[:, None], other=0.0)
+            v = tl.load(StagedV + kv_ptrs, mask=live[:, None], other=0.0)
             acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, keep, scale_log2, True, FP32)
 
         # 3. block-sparse heads: the key tiles listed for each query tile, read by its rows (with TWO: as
@@ -367,6 +377,54 @@ def _sparse_prefill_kernel(
     # natural log; -inf for a row that read nothing (m_i = -inf, l_i = 0)
     tl.store(Lse + q_rows * stride_lt + h * stride_lh, (m_i + tl.math.log2(l_i)) * 0.6931471805599453,
              mask=m_ok)
+
+
+@triton.jit(do_not_specialize=["stride_bt", "num_cols"])
+def _stage_columns_kernel(
+    K, V, StagedK, StagedV, ctx_lens, block_tables, columns, column_counts,
+    stride_kb, stride_ks, stride_kh, stride_kd, stride_bt, num_cols,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    KEYS: tl.constexpr,
+):
+    """One program per (``KEYS`` list entries, head, sequence): the keys and values of the head's columns,
+    gathered from the paged cache into rows ``[head, entry]`` of ``StagedK``/``StagedV`` (``BLOCK_D`` wide,
+    zero past the head size), so that the sparse kernel reads them at addresses its loop count gives."""
+    h = tl.program_id(1)
+    s = tl.program_id(2).to(tl.int64)
+    head = s * tl.num_programs(1) + h
+    offs_j = tl.program_id(0) * KEYS + tl.arange(0, KEYS)
+    offs_d = tl.arange(0, BLOCK_D)
+    c = tl.load(columns + head * num_cols + offs_j, mask=offs_j < num_cols, other=0)
+    live = (offs_j < tl.load(column_counts + head)) & (c < tl.load(ctx_lens + s))
+    phys = tl.load(block_tables + s * stride_bt + c // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
+    src = phys * stride_kb + (c % BLOCK_SIZE) * stride_ks + (h // GROUP) * stride_kh
+    ld = live[:, None] & (offs_d < HEAD_DIM)[None, :]
+    dst = (head * num_cols + offs_j)[:, None] * BLOCK_D + offs_d[None, :]
+    rows_ok = (offs_j < num_cols)[:, None]
+    tl.store(StagedK + dst, tl.load(K + src[:, None] + offs_d[None, :] * stride_kd, mask=ld, other=0.0),
+             mask=rows_ok)
+    tl.store(StagedV + dst, tl.load(V + src[:, None] + offs_d[None, :] * stride_kd, mask=ld, other=0.0),
+             mask=rows_ok)
+
+
+def _staged_columns(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, columns: torch.Tensor, column_counts: torch.Tensor,
+                    keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(keys, values)`` ``[S, H, NV, D']`` in the cache's dtype: every head's columns read from the cache in
+    list order (one launch), ``D'`` the head size padded to a power of two."""
+    num_seqs, num_heads, num_cols = columns.shape
+    head_dim = k_cache.shape[3]
+    block_d = next_power_of_2(head_dim)
+    staged_k = torch.empty(num_seqs, num_heads, num_cols, block_d, dtype=k_cache.dtype, device=k_cache.device)
+    staged_v = torch.empty_like(staged_k)
+    if staged_k.numel():
+        _stage_columns_kernel[(cdiv(num_cols, keys), num_heads, num_seqs)](
+            k_cache, v_cache, staged_k, staged_v, context_lens, block_tables, columns, column_counts,
+            *k_cache.stride(), block_tables.stride(0), num_cols,
+            GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1],
+            KEYS=keys,
+        )
+    return staged_k, staged_v
 
 
 @triton.jit(do_not_specialize=["num_cols", "num_slash", "num_qtiles"])
@@ -526,9 +584,10 @@ def sparse_attention(
     else:
         blocks, block_counts = column_counts, column_counts  # never read
     descs = paged_kv_descriptors(k_cache, v_cache, cfg.keys) if cfg.tma else None
+    staged = _staged_columns(k_cache, v_cache, block_tables, context_lens, columns, column_counts, cfg.keys)
     grid = (cdiv(max_query_len, cfg.block_m), num_heads, cu_seqlens_q.shape[0] - 1)
     _sparse_prefill_kernel[grid](
-        q, k_cache, v_cache, out, lse, *(descs or (k_cache, v_cache)),
+        q, k_cache, v_cache, out, lse, *(descs or (k_cache, v_cache)), *staged,
         cu_seqlens_q, context_lens, block_tables,
         columns, column_counts, slash, slash_counts, cover, blocks, block_counts,
         column_counts if totals is None else totals,  # never read unguarded
