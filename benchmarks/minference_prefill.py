@@ -55,21 +55,23 @@ from nanovllm.bench import markdown_row
 
 PRESET = "llama-3.1-8b"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-CONFIGS = ("default", "old", "block_m=64", "no-tma", "no-fused-scale")  # kernel_configs' names
+CONFIGS = ("default", "old", "block_m=64", "block_m=128", "no-tma", "no-fused-scale")  # kernel_configs' names
 
 
-def kernel_configs():
-    """The sparse kernel's configurations by the names of ``CONFIGS``: ``default`` (the kernel's own rule),
-    ``old`` (64-row programs over 4 warps, no fused scale, no TMA: the kernel before its knobs), and
-    ``default`` less one knob each."""
+def kernel_configs(block_size: int):
+    """The sparse kernel's configurations over pages of ``block_size`` keys by the names of ``CONFIGS``:
+    ``default`` (the kernel's own rule), ``old`` (64-row programs over 4 warps, no fused scale, no TMA: the
+    kernel before its knobs), ``default`` with one query tile a program over 4 warps (``block_m=64``) or two
+    over 8 (``block_m=128``), and ``default`` less one knob each."""
     import attrs
     import torch
 
     from nanovllm_minference.attention import kernel_config
 
-    best = kernel_config(HEAD_DIM, torch.bfloat16, torch.device("cuda"))
+    best = kernel_config(HEAD_DIM, torch.bfloat16, torch.device("cuda"), block_size=block_size)
     return {"default": best, "old": attrs.evolve(best, block_m=64, num_warps=4, fused_scale=False, tma=False),
             "block_m=64": attrs.evolve(best, block_m=64, num_warps=4),
+            "block_m=128": attrs.evolve(best, block_m=128, num_warps=8),
             "no-tma": attrs.evolve(best, tma=False), "no-fused-scale": attrs.evolve(best, fused_scale=False)}
 
 
@@ -88,11 +90,11 @@ def bench_kernel(contexts: list[int], densities: list[float], block_sizes: list[
     from nanovllm_minference.index import computed_density, lines_to_index, top_lines
 
     cfg, scale, rows = MInferenceConfig(), HEAD_DIM**-0.5, []
-    named = kernel_configs()
     dev = "cuda"
     for n in contexts:
         contiguous = None
         for block_size in block_sizes:
+            named = kernel_configs(block_size)
             # the same q, k and v at every block size (the generator starts over); the pages' order differs
             gen = torch.Generator(device="cuda").manual_seed(0)
             p = paged_prompt(n, HEADS, KV_HEADS, HEAD_DIM, block_size, gen, dev)

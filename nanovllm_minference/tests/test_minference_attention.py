@@ -364,6 +364,18 @@ def test_head_size_256_takes_wide_tiles_where_shared_memory_holds_them(monkeypat
         assert kernel_config(256, torch.float32, cuda) == narrow
 
 
+def test_one_query_tile_a_program_where_pages_hold_whole_key_tiles():
+    cuda = torch.device("cuda")
+    one = SparseKernelConfig(TILE, TILE, 4, 3, fused_scale=True, tma=True)
+    for block_size in (64, 128, 256):
+        assert kernel_config(128, torch.bfloat16, cuda, block_size=block_size) == one
+    for block_size in (16, 32):
+        assert kernel_config(128, torch.float16, cuda, block_size=block_size) == attrs.evolve(one, block_m=2 * TILE,
+                                                                                               num_warps=8)
+        assert kernel_config(128, torch.float16, cuda, has_blocks=True, block_size=block_size) == one
+    assert kernel_config(128, torch.bfloat16, torch.device("cpu"), block_size=128).block_m == TILE
+
+
 def test_kernel_under_interpreter():
     """Every ``interp`` case of this file, the knobs' included, under Triton's interpreter on the CPU, in a
     fresh process."""

@@ -117,14 +117,6 @@ def _union_next(list_a, ia, a_hi, shift_a, list_b, ib, b_hi, shift_b, LISTED: tl
 
 
 @triton.jit
-def _listed_tile(entries, j, hi, shift, LISTED: tl.constexpr):
-    """Key tile ``shift + entries[j]`` (not ``LISTED``: ``shift + j``) while ``j < hi``; past the list, tile 0."""
-    if LISTED:
-        return tl.where(j < hi, shift + tl.load(entries + j, mask=j < hi, other=0), 0)
-    return tl.where(j < hi, shift + j, 0)
-
-
-@triton.jit
 def _rows_step(acc, l_i, m_i, q, k, v, row_ok, scale_log2, FUSED_SCALE: tl.constexpr, FP32: tl.constexpr):
     """One key tile of the online softmax (base 2) that only the rows ``row_ok`` read, every key of it: the
     other rows keep their state, at the cost of a few operations a row, none a score. ``FUSED_SCALE``: the
@@ -171,17 +163,13 @@ def _key_tiles(
     for i in range(0, num_tiles * SUB):
         start, phys, a_cur, b_cur = start_next, phys_next, in_a, in_b
         # the next step: the tile's next KEYS keys, or the union's next tile
-        if TWO:
-            t, a2, b2, ia2, ib2 = _union_next(list_a, ia, a_hi, shift_a, list_b, ib, b_hi, shift_b, LISTED, TWO)
-            new_tile = (i + 1) % SUB == 0
-            start_next = tl.where(new_tile, t * TILE, start + KEYS)
-            in_a = tl.where(new_tile, a2, a_cur)
-            in_b = tl.where(new_tile, b2, b_cur)
-            ia = tl.where(new_tile, ia2, ia)
-            ib = tl.where(new_tile, ib2, ib)
-        else:  # one list: the entry follows from the step's number, not from the step before
-            start_next = _listed_tile(list_a, a_lo + (i + 1) // SUB, a_hi, shift_a, LISTED) * TILE \
-                + ((i + 1) % SUB) * KEYS
+        t, a2, b2, ia2, ib2 = _union_next(list_a, ia, a_hi, shift_a, list_b, ib, b_hi, shift_b, LISTED, TWO)
+        new_tile = (i + 1) % SUB == 0
+        start_next = tl.where(new_tile, t * TILE, start + KEYS)
+        in_a = tl.where(new_tile, a2, a_cur)
+        in_b = tl.where(new_tile, b2, b_cur)
+        ia = tl.where(new_tile, ia2, ia)
+        ib = tl.where(new_tile, ib2, ib)
         phys_next = tile_blocks(bt_row, start_next, last_pos + 1, KEYS, BLOCK_SIZE).to(tl.int64)
         if KEYS <= BLOCK_SIZE:  # one page: a scalar block plus the slots
             rows = phys * stride_kb + (start % BLOCK_SIZE + offs_k) * stride_ks
@@ -518,16 +506,18 @@ class SparseKernelConfig:
     tma: bool = False
 
 
-def kernel_config(head_dim: int, dtype: torch.dtype, device: torch.device,
-                  has_blocks: bool = False) -> SparseKernelConfig:
-    """The kernel's knobs for a launch, by device, dtype and head size: one query tile a program and plain
-    loads off CUDA (the interpreter); on CUDA, 16-bit and head size up to 128, the dense prefill kernel's
-    long-prompt choices (128 query rows a program over 8 warps, the fused scale, TMA loads), but one query
-    tile a program over 4 warps for an index with block-sparse heads (``has_blocks``: two query tiles read
-    their listed tiles one after the other, each with the other's rows idle). Over head size 128 or in
-    float32 a step reads 32 keys, to keep the K/V stages within shared memory; but in 16-bit, without
-    block-sparse heads, on a device with the shared memory for them (Hopper), two query tiles and whole key
-    tiles over 8 warps in two stages, as the dense kernel does at that head size."""
+def kernel_config(head_dim: int, dtype: torch.dtype, device: torch.device, has_blocks: bool = False,
+                  block_size: int = 16) -> SparseKernelConfig:
+    """The kernel's knobs for a launch, by device, dtype, head size and KV cache ``block_size`` (tokens a
+    page; 16, the engine's default, unless given): one query tile a program and plain loads off CUDA (the
+    interpreter). On CUDA, 16-bit and head size up to 128: the fused scale and TMA loads, with one query tile
+    a program over 4 warps where a page holds whole key tiles (``block_size`` a multiple of 64) or the index
+    has block-sparse heads (``has_blocks``: two query tiles would read their listed tiles one after the
+    other, each with the other's rows idle); over smaller pages, the dense prefill kernel's long-prompt
+    choice, 128 query rows a program over 8 warps. Over head size 128 or in float32 a step reads 32 keys, to
+    keep the K/V stages within shared memory; but in 16-bit, without block-sparse heads, on a device with
+    the shared memory for them (Hopper), two query tiles and whole key tiles over 8 warps in two stages, as
+    the dense kernel does at that head size."""
     if device.type != "cuda":
         return SparseKernelConfig(TILE, TILE, 1, 1)
     if (head_dim > 128 and dtype != torch.float32 and not has_blocks
@@ -535,7 +525,7 @@ def kernel_config(head_dim: int, dtype: torch.dtype, device: torch.device,
         return SparseKernelConfig(2 * TILE, TILE, 8, 2, fused_scale=True)
     if dtype == torch.float32 or head_dim > 128:
         return SparseKernelConfig(TILE, TILE // 2, 4, 2, fused_scale=True)
-    if has_blocks:
+    if has_blocks or block_size % TILE == 0:
         return SparseKernelConfig(TILE, TILE, 4, 3, fused_scale=True, tma=True)
     return SparseKernelConfig(2 * TILE, TILE, 8, 3, fused_scale=True, tma=True)
 
@@ -557,7 +547,7 @@ def sparse_attention(
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, index)
     num_heads, head_dim = q.shape[1:]
     if config is None:
-        cfg = kernel_config(head_dim, q.dtype, q.device, index.blocks is not None)
+        cfg = kernel_config(head_dim, q.dtype, q.device, index.blocks is not None, k_cache.shape[1])
     else:
         cfg = config if isinstance(config, SparseKernelConfig) else SparseKernelConfig(*config)
     if index.blocks is not None and index.blocks.shape[2] < cdiv(max_query_len, TILE):
