@@ -16,7 +16,7 @@ A policy distribution imports from nanovllm only this module and the attention b
   keys and values), :class:`KVTransfer` (what the host store moved), the step metadata types
   :class:`PhaseMetadata` and :class:`StepMetadata`, and the selection contract (:func:`selection_problem`,
   :func:`check_selection`, :class:`PolicyContractError`).
-- Kernel helpers a plugin's Triton kernels may use: ``tile_blocks``, ``attention_scores``,
+- Kernel helpers a plugin's Triton kernels may use: ``tile_blocks``, ``unmasked_kv``, ``attention_scores``,
   ``online_softmax_step``, ``online_softmax_step_fused_scale`` and ``online_softmax_accumulate``
   (``@triton.jit`` functions), ``num_sms``, ``max_shared_memory``,
   ``is_interpreted`` and :func:`paged_kv_descriptors`; :func:`host_lengths` (a phase's lengths as host ints);
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from nanovllm.kv.store import KVTransfer, KVWrite
     from nanovllm.policy import PolicyContext
 
-API_VERSION = "1.3"
+API_VERSION = "1.4"
 
 POLICY_FLAGS = ("supports_prefill", "supports_decode", "requires_block_selection", "cuda_graph_safe")
 POLICY_METHODS = ("select_blocks", "compute_chunked_prefill", "compute_chunked_decode")
@@ -249,6 +249,7 @@ _LAZY = {
     "online_softmax_step": "nanovllm.attention.triton_kernels",
     "online_softmax_step_fused_scale": "nanovllm.attention.triton_kernels",
     "online_softmax_accumulate": "nanovllm.attention.triton_kernels",
+    "unmasked_kv": "nanovllm.attention.triton_kernels",
     "attention_scores": "nanovllm.attention.triton_kernels",
     "num_sms": "nanovllm.attention.triton_kernels",
     "max_shared_memory": "nanovllm.attention.triton_kernels",

@@ -50,6 +50,7 @@ from nanovllm.sparse import (
     online_softmax_step_fused_scale,
     paged_kv_descriptors,
     tile_blocks,
+    unmasked_kv,
 )
 
 from nanovllm_minference.index import TILE, SparseIndex, computed_density
@@ -190,12 +191,8 @@ def _key_tiles(
                 row = (phys * BLOCK_SIZE + start % BLOCK_SIZE).to(tl.int32)  # descriptor offsets are int32
                 k = desc_k.load([row, kv_col])
                 v = desc_v.load([row, kv_col])
-            elif BLOCK_D == HEAD_DIM:
-                k = tl.load(K + kv_ptrs)
-                v = tl.load(V + kv_ptrs)
             else:
-                k = tl.load(K + kv_ptrs, mask=d_ok[None, :], other=0.0)
-                v = tl.load(V + kv_ptrs, mask=d_ok[None, :], other=0.0)
+                k, v = unmasked_kv(K, V, rows, offs_d, d_ok, stride_kd, HEAD_DIM, BLOCK_D)
             if TWO:
                 acc, l_i, m_i = _rows_step(acc, l_i, m_i, q, k, v, tl.where(rows_b, b_cur, a_cur), scale_log2,
                                            FUSED_SCALE, FP32)

@@ -212,11 +212,13 @@ def online_softmax_step_fused_scale(acc, l_i, m_i, q, k, v, scale_log2, FP32: tl
 
 
 @triton.jit
-def _unmasked_kv(K, V, rows, kvh, offs_d, d_ok, stride_kh, stride_kd, HEAD_DIM: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
-    """The keys and values of a tile every row of which is in range, KV head ``kvh``, through pointers:
-    ``rows`` holds each key's element offset; only a head dim padded to ``BLOCK_D`` is masked."""
-    kv_ptrs = (rows + kvh * stride_kh)[:, None] + offs_d[None, :] * stride_kd
+def unmasked_kv(K, V, rows, offs_d, d_ok, stride_kd, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The keys and values of a tile every row of which is in range, through pointers: ``rows`` holds each
+    key's element offset from ``K`` and ``V`` (its KV head's included); only a head dim padded to ``BLOCK_D``
+    is masked.
+
+    Public: plugin kernels load their unmasked tiles through it."""
+    kv_ptrs = rows[:, None] + offs_d[None, :] * stride_kd
     if BLOCK_D == HEAD_DIM:
         k = tl.load(K + kv_ptrs)
         v = tl.load(V + kv_ptrs)
@@ -365,7 +367,7 @@ def _prefill_kernel(
                 rows = blocks.to(tl.int64) * stride_kb + ((start_n + offs_t) % BLOCK_SIZE) * stride_ks
             else:
                 rows = (q_start + start_n + offs_t).to(tl.int64) * stride_ks
-            k, v = _unmasked_kv(K, V, rows, kvh, offs_d, d_ok, stride_kh, stride_kd, HEAD_DIM, BLOCK_D)
+            k, v = unmasked_kv(K, V, rows + kvh * stride_kh, offs_d, d_ok, stride_kd, HEAD_DIM, BLOCK_D)
         if FUSED_SCALE:
             acc, l_i, m_i = online_softmax_step_fused_scale(acc, l_i, m_i, q, k, v, scale_log2, FP32)
         else:
@@ -498,7 +500,7 @@ def _decode_kernel(
                 v = DescV.load([row0, kvh * HEAD_DIM])
             else:
                 rows = blocks.to(tl.int64) * stride_kb + ((start_n + offs_t) % BLOCK_SIZE) * stride_ks
-                k, v = _unmasked_kv(K, V, rows, kvh, offs_d, d_ok, stride_kh, stride_kd, HEAD_DIM, BLOCK_D)
+                k, v = unmasked_kv(K, V, rows + kvh * stride_kh, offs_d, d_ok, stride_kd, HEAD_DIM, BLOCK_D)
             acc, l_i, m_i = online_softmax_step(acc, l_i, m_i, q, k, v, None, scale_log2, False, FP32)
         for start_n in range(tl.maximum(full_end, start), end, BLOCK_N):
             acc, l_i, m_i = _masked_tile(
