@@ -283,6 +283,35 @@ def test_kernel_matches_reference(device, dtype, head_dim, num_kv_heads, group, 
         assert torch.equal(attend(*c.args(index), dense_above=density * 1.01)[0], want)
 
 
+STAGE_PARAMS = [pytest.param("cuda", marks=pytest.mark.gpu, id="gpu")]
+STAGE_PARAMS += [pytest.param("cpu", id="interp")] if INTERP else []
+
+
+@pytest.mark.parametrize("device", STAGE_PARAMS)
+def test_staged_columns_are_the_cache_rows_of_each_listed_key(device):
+    """The rows the sparse kernel reads for a head's columns: entry ``j`` holds the keys and values of column
+    ``j`` of the head's list, read from the head's KV group, zero past the head size; entries past the count
+    are never read (left as they are)."""
+    from nanovllm_minference.attention import _staged_columns
+
+    gen = torch.Generator().manual_seed(5)
+    lens = [(100, 300), (1, 130)]
+    c = Case(lens, 2, 2, 48, 16, torch.float32, device, gen)
+    index = _index_to(random_index(lens, 4, False, gen), device)
+    staged = _staged_columns(c.k_cache, c.v_cache, c.tables, c.ctx, index.columns, index.column_counts, TILE)
+    block_size, group = c.k_cache.shape[1], 2
+    checked = 0
+    for s in range(len(lens)):
+        for h in range(4):
+            for j, col in enumerate(index.columns[s, h, : index.column_counts[s, h]].tolist()):
+                page = c.tables[s, col // block_size]
+                for cache, rows in zip((c.k_cache, c.v_cache), staged):
+                    assert torch.equal(rows[s, h, j, :48], cache[page, col % block_size, h // group])
+                    assert not rows[s, h, j, 48:].any()
+                checked += 1
+    assert checked > 10
+
+
 # the knobs, each config with (dtype, head_dim, num_kv_heads, group, block_size, with_blocks): two
 # query tiles a program, TMA loads from pages of 128 and of 16 keys, key steps of a quarter and a half
 # tile, head sizes 128 and 256
@@ -379,7 +408,7 @@ def test_one_query_tile_a_program_where_pages_hold_whole_key_tiles():
 def test_kernel_under_interpreter():
     """Every ``interp`` case of this file, the knobs' included, under Triton's interpreter on the CPU, in a
     fresh process."""
-    assert_interpreter_cases_pass(__file__, len(INTERP_CONFIGS) + len(INTERP_KNOBS))
+    assert_interpreter_cases_pass(__file__, len(INTERP_CONFIGS) + len(INTERP_KNOBS) + 1)
 
 
 def test_bad_inputs_are_refused_up_front():

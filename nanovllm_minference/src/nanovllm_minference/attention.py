@@ -395,8 +395,8 @@ def _stage_columns_kernel(
 def _staged_columns(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, columns: torch.Tensor, column_counts: torch.Tensor,
                     keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(keys, values)`` ``[S, H, NV, D']`` in the cache's dtype: every head's columns read from the cache in
-    list order (one launch), ``D'`` the head size padded to a power of two."""
+    """``(keys, values)`` ``[S, H, NV, D']`` in the cache's dtype, allocated per call: every head's columns
+    read from the cache in list order (one launch), ``D'`` the head size padded to a power of two."""
     num_seqs, num_heads, num_cols = columns.shape
     head_dim = k_cache.shape[3]
     block_d = next_power_of_2(head_dim)
