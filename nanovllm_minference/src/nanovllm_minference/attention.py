@@ -373,7 +373,8 @@ def _stage_columns_kernel(
 ):
     """One program per (``KEYS`` list entries, head, sequence): the keys and values of the head's columns,
     gathered from the paged cache into rows ``[head, entry]`` of ``StagedK``/``StagedV`` (``BLOCK_D`` wide,
-    zero past the head size), so that the sparse kernel reads them at addresses its loop count gives."""
+    zero past the head size), so that the sparse kernel reads them at addresses its loop count gives. Rows
+    past the head's count are not written: the sparse kernel never reads them."""
     h = tl.program_id(1)
     s = tl.program_id(2).to(tl.int64)
     head = s * tl.num_programs(1) + h
@@ -385,11 +386,10 @@ def _stage_columns_kernel(
     src = phys * stride_kb + (c % BLOCK_SIZE) * stride_ks + (h // GROUP) * stride_kh
     ld = live[:, None] & (offs_d < HEAD_DIM)[None, :]
     dst = (head * num_cols + offs_j)[:, None] * BLOCK_D + offs_d[None, :]
-    rows_ok = (offs_j < num_cols)[:, None]
     tl.store(StagedK + dst, tl.load(K + src[:, None] + offs_d[None, :] * stride_kd, mask=ld, other=0.0),
-             mask=rows_ok)
+             mask=live[:, None])
     tl.store(StagedV + dst, tl.load(V + src[:, None] + offs_d[None, :] * stride_kd, mask=ld, other=0.0),
-             mask=rows_ok)
+             mask=live[:, None])
 
 
 def _staged_columns(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
