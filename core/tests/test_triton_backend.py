@@ -219,6 +219,81 @@ def test_prefill_single_fresh(device, dtype, head_dim, group, block_size, gen):
         _check(backend.prefill(*args), ref, dtype, f"fresh prefill (sdpa {mode})", gen)
 
 
+def _with_host_lens(meta: PhaseMetadata, q_lens, ctx_lens) -> PhaseMetadata:
+    return PhaseMetadata(meta.cu_seqlens_q, meta.context_lens, meta.block_tables, meta.max_query_len,
+                         meta.max_context_len, tuple(q_lens), tuple(ctx_lens))
+
+
+@cases
+def test_stage_context_copies_each_context_in_order(device, dtype, head_dim, group, block_size, gen):
+    lens = [70, 1, 33, 16] if device == "cuda" else [40, 1, 17]
+    c = Case([1] * len(lens), lens, _kv_heads(device), group, head_dim, block_size, dtype, device, gen)
+    ref_k, ref_v = tk.stage_context_reference(c.k_cache, c.v_cache, c.meta.block_tables, lens)
+    cu_k = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    k = torch.full((sum(lens) + 5, *c.k_cache.shape[2:]), float("nan"), dtype=dtype, device=device)
+    v = torch.full_like(k, float("nan"))
+    tk.stage_context(c.k_cache, c.v_cache, c.meta.block_tables, c.meta.context_lens, cu_k, max(lens), k, v)
+    assert torch.equal(k[: sum(lens)], ref_k) and torch.equal(v[: sum(lens)], ref_v)
+    assert k[sum(lens):].isnan().all() and v[sum(lens):].isnan().all()  # nothing past the last context
+    assert torch.equal(ref_k[lens[0] : lens[0] + 1], c.k_cache[c.meta.block_tables[1, 0], :1])  # row order
+
+
+@cases
+@pytest.mark.parametrize("fits", [True, False], ids=["staged", "too-long-for-the-workspace"])
+def test_prefill_over_staged_contexts(device, dtype, head_dim, group, block_size, fits, gen, monkeypatch):
+    """Chunks with history read their contexts from packed rows staged in the workspace, or, where the
+    contexts do not fit it, through the block table: the reference's results either way."""
+    lens = GPU_PREFILL if device == "cuda" else INTERP_PREFILL
+    q_lens, ctx_lens = [q for q, _ in lens], [k for _, k in lens]
+    c = Case(q_lens, ctx_lens, _kv_heads(device), group, head_dim, block_size, dtype, device, gen)
+    meta = _with_host_lens(c.meta, q_lens, ctx_lens)
+    backend = tb.TritonBackend()
+    backend.stage_contexts = True
+    room = sum(ctx_lens) if fits else sum(ctx_lens) - 1
+    backend.reserve_workspace(c.k_cache.shape[2], head_dim, block_size, dtype, torch.device(device), room)
+    assert backend.workspace.shape == (2, room, c.k_cache.shape[2], head_dim)
+    monkeypatch.setattr(tk, "STAGED_MIN_QUERY_LEN", 1)
+    staged = []
+    stage = tk.stage_context
+    monkeypatch.setattr(tk, "stage_context", lambda *a: staged.append(stage(*a)))
+    ref = TorchBackend().prefill(c.q, c.k, c.v, c.k_cache, c.v_cache, meta, c.scale)
+    _check(backend.prefill(c.q, c.k, c.v, c.k_cache, c.v_cache, meta, c.scale), ref, dtype, "prefill", gen)
+    assert len(staged) == int(fits)
+
+
+@cases
+def test_fresh_sequences_read_their_new_keys(device, dtype, head_dim, group, block_size, gen):
+    """Several prompts with nothing cached before them attend over their new keys and values, not the cache
+    (here poisoned after the write): the host lengths say so without reading the device."""
+    lens = [300, 77, 129] if device == "cuda" else [20, 7, 17]
+    c = Case(lens, lens, _kv_heads(device), group, head_dim, block_size, dtype, device, gen)
+    meta = _with_host_lens(c.meta, lens, lens)
+    ref = TorchBackend().prefill(c.q, c.k, c.v, c.k_cache, c.v_cache, meta, c.scale)
+    c.k_cache.fill_(float("nan"))
+    c.v_cache.fill_(float("nan"))
+    out = tb.TritonBackend().prefill(c.q, c.k, c.v, c.k_cache, c.v_cache, meta, c.scale)
+    _check(out, ref, dtype, "fresh prompts", gen)
+
+
+def test_the_workspace_is_reserved_only_where_staging_pays():
+    backend = tb.TritonBackend()
+    backend.reserve_workspace(8, 128, 16, torch.bfloat16, torch.device("cpu"), 1024)
+    assert backend.workspace is None  # no TMA off CUDA: nothing to gain
+    assert not tk.stages_paged_contexts(128, torch.bfloat16, torch.device("cpu"), 16)
+    backend.stage_contexts = True
+    backend.reserve_workspace(8, 128, 16, torch.bfloat16, torch.device("cpu"), 1024)
+    assert backend.workspace.shape == (2, 1024, 8, 128) and backend.workspace.dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+def test_staging_pays_over_pages_smaller_than_the_key_tile():
+    device = torch.device("cuda")
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    assert tk.stages_paged_contexts(128, torch.bfloat16, device, 16) == hopper
+    assert not tk.stages_paged_contexts(128, torch.bfloat16, device, 128)  # a page holds whole key tiles
+    assert not tk.stages_paged_contexts(128, torch.float32, device, 16)  # no TMA configuration
+
+
 @cases
 def test_one_token_prompt_with_normed_keys(device, dtype, head_dim, group, block_size, gen):
     """A one-token prompt whose keys come out of RoPE packed while the values are a view of the qkv output:

@@ -27,6 +27,11 @@ class AttentionBackend:
     def __init__(self, config: object | None = None) -> None:
         self.config = config
 
+    def reserve_workspace(self, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                          device: torch.device, max_model_len: int) -> None:
+        """Allocate the memory the kernels use beyond their outputs, for a cache of this shape. The engine
+        calls it once, before its memory profile, so that the KV cache is sized around it. Default: none."""
+
     def store_kv(
         self,
         key: torch.Tensor,

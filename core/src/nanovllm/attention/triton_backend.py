@@ -2,9 +2,12 @@
 
 - ``store_kv``: one program per new token. Over the paged GPU cache the model's RoPE kernel writes the keys
   and values instead (``kv_write_fusable``), one launch fewer a layer.
-- ``prefill``: varlen causal FlashAttention over each sequence's whole context, read through the
-  block table (prefix-cache hits and chunked prefill). A single sequence with no cached prefix goes
-  to torch SDPA (cuDNN / flash) on the new keys and values when ``sdpa_prefill`` is on.
+- ``prefill``: varlen causal FlashAttention over each sequence's whole context (prefix-cache hits and
+  chunked prefill). Sequences with no cached prefix read their new keys and values directly, a single one
+  through torch SDPA (cuDNN / flash) when ``sdpa_prefill`` is on. Otherwise the context is read through the
+  block table, or, where pages are smaller than the kernel's TMA key tiles, from a packed copy of it staged in
+  the workspace that :meth:`TritonBackend.reserve_workspace` allocates (chunks of at least
+  ``STAGED_MIN_QUERY_LEN`` queries whose contexts fit it).
 - ``prefill`` and ``decode`` take a sliding ``window``: the kernels mask it and skip the tiles before it.
 - ``decode``: split-KV paged decoding, the KV of a GQA group read once for all its query heads,
   then a log-sum-exp reduce. No host synchronisation and no data-dependent shapes: capturable in a
@@ -37,6 +40,21 @@ class TritonBackend(AttentionBackend):
     # Several sequences, or a cached prefix: Triton.
     sdpa_prefill = True
     sdpa_mode = "cudnn"  # see _sdpa_causal
+    # None: stage contexts where tk.stages_paged_contexts says it pays; True / False: always / never (tests)
+    stage_contexts: bool | None = None
+
+    def __init__(self, config: object | None = None) -> None:
+        super().__init__(config)
+        self.workspace: torch.Tensor | None = None  # [2, tokens, Hkv, D]: staged keys, then values
+
+    def reserve_workspace(self, num_kv_heads, head_dim, block_size, dtype, device, max_model_len) -> None:
+        """Room to stage ``max_model_len`` tokens of one layer's keys and values, where staging pays."""
+        stages = self.stage_contexts
+        if stages is None:
+            stages = tk.stages_paged_contexts(head_dim, dtype, device, block_size)
+        self.workspace = None  # before the new one: the old one's memory is free for it
+        if stages:
+            self.workspace = torch.empty(2, max_model_len, num_kv_heads, head_dim, dtype=dtype, device=device)
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         tk.store_kv(key, value, k_cache, v_cache, slot_mapping)
@@ -44,12 +62,13 @@ class TritonBackend(AttentionBackend):
     def prefill(
         self, q, k, v, k_cache, v_cache, meta: PhaseMetadata, scale: float, window: int | None = None
     ) -> torch.Tensor:
-        fresh = meta.num_seqs == 1 and meta.max_context_len == meta.max_query_len
+        one_fresh = meta.num_seqs == 1 and meta.max_context_len == meta.max_query_len
         # cuDNN takes no prompt of one token
-        if fresh and self.sdpa_prefill and q.is_cuda and window is None and q.shape[0] > 1:
+        if one_fresh and self.sdpa_prefill and q.is_cuda and window is None and q.shape[0] > 1:
             return _sdpa_causal(q, k, v, scale, self.sdpa_mode)
         out = _empty_out(q)
-        if fresh:  # one sequence, nothing cached before it: the new keys are all there is
+        if one_fresh or (meta.host_lens is not None and meta.query_lens_host == meta.context_lens_host):
+            # nothing cached before any sequence: the new keys are all there is
             if not tk.same_layout(k, v):  # the kernel reads both with one layout; a model may norm k, not v
                 k, v = k.contiguous(), v.contiguous()
             tk.attention_rows(
@@ -57,11 +76,35 @@ class TritonBackend(AttentionBackend):
                 paged=False, causal=True, window=window,
             )
             return out
+        staged = self._staged_contexts(k_cache, v_cache, meta, window)
+        if staged is not None:
+            keys, values, cu_k = staged
+            tk.attention_rows(
+                q, keys, values, out, None, meta.cu_seqlens_q, cu_k, None, None, meta.max_query_len, scale,
+                paged=False, causal=True,
+            )
+            return out
         tk.attention_rows(
             q, k_cache, v_cache, out, None, meta.cu_seqlens_q, meta.context_lens, meta.block_tables, None,
             meta.max_query_len, scale, paged=True, causal=True, window=window,
         )
         return out
+
+    def _staged_contexts(self, k_cache, v_cache, meta: PhaseMetadata, window: int | None):
+        """``(keys, values, cu_seqlens_k)``: every sequence's context copied out of the cache into the
+        workspace, packed; or None where it is not staged (no workspace, a sliding window, short chunks, no
+        host lengths, contexts that do not fit)."""
+        if self.workspace is None or window is not None or meta.context_lens_host is None:
+            return None
+        total = sum(meta.context_lens_host)
+        if meta.max_query_len < tk.STAGED_MIN_QUERY_LEN or total > self.workspace.shape[1]:
+            return None
+        keys, values = self.workspace[0, :total], self.workspace[1, :total]
+        cu_k = torch.zeros(meta.num_seqs + 1, dtype=torch.int32, device=k_cache.device)
+        torch.cumsum(meta.context_lens, 0, dtype=torch.int32, out=cu_k[1:])
+        tk.stage_context(k_cache, v_cache, meta.block_tables, meta.context_lens, cu_k, meta.max_context_len,
+                         keys, values)
+        return keys, values, cu_k
 
     def decode(
         self, q, k_cache, v_cache, meta: PhaseMetadata, scale: float, window: int | None = None

@@ -1,12 +1,15 @@
 """Triton kernels of the ``triton`` attention backend, and the wrappers that launch them.
 
-Four kernels:
+Five kernels:
 
 - ``_store_kv_kernel``: one program per new token writes its keys and values to their cache slot.
+- ``_stage_context_kernel``: one program per (page, KV head, sequence) copies a context's keys and values
+  out of the paged cache into packed rows, which the prefill kernel then reads as dense keys.
 - ``_prefill_kernel``: FlashAttention-style varlen attention, one program per (query tile, head,
   sequence), online softmax in base 2. Keys come either from the paged cache through the block table
   (optionally through lists of selected logical blocks, one per sequence or one per KV head of each
-  sequence: a KV-head stride of 0 shares a list) or from dense per-step ``k``/``v`` tensors.
+  sequence: a KV-head stride of 0 shares a list) or from dense ``k``/``v`` rows (the step's new keys, or a
+  staged context).
   Causal tiles are visited in two loops: the tiles wholly below the diagonal without masks, then the
   rest with masks.
 - ``_decode_kernel``: one query token per sequence. A program owns one KV head of one sequence and
@@ -88,6 +91,60 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     )
 
 
+@triton.jit
+def _stage_context_kernel(
+    KC, VC, K, V, block_tables, context_lens, cu_k,
+    stride_cb, stride_cs, stride_ch, stride_cd, stride_bt, stride_kt, stride_kh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    j = tl.program_id(0)  # the sequence's j-th page
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    n = tl.load(context_lens + s) - j * BLOCK_SIZE  # the page's tokens still in the context
+    if n <= 0:
+        return
+    blk = tl.load(block_tables + s * stride_bt + j).to(tl.int64)
+    offs_t = tl.arange(0, BLOCK_SIZE)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_t[:, None] < n) & (offs_d[None, :] < HEAD_DIM)
+    src = blk * stride_cb + offs_t[:, None] * stride_cs + h * stride_ch + offs_d[None, :] * stride_cd
+    rows = (tl.load(cu_k + s) + j * BLOCK_SIZE + offs_t).to(tl.int64)
+    dst = rows[:, None] * stride_kt + h * stride_kh + offs_d[None, :]
+    tl.store(K + dst, tl.load(KC + src, mask=mask), mask=mask)
+    tl.store(V + dst, tl.load(VC + src, mask=mask), mask=mask)
+
+
+def stage_context(k_cache, v_cache, block_tables, context_lens, cu_seqlens_k, max_context_len: int,
+                  k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+    """Copy each sequence's keys and values, positions ``[0, context_lens[s])``, from the paged caches
+    ``[num_blocks, block_size, Hkv, D]`` through its block-table row into the packed rows ``k_out`` and
+    ``v_out`` ``[total, Hkv, D]`` (contiguous), sequence ``s`` from row ``cu_seqlens_k[s]``.
+    ``max_context_len`` (a host int) sizes the grid. Torch reference: :func:`stage_context_reference`."""
+    num_seqs = context_lens.shape[0]
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    if num_seqs == 0 or max_context_len == 0:
+        return
+    assert k_cache.stride() == v_cache.stride(), "k and v caches must share one layout"
+    assert k_out.is_contiguous() and v_out.is_contiguous(), "the staged rows are written contiguous"
+    _stage_context_kernel[(cdiv(max_context_len, block_size), num_kv_heads, num_seqs)](
+        k_cache, v_cache, k_out, v_out, block_tables, context_lens, cu_seqlens_k,
+        *k_cache.stride(), block_tables.stride(0), k_out.stride(0), k_out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+        num_warps=4 if block_size * head_dim >= 2048 else 1,
+    )
+
+
+def stage_context_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                            context_lens: list[int] | tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`stage_context` writes, in torch ops: every sequence's context rows, packed in order."""
+    block_size = k_cache.shape[1]
+    offsets = torch.arange(block_size, device=k_cache.device)
+    rows = [(block_tables[s, : cdiv(n, block_size)].long()[:, None] * block_size + offsets).flatten()[:n]
+            for s, n in enumerate(context_lens)]
+    slots = torch.cat(rows) if rows else torch.empty(0, dtype=torch.long, device=k_cache.device)
+    return tuple(c.flatten(0, 1)[slots] for c in (k_cache, v_cache))
+
+
 # ---------------------------------------------------------------------------------------------
 # shared pieces
 # ---------------------------------------------------------------------------------------------
@@ -121,7 +178,7 @@ def _selected_blocks(sel, bt_row, start_n, num_sel, BLOCK_N: tl.constexpr, BLOCK
 
 @triton.jit
 def _key_offsets(
-    start_n, s, kvh, q_start, n_keys, kv_len,
+    start_n, s, kvh, k_start, n_keys, kv_len,
     block_tables, sel, stride_bt, num_sel,
     stride_kb, stride_ks, stride_kh,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -147,7 +204,7 @@ def _key_offsets(
     else:
         pos = offs_n
         valid = offs_n < n_keys
-        row = (q_start + offs_n).to(tl.int64) * stride_ks
+        row = (k_start + offs_n).to(tl.int64) * stride_ks
     return row + kvh * stride_kh, pos, valid
 
 
@@ -230,7 +287,7 @@ def unmasked_kv(K, V, rows, offs_d, d_ok, stride_kd, HEAD_DIM: tl.constexpr, BLO
 
 @triton.jit
 def _masked_tile(
-    acc, l_i, m_i, q, K, V, start_n, s, kvh, q_start, n_keys, kv_len, block_tables, sel,
+    acc, l_i, m_i, q, K, V, start_n, s, kvh, k_start, n_keys, kv_len, block_tables, sel,
     stride_bt, num_sel, stride_kb, stride_ks, stride_kh, stride_kd, offs_d, d_ok, q_pos, window,
     scale_log2, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
     HAS_INDICES: tl.constexpr, CAUSAL: tl.constexpr, FP32: tl.constexpr, SLIDING: tl.constexpr,
@@ -238,7 +295,7 @@ def _masked_tile(
     """A key tile with masks: validity (length, selection), if CAUSAL position, and if SLIDING the window
     (a key ``window`` or more positions before its query is not seen)."""
     koff, pos, valid = _key_offsets(
-        start_n, s, kvh, q_start, n_keys, kv_len, block_tables, sel, stride_bt, num_sel,
+        start_n, s, kvh, k_start, n_keys, kv_len, block_tables, sel, stride_bt, num_sel,
         stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES,
     )
     kv_ptrs = koff[:, None] + offs_d[None, :] * stride_kd
@@ -293,16 +350,17 @@ def _prefill_kernel(
     kvh = h // GROUP
     sel = block_idx + s * stride_bi + kvh * stride_bh  # this KV head's selected blocks (HAS_INDICES)
     if PAGED:
+        k_start = q_start  # unused: rows come from the block table
         kv_len = tl.load(lens + s)  # context length, or the kv_lens of the selection
         if HAS_INDICES:
             n_keys = num_sel * BLOCK_SIZE
         else:
             n_keys = kv_len
-        q_off = kv_len - q_len
-    else:
-        kv_len = q_len
-        n_keys = q_len
-        q_off = 0
+    else:  # ``lens`` holds the key rows' offsets (``cu_q`` itself when the keys are the new rows)
+        k_start = tl.load(lens + s)
+        kv_len = tl.load(lens + s + 1) - k_start
+        n_keys = kv_len
+    q_off = kv_len - q_len
 
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -338,7 +396,7 @@ def _prefill_kernel(
         full_lo = tl.maximum(tl.minimum(full_lo, lo), win_lo)
         for start_n in range(win_lo, full_lo, BLOCK_N):
             acc, l_i, m_i = _masked_tile(
-                acc, l_i, m_i, q, K, V, start_n, s, kvh, q_start, n_keys, kv_len, block_tables,
+                acc, l_i, m_i, q, K, V, start_n, s, kvh, k_start, n_keys, kv_len, block_tables,
                 sel, stride_bt, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
                 offs_d, d_ok, q_pos, window, scale_log2, BLOCK_N, BLOCK_SIZE, PAGED, False, True, FP32, True,
             )
@@ -359,14 +417,14 @@ def _prefill_kernel(
             if PAGED:  # a tile lies in one page (BLOCK_N divides BLOCK_SIZE): ``blocks`` is a scalar
                 row0 = blocks * BLOCK_SIZE + start_n % BLOCK_SIZE
             else:
-                row0 = q_start + start_n
+                row0 = k_start + start_n
             k = desc_k.load([row0, col])
             v = desc_v.load([row0, col])
         else:
             if PAGED:
                 rows = blocks.to(tl.int64) * stride_kb + ((start_n + offs_t) % BLOCK_SIZE) * stride_ks
             else:
-                rows = (q_start + start_n + offs_t).to(tl.int64) * stride_ks
+                rows = (k_start + start_n + offs_t).to(tl.int64) * stride_ks
             k, v = unmasked_kv(K, V, rows + kvh * stride_kh, offs_d, d_ok, stride_kd, HEAD_DIM, BLOCK_D)
         if FUSED_SCALE:
             acc, l_i, m_i = online_softmax_step_fused_scale(acc, l_i, m_i, q, k, v, scale_log2, FP32)
@@ -379,14 +437,14 @@ def _prefill_kernel(
             logical = tl.load(sel + start_n // BLOCK_SIZE)
             if (logical >= 0) & (logical * BLOCK_SIZE + start_n % BLOCK_SIZE < kv_len):
                 acc, l_i, m_i = _masked_tile(
-                    acc, l_i, m_i, q, K, V, start_n, s, kvh, q_start, n_keys, kv_len, block_tables,
+                    acc, l_i, m_i, q, K, V, start_n, s, kvh, k_start, n_keys, kv_len, block_tables,
                     sel, stride_bt, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
                     offs_d, d_ok, q_pos, window, scale_log2, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES, CAUSAL,
                     FP32, False,
                 )
         else:
             acc, l_i, m_i = _masked_tile(
-                acc, l_i, m_i, q, K, V, start_n, s, kvh, q_start, n_keys, kv_len, block_tables,
+                acc, l_i, m_i, q, K, V, start_n, s, kvh, k_start, n_keys, kv_len, block_tables,
                 sel, stride_bt, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
                 offs_d, d_ok, q_pos, window, scale_log2, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES, CAUSAL,
                 FP32, SLIDING,
@@ -715,6 +773,24 @@ def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, max
     return PREFILL_LONG_PAGED if paged else PREFILL_LONG
 
 
+# a chunk stages its context (below) only from this many queries: the copy reads and writes the whole
+# context once, which a shorter chunk's attention over it does not repay
+STAGED_MIN_QUERY_LEN = 512
+
+
+def stages_paged_contexts(head_dim: int, dtype: torch.dtype, device: torch.device, block_size: int) -> bool:
+    """Whether chunks of at least ``STAGED_MIN_QUERY_LEN`` queries over the paged cache run faster from
+    their contexts staged into packed rows (:func:`stage_context`) than through the block table: where the
+    long chunks' configuration loads its key tiles through TMA and a page holds less than a tile (on Hopper
+    a TMA load cannot gather pages)."""
+    if device.type != "cuda" or head_dim & (head_dim - 1):
+        return False
+    if not _tma_capable(device.index if device.index is not None else torch.cuda.current_device()):
+        return False
+    cfg = _prefill_config(head_dim, dtype, device, STAGED_MIN_QUERY_LEN, paged=True)
+    return cfg.tma and block_size % cfg.block_n != 0
+
+
 def _dot_fp32(q: torch.Tensor) -> bool:
     return q.dtype == torch.float32 or q.device.type != "cuda"
 
@@ -813,7 +889,9 @@ def attention_rows(
 
     paged: ``k``/``v`` are the caches ``[num_blocks, block_size, Hkv, D]`` and ``lens`` the KV lengths
     (context lengths, or the selection's ``kv_lens`` when ``block_indices`` is given); otherwise they
-    are dense ``[num_tokens, Hkv, D]`` rows laid out like ``q`` (``lens`` unused). ``block_indices``:
+    are dense ``[rows, Hkv, D]`` rows and ``lens`` None (the keys are the new rows, laid out like ``q``) or
+    ``cu_seqlens_k`` ``[num_seqs + 1]`` int32: sequence ``s`` has keys ``lens[s]:lens[s + 1]``, its queries
+    the last ``q_len`` positions of them (a context staged by :func:`stage_context`). ``block_indices``:
     None, or a selection ``[num_seqs, k]`` or ``[num_seqs, Hkv, k]`` (see ``attend_blocks``). ``window``
     (causal, no selection): each query sees the last ``window`` positions up to its own, and tiles before
     them are not read. ``config`` (a :class:`PrefillConfig` or its leading fields) overrides the rule's
@@ -973,6 +1051,7 @@ def is_interpreted() -> bool:
 
 
 __all__ = [
-    "store_kv", "attention_rows", "attention_decode", "num_decode_splits", "is_interpreted", "max_shared_memory",
+    "store_kv", "stage_context", "stage_context_reference", "attention_rows", "attention_decode",
+    "num_decode_splits", "is_interpreted", "max_shared_memory",
     "num_sms", "same_layout", "PrefillConfig", "DecodeConfig",
 ]

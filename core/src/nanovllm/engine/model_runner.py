@@ -152,6 +152,9 @@ class ModelRunner:
         self.staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
         self.sampling_inputs = SamplingInputs(self.device, self._to_device)
         self.backend, self.hooks = bind_attention(self.attention_layers, parts, self.device, self.dtype)
+        # before the KV store's memory profile, which then counts it
+        self.backend.reserve_workspace(self.num_kv_heads, self.head_dim, config.block_size, self.dtype,
+                                       self.device, self.max_model_len)
         # the KV store sizing and allocation step: the paged GPU cache, or the host pool with GPU slots
         self.kv = allocate_kv_store(config, self.model, self.attention_layers, self.hooks, self.max_model_len,
                                     self.dtype, self.device, PROMPT_LOGPROB_ROWS)

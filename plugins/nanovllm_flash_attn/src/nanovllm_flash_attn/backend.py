@@ -71,6 +71,15 @@ class FlashAttnBackend(AttentionBackend):
             return f"device {q.device}: FA4 runs on CUDA devices"
         return fa4_refusal(device_facts(q.device.index)[0], str(q.dtype).removeprefix("torch."), q.shape[-1])
 
+    def reserve_workspace(self, num_kv_heads, head_dim, block_size, dtype, device, max_model_len) -> None:
+        """The Triton fallback's workspace, where FA4 refuses this device, dtype or head dim (the fallback
+        then runs every prefill)."""
+        refused = device.type != "cuda" or fa4_refusal(
+            device_facts(device.index if device.index is not None else torch.cuda.current_device())[0],
+            str(dtype).removeprefix("torch."), head_dim)
+        if refused:
+            self.fallback.reserve_workspace(num_kv_heads, head_dim, block_size, dtype, device, max_model_len)
+
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         self.fallback.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
