@@ -252,7 +252,7 @@ def test_prefill_over_staged_contexts(device, dtype, head_dim, group, block_size
     room = sum(ctx_lens) if fits else sum(ctx_lens) - 1
     backend.reserve_workspace(c.k_cache.shape[2], head_dim, block_size, dtype, torch.device(device), room)
     assert backend.workspace.shape == (2, room, c.k_cache.shape[2], head_dim)
-    monkeypatch.setattr(tk, "STAGED_MIN_QUERY_LEN", 1)
+    monkeypatch.setattr(tk, "stages_phase", lambda *lens: True)
     staged = []
     stage = tk.stage_context
     monkeypatch.setattr(tk, "stage_context", lambda *a: staged.append(stage(*a)))
@@ -283,6 +283,12 @@ def test_the_workspace_is_reserved_only_where_staging_pays():
     backend.stage_contexts = True
     backend.reserve_workspace(8, 128, 16, torch.bfloat16, torch.device("cpu"), 1024)
     assert backend.workspace.shape == (2, 1024, 8, 128) and backend.workspace.dtype == torch.bfloat16
+
+
+def test_only_phases_with_long_chunks_and_much_attention_stage():
+    assert tk.stages_phase(128, 128 * 1024) and tk.stages_phase(2048, 4096)
+    assert not tk.stages_phase(64, 1 << 20)  # short chunks: the configuration without TMA
+    assert not tk.stages_phase(1024, 4096)  # too little attention to repay the copy and the launches
 
 
 @pytest.mark.gpu

@@ -6,8 +6,8 @@
   chunked prefill). Sequences with no cached prefix read their new keys and values directly, a single one
   through torch SDPA (cuDNN / flash) when ``sdpa_prefill`` is on. Otherwise the context is read through the
   block table, or, where pages are smaller than the kernel's TMA key tiles, from a packed copy of it staged in
-  the workspace that :meth:`TritonBackend.reserve_workspace` allocates (chunks of at least
-  ``STAGED_MIN_QUERY_LEN`` queries whose contexts fit it).
+  the workspace that :meth:`TritonBackend.reserve_workspace` allocates (phases large enough to repay the
+  copy, :func:`~nanovllm.attention.triton_kernels.stages_phase`, whose contexts fit it).
 - ``prefill`` and ``decode`` take a sliding ``window``: the kernels mask it and skip the tiles before it.
 - ``decode``: split-KV paged decoding, the KV of a GQA group read once for all its query heads,
   then a log-sum-exp reduce. No host synchronisation and no data-dependent shapes: capturable in a
@@ -92,12 +92,12 @@ class TritonBackend(AttentionBackend):
 
     def _staged_contexts(self, k_cache, v_cache, meta: PhaseMetadata, window: int | None):
         """``(keys, values, cu_seqlens_k)``: every sequence's context copied out of the cache into the
-        workspace, packed; or None where it is not staged (no workspace, a sliding window, short chunks, no
-        host lengths, contexts that do not fit)."""
+        workspace, packed; or None where it is not staged (no workspace, a sliding window, a small phase,
+        no host lengths, contexts that do not fit)."""
         if self.workspace is None or window is not None or meta.context_lens_host is None:
             return None
         total = sum(meta.context_lens_host)
-        if meta.max_query_len < tk.STAGED_MIN_QUERY_LEN or total > self.workspace.shape[1]:
+        if not tk.stages_phase(meta.max_query_len, meta.max_context_len) or total > self.workspace.shape[1]:
             return None
         keys, values = self.workspace[0, :total], self.workspace[1, :total]
         cu_k = torch.zeros(meta.num_seqs + 1, dtype=torch.int32, device=k_cache.device)

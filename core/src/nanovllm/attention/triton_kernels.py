@@ -773,22 +773,29 @@ def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, max
     return PREFILL_LONG_PAGED if paged else PREFILL_LONG
 
 
-# a chunk stages its context (below) only from this many queries: the copy reads and writes the whole
-# context once, which a shorter chunk's attention over it does not repay
-STAGED_MIN_QUERY_LEN = 512
+# A phase stages its contexts (below) where its longest chunk has at least STAGED_MIN_QUERY_LEN queries
+# (shorter chunks take the short configuration, without TMA) and its attention is large enough,
+# max_query_len * max_context_len at least STAGED_MIN_PAIRS, to repay the copy and the two extra launches.
+STAGED_MIN_QUERY_LEN = 128
+STAGED_MIN_PAIRS = 1 << 23
 
 
 def stages_paged_contexts(head_dim: int, dtype: torch.dtype, device: torch.device, block_size: int) -> bool:
-    """Whether chunks of at least ``STAGED_MIN_QUERY_LEN`` queries over the paged cache run faster from
-    their contexts staged into packed rows (:func:`stage_context`) than through the block table: where the
-    long chunks' configuration loads its key tiles through TMA and a page holds less than a tile (on Hopper
-    a TMA load cannot gather pages)."""
+    """Whether long chunks over the paged cache run faster from their contexts staged into packed rows
+    (:func:`stage_context`) than through the block table: where the long chunks' configuration loads its
+    key tiles through TMA and a page holds less than a tile (on Hopper a TMA load cannot gather pages).
+    Which phases stage: :func:`stages_phase`."""
     if device.type != "cuda" or head_dim & (head_dim - 1):
         return False
     if not _tma_capable(device.index if device.index is not None else torch.cuda.current_device()):
         return False
     cfg = _prefill_config(head_dim, dtype, device, STAGED_MIN_QUERY_LEN, paged=True)
     return cfg.tma and block_size % cfg.block_n != 0
+
+
+def stages_phase(max_query_len: int, max_context_len: int) -> bool:
+    """Whether a prefill phase is large enough for its staged contexts to pay."""
+    return max_query_len >= STAGED_MIN_QUERY_LEN and max_query_len * max_context_len >= STAGED_MIN_PAIRS
 
 
 def _dot_fp32(q: torch.Tensor) -> bool:
