@@ -114,3 +114,19 @@ def test_both_stores_read_the_same_blocks_through_the_context():
     other = PolicyContext(ctx.layer_id, True, ctx.query, ctx.meta, ctx.k_cache, ctx.v_cache, ctx.scale,
                           TorchBackend())
     assert isinstance(other.kv, PagedLayerKV) and other.kv.k_cache is ctx.k_cache  # the default store
+
+
+def test_the_backend_reserves_its_workspace_before_the_kv_cache_is_sized(tiny_model, monkeypatch):
+    """The engine asks the backend for its workspace once, with the cache's shape, before the memory
+    profile that sizes the KV cache (on a GPU the profile then counts it)."""
+    from nanovllm.engine import model_runner
+
+    calls = []
+    monkeypatch.setattr(TorchBackend, "reserve_workspace",
+                        lambda self, *args: calls.append(("workspace", args)))
+    allocate = model_runner.allocate_kv_store
+    monkeypatch.setattr(model_runner, "allocate_kv_store",
+                        lambda *args, **kwargs: calls.append(("kv store", ())) or allocate(*args, **kwargs))
+    llm = LLM(tiny_model(), device="cpu", kv_cache_memory=1 << 24, max_model_len=64, block_size=8)
+    r = llm.runner
+    assert calls == [("workspace", (r.num_kv_heads, r.head_dim, 8, r.dtype, r.device, 64)), ("kv store", ())]

@@ -595,3 +595,34 @@ def test_kernels_under_interpreter():
     ]
     # each case once per config (their "short" variants skip there), the per-head decode twice (read-ahead)
     assert passed == (len(case_tests) + 1) * len(INTERP_CONFIGS), tail
+
+
+@pytest.mark.gpu
+def test_the_engine_gives_the_same_tokens_with_its_contexts_staged(tiny_model, monkeypatch):
+    """Long prompts in chunks over pages of 16, their contexts staged in the workspace (forced, as the rule
+    stages only large phases) or read through the block table: the same tokens and logprobs."""
+    from nanovllm import LLM, SamplingParams
+
+    monkeypatch.setattr(tk, "stages_phase", lambda *lens: True)
+    staged = []
+    stage = tk.stage_context
+    monkeypatch.setattr(tk, "stage_context", lambda *args: staged.append(stage(*args)))
+    lengths = (900, 1500)
+    prompts = [{"prompt_token_ids": [(i * 7 + j) % 200 + 3 for j in range(n)]} for i, n in enumerate(lengths)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)
+    results = []
+    for contexts_staged in (True, False):
+        monkeypatch.setattr(tb.TritonBackend, "stage_contexts", contexts_staged)
+        model = tiny_model(hidden_size=256, intermediate_size=256, max_position_embeddings=2048)  # head size 64
+        llm = LLM(model, attention_backend="triton", max_model_len=2048,
+                  max_num_batched_tokens=512, block_size=16, enable_prefix_caching=False,
+                  kv_cache_memory=1 << 26)
+        assert (llm.runner.backend.workspace is not None) == contexts_staged
+        results.append(llm.generate(prompts, params, use_tqdm=False))
+        del llm
+    assert staged, "no context was staged"
+    for on, off in zip(*results, strict=True):
+        assert on.outputs[0].token_ids == off.outputs[0].token_ids
+        for a, b in zip(on.outputs[0].logprobs, off.outputs[0].logprobs, strict=True):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
