@@ -57,6 +57,24 @@ def paged_prompt(n: int, heads: int, kv_heads: int, head_dim: int, block_size: i
     return PagedPrompt(q, k, v, k_cache, v_cache, tables, cu, lens, PhaseMetadata(cu, lens, tables, n, n))
 
 
+def staged_cache(p: PagedPrompt) -> Callable[[], tuple[Any, Any, Any]] | None:
+    """A function that copies the prompt's context into the ``triton`` backend's staged pages of 128 tokens,
+    as the engine's sparse policies read it over smaller cache pages (``PolicyContext.read_staged``), and
+    returns ``(k_pages, v_pages, block_tables)``; None where the backend stages nothing (pages of 128 tokens
+    or more, a GPU without TMA)."""
+    from nanovllm.attention.metadata import PhaseMetadata
+    from nanovllm.attention.triton_backend import TritonBackend
+
+    n = p.q.shape[0]
+    block_size, kv_heads, head_dim = p.k_cache.shape[1:]
+    backend = TritonBackend()
+    backend.reserve_workspace(kv_heads, head_dim, block_size, p.k_cache.dtype, p.k_cache.device, n)
+    if backend.workspace is None:
+        return None
+    meta = PhaseMetadata(p.cu_seqlens_q, p.context_lens, p.tables, n, n, (n,), (n,))
+    return lambda: backend.staged_cache(p.k_cache, p.v_cache, meta)
+
+
 def kernel_ms(fn: Callable[[], Any], min_runs: int = 10) -> float:
     """Median ms of ``fn`` on the GPU over at least ``min_runs`` runs (the plugins' kernel rows all time this
     way). ``do_bench`` runs as many as fit its time budget, which is a single run of a 128K prefill."""

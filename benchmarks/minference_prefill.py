@@ -47,6 +47,7 @@ from _prefill import (
     density_chart,
     kernel_ms,
     paged_prompt,
+    staged_cache,
     ttft_model,
     ttft_table,
     with_ratios,
@@ -55,7 +56,9 @@ from nanovllm.bench import markdown_row
 
 PRESET = "llama-3.1-8b"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-CONFIGS = ("default", "old", "block_m=64", "block_m=128", "no-tma", "no-fused-scale")  # kernel_configs' names
+# kernel_configs' names, and ``staged``: the kernel's own rule over the backend's staged pages of 128 tokens,
+# the copy included (where the cache's pages are smaller)
+CONFIGS = ("default", "old", "block_m=64", "block_m=128", "no-tma", "no-fused-scale", "staged")
 
 
 def kernel_configs(block_size: int):
@@ -110,8 +113,11 @@ def bench_kernel(contexts: list[int], densities: list[float], block_sizes: list[
             base = {"benchmark": "kernel", "context": n, "kv_block_size": block_size, **contiguous, **paged}
             dense_ms = contiguous["dense_ms"]
 
+            stage = staged_cache(p)
+
             def sparse(index, config):
-                return sparse_attention(q, k_cache, v_cache, tables, cu, lens, index, scale, n, config=config)
+                kv = stage() if config == "staged" else (k_cache, v_cache, tables)
+                return sparse_attention(q, *kv, cu, lens, index, scale, n, config=named.get(config))
 
             indices = []
             if not fixed_only:
@@ -134,7 +140,9 @@ def bench_kernel(contexts: list[int], densities: list[float], block_sizes: list[
             for index, name, extra in indices:
                 density = computed_density(index, cu, lens)
                 for config in configs:
-                    sparse_ms = kernel_ms(lambda index=index, config=config: sparse(index, named[config]))
+                    if config == "staged" and stage is None:
+                        continue
+                    sparse_ms = kernel_ms(lambda index=index, config=config: sparse(index, config))
                     rows.append({**base, "index": name, "config": config, "density": density,
                                  "sparse_ms": sparse_ms, **extra, "ratio": sparse_ms / dense_ms})
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)

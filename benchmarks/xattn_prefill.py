@@ -28,12 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from _jobs import job_main, jobs_of_kinds, run_jobs
-from _prefill import bench_ttft, dense_prefill_ms, density_chart, kernel_ms, paged_prompt, ttft_table, with_ratios
+from _prefill import (bench_ttft, dense_prefill_ms, density_chart, kernel_ms, paged_prompt, staged_cache, ttft_table,
+                     with_ratios)
 from nanovllm.bench import markdown_row
 
 PRESET = "llama-3.1-8b"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-CONFIGS = ("default", "old", "no-tma", "no-fused-scale")  # kernel_configs' names
+# kernel_configs' names, and ``staged``: ``default`` over the backend's staged pages of 128 tokens, the copy
+# included (where the cache's pages are smaller)
+CONFIGS = ("default", "old", "no-tma", "no-fused-scale", "staged")
 
 
 def kernel_configs():
@@ -77,6 +80,7 @@ def bench_kernel(contexts: list[int], densities: list[float], stride: int,
             cu, lens = p.cu_seqlens_q, p.context_lens
             paged = dense_prefill_ms(p, scale, contiguous=contiguous is None)
             thresholds = torch.full((HEADS,), cfg.threshold, device=dev)
+            stage = staged_cache(p)
 
             def scores():
                 return block_scores(q, k_cache, tables, cu, lens, scale, cfg.stride, block, n, n)
@@ -100,9 +104,13 @@ def bench_kernel(contexts: list[int], densities: list[float], stride: int,
                 selection = f"ratio={ratio}" if ratio else f"threshold={cfg.threshold}"
                 density = causal_density(mask, cu, lens, block)
                 for config in configs:
+                    if config == "staged" and stage is None:
+                        continue
+
                     def sparse(blocks=blocks, counts=counts, config=config):
-                        return block_sparse_attention(q, k_cache, v_cache, tables, cu, lens, blocks, counts, block,
-                                                      scale, n, config=named[config])
+                        kv = stage() if config == "staged" else (k_cache, v_cache, tables)
+                        return block_sparse_attention(q, *kv, cu, lens, blocks, counts, block, scale, n,
+                                                      config=named.get(config))  # staged: the kernel's rule
 
                     sparse_ms = kernel_ms(sparse)
                     rows.append({**base, "selection": selection, "config": config, "density": density,

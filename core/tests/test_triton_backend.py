@@ -225,40 +225,81 @@ def _with_host_lens(meta: PhaseMetadata, q_lens, ctx_lens) -> PhaseMetadata:
 
 
 @cases
-def test_stage_context_copies_each_context_in_order(device, dtype, head_dim, group, block_size, gen):
-    lens = [70, 1, 33, 16] if device == "cuda" else [40, 1, 17]
+def test_stage_context_copies_each_context_into_its_own_pages(device, dtype, head_dim, group, block_size,
+                                                               gen):
+    if tk.STAGED_PAGE % block_size:
+        pytest.skip("a staged page holds whole cache pages")
+    lens = [300, 1, 129, 16] if device == "cuda" else [140, 1, 17]
     c = Case([1] * len(lens), lens, _kv_heads(device), group, head_dim, block_size, dtype, device, gen)
-    ref_k, ref_v = tk.stage_context_reference(c.k_cache, c.v_cache, c.meta.block_tables, lens)
-    cu_k = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    k = torch.full((sum(lens) + 5, *c.k_cache.shape[2:]), float("nan"), dtype=dtype, device=device)
+    ref_k, ref_v, ref_tables = tk.stage_context_reference(c.k_cache, c.v_cache, c.meta.block_tables, lens)
+    pages = ref_k.shape[0]
+    k = torch.full((pages + 1, tk.STAGED_PAGE, *c.k_cache.shape[2:]), float("nan"), dtype=dtype,
+                   device=device)
     v = torch.full_like(k, float("nan"))
-    tk.stage_context(c.k_cache, c.v_cache, c.meta.block_tables, c.meta.context_lens, cu_k, max(lens), k, v)
-    assert torch.equal(k[: sum(lens)], ref_k) and torch.equal(v[: sum(lens)], ref_v)
-    assert k[sum(lens):].isnan().all() and v[sum(lens):].isnan().all()  # nothing past the last context
-    assert torch.equal(ref_k[lens[0] : lens[0] + 1], c.k_cache[c.meta.block_tables[1, 0], :1])  # row order
+    tables = torch.full_like(ref_tables, 7)
+    tk.stage_context(c.k_cache, c.v_cache, c.meta.block_tables, c.meta.context_lens, max(lens), k[:pages],
+                     v[:pages], tables)
+    assert torch.equal(tables, ref_tables)
+    assert ref_tables[1, 0] == ref_tables[0, -1] + 1 and (ref_tables[1, 1:] == -1).all()  # one page, then -1
+    for staged, ref in ((k, ref_k), (v, ref_v)):
+        for s, n in enumerate(lens):  # each context's rows; nothing else is read
+            rows = staged[tables[s, : -(-n // tk.STAGED_PAGE)].long()].flatten(0, 1)[:n]
+            assert torch.equal(rows, ref[ref_tables[s, : -(-n // tk.STAGED_PAGE)].long()].flatten(0, 1)[:n])
+        assert staged[pages:].isnan().all()  # nothing past the last page
+    assert torch.equal(ref_k[ref_tables[1, 0]][0], c.k_cache[c.meta.block_tables[1, 0], 0])  # cache rows
 
 
 @cases
 @pytest.mark.parametrize("fits", [True, False], ids=["staged", "too-long-for-the-workspace"])
 def test_prefill_over_staged_contexts(device, dtype, head_dim, group, block_size, fits, gen, monkeypatch):
-    """Chunks with history read their contexts from packed rows staged in the workspace, or, where the
-    contexts do not fit it, through the block table: the reference's results either way."""
+    """Chunks with history read their contexts from pages staged in the workspace, or, where the contexts
+    do not fit it (or a cache page does not divide a staged one), through the block table: the reference's
+    results either way."""
     lens = GPU_PREFILL if device == "cuda" else INTERP_PREFILL
     q_lens, ctx_lens = [q for q, _ in lens], [k for _, k in lens]
     c = Case(q_lens, ctx_lens, _kv_heads(device), group, head_dim, block_size, dtype, device, gen)
     meta = _with_host_lens(c.meta, q_lens, ctx_lens)
     backend = tb.TritonBackend()
     backend.stage_contexts = True
-    room = sum(ctx_lens) if fits else sum(ctx_lens) - 1
-    backend.reserve_workspace(c.k_cache.shape[2], head_dim, block_size, dtype, torch.device(device), room)
-    assert backend.workspace.shape == (2, room, c.k_cache.shape[2], head_dim)
+    rows = sum(-(-n // tk.STAGED_PAGE) for n in ctx_lens) * tk.STAGED_PAGE  # each context from a new page
+    backend.reserve_workspace(c.k_cache.shape[2], head_dim, block_size, dtype, torch.device(device), rows)
+    assert backend.workspace.shape == (2, rows, c.k_cache.shape[2], head_dim)
+    if not fits:
+        backend.workspace = backend.workspace[:, :-1]
     monkeypatch.setattr(tk, "stages_phase", lambda *lens: True)
     staged = []
     stage = tk.stage_context
     monkeypatch.setattr(tk, "stage_context", lambda *a: staged.append(stage(*a)))
     ref = TorchBackend().prefill(c.q, c.k, c.v, c.k_cache, c.v_cache, meta, c.scale)
     _check(backend.prefill(c.q, c.k, c.v, c.k_cache, c.v_cache, meta, c.scale), ref, dtype, "prefill", gen)
-    assert len(staged) == int(fits)
+    assert len(staged) == int(fits and tk.STAGED_PAGE % block_size == 0)
+
+
+@cases
+def test_policies_read_the_staged_pages_through_their_context(device, dtype, head_dim, group, block_size, gen,
+                                                             monkeypatch):
+    """``PolicyContext.read_staged`` gives a paged cache of its own: read through its tables, the same
+    attention as the cache's (the torch reference over both); None from a backend that stages nothing."""
+    if tk.STAGED_PAGE % block_size:
+        pytest.skip("a staged page holds whole cache pages")
+    lens = GPU_PREFILL if device == "cuda" else INTERP_PREFILL
+    q_lens, ctx_lens = [q for q, _ in lens], [k for _, k in lens]
+    c = Case(q_lens, ctx_lens, _kv_heads(device), group, head_dim, block_size, dtype, device, gen)
+    meta = _with_host_lens(c.meta, q_lens, ctx_lens)
+    backend = tb.TritonBackend()
+    backend.stage_contexts = True
+    rows = sum(-(-n // tk.STAGED_PAGE) for n in ctx_lens) * tk.STAGED_PAGE
+    backend.reserve_workspace(c.k_cache.shape[2], head_dim, block_size, dtype, torch.device(device), rows)
+    monkeypatch.setattr(tk, "stages_phase", lambda *lens: True)
+    context = PolicyContext(0, True, c.q, meta, c.k_cache, c.v_cache, c.scale, backend)
+    k_pages, v_pages, tables = context.read_staged()
+    assert k_pages.shape[1] == tk.STAGED_PAGE and tables.shape[0] == len(lens)
+    staged_meta = PhaseMetadata(meta.cu_seqlens_q, meta.context_lens, tables, meta.max_query_len,
+                                meta.max_context_len)
+    ref = TorchBackend().prefill(c.q, c.k, c.v, c.k_cache, c.v_cache, meta, c.scale)
+    assert torch.equal(TorchBackend().prefill(c.q, c.k, c.v, k_pages, v_pages, staged_meta, c.scale), ref)
+    reference = PolicyContext(0, True, c.q, meta, c.k_cache, c.v_cache, c.scale, TorchBackend())
+    assert reference.read_staged() is None
 
 
 @cases
@@ -283,6 +324,8 @@ def test_the_workspace_is_reserved_only_where_staging_pays():
     backend.stage_contexts = True
     backend.reserve_workspace(8, 128, 16, torch.bfloat16, torch.device("cpu"), 1024)
     assert backend.workspace.shape == (2, 1024, 8, 128) and backend.workspace.dtype == torch.bfloat16
+    backend.reserve_workspace(8, 128, 16, torch.bfloat16, torch.device("cpu"), 1000)
+    assert backend.workspace.shape[1] == 1024  # whole staged pages
 
 
 def test_only_phases_with_long_chunks_and_much_attention_stage():
@@ -613,7 +656,8 @@ def test_the_engine_gives_the_same_tokens_with_its_contexts_staged(tiny_model, m
     results = []
     for contexts_staged in (True, False):
         monkeypatch.setattr(tb.TritonBackend, "stage_contexts", contexts_staged)
-        model = tiny_model(hidden_size=256, intermediate_size=256, max_position_embeddings=2048)  # head size 64
+        # head size 64
+        model = tiny_model(hidden_size=256, intermediate_size=256, max_position_embeddings=2048)
         llm = LLM(model, attention_backend="triton", max_model_len=2048,
                   max_num_batched_tokens=512, block_size=16, enable_prefix_caching=False,
                   kv_cache_memory=1 << 26)

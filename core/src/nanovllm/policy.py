@@ -124,6 +124,15 @@ class PolicyContext:
         the keys alone (``v_cache`` is None)."""
         return self.kv.read_paged(self, blocks, values, width)
 
+    def read_staged(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(k_cache, v_cache, block_tables)``: a prefill phase's whole contexts copied out of the paged GPU
+        cache into the attention backend's pages of 128 tokens (``AttentionBackend.staged_cache``), where
+        that pays: on Hopper with cache pages smaller than 128 tokens, the ``triton`` backend copies large
+        phases whose contexts fit its workspace, and a kernel that loads whole key tiles of a page through
+        TMA can then run. None elsewhere (read through :meth:`read_paged`), always with KV offload. Read with
+        the phase's ``cu_seqlens_q`` and ``context_lens``; valid for this layer's call."""
+        return self.kv.read_staged(self)
+
 
 # -- the selection contract -----------------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from nanovllm.kv.store import KVTransfer, KVWrite
     from nanovllm.policy import PolicyContext
 
-API_VERSION = "1.4"
+API_VERSION = "1.5"
 
 POLICY_FLAGS = ("supports_prefill", "supports_decode", "requires_block_selection", "cuda_graph_safe")
 POLICY_METHODS = ("select_blocks", "compute_chunked_prefill", "compute_chunked_decode")

@@ -7,5 +7,5 @@ from nanovllm.sparse import hookimpl
 def register_sparse_policies(registry) -> None:
     registry.add_sparse_policy(
         "minference", "nanovllm_minference.policy:MInferencePolicy",
-        config="nanovllm_minference.config:MInferenceConfig", api_version="1.4",
+        config="nanovllm_minference.config:MInferenceConfig", api_version="1.5",
     )

@@ -126,7 +126,8 @@ class MInferencePolicy(SparsePolicy):
                 index, meta.cu_seqlens_q, meta.context_lens, meta.max_query_len)) > dense_above)
             return torch.zeros_like(marks) if decided[0] else marks
 
-        paged = ctx.read_paged(touched)
+        # over small cache pages the backend's staged pages of 128 let the kernel load whole tiles through TMA
+        paged = ctx.read_staged() or ctx.read_paged(touched)
         if decided and decided[0]:
             return ctx.attend_all(q, k, v)
         # on the GPU cache the kernel itself runs dense above dense_above (decided on the GPU, no sync)

@@ -7,5 +7,5 @@ from nanovllm.sparse import hookimpl
 def register_sparse_policies(registry) -> None:
     registry.add_sparse_policy(
         "xattn", "nanovllm_xattn.policy:XAttentionPolicy", config="nanovllm_xattn.config:XAttentionConfig",
-        api_version="1.2",
+        api_version="1.5",
     )

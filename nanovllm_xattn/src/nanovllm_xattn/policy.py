@@ -111,7 +111,8 @@ class XAttentionPolicy(SparsePolicy):
         masks = [self.select(q, ctx, part, key_cache, key_tables, block_scores) for part in slices]
         del key_cache
         width = meta.block_tables.shape[1]
-        k_cache, v_cache, tables = ctx.read_paged(
+        # over small cache pages the backend's staged pages of 128 let the kernel load whole tiles through TMA
+        k_cache, v_cache, tables = ctx.read_staged() or ctx.read_paged(
             lambda: torch.stack([_touched(m, ctx.block_size, cfg.block_size, width) for m in masks]).any(0)
         )
         outs = []

@@ -32,6 +32,15 @@ class AttentionBackend:
         """Allocate the memory the kernels use beyond their outputs, for a cache of this shape. The engine
         calls it once, before its memory profile, so that the KV cache is sized around it. Default: none."""
 
+    def staged_cache(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PhaseMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The prefill phase's contexts copied out of the caches into larger pages, where the backend's
+        kernels read those faster: ``(k_pages, v_pages, block_tables)``, a paged cache of its own, read with
+        the phase's ``cu_seqlens_q`` and ``context_lens``; or None where the backend copies nothing. Valid
+        until the backend's next call. Default: None."""
+        return None
+
     def store_kv(
         self,
         key: torch.Tensor,

@@ -5,9 +5,12 @@
 - ``prefill``: varlen causal FlashAttention over each sequence's whole context (prefix-cache hits and
   chunked prefill). Sequences with no cached prefix read their new keys and values directly, a single one
   through torch SDPA (cuDNN / flash) when ``sdpa_prefill`` is on. Otherwise the context is read through the
-  block table, or, where pages are smaller than the kernel's TMA key tiles, from a packed copy of it staged in
-  the workspace that :meth:`TritonBackend.reserve_workspace` allocates (phases large enough to repay the
-  copy, :func:`~nanovllm.attention.triton_kernels.stages_phase`, whose contexts fit it).
+  block table, or, where pages are smaller than the kernel's TMA key tiles, from a copy of it in larger
+  pages (``staged_cache``).
+- ``staged_cache``: the phase's contexts copied into pages of ``STAGED_PAGE`` tokens in the workspace that
+  :meth:`TritonBackend.reserve_workspace` allocates, for phases large enough to repay the copy
+  (:func:`~nanovllm.attention.triton_kernels.stages_phase`) whose contexts fit it; sparse policies read
+  them through ``PolicyContext.read_staged``.
 - ``prefill`` and ``decode`` take a sliding ``window``: the kernels mask it and skip the tiles before it.
 - ``decode``: split-KV paged decoding, the KV of a GQA group read once for all its query heads,
   then a log-sum-exp reduce. No host synchronisation and no data-dependent shapes: capturable in a
@@ -54,7 +57,8 @@ class TritonBackend(AttentionBackend):
             stages = tk.stages_paged_contexts(head_dim, dtype, device, block_size)
         self.workspace = None  # before the new one: the old one's memory is free for it
         if stages:
-            self.workspace = torch.empty(2, max_model_len, num_kv_heads, head_dim, dtype=dtype, device=device)
+            rows = -(-max_model_len // tk.STAGED_PAGE) * tk.STAGED_PAGE
+            self.workspace = torch.empty(2, rows, num_kv_heads, head_dim, dtype=dtype, device=device)
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         tk.store_kv(key, value, k_cache, v_cache, slot_mapping)
@@ -76,12 +80,12 @@ class TritonBackend(AttentionBackend):
                 paged=False, causal=True, window=window,
             )
             return out
-        staged = self._staged_contexts(k_cache, v_cache, meta, window)
-        if staged is not None:
-            keys, values, cu_k = staged
+        staged = self.staged_cache(k_cache, v_cache, meta) if window is None else None
+        if staged is not None:  # pages whose key tiles load through TMA
+            k_cache, v_cache, tables = staged
             tk.attention_rows(
-                q, keys, values, out, None, meta.cu_seqlens_q, cu_k, None, None, meta.max_query_len, scale,
-                paged=False, causal=True,
+                q, k_cache, v_cache, out, None, meta.cu_seqlens_q, meta.context_lens, tables, None,
+                meta.max_query_len, scale, paged=True, causal=True,
             )
             return out
         tk.attention_rows(
@@ -90,21 +94,24 @@ class TritonBackend(AttentionBackend):
         )
         return out
 
-    def _staged_contexts(self, k_cache, v_cache, meta: PhaseMetadata, window: int | None):
-        """``(keys, values, cu_seqlens_k)``: every sequence's context copied out of the cache into the
-        workspace, packed; or None where it is not staged (no workspace, a sliding window, a small phase,
-        no host lengths, contexts that do not fit)."""
-        if self.workspace is None or window is not None or meta.context_lens_host is None:
+    def staged_cache(self, k_cache, v_cache, meta: PhaseMetadata):
+        """The phase's contexts copied into the workspace in pages of ``STAGED_PAGE`` tokens, where that pays
+        (:func:`~nanovllm.attention.triton_kernels.stages_phase`) and they fit: ``(k_pages, v_pages,
+        block_tables)``; else None (no workspace, a small phase, no host lengths, cache pages that do not
+        divide a staged page, contexts that do not fit)."""
+        page = tk.STAGED_PAGE
+        if self.workspace is None or meta.context_lens_host is None or page % k_cache.shape[1]:
             return None
-        total = sum(meta.context_lens_host)
-        if not tk.stages_phase(meta.max_query_len, meta.max_context_len) or total > self.workspace.shape[1]:
+        pages = sum(-(-n // page) for n in meta.context_lens_host)
+        fits = pages * page <= self.workspace.shape[1]
+        if not fits or not tk.stages_phase(meta.max_query_len, meta.max_context_len):
             return None
-        keys, values = self.workspace[0, :total], self.workspace[1, :total]
-        cu_k = torch.zeros(meta.num_seqs + 1, dtype=torch.int32, device=k_cache.device)
-        torch.cumsum(meta.context_lens, 0, dtype=torch.int32, out=cu_k[1:])
-        tk.stage_context(k_cache, v_cache, meta.block_tables, meta.context_lens, cu_k, meta.max_context_len,
-                         keys, values)
-        return keys, values, cu_k
+        k_pages, v_pages = self.workspace[:, : pages * page].unflatten(1, (pages, page))
+        tables = torch.empty(meta.num_seqs, -(-meta.max_context_len // page), dtype=torch.int32,
+                             device=k_cache.device)
+        tk.stage_context(k_cache, v_cache, meta.block_tables, meta.context_lens, meta.max_context_len,
+                         k_pages, v_pages, tables)
+        return k_pages, v_pages, tables
 
     def decode(
         self, q, k_cache, v_cache, meta: PhaseMetadata, scale: float, window: int | None = None

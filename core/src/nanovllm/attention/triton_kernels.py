@@ -4,12 +4,12 @@ Five kernels:
 
 - ``_store_kv_kernel``: one program per new token writes its keys and values to their cache slot.
 - ``_stage_context_kernel``: one program per (page, KV head, sequence) copies a context's keys and values
-  out of the paged cache into packed rows, which the prefill kernel then reads as dense keys.
+  out of the paged cache into contiguous pages of ``STAGED_PAGE`` tokens, whose key tiles the prefill kernel
+  loads through TMA, and writes their block table.
 - ``_prefill_kernel``: FlashAttention-style varlen attention, one program per (query tile, head,
   sequence), online softmax in base 2. Keys come either from the paged cache through the block table
   (optionally through lists of selected logical blocks, one per sequence or one per KV head of each
-  sequence: a KV-head stride of 0 shares a list) or from dense ``k``/``v`` rows (the step's new keys, or a
-  staged context).
+  sequence: a KV-head stride of 0 shares a list) or from dense per-step ``k``/``v`` tensors.
   Causal tiles are visited in two loops: the tiles wholly below the diagonal without masks, then the
   rest with masks.
 - ``_decode_kernel``: one query token per sequence. A program owns one KV head of one sequence and
@@ -32,6 +32,7 @@ module is imported), with small tiles.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -91,16 +92,30 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     )
 
 
+# tokens a page of staged contexts: whole key tiles of the prefill kernel's TMA loads
+STAGED_PAGE = 128
+
+
 @triton.jit
 def _stage_context_kernel(
-    KC, VC, K, V, block_tables, context_lens, cu_k,
-    stride_cb, stride_cs, stride_ch, stride_cd, stride_bt, stride_kt, stride_kh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    KC, VC, K, V, block_tables, context_lens, staged_tables,
+    stride_cb, stride_cs, stride_ch, stride_cd, stride_bt, stride_st, stride_kt, stride_kh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
-    j = tl.program_id(0)  # the sequence's j-th page
+    j = tl.program_id(0)  # the sequence's j-th cache page
     h = tl.program_id(1)
     s = tl.program_id(2)
-    n = tl.load(context_lens + s) - j * BLOCK_SIZE  # the page's tokens still in the context
+    first = 0  # the sequence's first staged page: after the pages of the sequences before it
+    for s0 in range(0, s, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        lens = tl.load(context_lens + offs_s, mask=offs_s < s, other=0)
+        first += tl.sum((lens + PAGE - 1) // PAGE)
+    ctx = tl.load(context_lens + s)
+    if (h == 0) & (j % (PAGE // BLOCK_SIZE) == 0):  # one program a staged page writes its table entry
+        p = j // (PAGE // BLOCK_SIZE)
+        tl.store(staged_tables + s * stride_st + p, tl.where(p * PAGE < ctx, first + p, -1))
+    n = ctx - j * BLOCK_SIZE  # the page's tokens still in the context
     if n <= 0:
         return
     blk = tl.load(block_tables + s * stride_bt + j).to(tl.int64)
@@ -108,41 +123,57 @@ def _stage_context_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_t[:, None] < n) & (offs_d[None, :] < HEAD_DIM)
     src = blk * stride_cb + offs_t[:, None] * stride_cs + h * stride_ch + offs_d[None, :] * stride_cd
-    rows = (tl.load(cu_k + s) + j * BLOCK_SIZE + offs_t).to(tl.int64)
+    rows = (first * PAGE + j * BLOCK_SIZE + offs_t).to(tl.int64)
     dst = rows[:, None] * stride_kt + h * stride_kh + offs_d[None, :]
     tl.store(K + dst, tl.load(KC + src, mask=mask), mask=mask)
     tl.store(V + dst, tl.load(VC + src, mask=mask), mask=mask)
 
 
-def stage_context(k_cache, v_cache, block_tables, context_lens, cu_seqlens_k, max_context_len: int,
-                  k_out: torch.Tensor, v_out: torch.Tensor) -> None:
+def stage_context(k_cache, v_cache, block_tables, context_lens, max_context_len: int,
+                  k_pages: torch.Tensor, v_pages: torch.Tensor, staged_tables: torch.Tensor) -> None:
     """Copy each sequence's keys and values, positions ``[0, context_lens[s])``, from the paged caches
-    ``[num_blocks, block_size, Hkv, D]`` through its block-table row into the packed rows ``k_out`` and
-    ``v_out`` ``[total, Hkv, D]`` (contiguous), sequence ``s`` from row ``cu_seqlens_k[s]``.
-    ``max_context_len`` (a host int) sizes the grid. Torch reference: :func:`stage_context_reference`."""
+    ``[num_blocks, block_size, Hkv, D]`` into the contiguous pages ``k_pages`` / ``v_pages`` ``[pages, page,
+    Hkv, D]`` (``page`` a multiple of ``block_size``): each sequence from the first page after those of the
+    sequences before it, and its pages' indices into ``staged_tables`` ``[num_seqs, cdiv(max_context_len,
+    page)]`` int32 (-1 past its context), a block table of the staged pages. ``max_context_len`` (a host int)
+    sizes the grid. Torch reference: :func:`stage_context_reference`."""
     num_seqs = context_lens.shape[0]
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    page = k_pages.shape[1]
     if num_seqs == 0 or max_context_len == 0:
         return
+    assert page % block_size == 0, "a staged page holds whole cache pages"
     assert k_cache.stride() == v_cache.stride(), "k and v caches must share one layout"
-    assert k_out.is_contiguous() and v_out.is_contiguous(), "the staged rows are written contiguous"
+    assert k_pages.is_contiguous() and v_pages.is_contiguous(), "the staged pages are written contiguous"
+    assert staged_tables.shape == (num_seqs, cdiv(max_context_len, page)) and staged_tables.stride(1) == 1
     _stage_context_kernel[(cdiv(max_context_len, block_size), num_kv_heads, num_seqs)](
-        k_cache, v_cache, k_out, v_out, block_tables, context_lens, cu_seqlens_k,
-        *k_cache.stride(), block_tables.stride(0), k_out.stride(0), k_out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+        k_cache, v_cache, k_pages, v_pages, block_tables, context_lens, staged_tables,
+        *k_cache.stride(), block_tables.stride(0), staged_tables.stride(0), k_pages.stride(1),
+        k_pages.stride(2),
+        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_SIZE=block_size, PAGE=page, BLOCK_S=64,
         num_warps=4 if block_size * head_dim >= 2048 else 1,
     )
 
 
-def stage_context_reference(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                            context_lens: list[int] | tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """What :func:`stage_context` writes, in torch ops: every sequence's context rows, packed in order."""
+def stage_context_reference(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: Sequence[int],
+    page: int = STAGED_PAGE,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What :func:`stage_context` writes, in torch ops: ``(k_pages, v_pages, staged_tables)``, the pages
+    holding every sequence's context (zeros past each one's end)."""
     block_size = k_cache.shape[1]
-    offsets = torch.arange(block_size, device=k_cache.device)
-    rows = [(block_tables[s, : cdiv(n, block_size)].long()[:, None] * block_size + offsets).flatten()[:n]
-            for s, n in enumerate(context_lens)]
-    slots = torch.cat(rows) if rows else torch.empty(0, dtype=torch.long, device=k_cache.device)
-    return tuple(c.flatten(0, 1)[slots] for c in (k_cache, v_cache))
+    counts = [cdiv(n, page) for n in context_lens]
+    k_pages, v_pages = (c.new_zeros(sum(counts), page, *c.shape[2:]) for c in (k_cache, v_cache))
+    tables = torch.full((len(counts), cdiv(max(context_lens, default=0), page)), -1, dtype=torch.int32)
+    first = 0
+    for s, (n, count) in enumerate(zip(context_lens, counts, strict=True)):
+        slots = (block_tables[s, : cdiv(n, block_size)].long()[:, None] * block_size
+                 + torch.arange(block_size, device=k_cache.device)).flatten()[:n]
+        for staged, cache in ((k_pages, k_cache), (v_pages, v_cache)):
+            staged[first : first + count].flatten(0, 1)[:n] = cache.flatten(0, 1)[slots]
+        tables[s, :count] = torch.arange(first, first + count)
+        first += count
+    return k_pages, v_pages, tables.to(k_cache.device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,7 +209,7 @@ def _selected_blocks(sel, bt_row, start_n, num_sel, BLOCK_N: tl.constexpr, BLOCK
 
 @triton.jit
 def _key_offsets(
-    start_n, s, kvh, k_start, n_keys, kv_len,
+    start_n, s, kvh, q_start, n_keys, kv_len,
     block_tables, sel, stride_bt, num_sel,
     stride_kb, stride_ks, stride_kh,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -204,7 +235,7 @@ def _key_offsets(
     else:
         pos = offs_n
         valid = offs_n < n_keys
-        row = (k_start + offs_n).to(tl.int64) * stride_ks
+        row = (q_start + offs_n).to(tl.int64) * stride_ks
     return row + kvh * stride_kh, pos, valid
 
 
@@ -287,7 +318,7 @@ def unmasked_kv(K, V, rows, offs_d, d_ok, stride_kd, HEAD_DIM: tl.constexpr, BLO
 
 @triton.jit
 def _masked_tile(
-    acc, l_i, m_i, q, K, V, start_n, s, kvh, k_start, n_keys, kv_len, block_tables, sel,
+    acc, l_i, m_i, q, K, V, start_n, s, kvh, q_start, n_keys, kv_len, block_tables, sel,
     stride_bt, num_sel, stride_kb, stride_ks, stride_kh, stride_kd, offs_d, d_ok, q_pos, window,
     scale_log2, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
     HAS_INDICES: tl.constexpr, CAUSAL: tl.constexpr, FP32: tl.constexpr, SLIDING: tl.constexpr,
@@ -295,7 +326,7 @@ def _masked_tile(
     """A key tile with masks: validity (length, selection), if CAUSAL position, and if SLIDING the window
     (a key ``window`` or more positions before its query is not seen)."""
     koff, pos, valid = _key_offsets(
-        start_n, s, kvh, k_start, n_keys, kv_len, block_tables, sel, stride_bt, num_sel,
+        start_n, s, kvh, q_start, n_keys, kv_len, block_tables, sel, stride_bt, num_sel,
         stride_kb, stride_ks, stride_kh, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES,
     )
     kv_ptrs = koff[:, None] + offs_d[None, :] * stride_kd
@@ -350,17 +381,16 @@ def _prefill_kernel(
     kvh = h // GROUP
     sel = block_idx + s * stride_bi + kvh * stride_bh  # this KV head's selected blocks (HAS_INDICES)
     if PAGED:
-        k_start = q_start  # unused: rows come from the block table
         kv_len = tl.load(lens + s)  # context length, or the kv_lens of the selection
         if HAS_INDICES:
             n_keys = num_sel * BLOCK_SIZE
         else:
             n_keys = kv_len
-    else:  # ``lens`` holds the key rows' offsets (``cu_q`` itself when the keys are the new rows)
-        k_start = tl.load(lens + s)
-        kv_len = tl.load(lens + s + 1) - k_start
-        n_keys = kv_len
-    q_off = kv_len - q_len
+        q_off = kv_len - q_len
+    else:
+        kv_len = q_len
+        n_keys = q_len
+        q_off = 0
 
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -396,7 +426,7 @@ def _prefill_kernel(
         full_lo = tl.maximum(tl.minimum(full_lo, lo), win_lo)
         for start_n in range(win_lo, full_lo, BLOCK_N):
             acc, l_i, m_i = _masked_tile(
-                acc, l_i, m_i, q, K, V, start_n, s, kvh, k_start, n_keys, kv_len, block_tables,
+                acc, l_i, m_i, q, K, V, start_n, s, kvh, q_start, n_keys, kv_len, block_tables,
                 sel, stride_bt, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
                 offs_d, d_ok, q_pos, window, scale_log2, BLOCK_N, BLOCK_SIZE, PAGED, False, True, FP32, True,
             )
@@ -417,14 +447,14 @@ def _prefill_kernel(
             if PAGED:  # a tile lies in one page (BLOCK_N divides BLOCK_SIZE): ``blocks`` is a scalar
                 row0 = blocks * BLOCK_SIZE + start_n % BLOCK_SIZE
             else:
-                row0 = k_start + start_n
+                row0 = q_start + start_n
             k = desc_k.load([row0, col])
             v = desc_v.load([row0, col])
         else:
             if PAGED:
                 rows = blocks.to(tl.int64) * stride_kb + ((start_n + offs_t) % BLOCK_SIZE) * stride_ks
             else:
-                rows = (k_start + start_n + offs_t).to(tl.int64) * stride_ks
+                rows = (q_start + start_n + offs_t).to(tl.int64) * stride_ks
             k, v = unmasked_kv(K, V, rows + kvh * stride_kh, offs_d, d_ok, stride_kd, HEAD_DIM, BLOCK_D)
         if FUSED_SCALE:
             acc, l_i, m_i = online_softmax_step_fused_scale(acc, l_i, m_i, q, k, v, scale_log2, FP32)
@@ -437,14 +467,14 @@ def _prefill_kernel(
             logical = tl.load(sel + start_n // BLOCK_SIZE)
             if (logical >= 0) & (logical * BLOCK_SIZE + start_n % BLOCK_SIZE < kv_len):
                 acc, l_i, m_i = _masked_tile(
-                    acc, l_i, m_i, q, K, V, start_n, s, kvh, k_start, n_keys, kv_len, block_tables,
+                    acc, l_i, m_i, q, K, V, start_n, s, kvh, q_start, n_keys, kv_len, block_tables,
                     sel, stride_bt, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
                     offs_d, d_ok, q_pos, window, scale_log2, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES, CAUSAL,
                     FP32, False,
                 )
         else:
             acc, l_i, m_i = _masked_tile(
-                acc, l_i, m_i, q, K, V, start_n, s, kvh, k_start, n_keys, kv_len, block_tables,
+                acc, l_i, m_i, q, K, V, start_n, s, kvh, q_start, n_keys, kv_len, block_tables,
                 sel, stride_bt, num_sel, stride_kb, stride_ks, stride_kh, stride_kd,
                 offs_d, d_ok, q_pos, window, scale_log2, BLOCK_N, BLOCK_SIZE, PAGED, HAS_INDICES, CAUSAL,
                 FP32, SLIDING,
@@ -781,16 +811,16 @@ STAGED_MIN_PAIRS = 1 << 23
 
 
 def stages_paged_contexts(head_dim: int, dtype: torch.dtype, device: torch.device, block_size: int) -> bool:
-    """Whether long chunks over the paged cache run faster from their contexts staged into packed rows
-    (:func:`stage_context`) than through the block table: where the long chunks' configuration loads its
-    key tiles through TMA and a page holds less than a tile (on Hopper a TMA load cannot gather pages).
-    Which phases stage: :func:`stages_phase`."""
+    """Whether long chunks over the paged cache run faster from their contexts staged into pages of
+    ``STAGED_PAGE`` tokens (:func:`stage_context`) than over the cache's own: where the long chunks'
+    configuration loads its key tiles through TMA and a cache page holds less than a tile (on Hopper a TMA
+    load cannot gather pages). Which phases stage: :func:`stages_phase`."""
     if device.type != "cuda" or head_dim & (head_dim - 1):
         return False
     if not _tma_capable(device.index if device.index is not None else torch.cuda.current_device()):
         return False
     cfg = _prefill_config(head_dim, dtype, device, STAGED_MIN_QUERY_LEN, paged=True)
-    return cfg.tma and block_size % cfg.block_n != 0
+    return cfg.tma and block_size % cfg.block_n != 0 and STAGED_PAGE % block_size == 0
 
 
 def stages_phase(max_query_len: int, max_context_len: int) -> bool:
@@ -896,9 +926,7 @@ def attention_rows(
 
     paged: ``k``/``v`` are the caches ``[num_blocks, block_size, Hkv, D]`` and ``lens`` the KV lengths
     (context lengths, or the selection's ``kv_lens`` when ``block_indices`` is given); otherwise they
-    are dense ``[rows, Hkv, D]`` rows and ``lens`` None (the keys are the new rows, laid out like ``q``) or
-    ``cu_seqlens_k`` ``[num_seqs + 1]`` int32: sequence ``s`` has keys ``lens[s]:lens[s + 1]``, its queries
-    the last ``q_len`` positions of them (a context staged by :func:`stage_context`). ``block_indices``:
+    are dense ``[num_tokens, Hkv, D]`` rows laid out like ``q`` (``lens`` unused). ``block_indices``:
     None, or a selection ``[num_seqs, k]`` or ``[num_seqs, Hkv, k]`` (see ``attend_blocks``). ``window``
     (causal, no selection): each query sees the last ``window`` positions up to its own, and tiles before
     them are not read. ``config`` (a :class:`PrefillConfig` or its leading fields) overrides the rule's
@@ -1058,7 +1086,7 @@ def is_interpreted() -> bool:
 
 
 __all__ = [
-    "store_kv", "stage_context", "stage_context_reference", "attention_rows", "attention_decode",
-    "num_decode_splits", "is_interpreted", "max_shared_memory",
+    "store_kv", "stage_context", "stage_context_reference", "STAGED_PAGE", "attention_rows",
+    "attention_decode", "num_decode_splits", "is_interpreted", "max_shared_memory",
     "num_sms", "same_layout", "PrefillConfig", "DecodeConfig",
 ]

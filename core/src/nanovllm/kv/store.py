@@ -249,6 +249,11 @@ class LayerKV:
         read (see ``PolicyContext.read_paged``)."""
         raise NotImplementedError
 
+    def read_staged(self, ctx: PolicyContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The phase's contexts in the attention backend's staged pages (see ``PolicyContext.read_staged``),
+        or None."""
+        return None
+
     def compact_copy(
         self, ctx: PolicyContext, present: torch.Tensor, values: bool, width: int | None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -298,6 +303,9 @@ class PagedLayerKV(LayerKV):
         """The cache itself and the phase's block tables: every block is readable, nothing is copied
         (``blocks`` is not evaluated)."""
         return self.k_cache, self.v_cache if values else None, ctx.meta.block_tables
+
+    def read_staged(self, ctx):
+        return ctx.backend.staged_cache(self.k_cache, self.v_cache, ctx.meta)
 
 
 class PooledLayerKV(LayerKV):

@@ -80,6 +80,9 @@ class FlashAttnBackend(AttentionBackend):
         if refused:
             self.fallback.reserve_workspace(num_kv_heads, head_dim, block_size, dtype, device, max_model_len)
 
+    def staged_cache(self, k_cache, v_cache, meta):
+        return self.fallback.staged_cache(k_cache, v_cache, meta)
+
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         self.fallback.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
