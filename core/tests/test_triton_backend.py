@@ -328,6 +328,17 @@ def test_the_workspace_is_reserved_only_where_staging_pays():
     assert backend.workspace.shape[1] == 1024  # whole staged pages
 
 
+def test_a_workspace_reserved_for_another_cache_stages_nothing(monkeypatch):
+    monkeypatch.setattr(tk, "stages_phase", lambda *lens: True)
+    backend = tb.TritonBackend()
+    backend.stage_contexts = True
+    backend.reserve_workspace(2, 64, 16, torch.float32, torch.device("cpu"), 256)
+    meta = PhaseMetadata(torch.tensor([0, 32], dtype=torch.int32), torch.tensor([64], dtype=torch.int32),
+                         torch.arange(4, dtype=torch.int32)[None], 32, 64, (32,), (64,))
+    for cache in (torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16), torch.zeros(4, 16, 4, 64)):
+        assert backend.staged_cache(cache, cache, meta) is None
+
+
 def test_only_phases_with_long_chunks_and_much_attention_stage():
     assert tk.stages_phase(128, 128 * 1024) and tk.stages_phase(2048, 4096)
     assert not tk.stages_phase(64, 1 << 20)  # short chunks: the configuration without TMA

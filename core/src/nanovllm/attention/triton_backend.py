@@ -97,16 +97,18 @@ class TritonBackend(AttentionBackend):
     def staged_cache(self, k_cache, v_cache, meta: PhaseMetadata):
         """The phase's contexts copied into the workspace in pages of ``STAGED_PAGE`` tokens, where that pays
         (:func:`~nanovllm.attention.triton_kernels.stages_phase`) and they fit: ``(k_pages, v_pages,
-        block_tables)``; else None (no workspace, a small phase, no host lengths, cache pages that do not
-        divide a staged page, contexts that do not fit)."""
-        page = tk.STAGED_PAGE
-        if self.workspace is None or meta.context_lens_host is None or page % k_cache.shape[1]:
+        block_tables)``; else None (no workspace, or one reserved for another cache shape or dtype, a small
+        phase, no host lengths, cache pages that do not divide a staged page, contexts that do not fit)."""
+        page, room = tk.STAGED_PAGE, self.workspace
+        if room is None or meta.context_lens_host is None or page % k_cache.shape[1]:
+            return None
+        if room.shape[2:] != k_cache.shape[2:] or room.dtype != k_cache.dtype:  # reserved for another cache
             return None
         pages = sum(-(-n // page) for n in meta.context_lens_host)
-        fits = pages * page <= self.workspace.shape[1]
+        fits = pages * page <= room.shape[1]
         if not fits or not tk.stages_phase(meta.max_query_len, meta.max_context_len):
             return None
-        k_pages, v_pages = self.workspace[:, : pages * page].unflatten(1, (pages, page))
+        k_pages, v_pages = room[:, : pages * page].unflatten(1, (pages, page))
         tables = torch.empty(meta.num_seqs, -(-meta.max_context_len // page), dtype=torch.int32,
                              device=k_cache.device)
         tk.stage_context(k_cache, v_cache, meta.block_tables, meta.context_lens, meta.max_context_len,
