@@ -92,10 +92,11 @@ def test_decode_host_work_does_not_grow_with_the_context():
         return 1000 * statistics.median(times["decode_only"])
 
     decode_ms(256)  # warm-up
-    # interleaved, the fastest of four each: on a busy 2-core machine one run can take twice another's time
-    runs = [(decode_ms(256), decode_ms(8192)) for _ in range(4)]
-    short, long = min(s for s, _ in runs), min(lg for _, lg in runs)
-    assert long < 1.8 * short + 0.05, f"host ms per decode step: {long:.3f} at 8K tokens, {short:.3f} at 256"
+    # in interleaved pairs, the median of their ratios: on a 2-core machine one run can take twice another's
+    # time even when idle, which moved the ratio of each length's fastest run between 0.8 and 2.1
+    pairs = [(decode_ms(256), decode_ms(8192)) for _ in range(6)]
+    ratio = statistics.median(long / short for short, long in pairs)
+    assert ratio < 2.0, f"host ms per decode step, 256 / 8K tokens of context: {pairs}"
 
 
 def test_chunk_host_work_near_the_uniform_layouts():

@@ -3,7 +3,7 @@
 Two modes: on CUDA (``gpu`` marker; head dims 64/128, GQA 1/2/4/8, block sizes 16/256, bf16/fp16,
 lengths that are not multiples of any tile), and, on a machine without CUDA, the same checks at
 small sizes under Triton's interpreter (``TRITON_INTERPRET=1``), in a subprocess that runs this
-file's ``interp`` cases (about 30 s on two cores). Every output buffer the backend allocates is
+file's ``interp`` cases (about 80 s on two cores). Every output buffer the backend allocates is
 poisoned with NaN first, so an element the kernels never write fails the check. ``attend_blocks`` is
 checked with both forms of selection, one list per sequence and one per KV head.
 """
@@ -61,6 +61,13 @@ PARAMS = [pytest.param("cuda", *c, id="gpu-" + _cfg_id(c), marks=pytest.mark.gpu
     pytest.param("cpu", *c, id="interp-" + _cfg_id(c)) for c in (INTERP_CONFIGS if INTERP else [])
 ]
 cases = pytest.mark.parametrize("device,dtype,head_dim,group,block_size", PARAMS)
+# the staged contexts' cases: the GPU's whose cache pages divide a staged page, and two interpreted ones (pages
+# of 16 and of 8 tokens), which keep the interpreter's run short
+STAGING_INTERP_CONFIGS = [INTERP_CONFIGS[0], INTERP_CONFIGS[4]]
+STAGING_PARAMS = [p for p in PARAMS if p.values[0] == "cuda" and tk.STAGED_PAGE % p.values[4] == 0] + [
+    pytest.param("cpu", *c, id="interp-" + _cfg_id(c)) for c in (STAGING_INTERP_CONFIGS if INTERP else [])
+]
+staging_cases = pytest.mark.parametrize("device,dtype,head_dim,group,block_size", STAGING_PARAMS)
 
 # (query length, context length) per sequence: a fresh prompt, a prefix-cache hit / later chunk, a
 # single token over a long prefix, a chunk crossing block and tile boundaries.
@@ -224,11 +231,24 @@ def _with_host_lens(meta: PhaseMetadata, q_lens, ctx_lens) -> PhaseMetadata:
                          meta.max_context_len, tuple(q_lens), tuple(ctx_lens))
 
 
-@cases
+def _staging_case(device, dtype, head_dim, group, block_size, gen, monkeypatch):
+    """``(case, metadata with host lengths, backend)``: chunks with history, and a backend that stages every
+    phase into a workspace exactly as large as their contexts' pages (each context from a page of its own)."""
+    lens = GPU_PREFILL if device == "cuda" else INTERP_PREFILL
+    q_lens, ctx_lens = [q for q, _ in lens], [k for _, k in lens]
+    c = Case(q_lens, ctx_lens, _kv_heads(device), group, head_dim, block_size, dtype, device, gen)
+    backend = tb.TritonBackend()
+    backend.stage_contexts = True
+    rows = sum(-(-n // tk.STAGED_PAGE) for n in ctx_lens) * tk.STAGED_PAGE
+    backend.reserve_workspace(c.k_cache.shape[2], head_dim, block_size, dtype, torch.device(device), rows)
+    assert backend.workspace.shape == (2, rows, c.k_cache.shape[2], head_dim)
+    monkeypatch.setattr(tk, "stages_phase", lambda *lens: True)
+    return c, _with_host_lens(c.meta, q_lens, ctx_lens), backend
+
+
+@staging_cases
 def test_stage_context_copies_each_context_into_its_own_pages(device, dtype, head_dim, group, block_size,
                                                                gen):
-    if tk.STAGED_PAGE % block_size:
-        pytest.skip("a staged page holds whole cache pages")
     lens = [300, 1, 129, 16] if device == "cuda" else [140, 1, 17]
     c = Case([1] * len(lens), lens, _kv_heads(device), group, head_dim, block_size, dtype, device, gen)
     ref_k, ref_v, ref_tables = tk.stage_context_reference(c.k_cache, c.v_cache, c.meta.block_tables, lens)
@@ -249,51 +269,31 @@ def test_stage_context_copies_each_context_into_its_own_pages(device, dtype, hea
     assert torch.equal(ref_k[ref_tables[1, 0]][0], c.k_cache[c.meta.block_tables[1, 0], 0])  # cache rows
 
 
-@cases
+@staging_cases
 @pytest.mark.parametrize("fits", [True, False], ids=["staged", "too-long-for-the-workspace"])
 def test_prefill_over_staged_contexts(device, dtype, head_dim, group, block_size, fits, gen, monkeypatch):
     """Chunks with history read their contexts from pages staged in the workspace, or, where the contexts
-    do not fit it (or a cache page does not divide a staged one), through the block table: the reference's
-    results either way."""
-    lens = GPU_PREFILL if device == "cuda" else INTERP_PREFILL
-    q_lens, ctx_lens = [q for q, _ in lens], [k for _, k in lens]
-    c = Case(q_lens, ctx_lens, _kv_heads(device), group, head_dim, block_size, dtype, device, gen)
-    meta = _with_host_lens(c.meta, q_lens, ctx_lens)
-    backend = tb.TritonBackend()
-    backend.stage_contexts = True
-    rows = sum(-(-n // tk.STAGED_PAGE) for n in ctx_lens) * tk.STAGED_PAGE  # each context from a new page
-    backend.reserve_workspace(c.k_cache.shape[2], head_dim, block_size, dtype, torch.device(device), rows)
-    assert backend.workspace.shape == (2, rows, c.k_cache.shape[2], head_dim)
+    do not fit it, through the block table: the reference's results either way."""
+    c, meta, backend = _staging_case(device, dtype, head_dim, group, block_size, gen, monkeypatch)
     if not fits:
         backend.workspace = backend.workspace[:, :-1]
-    monkeypatch.setattr(tk, "stages_phase", lambda *lens: True)
     staged = []
     stage = tk.stage_context
     monkeypatch.setattr(tk, "stage_context", lambda *a: staged.append(stage(*a)))
     ref = TorchBackend().prefill(c.q, c.k, c.v, c.k_cache, c.v_cache, meta, c.scale)
     _check(backend.prefill(c.q, c.k, c.v, c.k_cache, c.v_cache, meta, c.scale), ref, dtype, "prefill", gen)
-    assert len(staged) == int(fits and tk.STAGED_PAGE % block_size == 0)
+    assert len(staged) == int(fits)
 
 
-@cases
+@staging_cases
 def test_policies_read_the_staged_pages_through_their_context(device, dtype, head_dim, group, block_size, gen,
                                                              monkeypatch):
     """``PolicyContext.read_staged`` gives a paged cache of its own: read through its tables, the same
     attention as the cache's (the torch reference over both); None from a backend that stages nothing."""
-    if tk.STAGED_PAGE % block_size:
-        pytest.skip("a staged page holds whole cache pages")
-    lens = GPU_PREFILL if device == "cuda" else INTERP_PREFILL
-    q_lens, ctx_lens = [q for q, _ in lens], [k for _, k in lens]
-    c = Case(q_lens, ctx_lens, _kv_heads(device), group, head_dim, block_size, dtype, device, gen)
-    meta = _with_host_lens(c.meta, q_lens, ctx_lens)
-    backend = tb.TritonBackend()
-    backend.stage_contexts = True
-    rows = sum(-(-n // tk.STAGED_PAGE) for n in ctx_lens) * tk.STAGED_PAGE
-    backend.reserve_workspace(c.k_cache.shape[2], head_dim, block_size, dtype, torch.device(device), rows)
-    monkeypatch.setattr(tk, "stages_phase", lambda *lens: True)
+    c, meta, backend = _staging_case(device, dtype, head_dim, group, block_size, gen, monkeypatch)
     context = PolicyContext(0, True, c.q, meta, c.k_cache, c.v_cache, c.scale, backend)
     k_pages, v_pages, tables = context.read_staged()
-    assert k_pages.shape[1] == tk.STAGED_PAGE and tables.shape[0] == len(lens)
+    assert k_pages.shape[1] == tk.STAGED_PAGE and tables.shape[0] == meta.num_seqs
     staged_meta = PhaseMetadata(meta.cu_seqlens_q, meta.context_lens, tables, meta.max_query_len,
                                 meta.max_context_len)
     ref = TorchBackend().prefill(c.q, c.k, c.v, c.k_cache, c.v_cache, meta, c.scale)
@@ -647,8 +647,13 @@ def test_kernels_under_interpreter():
         f for f in globals().values()
         if any(m.name == "parametrize" and "device" in m.args[0] for m in getattr(f, "pytestmark", []))
     ]
-    # each case once per config (their "short" variants skip there), the per-head decode twice (read-ahead)
-    assert passed == (len(case_tests) + 1) * len(INTERP_CONFIGS), tail
+    # each case once per config (their "short" variants skip there), the per-head decode twice (read-ahead);
+    # the staging cases once per staging config, the prefill over staged contexts twice (fits or not)
+    staging = [f for f in case_tests if any(m.name == "parametrize" and m.args[1] is STAGING_PARAMS
+                                            for m in f.pytestmark)]
+    assert len(staging) == 3
+    expected = (len(case_tests) - len(staging) + 1) * len(INTERP_CONFIGS)
+    assert passed == expected + (len(staging) + 1) * len(STAGING_INTERP_CONFIGS), tail
 
 
 @pytest.mark.gpu
