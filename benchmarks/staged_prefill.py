@@ -7,7 +7,7 @@ block table: the median GPU time of each, the host's time a call (200 calls back
 them), and whether the default rule (``stages_phase``) stages that shape. Engine: the time to the first
 token of a ``--prompt``-token prompt in chunks of 8,192 tokens over pages of 16, for each preset, the
 contexts staged (the default) and not, alternating over ``--rounds`` rounds (median of three each). Writes
-``NAME.json`` and ``NAME.md`` (``--name``) to ``--out``.
+``NAME.json``, ``NAME.md`` and the speed-ups' chart ``NAME.png`` (``--name``) to ``--out``.
 """
 
 from __future__ import annotations
@@ -134,6 +134,26 @@ def markdown(payload: dict, name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def chart(payload: dict, path: Path, name: str) -> None:
+    """Speed-up of staged over in place per shape, one line per context, the shapes the rule stages marked."""
+    from _plot import save, subplots
+
+    fig, ax = subplots(figsize=(7, 4))
+    for ctx in sorted({r["ctx"] for r in payload["kernels"]}):
+        rows = [r for r in payload["kernels"] if r["ctx"] == ctx]
+        line, = ax.plot([r["q_len"] for r in rows], [r["speedup"] for r in rows], marker="o",
+                        label=f"context {ctx:,}")
+        staged = [r for r in rows if r["rule_stages"]]
+        ax.scatter([r["q_len"] for r in staged], [r["speedup"] for r in staged], s=90, facecolors="none",
+                   edgecolors=line.get_color())
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("queries in the chunk (circled: the rule stages it)")
+    ax.set_ylabel("in place ms / staged ms")
+    ax.legend(fontsize=8)
+    save(fig, path, name, payload["environment"])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -149,6 +169,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(payload, indent=1))
     (args.out / f"{args.name}.md").write_text(markdown(payload, args.name))
+    chart(payload, args.out / f"{args.name}.png", args.name)
     return 0
 
 
