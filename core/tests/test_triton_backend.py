@@ -342,7 +342,7 @@ def test_a_workspace_reserved_for_another_cache_stages_nothing(monkeypatch):
 def test_only_phases_with_long_chunks_and_much_attention_stage():
     assert tk.stages_phase(128, 128 * 1024) and tk.stages_phase(2048, 4096)
     assert not tk.stages_phase(64, 1 << 20)  # short chunks: the configuration without TMA
-    assert not tk.stages_phase(1024, 4096)  # too little attention to repay the copy and the launches
+    assert not tk.stages_phase(1024, 4096)  # too little attention to repay the copy and its launch
 
 
 @pytest.mark.gpu

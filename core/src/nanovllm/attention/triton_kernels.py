@@ -805,7 +805,7 @@ def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, max
 
 # A phase stages its contexts (below) where its longest chunk has at least STAGED_MIN_QUERY_LEN queries
 # (shorter chunks take the short configuration, without TMA) and its attention is large enough,
-# max_query_len * max_context_len at least STAGED_MIN_PAIRS, to repay the copy and the two extra launches.
+# max_query_len * max_context_len at least STAGED_MIN_PAIRS, to repay the copy and its launch.
 STAGED_MIN_QUERY_LEN = 128
 STAGED_MIN_PAIRS = 1 << 23
 

@@ -6,8 +6,8 @@ GQA 32 query / 8 KV heads, head dim 128, bf16; each row's ratio to the best peer
   with history, 1K over 4K and 4K over 16K and 128K (paged, blocks of 16 and 128). TFLOP/s (4 * heads *
   head_dim * visible query-key pairs) of FlashAttention-4 (where importable), torch SDPA's cuDNN and flash
   kernels (fresh prompts), our Triton kernel, and the ``triton`` and ``flash_attn`` backends' ``prefill``
-  (what ``attention_backend`` runs: the ``triton`` backend hands a fresh prompt to cuDNN, and stages a
-  context into packed rows where pages are smaller than its key tiles). Each row's
+  (what ``attention_backend`` runs: the ``triton`` backend hands a fresh prompt to cuDNN, and copies a
+  context into pages of 128 tokens where the cache's pages are smaller than its key tiles). Each row's
   relative error against SDPA (cuDNN where it runs).
 - Paged decode, batch 1, 8 and 64 over 4K, 16K and 128K, blocks of 16 and 128: TB/s of KV read by FA4 and
   the ``triton`` and ``flash_attn`` backends' ``decode`` (naming the kernel the latter chose), each captured
