@@ -20,7 +20,7 @@ import torch
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_plan import group_slots, group_tables
+from nanovllm.engine.step_plan import group_slots, group_tables, phase_arrays
 from nanovllm.kv.groups import blocks_per_sequence, kv_cache_groups
 from nanovllm.sampling_params import SamplingParams
 
@@ -175,13 +175,18 @@ def test_step_tables_equal_the_block_managers(seed):
 
 @pytest.mark.parametrize("shape", [(6, 3, 5), (6, 7), (1, 3, 5), (4, 2, 8)])
 def test_group_parts_start_aligned_on_the_device(shape):
-    """The runner sends every KV cache group's slots or tables in one transfer and splits it on the device:
-    each group's part equals its own array and starts 16-byte aligned, as one sent alone does (Triton
-    compiles its kernels again for a pointer that is not)."""
-    runner = SimpleNamespace(device=torch.device("cpu"), staging=None)
-    runner._to_device = lambda array: ModelRunner._to_device(runner, array)
+    """The runner sends every KV cache group's slots or tables in the step's one transfer and splits them on
+    the device: each group's part equals its own array and starts 16-byte aligned, as one sent alone does
+    (Triton compiles its kernels again for a pointer that is not)."""
+    runner = SimpleNamespace(staging=None)
     stacked = np.arange(np.prod(shape), dtype=np.int64 if len(shape) == 2 else np.int32).reshape(shape)
-    parts = ModelRunner._groups_to_device(runner, stacked)
+    slots = stacked if len(shape) == 2 else np.zeros((shape[0], shape[1]), dtype=np.int64)
+    decode = phase_arrays([1] * shape[1], [1] * shape[1], stacked) if len(shape) == 3 else None
+    zeros = np.zeros(shape[1], dtype=np.int64)
+    plan = SimpleNamespace(input_ids=zeros, positions=zeros, group_slots=slots, decode=decode, prefill=None,
+                           placeholder_rows=None, placeholder_sources=None, sample_rows=None, allocated_blocks=None)
+    on_device = ModelRunner._upload(runner, plan)
+    parts = on_device["slots" if len(shape) == 2 else "decode_tables"]
     assert len(parts) == shape[0]
     for g, part in enumerate(parts):
         np.testing.assert_array_equal(part.numpy(), stacked[g])

@@ -14,8 +14,8 @@ def test_prefill_metadata_carries_the_lengths_on_the_host(model, monkeypatch, on
     steps: list[StepMetadata] = []
     step_metadata = ModelRunner._step_metadata
 
-    def recorded(self, plan):
-        steps.append(step_metadata(self, plan))
+    def recorded(self, plan, on_device):
+        steps.append(step_metadata(self, plan, on_device))
         return steps[-1]
 
     monkeypatch.setattr(ModelRunner, "_step_metadata", recorded)

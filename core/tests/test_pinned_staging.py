@@ -30,6 +30,26 @@ def test_uploads_arrive_whole_across_growth_and_dtypes():
         assert np.array_equal(tensor.cpu().numpy(), array)
 
 
+def test_arrays_uploaded_together_arrive_whole_from_one_transfer():
+    staging = PinnedStaging(torch.device("cuda"), depth=2, initial_bytes=256)
+    rng = np.random.default_rng(1)
+    for step in range(4):
+        with staging.step():
+            first = staging.upload(np.arange(5, dtype=np.int32))
+            sent = [(rng.random(shape) * 1000).astype(dtype) for shape, dtype in
+                    [((3, 7), np.int64), ((0,), np.int32), ((2, 9, 3), np.int32), ((5,), np.bool_),
+                     ((30 * (step + 1),), np.float32)]]
+            sent.append(np.arange(24, dtype=np.int64).reshape(4, 6)[:, ::2])  # not contiguous
+            got = staging.upload_many(sent)
+        torch.cuda.synchronize()
+        assert np.array_equal(first.cpu().numpy(), np.arange(5))
+        assert len({t.untyped_storage().data_ptr() for t in got}) == 1  # views of one copy
+        for array, tensor in zip(sent, got, strict=True):
+            assert tensor.dtype == torch.from_numpy(np.ascontiguousarray(array)).dtype
+            assert tensor.data_ptr() % 16 == 0 and tensor.is_contiguous()
+            assert np.array_equal(tensor.cpu().numpy(), array)
+
+
 def test_a_buffer_is_not_rewritten_before_its_copies_ran():
     staging = PinnedStaging(torch.device("cuda"), depth=2)
     with staging.step():

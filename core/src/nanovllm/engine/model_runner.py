@@ -50,6 +50,18 @@ from nanovllm.layers.sampler import Sampler, TopLogprobs
 PROMPT_LOGPROB_ROWS = 1024
 
 
+def aligned_groups(stacked: np.ndarray) -> np.ndarray:
+    """``stacked`` (``[groups, n, ...]``, a part per KV cache group) with rows of padding after each part, as
+    ``aligned_rows`` asks, so that every part starts 16-byte aligned when the whole is sent at once."""
+    groups, n = stacked.shape[:2]
+    rows = aligned_rows(n, stacked[0, :1].nbytes) if groups > 1 else n
+    if rows == n:
+        return stacked
+    padded = np.zeros((groups, rows, *stacked.shape[2:]), dtype=stacked.dtype)
+    padded[:, :n] = stacked
+    return padded
+
+
 def decode_rows(seqs: list[Sequence]) -> list[Sequence]:
     """A step's decoding sequences, longest context first (ties in the scheduler's order): the decode
     kernel's grid then starts the longest programs first, and the short ones fill its last wave instead of
@@ -185,49 +197,49 @@ class ModelRunner:
         """The scope of one step's uploads (:meth:`PinnedStaging.step`)."""
         return nullcontext() if self.staging is None else self.staging.step()
 
-    def _phase_metadata(self, phase: PhaseArrays | None, host_lens: bool = False
-                        ) -> list[PhaseMetadata | None]:
-        """Each KV cache group's view of ``phase`` (``None`` for each where there is no such phase), from one
-        transfer of every group's block tables; with ``host_lens`` (prefill) it carries the lengths as host
-        ints too, so that the prefill policies read none back."""
+    def _upload(self, plan: StepPlan) -> dict[str, torch.Tensor]:
+        """Every host array of ``plan`` that the forward pass reads, by name, on the device from one transfer.
+        Slots and tables are stacked ``[groups, n, ...]``, each KV cache group's part ``[g]`` contiguous and
+        16-byte aligned (see ``aligned_rows``)."""
+        arrays = {"input_ids": plan.input_ids, "positions": plan.positions, "slots": plan.group_slots}
+        for name, phase in (("decode", plan.decode), ("prefill", plan.prefill)):
+            if phase is not None:
+                arrays |= {f"{name}_cu_seqlens_q": phase.cu_seqlens_q,
+                           f"{name}_context_lens": phase.context_lens, f"{name}_tables": phase.group_tables}
+        for name in ("placeholder_rows", "placeholder_sources", "sample_rows", "allocated_blocks"):
+            if (array := getattr(plan, name)) is not None:
+                arrays[name] = array
+        stacked = ("slots", "decode_tables", "prefill_tables")
+        sent = [aligned_groups(a) if name in stacked else a for name, a in arrays.items()]
+        tensors = (self.staging.upload_many(sent) if self.staging is not None
+                   else [torch.from_numpy(a) for a in sent])
+        return {name: t[:, :arrays[name].shape[1]] if name in stacked else t
+                for name, t in zip(arrays, tensors, strict=True)}
+
+    def _phase_metadata(self, phase: PhaseArrays | None, on_device: dict[str, torch.Tensor], name: str,
+                        host_lens: bool = False) -> list[PhaseMetadata | None]:
+        """Each KV cache group's view of ``phase`` (uploaded by :meth:`_upload` as ``name``; ``None`` for each
+        group where there is no such phase); with ``host_lens`` (prefill) it carries the lengths as host ints
+        too, so that the prefill policies read none back."""
         if phase is None:
             return [None] * len(self.kv_cache_groups)
-        cu, lens = self._to_device(phase.cu_seqlens_q), self._to_device(phase.context_lens)
+        cu, lens = on_device[f"{name}_cu_seqlens_q"], on_device[f"{name}_context_lens"]
         host = ((tuple(np.diff(phase.cu_seqlens_q).tolist()), tuple(phase.context_lens.tolist())) if host_lens
                 else (None, None))
         return [PhaseMetadata(cu, lens, tables, phase.max_query_len, phase.max_context_len, *host)
-                for tables in self._groups_to_device(phase.group_tables)]
+                for tables in on_device[f"{name}_tables"]]
 
-    def _groups_to_device(self, stacked: np.ndarray) -> torch.Tensor:
-        """``stacked`` (``[groups, n, ...]``, a part per KV cache group) on the device from one transfer, each
-        group's part ``[g]`` contiguous and 16-byte aligned (see ``aligned_rows``)."""
-        groups, n = stacked.shape[:2]
-        rows = aligned_rows(n, stacked[0, :1].nbytes) if groups > 1 else n
-        if rows != n:
-            padded = np.zeros((groups, rows, *stacked.shape[2:]), dtype=stacked.dtype)
-            padded[:, :n] = stacked
-            stacked = padded
-        return self._to_device(stacked)[:, :n]
-
-    def _step_metadata(self, plan: StepPlan) -> StepMetadata:
+    def _step_metadata(self, plan: StepPlan, on_device: dict[str, torch.Tensor]) -> StepMetadata:
         """The step on the device as its layers read it: group 0's view, holding each later KV cache group's
         (its own slots and block tables). Every view is made once here, so a layer only looks its own up."""
-        positions = self._to_device(plan.positions)
+        positions = on_device["positions"]
         n = plan.num_decode_tokens
-        (slots, decode, prefill), *rest = zip(self._groups_to_device(plan.group_slots),
-                                              self._phase_metadata(plan.decode),
-                                              self._phase_metadata(plan.prefill, host_lens=True), strict=True)
+        (slots, decode, prefill), *rest = zip(on_device["slots"],
+                                              self._phase_metadata(plan.decode, on_device, "decode"),
+                                              self._phase_metadata(plan.prefill, on_device, "prefill", True),
+                                              strict=True)
         later = tuple(StepMetadata(s, positions, n, d, p) for s, d, p in rest)
         return StepMetadata(slots, positions, n, decode, prefill, later)
-
-    def _replay(self, input_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
-        """A decode-only step replayed in a decode graph: every KV cache group's slots and block tables go
-        to the device in one transfer each, and from there into the graph's buffers in one copy each."""
-        decode = plan.decode
-        positions, lens = self._to_device(plan.positions), self._to_device(decode.context_lens)
-        slots, tables = self._groups_to_device(plan.group_slots), self._groups_to_device(decode.group_tables)
-        self.kv.begin_step(decode, None)
-        return self.cuda_graphs.replay(input_ids, positions, lens, slots, tables)
 
     def prepare(
         self, seqs: list[Sequence], allocated: list[int] | None = None
@@ -291,26 +303,28 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The step's inputs on the device and its forward pass (every rank): hidden states, input ids and
-        the rows that sample (``None``: every row)."""
+        the rows that sample (``None``: every row). A decode-only step that fits the decode graphs is replayed
+        in one, its inputs copied into the graph's buffers."""
+        on_device = self._upload(plan)
         if plan.allocated_blocks is not None:  # the policies reset their metadata before the step writes them
-            self.kv.blocks_allocated(self._to_device(plan.allocated_blocks))
-        input_ids = self._to_device(plan.input_ids)
+            self.kv.blocks_allocated(on_device["allocated_blocks"])
+        input_ids = on_device["input_ids"]
         if plan.placeholder_rows is not None:
-            sources = self._to_device(plan.placeholder_sources)
-            input_ids[self._to_device(plan.placeholder_rows)] = self._last_sampled[sources]
+            input_ids[on_device["placeholder_rows"]] = self._last_sampled[on_device["placeholder_sources"]]
         graphs = self.cuda_graphs
         if graphs.graphs and plan.prefill is None and input_ids.shape[0] <= graphs.max_batch:
-            hidden = self._replay(input_ids, plan)
+            self.kv.begin_step(plan.decode, None)
+            hidden = graphs.replay(input_ids, on_device["positions"], on_device["decode_context_lens"],
+                                   on_device["slots"], on_device["decode_tables"])
         else:
-            meta = self._step_metadata(plan)
+            meta = self._step_metadata(plan, on_device)
             self.kv.begin_step(plan.decode, plan.prefill)
             with forward_context(meta):
                 if self.prefill_graphs.fits(input_ids.shape[0]):
                     hidden = self.prefill_graphs.replay(input_ids, meta)
                 else:
                     hidden = self.model(input_ids, meta.positions)
-        sample_rows = None if plan.sample_rows is None else self._to_device(plan.sample_rows)
-        return hidden, input_ids, sample_rows
+        return hidden, input_ids, on_device.get("sample_rows")
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], allocated: list[int] | None = None) -> LaunchedStep | None:
