@@ -440,11 +440,23 @@ def _outcomes(outs) -> list[tuple]:
 @pytest.mark.parametrize("config", [{}, {"kv_cache_memory": 6 * 8192, "max_model_len": 96},
                                     {"max_num_batched_tokens": 16, "max_num_seqs": 3}],
                          ids=["plain", "preempting", "chunked"])
-def test_async_scheduling_gives_the_sync_results(model, reference, config):
+def test_async_scheduling_gives_the_sync_results(model, reference, config, monkeypatch):
     """Stops on a token, on max_tokens (1 and more) and on the context limit, under preemption and
     chunked prefill: the same tokens, reasons and free blocks as when each step is read back at once.
-    A sequence that stops on a token still ran one more step, whose token must be discarded."""
+    A sequence that stops on a token still ran one more step, whose token must be discarded. Steps read
+    last step's tokens as they lie where every row is the one that sampled them, and gather them otherwise:
+    both happen here."""
     from nanovllm import LLM
+    from nanovllm.engine.model_runner import ModelRunner
+
+    prepare, plans = ModelRunner.prepare, []
+
+    def recorded(*args):
+        planned = prepare(*args)
+        plans.append(planned[0])
+        return planned
+
+    monkeypatch.setattr(ModelRunner, "prepare", recorded)
 
     params = [
         SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[reference[0][5]]),
@@ -460,6 +472,7 @@ def test_async_scheduling_gives_the_sync_results(model, reference, config):
         assert engine_blocks_all_free(llm)
         assert llm._pending is None or all(s.is_finished for s in llm._pending.seqs)
     assert results[True] == results[False]
+    assert any(p.inputs_last_sampled for p in plans) and any(p.placeholder_rows is not None for p in plans)
     first = results[True][0]
     assert first[0][0] == reference[0][: reference[0].index(reference[0][5]) + 1] and first[0][1] == "stop"
     assert first[1][0] == reference[1][:1] and first[1][1] == "length"

@@ -273,6 +273,11 @@ class ModelRunner:
                 sample_rows.append(row - 1)
                 sampling.append(s)
         on_device = [i for i, s in enumerate(decodes) if ids[i] == PLACEHOLDER]  # sampled last step, not read back
+        # the steady state of decoding: the step reads last step's tokens as they lie, without a gather
+        in_order = (bool(decodes) and not prefills and len(on_device) == len(decodes)
+                    and all(s.sample_row == i for i, s in enumerate(decodes)))
+        if in_order:
+            on_device = []
         prompt_rows = prompt_targets = None
         if scored:  # rows followed by a prompt token: each predicts that token
             prompt_rows, prompt_targets = prompt_logprob_targets(scored)
@@ -298,6 +303,7 @@ class ModelRunner:
             prompt_logprob_rows=prompt_rows,
             allocated_blocks=(np.asarray(allocated, dtype=np.int64) if allocated and self.kv.wants_allocations
                               else None),
+            inputs_last_sampled=in_order,
         )
         return plan, sampling, prompt_targets
 
@@ -309,7 +315,9 @@ class ModelRunner:
         if plan.allocated_blocks is not None:  # the policies reset their metadata before the step writes them
             self.kv.blocks_allocated(on_device["allocated_blocks"])
         input_ids = on_device["input_ids"]
-        if plan.placeholder_rows is not None:
+        if plan.inputs_last_sampled:
+            input_ids = self._last_sampled[:input_ids.shape[0]]
+        elif plan.placeholder_rows is not None:
             input_ids[on_device["placeholder_rows"]] = self._last_sampled[on_device["placeholder_sources"]]
         graphs = self.cuda_graphs
         if graphs.graphs and plan.prefill is None and input_ids.shape[0] <= graphs.max_batch:

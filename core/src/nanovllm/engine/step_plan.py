@@ -43,6 +43,8 @@ class StepPlan:
     num_sampling: int
     prompt_logprob_rows: np.ndarray | None  # hidden-state rows followed by a prompt token, if any asked
     allocated_blocks: np.ndarray | None  # blocks handed out since the last step, for the policies to reset
+    # every row's token is the one last step sampled in the same row (no placeholder rows then)
+    inputs_last_sampled: bool = False
 
     @property
     def slot_mapping(self) -> np.ndarray:
