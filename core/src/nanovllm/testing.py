@@ -235,9 +235,9 @@ def soak(
     ``cuda_allocated`` and ``cuda_reserved``, all in bytes. Prompts are ``prompt_len`` tokens minus 0-31, so
     lengths vary as real ones do; ids are drawn from ``3 ... llm.vocab_size - 1`` (above the tiny models'
     special tokens)."""
-    import random
     import time
 
+    import numpy as np
     import torch
 
     def reading(done: int) -> dict[str, int | float]:
@@ -249,14 +249,14 @@ def soak(
             values["cuda_reserved"] = torch.cuda.memory_reserved()
         return values
 
-    rng = random.Random(seed)
+    rng = np.random.default_rng(seed)
+    vocab_size = llm.vocab_size
     start = time.perf_counter()
     done = 0
     yield reading(done)
     while done < num_requests:
         batch = min(every, num_requests - done)
-        prompts = [[rng.randrange(3, llm.vocab_size) for _ in range(prompt_len - rng.randrange(32))]
-                   for _ in range(batch)]
+        prompts = [rng.integers(3, vocab_size, prompt_len - int(rng.integers(32))).tolist() for _ in range(batch)]
         llm.generate(prompts, params, use_tqdm=False)
         done += batch
         yield reading(done)

@@ -30,15 +30,20 @@ def _softmax_attend(
     s, nq, h, d = q.shape
     hkv = k.shape[2]
     qg = q.float().view(s, nq, hkv, h // hkv, d)
-    scores = torch.einsum("sqkgd,stkd->sqkgt", qg, k.float()) * scale
-    scores = scores.masked_fill(~mask[:, :, :, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
+    scores = torch.einsum("sqkgd,stkd->sqkgt", qg, k.float()).mul_(scale)
+    scores = scores.masked_fill_(~mask[:, :, :, None, :], float("-inf"))
+    # one exp pass, in place (the scores become the unnormalised weights); a row that sees no key keeps
+    # all-zero weights and a logsumexp of -inf
+    top = scores.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isinf(top), 0.0, top)
+    weights = scores.sub_(top).exp_()
+    total = weights.sum(dim=-1, keepdim=True)
+    lse = (top + total.log()).squeeze(-1)
     # Cache slots no query may see (unwritten, or past a sequence's end) can hold anything, NaN included,
     # and 0 * NaN is NaN: zero those values rather than trusting the zero weight.
     seen = mask.any(dim=1).transpose(1, 2)  # [S, K, Hkv]
     v = v.float().masked_fill(~seen[..., None], 0.0)
-    out = torch.einsum("sqkgt,stkd->sqkgd", probs, v)
+    out = torch.einsum("sqkgt,stkd->sqkgd", weights, v).div_(total.clamp(min=torch.finfo(total.dtype).tiny))
     return out.reshape(s, nq, h, d), lse.reshape(s, nq, h)
 
 
