@@ -69,6 +69,22 @@ def decode_rows(seqs: list[Sequence]) -> list[Sequence]:
     return sorted((s for s in seqs if s.is_decode), key=attrgetter("num_computed_tokens"), reverse=True)
 
 
+def placeholders(decodes: list[Sequence], ids: list[int], with_prefills: bool
+                 ) -> tuple[np.ndarray | None, np.ndarray | None, bool]:
+    """The decode rows whose token was sampled last step and not read back (``PLACEHOLDER`` in ``ids``), and
+    each one's row among last step's sampled tokens (``None``, ``None`` where there are none); and whether
+    the step reads last step's tokens as they lie instead (the steady state of decoding: every row is one,
+    in the row that sampled it, and no prefill follows)."""
+    rows = [i for i, s in enumerate(decodes) if ids[i] == PLACEHOLDER]
+    if not with_prefills and decodes and len(rows) == len(decodes) and all(
+            s.sample_row == i for i, s in enumerate(decodes)):
+        return None, None, True
+    if not rows:
+        return None, None, False
+    sources = [decodes[i].sample_row for i in rows]
+    return np.asarray(rows, dtype=np.int64), np.asarray(sources, dtype=np.int64), False
+
+
 def prompt_logits(hidden: torch.Tensor, rows: torch.Tensor, compute_logits) -> Iterator[torch.Tensor]:
     """The logits of ``hidden[rows]``, ``PROMPT_LOGPROB_ROWS`` rows at a time (on every tensor-parallel
     rank: computing them is a collective)."""
@@ -272,12 +288,7 @@ class ModelRunner:
             if s.samples_this_step:
                 sample_rows.append(row - 1)
                 sampling.append(s)
-        on_device = [i for i, s in enumerate(decodes) if ids[i] == PLACEHOLDER]  # sampled last step, not read back
-        # the steady state of decoding: the step reads last step's tokens as they lie, without a gather
-        in_order = (bool(decodes) and not prefills and len(on_device) == len(decodes)
-                    and all(s.sample_row == i for i, s in enumerate(decodes)))
-        if in_order:
-            on_device = []
+        placeholder_rows, placeholder_sources, in_order = placeholders(decodes, ids, bool(prefills))
         prompt_rows = prompt_targets = None
         if scored:  # rows followed by a prompt token: each predicts that token
             prompt_rows, prompt_targets = prompt_logprob_targets(scored)
@@ -295,9 +306,8 @@ class ModelRunner:
                 [s.num_computed_tokens + s.num_scheduled_tokens for s in prefills],
                 group_tables(prefills, offsets),
             ),
-            placeholder_rows=np.asarray(on_device, dtype=np.int64) if on_device else None,
-            placeholder_sources=(np.asarray([decodes[i].sample_row for i in on_device], dtype=np.int64)
-                                 if on_device else None),
+            placeholder_rows=placeholder_rows,
+            placeholder_sources=placeholder_sources,
             sample_rows=None if len(sample_rows) == row else np.asarray(sample_rows, dtype=np.int64),
             num_sampling=len(sampling),
             prompt_logprob_rows=prompt_rows,
