@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # A CPU build of PyTorch when the machine offers one (pip's find-links); otherwise PyPI's default.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: run test install clean
+.PHONY: run test test-all install clean
 
 $(VENV)/.installed: core/pyproject.toml plugins/*/pyproject.toml nanovllm_*/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,14 @@ install: $(VENV)/.installed
 run: install
 	$(VENV)/bin/nanovllm generate "What is the capital of France?"
 
+# The suite less the tests marked slow, on TEST_WORKERS pytest-xdist workers (a file's tests on one worker),
+# then the tests that time the host, alone; `make test-all` runs every test in one process.
+TEST_WORKERS ?= 2
 test: install
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not serial"
+	$(PY) -m pytest -q -m "serial and not slow"
+
+test-all: install
 	$(PY) -m pytest -q
 
 clean:

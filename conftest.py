@@ -5,14 +5,28 @@ from __future__ import annotations
 import pytest
 
 
+def pytest_configure(config):
+    """Under pytest-xdist each worker computes on one thread: the workers already fill the cores, and two
+    OpenMP threads a worker spin badly on a busy 2-core machine."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_collection_finish(session):
     """Without CUDA, the interpreter runs of the kernel tests' files (those with a test named
-    ``*_under_interpreter``, which runs the file's ``interp`` cases) start now, in the background."""
+    ``*_under_interpreter``, which runs the file's ``interp`` cases) start now, in the background. Under
+    pytest-xdist each worker collects every file but runs only some: each run then starts when its test
+    does, on that test's worker."""
     import os
 
     import torch
 
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    if (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+            or os.environ.get("PYTEST_XDIST_WORKER")):
         return
     from nanovllm.testing import start_interpreter_runs
 
