@@ -208,7 +208,7 @@ def test_kernel_compiles_for_hopper_streaming_the_weights(dot, stages, gated):
 
     pointers = {"X", "W", "B", "Y", "P"}
     constexprs = dict(M=1, BLOCK_M=16 if dot else 1, BLOCK_N=16, BLOCK_K=256, SPLIT_K=1, DOT=dot, EVEN_K=True,
-                      HAS_BIAS=False, FP32_DOT=False, STAGES=stages, GATED=gated,
+                      EVEN_N=True, HAS_BIAS=False, FP32_DOT=False, STAGES=stages, GATED=gated,
                       LIBDEVICE=True, PDL=True)
     names = gk._gemv_kernel.arg_names
     signature = {name: "*bf16" if name in pointers else "constexpr" if name in constexprs else "i32"

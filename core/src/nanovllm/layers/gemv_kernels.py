@@ -49,12 +49,23 @@ def _gated(gate, up, Y, GATED: tl.constexpr, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def _load(ptrs, mask, POLICY: tl.constexpr):
+    """``ptrs``' elements, 0 where ``mask`` is false; no mask where it is None."""
+    if mask is None:
+        values = tl.load(ptrs, eviction_policy=POLICY)
+    else:
+        values = tl.load(ptrs, mask=mask, other=0.0, eviction_policy=POLICY)
+    return values
+
+
+@triton.jit
 def _gemv_kernel(
     X, W, B, Y, P, M, N, K, k_per_split,
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    DOT: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, FP32_DOT: tl.constexpr,
-    STAGES: tl.constexpr, GATED: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False,
+    DOT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FP32_DOT: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr, LIBDEVICE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     wait_for_previous(PDL)
     pid = tl.program_id(0)
@@ -67,33 +78,48 @@ def _gemv_kernel(
     m_ok = ms < M
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
+    # one row of x in registers: x a plain vector and the products a [BLOCK_N, BLOCK_K] tile (a row
+    # dimension of one, and masks on loads that cannot leave the matrix, cost the batch-1 step time)
+    ONE_ROW: tl.constexpr = BLOCK_M == 1 and not DOT
     w_ptrs = W + rows[:, None].to(tl.int64) * stride_wn + (k_start + ks)[None, :]
-    x_ptrs = X + ms[:, None] * stride_xm + (k_start + ks)[None, :]
+    if ONE_ROW:
+        x_ptrs = X + k_start + ks
+    else:
+        x_ptrs = X + ms[:, None] * stride_xm + (k_start + ks)[None, :]
     if GATED:  # the matching up rows, N further down
         u_ptrs = W + (rows[:, None].to(tl.int64) + N) * stride_wn + (k_start + ks)[None, :]
     if DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if GATED:
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    else:  # products summed along K once, after the loop: no shuffles inside it
+    elif ONE_ROW:  # products summed along K once, after the loop: no shuffles inside it
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if GATED:
+            acc2_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
         if GATED:
             acc3_u = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     # STAGES > 1: the loop's loads go through shared memory, that many tiles in flight (the launch's
     # num_stages alone pipelines only loads that feed a dot)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
+        # masks only where a tile can pass the end of w or x (masked loads are slower)
         if EVEN_K:
-            w_mask = row_ok[:, None]
-            x_mask = m_ok[:, None]
+            w_mask = None if EVEN_N else row_ok[:, None]
+            x_mask = None if ONE_ROW else m_ok[:, None]
         else:
             k_ok = (k0 + ks) < k_end
             w_mask = row_ok[:, None] & k_ok[None, :]
-            x_mask = m_ok[:, None] & k_ok[None, :]
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last")
+            x_mask = k_ok if ONE_ROW else m_ok[:, None] & k_ok[None, :]
+        w = _load(w_ptrs, w_mask, "evict_first")
+        x = _load(x_ptrs, x_mask, "evict_last")
         if GATED:
-            u = tl.load(u_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
-        if DOT and FP32_DOT:
+            u = _load(u_ptrs, w_mask, "evict_first")
+        if ONE_ROW:
+            acc2 += x[None, :].to(tl.float32) * w.to(tl.float32)
+            if GATED:
+                acc2_u += x[None, :].to(tl.float32) * u.to(tl.float32)
+        elif DOT and FP32_DOT:
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
             if GATED:
                 acc_u = tl.dot(x.to(tl.float32), tl.trans(u.to(tl.float32)), acc_u, input_precision="ieee")
@@ -109,7 +135,11 @@ def _gemv_kernel(
         x_ptrs += BLOCK_K
         if GATED:
             u_ptrs += BLOCK_K
-    if not DOT:
+    if ONE_ROW:
+        acc = tl.sum(acc2, axis=1)[None, :]
+        if GATED:
+            acc_u = tl.sum(acc2_u, axis=1)[None, :]
+    elif not DOT:
         acc = tl.sum(acc3, axis=2)
         if GATED:
             acc_u = tl.sum(acc3_u, axis=2)
@@ -188,6 +218,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, *, block_n
     ), dict(
         BLOCK_M=DOT_ROWS if dot else next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         SPLIT_K=split_k, DOT=dot, EVEN_K=k == k_per_split * split_k,  # every split whole tiles: no K mask
+        EVEN_N=n % block_n == 0,
         HAS_BIAS=bias is not None,
         # float32 products for float32 inputs (not TF32), and in the interpreter, whose 16-bit dot is wrong
         FP32_DOT=x.dtype == torch.float32 or not x.is_cuda, STAGES=num_stages, GATED=gated,
