@@ -94,7 +94,8 @@ def test_the_warm_up_runs_its_steps_samples_last_rows_and_writes_nothing(runner,
     fresh_long = [p for _, _, p in seen["steps"] if p is not None and p.cu_seqlens_q.numel() == 2
                   and p.max_context_len == p.max_query_len > 64]
     assert fresh_long, "no step prefills one fresh sequence's long chunk"
-    assert seen["logits"] == [len(s.sample_rows) for s in steps]
+    every_count = list(range(1, runner.config.max_num_seqs + 1))  # the LM head alone, once per row count
+    assert seen["logits"] == [len(s.sample_rows) for s in steps] + every_count
     assert len(seen["temperatures"]) == len(steps)
     assert any(0.0 in t and any(x > 0 for x in t) for t in seen["temperatures"])  # greedy and drawn rows
     for layer, (k, v) in zip(runner.attention_layers, caches, strict=True):
@@ -148,3 +149,31 @@ def test_requests_compile_no_kernel_after_the_start(tiny_model):
     assert at_start["_sample_kernel"] and at_start["_merge_kernel"] and at_start["_gemv_kernel"], at_start
     serve_after_start(llm, vocab)
     assert compiled() == at_start
+
+
+@pytest.mark.gpu
+def test_a_new_number_of_sampled_rows_does_not_wait_for_the_gpu(tiny_model):
+    """After start-up the LM head runs at any number of rows up to ``max_num_seqs`` without the host waiting
+    for the GPU (cuBLAS's first load of a kernel waits; the warm-up made every load). Each call comes while
+    the GPU is busy for about 20 ms; the host must be back long before that. A model with Qwen3-0.6B's hidden
+    size and a vocabulary of 32K, so that cuBLAS picks among its kernels as it does for a real LM head."""
+    import time
+
+    from nanovllm import LLM
+
+    path = tiny_model("Qwen3ForCausalLM", hidden_size=1024, vocab_size=32768, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=128)
+    llm = LLM(path, device="cuda", dtype="bfloat16", enforce_eager=True, max_num_seqs=64, max_model_len=256,
+              kv_cache_memory=1 << 26)
+    rows = torch.zeros(64, 1024, dtype=torch.bfloat16, device="cuda")
+    waited = []
+    for n in range(1, 65):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(40_000_000)  # about 20 ms on a GPU at 2 GHz
+        start = time.perf_counter()
+        llm.runner.model.compute_logits(rows[:n])
+        if time.perf_counter() - start > 0.005:
+            waited.append(n)
+    torch.cuda.synchronize()
+    assert not waited, f"the host waited for the GPU at {waited} rows"
+

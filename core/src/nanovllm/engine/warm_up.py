@@ -70,8 +70,9 @@ def warm_up_steps(max_model_len: int, block_size: int, max_num_seqs: int) -> lis
 def warm_up(runner: ModelRunner) -> None:
     """Run the steps of :func:`warm_up_steps` on ``runner``'s model, eagerly; each computes the logits of its
     sequences' last rows and samples them through the runner's sampler (greedy and temperature rows
-    alternately), as the engine does. So the kernels of prefill steps, of steps of few rows and of sampling
-    compile now and not inside the first requests. They write nothing: every new token's slot is -1 and
+    alternately), as the engine does. Then the logits of 1 to ``max_num_seqs`` rows, once each. So the
+    kernels of prefill steps, of steps of few rows, of the LM head and of sampling compile or load now and
+    not inside the first requests. They write nothing: every new token's slot is -1 and
     every block table reads block 0, zeroed first; the draws come from a fork of torch's generators, so the
     run's random streams are as if no warm-up had run. With offload the history is read from the pool, as a
     long prompt's would be."""
@@ -115,5 +116,11 @@ def warm_up(runner: ModelRunner) -> None:
             if logits is not None:  # rank 0 samples
                 temperatures = (torch.arange(len(rows), device=dev) % 2).float()  # greedy, drawn, ...
                 runner.sampler(logits, temperatures)
+        # the LM head at every number of sampled rows a step can have: cuBLAS loads the kernel a shape picks
+        # on its first call, and that load waits for the GPU, so a step's first new row count would stall
+        # the host until the GPU drained, and the host would no longer run ahead of it
+        rows = hidden.new_zeros(runner.config.max_num_seqs, hidden.shape[-1])
+        for n in range(1, rows.shape[0] + 1):
+            runner.model.compute_logits(rows[:n])
     if dev.type == "cuda":
         torch.cuda.synchronize()
