@@ -154,9 +154,10 @@ def test_requests_compile_no_kernel_after_the_start(tiny_model):
 @pytest.mark.gpu
 def test_a_new_number_of_sampled_rows_does_not_wait_for_the_gpu(tiny_model):
     """After start-up the LM head runs at any number of rows up to ``max_num_seqs`` without the host waiting
-    for the GPU (cuBLAS's first load of a kernel waits; the warm-up made every load). Each call comes while
-    the GPU is busy for about 20 ms; the host must be back long before that. A model with Qwen3-0.6B's hidden
-    size and a vocabulary of 32K, so that cuBLAS picks among its kernels as it does for a real LM head."""
+    for the GPU (a cuBLAS matmul's first call at a new row count can wait; the warm-up made those calls).
+    Each call comes while the GPU is busy for about 20 ms; the host must be back long before that. A model
+    with Qwen3-0.6B's hidden size and a vocabulary of 32K, so that cuBLAS picks among its kernels as it does
+    for a real LM head."""
     import time
 
     from nanovllm import LLM

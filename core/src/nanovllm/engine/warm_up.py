@@ -116,11 +116,11 @@ def warm_up(runner: ModelRunner) -> None:
             if logits is not None:  # rank 0 samples
                 temperatures = (torch.arange(len(rows), device=dev) % 2).float()  # greedy, drawn, ...
                 runner.sampler(logits, temperatures)
-        # the LM head at every number of sampled rows a step can have: cuBLAS loads the kernel a shape picks
-        # on its first call, and that load waits for the GPU, so a step's first new row count would stall
-        # the host until the GPU drained, and the host would no longer run ahead of it
-        rows = hidden.new_zeros(runner.config.max_num_seqs, hidden.shape[-1])
-        for n in range(1, rows.shape[0] + 1):
-            runner.model.compute_logits(rows[:n])
+        # the LM head at every number of sampled rows a step can have: a cuBLAS matmul's first call at a row
+        # count it has not run can wait for the GPU, which would stall the host in the step that first
+        # samples that many rows, and the host would no longer run ahead of the GPU
+        zeros = hidden.new_zeros(runner.config.max_num_seqs, hidden.shape[-1])
+        for n in range(1, zeros.shape[0] + 1):
+            runner.model.compute_logits(zeros[:n])
     if dev.type == "cuda":
         torch.cuda.synchronize()

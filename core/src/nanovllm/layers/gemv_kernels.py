@@ -78,8 +78,8 @@ def _gemv_kernel(
     m_ok = ms < M
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
-    # one row of x in registers: x a plain vector and the products a [BLOCK_N, BLOCK_K] tile (a row
-    # dimension of one, and masks on loads that cannot leave the matrix, cost the batch-1 step time)
+    # one row of x in registers: x a plain vector and the products a [BLOCK_N, BLOCK_K] tile (with a row
+    # dimension of one and every load masked, measured together, the batch-1 step ran slower)
     ONE_ROW: tl.constexpr = BLOCK_M == 1 and not DOT
     w_ptrs = W + rows[:, None].to(tl.int64) * stride_wn + (k_start + ks)[None, :]
     if ONE_ROW:
@@ -103,7 +103,7 @@ def _gemv_kernel(
     # STAGES > 1: the loop's loads go through shared memory, that many tiles in flight (the launch's
     # num_stages alone pipelines only loads that feed a dot)
     for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=STAGES):
-        # masks only where a tile can pass the end of w or x (masked loads are slower)
+        # masks only where a tile can pass the end of w or x
         if EVEN_K:
             w_mask = None if EVEN_N else row_ok[:, None]
             x_mask = None if ONE_ROW else m_ok[:, None]
