@@ -96,7 +96,8 @@ DECODE_VARIANTS = {
     "block_n 128, 8 warps, 2 stages": dict(block_n=128, num_warps=8, num_stages=2),
     # B1's batch: its (sequence, KV head) groups fill several waves without splitting the keys
     "one split from 4 waves": dict(one_split_waves=4),
-    "split at every batch": dict(one_split_waves=0),
+    "split at every batch": dict(one_split_waves=0, full_wave_programs=0),
+    "one split from 4 waves only": dict(full_wave_programs=0),
     "one split from 4 waves, block_n 32": dict(one_split_waves=4, block_n=32),
     "one split from 4 waves, page ahead": dict(one_split_waves=4, page_ahead=True),
     # a sequence's KV heads side by side in the grid: their programs read the same rows of its pages
@@ -513,7 +514,7 @@ def groups_of(rows: list[dict]) -> dict[str, set[str]]:
 
 # each kind's knobs on two axes, whose best settings the combined pass puts together
 AXES = {"decode": ({"block_n", "num_warps", "num_stages", "page_ahead", "heads_inner", "tma"},
-                   {"programs_per_sm", "max_splits", "wave_fit", "one_split_waves"}),
+                   {"programs_per_sm", "max_splits", "wave_fit", "one_split_waves", "full_wave_programs"}),
         "prefill": ({"block_m", "block_n", "num_warps", "num_stages"},
                     {"tma", "heads_first", "fused_scale"})}
 

@@ -61,7 +61,7 @@ def decode(num_seqs: int, context: int, max_keys: int, heads: int = 4, kv_heads:
                         config=cfg)
     keys = min(max_keys, window + cfg.block_n) if window else max_keys
     return tk.num_decode_splits(num_seqs, kv_heads, keys, cfg.block_n, q.device, cfg.programs_per_sm,
-                                cfg.max_splits, cfg.wave_fit, cfg.one_split_waves)
+                                cfg.max_splits, cfg.wave_fit, cfg.one_split_waves, cfg.full_wave_programs)
 
 
 def test_eager_decode_rows_of_mixed_steps_need_no_kernel_the_graph_capture_did_not_compile(kernels):
@@ -84,7 +84,7 @@ def test_decode_kernels_compile_a_few_variants_whatever_the_batch_and_context(ke
     assert len(splits) > 20
     decode_kernel, reduce_kernel = kernels
     assert len(decode_kernel.keys) <= 2  # with splits and without
-    assert len(reduce_kernel.keys) == 1
+    assert len(reduce_kernel.keys) <= 2  # few splits merged in small chunks, many in large ones
 
 
 def test_one_split_from_a_batch_on_is_compiled_by_the_largest_decode_graph(kernels):

@@ -204,7 +204,7 @@ def test_interp_kernel_sweep_dry_run(tmp_path):
     one = kernel_sweep.decode_config("one split from 4 waves", 16)
     assert tk.num_decode_splits(kernel_sweep.B1_BATCH, kernel_sweep.HKV, kernel_sweep.B1_MAX_MODEL_LEN, 16,
                                 torch.device("cpu"), one.programs_per_sm, one.max_splits, one.wave_fit,
-                                one.one_split_waves) == 1
+                                one.one_split_waves, 0) == 1
     assert {"DECODE (bs=16)", "PREFILL_LONG (packed)", "PREFILL_LONG_PAGED"} <= set(result["recommended"])
     paged = result["recommended"]["PREFILL_LONG_PAGED"]
     assert eval(paged["paste"], {"PrefillConfig": tk.PrefillConfig}) == tk.PrefillConfig(**paged["config"])
@@ -218,7 +218,7 @@ def test_split_count_follows_programs_per_sm_and_caps(monkeypatch):
     dev = torch.device("cuda")
     def plain(*args, **knobs):  # the rule without wave_fit, at the old defaults unless given
         return tk.num_decode_splits(*args, dev, **({"programs_per_sm": 2, "max_splits": 64} | knobs),
-                                    wave_fit=False)
+                                    wave_fit=False, full_wave_programs=0)
 
     assert plain(1, 8, 131072, 64) == 33  # 2 programs per multiprocessor
     assert plain(1, 8, 131072, 64, programs_per_sm=4) == 64  # capped
@@ -238,8 +238,10 @@ def test_wave_fit_splits_end_in_whole_waves(batch, programs_per_sm, monkeypatch)
     def model_time(n):
         return -(-groups * n // slots) / n
 
-    plain = tk.num_decode_splits(batch, 8, 16384, 64, dev, programs_per_sm, 128, one_split_waves=0)
-    fit = tk.num_decode_splits(batch, 8, 16384, 64, dev, programs_per_sm, 128, wave_fit=True, one_split_waves=0)
+    plain = tk.num_decode_splits(batch, 8, 16384, 64, dev, programs_per_sm, 128, one_split_waves=0,
+                                 full_wave_programs=0)
+    fit = tk.num_decode_splits(batch, 8, 16384, 64, dev, programs_per_sm, 128, wave_fit=True, one_split_waves=0,
+                               full_wave_programs=0)
     assert 2 <= fit <= 128
     assert model_time(fit) <= model_time(plain) + 1e-9
 
@@ -253,10 +255,30 @@ def test_one_split_waves_is_a_threshold_on_the_groups(waves, monkeypatch):
     knobs = (tk.DECODE.programs_per_sm, tk.DECODE.max_splits, tk.DECODE.wave_fit)
     for kv_heads in (1, 8):
         for batch in range(1, 513):
-            splits = tk.num_decode_splits(batch, kv_heads, 4096, 64, dev, *knobs, one_split_waves=waves)
-            without = tk.num_decode_splits(batch, kv_heads, 4096, 64, dev, *knobs, one_split_waves=0)
+            splits = tk.num_decode_splits(batch, kv_heads, 4096, 64, dev, *knobs, one_split_waves=waves,
+                                          full_wave_programs=0)
+            without = tk.num_decode_splits(batch, kv_heads, 4096, 64, dev, *knobs, one_split_waves=0,
+                                           full_wave_programs=0)
             assert without >= 2
             assert splits == (1 if batch * kv_heads >= waves * slots else without), (batch, kv_heads)
+
+
+@pytest.mark.parametrize("programs", [3, 4])
+def test_full_wave_programs_take_one_split_where_the_last_wave_is_nearly_full(programs, monkeypatch):
+    """``full_wave_programs``: one split exactly where the groups' last wave of that many programs per
+    multiprocessor holds at least ``ONE_SPLIT_FILL`` of a wave; elsewhere the count without the knob."""
+    monkeypatch.setattr(tk, "num_sms", lambda device: 132)
+    dev, wave = torch.device("cuda"), programs * 132
+    knobs = (tk.DECODE.programs_per_sm, tk.DECODE.max_splits, tk.DECODE.wave_fit, 0)
+    picked = []
+    for groups in range(1, 4 * wave + 1):
+        splits = tk.num_decode_splits(groups, 1, 4096, 64, dev, *knobs, full_wave_programs=programs)
+        without = tk.num_decode_splits(groups, 1, 4096, 64, dev, *knobs, full_wave_programs=0)
+        last = groups % wave or wave
+        assert splits == (1 if last >= tk.ONE_SPLIT_FILL * wave else without), groups
+        picked.append(splits == 1)
+    if programs == 4:  # B1 mid-run (8 KV heads, 132 SMs): 64 sequences in one split, not 96 (1.45 waves)
+        assert picked[64 * 8 - 1] and not picked[96 * 8 - 1]
 
 
 def test_decode_rule_follows_page_size_not_batch():
@@ -344,11 +366,13 @@ def test_sweep_b1_decode_step(monkeypatch):
             cfg = ks.decode_config(variant, bs)
             return tk.num_decode_splits(batch, ks.HKV, max_keys, cfg.block_n, torch.device("cuda"),
                                         cfg.programs_per_sm, cfg.max_splits, cfg.wave_fit,
-                                        cfg.one_split_waves)
+                                        cfg.one_split_waves, cfg.full_wave_programs)
 
+        wave = ks.decode_config("default", bs).full_wave_programs * 132
+        full_wave = wave and batch * ks.HKV - (batch * ks.HKV - 1) // wave * wave >= tk.ONE_SPLIT_FILL * wave
         assert splits("split at every batch") >= 2
-        assert (splits("one split from 4 waves") == 1) == b1_step, shape["label"]
-        assert splits("default") == (1 if b1_step else splits("split at every batch"))
+        assert (splits("one split from 4 waves only") == 1) == b1_step, shape["label"]
+        assert splits("default") == (1 if b1_step or full_wave else splits("split at every batch"))
 
 
 def test_sweep_narrows_to_the_variants_asked():

@@ -745,6 +745,9 @@ class DecodeConfig(NamedTuple):
     with their block-table entries read a tile ahead. ``one_split_waves`` (0: off): once the (sequence, KV
     head) groups alone fill this many waves of ``programs_per_sm`` programs per multiprocessor, one split
     each (the kernel writes the output itself: no partials, no reduce); below that, the rule's own count.
+    ``full_wave_programs`` (0: off): one split also when the groups alone end in a wave of this many programs
+    per multiprocessor that is at least :data:`ONE_SPLIT_FILL` full (the waves that the one-split times were
+    measured to follow; ``programs_per_sm`` sizes the splits).
     ``heads_inner``: the grid's fastest axis is the KV head, so the programs of one sequence's KV heads,
     which read the same rows of its pages, run side by side. ``tma``: with ``page_ahead``, the unmasked
     key tiles through tensor-memory-accelerator loads where a page holds whole tiles (as
@@ -758,6 +761,7 @@ class DecodeConfig(NamedTuple):
     page_ahead: bool = False
     wave_fit: bool = False
     one_split_waves: int = 0
+    full_wave_programs: int = 0
     heads_inner: bool = False
     tma: bool = False
 
@@ -774,15 +778,20 @@ PREFILL_SHORT = PrefillConfig(64, 64, 4, 3)  # chunks of at most 64 queries: no 
 PREFILL_WIDE_HEADS = PrefillConfig(128, 64, 8, 2)
 WIDE_TILES_SHARED_MEMORY = 200 * 1024
 # pages of fewer than 64 tokens: a key step spans several pages
-# (one split once the groups fill 4 waves: large batches of short contexts need no partials and no reduce;
-# a sequence's KV heads side by side, which share each small page's rows)
+# (one split once the groups fill 4 waves, or end in a nearly full wave of 4 programs a multiprocessor:
+# batches of short contexts then need no partials and no reduce; a sequence's KV heads side by side, which
+# share each small page's rows)
 DECODE = DecodeConfig(64, 4, 3, programs_per_sm=3, max_splits=128, wave_fit=True, one_split_waves=4,
-                      heads_inner=True)
+                      full_wave_programs=4, heads_inner=True)
 # pages of 64 tokens or more (one split from 4 waves as well; whole-page key tiles through TMA, whose two
 # stages leave room for three programs a multiprocessor)
 DECODE_LARGE_PAGES = DecodeConfig(64, 4, 2, programs_per_sm=3, max_splits=64, page_ahead=True, wave_fit=True,
                                   one_split_waves=4, heads_inner=True, tma=True)
 REDUCE_CHUNK = 64  # the split reduce merges more splits than this a chunk at a time
+# up to FEW_SPLITS splits it merges FEW_SPLITS_CHUNK at a time: a 64-split chunk mostly masked cost more
+# than the loop
+FEW_SPLITS, FEW_SPLITS_CHUNK = 8, 2
+ONE_SPLIT_FILL = 0.7  # see DecodeConfig.full_wave_programs
 
 
 def _prefill_config(head_dim: int, dtype: torch.dtype, device: torch.device, max_query_len: int,
@@ -988,15 +997,21 @@ def _decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, bloc
 
 def num_decode_splits(num_seqs: int, num_kv_heads: int, max_keys: int, block_n: int, device,
                       programs_per_sm: int = DECODE.programs_per_sm, max_splits: int = DECODE.max_splits,
-                      wave_fit: bool = DECODE.wave_fit, one_split_waves: int = DECODE.one_split_waves) -> int:
+                      wave_fit: bool = DECODE.wave_fit, one_split_waves: int = DECODE.one_split_waves,
+                      full_wave_programs: int = DECODE.full_wave_programs) -> int:
     """Split the keys so that about ``programs_per_sm`` programs run per multiprocessor; at least 2 tiles
-    a split, at most ``max_splits`` splits. ``wave_fit``, ``one_split_waves``: see :class:`DecodeConfig`."""
+    a split, at most ``max_splits`` splits. ``wave_fit``, ``one_split_waves``, ``full_wave_programs``: see
+    :class:`DecodeConfig`. (The one-split kernel compiles in the warm-up whatever the rule: its decode rows,
+    of one key each, take one split.)"""
     groups = max(1, num_seqs * num_kv_heads)
     slots = programs_per_sm * num_sms(device)
-    # a threshold, not a fit: a batch picks one split only if every larger one does, so the largest decode
-    # graph's warm-up compiles the one-split kernel whenever a step could pick it
     if one_split_waves and groups >= one_split_waves * slots:
         return 1
+    if full_wave_programs:
+        wave = full_wave_programs * num_sms(device)
+        last_wave = groups - (groups - 1) // wave * wave  # programs in the last wave
+        if last_wave >= ONE_SPLIT_FILL * wave:
+            return 1
     # at least 2 tiles a split, not more: a short selection (a sequence's few thousand selected keys per
     # KV head) runs faster in more, shorter splits; long contexts are bounded by ``want`` anyway
     cap = max(1, min(cdiv(max_keys, 2 * block_n), max_splits))
@@ -1042,7 +1057,7 @@ def attention_decode(
         max_keys = min(max_keys, window + bn)
     if num_splits is None:
         num_splits = num_decode_splits(num_seqs, num_kv_heads, max_keys, bn, q.device, cfg.programs_per_sm,
-                                       cfg.max_splits, cfg.wave_fit, cfg.one_split_waves)
+                                       cfg.max_splits, cfg.wave_fit, cfg.one_split_waves, cfg.full_wave_programs)
     block_d = next_power_of_2(head_dim)
     has_idx = block_indices is not None
     skip_dead = _skip_dead(has_idx, bn, block_size)
@@ -1075,7 +1090,8 @@ def attention_decode(
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
             part_o, part_l, out, lse_t, *out.stride(), *lse_strides, num_splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, WRITE_LSE=write_lse, CHUNK=REDUCE_CHUNK,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, WRITE_LSE=write_lse,
+            CHUNK=FEW_SPLITS_CHUNK if num_splits <= FEW_SPLITS else REDUCE_CHUNK,
             num_warps=4 if head_dim >= 128 else 2, **launch_options(q),
         )
 
