@@ -2,8 +2,9 @@
 
 The throughput benchmark's prompts (``nanovllm bench throughput``) are prefilled and decode steps are timed:
 wall clock per step, the host phases (scheduling, input preparation, sampling, waiting for the GPU), and the
-GPU kernels of five profiled steps, the slowest first. Each preset runs in a process of its own; results go to
-``OUT/NAME.{json,md}``.
+GPU kernels of five profiled steps, the slowest first. ``--whole-run``: instead, the throughput benchmark's
+whole run, step by step (the sequences running, their context, the GPU's time a step) with the kernels of a
+few windows of steps. Each preset runs in a process of its own; results go to ``OUT/NAME.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _plot
 from _jobs import job_main, run_jobs
 from nanovllm.bench.engine import sync, throughput_workload
 
@@ -87,12 +89,113 @@ def profile_decode_step(preset: str, steps: int = 30, num_seqs: int = 256, tempe
     return result
 
 
+KV_COPY_TBPS = 4.25  # the H200's device-to-device copy rate: the K and V of a step read at it, for comparison
+WINDOWS = (40, 300, 550, 800, 950)  # the whole run's profiled steps: full batch, then the batch shrinking
+
+
+def profile_run(preset: str, windows: tuple[int, ...] = WINDOWS, window_steps: int = 4,
+                **engine_options: Any) -> dict[str, Any]:
+    """The throughput benchmark's run stepped by hand: per step the sequences running and the sum of their
+    contexts before it, and the GPU's time from its start to the next step's (CUDA events queued at each
+    step's start: with async scheduling a step is queued behind the one running, so this is the GPU's time
+    a step); ``kv_floor_ms``: those contexts' K and V at ``KV_COPY_TBPS``. The kernels of ``window_steps``
+    steps from each step in ``windows`` (torch.profiler, CUDA only: it adds a little to those steps)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.bench.kv import engine_groups
+
+    llm = LLM(preset, max_model_len=4096, **engine_options)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up, as the benchmark's
+    prompts, max_tokens = throughput_workload()
+    for p, m in zip(prompts, max_tokens, strict=True):
+        llm.add_request(p, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m))
+    kv_bytes = sum(g["kv_bytes_per_token"] for g in engine_groups(llm))
+    sched = llm.scheduler
+    steps, events, kernels = [], [], {}
+    prof, first = None, 0
+    sync()
+    while sched.waiting or sched.running:
+        if len(steps) in windows:
+            prof, first = profile(activities=[ProfilerActivity.CUDA]), len(steps)
+            prof.__enter__()
+        events.append(torch.cuda.Event(enable_timing=True))
+        events[-1].record()
+        context = sum(s.num_tokens for s in sched.running)
+        steps.append({"step": len(steps), "running": len(sched.running), "waiting": len(sched.waiting),
+                      "context": context, "kv_floor_ms": context * kv_bytes / KV_COPY_TBPS / 1e9})
+        llm.step()
+        if prof is not None and len(steps) == first + window_steps:
+            sync()
+            prof.__exit__(None, None, None)
+            times: dict[str, list] = {}
+            for e in prof.events():
+                if e.device_type == torch.autograd.DeviceType.CUDA:
+                    entry = times.setdefault(e.name[:80], [0.0, 0])
+                    entry[0] += e.device_time_total / 1000 / window_steps
+                    entry[1] += 1
+            kernels[first] = [{"name": k, "ms": round(t, 3), "calls": n // window_steps}
+                              for k, (t, n) in sorted(times.items(), key=lambda kv: -kv[1][0])[:10]]
+            prof = None
+    events.append(torch.cuda.Event(enable_timing=True))
+    events[-1].record()
+    sync()
+    for step, start, end in zip(steps, events, events[1:], strict=False):
+        step["gpu_ms"] = round(start.elapsed_time(end), 4)
+        step["kv_floor_ms"] = round(step["kv_floor_ms"], 4)
+    return {"benchmark": "decode-run", "preset": preset, "kv_bytes_per_token": kv_bytes, "copy_tbps": KV_COPY_TBPS,
+            "gpu_s": sum(s["gpu_ms"] for s in steps) / 1000, "steps": steps, "windows": kernels}
+
+
+def run_markdown(r: dict[str, Any]) -> list[str]:
+    """A whole run's table: its steps by the sequences running (those with a prompt still waiting apart)."""
+    buckets: dict[str, list[float]] = {}
+    for s in r["steps"]:
+        key = "prompts waiting" if s["waiting"] else f"{max(0, s['running'] - 1) // 32 * 32 + 1}-" \
+              f"{(max(0, s['running'] - 1) // 32 + 1) * 32}"
+        b = buckets.setdefault(key, [0, 0.0, 0.0])
+        b[0] += 1
+        b[1] += s["gpu_ms"]
+        b[2] += s["kv_floor_ms"]
+    lines = ["", f"{r['preset']}: {len(r['steps'])} steps, {r['gpu_s']:.3f} s of GPU time; K and V at "
+             f"{r['kv_bytes_per_token'] / 1024:.0f} KiB a token read at {r['copy_tbps']} TB/s for comparison.", "",
+             "| sequences running | steps | GPU s | ms a step | their K and V at the copy rate, ms | the rest, ms |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {k} | {n} | {t / 1000:.3f} | {t / n:.2f} | {f / n:.2f} | {(t - f) / n:.2f} |"
+              for k, (n, t, f) in buckets.items()]
+    lines += ["", "| window from step | running | largest kernels, ms a step (calls) |", "|---|---|---|"]
+    lines += [f"| {w} | {r['steps'][int(w)]['running']} | "
+              + ", ".join(f"{k['name'][:32]} {k['ms']} ({k['calls']})" for k in ks[:6]) + " |"
+              for w, ks in r["windows"].items()]
+    return lines
+
+
+def run_chart(payload: dict[str, Any], path: Path) -> None:
+    """GPU time a step against its K and V at the copy rate, over the whole run."""
+    runs = [r for r in payload["results"] if r.get("benchmark") == "decode-run"]
+    if not runs:
+        return
+    fig, axes = _plot.subplots(1, len(runs), figsize=(8 * len(runs), 3.6), squeeze=False)
+    for ax, r in zip(axes[0], runs, strict=True):
+        x = [s["step"] for s in r["steps"] if not s["waiting"]]
+        ax.plot(x, [s["gpu_ms"] for s in r["steps"] if not s["waiting"]], lw=0.8, label="GPU time a step")
+        ax.plot(x, [s["kv_floor_ms"] for s in r["steps"] if not s["waiting"]], lw=0.8,
+                label="its K and V at the copy rate")
+        ax.set(xlabel="step", ylabel="ms", title=f"{r['preset']}: decode steps")
+        ax.legend(fontsize=7)
+    _plot.save(fig, path, path.stem, payload["environment"])
+
+
 def markdown(payload: dict[str, Any], title: str) -> str:
     env = payload["environment"]
     lines = [f"# {title}", "", f"{env['device']}, {env['date']}, commit {env['commit']}, torch {env['torch']}."]
     for r in payload["results"]:
         if "error" in r:
             lines += ["", f"{r['preset']}: failed ({r['error']})"]
+            continue
+        if r["benchmark"] == "decode-run":
+            lines += run_markdown(r)
             continue
         lines += ["", f"Decode step, {r['preset']}, batch {r['batch']}: {r['step_ms_plain']:.2f} ms wall, "
                   f"{r['gpu_ms_per_step']:.2f} ms of GPU kernels ({r['kernel_launches_per_step']} launches), "
@@ -104,6 +207,8 @@ def markdown(payload: dict[str, Any], title: str) -> str:
 
 
 def run_job(job: dict) -> list[dict[str, Any]]:
+    if job["kind"] == "run":
+        return [profile_run(job["preset"], **job["options"])]
     return [profile_decode_step(job["preset"], job["steps"], job["num_seqs"], job["temperature"],
                                 **job["options"])]
 
@@ -115,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-seqs", type=int, default=256, help="sequences decoded together (1: batch 1)")
     parser.add_argument("--steps", type=int, default=30, help="decode steps timed")
     parser.add_argument("--temperature", type=float, default=0.6, help="0: greedy, as the latency benchmark")
+    parser.add_argument("--whole-run", action="store_true",
+                        help="the throughput benchmark's whole run, step by step, instead of one step")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default="decode_profile")
@@ -122,10 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.job:
         return job_main(run_job, args.job)
     options = {"tensor_parallel_size": args.tensor_parallel_size} if args.tensor_parallel_size > 1 else {}
-    jobs = [{"kind": "profile", "preset": p, "steps": args.steps, "num_seqs": args.num_seqs,
-             "temperature": args.temperature, "options": options} for p in args.presets]
+    jobs = [{"kind": "run" if args.whole_run else "profile", "preset": p, "steps": args.steps,
+             "num_seqs": args.num_seqs, "temperature": args.temperature, "options": options} for p in args.presets]
     return run_jobs(jobs, __file__, Path(args.out), args.name, vars(args) | {"job": None}, list, markdown,
-                    lambda payload, path: None)
+                    run_chart)
 
 
 if __name__ == "__main__":
