@@ -145,21 +145,32 @@ def profile_run(preset: str, windows: tuple[int, ...] = WINDOWS, window_steps: i
         step["gpu_ms"] = round(start.elapsed_time(end), 4)
         step["kv_floor_ms"] = round(step["kv_floor_ms"], 4)
     return {"benchmark": "decode-run", "preset": preset, "kv_bytes_per_token": kv_bytes, "copy_tbps": KV_COPY_TBPS,
-            "gpu_s": sum(s["gpu_ms"] for s in steps) / 1000, "steps": steps, "windows": kernels}
+            "gpu_s": sum(s["gpu_ms"] for s in steps) / 1000, "steps": steps, "windows": kernels,
+            "window_steps": window_steps}
+
+
+def beside_windows(r: dict[str, Any]) -> set[int]:
+    """The steps whose GPU time the profiling changed: each window's steps, and the one before it (the
+    profiler starts between that step's start and the window's)."""
+    return {i for w in r["windows"] for i in range(int(w) - 1, int(w) + r["window_steps"])}
 
 
 def run_markdown(r: dict[str, Any]) -> list[str]:
     """A whole run's table: its steps by the sequences running (those with a prompt still waiting apart)."""
     buckets: dict[str, list[float]] = {}
+    left_out = beside_windows(r)
     for s in r["steps"]:
+        if s["step"] in left_out:
+            continue
         key = "prompts waiting" if s["waiting"] else f"{max(0, s['running'] - 1) // 32 * 32 + 1}-" \
               f"{(max(0, s['running'] - 1) // 32 + 1) * 32}"
         b = buckets.setdefault(key, [0, 0.0, 0.0])
         b[0] += 1
         b[1] += s["gpu_ms"]
         b[2] += s["kv_floor_ms"]
-    lines = ["", f"{r['preset']}: {len(r['steps'])} steps, {r['gpu_s']:.3f} s of GPU time; K and V at "
-             f"{r['kv_bytes_per_token'] / 1024:.0f} KiB a token read at {r['copy_tbps']} TB/s for comparison.", "",
+    lines = ["", f"{r['preset']}: {len(r['steps'])} steps, {r['gpu_s']:.3f} s of GPU time, the table without the "
+             f"{len(left_out)} steps the profiled windows slowed; K and V at {r['kv_bytes_per_token'] / 1024:.0f} "
+             f"KiB a token read at {r['copy_tbps']} TB/s for comparison.", "",
              "| sequences running | steps | GPU s | ms a step | their K and V at the copy rate, ms | the rest, ms |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {k} | {n} | {t / 1000:.3f} | {t / n:.2f} | {f / n:.2f} | {(t - f) / n:.2f} |"
@@ -178,9 +189,10 @@ def run_chart(payload: dict[str, Any], path: Path) -> None:
         return
     fig, axes = _plot.subplots(1, len(runs), figsize=(8 * len(runs), 3.6), squeeze=False)
     for ax, r in zip(axes[0], runs, strict=True):
-        x = [s["step"] for s in r["steps"] if not s["waiting"]]
-        ax.plot(x, [s["gpu_ms"] for s in r["steps"] if not s["waiting"]], lw=0.8, label="GPU time a step")
-        ax.plot(x, [s["kv_floor_ms"] for s in r["steps"] if not s["waiting"]], lw=0.8,
+        left_out = beside_windows(r)
+        shown = [s for s in r["steps"] if not s["waiting"] and s["step"] not in left_out]
+        ax.plot([s["step"] for s in shown], [s["gpu_ms"] for s in shown], lw=0.8, label="GPU time a step")
+        ax.plot([s["step"] for s in shown], [s["kv_floor_ms"] for s in shown], lw=0.8,
                 label="its K and V at the copy rate")
         ax.set(xlabel="step", ylabel="ms", title=f"{r['preset']}: decode steps")
         ax.legend(fontsize=7)
