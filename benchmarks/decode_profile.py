@@ -119,7 +119,7 @@ def profile_run(preset: str, windows: tuple[int, ...] = WINDOWS, window_steps: i
     while sched.waiting or sched.running:
         if len(steps) in windows:
             prof, first = profile(activities=[ProfilerActivity.CUDA]), len(steps)
-            prof.__enter__()
+            prof.start()
         events.append(torch.cuda.Event(enable_timing=True))
         events[-1].record()
         context = sum(s.num_tokens for s in sched.running)
@@ -128,7 +128,7 @@ def profile_run(preset: str, windows: tuple[int, ...] = WINDOWS, window_steps: i
         llm.step()
         if prof is not None and len(steps) == first + window_steps:
             sync()
-            prof.__exit__(None, None, None)
+            prof.stop()
             times: dict[str, list] = {}
             for e in prof.events():
                 if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -162,8 +162,8 @@ def run_markdown(r: dict[str, Any]) -> list[str]:
     for s in r["steps"]:
         if s["step"] in left_out:
             continue
-        key = "prompts waiting" if s["waiting"] else f"{max(0, s['running'] - 1) // 32 * 32 + 1}-" \
-              f"{(max(0, s['running'] - 1) // 32 + 1) * 32}"
+        low = max(0, s["running"] - 1) // 32 * 32  # batches in bands of 32 sequences
+        key = "prompts waiting" if s["waiting"] else f"{low + 1}-{low + 32}"
         b = buckets.setdefault(key, [0, 0.0, 0.0])
         b[0] += 1
         b[1] += s["gpu_ms"]

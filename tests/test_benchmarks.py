@@ -849,3 +849,30 @@ def test_timeline_labels_the_engines_phases_and_layers(tiny_model, one_thread):
     assert set(kinds) == {"s", "F"}  # the tiny Gemma 3 has both kinds of layer
     assert names == ({f"#layer{i:02d}{k}" for i, k in enumerate(kinds)} | {f"#{label}" for *_, label in tl.PHASES}
                      | {"#attns", "#attnF"})
+
+
+# -- decode_profile.py --whole-run ---------------------------------------------------------------------------
+
+
+def made_up_run() -> dict:
+    """A whole run of ``decode_profile.py --whole-run``'s form: 11 steps, a window profiled from step 3."""
+    running = [5, 40, 64, 64, 64, 64, 64, 64, 33, 20, 1]
+    steps = [{"step": i, "running": n, "waiting": int(i == 0), "context": 100 * n, "kv_floor_ms": 0.1 * n,
+              "gpu_ms": 1.0 + (50.0 if i in (2, 6) else 0.0)} for i, n in enumerate(running)]
+    return {"benchmark": "decode-run", "preset": "made-up", "kv_bytes_per_token": 114688, "copy_tbps": 4.25,
+            "gpu_s": sum(s["gpu_ms"] for s in steps) / 1000, "steps": steps,
+            "windows": {"3": [{"name": "_decode_kernel", "ms": 0.5, "calls": 28}]}, "window_steps": 4}
+
+
+def test_whole_run_table_bands_the_steps_and_leaves_the_profiled_ones_out(tmp_path):
+    bench = script("decode_profile")
+    run = made_up_run()
+    assert bench.beside_windows(run) == {2, 3, 4, 5, 6}  # the window's 4 steps and the one before them
+    table = bench.markdown({"environment": ENV, "results": [run]}, "made-up")
+    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines() if line.startswith("| ")}
+    assert rows["prompts waiting"].startswith("| prompts waiting | 1 |")
+    assert rows["33-64"].startswith("| 33-64 | 3 | 0.003 | 1.00 |")  # steps 1, 7 and 8; not the slowed 2 and 6
+    assert rows["1-32"].startswith("| 1-32 | 2 |")
+    assert "the table without the 5 steps" in table and "_decode_kernel 0.5 (28)" in table
+    bench.run_chart({"environment": {}, "results": [run]}, tmp_path / "run.png")
+    assert (tmp_path / "run.png").stat().st_size > 0
