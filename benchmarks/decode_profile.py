@@ -89,7 +89,6 @@ def profile_decode_step(preset: str, steps: int = 30, num_seqs: int = 256, tempe
     return result
 
 
-KV_COPY_TBPS = 4.25  # the H200's device-to-device copy rate: the K and V of a step read at it, for comparison
 WINDOWS = (40, 300, 550, 800, 950)  # the whole run's profiled steps: full batch, then the batch shrinking
 
 
@@ -98,12 +97,15 @@ def profile_run(preset: str, windows: tuple[int, ...] = WINDOWS, window_steps: i
     """The throughput benchmark's run stepped by hand: per step the sequences running and the sum of their
     contexts before it, and the GPU's time from its start to the next step's (CUDA events queued at each
     step's start: with async scheduling a step is queued behind the one running, so this is the GPU's time
-    a step); ``kv_floor_ms``: those contexts' K and V at ``KV_COPY_TBPS``. The kernels of ``window_steps``
-    steps from each step in ``windows`` (torch.profiler, CUDA only: it adds a little to those steps)."""
+    a step); ``kv_floor_ms``: those contexts' K and V at the device-to-device copy rate, measured after the
+    run (:func:`nanovllm.bench.kernels.copy_bandwidth`, the rate the kernel benchmarks compare with). The
+    kernels of ``window_steps`` steps from each step in ``windows`` (torch.profiler, CUDA only: it adds a
+    little to those steps)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from nanovllm import LLM, SamplingParams
+    from nanovllm.bench.kernels import copy_bandwidth
     from nanovllm.bench.kv import engine_groups
 
     llm = LLM(preset, max_model_len=4096, **engine_options)
@@ -124,7 +126,7 @@ def profile_run(preset: str, windows: tuple[int, ...] = WINDOWS, window_steps: i
         events[-1].record()
         context = sum(s.num_tokens for s in sched.running)
         steps.append({"step": len(steps), "running": len(sched.running), "waiting": len(sched.waiting),
-                      "context": context, "kv_floor_ms": context * kv_bytes / KV_COPY_TBPS / 1e9})
+                      "context": context})
         llm.step()
         if prof is not None and len(steps) == first + window_steps:
             sync()
@@ -141,12 +143,13 @@ def profile_run(preset: str, windows: tuple[int, ...] = WINDOWS, window_steps: i
     events.append(torch.cuda.Event(enable_timing=True))
     events[-1].record()
     sync()
+    copy_tbps = copy_bandwidth() / 1e3
     for step, start, end in zip(steps, events, events[1:], strict=False):
         step["gpu_ms"] = round(start.elapsed_time(end), 4)
-        step["kv_floor_ms"] = round(step["kv_floor_ms"], 4)
-    return {"benchmark": "decode-run", "preset": preset, "kv_bytes_per_token": kv_bytes, "copy_tbps": KV_COPY_TBPS,
-            "gpu_s": sum(s["gpu_ms"] for s in steps) / 1000, "steps": steps, "windows": kernels,
-            "window_steps": window_steps}
+        step["kv_floor_ms"] = round(step["context"] * kv_bytes / copy_tbps / 1e9, 4)
+    return {"benchmark": "decode-run", "preset": preset, "kv_bytes_per_token": kv_bytes,
+            "copy_tbps": copy_tbps, "gpu_s": sum(s["gpu_ms"] for s in steps) / 1000, "steps": steps,
+            "windows": kernels, "window_steps": window_steps}
 
 
 def beside_windows(r: dict[str, Any]) -> set[int]:
@@ -168,10 +171,12 @@ def run_markdown(r: dict[str, Any]) -> list[str]:
         b[0] += 1
         b[1] += s["gpu_ms"]
         b[2] += s["kv_floor_ms"]
-    lines = ["", f"{r['preset']}: {len(r['steps'])} steps, {r['gpu_s']:.3f} s of GPU time, the table without the "
-             f"{len(left_out)} steps the profiled windows slowed; K and V at {r['kv_bytes_per_token'] / 1024:.0f} "
-             f"KiB a token read at {r['copy_tbps']} TB/s for comparison.", "",
-             "| sequences running | steps | GPU s | ms a step | their K and V at the copy rate, ms | the rest, ms |",
+    kib = r["kv_bytes_per_token"] / 1024
+    lines = ["", f"{r['preset']}: {len(r['steps'])} steps, {r['gpu_s']:.3f} s of GPU time, the table without "
+             f"the {len(left_out)} steps the profiled windows slowed; K and V at {kib:.0f} KiB a token read "
+             f"at {r['copy_tbps']:.2f} TB/s for comparison.", "",
+             "| sequences running | steps | GPU s | ms a step | their K and V at the copy rate, ms "
+             "| the rest, ms |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {k} | {n} | {t / 1000:.3f} | {t / n:.2f} | {f / n:.2f} | {(t - f) / n:.2f} |"
               for k, (n, t, f) in buckets.items()]
@@ -242,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         return job_main(run_job, args.job)
     options = {"tensor_parallel_size": args.tensor_parallel_size} if args.tensor_parallel_size > 1 else {}
     jobs = [{"kind": "run" if args.whole_run else "profile", "preset": p, "steps": args.steps,
-             "num_seqs": args.num_seqs, "temperature": args.temperature, "options": options} for p in args.presets]
+             "num_seqs": args.num_seqs, "temperature": args.temperature, "options": options}
+            for p in args.presets]
     return run_jobs(jobs, __file__, Path(args.out), args.name, vars(args) | {"job": None}, list, markdown,
                     run_chart)
 

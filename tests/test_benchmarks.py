@@ -871,7 +871,7 @@ def test_whole_run_table_bands_the_steps_and_leaves_the_profiled_ones_out(tmp_pa
     table = bench.markdown({"environment": ENV, "results": [run]}, "made-up")
     rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines() if line.startswith("| ")}
     assert rows["prompts waiting"].startswith("| prompts waiting | 1 |")
-    assert rows["33-64"].startswith("| 33-64 | 3 | 0.003 | 1.00 |")  # steps 1, 7 and 8; not the slowed 2 and 6
+    assert rows["33-64"].startswith("| 33-64 | 3 | 0.003 | 1.00 |")  # steps 1, 7, 8; not the slowed 2, 6
     assert rows["1-32"].startswith("| 1-32 | 2 |")
     assert "the table without the 5 steps" in table and "_decode_kernel 0.5 (28)" in table
     bench.run_chart({"environment": {}, "results": [run]}, tmp_path / "run.png")

@@ -139,6 +139,7 @@ def test_blocks_with_nothing_cached_are_handed_out_again_first():
     assert b.block_table == table[2:]  # the partial block, not a fresh one nor a cached one
     assert bm.find_cached_prefix(seq_of(range(1, 11)))[0] == table[:2]
 
+
 @pytest.mark.serial  # thread CPU time
 def test_a_pool_of_millions_of_blocks_is_made_at_once():
     """Per-block state lives in arrays made in a few operations: a manager of an H200's 2.5 million blocks,

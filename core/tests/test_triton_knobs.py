@@ -240,8 +240,8 @@ def test_wave_fit_splits_end_in_whole_waves(batch, programs_per_sm, monkeypatch)
 
     plain = tk.num_decode_splits(batch, 8, 16384, 64, dev, programs_per_sm, 128, one_split_waves=0,
                                  full_wave_programs=0)
-    fit = tk.num_decode_splits(batch, 8, 16384, 64, dev, programs_per_sm, 128, wave_fit=True, one_split_waves=0,
-                               full_wave_programs=0)
+    fit = tk.num_decode_splits(batch, 8, 16384, 64, dev, programs_per_sm, 128, wave_fit=True,
+                               one_split_waves=0, full_wave_programs=0)
     assert 2 <= fit <= 128
     assert model_time(fit) <= model_time(plain) + 1e-9
 

@@ -177,4 +177,3 @@ def test_a_new_number_of_sampled_rows_does_not_wait_for_the_gpu(tiny_model):
             waited.append(n)
     torch.cuda.synchronize()
     assert not waited, f"the host waited for the GPU at {waited} rows"
-

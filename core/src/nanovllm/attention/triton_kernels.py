@@ -1009,8 +1009,7 @@ def num_decode_splits(num_seqs: int, num_kv_heads: int, max_keys: int, block_n: 
         return 1
     if full_wave_programs:
         wave = full_wave_programs * num_sms(device)
-        last_wave = groups - (groups - 1) // wave * wave  # programs in the last wave
-        if last_wave >= ONE_SPLIT_FILL * wave:
+        if (groups - 1) % wave + 1 >= ONE_SPLIT_FILL * wave:  # the programs of the last wave
             return 1
     # at least 2 tiles a split, not more: a short selection (a sequence's few thousand selected keys per
     # KV head) runs faster in more, shorter splits; long contexts are bounded by ``want`` anyway
@@ -1057,7 +1056,8 @@ def attention_decode(
         max_keys = min(max_keys, window + bn)
     if num_splits is None:
         num_splits = num_decode_splits(num_seqs, num_kv_heads, max_keys, bn, q.device, cfg.programs_per_sm,
-                                       cfg.max_splits, cfg.wave_fit, cfg.one_split_waves, cfg.full_wave_programs)
+                                       cfg.max_splits, cfg.wave_fit, cfg.one_split_waves,
+                                       cfg.full_wave_programs)
     block_d = next_power_of_2(head_dim)
     has_idx = block_indices is not None
     skip_dead = _skip_dead(has_idx, bn, block_size)
