@@ -116,10 +116,10 @@ def test_chunk_host_work_near_the_uniform_layouts():
         return 1000 * statistics.median(times["mixed"])
 
     mixed_ms(True), mixed_ms(False)  # warm-up
-    # four interleaved pairs, the fastest run of each layout: a loaded machine slows single runs by up to
-    # 1.6 times, never speeds one up
-    pairs = [(mixed_ms(True), mixed_ms(False)) for _ in range(4)]
-    ratio = min(hybrid for hybrid, _ in pairs) / min(uniform for _, uniform in pairs)
+    # in interleaved pairs, the median of their ratios: a loaded machine slows single runs by up to 1.6
+    # times, and one uniform run twice as fast as the rest once set the ratio of the fastest runs at 3.2
+    pairs = [(mixed_ms(True), mixed_ms(False)) for _ in range(5)]
+    ratio = statistics.median(hybrid / uniform for hybrid, uniform in pairs)
     assert ratio < 2.5, f"host ms per mixed step (hybrid, uniform): {pairs}"
 
 
