@@ -117,19 +117,30 @@ def test_gelu_tanh_and_mul(device, dtype, gen):
     _close(fk.gelu_tanh_and_mul(x.to(device)), ref, gen, "gelu_tanh_and_mul")
 
 
-def _qk_norms(head_dim, dtype, gen):
-    """A query norm and a key norm with weights near one, as a model's q/k norms."""
-    norms = tuple(RMSNorm(head_dim, eps=1e-6).to(dtype) for _ in range(2))
+def _qk_norms(kind, head_dim, dtype, gen):
+    """A query norm and a key norm as a model's q/k norms: ``"plain"`` RMSNorms with weights near one
+    (Qwen3), ``"gemma"`` ones scaling by one plus weights near zero (Gemma 3); ``None``: no norms."""
+    if kind is None:
+        return None, None
+    norm_cls, offset = {"plain": (RMSNorm, 1.0), "gemma": (GemmaRMSNorm, 0.0)}[kind]
+    norms = tuple(norm_cls(head_dim, eps=1e-6).to(dtype) for _ in range(2))
     with torch.no_grad():
         for n in norms:
-            n.weight.copy_(1 + 0.1 * torch.randn(head_dim, generator=gen))
+            n.weight.copy_(offset + 0.1 * torch.randn(head_dim, generator=gen))
     return norms
 
 
+def _kernel_norms(norms, device):
+    """The kernel's ``(weight, eps)`` pairs of ``_qk_norms``' norms, and its ``unit_offset``."""
+    if norms[0] is None:
+        return (None, None), False
+    return tuple((n.weight.detach().to(device), n.eps) for n in norms), isinstance(norms[0], GemmaRMSNorm)
+
+
 @cases
-# (256, 4, 1): Gemma 3 270M's heads (its own q/k norms run before the kernel)
+# (256, 4, 1): Gemma 3 270M's heads and norms
 @pytest.mark.parametrize("head_dim,heads,kv_heads,qk_norm",
-                         [(128, 16, 8, True), (64, 6, 2, False), (32, 4, 1, True), (256, 4, 1, False)])
+                         [(128, 16, 8, "plain"), (64, 6, 2, None), (32, 4, 1, "plain"), (256, 4, 1, "gemma")])
 @pytest.mark.parametrize("t", [23, fk.ROPE_WIDE_MAX_TOKENS + 44])  # a decode step's launch, a prefill's
 def test_rope_in_place(device, dtype, head_dim, heads, kv_heads, qk_norm, t, gen):
     if device == "cpu" and t > fk.ROPE_WIDE_MAX_TOKENS:
@@ -137,17 +148,16 @@ def test_rope_in_place(device, dtype, head_dim, heads, kv_heads, qk_norm, t, gen
     rope = RotaryEmbedding(head_dim, 4096, 1_000_000.0)
     qkv = _rand(gen, t, heads + 2 * kv_heads, head_dim, dtype=dtype, device="cpu")
     positions = torch.randint(0, 4096, (t,), generator=gen)
-    norms = _qk_norms(head_dim, dtype, gen) if qk_norm else (None, None)
+    norms = _qk_norms(qk_norm, head_dim, dtype, gen)
     q, k = qkv[:, :heads], qkv[:, heads : heads + kv_heads]
     ref_q, ref_k = rope(positions, q.clone(), k.clone(), *norms)
 
     dev_qkv = qkv.to(device)
     dq, dk = dev_qkv[:, :heads], dev_qkv[:, heads : heads + kv_heads]
-    dev_norms = (None, None)
-    if qk_norm:
-        dev_norms = tuple((n.weight.detach().to(device), n.eps) for n in norms)
+    dev_norms, unit_offset = _kernel_norms(norms, device)
     v_before = dev_qkv[:, heads + kv_heads :].clone()
-    out_q, out_k = fk.rope_(dq, dk, positions.to(device), rope.cos_sin.to(device), *dev_norms)
+    out_q, out_k = fk.rope_(dq, dk, positions.to(device), rope.cos_sin.to(device), *dev_norms,
+                            unit_offset=unit_offset)
     assert out_q.data_ptr() == dq.data_ptr() and out_k.data_ptr() == dk.data_ptr(), "rotated in place"
     # An output mixes a pair (x1 cos - x2 sin): its rounding error scales with the pair's norm, which the
     # rotation keeps, not with the output itself (which can cancel to near zero).
@@ -157,7 +167,8 @@ def test_rope_in_place(device, dtype, head_dim, heads, kv_heads, qk_norm, t, gen
 
 
 @cases
-@pytest.mark.parametrize("head_dim,heads,kv_heads,qk_norm", [(128, 16, 8, True), (64, 6, 2, False)])
+@pytest.mark.parametrize("head_dim,heads,kv_heads,qk_norm",
+                         [(128, 16, 8, "plain"), (64, 6, 2, None), (256, 4, 1, "gemma")])
 def test_rope_stores_the_rotated_keys_and_the_values(device, dtype, head_dim, heads, kv_heads, qk_norm, gen):
     """With ``store``, RoPE's kernel also writes each token's rotated keys and its values to its slot of the
     paged caches, as the torch path's :class:`~nanovllm.kv.store.CacheSlots` write does: tokens in shuffled
@@ -170,7 +181,7 @@ def test_rope_stores_the_rotated_keys_and_the_values(device, dtype, head_dim, he
     positions = torch.randint(0, 4096, (t,), generator=gen)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:t]
     slots[torch.randperm(t, generator=gen)[:2]] = -1
-    norms = _qk_norms(head_dim, dtype, gen) if qk_norm else (None, None)
+    norms = _qk_norms(qk_norm, head_dim, dtype, gen)
 
     def caches(on):
         shape = (num_blocks, block_size, kv_heads, head_dim)
@@ -183,12 +194,10 @@ def test_rope_stores_the_rotated_keys_and_the_values(device, dtype, head_dim, he
 
     dev_qkv = qkv.to(device)
     dq, dk, dv = dev_qkv.split([heads, kv_heads, kv_heads], dim=1)
-    dev_norms = (None, None)
-    if qk_norm:
-        dev_norms = tuple((n.weight.detach().to(device), n.eps) for n in norms)
+    dev_norms, unit_offset = _kernel_norms(norms, device)
     got = caches(device)
     out_q, out_k = fk.rope_(dq, dk, positions.to(device), rope.cos_sin.to(device), *dev_norms,
-                            (dv, got.k_cache, got.v_cache, got.slot_mapping))
+                            (dv, got.k_cache, got.v_cache, got.slot_mapping), unit_offset)
     _close(out_q, ref_q, gen, "rope q", _pair_norm(ref_q))
     _close(out_k, ref_k, gen, "rope k", _pair_norm(ref_k))
     written = slots >= 0
@@ -376,4 +385,4 @@ def test_fused_kernels_under_interpreter():
 
     returncode, tail, passed = run_under_interpreter(__file__)
     assert returncode == 0, tail
-    assert passed == len(DTYPES) * (12 + 2 + 1 + 1 + 4 + 2 + 4 + 1), tail
+    assert passed == len(DTYPES) * (12 + 2 + 1 + 1 + 4 + 3 + 4 + 1), tail

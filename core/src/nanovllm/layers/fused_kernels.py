@@ -5,7 +5,7 @@ five to ten elementwise kernels of the torch code they replace (decode steps are
   ``unit_offset`` scales by ``1 + weight`` in float32 (Gemma's norm).
 - ``silu_and_mul``: ``silu(gate) * up`` over the two halves of each row.
 - ``rope_``: neox-style rotary embedding of q and k in place, optionally RMS-normalising each head
-  first (Qwen3's q/k norms), and optionally writing the rotated keys and the values to their paged-cache
+  first (Qwen3's and Gemma 3's q/k norms), and optionally writing the rotated keys and the values to their paged-cache
   slots (the attention backend's KV store, in the same launch).
 - ``all_reduce_rms_norm``: under tensor parallelism, the sum over the ranks of each rank's share (a
   row-parallel layer's output), then ``rms_norm``, in one kernel: the ranks exchange their shares through
@@ -291,10 +291,12 @@ def _rounded(x, dt: tl.constexpr, BITWISE_RNE: tl.constexpr):
 def _rotate_heads(
     X, stride_h, W, cos, sin, eps, Cache, slot, stride_cb, stride_cs, stride_ch,
     NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-    NORM: tl.constexpr, BLOCK_SIZE: tl.constexpr, STORE: tl.constexpr, BITWISE_RNE: tl.constexpr,
+    NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK_SIZE: tl.constexpr, STORE: tl.constexpr,
+    BITWISE_RNE: tl.constexpr,
 ):
-    """Rotate one token's heads of ``X`` in place (RMS-normalised first with ``NORM``); with ``STORE``
-    also write them to cache slot ``slot`` (none when it is negative)."""
+    """Rotate one token's heads of ``X`` in place (RMS-normalised first with ``NORM``, scaled by ``1 + W``
+    with ``UNIT_OFFSET``); with ``STORE`` also write them to cache slot ``slot`` (none when it is
+    negative)."""
     heads = tl.arange(0, HEADS_PAD)
     dims = tl.arange(0, HALF_PAD)
     d_ok = dims < HALF
@@ -307,8 +309,12 @@ def _rotate_heads(
         rstd = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
         w1 = tl.load(W + dims, mask=d_ok, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(W + HALF + dims, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        x1 = _rounded(_rounded(x1 * rstd, dt, BITWISE_RNE) * w1, dt, BITWISE_RNE)
-        x2 = _rounded(_rounded(x2 * rstd, dt, BITWISE_RNE) * w2, dt, BITWISE_RNE)
+        if UNIT_OFFSET:  # Gemma: one rounding, after the scale
+            x1 = _rounded(x1 * rstd * (1.0 + w1), dt, BITWISE_RNE)
+            x2 = _rounded(x2 * rstd * (1.0 + w2), dt, BITWISE_RNE)
+        else:
+            x1 = _rounded(_rounded(x1 * rstd, dt, BITWISE_RNE) * w1, dt, BITWISE_RNE)
+            x2 = _rounded(_rounded(x2 * rstd, dt, BITWISE_RNE) * w2, dt, BITWISE_RNE)
     # rounded as the torch code rounds: each product, then the sum, to X's dtype (cos, sin already are)
     y1 = _rounded(_rounded(x1 * cos, dt, BITWISE_RNE) - _rounded(x2 * sin, dt, BITWISE_RNE), dt, BITWISE_RNE)
     y2 = _rounded(_rounded(x2 * cos, dt, BITWISE_RNE) + _rounded(x1 * sin, dt, BITWISE_RNE), dt, BITWISE_RNE)
@@ -336,8 +342,8 @@ def _rope_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_cb, stride_cslot, stride_ch,
     HQ: tl.constexpr, HQ_PAD: tl.constexpr, HK: tl.constexpr, HK_PAD: tl.constexpr,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    STORE: tl.constexpr, BITWISE_RNE: tl.constexpr, PDL: tl.constexpr = False,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, STORE: tl.constexpr, BITWISE_RNE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -351,9 +357,9 @@ def _rope_kernel(
     sin = _rounded(sin, Q.dtype.element_ty, BITWISE_RNE)[None, :]
     slot = tl.load(Slots + t).to(tl.int64) if STORE else -1
     _rotate_heads(Q + t * stride_qt, stride_qh, QW, cos, sin, eps_q, KC, -1, 0, 0, 0,
-                  HQ, HQ_PAD, HALF, HALF_PAD, NORM, BLOCK_SIZE, False, BITWISE_RNE)
+                  HQ, HQ_PAD, HALF, HALF_PAD, NORM, UNIT_OFFSET, BLOCK_SIZE, False, BITWISE_RNE)
     _rotate_heads(K + t * stride_kt, stride_kh, KW, cos, sin, eps_k, KC, slot, stride_cb, stride_cslot,
-                  stride_ch, HK, HK_PAD, HALF, HALF_PAD, NORM, BLOCK_SIZE, STORE, BITWISE_RNE)
+                  stride_ch, HK, HK_PAD, HALF, HALF_PAD, NORM, UNIT_OFFSET, BLOCK_SIZE, STORE, BITWISE_RNE)
     if STORE:  # the values as they are
         heads = tl.arange(0, HK_PAD)
         ok = (heads < HK)[:, None] & d_ok[None, :]
@@ -367,11 +373,13 @@ def rope_(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
     q_norm: tuple[torch.Tensor, float] | None = None, k_norm: tuple[torch.Tensor, float] | None = None,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` in place (rows may be strided views of one qkv
     tensor; the head dim must be contiguous). ``cos_sin [max_pos, D]`` float32 holds cos then sin of
     each frequency; they, each product and each sum are rounded to q's dtype, as transformers rounds.
-    ``q_norm``/``k_norm``: ``(weight, eps)`` of a per-head RMSNorm applied first.
+    ``q_norm``/``k_norm``: ``(weight, eps)`` of a per-head RMSNorm applied first; ``unit_offset``: it scales
+    by ``1 + weight`` in float32 and rounds once (Gemma's norm), as ``rms_norm`` does.
     ``store``: ``(v [T, Hkv, D], k_cache, v_cache, slot_mapping [T])`` to also write each token's rotated
     keys and its values to its slot of the paged caches ``[num_blocks, block_size, Hkv, D]`` (as the
     attention backend's ``store_kv`` does; slot -1: not written)."""
@@ -396,7 +404,7 @@ def rope_(
             *cache_strides,
             HQ=num_heads, HQ_PAD=next_power_of_2(num_heads),
             HK=num_kv_heads, HK_PAD=next_power_of_2(num_kv_heads),
-            HALF=half, HALF_PAD=next_power_of_2(half), NORM=norm,
+            HALF=half, HALF_PAD=next_power_of_2(half), NORM=norm, UNIT_OFFSET=unit_offset,
             BLOCK_SIZE=k_cache.shape[1] if store is not None else 1, STORE=store is not None,
             num_warps=8 if n_tokens <= ROPE_WIDE_MAX_TOKENS else 4,
             BITWISE_RNE=q.dtype == torch.bfloat16 and not q.is_cuda,  # on the CPU: the interpreter

@@ -11,7 +11,7 @@ from torch import nn
 
 from nanovllm.kv.store import CacheSlots
 from nanovllm.layers.fused import kernels, use_fused
-from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.layernorm import GemmaRMSNorm, RMSNorm
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -55,16 +55,17 @@ class RotaryEmbedding(nn.Module):
         v: torch.Tensor | None = None, cache: CacheSlots | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[T, H, D]``, k ``[T, Hkv, D]`` rotated at ``positions`` ``[T]``, after the optional
-        per-head RMSNorms ``q_norm``/``k_norm`` (Qwen3). With ``cache``, the rotated keys and the values
-        ``v [T, Hkv, D]`` are also written to their slots there. On CUDA one fused kernel, in place; a norm
-        of another kind (Gemma's) runs before it."""
-        if q_norm is not None and type(q_norm) is not RMSNorm:  # the fused kernel knows plain RMSNorm only
+        per-head RMSNorms ``q_norm``/``k_norm`` (Qwen3's, Gemma 3's). With ``cache``, the rotated keys and the
+        values ``v [T, Hkv, D]`` are also written to their slots there. On CUDA one fused kernel, in place; a
+        norm of another kind runs before it."""
+        if q_norm is not None and type(q_norm) not in (RMSNorm, GemmaRMSNorm):  # the kinds the kernel knows
             q, k, q_norm, k_norm = q_norm(q), k_norm(k), None, None
         unit_strides = q.stride(-1) == 1 and k.stride(-1) == 1 and (cache is None or v.stride(-1) == 1)
         if use_fused(q) and unit_strides:
             norms = ((q_norm.weight, q_norm.eps), (k_norm.weight, k_norm.eps)) if q_norm is not None else (None, None)
             store = None if cache is None else (v, cache.k_cache, cache.v_cache, cache.slot_mapping)
-            return kernels().rope_(q, k, positions, self.cos_sin, *norms, store)
+            return kernels().rope_(q, k, positions, self.cos_sin, *norms, store,
+                                   unit_offset=type(q_norm) is GemmaRMSNorm)
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
