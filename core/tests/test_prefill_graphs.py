@@ -25,7 +25,8 @@ def test_the_cpu_prefills_eagerly():
 
 class ThreadedForward:
     """Emulated stretches on the CPU. The model's forward over the runner's static buffers runs in a thread
-    that stops at each attention call, after copying q, k and v into the buffers as a captured stretch ends;
+    that stops at each attention call, after copying q, k and v where they lie outside the QKV projection's
+    static buffer (the torch RoPE's rotated q and k) into buffers of their own, as a captured stretch ends;
     replaying stretch ``i`` runs it on to its next stop (the first replay starts it). Between the stretches
     the runner's own ``replay`` runs: the step's inputs copied in, each attention call eager with the step's
     metadata, its output copied into the buffer the next stretch reads. (The torch backend writes K/V in the
@@ -53,9 +54,7 @@ class ThreadedForward:
         g = self.graphs
 
         def cut(attention, q, k, v, kv_written):
-            g.q.copy_(q)
-            g.k.copy_(k)
-            g.v.copy_(v)
+            g.attention_inputs(q, k, v)
             self._cuts(None)  # the replay's own attention call runs meanwhile, uncut
             self.stopped.release()
             self.resume.acquire()
@@ -65,11 +64,15 @@ class ThreadedForward:
         try:
             with torch.inference_mode():
                 self._cuts(cut)
+                for layer in g.attention_layers:
+                    layer.qkv_out = g.qkv
                 g.output = g.model(g.input_ids, g.positions)
         except BaseException as exc:  # handed to the replay that waits
             self.error = exc
         finally:
             self._cuts(None)
+            for layer in g.attention_layers:
+                layer.qkv_out = None
             self.stopped.release()
 
 
@@ -90,17 +93,17 @@ def emulated_stretches(monkeypatch):
         calls = []
 
         def record(attention, q, k, v, kv_written):
-            calls.append((attention, kv_written))
+            calls.append((attention, kv_written, graphs.attention_inputs(q, k, v)))
             return graphs.attention_out
 
         for layer in graphs.attention_layers:
-            layer.graph_cut = record
+            layer.graph_cut, layer.qkv_out = record, graphs.qkv
         try:
             with forward_context(graphs._metadata()):
                 graphs.model(graphs.input_ids, graphs.positions)
         finally:
             for layer in graphs.attention_layers:
-                layer.graph_cut = None
+                layer.graph_cut = layer.qkv_out = None
         forward = ThreadedForward(graphs)
         graphs.stretches = [Stretch(EmulatedGraph(forward, i), *call) for i, call in enumerate(calls)]
         graphs.stretches.append(Stretch(EmulatedGraph(forward, len(calls))))
@@ -111,9 +114,10 @@ def emulated_stretches(monkeypatch):
 
 
 def graphed_and_eager(model_dir: str, policy: str, monkeypatch, device: str = "cuda"
-                      ) -> tuple[list, list, list[int]]:
+                      ) -> tuple[list, list, list[int], list[int]]:
     """The same requests on an engine with piecewise prefill graphs (steps of 64 tokens) and on one without;
-    returns both outputs and the token count of each step the first replayed."""
+    returns both outputs, the token count of each step the first replayed, and which attention inputs (0-2:
+    q, k, v) its cuts copied (the others were read in place)."""
     case = Case("prefill_graphs", device, "triton" if device == "cuda" else "torch")
     options = dict(enforce_eager=False, max_num_batched_tokens=64, max_num_seqs=4)
     replayed: list[int] = []
@@ -139,7 +143,8 @@ def graphed_and_eager(model_dir: str, policy: str, monkeypatch, device: str = "c
     got = _generate(graphed, prompts, params) + _generate(graphed, alone, params)
     eager = _engine(case, model_dir, policy, **options, piecewise_cuda_graphs=False)
     assert eager.runner.prefill_graphs.stretches == []
-    return got, _generate(eager, prompts, params) + _generate(eager, alone, params), replayed
+    want = _generate(eager, prompts, params) + _generate(eager, alone, params)
+    return got, want, replayed, sorted(graphs.copies)
 
 
 def replayed_sizes_are_right(replayed: list[int]) -> bool:
@@ -156,8 +161,9 @@ def test_emulated_replays_give_the_eager_outputs(hybrid, policy, emulated_stretc
     if policy != "full" and "quest" not in get_plugins().registry.sparse_policies:
         pytest.skip("needs the nanovllm-quest plugin")
     model_dir = hybrid_model() if hybrid else tiny_model()
-    got, want, replayed = graphed_and_eager(model_dir, policy, monkeypatch, device="cpu")
+    got, want, replayed, copied = graphed_and_eager(model_dir, policy, monkeypatch, device="cpu")
     assert replayed_sizes_are_right(replayed), replayed
+    assert copied == [0, 1]  # the torch RoPE returns new q and k; v is read where the projection wrote it
     compare_outputs("emulated piecewise prefill graphs against eager", got, want)
 
 
@@ -165,8 +171,9 @@ def test_emulated_replays_give_the_eager_outputs(hybrid, policy, emulated_stretc
 @pytest.mark.parametrize("hybrid", [True, False], ids=["gemma3-sliding", "llama"])
 def test_replayed_prefill_steps_give_the_eager_outputs(hybrid, monkeypatch):
     model_dir = hybrid_model() if hybrid else tiny_model()
-    got, want, replayed = graphed_and_eager(model_dir, "full", monkeypatch)
+    got, want, replayed, copied = graphed_and_eager(model_dir, "full", monkeypatch)
     assert replayed_sizes_are_right(replayed), replayed
+    assert copied == []  # RoPE's kernel rotates q and k in place: the cuts copy nothing
     compare_outputs("piecewise prefill graphs against eager", got, want)
 
 
@@ -179,6 +186,6 @@ def test_a_sparse_policy_runs_between_the_replays(policy, monkeypatch):
     name = policy.split(":")[0]
     if name not in get_plugins().registry.sparse_policies:
         pytest.skip(f"needs the nanovllm-{name} plugin")
-    got, want, replayed = graphed_and_eager(tiny_model(), policy, monkeypatch)
+    got, want, replayed, _ = graphed_and_eager(tiny_model(), policy, monkeypatch)
     assert replayed
     compare_outputs(f"piecewise prefill graphs against eager, {name}", got, want)

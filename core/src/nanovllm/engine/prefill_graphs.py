@@ -10,11 +10,13 @@ Why: a small model's prefill waits on the host, which launches a dozen kernels a
 stretch of them at once. Attention stays eager because its work follows the step (context lengths, block
 tables, a sparse policy's selection) in ways a graph cannot.
 
-What crosses a cut goes through static buffers: a stretch ends by copying its attention call's ``q``, ``k``
-and ``v`` into them, and the next begins by reading the attention's output from one. Every stretch reads the
-step's token ids, positions and KV slots (the RoPE kernel writes the keys and values on its way) from static
-inputs, copied in before the first replay. The stretches share one memory pool and replay in the order they
-were captured, so a stretch may reuse what an earlier one freed."""
+What crosses a cut goes through static buffers. Each layer's QKV projection writes into one
+(``Attention.qkv_out``), so its attention call reads ``q``, ``k`` and ``v`` there in place, as RoPE left
+them; a model whose attention inputs lie elsewhere has them copied into buffers of their own as its stretch
+ends. The next stretch begins by reading the attention's output from one. Every stretch reads the step's
+token ids, positions and KV slots (the RoPE kernel writes the keys and values on its way) from static inputs,
+copied in before the first replay. The stretches share one memory pool and replay in the order they were
+captured, so a stretch may reuse what an earlier one freed."""
 
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ class Stretch:
     graph: torch.cuda.CUDAGraph
     attention: Attention | None = None
     kv_written: bool = False  # the stretch's RoPE kernel wrote the layer's keys and values
+    # the attention call's q, k and v over every row of the step: static buffers or views of them
+    inputs: tuple[torch.Tensor, ...] = ()
 
 
 class PrefillGraphs:
@@ -95,11 +99,26 @@ class PrefillGraphs:
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
         self.slots = torch.full((self.num_groups, n), -1, dtype=torch.long, device=dev)  # -1: writes nothing
         dtype = getattr(torch, self.config.dtype)
-        self.q = torch.zeros(n, first.num_heads, first.head_dim, dtype=dtype, device=dev)
-        self.k = torch.zeros(n, first.num_kv_heads, first.head_dim, dtype=dtype, device=dev)
-        self.v = torch.zeros_like(self.k)
-        self.attention_out = torch.zeros_like(self.q)
+        width = (first.num_heads + 2 * first.num_kv_heads) * first.head_dim
+        self.qkv = torch.zeros(n, width, dtype=dtype, device=dev)
+        self.attention_out = torch.zeros(n, first.num_heads, first.head_dim, dtype=dtype, device=dev)
+        self.copies: dict[int, torch.Tensor] = {}  # attention inputs outside qkv: see attention_inputs
         return True
+
+    def attention_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What a replay's attention call reads for a stretch that ends in an attention call on ``q``, ``k``
+        and ``v``: each one itself where it is a view of ``qkv`` (the QKV projection wrote it there, RoPE
+        in place), else a copy in a buffer kept for that input (one for every layer, made on the uncaptured
+        pass)."""
+        inputs = []
+        for i, t in enumerate((q, k, v)):
+            if t.untyped_storage().data_ptr() == self.qkv.untyped_storage().data_ptr():
+                inputs.append(t)
+                continue
+            if i not in self.copies:
+                self.copies[i] = torch.empty_like(t, memory_format=torch.contiguous_format)
+            inputs.append(self.copies[i].copy_(t))
+        return tuple(inputs)
 
     def _capture(self) -> None:
         """Capture, where the GPU has room: the graphs' pool keeps about one step's activations, and a step
@@ -156,16 +175,15 @@ class PrefillGraphs:
 
         def cut(attention: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_written: bool) -> torch.Tensor:
-            self.q.copy_(q)
-            self.k.copy_(k)
-            self.v.copy_(v)
+            inputs = self.attention_inputs(q, k, v)
             end()
             stretches[-1].attention, stretches[-1].kv_written = attention, kv_written
+            stretches[-1].inputs = inputs
             begin()
             return self.attention_out
 
         for layer in self.attention_layers:
-            layer.graph_cut = cut
+            layer.graph_cut, layer.qkv_out = cut, self.qkv
         try:
             with torch.cuda.stream(stream):
                 begin()
@@ -173,7 +191,7 @@ class PrefillGraphs:
                 end()
         finally:
             for layer in self.attention_layers:
-                layer.graph_cut = None
+                layer.graph_cut = layer.qkv_out = None
         torch.cuda.current_stream(self.device).wait_stream(stream)
         cuts = [s.attention for s in stretches if s.attention is not None]
         if capture and sorted(map(id, cuts)) == sorted(map(id, self.attention_layers)):
@@ -189,7 +207,7 @@ class PrefillGraphs:
         """The hidden states of a step that :meth:`fits`, whose metadata is ``meta`` (the forward context the
         caller set): its inputs copied into the first rows (the padding rows after them keep earlier steps'
         ids and positions, and write no KV), each stretch replayed, each attention call run eagerly on the
-        step's rows of the stretch's ``q``, ``k``, ``v``."""
+        step's rows of the stretch's ``q``, ``k``, ``v`` (:attr:`Stretch.inputs`)."""
         n = input_ids.shape[0]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(meta.positions)
@@ -197,9 +215,10 @@ class PrefillGraphs:
             self.slots[group, :n].copy_(meta.of_group(group).slot_mapping)
         if n < self.num_tokens:
             self.slots[:, n:].fill_(-1)
-        q, k, v, out = self.q[:n], self.k[:n], self.v[:n], self.attention_out[:n]
+        out = self.attention_out[:n]
         for stretch in self.stretches:
             stretch.graph.replay()
             if stretch.attention is not None:
+                q, k, v = (t[:n] for t in stretch.inputs)
                 out.copy_(stretch.attention(q, k, v, stretch.kv_written))
         return self.output[:n]

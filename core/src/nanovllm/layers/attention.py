@@ -33,9 +33,11 @@ class Attention(nn.Module):
         self.hooks: PolicyHooks | None = None
         self.kv: LayerKV | None = None  # this layer's KV store, once allocated
         self.kv_group = 0  # its KV cache group: whose slots and block tables it reads (StepMetadata.of_group)
-        # set only while the runner captures piecewise prefill graphs: called instead of attending
-        # (nanovllm.engine.prefill_graphs)
+        # set only while the runner captures piecewise prefill graphs (nanovllm.engine.prefill_graphs): called
+        # instead of attending, and the static buffer the layer's QKV projection writes into, so that the
+        # replayed attention call reads its q, k and v where they are
         self.graph_cut: Callable[..., torch.Tensor] | None = None
+        self.qkv_out: torch.Tensor | None = None
 
     def bind(self, backend: AttentionBackend, hooks: PolicyHooks) -> None:
         """Set once per engine by the model runner."""

@@ -83,7 +83,7 @@ class SelfAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden, out=self.attn.qkv_out).split([q_size, kv_size, kv_size], dim=-1)
         weight_prefetch.prefetch(self.o_proj.weight, hidden)  # while RoPE and attention run
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)

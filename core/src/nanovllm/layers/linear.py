@@ -61,8 +61,14 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return (gemv.linear if self.use_triton_gemv else F.linear)(x, self.weight, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias``; ``out``: a tensor of the result's shape to write it into (cuBLAS's own
+        kernel, the same bits)."""
+        if out is None:
+            return self.matmul(x, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight.t(), out=out)
+        return torch.addmm(self.bias, x, self.weight.t(), out=out)
 
 
 class ReplicatedLinear(LinearBase):
