@@ -1,7 +1,7 @@
 """The runner's start-up warm-up: its steps cover the kernel variants that later eager steps would otherwise
-compile inside users' requests (a fresh long chunk alone, steps of few rows for the small-batch matmul, the
-logits of the rows the engine samples, the sampler), and it writes nothing and draws nothing from the run's
-random streams. The engine warms up on CUDA only; here its steps run on the CPU (torch backend)."""
+compile inside users' requests (fresh long chunks alone and together, steps of few rows for the small-batch
+matmul, the logits of the rows the engine samples, the sampler), and it writes nothing and draws nothing from
+the run's random streams. The engine warms up on CUDA only; here its steps run on the CPU (torch backend)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,9 @@ def test_the_steps_cover_what_later_steps_would_compile(max_model_len, block_siz
     # one fresh sequence's chunk, as long as the model allows up to past the short-chunk kernel's 64
     fresh = [s.chunks[0] for s in steps if len(s.chunks) == 1 and s.history == 0]
     assert max(fresh) >= min(max_model_len, 65)
+    # and several in one step, each as long (one alone takes SDPA's path on CUDA, several the Triton kernel)
+    packed = [min(s.chunks) for s in steps if len(s.chunks) > 1 and s.history == 0]
+    assert max(packed) >= min(max_model_len, 65)
     # a chunk after a history that reaches max_model_len, and a prompt cached but for its last token
     assert any(max(s.chunks) + s.history == max_model_len for s in steps if s.chunks)
     assert any(s.rows == 1 and s.chunks == (1,) and s.history for s in steps)
@@ -106,7 +109,7 @@ def test_the_warm_up_runs_its_steps_samples_last_rows_and_writes_nothing(runner,
 
 def serve_after_start(llm, vocab: int) -> None:
     """Batches of 1 to 20 sequences, greedy and sampled rows; a prompt cached but for its last token; a
-    fresh long prompt alone."""
+    fresh long prompt alone, and three in one step."""
     from nanovllm import SamplingParams
 
     rng = random.Random(0)
@@ -121,12 +124,13 @@ def serve_after_start(llm, vocab: int) -> None:
     for _ in range(2):  # the second time its four full blocks come from the prefix cache: one row
         llm.generate([cached], SamplingParams(max_tokens=1), use_tqdm=False)
     llm.generate([prompt(300)], SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.generate([prompt(100 + i) for i in range(3)], SamplingParams(max_tokens=1), use_tqdm=False)
 
 
 @pytest.mark.gpu
 def test_requests_compile_no_kernel_after_the_start(tiny_model):
-    """After start-up, eager steps of any batch, sampled or greedy, a prefix-cache hit and a fresh long
-    prompt compile none of the sampler's kernels, the small-batch matmul's or the prefill kernel. Gemma 3's
+    """After start-up, eager steps of any batch, sampled or greedy, a prefix-cache hit and fresh long
+    prompts compile none of the sampler's kernels, the small-batch matmul's or the prefill kernel. Gemma 3's
     tiny model (sliding-window layers) with a vocabulary the sampler splits; every step eager."""
     from nanovllm import LLM
     from nanovllm.attention import triton_kernels as tk

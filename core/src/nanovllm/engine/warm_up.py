@@ -43,8 +43,8 @@ def warm_up_steps(max_model_len: int, block_size: int, max_num_seqs: int) -> lis
     - a long and a short chunk after a history that reaches ``max_model_len``: the paged kernels and the
       policies' long-context paths (e.g. past a ``dense_below``);
     - two short fresh chunks;
-    - one fresh chunk of up to 96 tokens alone: attention over its own new keys, past 64 tokens with
-      the long-chunk kernel configuration;
+    - one fresh chunk of up to 96 tokens alone (torch SDPA's path on CUDA), and two together: attention
+      over their own new keys, past 64 tokens with the long-chunk kernel configuration;
     - steps of 1 (a prompt cached but for its last token), 2, 4, 8, 12 and 16 rows, of 1, 2, 3, 8, 10 and
       16 sequences (at most ``max_num_seqs``; the last row of each is sampled): the small-batch matmul's
       variants (per power of two of rows up to 16, and 16 itself) in the layers and in the LM head;
@@ -56,6 +56,7 @@ def warm_up_steps(max_model_len: int, block_size: int, max_num_seqs: int) -> lis
         WarmUpStep(1, (long, 8), max_model_len - long),
         WarmUpStep(1, (8, 8)),
         WarmUpStep(1, (long,)),
+        WarmUpStep(1, (long, long)),
     ]
     for rows, seqs in ((1, 1), (2, 2), (4, 3), (8, 8), (12, 10), (16, 16)):
         decodes = min(seqs, max_num_seqs) - 1
