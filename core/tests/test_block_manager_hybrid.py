@@ -102,6 +102,39 @@ def test_window_group_keeps_only_its_window_and_frees_the_rest():
     assert_all_free(bm)
 
 
+def test_groups_of_two_windows_each_free_what_their_own_window_left():
+    """Window groups of two windows: each frees exactly the blocks its own window has left, decode step by
+    decode step (the manager skips a sequence until the nearer window next passes a block), and chunk by
+    chunk after the sequence was preempted and admitted again."""
+    windows = {1: WINDOW, 2: 11, 3: WINDOW}
+    groups = (KVCacheGroup((0,), None), *(KVCacheGroup((g,), w) for g, w in windows.items()))
+    bm = BlockManager(80, BS, enable_prefix_caching=False, groups=groups)
+    s = seq_of(range(100, 103))
+
+    def check(computed: int) -> None:
+        """The window tables as the last append_slots left them, ``computed`` tokens computed then."""
+        for g, window in windows.items():
+            first = max(0, computed - window + 1) // BS  # the block of the first key the next token reads
+            table = s.block_tables[g]
+            assert all(b == bm.null_block for b in table[:first]), (computed, g)
+            assert bm.null_block not in table[first:], (computed, g)
+
+    admit(bm, s)
+    compute(bm, s, 3)
+    for n in range(4, 50):
+        s.token_ids.append(n)
+        compute(bm, s, n)
+        check(n - 1)
+    bm.free(s)
+    s.reset_for_recompute()
+    admit(bm, s, 8)
+    for done, upto in ((0, 8), (8, 20), (20, 32), (32, 44), (44, s.num_tokens)):
+        compute(bm, s, upto)
+        check(done)
+    bm.free(s)
+    assert_all_free(bm)
+
+
 def test_chunked_prefill_holds_the_window_and_the_chunk():
     bm = BlockManager(40, BS, groups=HYBRID)
     s = seq_of(range(40))

@@ -216,6 +216,11 @@ class BlockManager:
         self.windowed = [group.sliding_window is not None for group in self.groups]
         self.full_groups = [g for g in range(len(self.groups)) if not self.windowed[g]]
         self.window_groups = [(g, group) for g, group in enumerate(self.groups) if self.windowed[g]]
+        # the window groups by window: one of them, and the indices of all
+        by_window: dict[int, list[int]] = {}
+        for g, group in self.window_groups:
+            by_window.setdefault(group.sliding_window, []).append(g)
+        self.windows = [(self.groups[gs[0]], gs) for gs in by_window.values()]
         self.pool_groups = [[g for g, group in enumerate(self.groups) if group.pool == pool]
                             for pool in range(len(self.free_queues))]
         if self.anchor not in (None, 0):
@@ -386,6 +391,7 @@ class BlockManager:
         for group, blocks in zip(self.groups, hits, strict=True):
             self._hold(self._held(blocks), group.pool)
         seq.block_tables = [list(blocks) for blocks in hits]
+        seq.window_moves_at = 0  # new tables (a preempted sequence's too): check the windows afresh
         seq.num_committed_blocks = len(hits[0])
         seq.num_computed_tokens = seq.num_cached_tokens = len(hits[0]) * self.block_size
         assert self.append_slots(seq, num_tokens)
@@ -420,18 +426,24 @@ class BlockManager:
     def _free_left_behind(self, seq: Sequence) -> None:
         """Give back the blocks of ``seq``'s window groups that no token still to compute reads; their
         entries become the null block (the tail first, as ``free`` does)."""
+        n = seq.num_computed_tokens
+        if n < seq.window_moves_at:  # most decode steps: no window has passed a block since the last call
+            return
+        seq.window_moves_at = min(group.next_block_behind(n, self.block_size) for group, _ in self.windows)
         null, left = self.null_block, []
-        for g, group in self.window_groups:
-            table = seq.block_tables[g]
-            i = min(group.first_needed_block(seq.num_computed_tokens, self.block_size), len(table)) - 1
-            if i < 0 or table[i] == null:
-                continue  # nothing new behind the window (the blocks before a null block went earlier)
-            start = i  # the table is null blocks, then held ones: free the held ones up to i
-            if i and table[i - 1] != null:  # more than block i (a decode step frees that one alone)
-                start = bisect_left(range(i), True, key=lambda j: table[j] != null)
-            left += table[i : start - 1 if start else None : -1]
-            table[start : i + 1] = [null] * (i + 1 - start)
-            seq.changed_blocks(g, start, i + 1)
+        for group, same_window in self.windows:
+            first = group.first_needed_block(n, self.block_size)
+            for g in same_window:
+                table = seq.block_tables[g]
+                i = min(first, len(table)) - 1
+                if i < 0 or table[i] == null:
+                    continue  # nothing new behind the window (the blocks before a null block went earlier)
+                start = i  # the table is null blocks, then held ones: free the held ones up to i
+                if i and table[i - 1] != null:  # more than block i (a decode step frees that one alone)
+                    start = bisect_left(range(i), True, key=lambda j: table[j] != null)
+                left += table[i : start - 1 if start else None : -1]
+                table[start : i + 1] = [null] * (i + 1 - start)
+                seq.changed_blocks(g, start, i + 1)
         if left:  # the window groups share a pool
             self._release(np.array(left, dtype=np.int64), self.window_groups[0][1].pool)
 

@@ -45,6 +45,8 @@ class Sequence:
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache at admission
         self.num_scheduled_tokens = 0  # tokens to compute in the current step
         self.num_committed_blocks = 0  # leading full blocks already offered to the prefix cache
+        # the computed tokens at which a window group's window next leaves a block behind (BlockManager)
+        self.window_moves_at = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None  # with finish reason "error": the exception, "TypeName: message"

@@ -37,6 +37,12 @@ class KVCacheGroup:
             return 0
         return max(0, num_computed_tokens - self.sliding_window + 1) // block_size
 
+    def next_block_behind(self, num_computed_tokens: int, block_size: int) -> int:
+        """The least number of computed tokens at which :meth:`first_needed_block` passes its value at
+        ``num_computed_tokens``: where the window next leaves a block behind (a window group only)."""
+        first = self.first_needed_block(num_computed_tokens, block_size)
+        return (first + 1) * block_size + self.sliding_window - 1
+
     def max_blocks(self, num_tokens: int, block_size: int, max_chunk: int) -> int:
         """The most blocks one sequence of ``num_tokens`` tokens holds in this group at once, computed in
         chunks of at most ``max_chunk`` tokens: every block for full attention; for a window, the window
