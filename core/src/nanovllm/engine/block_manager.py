@@ -550,6 +550,11 @@ class BlockManager:
         """Publish ``block_ids`` (none of whose hashes is in the cache) in group ``g``'s prefix cache,
         holding ``run``."""
         self.hash_to_block[g].update(zip(run.hashes, block_ids))
+        if len(block_ids) == 1:  # a decode step's block: scalar stores cost a fraction of index arrays
+            b = block_ids[0]
+            self.hashes[b], self.tokens[b], self.parents[b] = run.hash_array[0], run.tokens[0], run.parents[0]
+            self.cache_groups[b] = g
+            return
         block_ids = np.array(block_ids, dtype=np.int64)
         self.hashes[block_ids] = run.hash_array
         self.tokens[block_ids] = run.tokens
