@@ -5,8 +5,8 @@ five to ten elementwise kernels of the torch code they replace (decode steps are
   ``unit_offset`` scales by ``1 + weight`` in float32 (Gemma's norm).
 - ``silu_and_mul``: ``silu(gate) * up`` over the two halves of each row.
 - ``rope_``: neox-style rotary embedding of q and k in place, optionally RMS-normalising each head
-  first (Qwen3's and Gemma 3's q/k norms), and optionally writing the rotated keys and the values to their paged-cache
-  slots (the attention backend's KV store, in the same launch).
+  first (Qwen3's and Gemma 3's q/k norms), and optionally writing the rotated keys and the values to their
+  paged-cache slots (the attention backend's KV store, in the same launch).
 - ``all_reduce_rms_norm``: under tensor parallelism, the sum over the ranks of each rank's share (a
   row-parallel layer's output), then ``rms_norm``, in one kernel: the ranks exchange their shares through
   symmetric memory (:class:`nanovllm.distributed.SymmetricAllReduce`).
