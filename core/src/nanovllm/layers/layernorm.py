@@ -10,6 +10,8 @@ from nanovllm.layers.fused import kernels, use_fused
 class RMSNorm(nn.Module):
     """RMSNorm in float32; with ``residual`` it adds first and returns ``(normed, new_residual)``."""
 
+    unit_offset = False  # how the fused kernels apply the weight: see GemmaRMSNorm
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -42,6 +44,8 @@ class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the weights are offsets from one (it scales by ``1 + weight``), and the scaling
     happens in float32 before the cast back. Same call as :class:`RMSNorm`; on CUDA one fused kernel."""
 
+    unit_offset = True
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__(hidden_size, eps)
         self.weight = nn.Parameter(torch.zeros(hidden_size))
@@ -54,7 +58,7 @@ class GemmaRMSNorm(RMSNorm):
         if partial and tp_size() > 1:
             x = all_reduce(x)
         if use_fused(x):
-            return kernels().rms_norm(x, self.weight, self.eps, residual, unit_offset=True)
+            return kernels().rms_norm(x, self.weight, self.eps, residual, unit_offset=self.unit_offset)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -65,7 +65,7 @@ class RotaryEmbedding(nn.Module):
             norms = ((q_norm.weight, q_norm.eps), (k_norm.weight, k_norm.eps)) if q_norm is not None else (None, None)
             store = None if cache is None else (v, cache.k_cache, cache.v_cache, cache.slot_mapping)
             return kernels().rope_(q, k, positions, self.cos_sin, *norms, store,
-                                   unit_offset=type(q_norm) is GemmaRMSNorm)
+                                   unit_offset=q_norm is not None and q_norm.unit_offset)
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
