@@ -290,6 +290,9 @@ class ChangeLog:
     def changed(self, group: int, start: int, stop: int | None = None) -> None:
         self.ranges.append((group, start, stop))
 
+    def release(self) -> None:
+        pass
+
 
 def test_reported_changes_are_exactly_the_changed_entries():
     """Each step the block manager reports which table entries changed, so the step plan copies only those:

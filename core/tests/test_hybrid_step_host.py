@@ -20,7 +20,7 @@ import torch
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_plan import group_slots, group_tables, phase_arrays
+from nanovllm.engine.step_plan import BatchTables, group_slots, group_tables, phase_arrays
 from nanovllm.kv.groups import blocks_per_sequence, kv_cache_groups
 from nanovllm.sampling_params import SamplingParams
 
@@ -39,7 +39,7 @@ def plan_steps(groups, num_blocks: int) -> SimpleNamespace:
     """What ``ModelRunner.prepare`` reads of its runner, for a paged cache of ``num_blocks`` blocks."""
     kv = SimpleNamespace(block_offset=lambda group: 0, wants_allocations=False)
     return SimpleNamespace(block_size=BLOCK_SIZE, num_window_blocks=0, kv=kv, kv_cache_groups=groups,
-                           num_blocks=num_blocks)
+                           num_blocks=num_blocks, batch_tables=BatchTables(len(groups)))
 
 
 def serve(groups, prompts: list[list[int]], output_tokens: int, num_blocks: int | None = None,
@@ -64,7 +64,7 @@ def serve(groups, prompts: list[list[int]], output_tokens: int, num_blocks: int 
         _, sampling, _ = ModelRunner.prepare(runner, seqs)
         prefills = sum(1 for s in seqs if not s.is_decode)
         if on_step is not None:
-            on_step(scheduler, seqs)
+            on_step(scheduler, seqs, runner.batch_tables)
         scheduler.advance(seqs)
         seconds = time.thread_time() - start
         kind = "decode_only" if not prefills else "prefill_only" if prefills == len(seqs) else "mixed"
@@ -147,13 +147,13 @@ def test_step_tables_equal_the_block_managers(seed):
     groups = kv_cache_groups(WINDOWS)
     checked = []
 
-    def check(scheduler, seqs):
+    def check(scheduler, seqs, batch):
         decodes = [s for s in seqs if s.is_decode]
         prefills = [s for s in seqs if not s.is_decode]
         offsets = [0] * len(groups)
-        decode_tables = group_tables(decodes, offsets)
-        slots = group_slots(decodes, decode_tables, prefills, BLOCK_SIZE, offsets)
-        for phase, tables in ((decodes, decode_tables), (prefills, group_tables(prefills, offsets))):
+        decode_tables = group_tables(decodes, offsets, batch)
+        slots = group_slots(decodes, decode_tables, prefills, BLOCK_SIZE, offsets, batch)
+        for phase, tables in ((decodes, decode_tables), (prefills, group_tables(prefills, offsets, batch))):
             if not phase:
                 assert tables is None
                 continue
@@ -171,8 +171,49 @@ def test_step_tables_equal_the_block_managers(seed):
             np.testing.assert_array_equal(slots[g], expected_slots)
         checked.append(scheduler.num_preemptions)
 
-    serve(groups, prompts, output_tokens=30, num_blocks=260, max_num_batched_tokens=200, on_step=check)
+    batches = []
+    serve(groups, prompts, output_tokens=30, num_blocks=260, max_num_batched_tokens=200,
+          on_step=lambda scheduler, seqs, batch: (check(scheduler, seqs, batch), batches.append(batch)))
     assert checked and checked[-1] > 0  # the pool was small enough to preempt
+    batch = batches[-1]  # every sequence finished: every row given back, cleared
+    assert sorted(batch.free_rows) == list(range(batch.array.shape[1])) and (batch.array == -1).all()
+
+
+def test_batch_rows_follow_tables_as_sequences_come_and_go():
+    """Sequences take rows of the step's batch tables and give them back when their blocks are freed; the
+    gathered tables equal the lists whatever the rows and widths grew to and whoever held a row before."""
+    rng = random.Random(0)
+    batch = BatchTables(2)
+    live: list[Sequence] = []
+
+    def expected(seqs):
+        width = max(len(t) for s in seqs for t in s.block_tables)
+        out = np.full((2, len(seqs), width), -1, dtype=np.int32)
+        for i, s in enumerate(seqs):
+            for g, table in enumerate(s.block_tables):
+                out[g, i, : len(table)] = table
+        return out
+
+    for _ in range(6):
+        for _ in range(rng.randrange(5, 30)):  # newcomers, some past the first rows and widths
+            seq = Sequence([1], SamplingParams())
+            seq.block_tables = [[rng.randrange(1000) for _ in range(rng.randrange(1, 40))] for _ in range(2)]
+            live.append(seq)
+        for seq in rng.sample(live, len(live) // 3):  # grown and rewritten, as the block manager reports
+            seq.block_tables[0].append(rng.randrange(1000))
+            seq.changed_blocks(0, len(seq.block_tables[0]) - 1)
+            if seq.table_copy is not None and seq.block_tables[1]:
+                seq.block_tables[1][0] = -7
+                seq.changed_blocks(1, 0, 1)
+        order = rng.sample(live, len(live))
+        np.testing.assert_array_equal(group_tables(order, [0, 0], batch), expected(order))
+        for seq in rng.sample(live, len(live) // 2):  # freed: rows given back
+            seq.drop_tables()
+            live.remove(seq)
+    for seq in live:
+        seq.drop_tables()
+    assert batch.array.shape[1] > 16 and batch.array.shape[2] > 16  # both grew
+    assert sorted(batch.free_rows) == list(range(batch.array.shape[1])) and (batch.array == -1).all()
 
 
 @pytest.mark.parametrize("shape", [(6, 3, 5), (6, 7), (1, 3, 5), (4, 2, 8)])

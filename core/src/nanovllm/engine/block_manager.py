@@ -566,4 +566,4 @@ class BlockManager:
         the prefix lasts longer; blocks with nothing cached go to the front, to be reused first."""
         for group, table in zip(self.groups, seq.block_tables):
             self._release(self._held(table[::-1]), group.pool)
-        seq.block_tables = []
+        seq.drop_tables()

@@ -31,6 +31,7 @@ from nanovllm.engine.prefill_graphs import PrefillGraphs
 from nanovllm.engine.sampling_inputs import SamplingInputs
 from nanovllm.engine.sequence import PLACEHOLDER, RawLogprobs, Sequence
 from nanovllm.engine.step_plan import (
+    BatchTables,
     PhaseArrays,
     PromptTargets,
     StepPlan,
@@ -189,6 +190,7 @@ class ModelRunner:
         self.num_blocks = self.kv.num_blocks
         self.num_window_blocks = self.kv.num_window_blocks  # the window groups' own pool under KV offload
         self.kv_cache_groups = self.kv.groups  # the layers that share a block table (hybrid KV)
+        self.batch_tables = BatchTables(len(self.kv_cache_groups))  # the running sequences' block tables
         layer_bytes = 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize  # K and V of a token, a layer
         self.kv_cache_group_bytes_per_token = kv_bytes_per_token(self.kv_cache_groups, layer_bytes)
         self._last_sampled = torch.empty(0, dtype=torch.long, device=self.device)
@@ -294,17 +296,17 @@ class ModelRunner:
             prompt_rows, prompt_targets = prompt_logprob_targets(scored)
         # every KV cache group's block tables and slots at once (hybrid KV: several)
         offsets = [self.kv.block_offset(g) for g in range(len(self.kv_cache_groups))]
-        decode_tables = group_tables(decodes, offsets)
+        decode_tables = group_tables(decodes, offsets, self.batch_tables)
         plan = StepPlan(
             input_ids=np.concatenate(id_parts),
             positions=np.concatenate(pos_parts),
-            group_slots=group_slots(decodes, decode_tables, prefills, bs, offsets),
+            group_slots=group_slots(decodes, decode_tables, prefills, bs, offsets, self.batch_tables),
             num_decode_tokens=len(decodes),
             decode=phase_arrays([1] * len(decodes), [p + 1 for p in positions], decode_tables),
             prefill=phase_arrays(
                 [s.num_scheduled_tokens for s in prefills],
                 [s.num_computed_tokens + s.num_scheduled_tokens for s in prefills],
-                group_tables(prefills, offsets),
+                group_tables(prefills, offsets, self.batch_tables),
             ),
             placeholder_rows=placeholder_rows,
             placeholder_sources=placeholder_sources,

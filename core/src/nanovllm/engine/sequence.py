@@ -95,6 +95,13 @@ class Sequence:
         if self.table_copy is not None:
             self.table_copy.changed(group, start, stop)
 
+    def drop_tables(self) -> None:
+        """The block manager freed this sequence's blocks: its tables and their copy for the steps are gone."""
+        self.block_tables = []
+        if self.table_copy is not None:
+            self.table_copy.release()
+            self.table_copy = None
+
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
@@ -127,7 +134,7 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """After preemption: drop the KV, keep the tokens; the whole sequence is prefilled again."""
         self.status = SequenceStatus.WAITING
-        self.block_tables = []
+        self.drop_tables()
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0

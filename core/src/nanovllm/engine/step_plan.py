@@ -71,19 +71,55 @@ def phase_arrays(q_lens: list[int], ctx_lens: list[int], tables: np.ndarray | No
                        max(q_lens), max(ctx_lens))
 
 
+class BatchTables:
+    """The block tables of the sequences that steps run, one row per sequence: an int32 array ``[groups, rows,
+    width]``, -1 past each table's end. A step's tables are then one gather of its sequences' rows, and a row
+    is written only where the block manager changed its sequence's lists (:class:`TableCopy`). A sequence
+    holds its row from its first step until the block manager frees its blocks (``Sequence.drop_tables``);
+    rows and width grow as needed."""
+
+    def __init__(self, num_groups: int) -> None:
+        self.array = np.full((num_groups, 16, 16), -1, dtype=np.int32)
+        self.free_rows = list(range(15, -1, -1))
+
+    def take_row(self) -> int:
+        """A free row (cleared), the rows doubled when none is left."""
+        if not self.free_rows:
+            groups, rows, width = self.array.shape
+            grown = np.full((groups, 2 * rows, width), -1, dtype=np.int32)
+            grown[:, :rows] = self.array
+            self.array = grown
+            self.free_rows = list(range(2 * rows - 1, rows - 1, -1))
+        return self.free_rows.pop()
+
+    def give_back(self, row: int) -> None:
+        """Row ``row`` is free again (cleared)."""
+        self.array[:, row] = -1
+        self.free_rows.append(row)
+
+    def fit(self, width: int) -> None:
+        """Make room for tables of ``width`` entries."""
+        groups, rows, have = self.array.shape
+        if width > have:
+            grown = np.full((groups, rows, max(width, 2 * have)), -1, dtype=np.int32)
+            grown[:, :, :have] = self.array
+            self.array = grown
+
+
 class TableCopy:
-    """A sequence's block tables (``source``: ``Sequence.block_tables``, one list per KV cache group) as
-    one int32 array ``[groups, capacity]``, -1 past each table's end, that steps read without converting
-    the lists again: a refresh copies only the entries the block manager changed since the last one (appended, or
-    rewritten in place), which it reports through ``Sequence.changed_blocks``. A step's host work then grows
-    with the sequences and the blocks that changed, not with the context times the KV cache groups."""
+    """A sequence's block tables (``source``: ``Sequence.block_tables``, one list per KV cache group) in its row
+    of a :class:`BatchTables`, which steps read without converting the lists again: a refresh copies only the
+    entries the block manager changed since the last one (appended, or rewritten in place), which it reports
+    through ``Sequence.changed_blocks``. A step's host work then grows with the sequences and the blocks that
+    changed, not with the context times the KV cache groups."""
 
-    __slots__ = ("source", "array", "lengths", "stale_from", "rewritten")
+    __slots__ = ("source", "batch", "row", "lengths", "width", "stale_from", "rewritten")
 
-    def __init__(self, source: list[list[int]]) -> None:
-        self.source = source
-        self.array = np.full((len(source), 16), -1, dtype=np.int32)
+    def __init__(self, source: list[list[int]], batch: BatchTables) -> None:
+        self.source, self.batch = source, batch
+        self.row = batch.take_row()
         self.lengths = [0] * len(source)
+        self.width = 0  # the longest table's entries
         self.stale_from: list[int] | None = [0] * len(source)  # per group; None: nothing changed
         self.rewritten: list[tuple[int, int, int]] = []  # (group, start, stop): ranges within the copy
 
@@ -96,58 +132,62 @@ class TableCopy:
             self.stale_from = list(self.lengths)
         self.stale_from[group] = min(self.stale_from[group], start)
 
-    def refresh(self, width: int = 0) -> np.ndarray:
-        """The tables as they are now, at least ``width`` entries wide (valid until the next refresh)."""
-        width = max(width, *map(len, self.source)) if self.stale_from is not None else width
-        if width > self.array.shape[1]:
-            grown = np.full((len(self.source), 2 * width), -1, dtype=np.int32)
-            grown[:, : self.array.shape[1]] = self.array
-            self.array = grown
+    def refresh(self) -> None:
+        """Bring the row up to the tables as they are now."""
         if self.stale_from is not None:
+            self.batch.fit(max(map(len, self.source), default=0))
+            array, row = self.batch.array, self.row
             for g, (table, start) in enumerate(zip(self.source, self.stale_from, strict=True)):
                 start = min(start, self.lengths[g], len(table))
-                self.array[g, start : len(table)] = table[start:]
-                self.array[g, len(table) : self.lengths[g]] = -1
+                array[g, row, start : len(table)] = table[start:]
+                array[g, row, len(table) : self.lengths[g]] = -1
                 self.lengths[g] = len(table)
+            self.width = max(self.lengths, default=0)
             self.stale_from = None
         for g, start, stop in self.rewritten:
-            self.array[g, start:stop] = self.source[g][start:stop]
+            self.batch.array[g, self.row, start:stop] = self.source[g][start:stop]
         self.rewritten.clear()
-        return self.array
 
-    @property
-    def width(self) -> int:
-        return max(self.lengths)
+    def release(self) -> None:
+        """Give the row back (the sequence's tables are gone)."""
+        self.batch.give_back(self.row)
 
 
-def table_copy(seq: Sequence) -> TableCopy:
-    """``seq``'s ``TableCopy``, made again when the block manager has given the sequence new tables."""
+def table_copy(seq: Sequence, batch: BatchTables) -> TableCopy:
+    """``seq``'s up-to-date ``TableCopy`` in ``batch``, made again when the block manager has given the sequence
+    new tables."""
     copy = seq.table_copy
-    if copy is None or copy.source is not seq.block_tables:
-        copy = seq.table_copy = TableCopy(seq.block_tables)
-    copy.refresh()
+    if copy is None or copy.source is not seq.block_tables or copy.batch is not batch:
+        if copy is not None:
+            copy.release()
+        copy = seq.table_copy = TableCopy(seq.block_tables, batch)
+    if copy.stale_from is not None or copy.rewritten:
+        copy.refresh()
     return copy
 
 
-def group_tables(seqs: list[Sequence], offsets: list[int]) -> np.ndarray | None:
+def group_tables(seqs: list[Sequence], offsets: list[int], batch: BatchTables) -> np.ndarray | None:
     """``[groups, num_seqs, width]`` int32: each KV cache group's block table of each of ``seqs``, less the
     group's offset (``offsets[g]``: where its pool's ids start, ``KVStore.block_offset``), padded with -1
-    (``None`` without sequences)."""
+    (``None`` without sequences), gathered from their rows of ``batch``."""
     if not seqs:
         return None
-    copies = [table_copy(s) for s in seqs]
-    width = max(c.width for c in copies)
-    tables = np.stack([c.refresh(width)[:, :width] for c in copies], axis=1)
+    rows, width = [], 0
+    for s in seqs:
+        copy = table_copy(s, batch)
+        rows.append(copy.row)
+        width = max(width, copy.width)
+    tables = batch.array[:, rows, :width]
     if any(offsets):
         np.subtract(tables, np.asarray(offsets, dtype=np.int32)[:, None, None], out=tables, where=tables >= 0)
     return tables
 
 
 def group_slots(decodes: list[Sequence], decode_tables: np.ndarray | None, prefills: list[Sequence],
-                block_size: int, offsets: list[int]) -> np.ndarray:
+                block_size: int, offsets: list[int], batch: BatchTables) -> np.ndarray:
     """``[groups, num_tokens]`` int64: each KV cache group's cache slot of each token of a step (decodes' one
     token each, then the prefill chunks), its block ids less ``offsets[g]``; ``decode_tables``: the decodes'
-    :func:`group_tables` (less the offsets already)."""
+    :func:`group_tables` (less the offsets already); ``batch``: the prefills' rows."""
     bs = block_size
     shift = np.asarray(offsets, dtype=np.int64)[:, None, None] * bs
     out = np.empty((len(offsets), len(decodes) + sum(s.num_scheduled_tokens for s in prefills)), dtype=np.int64)
@@ -161,7 +201,8 @@ def group_slots(decodes: list[Sequence], decode_tables: np.ndarray | None, prefi
         # block by block: a chunk's slots are whole runs of each block's, cut to the chunk's tokens
         start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_scheduled_tokens
         first = start // bs
-        blocks = table_copy(s).array[:, first : -(-end // bs), None].astype(np.int64) * bs - shift
+        row = table_copy(s, batch).row
+        blocks = batch.array[:, row, first : -(-end // bs), None].astype(np.int64) * bs - shift
         slots = (blocks + in_block).reshape(len(offsets), -1)
         out[:, column : column + end - start] = slots[:, start - first * bs : end - first * bs]
         column += end - start
