@@ -138,10 +138,15 @@ class TableCopy:
             self.batch.fit(max(map(len, self.source), default=0))
             array, row = self.batch.array, self.row
             for g, (table, start) in enumerate(zip(self.source, self.stale_from, strict=True)):
-                start = min(start, self.lengths[g], len(table))
-                array[g, row, start : len(table)] = table[start:]
-                array[g, row, len(table) : self.lengths[g]] = -1
-                self.lengths[g] = len(table)
+                n, had = len(table), self.lengths[g]
+                start = min(start, had, n)
+                if start == n - 1:  # a decode step's new block: a scalar store costs a fraction of a slice's
+                    array[g, row, start] = table[start]
+                elif start < n:
+                    array[g, row, start:n] = table[start:]
+                if n < had:
+                    array[g, row, n:had] = -1
+                self.lengths[g] = n
             self.width = max(self.lengths, default=0)
             self.stale_from = None
         for g, start, stop in self.rewritten:
