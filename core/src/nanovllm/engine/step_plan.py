@@ -85,10 +85,8 @@ class BatchTables:
     def take_row(self) -> int:
         """A free row (cleared), the rows doubled when none is left."""
         if not self.free_rows:
-            groups, rows, width = self.array.shape
-            grown = np.full((groups, 2 * rows, width), -1, dtype=np.int32)
-            grown[:, :rows] = self.array
-            self.array = grown
+            rows = self.array.shape[1]
+            self._resize(2 * rows, self.array.shape[2])
             self.free_rows = list(range(2 * rows - 1, rows - 1, -1))
         return self.free_rows.pop()
 
@@ -99,11 +97,16 @@ class BatchTables:
 
     def fit(self, width: int) -> None:
         """Make room for tables of ``width`` entries."""
-        groups, rows, have = self.array.shape
+        have = self.array.shape[2]
         if width > have:
-            grown = np.full((groups, rows, max(width, 2 * have)), -1, dtype=np.int32)
-            grown[:, :, :have] = self.array
-            self.array = grown
+            self._resize(self.array.shape[1], max(width, 2 * have))
+
+    def _resize(self, rows: int, width: int) -> None:
+        """Grow the array to ``rows`` x ``width``, keeping what it holds; the new entries are -1."""
+        groups, old_rows, old_width = self.array.shape
+        grown = np.full((groups, rows, width), -1, dtype=np.int32)
+        grown[:, :old_rows, :old_width] = self.array
+        self.array = grown
 
 
 class TableCopy:
@@ -162,7 +165,7 @@ def table_copy(seq: Sequence, batch: BatchTables) -> TableCopy:
     """``seq``'s up-to-date ``TableCopy`` in ``batch``, made again when the block manager has given the sequence
     new tables."""
     copy = seq.table_copy
-    if copy is None or copy.source is not seq.block_tables or copy.batch is not batch:
+    if copy is None or copy.source is not seq.block_tables:
         if copy is not None:
             copy.release()
         copy = seq.table_copy = TableCopy(seq.block_tables, batch)
