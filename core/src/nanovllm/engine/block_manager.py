@@ -399,8 +399,12 @@ class BlockManager:
     def append_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Free the blocks that ``seq``'s windows have left, then grow it to ``num_tokens`` slots; ``False``
         (and no other change) if blocks run out."""
+        # most decode steps: every group has the slots, and no window has left a block behind since the last
+        # call (the computed tokens, fewer than num_tokens, are then below window_moves_at too)
+        if num_tokens <= seq.slots_ready_until:
+            return True
         total = -(-num_tokens // self.block_size)
-        if self.null_block is None and len(self.groups) == 1:  # one full-attention group: every step's case
+        if self.null_block is None and len(self.groups) == 1:  # one full-attention group
             table = seq.block_tables[0]
             needed = total - len(table)
             if needed > len(self.free_queues[0]):
@@ -408,19 +412,21 @@ class BlockManager:
             if needed > 0:
                 seq.changed_blocks(0, len(table))
                 table += self._take(0, needed)
+            seq.slots_ready_until = len(table) * self.block_size
             return True
         if self.null_block is not None:
             self._free_left_behind(seq)
-        if min(map(len, seq.block_tables)) >= total:  # most decode steps: every group has its slots
-            return True
-        entries = self._new_entries(seq.block_tables, seq.num_computed_tokens, num_tokens)
-        if not self._fits(entries):
-            return False
-        taken = self._take_free_blocks(entries)
-        for g, (table, new) in enumerate(zip(seq.block_tables, taken, strict=True)):
-            seq.changed_blocks(g, len(table))
-            table.extend([self.null_block] * (total - len(new) - len(table)))  # before a window: none held
-            table += new
+        if min(map(len, seq.block_tables)) < total:
+            entries = self._new_entries(seq.block_tables, seq.num_computed_tokens, num_tokens)
+            if not self._fits(entries):
+                return False
+            taken = self._take_free_blocks(entries)
+            for g, (table, new) in enumerate(zip(seq.block_tables, taken, strict=True)):
+                seq.changed_blocks(g, len(table))
+                table.extend([self.null_block] * (total - len(new) - len(table)))  # before a window: none held
+                table += new
+        ready = min(map(len, seq.block_tables)) * self.block_size
+        seq.slots_ready_until = ready if self.null_block is None else min(ready, seq.window_moves_at)
         return True
 
     def _free_left_behind(self, seq: Sequence) -> None:

@@ -47,6 +47,8 @@ class Sequence:
         self.num_committed_blocks = 0  # leading full blocks already offered to the prefix cache
         # the computed tokens at which a window group's window next leaves a block behind (BlockManager)
         self.window_moves_at = 0
+        # BlockManager.append_slots has nothing to do while the tokens to cover stay at or below this
+        self.slots_ready_until = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None  # with finish reason "error": the exception, "TypeName: message"
@@ -98,6 +100,7 @@ class Sequence:
     def drop_tables(self) -> None:
         """The block manager freed this sequence's blocks: its tables and their copy for the steps are gone."""
         self.block_tables = []
+        self.slots_ready_until = 0
         if self.table_copy is not None:
             self.table_copy.release()
             self.table_copy = None
