@@ -98,6 +98,39 @@ def lines_to_index_reference(
 SORTED_IN_KERNEL = 4096  # wider column lists are sorted by torch: one program would hold them all
 
 
+@triton.jit
+def _mark_crossed_tiles(cover_row, o, keep, phase, reach, width, TILE: tl.constexpr, CHUNK: tl.constexpr):
+    """Mark in ``cover_row`` the key tiles that the kept diagonals at offsets ``o`` cross. A diagonal at offset
+    o crosses the rows of a query tile in the key tiles of its first and last row: offsets
+    floor((phase + edge - o) / TILE) from the base tile, shifted by ``reach`` (>= 0: o < context)."""
+    for edge in tl.static_range(2):
+        at = (phase + edge * (TILE - 1) - o + reach * TILE) // TILE
+        tl.store(cover_row + at, tl.full([CHUNK], 1, tl.int8), mask=keep & (at >= 0) & (at < width))
+
+
+@triton.jit
+def _pad_from(out, count, n, PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Fill entries ``count`` to ``n - 1`` of ``out`` with ``PAD``."""
+    for j0 in range(0, n, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)
+        tl.store(out + j, tl.full([CHUNK], PAD, tl.int32), mask=(j >= count) & (j < n))
+
+
+@triton.jit
+def _list_marked_tiles(cover_row, tiles_row, width, reach, PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Write the marked tiles of ``cover_row`` (offsets from the base tile, less ``reach``) to ``tiles_row``
+    ascending, then ``PAD`` to ``width``; returns how many. A running count places each."""
+    count = tl.full([], 0, tl.int32)
+    for j0 in range(0, width, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)
+        present = tl.load(cover_row + j, mask=j < width, other=0).to(tl.int32)
+        rank = tl.cumsum(present, 0)
+        tl.store(tiles_row + count + rank - 1, (j - reach).to(tl.int32), mask=present != 0)
+        count += tl.sum(present, 0)
+    _pad_from(tiles_row, count, width, PAD, CHUNK)
+    return count
+
+
 @triton.jit(do_not_specialize=["num_heads", "num_columns", "num_offsets", "reach"])
 def _lines_kernel(
     columns, column_valid, offsets, offset_valid, query_starts,
@@ -115,8 +148,6 @@ def _lines_kernel(
         c = tl.load(columns + row * num_columns + slot, mask=in_list, other=0).to(tl.int32)
         tl.store(sorted_columns + row * num_columns + slot, tl.sort(tl.where(listed, c, PAD)), mask=in_list)
         tl.store(column_counts + row, tl.sum(listed.to(tl.int32), 0))
-    # a diagonal at offset o crosses the rows of a query tile in the key tiles of its first and last row:
-    # offsets floor((phase + edge - o) / TILE) from the base tile, shifted by reach (>= 0: o < context)
     width = reach + 2
     cover_row = cover + row * width
     phase = tl.load(query_starts + row // num_heads).to(tl.int64) % TILE
@@ -125,22 +156,9 @@ def _lines_kernel(
         live = j < num_offsets
         real = tl.load(offset_valid + row * num_offsets + j, mask=live, other=0).to(tl.int1) & live
         o = tl.load(offsets + row * num_offsets + j, mask=real, other=0).to(tl.int64)
-        for edge in tl.static_range(2):
-            at = (phase + edge * (TILE - 1) - o + reach * TILE) // TILE
-            tl.store(cover_row + at, tl.full([CHUNK], 1, tl.int8), mask=real & (at >= 0) & (at < width))
+        _mark_crossed_tiles(cover_row, o, real, phase, reach, width, TILE, CHUNK)
     tl.debug_barrier()  # every mark is made before any is read
-    # the covered offsets, ascending, then PAD: a running count places each
-    tiles_row = slash_tiles + row * width
-    count = tl.full([], 0, tl.int32)
-    for j0 in range(0, width, CHUNK):
-        j = j0 + tl.arange(0, CHUNK)
-        present = tl.load(cover_row + j, mask=j < width, other=0).to(tl.int32)
-        rank = tl.cumsum(present, 0)
-        tl.store(tiles_row + count + rank - 1, (j - reach).to(tl.int32), mask=present != 0)
-        count += tl.sum(present, 0)
-    for j0 in range(0, width, CHUNK):
-        j = j0 + tl.arange(0, CHUNK)
-        tl.store(tiles_row + j, tl.full([CHUNK], PAD, tl.int32), mask=(j >= count) & (j < width))
+    count = _list_marked_tiles(cover_row, slash_tiles + row * width, width, reach, PAD, CHUNK)
     tl.store(slash_counts + row, count)
 
 
@@ -390,9 +408,7 @@ def _select_kernel(
             tl.store(out + count + rank - 1, c, mask=keep)
             count += tl.sum(keep.to(tl.int32), 0)
             tied += tl.sum(equal.to(tl.int32), 0)
-        for j0 in range(0, num_columns, CHUNK):
-            j = j0 + tl.arange(0, CHUNK)
-            tl.store(out + j, tl.full([CHUNK], PAD, tl.int32), mask=(j >= count) & (j < num_columns))
+        _pad_from(out, count, num_columns, PAD, CHUNK)
         tl.store(column_counts + row, count)
     else:
         if ADAPTIVE:  # and 80% as diagonals
@@ -408,8 +424,6 @@ def _select_kernel(
             j = j0 + tl.arange(0, CHUNK)
             tl.store(cover_row + j, tl.zeros([CHUNK], tl.int8), mask=j < cover_width)
         tl.debug_barrier()  # zeroed before any mark
-        # a diagonal at offset o crosses the rows of a query tile in the key tiles of its first and last
-        # row: offsets floor((phase + edge - o) / TILE) from the base tile, shifted by reach (>= 0)
         phase = (ctx - (tl.load(cu_q + s + 1) - tl.load(cu_q + s))).to(tl.int64) % TILE
         tied = tl.full([], 0, tl.int32)
         for o0 in range(0, tl.where(n > 0, ctx, 0), CHUNK):  # none kept: no line read
@@ -418,22 +432,9 @@ def _select_kernel(
             equal = inside & (k == key)
             keep = inside & ((k > key) | (equal & (tied + tl.cumsum(equal.to(tl.int32), 0) <= ties)))
             tied += tl.sum(equal.to(tl.int32), 0)
-            for edge in tl.static_range(2):
-                at = (phase + edge * (TILE - 1) - o + reach * TILE) // TILE
-                tl.store(cover_row + at, tl.full([CHUNK], 1, tl.int8),
-                         mask=keep & (at >= 0) & (at < cover_width))
+            _mark_crossed_tiles(cover_row, o.to(tl.int64), keep, phase, reach, cover_width, TILE, CHUNK)
         tl.debug_barrier()  # every mark is made before any is read
-        tiles_row = slash_tiles + row * cover_width
-        count = tl.full([], 0, tl.int32)
-        for j0 in range(0, cover_width, CHUNK):
-            j = j0 + tl.arange(0, CHUNK)
-            present = tl.load(cover_row + j, mask=j < cover_width, other=0).to(tl.int32)
-            rank = tl.cumsum(present, 0)
-            tl.store(tiles_row + count + rank - 1, (j - reach).to(tl.int32), mask=present != 0)
-            count += tl.sum(present, 0)
-        for j0 in range(0, cover_width, CHUNK):
-            j = j0 + tl.arange(0, CHUNK)
-            tl.store(tiles_row + j, tl.full([CHUNK], PAD, tl.int32), mask=(j >= count) & (j < cover_width))
+        count = _list_marked_tiles(cover_row, slash_tiles + row * cover_width, cover_width, reach, PAD, CHUNK)
         tl.store(slash_counts + row, count)
 
 
