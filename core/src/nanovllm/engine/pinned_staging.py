@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from functools import cache
 
 import numpy as np
 import torch
@@ -28,6 +29,7 @@ class PinnedStaging:
     def __init__(self, device: torch.device, depth: int = 3, initial_bytes: int = 1 << 20) -> None:
         self.device = device
         self.buffers = [torch.empty(initial_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
+        self.host_views = [buffer.numpy() for buffer in self.buffers]  # numpy writes cost a fraction of torch's
         self.copied: list[torch.cuda.Event | None] = [None] * depth  # recorded after each buffer's last copy
         self.outgrown: list[list[torch.Tensor]] = [[] for _ in range(depth)]  # kept until their copies ran
         self.current = -1
@@ -58,27 +60,35 @@ class PinnedStaging:
         """The arrays on ``device`` from one transfer: packed into the step's buffer, each ``ALIGN`` bytes
         aligned, copied as one span, and returned as views of it (a copy costs about a microsecond of the
         GPU's stream and several of the host's, whatever its size)."""
-        sources = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
         if not self.in_step:
-            return [source.pin_memory().to(self.device, non_blocking=True) for source in sources]
+            return [torch.from_numpy(np.ascontiguousarray(a)).pin_memory().to(self.device, non_blocking=True)
+                    for a in arrays]
         offsets, size = [], 0
-        for source in sources:
+        for a in arrays:
             offsets.append(-(-size // ALIGN) * ALIGN)
-            size = offsets[-1] + source.nbytes
+            size = offsets[-1] + a.nbytes
         base = -(-self.used // ALIGN) * ALIGN
         buffer = self.buffers[self.current]
         if base + size > buffer.numel():  # a larger buffer; the old one lives until this step's copies ran
             self.outgrown[self.current].append(buffer)
             buffer = torch.empty(max(2 * buffer.numel(), size), dtype=torch.uint8, pin_memory=True)
             self.buffers[self.current] = buffer
+            self.host_views[self.current] = buffer.numpy()
             base = 0
         self.used = base + size
-        for source, offset in zip(sources, offsets, strict=True):
-            _typed(buffer[base + offset:], source).copy_(source)
+        host = self.host_views[self.current]
+        for a, offset in zip(arrays, offsets, strict=True):
+            start = base + offset
+            host[start:start + a.nbytes].view(a.dtype).reshape(a.shape)[...] = a
         span = buffer[base:base + size].to(self.device, non_blocking=True)
-        return [_typed(span[offset:], source) for source, offset in zip(sources, offsets, strict=True)]
+        out = []
+        for a, offset in zip(arrays, offsets, strict=True):
+            flat = span[offset:offset + a.nbytes].view(_torch_dtype(a.dtype))
+            out.append(flat if a.ndim == 1 else flat.view(a.shape))
+        return out
 
 
-def _typed(raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The first bytes of the uint8 tensor ``raw`` viewed with ``like``'s dtype and shape."""
-    return raw[:like.nbytes].view(like.dtype).view(like.shape)
+@cache
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """The torch dtype of numpy's ``dtype``."""
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
