@@ -82,6 +82,14 @@ def random_prompts(num: int, length: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 1000) for _ in range(length)] for _ in range(num)]
 
 
+def stem_prompts(seed: int) -> list[list[int]]:
+    """14 prompts, each a cut of one of two stems (prefixes to share) and a tail of its own."""
+    rng = random.Random(seed)
+    stems = random_prompts(2, 150, seed=seed)
+    return [rng.choice(stems)[: rng.randrange(20, 150)] + random_prompts(1, rng.randrange(1, 90), seed + i)[0]
+            for i in range(14)]
+
+
 @pytest.mark.serial  # thread CPU time, which a busy neighbour on the cores inflates
 def test_decode_host_work_grows_little_with_the_context():
     """32 sequences in 6 KV cache groups: a decode step at 8K tokens of context costs the host about twice what
@@ -142,10 +150,7 @@ def test_step_tables_equal_the_block_managers(seed):
     """Every step, each group's block tables and slots in the step plan equal those made from the block
     manager's lists, through window frees, prefix-cache sharing (prompts sharing stems, admitted together),
     preemption (a pool too small for all at once) and recompute."""
-    rng = random.Random(seed)
-    stems = random_prompts(2, 150, seed=seed)
-    prompts = [rng.choice(stems)[: rng.randrange(20, 150)]
-               + random_prompts(1, rng.randrange(1, 90), seed + i)[0] for i in range(14)]
+    prompts = stem_prompts(seed)
     groups = kv_cache_groups(WINDOWS)
     checked = []
 
@@ -186,10 +191,7 @@ def test_append_slots_shortcut_skips_only_idle_calls(monkeypatch, windows):
     """``append_slots`` returns at once while a sequence's slots cover the step and no window has left a block
     behind (``Sequence.slots_ready_until``). Every step's tables, free blocks and preemptions are the same as
     when every call does the whole work, through window frees, prefix sharing, preemption and recompute."""
-    rng = random.Random(3)
-    stems = random_prompts(2, 150, seed=3)
-    prompts = [rng.choice(stems)[: rng.randrange(20, 150)]
-               + random_prompts(1, rng.randrange(1, 90), 3 + i)[0] for i in range(14)]
+    prompts = stem_prompts(3)
     groups = kv_cache_groups(windows)
 
     def run() -> list:

@@ -404,7 +404,8 @@ class BlockManager:
         if num_tokens <= seq.slots_ready_until:
             return True
         total = -(-num_tokens // self.block_size)
-        if self.null_block is None and len(self.groups) == 1:  # one full-attention group
+        # one full-attention group: its hand-outs without the general path's per-group work, which costs more
+        if self.null_block is None and len(self.groups) == 1:
             table = seq.block_tables[0]
             needed = total - len(table)
             if needed > len(self.free_queues[0]):
