@@ -61,6 +61,7 @@ def parser() -> FlexibleArgumentParser:
     p.add_argument("--attention-queries", type=int, default=64, help="last query rows of the attention task")
     p.add_argument("--prefill-chunk", type=int, default=8192, help="max_num_batched_tokens of the engines")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-dtype", default="auto", help="the engines' kv_cache_dtype (e.g. fp8)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--name", default="long_context_quality")
     return p
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             depths=args.depths,
             trials_per_depth=args.trials_per_depth, device=args.device, dtype=args.dtype, hf=args.hf,
             text_file=args.text_file, tail_tokens=args.tail_tokens, answer_tokens=args.answer_tokens,
-            attention_queries=args.attention_queries, prefill_chunk=args.prefill_chunk, seed=args.seed)
+            attention_queries=args.attention_queries, prefill_chunk=args.prefill_chunk, seed=args.seed,
+            kv_cache_dtype=args.kv_cache_dtype)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -93,6 +93,16 @@ def test_unavailable_flash_attn_is_passed_over_for_triton_with_its_reason(plugin
                      rf"\(benchmarks/results/h200_kernel_peers.json\); passed over flash_attn: .*{reason}", caplog.text)
 
 
+def test_a_backend_that_cannot_keep_an_8bit_cache_is_passed_over_for_one_that_can(plugins, gpu, caplog):
+    pytest.importorskip("triton")
+    gpu(9, 0)
+    install_flash_attn(plugins, FakeFlashAttn)  # registered with the default kv_cache_dtypes: the model's only
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert chosen(plugins, BackendNeeds(CUDA, torch.bfloat16, 128, kv_cache_dtype="fp8_e4m3")) == "triton"
+    assert "passed over flash_attn: kv_cache_dtype fp8_e4m3 is not among auto" in caplog.text
+    assert chosen(plugins, BackendNeeds(CUDA, torch.bfloat16, 128)) == "flash_attn"
+
+
 def test_an_available_flash_attn_is_chosen_where_it_measured_fastest(plugins, gpu, caplog):
     pytest.importorskip("triton")
     gpu(9, 0)

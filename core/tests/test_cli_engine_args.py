@@ -13,7 +13,8 @@ from nanovllm.config import EngineConfig
 FLAGS = {  # a value for every engine option, as a user would type it, and what LLM(...) should get
     "--dtype": ("float32", "float32"), "--max-model-len": ("128", 128), "--max-num-seqs": ("4", 4),
     "--max-num-batched-tokens": ("256", 256), "--gpu-memory-utilization": ("0.5", 0.5),
-    "--kv-cache-memory": ("1048576", 1 << 20), "--block-size": ("8", 8), "--no-enable-prefix-caching": (None, False),
+    "--kv-cache-memory": ("1048576", 1 << 20), "--block-size": ("8", 8),
+    "--kv-cache-dtype": ("fp8", "fp8"), "--no-enable-prefix-caching": (None, False),
     "--no-enable-chunked-prefill": (None, False), "--enforce-eager": (None, True),
     "--disable-hybrid-kv-cache-manager": (None, True),
     "--no-async-scheduling": (None, False), "--enable-triton-gemv": (None, True),

@@ -2,6 +2,7 @@
 
 from importlib.util import find_spec
 
+from nanovllm.config import KV_CACHE_DTYPES
 from nanovllm.hookspecs import hookimpl
 
 
@@ -12,6 +13,7 @@ def register_attention_backends(registry) -> None:
         "nanovllm.attention.torch_backend:TorchBackend",
         devices=("cpu", "cuda"),
         dtypes=("float32", "float16", "bfloat16"),
+        kv_cache_dtypes=KV_CACHE_DTYPES,
     )
     # Triton kernels (imported only when selected); the head sizes and dtypes are those its tests cover.
     if find_spec("triton") is None:  # e.g. a CPU-only PyTorch: "auto" then falls back to torch
@@ -22,6 +24,7 @@ def register_attention_backends(registry) -> None:
         devices=("cuda",),
         dtypes=("float16", "bfloat16", "float32"),
         head_sizes=(32, 64, 128, 256),
+        kv_cache_dtypes=KV_CACHE_DTYPES,
     )
 
 

@@ -85,6 +85,11 @@ def _canonical_dtype(value: Any) -> Any:
     return DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
 
 
+# the KV cache's element type: "auto" keeps the model's dtype; the 8-bit floats halve the cache's bytes
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's spelling
+
+
 def _optional_str(_inst, attr, value) -> None:
     if value is not None and (not isinstance(value, str) or not value):
         raise ValueError(f"{attr.name} must be a non-empty string or None, got {value!r}")
@@ -126,6 +131,14 @@ class EngineConfig:
     # until the cache is full, so with it on the process grows towards this size, and stays there
     kv_cache_memory: int | None = attrs.field(default=None, validator=_positive_int("kv_cache_memory"))
     block_size: int = attrs.field(default=16, validator=_positive_int("block_size"))
+    # "fp8" / "fp8_e4m3" or "fp8_e5m2": keys and values stored as 8-bit floats (vLLM's option), twice the
+    # tokens in the same memory and half the bytes for decode to read; values beyond the format's largest
+    # finite one are stored as that one (no scaling). Needs a backend and policy that list it in
+    # ``supported_kv_cache_dtypes`` (Triton and torch, dense attention); "auto": the model's dtype
+    kv_cache_dtype: str = attrs.field(
+        default="auto", converter=lambda v: KV_CACHE_DTYPE_ALIASES.get(v, v) if isinstance(v, str) else v,
+        validator=_one_of("kv_cache_dtype", (*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES)),
+    )
     enable_prefix_caching: bool = True
     # keep every token of every layer (one KV cache group), as models without sliding windows do; by default a
     # sliding-window layer keeps only the blocks its window reaches (vLLM's hybrid KV cache manager)

@@ -12,11 +12,12 @@ from typing import Any
 
 import attrs
 
-from nanovllm.config import EngineConfig
+from nanovllm.config import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPES, EngineConfig
 
 # flags whose values argparse itself can check, so a typo is a usage error before anything loads
 CHOICES = {"device": ("auto", "cpu", "cuda"), "load_format": ("auto", "dummy"),
-           "distributed_executor_backend": ("mp", "external_launcher")}
+           "distributed_executor_backend": ("mp", "external_launcher"),
+           "kv_cache_dtype": (*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES)}
 EXAMPLES = {
     "sparse_policy": "e.g. 'full', 'quest:token_budget=2048' or 'prefill=xattn;decode=quest' (one policy per phase)",
     "attention_backend": "e.g. 'auto', 'torch'",

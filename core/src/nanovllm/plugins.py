@@ -80,8 +80,10 @@ class AttentionBackendInfo:
     config: str | None = None
     # why the backend cannot run on this machine at all (a missing wheel, no suitable GPU), with the fix
     unavailable: str | None = None
+    # the ``kv_cache_dtype`` options its kernels read and write ("auto": the model's dtype)
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
 
-    def supports(self, device: str, dtype: str, head_size: int) -> str | None:
+    def supports(self, device: str, dtype: str, head_size: int, kv_cache_dtype: str = "auto") -> str | None:
         """``None`` when the backend supports the combination, else the reason it does not."""
         if self.unavailable is not None:
             return f"unavailable on this machine: {self.unavailable}"
@@ -89,6 +91,7 @@ class AttentionBackendInfo:
             ("device", device, self.devices),
             ("dtype", dtype, self.dtypes),
             ("head size", head_size, self.head_sizes),
+            ("kv_cache_dtype", kv_cache_dtype, self.kv_cache_dtypes),
         ):
             if allowed is not None and value not in allowed:
                 return f"{what} {value} is not among {', '.join(map(str, allowed))}"
@@ -167,10 +170,12 @@ class Registry:
         head_sizes: Iterable[int] | None = None,
         config: str | None = None,
         unavailable: str | None = None,
+        kv_cache_dtypes: Iterable[str] = ("auto",),
     ) -> None:
         """``unavailable``: why the backend cannot run on this machine, naming the fix; it is still listed
         (``nanovllm plugins`` shows the reason), ``auto`` passes it over and selecting it raises the reason.
-        Find it without importing heavy modules: listing plugins imports no torch."""
+        ``kv_cache_dtypes``: the ``kv_cache_dtype`` options it reads and writes (default: the model's dtype
+        only). Find it without importing heavy modules: listing plugins imports no torch."""
         info = AttentionBackendInfo(
             name.lower(),
             target,
@@ -180,6 +185,7 @@ class Registry:
             tuple(head_sizes) if head_sizes is not None else None,
             config,
             unavailable,
+            tuple(kv_cache_dtypes),
         )
         self._add(self.attention_backends, name.lower(), info, "attention backend")
 

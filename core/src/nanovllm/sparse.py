@@ -38,6 +38,7 @@ import importlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from nanovllm.config import KV_CACHE_DTYPES
 from nanovllm.hookspecs import ObserverSpec, argument_problems, hookimpl
 from nanovllm.kernel_sizes import cdiv, next_power_of_2
 
@@ -103,6 +104,9 @@ class SparsePolicy:
     - ``cuda_graph_safe`` (default false): decode, and the policy's notification hooks called inside the
       forward pass, may be captured in CUDA graphs: no host sync, no shapes that depend on device values.
       An unsure policy runs eagerly.
+    - ``supported_kv_cache_dtypes`` (default ``("auto",)``): the ``kv_cache_dtype`` options whose caches the
+      policy reads (``"fp8_e4m3"``, ``"fp8_e5m2"``: 8-bit floats, widened to the query's dtype on loading);
+      the engine refuses the others at start.
 
     Per-block metadata is kept from the notification hooks (:class:`ObserverSpec`): ``on_kv_write`` and
     ``on_blocks_allocated``. A policy that leaves them as the base class's no-ops is not called for them.
@@ -112,6 +116,7 @@ class SparsePolicy:
     supports_decode: bool = True
     requires_block_selection: bool = True
     cuda_graph_safe: bool = False
+    supported_kv_cache_dtypes: tuple[str, ...] = ("auto",)
 
     def __init__(self, config: Any = None) -> None:
         self.config = config
@@ -272,7 +277,8 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "API_VERSION", "APIVersionError", "check_api_version", "hookimpl", "ObserverSpec", "SparsePolicy",
+    "API_VERSION", "APIVersionError", "check_api_version", "hookimpl", "KV_CACHE_DTYPES", "ObserverSpec",
+    "SparsePolicy",
     "POLICY_FLAGS", "POLICY_METHODS", "cdiv", "contract_problems", "host_lengths", "next_power_of_2",
     "paged_kv_descriptors", *_LAZY,
 ]

@@ -29,8 +29,9 @@ class AttentionBackend:
 
     def reserve_workspace(self, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
                           device: torch.device, max_model_len: int) -> None:
-        """Allocate the memory the kernels use beyond their outputs, for a cache of this shape. The engine
-        calls it once, before its memory profile, so that the KV cache is sized around it. Default: none."""
+        """Allocate the memory the kernels use beyond their outputs, for a cache of this shape and element
+        type (``dtype``: the cache's, an 8-bit float under ``kv_cache_dtype``). The engine calls it once,
+        before its memory profile, so that the KV cache is sized around it. Default: none."""
 
     def staged_cache(
         self, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PhaseMetadata

@@ -12,6 +12,7 @@ import torch
 
 from nanovllm.attention.backend import AttentionBackend, selection_per_kv_head
 from nanovllm.attention.metadata import PhaseMetadata
+from nanovllm.kv.cache_dtype import to_cache
 
 
 def _pad_index(meta: PhaseMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,8 +94,8 @@ class TorchBackend(AttentionBackend):
         slots = slot_mapping[valid]
         flat_k = k_cache.view(-1, *k_cache.shape[2:])
         flat_v = v_cache.view(-1, *v_cache.shape[2:])
-        flat_k[slots] = key[valid].to(k_cache.dtype)
-        flat_v[slots] = value[valid].to(v_cache.dtype)
+        flat_k[slots] = to_cache(key[valid], k_cache.dtype)
+        flat_v[slots] = to_cache(value[valid], v_cache.dtype)
 
     def _over_cache(self, q, k_cache, v_cache, meta, block_indices, kv_lens, scale, causal, window=None):
         """Shared body: queries of each sequence over selected cached blocks, optionally causal, and
@@ -109,8 +110,8 @@ class TorchBackend(AttentionBackend):
         selected = selection_per_kv_head(block_indices, hkv).long()  # [S, Hkv, n]
         tables = meta.block_tables.long()[:, None, :].expand(-1, hkv, -1)
         physical = torch.gather(tables, 2, selected.clamp(min=0))
-        k = _gather_blocks(k_cache, physical)
-        v = _gather_blocks(v_cache, physical)
+        k = _gather_blocks(k_cache, physical).to(q.dtype)  # an 8-bit cache widened to the queries' dtype
+        v = _gather_blocks(v_cache, physical).to(q.dtype)
         offsets = torch.arange(bs, device=q.device)
         key_pos = (selected[..., None] * bs + offsets).flatten(2)  # [S, Hkv, n * bs]
         key_ok = (selected[..., None] >= 0).expand(-1, -1, -1, bs).flatten(2)

@@ -73,8 +73,8 @@ def _store_kv_kernel(
     k = tl.load(K + t64 * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd, mask=mask)
     v = tl.load(V + t64 * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd, mask=mask)
     dst = blk * stride_cb + off * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd
-    tl.store(KC + dst, k.to(KC.dtype.element_ty), mask=mask)
-    tl.store(VC + dst, v.to(VC.dtype.element_ty), mask=mask)
+    tl.store(KC + dst, cache_value(k, KC), mask=mask)
+    tl.store(VC + dst, cache_value(v, VC), mask=mask)
 
 
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -242,23 +242,48 @@ def _key_offsets(
 @triton.jit
 def attention_scores(q, k, FP32: tl.constexpr):
     """``q @ k^T`` in float32: with ``FP32``, of float32 products (float32 inputs, or the interpreter, whose
-    bfloat16 dot is wrong)."""
+    bfloat16 dot is wrong). Keys from an 8-bit cache are widened to the queries' dtype first (fast where the
+    kernel made them float16: :func:`queries_for`)."""
     if FP32:
         qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
-        qk = tl.dot(q, tl.trans(k))
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)))
     return qk
+
+
+@triton.jit
+def queries_for(q, K):
+    """The queries as the keys of cache ``K`` meet them: 16-bit queries become float16 (saturated at its
+    range) over an 8-bit cache, whose values Hopper widens to float16 in one instruction and to bfloat16 in
+    three; else unchanged. A kernel converts its queries once, before its key loop."""
+    if K.dtype.element_ty.is_fp8() and q.dtype.is_bf16():
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
+
+
+@triton.jit
+def cache_value(x, Cache):
+    """``x`` as paged cache ``Cache`` stores it: in its element type, an 8-bit float saturated at its largest
+    finite value (``nanovllm.kv.cache_dtype.to_cache`` is the torch form)."""
+    if Cache.dtype.element_ty == tl.float8e4nv:
+        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+    elif Cache.dtype.element_ty == tl.float8e5:
+        x = tl.clamp(x.to(tl.float32), -57344.0, 57344.0)
+    return x.to(Cache.dtype.element_ty)
 
 
 @triton.jit
 def online_softmax_accumulate(acc, l_i, p, alpha, v, FP32: tl.constexpr):
     """The end of an online softmax step, once a tile's probabilities ``p`` and the factor ``alpha`` that
-    rescales the running sums are known: returns the updated (acc, l_i)."""
+    rescales the running sums are known: returns the updated (acc, l_i). Values from an 8-bit cache are
+    widened to float16 first (exactly: every 8-bit value is one)."""
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if FP32:
         acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
     else:
+        if v.dtype.is_fp8():
+            v = v.to(tl.float16)
         acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, l_i
 
@@ -401,6 +426,7 @@ def _prefill_kernel(
         Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd,
         mask=m_ok[:, None] & d_ok[None, :], other=0.0,
     )
+    q = queries_for(q, K)
     q_pos = q_off + offs_m
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -548,6 +574,7 @@ def _decode_kernel(
         Q + s64 * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
         mask=g_ok[:, None] & d_ok[None, :], other=0.0,
     )
+    q = queries_for(q, K)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, BLOCK_D], tl.float32)

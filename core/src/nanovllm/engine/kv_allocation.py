@@ -22,6 +22,7 @@ from nanovllm.kv.groups import (
     offload_groups,
 )
 from nanovllm.kv.offload import OffloadEngine
+from nanovllm.kv.cache_dtype import kv_cache_torch_dtype
 from nanovllm.kv.store import HostKVStore, KVStore, PagedKVStore
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import TopLogprobs
@@ -32,7 +33,8 @@ CPU_DEFAULT_KV_CACHE_MEMORY = 2 << 30  # bytes of KV (and policy metadata) on th
 
 @attrs.frozen
 class KVShape:
-    """What one KV block of the model costs: its layers, heads, head size, tokens, dtype and device."""
+    """What one KV block of the model costs: its layers, heads, head size, tokens, the model's dtype (the
+    policies' metadata), the device, and the cache's element type (``kv_cache_dtype``; default the model's)."""
 
     num_layers: int
     num_kv_heads: int
@@ -40,11 +42,12 @@ class KVShape:
     block_size: int
     dtype: torch.dtype
     device: torch.device
+    cache_dtype: torch.dtype = attrs.field(default=attrs.Factory(lambda shape: shape.dtype, takes_self=True))
 
     def kv_bytes(self, num_layers: int | None = None) -> int:
         """Bytes of K and V of one block in ``num_layers`` layers (default: all)."""
         num_layers = self.num_layers if num_layers is None else num_layers
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = self.cache_dtype.itemsize
         return 2 * num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
     def metadata_bytes(self, hooks: PolicyHooks) -> int:
@@ -55,7 +58,7 @@ class KVShape:
     def empty_cache(self, num_layers: int, num_blocks: int) -> torch.Tensor:
         """A paged cache ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``."""
         return torch.empty(num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
-                           dtype=self.dtype, device=self.device)
+                           dtype=self.cache_dtype, device=self.device)
 
 
 def allocate_kv_store(
@@ -69,7 +72,8 @@ def allocate_kv_store(
     leaves under ``gpu_memory_utilization``; every tensor-parallel rank holds the blocks the scheduler
     plans."""
     first = layers[0]
-    shape = KVShape(len(layers), first.num_kv_heads, first.head_dim, config.block_size, dtype, device)
+    shape = KVShape(len(layers), first.num_kv_heads, first.head_dim, config.block_size, dtype, device,
+                    kv_cache_torch_dtype(config.kv_cache_dtype, dtype))
 
     def free_memory() -> int:
         return profile_free_cuda_memory(model, config, max_model_len, device, prompt_logprob_rows)

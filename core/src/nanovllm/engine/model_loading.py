@@ -226,11 +226,42 @@ class EngineParts:
 def select_parts(options: EngineConfig, plugins: PluginSet, observers: Sequence[object] = ()) -> EngineParts:
     """Resolve the selections of ``options`` and the ``observers`` (objects, or selection strings of
     registered ones) against ``plugins``: a bad name or option fails here, before any file is read."""
-    return EngineParts(
+    parts = EngineParts(
         plugins, resolve_policies(options.sparse_policy, plugins),
         resolve_attention_backend(options.attention_backend, plugins),
         tuple(resolve_observer(o, plugins) for o in observers),
     )
+    check_kv_cache_dtype(options, parts)
+    return parts
+
+
+def check_kv_cache_dtype(options: EngineConfig, parts: EngineParts) -> None:
+    """Raise ValueError, naming the fix, when a selected policy or backend, or KV offload, cannot keep its
+    keys and values as ``options.kv_cache_dtype``."""
+    kv_cache_dtype = options.kv_cache_dtype
+    if kv_cache_dtype == "auto":
+        return
+    plan = parts.policy_plan
+    for selected in {id(plan.prefill): plan.prefill, id(plan.decode): plan.decode}.values():
+        supported = getattr(selected.cls, "supported_kv_cache_dtypes", ("auto",))
+        if kv_cache_dtype not in supported:
+            raise ValueError(
+                f"sparse policy {selected.selection.name!r} does not read a kv_cache_dtype={kv_cache_dtype!r} "
+                f"cache (it supports {', '.join(map(repr, supported))}): use kv_cache_dtype='auto', or "
+                "sparse_policy='full'"
+            )
+    info = parts.backend_choice.info
+    if info is not None and kv_cache_dtype not in info.kv_cache_dtypes:
+        raise ValueError(
+            f"attention backend {info.name!r} does not read a kv_cache_dtype={kv_cache_dtype!r} cache (it "
+            f"supports {', '.join(map(repr, info.kv_cache_dtypes))}): use kv_cache_dtype='auto', or "
+            "attention_backend='auto' to pick one that does"
+        )
+    if options.kv_offloading_size is not None:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported with KV offload (kv_offloading_size): the host "
+            "pool keeps the model's dtype; use kv_cache_dtype='auto', or leave kv_offloading_size unset"
+        )
 
 
 class RandomTensor:
@@ -342,6 +373,7 @@ class BackendNeeds:
     dtype: torch.dtype
     head_dim: int
     windowed: bool = False  # the model has sliding-window layers: prefill and decode take a window
+    kv_cache_dtype: str = "auto"  # the engine option: the backend must read and write that cache
 
     @property
     def dtype_name(self) -> str:
@@ -388,7 +420,7 @@ def usable_backends(plugins: PluginSet, needs: BackendNeeds) -> tuple[list[tuple
     for name in auto_order(needs.device)[0]:
         info = table.get(name)
         reason = "not installed" if info is None else info.supports(needs.device.type, needs.dtype_name,
-                                                                    needs.head_dim)
+                                                                    needs.head_dim, needs.kv_cache_dtype)
         if reason is None:
             try:
                 cls = BackendChoice(info).load()
@@ -434,14 +466,14 @@ def make_auto_backend(plugins: PluginSet, needs: BackendNeeds):
 
 
 def make_backend(choice: BackendChoice, plugins: PluginSet, device: torch.device, dtype: torch.dtype,
-                 head_dim: int, windowed: bool):
+                 head_dim: int, windowed: bool, kv_cache_dtype: str = "auto"):
     """The attention backend ``choice`` names (``auto``: :func:`make_auto_backend`), checked against the
     model; ``windowed``: the model has sliding-window layers, which need a backend whose prefill and decode
     take a window."""
-    needs = BackendNeeds(device, dtype, head_dim, windowed)
+    needs = BackendNeeds(device, dtype, head_dim, windowed, kv_cache_dtype)
     if choice.info is None:
         return make_auto_backend(plugins, needs)
-    reason = choice.info.supports(device.type, needs.dtype_name, head_dim)
+    reason = choice.info.supports(device.type, needs.dtype_name, head_dim, kv_cache_dtype)
     if reason is not None:
         raise ValueError(f"attention backend {choice.info.name!r} cannot run this model: {reason}")
     cls = choice.load()
@@ -455,11 +487,12 @@ def make_backend(choice: BackendChoice, plugins: PluginSet, device: torch.device
 
 
 def bind_attention(layers: Sequence[Attention], parts: EngineParts, device: torch.device,
-                   dtype: torch.dtype) -> tuple[Any, PolicyHooks]:
+                   dtype: torch.dtype, kv_cache_dtype: str = "auto") -> tuple[Any, PolicyHooks]:
     """Make the attention backend and the policies' hooks (one policy object when prefill and decode select
     the same) and bind both to every attention layer; returns them."""
     windowed = any(layer.sliding_window is not None for layer in layers)
-    backend = make_backend(parts.backend_choice, parts.plugins, device, dtype, layers[0].head_dim, windowed)
+    backend = make_backend(parts.backend_choice, parts.plugins, device, dtype, layers[0].head_dim, windowed,
+                           kv_cache_dtype)
     plan = parts.policy_plan
     prefill = plan.prefill.cls(plan.prefill.config)
     decode = prefill if plan.decode is plan.prefill else plan.decode.cls(plan.decode.config)

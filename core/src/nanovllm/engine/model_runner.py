@@ -41,6 +41,7 @@ from nanovllm.engine.step_plan import (
     prompt_logprob_targets,
 )
 from nanovllm.engine.warm_up import warm_up
+from nanovllm.kv.cache_dtype import kv_cache_torch_dtype
 from nanovllm.kv.groups import kv_bytes_per_token
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.gemv import route_small_batches
@@ -180,10 +181,12 @@ class ModelRunner:
         self.sampler = Sampler()
         self.staging = PinnedStaging(self.device) if self.device.type == "cuda" else None
         self.sampling_inputs = SamplingInputs(self.device, self._to_device)
-        self.backend, self.hooks = bind_attention(self.attention_layers, parts, self.device, self.dtype)
+        self.backend, self.hooks = bind_attention(self.attention_layers, parts, self.device, self.dtype,
+                                                  config.kv_cache_dtype)
         # before the KV store's memory profile, which then counts it
-        self.backend.reserve_workspace(self.num_kv_heads, self.head_dim, config.block_size, self.dtype,
-                                       self.device, self.max_model_len)
+        self.backend.reserve_workspace(self.num_kv_heads, self.head_dim, config.block_size,
+                                       kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype), self.device,
+                                       self.max_model_len)
         # the KV store sizing and allocation step: the paged GPU cache, or the host pool with GPU slots
         self.kv = allocate_kv_store(config, self.model, self.attention_layers, self.hooks, self.max_model_len,
                                     self.dtype, self.device, PROMPT_LOGPROB_ROWS)
@@ -191,7 +194,8 @@ class ModelRunner:
         self.num_window_blocks = self.kv.num_window_blocks  # the window groups' own pool under KV offload
         self.kv_cache_groups = self.kv.groups  # the layers that share a block table (hybrid KV)
         self.batch_tables = BatchTables(len(self.kv_cache_groups))  # the running sequences' block tables
-        layer_bytes = 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize  # K and V of a token, a layer
+        # K and V of a token in a layer, as the cache stores them
+        layer_bytes = 2 * self.num_kv_heads * self.head_dim * self.attention_layers[0].k_cache.itemsize
         self.kv_cache_group_bytes_per_token = kv_bytes_per_token(self.kv_cache_groups, layer_bytes)
         self._last_sampled = torch.empty(0, dtype=torch.long, device=self.device)
         self.cuda_graphs = CudaGraphRunner(self.model, config, self.kv, self.backend, self.hooks)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from nanovllm.attention.metadata import PhaseMetadata, StepMetadata
+from nanovllm.kv.cache_dtype import to_cache
 from nanovllm.kv.groups import KVCacheGroup, layer_places, needs_null_block
 
 if TYPE_CHECKING:
@@ -183,8 +184,8 @@ class CacheSlots:
         """The write in torch (the fused kernels' reference): ``key``/``value`` ``[num_tokens, Hkv, D]``."""
         written = self.slot_mapping >= 0
         slots = self.slot_mapping[written]
-        self.k_cache.view(-1, *self.k_cache.shape[2:])[slots] = key[written].to(self.k_cache.dtype)
-        self.v_cache.view(-1, *self.v_cache.shape[2:])[slots] = value[written].to(self.v_cache.dtype)
+        self.k_cache.view(-1, *self.k_cache.shape[2:])[slots] = to_cache(key[written], self.k_cache.dtype)
+        self.v_cache.view(-1, *self.v_cache.shape[2:])[slots] = to_cache(value[written], self.v_cache.dtype)
 
 
 class LayerKV:

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from nanovllm.attention.triton_kernels import cache_value
 from nanovllm.dependent_launch import launch_options, wait_for_previous
 from nanovllm.kernel_sizes import CHAINED_LAUNCH_MAX_ROWS, cdiv, next_power_of_2
 
@@ -332,8 +333,8 @@ def _store_heads(x1, x2, Cache, slot, stride_cb, stride_cs, stride_ch, heads, di
     if slot >= 0:
         dst = Cache + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
         dst += heads[:, None] * stride_ch + dims[None, :]
-        tl.store(dst, x1.to(Cache.dtype.element_ty), mask=ok)
-        tl.store(dst + HALF, x2.to(Cache.dtype.element_ty), mask=ok)
+        tl.store(dst, cache_value(x1, Cache), mask=ok)
+        tl.store(dst + HALF, cache_value(x2, Cache), mask=ok)
 
 
 @triton.jit

@@ -59,6 +59,7 @@ class LongContextSettings:
     attention_queries: int = 64
     prefill_chunk: int = 8192
     seed: int = 0
+    kv_cache_dtype: str = "auto"  # the engines' KV cache element type (EngineConfig.kv_cache_dtype)
 
     def __attrs_post_init__(self) -> None:
         unknown = [t for t in self.tasks if t not in TASKS]
@@ -183,7 +184,7 @@ def engine_options(settings: LongContextSettings, config: dict[str, Any],
     ``max_position_embeddings`` (a prompt of exactly that many tokens, then its answer) raises that limit
     through ``hf_overrides``, as transformers runs such positions (RoPE has no upper bound)."""
     options: dict[str, Any] = {"device": settings.device, "enable_prefix_caching": False,
-                               "max_model_len": max_model_len}
+                               "max_model_len": max_model_len, "kv_cache_dtype": settings.kv_cache_dtype}
     if settings.dtype:
         options["dtype"] = settings.dtype
     if max_model_len > config.get("max_position_embeddings", max_model_len):
