@@ -285,6 +285,9 @@ def test_decode_rule_follows_page_size_not_batch():
     for bs, default in ((16, tk.DECODE), (128, tk.DECODE_LARGE_PAGES)):
         assert tk._decode_config(128, torch.bfloat16, torch.device("cuda"), bs) == default
     assert tk._decode_config(256, torch.bfloat16, torch.device("cuda"), 16).block_n == 32
+    eight_bit = torch.float8_e4m3fn
+    assert tk._decode_config(128, torch.bfloat16, torch.device("cuda"), 16, eight_bit) == tk.DECODE_8BIT
+    assert tk._decode_config(128, torch.bfloat16, torch.device("cuda"), 128, eight_bit) == tk.DECODE_LARGE_PAGES
 
 
 def test_prefill_rule_and_tuple_configs():

@@ -253,9 +253,9 @@ def attention_scores(q, k, FP32: tl.constexpr):
 
 @triton.jit
 def queries_for(q, K):
-    """The queries as the keys of cache ``K`` meet them: 16-bit queries become float16 (saturated at its
-    range) over an 8-bit cache, whose values Hopper widens to float16 in one instruction and to bfloat16 in
-    three; else unchanged. A kernel converts its queries once, before its key loop."""
+    """The queries as the keys of cache ``K`` meet them: bfloat16 queries become float16 (saturated at its
+    range) over an 8-bit cache, whose values Hopper converts to float16 in one instruction (to bfloat16 only
+    through float32); else unchanged. A kernel converts its queries once, before its key loop."""
     if K.dtype.element_ty.is_fp8() and q.dtype.is_bf16():
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     return q
@@ -810,6 +810,9 @@ WIDE_TILES_SHARED_MEMORY = 200 * 1024
 # share each small page's rows)
 DECODE = DecodeConfig(64, 4, 3, programs_per_sm=3, max_splits=128, wave_fit=True, one_split_waves=4,
                       full_wave_programs=4, heads_inner=True)
+# small pages of an 8-bit cache: tiles of 128 keys (the bytes of the 16-bit cache's 64), one stage and one
+# program a multiprocessor more
+DECODE_8BIT = DECODE._replace(block_n=128, num_stages=4, programs_per_sm=4)
 # pages of 64 tokens or more (one split from 4 waves as well; whole-page key tiles through TMA, whose two
 # stages leave room for three programs a multiprocessor)
 DECODE_LARGE_PAGES = DecodeConfig(64, 4, 2, programs_per_sm=3, max_splits=64, page_ahead=True, wave_fit=True,
@@ -1010,15 +1013,17 @@ def attention_rows(
     )
 
 
-def _decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, block_size: int) -> DecodeConfig:
-    """The decode kernel's knobs: by device, dtype and head dim. Its compiled parts must not follow the
-    batch or the context length (an eager decode step would compile a variant mid-run); the split count,
-    which does, is a runtime argument."""
+def _decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, block_size: int,
+                   cache_dtype: torch.dtype | None = None) -> DecodeConfig:
+    """The decode kernel's knobs: by device, query dtype, head dim, page size and the cache's element type
+    (default: the queries'). Its compiled parts must not follow the batch or the context length (an eager
+    decode step would compile a variant mid-run); the split count, which does, is a runtime argument."""
     if device.type != "cuda":
         return DecodeConfig(16, 1, 1)
     if dtype == torch.float32:
         return DecodeConfig(32, 4, 2)
-    cfg = DECODE_LARGE_PAGES if block_size >= 64 else DECODE
+    eight_bit = cache_dtype is not None and cache_dtype.itemsize == 1
+    cfg = DECODE_LARGE_PAGES if block_size >= 64 else DECODE_8BIT if eight_bit else DECODE
     return cfg._replace(block_n=32) if head_dim > 128 else cfg
 
 
@@ -1076,7 +1081,8 @@ def attention_decode(
     block_size = k_cache.shape[1]
     assert k_cache.stride() == v_cache.stride(), "k and v caches must share one layout"
     group = num_heads // num_kv_heads
-    cfg = DecodeConfig(*config) if config else _decode_config(head_dim, q.dtype, q.device, block_size)
+    cfg = DecodeConfig(*config) if config else _decode_config(head_dim, q.dtype, q.device, block_size,
+                                                              k_cache.dtype)
     bn = cfg.block_n
     _check_window(window, block_indices is None)
     if window is not None:  # the keys any split may read: the window and one partial tile before it
