@@ -133,8 +133,8 @@ class EngineConfig:
     block_size: int = attrs.field(default=16, validator=_positive_int("block_size"))
     # "fp8" / "fp8_e4m3" or "fp8_e5m2": keys and values stored as 8-bit floats (vLLM's option), twice the
     # tokens in the same memory and half the bytes for decode to read; values beyond the format's largest
-    # finite one are stored as that one (no scaling). Needs a backend and policy that list it in
-    # ``supported_kv_cache_dtypes`` (Triton and torch, dense attention); "auto": the model's dtype
+    # finite one are stored as that one (no scaling). Needs a backend and a sparse policy that read it (the
+    # built-in torch and triton backends, the full policy); "auto": the model's dtype
     kv_cache_dtype: str = attrs.field(
         default="auto", converter=lambda v: KV_CACHE_DTYPE_ALIASES.get(v, v) if isinstance(v, str) else v,
         validator=_one_of("kv_cache_dtype", (*KV_CACHE_DTYPES, *KV_CACHE_DTYPE_ALIASES)),
