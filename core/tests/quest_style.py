@@ -15,7 +15,7 @@ import torch
 from nanovllm.hookspecs import hookimpl
 from nanovllm.kv import KVWrite
 from nanovllm.policy import PolicyContext
-from nanovllm.sparse import SparsePolicy
+from nanovllm.sparse import KV_CACHE_DTYPES, SparsePolicy
 
 
 @attrs.define(frozen=True)
@@ -29,6 +29,7 @@ class QuestStylePolicy(SparsePolicy):
     supports_decode = True
     requires_block_selection = True
     cuda_graph_safe = True
+    supported_kv_cache_dtypes = KV_CACHE_DTYPES  # its metadata comes from the new keys, before any cache
 
     def metadata_bytes_per_block(self, num_layers, num_kv_heads, head_dim, block_size, dtype, device) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * 4  # float32 min and max

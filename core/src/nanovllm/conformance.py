@@ -19,7 +19,9 @@ distribution's own tests::
 there, each with the KV cache on the device and again offloaded to host memory (the same policy code must
 give the same results on both), and the scheduling checks again on a hybrid model (sliding-window layers
 beside global ones, each keeping only its window: the policy runs on the global layers), on the device and
-offloaded (the global layers in the host pool, the windows in a GPU pool of their own). The scenario,
+offloaded (the global layers in the host pool, the windows in a GPU pool of their own), and the scheduling
+checks again over an 8-bit KV cache (``kv_cache_dtype="fp8_e4m3"``; skipped for a policy that does not list it
+in ``supported_kv_cache_dtypes``), against the ``full`` policy over the same 8-bit cache. The scenario,
 ``metadata`` and ``small_budget`` checks also check every block id the per-block hooks and the selections'
 contexts hand a policy (:class:`BlockIdChecker`): a block of the store its metadata is sized for, never the
 null block. A check that does not apply (CUDA graphs on the CPU, metadata of a policy that keeps none,
@@ -78,21 +80,26 @@ class Case:
     backend: str
     offload: bool = False  # KV in the host pool, streamed through the offload engine's load slots
     hybrid: bool = False  # on the hybrid model (hybrid_model), not the tiny Llama
+    kv_cache_dtype: str = "auto"  # the engine option: "fp8_e4m3" keeps K and V as 8-bit floats
 
     def __str__(self) -> str:
         return (f"{self.check}-{self.device}-{self.backend}" + ("-offload" if self.offload else "")
-                + ("-hybrid" if self.hybrid else ""))
+                + ("-hybrid" if self.hybrid else "")
+                + (f"-{self.kv_cache_dtype}" if self.kv_cache_dtype != "auto" else ""))
 
 
 def cases() -> list[Case]:
     """Every check on the CPU with ``torch``, and on CUDA with ``triton`` when a GPU is there; each again
-    with KV offload; and ``HYBRID_CHECKS`` on the hybrid model, with and without offload (listed first)."""
+    with KV offload; ``HYBRID_CHECKS`` on the hybrid model, with and without offload (listed first); and the
+    scheduling checks over an 8-bit KV cache."""
     envs = [("cpu", "torch")]
     if torch.cuda.is_available():
         envs.append(("cuda", "triton"))
     hybrid = [Case(check, device, backend, offload, hybrid=True)
               for device, backend in envs for offload in (False, True) for check in HYBRID_CHECKS]
-    return hybrid + [
+    eight_bit = [Case(check, device, backend, kv_cache_dtype="fp8_e4m3")
+                 for device, backend in envs for check in SCENARIOS]
+    return hybrid + eight_bit + [
         Case(check, device, backend, offload)
         for device, backend in envs
         for offload in (False, True)
@@ -182,10 +189,11 @@ def _engine(case: Case, model_dir: str, policy: Any, observers=(), **overrides):
     options = dict(
         device=case.device, attention_backend=case.backend, dtype="float32", block_size=BLOCK_SIZE,
         max_model_len=512, kv_cache_tokens=4096, max_num_batched_tokens=512, enforce_eager=True,
+        kv_cache_dtype=case.kv_cache_dtype,
     )
     options.update(overrides)
     tokens = options.pop("kv_cache_tokens")
-    kv_bytes = _kv_bytes(model_dir, tokens)
+    kv_bytes = _kv_bytes(model_dir, tokens) // (4 if case.kv_cache_dtype != "auto" else 1)  # float32 or 8 bits
     if case.offload:  # the same KV budget, in the host pool
         head_block_bytes = 2 * BLOCK_SIZE * _kv_shape(model_dir)[2] * 4
         options.update(kv_offloading_size=kv_bytes / 2**30, max_num_seqs=OFFLOAD_MAX_NUM_SEQS,
@@ -223,6 +231,9 @@ SCENARIOS: dict[str, tuple[dict, list[tuple[list[int], int, int, bool]]]] = {
 # On the hybrid model (KV budgets in tokens of every layer): window groups need less, so the same requests
 # preempt one another in a smaller budget that still holds one sequence of every group
 HYBRID_OVERRIDES = {"preemption": {"kv_cache_tokens": 144, "max_num_batched_tokens": 16}}
+# Over an 8-bit cache a block's float32 metadata weighs as much as its K and V: a policy that keeps it holds
+# half the tokens in the same budget, which must still hold one sequence of max_model_len
+EIGHT_BIT_OVERRIDES = {"preemption": {"max_model_len": 96}}
 
 
 def _generate(llm: Any, prompts: list[list[int]], params: Any) -> list:
@@ -240,6 +251,8 @@ def _run_scenario(case: Case, model_dir: str, policy: Any, scenario: str, observ
     overrides, calls = SCENARIOS[scenario]
     if case.hybrid:
         overrides = overrides | HYBRID_OVERRIDES.get(scenario, {})
+    if case.kv_cache_dtype != "auto":
+        overrides = overrides | EIGHT_BIT_OVERRIDES.get(scenario, {})
     ids = BlockIdChecker()
     llm = _engine(case, model_dir, policy, [*observers, ids], **overrides)
     ids.null_block = llm.scheduler.block_manager.null_block
@@ -262,9 +275,11 @@ def _prefix_prompts(lengths: list[int], seed: int) -> list[list[int]]:
 
 
 @functools.cache
-def _full_outputs(device: str, backend: str, model_dir: str, scenario: str, hybrid: bool = False) -> list:
+def _full_outputs(device: str, backend: str, model_dir: str, scenario: str, hybrid: bool = False,
+                  kv_cache_dtype: str = "auto") -> list:
     """The ``full`` policy's outputs of a scenario, once per process."""
-    return _run_scenario(Case(scenario, device, backend, hybrid=hybrid), model_dir, "full", scenario)[0]
+    case = Case(scenario, device, backend, hybrid=hybrid, kv_cache_dtype=kv_cache_dtype)
+    return _run_scenario(case, model_dir, "full", scenario)[0]
 
 
 def _close(a: float, b: float) -> bool:
@@ -402,6 +417,9 @@ def run_case(
     blocks: a few blocks, and options that keep every layer sparse) and skips without it."""
     if case.device == "cuda" and not torch.cuda.is_available():
         raise unittest.SkipTest("needs a CUDA device")
+    if case.kv_cache_dtype not in _supported_kv_cache_dtypes(policy):
+        raise unittest.SkipTest(f"the policy does not list kv_cache_dtype {case.kv_cache_dtype!r} in "
+                                "supported_kv_cache_dtypes")
     model_dir = model_dir or (hybrid_model() if case.hybrid else tiny_model())
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model's work is too small to share: more threads only spin
@@ -409,7 +427,7 @@ def run_case(
         if case.check in SCENARIOS:
             got, _ = _run_scenario(case, model_dir, policy, case.check)
             compare_outputs(case.check, got, _full_outputs(case.device, case.backend, model_dir, case.check,
-                                                          case.hybrid))
+                                                          case.hybrid, case.kv_cache_dtype))
         elif case.check == "selection_contract":
             _check_selection_contract(case, model_dir, policy)
         elif case.check == "metadata":
@@ -426,6 +444,16 @@ def run_case(
         raise AssertionError(f"{case.check}: {exc}") from exc
     finally:
         torch.set_num_threads(threads)
+
+
+def _supported_kv_cache_dtypes(policy: str | dict) -> set[str]:
+    """The ``kv_cache_dtype`` options every policy of the selection ``policy`` lists."""
+    from nanovllm.plugins import get_plugins
+    from nanovllm.selection import resolve_policies
+
+    plan = resolve_policies(policy, get_plugins())
+    return {"auto"} | set.intersection(*(set(getattr(p.cls, "supported_kv_cache_dtypes", ("auto",)))
+                                         for p in (plan.prefill, plan.decode)))
 
 
 def _check_selection_contract(case: Case, model_dir: str, policy: Any) -> None:

@@ -2,7 +2,8 @@
 
 ``"auto"`` keeps the model's dtype. The 8-bit floats (``"fp8_e4m3"``, largest finite value 448, and
 ``"fp8_e5m2"``, 57344) store each key and value as it is, without a scale; a value beyond the format's
-largest finite one is stored as that one. Attention widens the stored values back to the model's dtype."""
+largest finite one is stored as that one. Attention reads every key and value as the cache holds it, a
+prefill chunk's own too (:func:`as_stored`), widened back to the model's dtype."""
 
 from __future__ import annotations
 
@@ -27,3 +28,8 @@ def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         limit = torch.finfo(dtype).max
         x = x.float().clamp(-limit, limit)
     return x.to(dtype)
+
+
+def as_stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded as a cache of ``dtype`` holds it, in ``x``'s own dtype."""
+    return to_cache(x, dtype).to(x.dtype)
