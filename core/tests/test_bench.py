@@ -80,6 +80,8 @@ def test_engine_options_from_the_command_line():
     assert engine_options(args) == {"tensor_parallel_size": 2}
     args = build_parser().parse_args(["bench", "throughput", "--attention-backend", "torch"])
     assert engine_options(args) == {"attention_backend": "torch"}
+    args = build_parser().parse_args(["bench", "throughput", "--kv-cache-dtype", "fp8"])
+    assert engine_options(args) == {"kv_cache_dtype": "fp8"}
 
 
 def test_render_needs_a_file(capsys):

@@ -184,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--hf-num-seqs", type=int, default=0,
                        help="also run the first N throughput prompts through transformers (0: skip)")
     bench.add_argument("--attention-backend", default=None)
+    bench.add_argument("--kv-cache-dtype", default="auto",
+                       help="the engines' KV cache element type for throughput and latency, e.g. fp8")
     bench.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="GPUs per engine for throughput and latency")
     bench.add_argument("--out", default="benchmarks/results")

@@ -234,6 +234,8 @@ def engine_options(args) -> dict[str, Any]:
         options["attention_backend"] = args.attention_backend
     if args.tensor_parallel_size > 1:
         options["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.kv_cache_dtype != "auto":
+        options["kv_cache_dtype"] = args.kv_cache_dtype
     return options
 
 
