@@ -91,6 +91,7 @@ class SpeedSettings:
     max_num_batched_tokens: int = 8192
     hf: bool = True
     text_file: str | None = None
+    kv_cache_dtype: str = "auto"  # the engines' KV cache element type (EngineConfig.kv_cache_dtype)
 
     def __attrs_post_init__(self) -> None:
         for name in ("lengths", "batch_sizes"):
@@ -555,6 +556,7 @@ def parser() -> FlexibleArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the engine's prefill chunk")
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
     p.add_argument("--text-file", default=str(DEFAULT_TEXT), help="natural text the prompts are cut from")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the engines' kv_cache_dtype (e.g. fp8)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--name", default="long_context_speed")
     return p
@@ -566,7 +568,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = SpeedSettings(
             model=args.model, lengths=args.lengths, policies=args.policies, batch_sizes=args.batch_sizes,
             decode_tokens=args.decode_tokens, repeats=args.repeats, device=args.device, dtype=args.dtype,
-            max_num_batched_tokens=args.max_num_batched_tokens, hf=args.hf, text_file=args.text_file)
+            max_num_batched_tokens=args.max_num_batched_tokens, hf=args.hf, text_file=args.text_file,
+            kv_cache_dtype=args.kv_cache_dtype)
         check_policies(settings.policies)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

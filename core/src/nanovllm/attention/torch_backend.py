@@ -12,7 +12,7 @@ import torch
 
 from nanovllm.attention.backend import AttentionBackend, selection_per_kv_head
 from nanovllm.attention.metadata import PhaseMetadata
-from nanovllm.kv.cache_dtype import to_cache
+from nanovllm.kv.cache_dtype import EIGHT_BIT_FLOATS, to_cache
 
 
 def _pad_index(meta: PhaseMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,8 +94,10 @@ class TorchBackend(AttentionBackend):
         slots = slot_mapping[valid]
         flat_k = k_cache.view(-1, *k_cache.shape[2:])
         flat_v = v_cache.view(-1, *v_cache.shape[2:])
-        flat_k[slots] = to_cache(key[valid], k_cache.dtype)
-        flat_v[slots] = to_cache(value[valid], v_cache.dtype)
+        if k_cache.dtype in EIGHT_BIT_FLOATS:
+            key, value = to_cache(key, k_cache.dtype), to_cache(value, v_cache.dtype)
+        flat_k[slots] = key[valid].to(k_cache.dtype)
+        flat_v[slots] = value[valid].to(v_cache.dtype)
 
     def _over_cache(self, q, k_cache, v_cache, meta, block_indices, kv_lens, scale, causal, window=None):
         """Shared body: queries of each sequence over selected cached blocks, optionally causal, and

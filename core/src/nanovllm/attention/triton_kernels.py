@@ -42,7 +42,7 @@ import triton.language as tl
 from nanovllm.attention.backend import selection_per_kv_head
 from nanovllm.dependent_launch import launch_options, wait_for_previous
 from nanovllm.kernel_sizes import cdiv, next_power_of_2
-from nanovllm.kv.cache_dtype import is_8bit_float
+from nanovllm.kv.cache_dtype import EIGHT_BIT_FLOATS
 
 LOG2E = 1.4426950408889634
 
@@ -1023,7 +1023,7 @@ def _decode_config(head_dim: int, dtype: torch.dtype, device: torch.device, bloc
         return DecodeConfig(16, 1, 1)
     if dtype == torch.float32:
         return DecodeConfig(32, 4, 2)
-    eight_bit = cache_dtype is not None and is_8bit_float(cache_dtype)
+    eight_bit = cache_dtype in EIGHT_BIT_FLOATS
     cfg = DECODE_LARGE_PAGES if block_size >= 64 else DECODE_8BIT if eight_bit else DECODE
     return cfg._replace(block_n=32) if head_dim > 128 else cfg
 

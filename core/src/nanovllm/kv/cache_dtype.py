@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+EIGHT_BIT_FLOATS = frozenset(CACHE_DTYPES.values())  # tested with ``in``: no call on the eager step's path
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -17,14 +18,10 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
     return model_dtype if kv_cache_dtype == "auto" else CACHE_DTYPES[kv_cache_dtype]
 
 
-def is_8bit_float(dtype: torch.dtype) -> bool:
-    return dtype in CACHE_DTYPES.values()
-
-
 def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` as a KV cache of ``dtype`` stores it: to an 8-bit float, saturated at its largest finite
     value (as the Triton kernels' stores are), rounded to nearest even."""
-    if is_8bit_float(dtype):
+    if dtype in EIGHT_BIT_FLOATS:
         limit = torch.finfo(dtype).max
         x = x.float().clamp(-limit, limit)
     return x.to(dtype)

@@ -11,7 +11,7 @@ from torch import nn
 
 from nanovllm.attention.backend import AttentionBackend
 from nanovllm.attention.metadata import PhaseMetadata, StepMetadata, get_forward_context
-from nanovllm.kv.cache_dtype import as_stored, is_8bit_float
+from nanovllm.kv.cache_dtype import EIGHT_BIT_FLOATS, as_stored
 from nanovllm.kv.store import CacheSlots, LayerKV
 from nanovllm.policy import PolicyContext, PolicyHooks, check_selection
 from nanovllm.sparse import SparsePolicy
@@ -76,7 +76,7 @@ class Attention(nn.Module):
         self.kv.write(k, v, meta, self.backend, kv_written)
         if meta.prefill is None:
             return self._decode(q, k, v, meta)
-        if is_8bit_float(self.k_cache.dtype):  # a chunk meets its own keys as later steps will: as stored
+        if self.k_cache.dtype in EIGHT_BIT_FLOATS:  # a chunk meets its own keys as stored, as later steps do
             k, v = as_stored(k, self.k_cache.dtype), as_stored(v, self.v_cache.dtype)
         if meta.decode is None:
             return self._prefill(q, k, v, meta)
