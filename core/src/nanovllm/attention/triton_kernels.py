@@ -255,8 +255,8 @@ def attention_scores(q, k, FP32: tl.constexpr):
 @triton.jit
 def queries_for(q, K):
     """The queries as the keys of cache ``K`` meet them: bfloat16 queries become float16 (saturated at its
-    range) over an 8-bit cache, whose values Hopper converts to float16 in one instruction (to bfloat16 only
-    through float32); else unchanged. A kernel converts its queries once, before its key loop."""
+    range) over an 8-bit cache, whose values widen to float16 at less cost than to bfloat16; else
+    unchanged. A kernel converts its queries once, before its key loop."""
     if K.dtype.element_ty.is_fp8() and q.dtype.is_bf16():
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     return q

@@ -184,9 +184,9 @@ class ModelRunner:
         self.backend, self.hooks = bind_attention(self.attention_layers, parts, self.device, self.dtype,
                                                   config.kv_cache_dtype)
         # before the KV store's memory profile, which then counts it
-        self.backend.reserve_workspace(self.num_kv_heads, self.head_dim, config.block_size,
-                                       kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype), self.device,
-                                       self.max_model_len)
+        cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        self.backend.reserve_workspace(self.num_kv_heads, self.head_dim, config.block_size, cache_dtype,
+                                       self.device, self.max_model_len)
         # the KV store sizing and allocation step: the paged GPU cache, or the host pool with GPU slots
         self.kv = allocate_kv_store(config, self.model, self.attention_layers, self.hooks, self.max_model_len,
                                     self.dtype, self.device, PROMPT_LOGPROB_ROWS)
@@ -194,8 +194,7 @@ class ModelRunner:
         self.num_window_blocks = self.kv.num_window_blocks  # the window groups' own pool under KV offload
         self.kv_cache_groups = self.kv.groups  # the layers that share a block table (hybrid KV)
         self.batch_tables = BatchTables(len(self.kv_cache_groups))  # the running sequences' block tables
-        # K and V of a token in a layer, as the cache stores them
-        layer_bytes = 2 * self.num_kv_heads * self.head_dim * self.attention_layers[0].k_cache.itemsize
+        layer_bytes = 2 * self.num_kv_heads * self.head_dim * cache_dtype.itemsize  # K and V, a token a layer
         self.kv_cache_group_bytes_per_token = kv_bytes_per_token(self.kv_cache_groups, layer_bytes)
         self._last_sampled = torch.empty(0, dtype=torch.long, device=self.device)
         self.cuda_graphs = CudaGraphRunner(self.model, config, self.kv, self.backend, self.hooks)
